@@ -1,0 +1,86 @@
+"""The one small protocol through which the orchestrator knows a stage.
+
+A stage has a name, a pydantic config model, and ``run(ctx) -> GateOutcome``. It is
+testable alone: build a ``StageContext`` with a temp workdir and a list-appending
+``emit`` and call ``run``. Stages never import the orchestrator.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.events import Event, LogEvent
+
+GateStatus = Literal["passed", "failed", "no_decision", "skipped"]
+
+
+class GateOutcome(BaseModel):
+    """What a stage reports: did its gate pass, with the numbers and the reason."""
+
+    model_config = ConfigDict(extra="forbid")
+    stage: str
+    status: GateStatus
+    reason: str
+    metrics: dict[str, float] = Field(default_factory=dict)
+    # Structured, secret-free results later stages may use (paths, plan, decision).
+    artifacts: dict[str, Any] = Field(default_factory=dict)
+    error_code: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status in ("passed", "no_decision", "skipped")
+
+
+@dataclass
+class StageContext:
+    run_id: str
+    booking_id: str
+    workdir: Path
+    emit: Callable[[Event], None] = field(default=lambda _e: None)
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+    # Outcomes of the stages that already ran, by stage name.
+    previous: dict[str, GateOutcome] = field(default_factory=dict)
+    # Run-scoped facts the orchestrator resolved (booking topology, plan, etc.).
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    # Human decisions on proposals (``ProposalEvent``), filled by the orchestrator.
+    _decisions: dict[str, str] = field(default_factory=dict)
+    _decided: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
+
+    def decide(self, proposal_id: str, decision: Literal["approved", "declined"]) -> None:
+        """Called by the orchestrator when a human approved or declined a proposal."""
+        with self._decided:
+            self._decisions[proposal_id] = decision
+            self._decided.notify_all()
+
+    def wait_decision(self, proposal_id: str, timeout_s: float) -> str | None:
+        """Block until a decision on ``proposal_id`` arrives, the run is cancelled, or
+        ``timeout_s`` passes. Returns "approved", "declined" or None. Nothing is ever
+        decided by default: a proposal stays pending until a human acts."""
+        with self._decided:
+            self._decided.wait_for(
+                lambda: proposal_id in self._decisions or self.cancelled, timeout=timeout_s)
+            return self._decisions.get(proposal_id)
+
+    def log(self, message: str, level: Literal["debug", "info", "warning", "error"] = "info",
+            stage: str = "") -> None:
+        self.emit(LogEvent(message=message, level=level, stage=stage))
+
+
+@runtime_checkable
+class Stage(Protocol):
+    name: ClassVar[str]
+    config_model: ClassVar[type[BaseModel]]
+    config: BaseModel
+
+    def run(self, ctx: StageContext) -> GateOutcome: ...

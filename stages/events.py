@@ -1,0 +1,99 @@
+"""Events that stages emit while they work.
+
+Stages emit these through ``StageContext.emit``; the run driver buffers them with a
+sequence number, and the API server's supervisor persists them. They are the only
+thing telemetry is computed from, so each carries wall-clock times, not durations
+derived later. No event may carry a secret.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def now() -> float:
+    return time.time()
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ts: float = Field(default_factory=now)
+    stage: str = ""
+
+
+class LogEvent(_Event):
+    kind: Literal["log"] = "log"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    message: str
+
+
+class StepEvent(_Event):
+    """One optimizer step of one replica group (rank 0 reports)."""
+
+    kind: Literal["step"] = "step"
+    step: int
+    replica_group: int = 0
+    loss: float
+    tokens: int
+    seconds: float
+    committed: bool
+    quorum_size: int = 1
+
+
+class CheckpointEvent(_Event):
+    kind: Literal["checkpoint"] = "checkpoint"
+    step: int
+    path: str
+    bytes: int
+    blocking_s: float
+    total_s: float
+
+
+class InterruptionEvent(_Event):
+    """A replica group (or the whole job) was lost and later recovered."""
+
+    kind: Literal["interruption"] = "interruption"
+    interruption_kind: Literal["replica_group_lost", "all_groups_lost", "hang", "loss_spike"]
+    replica_group: int | None = None
+    detected_at: float
+    recovered_at: float | None = None
+    detail: str = ""
+
+
+class ProposalEvent(_Event):
+    """A human-gated action, e.g. restart from a checkpoint skipping a data window."""
+
+    kind: Literal["proposal"] = "proposal"
+    proposal_id: str
+    action: Literal["restart_from_checkpoint"]
+    description: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class PhaseEvent(_Event):
+    """Time attribution for goodput: a span of non-productive (badput) work."""
+
+    kind: Literal["phase"] = "phase"
+    phase: Literal["startup", "checkpoint_blocking", "recovery", "evaluation", "idle"]
+    start: float
+    end: float
+
+
+class StageResultEvent(_Event):
+    kind: Literal["stage_result"] = "stage_result"
+    outcome: dict[str, Any]
+
+
+Event = Annotated[
+    LogEvent
+    | StepEvent
+    | CheckpointEvent
+    | InterruptionEvent
+    | ProposalEvent
+    | PhaseEvent
+    | StageResultEvent,
+    Field(discriminator="kind"),
+]

@@ -1,0 +1,50 @@
+"""Decoder-only LMs from presets (random init) or a local HF checkpoint folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from stages.presets import ModelPreset
+
+
+def llama_config(preset: ModelPreset) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=preset.vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        rope_theta=preset.rope_theta,
+        tie_word_embeddings=preset.tie_word_embeddings,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+
+
+def build_model(preset: ModelPreset, *, seed: int = 0,
+                checkpoint_path: str | Path | None = None) -> LlamaForCausalLM:
+    """Random-init from the preset with a fixed seed, or load a local HF folder."""
+    if checkpoint_path is not None:
+        return LlamaForCausalLM.from_pretrained(str(checkpoint_path), local_files_only=True)
+    if preset.num_experts:
+        raise ValueError(f"preset {preset.name} is MoE; only dense Llama is buildable here")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config(preset))
+
+
+def causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor,
+                   labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy; ``labels`` of -100 are ignored."""
+    logits = model(input_ids=input_ids).logits
+    target = input_ids if labels is None else labels
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)).float(),
+        target[:, 1:].reshape(-1),
+        ignore_index=-100,
+    )
