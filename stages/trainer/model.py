@@ -20,10 +20,9 @@ def llama_config(preset: ModelPreset) -> LlamaConfig:
         num_attention_heads=preset.num_attention_heads,
         num_key_value_heads=preset.num_key_value_heads,
         max_position_embeddings=preset.max_position_embeddings,
-        rope_theta=preset.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta},
         tie_word_embeddings=preset.tie_word_embeddings,
         use_cache=False,
-        attn_implementation="sdpa",
     )
 
 
@@ -35,7 +34,9 @@ def build_model(preset: ModelPreset, *, seed: int = 0,
     if preset.num_experts:
         raise ValueError(f"preset {preset.name} is MoE; only dense Llama is buildable here")
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(preset))
+    config = llama_config(preset)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
 
 
 def causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor,
