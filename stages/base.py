@@ -20,6 +20,12 @@ from stages.events import Event, LogEvent
 GateStatus = Literal["passed", "failed", "no_decision", "skipped"]
 
 
+class StrictModel(BaseModel):
+    """Base of every config that crosses a boundary: strict types, no unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
 class GateOutcome(BaseModel):
     """What a stage reports: did its gate pass, with the numbers and the reason."""
 

@@ -1,0 +1,32 @@
+"""Checkpoint policy of a run (the manifest embeds it)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+
+from stages.base import StrictModel
+
+
+class CheckpointPolicy(StrictModel):
+    interval_steps: int | None = Field(default=None, gt=0)
+    interval_minutes: float | None = Field(default=None, gt=0)
+    keep: int = Field(default=3, ge=1, le=100)
+    # file:///absolute/dir is the only storage this build writes to.
+    storage_uri: str
+
+    @field_validator("storage_uri")
+    @classmethod
+    def _file_uri(cls, v: str) -> str:
+        if not v.startswith("file:///"):
+            raise ValueError("storage_uri must be a file:///absolute/path URI")
+        return v
+
+    @model_validator(mode="after")
+    def _some_interval(self) -> CheckpointPolicy:
+        if self.interval_steps is None and self.interval_minutes is None:
+            raise ValueError("set interval_steps and/or interval_minutes")
+        return self
+
+    @property
+    def storage_path(self) -> str:
+        return self.storage_uri.removeprefix("file://")

@@ -1,0 +1,63 @@
+"""Config of the data-prep stage (the manifest's ``data`` section)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from stages.base import StrictModel
+
+
+class DataProvenance(StrictModel):
+    source: str = Field(min_length=1, max_length=512)
+    license: str = Field(min_length=1, max_length=128)
+    # Eval suites the tenant says this data was already decontaminated against.
+    decontaminated_against: list[str] = Field(default_factory=list)
+
+
+class DataRef(StrictModel):
+    # file:///abs/path (a file or a folder of jsonl/parquet/txt); hf:// etc. are
+    # recognised and refused unless cached locally.
+    uri: str = Field(min_length=1, max_length=2048)
+    # sha256 of the file's bytes; for a folder, sha256 of the sorted lines
+    # "<relative path>\t<file sha256>\n" of every data file under it.
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    role: Literal["baseline", "custom"] = "custom"
+    format: Literal["jsonl", "parquet", "text"] | None = None  # None: from the suffix
+    text_field: str = "text"
+    provenance: DataProvenance
+
+
+class DedupConfig(StrictModel):
+    enabled: bool = True
+    threshold: float = Field(default=0.8, gt=0, lt=1)
+    num_perm: int = Field(default=128, ge=16, le=1024)
+    shingle_size: int = Field(default=5, ge=1, le=32, description="word shingles")
+
+
+class DecontaminationConfig(StrictModel):
+    enabled: bool = True
+    ngram: int = Field(default=13, ge=4, le=64)
+    mode: Literal["ngram", "overlap"] = "ngram"
+    overlap_ngram: int = Field(default=8, ge=2, le=64)
+    overlap_threshold: float = Field(default=0.5, gt=0, le=1)
+    action: Literal["remove", "flag"] = "remove"
+
+
+class LadderProbeConfig(StrictModel):
+    enabled: bool = True
+    seeds: int = Field(default=2, ge=2, le=8)
+    # Proxy rung; on GPUs llama-150m, on the CPU testbed a tiny rung.
+    rung_preset: str = "llama-probe-xs"
+    tokens_per_param: float = Field(default=20.0, gt=0)
+    reject_fails_gate: bool = False
+
+
+class DataPrepConfig(StrictModel):
+    refs: list[DataRef] = Field(min_length=1, max_length=256)
+    eval_suites: list[str] = Field(default_factory=lambda: ["gsm8k"])
+    eval_files: list[str] = Field(default_factory=list, description="file:/// eval files")
+    dedup: DedupConfig = Field(default_factory=DedupConfig)
+    decontamination: DecontaminationConfig = Field(default_factory=DecontaminationConfig)
+    ladder_probe: LadderProbeConfig = Field(default_factory=LadderProbeConfig)
