@@ -1,0 +1,195 @@
+"""RunDriver: one detached, named Ray actor per run (``ito/run-<run_id>``).
+
+It runs the run's pipeline of stages in a thread and buffers what they emit as
+numbered events. It never writes the store: the API server's supervisor pulls
+events with ``poll(after_seq)``, persists them, and by asking for events after
+``after_seq`` acknowledges everything up to it, so nothing is dropped before it is
+durable. A restarted API server reattaches by name and continues from the last
+sequence number it persisted.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from orchestrator import launch
+from orchestrator.launch import LaunchSpec
+from stages.base import GateOutcome, Stage, StageContext
+from stages.errors import ErrorCode, ItoError
+from stages.events import Event, LogEvent, PhaseEvent, StageResultEvent, StepEvent
+
+StageFactory = Callable[[StageContext], Stage]
+DriverState = Literal["created", "running", "succeeded", "failed", "cancelled"]
+# Events a driver keeps unacknowledged before it starts dropping the oldest logs.
+MAX_BUFFERED_EVENTS = 50_000
+POLL_BATCH_LIMIT = 2_000
+
+
+class _RayGauges:
+    """Run metrics mirrored into Ray's own metrics (Ray dashboard / Ray's exporter)."""
+
+    def __init__(self, run_id: str, booking_id: str):
+        from ray.util import metrics
+
+        tags = ("run_id", "booking_id")
+        self._tags = {"run_id": run_id, "booking_id": booking_id}
+        self.step = metrics.Gauge("ito_driver_step", "Last committed step", tag_keys=tags)
+        self.loss = metrics.Gauge("ito_driver_loss", "Last committed loss", tag_keys=tags)
+        self.tokens_per_s = metrics.Gauge("ito_driver_tokens_per_second",
+                                          "Tokens/s of the last committed step", tag_keys=tags)
+        self.quorum = metrics.Gauge("ito_driver_quorum_size", "Replica groups in the quorum",
+                                    tag_keys=tags)
+
+    def on_step(self, ev: StepEvent) -> None:
+        self.step.set(ev.step, tags=self._tags)
+        self.loss.set(ev.loss, tags=self._tags)
+        self.quorum.set(ev.quorum_size, tags=self._tags)
+        if ev.seconds > 0:
+            self.tokens_per_s.set(ev.tokens / ev.seconds, tags=self._tags)
+
+
+class RunDriverImpl:
+    """The actor's body; plain Python so it is testable without Ray."""
+
+    def __init__(self, spec: dict[str, Any], *, use_ray_metrics: bool = True,
+                 pipeline: Callable[[LaunchSpec], list[tuple[str, StageFactory]]] | None = None):
+        self.spec = LaunchSpec.model_validate(spec)
+        self._pipeline = pipeline
+        launch.verify(self.spec)  # a driver not launched by the API refuses to exist
+        self._lock = threading.Lock()
+        self._events: deque[dict[str, Any]] = deque()
+        self._next_seq = self.spec.seq_start
+        self.state: DriverState = "created"
+        self.error_code: str | None = None
+        self.reason = ""
+        workdir = Path(self.spec.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.ctx = StageContext(run_id=self.spec.run_id, booking_id=self.spec.booking_id,
+                                workdir=workdir, emit=self._emit, facts=dict(self.spec.facts))
+        self._gauges = _RayGauges(self.spec.run_id, self.spec.booking_id) if use_ray_metrics \
+            else None
+        self._thread: threading.Thread | None = None
+
+    # -- event buffer -------------------------------------------------------------------
+    def _emit(self, event: Event) -> None:
+        if self._gauges is not None and isinstance(event, StepEvent) and event.committed:
+            self._gauges.on_step(event)
+        with self._lock:
+            payload = event.model_dump(mode="json")
+            payload["seq"] = self._next_seq
+            self._next_seq += 1
+            self._events.append(payload)
+            if len(self._events) > MAX_BUFFERED_EVENTS:
+                # Never silently: drop the oldest *log* line and say so once.
+                for i, e in enumerate(self._events):
+                    if e["kind"] == "log":
+                        del self._events[i]
+                        break
+
+    def poll(self, after_seq: int, limit: int = POLL_BATCH_LIMIT) -> dict[str, Any]:
+        """Events with seq > after_seq (those <= after_seq are acknowledged and dropped)."""
+        with self._lock:
+            while self._events and self._events[0]["seq"] <= after_seq:
+                self._events.popleft()
+            batch = [e for _, e in zip(range(limit), self._events, strict=False)]
+            return {"events": batch, "state": self.state, "error_code": self.error_code,
+                    "reason": self.reason, "more": len(self._events) > len(batch),
+                    "pid": os.getpid()}
+
+    # -- control ------------------------------------------------------------------------
+    def start(self) -> str:
+        if self._thread is None:
+            self.state = "running"
+            if self.spec.attempt == 1:
+                # From acceptance to the driver running: queueing and Ray start-up.
+                self._emit(PhaseEvent(phase="startup", start=self.spec.accepted_at,
+                                      end=time.time()))
+            self._thread = threading.Thread(target=self._run, name="pipeline", daemon=True)
+            self._thread.start()
+        return self.state
+
+    def cancel(self) -> None:
+        self.ctx.cancel_event.set()
+        with self.ctx._decided:
+            self.ctx._decided.notify_all()
+
+    def decide(self, proposal_id: str, decision: Literal["approved", "declined"]) -> None:
+        self.ctx.decide(proposal_id, decision)
+
+    def ping(self) -> dict[str, Any]:
+        return {"run_id": self.spec.run_id, "state": self.state, "attempt": self.spec.attempt,
+                "pid": os.getpid()}
+
+    # -- the pipeline -------------------------------------------------------------------
+    def _run(self) -> None:
+        ctx = self.ctx
+        try:
+            if self._pipeline is None:
+                from orchestrator.pipeline import build_pipeline
+
+                self._pipeline = build_pipeline
+            for name, make_stage in self._pipeline(self.spec):
+                done = self.spec.completed_stages.get(name)
+                if done is not None:
+                    ctx.previous[name] = GateOutcome.model_validate(done)
+                    ctx.log(f"stage {name}: already {done['status']} in an earlier attempt",
+                            stage=name)
+                    continue
+                if ctx.cancelled:
+                    break
+                outcome = self._run_stage(name, make_stage)
+                ctx.previous[name] = outcome
+                self._emit(StageResultEvent(stage=name, outcome=outcome.model_dump(mode="json")))
+                if not outcome.passed:
+                    self.error_code = outcome.error_code or ErrorCode.gate_failed
+                    self.reason = f"stage {name} {outcome.status}: {outcome.reason}"
+                    break
+            if ctx.cancelled:
+                self.state = "cancelled"
+                self.reason = "cancelled on request"
+            elif self.error_code is not None:
+                self.state = "failed"
+            else:
+                self.state = "succeeded"
+        except Exception as e:  # the driver must report, never die silently
+            self.error_code = ErrorCode.internal_error
+            self.reason = f"driver error: {type(e).__name__}"
+            self._emit(LogEvent(level="error", message=traceback.format_exc(limit=8)))
+            self.state = "failed"
+        self._emit(LogEvent(message=f"run {self.state}" + (f": {self.reason}" if self.reason
+                                                               else "")))
+
+    def _run_stage(self, name: str, make_stage: StageFactory) -> GateOutcome:
+        ctx = self.ctx
+        t0 = time.time()
+        ctx.log(f"stage {name}: started", stage=name)
+        try:
+            stage = make_stage(ctx)
+            outcome: GateOutcome = stage.run(ctx)
+        except ItoError as e:
+            outcome = GateOutcome(stage=name, status="failed", reason=e.message,
+                                  error_code=str(e.code))
+        except Exception as e:
+            ctx.emit(LogEvent(level="error", stage=name, message=traceback.format_exc(limit=8)))
+            outcome = GateOutcome(stage=name, status="failed", error_code=ErrorCode.stage_failed,
+                                  reason=f"{type(e).__name__}: {str(e)[:300]}")
+        if name != "train":
+            # Everything before the first productive step is start-up badput.
+            ctx.emit(PhaseEvent(stage=name, phase="startup", start=t0, end=time.time()))
+        ctx.log(f"stage {name}: {outcome.status} ({time.time() - t0:.1f}s) {outcome.reason}",
+                stage=name)
+        return outcome
+
+
+def driver_actor_class() -> Any:
+    """The Ray actor class, made on demand so importing this module needs no Ray."""
+    import ray
+
+    return ray.remote(RunDriverImpl)

@@ -1,0 +1,86 @@
+"""Prometheus exposition of run and booking telemetry at the API server's /metrics.
+
+A custom collector computes the families at scrape time from the store, so the
+numbers a scrape shows are exactly what ``ito metrics`` shows. Labels are
+``run_id`` and ``booking_id`` (never ``job``: Prometheus renames it).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from orchestrator.telemetry import RunMetrics, aggregate
+
+
+@dataclass(frozen=True)
+class RunSample:
+    run_id: str
+    booking_id: str
+    state: str
+    metrics: RunMetrics
+
+
+class TelemetryCollector(Collector):
+    def __init__(self, source: Callable[[], Iterable[RunSample]]):
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        samples = list(self._source())
+        labels = ["run_id", "booking_id"]
+        goodput = GaugeMetricFamily("ito_run_goodput_ratio",
+                                    "Productive step time / elapsed time", labels=labels)
+        elapsed = GaugeMetricFamily("ito_run_elapsed_seconds", "Seconds since the run started",
+                                    labels=labels)
+        badput = GaugeMetricFamily("ito_run_badput_seconds", "Non-productive seconds by cause",
+                                   labels=[*labels, "cause"])
+        interruptions = CounterMetricFamily("ito_run_interruptions",
+                                            "Replica-group or job interruptions", labels=labels)
+        rate = GaugeMetricFamily("ito_run_interruption_rate_per_hour",
+                                 "Interruptions per hour of elapsed time", labels=labels)
+        ckpt_bw = GaugeMetricFamily("ito_run_checkpoint_bandwidth_bytes_per_second",
+                                    "Checkpoint bytes / total save seconds", labels=labels)
+        tps = GaugeMetricFamily("ito_run_tokens_per_second", "Committed tokens per second",
+                                labels=labels)
+        steps = CounterMetricFamily("ito_run_steps_committed", "Committed optimizer steps",
+                                    labels=labels)
+        state = GaugeMetricFamily("ito_run_state", "1 for the run's current state",
+                                  labels=[*labels, "state"])
+        by_booking: dict[str, list[RunMetrics]] = defaultdict(list)
+        for s in samples:
+            lv = [s.run_id, s.booking_id]
+            m = s.metrics
+            goodput.add_metric(lv, m.goodput)
+            elapsed.add_metric(lv, m.elapsed_s)
+            for cause, secs in m.badput_s.items():
+                badput.add_metric([*lv, cause], secs)
+            interruptions.add_metric(lv, m.interruptions)
+            rate.add_metric(lv, m.interruption_rate_per_h)
+            ckpt_bw.add_metric(lv, m.checkpoint_bytes_per_s)
+            tps.add_metric(lv, m.tokens_per_s)
+            steps.add_metric(lv, m.steps_committed)
+            state.add_metric([*lv, s.state], 1.0)
+            by_booking[s.booking_id].append(m)
+        b_goodput = GaugeMetricFamily("ito_booking_goodput_ratio",
+                                      "Pooled goodput of the booking's runs", labels=["booking_id"])
+        b_rate = GaugeMetricFamily("ito_booking_interruption_rate_per_hour",
+                                   "Interruptions per hour over the booking's runs",
+                                   labels=["booking_id"])
+        b_bw = GaugeMetricFamily("ito_booking_checkpoint_bandwidth_bytes_per_second",
+                                 "Checkpoint bandwidth over the booking's runs",
+                                 labels=["booking_id"])
+        b_tps = GaugeMetricFamily("ito_booking_tokens_per_second",
+                                  "Committed tokens per second over the booking's runs",
+                                  labels=["booking_id"])
+        for booking_id, runs in by_booking.items():
+            agg = aggregate(runs)
+            b_goodput.add_metric([booking_id], agg.goodput)
+            b_rate.add_metric([booking_id], agg.interruption_rate_per_h)
+            b_bw.add_metric([booking_id], agg.checkpoint_bytes_per_s)
+            b_tps.add_metric([booking_id], agg.tokens_per_s)
+        yield from (goodput, elapsed, badput, interruptions, rate, ckpt_bw, tps, steps, state,
+                    b_goodput, b_rate, b_bw, b_tps)

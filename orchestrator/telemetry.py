@@ -1,0 +1,136 @@
+"""Goodput telemetry, computed from a run's persisted events.
+
+Goodput is productive step time over elapsed wall time since the run started.
+Productive time counts each committed optimizer step once (replica groups step in
+lock-step, so the same step number reported by several groups is one interval);
+when a step is redone after an approved restart, only its last execution counts,
+since the first one's work was thrown away. Badput is attributed from the
+``PhaseEvent`` spans stages emit (start-up, checkpoint blocking, failure recovery,
+evaluation); whatever elapsed time is neither productive nor attributed is idle.
+
+The same numbers feed ``GET /v1/runs/{id}/metrics``, ``ito metrics`` and the
+Prometheus exporter at ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+BADPUT_KINDS = ("startup", "checkpoint_blocking", "recovery", "evaluation", "idle")
+
+
+class RunMetrics(BaseModel):
+    elapsed_s: float = 0.0
+    productive_s: float = 0.0
+    goodput: float = 0.0
+    badput_s: dict[str, float] = Field(default_factory=lambda: dict.fromkeys(BADPUT_KINDS, 0.0))
+    steps_committed: int = 0
+    steps_uncommitted: int = 0
+    last_step: int | None = None
+    last_loss: float | None = None
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    interruptions: int = 0
+    interruptions_recovered: int = 0
+    interruption_rate_per_h: float = 0.0
+    detect_s: list[float] = Field(default_factory=list)
+    recover_s: list[float] = Field(default_factory=list)
+    checkpoints: int = 0
+    checkpoint_bytes: int = 0
+    checkpoint_bytes_per_s: float = 0.0
+    checkpoint_blocking_s: float = 0.0
+
+
+def _merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: float,
+                        now: float) -> RunMetrics:
+    """Fold a run's events (dicts as persisted) into its telemetry at time ``now``.
+
+    ``started_at`` is when the run was accepted; ``now`` is the end of the run for a
+    finished run, or the current time for a live one.
+    """
+    m = RunMetrics()
+    last_by_step: dict[int, Mapping[str, Any]] = {}
+    phase_spans: dict[str, list[tuple[float, float]]] = {k: [] for k in BADPUT_KINDS}
+    ckpt_total_s = 0.0
+    for ev in events:
+        kind = ev.get("kind")
+        if kind == "step":
+            if ev.get("committed"):
+                m.steps_committed += 1
+                m.tokens += int(ev.get("tokens", 0))
+                last_by_step[int(ev["step"])] = ev
+                m.last_loss = float(ev["loss"])
+                m.last_step = int(ev["step"])
+            else:
+                m.steps_uncommitted += 1
+        elif kind == "phase" and ev.get("phase") in phase_spans:
+            phase_spans[ev["phase"]].append((float(ev["start"]), float(ev["end"])))
+        elif kind == "interruption":
+            m.interruptions += 1
+            detected = float(ev["detected_at"])
+            if ev.get("recovered_at") is not None:
+                m.interruptions_recovered += 1
+                m.recover_s.append(float(ev["recovered_at"]) - detected)
+        elif kind == "checkpoint":
+            m.checkpoints += 1
+            m.checkpoint_bytes += int(ev["bytes"])
+            ckpt_total_s += float(ev["total_s"])
+            m.checkpoint_blocking_s += float(ev["blocking_s"])
+    m.elapsed_s = max(0.0, now - started_at)
+    m.productive_s = sum(float(ev["seconds"]) for ev in last_by_step.values())
+    attributed = 0.0
+    for kind, spans in phase_spans.items():
+        total = sum(end - start for start, end in _merge_spans(spans))
+        m.badput_s[kind] = total
+        attributed += total
+    m.badput_s["idle"] += max(0.0, m.elapsed_s - m.productive_s - attributed)
+    if m.elapsed_s > 0:
+        m.goodput = min(1.0, m.productive_s / m.elapsed_s)
+        m.tokens_per_s = m.tokens / m.elapsed_s
+        m.interruption_rate_per_h = m.interruptions / (m.elapsed_s / 3600.0)
+    if ckpt_total_s > 0:
+        m.checkpoint_bytes_per_s = m.checkpoint_bytes / ckpt_total_s
+    return m
+
+
+def aggregate(runs: Iterable[RunMetrics]) -> RunMetrics:
+    """Per-booking totals: goodput is pooled time, not a mean of ratios."""
+    out = RunMetrics()
+    ckpt_s = 0.0
+    for r in runs:
+        out.elapsed_s += r.elapsed_s
+        out.productive_s += r.productive_s
+        for k, v in r.badput_s.items():
+            out.badput_s[k] += v
+        out.steps_committed += r.steps_committed
+        out.steps_uncommitted += r.steps_uncommitted
+        out.tokens += r.tokens
+        out.interruptions += r.interruptions
+        out.interruptions_recovered += r.interruptions_recovered
+        out.checkpoints += r.checkpoints
+        out.checkpoint_bytes += r.checkpoint_bytes
+        out.checkpoint_blocking_s += r.checkpoint_blocking_s
+        if r.checkpoint_bytes_per_s:
+            ckpt_s += r.checkpoint_bytes / r.checkpoint_bytes_per_s
+    if out.elapsed_s > 0:
+        out.goodput = out.productive_s / out.elapsed_s
+        out.tokens_per_s = out.tokens / out.elapsed_s
+        out.interruption_rate_per_h = out.interruptions / (out.elapsed_s / 3600.0)
+    if ckpt_s > 0:
+        out.checkpoint_bytes_per_s = out.checkpoint_bytes / ckpt_s
+    return out

@@ -1,0 +1,63 @@
+"""Goodput arithmetic on hand-made event streams (the numbers /metrics shows)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from orchestrator.prometheus import RunSample, TelemetryCollector
+from orchestrator.telemetry import aggregate, compute_run_metrics
+
+
+def _step(step: int, seconds: float, *, group: int = 0, committed: bool = True,
+          tokens: int = 100, loss: float = 2.0) -> dict:
+    return {"kind": "step", "step": step, "replica_group": group, "seconds": seconds,
+            "committed": committed, "tokens": tokens, "loss": loss, "quorum_size": 2}
+
+
+def test_goodput_counts_each_step_once_across_groups_and_redone_steps_once() -> None:
+    events = [
+        {"kind": "phase", "phase": "startup", "start": 0.0, "end": 10.0},
+        _step(1, 2.0, group=0), _step(1, 2.0, group=1),
+        _step(2, 2.0, group=0), _step(2, 2.0, group=1),
+        _step(3, 9.0, committed=False),  # a failed step is not productive
+        # an approved restart redid step 2: only the last execution counts
+        _step(2, 3.0, group=0),
+        {"kind": "phase", "phase": "checkpoint_blocking", "start": 14.0, "end": 15.0},
+        {"kind": "phase", "phase": "recovery", "start": 20.0, "end": 24.0},
+        {"kind": "phase", "phase": "recovery", "start": 22.0, "end": 25.0},  # overlapping
+        {"kind": "interruption", "interruption_kind": "replica_group_lost", "replica_group": 1,
+         "detected_at": 20.0, "recovered_at": 25.0},
+        {"kind": "checkpoint", "step": 2, "path": "/x", "bytes": 1000, "blocking_s": 0.5,
+         "total_s": 2.0},
+    ]
+    m = compute_run_metrics(events, started_at=0.0, now=40.0)
+    assert m.productive_s == pytest.approx(2.0 + 3.0)
+    assert m.goodput == pytest.approx(5.0 / 40.0)
+    assert m.badput_s["startup"] == pytest.approx(10.0)
+    assert m.badput_s["checkpoint_blocking"] == pytest.approx(1.0)
+    assert m.badput_s["recovery"] == pytest.approx(5.0)  # merged span 20..25
+    assert m.badput_s["idle"] == pytest.approx(40.0 - 5.0 - 16.0)
+    assert m.steps_committed == 5 and m.steps_uncommitted == 1
+    assert m.tokens == 500
+    assert m.interruptions == 1 and m.recover_s == [5.0]
+    assert m.interruption_rate_per_h == pytest.approx(1 / (40 / 3600))
+    assert m.checkpoint_bytes_per_s == pytest.approx(500.0)
+
+
+def test_booking_aggregate_pools_time_not_ratios() -> None:
+    a = compute_run_metrics([_step(1, 10.0)], started_at=0, now=10)  # goodput 1.0
+    b = compute_run_metrics([_step(1, 10.0)], started_at=0, now=90)  # goodput 0.111
+    agg = aggregate([a, b])
+    assert agg.goodput == pytest.approx(20.0 / 100.0)
+
+
+def test_prometheus_collector_labels_run_and_booking() -> None:
+    m = compute_run_metrics([_step(1, 5.0)], started_at=0, now=10)
+    registry = CollectorRegistry()
+    registry.register(TelemetryCollector(lambda: [RunSample("run_a", "bk_1", "running", m)]))
+    text = generate_latest(registry).decode()
+    assert 'ito_run_goodput_ratio{booking_id="bk_1",run_id="run_a"} 0.5' in text
+    assert 'ito_booking_goodput_ratio{booking_id="bk_1"} 0.5' in text
+    assert 'cause="idle"' in text
+    assert "job=" not in text
