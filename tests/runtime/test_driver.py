@@ -1,0 +1,133 @@
+"""The RunDriver body without Ray: tickets, numbered events, acks, gates, cancel."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+from pydantic import BaseModel
+
+from orchestrator import launch
+from orchestrator.driver import RunDriverImpl
+from orchestrator.launch import LaunchSpec
+from stages.base import GateOutcome, StageContext
+from stages.errors import ErrorCode, ItoError
+from stages.events import StepEvent
+
+
+class _Cfg(BaseModel):
+    pass
+
+
+class _CountingStage:
+    """A real stage implementation of the protocol, used to exercise the driver."""
+
+    name: ClassVar[str] = "count"
+    config_model: ClassVar[type[BaseModel]] = _Cfg
+
+    def __init__(self, steps: int, *, status: str = "passed", block: threading.Event | None = None):
+        self.config = _Cfg()
+        self.steps, self.status, self.block = steps, status, block
+
+    def run(self, ctx: StageContext) -> GateOutcome:
+        for i in range(self.steps):
+            ctx.emit(StepEvent(step=i + 1, loss=1.0, tokens=10, seconds=0.01, committed=True))
+        if self.block is not None:
+            while not ctx.cancelled:
+                time.sleep(0.01)
+        return GateOutcome(stage=self.name, status=self.status,  # type: ignore[arg-type]
+                           reason="test")
+
+
+@pytest.fixture(autouse=True)
+def _launch_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    key = tmp_path / "launch.key"
+    monkeypatch.setenv(launch.LAUNCH_KEY_ENV, str(key))
+    launch.ensure_launch_key(key)
+    return key
+
+
+def _spec(tmp_path: Path, **kw: object) -> LaunchSpec:
+    base = LaunchSpec(run_id="run_1", booking_id="bk_1", account="acme", manifest_digest="d" * 64,
+                      manifest_json="{}", accepted_at=time.time(), workdir=str(tmp_path / "w"),
+                      checkpoint_dir=str(tmp_path / "c"), **kw)  # type: ignore[arg-type]
+    return launch.sign(base)
+
+
+def _wait_state(d: RunDriverImpl, *states: str) -> None:
+    deadline = time.time() + 10
+    while d.state not in states and time.time() < deadline:
+        time.sleep(0.01)
+    assert d.state in states
+
+
+def test_unsigned_or_tampered_launch_refuses_to_run(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    with pytest.raises(ItoError) as e:
+        RunDriverImpl(spec.model_copy(update={"ticket": ""}).model_dump(), use_ray_metrics=False)
+    assert e.value.code == ErrorCode.driver_not_authorized
+    tampered = spec.model_copy(update={"manifest_json": '{"evil": 1}'})
+    with pytest.raises(ItoError):
+        RunDriverImpl(tampered.model_dump(), use_ray_metrics=False)
+
+
+def test_events_are_numbered_and_dropped_only_when_acknowledged(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, seq_start=41)
+    d = RunDriverImpl(spec.model_dump(), use_ray_metrics=False,
+                      pipeline=lambda s: [("count", lambda ctx: _CountingStage(5))])
+    d.start()
+    _wait_state(d, "succeeded")
+    first = d.poll(after_seq=0)
+    seqs = [e["seq"] for e in first["events"]]
+    assert seqs == list(range(41, 41 + len(seqs)))
+    assert any(e["kind"] == "stage_result" for e in first["events"])
+    # Not acknowledged: the same events come again.
+    assert [e["seq"] for e in d.poll(after_seq=0)["events"]] == seqs
+    rest = d.poll(after_seq=seqs[2])["events"]
+    assert [e["seq"] for e in rest] == seqs[3:]
+
+
+def test_failed_gate_stops_the_pipeline(tmp_path: Path) -> None:
+    ran: list[str] = []
+
+    def pipeline(_s: LaunchSpec) -> list:
+        def make(name: str, status: str):  # type: ignore[no-untyped-def]
+            def f(ctx: StageContext) -> _CountingStage:
+                ran.append(name)
+                return _CountingStage(1, status=status)
+            return f
+        return [("a", make("a", "failed")), ("b", make("b", "passed"))]
+
+    d = RunDriverImpl(_spec(tmp_path).model_dump(), use_ray_metrics=False, pipeline=pipeline)
+    d.start()
+    _wait_state(d, "failed")
+    assert ran == ["a"]
+    assert d.error_code == ErrorCode.gate_failed
+
+
+def test_cancel_stops_a_running_stage_and_completed_stages_are_skipped(tmp_path: Path) -> None:
+    done = GateOutcome(stage="a", status="passed", reason="earlier").model_dump()
+    made: list[str] = []
+
+    def pipeline(_s: LaunchSpec) -> list:
+        def make_a(ctx: StageContext) -> _CountingStage:
+            made.append("a")
+            return _CountingStage(1)
+
+        def make_b(ctx: StageContext) -> _CountingStage:
+            made.append("b")
+            return _CountingStage(1, block=threading.Event())
+        return [("a", make_a), ("b", make_b)]
+
+    d = RunDriverImpl(_spec(tmp_path, completed_stages={"a": done}, attempt=2).model_dump(),
+                      use_ray_metrics=False, pipeline=pipeline)
+    d.start()
+    deadline = time.time() + 5
+    while "b" not in made and time.time() < deadline:
+        time.sleep(0.01)
+    d.cancel()
+    _wait_state(d, "cancelled")
+    assert made == ["b"]
