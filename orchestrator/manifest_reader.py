@@ -1,0 +1,182 @@
+"""Read a training manifest from disk the way the contract demands, before any network call.
+
+The manifest is what the approver confirmed (its digest is bound into the
+confirmation), so the client must send exactly the bytes it vetted and must not be
+tricked into reading something else:
+
+* the path is absolute and canonical (no ``.``/``..``/``//``/trailing ``/``), so what
+  the user typed is what gets opened;
+* no component of the path is a symlink: we walk from ``/`` opening every directory
+  with ``O_NOFOLLOW | O_DIRECTORY`` relative to its parent's descriptor (``openat``),
+  so a directory swapped for a symlink mid-walk is caught, not followed;
+* the file is opened with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO must not block us), and
+  every property is checked on that descriptor (``fstat``): regular file, owned by
+  the caller, not group/world-writable, at most ``MANIFEST_MAX_BYTES``;
+* the sha256 digest is computed from the bytes read from that same descriptor.
+
+Every refusal is an ``ItoError`` with its own ``manifest_*`` code; the CLI turns it
+into an envelope with ``live_api_contacted: false``.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import hashlib
+import os
+import stat
+from dataclasses import dataclass
+
+from stages.errors import ErrorCode, ItoError
+
+# A manifest is a small JSON document; anything bigger is a mistake or an attack.
+MANIFEST_MAX_BYTES = 1 << 20
+_READ_CHUNK = 64 * 1024
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class ManifestBytes:
+    """The exact bytes of a vetted manifest and their sha256 (hex)."""
+
+    path: str
+    data: bytes
+    digest: str
+
+    @property
+    def b64(self) -> str:
+        return base64.b64encode(self.data).decode("ascii")
+
+    @property
+    def manifest_id(self) -> str:
+        # Same derivation as the server (docs/api-contract.md).
+        return "mf_" + self.digest[:24]
+
+
+def _refuse(code: ErrorCode, path: str, why: str) -> ItoError:
+    return ItoError(code, f"manifest {path!r} refused: {why}")
+
+
+def check_manifest_path(path: str) -> list[str]:
+    """Validate the path's shape; returns its components (without the root)."""
+    if not isinstance(path, str) or not path:
+        raise _refuse(ErrorCode.manifest_path_not_absolute, str(path), "empty path")
+    if "\x00" in path:
+        raise _refuse(ErrorCode.manifest_path_not_canonical, path, "path contains NUL")
+    if not path.startswith("/"):
+        raise _refuse(
+            ErrorCode.manifest_path_not_absolute, path, "path must be absolute (start with /)"
+        )
+    parts = path[1:].split("/")
+    if path == "/" or any(p in ("", ".", "..") for p in parts):
+        raise _refuse(
+            ErrorCode.manifest_path_not_canonical,
+            path,
+            "path must be canonical (no '.', '..', '//' or trailing '/')",
+        )
+    return parts
+
+
+def _classify_open_error(
+    exc: OSError, name: str, dir_fd: int, path: str, *, last: bool
+) -> ItoError:
+    """Turn a failed openat into the right refusal (symlink vs. not found vs. other)."""
+    try:
+        st = os.lstat(name, dir_fd=dir_fd)
+    except OSError:
+        st = None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        what = "the file" if last else f"path component {name!r}"
+        return _refuse(ErrorCode.manifest_symlink, path, f"{what} is a symlink")
+    if exc.errno == errno.ELOOP:
+        return _refuse(ErrorCode.manifest_symlink, path, "symlink on the path")
+    if st is not None and not last and not stat.S_ISDIR(st.st_mode):
+        return _refuse(ErrorCode.manifest_unreadable, path, f"{name!r} is not a directory")
+    if st is not None and last and not stat.S_ISREG(st.st_mode):
+        # e.g. a UNIX socket (open fails with ENXIO) or a FIFO without a reader.
+        return _refuse(ErrorCode.manifest_not_regular_file, path, "not a regular file")
+    reason = os.strerror(exc.errno) if exc.errno else "cannot open"
+    return _refuse(ErrorCode.manifest_unreadable, path, reason)
+
+
+def _open_no_follow(path: str, parts: list[str]) -> int:
+    """Walk ``parts`` from ``/`` with openat + O_NOFOLLOW; return the file's descriptor."""
+    dir_fd = os.open("/", _DIR_FLAGS)
+    try:
+        for name in parts[:-1]:
+            try:
+                next_fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            except OSError as exc:
+                raise _classify_open_error(exc, name, dir_fd, path, last=False) from None
+            os.close(dir_fd)
+            dir_fd = next_fd
+        try:
+            return os.open(parts[-1], _FILE_FLAGS, dir_fd=dir_fd)
+        except OSError as exc:
+            raise _classify_open_error(exc, parts[-1], dir_fd, path, last=True) from None
+    finally:
+        os.close(dir_fd)
+
+
+def _check_descriptor(fd: int, path: str, *, euid: int, max_bytes: int) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(st.st_mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(st.st_mode)
+            else "not a regular file"
+        )
+        raise _refuse(ErrorCode.manifest_not_regular_file, path, kind)
+    if st.st_uid != euid:
+        raise _refuse(
+            ErrorCode.manifest_not_owned, path, f"owned by uid {st.st_uid}, not the caller ({euid})"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _refuse(
+            ErrorCode.manifest_insecure_permissions,
+            path,
+            f"mode {stat.S_IMODE(st.st_mode):04o} is group- or world-writable",
+        )
+    if st.st_size > max_bytes:
+        raise _refuse(ErrorCode.manifest_too_large, path, f"{st.st_size} bytes exceeds {max_bytes}")
+
+
+def _read_bounded(fd: int, path: str, max_bytes: int) -> bytes:
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        try:
+            chunk = os.read(fd, _READ_CHUNK)
+        except OSError as exc:
+            raise _refuse(
+                ErrorCode.manifest_unreadable, path, os.strerror(exc.errno or 0)
+            ) from None
+        if not chunk:
+            return b"".join(chunks)
+        total += len(chunk)
+        # The file may grow after fstat: the cap is enforced on what we actually read.
+        if total > max_bytes:
+            raise _refuse(ErrorCode.manifest_too_large, path, f"more than {max_bytes} bytes")
+        chunks.append(chunk)
+
+
+def read_manifest(
+    path: str, *, max_bytes: int = MANIFEST_MAX_BYTES, euid: int | None = None
+) -> ManifestBytes:
+    """Open, vet and read the manifest at ``path``; raise ``ItoError`` on any refusal.
+
+    ``euid`` defaults to the process's effective uid (the owner the file must have).
+    """
+    parts = check_manifest_path(path)
+    owner = os.geteuid() if euid is None else euid
+    fd = _open_no_follow(path, parts)
+    try:
+        _check_descriptor(fd, path, euid=owner, max_bytes=max_bytes)
+        data = _read_bounded(fd, path, max_bytes)
+    finally:
+        os.close(fd)
+    return ManifestBytes(path=path, data=data, digest=hashlib.sha256(data).hexdigest())
