@@ -34,6 +34,15 @@ class DedupConfig(StrictModel):
     threshold: float = Field(default=0.8, gt=0, lt=1)
     num_perm: int = Field(default=128, ge=16, le=1024)
     shingle_size: int = Field(default=5, ge=1, le=32, description="word shingles")
+    seed: int = Field(default=1, ge=0, description="MinHash permutation seed")
+    # LSH bands x rows: the fewest candidates whose S-curve still catches a pair at
+    # the threshold with this probability (see stages/data_prep/minhash.py).
+    recall_target: float = Field(default=0.99, gt=0, lt=1)
+    # Sketching is sharded over Ray workers when Ray is up and the input has at least
+    # this many documents, in shards of ``shard_docs``.
+    ray_min_docs: int = Field(default=200_000, ge=1)
+    shard_docs: int = Field(default=50_000, ge=1)
+    shard_timeout_s: float = Field(default=1800.0, gt=0)
 
 
 class DecontaminationConfig(StrictModel):

@@ -1,0 +1,197 @@
+"""Exact and near-duplicate removal: exact hash, MinHash LSH, Jaccard check, union-find.
+
+Recipe (``dedup``):
+1. exact: blake2b of each document's bytes; later copies of a digest are dropped;
+2. sketch: word shingles (``shingle_size`` words) -> 64-bit hashes -> MinHash signature
+   (``minhash.signatures``), on Ray workers when the input is large;
+3. candidates: LSH bands (``minhash.lsh_params``) over the exact-dedup survivors;
+4. verify: exact Jaccard of the two shingle-hash sets >= threshold (drops LSH's false
+   positives, so precision does not depend on the sketch);
+5. cluster: union-find over verified pairs; the survivor of a cluster is its member
+   with the lowest input index (the order refs, files and lines were given in).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from stages.data_prep.config import DedupConfig
+from stages.data_prep.minhash import Banding, candidate_pairs, lsh_params, signatures
+from stages.data_prep.text import ngram_hashes, word_batch
+
+# Documents hashed per numpy batch on one process: bounds peak memory of the
+# (num_perm x shingles) matrix and the flat word arrays.
+SKETCH_BATCH_DOCS = 8_192
+
+
+@dataclass(frozen=True)
+class Sketch:
+    """Signatures plus every document's shingle hashes (for the exact Jaccard check)."""
+
+    sig: np.ndarray  # (docs, num_perm) uint32
+    shingles: np.ndarray  # uint64, all documents' shingle hashes, document by document
+    offsets: np.ndarray  # int64 (docs + 1)
+
+    def shingle_set(self, i: int) -> np.ndarray:
+        """Sorted unique shingle hashes of document ``i`` (built on demand: only
+        candidate documents ever need it)."""
+        return np.unique(self.shingles[self.offsets[i]:self.offsets[i + 1]])
+
+
+def sketch_texts(texts: Sequence[str], shingle_size: int, num_perm: int, seed: int) -> Sketch:
+    sigs, shingles, lens = [], [], []
+    for start in range(0, len(texts), SKETCH_BATCH_DOCS):
+        grams = ngram_hashes(word_batch(texts[start:start + SKETCH_BATCH_DOCS]), shingle_size)
+        sigs.append(signatures(grams, num_perm, seed))
+        shingles.append(grams.hashes)
+        lens.append(grams.counts())
+    if not sigs:
+        return Sketch(np.zeros((0, num_perm), dtype=np.uint32), np.zeros(0, dtype=np.uint64),
+                      np.zeros(1, dtype=np.int64))
+    lengths = np.concatenate(lens)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return Sketch(np.concatenate(sigs), np.concatenate(shingles), offsets)
+
+
+def _concat_sketches(parts: Sequence[Sketch], num_perm: int) -> Sketch:
+    if not parts:
+        return sketch_texts([], 1, num_perm, 1)
+    lengths = np.concatenate([np.diff(p.offsets) for p in parts])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return Sketch(np.concatenate([p.sig for p in parts]),
+                  np.concatenate([p.shingles for p in parts]), offsets)
+
+
+def sketch_sharded(texts: Sequence[str], cfg: DedupConfig) -> tuple[Sketch, int]:
+    """Sketch on Ray workers (one task per ``cfg.shard_docs`` documents) when Ray is
+    initialised; the driver keeps banding and verification, which are cheap."""
+    import ray
+
+    task = ray.remote(num_cpus=1)(sketch_texts)
+    refs = [task.remote(list(texts[s:s + cfg.shard_docs]), cfg.shingle_size, cfg.num_perm,
+                        cfg.seed)
+            for s in range(0, len(texts), cfg.shard_docs)]
+    parts = ray.get(refs, timeout=cfg.shard_timeout_s)
+    return _concat_sketches(parts, cfg.num_perm), len(refs)
+
+
+def jaccard_sorted(x: np.ndarray, y: np.ndarray) -> float:
+    if len(x) == 0 and len(y) == 0:
+        return 1.0
+    inter = len(np.intersect1d(x, y, assume_unique=True))
+    return inter / (len(x) + len(y) - inter)
+
+
+class UnionFind:
+    def __init__(self, n: int):
+        self.parent = np.arange(n, dtype=np.int64)
+
+    def find(self, x: int) -> int:
+        p = self.parent
+        root = x
+        while p[root] != root:
+            root = int(p[root])
+        while p[x] != root:  # path compression
+            p[x], x = root, int(p[x])
+        return root
+
+    def union(self, x: int, y: int) -> None:
+        rx, ry = self.find(x), self.find(y)
+        if rx != ry:  # the lower index becomes the root: the survivor rule for free
+            self.parent[max(rx, ry)] = min(rx, ry)
+
+
+@dataclass
+class DedupResult:
+    keep: np.ndarray  # bool per input document
+    exact_duplicates: int
+    near_duplicates: int
+    clusters: list[list[int]]  # near-dup clusters (>= 2 members), survivor first
+    candidate_pairs: int
+    verified_pairs: np.ndarray  # (k, 2) int64 with Jaccard >= threshold
+    bands: int
+    rows: int
+    shards: int
+    backend: str
+
+    def duplicate_of(self) -> dict[int, int]:
+        """Dropped near-duplicate -> its cluster's survivor."""
+        return {m: c[0] for c in self.clusters for m in c[1:]}
+
+
+def exact_duplicate_mask(texts: Sequence[str]) -> np.ndarray:
+    """True for every document whose exact bytes appeared earlier in the input."""
+    seen: set[bytes] = set()
+    dup = np.zeros(len(texts), dtype=bool)
+    for i, t in enumerate(texts):
+        d = hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest()
+        if d in seen:
+            dup[i] = True
+        else:
+            seen.add(d)
+    return dup
+
+
+def dedup(texts: Sequence[str], cfg: DedupConfig | None = None, *,
+          use_ray: bool | None = None,
+          cancelled: Callable[[], bool] = lambda: False) -> DedupResult:
+    """Exact + near-duplicate removal over ``texts`` (see the module docstring).
+
+    ``use_ray``: None shards over Ray when Ray is initialised and the input has at
+    least ``cfg.ray_min_docs`` documents; True requires Ray; False never uses it.
+    """
+    cfg = cfg or DedupConfig()
+    n = len(texts)
+    exact = exact_duplicate_mask(texts)
+    bands, rows = lsh_params(cfg.threshold, cfg.num_perm, cfg.recall_target)
+    if use_ray is None:
+        use_ray = n >= cfg.ray_min_docs and _ray_ready()
+    if use_ray:
+        sk, shards = sketch_sharded(texts, cfg)
+        backend = "ray"
+    else:
+        sk, shards, backend = sketch_texts(texts, cfg.shingle_size, cfg.num_perm, cfg.seed), 1, \
+            "local"
+    if cancelled():
+        raise InterruptedError("dedup cancelled")
+    eligible = ~exact & (np.diff(sk.offsets) > 0)
+    cand = candidate_pairs(sk.sig, Banding(bands, rows), eligible)
+    sets: dict[int, np.ndarray] = {}
+
+    def shingle_set(i: int) -> np.ndarray:
+        if i not in sets:
+            sets[i] = sk.shingle_set(i)
+        return sets[i]
+
+    verified = [(int(i), int(j)) for i, j in cand
+                if jaccard_sorted(shingle_set(int(i)), shingle_set(int(j))) >= cfg.threshold]
+    uf = UnionFind(n)
+    for i, j in verified:
+        uf.union(i, j)
+    groups: dict[int, list[int]] = {}
+    for i, j in verified:
+        for x in (i, j):
+            groups.setdefault(uf.find(x), []).append(x)
+    clusters = sorted(sorted(set(m)) for m in groups.values())
+    keep = ~exact
+    for c in clusters:
+        keep[c[1:]] = False
+    near = sum(len(c) - 1 for c in clusters)
+    return DedupResult(keep=keep, exact_duplicates=int(exact.sum()), near_duplicates=near,
+                       clusters=clusters, candidate_pairs=len(cand),
+                       verified_pairs=np.array(verified, dtype=np.int64).reshape(-1, 2),
+                       bands=bands, rows=rows, shards=shards, backend=backend)
+
+
+def _ray_ready() -> bool:
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return bool(ray.is_initialized())

@@ -1,0 +1,113 @@
+"""Eval suites: named sets of eval files, described by ``configs/evals/<suite>.json``.
+
+A suite file looks like::
+
+    {"name": "gsm8k", "description": "...", "license": "MIT",
+     "files": [{"path": "gsm8k/test.jsonl", "field": "question"}]}
+
+``path`` is relative to ``configs/evals/``; ``field`` names the text of an item in a
+jsonl file (plain ``.txt`` files hold one item a line). Decontamination matches
+training documents against these items; the curriculum's eval battery and the ladder
+probe's held-out text read the same registry.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.data_prep.refs import file_sha256, local_path
+from stages.errors import ErrorCode, ItoError
+from stages.presets import configs_dir
+
+
+class EvalFileSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    path: str
+    field: str = "question"
+    answer_field: str | None = None
+
+
+class EvalSuite(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    description: str = ""
+    license: str = ""
+    files: list[EvalFileSpec] = Field(min_length=1)
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    suite: str
+    file: str
+    index: int  # 0-based item number within its file
+    text: str
+
+
+@dataclass(frozen=True)
+class EvalFileInfo:
+    suite: str
+    path: str
+    sha256: str
+    items: int
+
+
+def evals_dir() -> Path:
+    return configs_dir() / "evals"
+
+
+def list_eval_suites() -> list[str]:
+    return sorted(p.stem for p in evals_dir().glob("*.json"))
+
+
+def load_eval_suite(name: str) -> EvalSuite:
+    path = evals_dir() / f"{name}.json"
+    if "/" in name or not path.is_file():
+        raise ItoError(ErrorCode.eval_suite_unknown,
+                       f"unknown eval suite {name!r}; known: {', '.join(list_eval_suites())}")
+    return EvalSuite.model_validate_json(path.read_bytes())
+
+
+def read_eval_file(path: Path, field: str, suite: str) -> list[EvalItem]:
+    """Items of one eval file: jsonl with a text ``field``, or plain text a line each."""
+    if not path.is_file():
+        raise ItoError(ErrorCode.data_not_found, f"eval file not found: {path}")
+    items: list[EvalItem] = []
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    if path.suffix == ".jsonl":
+        for i, line in enumerate(lines):
+            try:
+                text = json.loads(line)[field]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ItoError(ErrorCode.data_format_unsupported,
+                               f"{path.name} item {i}: not a JSON object with a {field!r} "
+                               "field") from e
+            items.append(EvalItem(suite, str(path), i, str(text)))
+    else:
+        items = [EvalItem(suite, str(path), i, line.rstrip("\n")) for i, line in enumerate(lines)]
+    return items
+
+
+def load_eval_items(suites: list[str], files: list[str] | None = None,
+                    field: str = "question") -> tuple[list[EvalItem], list[EvalFileInfo]]:
+    """All items of the named suites plus extra eval files (paths or file:// URIs; their
+    suite name is the file's stem)."""
+    items: list[EvalItem] = []
+    infos: list[EvalFileInfo] = []
+    for name in suites:
+        suite = load_eval_suite(name)
+        for spec in suite.files:
+            path = evals_dir() / spec.path
+            got = read_eval_file(path, spec.field, suite.name)
+            items += got
+            infos.append(EvalFileInfo(suite.name, str(path), file_sha256(path), len(got)))
+    for ref in files or []:
+        path = local_path(ref) if "://" in ref else Path(ref)
+        got = read_eval_file(path, field, path.stem)
+        items += got
+        infos.append(EvalFileInfo(path.stem, str(path), file_sha256(path), len(got)))
+    return items, infos

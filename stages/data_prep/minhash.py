@@ -1,0 +1,142 @@
+"""Vectorised MinHash signatures and LSH banding.
+
+Signatures are bit-identical to ``datasketch.MinHash(num_perm, seed)`` in its 2.0
+default scheme ("affine32": fmix32 of the 32-bit value, then ``a*h + b mod 2**32``)
+when datasketch is given the same 32-bit shingle values through an identity
+``hashfunc`` (tests check this), so a signature from here can seed a datasketch
+``LeanMinHash``/``MinHashLSH`` and vice versa. The difference is speed: one numpy
+pass over all shingles of a batch instead of a Python object per document.
+
+Banding (b bands of r rows) follows the S-curve P(candidate | s) = 1 - (1 - s**r)**b.
+Candidates are verified with exact Jaccard afterwards, so a false positive costs only
+a verification while a false negative is a duplicate kept forever; ``lsh_params``
+therefore takes the largest r (fewest spurious candidates) whose S-curve still
+catches a pair at the threshold with probability >= ``recall_target``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from datasketch import MinHash
+
+from stages.data_prep.text import GramBatch
+
+_U32_MAX = np.uint32(0xFFFFFFFF)
+# Columns per chunk of the (num_perm x shingles) permutation matrix: 128 x 32768 x 4 B
+# = 16 MiB, small enough for a Ray worker next to other tenants' work.
+_CHUNK_SHINGLES = 32_768
+# A band bucket larger than this is connected as a star (first member to each other)
+# instead of all pairs, so a template repeated 10k times costs 10k checks, not 50M.
+MAX_BUCKET_ALL_PAIRS = 32
+
+
+def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """datasketch's own (a, b) for this seed and the affine32 scheme."""
+    a, b = MinHash(num_perm=num_perm, seed=seed).permutations
+    return np.asarray(a, dtype=np.uint32), np.asarray(b, dtype=np.uint32)
+
+
+def fmix32(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
+
+
+def shingle_values32(grams: GramBatch) -> np.ndarray:
+    """The 32-bit values MinHash sees for each shingle (low half of the 64-bit hash)."""
+    return (grams.hashes & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
+def signatures(grams: GramBatch, num_perm: int, seed: int = 1) -> np.ndarray:
+    """(num_docs, num_perm) uint32 MinHash signatures; an empty document's row is all
+    0xFFFFFFFF (datasketch's empty sketch)."""
+    a, b = permutations(num_perm, seed)
+    out = np.full((grams.num_docs, num_perm), _U32_MAX, dtype=np.uint32)
+    if len(grams.hashes) == 0:
+        return out
+    hv = fmix32(shingle_values32(grams))
+    doc = grams.doc
+    # Cut chunks at document boundaries so each reduceat segment is one whole document.
+    doc_starts = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
+    pos = 0
+    while pos < len(doc_starts):
+        first = doc_starts[pos]
+        end_idx = int(np.searchsorted(doc_starts, first + _CHUNK_SHINGLES, side="right"))
+        end_idx = max(end_idx, pos + 1)
+        last = doc_starts[end_idx] if end_idx < len(doc_starts) else len(hv)
+        seg = doc_starts[pos:end_idx] - first
+        phv = a[:, None] * hv[None, first:last] + b[:, None]  # uint32, wraps mod 2**32
+        mins = np.minimum.reduceat(phv, seg, axis=1)  # (num_perm, docs in chunk)
+        out[doc[doc_starts[pos:end_idx]]] = mins.T
+        pos = end_idx
+    return out
+
+
+def candidate_probability(s: float, bands: int, rows: int) -> float:
+    return 1.0 - (1.0 - s**rows) ** bands
+
+
+def lsh_params(threshold: float, num_perm: int, recall_target: float = 0.99) -> tuple[int, int]:
+    """(bands, rows): the largest ``rows`` with P(candidate | s=threshold) >= target,
+    bands = num_perm // rows. Falls back to rows=1 (every shared value a candidate)."""
+    for rows in range(num_perm, 0, -1):
+        bands = num_perm // rows
+        if candidate_probability(threshold, bands, rows) >= recall_target:
+            return bands, rows
+    return num_perm, 1
+
+
+@dataclass(frozen=True)
+class Banding:
+    bands: int
+    rows: int
+
+
+def _band_keys(sig: np.ndarray, band: int, rows: int) -> np.ndarray:
+    cols = sig[:, band * rows:(band + 1) * rows].astype(np.uint64)
+    key = np.full(len(sig), np.uint64(band), dtype=np.uint64)
+    for c in range(rows):
+        key = key * np.uint64(0x9E3779B97F4A7C15) + cols[:, c]
+    return key
+
+
+def candidate_pairs(sig: np.ndarray, banding: Banding,
+                    eligible: np.ndarray | None = None) -> np.ndarray:
+    """Unique (i, j), i < j, pairs of rows that share at least one band.
+
+    ``eligible`` masks rows that take part (e.g. non-empty, not exact duplicates)."""
+    idx_all = np.arange(len(sig), dtype=np.int64)
+    if eligible is not None:
+        idx_all = idx_all[eligible]
+    sub = sig[idx_all]
+    pairs: list[np.ndarray] = []
+    for band in range(banding.bands):
+        keys = _band_keys(sub, band, banding.rows)
+        order = np.argsort(keys, kind="stable")
+        sk = keys[order]
+        brk = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1], True])
+        sizes = np.diff(brk)
+        multi = np.flatnonzero(sizes >= 2)
+        if len(multi) == 0:
+            continue
+        two = multi[sizes[multi] == 2]
+        if len(two):
+            pairs.append(np.stack([order[brk[two]], order[brk[two] + 1]], axis=1))
+        for g in multi[sizes[multi] > 2]:
+            members = np.sort(order[brk[g]:brk[g + 1]])
+            if len(members) <= MAX_BUCKET_ALL_PAIRS:
+                ii, jj = np.triu_indices(len(members), k=1)
+                pairs.append(np.stack([members[ii], members[jj]], axis=1))
+            else:
+                pairs.append(np.stack([np.full(len(members) - 1, members[0]), members[1:]],
+                                      axis=1))
+    if not pairs:
+        return np.zeros((0, 2), dtype=np.int64)
+    p = idx_all[np.concatenate(pairs)]
+    lo, hi = np.minimum(p[:, 0], p[:, 1]), np.maximum(p[:, 0], p[:, 1])
+    codes = np.unique(lo * np.int64(len(sig)) + hi)
+    return np.stack([codes // len(sig), codes % len(sig)], axis=1)
