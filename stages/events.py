@@ -56,7 +56,8 @@ class InterruptionEvent(_Event):
     """A replica group (or the whole job) was lost and later recovered."""
 
     kind: Literal["interruption"] = "interruption"
-    interruption_kind: Literal["replica_group_lost", "all_groups_lost", "hang", "loss_spike"]
+    interruption_kind: Literal["replica_group_lost", "all_groups_lost", "hang", "loss_spike",
+                               "driver_lost"]
     replica_group: int | None = None
     detected_at: float
     recovered_at: float | None = None
