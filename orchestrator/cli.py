@@ -279,7 +279,7 @@ def _cmd_follow_status(client: ItoClient, args: argparse.Namespace, out: _Out) -
             last_line[0] = line
             out.progress(f"{time.strftime('%H:%M:%S')} run {run.get('run_id')} {line}")
 
-    return client.follow_status(args.run, on_update)
+    return client.follow_status(args.run, on_update, with_progress=not out.as_json)
 
 
 def _cmd_follow_logs(client: ItoClient, args: argparse.Namespace, out: _Out) -> Envelope:

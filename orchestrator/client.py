@@ -147,7 +147,7 @@ class ItoClient:
     def __init__(
         self,
         api_url: str,
-        api_key: ApiKey | None,
+        api_key: ApiKey | str | None,
         *,
         connect_timeout_s: float | None = None,
         total_timeout_s: float | None = None,
@@ -163,7 +163,7 @@ class ItoClient:
             overrides["total_timeout_s"] = total_timeout_s
         self.settings = base.model_copy(update=overrides) if overrides else base
         self.api_url = api_url.rstrip("/")
-        self._key = api_key
+        self._key = ApiKey(api_key, source="argument") if isinstance(api_key, str) else api_key
         self._sleep = sleep
         self._user_agent = user_agent
         self._loop = asyncio.new_event_loop()
@@ -512,24 +512,45 @@ class ItoClient:
 
     # --- polling ------------------------------------------------------------------------
     def follow_status(
-        self, run_id: str, on_update: Callable[[Envelope], None] | None = None
+        self,
+        run_id: str,
+        on_update: Callable[[Envelope], None] | None = None,
+        *,
+        with_progress: bool = False,
     ) -> Envelope:
-        """Poll the run until a terminal state or a stop code; returns the last envelope."""
+        """Poll the run until a terminal state or a stop code; returns the last envelope.
+
+        ``with_progress`` also reads the run's metrics while it is not terminal and puts
+        ``{step, loss}`` under ``data.progress`` (for a readable display).
+        """
         failures = 0
+        path = f"/v1/runs/{_seg(run_id)}"
         while True:
-            res = self._once("GET", f"/v1/runs/{_seg(run_id)}")
+            res = self._once("GET", path)
             env = res.envelope
-            if on_update is not None:
-                on_update(env)
             if error_code(env) in STOP_POLLING_CODES:
+                _notify(on_update, env)
                 return env
             if res.kind == "answered":
                 if not env.get("ok"):
+                    _notify(on_update, env)
                     return env
                 failures = 0
                 if env["data"].get("state") in TERMINAL_STATES:
+                    _notify(on_update, env)
                     return env
+                if with_progress:
+                    m = self._once("GET", f"{path}/metrics").envelope
+                    if error_code(m) in STOP_POLLING_CODES:
+                        _notify(on_update, m)
+                        return m
+                    if m.get("ok"):
+                        md = m["data"]
+                        step = md.get("last_step", md.get("committed_steps"))
+                        env["data"]["progress"] = {"step": step, "loss": md.get("last_loss")}
+                _notify(on_update, env)
             else:
+                _notify(on_update, env)
                 failures += 1
                 if failures >= self.settings.follow_max_transport_failures:
                     return env
@@ -579,6 +600,11 @@ class ItoClient:
                 terminal_seen = True  # one more drain, then stop
                 continue
             self._sleep(self.settings.poll_interval_s)
+
+
+def _notify(cb: Callable[[Envelope], None] | None, env: Envelope) -> None:
+    if cb is not None:
+        cb(env)
 
 
 def _seg(value: str) -> str:
