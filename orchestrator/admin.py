@@ -1,0 +1,161 @@
+"""``ito-backend``: the API server and its admin commands (operators only).
+
+Admin commands write the store directly (same host as the server, ``--db`` or
+``ITO_DB``); with ``--json`` each prints one envelope. ``keys issue`` prints the
+key exactly once; only its hash is stored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from pydantic import ValidationError
+
+from orchestrator.auth import issue_key
+from orchestrator.bookings import BookingFile, add_booking, booking_view
+from orchestrator.runtime import NullRuntime, RunRuntime
+from orchestrator.settings import Settings
+from orchestrator.store import Store
+from stages.errors import ErrorCode, ItoError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="ito-train backend: API server and admin commands")
+accounts_app = typer.Typer(no_args_is_help=True, help="Tenant accounts")
+keys_app = typer.Typer(no_args_is_help=True, help="API keys (stored as sha256 only)")
+bookings_app = typer.Typer(no_args_is_help=True, help="The booking registry")
+app.add_typer(accounts_app, name="accounts")
+app.add_typer(keys_app, name="keys")
+app.add_typer(bookings_app, name="bookings")
+
+DbOpt = Annotated[Path, typer.Option("--db", envvar="ITO_DB", help="SQLite store path")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON envelope")]
+
+
+def _emit(as_json: bool, data: dict[str, Any], notice: str) -> None:
+    if as_json:
+        print(json.dumps({"ok": True, "live_api_contacted": False, "notice": notice,
+                          "data": data}))
+    else:
+        print(notice)
+        for k, v in data.items():
+            print(f"  {k}: {v}")
+
+
+def _fail(as_json: bool, code: ErrorCode, message: str) -> NoReturn:
+    if as_json:
+        print(json.dumps({"ok": False, "live_api_contacted": False,
+                          "notice": f"refused: {code}",
+                          "error": {"code": str(code), "message": message}}))
+    else:
+        print(f"error [{code}]: {message}", file=sys.stderr)
+    raise typer.Exit(1)
+
+
+def _store(db: Path) -> Store:
+    return Store(db)
+
+
+@app.command()
+def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
+          runtime: Annotated[str, typer.Option(help="none (runs stay accepted)")] = "none",
+          var_dir: Annotated[Path, typer.Option("--var-dir", envvar="ITO_VAR_DIR",
+                                                help="run scratch space")] = Path("/tmp/ito-var"),
+          checkpoint_root: Annotated[list[Path] | None, typer.Option(
+              "--checkpoint-root", help="allowed checkpoint storage root (repeatable); "
+              "default: any absolute path")] = None,
+          log_level: str = "info") -> None:
+    """Run the API server (uvicorn) on the store at --db."""
+    import uvicorn
+
+    from orchestrator.api import create_app
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = Settings(db_path=db, var_dir=var_dir,
+                        checkpoint_roots=tuple(checkpoint_root or ()))
+    store = Store(db, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+    rt: RunRuntime
+    if runtime == "none":
+        rt = NullRuntime(store, var_dir)
+    else:
+        _fail(False, ErrorCode.bad_request, f"unknown runtime {runtime!r} (known: none)")
+    uvicorn.run(create_app(settings, rt, store), host=host, port=port, log_level=log_level,
+                access_log=True)
+
+
+@accounts_app.command("create")
+def accounts_create(name: str, db: DbOpt, as_json: JsonOpt = False) -> None:
+    try:
+        row = _store(db).create_account(name)
+    except ItoError as e:
+        _fail(as_json, e.code, e.message)
+    _emit(as_json, {"account_id": row["account_id"], "name": name}, f"account {name} created")
+
+
+@keys_app.command("issue")
+def keys_issue(db: DbOpt, account: Annotated[str, typer.Option(help="account name")],
+               scope: Annotated[list[str], typer.Option(help="repeatable or comma-separated")],
+               as_json: JsonOpt = False) -> None:
+    scopes = sorted({s.strip() for item in scope for s in item.split(",") if s.strip()})
+    try:
+        key_id, key = issue_key(_store(db), account, scopes)
+    except ItoError as e:
+        _fail(as_json, e.code, e.message)
+    _emit(as_json, {"key_id": key_id, "api_key": key, "account": account, "scopes": scopes},
+          "key issued; it is shown once and stored only as a hash")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str, db: DbOpt, as_json: JsonOpt = False) -> None:
+    if not _store(db).revoke_key(key_id):
+        _fail(as_json, ErrorCode.not_found, f"no active key {key_id}")
+    _emit(as_json, {"key_id": key_id, "revoked": True}, f"key {key_id} revoked")
+
+
+@bookings_app.command("add")
+def bookings_add(file: Path, db: DbOpt, as_json: JsonOpt = False) -> None:
+    try:
+        booking = BookingFile.model_validate_json(file.read_bytes())
+        view = add_booking(_store(db), booking)
+    except OSError as e:
+        _fail(as_json, ErrorCode.bad_request, f"cannot read {file}: {e.strerror}")
+    except ValidationError as e:
+        msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
+                         for x in e.errors(include_input=False))
+        _fail(as_json, ErrorCode.validation_error, msgs)
+    except ItoError as e:
+        _fail(as_json, e.code, e.message)
+    _emit(as_json, view, f"booking {booking.booking_id} added")
+
+
+def _set_booking(db: Path, booking_id: str, state: str, as_json: bool) -> None:
+    store = _store(db)
+    try:
+        store.set_booking_state(booking_id, state)
+        view = booking_view(store, booking_id)
+    except ItoError as e:
+        _fail(as_json, e.code, e.message)
+    _emit(as_json, view, f"booking {booking_id} {state}")
+
+
+@bookings_app.command("revoke")
+def bookings_revoke(booking_id: str, db: DbOpt, as_json: JsonOpt = False) -> None:
+    _set_booking(db, booking_id, "revoked", as_json)
+
+
+@bookings_app.command("release")
+def bookings_release(booking_id: str, db: DbOpt, as_json: JsonOpt = False) -> None:
+    _set_booking(db, booking_id, "released", as_json)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The app factory: ``create_app(settings, runtime=None)``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+
+from orchestrator.api.deps import Ctx
+from orchestrator.api.errors import error_response, install_handlers
+from orchestrator.api.routes import bookings, confirmations, health, mutations, plans, runs
+from orchestrator.runtime import NullRuntime, RunRuntime
+from orchestrator.settings import Settings
+from orchestrator.store import Store
+from stages.errors import ErrorCode
+
+API_VERSION = "1.0.0"
+
+
+def create_app(settings: Settings, runtime: RunRuntime | None = None,
+               store: Store | None = None) -> FastAPI:
+    store = store or Store(settings.db_path, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+    rt: RunRuntime = runtime if runtime is not None else NullRuntime(store, settings.var_dir)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        rt.start()
+        try:
+            yield
+        finally:
+            rt.stop()
+            store.close()
+
+    app = FastAPI(title="ito-train API", version=API_VERSION, lifespan=lifespan,
+                  description="Canonical API of the ito-train backend. Every response is an "
+                              "envelope {ok, live_api_contacted, notice, data | error}.")
+    app.state.ctx = Ctx(settings, store, rt)
+    install_handlers(app)
+
+    @app.middleware("http")
+    async def _body_cap(request: Request,
+                        call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit()
+                                   or int(length) > settings.max_body_bytes):
+            return error_response(ErrorCode.payload_too_large,
+                                  f"request body exceeds {settings.max_body_bytes} bytes")
+        return await call_next(request)
+
+    for module in (health, bookings, confirmations, plans, runs, mutations):
+        app.include_router(module.router)
+    return app

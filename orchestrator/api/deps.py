@@ -1,0 +1,121 @@
+"""Request plumbing shared by the routes: app context, gate trail, views."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from orchestrator.auth import Principal, authenticate, sha256_hex
+from orchestrator.bookings import iso
+from orchestrator.runtime import RunRuntime
+from orchestrator.settings import Settings
+from orchestrator.store import Row, Store
+from stages.errors import ErrorCode, ItoError
+
+T = TypeVar("T")
+bearer = HTTPBearer(auto_error=False, description="itok_<key_id>_<secret>")
+IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9._:-]{8,128}$")
+
+
+@dataclass
+class Ctx:
+    settings: Settings
+    store: Store
+    runtime: RunRuntime
+
+
+def ctx(request: Request) -> Ctx:
+    c: Ctx = request.app.state.ctx
+    return c
+
+
+@dataclass
+class Gates:
+    """Runs gates in order and records each decision as an audit row (ids and codes only).
+
+    The rows are written in one transaction when the request ends."""
+
+    store: Store
+    action: str
+    booking_id: str | None = None
+    run_id: str | None = None
+    principal: Principal | None = None
+    rows: list[Row] = field(default_factory=list)
+
+    def __enter__(self) -> Gates:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.store.audit(self.rows)
+
+    def record(self, gate: str, ok: bool, code: str | None = None) -> None:
+        self.rows.append({
+            "ts": time.time(), "account_id": self.principal.account_id if self.principal else None,
+            "key_id": self.principal.key_id if self.principal else None, "action": self.action,
+            "gate": gate, "outcome": "pass" if ok else "fail", "code": code,
+            "booking_id": self.booking_id, "run_id": self.run_id})
+
+    def check(self, gate: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        try:
+            result = fn(*args, **kwargs)
+        except ItoError as e:
+            self.record(gate, False, str(e.code))
+            raise
+        self.record(gate, True)
+        return result
+
+    def auth(self, creds: HTTPAuthorizationCredentials | None, scope: str) -> Principal:
+        def _auth() -> Principal:
+            header = f"Bearer {creds.credentials}" if creds else None
+            p = authenticate(self.store, header)
+            self.principal = p
+            p.require(scope)
+            return p
+        return self.check("auth", _auth)
+
+
+def idempotency_key(value: str | None) -> str:
+    if not value:
+        raise ItoError(ErrorCode.idempotency_key_missing, "an Idempotency-Key header is required")
+    if not IDEMPOTENCY_KEY.match(value):
+        raise ItoError(ErrorCode.idempotency_key_invalid,
+                       "Idempotency-Key must be 8-128 characters of [A-Za-z0-9._:-]")
+    return value
+
+
+def fingerprint(*parts: str | None) -> str:
+    """What makes two requests "the same" for idempotency."""
+    return sha256_hex(json.dumps([p or "" for p in parts]))
+
+
+def _loads(value: str | None) -> Any:
+    return None if value is None else json.loads(value)
+
+
+def run_view(store: Store, run: Row) -> dict[str, Any]:
+    account = store.account(run["account_id"])
+    return {
+        "run_id": run["run_id"], "booking_id": run["booking_id"],
+        "account": account["name"] if account else None,
+        "manifest_id": run["manifest_id"], "manifest_digest": run["manifest_digest"],
+        "idempotency_key": run["idempotency_key"], "state": run["state"],
+        "state_reason": run["state_reason"], "created_at": iso(run["created_at"]),
+        "updated_at": iso(run["updated_at"]), "cost_estimate_usd": run["cost_estimate_usd"],
+        "stage_gates": [
+            {"stage": g["stage"], "status": g["status"], "reason": g["reason"],
+             "metrics": json.loads(g["metrics"]), "error_code": g["error_code"]}
+            for g in store.list_stage_gates(run["run_id"])],
+        "proposals": [
+            {"proposal_id": p["proposal_id"], "action": p["action"],
+             "description": p["description"], "params": json.loads(p["params"]),
+             "status": p["status"]}
+            for p in store.list_proposals(run["run_id"])],
+        "plan": _loads(run["plan"]), "data_prep": _loads(run["data_prep"]),
+    }

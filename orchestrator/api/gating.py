@@ -1,0 +1,37 @@
+"""The gates shared by plan, confirm and submit: booking, manifest, validation."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from orchestrator.api.deps import Ctx, Gates
+from orchestrator.auth import Principal
+from orchestrator.bookings import check_eligibility
+from orchestrator.costing import CostEstimate
+from orchestrator.manifest import ParsedManifest, decode_b64, parse_manifest
+from orchestrator.validation import validate
+
+
+def booking_gate(g: Gates, c: Ctx, p: Principal, booking_id: str) -> dict[str, Any]:
+    g.booking_id = booking_id
+    return g.check("booking", check_eligibility, c.store, booking_id, p.account_id,
+                   c.settings.eligibility_ttl_s)
+
+
+def manifest_gate(g: Gates, c: Ctx, manifest_b64: str,
+                  manifest_digest: str | None) -> ParsedManifest:
+    def _gate() -> ParsedManifest:
+        raw = decode_b64(manifest_b64, c.settings.max_manifest_bytes)
+        return parse_manifest(raw, manifest_digest)
+    return g.check("manifest", _gate)
+
+
+def validation_gate(g: Gates, c: Ctx, parsed: ParsedManifest,
+                    eligibility: dict[str, Any]) -> tuple[dict[str, Any], CostEstimate]:
+    remaining_h = (eligibility["_term_end_ts"] - time.time()) / 3600.0
+    return g.check("validation", validate, c.settings, parsed.model, eligibility, remaining_h)
+
+
+def public(eligibility: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in eligibility.items() if not k.startswith("_")}

@@ -1,0 +1,192 @@
+"""Runs: submit (every gate, then one transaction), read, logs, metrics, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import time
+from dataclasses import replace
+from typing import Any
+
+from fastapi import APIRouter, Depends, Header, Query
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials
+
+from orchestrator import confirmations
+from orchestrator.api.deps import (
+    Ctx,
+    Gates,
+    bearer,
+    ctx,
+    fingerprint,
+    idempotency_key,
+    run_view,
+)
+from orchestrator.api.envelope import Envelope, ok
+from orchestrator.api.gating import booking_gate, manifest_gate, validation_gate
+from orchestrator.api.models import RunRequest
+from orchestrator.auth import Principal
+from orchestrator.bookings import iso
+from orchestrator.metrics_view import run_metrics
+from orchestrator.runs import RunState
+from orchestrator.store import Row, new_id
+from stages.errors import ErrorCode, ItoError
+
+log = logging.getLogger("ito.api")
+router = APIRouter(tags=["runs"])
+
+
+def _replay(c: Ctx, run: Row, request_sha: str) -> JSONResponse:
+    if run["request_sha256"] != request_sha:
+        raise ItoError(ErrorCode.idempotency_conflict,
+                       "this Idempotency-Key was used for a different request")
+    return ok({**run_view(c.store, run), "replayed": True},
+              notice=f"replayed: run {run['run_id']} already exists for this key")
+
+
+@router.post("/v1/runs", response_model=Envelope)
+def submit_run(body: RunRequest, creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+               key_header: str | None = Header(default=None, alias="Idempotency-Key"),
+               c: Ctx = Depends(ctx)) -> JSONResponse:
+    store = c.store
+    with Gates(store, "train", booking_id=body.booking_id) as g:
+        p = g.auth(creds, "runs:write")
+        key = g.check("idempotency_key", idempotency_key, key_header)
+        request_sha = fingerprint("train", body.booking_id, body.manifest_digest.lower(),
+                                  confirmations.ref_hash(body.confirmation_ref))
+        # A retry after a lost response must find its run even though the one-time
+        # gates (confirmation) were spent on the first attempt.
+        existing = store.run_by_key(p.account_id, key)
+        if existing is not None:
+            g.run_id = existing["run_id"]
+            return g.check("idempotency", _replay, c, existing, request_sha)
+        try:
+            row = _gated_create(c, g, p, body, key, request_sha)
+        except ItoError as e:
+            if e.code != ErrorCode.confirmation_consumed:
+                raise
+            # A concurrent request with the same key may have consumed it for this run.
+            existing = store.run_by_key(p.account_id, key)
+            if existing is None:
+                raise
+            return g.check("idempotency", _replay, c, existing, request_sha)
+        g.run_id = row["run_id"]
+        if row.get("_replayed"):
+            return g.check("idempotency", _replay, c, row, request_sha)
+        g.record("run_created", True)
+    try:
+        c.runtime.submit(row["run_id"])
+    except Exception:  # the run is committed; the runtime reconciles accepted runs
+        log.exception("runtime.submit failed for %s", row["run_id"])
+    return ok({**run_view(store, store.get_run(row["run_id"])), "replayed": False},
+              notice=f"run {row['run_id']} accepted")
+
+
+def _gated_create(c: Ctx, g: Gates, p: Principal, body: RunRequest, key: str,
+                  request_sha: str) -> Row:
+    store = c.store
+    eligibility = booking_gate(g, c, p, body.booking_id)
+    parsed = manifest_gate(g, c, body.manifest_b64, body.manifest_digest)
+    expect = confirmations.Expect(account_id=p.account_id, action="train",
+                                  booking_id=body.booking_id, manifest_digest=parsed.digest)
+    conf = g.check("confirmation", confirmations.resolve, store, body.confirmation_ref, expect)
+    g.record("idempotency", True)
+    _report, cost = validation_gate(g, c, parsed, eligibility)
+    expect = replace(expect, cost_usd=cost.total_usd)
+    g.check("confirmation_cost", confirmations.check, conf, expect)
+    now = time.time()
+    run: Row = {
+        "run_id": new_id("run"), "account_id": p.account_id, "booking_id": body.booking_id,
+        "manifest_id": parsed.manifest_id, "manifest_digest": parsed.digest,
+        "manifest_json": parsed.raw.decode("utf-8"), "idempotency_key": key,
+        "request_sha256": request_sha, "state": str(RunState.accepted),
+        "state_reason": "all gates passed", "cost_estimate_usd": cost.total_usd,
+        "plan": None, "data_prep": None, "created_at": now, "updated_at": now,
+    }
+
+    def create(conn: sqlite3.Connection) -> Row:
+        # Under the write lock: the key first (a same-key twin wins as a replay), then
+        # the confirmation, consumed in the same transaction that inserts the run.
+        twin = store.run_by_key(p.account_id, key, conn)
+        if twin is not None:
+            return {**twin, "_replayed": True}
+        confirmations.consume(store, conn, body.confirmation_ref, expect, by=run["run_id"])
+        store.insert_run(conn, run)
+        conn.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message) VALUES "
+                     "(?, NULL, ?, 'info', 'orchestrator', ?)",
+                     (run["run_id"], now, f"accepted: {parsed.manifest_id}, estimated "
+                      f"${cost.total_usd:,.2f} ({cost.method})"))
+        return run
+
+    result: Row = g.check("commit", store.write, create)
+    return result
+
+
+@router.get("/v1/runs", response_model=Envelope)
+def find_runs(idempotency_key: str = Query(max_length=128),
+              creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+              c: Ctx = Depends(ctx)) -> JSONResponse:
+    with Gates(c.store, "read") as g:
+        p = g.auth(creds, "runs:read")
+    run = c.store.run_by_key(p.account_id, idempotency_key)
+    return ok({"runs": [run_view(c.store, run)] if run else []})
+
+
+def _read_run(c: Ctx, creds: HTTPAuthorizationCredentials | None, run_id: str) -> Row:
+    with Gates(c.store, "read", run_id=run_id) as g:
+        p = g.auth(creds, "runs:read")
+    return c.store.get_run(run_id, p.account_id)
+
+
+@router.get("/v1/runs/{run_id}", response_model=Envelope)
+def get_run(run_id: str, creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+            c: Ctx = Depends(ctx)) -> JSONResponse:
+    run = _read_run(c, creds, run_id)
+    return ok(run_view(c.store, run), notice=f"run {run_id} is {run['state']}")
+
+
+@router.get("/v1/runs/{run_id}/logs", response_model=Envelope)
+def get_logs(run_id: str, cursor: str | None = Query(default=None, max_length=32),
+             limit: int = Query(default=200, ge=1, le=1000),
+             creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+             c: Ctx = Depends(ctx)) -> JSONResponse:
+    _read_run(c, creds, run_id)
+    after = 0
+    if cursor:
+        if not cursor.isdigit():
+            raise ItoError(ErrorCode.bad_request, "invalid cursor")
+        after = int(cursor)
+    rows = c.store.list_logs(run_id, after, min(limit, c.settings.logs_page_max))
+    entries = [{"seq": r["seq"], "ts": r["ts"], "level": r["level"], "stage": r["stage"],
+                "message": r["message"]} for r in rows]
+    next_cursor = str(rows[-1]["log_id"]) if rows else str(after)
+    return ok({"entries": entries, "next_cursor": next_cursor})
+
+
+@router.get("/v1/runs/{run_id}/metrics", response_model=Envelope)
+def get_metrics(run_id: str, creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+                c: Ctx = Depends(ctx)) -> JSONResponse:
+    _read_run(c, creds, run_id)
+    provider = getattr(c.runtime, "metrics", None)
+    data: dict[str, Any] = provider(run_id) if callable(provider) else run_metrics(
+        c.store, run_id)
+    return ok(data)
+
+
+@router.get("/v1/runs/{run_id}/checkpoints", response_model=Envelope)
+def get_checkpoints(run_id: str, creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+                    c: Ctx = Depends(ctx)) -> JSONResponse:
+    _read_run(c, creds, run_id)
+    rows = c.store.list_checkpoints(run_id)
+    return ok({"checkpoints": [{
+        "step": r["step"], "path": r["path"], "bytes": r["bytes"],
+        "blocking_s": r["blocking_s"], "total_s": r["total_s"],
+        "bytes_per_s": r["bytes"] / r["total_s"] if r["total_s"] > 0 else None,
+        "created_at": iso(r["created_at"])} for r in rows]})
+
+
+def manifest_of(run: Row) -> dict[str, Any]:
+    """The stored (secret-free) manifest of a run, for the runtime."""
+    data: dict[str, Any] = json.loads(run["manifest_json"])
+    return data

@@ -1,0 +1,114 @@
+"""The booking registry (fed by ito-compute; here by ``ito-backend bookings add``)
+and the eligibility gate.
+
+Eligibility is computed fresh from the registry on every request and bound to
+account, booking, topology, region, fabric and term. Node IPs, SSH access, quotes
+or a client's memory are never proof of a booking.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from orchestrator.store import Store
+from stages.errors import ErrorCode, ItoError
+
+
+def iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def parse_iso(value: str) -> float:
+    dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    if dt.tzinfo is None:
+        raise ValueError("times need a timezone (e.g. Z)")
+    return dt.timestamp()
+
+
+class BookingFile(BaseModel):
+    """One booking as ito-compute hands it over. Topology/region/fabric may be missing
+    (an incomplete booking is registered, then refused at the gate)."""
+
+    model_config = ConfigDict(extra="forbid")
+    booking_id: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
+    account: str = Field(min_length=1, max_length=128)
+    gpu_sku: str | None = Field(default=None, max_length=64)
+    gpus_per_node: int | None = Field(default=None, gt=0, le=1024)
+    node_count: int | None = Field(default=None, gt=0, le=100_000)
+    region: str | None = Field(default=None, max_length=64)
+    fabric: str | None = Field(default=None, max_length=64)
+    term_start: str
+    term_end: str
+
+    @field_validator("term_start", "term_end")
+    @classmethod
+    def _iso(cls, v: str) -> str:
+        parse_iso(v)
+        return v
+
+
+def add_booking(store: Store, booking: BookingFile) -> dict[str, Any]:
+    account = store.account_by_name(booking.account)
+    if account is None:
+        raise ItoError(ErrorCode.not_found, f"no account {booking.account!r}")
+    start, end = parse_iso(booking.term_start), parse_iso(booking.term_end)
+    if end <= start:
+        raise ItoError(ErrorCode.bad_request, "term_end must be after term_start")
+    row = booking.model_dump()
+    row.update(account_id=account["account_id"], term_start=start, term_end=end)
+    store.add_booking(row)
+    return booking_view(store, booking.booking_id)
+
+
+def booking_view(store: Store, booking_id: str) -> dict[str, Any]:
+    row = store.booking(booking_id)
+    if row is None:
+        raise ItoError(ErrorCode.booking_not_found, f"no booking {booking_id}")
+    account = store.account(row["account_id"])
+    return {
+        "booking_id": row["booking_id"],
+        "account": account["name"] if account else None,
+        "gpu_sku": row["gpu_sku"], "gpus_per_node": row["gpus_per_node"],
+        "node_count": row["node_count"], "region": row["region"], "fabric": row["fabric"],
+        "term_start": iso(row["term_start"]), "term_end": iso(row["term_end"]),
+        "state": row["state"],
+    }
+
+
+def check_eligibility(store: Store, booking_id: str, account_id: str,
+                      ttl_s: int, now: float | None = None) -> dict[str, Any]:
+    """Fail closed, each reason its own code; else fresh eligibility bound to the booking."""
+    now = time.time() if now is None else now
+    row = store.booking(booking_id)
+    if row is None:
+        raise ItoError(ErrorCode.booking_not_found, f"no booking {booking_id}")
+    if row["account_id"] != account_id:
+        raise ItoError(ErrorCode.booking_account_mismatch,
+                       "this booking belongs to another account")
+    if row["state"] == "revoked":
+        raise ItoError(ErrorCode.booking_revoked, "this booking was revoked")
+    if row["state"] == "released":
+        raise ItoError(ErrorCode.booking_released, "this booking was released")
+    missing = [k for k in ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")
+               if row[k] in (None, "")]
+    if missing:
+        raise ItoError(ErrorCode.booking_incomplete,
+                       f"booking lacks {', '.join(missing)}")
+    if now < row["term_start"]:
+        raise ItoError(ErrorCode.booking_not_started,
+                       f"booking term starts at {iso(row['term_start'])}")
+    if now >= row["term_end"]:
+        raise ItoError(ErrorCode.booking_expired, f"booking term ended at {iso(row['term_end'])}")
+    view = booking_view(store, booking_id)
+    view.pop("state")
+    return {
+        **view, "eligible": True, "checked_at": iso(now),
+        "valid_until": iso(min(now + ttl_s, row["term_end"])),
+        "_term_end_ts": row["term_end"],
+    }

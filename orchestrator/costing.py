@@ -1,0 +1,96 @@
+"""Cost estimate of a run: booked GPUs x price per GPU-hour x estimated hours.
+
+Estimated hours use the 6·N·D rule (forward + backward FLOPs per token of the
+active parameters) at an assumed MFU until the planner supplies a measured step
+time; ``estimate_cost(step_time_s=...)`` then replaces the FLOP bound.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from stages.errors import ErrorCode, ItoError
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def gpu_profile(configs_dir: Path, sku: str) -> dict[str, Any]:
+    """``configs/gpus/<sku>.json``, or ``gpu_sku_unknown``."""
+    path = configs_dir / "gpus" / f"{sku}.json"
+    if "/" in sku or sku.startswith(".") or not path.is_file():
+        raise ItoError(ErrorCode.gpu_sku_unknown, f"unknown GPU SKU {sku!r}")
+    return read_json(path)
+
+
+def gpu_number(profile: dict[str, Any], *names: str) -> float | None:
+    """The first positive number under any of ``names`` (profiles evolve; read defensively)."""
+    for name in names:
+        value = profile.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return None
+
+
+def gpu_memory_bytes(profile: dict[str, Any]) -> float | None:
+    gib = gpu_number(profile, "memory_gib", "hbm_gib", "memory_gb")
+    return None if gib is None else gib * 2**30
+
+
+def gpu_bf16_flops(profile: dict[str, Any]) -> float | None:
+    tflops = gpu_number(profile, "bf16_tflops", "peak_bf16_tflops", "bf16_peak_tflops")
+    return None if tflops is None else tflops * 1e12
+
+
+def price_per_gpu_hour(configs_dir: Path, sku: str) -> float:
+    prices = read_json(configs_dir / "pricing.json").get("usd_per_gpu_hour", {})
+    value = prices.get(sku) if isinstance(prices, dict) else None
+    if not isinstance(value, int | float) or value < 0:
+        raise ItoError(ErrorCode.gpu_sku_unknown, f"no price for GPU SKU {sku!r}")
+    return float(value)
+
+
+def estimate_hours(*, active_params: int, tokens: int, gpus: int, peak_flops: float,
+                   mfu: float) -> float:
+    """6·N·D / (GPUs · peak · MFU), in hours."""
+    return 6.0 * active_params * tokens / (gpus * peak_flops * mfu) / 3600.0
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    gpus: int
+    usd_per_gpu_hour: float
+    tokens: int
+    hours: float
+    total_usd: float
+    # Hours past the booking's remaining term, priced at the same rate.
+    incremental_usd: float
+    method: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def estimate_cost(*, gpus: int, usd_per_gpu_hour: float, tokens: int, active_params: int,
+                  peak_flops: float, mfu: float, remaining_term_h: float,
+                  step_time_s: float | None = None, steps: int | None = None) -> CostEstimate:
+    """The run's cost; with ``step_time_s`` and ``steps`` (from the planner) the FLOP
+    bound is replaced by the measured/modelled step time."""
+    if step_time_s is not None and steps is not None:
+        hours, method = step_time_s * steps / 3600.0, "planner_step_time"
+    else:
+        hours = estimate_hours(active_params=active_params, tokens=tokens, gpus=gpus,
+                               peak_flops=peak_flops, mfu=mfu)
+        method = f"6ND at {mfu:.0%} MFU"
+    total = gpus * usd_per_gpu_hour * hours
+    incremental = gpus * usd_per_gpu_hour * max(0.0, hours - max(0.0, remaining_term_h))
+    return CostEstimate(gpus, usd_per_gpu_hour, tokens, hours, round(total, 6),
+                        round(incremental, 6), method)

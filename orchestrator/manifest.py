@@ -1,0 +1,194 @@
+"""The training manifest: a strict model, a digest of its exact bytes, a secret scan.
+
+The scan runs over the decoded JSON before the model sees it (so no validation
+message can echo a secret) and refuses anything that looks like a credential. A
+refused secret is never echoed: messages name only a sanitised JSON path and the
+kind of finding.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from stages.base import StrictModel
+from stages.checkpointing.config import CheckpointPolicy
+from stages.curriculum.config import CurriculumConfig
+from stages.data_prep.config import DataPrepConfig, DataRef
+from stages.errors import ErrorCode, ItoError
+from stages.post_training.config import PostTrainingConfig
+from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget
+
+
+class Budget(StrictModel):
+    ceiling_usd: float = Field(gt=0, description="estimated cost of the run must not exceed it")
+    max_incremental_cost_usd: float = Field(
+        ge=0, description="spend beyond what the booking's remaining term already covers")
+
+
+class Manifest(StrictModel):
+    manifest_version: Literal[1]
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    model: ModelSpec
+    data: DataPrepConfig
+    training: TrainingTarget
+    curriculum: CurriculumConfig
+    post_training: PostTrainingConfig = Field(default_factory=PostTrainingConfig)
+    budget: Budget
+    checkpoint: CheckpointPolicy
+    loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig)
+
+    def data_refs(self) -> list[tuple[str, DataRef]]:
+        """Every data reference in the manifest, with where it sits."""
+        refs = [(f"data.refs[{i}]", r) for i, r in enumerate(self.data.refs)]
+        for stage in ("sft", "dpo", "rlvr"):
+            cfg = getattr(self.post_training, stage)
+            if cfg is not None:
+                refs.append((f"post_training.{stage}.data", cfg.data))
+        return refs
+
+
+def digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+def manifest_id(manifest_digest: str) -> str:
+    return "mf_" + manifest_digest[:24]
+
+
+# --- secret scan --------------------------------------------------------------------
+_SECRET_KEY = re.compile(
+    r"pass(word|wd|phrase)?$|^pwd$|secret|credential|api[_-]?key|access[_-]?key|"
+    r"private[_-]?key|auth[_-]?token|(^|[_-])token$|^bearer$|session[_-]?key|cookie",
+    re.IGNORECASE)
+_SECRET_VALUES: list[tuple[str, re.Pattern[str]]] = [
+    ("api_key", re.compile(r"\bsk-[A-Za-z0-9_-]{12,}")),
+    ("api_key", re.compile(r"\b(ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{20,}")),
+    ("api_key", re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}")),
+    ("api_key", re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")),
+    ("api_key", re.compile(r"\bitok_[A-Za-z0-9_-]{8,}")),
+    ("api_key", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{8,}")),
+    ("api_key", re.compile(r"\bhf_[A-Za-z0-9]{20,}")),
+    ("api_key", re.compile(r"\bglpat-[A-Za-z0-9_-]{16,}")),
+    ("api_key", re.compile(r"\bAIza[0-9A-Za-z_-]{30,}")),
+    ("bearer_token", re.compile(r"\bbearer\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)),
+    ("private_key", re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")),
+    ("uri_credentials", re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s@:]*:[^/\s@]*@")),
+]
+_SAFE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+@dataclass(frozen=True)
+class SecretFinding:
+    path: str
+    kind: str
+
+
+def _value_kind(text: str) -> str | None:
+    for kind, pattern in _SECRET_VALUES:
+        if pattern.search(text):
+            return kind
+    return None
+
+
+def _safe_key(key: str) -> str:
+    return key if _SAFE_KEY.match(key) and _value_kind(key) is None else "?"
+
+
+def find_secrets(node: Any, path: str = "$") -> list[SecretFinding]:
+    """Secret-shaped keys and values anywhere in decoded JSON (paths are sanitised)."""
+    found: list[SecretFinding] = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            sub = f"{path}.{_safe_key(key)}"
+            if _SECRET_KEY.search(key):
+                found.append(SecretFinding(sub, "secret_field"))
+            elif _value_kind(key):
+                found.append(SecretFinding(sub, "secret_in_key"))
+            found.extend(find_secrets(value, sub))
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            found.extend(find_secrets(item, f"{path}[{i}]"))
+    elif isinstance(node, str):
+        kind = _value_kind(node)
+        if kind:
+            found.append(SecretFinding(path, kind))
+    return found
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        # Two readers of an ambiguous manifest could disagree on what was reviewed.
+        raise ItoError(ErrorCode.manifest_invalid, "manifest has a duplicated key")
+    return dict(pairs)
+
+
+def _safe_errors(e: ValidationError) -> tuple[ErrorCode, str]:
+    """Validation messages from location and message only: never the input value."""
+    parts, code = [], ErrorCode.manifest_invalid
+    for err in e.errors(include_input=False, include_url=False)[:5]:
+        loc = ".".join(str(x) if isinstance(x, int) or _SAFE_KEY.match(str(x)) else "?"
+                       for x in err["loc"])
+        if err["type"] == "missing" and err["loc"] and err["loc"][-1] == "provenance":
+            code = ErrorCode.data_provenance_missing
+        parts.append(f"{loc or '$'}: {err['msg']}")
+    return code, "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class ParsedManifest:
+    raw: bytes
+    digest: str
+    manifest_id: str
+    model: Manifest
+
+
+def decode_b64(manifest_b64: str, max_bytes: int) -> bytes:
+    if len(manifest_b64) > (max_bytes * 4) // 3 + 8:
+        raise ItoError(ErrorCode.manifest_too_large, f"manifest exceeds {max_bytes} bytes")
+    try:
+        raw = base64.b64decode(manifest_b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise ItoError(ErrorCode.manifest_invalid, "manifest_b64 is not valid base64") from None
+    if len(raw) > max_bytes:
+        raise ItoError(ErrorCode.manifest_too_large, f"manifest exceeds {max_bytes} bytes")
+    return raw
+
+
+def parse_manifest(raw: bytes, claimed_digest: str | None = None) -> ParsedManifest:
+    """Digest check, secret scan, then the strict model. Each failure its own code."""
+    actual = digest(raw)
+    if claimed_digest is not None and claimed_digest.lower() != actual:
+        raise ItoError(ErrorCode.manifest_digest_mismatch,
+                       "manifest_digest does not match the sha256 of the manifest bytes")
+    try:
+        text = raw.decode("utf-8")
+        tree = json.loads(text, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ItoError(ErrorCode.manifest_invalid, "manifest is not UTF-8 JSON") from None
+    # Also scan the raw text: a secret split across escapes still shows up decoded,
+    # and one in an invalid field never reaches the model.
+    findings = find_secrets(tree)
+    if not findings and _value_kind(text):
+        findings = [SecretFinding("$", _value_kind(text) or "secret")]
+    if findings:
+        where = ", ".join(f"{f.path} ({f.kind})" for f in findings[:5])
+        raise ItoError(ErrorCode.manifest_contains_secret,
+                       f"manifest refused: secret-like content at {where}; "
+                       "reference secrets through the platform, never inline")
+    if not isinstance(tree, dict):
+        raise ItoError(ErrorCode.manifest_invalid, "manifest must be a JSON object")
+    try:
+        model = Manifest.model_validate_json(raw)
+    except ValidationError as e:
+        code, message = _safe_errors(e)
+        raise ItoError(code, f"manifest invalid: {message}") from None
+    return ParsedManifest(raw, actual, manifest_id(actual), model)

@@ -1,0 +1,148 @@
+"""The store's versioned schema: ordered migrations, each applied once, in order.
+
+A migration is appended, never edited: ``schema_version`` records the highest
+applied number, and a database newer than this code refuses to open.
+"""
+
+from __future__ import annotations
+
+MIGRATIONS: list[str] = [
+    # 1: accounts, keys, bookings, confirmations, runs, idempotency, events, audit.
+    """
+    CREATE TABLE accounts (
+        account_id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        created_at REAL NOT NULL
+    );
+    CREATE TABLE api_keys (
+        key_id TEXT PRIMARY KEY,
+        account_id TEXT NOT NULL REFERENCES accounts(account_id),
+        key_sha256 TEXT NOT NULL UNIQUE,
+        scopes TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        revoked_at REAL
+    );
+    CREATE TABLE bookings (
+        booking_id TEXT PRIMARY KEY,
+        account_id TEXT NOT NULL REFERENCES accounts(account_id),
+        gpu_sku TEXT,
+        gpus_per_node INTEGER,
+        node_count INTEGER,
+        region TEXT,
+        fabric TEXT,
+        term_start REAL NOT NULL,
+        term_end REAL NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('active', 'revoked', 'released')),
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE TABLE confirmations (
+        ref_sha256 TEXT PRIMARY KEY,
+        account_id TEXT NOT NULL,
+        action TEXT NOT NULL,
+        booking_id TEXT NOT NULL,
+        manifest_digest TEXT,
+        run_id TEXT,
+        proposal_id TEXT,
+        cost_usd REAL NOT NULL,
+        created_by_key TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        consumed_at REAL,
+        consumed_by TEXT
+    );
+    CREATE TABLE runs (
+        run_id TEXT PRIMARY KEY,
+        account_id TEXT NOT NULL,
+        booking_id TEXT NOT NULL,
+        manifest_id TEXT NOT NULL,
+        manifest_digest TEXT NOT NULL,
+        manifest_json TEXT NOT NULL,
+        idempotency_key TEXT NOT NULL,
+        request_sha256 TEXT NOT NULL,
+        state TEXT NOT NULL,
+        state_reason TEXT NOT NULL DEFAULT '',
+        cost_estimate_usd REAL NOT NULL,
+        plan TEXT,
+        data_prep TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        UNIQUE (account_id, idempotency_key)
+    );
+    CREATE INDEX runs_state ON runs(state);
+    CREATE TABLE idempotency (
+        account_id TEXT NOT NULL,
+        idempotency_key TEXT NOT NULL,
+        request_sha256 TEXT NOT NULL,
+        action TEXT NOT NULL,
+        target TEXT NOT NULL,
+        response TEXT,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (account_id, idempotency_key)
+    );
+    CREATE TABLE run_events (
+        run_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        ts REAL NOT NULL,
+        kind TEXT NOT NULL,
+        payload TEXT NOT NULL,
+        PRIMARY KEY (run_id, seq)
+    );
+    CREATE TABLE logs (
+        log_id INTEGER PRIMARY KEY AUTOINCREMENT,
+        run_id TEXT NOT NULL,
+        seq INTEGER,
+        ts REAL NOT NULL,
+        level TEXT NOT NULL,
+        stage TEXT NOT NULL,
+        message TEXT NOT NULL
+    );
+    CREATE INDEX logs_run ON logs(run_id, log_id);
+    CREATE TABLE checkpoints (
+        run_id TEXT NOT NULL,
+        step INTEGER NOT NULL,
+        path TEXT NOT NULL,
+        bytes INTEGER NOT NULL,
+        blocking_s REAL NOT NULL,
+        total_s REAL NOT NULL,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (run_id, step)
+    );
+    CREATE TABLE stage_gates (
+        run_id TEXT NOT NULL,
+        stage TEXT NOT NULL,
+        status TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        metrics TEXT NOT NULL,
+        artifacts TEXT NOT NULL,
+        error_code TEXT,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (run_id, stage)
+    );
+    CREATE TABLE proposals (
+        run_id TEXT NOT NULL,
+        proposal_id TEXT NOT NULL,
+        action TEXT NOT NULL,
+        description TEXT NOT NULL,
+        params TEXT NOT NULL,
+        status TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        decided_at REAL,
+        PRIMARY KEY (run_id, proposal_id)
+    );
+    CREATE TABLE audit_events (
+        audit_id INTEGER PRIMARY KEY AUTOINCREMENT,
+        ts REAL NOT NULL,
+        account_id TEXT,
+        key_id TEXT,
+        action TEXT NOT NULL,
+        gate TEXT NOT NULL,
+        outcome TEXT NOT NULL CHECK (outcome IN ('pass', 'fail')),
+        code TEXT,
+        booking_id TEXT,
+        run_id TEXT
+    );
+    """,
+]
+
+SCHEMA_VERSION = len(MIGRATIONS)

@@ -1,0 +1,34 @@
+"""Settings of the API server and the admin CLI: every limit and timeout is named here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.presets import configs_dir
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    db_path: Path
+    # Scratch space of runs (``<var_dir>/runs/<run_id>``); cleanup removes it.
+    var_dir: Path = Path("/tmp/ito-var")
+    configs_dir: Path = Field(default_factory=configs_dir)
+    # Checkpoint storage must resolve inside one of these; empty means any absolute path.
+    checkpoint_roots: tuple[Path, ...] = ()
+    allowed_data_schemes: tuple[str, ...] = ("file",)
+    # SQLite waits this long for a write lock before ``database is locked``.
+    sqlite_busy_timeout_ms: int = Field(default=10_000, gt=0)
+    confirmation_ttl_default_s: int = Field(default=600, gt=0)
+    confirmation_ttl_max_s: int = Field(default=900, gt=0)
+    # An eligibility answer is fresh for this long (and never past the term end).
+    eligibility_ttl_s: int = Field(default=60, gt=0)
+    # Upper bound on a manifest's bytes (the client caps it too).
+    max_manifest_bytes: int = Field(default=1 << 20, gt=0)
+    # Whole request bodies above this are refused before parsing.
+    max_body_bytes: int = Field(default=2 << 20, gt=0)
+    # Model FLOPs utilisation assumed by the cost estimate until the planner lands.
+    assumed_mfu: float = Field(default=0.4, gt=0, le=1)
+    logs_page_max: int = Field(default=1000, gt=0)

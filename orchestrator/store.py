@@ -1,0 +1,396 @@
+"""The embedded store: SQLite in WAL mode, one connection per thread.
+
+Only the API server process writes it. Every write is one explicit
+``BEGIN IMMEDIATE`` transaction, so a reader never sees half a mutation and two
+writers serialise on SQLite's lock (``busy_timeout`` bounds the wait). The
+supervisor calls ``ingest_events`` / ``transition`` / ``runs_in_states`` /
+``set_run_field``; the API calls the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from orchestrator.runs import RunState, check_transition
+from orchestrator.schema import MIGRATIONS, SCHEMA_VERSION
+from stages.errors import ErrorCode, ItoError
+from stages.events import Event
+
+Row = dict[str, Any]
+_EVENT = TypeAdapter(Event)
+RUN_FIELDS = ("plan", "data_prep")
+
+
+def new_id(prefix: str, nbytes: int = 8) -> str:
+    return f"{prefix}_{secrets.token_hex(nbytes)}"
+
+
+def _row(cur: sqlite3.Cursor, raw: tuple[Any, ...]) -> Row:
+    return {d[0]: v for d, v in zip(cur.description, raw, strict=True)}
+
+
+class Store:
+    def __init__(self, path: str | Path, *, busy_timeout_ms: int = 10_000):
+        self.path = str(path)
+        self.busy_timeout_ms = busy_timeout_ms
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._migrate()
+
+    # --- connections and transactions ------------------------------------------------
+    def _conn(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            # isolation_level=None: no implicit transactions; we BEGIN explicitly.
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                   timeout=self.busy_timeout_ms / 1000)
+            conn.row_factory = _row
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            # FULL: an acknowledged commit survives a power cut, not only a SIGKILL.
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            self._local.conn = conn
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; the write lock is taken at BEGIN, not at first write."""
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def read(self, sql: str, params: Iterable[Any] = ()) -> list[Row]:
+        return self._conn().execute(sql, tuple(params)).fetchall()
+
+    def read_one(self, sql: str, params: Iterable[Any] = ()) -> Row | None:
+        rows = self.read(sql, params)
+        return rows[0] if rows else None
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._all:
+                c.close()
+            self._all.clear()
+        self._local = threading.local()
+
+    def _migrate(self) -> None:
+        conn = self._conn()
+        conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        with self.tx() as c:
+            row = c.execute("SELECT version FROM schema_version").fetchone()
+            if row is None:
+                c.execute("INSERT INTO schema_version VALUES (0)")
+        version = self.schema_version()
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(f"database schema {version} is newer than this code "
+                               f"({SCHEMA_VERSION}); upgrade ito-train")
+        for number in range(version + 1, SCHEMA_VERSION + 1):
+            # executescript commits first, so the migration carries its own transaction.
+            conn.executescript(
+                "BEGIN IMMEDIATE;\n" + MIGRATIONS[number - 1]
+                + f"\nUPDATE schema_version SET version = {number};\nCOMMIT;")
+
+    def schema_version(self) -> int:
+        row = self.read_one("SELECT version FROM schema_version")
+        return int(row["version"]) if row else 0
+
+    # --- accounts and keys -----------------------------------------------------------
+    def create_account(self, name: str) -> Row:
+        row = {"account_id": new_id("acct"), "name": name, "created_at": time.time()}
+        with self.tx() as c:
+            if c.execute("SELECT 1 FROM accounts WHERE name = ?", (name,)).fetchone():
+                raise ItoError(ErrorCode.bad_request, f"account {name!r} already exists")
+            c.execute("INSERT INTO accounts VALUES (:account_id, :name, :created_at)", row)
+        return row
+
+    def account_by_name(self, name: str) -> Row | None:
+        return self.read_one("SELECT * FROM accounts WHERE name = ?", (name,))
+
+    def account(self, account_id: str) -> Row | None:
+        return self.read_one("SELECT * FROM accounts WHERE account_id = ?", (account_id,))
+
+    def insert_key(self, key_id: str, account_id: str, key_sha256: str,
+                   scopes: list[str]) -> None:
+        with self.tx() as c:
+            c.execute("INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, NULL)",
+                      (key_id, account_id, key_sha256, " ".join(sorted(scopes)), time.time()))
+
+    def key_by_hash(self, key_sha256: str) -> Row | None:
+        return self.read_one("SELECT * FROM api_keys WHERE key_sha256 = ?", (key_sha256,))
+
+    def revoke_key(self, key_id: str) -> bool:
+        with self.tx() as c:
+            cur = c.execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ? "
+                            "AND revoked_at IS NULL", (time.time(), key_id))
+            return cur.rowcount == 1
+
+    # --- bookings --------------------------------------------------------------------
+    def add_booking(self, b: Row) -> None:
+        now = time.time()
+        with self.tx() as c:
+            if c.execute("SELECT 1 FROM bookings WHERE booking_id = ?",
+                         (b["booking_id"],)).fetchone():
+                raise ItoError(ErrorCode.booking_exists, f"booking {b['booking_id']} exists")
+            c.execute(
+                "INSERT INTO bookings VALUES (:booking_id, :account_id, :gpu_sku, "
+                ":gpus_per_node, :node_count, :region, :fabric, :term_start, :term_end, "
+                "'active', :now, :now)", {**b, "now": now})
+
+    def booking(self, booking_id: str) -> Row | None:
+        return self.read_one("SELECT * FROM bookings WHERE booking_id = ?", (booking_id,))
+
+    def set_booking_state(self, booking_id: str, state: str,
+                          conn: sqlite3.Connection | None = None) -> None:
+        def apply(c: sqlite3.Connection) -> None:
+            cur = c.execute("UPDATE bookings SET state = ?, updated_at = ? "
+                            "WHERE booking_id = ?", (state, time.time(), booking_id))
+            if cur.rowcount != 1:
+                raise ItoError(ErrorCode.booking_not_found, f"no booking {booking_id}")
+        if conn is not None:
+            apply(conn)
+            return
+        with self.tx() as c:
+            apply(c)
+
+    # --- confirmations ---------------------------------------------------------------
+    def insert_confirmation(self, row: Row) -> None:
+        with self.tx() as c:
+            c.execute(
+                "INSERT INTO confirmations VALUES (:ref_sha256, :account_id, :action, "
+                ":booking_id, :manifest_digest, :run_id, :proposal_id, :cost_usd, "
+                ":created_by_key, :created_at, :expires_at, NULL, NULL)", row)
+
+    def confirmation(self, ref_sha256: str,
+                     conn: sqlite3.Connection | None = None) -> Row | None:
+        c = conn or self._conn()
+        return c.execute("SELECT * FROM confirmations WHERE ref_sha256 = ?",
+                         (ref_sha256,)).fetchone()
+
+    @staticmethod
+    def consume_confirmation(c: sqlite3.Connection, ref_sha256: str, by: str) -> None:
+        cur = c.execute("UPDATE confirmations SET consumed_at = ?, consumed_by = ? "
+                        "WHERE ref_sha256 = ? AND consumed_at IS NULL",
+                        (time.time(), by, ref_sha256))
+        if cur.rowcount != 1:
+            raise ItoError(ErrorCode.confirmation_consumed, "confirmation already used")
+
+    # --- runs ------------------------------------------------------------------------
+    def run_by_key(self, account_id: str, key: str,
+                   conn: sqlite3.Connection | None = None) -> Row | None:
+        c = conn or self._conn()
+        return c.execute("SELECT * FROM runs WHERE account_id = ? AND idempotency_key = ?",
+                         (account_id, key)).fetchone()
+
+    @staticmethod
+    def insert_run(c: sqlite3.Connection, run: Row) -> None:
+        c.execute(
+            "INSERT INTO runs (run_id, account_id, booking_id, manifest_id, manifest_digest, "
+            "manifest_json, idempotency_key, request_sha256, state, state_reason, "
+            "cost_estimate_usd, plan, data_prep, created_at, updated_at) VALUES (:run_id, "
+            ":account_id, :booking_id, :manifest_id, :manifest_digest, :manifest_json, "
+            ":idempotency_key, :request_sha256, :state, :state_reason, :cost_estimate_usd, "
+            ":plan, :data_prep, :created_at, :updated_at)", run)
+
+    def get_run(self, run_id: str, account_id: str | None = None) -> Row:
+        """The run; with ``account_id``, another tenant's run is ``run_not_found`` too."""
+        row = self.read_one("SELECT * FROM runs WHERE run_id = ?", (run_id,))
+        if row is None or (account_id is not None and row["account_id"] != account_id):
+            raise ItoError(ErrorCode.run_not_found, f"no run {run_id}")
+        return row
+
+    def runs_in_states(self, states: Iterable[RunState | str]) -> list[Row]:
+        wanted = [str(RunState(s)) for s in states]
+        if not wanted:
+            return []
+        marks = ",".join("?" * len(wanted))
+        return self.read(f"SELECT * FROM runs WHERE state IN ({marks}) ORDER BY created_at",
+                         wanted)
+
+    def transition(self, run_id: str, to_state: RunState | str, reason: str = "",
+                   conn: sqlite3.Connection | None = None) -> Row:
+        """Move a run along the one transition table; anything else is ``invalid_state``."""
+        def apply(c: sqlite3.Connection) -> Row:
+            row = c.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None:
+                raise ItoError(ErrorCode.run_not_found, f"no run {run_id}")
+            check_transition(row["state"], to_state)
+            now = time.time()
+            c.execute("UPDATE runs SET state = ?, state_reason = ?, updated_at = ? "
+                      "WHERE run_id = ?", (str(RunState(to_state)), reason, now, run_id))
+            c.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message) "
+                      "VALUES (?, NULL, ?, 'info', 'orchestrator', ?)",
+                      (run_id, now, f"state {row['state']} -> {RunState(to_state)}"
+                       + (f": {reason}" if reason else "")))
+            return {**row, "state": str(RunState(to_state)), "state_reason": reason,
+                    "updated_at": now}
+        if conn is not None:
+            return apply(conn)
+        with self.tx() as c:
+            return apply(c)
+
+    def set_run_field(self, run_id: str, **fields: Any) -> None:
+        """Store structured run facts (``plan=``, ``data_prep=``) as JSON."""
+        unknown = set(fields) - set(RUN_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown run fields: {sorted(unknown)}")
+        with self.tx() as c:
+            for name, value in fields.items():
+                cur = c.execute(f"UPDATE runs SET {name} = ?, updated_at = ? WHERE run_id = ?",
+                                (json.dumps(value), time.time(), run_id))
+                if cur.rowcount != 1:
+                    raise ItoError(ErrorCode.run_not_found, f"no run {run_id}")
+
+    # --- idempotency records of other mutations -------------------------------------
+    @staticmethod
+    def idempotency_record(c: sqlite3.Connection, account_id: str, key: str) -> Row | None:
+        return c.execute("SELECT * FROM idempotency WHERE account_id = ? AND "
+                         "idempotency_key = ?", (account_id, key)).fetchone()
+
+    def get_idempotency(self, account_id: str, key: str) -> Row | None:
+        return self.idempotency_record(self._conn(), account_id, key)
+
+    @staticmethod
+    def insert_idempotency(c: sqlite3.Connection, account_id: str, key: str,
+                           request_sha256: str, action: str, target: str,
+                           response: Any = None) -> None:
+        c.execute("INSERT INTO idempotency VALUES (?, ?, ?, ?, ?, ?, ?)",
+                  (account_id, key, request_sha256, action, target,
+                   None if response is None else json.dumps(response), time.time()))
+
+    def set_idempotency_response(self, account_id: str, key: str, response: Any) -> None:
+        with self.tx() as c:
+            c.execute("UPDATE idempotency SET response = ? WHERE account_id = ? AND "
+                      "idempotency_key = ?", (json.dumps(response), account_id, key))
+
+    # --- events and their derived tables ---------------------------------------------
+    def ingest_events(self, run_id: str, events: list[dict[str, Any]]) -> int:
+        """Persist driver events; idempotent on (run_id, seq). Returns how many were new."""
+        parsed: list[tuple[int, Any]] = []
+        for raw in events:
+            body = {k: v for k, v in raw.items() if k != "seq"}
+            try:
+                seq = int(raw["seq"])
+                parsed.append((seq, _EVENT.validate_python(body)))
+            except (KeyError, TypeError, ValueError, ValidationError) as e:
+                raise ItoError(ErrorCode.bad_request,
+                               f"malformed event for {run_id}: {type(e).__name__}") from None
+        added = 0
+        with self.tx() as c:
+            if not c.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone():
+                raise ItoError(ErrorCode.run_not_found, f"no run {run_id}")
+            for seq, ev in parsed:
+                cur = c.execute("INSERT OR IGNORE INTO run_events VALUES (?, ?, ?, ?, ?)",
+                                (run_id, seq, ev.ts, ev.kind, ev.model_dump_json()))
+                if cur.rowcount != 1:
+                    continue
+                added += 1
+                self._derive(c, run_id, seq, ev)
+        return added
+
+    @staticmethod
+    def _derive(c: sqlite3.Connection, run_id: str, seq: int, ev: Any) -> None:
+        if ev.kind == "log":
+            c.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message) "
+                      "VALUES (?, ?, ?, ?, ?, ?)",
+                      (run_id, seq, ev.ts, ev.level, ev.stage, ev.message))
+        elif ev.kind == "checkpoint":
+            c.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)",
+                      (run_id, ev.step, ev.path, ev.bytes, ev.blocking_s, ev.total_s, ev.ts))
+        elif ev.kind == "stage_result":
+            o = ev.outcome
+            c.execute("INSERT OR REPLACE INTO stage_gates VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                      (run_id, str(o.get("stage") or ev.stage), str(o.get("status", "")),
+                       str(o.get("reason", "")), json.dumps(o.get("metrics") or {}),
+                       json.dumps(o.get("artifacts") or {}), o.get("error_code"), ev.ts))
+        elif ev.kind == "proposal":
+            c.execute("INSERT OR IGNORE INTO proposals VALUES (?, ?, ?, ?, ?, 'pending', ?, "
+                      "NULL)", (run_id, ev.proposal_id, ev.action, ev.description,
+                                json.dumps(ev.params), ev.ts))
+
+    def list_events(self, run_id: str, after_seq: int = -1,
+                    kinds: Iterable[str] | None = None, limit: int = 10_000) -> list[Row]:
+        sql, params = "SELECT * FROM run_events WHERE run_id = ? AND seq > ?", [run_id, after_seq]
+        kinds = list(kinds or [])
+        if kinds:
+            sql += f" AND kind IN ({','.join('?' * len(kinds))})"
+            params += kinds
+        rows = self.read(sql + " ORDER BY seq LIMIT ?", [*params, limit])
+        return [{**r, "payload": json.loads(r["payload"])} for r in rows]
+
+    def max_seq(self, run_id: str) -> int:
+        row = self.read_one("SELECT MAX(seq) AS m FROM run_events WHERE run_id = ?", (run_id,))
+        return -1 if row is None or row["m"] is None else int(row["m"])
+
+    def list_logs(self, run_id: str, cursor: int, limit: int) -> list[Row]:
+        return self.read("SELECT * FROM logs WHERE run_id = ? AND log_id > ? "
+                         "ORDER BY log_id LIMIT ?", (run_id, cursor, limit))
+
+    def add_log(self, run_id: str, message: str, level: str = "info",
+                stage: str = "orchestrator") -> None:
+        with self.tx() as c:
+            c.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message) "
+                      "VALUES (?, NULL, ?, ?, ?, ?)", (run_id, time.time(), level, stage, message))
+
+    def list_checkpoints(self, run_id: str) -> list[Row]:
+        return self.read("SELECT * FROM checkpoints WHERE run_id = ? ORDER BY step", (run_id,))
+
+    def list_stage_gates(self, run_id: str) -> list[Row]:
+        return self.read("SELECT * FROM stage_gates WHERE run_id = ? ORDER BY updated_at",
+                         (run_id,))
+
+    def list_proposals(self, run_id: str) -> list[Row]:
+        return self.read("SELECT * FROM proposals WHERE run_id = ? ORDER BY created_at",
+                         (run_id,))
+
+    @staticmethod
+    def decide_proposal(c: sqlite3.Connection, run_id: str, proposal_id: str,
+                        decision: str) -> None:
+        row = c.execute("SELECT status FROM proposals WHERE run_id = ? AND proposal_id = ?",
+                        (run_id, proposal_id)).fetchone()
+        if row is None:
+            raise ItoError(ErrorCode.proposal_not_found, f"no proposal {proposal_id}")
+        if row["status"] != "pending":
+            raise ItoError(ErrorCode.invalid_state, f"proposal already {row['status']}")
+        c.execute("UPDATE proposals SET status = ?, decided_at = ? WHERE run_id = ? AND "
+                  "proposal_id = ?", (decision, time.time(), run_id, proposal_id))
+
+    # --- audit -----------------------------------------------------------------------
+    @staticmethod
+    def audit_rows(c: sqlite3.Connection, rows: list[Row]) -> None:
+        """Gate decisions: only ids and codes, never a message, body or secret."""
+        c.executemany(
+            "INSERT INTO audit_events (ts, account_id, key_id, action, gate, outcome, code, "
+            "booking_id, run_id) VALUES (:ts, :account_id, :key_id, :action, :gate, "
+            ":outcome, :code, :booking_id, :run_id)", rows)
+
+    def audit(self, rows: list[Row]) -> None:
+        if rows:
+            with self.tx() as c:
+                self.audit_rows(c, rows)
+
+    def audit_events(self, limit: int = 1000) -> list[Row]:
+        return self.read("SELECT * FROM audit_events ORDER BY audit_id DESC LIMIT ?", (limit,))
+
+    def write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        """Run ``fn`` inside one write transaction and return its result."""
+        with self.tx() as c:
+            return fn(c)

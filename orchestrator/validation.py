@@ -1,0 +1,157 @@
+"""Server-side validation of a manifest against a booking, before any run exists.
+
+Checks run in a fixed order and the first failure is raised with its own code:
+model preset, GPU SKU, fabric, capacity, data policy, checkpoint storage, cost.
+Nothing here writes the store; the storage probe file is removed at once.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from orchestrator.costing import (
+    CostEstimate,
+    estimate_cost,
+    gpu_bf16_flops,
+    gpu_memory_bytes,
+    gpu_profile,
+    price_per_gpu_hour,
+)
+from orchestrator.manifest import Manifest
+from orchestrator.settings import Settings
+from stages.errors import ErrorCode, ItoError
+from stages.presets import load_model_preset
+
+# Weights (bf16 2) + grads (bf16 2) + Adam m, v and an fp32 master copy (12).
+BYTES_PER_PARAM = 16
+
+
+def training_tokens(m: Manifest) -> int:
+    """Pretraining tokens plus a rough count for post-training steps."""
+    t = m.training
+    tokens = t.target_tokens if t.target_tokens is not None else t.steps * t.global_batch_tokens
+    for stage in ("sft", "dpo", "rlvr"):
+        cfg = getattr(m.post_training, stage)
+        if cfg is not None:
+            tokens += cfg.steps * t.global_batch_tokens
+    return tokens
+
+
+def check_capacity(m: Manifest, booking: dict[str, Any], profile: dict[str, Any]) -> dict:
+    preset = load_model_preset(m.model.preset)
+    if preset.architecture != m.model.architecture:
+        raise ItoError(ErrorCode.manifest_invalid,
+                       f"model.architecture {m.model.architecture} != preset's "
+                       f"{preset.architecture}")
+    gpus = int(booking["gpus_per_node"]) * int(booking["node_count"])
+    per_gpu = gpu_memory_bytes(profile)
+    if per_gpu is None:
+        raise ItoError(ErrorCode.gpu_sku_unknown,
+                       f"GPU profile {booking['gpu_sku']} has no memory size")
+    need, have = BYTES_PER_PARAM * preset.num_params, per_gpu * gpus
+    if need > have:
+        raise ItoError(ErrorCode.capacity_insufficient,
+                       f"{preset.name} needs ~{need / 2**30:.1f} GiB for weights, grads and "
+                       f"optimizer state; the booking has {have / 2**30:.1f} GiB on {gpus} GPUs")
+    return {"params": preset.num_params, "active_params": preset.active_params,
+            "required_gib": round(need / 2**30, 3), "booked_gib": round(have / 2**30, 3),
+            "gpus": gpus}
+
+
+def check_fabric(settings: Settings, fabric: str) -> None:
+    path = settings.configs_dir / "fabrics" / f"{fabric}.json"
+    if "/" in fabric or fabric.startswith(".") or not path.is_file():
+        raise ItoError(ErrorCode.fabric_unknown, f"unknown fabric {fabric!r}")
+
+
+def check_data_policy(settings: Settings, m: Manifest) -> int:
+    refs = m.data_refs()
+    for where, ref in refs:
+        scheme = urlsplit(ref.uri).scheme.lower()
+        if scheme not in settings.allowed_data_schemes:
+            raise ItoError(ErrorCode.data_scheme_not_allowed,
+                           f"{where}: scheme {scheme or '(none)'}:// is not allowed; allowed: "
+                           + ", ".join(f"{s}://" for s in settings.allowed_data_schemes))
+        if not (ref.provenance.source.strip() and ref.provenance.license.strip()):
+            raise ItoError(ErrorCode.data_provenance_missing, f"{where}: provenance is empty")
+    for i, uri in enumerate(m.data.eval_files):
+        if urlsplit(uri).scheme.lower() not in settings.allowed_data_schemes:
+            raise ItoError(ErrorCode.data_scheme_not_allowed,
+                           f"data.eval_files[{i}]: scheme not allowed")
+    return len(refs)
+
+
+def check_checkpoint_storage(settings: Settings, m: Manifest) -> str:
+    """Absolute, normalised, inside an allowed root, and writable (probe file)."""
+    raw = m.checkpoint.storage_path
+    path = Path(raw)
+    if not path.is_absolute() or os.path.normpath(raw) != raw.rstrip("/") or "\x00" in raw:
+        raise ItoError(ErrorCode.checkpoint_storage_invalid,
+                       "checkpoint storage must be a normalised absolute path")
+    resolved = path.resolve()
+    if settings.checkpoint_roots and not any(
+            resolved.is_relative_to(root.resolve()) for root in settings.checkpoint_roots):
+        raise ItoError(ErrorCode.checkpoint_storage_invalid,
+                       "checkpoint storage is outside the allowed roots")
+    # The run creates the folder later; probe the nearest folder that exists now.
+    probe_dir = resolved
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise ItoError(ErrorCode.checkpoint_storage_invalid,
+                       "checkpoint storage path is not a folder")
+    probe = probe_dir / f".ito-probe-{secrets.token_hex(8)}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError:
+        raise ItoError(ErrorCode.checkpoint_storage_unwritable,
+                       "checkpoint storage is not writable by the backend") from None
+    return str(resolved)
+
+
+def estimate_run_cost(settings: Settings, m: Manifest, booking: dict[str, Any],
+                      profile: dict[str, Any], remaining_term_h: float) -> CostEstimate:
+    preset = load_model_preset(m.model.preset)
+    peak = gpu_bf16_flops(profile)
+    if peak is None:
+        raise ItoError(ErrorCode.gpu_sku_unknown,
+                       f"GPU profile {booking['gpu_sku']} has no bf16 peak")
+    return estimate_cost(
+        gpus=int(booking["gpus_per_node"]) * int(booking["node_count"]),
+        usd_per_gpu_hour=price_per_gpu_hour(settings.configs_dir, booking["gpu_sku"]),
+        tokens=training_tokens(m), active_params=preset.active_params, peak_flops=peak,
+        mfu=settings.assumed_mfu, remaining_term_h=remaining_term_h)
+
+
+def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
+             remaining_term_h: float) -> tuple[dict[str, Any], CostEstimate]:
+    """All server-side checks; returns (report, cost) or raises the first failure."""
+    load_model_preset(m.model.preset)
+    profile = gpu_profile(settings.configs_dir, booking["gpu_sku"])
+    check_fabric(settings, booking["fabric"])
+    capacity = check_capacity(m, booking, profile)
+    n_refs = check_data_policy(settings, m)
+    storage = check_checkpoint_storage(settings, m)
+    cost = estimate_run_cost(settings, m, booking, profile, remaining_term_h)
+    if cost.total_usd > m.budget.ceiling_usd:
+        raise ItoError(ErrorCode.budget_exceeded,
+                       f"estimated cost ${cost.total_usd:,.2f} exceeds the budget ceiling "
+                       f"${m.budget.ceiling_usd:,.2f}")
+    if cost.incremental_usd > m.budget.max_incremental_cost_usd:
+        raise ItoError(ErrorCode.incremental_cost_exceeded,
+                       f"estimated ${cost.incremental_usd:,.2f} beyond the booking's remaining "
+                       f"term exceeds max_incremental_cost_usd "
+                       f"${m.budget.max_incremental_cost_usd:,.2f}")
+    report = {
+        "model_preset": "ok", "gpu_sku": "ok", "fabric": "ok", "capacity": capacity,
+        "data_policy": {"refs": n_refs, "schemes": list(settings.allowed_data_schemes)},
+        "checkpoint_storage": {"path": storage, "writable": True},
+        "cost": cost.as_dict(),
+    }
+    return report, cost
