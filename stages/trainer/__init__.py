@@ -1,0 +1,45 @@
+"""The training engine: torchft live recovery on Ray, one loop for every phase.
+
+Light on purpose: importing ``stages.trainer`` pulls in neither Ray nor torchft.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from stages.trainer.config import (
+    FaultToleranceConfig,
+    LossSpikeConfig,
+    LossSpikeInjection,
+    ModelSpec,
+    TrainingTarget,
+    TrainStageConfig,
+)
+
+if TYPE_CHECKING:
+    from stages.trainer.engine import TrainingEngine, kill_replica_group
+    from stages.trainer.stage import TrainingStage
+
+__all__ = [
+    "FaultToleranceConfig",
+    "LossSpikeConfig",
+    "LossSpikeInjection",
+    "ModelSpec",
+    "TrainStageConfig",
+    "TrainingEngine",
+    "TrainingStage",
+    "TrainingTarget",
+    "kill_replica_group",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TrainingStage":
+        from stages.trainer.stage import TrainingStage
+
+        return TrainingStage
+    if name in ("TrainingEngine", "kill_replica_group"):
+        from stages.trainer import engine
+
+        return getattr(engine, name)
+    raise AttributeError(name)

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from stages.base import StrictModel
+from stages.checkpointing.config import CheckpointPolicy
 
 
 class ModelSpec(StrictModel):
@@ -54,3 +55,97 @@ class LossSpikeConfig(StrictModel):
     z_threshold: float = Field(default=6.0, gt=0)
     min_steps: int = Field(default=20, ge=1, description="steps before detection starts")
     skip_window_steps: int = Field(default=10, ge=1, description="data window to skip on restart")
+
+
+class FaultToleranceConfig(StrictModel):
+    """Every torchft / Ray timeout of the engine, in one place.
+
+    Defaults are measured on the 2-core CPU testbed (see docs/training-engine.md and
+    benchmarks/quorum_stability.py): a SIGKILLed group is noticed in about
+    ``heartbeat_timeout_ms + quorum_tick_ms`` with two groups, and a 1 s heartbeat
+    timeout had no spurious quorum change with every core busy (500 ms was stable
+    too, 200 ms marginal, 100 ms unusable).
+    """
+
+    enabled: bool = True
+    # Lighthouse: a replica group missing heartbeats this long is dropped from the quorum.
+    heartbeat_timeout_ms: int = Field(default=1000, ge=50)
+    # Lighthouse: how long a quorum waits for stragglers before forming without them.
+    join_timeout_ms: int = Field(default=1000, ge=50)
+    # Lighthouse: how often it re-evaluates the quorum.
+    quorum_tick_ms: int = Field(default=100, ge=10)
+    # Manager -> lighthouse heartbeat period; must be well below heartbeat_timeout_ms.
+    heartbeat_interval_ms: int = Field(default=100, ge=10)
+    # Manager: waiting for a quorum; must exceed heartbeat_timeout_ms (else the survivor
+    # times out before the dead group is dropped).
+    quorum_timeout_s: float = Field(default=30.0, gt=0)
+    # Manager: collectives, should_commit, healing transfers (torchft's "timeout").
+    timeout_s: float = Field(default=30.0, gt=0)
+    # Manager: establishing RPC connections to the lighthouse and peer managers.
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    # Gloo collective timeout: how long a hung (not dead) peer can block an allreduce.
+    collective_timeout_s: float = Field(default=30.0, gt=0)
+    # Minimum replica groups for a step to commit (torchft min_replica_size).
+    min_replica_groups: int = Field(default=1, ge=1)
+    # Ray restarts of one worker actor before the run gives up on it.
+    max_restarts: int = Field(default=8, ge=0)
+    # Driver: how long a worker may stay unreachable before its group counts as lost
+    # for the all-groups-lost decision.
+    actor_ready_timeout_s: float = Field(default=120.0, gt=0)
+    # Driver: how often it pulls events from the actors.
+    poll_interval_s: float = Field(default=0.2, gt=0)
+    # Driver: cancel kills every actor; a graceful stop waits at most this long first.
+    stop_timeout_s: float = Field(default=5.0, gt=0)
+    # Driver: a paused run (loss-spike proposal) re-checks cancellation this often while
+    # it waits for the human decision.
+    decision_poll_s: float = Field(default=1.0, gt=0)
+    # Driver: give up waiting for a human decision after this long (None: wait forever).
+    decision_timeout_s: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> FaultToleranceConfig:
+        if self.quorum_timeout_s * 1000 <= self.heartbeat_timeout_ms:
+            raise ValueError("quorum_timeout_s must exceed heartbeat_timeout_ms")
+        if self.heartbeat_interval_ms * 2 > self.heartbeat_timeout_ms:
+            raise ValueError("heartbeat_interval_ms must be at most half heartbeat_timeout_ms")
+        return self
+
+
+class LossSpikeInjection(StrictModel):
+    """Test knob: multiply the loss of one global data batch (a poisoned window).
+
+    Keyed by the data batch index, not the step, so that skipping the window on an
+    approved restart really removes the poison."""
+
+    batch: int = Field(ge=0)
+    scale: float = Field(default=50.0, gt=0)
+
+
+class TrainStageConfig(StrictModel):
+    """The training stage: model, target, checkpoints, spikes, fault tolerance, layout."""
+
+    model: ModelSpec
+    target: TrainingTarget
+    checkpoint: CheckpointPolicy
+    loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig)
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
+    replica_groups: int = Field(default=2, ge=1, le=64)
+    ranks_per_group: int = Field(default=1, ge=1, le=64)
+    device: Literal["cpu", "cuda"] = "cpu"
+    # jsonl files with a "text" field; empty: ctx.previous["data_prep"] artifacts.
+    train_files: list[str] = Field(default_factory=list)
+    text_field: str = "text"
+    # Fractional logical CPUs per worker actor (Ray scheduling only).
+    worker_num_cpus: float = Field(default=0.5, gt=0)
+    # Test/benchmark pacing: minimum seconds per step, so that a tiny CPU model's run
+    # lasts long enough to kill and restart a group in it. 0 in real runs.
+    pace_step_s: float = Field(default=0.0, ge=0, le=10)
+    # Test-only fault injection; never set by a tenant manifest.
+    inject_loss_spike: LossSpikeInjection | None = None
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per rank per step (the global batch split over every rank)."""
+        seqs = self.target.global_batch_tokens // self.target.seq_len
+        world = self.replica_groups * self.ranks_per_group
+        return max(1, seqs // world)

@@ -1,0 +1,373 @@
+"""The driver side of a training run: make the actors, pull their events, supervise.
+
+``TrainingEngine`` runs inside the stage's caller (a RunDriver actor, or a test's
+driver). It creates ``run-<id>-lighthouse`` and one ``run-<id>-trainer-rg<N>-rank<M>``
+actor per rank, then loops: poll every actor, forward events to ``emit``, turn actor
+deaths and restarts into ``InterruptionEvent``s, relay the loss-spike proposal to a
+human and the decision back to every group, and stop when every group finished.
+
+Recovery itself is not driven from here: Ray restarts a dead actor (``max_restarts``)
+and the new process heals from a live peer through torchft, or, when no group is
+left, loads the newest complete checkpoint. The engine only observes and reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from stages.errors import ErrorCode, ItoError
+from stages.events import (
+    Event,
+    InterruptionEvent,
+    LogEvent,
+    PhaseEvent,
+    ProposalEvent,
+    StepEvent,
+)
+from stages.trainer.checkpoint_io import list_complete
+from stages.trainer.config import TrainStageConfig
+from stages.trainer.loop import WorkerSpec
+from stages.trainer.replica import (
+    LighthouseActor,
+    ReplicaWorker,
+    lighthouse_name,
+    worker_name,
+)
+
+_EVENT = TypeAdapter(Event)
+# Seconds to wait for an actor's pid when killing it on purpose (tests, benchmarks).
+KILL_LOOKUP_TIMEOUT_S = 10.0
+
+
+class RunCancelled(Exception):
+    """``cancel_event`` was set; every actor of the run has been killed."""
+
+
+@dataclass
+class _Group:
+    index: int
+    pid: int | None = None
+    last_ok: float = 0.0
+    lost_at: float | None = None  # set while the group is down
+    lost_since_poll_fail: float | None = None
+    restarts: int = 0
+    phase: str = "starting"
+    step: int = 0
+    error: str | None = None
+    finished: bool = False
+
+
+@dataclass
+class EngineResult:
+    steps: int
+    tokens: int
+    final_loss: float | None
+    interruptions: int
+    checkpoints: list[int]
+    proposals: list[str] = field(default_factory=list)
+
+
+class TrainingEngine:
+    def __init__(self, cfg: TrainStageConfig, *, run_id: str, checkpoint_dir: Path,
+                 shards: list[str], emit: Callable[[Event], None],
+                 cancel_event: threading.Event,
+                 wait_decision: Callable[[str, float], str | None]):
+        self.cfg = cfg
+        self.ft = cfg.fault_tolerance
+        self.run_id = run_id
+        self.checkpoint_dir = checkpoint_dir
+        self.shards = shards
+        self.emit_fn = emit
+        self.cancel_event = cancel_event
+        self.wait_decision = wait_decision
+        self.groups = [_Group(g) for g in range(cfg.replica_groups)]
+        self.actors: dict[tuple[int, int], Any] = {}
+        self.lighthouse: Any = None
+        self._pending: dict[tuple[int, int], Any] = {}
+        self.tokens = 0
+        self.final_loss: float | None = None
+        self.max_step = 0
+        self.interruptions = 0
+        self.proposals: list[str] = []
+        # group -> first committed smaller-quorum step seen by a survivor (torchft's
+        # detection) while that group was not yet known lost.
+        self._shrunk_at: float | None = None
+        self._all_lost_at: float | None = None
+        self._spike_pending: dict[str, Any] | None = None
+        self._spike_recovering: tuple[float, str] | None = None
+        self._ready: set[tuple[int, int]] = set()
+        self._started = False
+
+    # --- lifecycle --------------------------------------------------------------------
+    def emit(self, event: Event) -> None:
+        if not event.stage:
+            event.stage = "train"
+        self.emit_fn(event)
+
+    def start(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            raise ItoError(ErrorCode.ray_unavailable, "Ray is not initialised in this process")
+        t0 = time.time()
+        env = {"env_vars": {"OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}}
+        lh_cls = ray.remote(LighthouseActor)
+        self.lighthouse = lh_cls.options(  # type: ignore[attr-defined]
+            name=lighthouse_name(self.run_id), num_cpus=0.1, max_restarts=-1,
+            runtime_env=env).remote(self.ft, 1)
+        lh_addr = ray.get(self.lighthouse.address.remote(), timeout=self.ft.actor_ready_timeout_s)
+        worker_cls = ray.remote(ReplicaWorker)
+        for g in range(self.cfg.replica_groups):
+            for r in range(self.cfg.ranks_per_group):
+                spec = WorkerSpec(run_id=self.run_id, replica_group=g, rank=r, config=self.cfg,
+                                  lighthouse_addr=lh_addr, shards=self.shards,
+                                  checkpoint_dir=str(self.checkpoint_dir))
+                self.actors[(g, r)] = worker_cls.options(  # type: ignore[attr-defined]
+                    name=worker_name(self.run_id, g, r), num_cpus=self.cfg.worker_num_cpus,
+                    max_restarts=self.ft.max_restarts, max_task_retries=0,
+                    runtime_env=env).remote(spec)
+        self.emit(LogEvent(message=f"started lighthouse {lh_addr} and "
+                                   f"{len(self.actors)} trainer actors in {time.time() - t0:.1f}s"))
+
+    def shutdown(self) -> None:
+        """Kill every actor this engine made (cancel, finish or failure)."""
+        import ray
+
+        for actor in [*self.actors.values(), self.lighthouse]:
+            if actor is None:
+                continue
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(actor, no_restart=True)
+        self.actors.clear()
+        self.lighthouse = None
+
+    # --- polling ----------------------------------------------------------------------
+    def poll_once(self, timeout_s: float) -> None:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        for key, actor in self.actors.items():
+            if key not in self._pending:
+                self._pending[key] = actor.poll.remote()
+        refs = {ref: key for key, ref in self._pending.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        now = time.time()
+        for ref in ready:
+            key = refs[ref]
+            del self._pending[key]
+            try:
+                reply = ray.get(ref, timeout=0)
+            except (RayActorError, GetTimeoutError) as e:
+                self._on_actor_down(key, now, e)
+                continue
+            self._on_reply(key, reply, now)
+        self._check_stuck(now)
+
+    def _on_actor_down(self, key: tuple[int, int], now: float, err: Exception) -> None:
+        grp = self.groups[key[0]]
+        grp.lost_since_poll_fail = grp.lost_since_poll_fail or now
+        if grp.lost_at is None:
+            # torchft may have noticed first: a survivor committed in a smaller quorum.
+            detected = min(now, self._shrunk_at) if self._shrunk_at else now
+            grp.lost_at = max(detected, grp.last_ok)
+            self.emit(LogEvent(level="warning",
+                               message=f"replica group {grp.index} lost (rank {key[1]}): "
+                                       f"{type(err).__name__}"))
+            if all(g.lost_at is not None and not g.finished for g in self.groups):
+                self._all_lost_at = min(g.lost_at or now for g in self.groups)
+
+    def _on_reply(self, key: tuple[int, int], reply: dict[str, Any], now: float) -> None:
+        g, rank = key
+        grp = self.groups[g]
+        status = reply["status"]
+        if status["phase"] == "ready":
+            self._ready.add(key)
+        grp.last_ok = now
+        grp.lost_since_poll_fail = None
+        if grp.pid is not None and status["pid"] != grp.pid and rank == 0:
+            grp.restarts += 1
+            if grp.lost_at is None:  # restarted between two polls
+                grp.lost_at = status["started_at"]
+        if rank == 0:
+            grp.pid = status["pid"]
+            grp.phase = status["phase"]
+            grp.step = status["step"]
+            grp.finished = status["phase"] == "finished"
+        if status.get("error"):
+            grp.error = status["error"]
+        for raw in reply["events"]:
+            self._on_event(_EVENT.validate_python(raw), grp)
+        if status.get("spike") and status.get("paused_at") is not None \
+                and self._spike_pending is None:
+            self._spike_pending = {**status["spike"], "group": g, "at": now}
+
+    def _on_event(self, event: Event, grp: _Group) -> None:
+        if isinstance(event, StepEvent) and event.committed:
+            self.tokens += event.tokens
+            if event.step >= self.max_step:
+                self.max_step = event.step
+                self.final_loss = event.loss
+            full = self.cfg.replica_groups
+            if event.quorum_size < full and self._shrunk_at is None and \
+                    grp.lost_at is None:
+                self._shrunk_at = event.ts
+            if event.quorum_size == full:
+                self._shrunk_at = None
+                self._recovered(grp, event.ts)
+            if self._spike_recovering is not None:
+                detected, detail = self._spike_recovering
+                self._spike_recovering = None
+                self._interruption("loss_spike", None, detected, event.ts, detail)
+        self.emit(event)
+
+    def _recovered(self, grp: _Group, ts: float) -> None:
+        if self._all_lost_at is not None:
+            self._interruption("all_groups_lost", None, self._all_lost_at, ts,
+                               "every replica group was lost; restarted from the newest "
+                               "complete checkpoint")
+            self._all_lost_at = None
+            for g in self.groups:
+                g.lost_at = None
+            return
+        for g in self.groups:
+            if g.lost_at is not None and g.pid is not None and g.lost_since_poll_fail is None \
+                    and (g is grp or g.phase == "training"):
+                self._interruption("replica_group_lost", g.index, g.lost_at, ts,
+                                   f"healed from a live peer after {g.restarts} restart(s)")
+                g.lost_at = None
+
+    def _interruption(self, kind: Any, group: int | None, detected: float,
+                      recovered: float | None, detail: str) -> None:
+        self.interruptions += 1
+        self.emit(InterruptionEvent(interruption_kind=kind, replica_group=group,
+                                    detected_at=detected, recovered_at=recovered, detail=detail))
+
+    def _check_stuck(self, now: float) -> None:
+        errors = [g.error for g in self.groups if g.error]
+        if errors and all(g.error or g.finished for g in self.groups):
+            raise ItoError(ErrorCode.training_failed, f"trainer failed: {errors[0]}")
+        down = [g for g in self.groups if g.lost_since_poll_fail is not None
+                and now - g.lost_since_poll_fail > self.ft.actor_ready_timeout_s]
+        if len(down) == len(self.groups):
+            raise ItoError(ErrorCode.all_replica_groups_lost,
+                           f"no replica group came back within {self.ft.actor_ready_timeout_s}s")
+
+    # --- commands ---------------------------------------------------------------------
+    def command_all(self, kind: str, params: dict[str, Any] | None = None) -> None:
+        import ray
+
+        refs = [a.command.remote(kind, params or {}) for a in self.actors.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=self.ft.stop_timeout_s)
+
+    def _handle_spike(self) -> None:
+        spike = self._spike_pending
+        assert spike is not None
+        self.command_all("pause")
+        candidates = [s for s in list_complete(self.checkpoint_dir) if s < spike["step"]]
+        if not candidates:
+            self.emit(LogEvent(level="warning",
+                               message=f"loss spike at step {spike['step']} but no checkpoint "
+                                       "to restart from; continuing"))
+            self.command_all("resume")
+            self._spike_pending = None
+            return
+        ckpt = candidates[-1]
+        proposal = self._proposal(spike, ckpt)
+        self.proposals.append(proposal.proposal_id)
+        self.emit(proposal)
+        paused_at = time.time()
+        decision = self._await_decision(proposal.proposal_id)
+        self.emit(PhaseEvent(phase="idle", start=paused_at, end=time.time()))
+        detail = f"loss spike at step {spike['step']}: {decision or 'no decision'}"
+        if decision == "approved":
+            self.command_all("restore", {"step": ckpt, "window": spike["window"]})
+            self._spike_recovering = (spike["at"], detail)
+        else:
+            self.command_all("resume")
+        self.emit(LogEvent(message=detail))
+        self._spike_pending = None
+
+    def _proposal(self, spike: dict[str, Any], ckpt: int) -> ProposalEvent:
+        a, b = spike["window"]
+        return ProposalEvent(
+            proposal_id=f"{self.run_id}-spike-{spike['step']}",
+            action="restart_from_checkpoint",
+            description=(f"loss spike at step {spike['step']} (loss {spike['loss']:.3f}): "
+                         f"restart from checkpoint {ckpt}, skipping data batches [{a}, {b})"),
+            params={"checkpoint_step": ckpt, "skip_window": [a, b],
+                    "spike_step": spike["step"], "loss": spike["loss"]})
+
+    def _await_decision(self, proposal_id: str) -> str | None:
+        waited = 0.0
+        limit = self.ft.decision_timeout_s
+        while not self.cancel_event.is_set():
+            decision = self.wait_decision(proposal_id, self.ft.decision_poll_s)
+            if decision is not None:
+                return decision
+            self.poll_once(0)  # keep draining events while paused
+            waited += self.ft.decision_poll_s
+            if limit is not None and waited >= limit:
+                return None
+        return None
+
+    # --- the supervision loop ---------------------------------------------------------
+    def run(self) -> EngineResult:
+        self.start()
+        try:
+            while True:
+                if self.cancel_event.is_set():
+                    raise RunCancelled()
+                self.poll_once(self.ft.poll_interval_s)
+                if not self._started and len(self._ready) == len(self.actors):
+                    # Every rank built its model: release them into one first quorum.
+                    self.command_all("go")
+                    self._started = True
+                if self._spike_pending is not None:
+                    self._handle_spike()
+                    continue
+                if all(g.finished for g in self.groups):
+                    break
+                if self._stragglers_done():
+                    break
+            for g in self.groups:
+                if g.lost_at is not None:
+                    self._interruption("replica_group_lost", g.index, g.lost_at, None,
+                                       "not recovered before the run finished")
+        finally:
+            self.shutdown()
+        return EngineResult(steps=self.max_step, tokens=self.tokens,
+                            final_loss=self.final_loss, interruptions=self.interruptions,
+                            checkpoints=list_complete(self.checkpoint_dir),
+                            proposals=self.proposals)
+
+    def _stragglers_done(self) -> bool:
+        # A group still down when its peers finished has nothing left to heal from.
+        return any(g.finished for g in self.groups) and all(
+            g.finished or g.lost_at is not None for g in self.groups)
+
+
+def kill_replica_group(run_id: str, group: int, *, ranks_per_group: int = 1,
+                       namespace: str | None = None) -> tuple[float, list[int]]:
+    """SIGKILL every worker process of one replica group (a real crash, for tests and
+    benchmarks; the actors must run on this host). Returns (kill time, pids)."""
+    import ray
+
+    pids: list[int] = []
+    for rank in range(ranks_per_group):
+        actor = ray.get_actor(worker_name(run_id, group, rank), namespace=namespace)
+        ref: Any = actor.pid.remote()
+        pids.append(int(ray.get(ref, timeout=KILL_LOOKUP_TIMEOUT_S)))
+    t = time.time()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return t, pids

@@ -1,0 +1,363 @@
+"""The training loop of one rank of one replica group (torchtitan style, torchft inside).
+
+One readable loop: build the model and optimizer, load the newest complete checkpoint
+if there is one, then per step: quorum (and heal from a live peer if behind), LR from
+the step, forward/backward on the step's data batch, fault-tolerant gradient
+allreduce, clip, commit-or-not, spike check, checkpoint when due.
+
+Data is indexed by step, not by "what the loader happened to serve": the batch of
+step ``s`` is ``data_index(s, skipped_windows)``. That makes retrying an uncommitted
+step, healing from a peer, restoring a checkpoint and skipping a poisoned window all
+the same operation (seek the loader), identical on every replica group.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from stages.events import CheckpointEvent, Event, LogEvent, PhaseEvent, StepEvent
+from stages.presets import load_model_preset
+from stages.trainer import ft
+from stages.trainer.config import TrainStageConfig
+
+Window = tuple[int, int]
+
+
+def lr_at(step: int, *, base_lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """Linear warmup then cosine decay to ``min_ratio * base_lr`` (stateless: the
+    LR of a step is a function of the step, so healing needs no scheduler state)."""
+    if warmup and step < warmup:
+        return base_lr * (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def data_index(step: int, windows: list[Window]) -> int:
+    """The data batch a step trains on, given the skipped ``[start, end)`` windows."""
+    idx = step
+    for start, end in sorted(windows):
+        if idx >= start:
+            idx += end - start
+    return idx
+
+
+def set_deterministic(seed: int, enabled: bool) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+@dataclass
+class WorkerSpec:
+    """Everything one rank needs; picklable, passed to the Ray actor."""
+
+    run_id: str
+    replica_group: int
+    rank: int
+    config: TrainStageConfig
+    lighthouse_addr: str
+    shards: list[str]
+    checkpoint_dir: str
+    # Rank 0 of a multi-rank group hosts the group's TCPStore; others get it here.
+    store_addr: str = "127.0.0.1"
+    store_port: int = 0
+
+
+@dataclass
+class Control:
+    """Commands from the driver to the loop, applied at step boundaries."""
+
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    stop: bool = False
+    # Fresh workers wait for "go" so that every group joins the first quorum together.
+    go: threading.Event = field(default_factory=threading.Event)
+    # The driver asks every group to pause at its next step boundary (a spike elsewhere).
+    pause: bool = False
+    # A loss spike paused the loop at this committed step, awaiting a decision.
+    paused_at: int | None = None
+    command: tuple[Literal["resume", "restore"], dict[str, Any]] | None = None
+
+    def send(self, kind: Literal["resume", "restore", "stop", "pause", "go"],
+             **params: Any) -> None:
+        with self.cond:
+            if kind == "stop":
+                self.stop = True
+                self.go.set()
+            elif kind == "go":
+                self.go.set()
+            elif kind == "pause":
+                self.pause = True
+            else:
+                self.command = (kind, params)
+            self.cond.notify_all()
+
+    def wait_command(self) -> tuple[str, dict[str, Any]]:
+        with self.cond:
+            self.cond.wait_for(lambda: self.stop or self.command is not None)
+            if self.stop:
+                return "stop", {}
+            assert self.command is not None
+            cmd, self.command = self.command, None
+            self.pause = False
+            return cmd
+
+
+class TrainLoop:
+    def __init__(self, spec: WorkerSpec, *, emit: Callable[[Event], None],
+                 control: Control, status: dict[str, Any]):
+        self.spec = spec
+        self.cfg = spec.config
+        self.emit_fn = emit
+        self.control = control
+        self.status = status  # shared with the actor: read by the driver's polls
+        self.is_reporter = spec.rank == 0  # each group's rank 0 reports events
+        self.windows: list[Window] = []
+        self.started_at = time.time()
+
+    # --- events ---------------------------------------------------------------------
+    def emit(self, event: Event) -> None:
+        if self.is_reporter:
+            event.stage = "train"
+            self.emit_fn(event)
+
+    def log(self, message: str, level: Literal["debug", "info", "warning", "error"] = "info"
+            ) -> None:
+        self.emit(LogEvent(message=f"rg{self.spec.replica_group}: {message}", level=level))
+
+    # --- state ----------------------------------------------------------------------
+    def heal_state(self) -> dict[str, Any]:
+        """What a recovering group fetches from a live peer through torchft."""
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
+                "windows": [list(w) for w in self.windows]}
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.windows = [(int(a), int(b)) for a, b in state["windows"]]
+        self.healed = True
+
+    def _seek_loader(self, step: int) -> None:
+        target = data_index(step, self.windows)
+        if self.loader.batches_served != target:
+            st = self.loader.state_dict()
+            st["epoch"], st["batch_in_epoch"] = divmod(target, self.loader.batches_per_epoch)
+            self.loader.load_state_dict(st)
+
+    # --- setup ----------------------------------------------------------------------
+    def setup(self) -> None:
+        from torchft.optim import OptimizerWrapper
+
+        from stages.trainer.checkpoint_io import CheckpointIO
+        from stages.trainer.data import TokenLoader
+        from stages.trainer.model import build_model
+
+        spec, cfg, target = self.spec, self.cfg, self.cfg.target
+        set_deterministic(target.seed, target.deterministic)
+        self.device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+        preset = load_model_preset(cfg.model.preset)
+        model: torch.nn.Module = build_model(
+            preset, seed=target.seed, checkpoint_path=cfg.model.checkpoint_path)
+        self.model = model.to(self.device)
+        self.model.train()
+        inner = torch.optim.AdamW(self.model.parameters(), lr=target.learning_rate,
+                                  weight_decay=target.weight_decay, betas=(0.9, 0.95))
+        self.loader = TokenLoader(
+            [Path(s) for s in spec.shards], seq_len=target.seq_len,
+            micro_batch=cfg.micro_batch, seed=target.seed,
+            dp_rank=spec.replica_group * cfg.ranks_per_group + spec.rank,
+            dp_world=cfg.replica_groups * cfg.ranks_per_group)
+        self.total_steps = target.steps
+        self.healed = False
+
+        self.store = None
+        store_addr, store_port = spec.store_addr, spec.store_port
+        if store_port == 0:
+            # Single-rank group: this process hosts the group's store; it dies with it.
+            from torch.distributed import TCPStore
+
+            self.store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False)
+            store_port = self.store.port
+        self.manager = ft.build_manager(
+            cfg.fault_tolerance, pg=ft.build_process_group(cfg.fault_tolerance, cfg.device),
+            replica_group=spec.replica_group, rank=spec.rank,
+            ranks_per_group=cfg.ranks_per_group, store_addr=store_addr,
+            store_port=store_port, lighthouse_addr=spec.lighthouse_addr,
+            load_state_dict=self.load_heal_state, state_dict=self.heal_state)
+        self.optimizer: Any = OptimizerWrapper(self.manager, inner)
+
+        self.ckpt = CheckpointIO(cfg.checkpoint, Path(spec.checkpoint_dir))
+        latest = self.ckpt.latest()
+        if latest is not None:
+            self._restore(latest)
+            self.log(f"resumed from checkpoint step {latest}")
+        self.detector = _spike_detector(cfg)
+
+    def _restore(self, step: int) -> None:
+        extra = self.ckpt.load(step, self.model, self.optimizer.optim)
+        self.windows = [(int(a), int(b)) for a, b in extra["windows"]]
+        self.manager.load_state_dict({"step": int(extra["step"]),
+                                      "batches_committed": int(extra["batches_committed"])})
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        return {"step": self.manager.current_step(),
+                "batches_committed": self.manager.batches_committed(),
+                "windows": [list(w) for w in self.windows],
+                "loader": self.loader.state_dict()}
+
+    # --- the loop -------------------------------------------------------------------
+    def run(self) -> None:
+        self.setup()
+        restarted = bool(self.status.get("restarted"))
+        self.status.update(phase="ready")
+        if not restarted:
+            self.control.go.wait()
+        self.emit(PhaseEvent(phase="startup", start=self.started_at, end=time.time()))
+        self.status.update(phase="training")
+        recovering_since: float | None = self.started_at if restarted else None
+        pace = self.cfg.pace_step_s
+        tokens_per_step = self.cfg.micro_batch * self.cfg.target.seq_len
+        full = self.cfg.replica_groups
+
+        while not self.control.stop:
+            step = self.manager.current_step()
+            if step >= self.total_steps:
+                break
+            if self.control.pause:
+                self._pause(step)
+                continue
+            t0 = time.time()
+            lr = lr_at(step, base_lr=self.cfg.target.learning_rate,
+                       warmup=self.cfg.target.warmup_steps, total=self.total_steps)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            self.optimizer.zero_grad()  # torchft: quorum; heals here if we are behind
+            if self.healed:
+                self.healed = False
+                step = self.manager.current_step()
+                self.log(f"healed from a live peer at step {step}")
+                if step >= self.total_steps:
+                    break
+            self._seek_loader(step)
+            batch_idx = self.loader.batches_served
+            input_ids = self.loader.next_batch().to(self.device)
+            loss = self._loss(input_ids, batch_idx)
+            loss.backward()
+            ft.allreduce_gradients(self.manager, self.model.parameters())
+            global_loss = ft.allreduce_scalar(self.manager, loss)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.target.grad_clip)
+            self.optimizer.step()  # torchft: should_commit, then the inner step
+            committed = self.manager.current_step() > step
+            quorum = self.manager.num_participants()
+            now = time.time()
+            self.emit(StepEvent(step=step + 1 if committed else step,
+                                replica_group=self.spec.replica_group,
+                                loss=global_loss if math.isfinite(global_loss) else 1e9,
+                                tokens=tokens_per_step * quorum * self.cfg.ranks_per_group
+                                if committed else 0,
+                                seconds=now - t0, committed=committed, quorum_size=quorum))
+            self.status.update(step=self.manager.current_step(), quorum=quorum)
+            if pace and now - t0 < pace:
+                time.sleep(pace - (now - t0))
+            if not committed:
+                continue
+            if recovering_since is not None and quorum == full:
+                self.emit(PhaseEvent(phase="recovery", start=recovering_since, end=now))
+                recovering_since = None
+            self._maybe_checkpoint(step + 1)
+            if self._spiked(step + 1, global_loss, batch_idx):
+                self._pause(step + 1)
+
+        self._finish()
+
+    def _loss(self, input_ids: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        from stages.trainer.model import causal_lm_loss
+
+        loss = causal_lm_loss(self.model, input_ids)
+        inj = self.cfg.inject_loss_spike
+        if inj is not None and batch_idx == inj.batch:
+            loss = loss * inj.scale  # test knob: a poisoned data batch
+        return loss
+
+    # --- checkpoints ----------------------------------------------------------------
+    def _is_saver(self) -> bool:
+        # One group saves: the lowest live replica id is participating rank 0.
+        return self.manager.participating_rank() == 0
+
+    def _maybe_checkpoint(self, step: int, *, force: bool = False) -> None:
+        for rec in self.ckpt.poll():
+            self.emit(CheckpointEvent(step=rec.step, path=rec.path, bytes=rec.bytes,
+                                      blocking_s=rec.blocking_s, total_s=rec.total_s))
+        if not self._is_saver() or not (force or self.ckpt.due(step)):
+            return
+        t0 = time.time()
+        if self.ckpt.save(step, self.model, self.optimizer.optim, self._checkpoint_extra()):
+            self.emit(PhaseEvent(phase="checkpoint_blocking", start=t0, end=time.time()))
+
+    # --- loss spikes ----------------------------------------------------------------
+    def _spiked(self, step: int, loss: float, batch_idx: int) -> bool:
+        if self.detector is None:
+            return False
+        spike = self.detector.observe(step, loss)
+        if not spike:
+            return False
+        k = self.cfg.loss_spike.skip_window_steps
+        self.status.update(spike={"step": step, "loss": loss, "batch": batch_idx,
+                                  "window": [max(0, batch_idx + 1 - k), batch_idx + 1]})
+        return True
+
+    def _pause(self, step: int) -> None:
+        """Stop at a committed step until the driver relays the human's decision."""
+        self.ckpt.wait()
+        self.status.update(paused_at=step, phase="paused")
+        self.log(f"paused at step {step}: loss spike, awaiting approval")
+        kind, params = self.control.wait_command()
+        self.status.update(paused_at=None, spike=None, phase="training")
+        if kind == "restore":
+            self.windows.append((int(params["window"][0]), int(params["window"][1])))
+            windows = self.windows
+            self._restore(int(params["step"]))
+            # The approved window is skipped from now on, whatever the checkpoint held.
+            self.windows = sorted(set(self.windows) | set(windows))
+            self.detector = _spike_detector(self.cfg)
+            self.log(f"restored checkpoint step {params['step']}, skipping data "
+                     f"batches {params['window']}")
+
+    def _finish(self) -> None:
+        if not self.control.stop and self._is_saver_at_end():
+            self._maybe_checkpoint(self.manager.current_step(), force=True)
+        self.ckpt.wait()
+        for rec in self.ckpt.poll():
+            self.emit(CheckpointEvent(step=rec.step, path=rec.path, bytes=rec.bytes,
+                                      blocking_s=rec.blocking_s, total_s=rec.total_s))
+        self.status.update(phase="finished" if not self.control.stop else "stopped",
+                           step=self.manager.current_step())
+        self.manager.shutdown(wait=False)
+
+    def _is_saver_at_end(self) -> bool:
+        try:
+            return self._is_saver()
+        except Exception:
+            return False
+
+
+def _spike_detector(cfg: TrainStageConfig) -> Any:
+    if not cfg.loss_spike.enabled:
+        return None
+    try:
+        from stages.trainer.loss_spike import LossSpikeDetector
+    except ImportError:  # part A's detector not landed yet: private stand-in
+        from stages.trainer._standins import LossSpikeDetector  # type: ignore[assignment]
+    return LossSpikeDetector(cfg.loss_spike)

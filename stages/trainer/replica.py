@@ -1,0 +1,114 @@
+"""Ray actors of a run: the torchft lighthouse and one trainer actor per rank.
+
+Both are plain classes wrapped with ``ray.remote`` by the engine, so importing this
+module never imports Ray. A trainer actor starts its loop in ``__init__``: when Ray
+restarts it after a crash (``max_restarts``), the new process rejoins on its own —
+it loads the newest complete checkpoint, and torchft heals it from a live peer if
+one is ahead. The driver only pulls events (``poll``) and relays commands.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+import traceback
+import warnings
+from typing import Any
+
+from stages.trainer.config import FaultToleranceConfig
+from stages.trainer.loop import Control, TrainLoop, WorkerSpec
+
+# Events buffered in an actor between two polls; the oldest are dropped beyond this.
+MAX_BUFFERED_EVENTS = 10_000
+
+
+def lighthouse_name(run_id: str) -> str:
+    return f"run-{run_id}-lighthouse"
+
+
+def worker_name(run_id: str, group: int, rank: int) -> str:
+    return f"run-{run_id}-trainer-rg{group}-rank{rank}"
+
+
+class LighthouseActor:
+    """torchft's Rust LighthouseServer, kept alive for the run by this actor."""
+
+    def __init__(self, cfg: FaultToleranceConfig, min_replicas: int = 1):
+        from stages.trainer import ft
+
+        self.server = ft.start_lighthouse(cfg, min_replicas=min_replicas)
+
+    def address(self) -> str:
+        return str(self.server.address())
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+
+
+class ReplicaWorker:
+    """One rank of one replica group: the training loop in a thread, events buffered."""
+
+    def __init__(self, spec: WorkerSpec):
+        import ray
+
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._events: list[dict[str, Any]] = []
+        self.control = Control()
+        with warnings.catch_warnings():  # Ray marks the property deprecated, no successor
+            warnings.simplefilter("ignore")
+            restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        self.status: dict[str, Any] = {
+            "pid": os.getpid(), "phase": "starting", "step": 0, "restarted": restarted,
+            "started_at": time.time(), "error": None, "paused_at": None, "spike": None,
+        }
+        self.loop = TrainLoop(spec, emit=self._emit, control=self.control, status=self.status)
+        self._thread = threading.Thread(target=self._main, name="train-loop", daemon=True)
+        self._thread.start()
+
+    def _emit(self, event: Any) -> None:
+        with self._lock:
+            self._events.append(event.model_dump(mode="json"))
+            if len(self._events) > MAX_BUFFERED_EVENTS:
+                del self._events[: len(self._events) - MAX_BUFFERED_EVENTS]
+
+    def _main(self) -> None:
+        try:
+            self.loop.run()
+        except BaseException as e:  # reported to the driver, which fails the run
+            self.status.update(phase="error", error=f"{type(e).__name__}: {e}",
+                               traceback=traceback.format_exc()[-4000:])
+
+    # --- driver API -----------------------------------------------------------------
+    def poll(self) -> dict[str, Any]:
+        """Drain buffered events and report status (the driver pulls; never pushes)."""
+        with self._lock:
+            events, self._events = self._events, []
+        return {"events": events, "status": dict(self.status)}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def command(self, kind: str, params: dict[str, Any] | None = None) -> None:
+        self.control.send(kind, **(params or {}))  # type: ignore[arg-type]
+
+    def param_digest(self) -> dict[str, Any]:
+        """sha256 over every parameter's bytes, with the step it was taken at."""
+        loop = self.loop
+        h = hashlib.sha256()
+        for name, p in sorted(loop.model.state_dict().items()):
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
+        return {"digest": h.hexdigest(), "step": loop.manager.current_step()}
+
+
+def _u8() -> Any:
+    import torch
+
+    return torch.uint8

@@ -1,0 +1,75 @@
+"""``TrainingStage``: the training engine behind the one small Stage protocol."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from stages.base import GateOutcome, StageContext
+from stages.errors import ErrorCode, ItoError
+from stages.trainer.config import TrainStageConfig
+
+
+def resolve_train_files(cfg: TrainStageConfig, ctx: StageContext) -> list[Path]:
+    """The config's files, else data prep's ``train_files`` ({"baseline": [...], ...})."""
+    if cfg.train_files:
+        return [Path(p.removeprefix("file://")) for p in cfg.train_files]
+    prep = ctx.previous.get("data_prep")
+    files = prep.artifacts.get("train_files") if prep else None
+    if not files:
+        raise ItoError(ErrorCode.data_not_found,
+                       "no train_files in the config and no data_prep artifacts")
+    if isinstance(files, dict):
+        return [Path(p) for role in sorted(files) for p in files[role]]
+    return [Path(p) for p in files]
+
+
+class TrainingStage:
+    name: ClassVar[str] = "train"
+    config_model: ClassVar[type[TrainStageConfig]] = TrainStageConfig
+
+    def __init__(self, config: TrainStageConfig):
+        self.config = config
+
+    def checkpoint_dir(self, ctx: StageContext) -> Path:
+        return Path(self.config.checkpoint.storage_path) / ctx.run_id
+
+    def run(self, ctx: StageContext) -> GateOutcome:
+        from stages.trainer.data import build_token_shards
+        from stages.trainer.engine import RunCancelled, TrainingEngine
+        from stages.trainer.tokenizer import ByteTokenizer
+
+        cfg = self.config
+        try:
+            files = resolve_train_files(cfg, ctx)
+            shards = build_token_shards(files, ctx.workdir / "tokens", tokenizer=ByteTokenizer(),
+                                        text_field=cfg.text_field)
+            ckpt_dir = self.checkpoint_dir(ctx)
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            engine = TrainingEngine(cfg, run_id=ctx.run_id, checkpoint_dir=ckpt_dir,
+                                    shards=[str(s) for s in shards], emit=ctx.emit,
+                                    cancel_event=ctx.cancel_event,
+                                    wait_decision=ctx.wait_decision)
+            result = engine.run()
+        except RunCancelled:
+            return GateOutcome(stage=self.name, status="failed", reason="cancelled",
+                               error_code=ErrorCode.invalid_state.value)
+        except ItoError as e:
+            return GateOutcome(stage=self.name, status="failed", reason=e.message,
+                               error_code=e.code.value)
+        final = result.checkpoints[-1] if result.checkpoints else None
+        metrics = {"steps": float(result.steps), "tokens": float(result.tokens),
+                   "interruptions": float(result.interruptions)}
+        if result.final_loss is not None:
+            metrics["final_loss"] = result.final_loss
+        done = result.steps >= cfg.target.steps
+        return GateOutcome(
+            stage=self.name, status="passed" if done else "failed",
+            reason=f"trained {result.steps}/{cfg.target.steps} steps"
+                   f" with {result.interruptions} interruption(s)",
+            metrics=metrics,
+            artifacts={"checkpoint_dir": str(ckpt_dir),
+                       "final_checkpoint": str(ckpt_dir / f"step_{final:08d}")
+                       if final is not None else None,
+                       "proposals": result.proposals},
+            error_code=None if done else ErrorCode.training_failed.value)
