@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -85,8 +85,15 @@ class StageContext:
 
 @runtime_checkable
 class Stage(Protocol):
-    name: ClassVar[str]
-    config_model: ClassVar[type[BaseModel]]
-    config: BaseModel
+    """Read-only members, so a stage may narrow them (``config: TrainStageConfig``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def config_model(self) -> type[BaseModel]: ...
+
+    @property
+    def config(self) -> BaseModel: ...
 
     def run(self, ctx: StageContext) -> GateOutcome: ...

@@ -1,0 +1,64 @@
+"""The run's pipeline, built from its manifest: data prep → plan → train.
+
+Each entry is a stage name and a factory that builds the stage from the run
+context, so a later stage can use what an earlier one decided (the training stage
+takes its replica-group layout from the planner's outcome). Stages never import
+the orchestrator; this is the one place that maps manifest sections to stage
+configs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from orchestrator.launch import LaunchSpec
+from orchestrator.manifest import Manifest
+from stages.base import Stage, StageContext
+
+StageFactory = Callable[[StageContext], Stage]
+
+
+def _data_prep(manifest: Manifest) -> StageFactory:
+    def make(ctx: StageContext) -> Stage:
+        from stages.data_prep import DataPrepStage
+
+        return DataPrepStage(manifest.data)
+
+    return make
+
+
+def _parallelism(manifest: Manifest) -> StageFactory:
+    def make(ctx: StageContext) -> Stage:
+        from stages.parallelism import ParallelismStage, ParallelismStageConfig
+
+        return ParallelismStage(ParallelismStageConfig(
+            model=manifest.model.preset, global_batch_tokens=manifest.training.global_batch_tokens,
+            seq_len=manifest.training.seq_len))
+
+    return make
+
+
+def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
+    def make(ctx: StageContext) -> Stage:
+        from stages.trainer.config import TrainStageConfig
+        from stages.trainer.stage import TrainingStage
+
+        plan = ctx.previous["parallelism"].artifacts["plan"]
+        groups = int(plan["dp_replicate"])
+        ranks = int(plan["dp_shard"]) * int(plan["tp"]) * int(plan["pp"]) * int(plan["cp"])
+        return TrainingStage(TrainStageConfig(
+            model=manifest.model, target=manifest.training, checkpoint=manifest.checkpoint,
+            loss_spike=manifest.loss_spike, replica_groups=groups, ranks_per_group=ranks,
+            device=str(spec.facts.get("device", "cpu")),  # type: ignore[arg-type]
+        ))
+
+    return make
+
+
+def build_pipeline(spec: LaunchSpec) -> list[tuple[str, StageFactory]]:
+    manifest = Manifest.model_validate_json(spec.manifest_json)
+    return [
+        ("data_prep", _data_prep(manifest)),
+        ("parallelism", _parallelism(manifest)),
+        ("train", _train(manifest, spec)),
+    ]

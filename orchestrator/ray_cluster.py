@@ -1,0 +1,130 @@
+"""Connecting to Ray: the embedded local head, or an existing cluster.
+
+The embedded default runs ``ray start --head --block`` as its own process session,
+so the Ray cluster, and the detached RunDriver actors in it, outlive an API server
+crash: a restarted server reattaches to live drivers by name. ``--ray-address``
+joins a cluster that deploy/slurm or KubeRay started instead.
+
+Token authentication stays on (``RAY_AUTH_MODE=token``). The token lives in
+``~/.ray/auth_token`` of the user that runs the backend; an SRE gets it with
+``ray get-auth-token`` on the head node and opens the dashboard with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.errors import ErrorCode, ItoError
+
+RAY_NAMESPACE = "ito"
+
+
+class RaySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # None: start (or reuse) the embedded local head described by the fields below.
+    address: str | None = None
+    head_port: int = Field(default=6390, gt=0, lt=65536)
+    dashboard_port: int = Field(default=8265, gt=0, lt=65536)
+    num_cpus: int | None = Field(default=None, gt=0)
+    include_dashboard: bool = True
+    # Waiting for a freshly started head to accept connections.
+    head_start_timeout_s: float = Field(default=90.0, gt=0)
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["RAY_AUTH_MODE"] = "token"
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    return env
+
+
+def ensure_auth_token() -> None:
+    """Create ~/.ray/auth_token if missing (token auth is never turned off)."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    subprocess.run([_ray_bin(), "get-auth-token", "--generate"], env=_env(), check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+
+
+def head_pid_file(var_dir: Path) -> Path:
+    return var_dir / "ray-head.pid"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def start_local_head(var_dir: Path, settings: RaySettings) -> str:
+    """Start the embedded head unless ours is already running; return its address."""
+    ensure_auth_token()
+    address = f"127.0.0.1:{settings.head_port}"
+    pid_file = head_pid_file(var_dir)
+    if pid_file.exists() and _alive(int(pid_file.read_text() or 0)):
+        return address
+    var_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [_ray_bin(), "start", "--head", "--block", f"--port={settings.head_port}",
+           "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+           f"--include-dashboard={str(settings.include_dashboard).lower()}",
+           "--dashboard-host=127.0.0.1", f"--dashboard-port={settings.dashboard_port}"]
+    if settings.num_cpus:
+        cmd.append(f"--num-cpus={settings.num_cpus}")
+    log = open(var_dir / "ray-head.log", "ab")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    pid_file.write_text(str(proc.pid))
+    deadline = time.monotonic() + settings.head_start_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ItoError(ErrorCode.ray_unavailable,
+                           f"ray head exited with {proc.returncode}; see {var_dir}/ray-head.log")
+        if b"Ray runtime started" in (var_dir / "ray-head.log").read_bytes()[-20000:]:
+            return address
+        time.sleep(0.25)
+    raise ItoError(ErrorCode.ray_unavailable, "ray head did not start in time")
+
+
+def stop_local_head(var_dir: Path, timeout_s: float = 30.0) -> bool:
+    """Stop the embedded head we started (never any other Ray on the machine)."""
+    pid_file = head_pid_file(var_dir)
+    if not pid_file.exists():
+        return False
+    pid = int(pid_file.read_text() or 0)
+    if pid and _alive(pid):
+        os.killpg(pid, signal.SIGTERM)  # `ray start --block` stops its children on SIGTERM
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+    pid_file.unlink(missing_ok=True)
+    return True
+
+
+def connect(var_dir: Path, settings: RaySettings) -> str:
+    """``ray.init`` this process into the cluster (namespace ``ito``); return the address."""
+    import ray
+
+    address = settings.address or start_local_head(var_dir, settings)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False,
+                     logging_level=logging.WARNING)
+        except ConnectionError as e:
+            raise ItoError(ErrorCode.ray_unavailable, f"cannot reach Ray at {address}") from e
+    return address

@@ -1,0 +1,308 @@
+"""The run supervisor: the Ray implementation of ``RunRuntime`` inside the API server.
+
+One loop thread owns every live run. Each tick, for every run in an active state,
+it makes sure the run's detached ``RunDriver`` (``ito/run-<run_id>``) exists, pulls
+its events, persists them (only the API server writes the store), and moves the
+run along the one transition table. After an API-server restart the same loop
+reattaches to live drivers by name: nothing is kept only in memory.
+
+A run whose driver is gone (the Ray head restarted, the node died) is relaunched
+from its persisted state: stages that already passed are skipped, and training
+resumes from the newest complete checkpoint, because redoing hours of finished
+work would waste the booking. After ``max_driver_attempts`` launches it fails
+with ``driver_lost`` instead, so a run that keeps killing its driver stops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator import launch, ray_cluster
+from orchestrator.launch import LaunchSpec
+from orchestrator.ray_cluster import RAY_NAMESPACE, RaySettings
+from orchestrator.runs import ACTIVE, TERMINAL, RunState
+from orchestrator.runtime import Decision, remove_tree, run_dir
+from orchestrator.store import Row, Store
+from stages.errors import ErrorCode
+from stages.events import InterruptionEvent, LogEvent
+
+log = logging.getLogger(__name__)
+
+
+class SupervisorSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    poll_interval_s: float = Field(default=0.5, gt=0)
+    # One driver RPC (poll, ping) may take this long before the tick moves on.
+    rpc_timeout_s: float = Field(default=10.0, gt=0)
+    # After cancel, the driver gets this long to stop its stages cleanly; then
+    # every actor of the run is killed. Well inside the 30 s promise.
+    cancel_grace_s: float = Field(default=10.0, gt=0)
+    max_driver_attempts: int = Field(default=2, ge=1)
+    # A driver that has not answered for this long after launch counts as lost.
+    driver_start_timeout_s: float = Field(default=120.0, gt=0)
+
+
+def driver_name(run_id: str) -> str:
+    return f"run-{run_id}"
+
+
+class RayRuntime:
+    def __init__(self, store: Store, var_dir: Path, ray: RaySettings,
+                 settings: SupervisorSettings | None = None):
+        self.store = store
+        self.var_dir = var_dir
+        self.ray_settings = ray
+        self.settings = settings or SupervisorSettings()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._cancel_requested: dict[str, float] = {}
+        self._launched_at: dict[str, float] = {}
+        self._handles: dict[str, Any] = {}
+
+    # -- RunRuntime -----------------------------------------------------------------------
+    def start(self) -> None:
+        import os
+
+        os.environ.setdefault(launch.LAUNCH_KEY_ENV, str(self.var_dir / "launch.key"))
+        launch.ensure_launch_key()
+        ray_cluster.connect(self.var_dir, self.ray_settings)
+        self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(self, run_id: str) -> None:
+        self._wake.set()
+
+    def cancel(self, run_id: str) -> None:
+        self._cancel_requested.setdefault(run_id, time.monotonic())
+        handle = self._driver(run_id)
+        if handle is not None:
+            handle.cancel.remote()
+        self._wake.set()
+
+    def decide(self, run_id: str, proposal_id: str, decision: Decision) -> None:
+        handle = self._driver(run_id)
+        if handle is not None:
+            handle.decide.remote(proposal_id, decision)
+        self._wake.set()
+
+    def cleanup(self, run_id: str) -> dict[str, Any]:
+        """Remove the run's scratch space and checkpoints; the booking is not touched."""
+        self.kill_run_actors(run_id)
+        removed: list[str] = []
+        total = 0
+        run = self.store.get_run(run_id)
+        for path in (run_dir(self.var_dir, run_id), self._checkpoint_dir(run)):
+            paths, size = remove_tree(path)
+            removed += paths
+            total += size
+        return {"removed": removed, "bytes_removed": total}
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for run in self.store.runs_in_states(ACTIVE):
+                    if self._stop.is_set():
+                        break
+                    self._tick(run)
+            except Exception:  # keep supervising; a bad run must not stop the others
+                log.exception("supervisor tick failed")
+            self._wake.wait(self.settings.poll_interval_s)
+            self._wake.clear()
+
+    def _tick(self, run: Row) -> None:
+        run_id, state = run["run_id"], RunState(run["state"])
+        if state == RunState.accepted:
+            self._launch(run, attempt=1)
+            self.store.transition(run_id, RunState.starting, "driver launched")
+            return
+        handle = self._driver(run_id)
+        if handle is None:
+            self._on_driver_gone(run, state)
+            return
+        if state == RunState.cancelling:
+            requested = self._cancel_requested.setdefault(run_id, time.monotonic())
+            handle.cancel.remote()
+            if time.monotonic() - requested > self.settings.cancel_grace_s:
+                self._pull(run_id, handle)
+                self.kill_run_actors(run_id)
+                self._finish(run_id, RunState.cancelled, "cancelled (forced after grace period)")
+                return
+        import ray
+
+        try:
+            reply = self._pull(run_id, handle)
+        except ray.exceptions.GetTimeoutError:
+            return
+        except ray.exceptions.RayActorError:
+            self._handles.pop(run_id, None)
+            self._on_driver_gone(run, state)
+            return
+        self._advance(run, reply)
+
+    def _pull(self, run_id: str, handle: Any) -> dict[str, Any]:
+        """Pull and persist every buffered event; the next poll acknowledges them."""
+        import ray
+
+        while True:
+            after = self.store.max_seq(run_id)
+            reply: dict[str, Any] = ray.get(handle.poll.remote(after),
+                                            timeout=self.settings.rpc_timeout_s)
+            if reply["events"]:
+                self.store.ingest_events(run_id, reply["events"])
+            if not reply.get("more"):
+                return reply
+
+    def _advance(self, run: Row, reply: dict[str, Any]) -> None:
+        run_id, state = run["run_id"], RunState(run["state"])
+        driver_state = reply["state"]
+        if driver_state in ("succeeded", "failed", "cancelled"):
+            target = {"succeeded": RunState.succeeded, "failed": RunState.failed,
+                      "cancelled": RunState.cancelled}[driver_state]
+            if state == RunState.cancelling and target != RunState.cancelled:
+                target = RunState.cancelled
+            reason = reply.get("reason") or driver_state
+            if reply.get("error_code") and target == RunState.failed:
+                reason = f"{reply['error_code']}: {reason}"
+            self.kill_run_actors(run_id)
+            self._finish(run_id, target, reason)
+            return
+        if state == RunState.starting and driver_state == "running":
+            self.store.transition(run_id, RunState.running, "driver running")
+            state = RunState.running
+        pending = any(p["status"] == "pending" for p in self.store.list_proposals(run_id))
+        if state == RunState.running and pending:
+            self.store.transition(run_id, RunState.awaiting_approval,
+                                  "a proposal awaits a human decision")
+        elif state == RunState.awaiting_approval and not pending:
+            self.store.transition(run_id, RunState.running, "proposal decided")
+
+    def _finish(self, run_id: str, target: RunState, reason: str) -> None:
+        current = RunState(self.store.get_run(run_id)["state"])
+        if current in TERMINAL:
+            return
+        if current == RunState.awaiting_approval and target == RunState.succeeded:
+            self.store.transition(run_id, RunState.running, "proposal decided")
+        self.store.transition(run_id, target, reason)
+        self._cancel_requested.pop(run_id, None)
+        self._launched_at.pop(run_id, None)
+        self._handles.pop(run_id, None)
+
+    # -- drivers --------------------------------------------------------------------------
+    def _driver(self, run_id: str) -> Any | None:
+        import ray
+
+        handle = self._handles.get(run_id)
+        if handle is not None:
+            return handle
+        try:
+            handle = ray.get_actor(driver_name(run_id), namespace=RAY_NAMESPACE)
+        except ValueError:
+            return None
+        self._handles[run_id] = handle
+        return handle
+
+    def _checkpoint_dir(self, run: Row) -> Path:
+        manifest = json.loads(run["manifest_json"])
+        root = manifest["checkpoint"]["storage_uri"].removeprefix("file://")
+        return Path(root) / run["run_id"]
+
+    def _launch(self, run: Row, *, attempt: int) -> None:
+        from orchestrator.driver import driver_actor_class
+
+        run_id = run["run_id"]
+        booking = self.store.booking(run["booking_id"]) or {}
+        completed = {g["stage"]: {"stage": g["stage"], "status": g["status"],
+                                  "reason": g["reason"], "metrics": json.loads(g["metrics"]),
+                                  "artifacts": json.loads(g["artifacts"]),
+                                  "error_code": g["error_code"]}
+                     for g in self.store.list_stage_gates(run_id) if g["status"] == "passed"}
+        spec = launch.sign(LaunchSpec(
+            run_id=run_id, booking_id=run["booking_id"], account=run["account_id"],
+            manifest_digest=run["manifest_digest"], manifest_json=run["manifest_json"],
+            accepted_at=run["created_at"], workdir=str(run_dir(self.var_dir, run_id)),
+            checkpoint_dir=str(self._checkpoint_dir(run)),
+            facts={"booking": {k: booking.get(k) for k in
+                               ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")}},
+            completed_stages=completed, seq_start=self.store.max_seq(run_id) + 1,
+            attempt=attempt))
+        actor = driver_actor_class().options(
+            name=driver_name(run_id), namespace=RAY_NAMESPACE, lifetime="detached",
+            num_cpus=0, max_concurrency=16, max_restarts=0)
+        try:
+            handle = actor.remote(spec.model_dump())
+        except ValueError:  # a driver of this name exists already: reattach to it
+            handle = self._driver(run_id)
+        handle.start.remote()
+        self._handles[run_id] = handle
+        self._launched_at[run_id] = time.monotonic()
+
+    def _driver_attempts(self, run_id: str) -> int:
+        lost = self.store.list_events(run_id, kinds=["interruption"])
+        return 1 + sum(1 for e in lost if e["payload"].get("interruption_kind") == "driver_lost")
+
+    def _on_driver_gone(self, run: Row, state: RunState) -> None:
+        run_id = run["run_id"]
+        launched = self._launched_at.get(run_id)
+        if launched is not None and time.monotonic() - launched < self.settings.rpc_timeout_s:
+            return  # just created; get_actor can lag the creation call
+        if state == RunState.cancelling:
+            self.kill_run_actors(run_id)
+            self._finish(run_id, RunState.cancelled, "cancelled")
+            return
+        now = time.time()
+        attempts = self._driver_attempts(run_id)
+        seq = self.store.max_seq(run_id) + 1
+        lost = InterruptionEvent(interruption_kind="driver_lost", detected_at=now,
+                                 recovered_at=now, detail=f"driver of attempt {attempts} gone")
+        if attempts >= self.settings.max_driver_attempts:
+            self.store.ingest_events(run_id, [{**lost.model_dump(mode="json"), "seq": seq}])
+            self._finish(run_id, RunState.failed,
+                         f"{ErrorCode.driver_lost}: the run's driver is gone and "
+                         f"{attempts} launches were used")
+            return
+        self.kill_run_actors(run_id)
+        note = LogEvent(level="warning", stage="orchestrator",
+                        message=f"driver lost; relaunching (attempt {attempts + 1}), resuming "
+                                "from the newest complete checkpoint")
+        self.store.ingest_events(run_id, [{**lost.model_dump(mode="json"), "seq": seq},
+                                          {**note.model_dump(mode="json"), "seq": seq + 1}])
+        self._launch(self.store.get_run(run_id), attempt=attempts + 1)
+
+    def kill_run_actors(self, run_id: str) -> list[str]:
+        """Kill the run's driver and every actor named after the run."""
+        import ray
+        from ray.util.state import list_actors
+
+        killed: list[str] = []
+        prefix = driver_name(run_id)
+        try:
+            actors = list_actors(filters=[("state", "!=", "DEAD")], limit=10_000,
+                                 raise_on_missing_output=False)
+        except Exception:
+            actors = []
+        names = {a.name for a in actors if a.name and (a.name == prefix or
+                                                       a.name.startswith(prefix + "-"))}
+        names.add(prefix)
+        for name in sorted(names):
+            try:
+                ray.kill(ray.get_actor(name, namespace=RAY_NAMESPACE), no_restart=True)
+                killed.append(name)
+            except ValueError:
+                continue
+        self._handles.pop(run_id, None)
+        return killed
