@@ -62,12 +62,21 @@ def _store(db: Path) -> Store:
 
 @app.command()
 def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
-          runtime: Annotated[str, typer.Option(help="none (runs stay accepted)")] = "none",
+          runtime: Annotated[str, typer.Option(
+              help="ray (supervisor + RunDriver actors) or none (runs stay accepted)")] = "none",
           var_dir: Annotated[Path, typer.Option("--var-dir", envvar="ITO_VAR_DIR",
                                                 help="run scratch space")] = Path("/tmp/ito-var"),
           checkpoint_root: Annotated[list[Path] | None, typer.Option(
               "--checkpoint-root", help="allowed checkpoint storage root (repeatable); "
               "default: any absolute path")] = None,
+          ray_address: Annotated[str | None, typer.Option(
+              "--ray-address", envvar="ITO_RAY_ADDRESS",
+              help="join this Ray cluster; default: start/reuse the embedded local head")] = None,
+          ray_head_port: Annotated[int, typer.Option(help="embedded Ray head's GCS port")] = 6390,
+          ray_dashboard_port: Annotated[int, typer.Option(help="embedded Ray dashboard port")]
+          = 8265,
+          ray_num_cpus: Annotated[int | None, typer.Option(help="embedded Ray logical CPUs")]
+          = None,
           log_level: str = "info") -> None:
     """Run the API server (uvicorn) on the store at --db."""
     import uvicorn
@@ -82,8 +91,15 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
     rt: RunRuntime
     if runtime == "none":
         rt = NullRuntime(store, var_dir)
+    elif runtime == "ray":
+        from orchestrator.ray_cluster import RaySettings
+        from orchestrator.supervisor import RayRuntime
+
+        rt = RayRuntime(store, var_dir, RaySettings(
+            address=ray_address, head_port=ray_head_port, dashboard_port=ray_dashboard_port,
+            num_cpus=ray_num_cpus))
     else:
-        _fail(False, ErrorCode.bad_request, f"unknown runtime {runtime!r} (known: none)")
+        _fail(False, ErrorCode.bad_request, f"unknown runtime {runtime!r} (known: ray, none)")
     uvicorn.run(create_app(settings, rt, store), host=host, port=port, log_level=log_level,
                 access_log=True)
 
