@@ -1,0 +1,309 @@
+"""Asynchronous DCP checkpointing on a run's checkpoint policy.
+
+The training loop asks ``due(step)``, calls ``save(step, state)`` (blocking only
+for the copy of the state into reused CPU staging buffers), and keeps training
+while a background thread writes and fsyncs the files; the checkpoint is
+committed (see ``storage``) once DCP has finished, and older ones beyond
+``keep`` are deleted only after that. ``poll()`` hands completed saves to the
+loop for ``CheckpointEvent``s.
+
+With ``async_staging=True`` even the copy runs in the background and ``save``
+returns at once; the loop must then call ``wait_staged()`` before it next
+mutates the state (before ``optimizer.step()``), so forward/backward overlap the
+copy (torchtitan's ``async_with_pinned_mem`` pattern).
+
+Multi-rank: pass a dedicated gloo ``process_group`` (the save thread runs DCP's
+collectives on it, which must not interleave with the training collectives).
+The storage folder must be shared by the ranks; group rank 0 commits, deletes
+and reports. ``due`` does no collective: with a time interval, ranks must pass
+an agreed ``now`` (e.g. rank 0's clock, broadcast by the loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.stateful import Stateful
+
+from stages.checkpointing.config import CheckpointPolicy
+from stages.checkpointing.storage import (
+    CheckpointRecord,
+    commit,
+    delete_checkpoint,
+    final_name,
+    list_checkpoints,
+    read_record,
+    sweep_incomplete,
+    tmp_prefix,
+)
+from stages.errors import ErrorCode, ItoError
+
+log = logging.getLogger(__name__)
+# Single-process saves are intended (no_dist); DCP warns about them on every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable",
+                        category=UserWarning)
+
+# How long wait()/save()/close() wait for an in-flight save before failing it.
+SAVE_TIMEOUT_S = 1800.0
+# DCP writer threads per rank (one keeps the write sequential: fastest on one disk).
+WRITER_THREADS = 1
+
+StateLike = Stateful | dict[str, Any]
+
+
+def _describe(e: BaseException) -> str:
+    """A short, path-free reason for a failed save or load (no tracebacks)."""
+    if isinstance(e, CheckpointException):
+        inner = [exc for exc, _trace in e.failures.values()]
+        return "; ".join(f"rank {r}: {_describe(x)}" for r, x in zip(e.failures, inner,
+                                                                      strict=True))
+    if isinstance(e, OSError):
+        return f"{type(e).__name__}: {e.strerror}"
+    return f"{type(e).__name__}: {e}"
+
+
+def _as_state_dict(state: StateLike) -> dict[str, Any]:
+    """DCP wants a dict at the top level; a bare Stateful is saved under "train"."""
+    return state if isinstance(state, dict) else {"train": state}
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp_dir: Path
+    final_dir: Path
+    started: float
+    upload: Future[Any]
+    staging: Future[Any] | None
+    blocking_s: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+    record: CheckpointRecord | None = None
+    error: BaseException | None = None
+
+
+class Checkpointer:
+    """Async DCP saves with commit-on-complete, keep-last-K and interval policy."""
+
+    def __init__(self, policy: CheckpointPolicy, *, process_group: dist.ProcessGroup | None = None,
+                 run_label: str = "", async_staging: bool = False,
+                 writer_threads: int = WRITER_THREADS, save_timeout_s: float = SAVE_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.policy = policy
+        self.storage_dir = Path(policy.storage_path)
+        self.run_label = run_label
+        self._pg = process_group
+        self._dist = process_group is not None or (dist.is_available() and dist.is_initialized())
+        self.rank = dist.get_rank(group=process_group) if self._dist else 0
+        self.is_coordinator = self.rank == 0
+        self._writer_threads = writer_threads
+        self._save_timeout_s = save_timeout_s
+        self._clock = clock
+        self._last_step = 0  # step 0 is never due: nothing has been trained yet
+        self._last_time = clock()
+        self._pending: _Pending | None = None
+        self._completed: list[CheckpointRecord] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        try:
+            self.storage_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ItoError(ErrorCode.checkpoint_storage_unwritable,
+                           f"cannot create checkpoint storage: {e.strerror}") from e
+        if self.is_coordinator:
+            for p in sweep_incomplete(self.storage_dir, label=run_label):
+                log.info("swept incomplete checkpoint %s", p.name)
+        gpu = torch.cuda.is_available()
+        # Staging buffers are cached across saves (keyed by the source storage), so
+        # only the first save pays for allocating them; they cost 1x the state in RAM.
+        self._stager = DefaultStager(StagingOptions(
+            use_pinned_memory=gpu, use_shared_memory=False,
+            use_async_staging=async_staging, use_non_blocking_copy=gpu and async_staging))
+
+    # --- policy ---------------------------------------------------------------------
+    def due(self, step: int, now: float | None = None) -> bool:
+        """Whether ``step`` (just completed) should be checkpointed."""
+        if step <= self._last_step:
+            return False
+        if self.policy.interval_steps and step % self.policy.interval_steps == 0:
+            return True
+        if self.policy.interval_minutes is not None:
+            t = self._clock() if now is None else now
+            return t - self._last_time >= self.policy.interval_minutes * 60.0
+        return False
+
+    # --- saving ---------------------------------------------------------------------
+    def save(self, step: int, state: StateLike, *, now: float | None = None) -> None:
+        """Start an async save of ``state`` at ``step``; returns once it is staged
+        (or, with ``async_staging``, once it is submitted)."""
+        if self._closed:
+            raise ItoError(ErrorCode.invalid_state, "checkpointer is closed")
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight: the staging buffers are reused
+        self._last_step = step
+        self._last_time = self._clock() if now is None else now
+        tmp_dir = self.storage_dir / f"{tmp_prefix(self.run_label)}{final_name(step)}"
+        final_dir = self.storage_dir / final_name(step)
+        if self.is_coordinator and tmp_dir.exists():
+            shutil.rmtree(tmp_dir)
+        try:
+            result = dcp.async_save(
+                _as_state_dict(state),
+                storage_writer=FileSystemWriter(tmp_dir, sync_files=True,
+                                                thread_count=self._writer_threads),
+                async_stager=self._stager, process_group=self._pg, no_dist=not self._dist)
+        except (OSError, CheckpointException) as e:
+            raise ItoError(ErrorCode.checkpoint_storage_unwritable,
+                           f"checkpoint save at step {step} failed: {_describe(e)}") from e
+        if isinstance(result, Future):
+            upload, staging = result, None
+        else:
+            upload, staging = result.upload_completion, result.staging_completion
+        pending = _Pending(step=step, tmp_dir=tmp_dir, final_dir=final_dir, started=t0,
+                           upload=upload, staging=staging)
+        pending.blocking_s = time.perf_counter() - t0
+        self._pending = pending
+        upload.add_done_callback(lambda fut: self._finish(pending, fut))
+
+    def wait_staged(self) -> None:
+        """With ``async_staging``: block until the state has been copied, so the loop
+        may mutate it. A no-op otherwise."""
+        pending = self._pending
+        if pending is None or pending.staging is None or pending.staging.done():
+            return
+        t0 = time.perf_counter()
+        pending.staging.result(timeout=self._save_timeout_s)
+        pending.blocking_s += time.perf_counter() - t0
+
+    def _finish(self, pending: _Pending, upload: Future[Any]) -> None:
+        """Runs on the save thread once DCP has written (and fsynced) everything."""
+        try:
+            upload.result()
+            if self.is_coordinator:
+                record = CheckpointRecord(
+                    step=pending.step, path=str(pending.final_dir), bytes=0,
+                    blocking_s=pending.blocking_s,
+                    total_s=time.perf_counter() - pending.started, bytes_per_s=0.0,
+                    created_at=time.time(), run_label=self.run_label)
+                pending.record = commit(pending.tmp_dir, pending.final_dir, record)
+                with self._lock:
+                    self._completed.append(pending.record)
+                self._apply_keep()
+        except BaseException as e:  # surfaced to the loop by wait()/poll()
+            log.exception("checkpoint save at step %d failed", pending.step)
+            pending.error = e
+        finally:
+            pending.done.set()
+
+    def _apply_keep(self) -> None:
+        records = list_checkpoints(self.storage_dir)
+        for old in records[:-self.policy.keep]:
+            try:
+                delete_checkpoint(old)
+            except (OSError, ItoError):
+                log.warning("could not delete old checkpoint %s", old.path, exc_info=True)
+
+    def wait(self) -> CheckpointRecord | None:
+        """Block until the in-flight save (if any) is committed; its record (None on
+        non-coordinator ranks or when nothing was in flight). Raises if it failed."""
+        pending = self._pending
+        if pending is None:
+            return None
+        if not pending.done.wait(timeout=self._save_timeout_s):
+            raise ItoError(ErrorCode.checkpoint_storage_unwritable,
+                           f"checkpoint save at step {pending.step} did not finish in "
+                           f"{self._save_timeout_s:.0f} s")
+        self._pending = None
+        self._raise_if_failed(pending)
+        return pending.record
+
+    @staticmethod
+    def _raise_if_failed(pending: _Pending) -> None:
+        if pending.error is None:
+            return
+        e = pending.error
+        if isinstance(e, ItoError):
+            raise e
+        raise ItoError(ErrorCode.checkpoint_storage_unwritable,
+                       f"checkpoint save at step {pending.step} failed: {_describe(e)}") from e
+
+    def poll(self) -> list[CheckpointRecord]:
+        """Saves committed since the last poll (oldest first). Raises once if the
+        in-flight save failed."""
+        pending = self._pending
+        if pending is not None and pending.done.is_set() and pending.error is not None:
+            self._pending = None
+            self._raise_if_failed(pending)
+        with self._lock:
+            done, self._completed = self._completed, []
+        return done
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done.is_set()
+
+    # --- listing and loading ----------------------------------------------------------
+    def records(self) -> list[CheckpointRecord]:
+        """Complete checkpoints, oldest step first."""
+        return list_checkpoints(self.storage_dir)
+
+    def latest(self) -> CheckpointRecord | None:
+        records = list_checkpoints(self.storage_dir)
+        return records[-1] if records else None
+
+    def load(self, record: CheckpointRecord, state: StateLike) -> None:
+        """Load ``record`` into ``state`` in place (the same shape ``save`` was given)."""
+        path = Path(record.path)
+        if read_record(path) is None:
+            raise ItoError(ErrorCode.checkpoint_not_found,
+                           f"no complete checkpoint at {path.name}")
+        try:
+            dcp.load(_as_state_dict(state), checkpoint_id=path, process_group=self._pg,
+                     no_dist=not self._dist)
+        except ItoError:
+            raise
+        except (Exception, CheckpointException) as e:
+            raise ItoError(ErrorCode.checkpoint_corrupt,
+                           f"checkpoint {path.name} could not be loaded: {_describe(e)}") from e
+        self._last_step = record.step
+        self._last_time = self._clock()
+
+    def discard_after(self, step: int) -> list[CheckpointRecord]:
+        """Delete checkpoints newer than ``step`` (an abandoned timeline, e.g. after an
+        approved restart from ``step``), so ``latest()`` never resumes into it."""
+        self.wait()
+        gone = [r for r in list_checkpoints(self.storage_dir) if r.step > step]
+        if self.is_coordinator:
+            for r in gone:
+                delete_checkpoint(r)
+        return gone
+
+    def close(self) -> None:
+        """Wait for the in-flight save and release the staging buffers."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._stager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

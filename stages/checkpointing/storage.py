@@ -1,0 +1,180 @@
+"""On-disk layout of checkpoints and the commit protocol.
+
+A storage directory holds only complete checkpoints under their final names::
+
+    <storage>/step_000000120/          complete: DCP files + COMMIT_NAME, written last
+    <storage>/.tmp-<label>-step_.../   a save in progress (or killed): never listed
+    <storage>/.trash-step_.../         a checkpoint being deleted: never listed
+
+A save writes into a temp folder; when DCP has written and fsynced every file and
+its ``.metadata``, the coordinator writes the commit record, fsyncs it and the
+folder, renames the folder to its final name (atomic on POSIX) and fsyncs the
+parent. A process killed at any point leaves either a temp folder (swept later)
+or a complete checkpoint, never a listed partial one. Deletion renames to a trash
+name first, so a half-deleted checkpoint is never listed either.
+
+Everything here works without torch.distributed, so the API can list and clean up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from pydantic import Field
+
+from stages.base import StrictModel
+from stages.errors import ErrorCode, ItoError
+from stages.events import CheckpointEvent
+
+COMMIT_NAME = "ito_commit.json"
+DCP_METADATA_NAME = ".metadata"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+_FINAL_RE = re.compile(r"^step_(\d{9,})$")
+_LABEL_RE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class CheckpointRecord(StrictModel):
+    """A complete checkpoint, as listed (read back from its commit record)."""
+
+    step: int = Field(ge=0)
+    path: str
+    bytes: int = Field(ge=0)
+    blocking_s: float = Field(ge=0, description="time the training loop was blocked")
+    total_s: float = Field(ge=0, description="save call to commit")
+    bytes_per_s: float = Field(ge=0, description="bytes / total_s")
+    created_at: float = Field(description="unix time of the commit")
+    run_label: str = ""
+
+    def to_event(self, stage: str = "checkpointing") -> CheckpointEvent:
+        return CheckpointEvent(stage=stage, step=self.step, path=self.path, bytes=self.bytes,
+                               blocking_s=self.blocking_s, total_s=self.total_s)
+
+
+def final_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def tmp_name(step: int, label: str) -> str:
+    safe = _LABEL_RE.sub("_", label) or "run"
+    return f"{TMP_PREFIX}{safe}-{final_name(step)}-{uuid.uuid4().hex[:8]}"
+
+
+def tmp_prefix(label: str) -> str:
+    return f"{TMP_PREFIX}{_LABEL_RE.sub('_', label) or 'run'}-"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def commit(tmp_dir: Path, final_dir: Path, record: CheckpointRecord) -> CheckpointRecord:
+    """Write the commit record into ``tmp_dir`` and publish it as ``final_dir``.
+
+    ``record.path`` and ``record.bytes`` are filled in here. An existing checkpoint
+    at ``final_dir`` (same step, an abandoned timeline) is replaced.
+    """
+    if not (tmp_dir / DCP_METADATA_NAME).is_file():
+        raise ItoError(ErrorCode.checkpoint_corrupt,
+                       f"{tmp_dir.name}: DCP metadata missing; refusing to commit")
+    data_bytes = folder_bytes(tmp_dir)
+    record = record.model_copy(update={"path": str(final_dir), "bytes": data_bytes,
+                                       "bytes_per_s": data_bytes / max(record.total_s, 1e-9)})
+    marker = tmp_dir / COMMIT_NAME
+    with marker.open("w") as f:
+        f.write(record.model_dump_json())
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp_dir)
+    if final_dir.exists():
+        _trash(final_dir)
+    os.rename(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
+    return record
+
+
+def read_record(ckpt_dir: Path) -> CheckpointRecord | None:
+    """The record of a complete checkpoint folder, or None if it is not one."""
+    if not _FINAL_RE.match(ckpt_dir.name) or not (ckpt_dir / DCP_METADATA_NAME).is_file():
+        return None
+    try:
+        record = CheckpointRecord.model_validate_json((ckpt_dir / COMMIT_NAME).read_bytes())
+    except (OSError, ValueError):
+        return None
+    # The folder may have moved (storage remounted): the path on disk is the truth.
+    return record.model_copy(update={"path": str(ckpt_dir)})
+
+
+def list_checkpoints(storage_dir: str | Path) -> list[CheckpointRecord]:
+    """Complete checkpoints in ``storage_dir``, oldest step first."""
+    root = Path(storage_dir)
+    if not root.is_dir():
+        return []
+    records = [r for p in root.iterdir() if p.is_dir() and (r := read_record(p)) is not None]
+    return sorted(records, key=lambda r: r.step)
+
+
+def _trash(ckpt_dir: Path) -> None:
+    trash = ckpt_dir.with_name(f"{TRASH_PREFIX}{ckpt_dir.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(ckpt_dir, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def delete_checkpoint(record: CheckpointRecord) -> None:
+    """Remove one checkpoint; it disappears from listings atomically."""
+    path = Path(record.path)
+    if read_record(path) is None:
+        raise ItoError(ErrorCode.checkpoint_not_found, f"no complete checkpoint at {path.name}")
+    _trash(path)
+
+
+def sweep_incomplete(storage_dir: str | Path, *, label: str | None = None,
+                     older_than_s: float = 0.0) -> list[Path]:
+    """Remove temp folders of killed saves (only ``label``'s when given) and trash.
+
+    ``older_than_s`` spares temp folders modified more recently (a save that may
+    still be running in another process).
+    """
+    root = Path(storage_dir)
+    if not root.is_dir():
+        return []
+    prefix = TMP_PREFIX if label is None else tmp_prefix(label)
+    now = time.time()
+    removed = []
+    for p in root.iterdir():
+        if not p.is_dir():
+            continue
+        leftover = p.name.startswith(prefix) or p.name.startswith(TRASH_PREFIX)
+        if not leftover:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if older_than_s and now - p.stat().st_mtime < older_than_s:
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def storage_usage(storage_dir: str | Path) -> dict[str, int]:
+    """Bytes in complete checkpoints and in leftovers (for cleanup reports)."""
+    root = Path(storage_dir)
+    complete = sum(r.bytes for r in list_checkpoints(root))
+    leftovers = 0
+    if root.is_dir():
+        leftovers = sum(folder_bytes(p) for p in root.iterdir()
+                        if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
+    return {"complete_bytes": complete, "leftover_bytes": leftovers}

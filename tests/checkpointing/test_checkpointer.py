@@ -1,0 +1,201 @@
+"""Checkpointer in one process: exact resume, commit-on-complete, keep-K, failures."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stages.checkpointing import (
+    COMMIT_NAME,
+    Checkpointer,
+    CheckpointPolicy,
+    CheckpointRecord,
+    delete_checkpoint,
+    list_checkpoints,
+    storage_usage,
+    sweep_incomplete,
+)
+from stages.errors import ErrorCode, ItoError
+from stages.events import CheckpointEvent
+from stages.trainer.train_state import TrainState, set_determinism
+
+Tiny = Any  # the ``tiny`` fixture of conftest.py: a real training loop
+
+
+@pytest.mark.parametrize("async_staging", [False, True])
+def test_resume_from_async_checkpoint_is_step_for_step_identical(
+        tiny: Tiny, policy: Callable[..., CheckpointPolicy], async_staging: bool) -> None:
+    set_determinism(tiny.seed)
+    reference = tiny.train(tiny.state(), 10)
+
+    # Saves at steps 3 and 6 while training goes on and mutates the weights.
+    set_determinism(tiny.seed)
+    with Checkpointer(policy(interval_steps=3), async_staging=async_staging) as ck:
+        state = tiny.state()
+
+        def between(s: TrainState) -> None:
+            ck.wait_staged()  # a no-op without async staging
+            if ck.due(s.step):
+                ck.save(s.step, s)
+
+        first = tiny.train(state, 8, between)
+        ck.wait()
+        assert first == reference[:8]
+        records = ck.records()
+        assert [r.step for r in records] == [3, 6]
+
+    set_determinism(tiny.seed + 1)  # another process: other weights, other RNG
+    with Checkpointer(policy(interval_steps=3)) as ck:
+        resumed = tiny.state(model_seed=tiny.seed + 1)
+        latest = ck.latest()
+        assert latest is not None and latest.step == 6
+        ck.load(latest, resumed)
+        assert resumed.step == 6
+        assert tiny.train(resumed, 4) == reference[6:10]
+
+
+def test_records_are_complete_and_become_events(
+        tiny: Tiny, policy: Callable[..., CheckpointPolicy]) -> None:
+    set_determinism(tiny.seed)
+    with Checkpointer(policy(interval_steps=2), run_label="run-1") as ck:
+        state = tiny.state()
+        tiny.train(state, 2)
+        ck.save(2, state)
+        record = ck.wait()
+        assert record is not None
+        assert ck.poll() == [record]
+        assert ck.poll() == []  # each completion is reported once
+    path = Path(record.path)
+    assert path.name == "step_000000002" and (path / COMMIT_NAME).is_file()
+    on_disk = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    # The record counts every byte but its own commit file, written after counting.
+    assert record.bytes == on_disk - (path / COMMIT_NAME).stat().st_size
+    n_params = sum(p.numel() for p in state.model.parameters())
+    assert record.bytes > 3 * 4 * n_params  # weights + two AdamW moments, fp32
+    assert 0 < record.blocking_s <= record.total_s
+    assert record.bytes_per_s == pytest.approx(record.bytes / record.total_s)
+    assert record.run_label == "run-1"
+    assert list_checkpoints(path.parent) == [record]
+    event = record.to_event()
+    assert isinstance(event, CheckpointEvent) and event.bytes == record.bytes
+    assert storage_usage(path.parent) == {"complete_bytes": record.bytes, "leftover_bytes": 0}
+
+
+def test_keep_last_k(policy: Callable[..., CheckpointPolicy]) -> None:
+    state = {"w": torch.zeros(1000)}
+    with Checkpointer(policy(keep=2)) as ck:
+        expected = {2: [2], 4: [2, 4], 6: [4, 6], 8: [6, 8]}
+        for step in (2, 4, 6, 8):
+            state["w"].fill_(step)
+            ck.save(step, state)
+            ck.wait()
+            assert [r.step for r in ck.records()] == expected[step]
+        storage = ck.storage_dir
+        ck.load(ck.records()[0], state)
+        assert torch.equal(state["w"], torch.full((1000,), 6.0))
+    assert sorted(p.name for p in storage.iterdir()) == ["step_000000006", "step_000000008"]
+
+
+def test_an_older_checkpoint_survives_until_the_newer_one_is_complete(
+        policy: Callable[..., CheckpointPolicy]) -> None:
+    state = {"w": torch.zeros(1000)}
+    with Checkpointer(policy(keep=1)) as ck:
+        ck.save(2, state)
+        ck.wait()
+        ck.save(4, state)
+        # Until the save of step 4 commits, step 2 is still listed (keep-K runs after).
+        listed = [r.step for r in ck.records()]
+        assert listed in ([2], [4])
+        ck.wait()
+        assert [r.step for r in ck.records()] == [4]
+
+
+def test_discard_after_restart_point(policy: Callable[..., CheckpointPolicy]) -> None:
+    state = {"w": torch.zeros(10)}
+    with Checkpointer(policy(keep=5)) as ck:
+        for step in (2, 4, 6):
+            ck.save(step, state)
+        ck.wait()
+        gone = ck.discard_after(2)
+        assert [r.step for r in gone] == [4, 6]
+        assert [r.step for r in ck.records()] == [2]
+        # Re-saving a step that already exists (a replayed timeline) replaces it.
+        state["w"].fill_(1)
+        ck.save(2, state)
+        ck.wait()
+        assert [r.step for r in ck.records()] == [2]
+        state["w"].zero_()
+        ck.load(ck.records()[0], state)
+        assert torch.equal(state["w"], torch.ones(10))
+
+
+def test_incomplete_folders_are_never_listed_and_are_swept(
+        policy: Callable[..., CheckpointPolicy]) -> None:
+    pol = policy(keep=3)
+    root = Path(pol.storage_path)
+    with Checkpointer(pol, run_label="a") as ck:
+        ck.save(2, {"w": torch.zeros(10)})
+        ck.wait()
+    # A killed save of this run, one of another run, a half-deleted checkpoint, a
+    # final-named folder with no commit record, and one with a corrupt record.
+    for name in (".tmp-a-step_000000004", ".tmp-b-step_000000004",
+                 ".trash-step_000000000-1234", "step_000000006", "step_000000008"):
+        (root / name).mkdir()
+        (root / name / ".metadata").write_bytes(b"x")
+    (root / "step_000000008" / COMMIT_NAME).write_text("{not json")
+    assert [r.step for r in list_checkpoints(root)] == [2]
+    with Checkpointer(pol, run_label="a"):  # a restarted run sweeps its own leftovers
+        names = sorted(p.name for p in root.iterdir())
+    assert names == [".tmp-b-step_000000004", "step_000000002", "step_000000006",
+                     "step_000000008"]
+    assert storage_usage(root)["leftover_bytes"] == 1
+    assert [p.name for p in sweep_incomplete(root)] == [".tmp-b-step_000000004"]
+
+
+def test_load_errors_have_stable_codes(policy: Callable[..., CheckpointPolicy],
+                                       tmp_path: Path) -> None:
+    with Checkpointer(policy()) as ck:
+        ck.save(2, {"w": torch.zeros(10)})
+        record = ck.wait()
+        assert record is not None
+        with pytest.raises(ItoError) as e:
+            ck.load(record, {"other": torch.zeros(10)})
+        assert e.value.code == ErrorCode.checkpoint_corrupt
+        ghost = record.model_copy(update={"path": str(tmp_path / "nope"), "step": 9})
+        with pytest.raises(ItoError) as e:
+            ck.load(ghost, {"w": torch.zeros(10)})
+        assert e.value.code == ErrorCode.checkpoint_not_found
+        delete_checkpoint(record)
+        assert ck.latest() is None
+        with pytest.raises(ItoError) as e:
+            delete_checkpoint(record)
+        assert e.value.code == ErrorCode.checkpoint_not_found
+
+
+def test_a_failed_save_is_reported_not_listed(policy: Callable[..., CheckpointPolicy]) -> None:
+    pol = policy()
+    root = Path(pol.storage_path)
+    ck = Checkpointer(pol)
+    # Storage vanishes under the run: the writer thread cannot create its folder.
+    os.rmdir(root)
+    root.write_text("not a folder")
+    try:
+        with pytest.raises(ItoError) as e:
+            ck.save(2, {"w": torch.zeros(10)})
+            ck.wait()
+        assert e.value.code == ErrorCode.checkpoint_storage_unwritable
+        assert ck.wait() is None  # reported once
+    finally:
+        ck.close()
+    assert list_checkpoints(root) == []
+
+
+def test_record_model_is_strict() -> None:
+    with pytest.raises(ValueError):
+        CheckpointRecord.model_validate({"step": "3", "path": "/x", "bytes": 1, "blocking_s": 0.0,
+                                         "total_s": 0.0, "bytes_per_s": 0.0, "created_at": 0.0})
