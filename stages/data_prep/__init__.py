@@ -1,1 +1,55 @@
-"""data_prep stage."""
+"""data_prep stage: data manifest and digests, MinHash dedup, decontamination, ladder probe.
+
+Public entry points (see docs/data_prep.md):
+``DataPrepStage(config).run(ctx)``; ``file_sha256``, ``folder_sha256`` (the digests a
+manifest's DataRef carries); ``dedup``; ``EvalIndex`` + ``decontaminate``;
+``load_eval_items``; ``ladder_probe``. CLI: ``python -m stages.data_prep``.
+"""
+
+from stages.data_prep.config import (
+    DataPrepConfig,
+    DataProvenance,
+    DataRef,
+    DecontaminationConfig,
+    DedupConfig,
+    LadderProbeConfig,
+)
+from stages.data_prep.decontam import DecontamResult, EvalIndex, decontaminate
+from stages.data_prep.dedup import DedupResult, dedup
+from stages.data_prep.evals import (
+    EvalItem,
+    EvalSuite,
+    list_eval_suites,
+    load_eval_items,
+    load_eval_suite,
+)
+from stages.data_prep.ladder import LadderResult, decide, ladder_probe
+from stages.data_prep.refs import file_sha256, folder_sha256, path_sha256, resolve_ref
+from stages.data_prep.stage import DataPrepStage
+
+__all__ = [
+    "DataPrepConfig",
+    "DataPrepStage",
+    "DataProvenance",
+    "DataRef",
+    "DecontamResult",
+    "DecontaminationConfig",
+    "DedupConfig",
+    "DedupResult",
+    "EvalIndex",
+    "EvalItem",
+    "EvalSuite",
+    "LadderProbeConfig",
+    "LadderResult",
+    "decide",
+    "decontaminate",
+    "dedup",
+    "file_sha256",
+    "folder_sha256",
+    "ladder_probe",
+    "list_eval_suites",
+    "load_eval_items",
+    "load_eval_suite",
+    "path_sha256",
+    "resolve_ref",
+]

@@ -61,6 +61,19 @@ class LadderProbeConfig(StrictModel):
     rung_preset: str = "llama-probe-xs"
     tokens_per_param: float = Field(default=20.0, gt=0)
     reject_fails_gate: bool = False
+    # Tokens each proxy run trains on; None: tokens_per_param x the rung's parameters.
+    # The same for both arms, so the comparison stays at equal tokens per parameter.
+    token_budget: int | None = Field(default=None, ge=1)
+    seq_len: int = Field(default=128, ge=8, le=4096)
+    batch_size: int = Field(default=8, ge=1, le=1024)
+    lr: float = Field(default=3e-3, gt=0)
+    # Held-out eval text (the eval suites' items) scored in bits per byte, capped.
+    eval_bytes: int = Field(default=65_536, ge=256)
+    # Decision: |mean difference| must exceed the t-quantile at this confidence times
+    # the standard error from the pooled seed spread, and at least min_effect_bpb.
+    confidence: float = Field(default=0.95, gt=0.5, lt=1)
+    min_effect_bpb: float = Field(default=0.005, ge=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
 class DataPrepConfig(StrictModel):
@@ -70,3 +83,8 @@ class DataPrepConfig(StrictModel):
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     decontamination: DecontaminationConfig = Field(default_factory=DecontaminationConfig)
     ladder_probe: LadderProbeConfig = Field(default_factory=LadderProbeConfig)
+    # Field holding the text of an item in the jsonl ``eval_files``.
+    eval_field: str = "question"
+    # Local copies of remote refs: <cache_dir>/<scheme>/<host and path>. None:
+    # ITO_DATA_CACHE or ~/.cache/ito/data.
+    cache_dir: str | None = None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # Letters and digits of any script; punctuation, symbols, underscores and whitespace
-# separate words. "Janet’s" and "janet's" both become ["janet", "s"].
+# separate words. "Janet\u2019s" and "janet's" both become ["janet", "s"].
 _WORD = re.compile(r"[^\W_]+")
 # Mixing constants (golden ratio, MurmurHash3 fmix64).
 _K_MUL = np.uint64(0x9E3779B97F4A7C15)
