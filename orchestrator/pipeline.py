@@ -9,7 +9,9 @@ configs.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from typing import Any
 
 from orchestrator.launch import LaunchSpec
 from orchestrator.manifest import Manifest
@@ -44,13 +46,18 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
         from stages.trainer.stage import TrainingStage
 
         plan = ctx.previous["parallelism"].artifacts["plan"]
-        groups = int(plan["dp_replicate"])
         ranks = int(plan["dp_shard"]) * int(plan["tp"]) * int(plan["pp"]) * int(plan["cp"])
-        return TrainingStage(TrainStageConfig(
-            model=manifest.model, target=manifest.training, checkpoint=manifest.checkpoint,
-            loss_spike=manifest.loss_spike, replica_groups=groups, ranks_per_group=ranks,
-            device=str(spec.facts.get("device", "cpu")),  # type: ignore[arg-type]
-        ))
+        config: dict[str, Any] = {
+            "model": manifest.model.model_dump(mode="json"),
+            "target": manifest.training.model_dump(mode="json"),
+            "checkpoint": manifest.checkpoint.model_dump(mode="json"),
+            "loss_spike": manifest.loss_spike.model_dump(mode="json"),
+            "replica_groups": int(plan["dp_replicate"]), "ranks_per_group": ranks,
+            "device": spec.facts.get("device", "cpu"),
+        }
+        # Operator-level knobs (never from the tenant's manifest): test pacing, FT timeouts.
+        config.update(spec.facts.get("train_overrides") or {})
+        return TrainingStage(TrainStageConfig.model_validate_json(json.dumps(config)))
 
     return make
 

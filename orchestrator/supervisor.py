@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -45,8 +46,14 @@ class SupervisorSettings(BaseModel):
     # every actor of the run is killed. Well inside the 30 s promise.
     cancel_grace_s: float = Field(default=10.0, gt=0)
     max_driver_attempts: int = Field(default=2, ge=1)
-    # A driver that has not answered for this long after launch counts as lost.
-    driver_start_timeout_s: float = Field(default=120.0, gt=0)
+    # Operator-level TrainStageConfig overrides passed to every run (test pacing,
+    # fault-tolerance timeouts), e.g. ITO_TRAIN_OVERRIDES='{"pace_step_s": 0.2}'.
+    train_overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls) -> SupervisorSettings:
+        raw = os.environ.get("ITO_TRAIN_OVERRIDES")
+        return cls(train_overrides=json.loads(raw)) if raw else cls()
 
 
 def driver_name(run_id: str) -> str:
@@ -59,7 +66,7 @@ class RayRuntime:
         self.store = store
         self.var_dir = var_dir
         self.ray_settings = ray
-        self.settings = settings or SupervisorSettings()
+        self.settings = settings or SupervisorSettings.from_env()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -69,8 +76,6 @@ class RayRuntime:
 
     # -- RunRuntime -----------------------------------------------------------------------
     def start(self) -> None:
-        import os
-
         os.environ.setdefault(launch.LAUNCH_KEY_ENV, str(self.var_dir / "launch.key"))
         launch.ensure_launch_key()
         ray_cluster.connect(self.var_dir, self.ray_settings)
@@ -237,7 +242,8 @@ class RayRuntime:
             accepted_at=run["created_at"], workdir=str(run_dir(self.var_dir, run_id)),
             checkpoint_dir=str(self._checkpoint_dir(run)),
             facts={"booking": {k: booking.get(k) for k in
-                               ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")}},
+                               ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")},
+                   "train_overrides": self.settings.train_overrides},
             completed_stages=completed, seq_start=self.store.max_seq(run_id) + 1,
             attempt=attempt))
         actor = driver_actor_class().options(

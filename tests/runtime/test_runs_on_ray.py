@@ -1,0 +1,269 @@
+"""Runs through the canonical API on a real local Ray: the supervisor, the per-run
+driver, the stages, cancel, a replica-group kill, an API-server SIGKILL, and the
+Prometheus export.
+
+One backend (``ito-backend serve --runtime ray``, which starts its own embedded Ray
+head on free ports) serves the whole module; runs use a tiny model on the
+``cpu-testbed`` booking. Only the GPUs are absent: every process, kill and
+restart here is real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from helpers import backend as backend_mod
+from helpers.backend import Backend, free_port
+from helpers.flows import confirm_ref, submit
+from helpers.tenants import Tenant, booking_doc, make_tenant
+
+from orchestrator import ray_cluster
+
+pytestmark = pytest.mark.slow
+
+RUN_TIMEOUT_S = 300.0
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _docs(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def _sha(path: Path) -> str:
+    from stages.data_prep import file_sha256
+
+    return str(file_sha256(path))
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("ray-runtime")
+    dash = free_port()
+    be = Backend(db=tmp / "ito.db", var_dir=tmp / "var", log_path=tmp / "backend.log",
+                 extra_args=["--runtime", "ray", "--ray-head-port", str(free_port()),
+                             "--ray-dashboard-port", str(dash), "--ray-num-cpus", "4"],
+                 # Operator knob: pace steps so a tiny model's run lasts long enough to
+                 # cancel it, kill a group in it, or kill the API server under it.
+                 env={"ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.15})})
+    old_timeout = backend_mod.STARTUP_TIMEOUT_S
+    backend_mod.STARTUP_TIMEOUT_S = 240.0  # the first start also starts the Ray head
+    tenant = make_tenant(be.db, "acme", booking=booking_doc(
+        "bk-cpu", "acme", gpu_sku="cpu-testbed", gpus_per_node=2, node_count=1,
+        fabric="loopback", region="local"))
+    data = tmp / "data"
+    data.mkdir()
+    baseline = _docs(data / "baseline.jsonl", [
+        json.loads(line)["text"] for line in
+        (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:400]])
+    gsm = [json.loads(line) for line in
+           (REPO / "data" / "gsm8k" / "train.jsonl").read_text().splitlines()[:300]]
+    custom = _docs(data / "custom.jsonl", [f"{g['question']}\n{g['answer']}" for g in gsm])
+    be.start()
+    try:
+        yield {"backend": be, "tenant": tenant, "tmp": tmp, "dashboard": dash,
+               "baseline": baseline, "custom": custom}
+    finally:
+        backend_mod.STARTUP_TIMEOUT_S = old_timeout
+        be.stop()
+        ray_cluster.stop_local_head(be.var_dir)
+
+
+def _manifest(rt: dict[str, Any], *, steps: int, name: str) -> dict[str, Any]:
+    def ref(p: Path, role: str) -> dict[str, Any]:
+        return {"uri": f"file://{p}", "sha256": _sha(p), "role": role, "format": "jsonl",
+                "text_field": "text", "provenance": {"source": "test", "license": "MIT"}}
+
+    return {
+        "manifest_version": 1, "name": name,
+        "model": {"preset": "llama-tiny", "size": "124K"},
+        "data": {"refs": [ref(rt["baseline"], "baseline"), ref(rt["custom"], "custom")],
+                 "eval_suites": ["gsm8k"], "ladder_probe": {"enabled": False}},
+        "training": {"max_steps": steps, "seq_len": 64, "global_batch_tokens": 512,
+                     "learning_rate": 0.003, "warmup_steps": 2},
+        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain",
+                                   "token_fraction": 1.0}]},
+        "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
+        "checkpoint": {"interval_steps": 5, "keep": 2,
+                       "storage_uri": f"file://{rt['tmp'] / 'ckpt'}"},
+    }
+
+
+def _submit(rt: dict[str, Any], *, steps: int) -> str:
+    be: Backend = rt["backend"]
+    t: Tenant = rt["tenant"]
+    m = _manifest(rt, steps=steps, name=f"run-{uuid.uuid4().hex[:6]}")
+    with be.client() as c:
+        ref = confirm_ref(c, t.approver, "train", t.booking_id, manifest=m)
+        r = submit(c, t.submitter, t.booking_id, m, ref)
+    body = r.json()
+    assert body["ok"], body
+    run_id: str = body["data"]["run_id"]
+    return run_id
+
+
+def _get(rt: dict[str, Any], path: str) -> dict[str, Any]:
+    be: Backend = rt["backend"]
+    with be.client(rt["tenant"].submitter) as c:
+        body: dict[str, Any] = c.get(path).json()
+    assert body["ok"], body
+    data: dict[str, Any] = body["data"]
+    return data
+
+
+def _wait(rt: dict[str, Any], run_id: str, pred: Any, what: str,
+          timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    run: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            run = _get(rt, f"/v1/runs/{run_id}")
+        except httpx.HTTPError:
+            time.sleep(0.5)
+            continue
+        if pred(run):
+            return run
+        if run["state"] in ("failed", "cancelled", "succeeded", "cleaned") and not pred(run):
+            break
+        time.sleep(0.5)
+    logs = _get(rt, f"/v1/runs/{run_id}/logs?limit=1000")["entries"]
+    tail = "\n".join(f"{e['stage']}: {e['message']}" for e in logs[-40:])
+    raise AssertionError(f"run {run_id} never reached {what}; last {run}\n{tail}\n"
+                         f"{rt['backend'].log_text()[-3000:]}")
+
+
+def _last_step(rt: dict[str, Any], run_id: str) -> int:
+    metrics = _get(rt, f"/v1/runs/{run_id}/metrics")
+    return int(metrics.get("last_step") or 0)
+
+
+def _run_actors(rt: dict[str, Any], run_id: str) -> list[Any]:
+    from ray.util.state import list_actors
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    actors = list_actors(address=f"http://127.0.0.1:{rt['dashboard']}",
+                         filters=[("state", "=", "ALIVE")], limit=10_000, detail=True)
+    prefix = f"run-{run_id}"
+    return [a for a in actors if a.name and (a.name == prefix or a.name.startswith(prefix + "-"))]
+
+
+def test_submitted_run_succeeds_with_gates_checkpoints_and_goodput(rt: dict[str, Any]) -> None:
+    run_id = _submit(rt, steps=12)
+    run = _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
+    gates = {g["stage"]: g["status"] for g in run["stage_gates"]}
+    assert gates == {"data_prep": "passed", "parallelism": "passed", "train": "passed"}
+    ckpts = _get(rt, f"/v1/runs/{run_id}/checkpoints")["checkpoints"]
+    assert ckpts and max(c["step"] for c in ckpts) == 12
+    assert all(Path(c["path"]).is_dir() for c in ckpts)
+    metrics = _get(rt, f"/v1/runs/{run_id}/metrics")
+    assert metrics["goodput"] > 0
+    assert metrics["tokens_per_s"] > 0
+    assert not _run_actors(rt, run_id)  # nothing of a finished run stays alive
+
+
+def test_cancel_mid_run_stops_every_actor_within_30s_and_keeps_checkpoints(
+        rt: dict[str, Any]) -> None:
+    run_id = _submit(rt, steps=2000)
+    _wait(rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 6,
+          "a few steps")
+    assert any("trainer" in a.name for a in _run_actors(rt, run_id))
+    be: Backend = rt["backend"]
+    t: Tenant = rt["tenant"]
+    with be.client() as c:
+        ref = confirm_ref(c, t.approver, "cancel", t.booking_id, run_id=run_id, cost_usd=0.0)
+        r = c.post(f"/v1/runs/{run_id}/cancel", json={"confirmation_ref": ref},
+                   headers={"Authorization": f"Bearer {t.submitter}",
+                            "Idempotency-Key": f"cancel-{run_id}"})
+    assert r.json()["ok"], r.json()
+    assert r.json()["data"]["state"] in ("cancelling", "cancelled")
+    t0 = time.monotonic()
+    _wait(rt, run_id, lambda r: r["state"] == "cancelled", "cancelled", timeout_s=30)
+    while _run_actors(rt, run_id) and time.monotonic() - t0 < 30:
+        time.sleep(0.5)
+    assert not _run_actors(rt, run_id)
+    assert time.monotonic() - t0 <= 30
+    ckpts = _get(rt, f"/v1/runs/{run_id}/checkpoints")["checkpoints"]
+    assert ckpts and all(Path(c["path"]).is_dir() for c in ckpts)
+
+
+def test_replica_group_kill_is_an_interruption_and_the_run_still_succeeds(
+        rt: dict[str, Any]) -> None:
+    run_id = _submit(rt, steps=80)
+    _wait(rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 8,
+          "a few steps")
+    victims = [a for a in _run_actors(rt, run_id) if a.name.endswith("-trainer-rg1-rank0")]
+    assert victims, [a.name for a in _run_actors(rt, run_id)]
+    os.kill(int(victims[0].pid), signal.SIGKILL)  # a real process kill
+    _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
+    metrics = _get(rt, f"/v1/runs/{run_id}/metrics")
+    assert metrics["interruptions"] >= 1
+    text = httpx.get(rt["backend"].url + "/metrics", timeout=10).text
+    line = next(li for li in text.splitlines()
+                if li.startswith("ito_run_interruptions_total{") and run_id in li)
+    assert float(line.rsplit(" ", 1)[1]) >= 1
+
+
+def test_api_server_sigkill_mid_run_reattaches_and_loses_no_event(rt: dict[str, Any]) -> None:
+    be: Backend = rt["backend"]
+    run_id = _submit(rt, steps=60)
+    _wait(rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 5,
+          "a few steps")
+    before = _get(rt, f"/v1/runs/{run_id}/logs?limit=1000")["entries"]
+    assert before
+    be.kill()  # SIGKILL: no shutdown hook runs
+    be.proc = None
+    be.start()  # same DB, same var dir: the embedded Ray head and the driver live on
+    run = _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
+    after = _get(rt, f"/v1/runs/{run_id}/logs?limit=1000")["entries"]
+    after_keys = {(e["seq"], e["message"]) for e in after}
+    assert all((e["seq"], e["message"]) in after_keys for e in before)
+    # Reattached, not relaunched: the driver survived the API server.
+    assert not any("driver lost" in e["message"] for e in after)
+    assert run["state"] == "succeeded"
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None,
+                    reason="Debian's prometheus is installed by scripts/test.sh (.ci/run)")
+def test_prometheus_scrapes_goodput(rt: dict[str, Any], tmp_path: Path) -> None:
+    be: Backend = rt["backend"]
+    port = free_port()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(f"""global:
+  scrape_interval: 1s
+scrape_configs:
+  - job_name: ito
+    metrics_path: /metrics
+    static_configs:
+      - targets: ["127.0.0.1:{be.port}"]
+""")
+    prom = subprocess.Popen(["prometheus", f"--config.file={cfg}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        values: list[float] = []
+        while time.monotonic() < deadline and not values:
+            time.sleep(1)
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query",
+                              params={"query": "ito_run_goodput_ratio"}, timeout=5).json()
+            except httpx.HTTPError:
+                continue
+            values = [float(s["value"][1]) for s in r.get("data", {}).get("result", [])]
+        assert values, "prometheus never returned the goodput series"
+        assert max(values) > 0
+    finally:
+        prom.terminate()
+        prom.wait(timeout=10)
