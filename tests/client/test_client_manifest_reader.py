@@ -189,12 +189,34 @@ def _fast_client(url: str, key: object, settings: object) -> ItoClient:
 def _argvs(path: Path, url: str) -> list[list[str]]:
     m = str(path)
     return [
-        ["train", "--booking", "bk_1", "--manifest", m, "--confirmation-ref", "cref",
-         "--idempotency-key", "k1", "--json", "--api-url", url],
+        [
+            "train",
+            "--booking",
+            "bk_1",
+            "--manifest",
+            m,
+            "--confirmation-ref",
+            "cref",
+            "--idempotency-key",
+            "k1",
+            "--json",
+            "--api-url",
+            url,
+        ],
         ["plan", "--booking", "bk_1", "--manifest", m, "--json", "--api-url", url],
-        ["confirm", "--action", "train", "--booking", "bk_1", "--manifest", m, "--json",
-         "--api-url", url],
-    ]  # fmt: skip
+        [
+            "confirm",
+            "--action",
+            "train",
+            "--booking",
+            "bk_1",
+            "--manifest",
+            m,
+            "--json",
+            "--api-url",
+            url,
+        ],
+    ]
 
 
 @pytest.mark.parametrize("kind", sorted(ATTACKS))

@@ -123,9 +123,10 @@ def test_non_envelope_502_read_is_retried_then_reported() -> None:
 def test_redirect_is_not_followed_and_key_not_forwarded(raw_server: _RawServer) -> None:
     with RecordingProxy(upstream_port=None) as elsewhere:
         raw_server.redirect_response = (
-            b"HTTP/1.1 307 Temporary Redirect\r\nLocation: " + elsewhere.url.encode()
+            b"HTTP/1.1 307 Temporary Redirect\r\nLocation: "
+            + elsewhere.url.encode()
             + b"/steal\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )  # fmt: skip
+        )
         with ItoClient(f"http://127.0.0.1:{raw_server.port}", KEY, settings=FAST) as c:
             env = c.run("r1")
         assert env["ok"] is False and "307" in env["error"]["message"]
@@ -174,10 +175,24 @@ def test_cli_transport_failure_exit_code(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("ITO_API_KEY", KEY.reveal())
-    argv = ["status", "--run", "r1", "--json", "--api-url", f"http://127.0.0.1:{_free_port()}",
-            "--connect-timeout", "0.5", "--timeout", "1"]  # fmt: skip
-    status, env = run_cli(argv, client_factory=lambda u, k, settings: ItoClient(
-        u, k, settings=settings.model_copy(update={"retry_backoff_s": 0.0})))  # fmt: skip
+    argv = [
+        "status",
+        "--run",
+        "r1",
+        "--json",
+        "--api-url",
+        f"http://127.0.0.1:{_free_port()}",
+        "--connect-timeout",
+        "0.5",
+        "--timeout",
+        "1",
+    ]
+    status, env = run_cli(
+        argv,
+        client_factory=lambda u, k, settings: ItoClient(
+            u, k, settings=settings.model_copy(update={"retry_backoff_s": 0.0})
+        ),
+    )
     assert status == EXIT_TRANSPORT
     assert env["error"]["code"] == ErrorCode.api_unreachable
     assert capsys.readouterr().out.count("\n") == 1
