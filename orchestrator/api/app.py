@@ -51,3 +51,17 @@ def create_app(settings: Settings, runtime: RunRuntime | None = None,
     for module in (health, bookings, confirmations, plans, runs, mutations):
         app.include_router(module.router)
     return app
+
+
+def openapi_document(settings: Settings | None = None) -> str:
+    """The OpenAPI document as committed in docs/openapi.json (sorted, indented)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        s = settings or Settings(db_path=Path(tmp) / "openapi.db")
+        app = create_app(s)
+        doc = app.openapi()
+        app.state.ctx.store.close()
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,123 @@
+"""The store: schema versioning, WAL, transitions, event ingestion (idempotent)."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.runs import TRANSITIONS, RunState, can_transition, check_transition
+from orchestrator.schema import SCHEMA_VERSION
+from orchestrator.store import Store
+from stages.errors import ErrorCode, ItoError
+from stages.events import CheckpointEvent, LogEvent, ProposalEvent, StageResultEvent
+
+
+def _run(store: Store, run_id: str = "run_1", key: str = "k1") -> None:
+    now = time.time()
+    with store.tx() as c:
+        store.insert_run(c, {
+            "run_id": run_id, "account_id": "acct", "booking_id": "bk", "manifest_id": "mf_x",
+            "manifest_digest": "d", "manifest_json": "{}", "idempotency_key": key,
+            "request_sha256": "r", "state": "accepted", "state_reason": "",
+            "cost_estimate_usd": 0.0, "plan": None, "data_prep": None, "created_at": now,
+            "updated_at": now})
+
+
+def test_schema_versioned_and_wal(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    assert store.schema_version() == SCHEMA_VERSION
+    assert store.read("PRAGMA journal_mode")[0]["journal_mode"] == "wal"
+    store.close()
+    # Reopening applies nothing twice.
+    again = Store(tmp_path / "s.db")
+    assert again.schema_version() == SCHEMA_VERSION
+    with again.tx() as c:
+        c.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
+    again.close()
+    with pytest.raises(RuntimeError, match="newer"):
+        Store(tmp_path / "s.db")
+
+
+def test_transition_table_is_enforced(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    _run(store)
+    with pytest.raises(ItoError) as e:
+        store.transition("run_1", RunState.succeeded)
+    assert e.value.code == ErrorCode.invalid_state
+    for state in (RunState.starting, RunState.running, RunState.succeeded, RunState.cleaned):
+        store.transition("run_1", state, f"to {state}")
+    assert store.get_run("run_1")["state"] == "cleaned"
+    assert [r["run_id"] for r in store.runs_in_states([RunState.cleaned])] == ["run_1"]
+    # Every state is in the table; cleaned is final; nothing goes back to accepted.
+    assert set(TRANSITIONS) == set(RunState)
+    assert not TRANSITIONS[RunState.cleaned]
+    assert not any(can_transition(s, RunState.accepted) for s in RunState)
+    with pytest.raises(ItoError):
+        check_transition("running", "bogus")
+
+
+def test_ingest_is_idempotent_and_derives_tables(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    _run(store)
+    events = [
+        {**LogEvent(message="hi", stage="trainer").model_dump(), "seq": 0},
+        {**CheckpointEvent(step=10, path="/c/10", bytes=100, blocking_s=0.1,
+                           total_s=1.0).model_dump(), "seq": 1},
+        {**StageResultEvent(outcome={"stage": "trainer", "status": "failed",
+                                     "reason": "gate", "error_code": "gate_failed"}
+                            ).model_dump(), "seq": 2},
+        {**ProposalEvent(proposal_id="p1", action="restart_from_checkpoint",
+                         description="spike").model_dump(), "seq": 3},
+    ]
+    assert store.ingest_events("run_1", events) == 4
+    assert store.ingest_events("run_1", events) == 0  # a re-sent batch adds nothing
+    assert [e["seq"] for e in store.list_events("run_1")] == [0, 1, 2, 3]
+    assert [e["kind"] for e in store.list_events("run_1", after_seq=1, kinds=["proposal"])] \
+        == ["proposal"]
+    assert store.max_seq("run_1") == 3
+    assert store.list_checkpoints("run_1")[0]["step"] == 10
+    assert store.list_stage_gates("run_1")[0]["error_code"] == "gate_failed"
+    assert store.list_proposals("run_1")[0]["status"] == "pending"
+    assert [r["message"] for r in store.list_logs("run_1", 0, 10)] == ["hi"]
+    with pytest.raises(ItoError) as e:
+        store.ingest_events("run_1", [{"seq": 9, "kind": "nope"}])
+    assert e.value.code == ErrorCode.bad_request
+    with pytest.raises(ItoError) as e:
+        store.ingest_events("run_missing", events)
+    assert e.value.code == ErrorCode.run_not_found
+    store.set_run_field("run_1", plan={"dp": 2}, data_prep={"kept": 10})
+    assert store.get_run("run_1")["plan"] == '{"dp": 2}'
+
+
+def test_key_unique_per_account(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    _run(store, "run_1", "same-key")
+    with pytest.raises(sqlite3.IntegrityError):
+        _run(store, "run_2", "same-key")
+
+
+def test_concurrent_writers_serialise(tmp_path: Path) -> None:
+    """Eight threads, own connections, BEGIN IMMEDIATE: no lost update, no lock error."""
+    store = Store(tmp_path / "s.db")
+    _run(store)
+    errors: list[BaseException] = []
+
+    def worker(base: int) -> None:
+        try:
+            for i in range(20):
+                store.ingest_events("run_1", [{**LogEvent(message="m").model_dump(),
+                                               "seq": base * 100 + i}])
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(store.list_events("run_1")) == 160
