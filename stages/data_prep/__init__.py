@@ -6,6 +6,9 @@ manifest's DataRef carries); ``dedup``; ``EvalIndex`` + ``decontaminate``;
 ``load_eval_items``; ``ladder_probe``. CLI: ``python -m stages.data_prep``.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from stages.data_prep.config import (
     DataPrepConfig,
     DataProvenance,
@@ -23,9 +26,23 @@ from stages.data_prep.evals import (
     load_eval_items,
     load_eval_suite,
 )
-from stages.data_prep.ladder import LadderResult, decide, ladder_probe
 from stages.data_prep.refs import file_sha256, folder_sha256, path_sha256, resolve_ref
-from stages.data_prep.stage import DataPrepStage
+
+if TYPE_CHECKING:
+    from stages.data_prep.ladder import LadderResult, decide, ladder_probe
+    from stages.data_prep.stage import DataPrepStage
+
+# The probe and the stage import torch and transformers (seconds); Ray workers that
+# only sketch documents import this package too, so those names load on first use.
+_LAZY = {"DataPrepStage": "stages.data_prep.stage", "LadderResult": "stages.data_prep.ladder",
+         "decide": "stages.data_prep.ladder", "ladder_probe": "stages.data_prep.ladder"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DataPrepConfig",

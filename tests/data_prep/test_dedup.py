@@ -1,0 +1,87 @@
+"""Dedup: datasketch-identical signatures, the S-curve choice, planted near-duplicates
+measured against exact all-pairs Jaccard, exact duplicates, the survivor rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from datasketch import MinHash
+
+from stages.data_prep.config import DedupConfig
+from stages.data_prep.dedup import dedup
+from stages.data_prep.minhash import (
+    candidate_probability,
+    lsh_params,
+    shingle_values32,
+    signatures,
+)
+from stages.data_prep.synth import (
+    cluster_pairs,
+    planted_pair_corpus,
+    precision_recall,
+    similar_pairs_bruteforce,
+    similar_pairs_exact,
+)
+from stages.data_prep.text import ngram_hashes, word_batch
+
+
+def test_signatures_match_datasketch_minhash() -> None:
+    texts = ["the cat sat on the mat and then it sat again", "short", "",
+             "Janet\u2019s ducks lay 16 eggs per day; she eats three for breakfast."]
+    grams = ngram_hashes(word_batch(texts), 3)
+    sig = signatures(grams, num_perm=64, seed=7)
+    values = shingle_values32(grams)
+    for d in range(len(texts)):
+        ref = MinHash(num_perm=64, seed=7, hashfunc=lambda x: x)
+        ref.update_batch([int(v) for v in values[grams.doc == d]])
+        np.testing.assert_array_equal(sig[d], ref.hashvalues)
+    assert (sig[2] == np.uint32(0xFFFFFFFF)).all()  # empty document: empty sketch
+
+
+def test_lsh_params_is_the_steepest_s_curve_meeting_the_recall_target() -> None:
+    bands, rows = lsh_params(0.8, 128, recall_target=0.99)
+    assert (bands, rows) == (21, 6)
+    assert candidate_probability(0.8, bands, rows) >= 0.99
+    # One more row per band would miss more than 1% of pairs at the threshold.
+    assert candidate_probability(0.8, 128 // (rows + 1), rows + 1) < 0.99
+    # The curve is an S: dissimilar pairs rarely become candidates.
+    assert candidate_probability(0.3, bands, rows) < 0.02
+
+
+def test_planted_near_duplicates_precision_and_recall_against_all_pairs_jaccard() -> None:
+    texts, planted = planted_pair_corpus(300, 300, seed=3)
+    truth = similar_pairs_bruteforce(texts, 5, 0.8)
+    assert similar_pairs_exact(texts, 5, 0.8) == truth
+    # The corpus really spans the range: pairs on both sides of the threshold.
+    assert 60 <= len(truth) <= 240
+    assert len(set(planted) - truth) >= 60
+    result = dedup(texts, DedupConfig(threshold=0.8, num_perm=128, shingle_size=5))
+    precision, recall = precision_recall(cluster_pairs(result.clusters), truth)
+    assert precision >= 0.95 and recall >= 0.95, (precision, recall)
+    assert result.near_duplicates == len(result.clusters)  # planted pairs, no chains
+    assert result.keep.sum() == len(texts) - result.near_duplicates
+
+
+def test_exact_duplicates_and_deterministic_survivor() -> None:
+    texts, _ = planted_pair_corpus(50, 0, seed=4)
+    a = texts[10]
+    near = a.rsplit(" ", 1)[0] + " zzz"  # one word changed at the end
+    corpus = [*texts, a, near, a]
+    result = dedup(corpus)
+    assert result.exact_duplicates == 2
+    assert not result.keep[50] and not result.keep[52]
+    assert result.clusters == [[10, 51]]  # survivor first: the lowest input index
+    assert result.keep[10] and not result.keep[51]
+    assert result.duplicate_of() == {51: 10}
+    # Reordering the input moves the survivor with it: it is the first one seen.
+    swapped = [*texts[:10], near, *texts[11:], a]
+    again = dedup(swapped)
+    assert again.clusters == [[10, 50]] and again.keep[10] and not again.keep[50]
+
+
+@pytest.mark.parametrize("texts", [["", "", "   "], ["a", "b"], []])
+def test_degenerate_inputs(texts: list[str]) -> None:
+    result = dedup(texts)
+    assert result.near_duplicates == 0
+    # Identical empty strings are exact duplicates; distinct empty-ish texts are kept.
+    assert int(result.keep.sum()) == len(set(texts))
