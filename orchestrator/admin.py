@@ -79,6 +79,8 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
           = None,
           log_level: str = "info") -> None:
     """Run the API server (uvicorn) on the store at --db."""
+    if runtime == "ray":
+        import orchestrator.ray_cluster  # noqa: F401 - configures Ray's token auth first
     import uvicorn
 
     from orchestrator.api import create_app

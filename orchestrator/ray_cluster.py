@@ -25,6 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages.errors import ErrorCode, ItoError
 
 RAY_NAMESPACE = "ito"
+# Ray reads its auth mode when it is imported: set it before anything imports ray.
+_RAY_IMPORTED_EARLY = "ray" in sys.modules and os.environ.get("RAY_AUTH_MODE") != "token"
+os.environ["RAY_AUTH_MODE"] = "token"
 
 
 class RaySettings(BaseModel):
@@ -52,7 +55,6 @@ def _env() -> dict[str, str]:
 
 def ensure_auth_token() -> None:
     """Create ~/.ray/auth_token if missing (token auth is never turned off)."""
-    os.environ["RAY_AUTH_MODE"] = "token"
     subprocess.run([_ray_bin(), "get-auth-token", "--generate"], env=_env(), check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
 
@@ -119,8 +121,10 @@ def connect(var_dir: Path, settings: RaySettings) -> str:
     """``ray.init`` this process into the cluster (namespace ``ito``); return the address."""
     import ray
 
+    if _RAY_IMPORTED_EARLY:
+        raise ItoError(ErrorCode.ray_unavailable, "ray was imported before token auth was "
+                       "configured; import orchestrator.ray_cluster first")
     address = settings.address or start_local_head(var_dir, settings)
-    os.environ["RAY_AUTH_MODE"] = "token"
     if not ray.is_initialized():
         try:
             ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False,

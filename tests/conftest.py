@@ -12,6 +12,8 @@ SHARED = REPO.parent / "shared"
 
 # Keep torch from oversubscribing the 2 cores when several processes run.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ray reads its auth mode at import; every Ray in the tests keeps token auth on.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 @pytest.fixture
