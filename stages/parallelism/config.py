@@ -1,0 +1,23 @@
+"""Typed config of the parallelism stage (the manifest may embed it)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from stages.base import StrictModel
+from stages.parallelism.spec import ActivationCheckpointing, PrecisionPreference
+
+
+class ParallelismConfig(StrictModel):
+    """Model and batch to plan for; the topology comes from the booking."""
+
+    model: str = Field(description="configs/models preset name, e.g. llama3-8b")
+    global_batch_tokens: int = Field(gt=0)
+    seq_len: int | None = Field(default=None, gt=1)
+    precision: PrecisionPreference = "auto"
+    activation_checkpointing: ActivationCheckpointing | Literal["auto"] = "auto"
+    mfu_floor: float | None = Field(default=None, ge=0, lt=1,
+                                    description="None: the GPU SKU's floor")
+    max_pp_bubble: float = Field(default=0.25, gt=0, lt=1)

@@ -1,0 +1,88 @@
+"""GPU SKUs (``configs/gpus/<SKU>.json``) and fabrics (``configs/fabrics/<name>.json``).
+
+The file name is the name a booking uses. Field names are read by the API server
+too (``memory_gib``, ``bf16_tflops``): never rename them, only add optional ones.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.errors import ErrorCode, ItoError
+from stages.presets import configs_dir
+
+Precision = Literal["fp32", "bf16", "fp8"]
+
+
+class GpuSku(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    description: str = ""
+    memory_gib: float = Field(gt=0)
+    bf16_tflops: float = Field(gt=0, description="dense bf16 peak, the MFU denominator")
+    fp8_tflops: float | None = Field(default=None, gt=0, description="dense fp8 peak; null: no fp8")
+    hbm_bandwidth_gb_s: float = Field(gt=0)
+    intra_node_link: Literal["nvlink", "pcie", "loopback"]
+    nvlink_domain: int = Field(ge=1, description="GPUs that share one NVLink domain")
+    intra_node_bandwidth_gb_s: float = Field(gt=0, description="per GPU, one direction")
+    mfu_floor: float = Field(default=0.2, ge=0, lt=1,
+                             description="plans predicted under this MFU are refused as wasteful")
+    # Precisions this device trains in; ``auto`` takes the first (fp8 is tried on top
+    # when the SKU has fp8 TFLOP/s). Empty means bf16 (+ fp8 when fp8_tflops is set).
+    precisions: tuple[Precision, ...] = ()
+
+    @property
+    def supports_fp8(self) -> bool:
+        return self.fp8_tflops is not None
+
+    def peak_tflops(self, precision: Precision) -> float:
+        if precision == "fp8":
+            if self.fp8_tflops is None:
+                raise ItoError(ErrorCode.plan_fp8_unsupported,
+                               f"{self.name} has no fp8 tensor cores")
+            return self.fp8_tflops
+        if precision == "fp32" and self.intra_node_link != "loopback":
+            return self.bf16_tflops / 2  # TF32 tensor cores run at half the bf16 rate
+        return self.bf16_tflops
+
+    @property
+    def default_precision(self) -> Precision:
+        return self.precisions[0] if self.precisions else "bf16"
+
+
+class Fabric(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    description: str = ""
+    inter_node_bandwidth_gb_s_per_gpu: float = Field(gt=0, description="one direction")
+    latency_us: float = Field(ge=0)
+    efficiency: float = Field(default=0.8, gt=0, le=1, description="achievable share of line rate")
+
+
+def list_gpu_skus() -> list[str]:
+    return sorted(p.stem for p in (configs_dir() / "gpus").glob("*.json"))
+
+
+def list_fabrics() -> list[str]:
+    return sorted(p.stem for p in (configs_dir() / "fabrics").glob("*.json"))
+
+
+@cache
+def load_gpu_sku(name: str) -> GpuSku:
+    path = configs_dir() / "gpus" / f"{name}.json"
+    if "/" in name or not path.is_file():
+        raise ItoError(ErrorCode.gpu_sku_unknown,
+                       f"unknown GPU SKU {name!r}; known: {', '.join(list_gpu_skus())}")
+    return GpuSku.model_validate_json(path.read_bytes())
+
+
+@cache
+def load_fabric(name: str) -> Fabric:
+    path = configs_dir() / "fabrics" / f"{name}.json"
+    if "/" in name or not path.is_file():
+        raise ItoError(ErrorCode.fabric_unknown,
+                       f"unknown fabric {name!r}; known: {', '.join(list_fabrics())}")
+    return Fabric.model_validate_json(path.read_bytes())

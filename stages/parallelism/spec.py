@@ -1,0 +1,163 @@
+"""Typed inputs and outputs of the planner: ``PlanRequest`` -> ``Plan``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from stages.base import StrictModel
+from stages.parallelism.hardware import Precision
+from stages.presets import ModelPreset, load_model_preset
+
+ActivationCheckpointing = Literal["none", "selective", "full"]
+PipelineSchedule = Literal["1F1B", "Interleaved1F1B", "GPipe"]
+PrecisionPreference = Literal["auto", "fp32", "bf16", "fp8"]
+
+
+class PlanRequest(StrictModel):
+    """What to plan: a model, a global batch and the booking's metal."""
+
+    model: str | ModelPreset = Field(description="a configs/models preset name, or a preset")
+    gpu_sku: str
+    gpus_per_node: int = Field(gt=0)
+    node_count: int = Field(gt=0)
+    fabric: str
+    global_batch_tokens: int = Field(gt=0)
+    seq_len: int | None = Field(default=None, gt=1,
+                                description="None: the preset's context, capped at 8192")
+    precision: PrecisionPreference = "auto"
+    activation_checkpointing: ActivationCheckpointing | Literal["auto"] = "auto"
+    # Bounds of the refusals; None takes the SKU's / planner's default.
+    mfu_floor: float | None = Field(default=None, ge=0, lt=1)
+    max_pp_bubble: float = Field(default=0.25, gt=0, lt=1,
+                                 description="largest pipeline bubble, as a share of the step")
+    max_pp_imbalance: float = Field(default=0.25, ge=0,
+                                    description="largest (slowest stage / mean stage) - 1")
+    memory_utilization: float = Field(default=0.9, gt=0, le=1,
+                                      description="share of device memory a plan may use; the "
+                                      "rest is CUDA context, NCCL and allocator fragmentation")
+    fp8_min_speedup: float = Field(default=1.05, ge=1,
+                                   description="auto precision takes fp8 only if this much faster")
+    max_alternatives: int = Field(default=10, ge=0, le=100)
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.node_count
+
+    def preset(self) -> ModelPreset:
+        return self.model if isinstance(self.model, ModelPreset) else load_model_preset(self.model)
+
+    def resolved_seq_len(self) -> int:
+        return self.seq_len or min(self.preset().max_position_embeddings, 8192)
+
+
+class Layout(StrictModel):
+    """Hand-set degrees, as a torchtitan user writes them. ``dp_shard=-1`` infers it."""
+
+    tp: int = Field(default=1, gt=0)
+    pp: int = Field(default=1, gt=0)
+    cp: int = Field(default=1, gt=0)
+    dp_shard: int = Field(default=-1, ge=-1)
+    dp_replicate: int = Field(default=1, gt=0)
+    micro_batch: int = Field(default=1, gt=0, description="sequences per GPU per micro-batch")
+    pp_schedule: PipelineSchedule = "1F1B"
+    pp_virtual_stages: int = Field(default=1, gt=0, description="model chunks per PP rank")
+    activation_checkpointing: ActivationCheckpointing = "none"
+    precision: Precision = "bf16"
+
+    @model_validator(mode="after")
+    def _check(self) -> Layout:
+        if self.dp_shard == 0:
+            raise ValueError("dp_shard must be positive or -1 (infer)")
+        if self.pp_virtual_stages > 1 and self.pp_schedule != "Interleaved1F1B":
+            raise ValueError("pp_virtual_stages > 1 needs pp_schedule Interleaved1F1B")
+        return self
+
+    def label(self) -> str:
+        sched = "" if self.pp == 1 else f" {self.pp_schedule}" + (
+            f"x{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else "")
+        return (f"tp{self.tp} pp{self.pp}{sched} cp{self.cp} fsdp{self.dp_shard} "
+                f"rep{self.dp_replicate} mb{self.micro_batch} ac={self.activation_checkpointing} "
+                f"{self.precision}")
+
+
+class MemoryBreakdown(BaseModel):
+    """Per-GPU peak memory of the busiest pipeline stage, GiB."""
+
+    model_config = ConfigDict(extra="forbid")
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float
+    total: float
+    capacity: float = Field(description="usable GiB: memory_gib x memory_utilization")
+
+
+class StepTimeBreakdown(BaseModel):
+    """Predicted seconds of one optimizer step on the slowest rank."""
+
+    model_config = ConfigDict(extra="forbid")
+    compute: float
+    pp_bubble: float
+    tp_comm: float
+    cp_comm: float
+    fsdp_comm: float
+    replicate_comm: float
+    pp_comm: float
+    optimizer: float
+    total: float
+
+
+class Rejection(BaseModel):
+    """One alternative the planner did not pick, ranked best first."""
+
+    model_config = ConfigDict(extra="forbid")
+    rank: int
+    layout: str
+    code: str | None = Field(description="refusal code, or None if feasible but slower")
+    reason: str
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    peak_memory_gib: float | None = None
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    gpu_sku: str
+    fabric: str
+    gpus_per_node: int
+    node_count: int
+    world_size: int
+    global_batch_tokens: int
+    seq_len: int
+    tp: int
+    pp: int
+    pp_schedule: PipelineSchedule
+    pp_virtual_stages: int
+    pp_microbatches: int
+    pp_stage_layers: list[int] = Field(description="decoder layers per pipeline rank")
+    cp: int
+    dp_shard: int
+    dp_replicate: int
+    micro_batch: int
+    grad_accum: int
+    activation_checkpointing: ActivationCheckpointing
+    precision: Precision
+    peak_memory_gib: float
+    memory: MemoryBreakdown
+    step_time_s: float
+    step_time: StepTimeBreakdown
+    tokens_per_s: float
+    mfu: float
+    reasons: list[str]
+    rejected: list[Rejection] = Field(default_factory=list)
+
+    def layout(self) -> Layout:
+        return Layout(tp=self.tp, pp=self.pp, cp=self.cp, dp_shard=self.dp_shard,
+                      dp_replicate=self.dp_replicate, micro_batch=self.micro_batch,
+                      pp_schedule=self.pp_schedule, pp_virtual_stages=self.pp_virtual_stages,
+                      activation_checkpointing=self.activation_checkpointing,
+                      precision=self.precision)

@@ -1,0 +1,220 @@
+"""Predicted step time, tokens/s and MFU of a layout.
+
+Compute is a roofline per GEMM (``max(flops / (peak x GEMM_EFFICIENCY), bytes /
+HBM bandwidth)``), so small GEMMs are memory-bound and fp8 only pays off when the
+GEMMs are big: fp8 halves the GEMM time when compute-bound and adds the cost of
+casting its inputs. Attention (flash, causal) runs in bf16 at ATTENTION_EFFICIENCY;
+pointwise ops (norms, RoPE, SiLU, residuals) are HBM-bound.
+
+Communication is bandwidth x volume plus latency, with the overlap torchtitan gets:
+TP/SP collectives (async TP hides TP_OVERLAP of them), FSDP all-gather and
+reduce-scatter prefetched under compute (FSDP_OVERLAP of compute can hide them),
+CP ring passes under attention, and torchft's replica all-reduce after the backward
+(not hidden). Pipeline bubbles follow (pp - 1) / (virtual x microbatches).
+
+MFU uses the model FLOPs of torchtitan: ``6 x (params - embedding) + 12 x layers x
+hidden x seq`` per token (recompute is hardware work, not model work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stages.parallelism.hardware import Fabric, GpuSku, Precision
+from stages.parallelism.memory import compute_bytes, param_gather_bytes
+from stages.parallelism.spec import ActivationCheckpointing
+from stages.presets import ModelPreset
+
+# Of dense peak, for large GEMMs in a training step (launch gaps, wave quantisation
+# and clocks under power capping included), calibrated so Llama-3-shaped models land
+# near published H100 figures (torchtitan 8B ~35-40% MFU bf16; Llama 3 405B 38-43%).
+GEMM_EFFICIENCY = {"fp32": 0.6, "bf16": 0.6, "fp8": 0.45}
+ATTENTION_EFFICIENCY = 0.35  # flash attention (forward + backward) vs dense bf16 peak
+POINTWISE_PASSES = 2         # eager kernels read/write each activation more than once
+CP_OVERLAP = 0.5             # share of attention time the ring's transfers hide under
+CP_STEP_OVERHEAD_S = 30e-6   # per ring step and layer: extra attention/merge kernels
+HBM_EFFICIENCY = 0.7
+NVLINK_EFFICIENCY = 0.8
+NVLINK_LATENCY_S = 10e-6
+TP_OVERLAP = 0.3             # share of TP collectives async TP hides
+FSDP_OVERLAP = 0.9           # share of compute FSDP's prefetch can hide comm under
+SELECTIVE_RECOMPUTE_COST = 0.5  # of the pointwise time, recomputed in the backward
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    pp_bubble: float
+    tp_comm: float
+    cp_comm: float
+    fsdp_comm: float
+    replicate_comm: float
+    pp_comm: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.pp_bubble + self.tp_comm + self.cp_comm + self.fsdp_comm
+                + self.replicate_comm + self.pp_comm + self.optimizer)
+
+
+def model_flops_per_token(preset: ModelPreset, seq_len: int) -> float:
+    embed = preset.vocab_size * preset.hidden_size
+    return (6 * (preset.active_params - embed)
+            + 12 * preset.num_hidden_layers * preset.hidden_size * seq_len)
+
+
+def _gemm_time(m: float, k: float, n: float, sku: GpuSku, precision: Precision) -> float:
+    """Forward + backward (3 GEMMs of this shape) on one GPU."""
+    flops = 2 * m * k * n
+    peak = sku.peak_tflops(precision) * 1e12 * GEMM_EFFICIENCY[precision]
+    hbm = sku.hbm_bandwidth_gb_s * 1e9 * HBM_EFFICIENCY
+    if precision == "fp8":
+        moved = (m * k + k * n) * 1 + m * n * 2 + (m * k + k * n) * 3  # + casts to fp8
+    else:
+        b = compute_bytes(precision)
+        moved = b * (m * k + k * n + m * n)
+    return 3 * max(flops / peak, moved / hbm)
+
+
+def layer_compute_time(preset: ModelPreset, tokens: float, seq_len: int, tp: int, cp: int,
+                       sku: GpuSku, precision: Precision,
+                       ac: ActivationCheckpointing) -> float:
+    """Seconds of forward + backward (+ recompute) of one decoder layer for ``tokens``
+    tokens (the micro-batch on this GPU, after CP) on one GPU."""
+    h = preset.hidden_size
+    kv = preset.num_key_value_heads * preset.head_dim
+    ffn = preset.intermediate_size
+    experts = max(1, preset.experts_per_token)
+    gemm = (_gemm_time(tokens, h, (h + 2 * kv) / tp, sku, precision)
+            + _gemm_time(tokens, h / tp, h, sku, precision)
+            + experts * (_gemm_time(tokens, h, 2 * ffn / tp, sku, precision)
+                         + _gemm_time(tokens, ffn / tp, h, sku, precision)))
+    attn_precision: Precision = "fp32" if precision == "fp32" else "bf16"
+    # causal flash attention: fwd 2 x 2 x s x h / 2 per token, backward 2.5x the forward
+    attn_flops = 3.5 * 2 * tokens * (seq_len / 1) * h / tp
+    attention = attn_flops / (sku.peak_tflops(attn_precision) * 1e12 * ATTENTION_EFFICIENCY)
+    b = compute_bytes(precision)
+    pointwise_bytes = POINTWISE_PASSES * 3 * b * tokens * (20 * h + 4 * kv + 5 * ffn * experts) / tp
+    pointwise = pointwise_bytes / (sku.hbm_bandwidth_gb_s * 1e9 * HBM_EFFICIENCY)
+    total = gemm + attention + pointwise
+    if ac == "full":
+        total += gemm / 3 + attention / 3.5 + pointwise / 3
+    elif ac == "selective":
+        total += SELECTIVE_RECOMPUTE_COST * pointwise
+    return total
+
+
+def head_compute_time(preset: ModelPreset, tokens: float, tp: int, sku: GpuSku,
+                      precision: Precision) -> float:
+    """Output projection + loss of one micro-batch (the last pipeline rank)."""
+    gemm = _gemm_time(tokens, preset.hidden_size, preset.vocab_size / tp, sku,
+                      "bf16" if precision == "fp8" else precision)  # the head stays in bf16
+    loss_bytes = 3 * 12 * tokens * preset.vocab_size / tp
+    return gemm + loss_bytes / (sku.hbm_bandwidth_gb_s * 1e9 * HBM_EFFICIENCY)
+
+
+def _collective(volume: float, group: int, bandwidth_gb_s: float, latency_s: float) -> float:
+    """Ring all-gather / reduce-scatter of ``volume`` bytes (the full tensor)."""
+    if group <= 1:
+        return 0.0
+    return (group - 1) / group * volume / (bandwidth_gb_s * 1e9) + latency_s * (group - 1)
+
+
+def group_bandwidth(span: int, gpus_per_node: int, sku: GpuSku,
+                    fabric: Fabric) -> tuple[float, float]:
+    """(GB/s per GPU, latency s) of a group whose innermost ``span`` ranks are
+    consecutive: inside a node it rides NVLink/PCIe, otherwise the NICs."""
+    if span <= gpus_per_node:
+        return sku.intra_node_bandwidth_gb_s * NVLINK_EFFICIENCY, NVLINK_LATENCY_S
+    return (fabric.inter_node_bandwidth_gb_s_per_gpu * fabric.efficiency,
+            fabric.latency_us * 1e-6)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    preset: ModelPreset
+    sku: GpuSku
+    fabric: Fabric
+    gpus_per_node: int
+    seq_len: int
+    tp: int
+    cp: int
+    dp_shard: int
+    dp_replicate: int
+    pp_stage_layers: tuple[int, ...]
+    pp_virtual_stages: int
+    micro_batch: int
+    microbatches: int
+    ac: ActivationCheckpointing
+    precision: Precision
+    local_params: float  # parameters of the busiest rank before FSDP sharding
+
+
+def step_time(x: StepInputs) -> StepTime:
+    pp = len(x.pp_stage_layers)
+    tokens = x.micro_batch * x.seq_len / x.cp
+    t_layer = layer_compute_time(x.preset, tokens, x.seq_len, x.tp, x.cp, x.sku, x.precision,
+                                 x.ac)
+    t_head = head_compute_time(x.preset, tokens, x.tp, x.sku, x.precision)
+    rank_times = [n * t_layer for n in x.pp_stage_layers]
+    rank_times[-1] += t_head
+    per_mb = max(rank_times)
+    compute = per_mb * x.microbatches
+    bubble = 0.0
+    if pp > 1:
+        bubble = per_mb * (pp - 1) / x.pp_virtual_stages
+    b = compute_bytes(x.precision)
+    h = x.preset.hidden_size
+    busiest_layers = max(x.pp_stage_layers)
+    # TP + SP: 4 all-gathers/reduce-scatters forward, 4 backward, per layer (+2 recompute).
+    tp_bw, tp_lat = group_bandwidth(x.tp, x.gpus_per_node, x.sku, x.fabric)
+    per_collective = _collective(tokens * h * b, x.tp, tp_bw, tp_lat)
+    n_tp = 8 + (2 if x.ac == "full" else 0)
+    tp_comm = (1 - TP_OVERLAP) * n_tp * per_collective * busiest_layers * x.microbatches
+    # CP ring attention: K and V (and their gradients in the backward) go round the ring.
+    cp_comm = 0.0
+    if x.cp > 1:
+        cp_bw, cp_lat = group_bandwidth(x.tp * x.cp, x.gpus_per_node, x.sku, x.fabric)
+        kv = x.preset.num_key_value_heads * x.preset.head_dim
+        ring = 3 * 2 * tokens * kv / x.tp * b * (x.cp - 1) / (cp_bw * 1e9) + cp_lat * x.cp
+        attn_time = 3.5 * 2 * tokens * x.seq_len * h / x.tp / (
+            x.sku.peak_tflops("bf16") * 1e12 * ATTENTION_EFFICIENCY)
+        exposed = max(0.0, ring - CP_OVERLAP * attn_time) + 3 * x.cp * CP_STEP_OVERHEAD_S
+        cp_comm = exposed * busiest_layers * x.microbatches
+    # FSDP over dp_shard x cp: all-gather in forward and backward, reduce-scatter in fp32.
+    fsdp = x.dp_shard * x.cp
+    fsdp_comm = 0.0
+    if fsdp > 1:
+        bw, lat = group_bandwidth(x.tp * fsdp, x.gpus_per_node, x.sku, x.fabric)
+        pbytes = param_gather_bytes(x.precision)
+        gather = _collective(x.local_params * pbytes, fsdp, bw, 0.0)
+        reduce = _collective(x.local_params * 4, fsdp, bw, 0.0)
+        latency = 3 * busiest_layers * lat * 2 * fsdp.bit_length()
+        if pp > 1:
+            # With PP, stages stay unsharded after the forward and gradients sync on
+            # the last micro-batch only (torch.distributed.pipelining + FSDP2).
+            comm = gather + reduce + latency
+        else:
+            # FSDP2 re-gathers in forward and backward and reduce-scatters per micro-batch.
+            comm = (2 * gather + reduce + latency) * x.microbatches
+        fsdp_comm = max(0.0, comm - FSDP_OVERLAP * compute)
+    # torchft replica groups all-reduce the sharded fp32 gradients after the backward.
+    replicate_comm = 0.0
+    if x.dp_replicate > 1:
+        bw, lat = group_bandwidth(x.gpus_per_node + 1, x.gpus_per_node, x.sku, x.fabric)
+        shard = x.local_params / fsdp * 4
+        replicate_comm = 2 * _collective(shard, x.dp_replicate, bw, 0.0) + lat * 2 * (
+            x.dp_replicate.bit_length())
+    # PP p2p: one activation per micro-batch boundary each way, half hidden.
+    pp_comm = 0.0
+    if pp > 1:
+        span = x.gpus_per_node + 1 if x.tp * x.cp * fsdp * x.dp_replicate >= x.gpus_per_node \
+            else 1
+        bw, lat = group_bandwidth(span, x.gpus_per_node, x.sku, x.fabric)
+        p2p = tokens * h / x.tp * b / (bw * 1e9) + lat
+        pp_comm = 0.5 * 2 * p2p * (x.pp_virtual_stages * x.microbatches + pp - 1)
+    # AdamW reads and writes params, grads and both moments (fp32) once.
+    optimizer = 2 * 16 * x.local_params / fsdp / (x.sku.hbm_bandwidth_gb_s * 1e9 * HBM_EFFICIENCY)
+    return StepTime(compute, bubble, tp_comm, cp_comm, fsdp_comm, replicate_comm, pp_comm,
+                    optimizer)
