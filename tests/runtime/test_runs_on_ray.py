@@ -70,8 +70,8 @@ def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     gsm = [json.loads(line) for line in
            (REPO / "data" / "gsm8k" / "train.jsonl").read_text().splitlines()[:300]]
     custom = _docs(data / "custom.jsonl", [f"{g['question']}\n{g['answer']}" for g in gsm])
-    be.start()
     try:
+        be.start()
         yield {"backend": be, "tenant": tenant, "tmp": tmp, "dashboard": dash,
                "baseline": baseline, "custom": custom}
     finally:
