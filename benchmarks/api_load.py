@@ -1,0 +1,379 @@
+"""API load benchmark (not in CI): N concurrent clients polling status and submitting.
+
+Starts a real ``ito-backend serve`` subprocess on loopback with a temp DB, makes one
+tenant (submitter and approver keys, a live booking), one run to poll, and one
+confirmation per planned submit (made before the timed phase: confirming is the
+approver's step, not load). Then ``--clients`` asyncio clients, each with its own
+connection, run for ``--duration`` seconds: GET /v1/runs/{id} every ``--interval``
+seconds (0 = back to back, a closed loop), and ``--submits`` POST /v1/runs spread
+over the run. The load generator is a separate process from the server, but both
+share this machine's cores: the figures are what a co-located client sees.
+
+    .venv/bin/python benchmarks/api_load.py --clients 50 --duration 20 --interval 0.25
+
+Prints p50/p99 latency per kind and requests/s; the last line is one JSON object:
+clients, status_p50_ms, status_p99_ms, submit_p99_ms, requests_per_s (plus details).
+``--profile PATH`` records the server with py-spy during the timed phase (raw
+collapsed stacks) and prints the hottest frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 90.0
+REQUEST_TIMEOUT_S = 30.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _iso(hours: float) -> str:
+    return (datetime.now(UTC) + timedelta(hours=hours)).isoformat().replace("+00:00", "Z")
+
+
+def start_server(
+    tmp: Path, log_level: str, module: str = "orchestrator.admin"
+) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    log = open(tmp / "server.log", "wb")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            module,
+            "serve",
+            "--db",
+            str(tmp / "ito.db"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--var-dir",
+            str(tmp / "var"),
+            "--log-level",
+            log_level,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError((tmp / "server.log").read_text()[-3000:])
+        try:
+            if httpx.get(url + "/healthz", timeout=1.0).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def make_tenant(db: Path) -> dict[str, str]:
+    from orchestrator.auth import SCOPES, issue_key
+    from orchestrator.bookings import BookingFile, add_booking
+    from orchestrator.store import Store
+
+    store = Store(db)
+    try:
+        store.create_account("bench")
+        _, submitter = issue_key(store, "bench", ["runs:read", "runs:write"])
+        approver_scopes = [s for s in SCOPES if s.startswith("confirm:")] + ["runs:read"]
+        _, approver = issue_key(store, "bench", approver_scopes)
+        add_booking(
+            store,
+            BookingFile.model_validate(
+                {
+                    "booking_id": "bk-bench",
+                    "account": "bench",
+                    "gpu_sku": "H100-SXM",
+                    "gpus_per_node": 8,
+                    "node_count": 1,
+                    "region": "eu-west",
+                    "fabric": "ib-ndr",
+                    "term_start": _iso(-1),
+                    "term_end": _iso(24),
+                }
+            ),
+        )
+    finally:
+        store.close()
+    return {"submitter": submitter, "approver": approver, "booking": "bk-bench"}
+
+
+def manifest_body(tmp: Path) -> dict[str, str]:
+    m = json.loads((REPO / "configs" / "manifests" / "example.json").read_text())
+    m["checkpoint"]["storage_uri"] = "file://" + str(tmp / "ckpt")
+    raw = json.dumps(m, sort_keys=True).encode()
+    return {
+        "manifest_b64": base64.b64encode(raw).decode(),
+        "manifest_digest": hashlib.sha256(raw).hexdigest(),
+    }
+
+
+def confirmations(url: str, t: dict[str, str], body: dict[str, str], n: int) -> list[str]:
+    refs = []
+    with httpx.Client(
+        base_url=url,
+        timeout=REQUEST_TIMEOUT_S,
+        headers={"Authorization": f"Bearer {t['approver']}"},
+    ) as c:
+        for _ in range(n):
+            env = c.post(
+                "/v1/confirmations",
+                json={
+                    "action": "train",
+                    "booking_id": t["booking"],
+                    "cost_usd": 100.0,
+                    **body,
+                },
+            ).json()
+            if not env["ok"]:
+                raise RuntimeError(f"confirmation refused: {env}")
+            refs.append(env["data"]["confirmation_ref"])
+    return refs
+
+
+def submit_sync(url: str, t: dict[str, str], body: dict[str, str], ref: str, key: str) -> str:
+    r = httpx.post(
+        url + "/v1/runs",
+        timeout=REQUEST_TIMEOUT_S,
+        json={"booking_id": t["booking"], "confirmation_ref": ref, **body},
+        headers={"Authorization": f"Bearer {t['submitter']}", "Idempotency-Key": key},
+    )
+    env = r.json()
+    if not env["ok"]:
+        raise RuntimeError(f"submit refused: {env}")
+    return str(env["data"]["run_id"])
+
+
+async def client_loop(
+    i: int,
+    url: str,
+    t: dict[str, str],
+    body: dict[str, str],
+    run_id: str,
+    refs: list[str],
+    args: argparse.Namespace,
+    t_end: float,
+    lat: dict[str, list[float]],
+    errors: Counter[str],
+) -> None:
+    rng = random.Random(i)
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    headers = {"Authorization": f"Bearer {t['submitter']}"}
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, limits=limits, timeout=REQUEST_TIMEOUT_S
+    ) as c:
+        # Submits at random moments of the run, so they meet polls from other clients.
+        submit_at = sorted(rng.uniform(0, args.duration * 0.9) for _ in refs)
+        start = time.monotonic()
+        await asyncio.sleep(rng.uniform(0, max(args.interval, 0.01)))  # de-synchronise
+        n = 0
+        while time.monotonic() < t_end:
+            if submit_at and time.monotonic() - start >= submit_at[0]:
+                submit_at.pop(0)
+                ref = refs.pop()
+                t0 = time.perf_counter()
+                r = await c.post(
+                    "/v1/runs",
+                    json={"booking_id": t["booking"], "confirmation_ref": ref, **body},
+                    headers={"Idempotency-Key": f"bench-{i}-{len(refs)}-{ref[-8:]}"},
+                )
+                lat["submit"].append(time.perf_counter() - t0)
+                if r.status_code != 200:
+                    errors[f"submit {r.status_code} {r.json()['error']['code']}"] += 1
+            t0 = time.perf_counter()
+            r = await c.get(f"/v1/runs/{run_id}")
+            lat["status"].append(time.perf_counter() - t0)
+            if r.status_code != 200:
+                errors[f"status {r.status_code}"] += 1
+            n += 1
+            if args.interval > 0:
+                # Fixed-rate polling: the next poll is due interval after the last was due.
+                next_due = start + n * args.interval
+                await asyncio.sleep(max(0.0, next_due - time.monotonic()))
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc: robust to a busy machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * len(s)) - 1))] * 1000
+
+
+def hottest(raw: Path, top: int = 15) -> list[tuple[str, float]]:
+    """Self time per frame from py-spy's raw (collapsed) output."""
+    own: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        own[stack.split(";")[-1]] += n
+    return [(f, 100.0 * c / total) for f, c in own.most_common(top)] if total else []
+
+
+async def load(
+    url: str,
+    t: dict[str, str],
+    body: dict[str, str],
+    run_id: str,
+    refs: list[str],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    lat: dict[str, list[float]] = {"status": [], "submit": []}
+    errors: Counter[str] = Counter()
+    per_client = [refs[i :: args.clients] for i in range(args.clients)]
+    t0 = time.monotonic()
+    t_end = t0 + args.duration
+    await asyncio.gather(
+        *(
+            client_loop(i, url, t, body, run_id, per_client[i], args, t_end, lat, errors)
+            for i in range(args.clients)
+        )
+    )
+    elapsed = time.monotonic() - t0
+    total = len(lat["status"]) + len(lat["submit"])
+    return {
+        "clients": args.clients,
+        "status_p50_ms": round(pct(lat["status"], 50), 2),
+        "status_p99_ms": round(pct(lat["status"], 99), 2),
+        "submit_p50_ms": round(pct(lat["submit"], 50), 2),
+        "submit_p99_ms": round(pct(lat["submit"], 99), 2),
+        "requests_per_s": round(total / elapsed, 1),
+        "status_requests": len(lat["status"]),
+        "submit_requests": len(lat["submit"]),
+        "status_mean_ms": round(statistics.fmean(lat["status"]) * 1000, 2)
+        if lat["status"]
+        else None,
+        "interval_s": args.interval,
+        "duration_s": round(elapsed, 2),
+        "errors": dict(errors),
+        "cpus": os.cpu_count(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--clients", type=int, default=50)
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of timed load")
+    ap.add_argument(
+        "--interval",
+        type=float,
+        default=0.25,
+        help="seconds between one client's polls; 0 = closed loop",
+    )
+    ap.add_argument("--submits", type=int, default=100, help="submits in total")
+    ap.add_argument("--server-log-level", default="warning")
+    ap.add_argument("--profile", type=Path, default=None, help="py-spy raw output path")
+    ap.add_argument(
+        "--server-module",
+        default="orchestrator.admin",
+        help="module run as `python -m MODULE serve ...` (A/B a patched server)",
+    )
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="ito-api-load-"))
+    proc, url = start_server(tmp, args.server_log_level, args.server_module)
+    spy: subprocess.Popen[bytes] | None = None
+    try:
+        t = make_tenant(tmp / "ito.db")
+        body = manifest_body(tmp)
+        first = confirmations(url, t, body, 1)[0]
+        run_id = submit_sync(url, t, body, first, "bench-poll-target")
+        refs = confirmations(url, t, body, args.submits)
+        if args.profile is not None:
+            spy = subprocess.Popen(
+                [
+                    shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
+                    "record",
+                    "--pid",
+                    str(proc.pid),
+                    "--format",
+                    "raw",
+                    "--nonblocking",
+                    "--rate",
+                    "200",
+                    "--duration",
+                    str(int(args.duration)),
+                    "--output",
+                    str(args.profile),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            time.sleep(1.0)  # let py-spy attach
+        cpu0 = cpu_seconds(proc.pid)
+        result = asyncio.run(load(url, t, body, run_id, refs, args))
+        n = result["status_requests"] + result["submit_requests"]
+        result["server_cpu_ms_per_request"] = round(1000 * (cpu_seconds(proc.pid) - cpu0) / n, 2)
+        result["load_avg_1m"] = os.getloadavg()[0]
+        if spy is not None:
+            spy.wait(timeout=args.duration + 60)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"{result['clients']} clients, {result['duration_s']} s, interval {args.interval} s")
+    print(
+        f"status  p50 {result['status_p50_ms']} ms  p99 {result['status_p99_ms']} ms  "
+        f"(n={result['status_requests']})"
+    )
+    print(
+        f"submit  p50 {result['submit_p50_ms']} ms  p99 {result['submit_p99_ms']} ms  "
+        f"(n={result['submit_requests']})"
+    )
+    print(
+        f"requests/s {result['requests_per_s']}  errors {result['errors']}  server CPU "
+        f"{result['server_cpu_ms_per_request']} ms/request  load avg {result['load_avg_1m']}"
+    )
+    if args.profile is not None and args.profile.exists():
+        print("server self time (py-spy):")
+        for frame, share in hottest(args.profile):
+            print(f"  {share:5.1f}%  {frame}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
