@@ -1,0 +1,54 @@
+"""Predicted versus measured peak memory of real training steps on this CPU.
+
+The measurement (stages.parallelism.measure) sums the CPU allocator's allocation
+events from torch.profiler into a running peak: exact tensor bytes, no RSS noise.
+The prediction is the planner's memory model with fp32 (4-byte) activations and
+the CPU's single-tensor AdamW. Configurations vary batch, sequence, recompute,
+vocabulary and whether activations or optimizer state dominate.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from stages.parallelism.measure import measure_peak_memory
+from stages.parallelism.memory import estimate_memory
+from stages.presets import ModelPreset, load_model_preset
+
+TOLERANCE = 0.20
+
+
+def _preset(h: int, ffn: int, layers: int, heads: int, kv: int, vocab: int = 260) -> ModelPreset:
+    return ModelPreset(name=f"probe-h{h}-l{layers}-v{vocab}", vocab_size=vocab, hidden_size=h,
+                       intermediate_size=ffn, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv,
+                       max_position_embeddings=1024)
+
+
+CASES = [
+    # (preset, micro_batch, seq_len, recompute)
+    (load_model_preset("llama-tiny"), 8, 128, "none"),
+    (load_model_preset("llama-probe-s"), 16, 256, "none"),
+    (_preset(256, 688, 4, 4, 2), 4, 256, "none"),
+    (_preset(256, 688, 4, 4, 2), 2, 512, "selective"),
+    (_preset(256, 688, 4, 4, 2), 8, 128, "full"),
+    (_preset(128, 344, 2, 4, 2, vocab=8192), 2, 256, "none"),  # the loss dominates
+    (_preset(512, 1376, 2, 8, 2), 1, 64, "none"),  # weights + AdamW dominate
+]
+
+
+@pytest.mark.parametrize(("preset", "micro_batch", "seq_len", "recompute"), CASES,
+                         ids=[f"{c[0].name}-b{c[1]}-s{c[2]}-{c[3]}" for c in CASES])
+def test_predicted_peak_within_20_percent_of_measured(preset: ModelPreset, micro_batch: int,
+                                                      seq_len: int, recompute: str) -> None:
+    measured = measure_peak_memory(preset, micro_batch=micro_batch, seq_len=seq_len,
+                                   activation_checkpointing=recompute)  # type: ignore[arg-type]
+    predicted = estimate_memory(
+        preset, seq_len=seq_len, micro_batch=micro_batch, microbatches=1, tp=1, cp=1, fsdp=1,
+        dp_replicate=1, pp_stage_layers=[preset.num_hidden_layers], pp_schedule="1F1B",
+        pp_virtual_stages=1, activation_checkpointing=recompute,  # type: ignore[arg-type]
+        precision="fp32", foreach_optimizer=False).total
+    assert measured > 1e6, "configs must be big enough for the comparison to mean something"
+    assert abs(predicted - measured) / measured <= TOLERANCE, (
+        f"predicted {predicted / 1e6:.1f} MB vs measured {measured / 1e6:.1f} MB")
+
