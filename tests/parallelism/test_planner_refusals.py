@@ -3,6 +3,8 @@ the search. GPUs and fabrics are modelled from configs/; nothing here needs one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from stages.errors import ErrorCode, ItoError
@@ -11,7 +13,7 @@ from stages.parallelism import Layout, PlanRequest, plan, validate_layout
 
 def _req(model: str = "llama3-8b", gpu: str = "H100-SXM", per_node: int = 8, nodes: int = 1,
          fabric: str = "ib-ndr", tokens: int = 2**20, seq: int | None = 8192,
-         **kw: object) -> PlanRequest:
+         **kw: Any) -> PlanRequest:
     return PlanRequest(model=model, gpu_sku=gpu, gpus_per_node=per_node, node_count=nodes,
                        fabric=fabric, global_batch_tokens=tokens, seq_len=seq, **kw)
 
