@@ -192,7 +192,27 @@ def _fmt_log(e: dict[str, Any]) -> str:
     return f"{when} {e.get('level', ''):<7} {e.get('stage') or '-':<14} {e.get('message', '')}"
 
 
+def _fmt_plan(d: dict[str, Any]) -> str:
+    lines = [
+        f"manifest {d.get('manifest_id')} (sha256 {d.get('manifest_digest')})",
+        f"  booking {d.get('booking_id')}: cost estimate ${d.get('cost_estimate_usd')}"
+        + (f", incremental ${d['incremental_cost_usd']}" if "incremental_cost_usd" in d else ""),
+    ]
+    for name, result in (d.get("validation") or {}).items():
+        shown = (
+            result
+            if not isinstance(result, dict)
+            else ", ".join(f"{k}={v}" for k, v in result.items() if not isinstance(v, dict | list))
+        )
+        lines.append(f"  {name}: {shown}")
+    plan = d.get("plan")
+    lines.append("  plan: " + (json.dumps(plan, sort_keys=True) if plan else "none yet"))
+    return "\n".join(lines)
+
+
 def _readable(command: str, data: dict[str, Any]) -> str:
+    if command == "plan":
+        return _fmt_plan(data)
     if command in ("train", "status", "cancel", "approve", "decline") and "run_id" in data:
         return _fmt_run(data)
     if command == "logs":
@@ -370,6 +390,11 @@ def _dispatch(client: ItoClient, args: argparse.Namespace, out: _Out) -> Envelop
 
 def _settings(args: argparse.Namespace) -> ClientSettings:
     update: dict[str, float] = {}
+    for name in ("connect_timeout", "timeout", "poll_interval"):
+        value = getattr(args, name, None)
+        if value is not None and not value > 0:
+            flag = "--" + name.replace("_", "-")
+            raise ItoError(ErrorCode.bad_request, f"{flag} must be a positive number of seconds")
     if args.connect_timeout is not None:
         update["connect_timeout_s"] = args.connect_timeout
     if args.timeout is not None:
