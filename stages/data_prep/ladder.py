@@ -16,6 +16,7 @@ that a seed spread of ~0 cannot turn a negligible difference into a decision.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -143,6 +144,10 @@ class LadderResult:
     eval_bytes: int
     seconds: float
     device: str
+    # sha256 of the baseline token stream and of the eval windows: a later probe with
+    # the same baseline, eval text and schedule may reuse baseline_bpb (``reuse``).
+    baseline_sha256: str = ""
+    eval_sha256: str = ""
     rule: str = field(default="t-test on mean bpb difference, pooled seed spread")
 
     def as_dict(self) -> dict[str, Any]:
@@ -155,11 +160,24 @@ def _device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+def _reusable(prev: LadderResult | None, preset: str, steps: int, seeds: list[int],
+              base_sha: str, eval_sha: str) -> bool:
+    return (prev is not None and prev.preset == preset and prev.steps == steps
+            and prev.seeds == seeds and prev.baseline_sha256 == base_sha
+            and prev.eval_sha256 == eval_sha)
+
+
 def ladder_probe(baseline_texts: Sequence[str], custom_texts: Sequence[str],
                  eval_texts: Sequence[str], cfg: LadderProbeConfig | None = None, *,
+                 reuse: LadderResult | None = None,
                  log: Callable[[str], None] = lambda _m: None,
                  cancelled: Callable[[], bool] = lambda: False) -> LadderResult:
-    """Run both arms for ``cfg.seeds`` seeds and decide (see the module docstring)."""
+    """Run both arms for ``cfg.seeds`` seeds and decide (see the module docstring).
+
+    ``reuse``: an earlier result whose baseline arm (same baseline tokens, eval text,
+    rung, steps and seeds, checked by digest) is taken instead of retrained; the
+    baseline arm does not depend on the custom data, so probing several candidate
+    datasets against one baseline trains it once."""
     cfg = cfg or LadderProbeConfig()
     t0 = time.time()
     preset = load_model_preset(cfg.rung_preset)
@@ -172,9 +190,17 @@ def ladder_probe(baseline_texts: Sequence[str], custom_texts: Sequence[str],
     mixed = np.concatenate([base, token_stream(custom_texts)])
     windows = eval_windows(eval_texts, cfg.seq_len, cfg.eval_bytes)
     seeds = list(range(cfg.seeds))
+    base_sha = hashlib.sha256(base.tobytes()).hexdigest()
+    eval_sha = hashlib.sha256(windows.numpy().tobytes()).hexdigest()
     scores: dict[str, list[float]] = {"baseline": [], "custom": []}
+    arms: list[tuple[str, np.ndarray]] = [("custom", mixed)]
+    if reuse is not None and _reusable(reuse, preset.name, steps, seeds, base_sha, eval_sha):
+        scores["baseline"] = list(reuse.baseline_bpb)
+        log("ladder probe: baseline arm reused from an identical earlier probe")
+    else:
+        arms.insert(0, ("baseline", base))
     for seed in seeds:
-        for arm, stream in (("baseline", base), ("custom", mixed)):
+        for arm, stream in arms:
             bpb = train_and_score(preset, stream, windows, seed=seed, steps=steps, cfg=cfg,
                                   device=device, cancelled=cancelled)
             scores[arm].append(bpb)
@@ -188,4 +214,5 @@ def ladder_probe(baseline_texts: Sequence[str], custom_texts: Sequence[str],
         tokens_per_param=steps * tokens_per_step / params, steps=steps, seeds=seeds,
         baseline_bpb=scores["baseline"], custom_bpb=scores["custom"], stats=stats,
         custom_token_fraction=1 - len(base) / max(len(mixed), 1),
-        eval_bytes=int(windows.numel()), seconds=time.time() - t0, device=str(device))
+        eval_bytes=int(windows.numel()), seconds=time.time() - t0, device=str(device),
+        baseline_sha256=base_sha, eval_sha256=eval_sha)
