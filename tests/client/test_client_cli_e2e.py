@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import World
+from client_world import World
 from helpers.manifests import example_manifest, write_manifest
 
 from orchestrator.cli import (

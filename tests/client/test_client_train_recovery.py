@@ -12,7 +12,7 @@ import time
 
 import pytest
 from client_proxy import RecordingProxy
-from conftest import World, fast_client
+from client_world import World, fast_client
 from helpers.tenants import admin
 
 from orchestrator.cli import EXIT_AUTH, EXIT_OK, EXIT_TRANSPORT
