@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from orchestrator.redact import safe_id
 from orchestrator.store import Store
 from stages.errors import ErrorCode, ItoError
 
@@ -69,7 +70,7 @@ def add_booking(store: Store, booking: BookingFile) -> dict[str, Any]:
 def booking_view(store: Store, booking_id: str) -> dict[str, Any]:
     row = store.booking(booking_id)
     if row is None:
-        raise ItoError(ErrorCode.booking_not_found, f"no booking {booking_id}")
+        raise ItoError(ErrorCode.booking_not_found, f"no booking {safe_id(booking_id)}")
     account = store.account(row["account_id"])
     return {
         "booking_id": row["booking_id"],
@@ -87,7 +88,7 @@ def check_eligibility(store: Store, booking_id: str, account_id: str,
     now = time.time() if now is None else now
     row = store.booking(booking_id)
     if row is None:
-        raise ItoError(ErrorCode.booking_not_found, f"no booking {booking_id}")
+        raise ItoError(ErrorCode.booking_not_found, f"no booking {safe_id(booking_id)}")
     if row["account_id"] != account_id:
         raise ItoError(ErrorCode.booking_account_mismatch,
                        "this booking belongs to another account")

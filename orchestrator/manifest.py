@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from orchestrator.redact import value_kind as _value_kind
 from stages.base import StrictModel
 from stages.checkpointing.config import CheckpointPolicy
 from stages.curriculum.config import CurriculumConfig
@@ -68,20 +69,6 @@ _SECRET_KEY = re.compile(
     r"pass(word|wd|phrase)?$|^pwd$|secret|credential|api[_-]?key|access[_-]?key|"
     r"private[_-]?key|auth[_-]?token|(^|[_-])token$|^bearer$|session[_-]?key|cookie",
     re.IGNORECASE)
-_SECRET_VALUES: list[tuple[str, re.Pattern[str]]] = [
-    ("api_key", re.compile(r"\bsk-[A-Za-z0-9_-]{12,}")),
-    ("api_key", re.compile(r"\b(ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{20,}")),
-    ("api_key", re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}")),
-    ("api_key", re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")),
-    ("api_key", re.compile(r"\bitok_[A-Za-z0-9_-]{8,}")),
-    ("api_key", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{8,}")),
-    ("api_key", re.compile(r"\bhf_[A-Za-z0-9]{20,}")),
-    ("api_key", re.compile(r"\bglpat-[A-Za-z0-9_-]{16,}")),
-    ("api_key", re.compile(r"\bAIza[0-9A-Za-z_-]{30,}")),
-    ("bearer_token", re.compile(r"\bbearer\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)),
-    ("private_key", re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")),
-    ("uri_credentials", re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s@:]*:[^/\s@]*@")),
-]
 _SAFE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
@@ -89,13 +76,6 @@ _SAFE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 class SecretFinding:
     path: str
     kind: str
-
-
-def _value_kind(text: str) -> str | None:
-    for kind, pattern in _SECRET_VALUES:
-        if pattern.search(text):
-            return kind
-    return None
 
 
 def _safe_key(key: str) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from orchestrator.redact import safe_id
 from orchestrator.runs import RunState, check_transition
 from orchestrator.schema import MIGRATIONS, SCHEMA_VERSION
 from stages.errors import ErrorCode, ItoError
@@ -149,7 +150,8 @@ class Store:
         with self.tx() as c:
             if c.execute("SELECT 1 FROM bookings WHERE booking_id = ?",
                          (b["booking_id"],)).fetchone():
-                raise ItoError(ErrorCode.booking_exists, f"booking {b['booking_id']} exists")
+                raise ItoError(ErrorCode.booking_exists,
+                               f"booking {safe_id(b['booking_id'])} exists")
             c.execute(
                 "INSERT INTO bookings VALUES (:booking_id, :account_id, :gpu_sku, "
                 ":gpus_per_node, :node_count, :region, :fabric, :term_start, :term_end, "
@@ -164,7 +166,7 @@ class Store:
             cur = c.execute("UPDATE bookings SET state = ?, updated_at = ? "
                             "WHERE booking_id = ?", (state, time.time(), booking_id))
             if cur.rowcount != 1:
-                raise ItoError(ErrorCode.booking_not_found, f"no booking {booking_id}")
+                raise ItoError(ErrorCode.booking_not_found, f"no booking {safe_id(booking_id)}")
         if conn is not None:
             apply(conn)
             return
@@ -214,7 +216,7 @@ class Store:
         """The run; with ``account_id``, another tenant's run is ``run_not_found`` too."""
         row = self.read_one("SELECT * FROM runs WHERE run_id = ?", (run_id,))
         if row is None or (account_id is not None and row["account_id"] != account_id):
-            raise ItoError(ErrorCode.run_not_found, f"no run {run_id}")
+            raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
         return row
 
     def runs_in_states(self, states: Iterable[RunState | str]) -> list[Row]:
@@ -231,7 +233,7 @@ class Store:
         def apply(c: sqlite3.Connection) -> Row:
             row = c.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
             if row is None:
-                raise ItoError(ErrorCode.run_not_found, f"no run {run_id}")
+                raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
             check_transition(row["state"], to_state)
             now = time.time()
             c.execute("UPDATE runs SET state = ?, state_reason = ?, updated_at = ? "
@@ -257,7 +259,7 @@ class Store:
                 cur = c.execute(f"UPDATE runs SET {name} = ?, updated_at = ? WHERE run_id = ?",
                                 (json.dumps(value), time.time(), run_id))
                 if cur.rowcount != 1:
-                    raise ItoError(ErrorCode.run_not_found, f"no run {run_id}")
+                    raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
 
     # --- idempotency records of other mutations -------------------------------------
     @staticmethod
@@ -291,12 +293,12 @@ class Store:
                 seq = int(raw["seq"])
                 parsed.append((seq, _EVENT.validate_python(body)))
             except (KeyError, TypeError, ValueError, ValidationError) as e:
-                raise ItoError(ErrorCode.bad_request,
-                               f"malformed event for {run_id}: {type(e).__name__}") from None
+                raise ItoError(ErrorCode.bad_request, f"malformed event for {safe_id(run_id)}: "
+                               f"{type(e).__name__}") from None
         added = 0
         with self.tx() as c:
             if not c.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone():
-                raise ItoError(ErrorCode.run_not_found, f"no run {run_id}")
+                raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
             for seq, ev in parsed:
                 cur = c.execute("INSERT OR IGNORE INTO run_events VALUES (?, ?, ?, ?, ?)",
                                 (run_id, seq, ev.ts, ev.kind, ev.model_dump_json()))
@@ -367,7 +369,7 @@ class Store:
         row = c.execute("SELECT status FROM proposals WHERE run_id = ? AND proposal_id = ?",
                         (run_id, proposal_id)).fetchone()
         if row is None:
-            raise ItoError(ErrorCode.proposal_not_found, f"no proposal {proposal_id}")
+            raise ItoError(ErrorCode.proposal_not_found, f"no proposal {safe_id(proposal_id)}")
         if row["status"] != "pending":
             raise ItoError(ErrorCode.invalid_state, f"proposal already {row['status']}")
         c.execute("UPDATE proposals SET status = ?, decided_at = ? WHERE run_id = ? AND "

@@ -14,6 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from orchestrator.auth import Principal, authenticate, sha256_hex
 from orchestrator.bookings import iso
+from orchestrator.redact import safe_id
 from orchestrator.runtime import RunRuntime
 from orchestrator.settings import Settings
 from orchestrator.store import Row, Store
@@ -60,7 +61,7 @@ class Gates:
             "ts": time.time(), "account_id": self.principal.account_id if self.principal else None,
             "key_id": self.principal.key_id if self.principal else None, "action": self.action,
             "gate": gate, "outcome": "pass" if ok else "fail", "code": code,
-            "booking_id": self.booking_id, "run_id": self.run_id})
+            "booking_id": safe_id(self.booking_id), "run_id": safe_id(self.run_id)})
 
     def check(self, gate: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         try:

@@ -9,6 +9,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from orchestrator.api.deps import Ctx, Gates, bearer, ctx
 from orchestrator.api.envelope import Envelope, ok
 from orchestrator.api.gating import booking_gate, public
+from orchestrator.redact import safe_id
 
 router = APIRouter(tags=["bookings"])
 
@@ -19,5 +20,5 @@ def eligibility(booking_id: str, creds: HTTPAuthorizationCredentials | None = De
     with Gates(c.store, "eligibility", booking_id=booking_id) as g:
         p = g.auth(creds, "runs:read")
         result = booking_gate(g, c, p, booking_id)
-    return ok(public(result), notice=f"booking {booking_id} is eligible until "
+    return ok(public(result), notice=f"booking {safe_id(booking_id)} is eligible until "
                                      f"{result['valid_until']}")

@@ -13,6 +13,7 @@ from orchestrator.api.gating import booking_gate, manifest_gate
 from orchestrator.api.models import ConfirmationRequest
 from orchestrator.auth import Principal
 from orchestrator.bookings import iso
+from orchestrator.redact import safe_id
 from orchestrator.store import Store
 from stages.errors import ErrorCode, ItoError
 
@@ -22,7 +23,7 @@ router = APIRouter(tags=["confirmations"])
 def _owned_booking(store: Store, p: Principal, booking_id: str) -> None:
     row = store.booking(booking_id)
     if row is None:
-        raise ItoError(ErrorCode.booking_not_found, f"no booking {booking_id}")
+        raise ItoError(ErrorCode.booking_not_found, f"no booking {safe_id(booking_id)}")
     if row["account_id"] != p.account_id:
         raise ItoError(ErrorCode.booking_account_mismatch,
                        "this booking belongs to another account")
@@ -40,7 +41,7 @@ def _bound_run(store: Store, p: Principal, body: ConfirmationRequest) -> None:
             raise ItoError(ErrorCode.bad_request, "a restart confirmation needs proposal_id")
         if not any(x["proposal_id"] == body.proposal_id
                    for x in store.list_proposals(body.run_id)):
-            raise ItoError(ErrorCode.proposal_not_found, f"no proposal {body.proposal_id}")
+            raise ItoError(ErrorCode.proposal_not_found, f"no proposal {safe_id(body.proposal_id)}")
 
 
 @router.post("/v1/confirmations", response_model=Envelope)

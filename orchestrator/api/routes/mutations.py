@@ -31,6 +31,7 @@ from orchestrator.api.deps import (
 from orchestrator.api.envelope import Envelope, ok
 from orchestrator.api.models import MutationRequest
 from orchestrator.auth import Principal
+from orchestrator.redact import safe_id
 from orchestrator.runs import ACTIVE, RunState
 from orchestrator.store import Row
 from stages.errors import ErrorCode, ItoError
@@ -143,7 +144,7 @@ def _decide(decision: Literal["approved", "declined"], run_id: str, proposal_id:
         g.booking_id = run["booking_id"]
         if not any(x["proposal_id"] == proposal_id for x in c.store.list_proposals(run_id)):
             g.record("proposal", False, ErrorCode.proposal_not_found)
-            raise ItoError(ErrorCode.proposal_not_found, f"no proposal {proposal_id}")
+            raise ItoError(ErrorCode.proposal_not_found, f"no proposal {safe_id(proposal_id)}")
         expect = confirmations.Expect(account_id=p.account_id, action="restart",
                                       booking_id=run["booking_id"], run_id=run_id,
                                       proposal_id=proposal_id)
@@ -185,7 +186,7 @@ def decline(run_id: str, proposal_id: str, body: MutationRequest,
 def _release_check(c: Ctx, p: Principal, booking_id: str) -> None:
     row = c.store.booking(booking_id)
     if row is None:
-        raise ItoError(ErrorCode.booking_not_found, f"no booking {booking_id}")
+        raise ItoError(ErrorCode.booking_not_found, f"no booking {safe_id(booking_id)}")
     if row["account_id"] != p.account_id:
         raise ItoError(ErrorCode.booking_account_mismatch,
                        "this booking belongs to another account")

@@ -1,0 +1,46 @@
+"""Secret shapes, and identifiers echoed only when they cannot be a secret.
+
+Light on purpose (no stages, no torch): the store and every route import it.
+"""
+
+from __future__ import annotations
+
+import re
+
+_SECRET_VALUES: list[tuple[str, re.Pattern[str]]] = [
+    ("api_key", re.compile(r"\bsk-[A-Za-z0-9_-]{12,}")),
+    ("api_key", re.compile(r"\b(ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{20,}")),
+    ("api_key", re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}")),
+    ("api_key", re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")),
+    ("api_key", re.compile(r"\bitok_[A-Za-z0-9_-]{8,}")),
+    ("api_key", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{8,}")),
+    ("api_key", re.compile(r"\bhf_[A-Za-z0-9]{20,}")),
+    ("api_key", re.compile(r"\bglpat-[A-Za-z0-9_-]{16,}")),
+    ("api_key", re.compile(r"\bAIza[0-9A-Za-z_-]{30,}")),
+    ("bearer_token", re.compile(r"\bbearer\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)),
+    ("private_key", re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")),
+    ("uri_credentials", re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s@:]*:[^/\s@]*@")),
+]
+
+_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+REDACTED = "<redacted>"
+
+
+def value_kind(text: str) -> str | None:
+    """The kind of secret ``text`` contains (api_key, bearer_token, ...), or None."""
+    for kind, pattern in _SECRET_VALUES:
+        if pattern.search(text):
+            return kind
+    return None
+
+
+def looks_secret(text: str) -> bool:
+    return value_kind(text) is not None
+
+
+def safe_id(value: str | None) -> str | None:
+    """A caller-chosen id for messages and audit rows: itself if id-shaped and not
+    credential-shaped, else ``<redacted>``."""
+    if value is None:
+        return None
+    return value if _ID.match(value) and not looks_secret(value) else REDACTED
