@@ -91,6 +91,7 @@ class _Pending:
     upload: Future[Any]
     staging: Future[Any] | None
     blocking_s: float = 0.0
+    staged_s: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
     record: CheckpointRecord | None = None
     error: BaseException | None = None
@@ -175,7 +176,10 @@ class Checkpointer:
             upload, staging = result.upload_completion, result.staging_completion
         pending = _Pending(step=step, tmp_dir=tmp_dir, final_dir=final_dir, started=t0,
                            upload=upload, staging=staging)
-        pending.blocking_s = time.perf_counter() - t0
+        pending.blocking_s = pending.staged_s = time.perf_counter() - t0
+        if staging is not None:
+            staging.add_done_callback(lambda _f: setattr(pending, "staged_s",
+                                                         time.perf_counter() - t0))
         self._pending = pending
         upload.add_done_callback(lambda fut: self._finish(pending, fut))
 
@@ -196,7 +200,7 @@ class Checkpointer:
             if self.is_coordinator:
                 record = CheckpointRecord(
                     step=pending.step, path=str(pending.final_dir), bytes=0,
-                    blocking_s=pending.blocking_s,
+                    blocking_s=pending.blocking_s, staged_s=pending.staged_s,
                     total_s=time.perf_counter() - pending.started, bytes_per_s=0.0,
                     created_at=time.time(), run_label=self.run_label)
                 pending.record = commit(pending.tmp_dir, pending.final_dir, record)

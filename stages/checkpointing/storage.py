@@ -47,6 +47,8 @@ class CheckpointRecord(StrictModel):
     path: str
     bytes: int = Field(ge=0)
     blocking_s: float = Field(ge=0, description="time the training loop was blocked")
+    staged_s: float = Field(default=0.0, ge=0,
+                            description="save call until the state copy was complete")
     total_s: float = Field(ge=0, description="save call to commit")
     bytes_per_s: float = Field(ge=0, description="bytes / total_s")
     created_at: float = Field(description="unix time of the commit")
