@@ -68,8 +68,9 @@ def test_50_keys_one_confirmation_make_one_run(backend: Backend, tenant: Tenant,
     m = example_manifest(tmp_path / "ckpt")
     with backend.client() as c:
         ref = confirm_ref(c, tenant.approver, "train", tenant.booking_id, manifest=m)
-    calls = [{"submitter_key": tenant.submitter, "booking_id": tenant.booking_id,
-              "manifest": m, "ref": ref, "idempotency_key": f"key-{i:04d}"} for i in range(N)]
+    calls: list[dict[str, Any]] = [
+        {"submitter_key": tenant.submitter, "booking_id": tenant.booking_id, "manifest": m,
+         "ref": ref, "idempotency_key": f"key-{i:04d}"} for i in range(N)]
     answers = [a for a in _fire(backend, calls) if isinstance(a, httpx.Response)]
     assert len(answers) == N
     ok = [a for a in answers if a.status_code == 200]
@@ -85,7 +86,8 @@ def test_sigkill_during_submits_loses_no_acknowledged_run(backend: Backend, tena
     with backend.client() as c:
         refs = [confirm_ref(c, tenant.approver, "train", tenant.booking_id, manifest=m)
                 for _ in range(N)]
-    calls = [{"submitter_key": tenant.submitter, "booking_id": tenant.booking_id,
+    calls: list[dict[str, Any]] = [
+             {"submitter_key": tenant.submitter, "booking_id": tenant.booking_id,
               "manifest": m, "ref": ref, "idempotency_key": f"crash-{i:04d}"}
              for i, ref in enumerate(refs)]
     acked: dict[str, str] = {}
@@ -115,20 +117,20 @@ def test_sigkill_during_submits_loses_no_acknowledged_run(backend: Backend, tena
 
     runs = _runs(backend.db)
     by_key: dict[str, list[str]] = {}
-    for r in runs:
-        by_key.setdefault(r["idempotency_key"], []).append(r["run_id"])
+    for row in runs:
+        by_key.setdefault(row["idempotency_key"], []).append(row["run_id"])
     assert all(len(v) == 1 for v in by_key.values()), "a key maps to two runs"
     for key, run_id in acked.items():
         assert by_key.get(key) == [run_id], f"acknowledged run {run_id} lost"
     # Retrying everything after the restart (same key, same body) creates no duplicate:
     # committed ones replay, the rest are created once.
-    with backend.client() as c:
+    with backend.client() as client:
         for call in calls:
-            r = submit(c, **call)
+            r = submit(client, **call)
             assert r.status_code == 200, r.json()
             if call["idempotency_key"] in acked:
                 assert r.json()["data"] == {**r.json()["data"],
                                             "run_id": acked[call["idempotency_key"]],
                                             "replayed": True}
-    keys = [r["idempotency_key"] for r in _runs(backend.db)]
-    assert sorted(keys) == sorted(c["idempotency_key"] for c in calls)
+    keys = [row["idempotency_key"] for row in _runs(backend.db)]
+    assert sorted(keys) == sorted(call["idempotency_key"] for call in calls)
