@@ -1,0 +1,75 @@
+"""``python -m stages.data_prep`` as a user runs it: a subprocess, JSON on stdout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from stages.data_prep.refs import file_sha256
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 120
+
+
+def _cli(*args: str) -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "stages.data_prep", *args, "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_dedup_command(tmp_path: Path) -> None:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    docs = ["the quick brown fox jumps over the lazy dog near the river bank today",
+            "the quick brown fox jumps over the lazy dog near the river bank today",
+            "the quick brown fox jumps over the lazy dog near the river bank today!",
+            "the quick brown fox jumps over the lazy dog near the river bank today and",
+            "an entirely different sentence about grade school arithmetic problems"]
+    (folder / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:3]))
+    (folder / "b.txt").write_text("\n".join(docs[3:]) + "\n")
+    out = tmp_path / "out" / "clean.jsonl"
+    rc, summary = _cli("dedup", "--input", str(folder), "--output", str(out))
+    assert rc == 0 and summary["ok"]
+    assert summary["docs_in"] == 5 and summary["docs_out"] == 2
+    assert summary["exact_duplicates"] == 1 and summary["near_duplicates"] == 2
+    kept = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [k["text"] for k in kept] == [docs[0], docs[4]]
+    prov = json.loads(Path(summary["provenance_path"]).read_text())
+    assert prov["output"]["sha256"] == file_sha256(out)
+    assert prov["dedup"]["near_duplicate_examples"][0]["survivor"] == "0:a.jsonl:0"
+
+
+def test_decontaminate_command(tmp_path: Path) -> None:
+    evals = tmp_path / "evals.jsonl"
+    question = ("Natalia sold clips to 48 of her friends in April, and then she sold half "
+                "as many clips in May. How many clips did Natalia sell altogether?")
+    evals.write_text(json.dumps({"question": question}) + "\n")
+    lines = tmp_path / "items.txt"
+    lines.write_text("what is seven times six\n")
+    data = tmp_path / "train.jsonl"
+    docs = ["Practice: " + question.upper(), "What is SEVEN times six? 42.",
+            "A harmless document about birds and their migration over the sea."]
+    data.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    out = tmp_path / "clean.jsonl"
+    rc, summary = _cli("decontaminate", "--input", str(data), "--text-field", "body",
+                       "--eval", str(evals), str(lines), "--output", str(out))
+    assert rc == 0 and summary["contaminated"] == 2 and summary["docs_out"] == 1
+    assert summary["eval_items"] == 2 and summary["ngram"] == 13
+    prov = json.loads(Path(summary["provenance_path"]).read_text())
+    methods = {row["matches"][0]["method"] for row in
+               prov["decontamination"]["contaminated_documents"]}
+    assert methods == {"ngram", "exact"}
+    rc, summary = _cli("decontaminate", "--input", str(data), "--text-field", "body",
+                       "--eval", str(evals), "--output", str(out), "--action", "flag")
+    assert rc == 0 and summary["docs_out"] == 3 and summary["contaminated"] == 1
+
+
+def test_errors_carry_stable_codes(tmp_path: Path) -> None:
+    rc, summary = _cli("dedup", "--input", str(tmp_path / "missing"), "--output",
+                       str(tmp_path / "o.jsonl"))
+    assert rc == 2 and summary == {"ok": False, "error": {
+        "code": "data_not_found", "message": f"no such file or folder: {tmp_path / 'missing'}"}}
