@@ -221,11 +221,34 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _groups(ctx: Context) -> Iterator[list[list[Layout]]]:
-    """Candidate layouts grouped by degrees; inside a group, one list per recompute
-    mode (least recompute first), each by growing micro-batch. The search stops a
-    list at the first layout that runs out of memory (larger micro-batches need more)
-    and skips heavier recompute once a lighter one fits (it is only slower)."""
+@dataclass(frozen=True)
+class _Group:
+    """Layouts that differ only in micro-batch and recompute."""
+
+    tp: int
+    cp: int
+    pp: int
+    schedule: PipelineSchedule
+    virtual: int
+    precision: Precision
+    dp_shard: int
+    dp_replicate: int
+    micro_batches: tuple[int, ...]
+    recompute: tuple[ActivationCheckpointing, ...]
+
+    def layout(self, micro_batch: int, ac: ActivationCheckpointing) -> Layout:
+        # values are valid by construction: skip validation in the hot loop
+        return Layout.model_construct(
+            tp=self.tp, pp=self.pp, cp=self.cp, dp_shard=self.dp_shard,
+            dp_replicate=self.dp_replicate, micro_batch=micro_batch,
+            pp_schedule=self.schedule, pp_virtual_stages=self.virtual,
+            activation_checkpointing=ac, precision=self.precision)
+
+
+def _groups(ctx: Context) -> Iterator[_Group]:
+    """Candidate groups. Inside a group the search tries the least recompute first,
+    each by growing micro-batch; FSDP shard degrees come largest first, so a group
+    that runs out of memory rules out the smaller shard degrees after it."""
     req, preset = ctx.request, ctx.preset
     world = ctx.world
     tps = [t for t in _divisors(req.gpus_per_node) if t <= ctx.sku.nvlink_domain
@@ -238,9 +261,9 @@ def _groups(ctx: Context) -> Iterator[list[list[Layout]]]:
             precisions.append("fp8")
     else:
         precisions = [req.precision]
-    acs: list[ActivationCheckpointing] = (["none", "selective", "full"]
-                                          if req.activation_checkpointing == "auto"
-                                          else [req.activation_checkpointing])
+    acs: tuple[ActivationCheckpointing, ...] = (
+        ("none", "selective", "full") if req.activation_checkpointing == "auto"
+        else (req.activation_checkpointing,))
     seqs = max(1, ctx.sequences)
     for tp, cp in itertools.product(tps, cps):
         if world % (tp * cp):
@@ -254,13 +277,25 @@ def _groups(ctx: Context) -> Iterator[list[list[Layout]]]:
                 schedules += [("Interleaved1F1B", v) for v in (2, 4, 8)
                               if v <= MAX_VIRTUAL_STAGES and pp * v <= preset.num_hidden_layers]
             local = seqs // dp if seqs % dp == 0 else 0
-            mbs = [m for m in _divisors(local) if m <= MAX_MICRO_BATCH] if local else [1]
-            shards = _shard_options(dp, tp * cp, req.gpus_per_node)
-            for dp_shard, (sched, v), prec in itertools.product(shards, schedules, precisions):
-                yield [[Layout(tp=tp, pp=pp, cp=cp, dp_shard=dp_shard, dp_replicate=dp // dp_shard,
-                               micro_batch=mb, pp_schedule=sched, pp_virtual_stages=v,
-                               activation_checkpointing=ac, precision=prec) for mb in mbs]
-                       for ac in acs]
+            mbs = tuple(m for m in _divisors(local) if m <= MAX_MICRO_BATCH) if local else (1,)
+            shards = sorted(_shard_options(dp, tp * cp, req.gpus_per_node), reverse=True)
+            for (sched, v), prec, dp_shard in itertools.product(schedules, precisions, shards):
+                yield _Group(tp, cp, pp, sched, v, prec, dp_shard, dp // dp_shard, mbs, acs)
+
+
+def _speed_bound(ctx: Context, g: _Group, stage_layers: tuple[int, ...]) -> float:
+    """Tokens/s no layout of the group can beat: no recompute, no FSDP or replica
+    traffic, and per component the better of the smallest and largest micro-batch
+    (large ones run GEMMs faster, small ones shrink the pipeline bubble)."""
+    parts = []
+    for mb in {g.micro_batches[0], g.micro_batches[-1]}:
+        accum = max(1, ctx.sequences // (g.dp_shard * g.dp_replicate * mb))
+        parts.append(step_time(StepInputs(
+            ctx.preset, ctx.sku, ctx.fabric, ctx.request.gpus_per_node, ctx.seq_len, g.tp,
+            g.cp, 1, 1, stage_layers, g.virtual, mb, accum, "none", g.precision, 0.0)))
+    floor = (min(p.compute for p in parts) + min(p.pp_bubble for p in parts)
+             + min(p.tp_comm for p in parts) + min(p.cp_comm for p in parts))
+    return ctx.request.global_batch_tokens / floor
 
 
 def _shard_options(dp: int, inner: int, per_node: int) -> list[int]:
@@ -289,39 +324,77 @@ def plan(request: PlanRequest) -> Plan:
     counts: dict[ErrorCode, int] = {}
     keep = max(request.max_alternatives, 1)
     i = 0
-    structural: set[tuple[int, int, int, int, str]] = set()
-    for group in _groups(ctx):
-        head = group[0][0]
-        key = (head.tp, head.cp, head.pp, head.pp_virtual_stages, head.precision)
-        if key in structural:
+    # Branch and bound: rule out whole groups with the checks that do not depend on
+    # micro-batch or recompute, then visit the rest best bound first and stop once
+    # no remaining group can beat the best layout found.
+    structural: set[tuple[object, ...]] = set()
+    best_by_precision: dict[str, _Assessment] = {}
+    queue: list[tuple[float, int, _Group]] = []
+    for n, g in enumerate(_groups(ctx)):
+        key = (g.tp, g.cp, g.pp, g.virtual, g.precision)
+        batch_key = (g.tp, g.cp, g.pp, g.virtual)
+        if key in structural or batch_key in structural:
             continue
-        try:  # checks that no dp split, micro-batch or recompute can change
+        head = g.layout(g.micro_batches[0], g.recompute[0])
+        try:
             check_tp(ctx, head)
-            check_pipeline(ctx, head)
+            stage_layers = check_pipeline(ctx, head)
             check_precision(ctx, head)
         except ItoError as err:
             structural.add(key)
             i += 1
             _record(failures, counts, err, head, i, keep)
             continue
-        for by_mb in group:
-            fitted = False
-            for layout in by_mb:
+        try:  # the smallest micro-batch must divide the batch, whatever the dp split
+            check_batch(ctx, head, g.dp_shard)
+        except ItoError as err:
+            structural.add(batch_key)
+            i += 1
+            _record(failures, counts, err, head, i, keep)
+            continue
+        queue.append((-_speed_bound(ctx, g, stage_layers), n, g))
+    queue.sort()
+    pruned = 0
+    for rank, (neg_bound, _, g) in enumerate(queue):
+        if feasible and -neg_bound < max(feasible)[0]:
+            pruned = len(queue) - rank  # none of the rest can beat the best so far
+            break
+        oom_key = (g.tp, g.cp, g.pp, g.schedule, g.virtual, g.precision, "oom")
+        if oom_key in structural:
+            continue
+        any_memory_fit = False
+        for ac in g.recompute:
+            fitted = stop_group = False
+            for mb in g.micro_batches:
+                layout = g.layout(mb, ac)
                 i += 1
                 try:
                     a = _assess(ctx, layout)
                 except ItoError as err:
                     _record(failures, counts, err, layout, i, keep)
-                    if err.code == ErrorCode.plan_out_of_memory:
+                    if err.code == ErrorCode.plan_pp_bubble_too_large:
+                        # fewer, larger micro-batches or more recompute only grow it
+                        any_memory_fit = stop_group = True
                         break
-                    continue
-                fitted = True
+                    if err.code == ErrorCode.plan_wasteful and "mfu" in err.details:
+                        # it fit; a larger micro-batch may be efficient enough, more
+                        # recompute never is
+                        any_memory_fit = stop_group = True
+                        continue
+                    break  # memory and batch refusals only get worse with micro-batch
+                fitted = any_memory_fit = True
                 # prefer faster; on ties the simpler layout (earlier candidate)
                 heapq.heappush(feasible, (a.tokens_per_s, -i, a))
                 if len(feasible) > keep + 1:
                     heapq.heappop(feasible)
-            if fitted:
+                prev = best_by_precision.get(layout.precision)
+                if prev is None or a.tokens_per_s > prev.tokens_per_s:
+                    best_by_precision[layout.precision] = a
+            if fitted or stop_group:
                 break
+        if not any_memory_fit:
+            # less sharding (the groups that follow) needs even more memory
+            structural.add((g.tp, g.cp, g.pp, g.schedule, g.virtual, g.precision, "oom"))
     ranked_failures = _rank_failures(failures)
     if not feasible:
         if not counts:
@@ -336,12 +409,17 @@ def plan(request: PlanRequest) -> Plan:
                                 "refusal_counts": {str(k): v for k, v in counts.items()}})
     ordered = [_to_plan(ctx, a, explain=False)
                for _, _, a in sorted(feasible, key=lambda t: (t[0], t[1]), reverse=True)]
-    chosen = _evaluate(ctx, ordered[0].layout(), explain=True)
-    chosen = _apply_fp8_margin(ctx, chosen, ordered[1:])
+    pick = ordered[0].layout()
+    if (request.precision == "auto" and pick.precision == "fp8"
+            and "bf16" in best_by_precision and ordered[0].tokens_per_s
+            < best_by_precision["bf16"].tokens_per_s * request.fp8_min_speedup):
+        pick = best_by_precision["bf16"].layout  # fp8 must earn its numerics risk
+    chosen = _evaluate(ctx, pick, explain=True)
     slower = [p for p in ordered if p.layout() != chosen.layout()]
     alternatives = _as_rejections(ranked_failures, [(p, chosen) for p in slower], keep)
     chosen.reasons.append(
-        f"fastest of {i} candidate layouts assessed; "
+        f"fastest of {i} candidate layouts assessed ({pruned} groups skipped that could "
+        f"not beat it); "
         + ", ".join(f"{v} refused {k}" for k, v in sorted(counts.items())))
     return chosen.model_copy(update={"rejected": alternatives})
 
@@ -357,19 +435,6 @@ def _record(failures: dict[ErrorCode, list[_Failure]], counts: dict[ErrorCode, i
     heapq.heappush(bucket, _Failure((closeness, -i), layout.label(), err.code, err.message))
     if len(bucket) > keep:
         heapq.heappop(bucket)
-
-
-def _apply_fp8_margin(ctx: Context, chosen: Plan, others: list[Plan]) -> Plan:
-    """``auto`` takes fp8 only when it beats the best bf16 layout by fp8_min_speedup."""
-    if ctx.request.precision != "auto" or chosen.precision != "fp8":
-        return chosen
-    bf16 = [p for p in others if p.precision != "fp8"]
-    if not bf16:
-        return chosen
-    best = max(bf16, key=lambda p: p.tokens_per_s)
-    if chosen.tokens_per_s >= best.tokens_per_s * ctx.request.fp8_min_speedup:
-        return chosen
-    return _evaluate(ctx, best.layout(), explain=True)
 
 
 def _rank_failures(failures: dict[ErrorCode, list[_Failure]]) -> list[_Failure]:

@@ -37,7 +37,7 @@ class PlanRequest(StrictModel):
     memory_utilization: float = Field(default=0.9, gt=0, le=1,
                                       description="share of device memory a plan may use; the "
                                       "rest is CUDA context, NCCL and allocator fragmentation")
-    fp8_min_speedup: float = Field(default=1.05, ge=1,
+    fp8_min_speedup: float = Field(default=1.1, ge=1,
                                    description="auto precision takes fp8 only if this much faster")
     max_alternatives: int = Field(default=10, ge=0, le=100)
 

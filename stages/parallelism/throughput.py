@@ -3,7 +3,9 @@
 Compute is a roofline per GEMM (``max(flops / (peak x GEMM_EFFICIENCY), bytes /
 HBM bandwidth)``), so small GEMMs are memory-bound and fp8 only pays off when the
 GEMMs are big: fp8 halves the GEMM time when compute-bound and adds the cost of
-casting its inputs. Attention (flash, causal) runs in bf16 at ATTENTION_EFFICIENCY;
+casting its inputs. Attention (flash, causal) runs in bf16 at an efficiency that
+falls with the key-block length (``attention_efficiency``: CP's ring attention runs
+2 x cp blocks of seq / (2 cp) tokens, which is what makes CP cost something);
 pointwise ops (norms, RoPE, SiLU, residuals) are HBM-bound.
 
 Communication is bandwidth x volume plus latency, with the overlap torchtitan gets:
@@ -19,6 +21,7 @@ hidden x seq`` per token (recompute is hardware work, not model work).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from stages.parallelism.hardware import Fabric, GpuSku, Precision
 from stages.parallelism.memory import compute_bytes, param_gather_bytes
@@ -29,7 +32,9 @@ from stages.presets import ModelPreset
 # and clocks under power capping included), calibrated so Llama-3-shaped models land
 # near published H100 figures (torchtitan 8B ~35-40% MFU bf16; Llama 3 405B 38-43%).
 GEMM_EFFICIENCY = {"fp32": 0.6, "bf16": 0.6, "fp8": 0.45}
-ATTENTION_EFFICIENCY = 0.35  # flash attention (forward + backward) vs dense bf16 peak
+ATTENTION_EFFICIENCY = 0.4   # flash attention (fwd + bwd) vs dense bf16 peak, long blocks
+ATTENTION_HALF_BLOCK = 1024  # key-block length at which flash runs at half that
+# (short blocks, as CP's ring makes them, leave tensor cores idle in the softmax)
 POINTWISE_PASSES = 2         # eager kernels read/write each activation more than once
 CP_OVERLAP = 0.5             # share of attention time the ring's transfers hide under
 CP_STEP_OVERHEAD_S = 30e-6   # per ring step and layer: extra attention/merge kernels
@@ -64,6 +69,12 @@ def model_flops_per_token(preset: ModelPreset, seq_len: int) -> float:
             + 12 * preset.num_hidden_layers * preset.hidden_size * seq_len)
 
 
+def attention_efficiency(seq_len: int, cp: int) -> float:
+    block = seq_len / (2 * cp) if cp > 1 else seq_len
+    return ATTENTION_EFFICIENCY * block / (block + ATTENTION_HALF_BLOCK) * (
+        1 + ATTENTION_HALF_BLOCK / 8192)  # normalised: an 8k block runs at the nominal value
+
+
 def _gemm_time(m: float, k: float, n: float, sku: GpuSku, precision: Precision) -> float:
     """Forward + backward (3 GEMMs of this shape) on one GPU."""
     flops = 2 * m * k * n
@@ -77,6 +88,7 @@ def _gemm_time(m: float, k: float, n: float, sku: GpuSku, precision: Precision) 
     return 3 * max(flops / peak, moved / hbm)
 
 
+@lru_cache(maxsize=4096)
 def layer_compute_time(preset: ModelPreset, tokens: float, seq_len: int, tp: int, cp: int,
                        sku: GpuSku, precision: Precision,
                        ac: ActivationCheckpointing) -> float:
@@ -92,8 +104,9 @@ def layer_compute_time(preset: ModelPreset, tokens: float, seq_len: int, tp: int
                          + _gemm_time(tokens, ffn / tp, h, sku, precision)))
     attn_precision: Precision = "fp32" if precision == "fp32" else "bf16"
     # causal flash attention: fwd 2 x 2 x s x h / 2 per token, backward 2.5x the forward
-    attn_flops = 3.5 * 2 * tokens * (seq_len / 1) * h / tp
-    attention = attn_flops / (sku.peak_tflops(attn_precision) * 1e12 * ATTENTION_EFFICIENCY)
+    attn_flops = 3.5 * 2 * tokens * seq_len * h / tp
+    attention = attn_flops / (sku.peak_tflops(attn_precision) * 1e12
+                              * attention_efficiency(seq_len, cp))
     b = compute_bytes(precision)
     pointwise_bytes = POINTWISE_PASSES * 3 * b * tokens * (20 * h + 4 * kv + 5 * ffn * experts) / tp
     pointwise = pointwise_bytes / (sku.hbm_bandwidth_gb_s * 1e9 * HBM_EFFICIENCY)
@@ -105,6 +118,7 @@ def layer_compute_time(preset: ModelPreset, tokens: float, seq_len: int, tp: int
     return total
 
 
+@lru_cache(maxsize=4096)
 def head_compute_time(preset: ModelPreset, tokens: float, tp: int, sku: GpuSku,
                       precision: Precision) -> float:
     """Output projection + loss of one micro-batch (the last pipeline rank)."""
@@ -179,7 +193,7 @@ def step_time(x: StepInputs) -> StepTime:
         kv = x.preset.num_key_value_heads * x.preset.head_dim
         ring = 3 * 2 * tokens * kv / x.tp * b * (x.cp - 1) / (cp_bw * 1e9) + cp_lat * x.cp
         attn_time = 3.5 * 2 * tokens * x.seq_len * h / x.tp / (
-            x.sku.peak_tflops("bf16") * 1e12 * ATTENTION_EFFICIENCY)
+            x.sku.peak_tflops("bf16") * 1e12 * attention_efficiency(x.seq_len, x.cp))
         exposed = max(0.0, ring - CP_OVERLAP * attn_time) + 3 * x.cp * CP_STEP_OVERHEAD_S
         cp_comm = exposed * busiest_layers * x.microbatches
     # FSDP over dp_shard x cp: all-gather in forward and backward, reduce-scatter in fp32.
