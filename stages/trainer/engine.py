@@ -36,7 +36,7 @@ from stages.events import (
 )
 from stages.trainer.checkpoint_io import list_complete
 from stages.trainer.config import TrainStageConfig
-from stages.trainer.loop import WorkerSpec
+from stages.trainer.loop import WorkerSpec, skip_window
 from stages.trainer.replica import (
     LighthouseActor,
     ReplicaWorker,
@@ -65,6 +65,7 @@ class _Group:
     step: int = 0
     error: str | None = None
     finished: bool = False
+    digest: str | None = None
 
 
 @dataclass
@@ -75,6 +76,8 @@ class EngineResult:
     interruptions: int
     checkpoints: list[int]
     proposals: list[str] = field(default_factory=list)
+    # Final parameter digest of each group: all equal unless replicas diverged.
+    digests: dict[int, str] = field(default_factory=dict)
 
 
 class TrainingEngine:
@@ -106,6 +109,7 @@ class TrainingEngine:
         self._spike_pending: dict[str, Any] | None = None
         self._spike_recovering: tuple[float, str] | None = None
         self._ready: set[tuple[int, int]] = set()
+        self._spikes_handled: set[tuple[int, int]] = set()
         self._started = False
 
     # --- lifecycle --------------------------------------------------------------------
@@ -203,13 +207,18 @@ class TrainingEngine:
             grp.phase = status["phase"]
             grp.step = status["step"]
             grp.finished = status["phase"] == "finished"
+            grp.digest = status.get("digest")
         if status.get("error"):
             grp.error = status["error"]
         for raw in reply["events"]:
             self._on_event(_EVENT.validate_python(raw), grp)
-        if status.get("spike") and status.get("paused_at") is not None \
-                and self._spike_pending is None:
-            self._spike_pending = {**status["spike"], "group": g, "at": now}
+        spike = status.get("spike")
+        if spike and status.get("paused_at") is not None and self._spike_pending is None:
+            # A poll in flight during the last decision may still show that spike.
+            key = (int(spike["step"]), int(spike["batch"]))
+            if key not in self._spikes_handled:
+                self._spikes_handled.add(key)
+                self._spike_pending = {**spike, "group": g, "at": now}
 
     def _on_event(self, event: Event, grp: _Group) -> None:
         if isinstance(event, StepEvent) and event.committed:
@@ -218,6 +227,8 @@ class TrainingEngine:
                 self.max_step = event.step
                 self.final_loss = event.loss
             full = self.cfg.replica_groups
+            if self._all_lost_at is not None and grp.lost_since_poll_fail is None:
+                self._recovered(grp, event.ts)
             if event.quorum_size < full and self._shrunk_at is None and \
                     grp.lost_at is None:
                 self._shrunk_at = event.ts
@@ -282,6 +293,9 @@ class TrainingEngine:
             self._spike_pending = None
             return
         ckpt = candidates[-1]
+        windows = [(int(a), int(b)) for a, b in spike["windows"]]
+        spike["window"] = list(skip_window(spike["batch"], ckpt, windows,
+                                           self.cfg.loss_spike.skip_window_steps))
         proposal = self._proposal(spike, ckpt)
         self.proposals.append(proposal.proposal_id)
         self.emit(proposal)
@@ -300,7 +314,7 @@ class TrainingEngine:
     def _proposal(self, spike: dict[str, Any], ckpt: int) -> ProposalEvent:
         a, b = spike["window"]
         return ProposalEvent(
-            proposal_id=f"{self.run_id}-spike-{spike['step']}",
+            proposal_id=f"{self.run_id}-spike-{spike['step']}-b{spike['batch']}",
             action="restart_from_checkpoint",
             description=(f"loss spike at step {spike['step']} (loss {spike['loss']:.3f}): "
                          f"restart from checkpoint {ckpt}, skipping data batches [{a}, {b})"),
@@ -348,7 +362,8 @@ class TrainingEngine:
         return EngineResult(steps=self.max_step, tokens=self.tokens,
                             final_loss=self.final_loss, interruptions=self.interruptions,
                             checkpoints=list_complete(self.checkpoint_dir),
-                            proposals=self.proposals)
+                            proposals=self.proposals,
+                            digests={g.index: g.digest for g in self.groups if g.digest})
 
     def _stragglers_done(self) -> bool:
         # A group still down when its peers finished has nothing left to heal from.

@@ -13,6 +13,7 @@ the same operation (seek the loader), identical on every replica group.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import random
@@ -44,12 +45,22 @@ def lr_at(step: int, *, base_lr: float, warmup: int, total: int, min_ratio: floa
 
 
 def data_index(step: int, windows: list[Window]) -> int:
-    """The data batch a step trains on, given the skipped ``[start, end)`` windows."""
+    """The data batch a step trains on, given the skipped ``[start, end)`` windows
+    (batch indices). A window is only ever added at or after the batch of the step
+    it restarts from, so the batches of earlier steps never change."""
     idx = step
     for start, end in sorted(windows):
         if idx >= start:
             idx += end - start
     return idx
+
+
+def skip_window(spike_batch: int, restart_step: int, windows: list[Window], size: int
+                ) -> Window:
+    """The data window an approved restart from ``restart_step`` skips: the ``size``
+    batches ending at the spiking one, never reaching back before the restart point."""
+    start = max(spike_batch + 1 - size, data_index(restart_step, windows))
+    return (start, spike_batch + 1)
 
 
 def set_deterministic(seed: int, enabled: bool) -> None:
@@ -247,7 +258,8 @@ class TrainLoop:
             if self.healed:
                 self.healed = False
                 step = self.manager.current_step()
-                self.log(f"healed from a live peer at step {step}")
+                if step:  # at step 0 it is torchft's initial weight sync, not a recovery
+                    self.log(f"healed from a live peer at step {step}")
                 if step >= self.total_steps:
                     break
             self._seek_loader(step)
@@ -313,9 +325,8 @@ class TrainLoop:
         spike = self.detector.observe(step, loss)
         if not spike:
             return False
-        k = self.cfg.loss_spike.skip_window_steps
         self.status.update(spike={"step": step, "loss": loss, "batch": batch_idx,
-                                  "window": [max(0, batch_idx + 1 - k), batch_idx + 1]})
+                                  "windows": [list(w) for w in self.windows]})
         return True
 
     def _pause(self, step: int) -> None:
@@ -343,7 +354,7 @@ class TrainLoop:
             self.emit(CheckpointEvent(step=rec.step, path=rec.path, bytes=rec.bytes,
                                       blocking_s=rec.blocking_s, total_s=rec.total_s))
         self.status.update(phase="finished" if not self.control.stop else "stopped",
-                           step=self.manager.current_step())
+                           step=self.manager.current_step(), digest=param_digest(self.model))
         self.manager.shutdown(wait=False)
 
     def _is_saver_at_end(self) -> bool:
@@ -351,6 +362,15 @@ class TrainLoop:
             return self._is_saver()
         except Exception:
             return False
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's bytes: equal digests mean bit-identical replicas."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _spike_detector(cfg: TrainStageConfig) -> Any:

@@ -9,7 +9,6 @@ one is ahead. The driver only pulls events (``poll``) and relays commands.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
@@ -18,7 +17,7 @@ import warnings
 from typing import Any
 
 from stages.trainer.config import FaultToleranceConfig
-from stages.trainer.loop import Control, TrainLoop, WorkerSpec
+from stages.trainer.loop import Control, TrainLoop, WorkerSpec, param_digest
 
 # Events buffered in an actor between two polls; the oldest are dropped beyond this.
 MAX_BUFFERED_EVENTS = 10_000
@@ -100,15 +99,4 @@ class ReplicaWorker:
 
     def param_digest(self) -> dict[str, Any]:
         """sha256 over every parameter's bytes, with the step it was taken at."""
-        loop = self.loop
-        h = hashlib.sha256()
-        for name, p in sorted(loop.model.state_dict().items()):
-            h.update(name.encode())
-            h.update(p.detach().cpu().contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
-        return {"digest": h.hexdigest(), "step": loop.manager.current_step()}
-
-
-def _u8() -> Any:
-    import torch
-
-    return torch.uint8
+        return {"digest": param_digest(self.loop.model), "step": self.loop.manager.current_step()}

@@ -71,5 +71,6 @@ class TrainingStage:
             artifacts={"checkpoint_dir": str(ckpt_dir),
                        "final_checkpoint": str(ckpt_dir / f"step_{final:08d}")
                        if final is not None else None,
-                       "proposals": result.proposals},
+                       "proposals": result.proposals,
+                       "replica_digests": {str(g): d for g, d in result.digests.items()}},
             error_code=None if done else ErrorCode.training_failed.value)

@@ -1,0 +1,226 @@
+"""Live recovery with real process kills: torchft Lighthouse and Managers in Ray actors.
+
+Nothing is mocked: a local Ray, torchft's Rust lighthouse, gloo process groups, and
+``os.kill(pid, SIGKILL)`` of a replica group's worker process. Steps are paced
+(``pace_step_s``) so that the tiny CPU model's run outlasts an actor restart.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stages.base import GateOutcome, StageContext
+from stages.checkpointing.config import CheckpointPolicy
+from stages.events import (
+    Event,
+    InterruptionEvent,
+    LogEvent,
+    ProposalEvent,
+    StepEvent,
+)
+from stages.trainer.config import (
+    LossSpikeConfig,
+    LossSpikeInjection,
+    ModelSpec,
+    TrainingTarget,
+    TrainStageConfig,
+)
+
+pytestmark = pytest.mark.slow
+
+# Generous bounds on waiting for things that take seconds; never asserted as speed.
+WAIT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="ray-ft-")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=tmp,
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _data(path: Path) -> Path:
+    with path.open("w") as f:
+        for i in range(300):
+            f.write(json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 5 + 1)})
+                    + "\n")
+    return path
+
+
+def _config(tmp: Path, **kw: object) -> TrainStageConfig:
+    base: dict[str, object] = dict(
+        model=ModelSpec(preset="llama-tiny", size="0.1M"),
+        target=TrainingTarget(max_steps=150, seq_len=32, global_batch_tokens=256,
+                              warmup_steps=5),
+        checkpoint=CheckpointPolicy(interval_steps=10, keep=3,
+                                    storage_uri=f"file://{tmp}/ckpt"),
+        loss_spike=LossSpikeConfig(enabled=False),
+        train_files=[str(_data(tmp / "train.jsonl"))],
+        replica_groups=2, pace_step_s=0.1)
+    base.update(kw)
+    return TrainStageConfig.model_validate(base, strict=False)
+
+
+class Run:
+    """A stage run in a background thread, collecting its events."""
+
+    def __init__(self, cfg: TrainStageConfig, tmp: Path, run_id: str):
+        from stages.trainer import TrainingStage
+
+        self.events: list[Event] = []
+        self.cond = threading.Condition()
+        self.ctx = StageContext(run_id=run_id, booking_id="bk", workdir=tmp, emit=self._emit)
+        self.outcome: GateOutcome | None = None
+        self.thread = threading.Thread(target=self._run, args=(TrainingStage(cfg),),
+                                       daemon=True)
+        self.thread.start()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # A failed assertion must not leave the engine running into Ray's shutdown.
+        self.ctx.cancel_event.set()
+        self.thread.join(timeout=60)
+
+    def _emit(self, e: Event) -> None:
+        with self.cond:
+            self.events.append(e)
+            self.cond.notify_all()
+
+    def _run(self, stage: object) -> None:
+        self.outcome = stage.run(self.ctx)  # type: ignore[attr-defined]
+
+    def wait_for(self, pred: object, what: str) -> Event:
+        deadline = time.time() + WAIT_S
+        with self.cond:
+            while True:
+                for e in self.events:
+                    if pred(e):  # type: ignore[operator]
+                        return e
+                left = deadline - time.time()
+                assert left > 0, f"timed out waiting for {what}"
+                self.cond.wait(min(left, 1.0))
+
+    def join(self) -> GateOutcome:
+        self.thread.join(timeout=300)
+        assert self.outcome is not None
+        return self.outcome
+
+    def steps(self, group: int | None = None) -> list[StepEvent]:
+        return [e for e in self.events if isinstance(e, StepEvent)
+                and (group is None or e.replica_group == group)]
+
+
+def test_kill_a_group_survivor_continues_and_restarted_group_heals(
+        ray_local: None, tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    with Run(cfg, tmp_path, "ftkill") as run:
+        _kill_and_recover(run, cfg)
+
+
+def _kill_and_recover(run: Run, cfg: TrainStageConfig) -> None:
+    from stages.trainer import kill_replica_group
+
+    run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 20
+                 and e.quorum_size == 2, "20 steps in the full quorum")
+    killed_at, pids = kill_replica_group("ftkill", 1)
+    assert pids
+
+    # The survivor commits in the smaller quorum while group 1 is down.
+    run.wait_for(lambda e: isinstance(e, StepEvent) and e.replica_group == 0 and e.committed
+                 and e.quorum_size == 1 and e.ts > killed_at, "survivor commits alone")
+    # Ray restarts the actor; it heals from the survivor and rejoins the full quorum.
+    rec = run.wait_for(lambda e: isinstance(e, InterruptionEvent)
+                       and e.interruption_kind == "replica_group_lost", "recovery")
+    assert isinstance(rec, InterruptionEvent)
+    assert rec.replica_group == 1
+    assert rec.recovered_at is not None and rec.detected_at >= killed_at - 1.0
+    assert rec.recovered_at > rec.detected_at
+    run.wait_for(lambda e: isinstance(e, LogEvent) and "rg1: healed" in e.message
+                 and e.ts > killed_at, "heal log")
+
+    # Then every group is lost at once: the run restarts from the newest checkpoint.
+    last_before = max(e.step for e in run.steps() if e.committed)
+    kill_at2, _ = kill_replica_group("ftkill", 0)
+    kill_replica_group("ftkill", 1)
+    run.wait_for(lambda e: isinstance(e, InterruptionEvent)
+                 and e.interruption_kind == "all_groups_lost", "all-groups-lost recovery")
+    resumed = run.wait_for(lambda e: isinstance(e, LogEvent) and "resumed from checkpoint"
+                           in e.message and e.ts > kill_at2, "checkpoint resume")
+    resumed_step = int(resumed.message.rsplit(" ", 1)[1])
+    assert 0 < resumed_step <= last_before
+
+    out = run.join()
+    assert out.status == "passed", out.reason
+    assert out.metrics["steps"] == cfg.target.steps
+    assert out.metrics["interruptions"] >= 2
+    after = [e for e in run.steps(1) if e.committed and e.ts > killed_at]
+    assert any(e.quorum_size == 2 for e in after), "group 1 never rejoined the full quorum"
+    # Both groups end bit-identical: healing copied weights and optimizer state exactly.
+    digests = out.artifacts["replica_digests"]
+    assert set(digests) == {"0", "1"}
+    assert digests["0"] == digests["1"]
+    assert Path(out.artifacts["final_checkpoint"]).name == f"step_{cfg.target.steps:08d}"
+
+
+def test_loss_spike_waits_for_approval_then_restarts_from_checkpoint(
+        ray_local: None, tmp_path: Path) -> None:
+    spike_batch = 34
+    cfg = _config(
+        tmp_path,
+        target=TrainingTarget(max_steps=60, seq_len=32, global_batch_tokens=256,
+                              warmup_steps=5),
+        loss_spike=LossSpikeConfig(window=10, z_threshold=6.0, min_steps=10,
+                                   skip_window_steps=4),
+        inject_loss_spike=LossSpikeInjection(batch=spike_batch, scale=50.0),
+        pace_step_s=0.02)
+    with Run(cfg, tmp_path, "ftspike") as run:
+        _spike_then_approve(run, cfg, spike_batch)
+
+
+def _spike_then_approve(run: Run, cfg: TrainStageConfig, spike_batch: int) -> None:
+    prop = run.wait_for(lambda e: isinstance(e, ProposalEvent), "a proposal")
+    assert isinstance(prop, ProposalEvent)
+    assert prop.params["spike_step"] == spike_batch + 1
+    ckpt = prop.params["checkpoint_step"]
+    assert ckpt == 30
+    assert prop.params["skip_window"] == [31, spike_batch + 1]
+
+    # Paused: no step beyond the spike and no restart while nobody decided.
+    time.sleep(3.0)
+    seen = len(run.events)
+    assert max(e.step for e in run.steps() if e.committed) == spike_batch + 1
+    assert not any(isinstance(e, LogEvent) and "restored" in e.message for e in run.events)
+    time.sleep(1.0)
+    assert not any(isinstance(e, StepEvent) for e in run.events[seen:])
+
+    decided_at = time.time()
+    run.ctx.decide(prop.proposal_id, "approved")
+    out = run.join()
+    assert out.status == "passed", out.reason
+    restored = [e for e in run.events if isinstance(e, LogEvent) and
+                f"restored checkpoint step {ckpt}" in e.message]
+    assert len(restored) == cfg.replica_groups
+    after = [e for e in run.steps() if e.committed and e.ts > decided_at]
+    # Every group trains again from the checkpoint's next step...
+    assert min(e.step for e in after) == ckpt + 1
+    # ...and the poisoned batch is skipped: no second spike, one proposal only.
+    assert out.artifacts["proposals"] == [prop.proposal_id]
+    assert max(e.loss for e in after) < 20
+    assert out.metrics["steps"] == cfg.target.steps
+    assert any(isinstance(e, InterruptionEvent) and e.interruption_kind == "loss_spike"
+               for e in run.events)
