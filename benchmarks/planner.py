@@ -4,8 +4,9 @@
 
 Prints a timing table (goal: under 1 s per plan), then the plans for Llama-3-shaped
 8B, 70B and 405B models on 8 x H100-SXM nodes over InfiniBand NDR at 1, 8, 64 and
-1,024 nodes (predicted peak memory and MFU, or the refusal), and ends with one JSON
-line: {"max_plan_s": ..., "plans": [rows of the table]}.
+1,024 nodes (predicted peak memory and MFU, or the refusal) once with automatic
+precision (fp8 where it pays) and once forced to bf16 (to compare with published
+bf16 MFU), and ends with one JSON line: {"max_plan_s": ..., "plans": [rows]}.
 
 Global batches follow Llama 3 practice at 8,192-token sequences: 4M tokens for 8B,
 8M for 70B, 16M for 405B (Llama 3 405B ramped 4M -> 8M -> 16M).
@@ -22,8 +23,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages.errors import ItoError  # noqa: E402
-from stages.parallelism import Plan, PlanRequest, plan  # noqa: E402
+from stages.errors import ItoError
+from stages.parallelism import Plan, PlanRequest, plan
 
 MODELS = {"llama3-8b": 4 * 2**20, "llama3-70b": 8 * 2**20, "llama3-405b": 16 * 2**20}
 TABLE_NODES = (1, 8, 64, 1024)
@@ -31,9 +32,10 @@ TIMING_GPUS = (8, 64, 512, 4096, 16384)
 SEQ_LEN = 8192
 
 
-def _request(model: str, nodes: int) -> PlanRequest:
+def _request(model: str, nodes: int, precision: str = "auto") -> PlanRequest:
     return PlanRequest(model=model, gpu_sku="H100-SXM", gpus_per_node=8, node_count=nodes,
-                       fabric="ib-ndr", global_batch_tokens=MODELS[model], seq_len=SEQ_LEN)
+                       fabric="ib-ndr", global_batch_tokens=MODELS[model], seq_len=SEQ_LEN,
+                       precision=precision)  # type: ignore[arg-type]
 
 
 def _timed(request: PlanRequest) -> tuple[float, Plan | ItoError]:
@@ -45,8 +47,10 @@ def _timed(request: PlanRequest) -> tuple[float, Plan | ItoError]:
     return time.perf_counter() - start, result
 
 
-def _row(model: str, nodes: int, seconds: float, result: Plan | ItoError) -> dict[str, Any]:
+def _row(model: str, nodes: int, precision: str, seconds: float,
+         result: Plan | ItoError) -> dict[str, Any]:
     row: dict[str, Any] = {"model": model, "nodes": nodes, "gpus": nodes * 8,
+                           "precision_request": precision,
                            "global_batch_tokens": MODELS[model], "plan_s": round(seconds, 3)}
     if isinstance(result, ItoError):
         row["refusal"] = str(result.code)
@@ -96,13 +100,16 @@ def main() -> int:
             max_s = max(max_s, seconds)
         print(f"{gpus:>6} " + " ".join(f"{t:>12.3f}" for t in times))
     rows = []
-    for model in MODELS:
-        for nodes in TABLE_NODES:
-            seconds, result = _timed(_request(model, nodes))
-            max_s = max(max_s, seconds)
-            rows.append(_row(model, nodes, seconds, result))
-    print()
-    print(_markdown(rows))
+    for precision in ("auto", "bf16"):
+        table = []
+        for model in MODELS:
+            for nodes in TABLE_NODES:
+                seconds, result = _timed(_request(model, nodes, precision))
+                max_s = max(max_s, seconds)
+                table.append(_row(model, nodes, precision, seconds, result))
+        print(f"\nprecision {precision} (MFU against the dense peak of the precision used):")
+        print(_markdown(table))
+        rows += table
     print(json.dumps({"max_plan_s": round(max_s, 3), "plans": rows}))
     return 0
 
