@@ -111,6 +111,10 @@ class Checkpointer:
         self._dist = process_group is not None or (dist.is_available() and dist.is_initialized())
         self.rank = dist.get_rank(group=process_group) if self._dist else 0
         self.is_coordinator = self.rank == 0
+        if process_group is None and self._dist and dist.get_world_size() > 1:
+            log.warning("Checkpointer on the default process group: DCP's save-thread "
+                        "collectives may interleave with training collectives; pass a "
+                        "dedicated gloo group")
         self._writer_threads = writer_threads
         self._save_timeout_s = save_timeout_s
         self._clock = clock

@@ -1,6 +1,6 @@
 """Checkpointer with a gloo process group: 2 real ranks, async save, exact resume.
 
-Two processes train a data-parallel llama-tiny (gradients all-reduced on the
+Two processes train a data-parallel bigram LM (gradients all-reduced on the
 default gloo group) while the checkpoint is written on a dedicated gloo group.
 Each rank has its own RNG seed and data slice, so exact resume shows that every
 rank's RNG and loader position came back, not one rank's copy.
@@ -26,11 +26,9 @@ RANK = textwrap.dedent("""
     from pathlib import Path
     import torch
     import torch.distributed as dist
+    import torch.nn.functional as F
     from stages.checkpointing import CheckpointPolicy, Checkpointer
-    from stages.presets import load_model_preset
-    from stages.trainer.data import TokenLoader, build_token_shards
-    from stages.trainer.model import build_model, causal_lm_loss
-    from stages.trainer.tokenizer import ByteTokenizer
+    from stages.trainer.data import TokenLoader
     from stages.trainer.train_state import TrainState, set_determinism
 
     rank, tmp = int(sys.argv[1]), Path(sys.argv[2])
@@ -39,8 +37,24 @@ RANK = textwrap.dedent("""
     ckpt_pg = dist.new_group(backend="gloo")
     shards = sorted((tmp / "shards").glob("shard_*.npy"))
 
+    class BigramLM(torch.nn.Module):  # small and transformers-free: fast to import
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(260, 32)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                           torch.nn.Linear(64, 260))
+
+        def forward(self, ids):
+            return self.mlp(self.emb(ids))
+
+    def causal_lm_loss(model, batch, labels):
+        logits = model(batch)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 260), labels[:, 1:].reshape(-1),
+                               ignore_index=-100)
+
     def make(seed):
-        model = build_model(load_model_preset("llama-tiny"), seed=seed)
+        torch.manual_seed(seed)
+        model = BigramLM()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         loader = TokenLoader(shards, seq_len=32, micro_batch=2, seed=5, dp_rank=rank,
                              dp_world=2)
