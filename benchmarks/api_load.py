@@ -236,9 +236,13 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * len(s)) - 1))] * 1000
 
 
-def hottest(raw: Path, top: int = 15) -> list[tuple[str, float]]:
-    """Self time per frame from py-spy's raw (collapsed) output."""
+def hottest(raw: Path, top: int = 15) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """(self, inclusive) share of samples per frame from py-spy's raw (collapsed) output.
+
+    Inclusive counts a frame once per sample wherever it is on the stack, so
+    ``Store.audit`` or ``authenticate`` show their whole cost."""
     own: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
     total = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -246,8 +250,16 @@ def hottest(raw: Path, top: int = 15) -> list[tuple[str, float]]:
             continue
         n = int(count)
         total += n
-        own[stack.split(";")[-1]] += n
-    return [(f, 100.0 * c / total) for f, c in own.most_common(top)] if total else []
+        frames = [f.split(" (")[0] for f in stack.split(";")]
+        own[frames[-1]] += n
+        for f in set(frames):
+            incl[f] += n
+    if not total:
+        return [], []
+    return (
+        [(f, 100.0 * c / total) for f, c in own.most_common(top)],
+        [(f, 100.0 * c / total) for f, c in incl.most_common(top * 4)],
+    )
 
 
 async def load(
@@ -369,8 +381,12 @@ def main() -> None:
         f"{result['server_cpu_ms_per_request']} ms/request  load avg {result['load_avg_1m']}"
     )
     if args.profile is not None and args.profile.exists():
+        own, incl = hottest(args.profile)
         print("server self time (py-spy):")
-        for frame, share in hottest(args.profile):
+        for frame, share in own:
+            print(f"  {share:5.1f}%  {frame}")
+        print("server inclusive time (py-spy):")
+        for frame, share in incl:
             print(f"  {share:5.1f}%  {frame}")
     print(json.dumps(result))
 
