@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from stages.events import CheckpointEvent
 from stages.trainer.train_state import TrainState, set_determinism
 
 Tiny = Any  # the ``tiny`` fixture of conftest.py: a real training loop
+COMMIT_HOLD_TIMEOUT_S = 60.0
 
 
 @pytest.mark.parametrize("async_staging", [False, True])
@@ -102,16 +104,27 @@ def test_keep_last_k(policy: Callable[..., CheckpointPolicy]) -> None:
 
 
 def test_an_older_checkpoint_survives_until_the_newer_one_is_complete(
-        policy: Callable[..., CheckpointPolicy]) -> None:
+        policy: Callable[..., CheckpointPolicy], monkeypatch: pytest.MonkeyPatch) -> None:
+    import stages.checkpointing.checkpointer as checkpointer_mod
+
+    release = threading.Event()
+    real_commit = checkpointer_mod.commit
+
+    def held_commit(*args: Any, **kwargs: Any) -> CheckpointRecord:
+        assert release.wait(COMMIT_HOLD_TIMEOUT_S)
+        return real_commit(*args, **kwargs)
+
     state = {"w": torch.zeros(1000)}
     with Checkpointer(policy(keep=1)) as ck:
         ck.save(2, state)
         ck.wait()
+        monkeypatch.setattr(checkpointer_mod, "commit", held_commit)
         ck.save(4, state)
-        # Until the save of step 4 commits, step 2 is still listed (keep-K runs after).
-        listed = [r.step for r in ck.records()]
-        assert listed in ([2], [4])
-        ck.wait()
+        # Step 4's data is written but not committed: step 2 is still the one listed.
+        assert [r.step for r in ck.records()] == [2]
+        assert ck.poll() == [ck.records()[0]]  # only step 2's completion so far
+        release.set()
+        assert ck.wait() is not None
         assert [r.step for r in ck.records()] == [4]
 
 
