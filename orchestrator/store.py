@@ -74,10 +74,12 @@ class Store:
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
+            conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            # Also after a failed COMMIT: never leave the thread's connection mid-transaction.
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
 
     def read(self, sql: str, params: Iterable[Any] = ()) -> list[Row]:
         return self._conn().execute(sql, tuple(params)).fetchall()
@@ -218,6 +220,11 @@ class Store:
         if row is None or (account_id is not None and row["account_id"] != account_id):
             raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
         return row
+
+    def run_manifest(self, run_id: str) -> dict[str, Any]:
+        """The run's stored manifest (exactly the bytes that passed the gates, secret-free)."""
+        data: dict[str, Any] = json.loads(self.get_run(run_id)["manifest_json"])
+        return data
 
     def runs_in_states(self, states: Iterable[RunState | str]) -> list[Row]:
         wanted = [str(RunState(s)) for s in states]

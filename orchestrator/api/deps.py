@@ -14,7 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from orchestrator.auth import Principal, authenticate, sha256_hex
 from orchestrator.bookings import iso
-from orchestrator.redact import safe_id
+from orchestrator.redact import looks_secret, safe_id
 from orchestrator.runtime import RunRuntime
 from orchestrator.settings import Settings
 from orchestrator.store import Row, Store
@@ -85,7 +85,7 @@ class Gates:
 def idempotency_key(value: str | None) -> str:
     if not value:
         raise ItoError(ErrorCode.idempotency_key_missing, "an Idempotency-Key header is required")
-    if not IDEMPOTENCY_KEY.match(value):
+    if not IDEMPOTENCY_KEY.match(value) or looks_secret(value):
         raise ItoError(ErrorCode.idempotency_key_invalid,
                        "Idempotency-Key must be 8-128 characters of [A-Za-z0-9._:-]")
     return value

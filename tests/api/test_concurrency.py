@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from helpers.backend import Backend
+from helpers.backend import Backend, start_backend
 from helpers.flows import confirm_ref, submit
 from helpers.manifests import example_manifest
-from helpers.tenants import Tenant
+from helpers.tenants import Tenant, make_tenant
 
 from orchestrator.store import Store
 
 N = 50
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
+    """One server for the two contention tests (each uses its own tenant)."""
+    b = start_backend(tmp_path_factory.mktemp("shared"))
+    try:
+        yield b
+    finally:
+        b.stop()
 
 
 def _fire(backend: Backend, calls: list[dict[str, Any]]) -> list[httpx.Response | BaseException]:
@@ -36,17 +47,18 @@ def _fire(backend: Backend, calls: list[dict[str, Any]]) -> list[httpx.Response 
         return list(pool.map(one, calls))
 
 
-def _runs(db: Path) -> list[dict[str, Any]]:
+def _runs(db: Path, account: str | None = None) -> list[dict[str, Any]]:
     store = Store(db)
     try:
-        return store.read("SELECT run_id, idempotency_key FROM runs")
+        return store.read("SELECT run_id, idempotency_key FROM runs JOIN accounts USING "
+                          "(account_id) WHERE ? IS NULL OR name = ?", (account, account))
     finally:
         store.close()
 
 
 @pytest.mark.slow
-def test_50_concurrent_submits_one_key_make_one_run(backend: Backend, tenant: Tenant,
-                                                    tmp_path: Path) -> None:
+def test_50_concurrent_submits_one_key_make_one_run(shared: Backend, tmp_path: Path) -> None:
+    backend, tenant = shared, make_tenant(shared.db, "one-key")
     m = example_manifest(tmp_path / "ckpt")
     with backend.client() as c:
         ref = confirm_ref(c, tenant.approver, "train", tenant.booking_id, manifest=m)
@@ -59,12 +71,12 @@ def test_50_concurrent_submits_one_key_make_one_run(backend: Backend, tenant: Te
     assert len(run_ids) == 1
     replayed = [a.json()["data"]["replayed"] for a in answers if isinstance(a, httpx.Response)]
     assert replayed.count(False) == 1
-    assert [r["run_id"] for r in _runs(backend.db)] == list(run_ids)
+    assert [r["run_id"] for r in _runs(backend.db, tenant.account)] == list(run_ids)
 
 
 @pytest.mark.slow
-def test_50_keys_one_confirmation_make_one_run(backend: Backend, tenant: Tenant,
-                                               tmp_path: Path) -> None:
+def test_50_keys_one_confirmation_make_one_run(shared: Backend, tmp_path: Path) -> None:
+    backend, tenant = shared, make_tenant(shared.db, "one-confirmation")
     m = example_manifest(tmp_path / "ckpt")
     with backend.client() as c:
         ref = confirm_ref(c, tenant.approver, "train", tenant.booking_id, manifest=m)
@@ -76,7 +88,7 @@ def test_50_keys_one_confirmation_make_one_run(backend: Backend, tenant: Tenant,
     ok = [a for a in answers if a.status_code == 200]
     refused = [a.json()["error"]["code"] for a in answers if a.status_code != 200]
     assert len(ok) == 1 and refused == ["confirmation_consumed"] * (N - 1)
-    assert len(_runs(backend.db)) == 1
+    assert len(_runs(backend.db, tenant.account)) == 1
 
 
 @pytest.mark.slow

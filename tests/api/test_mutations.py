@@ -143,3 +143,18 @@ def test_logs_metrics_checkpoints(api: Api) -> None:
     assert view["stage_gates"][0]["status"] == "passed"
     bad = api.client.get(f"/v1/runs/{rid}/logs", params={"cursor": "abc"}, headers=h)
     assert code_of(bad) == "bad_request"
+
+
+def test_other_tenant_cannot_mutate(api: Api) -> None:
+    from helpers.tenants import make_tenant
+
+    run = api.run()
+    other = make_tenant(api.db, "globex")
+    env = api.confirm("cancel", key=other.approver, booking_id=other.booking_id,
+                      run_id=run["run_id"])
+    assert env["error"]["code"] == "run_not_found"
+    own_ref = api.ref("cancel", run_id=run["run_id"])
+    r = api.client.post(f"/v1/runs/{run['run_id']}/cancel", json={"confirmation_ref": own_ref},
+                        headers=api.h(other.submitter, "other-cancel-1"))
+    assert r.status_code == 404 and code_of(r) == "run_not_found"
+    assert api.store.get_run(run["run_id"])["state"] == "accepted"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sqlite3
 import time
@@ -185,8 +184,3 @@ def get_checkpoints(run_id: str, creds: HTTPAuthorizationCredentials | None = De
         "bytes_per_s": r["bytes"] / r["total_s"] if r["total_s"] > 0 else None,
         "created_at": iso(r["created_at"])} for r in rows]})
 
-
-def manifest_of(run: Row) -> dict[str, Any]:
-    """The stored (secret-free) manifest of a run, for the runtime."""
-    data: dict[str, Any] = json.loads(run["manifest_json"])
-    return data

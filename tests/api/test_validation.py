@@ -1,0 +1,68 @@
+"""Server-side validation pieces as plain functions: cost model, storage roots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers.manifests import example_manifest
+
+from orchestrator.costing import estimate_cost, estimate_hours, gpu_profile, price_per_gpu_hour
+from orchestrator.manifest import Manifest
+from orchestrator.settings import Settings
+from orchestrator.validation import check_checkpoint_storage, training_tokens
+from stages.errors import ErrorCode, ItoError
+
+
+def test_cost_is_6nd_over_gpus_peak_mfu() -> None:
+    # 1e9 params x 1e9 tokens x 6 = 6e18 FLOPs; 8 GPUs x 1e15 x 0.5 = 4e15 FLOP/s.
+    assert estimate_hours(active_params=10**9, tokens=10**9, gpus=8, peak_flops=1e15,
+                          mfu=0.5) == pytest.approx(1500 / 3600)
+    est = estimate_cost(gpus=8, usd_per_gpu_hour=3.0, tokens=10**9, active_params=10**9,
+                        peak_flops=1e15, mfu=0.5, remaining_term_h=0.25)
+    assert est.total_usd == pytest.approx(8 * 3.0 * 1500 / 3600)
+    assert est.incremental_usd == pytest.approx(8 * 3.0 * (1500 / 3600 - 0.25))
+    # The planner's step time replaces the FLOP bound when given.
+    planned = estimate_cost(gpus=8, usd_per_gpu_hour=3.0, tokens=10**9, active_params=10**9,
+                            peak_flops=1e15, mfu=0.5, remaining_term_h=10, step_time_s=2.0,
+                            steps=1800)
+    assert planned.hours == pytest.approx(1.0) and planned.method == "planner_step_time"
+    assert planned.incremental_usd == 0
+
+
+def test_profiles_and_prices_from_configs() -> None:
+    configs = Settings(db_path=Path("/nonexistent")).configs_dir
+    assert gpu_profile(configs, "H100-SXM")["memory_gib"] > 0
+    assert price_per_gpu_hour(configs, "H100-SXM") > 0
+    for bad in ("Z9000", "../models/llama-tiny"):
+        with pytest.raises(ItoError) as e:
+            gpu_profile(configs, bad)
+        assert e.value.code == ErrorCode.gpu_sku_unknown
+
+
+def test_training_tokens_counts_post_training() -> None:
+    m = example_manifest()
+    base = training_tokens(Manifest.model_validate(m))
+    assert base == 50 * 512
+    ref = m["data"]["refs"][0]
+    m["post_training"] = {"sft": {"data": ref, "steps": 10}}
+    assert training_tokens(Manifest.model_validate(m)) == base + 10 * 512
+
+
+def test_checkpoint_storage_roots(tmp_path: Path) -> None:
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    settings = Settings(db_path=tmp_path / "x.db", checkpoint_roots=(allowed,))
+    inside = Manifest.model_validate(example_manifest(allowed / "run" / "ckpt"))
+    assert check_checkpoint_storage(settings, inside) == str(allowed / "run" / "ckpt")
+    assert list(allowed.iterdir()) == []  # the probe left nothing behind, created nothing
+    outside = Manifest.model_validate(example_manifest(tmp_path / "elsewhere"))
+    with pytest.raises(ItoError) as e:
+        check_checkpoint_storage(settings, outside)
+    assert e.value.code == ErrorCode.checkpoint_storage_invalid
+    # A symlink inside the root pointing outside it is judged by where it resolves.
+    (allowed / "escape").symlink_to(tmp_path)
+    sneaky = Manifest.model_validate(example_manifest(allowed / "escape" / "ckpt"))
+    with pytest.raises(ItoError) as e:
+        check_checkpoint_storage(settings, sneaky)
+    assert e.value.code == ErrorCode.checkpoint_storage_invalid
