@@ -171,15 +171,18 @@ def check_batch(ctx: Context, layout: Layout, dp_shard: int) -> int:
                        f"{layout.cp} load-balanced chunks")
     dp = dp_shard * layout.dp_replicate
     seqs = ctx.sequences
-    if seqs < dp * layout.micro_batch:
+    if seqs < dp:
         raise ItoError(ErrorCode.plan_wasteful,
                        f"{seqs} sequences per step over {dp} data-parallel ranks is "
-                       f"{seqs / dp:.2g} per rank, under the micro-batch of "
-                       f"{layout.micro_batch}: more GPUs than the batch can use")
-    if seqs % (dp * layout.micro_batch):
+                       f"{seqs / dp:.2g} per rank, a micro-batch under 1: more GPUs than the "
+                       f"batch can use")
+    if seqs % dp:
         raise ItoError(ErrorCode.plan_batch_not_divisible,
-                       f"{seqs} sequences per step do not divide into {dp} data-parallel "
-                       f"ranks x micro-batch {layout.micro_batch}")
+                       f"{seqs} sequences per step do not divide into {dp} data-parallel ranks")
+    if (seqs // dp) % layout.micro_batch:
+        raise ItoError(ErrorCode.plan_batch_not_divisible,
+                       f"{seqs // dp} sequences per data-parallel rank do not divide into "
+                       f"micro-batches of {layout.micro_batch}")
     accum = seqs // (dp * layout.micro_batch)
     if layout.pp_schedule == "Interleaved1F1B" and layout.pp > 1 and accum < layout.pp:
         raise ItoError(ErrorCode.plan_batch_not_divisible,

@@ -109,9 +109,9 @@ def _assess(ctx: Context, layout: Layout) -> _Assessment:
                        f"{mem.buffers / GIB:.1f})",
                        details={"peak_memory_gib": round(peak, 2)})
     pp = layout.pp
-    busiest = max(range(pp), key=lambda r: stage_layers[r] + (pp == 1 or r in (0, pp - 1)))
-    local_params = rank_params(ctx.preset, stage_layers[busiest], layout.tp, busiest == 0,
-                               busiest == pp - 1)
+    # the rank with the most parameters sets FSDP traffic and the optimizer step
+    local_params = max(rank_params(ctx.preset, stage_layers[r], layout.tp, r == 0, r == pp - 1)
+                       for r in {0, pp - 1, stage_layers.index(max(stage_layers))})
     st = step_time(StepInputs(
         ctx.preset, ctx.sku, ctx.fabric, req.gpus_per_node, ctx.seq_len, layout.tp, layout.cp,
         dp_shard, layout.dp_replicate, stage_layers, layout.pp_virtual_stages,

@@ -216,16 +216,18 @@ def step_time(x: StepInputs) -> StepTime:
     # torchft replica groups all-reduce the sharded fp32 gradients after the backward.
     replicate_comm = 0.0
     if x.dp_replicate > 1:
-        bw, lat = group_bandwidth(x.gpus_per_node + 1, x.gpus_per_node, x.sku, x.fabric)
+        # mesh order [pp, dp_replicate, dp_shard, cp, tp]: replicas stride over the rest
+        bw, lat = group_bandwidth(x.tp * fsdp * x.dp_replicate, x.gpus_per_node, x.sku,
+                                  x.fabric)
         shard = x.local_params / fsdp * 4
         replicate_comm = 2 * _collective(shard, x.dp_replicate, bw, 0.0) + lat * 2 * (
             x.dp_replicate.bit_length())
     # PP p2p: one activation per micro-batch boundary each way, half hidden.
     pp_comm = 0.0
     if pp > 1:
-        span = x.gpus_per_node + 1 if x.tp * x.cp * fsdp * x.dp_replicate >= x.gpus_per_node \
-            else 1
-        bw, lat = group_bandwidth(span, x.gpus_per_node, x.sku, x.fabric)
+        # neighbouring stages sit one stride of tp x cp x dp apart (PP is outermost)
+        stride = x.tp * fsdp * x.dp_replicate
+        bw, lat = group_bandwidth(2 * stride, x.gpus_per_node, x.sku, x.fabric)
         p2p = tokens * h / x.tp * b / (bw * 1e9) + lat
         pp_comm = 0.5 * 2 * p2p * (x.pp_virtual_stages * x.microbatches + pp - 1)
     # AdamW reads and writes params, grads and both moments (fp32) once.
