@@ -104,6 +104,28 @@ def test_full_flow(world: World, monkeypatch: pytest.MonkeyPatch, capsys) -> Non
     assert status == EXIT_OK and env["data"]["state"] == "cancelled"
     assert len(env["data"]["entries"]) >= 1
 
+    # Proposals: the commands reach their routes; this run has none to decide.
+    status, env = j(
+        ["confirm", "--action", "restart", "--booking", b, "--run", run_id, "--proposal", "p_x"],
+        key=world.tenant.approver,
+    )
+    assert (status, env["error"]["code"]) == (EXIT_SERVER_ERROR, ErrorCode.proposal_not_found)
+    for decision in ("approve", "decline"):
+        status, env = j(
+            [
+                decision,
+                "--run",
+                run_id,
+                "--proposal",
+                "p_x",
+                "--confirmation-ref",
+                "itoc_none",
+                "--idempotency-key",
+                f"{decision}-key-01",
+            ]
+        )
+        assert status == EXIT_SERVER_ERROR and env["live_api_contacted"] is True
+
     status, env = j(
         ["confirm", "--action", "cleanup", "--booking", b, "--run", run_id],
         key=world.tenant.approver,
