@@ -412,6 +412,14 @@ def run_cli(
     out = _Out(as_json)
     key: ApiKey | None = None
     command = argv[0] if argv else ""
+    if as_json and ("-h" in argv or "--help" in argv):
+        # Help is text; under --json it travels inside the one envelope.
+        parser = build_parser()
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        target = sub.choices.get(command, parser)
+        env = ok_envelope({"help": target.format_help()}, live_api_contacted=False)
+        out.final(command, env)
+        return EXIT_OK, env
     try:
         try:
             args = build_parser().parse_args(list(argv))
