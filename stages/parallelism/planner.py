@@ -198,8 +198,6 @@ def _reasons(ctx: Context, layout: Layout, dp_shard: int, accum: int, st: object
     if layout.activation_checkpointing != "none":
         r.append(f"{layout.activation_checkpointing} activation checkpointing, the least "
                  f"recompute that fits or is fastest")
-    if layout.precision == "fp8":
-        r.append("fp8 GEMMs: the GEMMs are large enough to be compute-bound")
     return r
 
 
@@ -328,6 +326,13 @@ def plan(request: PlanRequest) -> Plan:
     # micro-batch or recompute, then visit the rest best bound first and stop once
     # no remaining group can beat the best layout found.
     structural: set[tuple[object, ...]] = set()
+
+    def handicap(precision: str) -> float:
+        # auto precision takes fp8 only when it beats bf16 by fp8_min_speedup: rank
+        # (and prune) by tokens/s with fp8 discounted by that margin
+        auto_fp8 = request.precision == "auto" and precision == "fp8"
+        return request.fp8_min_speedup if auto_fp8 else 1.0
+
     best_by_precision: dict[str, _Assessment] = {}
     queue: list[tuple[float, int, _Group]] = []
     for n, g in enumerate(_groups(ctx)):
@@ -352,7 +357,7 @@ def plan(request: PlanRequest) -> Plan:
             i += 1
             _record(failures, counts, err, head, i, keep)
             continue
-        queue.append((-_speed_bound(ctx, g, stage_layers), n, g))
+        queue.append((-_speed_bound(ctx, g, stage_layers) / handicap(g.precision), n, g))
     queue.sort()
     pruned = 0
     for rank, (neg_bound, _, g) in enumerate(queue):
@@ -384,7 +389,7 @@ def plan(request: PlanRequest) -> Plan:
                     break  # memory and batch refusals only get worse with micro-batch
                 fitted = any_memory_fit = True
                 # prefer faster; on ties the simpler layout (earlier candidate)
-                heapq.heappush(feasible, (a.tokens_per_s, -i, a))
+                heapq.heappush(feasible, (a.tokens_per_s / handicap(layout.precision), -i, a))
                 if len(feasible) > keep + 1:
                     heapq.heappop(feasible)
                 prev = best_by_precision.get(layout.precision)
@@ -409,12 +414,9 @@ def plan(request: PlanRequest) -> Plan:
                                 "refusal_counts": {str(k): v for k, v in counts.items()}})
     ordered = [_to_plan(ctx, a, explain=False)
                for _, _, a in sorted(feasible, key=lambda t: (t[0], t[1]), reverse=True)]
-    pick = ordered[0].layout()
-    if (request.precision == "auto" and pick.precision == "fp8"
-            and "bf16" in best_by_precision and ordered[0].tokens_per_s
-            < best_by_precision["bf16"].tokens_per_s * request.fp8_min_speedup):
-        pick = best_by_precision["bf16"].layout  # fp8 must earn its numerics risk
-    chosen = _evaluate(ctx, pick, explain=True)
+    chosen = _evaluate(ctx, ordered[0].layout(), explain=True)
+    if request.precision == "auto" and ctx.sku.supports_fp8:
+        chosen.reasons.append(_fp8_reason(chosen, best_by_precision, request.fp8_min_speedup))
     slower = [p for p in ordered if p.layout() != chosen.layout()]
     alternatives = _as_rejections(ranked_failures, [(p, chosen) for p in slower], keep)
     chosen.reasons.append(
@@ -422,6 +424,18 @@ def plan(request: PlanRequest) -> Plan:
         f"not beat it); "
         + ", ".join(f"{v} refused {k}" for k, v in sorted(counts.items())))
     return chosen.model_copy(update={"rejected": alternatives})
+
+
+def _fp8_reason(chosen: Plan, best: dict[str, _Assessment], margin: float) -> str:
+    take = f"auto precision takes fp8 when it is at least {margin - 1:.0%} faster than bf16"
+    if "bf16" in best and "fp8" in best:
+        gain = best["fp8"].tokens_per_s / best["bf16"].tokens_per_s - 1
+        verdict = ("the GEMMs are big enough to be compute-bound" if chosen.precision == "fp8"
+                   else "the GEMMs are too small or too few for fp8 to pay")
+        return f"{take}; the best fp8 layout is predicted {gain:+.0%}: {verdict}"
+    if chosen.precision == "fp8":
+        return f"{take}; no bf16 layout could come within that margin"
+    return f"{take}; no fp8 layout could beat this one by that margin"
 
 
 def _record(failures: dict[ErrorCode, list[_Failure]], counts: dict[ErrorCode, int],
