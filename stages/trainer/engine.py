@@ -14,6 +14,7 @@ left, loads the newest complete checkpoint. The engine only observes and reports
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import threading
@@ -25,18 +26,18 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from stages.checkpointing.storage import list_checkpoints
 from stages.errors import ErrorCode, ItoError
 from stages.events import (
     Event,
     InterruptionEvent,
     LogEvent,
     PhaseEvent,
-    ProposalEvent,
     StepEvent,
 )
-from stages.trainer.checkpoint_io import list_complete
 from stages.trainer.config import TrainStageConfig
-from stages.trainer.loop import WorkerSpec, skip_window
+from stages.trainer.loop import WorkerSpec
+from stages.trainer.loss_spike import LossSpike, LossSpikeDetector
 from stages.trainer.replica import (
     LighthouseActor,
     ReplicaWorker,
@@ -284,7 +285,9 @@ class TrainingEngine:
         spike = self._spike_pending
         assert spike is not None
         self.command_all("pause")
-        candidates = [s for s in list_complete(self.checkpoint_dir) if s < spike["step"]]
+        # Restart from before the spike: a checkpoint at the spike step holds its update.
+        candidates = [r.step for r in list_checkpoints(self.checkpoint_dir)
+                      if r.step < spike["step"]]
         if not candidates:
             self.emit(LogEvent(level="warning",
                                message=f"loss spike at step {spike['step']} but no checkpoint "
@@ -293,10 +296,13 @@ class TrainingEngine:
             self._spike_pending = None
             return
         ckpt = candidates[-1]
-        windows = [(int(a), int(b)) for a, b in spike["windows"]]
-        spike["window"] = list(skip_window(spike["batch"], ckpt, windows,
-                                           self.cfg.loss_spike.skip_window_steps))
-        proposal = self._proposal(spike, ckpt)
+        detector = LossSpikeDetector(self.cfg.loss_spike)
+        fields = {k: v for k, v in spike.items() if k in LossSpike.model_fields}
+        for k in ("loss", "z", "median", "mad"):
+            if fields.get(k) is None:
+                fields[k] = math.nan
+        proposal = detector.propose(LossSpike(**fields), ckpt)
+        proposal.stage = "train"
         self.proposals.append(proposal.proposal_id)
         self.emit(proposal)
         paused_at = time.time()
@@ -304,22 +310,13 @@ class TrainingEngine:
         self.emit(PhaseEvent(phase="idle", start=paused_at, end=time.time()))
         detail = f"loss spike at step {spike['step']}: {decision or 'no decision'}"
         if decision == "approved":
-            self.command_all("restore", {"step": ckpt, "window": spike["window"]})
+            self.command_all("restore", {"step": ckpt,
+                                         "skip_batches": proposal.params["skip_batches"]})
             self._spike_recovering = (spike["at"], detail)
         else:
             self.command_all("resume")
         self.emit(LogEvent(message=detail))
         self._spike_pending = None
-
-    def _proposal(self, spike: dict[str, Any], ckpt: int) -> ProposalEvent:
-        a, b = spike["window"]
-        return ProposalEvent(
-            proposal_id=f"{self.run_id}-spike-{spike['step']}-b{spike['batch']}",
-            action="restart_from_checkpoint",
-            description=(f"loss spike at step {spike['step']} (loss {spike['loss']:.3f}): "
-                         f"restart from checkpoint {ckpt}, skipping data batches [{a}, {b})"),
-            params={"checkpoint_step": ckpt, "skip_window": [a, b],
-                    "spike_step": spike["step"], "loss": spike["loss"]})
 
     def _await_decision(self, proposal_id: str) -> str | None:
         waited = 0.0
@@ -361,7 +358,7 @@ class TrainingEngine:
             self.shutdown()
         return EngineResult(steps=self.max_step, tokens=self.tokens,
                             final_loss=self.final_loss, interruptions=self.interruptions,
-                            checkpoints=list_complete(self.checkpoint_dir),
+                            checkpoints=[r.step for r in list_checkpoints(self.checkpoint_dir)],
                             proposals=self.proposals,
                             digests={g.index: g.digest for g in self.groups if g.digest})
 

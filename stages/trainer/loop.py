@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -53,22 +51,6 @@ def data_index(step: int, windows: list[Window]) -> int:
         if idx >= start:
             idx += end - start
     return idx
-
-
-def skip_window(spike_batch: int, restart_step: int, windows: list[Window], size: int
-                ) -> Window:
-    """The data window an approved restart from ``restart_step`` skips: the ``size``
-    batches ending at the spiking one, never reaching back before the restart point."""
-    start = max(spike_batch + 1 - size, data_index(restart_step, windows))
-    return (start, spike_batch + 1)
-
-
-def set_deterministic(seed: int, enabled: bool) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if enabled:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 @dataclass
@@ -126,6 +108,22 @@ class Control:
             return cmd
 
 
+class _LoopState:
+    """The loop's own resumable state: skipped data windows, torchft's batch count."""
+
+    def __init__(self, loop: TrainLoop):
+        self.loop = loop
+        self.batches_committed = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows": [list(w) for w in self.loop.windows],
+                "batches_committed": self.loop.manager.batches_committed()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loop.windows = [(int(a), int(b)) for a, b in state["windows"]]
+        self.batches_committed = int(state["batches_committed"])
+
+
 class TrainLoop:
     def __init__(self, spec: WorkerSpec, *, emit: Callable[[Event], None],
                  control: Control, status: dict[str, Any]):
@@ -152,12 +150,12 @@ class TrainLoop:
     def heal_state(self) -> dict[str, Any]:
         """What a recovering group fetches from a live peer through torchft."""
         return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                "windows": [list(w) for w in self.windows]}
+                "loop": self.loop_state.state_dict()}
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
-        self.windows = [(int(a), int(b)) for a, b in state["windows"]]
+        self.loop_state.load_state_dict(state["loop"])
         self.healed = True
 
     def _seek_loader(self, step: int) -> None:
@@ -171,12 +169,14 @@ class TrainLoop:
     def setup(self) -> None:
         from torchft.optim import OptimizerWrapper
 
-        from stages.trainer.checkpoint_io import CheckpointIO
+        from stages.checkpointing.checkpointer import Checkpointer
         from stages.trainer.data import TokenLoader
+        from stages.trainer.loss_spike import LossSpikeDetector
         from stages.trainer.model import build_model
+        from stages.trainer.train_state import TrainState, set_determinism
 
         spec, cfg, target = self.spec, self.cfg, self.cfg.target
-        set_deterministic(target.seed, target.deterministic)
+        set_determinism(target.seed, deterministic=target.deterministic)
         self.device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
         preset = load_model_preset(cfg.model.preset)
         model: torch.nn.Module = build_model(
@@ -209,24 +209,32 @@ class TrainLoop:
             load_state_dict=self.load_heal_state, state_dict=self.heal_state)
         self.optimizer: Any = OptimizerWrapper(self.manager, inner)
 
-        self.ckpt = CheckpointIO(cfg.checkpoint, Path(spec.checkpoint_dir))
+        self.detector = LossSpikeDetector(cfg.loss_spike)
+        self.loop_state: _LoopState = _LoopState(self)
+        # The whole resumable state as one DCP Stateful; the loader position in it is
+        # informational (the loop seeks by step), the skipped windows are not.
+        self.train_state = TrainState(
+            self.model, inner, loader=self.loader, rank=spec.rank,
+            extras={"loop": self.loop_state, "spike": self.detector})
+        # Each group labels its temp folders, so a restarting group never sweeps the
+        # in-flight save of the group that is saving now.
+        policy = cfg.checkpoint.model_copy(
+            update={"storage_uri": f"file://{Path(spec.checkpoint_dir).resolve()}"})
+        self.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}")
         latest = self.ckpt.latest()
         if latest is not None:
-            self._restore(latest)
-            self.log(f"resumed from checkpoint step {latest}")
-        self.detector = _spike_detector(cfg)
+            self._restore(latest.step)
+            self.log(f"resumed from checkpoint step {latest.step}")
 
     def _restore(self, step: int) -> None:
-        extra = self.ckpt.load(step, self.model, self.optimizer.optim)
-        self.windows = [(int(a), int(b)) for a, b in extra["windows"]]
-        self.manager.load_state_dict({"step": int(extra["step"]),
-                                      "batches_committed": int(extra["batches_committed"])})
+        records = [r for r in self.ckpt.records() if r.step == step]
+        if not records:
+            from stages.errors import ErrorCode, ItoError
 
-    def _checkpoint_extra(self) -> dict[str, Any]:
-        return {"step": self.manager.current_step(),
-                "batches_committed": self.manager.batches_committed(),
-                "windows": [list(w) for w in self.windows],
-                "loader": self.loader.state_dict()}
+            raise ItoError(ErrorCode.checkpoint_not_found, f"no complete checkpoint {step}")
+        self.ckpt.load(records[0], self.train_state)
+        self.manager.load_state_dict({"step": self.train_state.step,
+                                      "batches_committed": self.loop_state.batches_committed})
 
     # --- the loop -------------------------------------------------------------------
     def run(self) -> None:
@@ -288,9 +296,11 @@ class TrainLoop:
             if recovering_since is not None and quorum == full:
                 self.emit(PhaseEvent(phase="recovery", start=recovering_since, end=now))
                 recovering_since = None
-            self._maybe_checkpoint(step + 1)
+            # Spike check first: a checkpoint must never capture the spiking update.
             if self._spiked(step + 1, global_loss, batch_idx):
                 self._pause(step + 1)
+                continue
+            self._maybe_checkpoint(step + 1)
 
         self._finish()
 
@@ -308,24 +318,28 @@ class TrainLoop:
         # One group saves: the lowest live replica id is participating rank 0.
         return self.manager.participating_rank() == 0
 
-    def _maybe_checkpoint(self, step: int, *, force: bool = False) -> None:
+    def _report_checkpoints(self) -> None:
         for rec in self.ckpt.poll():
             self.emit(CheckpointEvent(step=rec.step, path=rec.path, bytes=rec.bytes,
                                       blocking_s=rec.blocking_s, total_s=rec.total_s))
+
+    def _maybe_checkpoint(self, step: int, *, force: bool = False) -> None:
+        self._report_checkpoints()
         if not self._is_saver() or not (force or self.ckpt.due(step)):
             return
+        if any(r.step == step for r in self.ckpt.records()):
+            return
         t0 = time.time()
-        if self.ckpt.save(step, self.model, self.optimizer.optim, self._checkpoint_extra()):
-            self.emit(PhaseEvent(phase="checkpoint_blocking", start=t0, end=time.time()))
+        self.train_state.step = step
+        self.ckpt.save(step, self.train_state)  # async: blocks only for the state copy
+        self.emit(PhaseEvent(phase="checkpoint_blocking", start=t0, end=time.time()))
 
     # --- loss spikes ----------------------------------------------------------------
     def _spiked(self, step: int, loss: float, batch_idx: int) -> bool:
-        if self.detector is None:
-            return False
         spike = self.detector.observe(step, loss)
-        if not spike:
+        if spike is None:
             return False
-        self.status.update(spike={"step": step, "loss": loss, "batch": batch_idx,
+        self.status.update(spike={**spike.model_dump(mode="json"), "batch": batch_idx,
                                   "windows": [list(w) for w in self.windows]})
         return True
 
@@ -337,22 +351,22 @@ class TrainLoop:
         kind, params = self.control.wait_command()
         self.status.update(paused_at=None, spike=None, phase="training")
         if kind == "restore":
-            self.windows.append((int(params["window"][0]), int(params["window"][1])))
-            windows = self.windows
-            self._restore(int(params["step"]))
-            # The approved window is skipped from now on, whatever the checkpoint held.
-            self.windows = sorted(set(self.windows) | set(windows))
-            self.detector = _spike_detector(self.cfg)
-            self.log(f"restored checkpoint step {params['step']}, skipping data "
-                     f"batches {params['window']}")
+            step = int(params["step"])
+            self._restore(step)
+            # Skip the next ``skip_batches`` batches from the checkpoint's data position.
+            start = data_index(step, self.windows)
+            window = (start, start + int(params["skip_batches"]))
+            self.windows = sorted({*self.windows, window})
+            if self._is_saver_at_end():
+                self.ckpt.discard_after(step)  # the abandoned timeline is never resumed
+            self.log(f"restored checkpoint step {step}, skipping data batches "
+                     f"[{window[0]}, {window[1]})")
 
     def _finish(self) -> None:
         if not self.control.stop and self._is_saver_at_end():
             self._maybe_checkpoint(self.manager.current_step(), force=True)
-        self.ckpt.wait()
-        for rec in self.ckpt.poll():
-            self.emit(CheckpointEvent(step=rec.step, path=rec.path, bytes=rec.bytes,
-                                      blocking_s=rec.blocking_s, total_s=rec.total_s))
+        self.ckpt.close()
+        self._report_checkpoints()
         self.status.update(phase="finished" if not self.control.stop else "stopped",
                            step=self.manager.current_step(), digest=param_digest(self.model))
         self.manager.shutdown(wait=False)
@@ -371,13 +385,3 @@ def param_digest(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def _spike_detector(cfg: TrainStageConfig) -> Any:
-    if not cfg.loss_spike.enabled:
-        return None
-    try:
-        from stages.trainer.loss_spike import LossSpikeDetector
-    except ImportError:  # part A's detector not landed yet: private stand-in
-        from stages.trainer._standins import LossSpikeDetector  # type: ignore[assignment]
-    return LossSpikeDetector(cfg.loss_spike)

@@ -196,9 +196,10 @@ def _spike_then_approve(run: Run, cfg: TrainStageConfig, spike_batch: int) -> No
     prop = run.wait_for(lambda e: isinstance(e, ProposalEvent), "a proposal")
     assert isinstance(prop, ProposalEvent)
     assert prop.params["spike_step"] == spike_batch + 1
-    ckpt = prop.params["checkpoint_step"]
-    assert ckpt == 30
-    assert prop.params["skip_window"] == [31, spike_batch + 1]
+    ckpt = prop.params["from_step"]
+    assert ckpt == 30 and prop.params["from_checkpoint"]
+    # Steps 31..35 (batches 30..34, the poisoned one included) are skipped.
+    assert prop.params["skip_batches"] == spike_batch + 1 - ckpt
 
     # Paused: no step beyond the spike and no restart while nobody decided.
     time.sleep(3.0)
@@ -213,7 +214,8 @@ def _spike_then_approve(run: Run, cfg: TrainStageConfig, spike_batch: int) -> No
     out = run.join()
     assert out.status == "passed", out.reason
     restored = [e for e in run.events if isinstance(e, LogEvent) and
-                f"restored checkpoint step {ckpt}" in e.message]
+                f"restored checkpoint step {ckpt}, skipping data batches [30, 35)"
+                in e.message]
     assert len(restored) == cfg.replica_groups
     after = [e for e in run.steps() if e.committed and e.ts > decided_at]
     # Every group trains again from the checkpoint's next step...
