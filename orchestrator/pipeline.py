@@ -31,9 +31,9 @@ def _data_prep(manifest: Manifest) -> StageFactory:
 
 def _parallelism(manifest: Manifest) -> StageFactory:
     def make(ctx: StageContext) -> Stage:
-        from stages.parallelism import ParallelismStage, ParallelismStageConfig
+        from stages.parallelism import ParallelismConfig, ParallelismStage
 
-        return ParallelismStage(ParallelismStageConfig(
+        return ParallelismStage(ParallelismConfig(
             model=manifest.model.preset, global_batch_tokens=manifest.training.global_batch_tokens,
             seq_len=manifest.training.seq_len))
 
