@@ -159,6 +159,7 @@ class Checkpointer:
             raise ItoError(ErrorCode.invalid_state, "checkpointer is closed")
         t0 = time.perf_counter()
         self.wait()  # one save in flight: the staging buffers are reused
+        t1 = time.perf_counter()  # this save's own clock (blocking_s also counts the wait)
         self._last_step = step
         self._last_time = self._clock() if now is None else now
         tmp_dir = self.storage_dir / f"{tmp_prefix(self.run_label)}{final_name(step)}"
@@ -178,12 +179,13 @@ class Checkpointer:
             upload, staging = result, None
         else:
             upload, staging = result.upload_completion, result.staging_completion
-        pending = _Pending(step=step, tmp_dir=tmp_dir, final_dir=final_dir, started=t0,
+        pending = _Pending(step=step, tmp_dir=tmp_dir, final_dir=final_dir, started=t1,
                            upload=upload, staging=staging)
-        pending.blocking_s = pending.staged_s = time.perf_counter() - t0
+        pending.blocking_s = time.perf_counter() - t0
+        pending.staged_s = time.perf_counter() - t1
         if staging is not None:
             staging.add_done_callback(lambda _f: setattr(pending, "staged_s",
-                                                         time.perf_counter() - t0))
+                                                         time.perf_counter() - t1))
         self._pending = pending
         upload.add_done_callback(lambda fut: self._finish(pending, fut))
 

@@ -46,10 +46,11 @@ class CheckpointRecord(StrictModel):
     step: int = Field(ge=0)
     path: str
     bytes: int = Field(ge=0)
-    blocking_s: float = Field(ge=0, description="time the training loop was blocked")
+    blocking_s: float = Field(ge=0, description="time the training loop was blocked "
+                              "(save() and wait_staged(), a wait for the previous save included)")
     staged_s: float = Field(default=0.0, ge=0,
-                            description="save call until the state copy was complete")
-    total_s: float = Field(ge=0, description="save call to commit")
+                            description="start of the save until the state copy was complete")
+    total_s: float = Field(ge=0, description="start of the save to commit")
     bytes_per_s: float = Field(ge=0, description="bytes / total_s")
     created_at: float = Field(description="unix time of the commit")
     run_label: str = ""
