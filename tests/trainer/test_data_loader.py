@@ -10,6 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stages.errors import ErrorCode, ItoError
 from stages.trainer.data import (
@@ -185,3 +187,23 @@ def test_too_little_data_is_refused(shards: list[Path]) -> None:
     with pytest.raises(ItoError) as e:
         TokenLoader(shards[-1:], seq_len=200, micro_batch=64, seed=0)
     assert e.value.code == ErrorCode.data_empty
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seq_len=st.integers(2, 40), micro_batch=st.integers(1, 6), dp_world=st.integers(1, 3),
+       seed=st.integers(0, 2**31), cut=st.integers(0, 60), skip=st.integers(0, 30))
+def test_resume_and_skip_property(counting_shards: list[Path], seq_len: int, micro_batch: int,
+                                  dp_world: int, seed: int, cut: int, skip: int) -> None:
+    """For any shape: (read cut, save, load, skip) serves what reading straight through does."""
+    kw = {"seq_len": seq_len, "micro_batch": micro_batch, "seed": seed, "dp_world": dp_world,
+          "dp_rank": dp_world - 1}
+    ref = TokenLoader(counting_shards, **kw)
+    expected = _take(ref, cut + skip + 3)[cut + skip:]
+    first = TokenLoader(counting_shards, **kw)
+    _take(first, cut)
+    resumed = TokenLoader(counting_shards, **kw)
+    resumed.load_state_dict(first.state_dict())
+    resumed.skip(skip)
+    for want in expected:
+        assert torch.equal(resumed.next_batch(), want)
