@@ -90,6 +90,7 @@ def check_tp(ctx: Context, layout: Layout) -> None:
                        f"{p.num_key_value_heads} KV heads")
 
 
+@cache
 def head_cost_in_layers(preset: ModelPreset, seq_len: int) -> float:
     """Output projection + loss compute, in units of one decoder layer."""
     attn, mlp = preset.layer_params()

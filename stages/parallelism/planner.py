@@ -335,29 +335,37 @@ def plan(request: PlanRequest) -> Plan:
 
     best_by_precision: dict[str, _Assessment] = {}
     queue: list[tuple[float, int, _Group]] = []
+    bounds: dict[tuple[object, ...], float] = {}
+    checked: dict[tuple[object, ...], tuple[int, ...]] = {}  # key -> stage layers
     for n, g in enumerate(_groups(ctx)):
         key = (g.tp, g.cp, g.pp, g.virtual, g.precision)
         batch_key = (g.tp, g.cp, g.pp, g.virtual)
         if key in structural or batch_key in structural:
             continue
-        head = g.layout(g.micro_batches[0], g.recompute[0])
-        try:
-            check_tp(ctx, head)
-            stage_layers = check_pipeline(ctx, head)
-            check_precision(ctx, head)
-        except ItoError as err:
-            structural.add(key)
-            i += 1
-            _record(failures, counts, err, head, i, keep)
-            continue
-        try:  # the smallest micro-batch must divide the batch, whatever the dp split
-            check_batch(ctx, head, g.dp_shard)
-        except ItoError as err:
-            structural.add(batch_key)
-            i += 1
-            _record(failures, counts, err, head, i, keep)
-            continue
-        queue.append((-_speed_bound(ctx, g, stage_layers) / handicap(g.precision), n, g))
+        if key not in checked:
+            head = g.layout(g.micro_batches[0], g.recompute[0])
+            try:
+                check_tp(ctx, head)
+                stage_layers = check_pipeline(ctx, head)
+                check_precision(ctx, head)
+            except ItoError as err:
+                structural.add(key)
+                i += 1
+                _record(failures, counts, err, head, i, keep)
+                continue
+            try:  # the smallest micro-batch must divide the batch; dp is fixed by the key
+                check_batch(ctx, head, g.dp_shard)
+            except ItoError as err:
+                structural.add(batch_key)
+                i += 1
+                _record(failures, counts, err, head, i, keep)
+                continue
+            checked[key] = stage_layers
+        stage_layers = checked[key]
+        bound_key = (g.tp, g.cp, g.pp, g.schedule, g.virtual, g.precision)
+        if bound_key not in bounds:  # the dp split does not enter the bound
+            bounds[bound_key] = _speed_bound(ctx, g, stage_layers) / handicap(g.precision)
+        queue.append((-bounds[bound_key], n, g))
     queue.sort()
     pruned = 0
     for rank, (neg_bound, _, g) in enumerate(queue):
