@@ -108,3 +108,16 @@ def test_search_refuses_a_batch_too_small_for_the_booking_as_wasteful() -> None:
         plan(_req(model="llama-tiny", gpu="cpu-testbed", per_node=2, nodes=64,
                   fabric="loopback", seq=128, tokens=2048))
     assert info.value.code == ErrorCode.plan_wasteful
+
+
+def test_search_reports_the_refusal_of_the_layouts_that_got_furthest() -> None:
+    # Some layouts run out of memory, but those that fit all miss the MFU floor: the
+    # MFU refusal says more about the booking than the memory one.
+    with pytest.raises(ItoError) as info:
+        plan(_req(nodes=4, tokens=64 * 8192, mfu_floor=0.9))
+    err = info.value
+    assert err.code == ErrorCode.plan_wasteful
+    counts = err.details["refusal_counts"]
+    assert isinstance(counts, dict) and counts.get("plan_out_of_memory", 0) > 0
+    rejected = err.details["rejected"]
+    assert isinstance(rejected, list) and rejected[0]["code"] == "plan_wasteful"
