@@ -101,6 +101,17 @@ def _write_shard(path: Path, tokens: np.ndarray) -> str:
     return _sha256_file(path)
 
 
+def _encode(tokenizer: ByteTokenizer, text: str, dtype: type[np.integer]) -> np.ndarray:
+    if type(tokenizer) is ByteTokenizer:
+        # Same ids as ByteTokenizer.encode(text) (bytes, then EOS) without a Python list.
+        raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        ids = np.empty(len(raw) + 1, dtype=dtype)
+        ids[:-1] = raw
+        ids[-1] = tokenizer.eos_id
+        return ids
+    return np.asarray(tokenizer.encode(text), dtype=dtype)
+
+
 def build_token_shards(inputs: list[Path], out_dir: Path, *, tokenizer: ByteTokenizer,
                        text_field: str = "text",
                        shard_tokens: int = DEFAULT_SHARD_TOKENS) -> list[Path]:
@@ -135,7 +146,7 @@ def build_token_shards(inputs: list[Path], out_dir: Path, *, tokenizer: ByteToke
     documents = 0
     for src in inputs:
         for text in _iter_documents(Path(src), text_field):
-            ids = np.asarray(tokenizer.encode(text), dtype=dtype)
+            ids = _encode(tokenizer, text, dtype)
             documents += 1
             pos = 0
             while pos < len(ids):
