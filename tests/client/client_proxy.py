@@ -9,6 +9,8 @@ Per request a ``decide(method, path, n)`` callback picks what happens:
   committed the work);
 * ``"502"``: forward the request, then answer a non-envelope 502 as a load balancer
   would;
+* ``"hold"``: forward the request, then keep the answer until the client gives up
+  (its read times out);
 * ``"refuse"``: close the connection without forwarding (the request never reached
   the server).
 
@@ -85,6 +87,14 @@ class _Handler(socketserver.StreamRequestHandler):
                 return
             response = proxy.forward(head, body)
             rec.status = response[2] if response else None
+            if rec.action == "hold":
+                # Wait for the client to hang up (recv returns b"" or fails), then drop.
+                try:
+                    self.connection.settimeout(_READ_TIMEOUT_S)
+                    self.connection.recv(1)
+                except OSError:
+                    pass
+                return
             if rec.action == "drop":
                 # The server did the work and answered; the client never hears it.
                 self.connection.shutdown(socket.SHUT_RDWR)

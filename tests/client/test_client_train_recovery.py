@@ -12,10 +12,11 @@ import time
 
 import pytest
 from client_proxy import RecordingProxy
-from client_world import World, fast_client
+from client_world import World
 from helpers.tenants import admin
 
 from orchestrator.cli import EXIT_AUTH, EXIT_OK, EXIT_TRANSPORT
+from orchestrator.client import ClientSettings, ItoClient
 from orchestrator.manifest_reader import read_manifest
 from stages.errors import ErrorCode
 
@@ -37,7 +38,9 @@ def _first_post(action: str):
 
 
 def _train(world: World, proxy: RecordingProxy, ref: str, key: str) -> dict:
-    with fast_client(proxy.url, world.tenant.submitter) as client:
+    # A 3 s total timeout: "hold" (an answer that never comes) ends as a read timeout.
+    settings = ClientSettings(retry_backoff_s=0.0, total_timeout_s=3.0)
+    with ItoClient(proxy.url, world.tenant.submitter, settings=settings) as client:
         return client.train(world.booking, read_manifest(str(world.manifest)), ref, key)
 
 
@@ -52,7 +55,7 @@ def _trail(proxy: RecordingProxy) -> list[tuple[str, str, str]]:
     ]
 
 
-@pytest.mark.parametrize("action", ["drop", "502"])
+@pytest.mark.parametrize("action", ["drop", "502", "hold"])
 def test_lost_answer_run_found_by_key(
     world: World, monkeypatch: pytest.MonkeyPatch, action: str
 ) -> None:
