@@ -38,5 +38,6 @@ def run_metrics(store: Store, run_id: str) -> dict[str, Any]:
         "interruption_rate_per_h": len(interruptions) / (elapsed / 3600) if elapsed > 0 else None,
         "checkpoint_bytes_per_s": ck_bytes / ck_time if ck_time > 0 else None,
         "tokens_per_s": tokens / step_time if step_time > 0 else None,
+        "last_step": steps[-1]["step"] if steps else None,
         "last_loss": steps[-1]["loss"] if steps else None,
     }

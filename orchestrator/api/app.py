@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 
+from orchestrator.api.bodycap import BodyCap
 from orchestrator.api.deps import Ctx
-from orchestrator.api.errors import error_response, install_handlers
+from orchestrator.api.errors import install_handlers
 from orchestrator.api.routes import bookings, confirmations, health, mutations, plans, runs
 from orchestrator.runtime import NullRuntime, RunRuntime
 from orchestrator.settings import Settings
 from orchestrator.store import Store
-from stages.errors import ErrorCode
 
 API_VERSION = "1.0.0"
 
@@ -38,16 +38,7 @@ def create_app(settings: Settings, runtime: RunRuntime | None = None,
     app.state.ctx = Ctx(settings, store, rt)
     install_handlers(app)
 
-    @app.middleware("http")
-    async def _body_cap(request: Request,
-                        call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit()
-                                   or int(length) > settings.max_body_bytes):
-            return error_response(ErrorCode.payload_too_large,
-                                  f"request body exceeds {settings.max_body_bytes} bytes")
-        return await call_next(request)
-
+    app.add_middleware(BodyCap, max_bytes=settings.max_body_bytes)
     for module in (health, bookings, confirmations, plans, runs, mutations):
         app.include_router(module.router)
     return app

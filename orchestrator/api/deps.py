@@ -48,6 +48,8 @@ class Gates:
     booking_id: str | None = None
     run_id: str | None = None
     principal: Principal | None = None
+    # Reads record only refusals, so that polling never writes the store.
+    audit_passes: bool = True
     rows: list[Row] = field(default_factory=list)
 
     def __enter__(self) -> Gates:
@@ -57,6 +59,8 @@ class Gates:
         self.store.audit(self.rows)
 
     def record(self, gate: str, ok: bool, code: str | None = None) -> None:
+        if ok and not self.audit_passes:
+            return
         self.rows.append({
             "ts": time.time(), "account_id": self.principal.account_id if self.principal else None,
             "key_id": self.principal.key_id if self.principal else None, "action": self.action,

@@ -84,3 +84,16 @@ def test_committed_openapi_equals_served(api: Api) -> None:
     committed = json.loads((DOCS / "openapi.json").read_text())
     assert served == committed, (
         "docs/openapi.json is stale: python -m orchestrator.api > docs/openapi.json")
+
+
+def test_chunked_body_over_cap_is_refused(tmp_path: Path) -> None:
+    app = create_app(Settings(db_path=tmp_path / "x.db", max_body_bytes=1000))
+
+    def chunks():  # type: ignore[no-untyped-def]
+        for _ in range(10):
+            yield b"x" * 500
+
+    with TestClient(app) as client:
+        r = client.post("/v1/plans", content=chunks(),
+                        headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and code_of(r) == "payload_too_large"
