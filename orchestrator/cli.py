@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--limit", type=int, default=None)
     for name in ("metrics", "checkpoints"):
         add(name, f"show a run's {name}").add_argument("--run", required=True)
+    p = add("find", "find the run submitted under an idempotency key (after exit 5)")
+    p.add_argument("--idempotency-key", required=True)
+    add("eligibility", "the booking's fresh eligibility").add_argument("--booking", required=True)
     for name in ("cancel", "cleanup"):
         p = add(name, f"{name} a run (needs its own confirmation)")
         p.add_argument("--run", required=True)
@@ -217,6 +220,9 @@ def _readable(command: str, data: dict[str, Any]) -> str:
         return _fmt_run(data)
     if command == "logs":
         return "\n".join(_fmt_log(e) for e in data.get("entries") or [])
+    if command == "find":
+        runs = data.get("runs") or []
+        return "\n".join(_fmt_run(r) for r in runs) or "no run for this idempotency key"
     if command == "confirm":
         return str(data.get("confirmation_ref"))
     if command == "checkpoints":
@@ -371,6 +377,10 @@ def _dispatch(client: ItoClient, args: argparse.Namespace, out: _Out) -> Envelop
         return client.logs(args.run, cursor=args.cursor, limit=args.limit)
     if c == "metrics":
         return client.metrics(args.run)
+    if c == "find":
+        return client.find_run_by_key(args.idempotency_key)
+    if c == "eligibility":
+        return client.eligibility(args.booking)
     if c == "checkpoints":
         return client.checkpoints(args.run)
     if c == "cancel":

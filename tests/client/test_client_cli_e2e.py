@@ -69,6 +69,12 @@ def test_full_flow(world: World, monkeypatch: pytest.MonkeyPatch, capsys) -> Non
     assert status == EXIT_OK and env["data"]["replayed"] is True
     assert env["data"]["run_id"] == run_id
     assert world.runs_for_booking() == [(run_id, "flow-key-0001")]
+    status, env = j(["find", "--idempotency-key", "flow-key-0001"])
+    assert status == EXIT_OK and [r["run_id"] for r in env["data"]["runs"]] == [run_id]
+    status, env = j(["find", "--idempotency-key", "never-used-key"])
+    assert status == EXIT_OK and env["data"]["runs"] == []
+    status, env = j(["eligibility", "--booking", b])
+    assert status == EXIT_OK and env["data"]["eligible"] is True
 
     for cmd in (["status"], ["logs"], ["metrics"], ["checkpoints"]):
         status, env = j([*cmd, "--run", run_id])
