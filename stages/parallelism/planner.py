@@ -320,6 +320,7 @@ def plan(request: PlanRequest) -> Plan:
     feasible: list[tuple[float, int, _Assessment]] = []
     failures: dict[ErrorCode, list[_Failure]] = {}
     counts: dict[ErrorCode, int] = {}
+    reached: dict[ErrorCode, int] = {}  # furthest check stage per refusal code
     keep = max(request.max_alternatives, 1)
     i = 0
     # Branch and bound: rule out whole groups with the checks that do not depend on
@@ -351,14 +352,14 @@ def plan(request: PlanRequest) -> Plan:
             except ItoError as err:
                 structural.add(key)
                 i += 1
-                _record(failures, counts, err, head, i, keep)
+                _record(failures, counts, reached, err, head, i, keep)
                 continue
             try:  # the smallest micro-batch must divide the batch; dp is fixed by the key
                 check_batch(ctx, head, g.dp_shard)
             except ItoError as err:
                 structural.add(batch_key)
                 i += 1
-                _record(failures, counts, err, head, i, keep)
+                _record(failures, counts, reached, err, head, i, keep)
                 continue
             checked[key] = stage_layers
         stage_layers = checked[key]
@@ -384,7 +385,7 @@ def plan(request: PlanRequest) -> Plan:
                 try:
                     a = _assess(ctx, layout)
                 except ItoError as err:
-                    _record(failures, counts, err, layout, i, keep)
+                    _record(failures, counts, reached, err, layout, i, keep)
                     if err.code == ErrorCode.plan_pp_bubble_too_large:
                         # fewer, larger micro-batches or more recompute only grow it
                         any_memory_fit = stop_group = True
@@ -408,12 +409,12 @@ def plan(request: PlanRequest) -> Plan:
         if not any_memory_fit:
             # less sharding (the groups that follow) needs even more memory
             structural.add((g.tp, g.cp, g.pp, g.schedule, g.virtual, g.precision, "oom"))
-    ranked_failures = _rank_failures(failures)
+    ranked_failures = _rank_failures(failures, reached)
     if not feasible:
         if not counts:
             raise ItoError(ErrorCode.plan_no_feasible,
                            f"no layout of {ctx.world} GPUs exists for {ctx.preset.name}")
-        code = max(counts, key=lambda c: (CHECK_ORDER[c], counts[c]))
+        code = max(counts, key=lambda c: (reached[c], counts[c]))
         best = max(failures[code])
         rejected = [r.model_dump() for r in _as_rejections(ranked_failures, [], keep)]
         raise ItoError(code, f"no layout of {ctx.world} x {ctx.sku.name} fits "
@@ -446,9 +447,19 @@ def _fp8_reason(chosen: Plan, best: dict[str, _Assessment], margin: float) -> st
     return f"{take}; no fp8 layout could beat this one by that margin"
 
 
+def _stage(err: ItoError) -> int:
+    """How far through the checks the refused layout got. "More GPUs than the batch"
+    is a batch check, however late its code sits in CHECK_ORDER."""
+    if err.code == ErrorCode.plan_wasteful and "mfu" not in err.details:
+        return CHECK_ORDER[ErrorCode.plan_batch_not_divisible]
+    return CHECK_ORDER[err.code]
+
+
 def _record(failures: dict[ErrorCode, list[_Failure]], counts: dict[ErrorCode, int],
-            err: ItoError, layout: Layout, i: int, keep: int) -> None:
+            reached: dict[ErrorCode, int], err: ItoError, layout: Layout, i: int,
+            keep: int) -> None:
     counts[err.code] = counts.get(err.code, 0) + 1
+    reached[err.code] = max(reached.get(err.code, -1), _stage(err))
     bucket = failures.setdefault(err.code, [])
     # closeness: the smallest memory overshoot, the highest MFU, else the earliest
     closeness = -float(err.details.get("peak_memory_gib", 0.0))  # type: ignore[arg-type]
@@ -459,10 +470,11 @@ def _record(failures: dict[ErrorCode, list[_Failure]], counts: dict[ErrorCode, i
         heapq.heappop(bucket)
 
 
-def _rank_failures(failures: dict[ErrorCode, list[_Failure]]) -> list[_Failure]:
+def _rank_failures(failures: dict[ErrorCode, list[_Failure]],
+                   reached: dict[ErrorCode, int]) -> list[_Failure]:
     """Furthest-through-the-checks first, the closest of each code first."""
     out: list[_Failure] = []
-    for code in sorted(failures, key=lambda c: -CHECK_ORDER[c]):
+    for code in sorted(failures, key=lambda c: -reached[c]):
         out.extend(sorted(failures[code], reverse=True))
     return out
 

@@ -121,3 +121,13 @@ def test_search_reports_the_refusal_of_the_layouts_that_got_furthest() -> None:
     assert isinstance(counts, dict) and counts.get("plan_out_of_memory", 0) > 0
     rejected = err.details["rejected"]
     assert isinstance(rejected, list) and rejected[0]["code"] == "plan_wasteful"
+
+
+def test_memory_beats_batch_size_as_the_reason_when_both_refuse() -> None:
+    # 16 sequences on 64 GPUs: wide data parallelism has no batch to use, and every
+    # layout narrow enough to use the batch runs out of memory. Memory is the cause.
+    with pytest.raises(ItoError) as info:
+        plan(_req(model="llama3-405b", nodes=8, tokens=16 * 8192))
+    counts = info.value.details["refusal_counts"]
+    assert isinstance(counts, dict) and counts.get("plan_wasteful", 0) > 0
+    assert info.value.code == ErrorCode.plan_out_of_memory
