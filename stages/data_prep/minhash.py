@@ -60,19 +60,16 @@ def signatures(grams: GramBatch, num_perm: int, seed: int = 1) -> np.ndarray:
         return out
     hv = fmix32(shingle_values32(grams))
     doc = grams.doc
-    # Cut chunks at document boundaries so each reduceat segment is one whole document.
-    doc_starts = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
-    pos = 0
-    while pos < len(doc_starts):
-        first = doc_starts[pos]
-        end_idx = int(np.searchsorted(doc_starts, first + _CHUNK_SHINGLES, side="right"))
-        end_idx = max(end_idx, pos + 1)
-        last = doc_starts[end_idx] if end_idx < len(doc_starts) else len(hv)
-        seg = doc_starts[pos:end_idx] - first
+    # Fixed-size column chunks bound memory even for one huge document; a document cut
+    # by a chunk edge is min-combined with what its earlier chunk wrote.
+    for first in range(0, len(hv), _CHUNK_SHINGLES):
+        last = min(first + _CHUNK_SHINGLES, len(hv))
+        d = doc[first:last]
+        seg = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])  # one segment per document
         phv = a[:, None] * hv[None, first:last] + b[:, None]  # uint32, wraps mod 2**32
-        mins = np.minimum.reduceat(phv, seg, axis=1)  # (num_perm, docs in chunk)
-        out[doc[doc_starts[pos:end_idx]]] = mins.T
-        pos = end_idx
+        mins = np.minimum.reduceat(phv, seg, axis=1)  # (num_perm, documents in chunk)
+        rows = d[seg]
+        out[rows] = np.minimum(out[rows], mins.T)
     return out
 
 

@@ -85,3 +85,16 @@ def test_degenerate_inputs(texts: list[str]) -> None:
     assert result.near_duplicates == 0
     # Identical empty strings are exact duplicates; distinct empty-ish texts are kept.
     assert int(result.keep.sum()) == len(set(texts))
+
+
+def test_signature_of_a_document_longer_than_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    import stages.data_prep.minhash as mh
+
+    texts = [" ".join(f"w{i % 997}" for i in range(3000)), "a b c d e f", "x y z"]
+    grams = ngram_hashes(word_batch(texts), 5)
+    whole = signatures(grams, 32, seed=2)
+    monkeypatch.setattr(mh, "_CHUNK_SHINGLES", 1000)  # the long document spans 3 chunks
+    np.testing.assert_array_equal(signatures(grams, 32, seed=2), whole)
+    ref = MinHash(num_perm=32, seed=2, hashfunc=lambda x: x)
+    ref.update_batch([int(v) for v in shingle_values32(grams)[grams.doc == 0]])
+    np.testing.assert_array_equal(whole[0], ref.hashvalues)
