@@ -96,21 +96,22 @@ class Store:
         self._local = threading.local()
 
     def _migrate(self) -> None:
-        conn = self._conn()
-        conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        """Apply pending migrations in one write transaction: two processes opening a
+        fresh file at once serialise here, and the second finds nothing to do."""
         with self.tx() as c:
+            c.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
             row = c.execute("SELECT version FROM schema_version").fetchone()
             if row is None:
                 c.execute("INSERT INTO schema_version VALUES (0)")
-        version = self.schema_version()
-        if version > SCHEMA_VERSION:
-            raise RuntimeError(f"database schema {version} is newer than this code "
-                               f"({SCHEMA_VERSION}); upgrade ito-train")
-        for number in range(version + 1, SCHEMA_VERSION + 1):
-            # executescript commits first, so the migration carries its own transaction.
-            conn.executescript(
-                "BEGIN IMMEDIATE;\n" + MIGRATIONS[number - 1]
-                + f"\nUPDATE schema_version SET version = {number};\nCOMMIT;")
+            version = int(row["version"]) if row else 0
+            if version > SCHEMA_VERSION:
+                raise RuntimeError(f"database schema {version} is newer than this code "
+                                   f"({SCHEMA_VERSION}); upgrade ito-train")
+            for number in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in MIGRATIONS[number - 1].split(";"):
+                    if statement.strip():
+                        c.execute(statement)
+                c.execute("UPDATE schema_version SET version = ?", (number,))
 
     def schema_version(self) -> int:
         row = self.read_one("SELECT version FROM schema_version")

@@ -121,3 +121,26 @@ def test_concurrent_writers_serialise(tmp_path: Path) -> None:
         t.join()
     assert not errors
     assert len(store.list_events("run_1")) == 160
+
+
+def test_parallel_first_open_migrates_once(tmp_path: Path) -> None:
+    """Several openers of a fresh file at once (server + admin CLI): one migrates."""
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(6)
+
+    def open_store() -> None:
+        try:
+            barrier.wait()
+            Store(tmp_path / "fresh.db").close()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_store) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    store = Store(tmp_path / "fresh.db")
+    assert store.schema_version() == SCHEMA_VERSION
+    assert store.read("SELECT COUNT(*) AS n FROM schema_version")[0]["n"] == 1
