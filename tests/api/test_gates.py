@@ -5,6 +5,7 @@ the registry the admin CLI feeds (it cannot exist here)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -337,3 +338,11 @@ def test_gate_decisions_are_audited(api: Api) -> None:
         assert (gate, "pass") in gates
     assert ("confirmation", "fail") in gates
     assert any(r["code"] == "confirmation_not_found" for r in rows)
+
+
+def test_oversized_manifest(api: Api) -> None:
+    raw = json.dumps(api.manifest()).encode() + b" " * (1 << 20)  # > 1 MiB cap, valid JSON
+    r = api.client.post("/v1/plans", json={"booking_id": api.t.booking_id,
+                                           **manifest_payload(raw)},
+                        headers=api.h(api.t.submitter))
+    assert r.status_code == 413 and code_of(r) == "manifest_too_large"
