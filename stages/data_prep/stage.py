@@ -216,8 +216,12 @@ class DataPrepStage:
         if why:
             self._log(ctx, f"ladder probe skipped: {why}")
             return {"decision": "skipped", "reason": why}
-        result = ladder_probe(base, custom, eval_texts, cfg,
-                              log=lambda m: self._log(ctx, m), cancelled=lambda: ctx.cancelled)
+        try:
+            result = ladder_probe(base, custom, eval_texts, cfg, log=lambda m: self._log(ctx, m),
+                                  cancelled=lambda: ctx.cancelled)
+        except ValueError as e:  # too little text for one window: nothing to measure
+            self._log(ctx, f"ladder probe skipped: {e}", "warning")
+            return {"decision": "skipped", "reason": str(e)}
         self._log(ctx, f"ladder probe: {result.decision} (Δ={result.stats['delta_bpb']:+.4f} "
                        f"bits/byte, margin {result.stats['margin_bpb']:.4f})")
         return {**result.as_dict(), "reason": ""}

@@ -173,3 +173,15 @@ def test_reject_can_fail_the_gate(tmp_path: Path) -> None:
     assert out.artifacts["ladder"]["decision"] == "reject", out.artifacts["ladder"]["stats"]
     assert out.status == "failed" and out.error_code == ErrorCode.gate_failed
     assert Path(out.artifacts["provenance_path"]).is_file()
+
+
+def test_probe_skipped_when_the_data_is_too_small(tmp_path: Path) -> None:
+    base = _write(tmp_path / "b.jsonl", ["tiny baseline text"])
+    custom = _write(tmp_path / "c.jsonl", ["tiny custom text"])
+    refs = [DataRef(uri=f"file://{base}", sha256=file_sha256(base), role="baseline",
+                    provenance=PROV),
+            DataRef(uri=f"file://{custom}", sha256=file_sha256(custom), provenance=PROV)]
+    out = DataPrepStage(DataPrepConfig(refs=refs, ladder_probe=QUICK_PROBE)).run(
+        _ctx(tmp_path)[0])
+    assert out.status == "passed" and out.artifacts["ladder"]["decision"] == "skipped"
+    assert "shorter than one window" in out.artifacts["ladder"]["reason"]
