@@ -14,7 +14,8 @@ from stages.parallelism.hardware import (
     load_fabric,
     load_gpu_sku,
 )
-from stages.parallelism.planner import plan, validate_layout
+from stages.parallelism.planner import validate_layout
+from stages.parallelism.search import plan
 from stages.parallelism.spec import (
     Layout,
     MemoryBreakdown,

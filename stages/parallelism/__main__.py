@@ -15,7 +15,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from stages.errors import ErrorCode, ItoError
-from stages.parallelism.planner import plan, validate_layout
+from stages.parallelism.planner import validate_layout
+from stages.parallelism.search import plan
 from stages.parallelism.spec import Layout, PlanRequest
 
 NOTICE = "local planner: predictions from a memory and throughput model; nothing was booked"

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from stages.base import GateOutcome, StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.parallelism.config import ParallelismConfig
-from stages.parallelism.planner import plan
+from stages.parallelism.search import plan
 from stages.parallelism.spec import PlanRequest
 
 BOOKING_FIELDS = ("gpu_sku", "gpus_per_node", "node_count", "fabric")
