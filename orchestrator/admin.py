@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -58,6 +59,14 @@ def _fail(as_json: bool, code: ErrorCode, message: str) -> NoReturn:
 
 def _store(db: Path) -> Store:
     return Store(db)
+
+
+def _audit(db: Path, action: str, account_id: str | None = None, key_id: str | None = None,
+           booking_id: str | None = None) -> None:
+    """Operator actions are audit events too (ids only)."""
+    _store(db).audit([{"ts": time.time(), "account_id": account_id, "key_id": key_id,
+                       "action": f"admin:{action}", "gate": "operator", "outcome": "pass",
+                       "code": None, "booking_id": booking_id, "run_id": None}])
 
 
 @app.command()
@@ -112,6 +121,7 @@ def accounts_create(name: str, db: DbOpt, as_json: JsonOpt = False) -> None:
         row = _store(db).create_account(name)
     except ItoError as e:
         _fail(as_json, e.code, e.message)
+    _audit(db, "accounts.create", account_id=row["account_id"])
     _emit(as_json, {"account_id": row["account_id"], "name": name}, f"account {name} created")
 
 
@@ -124,6 +134,7 @@ def keys_issue(db: DbOpt, account: Annotated[str, typer.Option(help="account nam
         key_id, key = issue_key(_store(db), account, scopes)
     except ItoError as e:
         _fail(as_json, e.code, e.message)
+    _audit(db, "keys.issue", key_id=key_id)
     _emit(as_json, {"key_id": key_id, "api_key": key, "account": account, "scopes": scopes},
           "key issued; it is shown once and stored only as a hash")
 
@@ -132,6 +143,7 @@ def keys_issue(db: DbOpt, account: Annotated[str, typer.Option(help="account nam
 def keys_revoke(key_id: str, db: DbOpt, as_json: JsonOpt = False) -> None:
     if not _store(db).revoke_key(key_id):
         _fail(as_json, ErrorCode.not_found, f"no active key {key_id}")
+    _audit(db, "keys.revoke", key_id=key_id)
     _emit(as_json, {"key_id": key_id, "revoked": True}, f"key {key_id} revoked")
 
 
@@ -148,6 +160,7 @@ def bookings_add(file: Path, db: DbOpt, as_json: JsonOpt = False) -> None:
         _fail(as_json, ErrorCode.validation_error, msgs)
     except ItoError as e:
         _fail(as_json, e.code, e.message)
+    _audit(db, "bookings.add", booking_id=booking.booking_id)
     _emit(as_json, view, f"booking {booking.booking_id} added")
 
 
@@ -158,6 +171,7 @@ def _set_booking(db: Path, booking_id: str, state: str, as_json: bool) -> None:
         view = booking_view(store, booking_id)
     except ItoError as e:
         _fail(as_json, e.code, e.message)
+    _audit(db, f"bookings.{state}", booking_id=booking_id)
     _emit(as_json, view, f"booking {booking_id} {state}")
 
 

@@ -63,7 +63,9 @@ def status_of(code: ErrorCode | str) -> int:
 
 
 def error_response(code: ErrorCode | str, message: str, notice: str = "") -> JSONResponse:
-    return JSONResponse(fail_body(code, message, notice), status_code=status_of(code))
+    status = status_of(code)
+    headers = {"WWW-Authenticate": 'Bearer realm="ito"'} if status == 401 else None
+    return JSONResponse(fail_body(code, message, notice), status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> str:

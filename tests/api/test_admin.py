@@ -53,4 +53,7 @@ def test_accounts_keys_bookings(tmp_path: Path) -> None:
     assert admin(db, "bookings", "release", "bk-1")["data"]["state"] == "released"
     assert admin(db, "bookings", "release", "bk-nope", check=False)["error"]["code"] == \
         "booking_not_found"
+    actions = {r["action"] for r in store.read("SELECT action FROM audit_events")}
+    assert {"admin:accounts.create", "admin:keys.issue", "admin:keys.revoke",
+            "admin:bookings.add", "admin:bookings.revoked", "admin:bookings.released"} <= actions
     store.close()
