@@ -21,3 +21,5 @@ class ParallelismConfig(StrictModel):
     mfu_floor: float | None = Field(default=None, ge=0, lt=1,
                                     description="None: the GPU SKU's floor")
     max_pp_bubble: float = Field(default=0.25, gt=0, lt=1)
+    min_replica_groups: int = Field(default=1, ge=1,
+                                    description="torchft replica groups the plan must have")

@@ -109,7 +109,8 @@ def _groups(ctx: Context) -> Iterator[_Group]:
                               if v <= MAX_VIRTUAL_STAGES and pp * v <= preset.num_hidden_layers]
             local = seqs // dp if seqs % dp == 0 else 0
             mbs = tuple(m for m in _divisors(local) if m <= MAX_MICRO_BATCH) if local else (1,)
-            shards = sorted(_shard_options(dp, tp * cp, req.gpus_per_node), reverse=True)
+            shards = sorted((d for d in _shard_options(dp, tp * cp, req.gpus_per_node)
+                             if dp // d >= req.min_replica_groups), reverse=True)
             for (sched, v), prec, dp_shard in itertools.product(schedules, precisions, shards):
                 yield _Group(tp, cp, pp, sched, v, prec, dp_shard, dp // dp_shard, mbs, acs)
 
@@ -203,7 +204,7 @@ def plan(request: PlanRequest) -> Plan:
     queue.sort()
     pruned = 0
     for rank, (neg_bound, _, g) in enumerate(queue):
-        if feasible and -neg_bound < max(feasible)[0]:
+        if feasible and -neg_bound < max(feasible)[0] * (1 - request.replica_preference_margin):
             pruned = len(queue) - rank  # none of the rest can beat the best so far
             break
         oom_key = (g.tp, g.cp, g.pp, g.schedule, g.virtual, g.precision, "oom")
@@ -246,7 +247,8 @@ def plan(request: PlanRequest) -> Plan:
     if not feasible:
         if not counts:
             raise ItoError(ErrorCode.plan_no_feasible,
-                           f"no layout of {ctx.world} GPUs exists for {ctx.preset.name}")
+                           f"no layout of {ctx.world} GPUs exists for {ctx.preset.name} with "
+                           f"at least {request.min_replica_groups} torchft replica group(s)")
         code = max(counts, key=lambda c: (reached[c], counts[c]))
         best = max(failures[code])
         rejected = [r.model_dump() for r in _as_rejections(ranked_failures, [], keep)]
@@ -254,9 +256,20 @@ def plan(request: PlanRequest) -> Plan:
                        f"{ctx.preset.name}; the closest: {best.layout}: {best.reason}",
                        details={"rejected": rejected,
                                 "refusal_counts": {str(k): v for k, v in counts.items()}})
-    ordered = [to_plan(ctx, a, explain=False)
-               for _, _, a in sorted(feasible, key=lambda t: (t[0], t[1]), reverse=True)]
+    ranked = sorted(feasible, key=lambda t: (t[0], t[1]), reverse=True)
+    # among layouts within the margin of the fastest, the most torchft replica groups
+    near = [t for t in ranked if t[0] >= ranked[0][0] * (1 - request.replica_preference_margin)]
+    pick = max(near, key=lambda t: (t[2].layout.dp_replicate, t[0], t[1]))
+    ranked.remove(pick)
+    ordered = [to_plan(ctx, a, explain=False) for _, _, a in [pick, *ranked]]
     chosen = evaluate(ctx, ordered[0].layout(), explain=True)
+    fastest = ranked[0][2] if ranked and ranked[0][0] > pick[0] else None
+    if fastest is not None:
+        chosen.reasons.append(
+            f"{chosen.dp_replicate} torchft replica groups chosen over a layout with "
+            f"{fastest.layout.dp_replicate} that is predicted "
+            f"{fastest.tokens_per_s / chosen.tokens_per_s - 1:.1%} faster (within the "
+            f"{request.replica_preference_margin:.0%} fault-tolerance margin)")
     if request.precision == "auto" and ctx.sku.supports_fp8:
         chosen.reasons.append(_fp8_reason(chosen, best_by_precision, request.fp8_min_speedup))
     slower = [p for p in ordered if p.layout() != chosen.layout()]
@@ -318,7 +331,10 @@ def _as_rejections(failures: list[_Failure], slower: list[tuple[Plan, Plan]],
     for p, chosen in slower[:keep]:
         rows.append(Rejection(
             rank=0, layout=p.layout().label(), code=None,
-            reason=f"feasible but {1 - p.tokens_per_s / chosen.tokens_per_s:.1%} slower",
+            reason=(f"feasible but {1 - p.tokens_per_s / chosen.tokens_per_s:.1%} slower"
+                    if p.tokens_per_s <= chosen.tokens_per_s else
+                    f"feasible and {p.tokens_per_s / chosen.tokens_per_s - 1:.1%} faster, but "
+                    f"with fewer torchft replica groups ({p.dp_replicate})"),
             tokens_per_s=p.tokens_per_s, mfu=p.mfu, peak_memory_gib=p.peak_memory_gib))
     # one of each refusal first, then the rest, so every kind of refusal is shown
     firsts = {f.code: f for f in reversed(failures)}

@@ -40,6 +40,11 @@ class PlanRequest(StrictModel):
     fp8_min_speedup: float = Field(default=1.1, ge=1,
                                    description="auto precision takes fp8 only if this much faster")
     max_alternatives: int = Field(default=10, ge=0, le=100)
+    # torchft heals a failed replica group live while the others train on, so more
+    # groups buy fault tolerance: take the layout with the most replica groups among
+    # those within this share of the fastest, and never fewer than the minimum.
+    replica_preference_margin: float = Field(default=0.02, ge=0, lt=1)
+    min_replica_groups: int = Field(default=1, ge=1)
 
     @property
     def world_size(self) -> int:

@@ -27,7 +27,7 @@ def request_from(config: ParallelismConfig, booking: dict[str, Any]) -> PlanRequ
         fabric=str(booking["fabric"]), global_batch_tokens=config.global_batch_tokens,
         seq_len=config.seq_len, precision=config.precision,
         activation_checkpointing=config.activation_checkpointing, mfu_floor=config.mfu_floor,
-        max_pp_bubble=config.max_pp_bubble)
+        max_pp_bubble=config.max_pp_bubble, min_replica_groups=config.min_replica_groups)
 
 
 class ParallelismStage:

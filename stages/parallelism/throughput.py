@@ -44,6 +44,9 @@ NVLINK_LATENCY_S = 10e-6
 TP_OVERLAP = 0.3             # share of TP collectives async TP hides
 FSDP_OVERLAP = 0.9           # share of compute FSDP's prefetch can hide comm under
 SELECTIVE_RECOMPUTE_COST = 0.5  # of the pointwise time, recomputed in the backward
+# Launch and framework time per layer and micro-batch (~30 kernels x ~10 us, forward
+# and backward): what makes many small micro-batches slower than a few large ones.
+LAYER_OVERHEAD_S = 3e-4
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ def layer_compute_time(preset: ModelPreset, tokens: float, seq_len: int, tp: int
     b = compute_bytes(precision)
     pointwise_bytes = POINTWISE_PASSES * 3 * b * tokens * (20 * h + 4 * kv + 5 * ffn * experts) / tp
     pointwise = pointwise_bytes / (sku.hbm_bandwidth_gb_s * 1e9 * HBM_EFFICIENCY)
-    total = gemm + attention + pointwise
+    total = gemm + attention + pointwise + LAYER_OVERHEAD_S
     if ac == "full":
         total += gemm / 3 + attention / 3.5 + pointwise / 3
     elif ac == "selective":

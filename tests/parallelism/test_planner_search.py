@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from stages.base import StageContext
+from stages.errors import ErrorCode, ItoError
 from stages.parallelism import (
     ParallelismConfig,
     ParallelismStage,
@@ -32,10 +33,27 @@ def _cpu(tokens: int) -> PlanRequest:
 def test_cpu_testbed_plans_the_demo(tokens: int) -> None:
     p = plan(_cpu(tokens))
     assert (p.tp, p.pp, p.cp) == (1, 1, 1)
-    assert p.dp_shard * p.dp_replicate == 2
+    # two torchft replica groups: FSDP over 2 ranks is predicted within the
+    # fault-tolerance margin, so the planner buys live recovery with it
+    assert (p.dp_shard, p.dp_replicate) == (1, 2)
     assert p.precision == "fp32"
     assert p.micro_batch * p.grad_accum * 2 * 128 == tokens
     assert 0 < p.peak_memory_gib < load_gpu_sku("cpu-testbed").memory_gib
+
+
+def test_min_replica_groups_is_honoured_or_refused() -> None:
+    request = PlanRequest(model="llama3-8b", gpu_sku="H100-SXM", gpus_per_node=8,
+                          node_count=4, fabric="ib-ndr", global_batch_tokens=2**22,
+                          seq_len=8192, min_replica_groups=4)
+    assert plan(request).dp_replicate >= 4
+    with pytest.raises(ItoError) as info:
+        plan(_cpu(4096).model_copy(update={"min_replica_groups": 4}))
+    assert info.value.code == ErrorCode.plan_no_feasible
+
+
+def test_fault_tolerance_margin_zero_takes_the_fastest() -> None:
+    p = plan(_cpu(4096).model_copy(update={"replica_preference_margin": 0.0}))
+    assert all(r.tokens_per_s is None or r.tokens_per_s <= p.tokens_per_s for r in p.rejected)
 
 
 def test_plan_carries_the_documented_fields_and_is_json() -> None:
