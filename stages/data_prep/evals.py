@@ -45,6 +45,7 @@ class EvalItem:
     file: str
     index: int  # 0-based item number within its file
     text: str
+    answer: str | None = None  # the suite's answer_field, for eval batteries that score
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,10 @@ def load_eval_suite(name: str) -> EvalSuite:
     return EvalSuite.model_validate_json(path.read_bytes())
 
 
-def read_eval_file(path: Path, field: str, suite: str) -> list[EvalItem]:
-    """Items of one eval file: jsonl with a text ``field``, or plain text a line each."""
+def read_eval_file(path: Path, field: str, suite: str,
+                   answer_field: str | None = None) -> list[EvalItem]:
+    """Items of one eval file: jsonl with a text ``field`` (and optionally an answer),
+    or plain text a line each."""
     if not path.is_file():
         raise ItoError(ErrorCode.data_not_found, f"eval file not found: {path}")
     items: list[EvalItem] = []
@@ -81,12 +84,15 @@ def read_eval_file(path: Path, field: str, suite: str) -> list[EvalItem]:
     if path.suffix == ".jsonl":
         for i, line in enumerate(lines):
             try:
-                text = json.loads(line)[field]
+                row = json.loads(line)
+                text = row[field]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ItoError(ErrorCode.data_format_unsupported,
                                f"{path.name} item {i}: not a JSON object with a {field!r} "
                                "field") from e
-            items.append(EvalItem(suite, str(path), i, str(text)))
+            answer = row.get(answer_field) if answer_field else None
+            items.append(EvalItem(suite, str(path), i, str(text),
+                                  None if answer is None else str(answer)))
     else:
         items = [EvalItem(suite, str(path), i, line.rstrip("\n")) for i, line in enumerate(lines)]
     return items
@@ -102,7 +108,7 @@ def load_eval_items(suites: list[str], files: list[str] | None = None,
         suite = load_eval_suite(name)
         for spec in suite.files:
             path = evals_dir() / spec.path
-            got = read_eval_file(path, spec.field, suite.name)
+            got = read_eval_file(path, spec.field, suite.name, spec.answer_field)
             items += got
             infos.append(EvalFileInfo(suite.name, str(path), file_sha256(path), len(got)))
     for ref in files or []:

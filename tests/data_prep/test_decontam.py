@@ -111,6 +111,8 @@ def test_suite_registry() -> None:
     assert "gsm8k" in list_eval_suites()
     suite = load_eval_suite("gsm8k")
     assert suite.files[0].field == "question" and suite.license == "MIT"
+    items, _ = load_eval_items(["gsm8k"])
+    assert items[0].text.startswith("Janet") and items[0].answer.endswith("#### 18")
     with pytest.raises(ItoError) as e:
         load_eval_suite("no-such-suite")
     assert e.value.code == ErrorCode.eval_suite_unknown
