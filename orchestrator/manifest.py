@@ -103,6 +103,22 @@ def find_secrets(node: Any, path: str = "$") -> list[SecretFinding]:
     return found
 
 
+MAX_DEPTH = 32  # the real schema nests 5 deep
+
+
+def _depth(node: Any) -> int:
+    """Nesting depth, iteratively (a hostile document must not blow the stack)."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        item, d = stack.pop()
+        deepest = max(deepest, d)
+        if isinstance(item, dict):
+            stack.extend((v, d + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, d + 1) for v in item)
+    return deepest
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     keys = [k for k, _ in pairs]
     if len(set(keys)) != len(keys):
@@ -154,8 +170,12 @@ def parse_manifest(raw: bytes, claimed_digest: str | None = None) -> ParsedManif
         tree = json.loads(text, object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ItoError(ErrorCode.manifest_invalid, "manifest is not UTF-8 JSON") from None
+    except RecursionError:
+        raise ItoError(ErrorCode.manifest_invalid, "manifest nests too deeply") from None
     # Also scan the raw text: a secret split across escapes still shows up decoded,
     # and one in an invalid field never reaches the model.
+    if _depth(tree) > MAX_DEPTH:
+        raise ItoError(ErrorCode.manifest_invalid, f"manifest nests deeper than {MAX_DEPTH}")
     findings = find_secrets(tree)
     if not findings and _value_kind(text):
         findings = [SecretFinding("$", _value_kind(text) or "secret")]

@@ -101,3 +101,12 @@ def test_no_false_positive_on_token_counts() -> None:
     # target_tokens / global_batch_tokens / max_completion_tokens are not secrets.
     assert find_secrets(m) == []
     assert find_secrets({"max_completion_tokens": 5, "tokenizer": "byte"}) == []
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000,
+                                 b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+                                 b"[" * 40 + b"]" * 40])
+def test_hostile_nesting_is_refused_not_crashing(raw: bytes) -> None:
+    with pytest.raises(ItoError) as e:
+        parse_manifest(raw)
+    assert e.value.code == ErrorCode.manifest_invalid
