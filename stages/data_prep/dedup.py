@@ -22,6 +22,7 @@ import numpy as np
 from stages.data_prep.config import DedupConfig
 from stages.data_prep.minhash import Banding, candidate_pairs, lsh_params, signatures
 from stages.data_prep.text import ngram_hashes, word_batch
+from stages.errors import ErrorCode, ItoError
 
 # Documents hashed per numpy batch on one process: bounds peak memory of the
 # (num_perm x shingles) matrix and the flat word arrays.
@@ -153,6 +154,8 @@ def dedup(texts: Sequence[str], cfg: DedupConfig | None = None, *,
     if use_ray is None:
         use_ray = n >= cfg.ray_min_docs and _ray_ready()
     if use_ray:
+        if not _ray_ready():  # never start a cluster from inside a stage
+            raise ItoError(ErrorCode.ray_unavailable, "sharded dedup needs ray.init() first")
         sk, shards = sketch_sharded(texts, cfg)
         backend = "ray"
     else:

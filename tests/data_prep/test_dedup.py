@@ -23,6 +23,7 @@ from stages.data_prep.synth import (
     similar_pairs_exact,
 )
 from stages.data_prep.text import ngram_hashes, word_batch
+from stages.errors import ErrorCode, ItoError
 
 
 def test_signatures_match_datasketch_minhash() -> None:
@@ -98,3 +99,14 @@ def test_signature_of_a_document_longer_than_one_chunk(monkeypatch: pytest.Monke
     ref = MinHash(num_perm=32, seed=2, hashfunc=lambda x: x)
     ref.update_batch([int(v) for v in shingle_values32(grams)[grams.doc == 0]])
     np.testing.assert_array_equal(whole[0], ref.hashvalues)
+
+
+def test_forcing_ray_without_a_cluster_is_refused() -> None:
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray cluster is up in this process")
+    with pytest.raises(ItoError) as e:
+        dedup(["a b c"], use_ray=True)
+    assert e.value.code == ErrorCode.ray_unavailable
+    assert not ray.is_initialized()
