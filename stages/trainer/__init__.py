@@ -17,7 +17,7 @@ from stages.trainer.config import (
 )
 
 if TYPE_CHECKING:
-    from stages.trainer.engine import TrainingEngine, kill_replica_group
+    from stages.trainer.engine import TrainingEngine, kill_replica_group, kill_replica_groups
     from stages.trainer.stage import TrainingStage
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "TrainingStage",
     "TrainingTarget",
     "kill_replica_group",
+    "kill_replica_groups",
 ]
 
 
@@ -38,7 +39,7 @@ def __getattr__(name: str) -> Any:
         from stages.trainer.stage import TrainingStage
 
         return TrainingStage
-    if name in ("TrainingEngine", "kill_replica_group"):
+    if name in ("TrainingEngine", "kill_replica_group", "kill_replica_groups"):
         from stages.trainer import engine
 
         return getattr(engine, name)

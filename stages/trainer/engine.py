@@ -42,6 +42,8 @@ from stages.trainer.replica import (
     LighthouseActor,
     ReplicaWorker,
     lighthouse_name,
+    spare_name,
+    trainer_prefix,
     worker_name,
 )
 
@@ -98,6 +100,12 @@ class TrainingEngine:
         self.actors: dict[tuple[int, int], Any] = {}
         self.lighthouse: Any = None
         self._pending: dict[tuple[int, int], Any] = {}
+        # Pre-started spares by actor name, and which of them are warm and waiting.
+        self.spares: dict[str, Any] = {}
+        self._spare_pending: dict[str, Any] = {}
+        self._spares_ready: set[str] = set()
+        self._spares_made = 0
+        self._lh_addr = ""
         self.tokens = 0
         self.final_loss: float | None = None
         self.max_step = 0
@@ -125,35 +133,70 @@ class TrainingEngine:
         if not ray.is_initialized():
             raise ItoError(ErrorCode.ray_unavailable, "Ray is not initialised in this process")
         t0 = time.time()
-        env = {"env_vars": {"OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}}
         lh_cls = ray.remote(LighthouseActor)
         self.lighthouse = lh_cls.options(  # type: ignore[attr-defined]
             name=lighthouse_name(self.run_id), num_cpus=0.1, max_restarts=-1,
-            runtime_env=env).remote(self.ft, 1)
+        ).remote(self.ft, 1)
         lh_addr = ray.get(self.lighthouse.address.remote(), timeout=self.ft.actor_ready_timeout_s)
-        worker_cls = ray.remote(ReplicaWorker)
+        self._lh_addr = lh_addr
         for g in range(self.cfg.replica_groups):
             for r in range(self.cfg.ranks_per_group):
-                spec = WorkerSpec(run_id=self.run_id, replica_group=g, rank=r, config=self.cfg,
-                                  lighthouse_addr=lh_addr, shards=self.shards,
-                                  checkpoint_dir=str(self.checkpoint_dir))
-                self.actors[(g, r)] = worker_cls.options(  # type: ignore[attr-defined]
-                    name=worker_name(self.run_id, g, r), num_cpus=self.cfg.worker_num_cpus,
-                    max_restarts=self.ft.max_restarts, max_task_retries=0,
-                    runtime_env=env).remote(spec)
-        self.emit(LogEvent(message=f"started lighthouse {lh_addr} and "
-                                   f"{len(self.actors)} trainer actors in {time.time() - t0:.1f}s"))
+                self.actors[(g, r)] = self._make_worker(worker_name(self.run_id, g, r), g, r)
+        for _ in range(self.cfg.spare_groups):
+            self._start_spare()
+        self.emit(LogEvent(message=f"started lighthouse {lh_addr}, {len(self.actors)} trainer "
+                                   f"and {len(self.spares)} spare actors in "
+                                   f"{time.time() - t0:.1f}s"))
+
+    def _make_worker(self, name: str, group: int, rank: int) -> Any:
+        import ray
+
+        spec = WorkerSpec(run_id=self.run_id, replica_group=group, rank=rank, config=self.cfg,
+                          lighthouse_addr=self._lh_addr, shards=self.shards,
+                          checkpoint_dir=str(self.checkpoint_dir))
+        return ray.remote(ReplicaWorker).options(  # type: ignore[attr-defined]
+            name=name, num_cpus=self.cfg.worker_num_cpus,
+            # No runtime_env: a restart can then use one of Ray's prestarted idle
+            # workers instead of spawning a new Python process.
+            max_restarts=self.ft.max_restarts, max_task_retries=0,
+        ).remote(spec)
+
+    def _start_spare(self) -> None:
+        name = spare_name(self.run_id, self._spares_made)
+        self._spares_made += 1
+        self.spares[name] = self._make_worker(name, -1, 0)
+
+    def _promote_spare(self, key: tuple[int, int]) -> bool:
+        """Put a warm spare in the place of lost group ``key[0]`` (single-rank groups)."""
+        import ray
+
+        if self.cfg.ranks_per_group != 1 or not self._spares_ready:
+            return False
+        name = sorted(self._spares_ready)[0]
+        self._spares_ready.discard(name)
+        self._spare_pending.pop(name, None)
+        spare = self.spares.pop(name)
+        # The dead actor would be restarted by Ray as a second copy of the group.
+        with contextlib.suppress(Exception):
+            ray.kill(self.actors[key], no_restart=True)
+        self._pending.pop(key, None)
+        self.actors[key] = spare
+        spare.command.remote("activate", {"group": key[0]})
+        self.emit(LogEvent(message=f"spare {name} takes the place of replica group {key[0]}"))
+        self._start_spare()
+        return True
 
     def shutdown(self) -> None:
         """Kill every actor this engine made (cancel, finish or failure)."""
         import ray
 
-        for actor in [*self.actors.values(), self.lighthouse]:
+        for actor in [*self.actors.values(), *self.spares.values(), self.lighthouse]:
             if actor is None:
                 continue
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(actor, no_restart=True)
         self.actors.clear()
+        self.spares.clear()
         self.lighthouse = None
 
     # --- polling ----------------------------------------------------------------------
@@ -164,6 +207,7 @@ class TrainingEngine:
         for key, actor in self.actors.items():
             if key not in self._pending:
                 self._pending[key] = actor.poll.remote()
+        self._poll_spares()
         refs = {ref: key for key, ref in self._pending.items()}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         now = time.time()
@@ -178,6 +222,27 @@ class TrainingEngine:
             self._on_reply(key, reply, now)
         self._check_stuck(now)
 
+    def _poll_spares(self) -> None:
+        import ray
+
+        for name, actor in self.spares.items():
+            if name not in self._spare_pending:
+                self._spare_pending[name] = actor.poll.remote()
+        refs = {ref: name for name, ref in self._spare_pending.items()}
+        if not refs:
+            return
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in ready:
+            name = refs[ref]
+            del self._spare_pending[name]
+            try:
+                status = ray.get(ref, timeout=0)["status"]
+            except Exception:  # a dead spare: Ray restarts it, it warms up again
+                self._spares_ready.discard(name)
+                continue
+            if status["phase"] == "standby":
+                self._spares_ready.add(name)
+
     def _on_actor_down(self, key: tuple[int, int], now: float, err: Exception) -> None:
         grp = self.groups[key[0]]
         grp.lost_since_poll_fail = grp.lost_since_poll_fail or now
@@ -190,6 +255,10 @@ class TrainingEngine:
                                        f"{type(err).__name__}"))
             if all(g.lost_at is not None and not g.finished for g in self.groups):
                 self._all_lost_at = min(g.lost_at or now for g in self.groups)
+            if self._promote_spare(key):
+                grp.pid = None
+                grp.restarts += 1
+                grp.lost_since_poll_fail = None
 
     def _on_reply(self, key: tuple[int, int], reply: dict[str, Any], now: float) -> None:
         g, rank = key
@@ -368,17 +437,35 @@ class TrainingEngine:
             g.finished or g.lost_at is not None for g in self.groups)
 
 
-def kill_replica_group(run_id: str, group: int, *, ranks_per_group: int = 1,
-                       namespace: str | None = None) -> tuple[float, list[int]]:
-    """SIGKILL every worker process of one replica group (a real crash, for tests and
-    benchmarks; the actors must run on this host). Returns (kill time, pids)."""
+def kill_replica_group(run_id: str, group: int, *, namespace: str | None = None
+                       ) -> tuple[float, list[int]]:
+    """SIGKILL every worker process that is now replica group ``group`` of the run
+    (a real crash, for tests and benchmarks; the actors must run on this host).
+    Spares that took a group's place are found too. Returns (kill time, pids)."""
+    return kill_replica_groups(run_id, [group], namespace=namespace)
+
+
+def kill_replica_groups(run_id: str, groups: list[int], *, namespace: str | None = None
+                        ) -> tuple[float, list[int]]:
+    """``kill_replica_group`` for several groups at the same instant."""
     import ray
 
+    names = [n for n in ray.util.list_named_actors()
+             if isinstance(n, str) and n.startswith(trainer_prefix(run_id))]
+    refs: dict[Any, str] = {}
+    for name in names:
+        with contextlib.suppress(Exception):
+            refs[ray.get_actor(name, namespace=namespace).identity.remote()] = name
+    # Dead or restarting actors never answer: they are not live members of a group.
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=KILL_LOOKUP_TIMEOUT_S)
     pids: list[int] = []
-    for rank in range(ranks_per_group):
-        actor = ray.get_actor(worker_name(run_id, group, rank), namespace=namespace)
-        ref: Any = actor.pid.remote()
-        pids.append(int(ray.get(ref, timeout=KILL_LOOKUP_TIMEOUT_S)))
+    for ref in ready:
+        try:
+            ident = ray.get(ref, timeout=0)
+        except Exception:
+            continue
+        if ident["group"] in groups:
+            pids.append(int(ident["pid"]))
     t = time.time()
     for pid in pids:
         os.kill(pid, signal.SIGKILL)

@@ -82,8 +82,10 @@ class Control:
     # A loss spike paused the loop at this committed step, awaiting a decision.
     paused_at: int | None = None
     command: tuple[Literal["resume", "restore"], dict[str, Any]] | None = None
+    # A spare is told which replica group to become.
+    activate_group: int | None = None
 
-    def send(self, kind: Literal["resume", "restore", "stop", "pause", "go"],
+    def send(self, kind: Literal["resume", "restore", "stop", "pause", "go", "activate"],
              **params: Any) -> None:
         with self.cond:
             if kind == "stop":
@@ -91,11 +93,18 @@ class Control:
                 self.go.set()
             elif kind == "go":
                 self.go.set()
+            elif kind == "activate":
+                self.activate_group = int(params["group"])
             elif kind == "pause":
                 self.pause = True
             else:
                 self.command = (kind, params)
             self.cond.notify_all()
+
+    def wait_activation(self) -> int | None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.stop or self.activate_group is not None)
+            return None if self.stop else self.activate_group
 
     def wait_command(self) -> tuple[str, dict[str, Any]]:
         with self.cond:
@@ -166,16 +175,12 @@ class TrainLoop:
             self.loader.load_state_dict(st)
 
     # --- setup ----------------------------------------------------------------------
-    def setup(self) -> None:
-        from torchft.optim import OptimizerWrapper
-
-        from stages.checkpointing.checkpointer import Checkpointer
-        from stages.trainer.data import TokenLoader
-        from stages.trainer.loss_spike import LossSpikeDetector
+    def build(self) -> None:
+        """The group-independent part of start-up (what a spare group does ahead)."""
         from stages.trainer.model import build_model
-        from stages.trainer.train_state import TrainState, set_determinism
+        from stages.trainer.train_state import set_determinism
 
-        spec, cfg, target = self.spec, self.cfg, self.cfg.target
+        cfg, target = self.cfg, self.cfg.target
         set_determinism(target.seed, deterministic=target.deterministic)
         self.device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
         preset = load_model_preset(cfg.model.preset)
@@ -183,8 +188,34 @@ class TrainLoop:
             preset, seed=target.seed, checkpoint_path=cfg.model.checkpoint_path)
         self.model = model.to(self.device)
         self.model.train()
-        inner = torch.optim.AdamW(self.model.parameters(), lr=target.learning_rate,
-                                  weight_decay=target.weight_decay, betas=(0.9, 0.95))
+        self.inner_optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=target.learning_rate,
+            weight_decay=target.weight_decay, betas=(0.9, 0.95))
+
+    def warm_up(self) -> None:
+        """Pay the one-off costs (autograd kernels, the optimizer's lazy imports) before
+        a spare is needed, without touching the model's weights or optimizer state."""
+        ids = torch.zeros(1, self.cfg.target.seq_len, dtype=torch.long, device=self.device)
+        from stages.trainer.model import causal_lm_loss
+
+        causal_lm_loss(self.model, ids).backward()
+        self.model.zero_grad(set_to_none=True)
+        p = torch.zeros(1, requires_grad=True, device=self.device)
+        p.grad = torch.zeros_like(p)
+        torch.optim.AdamW([p]).step()
+
+    def join(self) -> None:
+        """Join replica group ``spec.replica_group``: data shard, torchft Manager,
+        checkpoints (and resume from the newest one)."""
+        from torchft.optim import OptimizerWrapper
+
+        from stages.checkpointing.checkpointer import Checkpointer
+        from stages.trainer.data import TokenLoader
+        from stages.trainer.loss_spike import LossSpikeDetector
+        from stages.trainer.train_state import TrainState
+
+        spec, cfg, target = self.spec, self.cfg, self.cfg.target
+        inner = self.inner_optimizer
         self.loader = TokenLoader(
             [Path(s) for s in spec.shards], seq_len=target.seq_len,
             micro_batch=cfg.micro_batch, seed=target.seed,
@@ -238,8 +269,21 @@ class TrainLoop:
 
     # --- the loop -------------------------------------------------------------------
     def run(self) -> None:
-        self.setup()
+        self.build()
         restarted = bool(self.status.get("restarted"))
+        if self.spec.replica_group < 0:
+            # A pre-started spare: warm, then wait to take a lost group's place.
+            self.warm_up()
+            self.status.update(phase="standby")
+            group = self.control.wait_activation()
+            if group is None:
+                return
+            self.spec.replica_group = group
+            self.is_reporter = self.spec.rank == 0
+            self.started_at = time.time()
+            restarted = True  # joins a running job: heal, no start barrier
+            self.status.update(group=group, restarted=True)
+        self.join()
         self.status.update(phase="ready")
         if not restarted:
             self.control.go.wait()

@@ -31,10 +31,19 @@ def worker_name(run_id: str, group: int, rank: int) -> str:
     return f"run-{run_id}-trainer-rg{group}-rank{rank}"
 
 
+def spare_name(run_id: str, index: int) -> str:
+    return f"run-{run_id}-trainer-spare{index}-rank0"
+
+
+def trainer_prefix(run_id: str) -> str:
+    return f"run-{run_id}-trainer-"
+
+
 class LighthouseActor:
     """torchft's Rust LighthouseServer, kept alive for the run by this actor."""
 
     def __init__(self, cfg: FaultToleranceConfig, min_replicas: int = 1):
+        os.environ.setdefault("RUST_LOG", "warn")
         from stages.trainer import ft
 
         self.server = ft.start_lighthouse(cfg, min_replicas=min_replicas)
@@ -54,8 +63,11 @@ class ReplicaWorker:
 
     def __init__(self, spec: WorkerSpec):
         import ray
+        import torch
 
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # Threads follow the actor's CPU share (env vars would need a runtime_env,
+        # which rules out Ray's prestarted workers on restart).
+        torch.set_num_threads(max(1, round(spec.config.worker_num_cpus)))
         self.spec = spec
         self._lock = threading.Lock()
         self._events: list[dict[str, Any]] = []
@@ -93,6 +105,11 @@ class ReplicaWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def identity(self) -> dict[str, int]:
+        """Which group and rank this process is now (a spare changes group once)."""
+        return {"group": self.loop.spec.replica_group, "rank": self.spec.rank,
+                "pid": os.getpid()}
 
     def command(self, kind: str, params: dict[str, Any] | None = None) -> None:
         self.control.send(kind, **(params or {}))  # type: ignore[arg-type]

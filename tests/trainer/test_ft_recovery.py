@@ -133,7 +133,7 @@ def test_kill_a_group_survivor_continues_and_restarted_group_heals(
 
 
 def _kill_and_recover(run: Run, cfg: TrainStageConfig) -> None:
-    from stages.trainer import kill_replica_group
+    from stages.trainer import kill_replica_group, kill_replica_groups
 
     run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 20
                  and e.quorum_size == 2, "20 steps in the full quorum")
@@ -155,8 +155,8 @@ def _kill_and_recover(run: Run, cfg: TrainStageConfig) -> None:
 
     # Then every group is lost at once: the run restarts from the newest checkpoint.
     last_before = max(e.step for e in run.steps() if e.committed)
-    kill_at2, _ = kill_replica_group("ftkill", 0)
-    kill_replica_group("ftkill", 1)
+    kill_at2, pids = kill_replica_groups("ftkill", [0, 1])
+    assert len(pids) == 2
     run.wait_for(lambda e: isinstance(e, InterruptionEvent)
                  and e.interruption_kind == "all_groups_lost", "all-groups-lost recovery")
     resumed = run.wait_for(lambda e: isinstance(e, LogEvent) and "resumed from checkpoint"

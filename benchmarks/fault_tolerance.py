@@ -1,0 +1,297 @@
+"""Fault-tolerance benchmark (not in CI): torchft live recovery vs checkpoint restart.
+
+Runs the real training stage (a local Ray, torchft lighthouse, one Ray actor per
+replica group, gloo on CPU or NCCL with ``--device cuda``) on a tiny model and, in
+the same run:
+
+1. ``--kills`` times, at a random step, SIGKILLs the worker process of a random
+   replica group and measures
+   - detect: kill -> a survivor's next committed step in the smaller quorum;
+   - resume: kill -> the restarted group's first committed step in the full quorum
+     (Ray restarts the actor, torchft heals it from a live peer);
+   - ft lost seconds: over [kill, resume], wall time minus the committed progress
+     valued at the undisturbed full-quorum rate. Reported two ways: by steps (the
+     job's optimizer progress, which survivors keep making) and by tokens (the
+     missing group's share of the batch counts as lost too);
+2. ``--restart-kills`` times, SIGKILLs every group at once: the job restarts from
+   the newest complete DCP checkpoint (what Ray Train or torchrun elastic do) and
+   redoes the steps since. Lost seconds: kill -> the job commits the step it had
+   reached before the kill.
+
+Prints one line per measurement and ends with one JSON line: kills,
+detect_s_median, detect_s_max, resume_s_median, resume_s_max, ft_lost_s_median,
+restart_lost_s_median, lost_ratio (restart / ft, step basis), plus the token-basis
+ft loss and ratio. Goals on the 2-core CPU testbed: detect <= 3 s, resume <= 15 s,
+lost_ratio >= 5. Timings on a shared, loaded machine are noisy.
+
+    .venv/bin/python benchmarks/fault_tolerance.py --groups 2 --kills 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from stages.base import GateOutcome, StageContext
+from stages.checkpointing.config import CheckpointPolicy
+from stages.events import Event, StepEvent
+from stages.trainer.config import ModelSpec, TrainingTarget, TrainStageConfig
+
+# How long to wait for one expected event before the benchmark gives up.
+EVENT_TIMEOUT_S = 120.0
+# Steps to run in the full quorum before the first kill (and to time the step rate).
+WARMUP_STEPS = 30
+# Full-quorum steps after a rejoin that still count towards the failure's cost.
+SETTLE_STEPS = 5
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--groups", type=int, default=2, help="replica groups (>= 2)")
+    p.add_argument("--preset", default="llama-tiny", help="configs/models preset")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--kills", type=int, default=3, help="single-group SIGKILLs")
+    p.add_argument("--spares", type=int, default=1,
+                   help="pre-started spare groups in the torchft run (0: Ray restarts only)")
+    p.add_argument("--restart-kills", type=int, default=2,
+                   help="all-group SIGKILLs (checkpoint-restart baseline)")
+    p.add_argument("--kill-steps", default="",
+                   help="comma-separated steps between kills (default: random in "
+                        "--kill-gap)")
+    p.add_argument("--kill-gap", default="15,40", help="min,max random steps between kills")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between saves")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-tokens", type=int, default=2048, help="global batch tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-cpus", type=int, default=4, help="Ray logical CPUs")
+    p.add_argument("--heartbeat-ms", type=int, default=None,
+                   help="override FaultToleranceConfig.heartbeat_timeout_ms")
+    args = p.parse_args(argv)
+    if args.groups < 2:
+        p.error("--groups must be >= 2 (one must survive)")
+    return args
+
+
+class Watcher:
+    """Collects the stage's events; waits for the first one matching a predicate."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.cond = threading.Condition()
+
+    def emit(self, e: Event) -> None:
+        with self.cond:
+            self.events.append(e)
+            self.cond.notify_all()
+
+    def steps(self) -> list[StepEvent]:
+        with self.cond:
+            return [e for e in self.events if isinstance(e, StepEvent) and e.committed]
+
+    def wait(self, pred: Callable[[StepEvent], bool], what: str) -> StepEvent:
+        deadline = time.time() + EVENT_TIMEOUT_S
+        with self.cond:
+            seen = 0
+            while True:
+                for e in self.events[seen:]:
+                    if isinstance(e, StepEvent) and e.committed and pred(e):
+                        return e
+                seen = len(self.events)
+                left = deadline - time.time()
+                if left <= 0:
+                    raise TimeoutError(f"no {what} within {EVENT_TIMEOUT_S:.0f}s")
+                self.cond.wait(min(left, 0.5))
+
+    def max_step(self) -> int:
+        return max((e.step for e in self.steps()), default=0)
+
+
+def full_rate(w: Watcher, groups: int) -> tuple[float, float]:
+    """(seconds per step, tokens per second) of undisturbed full-quorum training,
+    from consecutive committed full-quorum steps of group 0."""
+    evs = sorted((e for e in w.steps() if e.replica_group == 0 and e.quorum_size == groups),
+                 key=lambda e: e.step)
+    gaps = [b.ts - a.ts for a, b in itertools.pairwise(evs) if b.step == a.step + 1]
+    step_s = statistics.median(gaps[-WARMUP_STEPS:])
+    tokens_per_step = statistics.median(e.tokens for e in evs[-WARMUP_STEPS:]) * groups
+    return step_s, tokens_per_step / step_s
+
+
+def ft_kill(w: Watcher, run_id: str, group: int, groups: int, step_s: float,
+            tok_rate: float) -> dict[str, float]:
+    from stages.trainer import kill_replica_group
+
+    t_kill, _ = kill_replica_group(run_id, group)
+    det = w.wait(lambda e: e.ts > t_kill and e.replica_group != group
+                 and e.quorum_size < groups, "survivor step in the smaller quorum")
+    res = w.wait(lambda e: e.ts > t_kill and e.replica_group == group
+                 and e.quorum_size == groups, "restarted group in the full quorum")
+    survivor = det.replica_group
+    # Settle: a few full-quorum steps after the rejoin (healing stalls the sender too).
+    end = w.wait(lambda e: e.replica_group == survivor and e.step >= res.step + SETTLE_STEPS,
+                 "steps after the rejoin")
+    before = [e for e in w.steps() if e.replica_group == survivor and e.ts <= t_kill]
+    start = max(before, key=lambda e: e.ts)
+    # Step basis: how much longer the survivor took than the undisturbed pace.
+    lost = (end.ts - start.ts) - (end.step - start.step) * step_s
+    # Token basis: the missing group's share of every batch counts as lost as well.
+    tokens = sum(e.tokens for e in w.steps() if start.ts < e.ts <= end.ts)
+    lost_tok = (end.ts - start.ts) - tokens / tok_rate
+    return {"group": group, "detect_s": det.ts - t_kill, "resume_s": res.ts - t_kill,
+            "lost_s": max(0.0, lost), "lost_token_s": max(0.0, lost_tok)}
+
+
+def restart_kill(w: Watcher, run_id: str, groups: int, step_s: float) -> dict[str, float]:
+    from stages.trainer import kill_replica_groups
+
+    reached = w.max_step()
+    t_kill, _ = kill_replica_groups(run_id, list(range(groups)))
+    back = w.wait(lambda e: e.ts > t_kill and e.step >= reached, "the pre-kill step again")
+    # One step of the window would have been spent anyway.
+    return {"reached": reached, "lost_s": max(0.0, back.ts - t_kill - step_s)}
+
+
+def gaps(args: argparse.Namespace, n: int, rng: random.Random) -> list[int]:
+    if args.kill_steps:
+        fixed = [int(x) for x in args.kill_steps.split(",") if x.strip()]
+        return [fixed[i % len(fixed)] for i in range(n)]
+    lo, hi = (int(x) for x in args.kill_gap.split(","))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+class Session:
+    """One training-stage run in a background thread, cancelled on exit."""
+
+    def __init__(self, cfg: TrainStageConfig, tmp: Path, run_id: str):
+        from stages.trainer import TrainingStage
+
+        self.w = Watcher()
+        self.run_id = run_id
+        self.ctx = StageContext(run_id=run_id, booking_id="bench", workdir=tmp / run_id,
+                                emit=self.w.emit)
+        self.ctx.workdir.mkdir(parents=True)
+        self.outcome: list[GateOutcome] = []
+        stage = TrainingStage(cfg)
+        self.thread = threading.Thread(target=lambda: self.outcome.append(stage.run(self.ctx)),
+                                       daemon=True)
+        self.thread.start()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ctx.cancel_event.set()
+        self.thread.join(timeout=60)
+
+    def warm(self, groups: int) -> tuple[float, float]:
+        self.w.wait(lambda e: e.step >= WARMUP_STEPS and e.quorum_size == groups,
+                    "warm-up steps")
+        return full_rate(self.w, groups)
+
+    def reach(self, gap: int, groups: int) -> None:
+        target = self.w.max_step() + gap
+        self.w.wait(lambda e: e.step >= target and e.quorum_size == groups, f"step {target}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import ray
+
+    args = parse_args(argv)
+    rng = random.Random(args.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="ito-ftbench-"))
+    data = tmp / "train.jsonl"
+    with data.open("w") as f:
+        for i in range(4000):
+            f.write(json.dumps({"text": f"doc {i}: " + "lorem ipsum dolor sit amet " * (i % 9 + 1)})
+                    + "\n")
+    ft_over = {} if args.heartbeat_ms is None else {
+        "heartbeat_timeout_ms": args.heartbeat_ms, "join_timeout_ms": args.heartbeat_ms}
+
+    def config(spares: int, ckpt_dir: str) -> TrainStageConfig:
+        return TrainStageConfig.model_validate(dict(
+            model=ModelSpec(preset=args.preset, size="bench"),
+            target=TrainingTarget(max_steps=1_000_000, seq_len=args.seq_len,
+                                  global_batch_tokens=args.batch_tokens, warmup_steps=10),
+            checkpoint=CheckpointPolicy(interval_steps=args.checkpoint_every, keep=2,
+                                        storage_uri=f"file://{tmp}/{ckpt_dir}"),
+            loss_spike={"enabled": False},  # a proposal would pause the run for a human
+            fault_tolerance=ft_over, replica_groups=args.groups, spare_groups=spares,
+            device=args.device, train_files=[str(data)], worker_num_cpus=0.5), strict=False)
+
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
+             _temp_dir=str(tmp / "ray"), log_to_driver=False)
+    t_start = time.time()
+    ft_results: list[dict[str, float]] = []
+    restart_results: list[dict[str, float]] = []
+    try:
+        # 1. torchft live recovery (Ray restarts the actor, or a warm spare steps in).
+        with Session(config(args.spares, "ckpt-ft"), tmp, f"ftb{os.getpid()}") as sess:
+            step_s, tok_rate = sess.warm(args.groups)
+            print(f"full quorum: {step_s * 1000:.0f} ms/step, {tok_rate:.0f} tokens/s",
+                  flush=True)
+            for gap in gaps(args, args.kills, rng):
+                sess.reach(gap, args.groups)
+                r = ft_kill(sess.w, sess.run_id, rng.randrange(args.groups), args.groups,
+                            step_s, tok_rate)
+                ft_results.append(r)
+                print(f"ft kill rg{r['group']:.0f}: detect {r['detect_s']:.2f}s resume "
+                      f"{r['resume_s']:.2f}s lost {r['lost_s']:.2f}s (tokens "
+                      f"{r['lost_token_s']:.2f}s)", flush=True)
+        # 2. The baseline: every group killed, the job restarts from its last checkpoint.
+        with Session(config(0, "ckpt-restart"), tmp, f"rsb{os.getpid()}") as sess:
+            step_r, _ = sess.warm(args.groups)
+            for gap in gaps(args, args.restart_kills, rng):
+                sess.reach(gap, args.groups)
+                r = restart_kill(sess.w, sess.run_id, args.groups, step_r)
+                restart_results.append(r)
+                print(f"restart kill at step {r['reached']:.0f}: lost {r['lost_s']:.2f}s",
+                      flush=True)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def med(key: str, rs: list[dict[str, float]]) -> float:
+        return round(statistics.median(r[key] for r in rs), 3) if rs else float("nan")
+
+    ft_lost = med("lost_s", ft_results)
+    ft_lost_tok = med("lost_token_s", ft_results)
+    restart_lost = med("lost_s", restart_results)
+    summary = {
+        "kills": len(ft_results),
+        "detect_s_median": med("detect_s", ft_results),
+        "detect_s_max": round(max(r["detect_s"] for r in ft_results), 3),
+        "resume_s_median": med("resume_s", ft_results),
+        "resume_s_max": round(max(r["resume_s"] for r in ft_results), 3),
+        "ft_lost_s_median": ft_lost,
+        "restart_lost_s_median": restart_lost,
+        "lost_ratio": round(restart_lost / ft_lost, 2) if ft_lost > 0 else float("inf"),
+        "ft_lost_token_s_median": ft_lost_tok,
+        "lost_ratio_tokens": round(restart_lost / ft_lost_tok, 2) if ft_lost_tok > 0
+        else float("inf"),
+        "restart_kills": len(restart_results),
+        "groups": args.groups, "spares": args.spares, "preset": args.preset, "device": args.device,
+        "step_ms": round(step_s * 1000, 1), "wall_s": round(time.time() - t_start, 1),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
