@@ -24,6 +24,7 @@ from stages.parallelism.checks import (
     check_tp,
 )
 from stages.parallelism.hardware import Precision
+from stages.parallelism.memory import GIB, GRAD_BYTES, MASTER_BYTES, OPTIMIZER_BYTES, rank_params
 from stages.parallelism.planner import Assessment, assess, evaluate, resolve, to_plan
 from stages.parallelism.spec import (
     ActivationCheckpointing,
@@ -130,6 +131,14 @@ def _speed_bound(ctx: Context, g: _Group, stage_layers: tuple[int, ...]) -> floa
     return ctx.request.global_batch_tokens / floor
 
 
+def _state_gib(ctx: Context, g: _Group, stage_layers: tuple[int, ...]) -> float:
+    """GiB of fp32 weights, gradients and AdamW moments on the fullest rank."""
+    pp = len(stage_layers)
+    params = max(rank_params(ctx.preset, stage_layers[r], g.tp, r == 0, r == pp - 1)
+                 for r in {0, pp - 1, stage_layers.index(max(stage_layers))})
+    return (MASTER_BYTES + GRAD_BYTES + OPTIMIZER_BYTES) * params / (g.dp_shard * g.cp) / GIB
+
+
 def _shard_options(dp: int, inner: int, per_node: int) -> list[int]:
     """FSDP shard degrees worth trying: 1 (replicas only), whole powers of two that
     end on node boundaries (HSDP: shard inside a group of nodes, torchft replicas
@@ -203,12 +212,31 @@ def plan(request: PlanRequest) -> Plan:
         queue.append((-bounds[bound_key], n, g))
     queue.sort()
     pruned = 0
+    margin = 1 - request.replica_preference_margin
+    capacity = ctx.sku.memory_gib * request.memory_utilization
     for rank, (neg_bound, _, g) in enumerate(queue):
-        if feasible and -neg_bound < max(feasible)[0] * (1 - request.replica_preference_margin):
-            pruned = len(queue) - rank  # none of the rest can beat the best so far
-            break
+        if feasible:
+            best_score, _, leader = max(feasible)
+            if -neg_bound < best_score * margin:
+                pruned += len(queue) - rank  # none of the rest can beat the best so far
+                break
+            if -neg_bound < best_score and g.dp_replicate <= leader.layout.dp_replicate:
+                pruned += 1  # slower, and no more replica groups to make up for it
+                continue
         oom_key = (g.tp, g.cp, g.pp, g.schedule, g.virtual, g.precision, "oom")
         if oom_key in structural:
+            continue
+        if _state_gib(ctx, g, checked[(g.tp, g.cp, g.pp, g.virtual, g.precision)]) > capacity:
+            # weights, gradients and AdamW state alone overflow: no micro-batch or
+            # recompute helps, and smaller shard degrees (later in the queue) need more
+            i += 1
+            _record(failures, counts, reached, ItoError(
+                ErrorCode.plan_out_of_memory,
+                f"weights, gradients and optimizer state alone need "
+                f"{_state_gib(ctx, g, checked[(g.tp, g.cp, g.pp, g.virtual, g.precision)]):.1f}"
+                f" GiB per GPU, over the usable {capacity:.1f} GiB of {ctx.sku.name}",
+                details={"peak_memory_gib": 1e9}), g.layout(g.micro_batches[0], "full"), i, keep)
+            structural.add(oom_key)
             continue
         any_memory_fit = False
         for ac in g.recompute:
