@@ -10,14 +10,16 @@ rounds in one folder, so load from other processes hits all three alike:
 2. sync save: ``torch.distributed.checkpoint.save`` with fsync (what a training
    loop blocks for without async checkpointing);
 3. async saves: ``stages.checkpointing.Checkpointer`` (``dcp.async_save``, cached
-   CPU staging buffers, commit on completion) in both staging modes, with the
-   state mutated first, as training would. Blocking = time inside ``save()``;
-   staged = until the copy is done (``inline``: the same; ``background``: the
-   loop may run forward/backward meanwhile and waits before ``optimizer.step``);
-   bandwidth = bytes / (save call to commit, fsyncs included).
+   CPU staging buffers, commit on completion) in both staging modes, as a loop
+   does it: ``save()``, then ``--step-s`` of main-thread compute (the next
+   step's forward/backward), then ``optimizer.step()``, then the weights change.
+   Blocking = time in ``save()`` + time ``optimizer.step()`` waited for the copy
+   (``inline``: all of the copy is in ``save()``; ``background``: only what the
+   compute did not cover). Staged = until the copy was done; bandwidth = bytes /
+   (start of the save to commit, fsyncs included).
 
-Medians over the rounds are reported. ``--compute-check`` also measures how much
-a compute loop on the main thread slows down while the background write runs.
+Medians over the rounds are reported, and how much slower the compute ran right
+after ``save()`` than idle (staging and writing share the 2 cores and the GIL).
 
     .venv/bin/python benchmarks/checkpoint.py --state-mb 1024
 
@@ -49,9 +51,9 @@ from stages.checkpointing import Checkpointer, CheckpointPolicy
 
 MB = 1 << 20
 DISK_CHUNK = 8 * MB
-# "inline": save() copies the state into cached CPU buffers before it returns (the
-# Checkpointer default). "background": the copy runs on a staging thread; save()
-# returns at once and the loop calls wait_staged() before optimizer.step().
+# "background" (the Checkpointer default): the copy runs on a staging thread, save()
+# returns at once, and the next optimizer.step() waits for it. "inline": save()
+# copies the state into cached CPU buffers before it returns.
 MODES = ("background", "inline")
 
 
@@ -113,16 +115,19 @@ def compute_rate(seconds: float) -> float:
 
 
 def async_round(ck: Checkpointer, step: int, state: dict[str, dict[str, torch.Tensor]],
-                compute_check: bool) -> dict[str, float]:
-    """One async save as a training loop does it; the figures of that save."""
-    for t in state["model"].values():  # training moved the weights
-        t.add_(1.0)
+                optimizer: torch.optim.Optimizer, step_s: float) -> dict[str, float]:
+    """One async save as a training loop does it: save, the next step's forward and
+    backward (``step_s`` of main-thread compute), then ``optimizer.step()``, which
+    waits for a background copy still running. Blocking = save() + that wait."""
     t0 = time.perf_counter()
-    ck.save(step, state)
+    ck.save(step, state, guard=optimizer)
     block = time.perf_counter() - t0
-    # Forward/backward may run here; the loop waits for the copy before optimizer.step.
-    busy = compute_rate(0.5) if compute_check else 0.0
-    ck.wait_staged()
+    busy = compute_rate(step_s) if step_s > 0 else 0.0
+    t1 = time.perf_counter()
+    optimizer.step()
+    block += time.perf_counter() - t1
+    for t in state["model"].values():  # the optimizer moved the weights
+        t.add_(1.0)
     record = ck.wait()
     assert record is not None
     return {"block": block, "staged": record.staged_s, "total": record.total_s,
@@ -140,8 +145,9 @@ def main() -> None:
                     help="which async mode the headline figures report (both are measured)")
     ap.add_argument("--dir", type=Path, default=None,
                     help="folder on the disk to measure (default: a temp folder)")
-    ap.add_argument("--compute-check", action="store_true",
-                    help="also measure main-thread compute slowdown during a background write")
+    ap.add_argument("--step-s", type=float, default=0.5,
+                    help="forward/backward time between save() and optimizer.step() "
+                         "(main-thread compute; 0 = step right after save)")
     args = ap.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
@@ -151,7 +157,9 @@ def main() -> None:
         state_mb = nbytes / MB
         print(f"state: {state_mb:.0f} MB in "
               f"{sum(len(d) for d in state.values())} tensors; folder {root}", flush=True)
-        idle = compute_rate(0.5) if args.compute_check else 0.0
+        idle = compute_rate(args.step_s) if args.step_s > 0 else 0.0
+        # The loop's optimizer: its step() is where a background copy is waited for.
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
 
         checkpointers = {
             mode: Checkpointer(CheckpointPolicy(storage_uri=f"file://{root / mode}",
@@ -162,7 +170,8 @@ def main() -> None:
         sync_s: list[float] = []
         rounds: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
         try:
-            first = {mode: async_round(ck, 0, state, False) for mode, ck in checkpointers.items()}
+            first = {mode: async_round(ck, 0, state, optimizer, args.step_s)
+                     for mode, ck in checkpointers.items()}
             for mode, r in first.items():
                 print(f"warm-up {mode} async save (allocates staging buffers): blocking "
                       f"{r['block']:.3f} s, staged {r['staged']:.3f} s", flush=True)
@@ -174,7 +183,7 @@ def main() -> None:
                 line = (f"round {i}: raw disk {disk_s[-1]:.2f} s "
                         f"({state_mb / disk_s[-1]:.0f} MB/s) | sync save {sync_s[-1]:.2f} s")
                 for mode, ck in checkpointers.items():
-                    r = async_round(ck, i, state, args.compute_check)
+                    r = async_round(ck, i, state, optimizer, args.step_s)
                     rounds[mode].append(r)
                     line += (f" | {mode}: blocking {r['block']:.3f} s, staged {r['staged']:.3f} s"
                              f", total {r['total']:.2f} s ({r['mb_per_s']:.0f} MB/s)")
@@ -187,11 +196,11 @@ def main() -> None:
             return statistics.median(r[key] for r in rounds[mode])
 
         slowdown = None
-        if args.compute_check:
+        if args.step_s > 0:
             busy = statistics.median(r["busy"] for m in MODES for r in rounds[m])
             slowdown = round(idle / busy, 2)
-            print(f"compute: {idle:.0f} matmuls/s idle, {busy:.0f} while the save writes "
-                  f"({slowdown}x slower)", flush=True)
+            print(f"compute: {idle:.0f} matmuls/s idle, {busy:.0f} right after save() "
+                  f"({slowdown}x slower while staging/writing)", flush=True)
 
         mode = args.staging
         async_block_s = med(mode, "block")
@@ -216,6 +225,7 @@ def main() -> None:
             "checkpoint_bytes": int(rounds[mode][-1]["bytes"]),
             "disk_runs_s": [round(x, 3) for x in disk_s],
             "sync_runs_s": [round(x, 3) for x in sync_s],
+            "step_s": args.step_s,
             "compute_slowdown": slowdown,
         }
         print(json.dumps(result), flush=True)

@@ -1,16 +1,20 @@
 """Asynchronous DCP checkpointing on a run's checkpoint policy.
 
-The training loop asks ``due(step)``, calls ``save(step, state)`` (blocking only
-for the copy of the state into reused CPU staging buffers), and keeps training
-while a background thread writes and fsyncs the files; the checkpoint is
-committed (see ``storage``) once DCP has finished, and older ones beyond
-``keep`` are deleted only after that. ``poll()`` hands completed saves to the
-loop for ``CheckpointEvent``s.
+The training loop asks ``due(step)`` and calls ``save(step, state)``; a background
+thread writes and fsyncs the files while training goes on; the checkpoint is
+committed (see ``storage``) once DCP has finished, and older ones beyond ``keep``
+are deleted only after that. ``poll()`` hands completed saves to the loop for
+``CheckpointEvent``s.
 
-With ``async_staging=True`` even the copy runs in the background and ``save``
-returns at once; the loop must then call ``wait_staged()`` before it next
-mutates the state (before ``optimizer.step()``), so forward/backward overlap the
-copy (torchtitan's ``async_with_pinned_mem`` pattern).
+Staging (the copy of the state into CPU buffers that are cached across saves) is
+what the loop can block on. With ``async_staging=True`` (the default; torchtitan's
+``async_with_pinned_mem``) it runs on a staging thread and ``save`` returns at
+once: forward/backward overlap the copy, and a one-shot step pre-hook on the
+state's optimizer makes the next ``optimizer.step()`` wait for it, so the saved
+state is exactly the state at ``save``. Anything else that mutates the state
+in place before the next step (e.g. a torchft heal loading a peer's weights) must
+call ``wait_staged()`` first. With ``async_staging=False``, ``save`` returns only
+after the copy.
 
 Multi-rank: pass a dedicated gloo ``process_group`` (the save thread runs DCP's
 collectives on it, which must not interleave with the training collectives).
@@ -39,6 +43,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.hooks import RemovableHandle
 
 from stages.checkpointing.config import CheckpointPolicy
 from stages.checkpointing.storage import (
@@ -95,13 +100,14 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     record: CheckpointRecord | None = None
     error: BaseException | None = None
+    hook: RemovableHandle | None = None
 
 
 class Checkpointer:
     """Async DCP saves with commit-on-complete, keep-last-K and interval policy."""
 
     def __init__(self, policy: CheckpointPolicy, *, process_group: dist.ProcessGroup | None = None,
-                 run_label: str = "", async_staging: bool = False,
+                 run_label: str = "", async_staging: bool = True,
                  writer_threads: int = WRITER_THREADS, save_timeout_s: float = SAVE_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic):
         self.policy = policy
@@ -152,9 +158,15 @@ class Checkpointer:
         return False
 
     # --- saving ---------------------------------------------------------------------
-    def save(self, step: int, state: StateLike, *, now: float | None = None) -> None:
-        """Start an async save of ``state`` at ``step``; returns once it is staged
-        (or, with ``async_staging``, once it is submitted)."""
+    def save(self, step: int, state: StateLike, *, now: float | None = None,
+             guard: torch.optim.Optimizer | None = None) -> None:
+        """Start an async save of ``state`` at ``step``.
+
+        Inline staging: returns once the state is copied. Background staging: returns
+        at once, and the copy is guarded by a one-shot step pre-hook on ``guard`` (by
+        default ``state.optimizer``, e.g. a ``TrainState``'s), so the next
+        ``optimizer.step()`` waits for it; with nothing to guard, the copy is awaited
+        here. Either way the state may be mutated by the optimizer afterwards."""
         if self._closed:
             raise ItoError(ErrorCode.invalid_state, "checkpointer is closed")
         t0 = time.perf_counter()
@@ -188,10 +200,25 @@ class Checkpointer:
                                                          time.perf_counter() - t1))
         self._pending = pending
         upload.add_done_callback(lambda fut: self._finish(pending, fut))
+        if staging is not None:
+            guard = guard if guard is not None else getattr(state, "optimizer", None)
+            if isinstance(guard, torch.optim.Optimizer):
+                pending.hook = guard.register_step_pre_hook(
+                    lambda _opt, _args, _kwargs: self._staged_before_step(pending))
+            else:
+                self.wait_staged()
+
+    def _staged_before_step(self, pending: _Pending) -> None:
+        if pending.hook is not None:
+            pending.hook.remove()
+            pending.hook = None
+        if self._pending is pending:
+            self.wait_staged()
 
     def wait_staged(self) -> None:
-        """With ``async_staging``: block until the state has been copied, so the loop
-        may mutate it. A no-op otherwise."""
+        """Block until the in-flight save's state copy is complete (background staging;
+        a no-op otherwise). Called by the optimizer guard; call it yourself before
+        mutating a state in any other way."""
         pending = self._pending
         if pending is None or pending.staging is None or pending.staging.done():
             return
@@ -238,6 +265,9 @@ class Checkpointer:
                            f"checkpoint save at step {pending.step} did not finish in "
                            f"{self._save_timeout_s:.0f} s")
         self._pending = None
+        if pending.hook is not None:  # staged long ago; the optimizer never stepped
+            pending.hook.remove()
+            pending.hook = None
         self._raise_if_failed(pending)
         return pending.record
 

@@ -41,9 +41,8 @@ def test_resume_from_async_checkpoint_is_step_for_step_identical(
         state = tiny.state()
 
         def between(s: TrainState) -> None:
-            ck.wait_staged()  # a no-op without async staging
             if ck.due(s.step):
-                ck.save(s.step, s)
+                ck.save(s.step, s)  # the next optimizer.step() waits for the copy
 
         first = tiny.train(state, 8, between)
         ck.wait()
@@ -59,6 +58,54 @@ def test_resume_from_async_checkpoint_is_step_for_step_identical(
         ck.load(latest, resumed)
         assert resumed.step == 6
         assert tiny.train(resumed, 4) == reference[6:10]
+
+
+def _hold_staging(ck: Checkpointer, release: threading.Event) -> None:
+    """Make the background copy wait for ``release`` (only decides *when* it runs)."""
+    real_stage = ck._stager._stage
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert release.wait(COMMIT_HOLD_TIMEOUT_S)
+        return real_stage(*args, **kwargs)
+
+    ck._stager._stage = held  # type: ignore[method-assign]
+
+
+def test_background_copy_is_guarded_by_the_optimizer_step(
+        tiny: Tiny, policy: Callable[..., CheckpointPolicy]) -> None:
+    set_determinism(tiny.seed)
+    state = tiny.state()
+    tiny.train(state, 2)
+    before = {k: v.clone() for k, v in state.model.state_dict().items()}
+    with Checkpointer(policy(), async_staging=True) as ck:
+        release = threading.Event()
+        _hold_staging(ck, release)
+        ck.save(2, state)  # returns while the copy has not even started
+        threading.Timer(0.2, release.set).start()
+        tiny.train(state, 1)  # its optimizer.step() waits for the copy
+        record = ck.wait()
+    assert record is not None
+    assert not torch.equal(state.model.state_dict()["lm_head.weight"], before["lm_head.weight"])
+    restored = tiny.state(model_seed=tiny.seed + 5)
+    with Checkpointer(policy()) as ck:
+        ck.load(record, restored)
+    for k, v in restored.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_state_without_optimizer_is_copied_before_save_returns(
+        policy: Callable[..., CheckpointPolicy]) -> None:
+    state = {"w": torch.zeros(1000)}
+    with Checkpointer(policy(), async_staging=True) as ck:
+        release = threading.Event()
+        _hold_staging(ck, release)
+        threading.Timer(0.2, release.set).start()
+        ck.save(2, state)
+        state["w"].fill_(7)  # mutated right after save returns
+        record = ck.wait()
+        assert record is not None
+        ck.load(record, state)
+    assert torch.equal(state["w"], torch.zeros(1000))
 
 
 def test_records_are_complete_and_become_events(
