@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp8"], default="auto")
     p.add_argument("--mfu-floor", type=float, default=None)
+    p.add_argument("--min-replica-groups", type=int, default=1,
+                   help="torchft replica groups the plan must have")
     p.add_argument("--layout", default=None,
                    help="check hand-set degrees instead of searching, as JSON, e.g. "
                         "'{\"tp\": 8, \"pp\": 2, \"dp_shard\": -1}'")
@@ -47,7 +49,8 @@ def run(argv: list[str] | None = None) -> tuple[int, dict[str, Any]]:
             model=args.model, gpu_sku=args.gpu, gpus_per_node=args.gpus_per_node,
             node_count=args.nodes, fabric=args.fabric,
             global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
-            precision=args.precision, mfu_floor=args.mfu_floor)
+            precision=args.precision, mfu_floor=args.mfu_floor,
+            min_replica_groups=args.min_replica_groups)
         if args.layout:
             result = validate_layout(request, Layout.model_validate_json(args.layout))
         else:
@@ -83,4 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # piped into head: stop quietly, like other CLIs
+        sys.stderr.close()
+        sys.exit(1)
