@@ -86,6 +86,9 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
           = 8265,
           ray_num_cpus: Annotated[int | None, typer.Option(help="embedded Ray logical CPUs")]
           = None,
+          planner_gate: Annotated[bool, typer.Option(
+              "--planner-gate", help="refuse at submit what the parallelism planner "
+              "refuses, and price from its step time")] = False,
           log_level: str = "info") -> None:
     """Run the API server (uvicorn) on the store at --db."""
     if runtime == "ray":
@@ -96,7 +99,7 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    settings = Settings(db_path=db, var_dir=var_dir,
+    settings = Settings(db_path=db, var_dir=var_dir, planner_gate=planner_gate,
                         checkpoint_roots=tuple(checkpoint_root or ()))
     store = Store(db, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     rt: RunRuntime

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,6 +23,7 @@ from orchestrator.costing import (
     price_per_gpu_hour,
 )
 from orchestrator.manifest import Manifest
+from orchestrator.planning import total_steps
 from orchestrator.settings import Settings
 from stages.errors import ErrorCode, ItoError
 from stages.presets import load_model_preset
@@ -116,7 +118,8 @@ def check_checkpoint_storage(settings: Settings, m: Manifest) -> str:
 
 
 def estimate_run_cost(settings: Settings, m: Manifest, booking: dict[str, Any],
-                      profile: dict[str, Any], remaining_term_h: float) -> CostEstimate:
+                      profile: dict[str, Any], remaining_term_h: float,
+                      step_time_s: float | None = None) -> CostEstimate:
     preset = load_model_preset(m.model.preset)
     peak = gpu_bf16_flops(profile)
     if peak is None:
@@ -126,19 +129,26 @@ def estimate_run_cost(settings: Settings, m: Manifest, booking: dict[str, Any],
         gpus=int(booking["gpus_per_node"]) * int(booking["node_count"]),
         usd_per_gpu_hour=price_per_gpu_hour(settings.configs_dir, booking["gpu_sku"]),
         tokens=training_tokens(m), active_params=preset.active_params, peak_flops=peak,
-        mfu=settings.assumed_mfu, remaining_term_h=remaining_term_h)
+        mfu=settings.assumed_mfu, remaining_term_h=remaining_term_h, step_time_s=step_time_s,
+        steps=total_steps(m) if step_time_s is not None else None)
 
 
 def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
-             remaining_term_h: float) -> tuple[dict[str, Any], CostEstimate]:
-    """All server-side checks; returns (report, cost) or raises the first failure."""
+             remaining_term_h: float,
+             planner: Callable[[], float | None] | None = None,
+             ) -> tuple[dict[str, Any], CostEstimate]:
+    """All server-side checks; returns (report, cost) or raises the first failure.
+
+    ``planner`` (run after the other checks, before cost) raises the planner's refusal
+    or returns the planned step time, which then replaces the FLOP bound of the cost."""
     load_model_preset(m.model.preset)
     profile = gpu_profile(settings.configs_dir, booking["gpu_sku"])
     check_fabric(settings, booking["fabric"])
     capacity = check_capacity(m, booking, profile)
     n_refs = check_data_policy(settings, m)
     storage = check_checkpoint_storage(settings, m)
-    cost = estimate_run_cost(settings, m, booking, profile, remaining_term_h)
+    step_time_s = planner() if planner is not None else None
+    cost = estimate_run_cost(settings, m, booking, profile, remaining_term_h, step_time_s)
     if cost.total_usd > m.budget.ceiling_usd:
         raise ItoError(ErrorCode.budget_exceeded,
                        f"estimated cost ${cost.total_usd:,.2f} exceeds the budget ceiling "

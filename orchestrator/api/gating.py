@@ -10,6 +10,7 @@ from orchestrator.auth import Principal
 from orchestrator.bookings import check_eligibility
 from orchestrator.costing import CostEstimate
 from orchestrator.manifest import ParsedManifest, decode_b64, parse_manifest
+from orchestrator.planning import PlanResult, plan_manifest
 from orchestrator.validation import validate
 
 
@@ -27,10 +28,20 @@ def manifest_gate(g: Gates, c: Ctx, manifest_b64: str,
     return g.check("manifest", _gate)
 
 
-def validation_gate(g: Gates, c: Ctx, parsed: ParsedManifest,
-                    eligibility: dict[str, Any]) -> tuple[dict[str, Any], CostEstimate]:
+def validation_gate(g: Gates, c: Ctx, parsed: ParsedManifest, eligibility: dict[str, Any],
+                    ) -> tuple[dict[str, Any], CostEstimate, PlanResult]:
     remaining_h = (eligibility["_term_end_ts"] - time.time()) / 3600.0
-    return g.check("validation", validate, c.settings, parsed.model, eligibility, remaining_h)
+    planned = plan_manifest(parsed.model, eligibility)
+
+    def gate_plan() -> float | None:
+        if not c.settings.planner_gate:
+            return None
+        planned.raise_refusal()
+        return planned.step_time_s
+
+    report, cost = g.check("validation", validate, c.settings, parsed.model, eligibility,
+                           remaining_h, gate_plan)
+    return report, cost, planned
 
 
 def public(eligibility: dict[str, Any]) -> dict[str, Any]:

@@ -22,10 +22,11 @@ def plan(body: PlanRequest, creds: HTTPAuthorizationCredentials | None = Depends
         p = g.auth(creds, "runs:read")
         eligibility = booking_gate(g, c, p, body.booking_id)
         parsed = manifest_gate(g, c, body.manifest_b64, body.manifest_digest)
-        report, cost = validation_gate(g, c, parsed, eligibility)
+        report, cost, planned = validation_gate(g, c, parsed, eligibility)
     return ok({
         "booking_id": body.booking_id, "manifest_id": parsed.manifest_id,
         "manifest_digest": parsed.digest, "eligibility": public(eligibility),
         "validation": report, "cost_estimate_usd": cost.total_usd,
-        "incremental_cost_usd": cost.incremental_usd, "plan": None,
+        "incremental_cost_usd": cost.incremental_usd, "plan": planned.plan,
+        "plan_refusal": planned.refusal, "planner_gate": c.settings.planner_gate,
     }, notice="plan only: no run was created, no key reserved, no confirmation consumed")

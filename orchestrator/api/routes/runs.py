@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 import time
@@ -91,7 +92,7 @@ def _gated_create(c: Ctx, g: Gates, p: Principal, body: RunRequest, key: str,
                                   booking_id=body.booking_id, manifest_digest=parsed.digest)
     conf = g.check("confirmation", confirmations.resolve, store, body.confirmation_ref, expect)
     g.record("idempotency", True)
-    _report, cost = validation_gate(g, c, parsed, eligibility)
+    _report, cost, planned = validation_gate(g, c, parsed, eligibility)
     expect = replace(expect, cost_usd=cost.total_usd)
     g.check("confirmation_cost", confirmations.check, conf, expect)
     now = time.time()
@@ -101,7 +102,8 @@ def _gated_create(c: Ctx, g: Gates, p: Principal, body: RunRequest, key: str,
         "manifest_json": parsed.raw.decode("utf-8"), "idempotency_key": key,
         "request_sha256": request_sha, "state": str(RunState.accepted),
         "state_reason": "all gates passed", "cost_estimate_usd": cost.total_usd,
-        "plan": None, "data_prep": None, "created_at": now, "updated_at": now,
+        "plan": json.dumps(planned.plan) if c.settings.planner_gate and planned.plan else None,
+        "data_prep": None, "created_at": now, "updated_at": now,
     }
 
     def create(conn: sqlite3.Connection) -> Row:

@@ -1,0 +1,63 @@
+"""The parallelism plan of a manifest on a booking, from ``stages.parallelism``.
+
+Advisory by default: ``POST /v1/plans`` shows the plan (or the planner's refusal)
+and submit ignores it, because the run's own parallelism stage gates it later. With
+``Settings.planner_gate`` the refusal is a server-side validation failure (its
+``plan_*`` code, before any run exists), the planner's step time replaces the FLOP
+bound of the cost estimate, and the plan is stored on the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from orchestrator.manifest import Manifest
+from stages.errors import ErrorCode, ItoError
+from stages.parallelism import ParallelismConfig, plan, request_from
+
+log = logging.getLogger("ito.api")
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    plan: dict[str, Any] | None
+    refusal: dict[str, Any] | None
+    step_time_s: float | None
+
+    def raise_refusal(self) -> None:
+        if self.refusal is not None:
+            raise ItoError(ErrorCode(self.refusal["code"]), self.refusal["message"])
+
+
+def total_steps(m: Manifest) -> int:
+    """Optimizer steps of the run: pretraining plus every post-training stage."""
+    steps = m.training.steps
+    for stage in ("sft", "dpo", "rlvr"):
+        cfg = getattr(m.post_training, stage)
+        if cfg is not None:
+            steps += cfg.steps
+    return steps
+
+
+def plan_manifest(m: Manifest, booking: dict[str, Any]) -> PlanResult:
+    """Plan ``m`` on the booking's topology; a refusal is returned, not raised."""
+    config = ParallelismConfig(model=m.model.preset,
+                               global_batch_tokens=m.training.global_batch_tokens,
+                               seq_len=m.training.seq_len)
+    try:
+        chosen = plan(request_from(config, booking))
+    except ItoError as e:
+        return PlanResult(None, {"code": str(e.code), "message": e.message}, None)
+    except ValidationError as e:
+        message = "; ".join(str(x["msg"]) for x in e.errors(include_input=False)[:3])
+        return PlanResult(None, {"code": str(ErrorCode.plan_no_feasible),
+                                 "message": f"cannot plan: {message}"}, None)
+    except Exception:  # a planner bug must not take the advisory plan call down
+        log.exception("planner crashed")
+        return PlanResult(None, {"code": str(ErrorCode.internal_error),
+                                 "message": "the planner failed; see the server log"}, None)
+    return PlanResult(chosen.model_dump(mode="json"), None, chosen.step_time_s)
