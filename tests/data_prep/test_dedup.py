@@ -110,3 +110,21 @@ def test_forcing_ray_without_a_cluster_is_refused() -> None:
         dedup(["a b c"], use_ray=True)
     assert e.value.code == ErrorCode.ray_unavailable
     assert not ray.is_initialized()
+
+
+def test_banding_finds_the_same_candidates_as_datasketch_minhashlsh() -> None:
+    from datasketch import MinHashLSH
+
+    from stages.data_prep.minhash import Banding, candidate_pairs
+
+    texts, _ = planted_pair_corpus(150, 100, seed=6)
+    sig = signatures(ngram_hashes(word_batch(texts), 5), 128, seed=1)
+    bands, rows = lsh_params(0.8, 128)
+    lsh = MinHashLSH(num_perm=128, params=(bands, rows))
+    sketches = [MinHash(num_perm=128, seed=1, hashvalues=s, scheme="affine32") for s in sig]
+    for i, m in enumerate(sketches):
+        lsh.insert(i, m)
+    expected = {(min(i, j), max(i, j)) for i, m in enumerate(sketches)
+                for j in lsh.query(m) if j != i}
+    ours = {(int(i), int(j)) for i, j in candidate_pairs(sig, Banding(bands, rows))}
+    assert ours == expected and len(ours) >= 50
