@@ -100,7 +100,7 @@ def _manifest(path: Path, baseline: Path, custom: Path, ckpt_dir: Path) -> None:
             "refs": [ref(baseline, "baseline", "CPython 3.11 stdlib docstrings", "PSF-2.0"),
                      ref(custom, "custom", "GSM8K train (demo extract)", "MIT")],
             "eval_suites": ["gsm8k"],
-            "ladder_probe": {"enabled": True, "seeds": 2},
+            "ladder_probe": {"enabled": True, "seeds": 2, "token_budget": 60000},
         },
         "training": {"max_steps": 60, "seq_len": 128, "global_batch_tokens": 2048,
                      "learning_rate": 0.003, "warmup_steps": 5, "seed": 0},
