@@ -15,7 +15,7 @@ from stages.trainer.model import build_model, causal_lm_loss
 
 def _saved_bytes(preset: ModelPreset, dtype: torch.dtype, batch: int, seq: int) -> int:
     model = build_model(preset)
-    model.to(dtype=dtype)
+    torch.nn.Module.to(model, dtype)  # the nn.Module method: HF wraps .to oddly for mypy
     model.train()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, preset.vocab_size, (batch, seq), generator=generator)
