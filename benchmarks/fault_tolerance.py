@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f.write(json.dumps({"text": f"doc {i}: " + "lorem ipsum dolor sit amet " * (i % 9 + 1)})
                     + "\n")
     ft_over = {} if args.heartbeat_ms is None else {
-        "heartbeat_timeout_ms": args.heartbeat_ms, "join_timeout_ms": args.heartbeat_ms}
+        "heartbeat_timeout_ms": args.heartbeat_ms}
 
     def config(spares: int, ckpt_dir: str) -> TrainStageConfig:
         return TrainStageConfig.model_validate(dict(

@@ -70,8 +70,11 @@ class FaultToleranceConfig(StrictModel):
     enabled: bool = True
     # Lighthouse: a replica group missing heartbeats this long is dropped from the quorum.
     heartbeat_timeout_ms: int = Field(default=1000, ge=50)
-    # Lighthouse: how long a quorum waits for stragglers before forming without them.
-    join_timeout_ms: int = Field(default=1000, ge=50)
+    # Lighthouse: how long a quorum waits for a live (still heartbeating) but slow group
+    # before forming without it. A dead group stops heartbeating and is dropped after
+    # heartbeat_timeout_ms whatever this is, so it only trades stragglers against
+    # spurious shrinks under load: generous.
+    join_timeout_ms: int = Field(default=5000, ge=50)
     # Lighthouse: how often it re-evaluates the quorum.
     quorum_tick_ms: int = Field(default=100, ge=10)
     # Manager -> lighthouse heartbeat period; must be well below heartbeat_timeout_ms.
