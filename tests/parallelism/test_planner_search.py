@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.base import StageContext
+from stages.base import Stage, StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.parallelism import (
     ParallelismConfig,
@@ -107,6 +107,7 @@ def _ctx(tmp_path: Path, booking: dict[str, object]) -> StageContext:
 def test_stage_passes_with_the_plan_as_artifact(tmp_path: Path) -> None:
     stage = ParallelismStage(ParallelismConfig(model="llama-tiny", global_batch_tokens=4096,
                                                seq_len=128))
+    assert isinstance(stage, Stage) and stage.name == "parallelism"
     out = stage.run(_ctx(tmp_path, {"gpu_sku": "cpu-testbed", "gpus_per_node": 2,
                                     "node_count": 1, "fabric": "loopback"}))
     assert out.status == "passed" and out.error_code is None
@@ -154,3 +155,11 @@ def test_cli_prints_the_refusal_envelope() -> None:
     assert rc == 2 and env["ok"] is False
     error = env["error"]
     assert isinstance(error, dict) and error["code"] == "plan_out_of_memory"
+
+
+def test_importing_the_planner_does_not_import_torch() -> None:
+    # the API server plans at request time; it must not pay for torch
+    code = "import sys, stages.parallelism; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
