@@ -1,0 +1,115 @@
+"""Fast checks of the engine's pure pieces: LR schedule, step -> data batch mapping,
+the fault-tolerance config's guards, the stage's data resolution, light imports, and
+the gradient allreduce against a real single-replica torchft Manager."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from stages.base import GateOutcome, StageContext
+from stages.errors import ItoError
+from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
+from stages.trainer.loop import data_index, lr_at
+from stages.trainer.stage import resolve_train_files
+
+
+def _cfg(**kw: object) -> TrainStageConfig:
+    base: dict[str, object] = dict(
+        model={"preset": "llama-tiny", "size": "0.1M"},
+        target={"max_steps": 10, "seq_len": 32, "global_batch_tokens": 256},
+        checkpoint={"interval_steps": 5, "storage_uri": "file:///tmp/x"})
+    base.update(kw)
+    return TrainStageConfig.model_validate(base, strict=False)
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor() -> None:
+    lrs = [lr_at(s, base_lr=1.0, warmup=4, total=20) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in itertools.pairwise(lrs[3:]))
+    assert lr_at(20, base_lr=1.0, warmup=4, total=20) == pytest.approx(0.1)
+    assert lr_at(10_000, base_lr=1.0, warmup=4, total=20) == pytest.approx(0.1)
+
+
+def test_data_index_skips_windows_without_changing_earlier_steps() -> None:
+    assert [data_index(s, []) for s in range(5)] == [0, 1, 2, 3, 4]
+    windows = [(30, 35)]
+    # Steps before the window keep their batches; from the window on, 5 are skipped.
+    assert [data_index(s, windows) for s in (29, 30, 31)] == [29, 35, 36]
+    # A later window stacks on the first one (it starts where the loop then was).
+    two = [(30, 35), (45, 47)]
+    assert data_index(39, two) == 44
+    assert data_index(40, two) == 47
+
+
+def test_quorum_timeout_must_exceed_heartbeat_timeout() -> None:
+    with pytest.raises(ValidationError, match="quorum_timeout_s"):
+        FaultToleranceConfig(heartbeat_timeout_ms=5000, quorum_timeout_s=2.0)
+    with pytest.raises(ValidationError, match="heartbeat_interval_ms"):
+        FaultToleranceConfig(heartbeat_timeout_ms=500, heartbeat_interval_ms=400)
+    d = FaultToleranceConfig()
+    # The defaults notice a dead group within 3 s (heartbeat timeout + a tick).
+    assert d.heartbeat_timeout_ms + d.quorum_tick_ms < 3000
+    assert d.quorum_timeout_s * 1000 > d.heartbeat_timeout_ms
+
+
+def test_micro_batch_splits_the_global_batch_over_every_rank() -> None:
+    assert _cfg(replica_groups=2).micro_batch == 4
+    assert _cfg(replica_groups=4, ranks_per_group=2).micro_batch == 1
+
+
+def test_train_files_come_from_config_or_data_prep(tmp_path: Path) -> None:
+    ctx = StageContext(run_id="r", booking_id="b", workdir=tmp_path)
+    with pytest.raises(ItoError) as e:
+        resolve_train_files(_cfg(), ctx)
+    assert e.value.code == "data_not_found"
+    ctx.previous["data_prep"] = GateOutcome(
+        stage="data_prep", status="passed", reason="ok",
+        artifacts={"train_files": {"custom": ["/d/c.jsonl"], "baseline": ["/d/b.jsonl"]}})
+    assert resolve_train_files(_cfg(), ctx) == [Path("/d/b.jsonl"), Path("/d/c.jsonl")]
+    own = _cfg(train_files=["file:///x/a.jsonl"])
+    assert resolve_train_files(own, ctx) == [Path("/x/a.jsonl")]
+
+
+def test_importing_stages_trainer_pulls_in_neither_ray_nor_torchft() -> None:
+    code = ("import sys, stages.trainer as t; t.TrainStageConfig; "
+            "print(any(m == 'ray' or m.startswith('torchft') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "False"
+
+
+def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() -> None:
+    """One replica group against a real lighthouse: the averaged gradient of a
+    quorum of one is the gradient itself, bucket boundaries included."""
+    from torch.distributed import TCPStore
+
+    from stages.trainer import ft
+
+    cfg = FaultToleranceConfig()
+    lighthouse = ft.start_lighthouse(cfg)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    manager = ft.build_manager(
+        cfg, pg=ft.build_process_group(cfg, "cpu"), replica_group=0, rank=0,
+        ranks_per_group=1, store_addr="127.0.0.1", store_port=store.port,
+        lighthouse_addr=lighthouse.address(), load_state_dict=lambda _s: None,
+        state_dict=lambda: {})
+    try:
+        model(torch.randn(4, 8)).sum().backward()
+        before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        manager.start_quorum()
+        ft.allreduce_gradients(manager, model.parameters(), bucket_bytes=64)
+        after = [p.grad for p in model.parameters() if p.grad is not None]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        assert manager.should_commit()
+        assert manager.current_step() == 1
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()
