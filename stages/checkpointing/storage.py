@@ -122,9 +122,16 @@ def read_record(ckpt_dir: Path) -> CheckpointRecord | None:
     return record.model_copy(update={"path": str(ckpt_dir)})
 
 
+def _root(storage_dir: str | Path) -> Path:
+    """A folder path, or a policy's ``file:///abs/path`` storage URI."""
+    if isinstance(storage_dir, str) and storage_dir.startswith("file://"):
+        return Path(storage_dir.removeprefix("file://"))
+    return Path(storage_dir)
+
+
 def list_checkpoints(storage_dir: str | Path) -> list[CheckpointRecord]:
-    """Complete checkpoints in ``storage_dir``, oldest step first."""
-    root = Path(storage_dir)
+    """Complete checkpoints in ``storage_dir`` (a path or ``file://`` URI), oldest first."""
+    root = _root(storage_dir)
     if not root.is_dir():
         return []
     records = [r for p in root.iterdir() if p.is_dir() and (r := read_record(p)) is not None]
@@ -152,7 +159,7 @@ def sweep_incomplete(storage_dir: str | Path, *, label: str | None = None,
     ``older_than_s`` spares temp folders modified more recently (a save that may
     still be running in another process).
     """
-    root = Path(storage_dir)
+    root = _root(storage_dir)
     if not root.is_dir():
         return []
     prefix = TMP_PREFIX if label is None else tmp_prefix(label)
@@ -174,7 +181,7 @@ def sweep_incomplete(storage_dir: str | Path, *, label: str | None = None,
 
 def storage_usage(storage_dir: str | Path) -> dict[str, int]:
     """Bytes in complete checkpoints and in leftovers (for cleanup reports)."""
-    root = Path(storage_dir)
+    root = _root(storage_dir)
     complete = sum(r.bytes for r in list_checkpoints(root))
     leftovers = 0
     if root.is_dir():

@@ -130,6 +130,7 @@ def test_records_are_complete_and_become_events(
     assert record.bytes_per_s == pytest.approx(record.bytes / record.total_s)
     assert record.run_label == "run-1"
     assert list_checkpoints(path.parent) == [record]
+    assert list_checkpoints(f"file://{path.parent}") == [record]  # a policy's storage_uri
     event = record.to_event()
     assert isinstance(event, CheckpointEvent) and event.bytes == record.bytes
     assert storage_usage(path.parent) == {"complete_bytes": record.bytes, "leftover_bytes": 0}
