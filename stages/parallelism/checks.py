@@ -109,7 +109,7 @@ def split_layers(layers: int, pp: int, virtual: int, head_cost: float) -> tuple[
     chunks = pp * virtual
     if chunks > layers:
         return (), float("inf")
-    best: tuple[float, list[int]] | None = None
+    best: tuple[tuple[float, float], list[int]] | None = None
     for last in range(1, -(-layers // chunks) + 1):
         rest, others = layers - last, chunks - 1
         if others == 0:
@@ -127,17 +127,18 @@ def split_layers(layers: int, pp: int, virtual: int, head_cost: float) -> tuple[
         for j, c in enumerate(counts):
             per_rank[j % pp] += c
         per_rank[-1] += head_cost
-        score = max(per_rank)
+        # slowest rank first; among equals the most even split (Llama 3's 7, 8 x 14, 7)
+        score = (max(per_rank), sum(x * x for x in per_rank))
         if best is None or score < best[0]:
             best = (score, counts)
     if best is None:
         return (), float("inf")
-    score, counts = best
+    (slowest, _), counts = best
     mean = (layers + head_cost) / pp
     ranks = [0] * pp
     for j, c in enumerate(counts):
         ranks[j % pp] += c
-    return tuple(ranks), score / mean - 1
+    return tuple(ranks), slowest / mean - 1
 
 
 def check_pipeline(ctx: Context, layout: Layout) -> tuple[int, ...]:
