@@ -53,7 +53,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Group:
     """Layouts that differ only in micro-batch and recompute."""
 
@@ -67,6 +67,12 @@ class _Group:
     dp_replicate: int
     micro_batches: tuple[int, ...]
     recompute: tuple[ActivationCheckpointing, ...]
+    skip: bool = False  # set by the search: slower than the best, nothing to add
+
+    @property
+    def structure(self) -> tuple[int, int, int, int, str]:
+        """What the structural checks depend on: (tp, cp, pp, chunks, precision)."""
+        return (self.tp, self.cp, self.pp, self.virtual, self.precision)
 
     def layout(self, micro_batch: int, ac: ActivationCheckpointing) -> Layout:
         # values are valid by construction: skip validation in the hot loop
@@ -159,95 +165,125 @@ def plan(request: PlanRequest) -> Plan:
     alternatives it rejected. Raises the most informative refusal when none fits:
     the code of the candidates that got furthest through the checks, with the
     ranked rejected alternatives in ``ItoError.details["rejected"]``."""
-    ctx = resolve(request)
-    feasible: list[tuple[float, int, Assessment]] = []
-    failures: dict[ErrorCode, list[_Failure]] = {}
-    counts: dict[ErrorCode, int] = {}
-    reached: dict[ErrorCode, int] = {}  # furthest check stage per refusal code
-    keep = max(request.max_alternatives, 1)
-    i = 0
-    # Branch and bound: rule out whole groups with the checks that do not depend on
-    # micro-batch or recompute, then visit the rest best bound first and stop once
-    # no remaining group can beat the best layout found.
-    structural: set[tuple[object, ...]] = set()
+    search = _Search(resolve(request))
+    for g in search.queue():
+        if search.beaten(g):
+            break
+        search.explore(g)
+    return search.result()
 
-    def handicap(precision: str) -> float:
-        # auto precision takes fp8 only when it beats bf16 by fp8_min_speedup: rank
-        # (and prune) by tokens/s with fp8 discounted by that margin
-        auto_fp8 = request.precision == "auto" and precision == "fp8"
-        return request.fp8_min_speedup if auto_fp8 else 1.0
 
-    best_by_precision: dict[str, Assessment] = {}
-    queue: list[tuple[float, int, _Group]] = []
-    bounds: dict[tuple[object, ...], float] = {}
-    checked: dict[tuple[object, ...], tuple[int, ...]] = {}  # key -> stage layers
-    for n, g in enumerate(_groups(ctx)):
-        key = (g.tp, g.cp, g.pp, g.virtual, g.precision)
-        batch_key = (g.tp, g.cp, g.pp, g.virtual)
-        if key in structural or batch_key in structural:
-            continue
-        if key not in checked:
-            head = g.layout(g.micro_batches[0], g.recompute[0])
-            try:
-                check_tp(ctx, head)
-                stage_layers = check_pipeline(ctx, head)
-                check_precision(ctx, head)
-            except ItoError as err:
-                structural.add(key)
-                i += 1
-                _record(failures, counts, reached, err, head, i, keep)
+class _Search:
+    """Branch and bound: whole groups are ruled out by the checks that do not depend
+    on micro-batch or recompute, the rest are visited best bound first, and the
+    search stops once no remaining bound can beat the best layout found."""
+
+    def __init__(self, ctx: Context):
+        self.ctx, self.request = ctx, ctx.request
+        self.keep = max(self.request.max_alternatives, 1)
+        self.capacity = ctx.sku.memory_gib * self.request.memory_utilization
+        self.margin = 1 - self.request.replica_preference_margin
+        # the best feasible layouts: (score, -index, assessment), a bounded min-heap
+        self.feasible: list[tuple[float, int, Assessment]] = []
+        self.best_by_precision: dict[str, Assessment] = {}
+        self.failures: dict[ErrorCode, list[_Failure]] = {}
+        self.counts: dict[ErrorCode, int] = {}
+        self.reached: dict[ErrorCode, int] = {}  # furthest check stage per refusal code
+        self.ruled_out: set[tuple[object, ...]] = set()
+        self.stage_layers: dict[tuple[object, ...], tuple[int, ...]] = {}
+        self.assessed = 0
+        self.pruned = 0
+        self._queued = 0
+        self._bounds: list[float] = []
+
+    def handicap(self, precision: str) -> float:
+        """auto precision takes fp8 only when it beats bf16 by fp8_min_speedup: rank
+        (and prune) by tokens/s with fp8 discounted by that margin."""
+        auto_fp8 = self.request.precision == "auto" and precision == "fp8"
+        return self.request.fp8_min_speedup if auto_fp8 else 1.0
+
+    def record(self, err: ItoError, layout: Layout) -> None:
+        self.assessed += 1
+        _record(self.failures, self.counts, self.reached, err, layout, self.assessed, self.keep)
+
+    def queue(self) -> list[_Group]:
+        """Groups that pass the checks no dp split, micro-batch or recompute can
+        change, best speed bound first (ties keep the enumeration order: larger FSDP
+        shard degrees first)."""
+        ctx = self.ctx
+        queued: list[tuple[float, int, _Group]] = []
+        bounds: dict[tuple[object, ...], float] = {}
+        for n, g in enumerate(_groups(ctx)):
+            key, batch_key = g.structure, g.structure[:4]
+            if key in self.ruled_out or batch_key in self.ruled_out:
                 continue
-            try:  # the smallest micro-batch must divide the batch; dp is fixed by the key
-                check_batch(ctx, head, g.dp_shard)
-            except ItoError as err:
-                structural.add(batch_key)
-                i += 1
-                _record(failures, counts, reached, err, head, i, keep)
-                continue
-            checked[key] = stage_layers
-        stage_layers = checked[key]
-        bound_key = (g.tp, g.cp, g.pp, g.schedule, g.virtual, g.precision)
-        if bound_key not in bounds:  # the dp split does not enter the bound
-            bounds[bound_key] = _speed_bound(ctx, g, stage_layers) / handicap(g.precision)
-        queue.append((-bounds[bound_key], n, g))
-    queue.sort()
-    pruned = 0
-    margin = 1 - request.replica_preference_margin
-    capacity = ctx.sku.memory_gib * request.memory_utilization
-    for rank, (neg_bound, _, g) in enumerate(queue):
-        if feasible:
-            best_score, _, leader = max(feasible)
-            if -neg_bound < best_score * margin:
-                pruned += len(queue) - rank  # none of the rest can beat the best so far
-                break
-            if -neg_bound < best_score and g.dp_replicate <= leader.layout.dp_replicate:
-                pruned += 1  # slower, and no more replica groups to make up for it
-                continue
-        oom_key = (g.tp, g.cp, g.pp, g.schedule, g.virtual, g.precision, "oom")
-        if oom_key in structural:
-            continue
-        if _state_gib(ctx, g, checked[(g.tp, g.cp, g.pp, g.virtual, g.precision)]) > capacity:
+            if key not in self.stage_layers:
+                head = g.layout(g.micro_batches[0], g.recompute[0])
+                try:
+                    check_tp(ctx, head)
+                    layers = check_pipeline(ctx, head)
+                    check_precision(ctx, head)
+                except ItoError as err:
+                    self.ruled_out.add(key)
+                    self.record(err, head)
+                    continue
+                try:  # the smallest micro-batch must divide the batch (dp is in the key)
+                    check_batch(ctx, head, g.dp_shard)
+                except ItoError as err:
+                    self.ruled_out.add(batch_key)
+                    self.record(err, head)
+                    continue
+                self.stage_layers[key] = layers
+            bound_key = (*key, g.schedule)
+            if bound_key not in bounds:  # the dp split does not enter the bound
+                bounds[bound_key] = _speed_bound(ctx, g, self.stage_layers[key]) / \
+                    self.handicap(g.precision)
+            queued.append((-bounds[bound_key], n, g))
+        queued.sort()
+        self._bounds = [-b for b, _, _ in queued]
+        return [g for _, _, g in queued]
+
+    def beaten(self, g: _Group) -> bool:
+        """True when neither this group nor any after it can win (stop the search)."""
+        bound = self._bounds[self._queued]
+        self._queued += 1
+        if not self.feasible:
+            return False
+        best_score, _, leader = max(self.feasible)
+        if bound < best_score * self.margin:
+            self.pruned += len(self._bounds) - self._queued + 1
+            return True
+        if bound < best_score and g.dp_replicate <= leader.layout.dp_replicate:
+            self.pruned += 1  # slower, and no more replica groups to make up for it
+            g.skip = True
+        return False
+
+    def explore(self, g: _Group) -> None:
+        """Least recompute first, each by growing micro-batch."""
+        oom_key = (*g.structure, g.schedule, "oom")
+        if g.skip or oom_key in self.ruled_out:
+            return
+        state = _state_gib(self.ctx, g, self.stage_layers[g.structure])
+        if state > self.capacity:
             # weights, gradients and AdamW state alone overflow: no micro-batch or
             # recompute helps, and smaller shard degrees (later in the queue) need more
-            i += 1
-            _record(failures, counts, reached, ItoError(
+            self.record(ItoError(
                 ErrorCode.plan_out_of_memory,
-                f"weights, gradients and optimizer state alone need "
-                f"{_state_gib(ctx, g, checked[(g.tp, g.cp, g.pp, g.virtual, g.precision)]):.1f}"
-                f" GiB per GPU, over the usable {capacity:.1f} GiB of {ctx.sku.name}",
-                details={"peak_memory_gib": 1e9}), g.layout(g.micro_batches[0], "full"), i, keep)
-            structural.add(oom_key)
-            continue
+                f"weights, gradients and optimizer state alone need {state:.1f} GiB per "
+                f"GPU, over the usable {self.capacity:.1f} GiB of {self.ctx.sku.name}",
+                details={"peak_memory_gib": round(state, 2)}),
+                g.layout(g.micro_batches[0], "full"))
+            self.ruled_out.add(oom_key)
+            return
         any_memory_fit = False
         for ac in g.recompute:
             fitted = stop_group = False
             for mb in g.micro_batches:
                 layout = g.layout(mb, ac)
-                i += 1
                 try:
-                    a = assess(ctx, layout)
+                    a = assess(self.ctx, layout)
                 except ItoError as err:
-                    _record(failures, counts, reached, err, layout, i, keep)
+                    self.record(err, layout)
                     if err.code == ErrorCode.plan_pp_bubble_too_large:
                         # fewer, larger micro-batches or more recompute only grow it
                         any_memory_fit = stop_group = True
@@ -258,55 +294,65 @@ def plan(request: PlanRequest) -> Plan:
                         any_memory_fit = stop_group = True
                         continue
                     break  # memory and batch refusals only get worse with micro-batch
+                self.assessed += 1
                 fitted = any_memory_fit = True
-                # prefer faster; on ties the simpler layout (earlier candidate)
-                heapq.heappush(feasible, (a.tokens_per_s / handicap(layout.precision), -i, a))
-                if len(feasible) > keep + 1:
-                    heapq.heappop(feasible)
-                prev = best_by_precision.get(layout.precision)
-                if prev is None or a.tokens_per_s > prev.tokens_per_s:
-                    best_by_precision[layout.precision] = a
+                self.add(a)
             if fitted or stop_group:
                 break
         if not any_memory_fit:
-            # less sharding (the groups that follow) needs even more memory
-            structural.add((g.tp, g.cp, g.pp, g.schedule, g.virtual, g.precision, "oom"))
-    ranked_failures = _rank_failures(failures, reached)
-    if not feasible:
-        if not counts:
-            raise ItoError(ErrorCode.plan_no_feasible,
-                           f"no layout of {ctx.world} GPUs exists for {ctx.preset.name} with "
-                           f"at least {request.min_replica_groups} torchft replica group(s)")
-        code = max(counts, key=lambda c: (reached[c], counts[c]))
-        best = max(failures[code])
-        rejected = [r.model_dump() for r in _as_rejections(ranked_failures, [], keep)]
-        raise ItoError(code, f"no layout of {ctx.world} x {ctx.sku.name} fits "
-                       f"{ctx.preset.name}; the closest: {best.layout}: {best.reason}",
-                       details={"rejected": rejected,
-                                "refusal_counts": {str(k): v for k, v in counts.items()}})
-    ranked = sorted(feasible, key=lambda t: (t[0], t[1]), reverse=True)
-    # among layouts within the margin of the fastest, the most torchft replica groups
-    near = [t for t in ranked if t[0] >= ranked[0][0] * (1 - request.replica_preference_margin)]
-    pick = max(near, key=lambda t: (t[2].layout.dp_replicate, t[0], t[1]))
-    ranked.remove(pick)
-    ordered = [to_plan(ctx, a, explain=False) for _, _, a in [pick, *ranked]]
-    chosen = evaluate(ctx, ordered[0].layout(), explain=True)
-    fastest = ranked[0][2] if ranked and ranked[0][0] > pick[0] else None
-    if fastest is not None:
+            self.ruled_out.add(oom_key)  # less sharding (later groups) needs more memory
+
+    def add(self, a: Assessment) -> None:
+        # prefer faster; on ties the simpler layout (earlier candidate)
+        heapq.heappush(self.feasible,
+                       (a.tokens_per_s / self.handicap(a.layout.precision), -self.assessed, a))
+        if len(self.feasible) > self.keep + 1:
+            heapq.heappop(self.feasible)
+        prev = self.best_by_precision.get(a.layout.precision)
+        if prev is None or a.tokens_per_s > prev.tokens_per_s:
+            self.best_by_precision[a.layout.precision] = a
+
+    def result(self) -> Plan:
+        ctx, request = self.ctx, self.request
+        ranked_failures = _rank_failures(self.failures, self.reached)
+        if not self.feasible:
+            if not self.counts:
+                raise ItoError(ErrorCode.plan_no_feasible,
+                               f"no layout of {ctx.world} GPUs exists for {ctx.preset.name} "
+                               f"with at least {request.min_replica_groups} torchft replica "
+                               f"group(s)")
+            code = max(self.counts, key=lambda c: (self.reached[c], self.counts[c]))
+            best = max(self.failures[code])
+            rejected = [r.model_dump() for r in _as_rejections(ranked_failures, [], self.keep)]
+            raise ItoError(code, f"no layout of {ctx.world} x {ctx.sku.name} fits "
+                           f"{ctx.preset.name}; the closest: {best.layout}: {best.reason}",
+                           details={"rejected": rejected,
+                                    "refusal_counts": {str(k): v
+                                                       for k, v in self.counts.items()}})
+        ranked = sorted(self.feasible, key=lambda t: (t[0], t[1]), reverse=True)
+        # among layouts within the margin of the fastest, the most torchft replica groups
+        near = [t for t in ranked if t[0] >= ranked[0][0] * self.margin]
+        pick = max(near, key=lambda t: (t[2].layout.dp_replicate, t[0], t[1]))
+        ranked.remove(pick)
+        ordered = [to_plan(ctx, a, explain=False) for _, _, a in [pick, *ranked]]
+        chosen = evaluate(ctx, ordered[0].layout(), explain=True)
+        if ranked and ranked[0][0] > pick[0]:
+            fastest = ranked[0][2]
+            chosen.reasons.append(
+                f"{chosen.dp_replicate} torchft replica groups chosen over a layout with "
+                f"{fastest.layout.dp_replicate} that is predicted "
+                f"{fastest.tokens_per_s / chosen.tokens_per_s - 1:.1%} faster (within the "
+                f"{request.replica_preference_margin:.0%} fault-tolerance margin)")
+        if request.precision == "auto" and ctx.sku.supports_fp8:
+            chosen.reasons.append(_fp8_reason(chosen, self.best_by_precision,
+                                              request.fp8_min_speedup))
+        slower = [p for p in ordered if p.layout() != chosen.layout()]
+        alternatives = _as_rejections(ranked_failures, [(p, chosen) for p in slower], self.keep)
         chosen.reasons.append(
-            f"{chosen.dp_replicate} torchft replica groups chosen over a layout with "
-            f"{fastest.layout.dp_replicate} that is predicted "
-            f"{fastest.tokens_per_s / chosen.tokens_per_s - 1:.1%} faster (within the "
-            f"{request.replica_preference_margin:.0%} fault-tolerance margin)")
-    if request.precision == "auto" and ctx.sku.supports_fp8:
-        chosen.reasons.append(_fp8_reason(chosen, best_by_precision, request.fp8_min_speedup))
-    slower = [p for p in ordered if p.layout() != chosen.layout()]
-    alternatives = _as_rejections(ranked_failures, [(p, chosen) for p in slower], keep)
-    chosen.reasons.append(
-        f"fastest of {i} candidate layouts assessed ({pruned} groups skipped that could "
-        f"not beat it); "
-        + ", ".join(f"{v} refused {k}" for k, v in sorted(counts.items())))
-    return chosen.model_copy(update={"rejected": alternatives})
+            f"fastest of {self.assessed} candidate layouts assessed ({self.pruned} groups "
+            f"skipped that could not beat it); "
+            + ", ".join(f"{v} refused {k}" for k, v in sorted(self.counts.items())))
+        return chosen.model_copy(update={"rejected": alternatives})
 
 
 def _fp8_reason(chosen: Plan, best: dict[str, Assessment], margin: float) -> str:
