@@ -32,6 +32,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,8 +224,16 @@ class Checkpointer:
         if pending is None or pending.staging is None or pending.staging.done():
             return
         t0 = time.perf_counter()
-        pending.staging.result(timeout=self._save_timeout_s)
-        pending.blocking_s += time.perf_counter() - t0
+        try:
+            pending.staging.result(timeout=self._save_timeout_s)
+        except FutureTimeoutError as e:  # the copy may still be reading the state
+            raise ItoError(ErrorCode.checkpoint_storage_unwritable,
+                           f"checkpoint at step {pending.step}: state copy did not finish in "
+                           f"{self._save_timeout_s:.0f} s") from e
+        except (Exception, CheckpointException):  # nothing reads the state now; wait() reports
+            log.warning("checkpoint at step %d: state copy failed", pending.step)
+        finally:
+            pending.blocking_s += time.perf_counter() - t0
 
     def _finish(self, pending: _Pending, upload: Future[Any]) -> None:
         """Runs on the save thread once DCP has written (and fsynced) everything."""
