@@ -47,6 +47,7 @@ class _Failure:
     layout: str = field(compare=False)
     code: ErrorCode = field(compare=False)
     reason: str = field(compare=False)
+    degrees: Layout = field(compare=False)
 
 
 def _divisors(n: int) -> list[int]:
@@ -385,7 +386,8 @@ def _record(failures: dict[ErrorCode, list[_Failure]], counts: dict[ErrorCode, i
     closeness = -float(err.details.get("peak_memory_gib", 0.0))  # type: ignore[arg-type]
     if err.code == ErrorCode.plan_wasteful:
         closeness = float(err.details.get("mfu", 0.0))  # type: ignore[arg-type]
-    heapq.heappush(bucket, _Failure((closeness, -i), layout.label(), err.code, err.message))
+    heapq.heappush(bucket, _Failure((closeness, -i), layout.label(), err.code, err.message,
+                                            layout))
     if len(bucket) > keep:
         heapq.heappop(bucket)
 
@@ -404,7 +406,7 @@ def _as_rejections(failures: list[_Failure], slower: list[tuple[Plan, Plan]],
     rows: list[Rejection] = []
     for p, chosen in slower[:keep]:
         rows.append(Rejection(
-            rank=0, layout=p.layout().label(), code=None,
+            rank=0, layout=p.layout().label(), degrees=p.layout(), code=None,
             reason=(f"feasible but {1 - p.tokens_per_s / chosen.tokens_per_s:.1%} slower"
                     if p.tokens_per_s <= chosen.tokens_per_s else
                     f"feasible and {p.tokens_per_s / chosen.tokens_per_s - 1:.1%} faster, but "
@@ -415,7 +417,8 @@ def _as_rejections(failures: list[_Failure], slower: list[tuple[Plan, Plan]],
     ordered = [f for f in failures if firsts.get(f.code) is f]
     ordered += [f for f in failures if firsts.get(f.code) is not f]
     for f in ordered[:keep]:
-        rows.append(Rejection(rank=0, layout=f.layout, code=str(f.code), reason=f.reason))
+        rows.append(Rejection(rank=0, layout=f.layout, degrees=f.degrees, code=str(f.code),
+                              reason=f.reason))
     for i, row in enumerate(rows, 1):
         row.rank = i
     return rows

@@ -120,7 +120,8 @@ class Rejection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     rank: int
-    layout: str
+    layout: str = Field(description="short label, e.g. 'tp8 pp2 1F1B cp1 fsdp4 ...'")
+    degrees: Layout = Field(description="the layout itself: validate_layout() re-checks it")
     code: str | None = Field(description="refusal code, or None if feasible but slower")
     reason: str
     tokens_per_s: float | None = None

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from stages.errors import ErrorCode, ItoError
-from stages.parallelism import Layout, PlanRequest, plan, validate_layout
+from stages.parallelism import Layout, PlanRequest, Rejection, plan, validate_layout
 
 
 def _req(model: str = "llama3-8b", gpu: str = "H100-SXM", per_node: int = 8, nodes: int = 1,
@@ -131,3 +131,25 @@ def test_memory_beats_batch_size_as_the_reason_when_both_refuse() -> None:
     counts = info.value.details["refusal_counts"]
     assert isinstance(counts, dict) and counts.get("plan_wasteful", 0) > 0
     assert info.value.code == ErrorCode.plan_out_of_memory
+
+
+@pytest.mark.parametrize("request_", [
+    _req(model="llama3-405b", tokens=16 * 2**20),                      # all out of memory
+    _req(nodes=4, tokens=64 * 8192, mfu_floor=0.9),                     # all wasteful
+    _req(model="llama3-70b", nodes=8, tokens=2**23, max_alternatives=30),  # a plan
+], ids=["oom", "wasteful", "plan"])
+def test_every_rejected_alternative_revalidates_to_its_verdict(request_: PlanRequest) -> None:
+    try:
+        rows = plan(request_).rejected
+    except ItoError as err:
+        rejected = err.details["rejected"]
+        assert isinstance(rejected, list)
+        rows = [Rejection.model_validate(r) for r in rejected]
+    assert rows
+    for row in rows:
+        if row.code is None:
+            assert validate_layout(request_, row.degrees).tokens_per_s == row.tokens_per_s
+        else:
+            with pytest.raises(ItoError) as info:
+                validate_layout(request_, row.degrees)
+            assert info.value.code == row.code, row
