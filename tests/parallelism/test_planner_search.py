@@ -163,3 +163,12 @@ def test_importing_the_planner_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_long_context_405b_uses_context_parallelism_like_llama3() -> None:
+    # Llama 3 405B trained its 128k context stage with CP16 and TP8.
+    p = plan(PlanRequest(model="llama3.1-405b", gpu_sku="H100-SXM", gpus_per_node=8,
+                         node_count=1024, fabric="ib-ndr", global_batch_tokens=16 * 2**20,
+                         seq_len=131072))
+    assert p.tp == 8 and p.cp >= 8
+    assert p.peak_memory_gib <= p.memory.capacity
