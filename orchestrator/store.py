@@ -30,6 +30,7 @@ from stages.events import Event
 Row = dict[str, Any]
 _EVENT = TypeAdapter(Event)
 RUN_FIELDS = ("plan", "data_prep")
+WAL_RETRY_S = 0.01
 
 
 def new_id(prefix: str, nbytes: int = 8) -> str:
@@ -58,7 +59,7 @@ class Store:
                                    timeout=self.busy_timeout_ms / 1000)
             conn.row_factory = _row
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
-            conn.execute("PRAGMA journal_mode = WAL")
+            self._ensure_wal(conn)
             # FULL: an acknowledged commit survives a power cut, not only a SIGKILL.
             conn.execute("PRAGMA synchronous = FULL")
             conn.execute("PRAGMA foreign_keys = ON")
@@ -66,6 +67,24 @@ class Store:
             with self._lock:
                 self._all.append(conn)
         return conn
+
+    def _ensure_wal(self, conn: sqlite3.Connection) -> None:
+        """WAL is persistent in the file; only the first openers switch it. Switching
+        needs an exclusive lock and SQLite answers ``database is locked`` without
+        waiting when another opener holds one, so retry until the busy timeout."""
+        deadline = time.monotonic() + self.busy_timeout_ms / 1000
+        while True:
+            try:
+                mode = conn.execute("PRAGMA journal_mode").fetchone()["journal_mode"]
+                if mode == "wal" or conn.execute(
+                        "PRAGMA journal_mode = WAL").fetchone()["journal_mode"] == "wal":
+                    return
+            except sqlite3.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cannot put {self.path} in WAL mode")
+            time.sleep(WAL_RETRY_S)
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:

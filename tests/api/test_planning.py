@@ -9,16 +9,13 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 from helpers.manifests import manifest_payload
-from helpers.tenants import booking_doc, make_tenant
+from helpers.tenants import booking_doc, cpu_booking_doc, make_tenant
 
 from orchestrator.api import create_app
 from orchestrator.settings import Settings
 from orchestrator.store import Store
 
 from .conftest import Api, code_of
-
-CPU_BOOKING = {"gpu_sku": "cpu-testbed", "gpus_per_node": 2, "node_count": 1,
-               "fabric": "loopback"}
 
 
 def test_plan_is_advisory_by_default(api: Api) -> None:
@@ -36,7 +33,7 @@ def test_plan_is_advisory_by_default(api: Api) -> None:
 def gated(tmp_path: Path) -> Iterator[Api]:
     db = tmp_path / "ito.db"
     store = Store(db)
-    t = make_tenant(db, "acme", booking=booking_doc("bk-cpu", "acme", **CPU_BOOKING))
+    t = make_tenant(db, "acme", booking=cpu_booking_doc("bk-cpu", "acme"))
     settings = Settings(db_path=db, var_dir=tmp_path / "var", planner_gate=True)
     with TestClient(create_app(settings)) as client:
         yield Api(client, db, tmp_path, t, store)

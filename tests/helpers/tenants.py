@@ -34,6 +34,14 @@ def booking_doc(booking_id: str, account: str, **over: Any) -> dict[str, Any]:
     return {k: v for k, v in doc.items() if v is not None}
 
 
+def cpu_booking_doc(booking_id: str, account: str, gpus: int = 2, nodes: int = 1,
+                    **over: Any) -> dict[str, Any]:
+    """A booking of the CPU testbed (``cpu-testbed`` ranks over ``loopback``): what the
+    demo and Ray tests actually run on; the planner accepts llama-tiny on it."""
+    return booking_doc(booking_id, account, gpu_sku="cpu-testbed", gpus_per_node=gpus,
+                       node_count=nodes, fabric="loopback", region="local", **over)
+
+
 @dataclass
 class Tenant:
     account: str
