@@ -155,7 +155,7 @@ def get_logs(run_id: str, cursor: str | None = Query(default=None, max_length=32
     _read_run(c, creds, run_id)
     after = 0
     if cursor:
-        if not cursor.isdigit():
+        if not cursor.isdigit() or len(cursor) > 18:  # an SQLite INTEGER
             raise ItoError(ErrorCode.bad_request, "invalid cursor")
         after = int(cursor)
     rows = c.store.list_logs(run_id, after, min(limit, c.settings.logs_page_max))
