@@ -16,6 +16,7 @@ from typing import Any
 from orchestrator.launch import LaunchSpec
 from orchestrator.manifest import Manifest
 from stages.base import Stage, StageContext
+from stages.parallelism import ParallelismConfig
 
 StageFactory = Callable[[StageContext], Stage]
 
@@ -29,13 +30,23 @@ def _data_prep(manifest: Manifest) -> StageFactory:
     return make
 
 
-def _parallelism(manifest: Manifest) -> StageFactory:
-    def make(ctx: StageContext) -> Stage:
-        from stages.parallelism import ParallelismConfig, ParallelismStage
+def parallelism_config(manifest: Manifest, booking: dict[str, Any]) -> ParallelismConfig:
+    """What the planner is asked, for ``ito plan`` and for the run alike.
 
-        return ParallelismStage(ParallelismConfig(
-            model=manifest.model.preset, global_batch_tokens=manifest.training.global_batch_tokens,
-            seq_len=manifest.training.seq_len))
+    Live recovery needs a peer to heal from, so a booking of two or more GPUs is
+    planned with at least two torchft replica groups."""
+    gpus = int(booking.get("gpus_per_node") or 1) * int(booking.get("node_count") or 1)
+    return ParallelismConfig(model=manifest.model.preset,
+                             global_batch_tokens=manifest.training.global_batch_tokens,
+                             seq_len=manifest.training.seq_len,
+                             min_replica_groups=2 if gpus >= 2 else 1)
+
+
+def _parallelism(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
+    def make(ctx: StageContext) -> Stage:
+        from stages.parallelism import ParallelismStage
+
+        return ParallelismStage(parallelism_config(manifest, spec.facts.get("booking") or {}))
 
     return make
 
@@ -66,6 +77,6 @@ def build_pipeline(spec: LaunchSpec) -> list[tuple[str, StageFactory]]:
     manifest = Manifest.model_validate_json(spec.manifest_json)
     return [
         ("data_prep", _data_prep(manifest)),
-        ("parallelism", _parallelism(manifest)),
+        ("parallelism", _parallelism(manifest, spec)),
         ("train", _train(manifest, spec)),
     ]
