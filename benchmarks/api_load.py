@@ -352,10 +352,12 @@ def main() -> None:
                 stderr=subprocess.DEVNULL,
             )
             time.sleep(1.0)  # let py-spy attach
-        cpu0 = cpu_seconds(proc.pid)
+        cpu0, own0 = cpu_seconds(proc.pid), cpu_seconds(os.getpid())
         result = asyncio.run(load(url, t, body, run_id, refs, args))
         n = result["status_requests"] + result["submit_requests"]
         result["server_cpu_ms_per_request"] = round(1000 * (cpu_seconds(proc.pid) - cpu0) / n, 2)
+        # The load generator shares the cores: its own cost per request, for context.
+        result["client_cpu_ms_per_request"] = round(1000 * (cpu_seconds(os.getpid()) - own0) / n, 2)
         result["load_avg_1m"] = os.getloadavg()[0]
         if spy is not None:
             spy.wait(timeout=args.duration + 60)
