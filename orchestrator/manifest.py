@@ -29,9 +29,12 @@ from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget
 
 
 class Budget(StrictModel):
-    ceiling_usd: float = Field(gt=0, description="estimated cost of the run must not exceed it")
+    # Finite only: a NaN ceiling would make every comparison false, i.e. no budget.
+    ceiling_usd: float = Field(gt=0, allow_inf_nan=False,
+                               description="estimated cost of the run must not exceed it")
     max_incremental_cost_usd: float = Field(
-        ge=0, description="spend beyond what the booking's remaining term already covers")
+        ge=0, allow_inf_nan=False,
+        description="spend beyond what the booking's remaining term already covers")
 
 
 class Manifest(StrictModel):

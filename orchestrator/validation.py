@@ -7,6 +7,7 @@ Nothing here writes the store; the storage probe file is removed at once.
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from collections.abc import Callable
@@ -148,7 +149,14 @@ def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
     n_refs = check_data_policy(settings, m)
     storage = check_checkpoint_storage(settings, m)
     step_time_s = planner() if planner is not None else None
-    cost = estimate_run_cost(settings, m, booking, profile, remaining_term_h, step_time_s)
+    try:
+        cost = estimate_run_cost(settings, m, booking, profile, remaining_term_h, step_time_s)
+    except OverflowError:
+        raise ItoError(ErrorCode.budget_exceeded,
+                       "the cost estimate overflows: the training target is absurdly large"
+                       ) from None
+    if not math.isfinite(cost.total_usd):
+        raise ItoError(ErrorCode.budget_exceeded, "the cost estimate is not finite")
     if cost.total_usd > m.budget.ceiling_usd:
         raise ItoError(ErrorCode.budget_exceeded,
                        f"estimated cost ${cost.total_usd:,.2f} exceeds the budget ceiling "

@@ -110,3 +110,12 @@ def test_hostile_nesting_is_refused_not_crashing(raw: bytes) -> None:
     with pytest.raises(ItoError) as e:
         parse_manifest(raw)
     assert e.value.code == ErrorCode.manifest_invalid
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-1"])
+def test_budget_must_be_finite_and_positive(value: bytes) -> None:
+    raw = EXAMPLE.read_bytes().replace(b'"ceiling_usd": 5.0', b'"ceiling_usd": ' + value)
+    assert raw != EXAMPLE.read_bytes()
+    with pytest.raises(ItoError) as e:
+        parse_manifest(raw)
+    assert e.value.code == ErrorCode.manifest_invalid
