@@ -26,7 +26,7 @@ def read_json(path: Path) -> dict[str, Any]:
 def gpu_profile(configs_dir: Path, sku: str) -> dict[str, Any]:
     """``configs/gpus/<sku>.json``, or ``gpu_sku_unknown``."""
     path = configs_dir / "gpus" / f"{sku}.json"
-    if "/" in sku or sku.startswith(".") or not path.is_file():
+    if "/" in sku or "\x00" in sku or sku.startswith(".") or not path.is_file():
         raise ItoError(ErrorCode.gpu_sku_unknown, f"unknown GPU SKU {sku!r}")
     return read_json(path)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,7 @@ from stages.presets import load_model_preset
 
 # Weights (bf16 2) + grads (bf16 2) + Adam m, v and an fp32 master copy (12).
 BYTES_PER_PARAM = 16
+PRESET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def training_tokens(m: Manifest) -> int:
@@ -67,14 +69,21 @@ def check_capacity(m: Manifest, booking: dict[str, Any], profile: dict[str, Any]
 
 def check_fabric(settings: Settings, fabric: str) -> None:
     path = settings.configs_dir / "fabrics" / f"{fabric}.json"
-    if "/" in fabric or fabric.startswith(".") or not path.is_file():
+    if "/" in fabric or "\x00" in fabric or fabric.startswith(".") or not path.is_file():
         raise ItoError(ErrorCode.fabric_unknown, f"unknown fabric {fabric!r}")
+
+
+def _scheme(uri: str) -> str:
+    try:
+        return urlsplit(uri).scheme.lower()
+    except ValueError:  # e.g. an unbalanced IPv6 bracket
+        return ""
 
 
 def check_data_policy(settings: Settings, m: Manifest) -> int:
     refs = m.data_refs()
     for where, ref in refs:
-        scheme = urlsplit(ref.uri).scheme.lower()
+        scheme = _scheme(ref.uri)
         if scheme not in settings.allowed_data_schemes:
             raise ItoError(ErrorCode.data_scheme_not_allowed,
                            f"{where}: scheme {scheme or '(none)'}:// is not allowed; allowed: "
@@ -82,7 +91,7 @@ def check_data_policy(settings: Settings, m: Manifest) -> int:
         if not (ref.provenance.source.strip() and ref.provenance.license.strip()):
             raise ItoError(ErrorCode.data_provenance_missing, f"{where}: provenance is empty")
     for i, uri in enumerate(m.data.eval_files):
-        if urlsplit(uri).scheme.lower() not in settings.allowed_data_schemes:
+        if _scheme(uri) not in settings.allowed_data_schemes:
             raise ItoError(ErrorCode.data_scheme_not_allowed,
                            f"data.eval_files[{i}]: scheme not allowed")
     return len(refs)
@@ -142,6 +151,8 @@ def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
 
     ``planner`` (run after the other checks, before cost) raises the planner's refusal
     or returns the planned step time, which then replaces the FLOP bound of the cost."""
+    if not PRESET_NAME.match(m.model.preset):
+        raise ItoError(ErrorCode.model_preset_unknown, "model.preset is not a preset name")
     load_model_preset(m.model.preset)
     profile = gpu_profile(settings.configs_dir, booking["gpu_sku"])
     check_fabric(settings, booking["fabric"])

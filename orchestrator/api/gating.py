@@ -31,17 +31,20 @@ def manifest_gate(g: Gates, c: Ctx, manifest_b64: str,
 def validation_gate(g: Gates, c: Ctx, parsed: ParsedManifest, eligibility: dict[str, Any],
                     ) -> tuple[dict[str, Any], CostEstimate, PlanResult]:
     remaining_h = (eligibility["_term_end_ts"] - time.time()) / 3600.0
-    planned = plan_manifest(parsed.model, eligibility)
+    planned: list[PlanResult] = []
 
     def gate_plan() -> float | None:
+        # Called by validate() once every other check passed (so the planner only sees
+        # a known preset, SKU and fabric).
+        planned.append(plan_manifest(parsed.model, eligibility))
         if not c.settings.planner_gate:
             return None
-        planned.raise_refusal()
-        return planned.step_time_s
+        planned[0].raise_refusal()
+        return planned[0].step_time_s
 
     report, cost = g.check("validation", validate, c.settings, parsed.model, eligibility,
                            remaining_h, gate_plan)
-    return report, cost, planned
+    return report, cost, planned[0]
 
 
 def public(eligibility: dict[str, Any]) -> dict[str, Any]:

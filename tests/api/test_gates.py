@@ -255,6 +255,9 @@ def _v(api: Api, **sections: object) -> dict:
 
 @pytest.mark.parametrize("mutate, code", [
     (lambda api, m: m["model"].update(preset="llama-nope"), "model_preset_unknown"),
+    (lambda api, m: m["model"].update(preset="llama\u0000tiny"), "model_preset_unknown"),
+    (lambda api, m: m["data"]["refs"][0].update(uri="http://[::1/data"),
+     "data_scheme_not_allowed"),
     (lambda api, m: m["model"].update(preset="llama3-405b", size="405B"),
      "capacity_insufficient"),
     (lambda api, m: m["data"]["refs"][0].update(uri="s3://bucket/data.jsonl"),
