@@ -115,12 +115,12 @@ class FaultToleranceConfig(StrictModel):
 
 
 class LossSpikeInjection(StrictModel):
-    """Test knob: multiply the loss of one global data batch (a poisoned window).
+    """Test knob: multiply the loss of some data batches (poisoned data).
 
     Keyed by the data batch index, not the step, so that skipping the window on an
     approved restart really removes the poison."""
 
-    batch: int = Field(ge=0)
+    batches: list[int] = Field(min_length=1, max_length=16)
     scale: float = Field(default=50.0, gt=0)
 
 

@@ -69,6 +69,7 @@ class _Group:
     error: str | None = None
     finished: bool = False
     digest: str | None = None
+    paused: bool = False
 
 
 @dataclass
@@ -278,6 +279,7 @@ class TrainingEngine:
             grp.step = status["step"]
             grp.finished = status["phase"] == "finished"
             grp.digest = status.get("digest")
+            grp.paused = status.get("paused_at") is not None
         if status.get("error"):
             grp.error = status["error"]
         for raw in reply["events"]:
@@ -354,6 +356,12 @@ class TrainingEngine:
         spike = self._spike_pending
         assert spike is not None
         self.command_all("pause")
+        # Let every live group reach its pause (a straggler may first wait out the join
+        # timeout), so their last steps and saves are reported before the proposal.
+        deadline = time.time() + self.ft.join_timeout_ms / 1000 + self.ft.stop_timeout_s
+        while time.time() < deadline and not self.cancel_event.is_set() and not all(
+                g.paused or g.lost_at is not None or g.finished for g in self.groups):
+            self.poll_once(self.ft.poll_interval_s)
         # Restart from before the spike: a checkpoint at the spike step holds its update.
         candidates = [r.step for r in list_checkpoints(self.checkpoint_dir)
                       if r.step < spike["step"]]

@@ -353,7 +353,7 @@ class TrainLoop:
 
         loss = causal_lm_loss(self.model, input_ids)
         inj = self.cfg.inject_loss_spike
-        if inj is not None and batch_idx == inj.batch:
+        if inj is not None and batch_idx in inj.batches:
             loss = loss * inj.scale  # test knob: a poisoned data batch
         return loss
 

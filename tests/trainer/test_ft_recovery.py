@@ -177,52 +177,85 @@ def _kill_and_recover(run: Run, cfg: TrainStageConfig) -> None:
     assert Path(out.artifacts["final_checkpoint"]).name == f"step_{cfg.target.steps:08d}"
 
 
-def test_loss_spike_waits_for_approval_then_restarts_from_checkpoint(
+def test_loss_spike_waits_for_a_decision_declined_continues_approved_restarts(
         ray_local: None, tmp_path: Path) -> None:
-    spike_batch = 34
+    first, second = 24, 44  # poisoned data batches (steps 25 and 45)
     cfg = _config(
         tmp_path,
         target=TrainingTarget(max_steps=60, seq_len=32, global_batch_tokens=256,
                               warmup_steps=5),
         loss_spike=LossSpikeConfig(window=10, z_threshold=6.0, min_steps=10,
                                    skip_window_steps=4),
-        inject_loss_spike=LossSpikeInjection(batch=spike_batch, scale=50.0),
+        inject_loss_spike=LossSpikeInjection(batches=[first, second], scale=50.0),
         pace_step_s=0.02)
     with Run(cfg, tmp_path, "ftspike") as run:
-        _spike_then_approve(run, cfg, spike_batch)
+        _decline_then_approve(run, cfg, first, second)
 
 
-def _spike_then_approve(run: Run, cfg: TrainStageConfig, spike_batch: int) -> None:
-    prop = run.wait_for(lambda e: isinstance(e, ProposalEvent), "a proposal")
-    assert isinstance(prop, ProposalEvent)
-    assert prop.params["spike_step"] == spike_batch + 1
-    ckpt = prop.params["from_step"]
-    assert ckpt == 30 and prop.params["from_checkpoint"]
-    # Steps 31..35 (batches 30..34, the poisoned one included) are skipped.
-    assert prop.params["skip_batches"] == spike_batch + 1 - ckpt
-
-    # Paused: no step beyond the spike and no restart while nobody decided.
-    time.sleep(3.0)
+def _paused_at(run: Run, step: int) -> None:
+    """Nothing moves while nobody decided: no step beyond the spike, no restart."""
+    time.sleep(2.0)
     seen = len(run.events)
-    assert max(e.step for e in run.steps() if e.committed) == spike_batch + 1
+    assert max(e.step for e in run.steps() if e.committed) == step
     assert not any(isinstance(e, LogEvent) and "restored" in e.message for e in run.events)
     time.sleep(1.0)
-    assert not any(isinstance(e, StepEvent) for e in run.events[seen:])
+    late = [e for e in run.events[seen:] if isinstance(e, StepEvent)]
+    assert not late, late
 
-    decided_at = time.time()
-    run.ctx.decide(prop.proposal_id, "approved")
+
+def _decline_then_approve(run: Run, cfg: TrainStageConfig, first: int, second: int) -> None:
+    p1 = run.wait_for(lambda e: isinstance(e, ProposalEvent), "the first proposal")
+    assert isinstance(p1, ProposalEvent)
+    assert p1.params["spike_step"] == first + 1 and p1.params["from_step"] == 20
+    _paused_at(run, first + 1)
+    declined_at = time.time()
+    run.ctx.decide(p1.proposal_id, "declined")
+
+    # Declined: training continues from where it paused, no restore.
+    p2 = run.wait_for(lambda e: isinstance(e, ProposalEvent)
+                      and e.proposal_id != p1.proposal_id, "the second proposal")
+    assert isinstance(p2, ProposalEvent)
+    mid = [e for e in run.steps() if e.committed and declined_at < e.ts < p2.ts]
+    assert min(e.step for e in mid) == first + 2
+    ckpt = p2.params["from_step"]
+    assert p2.params["spike_step"] == second + 1 and ckpt == 40 and p2.params["from_checkpoint"]
+    # Steps 41..45 (batches 40..44, the poisoned one included) are skipped.
+    assert p2.params["skip_batches"] == second + 1 - ckpt
+    _paused_at(run, second + 1)
+
+    approved_at = time.time()
+    run.ctx.decide(p2.proposal_id, "approved")
     out = run.join()
     assert out.status == "passed", out.reason
     restored = [e for e in run.events if isinstance(e, LogEvent) and
-                f"restored checkpoint step {ckpt}, skipping data batches [30, 35)"
+                f"restored checkpoint step {ckpt}, skipping data batches [40, 45)"
                 in e.message]
     assert len(restored) == cfg.replica_groups
-    after = [e for e in run.steps() if e.committed and e.ts > decided_at]
+    assert all(e.ts > approved_at for e in restored)
+    after = [e for e in run.steps() if e.committed and e.ts > approved_at]
     # Every group trains again from the checkpoint's next step...
     assert min(e.step for e in after) == ckpt + 1
-    # ...and the poisoned batch is skipped: no second spike, one proposal only.
-    assert out.artifacts["proposals"] == [prop.proposal_id]
+    # ...and the poisoned batch is skipped: no third spike.
+    assert out.artifacts["proposals"] == [p1.proposal_id, p2.proposal_id]
     assert max(e.loss for e in after) < 20
     assert out.metrics["steps"] == cfg.target.steps
     assert any(isinstance(e, InterruptionEvent) and e.interruption_kind == "loss_spike"
                for e in run.events)
+
+
+def test_cancel_kills_every_actor_of_the_run(ray_local: None, tmp_path: Path) -> None:
+    import ray
+
+    cfg = _config(tmp_path, replica_groups=1, spare_groups=1)
+    with Run(cfg, tmp_path, "ftcancel") as run:
+        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed, "a step")
+        names = [n for n in ray.util.list_named_actors() if n.startswith("run-ftcancel-")]
+        assert {"run-ftcancel-lighthouse", "run-ftcancel-trainer-rg0-rank0",
+                "run-ftcancel-trainer-spare0-rank0"} <= set(names)
+        run.ctx.cancel_event.set()
+        out = run.join()
+    assert out.status == "failed" and out.reason == "cancelled"
+    deadline = time.time() + 30
+    while any(n.startswith("run-ftcancel-") for n in ray.util.list_named_actors()):
+        assert time.time() < deadline, "actors outlived the cancelled run"
+        time.sleep(0.5)
