@@ -72,7 +72,7 @@ def _audit(db: Path, action: str, account_id: str | None = None, key_id: str | N
 @app.command()
 def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
           runtime: Annotated[str, typer.Option(
-              help="ray (supervisor + RunDriver actors) or none (runs stay accepted)")] = "none",
+              help="ray (supervisor + RunDriver actors) or none (runs stay accepted)")] = "ray",
           var_dir: Annotated[Path, typer.Option("--var-dir", envvar="ITO_VAR_DIR",
                                                 help="run scratch space")] = Path("/tmp/ito-var"),
           checkpoint_root: Annotated[list[Path] | None, typer.Option(
@@ -87,8 +87,8 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
           ray_num_cpus: Annotated[int | None, typer.Option(help="embedded Ray logical CPUs")]
           = None,
           planner_gate: Annotated[bool, typer.Option(
-              "--planner-gate", help="refuse at submit what the parallelism planner "
-              "refuses, and price from its step time")] = False,
+              "--planner-gate/--no-planner-gate", help="refuse at submit what the "
+              "parallelism planner refuses, and price from its step time")] = True,
           log_level: str = "info") -> None:
     """Run the API server (uvicorn) on the store at --db."""
     if runtime == "ray":

@@ -1,43 +1,53 @@
-"""A run's metrics computed from its stored events (the runtime may supply richer ones).
+"""A run's metrics from its stored events: ``orchestrator.telemetry`` over the store.
 
-goodput = committed productive step seconds / elapsed wall-clock of the run so far.
+The same numbers serve ``GET /v1/runs/{id}/metrics``, ``ito metrics`` and the
+Prometheus families at ``/metrics``.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from typing import Any
 
-from orchestrator.store import Store
+from orchestrator.prometheus import RunSample
+from orchestrator.runs import TERMINAL, RunState
+from orchestrator.store import Row, Store
+from orchestrator.telemetry import RunMetrics, compute_run_metrics
+
+TELEMETRY_KINDS = ("step", "phase", "interruption", "checkpoint")
+
+
+def metrics_for(store: Store, run: Row) -> RunMetrics:
+    events = store.list_events(run["run_id"], kinds=TELEMETRY_KINDS, limit=10_000_000)
+    # A finished run's clock stopped when it finished (a cleaned run: at its last
+    # event, since cleanup moved updated_at); a live one's runs on.
+    state = RunState(run["state"])
+    if state in TERMINAL:
+        now = run["updated_at"]
+    elif state == RunState.cleaned:
+        now = max([e["ts"] for e in events[-1:]] or [run["created_at"]])
+    else:
+        now = time.time()
+    return compute_run_metrics((e["payload"] for e in events), started_at=run["created_at"],
+                               now=now)
 
 
 def run_metrics(store: Store, run_id: str) -> dict[str, Any]:
-    events = store.list_events(run_id, kinds=["step", "phase", "interruption", "checkpoint"],
-                               limit=1_000_000)
-    steps = [e["payload"] for e in events if e["kind"] == "step"]
-    phases = [e["payload"] for e in events if e["kind"] == "phase"]
-    interruptions = [e["payload"] for e in events if e["kind"] == "interruption"]
-    ckpts = [e["payload"] for e in events if e["kind"] == "checkpoint"]
-    ts = [e["ts"] for e in events]
-    elapsed = (max(ts) - min(ts)) if len(ts) > 1 else 0.0
-    productive = sum(s["seconds"] for s in steps if s["committed"])
-    badput: dict[str, float] = {}
-    for ph in phases:
-        badput[ph["phase"]] = badput.get(ph["phase"], 0.0) + max(0.0, ph["end"] - ph["start"])
-    ck_bytes = sum(c["bytes"] for c in ckpts)
-    ck_time = sum(c["total_s"] for c in ckpts)
-    tokens = sum(s["tokens"] for s in steps if s["committed"])
-    step_time = sum(s["seconds"] for s in steps)
-    return {
-        "goodput": productive / elapsed if elapsed > 0 else None,
-        "badput": badput,
-        "elapsed_s": elapsed,
-        "productive_s": productive,
-        "steps": len(steps),
-        "committed_steps": sum(1 for s in steps if s["committed"]),
-        "interruptions": len(interruptions),
-        "interruption_rate_per_h": len(interruptions) / (elapsed / 3600) if elapsed > 0 else None,
-        "checkpoint_bytes_per_s": ck_bytes / ck_time if ck_time > 0 else None,
-        "tokens_per_s": tokens / step_time if step_time > 0 else None,
-        "last_step": steps[-1]["step"] if steps else None,
-        "last_loss": steps[-1]["loss"] if steps else None,
-    }
+    return metrics_for(store, store.get_run(run_id)).model_dump(mode="json")
+
+
+# Finished runs' metrics never change: a scrape recomputes only live runs.
+_finished: dict[tuple[str, float], RunMetrics] = {}
+
+
+def samples(store: Store) -> Iterator[RunSample]:
+    """Every run's telemetry, for the Prometheus collector."""
+    for run in store.read("SELECT * FROM runs ORDER BY created_at"):
+        key = (run["run_id"], run["updated_at"])
+        m = _finished.get(key)
+        if m is None:
+            m = metrics_for(store, run)
+            if RunState(run["state"]) in TERMINAL:
+                _finished[key] = m
+        yield RunSample(run["run_id"], run["booking_id"], run["state"], m)

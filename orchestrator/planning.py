@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from orchestrator.manifest import Manifest
 from stages.errors import ErrorCode, ItoError
-from stages.parallelism import ParallelismConfig, plan, request_from
+from stages.parallelism import plan, request_from
 
 log = logging.getLogger("ito.api")
 
@@ -45,9 +45,9 @@ def total_steps(m: Manifest) -> int:
 
 def plan_manifest(m: Manifest, booking: dict[str, Any]) -> PlanResult:
     """Plan ``m`` on the booking's topology; a refusal is returned, not raised."""
-    config = ParallelismConfig(model=m.model.preset,
-                               global_batch_tokens=m.training.global_batch_tokens,
-                               seq_len=m.training.seq_len)
+    from orchestrator.pipeline import parallelism_config  # the run's stage asks the same
+
+    config = parallelism_config(m, booking)
     try:
         chosen = plan(request_from(config, booking))
     except ItoError as e:

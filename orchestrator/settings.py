@@ -35,4 +35,5 @@ class Settings(BaseModel):
     # Refuse at submit what the parallelism planner refuses, price from its step time
     # and store its plan on the run (off: the plan is advisory in POST /v1/plans and
     # the run's parallelism stage gates it).
-    planner_gate: bool = False
+    # The parallelism planner is a server-side gate: what it refuses never becomes a run.
+    planner_gate: bool = True

@@ -73,7 +73,9 @@ class Api:
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[Api]:
     db = tmp_path / "ito.db"
-    settings = Settings(db_path=db, var_dir=tmp_path / "var")
+    # These tests isolate the other gates; the planner gate (on by default) has its own
+    # tests in test_planning.py, since llama-tiny on 8 H100s is wasteful to it.
+    settings = Settings(db_path=db, var_dir=tmp_path / "var", planner_gate=False)
     store = Store(db)
     t = make_tenant(db, "acme")
     with TestClient(create_app(settings)) as client:

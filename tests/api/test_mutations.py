@@ -138,7 +138,8 @@ def test_logs_metrics_checkpoints(api: Api) -> None:
     ck = api.client.get(f"/v1/runs/{rid}/checkpoints", headers=h).json()["data"]
     assert ck["checkpoints"][0]["bytes_per_s"] == 1000.0
     met = api.client.get(f"/v1/runs/{rid}/metrics", headers=h).json()["data"]
-    assert met["committed_steps"] == 1 and met["checkpoint_bytes_per_s"] == 1000.0
+    assert met["steps_committed"] == 1 and met["checkpoint_bytes_per_s"] == 1000.0
+    assert met["productive_s"] == 1.0 and 0 < met["goodput"] <= 1
     view = api.client.get(f"/v1/runs/{rid}", headers=h).json()["data"]
     assert view["stage_gates"][0]["status"] == "passed"
     for cursor in ("abc", "9" * 30):

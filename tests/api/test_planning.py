@@ -18,7 +18,7 @@ from orchestrator.store import Store
 from .conftest import Api, code_of
 
 
-def test_plan_is_advisory_by_default(api: Api) -> None:
+def test_plan_is_advisory_with_the_gate_off(api: Api) -> None:
     r = api.client.post("/v1/plans", json={"booking_id": api.t.booking_id,
                                            **manifest_payload(api.manifest())},
                         headers=api.h(api.t.submitter))

@@ -56,7 +56,9 @@ class Backend:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.admin", "serve", "--db", str(self.db),
              "--host", "127.0.0.1", "--port", str(self.port), "--var-dir", str(self.var_dir),
-             *self.extra_args],
+             # API tests need no Ray and isolate the other gates; a test that wants the
+             # Ray runtime or the planner gate says so in extra_args (the last one wins).
+             "--runtime", "none", "--no-planner-gate", *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

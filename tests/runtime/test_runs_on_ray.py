@@ -52,7 +52,8 @@ def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("ray-runtime")
     dash = free_port()
     be = Backend(db=tmp / "ito.db", var_dir=tmp / "var", log_path=tmp / "backend.log",
-                 extra_args=["--runtime", "ray", "--ray-head-port", str(free_port()),
+                 extra_args=["--runtime", "ray", "--planner-gate",
+                             "--ray-head-port", str(free_port()),
                              "--ray-dashboard-port", str(dash), "--ray-num-cpus", "4"],
                  # Operator knob: pace steps so a tiny model's run lasts long enough to
                  # cancel it, kill a group in it, or kill the API server under it.

@@ -8,6 +8,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from orchestrator.api.deps import Ctx, ctx
 from orchestrator.api.envelope import Envelope, ok
+from orchestrator.metrics_view import samples
+from orchestrator.prometheus import TelemetryCollector
 from orchestrator.runs import RunState
 
 router = APIRouter()
@@ -20,7 +22,8 @@ def healthz(c: Ctx = Depends(ctx)) -> JSONResponse:
 
 @router.get("/metrics", include_in_schema=False)
 def prometheus(c: Ctx = Depends(ctx)) -> Response:
-    """Prometheus text (not an envelope); per-run telemetry is the runtime's exporter."""
+    """Prometheus text (not an envelope): run counts, gate failures, and per-run and
+    per-booking goodput telemetry (docs/runtime.md)."""
     registry = CollectorRegistry()
     runs = Gauge("ito_runs", "Runs by state", ["state"], registry=registry)
     counts = {r["state"]: r["n"] for r in c.store.read(
@@ -32,4 +35,5 @@ def prometheus(c: Ctx = Depends(ctx)) -> Response:
     for r in c.store.read("SELECT code, COUNT(*) AS n FROM audit_events WHERE outcome = 'fail' "
                           "GROUP BY code"):
         fails.labels(code=str(r["code"])).set(r["n"])
+    registry.register(TelemetryCollector(lambda: samples(c.store)))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -7,6 +7,7 @@ import logging
 import sqlite3
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Header, Query
@@ -30,7 +31,7 @@ from orchestrator.auth import Principal
 from orchestrator.bookings import iso
 from orchestrator.metrics_view import run_metrics
 from orchestrator.runs import RunState
-from orchestrator.store import Row, new_id
+from orchestrator.store import Row, Store, new_id
 from stages.errors import ErrorCode, ItoError
 
 log = logging.getLogger("ito.api")
@@ -175,11 +176,22 @@ def get_metrics(run_id: str, creds: HTTPAuthorizationCredentials | None = Depend
     return ok(data)
 
 
+def retained_checkpoints(store: Store, run_id: str) -> list[Row]:
+    """The checkpoints the trainer still keeps: its keep-K policy over the completed
+    saves it reported, less any removed since (an approved restart discards newer ones;
+    cleanup removes all). Existence is checked where the storage is visible here."""
+    if store.get_run(run_id)["state"] == RunState.cleaned:
+        return []
+    keep = int(store.run_manifest(run_id)["checkpoint"]["keep"])
+    rows = store.list_checkpoints(run_id)[-keep:]
+    return [r for r in rows if Path(r["path"]).exists() or not Path(r["path"]).parent.exists()]
+
+
 @router.get("/v1/runs/{run_id}/checkpoints", response_model=Envelope)
 def get_checkpoints(run_id: str, creds: HTTPAuthorizationCredentials | None = Depends(bearer),
                     c: Ctx = Depends(ctx)) -> JSONResponse:
     _read_run(c, creds, run_id)
-    rows = c.store.list_checkpoints(run_id)
+    rows = retained_checkpoints(c.store, run_id)
     return ok({"checkpoints": [{
         "step": r["step"], "path": r["path"], "bytes": r["bytes"],
         "blocking_s": r["blocking_s"], "total_s": r["total_s"],
