@@ -79,6 +79,7 @@ class EngineResult:
     final_loss: float | None
     interruptions: int
     checkpoints: list[int]
+    final_checkpoint: str | None = None
     proposals: list[str] = field(default_factory=list)
     # Final parameter digest of each group: all equal unless replicas diverged.
     digests: dict[int, str] = field(default_factory=dict)
@@ -223,6 +224,16 @@ class TrainingEngine:
             self._on_reply(key, reply, now)
         self._check_stuck(now)
 
+    def _restart_group(self, dead: tuple[int, int]) -> None:
+        """A multi-rank group is one failure unit: its other ranks are killed too and
+        Ray restarts them all, around a fresh store hosted by the new rank 0."""
+        import ray
+
+        for (g, r), actor in self.actors.items():
+            if g == dead[0] and r != dead[1]:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=False)
+
     def _poll_spares(self) -> None:
         import ray
 
@@ -256,6 +267,8 @@ class TrainingEngine:
                                        f"{type(err).__name__}"))
             if all(g.lost_at is not None and not g.finished for g in self.groups):
                 self._all_lost_at = min(g.lost_at or now for g in self.groups)
+            if self.cfg.ranks_per_group > 1:
+                self._restart_group(key)
             if self._promote_spare(key):
                 grp.pid = None
                 grp.restarts += 1
@@ -433,9 +446,11 @@ class TrainingEngine:
                                        "not recovered before the run finished")
         finally:
             self.shutdown()
+        records = list_checkpoints(self.checkpoint_dir)
         return EngineResult(steps=self.max_step, tokens=self.tokens,
                             final_loss=self.final_loss, interruptions=self.interruptions,
-                            checkpoints=[r.step for r in list_checkpoints(self.checkpoint_dir)],
+                            checkpoints=[r.step for r in records],
+                            final_checkpoint=records[-1].path if records else None,
                             proposals=self.proposals,
                             digests={g.index: g.digest for g in self.groups if g.digest})
 

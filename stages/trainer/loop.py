@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -157,13 +158,20 @@ class TrainLoop:
 
     # --- state ----------------------------------------------------------------------
     def heal_state(self) -> dict[str, Any]:
-        """What a recovering group fetches from a live peer through torchft."""
+        """What a recovering group fetches from a live peer through torchft. With FSDP2
+        each rank sends its local shards: rank r of the peer holds rank r's shards."""
+        if self.sharded:
+            return {"shards": sharded_state(self.model, self.inner_optimizer),
+                    "loop": self.loop_state.state_dict()}
         return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
                 "loop": self.loop_state.state_dict()}
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
+        if "shards" in state:
+            load_sharded_state(self.model, self.inner_optimizer, state["shards"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optim"])
         self.loop_state.load_state_dict(state["loop"])
         self.healed = True
 
@@ -188,9 +196,39 @@ class TrainLoop:
             preset, seed=target.seed, checkpoint_path=cfg.model.checkpoint_path)
         self.model = model.to(self.device)
         self.model.train()
+        self.sharded = cfg.ranks_per_group > 1
+        if not self.sharded:  # FSDP2 must wrap the model before the optimizer sees it
+            self._make_optimizer()
+
+    def _make_optimizer(self) -> None:
+        target = self.cfg.target
         self.inner_optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=target.learning_rate,
             weight_decay=target.weight_decay, betas=(0.9, 0.95))
+
+    def _shard_in_group(self, store_addr: str, store_port: int) -> Any:
+        """Multi-rank group: a gloo/NCCL process group over the group's ranks, FSDP2
+        over it (per decoder layer, then the root), and a separate gloo group for
+        DCP's save-thread collectives. Returns that checkpoint group."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        spec, world = self.spec, self.cfg.ranks_per_group
+        client = dist.TCPStore(store_addr, store_port, is_master=False,
+                               wait_for_workers=False)
+        dist.init_process_group(
+            "nccl" if self.cfg.device == "cuda" else "gloo",
+            store=dist.PrefixStore(f"ito/intra/rg{spec.replica_group}", client),
+            rank=spec.rank, world_size=world,
+            timeout=timedelta(seconds=self.cfg.fault_tolerance.collective_timeout_s))
+        mesh = init_device_mesh(self.device.type, (world,))
+        layers: Any = getattr(self.model, "model", self.model).layers
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self._make_optimizer()
+        return dist.new_group(backend="gloo")
 
     def warm_up(self) -> None:
         """Pay the one-off costs (autograd kernels, the optimizer's lazy imports) before
@@ -215,7 +253,6 @@ class TrainLoop:
         from stages.trainer.train_state import TrainState
 
         spec, cfg, target = self.spec, self.cfg, self.cfg.target
-        inner = self.inner_optimizer
         self.loader = TokenLoader(
             [Path(s) for s in spec.shards], seq_len=target.seq_len,
             micro_batch=cfg.micro_batch, seed=target.seed,
@@ -232,6 +269,8 @@ class TrainLoop:
 
             self.store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False)
             store_port = self.store.port
+        ckpt_pg = self._shard_in_group(store_addr, store_port) if self.sharded else None
+        inner = self.inner_optimizer
         self.manager = ft.build_manager(
             cfg.fault_tolerance, pg=ft.build_process_group(cfg.fault_tolerance, cfg.device),
             replica_group=spec.replica_group, rank=spec.rank,
@@ -240,6 +279,7 @@ class TrainLoop:
             load_state_dict=self.load_heal_state, state_dict=self.heal_state)
         self.optimizer: Any = OptimizerWrapper(self.manager, inner)
 
+        self._last_saved = -1
         self.detector = LossSpikeDetector(cfg.loss_spike)
         self.loop_state: _LoopState = _LoopState(self)
         # The whole resumable state as one DCP Stateful; the loader position in it is
@@ -251,7 +291,8 @@ class TrainLoop:
         # in-flight save of the group that is saving now.
         policy = cfg.checkpoint.model_copy(
             update={"storage_uri": f"file://{Path(spec.checkpoint_dir).resolve()}"})
-        self.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}")
+        self.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}",
+                                 process_group=ckpt_pg)
         latest = self.ckpt.latest()
         if latest is not None:
             self._restore(latest.step)
@@ -320,7 +361,7 @@ class TrainLoop:
             loss = self._loss(input_ids, batch_idx)
             loss.backward()
             ft.allreduce_gradients(self.manager, self.model.parameters())
-            global_loss = ft.allreduce_scalar(self.manager, loss)
+            global_loss = ft.allreduce_scalar(self.manager, self._group_mean(loss))
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.target.grad_clip)
             self.optimizer.step()  # torchft: should_commit, then the inner step
             committed = self.manager.current_step() > step
@@ -348,6 +389,15 @@ class TrainLoop:
 
         self._finish()
 
+    def _group_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return loss.detach()
+        import torch.distributed as dist
+
+        t = loss.detach().reshape(1).clone()
+        dist.all_reduce(t)  # gloo has no AVG
+        return t / self.cfg.ranks_per_group
+
     def _loss(self, input_ids: torch.Tensor, batch_idx: int) -> torch.Tensor:
         from stages.trainer.model import causal_lm_loss
 
@@ -371,8 +421,9 @@ class TrainLoop:
         self._report_checkpoints()
         if not self._is_saver() or not (force or self.ckpt.due(step)):
             return
-        if any(r.step == step for r in self.ckpt.records()):
+        if step == self._last_saved or any(r.step == step for r in self.ckpt.records()):
             return
+        self._last_saved = step
         t0 = time.time()
         self.train_state.step = step
         self.ckpt.save(step, self.train_state)  # async: blocks only for the state copy
@@ -422,10 +473,49 @@ class TrainLoop:
             return False
 
 
+def _local(t: Any) -> Any:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def sharded_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's local shards of the weights and of the AdamW state, by name."""
+    names: dict[Any, str] = {p: n for n, p in model.named_parameters()}
+    return {
+        "model": {n: _local(t).detach().clone() for n, t in model.state_dict().items()},
+        "optim": {names[p]: {k: _local(v).detach().clone() for k, v in st.items()}
+                  for p, st in optim.state.items()},
+    }
+
+
+@torch.no_grad()
+def load_sharded_state(model: torch.nn.Module, optim: torch.optim.Optimizer,
+                       state: dict[str, Any]) -> None:
+    """Inverse of ``sharded_state`` (same mesh size, same rank)."""
+    for n, t in model.state_dict().items():
+        _local(t).copy_(state["model"][n])
+    for n, p in model.named_parameters():
+        src = state["optim"].get(n)
+        if src is None:
+            continue
+        dst = optim.state[p]
+        for k, v in src.items():
+            if k in dst and _local(dst[k]).shape == v.shape and k != "step":
+                _local(dst[k]).copy_(v)
+            elif hasattr(p, "device_mesh") and v.dim() > 0:
+                from torch.distributed.tensor import DTensor
+
+                dp: Any = p
+                dst[k] = DTensor.from_local(v.clone(), dp.device_mesh, dp.placements)
+            else:
+                dst[k] = v.clone()
+
+
 def param_digest(model: torch.nn.Module) -> str:
     """sha256 over every parameter's bytes: equal digests mean bit-identical replicas."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        t = _local(p).detach().cpu().contiguous()  # FSDP2: this rank's shard
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

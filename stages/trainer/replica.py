@@ -79,9 +79,32 @@ class ReplicaWorker:
             "pid": os.getpid(), "phase": "starting", "step": 0, "restarted": restarted,
             "started_at": time.time(), "error": None, "paused_at": None, "spike": None,
         }
+        self.store: Any = None
+        if spec.config.ranks_per_group > 1:
+            self._group_store(spec)
         self.loop = TrainLoop(spec, emit=self._emit, control=self.control, status=self.status)
         self._thread = threading.Thread(target=self._main, name="train-loop", daemon=True)
         self._thread.start()
+
+    def _group_store(self, spec: WorkerSpec) -> None:
+        """Multi-rank group: rank 0 hosts the group's TCPStore (it dies with rank 0, so
+        every incarnation of the group gets a fresh one); the other ranks ask rank 0.
+        If rank 0 is restarting, Ray holds the call until it is back."""
+        import ray
+        from torch.distributed import TCPStore
+
+        if spec.rank == 0:
+            spec.store_addr = ray.util.get_node_ip_address()
+            self.store = TCPStore(spec.store_addr, 0, is_master=True, wait_for_workers=False)
+            spec.store_port = self.store.port
+            return
+        rank0 = ray.get_actor(worker_name(spec.run_id, spec.replica_group, 0))
+        ref: Any = rank0.store_address.remote()
+        addr, port = ray.get(ref, timeout=spec.config.fault_tolerance.actor_ready_timeout_s)
+        spec.store_addr, spec.store_port = str(addr), int(port)
+
+    def store_address(self) -> tuple[str, int]:
+        return self.spec.store_addr, self.spec.store_port
 
     def _emit(self, event: Any) -> None:
         with self._lock:

@@ -57,7 +57,6 @@ class TrainingStage:
         except ItoError as e:
             return GateOutcome(stage=self.name, status="failed", reason=e.message,
                                error_code=e.code.value)
-        final = result.checkpoints[-1] if result.checkpoints else None
         metrics = {"steps": float(result.steps), "tokens": float(result.tokens),
                    "interruptions": float(result.interruptions)}
         if result.final_loss is not None:
@@ -69,8 +68,7 @@ class TrainingStage:
                    f" with {result.interruptions} interruption(s)",
             metrics=metrics,
             artifacts={"checkpoint_dir": str(ckpt_dir),
-                       "final_checkpoint": str(ckpt_dir / f"step_{final:08d}")
-                       if final is not None else None,
+                       "final_checkpoint": result.final_checkpoint,
                        "proposals": result.proposals,
                        "replica_digests": {str(g): d for g, d in result.digests.items()}},
             error_code=None if done else ErrorCode.training_failed.value)

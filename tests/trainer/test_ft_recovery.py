@@ -174,7 +174,11 @@ def _kill_and_recover(run: Run, cfg: TrainStageConfig) -> None:
     digests = out.artifacts["replica_digests"]
     assert set(digests) == {"0", "1"}
     assert digests["0"] == digests["1"]
-    assert Path(out.artifacts["final_checkpoint"]).name == f"step_{cfg.target.steps:08d}"
+    from stages.checkpointing.storage import list_checkpoints
+
+    records = list_checkpoints(out.artifacts["checkpoint_dir"])
+    assert records[-1].step == cfg.target.steps
+    assert out.artifacts["final_checkpoint"] == records[-1].path
 
 
 def test_loss_spike_waits_for_a_decision_declined_continues_approved_restarts(
