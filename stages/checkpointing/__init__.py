@@ -1,6 +1,7 @@
 """Checkpointing stage: async DCP saves listed only once complete."""
 
-from stages.checkpointing.checkpointer import SAVE_TIMEOUT_S, WRITER_THREADS, Checkpointer
+from typing import TYPE_CHECKING, Any
+
 from stages.checkpointing.config import CheckpointPolicy
 from stages.checkpointing.storage import (
     COMMIT_NAME,
@@ -11,6 +12,22 @@ from stages.checkpointing.storage import (
     storage_usage,
     sweep_incomplete,
 )
+
+if TYPE_CHECKING:
+    from stages.checkpointing.checkpointer import SAVE_TIMEOUT_S, WRITER_THREADS, Checkpointer
+
+_LAZY = ("SAVE_TIMEOUT_S", "WRITER_THREADS", "Checkpointer")
+
+
+def __getattr__(name: str) -> Any:
+    """The Checkpointer imports torch.distributed: load it only when asked for, so the
+    API server (which only lists checkpoints) starts without torch."""
+    if name in _LAZY:
+        from stages.checkpointing import checkpointer
+
+        return getattr(checkpointer, name)
+    raise AttributeError(name)
+
 
 __all__ = [
     "COMMIT_NAME",
