@@ -3,11 +3,7 @@
 # and runs the whole test suite. Used by the README and by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3.11}
-command -v "$PY" >/dev/null || PY=python3
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/pip install -q -U pip
-.venv/bin/pip install -q -e '.[test]'
+source scripts/install.sh
 if ! command -v prometheus >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
     || echo "warning: could not install prometheus; the scrape test will be skipped" >&2

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.errors import ErrorCode, ItoError
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def configs_dir() -> Path:
@@ -84,14 +86,24 @@ class ModelPreset(BaseModel):
         return embed + head + self.num_hidden_layers * (attn + mlp) + h
 
 
+def list_configs(kind: str) -> list[str]:
+    """Names of the JSON configs in ``configs/<kind>/``."""
+    return sorted(p.stem for p in (configs_dir() / kind).glob("*.json"))
+
+
+def load_config(kind: str, name: str, model: type[M], unknown: ErrorCode) -> M:
+    """``configs/<kind>/<name>.json`` as ``model``; an unknown name is ``unknown``."""
+    path = configs_dir() / kind / f"{name}.json"
+    if "/" in name or not path.is_file():
+        raise ItoError(unknown, f"unknown {kind[:-1].replace('_', ' ')} {name!r}; "
+                                f"known: {', '.join(list_configs(kind))}")
+    return model.model_validate_json(path.read_bytes())
+
+
 def list_model_presets() -> list[str]:
-    return sorted(p.stem for p in (configs_dir() / "models").glob("*.json"))
+    return list_configs("models")
 
 
 @cache
 def load_model_preset(name: str) -> ModelPreset:
-    path = configs_dir() / "models" / f"{name}.json"
-    if "/" in name or not path.is_file():
-        raise ItoError(ErrorCode.model_preset_unknown,
-                       f"unknown model preset {name!r}; known: {', '.join(list_model_presets())}")
-    return ModelPreset.model_validate_json(path.read_bytes())
+    return load_config("models", name, ModelPreset, ErrorCode.model_preset_unknown)

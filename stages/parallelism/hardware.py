@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.errors import ErrorCode, ItoError
-from stages.presets import configs_dir
+from stages.presets import list_configs, load_config
 
 Precision = Literal["fp32", "bf16", "fp8"]
 
@@ -63,26 +63,18 @@ class Fabric(BaseModel):
 
 
 def list_gpu_skus() -> list[str]:
-    return sorted(p.stem for p in (configs_dir() / "gpus").glob("*.json"))
+    return list_configs("gpus")
 
 
 def list_fabrics() -> list[str]:
-    return sorted(p.stem for p in (configs_dir() / "fabrics").glob("*.json"))
+    return list_configs("fabrics")
 
 
 @cache
 def load_gpu_sku(name: str) -> GpuSku:
-    path = configs_dir() / "gpus" / f"{name}.json"
-    if "/" in name or not path.is_file():
-        raise ItoError(ErrorCode.gpu_sku_unknown,
-                       f"unknown GPU SKU {name!r}; known: {', '.join(list_gpu_skus())}")
-    return GpuSku.model_validate_json(path.read_bytes())
+    return load_config("gpus", name, GpuSku, ErrorCode.gpu_sku_unknown)
 
 
 @cache
 def load_fabric(name: str) -> Fabric:
-    path = configs_dir() / "fabrics" / f"{name}.json"
-    if "/" in name or not path.is_file():
-        raise ItoError(ErrorCode.fabric_unknown,
-                       f"unknown fabric {name!r}; known: {', '.join(list_fabrics())}")
-    return Fabric.model_validate_json(path.read_bytes())
+    return load_config("fabrics", name, Fabric, ErrorCode.fabric_unknown)
