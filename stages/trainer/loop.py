@@ -343,10 +343,6 @@ class TrainLoop:
                 self._pause(step)
                 continue
             t0 = time.time()
-            lr = lr_at(step, base_lr=self.cfg.target.learning_rate,
-                       warmup=self.cfg.target.warmup_steps, total=self.total_steps)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
             self.optimizer.zero_grad()  # torchft: quorum; heals here if we are behind
             if self.healed:
                 self.healed = False
@@ -355,6 +351,11 @@ class TrainLoop:
                     self.log(f"healed from a live peer at step {step}")
                 if step >= self.total_steps:
                     break
+            # After the quorum: a group that just healed jumped to the peers' step.
+            lr = lr_at(step, base_lr=self.cfg.target.learning_rate,
+                       warmup=self.cfg.target.warmup_steps, total=self.total_steps)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
             self._seek_loader(step)
             batch_idx = self.loader.batches_served
             input_ids = self.loader.next_batch().to(self.device)
