@@ -9,10 +9,12 @@ the same run:
    - detect: kill -> a survivor's next committed step in the smaller quorum;
    - resume: kill -> the restarted group's first committed step in the full quorum
      (Ray restarts the actor, torchft heals it from a live peer);
-   - ft lost seconds: over [kill, resume], wall time minus the committed progress
-     valued at the undisturbed full-quorum rate. Reported two ways: by steps (the
-     job's optimizer progress, which survivors keep making) and by tokens (the
-     missing group's share of the batch counts as lost too);
+   - ft lost seconds, from the survivor's last step before the kill to a few steps
+     after the rejoin, two ways: by steps, the survivor's stalls (each gap between
+     its committed steps beyond the undisturbed step time: waiting for the quorum to
+     drop the dead group, sending the heal); by tokens, wall time minus the tokens
+     committed valued at the undisturbed full-quorum rate (the missing group's
+     share of each batch counts as lost too);
 2. ``--restart-kills`` times, SIGKILLs every group at once: the job restarts from
    the newest complete DCP checkpoint (what Ray Train or torchrun elastic do) and
    redoes the steps since. Lost seconds: kill -> the job commits the step it had
@@ -69,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kills", type=int, default=3, help="single-group SIGKILLs")
     p.add_argument("--spares", type=int, default=1,
                    help="pre-started spare groups in the torchft run (0: Ray restarts only)")
+    p.add_argument("--ranks-per-group", type=int, default=1,
+                   help="ranks per replica group (> 1: FSDP2 inside the group, no spares)")
     p.add_argument("--restart-kills", type=int, default=2,
                    help="all-group SIGKILLs (checkpoint-restart baseline)")
     p.add_argument("--kill-steps", default="",
@@ -85,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.groups < 2:
         p.error("--groups must be >= 2 (one must survive)")
+    if args.ranks_per_group > 1 and args.spares:
+        p.error("spares replace single-rank groups only: use --spares 0")
     return args
 
 
@@ -148,8 +154,12 @@ def ft_kill(w: Watcher, run_id: str, group: int, groups: int, step_s: float,
                  "steps after the rejoin")
     before = [e for e in w.steps() if e.replica_group == survivor and e.ts <= t_kill]
     start = max(before, key=lambda e: e.ts)
-    # Step basis: how much longer the survivor took than the undisturbed pace.
-    lost = (end.ts - start.ts) - (end.step - start.step) * step_s
+    # Step basis: the survivor's stalls (waiting for the quorum to drop the dead group,
+    # sending the heal), each gap beyond the undisturbed step time. Faster steps in
+    # the smaller quorum do not offset them: they carry fewer tokens.
+    ts = sorted(e.ts for e in w.steps()
+                if e.replica_group == survivor and start.ts <= e.ts <= end.ts)
+    lost = sum(max(0.0, b - a - step_s) for a, b in itertools.pairwise(ts))
     # Token basis: the missing group's share of every batch counts as lost as well.
     tokens = sum(e.tokens for e in w.steps() if start.ts < e.ts <= end.ts)
     lost_tok = (end.ts - start.ts) - tokens / tok_rate
@@ -232,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         storage_uri=f"file://{tmp}/{ckpt_dir}"),
             loss_spike={"enabled": False},  # a proposal would pause the run for a human
             fault_tolerance=ft_over, replica_groups=args.groups, spare_groups=spares,
+            ranks_per_group=args.ranks_per_group,
             device=args.device, train_files=[str(data)], worker_num_cpus=0.5), strict=False)
 
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
@@ -280,12 +291,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "resume_s_max": round(max(r["resume_s"] for r in ft_results), 3),
         "ft_lost_s_median": ft_lost,
         "restart_lost_s_median": restart_lost,
-        "lost_ratio": round(restart_lost / ft_lost, 2) if ft_lost > 0 else float("inf"),
+        "lost_ratio": round(restart_lost / ft_lost, 2) if ft_lost > 0 else None,
         "ft_lost_token_s_median": ft_lost_tok,
         "lost_ratio_tokens": round(restart_lost / ft_lost_tok, 2) if ft_lost_tok > 0
-        else float("inf"),
+        else None,
         "restart_kills": len(restart_results),
-        "groups": args.groups, "spares": args.spares, "preset": args.preset, "device": args.device,
+        "groups": args.groups, "ranks_per_group": args.ranks_per_group,
+        "spares": args.spares, "preset": args.preset, "device": args.device,
         "step_ms": round(step_s * 1000, 1), "wall_s": round(time.time() - t_start, 1),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }

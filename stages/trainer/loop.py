@@ -418,9 +418,21 @@ class TrainLoop:
             self.emit(CheckpointEvent(step=rec.step, path=rec.path, bytes=rec.bytes,
                                       blocking_s=rec.blocking_s, total_s=rec.total_s))
 
+    def _due(self, step: int) -> bool:
+        due = self.ckpt.due(step)
+        if self.sharded:
+            # A time-based policy may differ by a tick between ranks; DCP's save is a
+            # collective, so the group saves if any rank says so.
+            import torch.distributed as dist
+
+            flag = torch.tensor([int(due)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            due = bool(flag.item())
+        return due
+
     def _maybe_checkpoint(self, step: int, *, force: bool = False) -> None:
         self._report_checkpoints()
-        if not self._is_saver() or not (force or self.ckpt.due(step)):
+        if not self._is_saver() or not (force or self._due(step)):
             return
         if step == self._last_saved or any(r.step == step for r in self.ckpt.records()):
             return
