@@ -158,6 +158,8 @@ class TrainingEngine:
                           checkpoint_dir=str(self.checkpoint_dir))
         return ray.remote(ReplicaWorker).options(  # type: ignore[attr-defined]
             name=name, num_cpus=self.cfg.worker_num_cpus,
+            # One GPU per rank on cuda: Ray sets CUDA_VISIBLE_DEVICES, so it is cuda:0.
+            num_gpus=1 if self.cfg.device == "cuda" else 0,
             # No runtime_env: a restart can then use one of Ray's prestarted idle
             # workers instead of spawning a new Python process.
             max_restarts=self.ft.max_restarts, max_task_retries=0,
