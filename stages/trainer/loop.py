@@ -167,6 +167,11 @@ class TrainLoop:
                 "loop": self.loop_state.state_dict()}
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
+        # A heal overwrites the weights in place; an async save still copying them
+        # must finish first (the optimizer-step guard does not see this write).
+        ckpt = getattr(self, "ckpt", None)
+        if ckpt is not None:
+            ckpt.wait_staged()
         if "shards" in state:
             load_sharded_state(self.model, self.inner_optimizer, state["shards"])
         else:
@@ -280,6 +285,7 @@ class TrainLoop:
         self.optimizer: Any = OptimizerWrapper(self.manager, inner)
 
         self._last_saved = -1
+        self._save_started: dict[int, float] = {}
         self.detector = LossSpikeDetector(cfg.loss_spike)
         self.loop_state: _LoopState = _LoopState(self)
         # The whole resumable state as one DCP Stateful; the loader position in it is
@@ -417,6 +423,11 @@ class TrainLoop:
         for rec in self.ckpt.poll():
             self.emit(CheckpointEvent(step=rec.step, path=rec.path, bytes=rec.bytes,
                                       blocking_s=rec.blocking_s, total_s=rec.total_s))
+            # Blocking includes any wait for the state copy in the next optimizer
+            # step, so the badput span is the record's, not save()'s own duration.
+            t0 = self._save_started.pop(rec.step, time.time())
+            self.emit(PhaseEvent(phase="checkpoint_blocking", start=t0,
+                                 end=t0 + rec.blocking_s))
 
     def _due(self, step: int) -> bool:
         due = self.ckpt.due(step)
@@ -437,10 +448,9 @@ class TrainLoop:
         if step == self._last_saved or any(r.step == step for r in self.ckpt.records()):
             return
         self._last_saved = step
-        t0 = time.time()
+        self._save_started[step] = time.time()
         self.train_state.step = step
         self.ckpt.save(step, self.train_state)  # async: blocks only for the state copy
-        self.emit(PhaseEvent(phase="checkpoint_blocking", start=t0, end=time.time()))
 
     # --- loss spikes ----------------------------------------------------------------
     def _spiked(self, step: int, loss: float, batch_idx: int) -> bool:
