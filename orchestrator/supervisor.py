@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from orchestrator import launch, ray_cluster
 from orchestrator.launch import LaunchSpec
@@ -35,6 +35,12 @@ from stages.errors import ErrorCode
 from stages.events import InterruptionEvent, LogEvent
 
 log = logging.getLogger(__name__)
+
+
+# TrainStageConfig fields an operator may set for every run; a tenant's manifest
+# never reaches them (it has no such section).
+OPERATOR_TRAIN_OVERRIDES = frozenset(
+    {"pace_step_s", "fault_tolerance", "worker_num_cpus", "inject_loss_spike"})
 
 
 class SupervisorSettings(BaseModel):
@@ -49,6 +55,15 @@ class SupervisorSettings(BaseModel):
     # Operator-level TrainStageConfig overrides passed to every run (test pacing,
     # fault-tolerance timeouts), e.g. ITO_TRAIN_OVERRIDES='{"pace_step_s": 0.2}'.
     train_overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("train_overrides")
+    @classmethod
+    def _known_overrides(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(v) - OPERATOR_TRAIN_OVERRIDES
+        if unknown:
+            raise ValueError(f"not operator train overrides: {sorted(unknown)}; allowed: "
+                             f"{sorted(OPERATOR_TRAIN_OVERRIDES)}")
+        return v
 
     @classmethod
     def from_env(cls) -> SupervisorSettings:

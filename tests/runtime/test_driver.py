@@ -131,3 +131,13 @@ def test_cancel_stops_a_running_stage_and_completed_stages_are_skipped(tmp_path:
     d.cancel()
     _wait_state(d, "cancelled")
     assert made == ["b"]
+
+
+def test_operator_overrides_are_a_closed_set() -> None:
+    from pydantic import ValidationError
+
+    from orchestrator.supervisor import SupervisorSettings
+
+    assert SupervisorSettings(train_overrides={"pace_step_s": 0.1}).train_overrides
+    with pytest.raises(ValidationError):
+        SupervisorSettings(train_overrides={"replica_groups": 64})

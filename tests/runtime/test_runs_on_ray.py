@@ -81,7 +81,8 @@ def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         ray_cluster.stop_local_head(be.var_dir)
 
 
-def _manifest(rt: dict[str, Any], *, steps: int, name: str) -> dict[str, Any]:
+def _manifest(rt: dict[str, Any], *, steps: int, name: str,
+              **sections: Any) -> dict[str, Any]:
     def ref(p: Path, role: str) -> dict[str, Any]:
         return {"uri": f"file://{p}", "sha256": _sha(p), "role": role, "format": "jsonl",
                 "text_field": "text", "provenance": {"source": "test", "license": "MIT"}}
@@ -98,13 +99,14 @@ def _manifest(rt: dict[str, Any], *, steps: int, name: str) -> dict[str, Any]:
         "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
         "checkpoint": {"interval_steps": 5, "keep": 2,
                        "storage_uri": f"file://{rt['tmp'] / 'ckpt'}"},
+        **sections,
     }
 
 
-def _submit(rt: dict[str, Any], *, steps: int) -> str:
+def _submit(rt: dict[str, Any], *, steps: int, **sections: Any) -> str:
     be: Backend = rt["backend"]
     t: Tenant = rt["tenant"]
-    m = _manifest(rt, steps=steps, name=f"run-{uuid.uuid4().hex[:6]}")
+    m = _manifest(rt, steps=steps, name=f"run-{uuid.uuid4().hex[:6]}", **sections)
     with be.client() as c:
         ref = confirm_ref(c, t.approver, "train", t.booking_id, manifest=m)
         r = submit(c, t.submitter, t.booking_id, m, ref)
@@ -232,6 +234,48 @@ def test_api_server_sigkill_mid_run_reattaches_and_loses_no_event(rt: dict[str, 
     # Reattached, not relaunched: the driver survived the API server.
     assert not any("driver lost" in e["message"] for e in after)
     assert run["state"] == "succeeded"
+
+
+def test_loss_spike_proposal_waits_for_approval_through_the_api(rt: dict[str, Any]) -> None:
+    """A poisoned data batch (operator test knob) spikes the loss: the run shows the
+    proposal and awaits approval; nothing moves until an approver's confirmed approve."""
+    be: Backend = rt["backend"]
+    t: Tenant = rt["tenant"]
+    be.stop()
+    old_env = dict(be.env)
+    be.env["ITO_TRAIN_OVERRIDES"] = json.dumps(
+        {"pace_step_s": 0.05, "inject_loss_spike": {"batches": [24], "scale": 50.0}})
+    be.proc = None
+    be.start()
+    try:
+        run_id = _submit(rt, steps=36, loss_spike={"window": 10, "z_threshold": 6.0,
+                                                   "min_steps": 10, "skip_window_steps": 4})
+        run = _wait(rt, run_id, lambda r: r["state"] == "awaiting_approval", "awaiting_approval")
+        (proposal,) = run["proposals"]
+        assert proposal["status"] == "pending"
+        assert proposal["params"]["from_step"] == 20
+        assert "restart" in proposal["description"]
+        paused_at = _last_step(rt, run_id)
+        time.sleep(3.0)
+        assert _last_step(rt, run_id) == paused_at  # nothing restarts or moves on its own
+        assert _get(rt, f"/v1/runs/{run_id}")["state"] == "awaiting_approval"
+        with be.client() as c:
+            ref = confirm_ref(c, t.approver, "restart", t.booking_id, run_id=run_id,
+                              proposal_id=proposal["proposal_id"], cost_usd=0.0)
+            r = c.post(f"/v1/runs/{run_id}/proposals/{proposal['proposal_id']}/approve",
+                       json={"confirmation_ref": ref},
+                       headers={"Authorization": f"Bearer {t.submitter}",
+                                "Idempotency-Key": f"approve-{run_id}"})
+        assert r.json()["ok"], r.json()
+        run = _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
+        assert run["proposals"][0]["status"] == "approved"
+        logs = _get(rt, f"/v1/runs/{run_id}/logs?limit=1000")["entries"]
+        assert any("restored checkpoint step 20" in e["message"] for e in logs)
+    finally:
+        be.stop()
+        be.env = old_env
+        be.proc = None
+        be.start()
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None,
