@@ -265,6 +265,10 @@ async def client_loop(
         submit_at = sorted(rng.uniform(0, args.duration * 0.9) for _ in refs)
         start = time.monotonic()
         await asyncio.sleep(rng.uniform(0, max(args.interval, 0.01)))  # de-synchronise
+        # Each client keeps its own random phase: polls are due interval apart from
+        # the client's first poll (measuring from the common start re-aligned them all
+        # into bursts of 50 simultaneous requests).
+        phase = time.monotonic()
         n = 0
         status_path = f"/v1/runs/{run_id}"
         while time.monotonic() < t_end:
@@ -288,7 +292,7 @@ async def client_loop(
             n += 1
             if args.interval > 0:
                 # Fixed-rate polling: the next poll is due interval after the last was due.
-                next_due = start + n * args.interval
+                next_due = phase + n * args.interval
                 await asyncio.sleep(max(0.0, next_due - time.monotonic()))
     finally:
         await conn.close()

@@ -32,6 +32,8 @@ class Settings(BaseModel):
     # Model FLOPs utilisation assumed by the cost estimate until the planner lands.
     assumed_mfu: float = Field(default=0.4, gt=0, le=1)
     logs_page_max: int = Field(default=1000, gt=0)
+    # Worker threads for the sync route handlers (see orchestrator/api/app.py).
+    request_threads: int = Field(default=4, ge=1, le=64)
     # Refuse at submit what the parallelism planner refuses, price from its step time
     # and store its plan on the run (off: the plan is advisory in POST /v1/plans and
     # the run's parallelism stage gates it).

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 from fastapi import FastAPI
 
 from orchestrator.api.bodycap import BodyCap
@@ -25,6 +26,11 @@ def create_app(settings: Settings, runtime: RunRuntime | None = None,
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Sync handlers run in anyio's thread pool. With its default 40 threads, 50
+        # polling clients share the GIL forty ways and every request waits ~40x its
+        # own CPU time; a few threads keep requests first-come, first-served.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = (
+            settings.request_threads)
         rt.start()
         try:
             yield
