@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
 
 # Keep torch from oversubscribing the 2 cores when several processes run.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
