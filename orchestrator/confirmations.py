@@ -57,6 +57,8 @@ class Expect:
     manifest_digest: str | None = None
     run_id: str | None = None
     proposal_id: str | None = None
+    # The key that uses the confirmation; it must not be the key that made it.
+    used_by_key: str | None = None
 
 
 def check(row: Row | None, expect: Expect, now: float | None = None) -> Row:
@@ -84,6 +86,9 @@ def check(row: Row | None, expect: Expect, now: float | None = None) -> Row:
             expect.proposal_id is not None and row["proposal_id"] != expect.proposal_id):
         raise ItoError(ErrorCode.confirmation_run_mismatch,
                        "the confirmation is for another run or proposal")
+    if expect.used_by_key is not None and row["created_by_key"] == expect.used_by_key:
+        raise ItoError(ErrorCode.confirmation_self_approved,
+                       "a confirmation must come from an approver's key, not the submitter's")
     if row["cost_usd"] + COST_EPSILON_USD < expect.cost_usd:
         raise ItoError(ErrorCode.confirmation_cost_exceeded,
                        f"the estimated cost ${expect.cost_usd:,.2f} exceeds the confirmed "

@@ -60,6 +60,7 @@ class ErrorCode(StrEnum):
     confirmation_booking_mismatch = "confirmation_booking_mismatch"
     confirmation_digest_mismatch = "confirmation_digest_mismatch"
     confirmation_run_mismatch = "confirmation_run_mismatch"
+    confirmation_self_approved = "confirmation_self_approved"
     confirmation_cost_exceeded = "confirmation_cost_exceeded"
     confirmation_ttl_invalid = "confirmation_ttl_invalid"
     # --- idempotency / runs -----------------------------------------------------------

@@ -27,6 +27,7 @@ _STATUS_GROUPS: dict[int, tuple[ErrorCode, ...]] = {
           E.confirmation_expired, E.confirmation_account_mismatch,
           E.confirmation_action_mismatch, E.confirmation_booking_mismatch,
           E.confirmation_digest_mismatch, E.confirmation_run_mismatch,
+          E.confirmation_self_approved,
           E.confirmation_cost_exceeded, E.driver_not_authorized),
     404: (E.not_found, E.booking_not_found, E.run_not_found, E.proposal_not_found,
           E.checkpoint_not_found),

@@ -350,3 +350,17 @@ def test_oversized_manifest(api: Api) -> None:
                                            **manifest_payload(raw)},
                         headers=api.h(api.t.submitter))
     assert r.status_code == 413 and code_of(r) == "manifest_too_large"
+
+
+def test_a_key_cannot_approve_its_own_submit(api: Api) -> None:
+    """Authentication is identity, not authority: one key holding both the confirm and
+    the write scope still cannot confirm for itself."""
+    from helpers.tenants import add_key
+
+    _, both = add_key(api.db, "acme", ("runs:read", "runs:write", "confirm:train"))
+    m = api.manifest()
+    ref = api.ref(manifest=m, key=both)
+    r = api.submit(manifest=m, ref=ref, idem="key-self-1", key=both)
+    assert code_of(r) == "confirmation_self_approved"
+    assert not _consumed(api, ref) and _runs(api) == 0
+    assert api.submit(manifest=m, ref=ref, idem="key-self-2").json()["ok"]  # the submitter may

@@ -86,7 +86,8 @@ def _run_mutation(action: Literal["cancel", "cleanup"], run_id: str, body: Mutat
         run = g.check("run", c.store.get_run, run_id, p.account_id)
         g.booking_id = run["booking_id"]
         expect = confirmations.Expect(account_id=p.account_id, action=action,
-                                      booking_id=run["booking_id"], run_id=run_id)
+                                      booking_id=run["booking_id"], run_id=run_id,
+                                      used_by_key=p.key_id)
         to = RunState.cancelling if action == "cancel" else RunState.cleaned
         why = "cancel requested" if action == "cancel" else "cleanup requested"
 
@@ -147,7 +148,7 @@ def _decide(decision: Literal["approved", "declined"], run_id: str, proposal_id:
             raise ItoError(ErrorCode.proposal_not_found, f"no proposal {safe_id(proposal_id)}")
         expect = confirmations.Expect(account_id=p.account_id, action="restart",
                                       booking_id=run["booking_id"], run_id=run_id,
-                                      proposal_id=proposal_id)
+                                      proposal_id=proposal_id, used_by_key=p.key_id)
 
         def apply(conn: sqlite3.Connection) -> None:
             state = conn.execute("SELECT state FROM runs WHERE run_id = ?",
@@ -209,7 +210,7 @@ def release_booking(booking_id: str, body: MutationRequest,
         if rec is None:
             g.check("booking", _release_check, c, p, booking_id)
         expect = confirmations.Expect(account_id=p.account_id, action="release",
-                                      booking_id=booking_id)
+                                      booking_id=booking_id, used_by_key=p.key_id)
 
         def apply(conn: sqlite3.Connection) -> None:
             active = conn.execute(

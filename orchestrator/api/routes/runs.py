@@ -90,7 +90,8 @@ def _gated_create(c: Ctx, g: Gates, p: Principal, body: RunRequest, key: str,
     eligibility = booking_gate(g, c, p, body.booking_id)
     parsed = manifest_gate(g, c, body.manifest_b64, body.manifest_digest)
     expect = confirmations.Expect(account_id=p.account_id, action="train",
-                                  booking_id=body.booking_id, manifest_digest=parsed.digest)
+                                  booking_id=body.booking_id, manifest_digest=parsed.digest,
+                                  used_by_key=p.key_id)
     conf = g.check("confirmation", confirmations.resolve, store, body.confirmation_ref, expect)
     g.record("idempotency", True)
     _report, cost, planned = validation_gate(g, c, parsed, eligibility)
