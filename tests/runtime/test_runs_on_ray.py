@@ -175,6 +175,14 @@ def test_submitted_run_succeeds_with_gates_checkpoints_and_goodput(rt: dict[str,
     assert not _run_actors(rt, run_id)  # nothing of a finished run stays alive
 
 
+def test_ray_dashboard_keeps_token_auth(rt: dict[str, Any]) -> None:
+    url = f"http://127.0.0.1:{rt['dashboard']}/api/v0/actors"
+    assert httpx.get(url, timeout=10).status_code == 401
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    ok = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    assert ok.status_code == 200
+
+
 def test_cancel_mid_run_stops_every_actor_within_30s_and_keeps_checkpoints(
         rt: dict[str, Any]) -> None:
     run_id = _submit(rt, steps=2000)
