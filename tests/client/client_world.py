@@ -47,6 +47,11 @@ class World:
     tmp: Path
     manifest: Path
 
+    def train_argv(self, ref: str, key: str, *extra: str) -> list[str]:
+        """The canonical `ito train` command line for this world's booking and manifest."""
+        return ["train", "--booking", self.booking, "--manifest", str(self.manifest),
+                "--confirmation-ref", ref, "--idempotency-key", key, *extra]
+
     @property
     def booking(self) -> str:
         return self.tenant.booking_id

@@ -192,18 +192,7 @@ def test_swapped_after_confirmation_is_refused_and_no_run_exists(
     )
     swap = write_manifest(world.tmp / "swap.json", other)
     os.replace(swap, world.manifest)
-    argv = [
-        "train",
-        "--booking",
-        world.booking,
-        "--manifest",
-        str(world.manifest),
-        "--confirmation-ref",
-        ref,
-        "--idempotency-key",
-        "swap-key-0001",
-        "--json",
-    ]
+    argv = world.train_argv(ref, "swap-key-0001", "--json")
     status, env = world.cli(monkeypatch, argv)
     assert status == EXIT_SERVER_ERROR and env["live_api_contacted"] is True
     assert env["error"]["code"] in (
@@ -237,17 +226,7 @@ def test_readable_output(world: World, monkeypatch: pytest.MonkeyPatch, capsys) 
     assert len(out.out.strip().splitlines()) == 1
     status, _ = world.cli(
         monkeypatch,
-        [
-            "train",
-            "--booking",
-            world.booking,
-            "--manifest",
-            str(world.manifest),
-            "--confirmation-ref",
-            ref,
-            "--idempotency-key",
-            "readable-key-01",
-        ],
+        world.train_argv(ref, "readable-key-01"),
     )
     out = capsys.readouterr()
     assert status == EXIT_OK and "state=accepted" in out.out and not out.out.startswith("{")

@@ -34,18 +34,7 @@ def _submit(world: World, monkeypatch: pytest.MonkeyPatch, key: str) -> str:
     ref = world.confirm_train(monkeypatch)
     status, env = world.cli(
         monkeypatch,
-        [
-            "train",
-            "--booking",
-            world.booking,
-            "--manifest",
-            str(world.manifest),
-            "--confirmation-ref",
-            ref,
-            "--idempotency-key",
-            key,
-            "--json",
-        ],
+        world.train_argv(ref, key, "--json"),
     )
     assert status == EXIT_OK, env
     run_id: str = env["data"]["run_id"]

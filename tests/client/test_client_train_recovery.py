@@ -92,18 +92,7 @@ def test_no_blind_retry_when_the_lookup_fails_too(
 ) -> None:
     ref = world.confirm_train(monkeypatch)
     with RecordingProxy(world.backend.port, lambda _m, _p, _n: "drop") as proxy:
-        argv = [
-            "train",
-            "--booking",
-            world.booking,
-            "--manifest",
-            str(world.manifest),
-            "--confirmation-ref",
-            ref,
-            "--idempotency-key",
-            "blind-key-001",
-            "--json",
-        ]
+        argv = world.train_argv(ref, "blind-key-001", "--json")
         status, env = world.cli(monkeypatch, argv, url=proxy.url)
         posts = proxy.matching("POST", "/v1/runs")
         lookups = proxy.matching("GET", "/v1/runs?idempotency_key=blind-key-001")
@@ -135,18 +124,7 @@ def test_key_revoked_while_following(
     ref = world.confirm_train(monkeypatch)
     status, env = world.cli(
         monkeypatch,
-        [
-            "train",
-            "--booking",
-            world.booking,
-            "--manifest",
-            str(world.manifest),
-            "--confirmation-ref",
-            ref,
-            "--idempotency-key",
-            "follow-key-001",
-            "--json",
-        ],
+        world.train_argv(ref, "follow-key-001", "--json"),
     )
     assert status == EXIT_OK
     run_id = env["data"]["run_id"]  # stays `accepted` (no runtime): polling goes on
