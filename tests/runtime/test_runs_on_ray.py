@@ -183,7 +183,7 @@ def test_ray_dashboard_keeps_token_auth(rt: dict[str, Any]) -> None:
     assert ok.status_code == 200
 
 
-def test_cancel_mid_run_stops_every_actor_within_30s_and_keeps_checkpoints(
+def test_cancel_mid_run_stops_every_actor_within_30s_keeps_checkpoints_then_cleanup(
         rt: dict[str, Any]) -> None:
     run_id = _submit(rt, steps=2000)
     _wait(rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 6,
@@ -206,6 +206,20 @@ def test_cancel_mid_run_stops_every_actor_within_30s_and_keeps_checkpoints(
     assert time.monotonic() - t0 <= 30
     ckpts = _get(rt, f"/v1/runs/{run_id}/checkpoints")["checkpoints"]
     assert ckpts and all(Path(c["path"]).is_dir() for c in ckpts)
+
+    # Cleanup (its own confirmation) removes scratch and checkpoints, never the booking.
+    with be.client() as c:
+        ref = confirm_ref(c, t.approver, "cleanup", t.booking_id, run_id=run_id, cost_usd=0.0)
+        r = c.post(f"/v1/runs/{run_id}/cleanup", json={"confirmation_ref": ref},
+                   headers={"Authorization": f"Bearer {t.submitter}",
+                            "Idempotency-Key": f"cleanup-{run_id}"})
+    body = r.json()
+    assert body["ok"], body
+    ckpt_dir = rt["tmp"] / "ckpt" / run_id
+    assert str(ckpt_dir) in body["data"]["removed"] and body["data"]["bytes_removed"] > 0
+    assert not ckpt_dir.exists() and not (be.var_dir / "runs" / run_id).exists()
+    assert _get(rt, f"/v1/runs/{run_id}")["state"] == "cleaned"
+    assert _get(rt, f"/v1/bookings/{t.booking_id}/eligibility")["eligible"] is True
 
 
 def test_replica_group_kill_is_an_interruption_and_the_run_still_succeeds(
