@@ -258,6 +258,24 @@ def test_api_server_sigkill_mid_run_reattaches_and_loses_no_event(rt: dict[str, 
     assert run["state"] == "succeeded"
 
 
+def test_lost_driver_is_relaunched_and_training_resumes_from_its_checkpoint(
+        rt: dict[str, Any]) -> None:
+    run_id = _submit(rt, steps=40)
+    _wait(rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 12,
+          "a checkpoint")
+    assert _get(rt, f"/v1/runs/{run_id}/checkpoints")["checkpoints"]
+    (driver,) = [a for a in _run_actors(rt, run_id) if a.name == f"run-{run_id}"]
+    os.kill(int(driver.pid), signal.SIGKILL)  # the driver process dies (its trainers with it)
+    run = _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
+    logs = [e["message"] for e in _get(rt, f"/v1/runs/{run_id}/logs?limit=1000")["entries"]]
+    assert any("driver lost; relaunching (attempt 2)" in m for m in logs)
+    assert any("stage data_prep: already passed" in m for m in logs)  # not redone
+    assert any("resumed from checkpoint step" in m for m in logs), logs
+    metrics = _get(rt, f"/v1/runs/{run_id}/metrics")
+    assert metrics["interruptions"] >= 1 and metrics["last_step"] == 40
+    assert {g["stage"]: g["status"] for g in run["stage_gates"]}["train"] == "passed"
+
+
 def test_loss_spike_proposal_waits_for_approval_through_the_api(rt: dict[str, Any]) -> None:
     """A poisoned data batch (operator test knob) spikes the loss: the run shows the
     proposal and awaits approval; nothing moves until an approver's confirmed approve."""
