@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from orchestrator.redact import safe_id
-from orchestrator.store import Store
+from orchestrator.store import Row, Store
 from stages.errors import ErrorCode, ItoError
 
 
@@ -82,10 +82,8 @@ def booking_view(store: Store, booking_id: str) -> dict[str, Any]:
     }
 
 
-def check_eligibility(store: Store, booking_id: str, account_id: str,
-                      ttl_s: int, now: float | None = None) -> dict[str, Any]:
-    """Fail closed, each reason its own code; else fresh eligibility bound to the booking."""
-    now = time.time() if now is None else now
+def owned_live_booking(store: Store, booking_id: str, account_id: str) -> Row:
+    """The account's booking, neither revoked nor released; else its own code."""
     row = store.booking(booking_id)
     if row is None:
         raise ItoError(ErrorCode.booking_not_found, f"no booking {safe_id(booking_id)}")
@@ -96,6 +94,14 @@ def check_eligibility(store: Store, booking_id: str, account_id: str,
         raise ItoError(ErrorCode.booking_revoked, "this booking was revoked")
     if row["state"] == "released":
         raise ItoError(ErrorCode.booking_released, "this booking was released")
+    return row
+
+
+def check_eligibility(store: Store, booking_id: str, account_id: str,
+                      ttl_s: int, now: float | None = None) -> dict[str, Any]:
+    """Fail closed, each reason its own code; else fresh eligibility bound to the booking."""
+    now = time.time() if now is None else now
+    row = owned_live_booking(store, booking_id, account_id)
     missing = [k for k in ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")
                if row[k] in (None, "")]
     if missing:

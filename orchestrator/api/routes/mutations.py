@@ -31,6 +31,7 @@ from orchestrator.api.deps import (
 from orchestrator.api.envelope import Envelope, ok
 from orchestrator.api.models import MutationRequest
 from orchestrator.auth import Principal
+from orchestrator.bookings import owned_live_booking
 from orchestrator.redact import safe_id
 from orchestrator.runs import ACTIVE, RunState
 from orchestrator.store import Row
@@ -185,16 +186,7 @@ def decline(run_id: str, proposal_id: str, body: MutationRequest,
 
 
 def _release_check(c: Ctx, p: Principal, booking_id: str) -> None:
-    row = c.store.booking(booking_id)
-    if row is None:
-        raise ItoError(ErrorCode.booking_not_found, f"no booking {safe_id(booking_id)}")
-    if row["account_id"] != p.account_id:
-        raise ItoError(ErrorCode.booking_account_mismatch,
-                       "this booking belongs to another account")
-    if row["state"] == "revoked":
-        raise ItoError(ErrorCode.booking_revoked, "this booking was revoked")
-    if row["state"] == "released":
-        raise ItoError(ErrorCode.booking_released, "this booking was already released")
+    owned_live_booking(c.store, booking_id, p.account_id)
 
 
 @router.post("/v1/bookings/{booking_id}/release", response_model=Envelope)
