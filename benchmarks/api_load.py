@@ -103,9 +103,9 @@ def start_server(
 
 
 def make_tenant(db: Path) -> dict[str, str]:
-    from orchestrator.auth import SCOPES, issue_key
-    from orchestrator.bookings import BookingFile, add_booking
-    from orchestrator.store import Store
+    from orchestrator.db.store import Store
+    from orchestrator.gates.auth import SCOPES, issue_key
+    from orchestrator.gates.bookings import BookingFile, add_booking
 
     store = Store(db)
     try:

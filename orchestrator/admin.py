@@ -17,11 +17,11 @@ from typing import Annotated, Any, NoReturn
 import typer
 from pydantic import ValidationError
 
-from orchestrator.auth import issue_key
-from orchestrator.bookings import BookingFile, add_booking, booking_view
-from orchestrator.runtime import NullRuntime, RunRuntime
+from orchestrator.db.store import Store
+from orchestrator.gates.auth import issue_key
+from orchestrator.gates.bookings import BookingFile, add_booking, booking_view
+from orchestrator.runtime.interface import NullRuntime, RunRuntime
 from orchestrator.settings import Settings
-from orchestrator.store import Store
 from stages.errors import ErrorCode, ItoError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -92,7 +92,7 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
           log_level: str = "info") -> None:
     """Run the API server (uvicorn) on the store at --db."""
     if runtime == "ray":
-        import orchestrator.ray_cluster  # noqa: F401 - configures Ray's token auth first
+        import orchestrator.runtime.ray_cluster  # noqa: F401 - configures Ray's token auth first
     import uvicorn
 
     from orchestrator.api import create_app
@@ -106,8 +106,8 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
     if runtime == "none":
         rt = NullRuntime(store, var_dir)
     elif runtime == "ray":
-        from orchestrator.ray_cluster import RaySettings
-        from orchestrator.supervisor import RayRuntime
+        from orchestrator.runtime.ray_cluster import RaySettings
+        from orchestrator.runtime.supervisor import RayRuntime
 
         rt = RayRuntime(store, var_dir, RaySettings(
             address=ray_address, head_port=ray_head_port, dashboard_port=ray_dashboard_port,

@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from orchestrator import ray_cluster
+from orchestrator.runtime import ray_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -12,9 +12,9 @@ from orchestrator.api.bodycap import BodyCap
 from orchestrator.api.deps import Ctx
 from orchestrator.api.errors import install_handlers
 from orchestrator.api.routes import bookings, confirmations, health, mutations, plans, runs
-from orchestrator.runtime import NullRuntime, RunRuntime
+from orchestrator.db.store import Store
+from orchestrator.runtime.interface import NullRuntime, RunRuntime
 from orchestrator.settings import Settings
-from orchestrator.store import Store
 
 API_VERSION = "1.0.0"
 

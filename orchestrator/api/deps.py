@@ -12,12 +12,12 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from orchestrator.auth import Principal, authenticate, sha256_hex
-from orchestrator.bookings import iso
+from orchestrator.db.store import Row, Store
+from orchestrator.gates.auth import Principal, authenticate, sha256_hex
+from orchestrator.gates.bookings import iso
 from orchestrator.redact import looks_secret, safe_id
-from orchestrator.runtime import RunRuntime
+from orchestrator.runtime.interface import RunRuntime
 from orchestrator.settings import Settings
-from orchestrator.store import Row, Store
 from stages.errors import ErrorCode, ItoError
 
 T = TypeVar("T")

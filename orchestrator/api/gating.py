@@ -6,12 +6,12 @@ import time
 from typing import Any
 
 from orchestrator.api.deps import Ctx, Gates
-from orchestrator.auth import Principal
-from orchestrator.bookings import check_eligibility
-from orchestrator.costing import CostEstimate
-from orchestrator.manifest import ParsedManifest, decode_b64, parse_manifest
-from orchestrator.planning import PlanResult, plan_manifest
-from orchestrator.validation import validate
+from orchestrator.gates.auth import Principal
+from orchestrator.gates.bookings import check_eligibility
+from orchestrator.gates.costing import CostEstimate
+from orchestrator.gates.manifest import ParsedManifest, decode_b64, parse_manifest
+from orchestrator.gates.planning import PlanResult, plan_manifest
+from orchestrator.gates.validation import validate
 
 
 def booking_gate(g: Gates, c: Ctx, p: Principal, booking_id: str) -> dict[str, Any]:

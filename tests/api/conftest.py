@@ -14,8 +14,8 @@ from helpers.manifests import example_manifest, manifest_payload
 from helpers.tenants import Tenant, make_tenant
 
 from orchestrator.api import create_app
+from orchestrator.db.store import Store
 from orchestrator.settings import Settings
-from orchestrator.store import Store
 
 
 @dataclass

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from helpers.tenants import add_booking_cli, admin, booking_doc
 
-from orchestrator.auth import authenticate, sha256_hex
-from orchestrator.store import Store
+from orchestrator.db.store import Store
+from orchestrator.gates.auth import authenticate, sha256_hex
 from stages.errors import ErrorCode, ItoError
 
 

@@ -12,7 +12,7 @@ from helpers.flows import confirm, submit
 from helpers.manifests import example_manifest, manifest_payload
 from helpers.tenants import make_tenant
 
-from orchestrator.store import Store
+from orchestrator.db.store import Store
 
 
 @pytest.mark.slow

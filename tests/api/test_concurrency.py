@@ -16,7 +16,7 @@ from helpers.flows import confirm_ref, submit
 from helpers.manifests import example_manifest
 from helpers.tenants import Tenant, make_tenant
 
-from orchestrator.store import Store
+from orchestrator.db.store import Store
 
 N = 50
 

@@ -12,8 +12,8 @@ import pytest
 from helpers.manifests import manifest_payload
 from helpers.tenants import add_key, booking_doc, iso_in, make_tenant
 
-from orchestrator.bookings import BookingFile, add_booking
-from orchestrator.confirmations import ref_hash
+from orchestrator.gates.bookings import BookingFile, add_booking
+from orchestrator.gates.confirmations import ref_hash
 
 from .conftest import Api, code_of
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from helpers.manifests import EXAMPLE, example_manifest
 
-from orchestrator.manifest import Manifest, find_secrets, manifest_id, parse_manifest
+from orchestrator.gates.manifest import Manifest, find_secrets, manifest_id, parse_manifest
 from stages.errors import ErrorCode, ItoError
 
 

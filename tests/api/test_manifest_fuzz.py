@@ -12,9 +12,9 @@ from helpers.manifests import example_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.manifest import parse_manifest
+from orchestrator.gates.manifest import parse_manifest
+from orchestrator.gates.validation import validate
 from orchestrator.settings import Settings
-from orchestrator.validation import validate
 from stages.errors import ItoError
 
 JSON = st.recursive(

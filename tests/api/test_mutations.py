@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.runs import RunState
-from orchestrator.runtime import run_dir
+from orchestrator.runtime.interface import run_dir
 
 from .conftest import Api, code_of
 

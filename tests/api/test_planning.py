@@ -12,8 +12,8 @@ from helpers.manifests import manifest_payload
 from helpers.tenants import booking_doc, cpu_booking_doc, make_tenant
 
 from orchestrator.api import create_app
+from orchestrator.db.store import Store
 from orchestrator.settings import Settings
-from orchestrator.store import Store
 
 from .conftest import Api, code_of
 
@@ -55,7 +55,7 @@ def test_planner_gate_prices_and_stores_the_plan(gated: Api) -> None:
 
 
 def test_planner_gate_refuses_before_any_run(gated: Api) -> None:
-    from orchestrator.bookings import BookingFile, add_booking
+    from orchestrator.gates.bookings import BookingFile, add_booking
 
     add_booking(gated.store, BookingFile.model_validate(booking_doc("bk-h100", "acme")))
     m = gated.manifest()

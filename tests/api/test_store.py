@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.db.schema import SCHEMA_VERSION
+from orchestrator.db.store import Store
 from orchestrator.runs import TRANSITIONS, RunState, can_transition, check_transition
-from orchestrator.schema import SCHEMA_VERSION
-from orchestrator.store import Store
 from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent, LogEvent, ProposalEvent, StageResultEvent
 

@@ -7,10 +7,15 @@ from pathlib import Path
 import pytest
 from helpers.manifests import example_manifest
 
-from orchestrator.costing import estimate_cost, estimate_hours, gpu_profile, price_per_gpu_hour
-from orchestrator.manifest import Manifest
+from orchestrator.gates.costing import (
+    estimate_cost,
+    estimate_hours,
+    gpu_profile,
+    price_per_gpu_hour,
+)
+from orchestrator.gates.manifest import Manifest
+from orchestrator.gates.validation import check_checkpoint_storage, training_tokens
 from orchestrator.settings import Settings
-from orchestrator.validation import check_checkpoint_storage, training_tokens
 from stages.errors import ErrorCode, ItoError
 
 

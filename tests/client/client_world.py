@@ -17,8 +17,8 @@ from helpers.backend import Backend, start_backend
 from helpers.manifests import example_manifest, write_manifest
 from helpers.tenants import Tenant, booking_doc, make_tenant
 
-from orchestrator.cli import run_cli
-from orchestrator.client import ClientSettings, Envelope, ItoClient
+from orchestrator.client.api import ClientSettings, Envelope, ItoClient
+from orchestrator.client.cli import run_cli
 
 # Retries without waiting, so failure-path tests stay fast; every other bound as shipped.
 FAST = ClientSettings(retry_backoff_s=0.0, total_timeout_s=15.0)

@@ -13,7 +13,8 @@ import pytest
 from client_world import World
 from helpers.manifests import example_manifest, write_manifest
 
-from orchestrator.cli import (
+from orchestrator.client.api import is_envelope
+from orchestrator.client.cli import (
     EXIT_AUTH,
     EXIT_OK,
     EXIT_REFUSED,
@@ -22,7 +23,6 @@ from orchestrator.cli import (
     EXIT_TRANSPORT,
     EXIT_USAGE,
 )
-from orchestrator.client import is_envelope
 from stages.errors import ErrorCode
 
 pytestmark = pytest.mark.slow  # a real server subprocess per module
@@ -269,7 +269,7 @@ def test_json_prints_exactly_one_envelope_in_a_real_process(
         "ITO_API_URL": world.backend.url,
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *argv],
+        [sys.executable, "-m", "orchestrator.client.cli", *argv],
         capture_output=True,
         text=True,
         timeout=60,
@@ -322,7 +322,7 @@ def test_canary_secrets_appear_in_no_output(
     outputs = []
     for extra, argv in runs:
         proc = subprocess.run(
-            [sys.executable, "-m", "orchestrator.cli", *argv],
+            [sys.executable, "-m", "orchestrator.client.cli", *argv],
             capture_output=True,
             text=True,
             timeout=60,

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from orchestrator import cli
-from orchestrator.cli import (
+from orchestrator.client import cli
+from orchestrator.client.api import error_envelope, is_envelope, ok_envelope
+from orchestrator.client.cli import (
     EXIT_AUTH,
     EXIT_INTERNAL,
     EXIT_OK,
@@ -19,7 +20,6 @@ from orchestrator.cli import (
     exit_code_for,
     run_cli,
 )
-from orchestrator.client import error_envelope, is_envelope, ok_envelope
 from stages.errors import ErrorCode
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import EXIT_REFUSED, build_parser, run_cli
-from orchestrator.credentials import (
+from orchestrator.client.cli import EXIT_REFUSED, build_parser, run_cli
+from orchestrator.client.credentials import (
     REDACTED,
     ApiKey,
     load_api_key,

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from client_proxy import RecordingProxy
 
-from orchestrator.cli import EXIT_REFUSED, run_cli
-from orchestrator.client import ItoClient
-from orchestrator.manifest_reader import MANIFEST_MAX_BYTES, read_manifest
+from orchestrator.client.api import ItoClient
+from orchestrator.client.cli import EXIT_REFUSED, run_cli
+from orchestrator.client.manifest_reader import MANIFEST_MAX_BYTES, read_manifest
 from stages.errors import ErrorCode, ItoError
 
 MANIFEST = b'{"model": {"preset": "llama-tiny"}}\n'

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 from client_world import World
 
-from orchestrator.cli import EXIT_OK
-from orchestrator.store import Store
+from orchestrator.client.cli import EXIT_OK
+from orchestrator.db.store import Store
 from stages.events import ProposalEvent, StepEvent
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def test_follow_shows_state_step_and_loss_until_success(
         [
             sys.executable,
             "-m",
-            "orchestrator.cli",
+            "orchestrator.client.cli",
             "status",
             "--run",
             run_id,

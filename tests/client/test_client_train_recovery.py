@@ -15,9 +15,9 @@ from client_proxy import RecordingProxy
 from client_world import World
 from helpers.tenants import admin
 
-from orchestrator.cli import EXIT_AUTH, EXIT_OK, EXIT_TRANSPORT
-from orchestrator.client import ClientSettings, ItoClient
-from orchestrator.manifest_reader import read_manifest
+from orchestrator.client.api import ClientSettings, ItoClient
+from orchestrator.client.cli import EXIT_AUTH, EXIT_OK, EXIT_TRANSPORT
+from orchestrator.client.manifest_reader import read_manifest
 from stages.errors import ErrorCode
 
 pytestmark = pytest.mark.slow  # real server subprocess, proxy threads, CLI subprocesses
@@ -133,7 +133,7 @@ def test_key_revoked_while_following(
             [
                 sys.executable,
                 "-m",
-                "orchestrator.cli",
+                "orchestrator.client.cli",
                 follow[0],
                 "--run",
                 run_id,

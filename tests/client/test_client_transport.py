@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 from client_proxy import RecordingProxy
 
-from orchestrator.cli import EXIT_TRANSPORT, run_cli
-from orchestrator.client import ClientSettings, ItoClient, check_api_url
-from orchestrator.credentials import ApiKey
+from orchestrator.client.api import ClientSettings, ItoClient, check_api_url
+from orchestrator.client.cli import EXIT_TRANSPORT, run_cli
+from orchestrator.client.credentials import ApiKey
 from stages.errors import ErrorCode
 
 KEY = ApiKey("itok_t1_transportsecret", source="env")

@@ -10,9 +10,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from orchestrator.auth import SCOPES, issue_key
-from orchestrator.bookings import BookingFile, add_booking
-from orchestrator.store import Store
+from orchestrator.db.store import Store
+from orchestrator.gates.auth import SCOPES, issue_key
+from orchestrator.gates.bookings import BookingFile, add_booking
 
 SUBMITTER = ("runs:read", "runs:write")
 APPROVER = (*(s for s in SCOPES if s.startswith("confirm:")), "runs:read")

@@ -10,9 +10,9 @@ from typing import ClassVar
 import pytest
 from pydantic import BaseModel
 
-from orchestrator import launch
-from orchestrator.driver import RunDriverImpl
-from orchestrator.launch import LaunchSpec
+from orchestrator.runtime import launch
+from orchestrator.runtime.driver import RunDriverImpl
+from orchestrator.runtime.launch import LaunchSpec
 from stages.base import GateOutcome, StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.events import StepEvent
@@ -136,7 +136,7 @@ def test_cancel_stops_a_running_stage_and_completed_stages_are_skipped(tmp_path:
 def test_operator_overrides_are_a_closed_set() -> None:
     from pydantic import ValidationError
 
-    from orchestrator.supervisor import SupervisorSettings
+    from orchestrator.runtime.supervisor import SupervisorSettings
 
     assert SupervisorSettings(train_overrides={"pace_step_s": 0.1}).train_overrides
     with pytest.raises(ValidationError):

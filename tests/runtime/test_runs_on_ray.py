@@ -28,7 +28,7 @@ from helpers.backend import Backend, free_port
 from helpers.flows import confirm_ref, submit
 from helpers.tenants import Tenant, booking_doc, make_tenant
 
-from orchestrator import ray_cluster
+from orchestrator.runtime import ray_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from orchestrator.prometheus import RunSample, TelemetryCollector
-from orchestrator.telemetry import aggregate, compute_run_metrics
+from orchestrator.telemetry.goodput import aggregate, compute_run_metrics
+from orchestrator.telemetry.prometheus import RunSample, TelemetryCollector
 
 
 def _step(step: int, seconds: float, *, group: int = 0, committed: bool = True,

@@ -6,15 +6,15 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials
 
-from orchestrator import confirmations
 from orchestrator.api.deps import Ctx, Gates, bearer, ctx
 from orchestrator.api.envelope import Envelope, ok
 from orchestrator.api.gating import booking_gate, manifest_gate
 from orchestrator.api.models import ConfirmationRequest
-from orchestrator.auth import Principal
-from orchestrator.bookings import iso
+from orchestrator.db.store import Store
+from orchestrator.gates import confirmations
+from orchestrator.gates.auth import Principal
+from orchestrator.gates.bookings import iso
 from orchestrator.redact import safe_id
-from orchestrator.store import Store
 from stages.errors import ErrorCode, ItoError
 
 router = APIRouter(tags=["confirmations"])

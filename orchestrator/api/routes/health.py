@@ -8,9 +8,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from orchestrator.api.deps import Ctx, ctx
 from orchestrator.api.envelope import Envelope, ok
-from orchestrator.metrics_view import samples
-from orchestrator.prometheus import TelemetryCollector
 from orchestrator.runs import RunState
+from orchestrator.telemetry.metrics_view import samples
+from orchestrator.telemetry.prometheus import TelemetryCollector
 
 router = APIRouter()
 

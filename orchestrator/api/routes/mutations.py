@@ -18,7 +18,6 @@ from fastapi import APIRouter, Depends, Header
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials
 
-from orchestrator import confirmations
 from orchestrator.api.deps import (
     Ctx,
     Gates,
@@ -30,11 +29,12 @@ from orchestrator.api.deps import (
 )
 from orchestrator.api.envelope import Envelope, ok
 from orchestrator.api.models import MutationRequest
-from orchestrator.auth import Principal
-from orchestrator.bookings import owned_live_booking
+from orchestrator.db.store import Row
+from orchestrator.gates import confirmations
+from orchestrator.gates.auth import Principal
+from orchestrator.gates.bookings import owned_live_booking
 from orchestrator.redact import safe_id
 from orchestrator.runs import ACTIVE, RunState
-from orchestrator.store import Row
 from stages.errors import ErrorCode, ItoError
 
 log = logging.getLogger("ito.api")

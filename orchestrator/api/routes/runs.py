@@ -14,7 +14,6 @@ from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials
 
-from orchestrator import confirmations
 from orchestrator.api.deps import (
     Ctx,
     Gates,
@@ -27,11 +26,12 @@ from orchestrator.api.deps import (
 from orchestrator.api.envelope import Envelope, ok
 from orchestrator.api.gating import booking_gate, manifest_gate, validation_gate
 from orchestrator.api.models import RunRequest
-from orchestrator.auth import Principal
-from orchestrator.bookings import iso
-from orchestrator.metrics_view import run_metrics
+from orchestrator.db.store import Row, Store, new_id
+from orchestrator.gates import confirmations
+from orchestrator.gates.auth import Principal
+from orchestrator.gates.bookings import iso
 from orchestrator.runs import RunState
-from orchestrator.store import Row, Store, new_id
+from orchestrator.telemetry.metrics_view import run_metrics
 from stages.errors import ErrorCode, ItoError
 
 log = logging.getLogger("ito.api")

@@ -12,7 +12,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-from orchestrator.store import Store
+from orchestrator.db.store import Store
 from stages.errors import ErrorCode, ItoError
 
 SCOPES = ("runs:read", "runs:write", "confirm:train", "confirm:cancel", "confirm:cleanup",

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator.manifest import Manifest
+from orchestrator.gates.manifest import Manifest
 from stages.errors import ErrorCode, ItoError
 from stages.parallelism import plan, request_from
 
@@ -45,7 +45,7 @@ def total_steps(m: Manifest) -> int:
 
 def plan_manifest(m: Manifest, booking: dict[str, Any]) -> PlanResult:
     """Plan ``m`` on the booking's topology; a refusal is returned, not raised."""
-    from orchestrator.pipeline import parallelism_config  # the run's stage asks the same
+    from orchestrator.runtime.pipeline import parallelism_config  # the run's stage asks the same
 
     config = parallelism_config(m, booking)
     try:

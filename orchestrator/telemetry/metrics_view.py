@@ -1,4 +1,4 @@
-"""A run's metrics from its stored events: ``orchestrator.telemetry`` over the store.
+"""A run's metrics from its stored events: ``orchestrator.telemetry.goodput`` over the store.
 
 The same numbers serve ``GET /v1/runs/{id}/metrics``, ``ito metrics`` and the
 Prometheus families at ``/metrics``.
@@ -10,10 +10,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from orchestrator.prometheus import RunSample
+from orchestrator.db.store import Row, Store
 from orchestrator.runs import TERMINAL, RunState
-from orchestrator.store import Row, Store
-from orchestrator.telemetry import RunMetrics, compute_run_metrics
+from orchestrator.telemetry.goodput import RunMetrics, compute_run_metrics
+from orchestrator.telemetry.prometheus import RunSample
 
 TELEMETRY_KINDS = ("step", "phase", "interruption", "checkpoint")
 

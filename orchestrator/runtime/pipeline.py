@@ -13,8 +13,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.launch import LaunchSpec
-from orchestrator.manifest import Manifest
+from orchestrator.gates.manifest import Manifest
+from orchestrator.runtime.launch import LaunchSpec
 from stages.base import Stage, StageContext
 from stages.parallelism import ParallelismConfig
 

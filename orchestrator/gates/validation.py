@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from orchestrator.costing import (
+from orchestrator.gates.costing import (
     CostEstimate,
     estimate_cost,
     gpu_bf16_flops,
@@ -24,8 +24,8 @@ from orchestrator.costing import (
     gpu_profile,
     price_per_gpu_hour,
 )
-from orchestrator.manifest import Manifest
-from orchestrator.planning import total_steps
+from orchestrator.gates.manifest import Manifest
+from orchestrator.gates.planning import total_steps
 from orchestrator.settings import Settings
 from stages.errors import ErrorCode, ItoError
 from stages.presets import load_model_preset

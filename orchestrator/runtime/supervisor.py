@@ -25,12 +25,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from orchestrator import launch, ray_cluster
-from orchestrator.launch import LaunchSpec
-from orchestrator.ray_cluster import RAY_NAMESPACE, RaySettings
+from orchestrator.db.store import Row, Store
 from orchestrator.runs import ACTIVE, TERMINAL, RunState
-from orchestrator.runtime import Decision, remove_tree, run_dir
-from orchestrator.store import Row, Store
+from orchestrator.runtime import launch, ray_cluster
+from orchestrator.runtime.interface import Decision, remove_tree, run_dir
+from orchestrator.runtime.launch import LaunchSpec
+from orchestrator.runtime.ray_cluster import RAY_NAMESPACE, RaySettings
 from stages.errors import ErrorCode
 from stages.events import InterruptionEvent, LogEvent
 
@@ -242,7 +242,7 @@ class RayRuntime:
         return Path(root) / run["run_id"]
 
     def _launch(self, run: Row, *, attempt: int) -> None:
-        from orchestrator.driver import driver_actor_class
+        from orchestrator.runtime.driver import driver_actor_class
 
         run_id = run["run_id"]
         booking = self.store.booking(run["booking_id"]) or {}

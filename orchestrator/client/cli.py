@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from orchestrator.client import (
+from orchestrator.client.api import (
     TERMINAL_STATES,
     ClientSettings,
     Envelope,
@@ -28,8 +28,8 @@ from orchestrator.client import (
     error_envelope,
     ok_envelope,
 )
-from orchestrator.credentials import ApiKey, load_api_key, redact
-from orchestrator.manifest_reader import ManifestBytes, read_manifest
+from orchestrator.client.credentials import ApiKey, load_api_key, redact
+from orchestrator.client.manifest_reader import ManifestBytes, read_manifest
 from stages.errors import ErrorCode, ItoError
 
 API_URL_ENV = "ITO_API_URL"

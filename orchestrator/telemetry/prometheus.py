@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from orchestrator.telemetry import RunMetrics, aggregate
+from orchestrator.telemetry.goodput import RunMetrics, aggregate
 
 
 @dataclass(frozen=True)

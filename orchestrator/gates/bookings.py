@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from orchestrator.db.store import Row, Store
 from orchestrator.redact import safe_id
-from orchestrator.store import Row, Store
 from stages.errors import ErrorCode, ItoError
 
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from orchestrator import launch
-from orchestrator.launch import LaunchSpec
+from orchestrator.runtime import launch
+from orchestrator.runtime.launch import LaunchSpec
 from stages.base import GateOutcome, Stage, StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event, LogEvent, PhaseEvent, StageResultEvent, StepEvent
@@ -132,7 +132,7 @@ class RunDriverImpl:
         ctx = self.ctx
         try:
             if self._pipeline is None:
-                from orchestrator.pipeline import build_pipeline
+                from orchestrator.runtime.pipeline import build_pipeline
 
                 self._pipeline = build_pipeline
             for name, make_stage in self._pipeline(self.spec):

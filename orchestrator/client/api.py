@@ -39,8 +39,8 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.credentials import ApiKey
-from orchestrator.manifest_reader import ManifestBytes
+from orchestrator.client.credentials import ApiKey
+from orchestrator.client.manifest_reader import ManifestBytes
 from stages.errors import ErrorCode
 
 Envelope = dict[str, Any]

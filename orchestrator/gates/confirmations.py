@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from orchestrator.auth import Principal, sha256_hex
-from orchestrator.store import Row, Store
+from orchestrator.db.store import Row, Store
+from orchestrator.gates.auth import Principal, sha256_hex
 from stages.errors import ErrorCode, ItoError
 
 Action = Literal["train", "cancel", "cleanup", "release", "restart"]

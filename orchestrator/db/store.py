@@ -21,9 +21,9 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from orchestrator.db.schema import MIGRATIONS, SCHEMA_VERSION
 from orchestrator.redact import safe_id
 from orchestrator.runs import RunState, check_transition
-from orchestrator.schema import MIGRATIONS, SCHEMA_VERSION
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event
 

@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from orchestrator.db.store import Store
 from orchestrator.runs import RunState
-from orchestrator.store import Store
 
 Decision = Literal["approved", "declined"]
 

@@ -123,7 +123,7 @@ def connect(var_dir: Path, settings: RaySettings) -> str:
 
     if _RAY_IMPORTED_EARLY:
         raise ItoError(ErrorCode.ray_unavailable, "ray was imported before token auth was "
-                       "configured; import orchestrator.ray_cluster first")
+                       "configured; import orchestrator.runtime.ray_cluster first")
     address = settings.address or start_local_head(var_dir, settings)
     if not ray.is_initialized():
         try:

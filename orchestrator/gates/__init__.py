@@ -1,0 +1,2 @@
+"""Server-side gates: auth, booking eligibility, manifest, confirmations,
+validation, cost and plan."""

@@ -1,0 +1,1 @@
+"""Goodput telemetry: computed from persisted events, exported for Prometheus and `ito metrics`."""
