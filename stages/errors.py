@@ -110,6 +110,9 @@ class ErrorCode(StrEnum):
     stage_failed = "stage_failed"
     gate_failed = "gate_failed"
     ray_unavailable = "ray_unavailable"
+    # --- placement (runs on their booking's nodes) ------------------------------------
+    booking_nodes_unavailable = "booking_nodes_unavailable"
+    placement_timeout = "placement_timeout"
 
 
 class ItoError(Exception):

@@ -57,7 +57,7 @@ class InterruptionEvent(_Event):
 
     kind: Literal["interruption"] = "interruption"
     interruption_kind: Literal["replica_group_lost", "all_groups_lost", "hang", "loss_spike",
-                               "driver_lost"]
+                               "driver_lost", "node_lost"]
     replica_group: int | None = None
     detected_at: float
     recovered_at: float | None = None

@@ -276,6 +276,23 @@ class Store:
         with self.tx() as c:
             return apply(c)
 
+    def set_state_reason(self, run_id: str, reason: str) -> bool:
+        """Say why a run is still in its state (e.g. waiting for its booking's nodes);
+        logged once per change. Returns whether the reason changed."""
+        with self.tx() as c:
+            row = c.execute("SELECT state_reason FROM runs WHERE run_id = ?",
+                            (run_id,)).fetchone()
+            if row is None:
+                raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
+            if row["state_reason"] == reason:
+                return False
+            now = time.time()
+            c.execute("UPDATE runs SET state_reason = ?, updated_at = ? WHERE run_id = ?",
+                      (reason, now, run_id))
+            c.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message) "
+                      "VALUES (?, NULL, ?, 'info', 'orchestrator', ?)", (run_id, now, reason))
+            return True
+
     def set_run_field(self, run_id: str, **fields: Any) -> None:
         """Store structured run facts (``plan=``, ``data_prep=``) as JSON."""
         unknown = set(fields) - set(RUN_FIELDS)

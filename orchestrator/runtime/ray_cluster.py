@@ -12,6 +12,7 @@ Token authentication stays on (``RAY_AUTH_MODE=token``). The token lives in
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -38,6 +39,9 @@ class RaySettings(BaseModel):
     dashboard_port: int = Field(default=8265, gt=0, lt=65536)
     num_cpus: int | None = Field(default=None, gt=0)
     include_dashboard: bool = True
+    # Custom resources the embedded head is marked with: the bookings it serves
+    # (``booking:<id>``, see orchestrator/runtime/placement.py). Set by the supervisor.
+    node_resources: dict[str, float] = Field(default_factory=dict)
     # Waiting for a freshly started head to accept connections.
     head_start_timeout_s: float = Field(default=90.0, gt=0)
 
@@ -85,6 +89,8 @@ def start_local_head(var_dir: Path, settings: RaySettings) -> str:
            "--dashboard-host=127.0.0.1", f"--dashboard-port={settings.dashboard_port}"]
     if settings.num_cpus:
         cmd.append(f"--num-cpus={settings.num_cpus}")
+    if settings.node_resources:
+        cmd.append(f"--resources={json.dumps(settings.node_resources, sort_keys=True)}")
     log = open(var_dir / "ray-head.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)

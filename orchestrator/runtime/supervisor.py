@@ -27,12 +27,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from orchestrator.db.store import Row, Store
 from orchestrator.runs import ACTIVE, TERMINAL, RunState
-from orchestrator.runtime import launch, ray_cluster
+from orchestrator.runtime import launch, placement, ray_cluster
 from orchestrator.runtime.interface import Decision, remove_tree, run_dir
 from orchestrator.runtime.launch import LaunchSpec
+from orchestrator.runtime.placement import PlacementSettings
 from orchestrator.runtime.ray_cluster import RAY_NAMESPACE, RaySettings
 from stages.errors import ErrorCode
 from stages.events import InterruptionEvent, LogEvent
+from stages.placement import PLACEMENT_FACT, PlacementFact, actor_options
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ class SupervisorSettings(BaseModel):
     # Operator-level TrainStageConfig overrides passed to every run (test pacing,
     # fault-tolerance timeouts), e.g. ITO_TRAIN_OVERRIDES='{"pace_step_s": 0.2}'.
     train_overrides: dict[str, Any] = Field(default_factory=dict)
+    # Where runs go: their booking's nodes (ITO_PLACEMENT_WAIT_S sets the wait).
+    placement: PlacementSettings = Field(default_factory=PlacementSettings)
 
     @field_validator("train_overrides")
     @classmethod
@@ -68,7 +72,11 @@ class SupervisorSettings(BaseModel):
     @classmethod
     def from_env(cls) -> SupervisorSettings:
         raw = os.environ.get("ITO_TRAIN_OVERRIDES")
-        return cls(train_overrides=json.loads(raw)) if raw else cls()
+        wait = os.environ.get("ITO_PLACEMENT_WAIT_S")
+        kw: dict[str, Any] = {"train_overrides": json.loads(raw)} if raw else {}
+        if wait:
+            kw["placement"] = PlacementSettings(wait_timeout_s=float(wait))
+        return cls(**kw)
 
 
 def driver_name(run_id: str) -> str:
@@ -88,12 +96,24 @@ class RayRuntime:
         self._cancel_requested: dict[str, float] = {}
         self._launched_at: dict[str, float] = {}
         self._handles: dict[str, Any] = {}
+        # Runs whose driver must be (re)launched once their placement group exists.
+        self._relaunch: dict[str, int] = {}
+        self._waiter = placement.Waiter(self.settings.placement)
+        self.embedded = ray.address is None
 
     # -- RunRuntime -----------------------------------------------------------------------
     def start(self) -> None:
         os.environ.setdefault(launch.LAUNCH_KEY_ENV, str(self.var_dir / "launch.key"))
         launch.ensure_launch_key()
-        ray_cluster.connect(self.var_dir, self.ray_settings)
+        settings = self.ray_settings
+        if self.embedded and not settings.node_resources:
+            # The embedded head is the one node of every booking registered now, plus
+            # the catch-all mark for bookings added later (docs/placement.md).
+            live = self.store.read("SELECT booking_id, gpus_per_node FROM bookings "
+                                   "WHERE state = 'active'", ())
+            settings = settings.model_copy(
+                update={"node_resources": placement.embedded_marks(live)})
+        ray_cluster.connect(self.var_dir, settings)
         self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
         self._thread.start()
 
@@ -122,6 +142,7 @@ class RayRuntime:
     def cleanup(self, run_id: str) -> dict[str, Any]:
         """Remove the run's scratch space and checkpoints; the booking is not touched."""
         self.kill_run_actors(run_id)
+        placement.release(run_id)
         removed: list[str] = []
         total = 0
         run = self.store.get_run(run_id)
@@ -147,12 +168,19 @@ class RayRuntime:
     def _tick(self, run: Row) -> None:
         run_id, state = run["run_id"], RunState(run["state"])
         if state == RunState.accepted:
-            self._launch(run, attempt=1)
-            self.store.transition(run_id, RunState.starting, "driver launched")
+            self.store.transition(run_id, RunState.starting, "waiting for the booking's nodes")
+            self._place_and_launch(run, attempt=1)
             return
         handle = self._driver(run_id)
         if handle is None:
-            self._on_driver_gone(run, state)
+            attempt = self._relaunch.get(run_id)
+            if attempt is None and state == RunState.starting and \
+                    run_id not in self._launched_at:
+                attempt = self._driver_attempts(run_id)  # e.g. after an API restart
+            if attempt is not None and state != RunState.cancelling:
+                self._place_and_launch(self.store.get_run(run_id), attempt=attempt)
+            else:
+                self._on_driver_gone(run, state)
             return
         if state == RunState.cancelling:
             requested = self._cancel_requested.setdefault(run_id, time.monotonic())
@@ -221,6 +249,12 @@ class RayRuntime:
         self._cancel_requested.pop(run_id, None)
         self._launched_at.pop(run_id, None)
         self._handles.pop(run_id, None)
+        self._relaunch.pop(run_id, None)
+        self._waiter.done(run_id)
+        try:
+            placement.release(run_id)
+        except Exception:  # Ray unreachable: the group goes with the cluster
+            log.warning("could not remove the placement group of run %s", run_id)
 
     # -- drivers --------------------------------------------------------------------------
     def _driver(self, run_id: str) -> Any | None:
@@ -241,7 +275,41 @@ class RayRuntime:
         root = manifest["checkpoint"]["storage_uri"].removeprefix("file://")
         return Path(root) / run["run_id"]
 
-    def _launch(self, run: Row, *, attempt: int) -> None:
+    def _place_and_launch(self, run: Row, *, attempt: int) -> None:
+        """Launch the driver once the run's placement group holds the booking's nodes;
+        until then say why the run waits, and fail it with a code after the wait."""
+        run_id = run["run_id"]
+        booking = self.store.booking(run["booking_id"]) or {"booking_id": run["booking_id"],
+                                                            "node_count": 1}
+        self._relaunch[run_id] = attempt
+        pg = placement.lookup(run_id)
+        if pg is None:
+            waiting = placement.unplaceable(booking, self.settings.placement,
+                                            embedded=self.embedded)
+            if waiting is None:
+                pg = placement.reserve(run_id, booking, self.settings.placement,
+                                       embedded=self.embedded)
+        if pg is not None:
+            if placement.state(pg) == "CREATED":
+                fact = placement.fact(run_id, booking, pg)
+                self._relaunch.pop(run_id, None)
+                self._waiter.done(run_id)
+                self._launch(run, attempt=attempt, placed=fact)
+                self.store.set_state_reason(
+                    run_id, f"driver launched on booking {booking['booking_id']}'s nodes "
+                    f"({fact.bundles} x {fact.bundle})")
+                return
+            f = placement.fact(run_id, booking, pg)
+            waiting = placement.diagnose(booking, f.resource, f.bundles)
+        assert waiting is not None
+        if self._waiter.expired(run_id):
+            seconds = self.settings.placement.wait_timeout_s
+            self._finish(run_id, RunState.failed, f"{waiting.code}: {waiting.reason}; "
+                         f"gave up after {seconds:g}s")
+            return
+        self.store.set_state_reason(run_id, waiting.reason)
+
+    def _launch(self, run: Row, *, attempt: int, placed: PlacementFact | None = None) -> None:
         from orchestrator.runtime.driver import driver_actor_class
 
         run_id = run["run_id"]
@@ -258,12 +326,14 @@ class RayRuntime:
             checkpoint_dir=str(self._checkpoint_dir(run)),
             facts={"booking": {k: booking.get(k) for k in
                                ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")},
-                   "train_overrides": self.settings.train_overrides},
+                   "train_overrides": self.settings.train_overrides,
+                   **({PLACEMENT_FACT: placed.model_dump()} if placed else {})},
             completed_stages=completed, seq_start=self.store.max_seq(run_id) + 1,
             attempt=attempt))
         actor = driver_actor_class().options(
             name=driver_name(run_id), namespace=RAY_NAMESPACE, lifetime="detached",
-            num_cpus=0, max_concurrency=16, max_restarts=0)
+            num_cpus=0, max_concurrency=16, max_restarts=0,
+            **actor_options(spec.facts, bundle_index=0))
         try:
             handle = actor.remote(spec.model_dump())
         except ValueError:  # a driver of this name exists already: reattach to it
@@ -274,7 +344,8 @@ class RayRuntime:
 
     def _driver_attempts(self, run_id: str) -> int:
         lost = self.store.list_events(run_id, kinds=["interruption"])
-        return 1 + sum(1 for e in lost if e["payload"].get("interruption_kind") == "driver_lost")
+        return 1 + sum(1 for e in lost
+                       if e["payload"].get("interruption_kind") in ("driver_lost", "node_lost"))
 
     def _on_driver_gone(self, run: Row, state: RunState) -> None:
         run_id = run["run_id"]
@@ -288,8 +359,11 @@ class RayRuntime:
         now = time.time()
         attempts = self._driver_attempts(run_id)
         seq = self.store.max_seq(run_id) + 1
-        lost = InterruptionEvent(interruption_kind="driver_lost", detected_at=now,
-                                 recovered_at=now, detail=f"driver of attempt {attempts} gone")
+        node_gone = self._node_lost(run_id)
+        lost = InterruptionEvent(
+            interruption_kind="node_lost" if node_gone else "driver_lost", detected_at=now,
+            recovered_at=None if node_gone else now,
+            detail=f"driver of attempt {attempts} gone" + (f"; {node_gone}" if node_gone else ""))
         if attempts >= self.settings.max_driver_attempts:
             self.store.ingest_events(run_id, [{**lost.model_dump(mode="json"), "seq": seq}])
             self._finish(run_id, RunState.failed,
@@ -302,7 +376,18 @@ class RayRuntime:
                                 "from the newest complete checkpoint")
         self.store.ingest_events(run_id, [{**lost.model_dump(mode="json"), "seq": seq},
                                           {**note.model_dump(mode="json"), "seq": seq + 1}])
-        self._launch(self.store.get_run(run_id), attempt=attempts + 1)
+        self._place_and_launch(self.store.get_run(run_id), attempt=attempts + 1)
+
+    def _node_lost(self, run_id: str) -> str:
+        """Why the driver went, when it was a node of the booking leaving ("" if not)."""
+        try:
+            pg = placement.lookup(run_id)
+            pg_state = placement.state(pg) if pg is not None else "REMOVED"
+        except Exception:
+            return ""
+        if pg_state == "RESCHEDULING":
+            return "a node of the booking left the cluster"
+        return ""
 
     def kill_run_actors(self, run_id: str) -> list[str]:
         """Kill the run's driver and every actor named after the run."""

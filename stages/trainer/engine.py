@@ -35,6 +35,7 @@ from stages.events import (
     PhaseEvent,
     StepEvent,
 )
+from stages.placement import actor_options, bundle_for_rank
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.loop import WorkerSpec
 from stages.trainer.loss_spike import LossSpike, LossSpikeDetector
@@ -89,7 +90,8 @@ class TrainingEngine:
     def __init__(self, cfg: TrainStageConfig, *, run_id: str, checkpoint_dir: Path,
                  shards: list[str], emit: Callable[[Event], None],
                  cancel_event: threading.Event,
-                 wait_decision: Callable[[str, float], str | None]):
+                 wait_decision: Callable[[str, float], str | None],
+                 facts: dict[str, Any] | None = None):
         self.cfg = cfg
         self.ft = cfg.fault_tolerance
         self.run_id = run_id
@@ -98,6 +100,8 @@ class TrainingEngine:
         self.emit_fn = emit
         self.cancel_event = cancel_event
         self.wait_decision = wait_decision
+        # Run facts; ``placement`` puts every actor on the booking's nodes.
+        self.facts = facts or {}
         self.groups = [_Group(g) for g in range(cfg.replica_groups)]
         self.actors: dict[tuple[int, int], Any] = {}
         self.lighthouse: Any = None
@@ -138,6 +142,7 @@ class TrainingEngine:
         lh_cls = ray.remote(LighthouseActor)
         self.lighthouse = lh_cls.options(  # type: ignore[attr-defined]
             name=lighthouse_name(self.run_id), num_cpus=0.1, max_restarts=-1,
+            **actor_options(self.facts, bundle_index=0),
         ).remote(self.ft, 1)
         lh_addr = ray.get(self.lighthouse.address.remote(), timeout=self.ft.actor_ready_timeout_s)
         self._lh_addr = lh_addr
@@ -156,8 +161,12 @@ class TrainingEngine:
         spec = WorkerSpec(run_id=self.run_id, replica_group=group, rank=rank, config=self.cfg,
                           lighthouse_addr=self._lh_addr, shards=self.shards,
                           checkpoint_dir=str(self.checkpoint_dir))
+        world = self.cfg.replica_groups * self.cfg.ranks_per_group
+        index = bundle_for_rank(self.facts, max(group, 0) * self.cfg.ranks_per_group + rank,
+                                world) if group >= 0 else -1
         return ray.remote(ReplicaWorker).options(  # type: ignore[attr-defined]
             name=name, num_cpus=self.cfg.worker_num_cpus,
+            **actor_options(self.facts, bundle_index=index),
             # One GPU per rank on cuda: Ray sets CUDA_VISIBLE_DEVICES, so it is cuda:0.
             num_gpus=1 if self.cfg.device == "cuda" else 0,
             # No runtime_env: a restart can then use one of Ray's prestarted idle

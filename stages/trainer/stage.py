@@ -49,7 +49,7 @@ class TrainingStage:
             engine = TrainingEngine(cfg, run_id=ctx.run_id, checkpoint_dir=ckpt_dir,
                                     shards=[str(s) for s in shards], emit=ctx.emit,
                                     cancel_event=ctx.cancel_event,
-                                    wait_decision=ctx.wait_decision)
+                                    wait_decision=ctx.wait_decision, facts=ctx.facts)
             result = engine.run()
         except RunCancelled:
             return GateOutcome(stage=self.name, status="failed", reason="cancelled",

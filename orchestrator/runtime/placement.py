@@ -1,0 +1,198 @@
+"""Reserving a booking's nodes for a run: one placement group per run.
+
+Nodes join the cluster marked ``booking:<id>`` (amount: the node's GPUs). For each
+accepted run the supervisor creates a detached placement group ``run-<id>-pg`` with
+one bundle per booked node::
+
+    {"booking:<id>": gpus_per_node, "CPU": <the node's CPUs>, "GPU": gpus_per_node}
+
+(``GPU`` only when the booking's nodes report GPUs), strategy ``STRICT_SPREAD`` so
+each bundle is a different node. Ray creates the group all at once or not at all:
+that is the gang. Until it exists the run waits in ``starting`` with a reason
+(no node joined, k of n joined, nodes busy with another run of the booking); after
+``wait_timeout_s`` it fails with ``booking_nodes_unavailable`` or
+``placement_timeout``. The group is removed when the run ends.
+
+The embedded head (no ``--ray-address``) is one machine that serves every booking:
+it is marked with the bookings registered when it starts and with the catch-all
+``EMBEDDED_RESOURCE``, which this module uses only for a booking that has no node of
+its own and only when the backend runs its own embedded head.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.errors import ErrorCode
+from stages.placement import PlacementFact, booking_resource
+
+EMBEDDED_RESOURCE = "ito-embedded"
+# The catch-all's amount on the embedded head: plenty for any number of bookings
+# (the head's CPUs, reserved whole by each run, are what serialises runs there).
+EMBEDDED_RESOURCE_AMOUNT = 1_000_000.0
+
+
+class PlacementSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # How long a run waits in ``starting`` (or, after a node loss, before its
+    # relaunch) for its booking's nodes to be live and free, then fails.
+    wait_timeout_s: float = Field(default=600.0, gt=0)
+    # One bundle per booked node, each on a different node.
+    strategy: str = Field(default="STRICT_SPREAD",
+                          pattern="^(STRICT_SPREAD|SPREAD|PACK|STRICT_PACK)$")
+    # CPUs reserved per bundle; None: the smallest CPU count among the booking's live
+    # nodes (the booking paid for whole nodes).
+    cpus_per_bundle: float | None = Field(default=None, gt=0)
+
+
+def pg_name(run_id: str) -> str:
+    return f"run-{run_id}-pg"
+
+
+def embedded_marks(bookings: list[dict[str, Any]]) -> dict[str, float]:
+    """Custom resources of the embedded head: every given booking, plus the catch-all."""
+    marks = {booking_resource(b["booking_id"]): float(b.get("gpus_per_node") or 1)
+             for b in bookings}
+    marks[EMBEDDED_RESOURCE] = EMBEDDED_RESOURCE_AMOUNT
+    return marks
+
+
+@dataclass
+class Waiting:
+    """The group is not there yet: why, and which code the run fails with at the end."""
+
+    reason: str
+    code: ErrorCode
+
+
+def _live_nodes(resource: str) -> list[dict[str, Any]]:
+    import ray
+
+    return [n for n in ray.nodes() if n.get("Alive") and resource in (n.get("Resources") or {})]
+
+
+def _mark_for(booking: dict[str, Any], embedded: bool) -> str:
+    mark = booking_resource(booking["booking_id"])
+    if not _live_nodes(mark) and embedded and _live_nodes(EMBEDDED_RESOURCE):
+        return EMBEDDED_RESOURCE
+    return mark
+
+
+def diagnose(booking: dict[str, Any], resource: str, bundles: int) -> Waiting:
+    """Why a run's group is not placed (yet), in words an SRE can act on."""
+    live = _live_nodes(resource)
+    bid = booking["booking_id"]
+    if not live:
+        return Waiting(f"waiting for booking {bid}'s nodes: no live node is marked "
+                       f"{resource} (0 of {bundles} joined)", ErrorCode.booking_nodes_unavailable)
+    if len(live) < bundles:
+        return Waiting(f"waiting for booking {bid}'s nodes: {len(live)} of {bundles} joined",
+                       ErrorCode.booking_nodes_unavailable)
+    return Waiting(f"waiting for booking {bid}'s nodes: {len(live)} live but busy (another "
+                   "run of the booking holds them) or smaller than booked",
+                   ErrorCode.placement_timeout)
+
+
+def unplaceable(booking: dict[str, Any], settings: PlacementSettings, *,
+                embedded: bool) -> Waiting | None:
+    """Why the run's group cannot even be requested yet (too few marked nodes live),
+    or None. The group is created only once every booked node has joined, so its
+    bundles are sized from the nodes themselves."""
+    resource = _mark_for(booking, embedded)
+    nodes = 1 if resource == EMBEDDED_RESOURCE else int(booking.get("node_count") or 1)
+    if len(_live_nodes(resource)) >= nodes:
+        return None
+    return diagnose(booking, resource, nodes)
+
+
+def _bundle(booking: dict[str, Any], resource: str, settings: PlacementSettings,
+            embedded: bool) -> dict[str, float]:
+    gpus = float(booking.get("gpus_per_node") or 1)
+    live = _live_nodes(resource)
+    bundle = {resource: gpus}
+    cpus = settings.cpus_per_bundle or min(
+        (float(n["Resources"].get("CPU", 0)) for n in live), default=0.0)
+    if cpus > 0:
+        bundle["CPU"] = cpus
+    if live and min(float(n["Resources"].get("GPU", 0)) for n in live) >= gpus and not embedded:
+        bundle["GPU"] = gpus
+    return bundle
+
+
+def lookup(run_id: str) -> Any | None:
+    from ray.util import get_placement_group
+
+    try:
+        return get_placement_group(pg_name(run_id))
+    except ValueError:
+        return None
+
+
+def reserve(run_id: str, booking: dict[str, Any], settings: PlacementSettings, *,
+            embedded: bool) -> Any:
+    """Create the run's group (idempotent by name); it may stay pending."""
+    from ray.util.placement_group import placement_group
+
+    existing = lookup(run_id)
+    if existing is not None:
+        return existing
+    resource = _mark_for(booking, embedded)
+    on_embedded = resource == EMBEDDED_RESOURCE
+    nodes = 1 if on_embedded else int(booking.get("node_count") or 1)
+    bundle = _bundle(booking, resource, settings, on_embedded)
+    return placement_group([dict(bundle) for _ in range(nodes)],
+                           strategy="PACK" if on_embedded else settings.strategy,
+                           name=pg_name(run_id), lifetime="detached")
+
+
+def state(pg: Any) -> str:
+    """PENDING, CREATED, REMOVED or RESCHEDULING (a node of the group died)."""
+    from ray.util import placement_group_table
+
+    return str(placement_group_table(pg).get("state", "PENDING"))
+
+
+def fact(run_id: str, booking: dict[str, Any], pg: Any) -> PlacementFact:
+    from ray.util import placement_group_table
+
+    table = placement_group_table(pg)
+    bundles = [dict(b) for b in table["bundles"].values()]
+    resource = next(k for k in bundles[0]
+                    if k.startswith("booking:") or k == EMBEDDED_RESOURCE)
+    return PlacementFact(booking_id=booking["booking_id"], resource=resource,
+                         placement_group=pg_name(run_id), placement_group_id=pg.id.hex(),
+                         bundles=len(bundles), bundle=bundles[0])
+
+
+def release(run_id: str) -> bool:
+    from ray.util import remove_placement_group
+
+    pg = lookup(run_id)
+    if pg is None:
+        return False
+    try:
+        remove_placement_group(pg)
+    except Exception:  # already removed
+        return False
+    return True
+
+
+class Waiter:
+    """Tracks how long each run has waited for its group (monotonic, per process)."""
+
+    def __init__(self, settings: PlacementSettings):
+        self.settings = settings
+        self._since: dict[str, float] = {}
+
+    def waited(self, run_id: str) -> float:
+        return time.monotonic() - self._since.setdefault(run_id, time.monotonic())
+
+    def expired(self, run_id: str) -> bool:
+        return self.waited(run_id) > self.settings.wait_timeout_s
+
+    def done(self, run_id: str) -> None:
+        self._since.pop(run_id, None)

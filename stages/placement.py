@@ -1,0 +1,95 @@
+"""Where a run's actors may go: only onto its booking's nodes.
+
+A node joins the Ray cluster marked with the booking it belongs to: a custom
+resource ``booking:<booking_id>`` whose amount is the node's GPU count (deploy/slurm
+and deploy/k8s set it with ``ray start --resources``). Before a run's driver exists,
+the orchestrator reserves the booking's nodes for the run with one placement group
+(``run-<id>-pg``, one bundle per booked node, gang-scheduled) and hands the stages
+its coordinates as ``ctx.facts["placement"]`` (a :class:`PlacementFact`).
+
+Every actor or task a stage creates must be scheduled into that group, so it lands
+on the booking's nodes and nowhere else. Stages never import the orchestrator, so
+this module is the one helper they use::
+
+    from stages.placement import actor_options
+    opts = actor_options(ctx.facts, bundle_index=bundle_for_rank(ctx.facts, rank, world))
+    Worker.options(name=..., num_cpus=0.5, **opts).remote(...)
+
+With no ``placement`` fact (a stage run alone, in a unit test) ``actor_options``
+returns ``{}`` and Ray schedules as it likes. The driver itself is scheduled into
+the group with ``placement_group_capture_child_tasks=True``, so work a stage
+forgets to place still stays in the group; placing it explicitly is still the rule
+(it pins ranks to bundles, i.e. to nodes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PLACEMENT_FACT = "placement"
+BOOKING_RESOURCE_PREFIX = "booking:"
+# What every placed actor takes of the booking's mark inside its bundle: a token
+# amount that pins it to a bundle of the booking's nodes even when it asks for no
+# CPU or GPU (a zero-resource actor would otherwise be free to go anywhere).
+MARK_PER_ACTOR = 0.001
+
+
+def booking_resource(booking_id: str) -> str:
+    """The custom resource that marks a node as belonging to ``booking_id``."""
+    return f"{BOOKING_RESOURCE_PREFIX}{booking_id}"
+
+
+class PlacementFact(BaseModel):
+    """What a stage learns about its run's reservation (no secret, JSON-safe)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    booking_id: str
+    # The node mark the bundles reserve: ``booking:<id>`` (or the embedded head's
+    # catch-all mark, see docs/placement.md).
+    resource: str
+    placement_group: str  # the group's name, run-<id>-pg
+    placement_group_id: str  # hex, to rebuild the handle without a name lookup
+    bundles: int = Field(ge=1)
+    # Resources of one bundle, e.g. {"booking:bk1": 8, "CPU": 96, "GPU": 8}.
+    bundle: dict[str, float] = Field(default_factory=dict)
+
+
+def placement_fact(facts: Mapping[str, Any]) -> PlacementFact | None:
+    raw = facts.get(PLACEMENT_FACT)
+    if not raw:
+        return None
+    return raw if isinstance(raw, PlacementFact) else PlacementFact.model_validate(raw)
+
+
+def bundle_for_rank(facts: Mapping[str, Any], rank: int, world: int) -> int:
+    """Spread ``world`` ranks evenly over the bundles (nodes), consecutive ranks together
+    (so a replica group's ranks share a node when they fit). -1 without placement."""
+    p = placement_fact(facts)
+    if p is None or world <= 0:
+        return -1
+    return min(p.bundles - 1, rank * p.bundles // world)
+
+
+def actor_options(facts: Mapping[str, Any], *, bundle_index: int = -1,
+                  resources: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """``.options(**...)`` kwargs that schedule an actor or task into the run's group.
+
+    ``resources`` are the caller's own custom resources, merged with the mark token.
+    Returns ``{}`` when the run has no placement (a stage run alone)."""
+    p = placement_fact(facts)
+    if p is None:
+        return {"resources": dict(resources)} if resources else {}
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = PlacementGroup(PlacementGroupID(bytes.fromhex(p.placement_group_id)))
+    merged = dict(resources or {})
+    merged[p.resource] = merged.get(p.resource, 0.0) + MARK_PER_ACTOR
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle_index,
+                placement_group_capture_child_tasks=True),
+            "resources": merged}
