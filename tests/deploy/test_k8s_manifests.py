@@ -1,0 +1,169 @@
+"""deploy/k8s renders (``kubectl kustomize``, offline) and every object validates: the
+KubeRay kinds against the vendored KubeRay CRD schemas (deploy/k8s/crds, Apache-2.0),
+the built-in kinds against the Kubernetes schemas (kubernetes-validate, strict: an
+unknown field fails). No secret is inline anywhere under deploy/."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+CRDS = K8S / "crds"
+OVERLAYS = sorted(p for p in (K8S / "overlays").iterdir() if p.is_dir())
+K8S_VERSION = "1.32"
+KUBECTL_TIMEOUT_S = 60
+
+
+def _render(path: Path) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    out = subprocess.run([kubectl, "kustomize", str(path)], check=True, capture_output=True,
+                         text=True, timeout=KUBECTL_TIMEOUT_S).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def _strict(schema: dict[str, Any]) -> dict[str, Any]:
+    """additionalProperties: false wherever the CRD lists properties and does not
+    preserve unknown fields, so a misspelt field fails instead of being dropped."""
+    s = copy.deepcopy(schema)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if ("properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(s)
+    return s
+
+
+def _crd_validators() -> dict[str, jsonschema.Draft7Validator]:
+    out = {}
+    for path in CRDS.glob("*.yaml"):
+        crd = yaml.safe_load(path.read_text())
+        kind = crd["spec"]["names"]["kind"]
+        version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+        out[kind] = jsonschema.Draft7Validator(_strict(version["schema"]["openAPIV3Schema"]))
+    return out
+
+
+def _validate(doc: dict[str, Any], crds: dict[str, jsonschema.Draft7Validator]) -> list[str]:
+    if doc["apiVersion"].startswith("ray.io/"):
+        return [f"{e.json_path}: {e.message}" for e in crds[doc["kind"]].iter_errors(doc)]
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        return [f"{'.'.join(map(str, e.path))}: {e.message}"]
+    return []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_overlay_renders_and_validates(overlay: Path) -> None:
+    docs = _render(overlay)
+    crds = _crd_validators()
+    errors = {f"{d['kind']}/{d['metadata']['name']}": _validate(d, crds) for d in docs}
+    assert not {k: v for k, v in errors.items() if v}, errors
+    kinds = {d["kind"] for d in docs}
+    assert {"RayCluster", "RayJob", "StatefulSet", "Service", "ConfigMap",
+            "PodDisruptionBudget"} <= kinds
+    assert "Secret" not in kinds
+    cluster = next(d for d in docs if d["kind"] == "RayCluster")
+    assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    workers = cluster["spec"]["workerGroupSpecs"]
+    assert workers, "an overlay adds its booking's worker group"
+    for group in workers:
+        booking = group["groupName"]
+        assert f"booking:{booking}" in group["rayStartParams"]["resources"]
+        pod = group["template"]["spec"]
+        assert pod["nodeSelector"] and pod["tolerations"]
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    assert sts["spec"]["volumeClaimTemplates"], "the store lives on a persistent volume"
+
+
+def test_validation_catches_a_misspelt_field() -> None:
+    """The checks above can fail: a typo in a RayCluster and in a StatefulSet."""
+    docs = _render(OVERLAYS[0])
+    crds = _crd_validators()
+    cluster = copy.deepcopy(next(d for d in docs if d["kind"] == "RayCluster"))
+    cluster["spec"]["headGroupSpec"]["rayStartParam"] = {}
+    assert _validate(cluster, crds)
+    sts = copy.deepcopy(next(d for d in docs if d["kind"] == "StatefulSet"))
+    sts["spec"]["replica"] = 1
+    assert _validate(sts, crds)
+
+
+# A secret value written into a file: key material, an API key, or a credential-named
+# variable or field with a literal value (references and $VAR expansions are fine).
+_CREDENTIAL = re.compile(r"(?i)(password|passwd|token|secret|api[_-]?key|private[_-]?key)")
+_REFERENCE_KEYS = {"secretName", "secretKeyRef", "secretRef", "name", "key"}
+_TEXT_PATTERNS = [
+    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+    re.compile(r"\bito_[A-Za-z0-9]{20,}"),
+    re.compile(r"(?im)^[ \t]*(?:export[ \t]+)?\w*(?:password|passwd|token|secret|api_?key)\w*"
+               r"=(?![\"']?[$<(])[\"']?[A-Za-z0-9+/=_.-]{8,}"),
+]
+
+
+def _yaml_secrets(node: Any, where: str) -> list[str]:
+    found: list[str] = []
+    if isinstance(node, dict):
+        if node.get("kind") == "Secret" and (node.get("data") or node.get("stringData")):
+            found.append(f"{where}: inline Secret")
+        env_name = node.get("name")
+        if isinstance(env_name, str) and _CREDENTIAL.search(env_name) and \
+                isinstance(node.get("value"), str) and not node["value"].startswith("$"):
+            found.append(f"{where}: env {env_name} has a literal value")
+        for k, v in node.items():
+            if isinstance(v, str) and _CREDENTIAL.search(str(k)) and \
+                    str(k) not in _REFERENCE_KEYS and not v.startswith("$"):
+                found.append(f"{where}: {k} has a literal value")
+            found += _yaml_secrets(v, where)
+    elif isinstance(node, list):
+        for v in node:
+            found += _yaml_secrets(v, where)
+    return found
+
+
+def _inline_secrets(root: Path) -> list[str]:
+    found = []
+    for path in root.rglob("*"):
+        if not path.is_file() or "crds" in path.relative_to(root).parts:
+            continue  # crds/: vendored schemas, no values
+        text = path.read_text(errors="replace")
+        if path.suffix in (".yaml", ".yml"):
+            for doc in yaml.safe_load_all(text):
+                found += _yaml_secrets(doc, str(path))
+        found += [f"{path}: {m.group(0)[:40]}" for p in _TEXT_PATTERNS for m in p.finditer(text)]
+    return found
+
+
+def test_no_inline_secret_under_deploy() -> None:
+    assert not _inline_secrets(REPO / "deploy")
+
+
+def test_secret_scan_finds_a_planted_secret(tmp_path: Path) -> None:
+    (tmp_path / "leak.yaml").write_text(
+        "apiVersion: v1\nkind: Secret\nmetadata: {name: x}\nstringData: {k: v}\n")
+    (tmp_path / "job.sh").write_text("export RAY_TOKEN=abcdef0123456789\n")
+    (tmp_path / "pod.yaml").write_text("env:\n  - name: HF_TOKEN\n    value: hf_abcdefgh\n")
+    (tmp_path / "ok.sh").write_text('export RAY_TOKEN="$(ray get-auth-token)"\n')
+    found = _inline_secrets(tmp_path)
+    assert len(found) == 3, found

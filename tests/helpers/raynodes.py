@@ -1,0 +1,123 @@
+"""A Ray cluster of several raylets on this one machine, each ``ray start --block`` in
+its own process session with explicit ports, so a test can stop one node (SIGTERM
+to its session, as Slurm's or Kubernetes' teardown would) and leave the others."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from helpers.backend import free_port
+
+NODE_START_TIMEOUT_S = 120.0
+NODE_STOP_TIMEOUT_S = 30.0
+
+
+def _ray() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
+            "OMP_NUM_THREADS": "1", **extra}
+
+
+@dataclass
+class Node:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    resources: dict[str, float] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)  # `ray start --block` stops its children
+        try:
+            self.proc.wait(NODE_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(NODE_STOP_TIMEOUT_S)
+
+
+@dataclass
+class LocalCluster:
+    tmp: Path
+    head_port: int = 0
+    dashboard_port: int = 0
+    nodes: list[Node] = field(default_factory=list)
+    ray_tmp: Path | None = None
+    # Environment of every raylet (and so of the actors on it), e.g. the launch key
+    # file the backend shares with its nodes (ITO_LAUNCH_KEY_FILE).
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.head_port}"
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def _start(self, name: str, args: list[str], resources: dict[str, float]) -> Node:
+        log = self.tmp / f"ray-{name}.log"
+        ports = [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+                 f"--metrics-export-port={free_port()}",
+                 f"--dashboard-agent-listen-port={free_port()}",
+                 f"--dashboard-agent-grpc-port={free_port()}",
+                 f"--runtime-env-agent-port={free_port()}"]
+        cmd = [_ray(), "start", "--block", "--node-ip-address=127.0.0.1",
+               "--disable-usage-stats", "--object-store-memory=200000000", *ports, *args]
+        if resources:
+            cmd.append(f"--resources={json.dumps(resources)}")
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(cmd, env=_env(self.env), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        node = Node(name, proc, log, resources)
+        self.nodes.append(node)
+        deadline = time.monotonic() + NODE_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ray node {name} exited: {log.read_text()[-3000:]}")
+            if b"Ray runtime started" in log.read_bytes():
+                return node
+            time.sleep(0.25)
+        raise RuntimeError(f"ray node {name} did not start: {log.read_text()[-3000:]}")
+
+    def _ray_tmp(self) -> str:
+        # Ray's unix sockets live under the temp dir, whose path must stay short
+        # (AF_UNIX: 107 bytes), so not under pytest's tmp_path.
+        if self.ray_tmp is None:
+            self.ray_tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+        return str(self.ray_tmp)
+
+    def start_head(self) -> Node:
+        subprocess.run([_ray(), "get-auth-token", "--generate"], env=_env(self.env), check=True,
+                       capture_output=True, timeout=60)
+        self.head_port = free_port()
+        self.dashboard_port = free_port()
+        # The head runs no work (num-cpus 0), as in deploy/k8s: runs go to booked nodes.
+        return self._start("head", [
+            "--head", f"--port={self.head_port}", "--num-cpus=0",
+            f"--temp-dir={self._ray_tmp()}", f"--ray-client-server-port={free_port()}",
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}"], {})
+
+    def add_node(self, name: str, *, num_cpus: int, resources: dict[str, float]) -> Node:
+        return self._start(name, [f"--address={self.address}", f"--num-cpus={num_cpus}",
+                                  # 0/0: workers bind random ports (raylets share a host)
+                                  "--min-worker-port=0", "--max-worker-port=0"], resources)
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):
+            node.stop()
+        if self.ray_tmp is not None:
+            shutil.rmtree(self.ray_tmp, ignore_errors=True)

@@ -1,0 +1,210 @@
+"""Runs land on their booking's nodes: one Ray cluster of three raylets on this
+machine (an unmarked head with no CPUs, and two nodes marked ``booking:bk-a`` and
+``booking:bk-b``), an API server joined to it with ``--ray-address``.
+
+Two runs at once, one per booking, and Ray's state API shows every actor of each run
+on its own booking's node; a run for a booking with no node waits in ``starting``
+with a reason and fails with ``booking_nodes_unavailable``; stopping bk-a's raylet
+under a run is recorded as a ``node_lost`` interruption. Only the GPUs are absent
+(each "GPU" is a cpu-testbed rank): every raylet, actor and kill here is real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.backend import Backend
+from helpers.flows import confirm_ref, submit
+from helpers.raynodes import LocalCluster
+from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
+
+from orchestrator.db.store import Store
+from orchestrator.gates.bookings import BookingFile, add_booking
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = float(os.environ.get("ITO_TEST_WAIT_S", "240"))
+# Operator setting under test: how long a run waits for its booking's nodes.
+PLACEMENT_WAIT_S = 12.0
+
+
+def _docs(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("placement")
+    # The launch key the API server signs drivers with, shared with every node (as
+    # deploy/slurm does through the file system and deploy/k8s through a Secret).
+    key = {"ITO_LAUNCH_KEY_FILE": str(tmp / "launch.key")}
+    cluster = LocalCluster(tmp, env=key)
+    be = Backend(db=tmp / "ito.db", var_dir=tmp / "var", log_path=tmp / "backend.log",
+                 env={"ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.25}),
+                      "ITO_PLACEMENT_WAIT_S": str(PLACEMENT_WAIT_S), **key})
+    tenant = make_tenant(be.db, "acme", booking=cpu_booking_doc("bk-a", "acme", gpus=1))
+    store = Store(be.db)
+    for bid in ("bk-b", "bk-none"):
+        add_booking(store, BookingFile.model_validate(cpu_booking_doc(bid, "acme", gpus=1)))
+        tenant.bookings.append(bid)
+    store.close()
+    data = tmp / "data"
+    data.mkdir()
+    lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:300]
+    corpus = _docs(data / "train.jsonl", [json.loads(line)["text"] for line in lines])
+    try:
+        cluster.start_head()
+        nodes = {"bk-a": cluster.add_node("a", num_cpus=2, resources={"booking:bk-a": 1}),
+                 "bk-b": cluster.add_node("b", num_cpus=2, resources={"booking:bk-b": 1})}
+        be.extra_args = ["--runtime", "ray", "--ray-address", cluster.address]
+        be.start()
+        yield {"backend": be, "tenant": tenant, "tmp": tmp, "cluster": cluster,
+               "nodes": nodes, "corpus": corpus}
+    finally:
+        be.stop()
+        cluster.stop()
+
+
+def _submit(env: dict[str, Any], booking: str, steps: int) -> str:
+    from stages.data_prep import file_sha256
+
+    be: Backend = env["backend"]
+    t: Tenant = env["tenant"]
+    corpus: Path = env["corpus"]
+    m = {"manifest_version": 1, "name": f"p-{uuid.uuid4().hex[:6]}",
+         "model": {"preset": "llama-tiny", "size": "124K"},
+         "data": {"refs": [{"uri": f"file://{corpus}", "sha256": file_sha256(corpus),
+                            "role": "baseline", "format": "jsonl", "text_field": "text",
+                            "provenance": {"source": "test", "license": "PSF"}}],
+                  "eval_suites": ["gsm8k"], "ladder_probe": {"enabled": False}},
+         "training": {"max_steps": steps, "seq_len": 64, "global_batch_tokens": 512,
+                      "learning_rate": 0.003, "warmup_steps": 2},
+         "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain",
+                                    "token_fraction": 1.0}]},
+         "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
+         "checkpoint": {"interval_steps": 5, "keep": 2,
+                        "storage_uri": f"file://{env['tmp'] / 'ckpt'}"}}
+    with be.client() as c:
+        ref = confirm_ref(c, t.approver, "train", booking, manifest=m)
+        body = submit(c, t.submitter, booking, m, ref).json()
+    assert body["ok"], body
+    run_id: str = body["data"]["run_id"]
+    return run_id
+
+
+def _run(env: dict[str, Any], run_id: str) -> dict[str, Any]:
+    with env["backend"].client(env["tenant"].submitter) as c:
+        body: dict[str, Any] = c.get(f"/v1/runs/{run_id}").json()
+    assert body["ok"], body
+    data: dict[str, Any] = body["data"]
+    return data
+
+
+def _wait(env: dict[str, Any], run_id: str, pred: Any, what: str,
+          timeout_s: float = WAIT_S) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    run: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        run = _run(env, run_id)
+        if pred(run):
+            return run
+        time.sleep(0.3)
+    raise AssertionError(f"run {run_id} never reached {what}; last {run}\n"
+                         f"{env['backend'].log_text()[-3000:]}")
+
+
+def _actors_by_node(env: dict[str, Any]) -> tuple[dict[str, str], list[Any]]:
+    """node id -> its booking mark (or "" for the head), and the live actors."""
+    from ray.util.state import list_actors, list_nodes
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    address = env["cluster"].dashboard
+    marks = {n.node_id: next((k for k in n.resources_total if k.startswith("booking:")), "")
+             for n in list_nodes(address=address, detail=True)}
+    actors = list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10_000,
+                         detail=True)
+    return marks, actors
+
+
+def _events(env: dict[str, Any], run_id: str, kind: str) -> list[dict[str, Any]]:
+    store = Store(env["backend"].db)
+    try:
+        return [dict(e["payload"]) for e in store.list_events(run_id, kinds=[kind])]
+    finally:
+        store.close()
+
+
+def test_two_runs_at_once_each_only_on_its_booking_node(env: dict[str, Any]) -> None:
+    runs = {"bk-a": _submit(env, "bk-a", steps=40), "bk-b": _submit(env, "bk-b", steps=40)}
+    deadline = time.monotonic() + WAIT_S
+    seen: dict[str, set[str]] = {}
+    # Sample until both runs have their driver, lighthouse and trainer live at once.
+    while time.monotonic() < deadline:
+        marks, actors = _actors_by_node(env)
+        seen = {b: {a.name for a in actors if a.name and a.name.startswith(f"run-{r}")}
+                for b, r in runs.items()}
+        if all(any("-trainer-" in n for n in names) and any(n.endswith("-lighthouse")
+                                                             for n in names)
+               for names in seen.values()):
+            break
+        for r in runs.values():
+            assert _run(env, r)["state"] in ("accepted", "starting", "running"), _run(env, r)
+        time.sleep(0.5)
+    else:
+        from ray.util.state import list_actors
+
+        every = list_actors(address=env["cluster"].dashboard, limit=10_000, detail=True)
+        raise AssertionError(f"the two runs were never live together: {seen}\n"
+                             f"{[(a.name, a.state, a.death_cause) for a in every]}\n"
+                             f"{[_run(env, r) for r in runs.values()]}\n"
+                             f"{env['backend'].log_text()[-3000:]}")
+    for booking, run_id in runs.items():
+        mine = [a for a in actors if a.name and a.name.startswith(f"run-{run_id}")]
+        assert {f"run-{run_id}", f"run-{run_id}-lighthouse"} <= {a.name for a in mine}
+        for a in mine:
+            assert marks[a.node_id] == f"booking:{booking}", (a.name, marks[a.node_id])
+            assert a.placement_group_id, f"{a.name} is not in the run's placement group"
+        assert len({a.placement_group_id for a in mine}) == 1
+    for run_id in runs.values():
+        run = _wait(env, run_id, lambda r: r["state"] in ("succeeded", "failed"), "the end")
+        assert run["state"] == "succeeded", run
+    # The reservation goes with the run.
+    from ray.util.state import list_placement_groups
+
+    groups = {g.name: g.state for g in list_placement_groups(address=env["cluster"].dashboard)}
+    for run_id in runs.values():
+        assert groups.get(f"run-{run_id}-pg") in (None, "REMOVED"), groups
+
+
+def test_booking_without_a_node_waits_then_fails_with_its_code(env: dict[str, Any]) -> None:
+    run_id = _submit(env, "bk-none", steps=5)
+    waiting = _wait(env, run_id, lambda r: r["state"] == "starting" and
+                    "no live node is marked booking:bk-none" in (r.get("state_reason") or ""),
+                    "starting with a reason", timeout_s=60)
+    assert waiting["state"] == "starting"
+    failed = _wait(env, run_id, lambda r: r["state"] == "failed", "failed",
+                   timeout_s=PLACEMENT_WAIT_S + 60)
+    assert failed["state_reason"].startswith("booking_nodes_unavailable:"), failed
+    assert not _events(env, run_id, "step")  # nothing ran anywhere
+
+
+def test_a_booking_node_leaving_mid_run_is_an_interruption(env: dict[str, Any]) -> None:
+    run_id = _submit(env, "bk-a", steps=400)
+    _wait(env, run_id, lambda r: r["state"] == "running" and _events(env, run_id, "step"),
+          "a committed step")
+    env["nodes"]["bk-a"].stop()
+    failed = _wait(env, run_id, lambda r: r["state"] == "failed", "failed",
+                   timeout_s=PLACEMENT_WAIT_S + 90)
+    lost = _events(env, run_id, "interruption")
+    assert any(e["interruption_kind"] == "node_lost" for e in lost), lost
+    # It waited for the node to come back, bounded, then said which code.
+    assert failed["state_reason"].startswith("booking_nodes_unavailable:"), failed
