@@ -289,6 +289,10 @@ class RayRuntime:
             if waiting is None:
                 pg = placement.reserve(run_id, booking, self.settings.placement,
                                        embedded=self.embedded)
+                if placement.state(pg) != "CREATED":  # Ray places it within a tick or two
+                    self.store.set_state_reason(
+                        run_id, f"reserving booking {booking['booking_id']}'s nodes")
+                    return
         if pg is not None:
             if placement.state(pg) == "CREATED":
                 fact = placement.fact(run_id, booking, pg)
