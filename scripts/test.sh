@@ -8,6 +8,11 @@ if ! command -v prometheus >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
     || echo "warning: could not install prometheus; the scrape test will be skipped" >&2
 fi
+if ! { command -v slurmctld && command -v munged; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  # The Slurm deploy test starts a real single-node Slurm (tests/deploy/test_slurm.py).
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge) >/dev/null 2>&1 \
+    || echo "warning: could not install slurm-wlm and munge; the Slurm test will be skipped" >&2
+fi
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

@@ -1,18 +1,27 @@
 #!/bin/bash
 # One Ray node of a booking, run by srun on each allocated node: `ray start --block`
 # with the booking's mark, the node's CPUs and GPUs from Slurm's environment, and
-# explicit ports from ITO_PORT_BASE:
-#   +0 node manager  +1 object manager  +2 metrics export  +3 dashboard agent (http)
-#   +4 dashboard agent (grpc)  +5 runtime-env agent  +6 ray client (head only)
-#   +7 GCS (head only)  +8 dashboard (head only)  +9 the API server (self-contained)
-# Worker processes bind ports ITO_PORT_BASE+10 .. +99.
+# explicit ports from ITO_PORT_BASE (B), a block of 100 per Slurm job:
+#   head:   B+0 node manager  B+1 object manager  B+2 metrics  B+3 dashboard agent (http)
+#           B+4 dashboard agent (grpc)  B+5 runtime-env agent  B+6 ray client  B+7 GCS
+#           B+8 dashboard  B+9 the API server (self-contained variant)
+#   worker: B+10 .. B+15 the same node ports as the head's B+0 .. B+5
+#           B+20 .. B+99 worker processes (actors)
+# so a head and a worker on one host (the batch host) do not collide either.
 # Usage: ray-node.sh worker|head
 set -euo pipefail
 role="${1:-worker}"
 ray="${ITO_RAY_BIN:-ray}"
 base="${ITO_PORT_BASE:?}"
+workers="--min-worker-port=$((base + 20)) --max-worker-port=$((base + 99))"
+if [ "$role" = head ]; then
+  workers="--min-worker-port=0 --max-worker-port=0"  # the head runs no actors
+else
+  base=$((base + 10))
+fi
 cpus="${SLURM_CPUS_ON_NODE:-$(nproc)}"
 gpus="${SLURM_GPUS_ON_NODE:-0}"
+if [ "$role" = head ]; then cpus=0 gpus=0; fi  # the head runs no work
 # The mark's amount is the node's GPUs; a CPU testbed counts its ranks instead.
 mark="${ITO_MARK_AMOUNT:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 1)}"
 ip="${ITO_NODE_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}"
@@ -22,13 +31,13 @@ args=(start --block --disable-usage-stats "--node-ip-address=$ip"
       "--node-manager-port=$((base + 0))" "--object-manager-port=$((base + 1))"
       "--metrics-export-port=$((base + 2))" "--dashboard-agent-listen-port=$((base + 3))"
       "--dashboard-agent-grpc-port=$((base + 4))" "--runtime-env-agent-port=$((base + 5))"
-      "--min-worker-port=$((base + 10))" "--max-worker-port=$((base + 99))")
+      $workers)
 if [ -n "${ITO_OBJECT_STORE_BYTES:-}" ]; then
   args+=("--object-store-memory=${ITO_OBJECT_STORE_BYTES}")
 fi
 if [ "$role" = head ]; then
   # The head runs no work: runs go only to booked nodes.
-  args+=(--head "--port=$((base + 7))" "--ray-client-server-port=$((base + 6))" --num-cpus=0
+  args+=(--head "--port=$((base + 7))" "--ray-client-server-port=$((base + 6))"
          --include-dashboard=true "--dashboard-port=$((base + 8))" --dashboard-host=127.0.0.1)
 else
   args+=("--address=${ITO_RAY_ADDRESS:?}" "--resources={\"booking:${ITO_BOOKING:?}\": ${mark}}")
