@@ -113,6 +113,12 @@ class ErrorCode(StrEnum):
     # --- placement (runs on their booking's nodes) ------------------------------------
     booking_nodes_unavailable = "booking_nodes_unavailable"
     placement_timeout = "placement_timeout"
+    # --- curriculum, eval batteries, HF formats (stages.evals, stages.hf) -------------
+    eval_battery_unknown = "eval_battery_unknown"
+    eval_metric_unknown = "eval_metric_unknown"
+    curriculum_invalid = "curriculum_invalid"
+    eval_gate_failed = "eval_gate_failed"
+    tokenizer_invalid = "tokenizer_invalid"
 
 
 class ItoError(Exception):
