@@ -384,13 +384,22 @@ class RayRuntime:
 
     def _node_lost(self, run_id: str) -> str:
         """Why the driver went, when it was a node of the booking leaving ("" if not)."""
+        import ray
+
         try:
             pg = placement.lookup(run_id)
-            pg_state = placement.state(pg) if pg is not None else "REMOVED"
+            if pg is None:
+                return ""
+            from ray.util import placement_group_table
+
+            table = placement_group_table(pg)
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         except Exception:
             return ""
-        if pg_state == "RESCHEDULING":
-            return "a node of the booking left the cluster"
+        gone = [n for n in (table.get("bundles_to_node_id") or {}).values() if n not in alive]
+        if table.get("state") in ("RESCHEDULING", "PENDING") or gone:
+            return "a node of the booking left the cluster" + (
+                f" ({', '.join(n[:12] for n in gone)})" if gone else "")
         return ""
 
     def kill_run_actors(self, run_id: str) -> list[str]:
