@@ -48,6 +48,13 @@ def _run(*cmd: str, env: dict[str, str], timeout: float = 30.0) -> str:
                           timeout=timeout).stdout.strip()
 
 
+def _queued(job: str, env: dict[str, str]) -> bool:
+    """Whether the job is still known to squeue (an ended job id is an error there)."""
+    r = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True,
+                       timeout=30)
+    return r.returncode == 0 and bool(r.stdout.strip())
+
+
 def _port_block() -> int:
     """A base port with 100 free ports after it (the job's documented block)."""
     for _ in range(50):
@@ -185,7 +192,7 @@ def test_sbatch_self_contained_run_and_scancel_teardown(slurm: dict[str, Any],
         api_url_file = var / "api-url"
         deadline = time.monotonic() + JOB_START_TIMEOUT_S
         while not api_url_file.exists():
-            assert _run("squeue", "-h", "-j", job, env=env), f"job ended early:\n{job_log()}"
+            assert _queued(job, env), f"job ended early:\n{job_log()}"
             assert time.monotonic() < deadline, f"the job did not come up:\n{job_log()}"
             time.sleep(1)
         url = api_url_file.read_text().strip()
@@ -201,13 +208,13 @@ def test_sbatch_self_contained_run_and_scancel_teardown(slurm: dict[str, Any],
     finally:
         subprocess.run(["scancel", job], env=env, capture_output=True)
     deadline = time.monotonic() + TEARDOWN_TIMEOUT_S
-    while _run("squeue", "-h", "-j", job, env=env):
+    while _queued(job, env):
         assert time.monotonic() < deadline, "the job did not end after scancel"
         time.sleep(1)
     # Clean teardown: no Ray process of this job and no API server are left.
-    while subprocess.run(["pgrep", "-f", str(ray_tmp)], capture_output=True).returncode == 0 \
-            or subprocess.run(["pgrep", "-f", f"--var-dir {var}"],
-                              capture_output=True).returncode == 0:
+    while subprocess.run(["pgrep", "-f", "--", str(ray_tmp)], capture_output=True).returncode \
+            == 0 or subprocess.run(["pgrep", "-f", "--", f"--var-dir {var}"],
+                                   capture_output=True).returncode == 0:
         assert time.monotonic() < deadline, f"processes left after scancel:\n{job_log()}"
         time.sleep(1)
     assert not (var / "api-url").exists()
