@@ -410,7 +410,11 @@ class RayRuntime:
         killed: list[str] = []
         prefix = driver_name(run_id)
         try:
-            actors = list_actors(filters=[("state", "!=", "DEAD")], limit=10_000,
+            # This cluster's address, explicitly: without it the state API looks for
+            # "a" Ray on the machine (/tmp/ray/ray_current_cluster), maybe another one.
+            actors = list_actors(address=ray.get_runtime_context().gcs_address,
+                                 filters=[("state", "!=", "DEAD")], limit=10_000,
+                                 timeout=int(self.settings.rpc_timeout_s),
                                  raise_on_missing_output=False)
         except Exception:
             actors = []

@@ -144,7 +144,7 @@ def _events(env: dict[str, Any], run_id: str, kind: str) -> list[dict[str, Any]]
 
 
 def test_two_runs_at_once_each_only_on_its_booking_node(env: dict[str, Any]) -> None:
-    runs = {"bk-a": _submit(env, "bk-a", steps=60), "bk-b": _submit(env, "bk-b", steps=60)}
+    runs = {"bk-a": _submit(env, "bk-a", steps=40), "bk-b": _submit(env, "bk-b", steps=40)}
     deadline = time.monotonic() + WAIT_S
     seen: dict[str, set[str]] = {}
     # Sample until both runs have their driver, lighthouse and trainer live at once.
