@@ -79,6 +79,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def slurm() -> Iterator[dict[str, Any]]:
     d = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))  # short: unix sockets
+    d.chmod(0o755)  # munged (user munge) must traverse it to its socket folder
     procs: list[subprocess.Popen[bytes]] = []
     munge_dir = d / "munge"
     munge_dir.mkdir()
