@@ -7,10 +7,16 @@ from pydantic import Field, field_validator, model_validator
 from stages.base import StrictModel
 
 
+# What ``ito manifest init`` writes and what the checkpoint-restart baseline of
+# benchmarks/fault_tolerance.py uses: the production default interval.
+DEFAULT_INTERVAL_STEPS = 100
+DEFAULT_KEEP = 3
+
+
 class CheckpointPolicy(StrictModel):
     interval_steps: int | None = Field(default=None, gt=0)
     interval_minutes: float | None = Field(default=None, gt=0)
-    keep: int = Field(default=3, ge=1, le=100)
+    keep: int = Field(default=DEFAULT_KEEP, ge=1, le=100)
     # file:///absolute/dir is the only storage this build writes to.
     storage_uri: str
 

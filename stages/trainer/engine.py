@@ -108,7 +108,9 @@ class TrainingEngine:
         self._spares_ready: set[str] = set()
         self._spares_made = 0
         self._lh_addr = ""
-        self.tokens = 0
+        # step -> tokens of its last committed report: every group's rank 0 reports the
+        # quorum's tokens of the same step, and a redone step replaces its first run.
+        self.step_tokens: dict[int, int] = {}
         self.final_loss: float | None = None
         self.max_step = 0
         self.interruptions = 0
@@ -309,7 +311,7 @@ class TrainingEngine:
 
     def _on_event(self, event: Event, grp: _Group) -> None:
         if isinstance(event, StepEvent) and event.committed:
-            self.tokens += event.tokens
+            self.step_tokens[event.step] = event.tokens
             if event.step >= self.max_step:
                 self.max_step = event.step
                 self.final_loss = event.loss
@@ -449,7 +451,7 @@ class TrainingEngine:
         finally:
             self.shutdown()
         records = list_checkpoints(self.checkpoint_dir)
-        return EngineResult(steps=self.max_step, tokens=self.tokens,
+        return EngineResult(steps=self.max_step, tokens=sum(self.step_tokens.values()),
                             final_loss=self.final_loss, interruptions=self.interruptions,
                             checkpoints=[r.step for r in records],
                             final_checkpoint=records[-1].path if records else None,

@@ -168,6 +168,11 @@ def _kill_and_recover(run: Run, cfg: TrainStageConfig) -> None:
     assert out.status == "passed", out.reason
     assert out.metrics["steps"] == cfg.target.steps
     assert out.metrics["interruptions"] >= 2
+    # Tokens count each committed step once (its last report: both groups report every
+    # step, and steps redone after the all-groups restart are reported again).
+    last = {e.step: e.tokens for e in sorted(run.steps(), key=lambda e: e.ts) if e.committed}
+    assert out.metrics["tokens"] == sum(last.values())
+    assert out.metrics["tokens"] <= cfg.target.steps * cfg.target.global_batch_tokens
     after = [e for e in run.steps(1) if e.committed and e.ts > healed.ts]
     assert any(e.quorum_size == 2 for e in after), "group 1 never rejoined the full quorum"
     # Both groups end bit-identical: the heal (weights, optimizer state, data position,
