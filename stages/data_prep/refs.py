@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 from stages.data_prep.config import DataRef
@@ -138,22 +139,7 @@ def resolve_ref(ref: DataRef, cache_dir: Path | None = None) -> ResolvedRef:
 
 def read_texts(path: Path, fmt: str, text_field: str = "text") -> Iterator[str]:
     """Documents of one file: a jsonl/parquet field, or one non-empty line of text."""
-    if fmt == "jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    value = json.loads(line)[text_field]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ItoError(ErrorCode.data_format_unsupported,
-                                   f"{path.name}:{lineno}: not a JSON object with a "
-                                   f"{text_field!r} field ({type(e).__name__})") from e
-                if not isinstance(value, str):
-                    raise ItoError(ErrorCode.data_format_unsupported,
-                                   f"{path.name}:{lineno}: {text_field!r} is not a string")
-                yield value
-    elif fmt == "parquet":
+    if fmt == "parquet":  # only the text column, not whole rows
         import pyarrow.parquet as pq
 
         table = pq.read_table(path)
@@ -165,10 +151,49 @@ def read_texts(path: Path, fmt: str, text_field: str = "text") -> Iterator[str]:
                 raise ItoError(ErrorCode.data_format_unsupported,
                                f"{path.name}: column {text_field!r} holds a non-string")
             yield value
+        return
+    for _, text in read_records(path, fmt, text_field):
+        yield text
+
+
+def read_records(path: Path, fmt: str,
+                 text_field: str = "text") -> Iterator[tuple[dict[str, Any], str]]:
+    """(the caller's record as it was, its text) per document of one file. A text
+    file's record is ``{text_field: line}``."""
+    if fmt == "jsonl":
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    value = record[text_field]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ItoError(ErrorCode.data_format_unsupported,
+                                   f"{path.name}:{lineno}: not a JSON object with a "
+                                   f"{text_field!r} field ({type(e).__name__})") from e
+                if not isinstance(value, str):
+                    raise ItoError(ErrorCode.data_format_unsupported,
+                                   f"{path.name}:{lineno}: {text_field!r} is not a string")
+                yield record, value
+    elif fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if text_field not in table.column_names:
+            raise ItoError(ErrorCode.data_format_unsupported,
+                           f"{path.name}: no column {text_field!r}")
+        for record in table.to_pylist():
+            value = record[text_field]
+            if not isinstance(value, str):
+                raise ItoError(ErrorCode.data_format_unsupported,
+                               f"{path.name}: column {text_field!r} holds a non-string")
+            yield record, value
     elif fmt == "text":
         with open(path, encoding="utf-8") as f:
             for line in f:
                 if line.strip():
-                    yield line.rstrip("\n")
+                    text = line.rstrip("\n")
+                    yield {text_field: text}, text
     else:
         raise ItoError(ErrorCode.data_format_unsupported, f"unknown format {fmt!r}")
