@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     submitter = _cli(["ito-backend", "keys", "issue", "--account", "demo", "--scope",
                       "runs:read,runs:write", "--json"], env)["data"]["api_key"]
     approver = _cli(["ito-backend", "keys", "issue", "--account", "demo", "--scope",
-                     "runs:read,confirm:train,confirm:cancel,confirm:cleanup,confirm:restart",
+                     "confirm:train,confirm:cancel,confirm:cleanup,confirm:restart",
                      "--json"], env)["data"]["api_key"]
     now = datetime.now(UTC)
     booking_id = f"bk_demo_{uuid.uuid4().hex[:8]}"

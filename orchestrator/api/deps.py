@@ -76,12 +76,13 @@ class Gates:
         self.record(gate, True)
         return result
 
-    def auth(self, creds: HTTPAuthorizationCredentials | None, scope: str) -> Principal:
+    def auth(self, creds: HTTPAuthorizationCredentials | None, scope: str,
+             *alternatives: str) -> Principal:
         def _auth() -> Principal:
             header = f"Bearer {creds.credentials}" if creds else None
             p = authenticate(self.store, header)
             self.principal = p
-            p.require(scope)
+            p.require(scope, *alternatives)
             return p
         return self.check("auth", _auth)
 

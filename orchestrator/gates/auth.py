@@ -30,9 +30,12 @@ class Principal:
     key_id: str
     scopes: frozenset[str]
 
-    def require(self, scope: str) -> None:
-        if scope not in self.scopes:
-            raise ItoError(ErrorCode.forbidden_scope, f"this key lacks the {scope} scope")
+    def require(self, scope: str, *alternatives: str) -> None:
+        """The key must hold ``scope`` or one of ``alternatives``."""
+        wanted = (scope, *alternatives)
+        if not any(s in self.scopes for s in wanted):
+            raise ItoError(ErrorCode.forbidden_scope,
+                           f"this key lacks the {' or '.join(wanted)} scope")
 
 
 def issue_key(store: Store, account_name: str, scopes: list[str]) -> tuple[str, str]:
