@@ -12,8 +12,9 @@ import pytest
 from helpers.manifests import manifest_payload
 from helpers.tenants import add_key, booking_doc, iso_in, make_tenant
 
-from orchestrator.gates.bookings import BookingFile, add_booking
+from orchestrator.gates.bookings import BookingFile, add_booking, parse_iso
 from orchestrator.gates.confirmations import ref_hash
+from stages.errors import ItoError
 
 from .conftest import Api, code_of
 
@@ -289,9 +290,34 @@ def test_validation_failures(api: Api, mutate, code: str) -> None:  # type: igno
     assert code_of(plan) == code
 
 
+def test_unknown_fabric_and_sku_are_refused_at_registration(api: Api) -> None:
+    for over, code in (({"fabric": "token-ring"}, "fabric_unknown"),
+                       ({"gpu_sku": "Z9000"}, "gpu_sku_unknown")):
+        with pytest.raises(ItoError) as e:
+            _booking(api, "bk-unknown", **over)
+        assert e.value.code == code
+    assert api.store.booking("bk-unknown") is None
+
+
+def test_upstream_spellings_of_sku_and_fabric_are_stored_as_profile_names(api: Api) -> None:
+    for i, (fabric, sku) in enumerate((("infiniband-ndr", "NVIDIA H100 80GB HBM3"),
+                                       ("InfiniBand NDR", "h100 sxm5"),
+                                       ("IB_NDR", "H100-SXM"))):
+        row = api.store.booking(_booking(api, f"bk-alias-{i}", fabric=fabric, gpu_sku=sku))
+        assert row is not None
+        assert (row["fabric"], row["gpu_sku"]) == ("ib-ndr", "H100-SXM")
+
+
 def test_unknown_fabric_and_sku(api: Api) -> None:
-    _booking(api, "bk-fabric", fabric="token-ring")
-    _booking(api, "bk-sku", gpu_sku="Z9000")
+    # Registration refuses them now; the gate still does, for a booking registered
+    # before its profile was removed from configs/ (written to the store directly).
+    for booking_id, over in (("bk-fabric", {"fabric": "token-ring"}),
+                             ("bk-sku", {"gpu_sku": "Z9000"})):
+        doc = BookingFile.model_validate(booking_doc(booking_id, "acme", **over))
+        row = doc.model_dump()
+        row.update(account_id=api.store.account_by_name("acme")["account_id"],
+                   term_start=parse_iso(doc.term_start), term_end=parse_iso(doc.term_end))
+        api.store.add_booking(row)
     for booking_id, code in (("bk-fabric", "fabric_unknown"), ("bk-sku", "gpu_sku_unknown")):
         m = api.manifest()
         ref = api.ref(manifest=m, booking_id=booking_id)
