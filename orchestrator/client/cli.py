@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from orchestrator.client import human
 from orchestrator.client.api import (
     TERMINAL_STATES,
     ClientSettings,
@@ -198,14 +199,17 @@ def _fmt_log(e: dict[str, Any]) -> str:
 def _fmt_plan(d: dict[str, Any]) -> str:
     lines = [
         f"manifest {d.get('manifest_id')} (sha256 {d.get('manifest_digest')})",
-        f"  booking {d.get('booking_id')}: cost estimate ${d.get('cost_estimate_usd')}"
-        + (f", incremental ${d['incremental_cost_usd']}" if "incremental_cost_usd" in d else ""),
+        f"  booking {d.get('booking_id')}: cost estimate "
+        f"{human.value('cost_estimate_usd', d.get('cost_estimate_usd'))}"
+        + (f", incremental {human.value('incremental_cost_usd', d['incremental_cost_usd'])}"
+           if "incremental_cost_usd" in d else ""),
     ]
     for name, result in (d.get("validation") or {}).items():
         shown = (
             result
             if not isinstance(result, dict)
-            else ", ".join(f"{k}={v}" for k, v in result.items() if not isinstance(v, dict | list))
+            else ", ".join(f"{k}={human.value(k, v)}" for k, v in result.items()
+                           if not isinstance(v, dict | list))
         )
         lines.append(f"  {name}: {shown}")
     plan = d.get("plan")
@@ -227,18 +231,21 @@ def _readable(command: str, data: dict[str, Any]) -> str:
         return str(data.get("confirmation_ref"))
     if command == "checkpoints":
         rows = [
-            f"step {c.get('step')}: {c.get('bytes')} B, blocking {c.get('blocking_s')} s, "
-            f"total {c.get('total_s')} s, {c.get('bytes_per_s')} B/s  {c.get('path')}"
+            f"step {c.get('step')}: {human.value('bytes', c.get('bytes'))}, blocking "
+            f"{human.value('blocking_s', c.get('blocking_s'))}, total "
+            f"{human.value('total_s', c.get('total_s'))}, "
+            f"{human.value('bytes_per_s', c.get('bytes_per_s'))}  {c.get('path')}"
             for c in data.get("checkpoints") or []
         ]
         return "\n".join(rows) or "no checkpoints"
     if command == "metrics":
-        return "\n".join(f"{k}: {json.dumps(v)}" for k, v in data.items())
+        return "\n".join(f"{k}: {human.value(k, v)}" for k, v in data.items())
     if command == "cleanup":
         run = data.get("run") or {}
         return (
             f"run {run.get('run_id')} state={run.get('state')}: removed "
-            f"{len(data.get('removed') or [])} paths, {data.get('bytes_removed')} bytes; "
+            f"{len(data.get('removed') or [])} paths, "
+            f"{human.value('bytes_removed', data.get('bytes_removed'))}; "
             f"booking untouched={data.get('booking_untouched')}"
         )
     return json.dumps(data, indent=2, sort_keys=True)
@@ -269,7 +276,8 @@ class _Out:
                 self._write(
                     sys.stderr,
                     f"confirmation for {d.get('action')} on booking {d.get('booking_id')}: "
-                    f"cost_usd={d.get('cost_usd')} expires_at={d.get('expires_at')}",
+                    f"cost {human.value('cost_usd', d.get('cost_usd'))}, "
+                    f"expires_at={d.get('expires_at')}",
                 )
             text = _readable(command, env["data"])
             if text:
