@@ -142,6 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proposal")
     p.add_argument("--cost-usd", type=float, default=None)
     p.add_argument("--ttl-s", type=int, default=None)
+    p = sub.add_parser("manifest", help="write a manifest for review (never submits)")
+    msub = p.add_subparsers(dest="manifest_command", required=True, parser_class=_Parser)
+    p = msub.add_parser("init", parents=[common], help="the short form as a full manifest, "
+                        "with the server's plan and cost; never submits")
+    p.add_argument("--booking", required=True)
+    p.add_argument("--model-size", required=True, help="e.g. 8B, 70B, 150M")
+    p.add_argument("--data", required=True, help="a local file or folder, or file:// URI")
+    p.add_argument("--target", required=True, help="capability: an eval suite, e.g. gsm8k")
+    p.add_argument("--budget-usd", required=True, type=float)
+    p.add_argument("--post-training", choices=["sft", "dpo", "rlvr"], default=None)
+    p.add_argument("--output", default=None,
+                   help="where to write it (default ./ito-manifest-<booking>.json)")
     return parser
 
 
@@ -229,6 +241,10 @@ def _readable(command: str, data: dict[str, Any]) -> str:
         return "\n".join(_fmt_run(r) for r in runs) or "no run for this idempotency key"
     if command == "confirm":
         return str(data.get("confirmation_ref"))
+    if command == "manifest":
+        from orchestrator.client.manifest_init import readable
+
+        return readable(data)
     if command == "checkpoints":
         rows = [
             f"step {c.get('step')}: {human.value('bytes', c.get('bytes'))}, blocking "
@@ -403,6 +419,10 @@ def _dispatch(client: ItoClient, args: argparse.Namespace, out: _Out) -> Envelop
         return client.release(args.booking, args.confirmation_ref, args.idempotency_key)
     if c == "confirm":
         return _cmd_confirm(client, args)
+    if c == "manifest":
+        from orchestrator.client.manifest_init import run_init
+
+        return run_init(client, args)
     raise ItoError(ErrorCode.bad_request, f"unknown command {c!r}")
 
 
