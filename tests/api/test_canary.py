@@ -52,7 +52,12 @@ def test_canary_secret_is_echoed_nowhere(tmp_path: Path) -> None:
                            good_ref["data"]["confirmation_ref"], f"canary-key-{i}")
                 assert r.json()["error"]["code"] == "manifest_contains_secret"
                 bodies.append(r.text)
-            # The canary as an idempotency key and booking id too (refused as invalid).
+            # The canary as an idempotency key (refused as invalid, echoed nowhere) and
+            # as a booking id.
+            r = submit(c, t.submitter, t.booking_id, base,
+                       good_ref["data"]["confirmation_ref"], canary)
+            assert r.json()["error"]["code"] == "idempotency_key_invalid", r.text
+            bodies.append(r.text)
             r = c.get(f"/v1/bookings/{canary}/eligibility",
                       headers={"Authorization": f"Bearer {t.submitter}"})
             bodies.append(r.text)
