@@ -277,22 +277,12 @@ async def client_loop(
         # into bursts of 50 simultaneous requests).
         phase = time.monotonic()
         n = 0
+        # Submits go out on their own connection at their due moments, so a poll in
+        # progress on this client's connection never delays them.
+        submits = asyncio.create_task(
+            submit_loop(i, url, headers, t, body, refs, submit_at, start, args, lat, errors))
         status_path = f"/v1/runs/{run_id}"
         while time.monotonic() < t_end:
-            if submit_at and time.monotonic() - start >= submit_at[0]:
-                due = start + submit_at.pop(0)
-                ref = refs.pop()
-                payload = json.dumps(
-                    {"booking_id": t["booking"], "confirmation_ref": ref, **body}
-                ).encode()
-                key = {"Idempotency-Key": f"bench-{i}-{len(refs)}-{ref[-8:]}"}
-                sent = time.monotonic()
-                code, data = await conn.request("POST", "/v1/runs", payload, key)
-                done = time.monotonic()
-                lat["submit"].append(done - due)
-                lat["submit_service"].append(done - sent)
-                if code != 200:
-                    errors[f"submit {code} {json.loads(data)['error']['code']}"] += 1
             # Latency counts from when the poll was due, not from when it could be sent:
             # a poll delayed behind a slow one has been waiting (no coordinated omission).
             sent = time.monotonic()
@@ -308,6 +298,33 @@ async def client_loop(
                 # Fixed-rate polling: the next poll is due interval after the last was due.
                 next_due = phase + n * args.interval
                 await asyncio.sleep(max(0.0, next_due - time.monotonic()))
+        await submits
+    finally:
+        await conn.close()
+
+
+async def submit_loop(i: int, url: str, headers: dict[str, str], t: dict[str, str],
+                      body: dict[str, str], refs: list[str], submit_at: list[float],
+                      start: float, args: argparse.Namespace, lat: dict[str, list[float]],
+                      errors: Counter[str]) -> None:
+    if not submit_at:
+        return
+    conn: RawHttp | HttpxConn = (RawHttp if args.http == "raw" else HttpxConn)(url, headers)
+    try:
+        for at in submit_at:
+            due = start + at
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            ref = refs.pop()
+            payload = json.dumps(
+                {"booking_id": t["booking"], "confirmation_ref": ref, **body}).encode()
+            key = {"Idempotency-Key": f"bench-{i}-{len(refs)}-{ref[-8:]}"}
+            sent = time.monotonic()
+            code, data = await conn.request("POST", "/v1/runs", payload, key)
+            done = time.monotonic()
+            lat["submit"].append(done - due)
+            lat["submit_service"].append(done - sent)
+            if code != 200:
+                errors[f"submit {code} {json.loads(data)['error']['code']}"] += 1
     finally:
         await conn.close()
 
