@@ -6,7 +6,6 @@ from pydantic import Field, field_validator, model_validator
 
 from stages.base import StrictModel
 
-
 # What ``ito manifest init`` writes and what the checkpoint-restart baseline of
 # benchmarks/fault_tolerance.py uses: the production default interval.
 DEFAULT_INTERVAL_STEPS = 100

@@ -4,8 +4,8 @@ per --json invocation, readable output, exit codes, and no secret in any output.
 from __future__ import annotations
 
 import json
-import shlex
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
