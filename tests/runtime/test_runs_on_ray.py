@@ -276,6 +276,29 @@ def test_lost_driver_is_relaunched_and_training_resumes_from_its_checkpoint(
     assert {g["stage"]: g["status"] for g in run["stage_gates"]}["train"] == "passed"
 
 
+def test_a_driver_lost_on_every_allowed_launch_fails_the_run_with_driver_lost(
+        rt: dict[str, Any]) -> None:
+    """The relaunch limit: a run gets max_driver_attempts (2) launches; when the second
+    driver dies too, the run fails with driver_lost instead of relaunching again."""
+    run_id = _submit(rt, steps=400)
+    pids: list[int] = []
+    for attempt in (1, 2):
+        _wait(rt, run_id, lambda r: r["state"] == "running" and any(
+            a.name == f"run-{run_id}" and int(a.pid) not in pids
+            for a in _run_actors(rt, run_id)), f"driver of launch {attempt}")
+        (driver,) = [a for a in _run_actors(rt, run_id) if a.name == f"run-{run_id}"]
+        pids.append(int(driver.pid))
+        os.kill(int(driver.pid), signal.SIGKILL)
+    run = _wait(rt, run_id, lambda r: r["state"] == "failed", "failed")
+    assert run["state_reason"].startswith("driver_lost"), run["state_reason"]
+    logs = [e["message"] for e in _get(rt, f"/v1/runs/{run_id}/logs?limit=1000")["entries"]]
+    assert sum("driver lost; relaunching" in m for m in logs) == 1, logs
+    deadline = time.monotonic() + 60
+    while _run_actors(rt, run_id):  # nothing of the run is left running
+        assert time.monotonic() < deadline, [a.name for a in _run_actors(rt, run_id)]
+        time.sleep(1.0)
+
+
 def test_loss_spike_proposal_waits_for_approval_through_the_api(rt: dict[str, Any]) -> None:
     """A poisoned data batch (operator test knob) spikes the loss: the run shows the
     proposal and awaits approval; nothing moves until an approver's confirmed approve."""
