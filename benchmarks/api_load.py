@@ -307,13 +307,13 @@ async def submit_loop(i: int, url: str, headers: dict[str, str], t: dict[str, st
                       body: dict[str, str], refs: list[str], submit_at: list[float],
                       start: float, args: argparse.Namespace, lat: dict[str, list[float]],
                       errors: Counter[str]) -> None:
-    if not submit_at:
-        return
-    conn: RawHttp | HttpxConn = (RawHttp if args.http == "raw" else HttpxConn)(url, headers)
-    try:
-        for at in submit_at:
-            due = start + at
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
+    # A fresh connection per submit (the server closes idle keep-alive connections
+    # between these rare calls); connecting is part of the submit's latency.
+    for at in submit_at:
+        due = start + at
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        conn: RawHttp | HttpxConn = (RawHttp if args.http == "raw" else HttpxConn)(url, headers)
+        try:
             ref = refs.pop()
             payload = json.dumps(
                 {"booking_id": t["booking"], "confirmation_ref": ref, **body}).encode()
@@ -325,8 +325,8 @@ async def submit_loop(i: int, url: str, headers: dict[str, str], t: dict[str, st
             lat["submit_service"].append(done - sent)
             if code != 200:
                 errors[f"submit {code} {json.loads(data)['error']['code']}"] += 1
-    finally:
-        await conn.close()
+        finally:
+            await conn.close()
 
 
 def cpu_seconds(pid: int) -> float:
