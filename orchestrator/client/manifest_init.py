@@ -38,6 +38,7 @@ SUITE_REWARDS = {"gsm8k": "gsm8k_exact_match"}
 # Post-training steps written by default (reviewed and edited like everything else).
 DEFAULT_POST_STEPS = {"sft": 1000, "dpo": 500, "rlvr": 200}
 MAX_SEQ_LEN = 4096
+DEFAULT_BATTERY = "smoke"
 BATCH_SEQUENCES_LARGE = 256  # >= 1B parameters
 BATCH_SEQUENCES_SMALL = 8
 
@@ -109,6 +110,12 @@ def build_manifest(booking: str, size: str, data: str, target: str, budget_usd: 
     preset = load_model_preset(preset_name)
     suites = suites_for(target)
     ref, data_bytes = data_ref(data)
+    # The phase's gate battery: the target's suite when it has checks, else the
+    # default battery (stages.evals).
+    from stages.evals.config import list_batteries
+
+    batteries = list_batteries()
+    battery = next((s for s in suites if s in batteries), DEFAULT_BATTERY)
     seq_len = min(MAX_SEQ_LEN, preset.max_position_embeddings)
     seqs = BATCH_SEQUENCES_LARGE if preset.num_params >= 1e9 else BATCH_SEQUENCES_SMALL
     batch = seq_len * seqs
@@ -139,7 +146,7 @@ def build_manifest(booking: str, size: str, data: str, target: str, budget_usd: 
                      "warmup_steps": 10, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 0,
                      "deterministic": True},
         "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain",
-                                   "token_fraction": 1.0, "eval_battery": suites[0]}]},
+                                   "token_fraction": 1.0, "eval_battery": battery}]},
         "post_training": post,
         "budget": {"ceiling_usd": float(budget_usd), "max_incremental_cost_usd": 0.0},
         "checkpoint": CheckpointPolicy(

@@ -55,6 +55,7 @@ def test_init_writes_a_complete_manifest_plans_it_and_submits_nothing(
     assert m["checkpoint"]["keep"] == 3 and m["checkpoint"]["storage_uri"].startswith("file:///")
     assert m["budget"] == {"ceiling_usd": 500.0, "max_incremental_cost_usd": 0.0}
     assert "dedup" in m["data"] and "window" in m["loss_spike"]
+    assert m["curriculum"]["phases"][0]["eval_battery"] == "smoke"  # gsm8k has no checks
     capsys.readouterr()
 
     # The printed commands work as written on the reviewed file.
