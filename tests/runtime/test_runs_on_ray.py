@@ -299,6 +299,42 @@ def test_a_driver_lost_on_every_allowed_launch_fails_the_run_with_driver_lost(
         time.sleep(1.0)
 
 
+def test_canary_secret_reaches_no_driver_or_worker_log(rt: dict[str, Any]) -> None:
+    """The canary of tests/api/test_canary.py, once with the Ray runtime: planted in the
+    API server's environment and sent as an idempotency key, it appears in no file of
+    the backend's var dir (store, scratch, checkpoints), no Ray session log (driver,
+    trainer and worker logs) and not in the server's log, after a run succeeded."""
+    be: Backend = rt["backend"]
+    t: Tenant = rt["tenant"]
+    canary = "sk-canary" + uuid.uuid4().hex
+    be.stop()
+    old_env = dict(be.env)
+    be.env.update({"ITO_CANARY_TOKEN": canary, "OPENAI_API_KEY": canary})
+    be.proc = None
+    be.start()
+    try:
+        m = _manifest(rt, steps=10, name=f"run-{uuid.uuid4().hex[:6]}")
+        with be.client() as c:
+            ref = confirm_ref(c, t.approver, "train", t.booking_id, manifest=m)
+            r = submit(c, t.submitter, t.booking_id, m, ref, canary)
+            assert r.json()["error"]["code"] == "idempotency_key_invalid"
+            assert canary not in r.text
+        run_id = _submit(rt, steps=10)
+        _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
+    finally:
+        be.stop()
+        be.env = old_env
+        be.proc = None
+        be.start()
+    head_pid = (be.var_dir / "ray-head.pid").read_text().strip()
+    sessions = list(Path("/tmp/ray").glob(f"session_*_{head_pid}"))
+    files = [p for root in (be.var_dir, *sessions) for p in root.rglob("*")
+             if p.is_file() and not p.is_symlink() and p.stat().st_size < 64 << 20]
+    assert any("worker" in p.name for p in files), "no Ray worker log was searched"
+    assert [p for p in files if canary.encode() in p.read_bytes()] == []
+    assert canary not in be.log_text()
+
+
 def test_loss_spike_proposal_waits_for_approval_through_the_api(rt: dict[str, Any]) -> None:
     """A poisoned data batch (operator test knob) spikes the loss: the run shows the
     proposal and awaits approval; nothing moves until an approver's confirmed approve."""
