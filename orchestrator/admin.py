@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -126,6 +127,57 @@ def accounts_create(name: str, db: DbOpt, as_json: JsonOpt = False) -> None:
         _fail(as_json, e.code, e.message)
     _audit(db, "accounts.create", account_id=row["account_id"])
     _emit(as_json, {"account_id": row["account_id"], "name": name}, f"account {name} created")
+
+
+@accounts_app.command("disable")
+def accounts_disable(name: str, db: DbOpt, as_json: JsonOpt = False) -> None:
+    """Disable an account: its keys stop working, and so do the confirmations they made."""
+    store = _store(db)
+    row = store.account_by_name(name)
+    if row is None or not store.disable_account(name):
+        _fail(as_json, ErrorCode.not_found, f"no enabled account {name!r}")
+    _audit(db, "accounts.disable", account_id=row["account_id"])
+    _emit(as_json, {"account": name, "disabled": True}, f"account {name} disabled")
+
+
+def canonical_root(raw: Path) -> str:
+    """An operator root: absolute, canonical (no '..', '//', trailing '/'), an existing
+    folder; symlinks in it are resolved once, here, by the operator's hand."""
+    text = str(raw)
+    if not raw.is_absolute() or os.path.normpath(text) != text or "\x00" in text:
+        raise ItoError(ErrorCode.bad_request, "a root must be a canonical absolute path")
+    real = os.path.realpath(text)
+    if not os.path.isdir(real):
+        raise ItoError(ErrorCode.bad_request, "a root must be an existing folder")
+    return real
+
+
+@accounts_app.command("roots")
+def accounts_roots(name: str, db: DbOpt,
+                   data: Annotated[list[Path] | None, typer.Option(
+                       "--data", help="data root (repeatable): data.refs, eval_files and "
+                       "cache_dir must lie inside one")] = None,
+                   checkpoint: Annotated[list[Path] | None, typer.Option(
+                       "--checkpoint", help="checkpoint root (repeatable)")] = None,
+                   as_json: JsonOpt = False) -> None:
+    """Set (replace) an account's data and/or checkpoint roots; with neither, show them.
+
+    An account without roots of a kind can reference nothing of that kind."""
+    store = _store(db)
+    row = store.account_by_name(name)
+    if row is None:
+        _fail(as_json, ErrorCode.not_found, f"no account {name!r}")
+    try:
+        for kind, paths in (("data", data), ("checkpoint", checkpoint)):
+            if paths is not None:
+                store.set_roots(row["account_id"], kind, sorted({canonical_root(p)
+                                                                 for p in paths}))
+                _audit(db, f"accounts.roots.{kind}", account_id=row["account_id"])
+    except ItoError as e:
+        _fail(as_json, e.code, e.message)
+    _emit(as_json, {"account": name, "data_roots": list(store.roots(row["account_id"], "data")),
+                    "checkpoint_roots": list(store.roots(row["account_id"], "checkpoint"))},
+          f"roots of {name}")
 
 
 @keys_app.command("issue")

@@ -44,7 +44,8 @@ EXIT_AUTH = 6  # credential revoked or not accepted: stopped, no login attempted
 EXIT_RUN_UNSUCCESSFUL = 7  # --follow ended with the run failed or cancelled
 EXIT_INTERRUPTED = 130
 
-_AUTH_CODES = {ErrorCode.credential_revoked, ErrorCode.unauthenticated}
+_AUTH_CODES = {ErrorCode.credential_revoked, ErrorCode.unauthenticated,
+               ErrorCode.account_disabled}
 _TRANSPORT_CODES = {
     ErrorCode.api_unreachable,
     ErrorCode.api_timeout,

@@ -266,7 +266,7 @@ def _v(api: Api, **sections: object) -> dict:
     (lambda api, m: m["checkpoint"].update(storage_uri="file:///tmp/../etc/ckpt"),
      "checkpoint_storage_invalid"),
     (lambda api, m: m["checkpoint"].update(storage_uri="file:///proc/ito-ckpt"),
-     "checkpoint_storage_unwritable"),
+     "path_outside_root"),
     (lambda api, m: m["training"].update(max_steps=10**400), "budget_exceeded"),
     (lambda api, m: m.update(model={"preset": "llama-1b", "size": "1B"},
                              training={"target_tokens": 10**11, "seq_len": 64,
