@@ -90,6 +90,18 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
           planner_gate: Annotated[bool, typer.Option(
               "--planner-gate/--no-planner-gate", help="refuse at submit what the "
               "parallelism planner refuses, and price from its step time")] = True,
+          metrics_host: Annotated[str, typer.Option(
+              help="the Prometheus scrape's own listener (never the API socket)")]
+          = "127.0.0.1",
+          metrics_port: Annotated[int, typer.Option(help="its port (0: pick a free one)")]
+          = 9464,
+          metrics_token_file: Annotated[Path | None, typer.Option(
+              help="require 'Authorization: Bearer <token>' from this 0600 file")] = None,
+          api_docs: Annotated[bool, typer.Option(
+              "--api-docs/--no-api-docs", help="serve /openapi.json, /docs, /redoc")]
+          = False,
+          shutdown_grace_s: Annotated[float, typer.Option(
+              help="on SIGTERM, seconds in-flight requests may take before exit")] = 10.0,
           log_level: str = "info") -> None:
     """Run the API server (uvicorn) on the store at --db."""
     if runtime == "ray":
@@ -100,8 +112,13 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from orchestrator.telemetry.listener import read_token
+
     settings = Settings(db_path=db, var_dir=var_dir, planner_gate=planner_gate,
-                        checkpoint_roots=tuple(checkpoint_root or ()))
+                        checkpoint_roots=tuple(checkpoint_root or ()),
+                        metrics_host=metrics_host, metrics_port=metrics_port,
+                        metrics_token=read_token(metrics_token_file), api_docs=api_docs,
+                        shutdown_grace_s=shutdown_grace_s)
     store = Store(db, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     rt: RunRuntime
     if runtime == "none":
@@ -115,8 +132,14 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
             num_cpus=ray_num_cpus))
     else:
         _fail(False, ErrorCode.bad_request, f"unknown runtime {runtime!r} (known: ray, none)")
-    uvicorn.run(create_app(settings, rt, store), host=host, port=port, log_level=log_level,
-                access_log=True)
+    from orchestrator.redact import AccessLogRedactor
+
+    config = uvicorn.Config(create_app(settings, rt, store), host=host, port=port,
+                            log_level=log_level, access_log=True,
+                            timeout_graceful_shutdown=int(max(1, settings.shutdown_grace_s)))
+    # uvicorn configures its loggers in Config(); the filter goes on afterwards.
+    logging.getLogger("uvicorn.access").addFilter(AccessLogRedactor())
+    uvicorn.Server(config).run()
 
 
 @accounts_app.command("create")

@@ -37,7 +37,8 @@ def validation_gate(g: Gates, c: Ctx, parsed: ParsedManifest, eligibility: dict[
     def gate_plan() -> float | None:
         # Called by validate() once every other check passed (so the planner only sees
         # a known preset, SKU and fabric).
-        planned.append(plan_manifest(parsed.model, eligibility))
+        planned.append(plan_manifest(parsed.model, eligibility,
+                                     c.settings.plan_time_budget_s))
         if not c.settings.planner_gate:
             return None
         planned[0].raise_refusal()

@@ -130,11 +130,22 @@ def test_revoked_and_released_bookings(api: Api, state: str, code: str) -> None:
     assert code_of(api.submit(ref=ref)) == code and _runs(api) == 0
 
 
-def test_other_accounts_booking(api: Api) -> None:
+def test_other_accounts_booking_answers_as_a_missing_one(api: Api) -> None:
     other = make_tenant(api.db, "globex")
-    r = api.client.get(f"/v1/bookings/{other.booking_id}/eligibility",
-                       headers=api.h(api.t.submitter))
-    assert r.status_code == 403 and code_of(r) == "booking_account_mismatch"
+    h = api.h(api.t.submitter)
+    theirs = api.client.get(f"/v1/bookings/{other.booking_id}/eligibility", headers=h)
+    missing = api.client.get("/v1/bookings/bk-globey/eligibility", headers=h)
+    assert theirs.status_code == missing.status_code == 404
+    assert code_of(theirs) == code_of(missing) == "booking_not_found"
+    def strip(r):
+        return (r.json()["error"]["message"].replace(other.booking_id, "ID")
+                 .replace("bk-globey", "ID"))
+    assert strip(theirs) == strip(missing)
+    # The same for a confirmation naming it.
+    body = {"action": "cancel", "booking_id": other.booking_id, "run_id": "run_x",
+            "cost_usd": 0}
+    r = api.client.post("/v1/confirmations", json=body, headers=api.h(api.t.approver))
+    assert r.status_code == 404 and code_of(r) == "booking_not_found"
 
 
 def test_eligibility_is_fresh_and_bound(api: Api) -> None:
