@@ -177,3 +177,36 @@ def iter_tree(dir_fd: int, prefix: str = "") -> Iterator[tuple[str, int]]:
             yield rel, fd
         else:
             raise WalkError("not_regular", entry.name, True)
+
+
+def check_tree(dir_fd: int, max_entries: int = 100_000) -> int:
+    """Refuse (``WalkError``) a symlink or special file anywhere below an open folder,
+    without opening its files (the submit-time check; the run walks again with
+    ``iter_tree``). Returns the number of entries seen; more than ``max_entries`` is
+    ``unreadable`` (a bounded check)."""
+    seen = 0
+    stack = [os.dup(dir_fd)]
+    try:
+        while stack:
+            fd = stack.pop()
+            try:
+                with os.scandir(fd) as it:
+                    for entry in it:
+                        seen += 1
+                        if seen > max_entries:
+                            raise WalkError("unreadable", entry.name)
+                        if entry.is_symlink():
+                            raise WalkError("symlink", entry.name)
+                        if entry.is_dir(follow_symlinks=False):
+                            try:
+                                stack.append(os.open(entry.name, DIR_FLAGS, dir_fd=fd))
+                            except OSError as exc:
+                                raise _classify(exc, entry.name, fd, last=False) from None
+                        elif not entry.is_file(follow_symlinks=False):
+                            raise WalkError("not_regular", entry.name, True)
+            finally:
+                os.close(fd)
+    finally:
+        for fd in stack:
+            os.close(fd)
+    return seen

@@ -17,6 +17,7 @@ written here (no probe file); an ``OSError`` becomes the same refusal, never a 5
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -66,7 +67,14 @@ def _check(path: str, allowed: tuple[str, ...], roots: Roots, where: str, want: 
         if e.code == ErrorCode.data_not_found:  # a component exists but not as a folder
             raise outside(where) from None
         raise
-    if fd is not None:
+    if fd is None:
+        return
+    try:
+        if want == "any" and stat.S_ISDIR(os.fstat(fd).st_mode):
+            safepath.check_tree(fd)  # a folder ref: no symlink anywhere below it
+    except (safepath.WalkError, OSError):
+        raise outside(where) from None
+    finally:
         os.close(fd)
 
 

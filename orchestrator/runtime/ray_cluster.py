@@ -17,9 +17,9 @@ import logging
 import os
 import signal
 import stat
-import tempfile
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
