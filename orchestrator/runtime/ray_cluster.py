@@ -121,6 +121,7 @@ def start_local_head(var_dir: Path, settings: RaySettings) -> str:
             raise ItoError(ErrorCode.ray_unavailable,
                            f"ray head exited with {proc.returncode}; see {var_dir}/ray-head.log")
         if b"Ray runtime started" in (var_dir / "ray-head.log").read_bytes()[-20000:]:
+            os.chmod(temp, 0o700)  # Ray opens its temp root to 0777; nobody else needs it
             return address
         time.sleep(0.25)
     raise ItoError(ErrorCode.ray_unavailable, "ray head did not start in time")

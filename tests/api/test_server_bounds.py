@@ -4,6 +4,7 @@ nothing secret in the access log, a SIGTERM that ends the server in bounded time
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import signal
@@ -85,11 +86,9 @@ def test_sigterm_stops_the_server_within_its_grace(backend: Backend, tenant: Ten
 
     def load() -> None:
         while not stop.is_set():
-            try:
+            with contextlib.suppress(httpx.HTTPError):
                 httpx.get(f"{backend.url}/v1/bookings/{tenant.booking_id}/eligibility",
                           headers=h, timeout=2.0)
-            except httpx.HTTPError:
-                pass
 
     workers = [threading.Thread(target=load, daemon=True) for _ in range(4)]
     for w in workers:
