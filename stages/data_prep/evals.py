@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,6 +40,9 @@ class EvalSuite(BaseModel):
     description: str = ""
     license: str = ""
     files: list[EvalFileSpec] = Field(min_length=1)
+    # An eval battery (stages.evals) is a suite with checks: its items are
+    # decontaminated against like any suite's; the checks are read by stages.evals.
+    checks: list[dict[str, Any]] = Field(default_factory=list)
 
 
 @dataclass(frozen=True)
