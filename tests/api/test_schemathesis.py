@@ -18,7 +18,7 @@ MAX_EXAMPLES = 100  # across all operations; keeps the test bounded (~20 s idle)
 
 @pytest.mark.slow
 def test_fuzz_served_openapi(tmp_path: Path) -> None:
-    backend = start_backend(tmp_path / "b")
+    backend = start_backend(tmp_path / "b", extra_args=["--api-docs"])  # docs are opt-in
     try:
         t = make_tenant(backend.db, "acme", roles={"all": tuple(SCOPES)})
         schema = schemathesis.openapi.from_url(backend.url + "/openapi.json")
