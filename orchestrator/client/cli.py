@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,8 +30,9 @@ from orchestrator.client.api import (
     error_envelope,
     ok_envelope,
 )
-from orchestrator.client.credentials import ApiKey, load_api_key, redact
+from orchestrator.client.credentials import REDACTED, ApiKey, load_api_key, redact
 from orchestrator.client.manifest_reader import ManifestBytes, read_manifest
+from orchestrator.redact import looks_secret
 from stages.errors import ErrorCode, ItoError
 
 API_URL_ENV = "ITO_API_URL"
@@ -45,7 +47,8 @@ EXIT_AUTH = 6  # credential revoked or not accepted: stopped, no login attempted
 EXIT_RUN_UNSUCCESSFUL = 7  # --follow ended with the run failed or cancelled
 EXIT_INTERRUPTED = 130
 
-_AUTH_CODES = {ErrorCode.credential_revoked, ErrorCode.unauthenticated}
+_AUTH_CODES = {ErrorCode.credential_revoked, ErrorCode.unauthenticated,
+               ErrorCode.account_disabled}
 _TRANSPORT_CODES = {
     ErrorCode.api_unreachable,
     ErrorCode.api_timeout,
@@ -71,6 +74,33 @@ def exit_code_for(env: Envelope) -> int:
 
 class _UsageError(Exception):
     pass
+
+
+# Options nobody should pass (``ito`` takes no secret on its command line) whose value
+# must still never be echoed by a usage error: --api-key, --token, --password, ...
+_SECRET_OPTION = re.compile(r"^--?[\w-]*(api[-_]?key|token|secret|passw|credential|auth)",
+                            re.IGNORECASE)
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """argv with every secret-looking value replaced, before argparse sees it (so no
+    usage error can print one): values of secret-named options (``--api-key K`` and
+    ``--api-key=K``) and any argument shaped like a key or token."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+        elif _SECRET_OPTION.match(arg):
+            name, eq, _ = arg.partition("=")
+            out.append(f"{name}={REDACTED}" if eq else arg)
+            hide_next = not eq
+        elif looks_secret(arg):
+            out.append(REDACTED)
+        else:
+            out.append(arg)
+    return out
 
 
 class _Parser(argparse.ArgumentParser):
@@ -460,7 +490,7 @@ def run_cli(
         return EXIT_OK, env
     try:
         try:
-            args = build_parser().parse_args(list(argv))
+            args = build_parser().parse_args(redact_argv(argv))
         except _UsageError as exc:
             env = error_envelope(ErrorCode.bad_request, f"usage: {exc}")
             out.final(command, env)
@@ -470,7 +500,7 @@ def run_cli(
             # Local checks first, in this order: nothing below touches the network
             # until the manifest, the URL and the key have all been accepted.
             args.manifest_bytes = None
-            if getattr(args, "manifest", None):
+            if getattr(args, "manifest", None) is not None:  # "" is refused, not skipped
                 args.manifest_bytes = read_manifest(args.manifest)
             api_url = args.api_url or os.environ.get(API_URL_ENV, "")
             if not api_url:

@@ -67,4 +67,7 @@ def authenticate(store: Store, authorization: str | None) -> Principal:
         raise ItoError(ErrorCode.unauthenticated, "invalid API key")
     if row["revoked_at"] is not None:
         raise ItoError(ErrorCode.credential_revoked, "this API key was revoked")
+    account = store.account(row["account_id"])
+    if account is None or account["disabled_at"] is not None:
+        raise ItoError(ErrorCode.account_disabled, "this API key's account is disabled")
     return Principal(row["account_id"], row["key_id"], frozenset(row["scopes"].split()))

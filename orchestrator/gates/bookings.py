@@ -93,11 +93,10 @@ def booking_view(store: Store, booking_id: str) -> dict[str, Any]:
 def owned_live_booking(store: Store, booking_id: str, account_id: str) -> Row:
     """The account's booking, neither revoked nor released; else its own code."""
     row = store.booking(booking_id)
-    if row is None:
+    # Another account's booking answers exactly as a missing one (same code, status and
+    # message), so a tenant cannot learn which booking ids exist.
+    if row is None or row["account_id"] != account_id:
         raise ItoError(ErrorCode.booking_not_found, f"no booking {safe_id(booking_id)}")
-    if row["account_id"] != account_id:
-        raise ItoError(ErrorCode.booking_account_mismatch,
-                       "this booking belongs to another account")
     if row["state"] == "revoked":
         raise ItoError(ErrorCode.booking_revoked, "this booking was revoked")
     if row["state"] == "released":

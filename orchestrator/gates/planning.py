@@ -43,13 +43,15 @@ def total_steps(m: Manifest) -> int:
     return steps
 
 
-def plan_manifest(m: Manifest, booking: dict[str, Any]) -> PlanResult:
-    """Plan ``m`` on the booking's topology; a refusal is returned, not raised."""
+def plan_manifest(m: Manifest, booking: dict[str, Any],
+                  time_budget_s: float | None = None) -> PlanResult:
+    """Plan ``m`` on the booking's topology within ``time_budget_s``; a refusal is
+    returned, not raised."""
     from orchestrator.runtime.pipeline import parallelism_config  # the run's stage asks the same
 
     config = parallelism_config(m, booking)
     try:
-        chosen = plan(request_from(config, booking))
+        chosen = plan(request_from(config, booking), time_budget_s)
     except ItoError as e:
         return PlanResult(None, {"code": str(e.code), "message": e.message}, None)
     except ValidationError as e:

@@ -21,11 +21,13 @@ from stages.parallelism import ParallelismConfig
 StageFactory = Callable[[StageContext], Stage]
 
 
-def _data_prep(manifest: Manifest) -> StageFactory:
+def _data_prep(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
     def make(ctx: StageContext) -> Stage:
         from stages.data_prep import DataPrepStage
 
-        return DataPrepStage(manifest.data)
+        # The account's data roots, set by the supervisor from the store (never from the
+        # manifest): the stage resolves every reference inside them again at run time.
+        return DataPrepStage(manifest.data, data_roots=spec.facts.get("data_roots") or ())
 
     return make
 
@@ -76,7 +78,7 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
 def build_pipeline(spec: LaunchSpec) -> list[tuple[str, StageFactory]]:
     manifest = Manifest.model_validate_json(spec.manifest_json)
     return [
-        ("data_prep", _data_prep(manifest)),
+        ("data_prep", _data_prep(manifest, spec)),
         ("parallelism", _parallelism(manifest, spec)),
         ("train", _train(manifest, spec)),
     ]

@@ -13,8 +13,9 @@ DEFAULT_KEEP = 3
 
 
 class CheckpointPolicy(StrictModel):
-    interval_steps: int | None = Field(default=None, gt=0)
-    interval_minutes: float | None = Field(default=None, gt=0)
+    interval_steps: int | None = Field(default=None, gt=0, le=100_000_000)
+    interval_minutes: float | None = Field(default=None, gt=0, le=7 * 24 * 60,
+                                           allow_inf_nan=False)
     keep: int = Field(default=DEFAULT_KEEP, ge=1, le=100)
     # file:///absolute/dir is the only storage this build writes to.
     storage_uri: str

@@ -44,7 +44,8 @@ class Corpus:
         files = []
         for f in resolved.files:
             before = len(self.texts)
-            for n, text in enumerate(read_texts(f.path, f.format, resolved.ref.text_field)):
+            for n, text in enumerate(read_texts(f.path, f.format, resolved.ref.text_field,
+                                                    roots=f.roots)):
                 self.texts.append(text)
                 self.ids.append(f"{k}:{f.relpath}:{n}")
                 self.roles.append(resolved.ref.role)

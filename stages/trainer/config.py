@@ -19,16 +19,25 @@ class ModelSpec(StrictModel):
     checkpoint_path: str | None = None
 
 
+# Upper bounds a real run stays far below (the largest public runs: ~15T tokens, ~16M
+# tokens a batch, 128K context): validation and the planner never see magnitudes
+# that only an attack would send.
+MAX_STEPS = 100_000_000
+MAX_TOKENS = 10**15
+MAX_BATCH_TOKENS = 1 << 30
+MAX_SEQ_LEN = 1 << 21
+
+
 class TrainingTarget(StrictModel):
-    max_steps: int | None = Field(default=None, gt=0)
-    target_tokens: int | None = Field(default=None, gt=0)
-    seq_len: int = Field(default=128, gt=1)
-    global_batch_tokens: int = Field(gt=0)
-    learning_rate: float = Field(default=3e-4, gt=0)
-    warmup_steps: int = Field(default=10, ge=0)
-    weight_decay: float = Field(default=0.1, ge=0)
-    grad_clip: float = Field(default=1.0, gt=0)
-    seed: int = 0
+    max_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
+    target_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)
+    seq_len: int = Field(default=128, gt=1, le=MAX_SEQ_LEN)
+    global_batch_tokens: int = Field(gt=0, le=MAX_BATCH_TOKENS)
+    learning_rate: float = Field(default=3e-4, gt=0, le=10, allow_inf_nan=False)
+    warmup_steps: int = Field(default=10, ge=0, le=MAX_STEPS)
+    weight_decay: float = Field(default=0.1, ge=0, le=10, allow_inf_nan=False)
+    grad_clip: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0, lt=2**63)
     deterministic: bool = True
 
     @model_validator(mode="after")

@@ -21,7 +21,8 @@ EXAMPLES_PER_OPERATION = 20  # 15 operations -> 300 generated requests
 
 @pytest.mark.slow
 def test_fuzz_served_openapi(tmp_path: Path) -> None:
-    backend = start_backend(tmp_path / "b", extra_args=["--planner-gate"])
+    # production runs the planner gate; the docs are opt-in
+    backend = start_backend(tmp_path / "b", extra_args=["--planner-gate", "--api-docs"])
     try:
         t = make_tenant(backend.db, "acme", roles={"all": tuple(SCOPES)})
         schema = schemathesis.openapi.from_url(backend.url + "/openapi.json")

@@ -233,7 +233,7 @@ def test_replica_group_kill_is_an_interruption_and_the_run_still_succeeds(
     _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
     metrics = _get(rt, f"/v1/runs/{run_id}/metrics")
     assert metrics["interruptions"] >= 1
-    text = httpx.get(rt["backend"].url + "/metrics", timeout=10).text
+    text = httpx.get(rt["backend"].metrics_url, timeout=10).text
     line = next(li for li in text.splitlines()
                 if li.startswith("ito_run_interruptions_total{") and run_id in li)
     assert float(line.rsplit(" ", 1)[1]) >= 1
@@ -393,7 +393,7 @@ scrape_configs:
   - job_name: ito
     metrics_path: /metrics
     static_configs:
-      - targets: ["127.0.0.1:{be.port}"]
+      - targets: ["127.0.0.1:{be.metrics_port}"]
 """)
     prom = subprocess.Popen(["prometheus", f"--config.file={cfg}",
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}",
