@@ -110,6 +110,7 @@ class ErrorCode(StrEnum):
     stage_failed = "stage_failed"
     gate_failed = "gate_failed"
     ray_unavailable = "ray_unavailable"
+    layout_unsupported = "layout_unsupported"
 
 
 class ItoError(Exception):

@@ -1,0 +1,133 @@
+"""One rank of the multi-process parallelism tests (run as a subprocess per rank).
+
+``python -m tests.trainer.parallel_cases RANK WORLD INIT_FILE OUT_DIR CASE [CASE...]``
+trains each case's layout for ``STEPS`` steps on gloo, writing per rank the group's
+losses, the full (gathered) weights after the last optimizer step and, for some
+cases, logits; the test compares them with one process training the same batches.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.presets import ModelPreset
+from stages.trainer.layout import ParallelLayout
+
+STEPS = 3
+LR = 1e-3
+SEQS, SEQ_LEN = 4, 16
+# 3 decoder layers: PP2 splits them unevenly (2 + 1).
+PRESET = ModelPreset(name="pp-probe", vocab_size=260, hidden_size=64, intermediate_size=172,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=256)
+
+CASES: dict[str, dict[str, Any]] = {
+    "tp2": {"tp": 2},
+    "pp2_gpipe": {"pp": 2, "pp_schedule": "GPipe", "pp_microbatches": 4,
+                  "pp_stage_layers": [2, 1]},
+    "pp2_1f1b": {"pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2,
+                 "pp_stage_layers": [2, 1]},
+    "tp2_fsdp2": {"tp": 2, "dp_shard": 2},
+    "pp2_fsdp2": {"pp": 2, "dp_shard": 2, "pp_schedule": "1F1B", "pp_microbatches": 2,
+                  "pp_stage_layers": [1, 2]},
+    # load the checkpoint the tp2 case saved, under PP2, and compute logits
+    "pp2_load": {"pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2,
+                 "pp_stage_layers": [2, 1]},
+}
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, PRESET.vocab_size, (SEQS, SEQ_LEN), generator=g)
+            for _ in range(STEPS)]
+
+
+def eval_ids() -> torch.Tensor:
+    return torch.randint(0, PRESET.vocab_size, (2, SEQ_LEN),
+                         generator=torch.Generator().manual_seed(99))
+
+
+def make_optimizer(params: Any) -> torch.optim.Optimizer:
+    # The trainer's AdamW (loop.py); foreach off as on the CPU trainer path.
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, betas=(0.9, 0.95), foreach=False)
+
+
+def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in module.state_dict().items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        out[name.replace("._checkpoint_wrapped_module", "")] = full.detach().clone()
+    return out
+
+
+def ckpt_policy(directory: Path) -> Any:
+    from stages.checkpointing.config import CheckpointPolicy
+
+    return CheckpointPolicy(interval_steps=1, keep=2, storage_uri=f"file://{directory}")
+
+
+def run_case(name: str, rank: int, world: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    from stages.checkpointing.checkpointer import Checkpointer
+    from stages.trainer.mesh import build_mesh
+    from stages.trainer.model import build_model
+    from stages.trainer.parallelize import ParallelModel
+    from stages.trainer.train_state import TrainState
+
+    layout = ParallelLayout(**CASES[name]).resolved(world)
+    mesh = build_mesh(layout, "cpu")
+    seed = 7 if name.endswith("_load") else 0  # a load must overwrite other weights
+    pm = ParallelModel(build_model(PRESET, seed=seed), layout, mesh, torch.device("cpu"))
+    opt = make_optimizer(pm.module.parameters())
+    ckpt_pg = dist.new_group(backend="gloo")
+    result: dict[str, Any] = {"layout": pm.built_layout()}
+    if name.endswith("_load"):
+        with Checkpointer(ckpt_policy(out / "ckpt-tp2"), process_group=ckpt_pg) as ck:
+            rec = ck.latest()
+            assert rec is not None
+            ck.load(rec, TrainState(pm.module, opt, rank=rank))
+        result["logits"] = pm.logits(eval_ids())
+        torch.save(result, out / f"{name}-rank{rank}.pt")
+        return
+    dp = layout.dp_shard
+    d = pm.coords["dp_shard"]
+    losses = []
+    for ids in batches():
+        local = ids.chunk(dp)[d]
+        loss = pm.forward_backward(local)
+        losses.append(float(pm.group_mean_loss(loss)))
+        pm.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    result["losses"] = losses
+    result["weights"] = full_weights(pm.module)
+    if name == "tp2":
+        result["logits"] = pm.logits(eval_ids())
+        with Checkpointer(ckpt_policy(out / "ckpt-tp2"), process_group=ckpt_pg) as ck:
+            ck.save(STEPS, TrainState(pm.module, opt, rank=rank))
+            ck.wait()
+    torch.save(result, out / f"{name}-rank{rank}.pt")
+    dist.barrier()
+
+
+def main(argv: list[str]) -> None:
+    import torch.distributed as dist
+
+    rank, world, init, out = int(argv[0]), int(argv[1]), argv[2], Path(argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        for name in argv[4:]:
+            run_case(name, rank, world, out)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
