@@ -51,7 +51,8 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _decoder_layers(module: nn.Module) -> list[nn.Module]:
-    layers: Any = getattr(module, "model").layers
+    inner: Any = module.model
+    layers: Any = inner.layers
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
@@ -97,7 +98,7 @@ def apply_tp(chunk: nn.Module, tp_mesh: Any, *, sequence_parallel: bool, fp8: bo
                                      PrepareFloat8ModuleInput)
     seq = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, Any] = {}
-    inner: Any = getattr(chunk, "model")
+    inner: Any = chunk.model
     if hasattr(inner, "embed_tokens"):
         top["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if hasattr(inner, "norm"):
@@ -134,13 +135,14 @@ def apply_fsdp(chunk: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype | Non
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     cfg: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp}
     reshard = not pp_enabled
-    inner: Any = getattr(chunk, "model")
+    inner: Any = chunk.model
     if hasattr(inner, "embed_tokens"):
         fully_shard(inner.embed_tokens, **cfg, reshard_after_forward=reshard)
     for layer in _decoder_layers(chunk):
         fully_shard(layer, **cfg, reshard_after_forward=reshard)
     if hasattr(inner, "norm"):
-        fully_shard([inner.norm, getattr(chunk, "lm_head")], **cfg, reshard_after_forward=False)
+        head: Any = chunk.lm_head
+        fully_shard([inner.norm, head], **cfg, reshard_after_forward=False)
     fully_shard(chunk, **cfg)
 
 
@@ -150,7 +152,8 @@ class ParallelModel:
     def __init__(self, full: nn.Module, layout: ParallelLayout, mesh: Any,
                  device: torch.device):
         self.layout = layout
-        self.hidden = int(getattr(getattr(full, "config"), "hidden_size"))
+        config: Any = full.config
+        self.hidden = int(config.hidden_size)
         self.mesh = mesh
         self.device = device
         self.coords = mesh_coords(mesh) if mesh is not None else dict.fromkeys(

@@ -27,7 +27,7 @@ class StageModule(nn.Module):
 
     def __init__(self, full: nn.Module, start: int, end: int, *, first: bool, last: bool):
         super().__init__()
-        inner: Any = getattr(full, "model")
+        inner: Any = full.model
         self.first, self.last = first, last
         self.model = nn.Module()
         if first:
@@ -36,7 +36,7 @@ class StageModule(nn.Module):
         self.model.rotary_emb = inner.rotary_emb  # buffers only, on every chunk
         if last:
             self.model.norm = inner.norm
-            self.lm_head = getattr(full, "lm_head")
+            self.lm_head = full.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inner: Any = self.model
@@ -47,7 +47,8 @@ class StageModule(nn.Module):
             # attention_mask None: SDPA runs causal, as the full model does unpadded
             h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
         if self.last:
-            h = self.lm_head(inner.norm(h))
+            head: Any = self.lm_head
+            h = head(inner.norm(h))
         return h
 
 
@@ -73,7 +74,7 @@ class LocalModel(nn.Module):
 def split_model(full: nn.Module, layout: ParallelLayout, pp_rank: int
                 ) -> tuple[list[int], list[StageModule]]:
     """This rank's chunks and their global stage indices (chunk ``j`` on rank ``j % pp``)."""
-    inner: Any = getattr(full, "model")
+    inner: Any = full.model
     if getattr(getattr(full, "config", None), "tie_word_embeddings", False):
         from stages.errors import ErrorCode, ItoError
 
@@ -100,7 +101,7 @@ def build_schedule(layout: ParallelLayout, chunks: list[nn.Module], stage_ids: l
     )
 
     num_stages = layout.pp * layout.pp_virtual_stages
-    stages = [PipelineStage(c, j, num_stages, device, group=group)
+    stages: list[Any] = [PipelineStage(c, j, num_stages, device, group=group)
               for c, j in zip(chunks, stage_ids, strict=True)]
     n = layout.pp_microbatches
     if layout.pp_schedule == "Interleaved1F1B":
