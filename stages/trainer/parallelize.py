@@ -230,7 +230,8 @@ class ParallelModel:
         args = (input_ids,) if first else ()
         kwargs: dict[str, Any] = {"target": labels, "losses": losses} if last else {}
         with self._context([]):
-            self.schedule.step(*args, **kwargs)
+            # return_outputs=False: the last stage would keep every micro-batch's logits
+            self.schedule.step(*args, return_outputs=False, **kwargs)
         if not last:
             return torch.zeros((), device=input_ids.device)
         return torch.stack([x.detach() for x in losses]).mean()

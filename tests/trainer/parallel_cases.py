@@ -25,6 +25,19 @@ PRESET = ModelPreset(name="pp-probe", vocab_size=260, hidden_size=64, intermedia
                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                      max_position_embeddings=256)
 
+# Memory probes: big enough that activations, weights and AdamW state all count.
+MEM_PRESET = ModelPreset(name="mem-probe", vocab_size=2048, hidden_size=128,
+                         intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512)
+MEM_SEQS, MEM_SEQ_LEN = 4, 128
+MEM_CASES: dict[str, dict[str, Any]] = {
+    "mem_tp2": {"tp": 2},
+    "mem_pp2": {"pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 4,
+                "pp_stage_layers": [2, 2]},
+    "mem_pp2_gpipe": {"pp": 2, "pp_schedule": "GPipe", "pp_microbatches": 4,
+                      "pp_stage_layers": [2, 2]},
+}
+
 CASES: dict[str, dict[str, Any]] = {
     "tp2": {"tp": 2},
     "pp2_gpipe": {"pp": 2, "pp_schedule": "GPipe", "pp_microbatches": 4,
@@ -79,6 +92,9 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
     from stages.trainer.parallelize import ParallelModel
     from stages.trainer.train_state import TrainState
 
+    if name in MEM_CASES:
+        measure_case(name, rank, world, out)
+        return
     layout = ParallelLayout(**CASES[name]).resolved(world)
     mesh = build_mesh(layout, "cpu")
     seed = 7 if name.endswith("_load") else 0  # a load must overwrite other weights
@@ -113,6 +129,28 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
             ck.wait()
     torch.save(result, out / f"{name}-rank{rank}.pt")
     dist.barrier()
+
+
+def measure_case(name: str, rank: int, world: int, out: Path) -> None:
+    """Peak tensor bytes of one training step on this rank (profiler, exact)."""
+    from stages.parallelism.measure import measure_step_peak
+    from stages.trainer.mesh import build_mesh
+    from stages.trainer.model import build_model
+    from stages.trainer.parallelize import ParallelModel
+
+    layout = ParallelLayout(**MEM_CASES[name]).resolved(world)
+    pm = ParallelModel(build_model(MEM_PRESET, seed=0), layout, build_mesh(layout, "cpu"),
+                       torch.device("cpu"))
+    opt = torch.optim.AdamW(pm.module.parameters(), lr=1e-4, foreach=False)
+    ids = torch.randint(0, MEM_PRESET.vocab_size, (MEM_SEQS, MEM_SEQ_LEN),
+                        generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        pm.forward_backward(ids)
+        opt.step()
+
+    peak = measure_step_peak(step, pm.module.parameters(), opt)
+    torch.save({"peak": peak, "pp_rank": pm.coords["pp"]}, out / f"{name}-rank{rank}.pt")
 
 
 def main(argv: list[str]) -> None:
