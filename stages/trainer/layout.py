@@ -116,6 +116,20 @@ class ParallelLayout(StrictModel):
         return out
 
 
+# Compute capability of the SKUs in configs/gpus (CPU SKUs run on the CPU).
+SKU_CAPABILITY: dict[str, tuple[int, int]] = {
+    "A100-80G": (8, 0), "L40S": (8, 9), "H100-SXM": (9, 0), "H100-PCIe": (9, 0),
+    "H200": (9, 0), "B200": (10, 0)}
+
+
+def check_runnable_on_sku(layout: ParallelLayout, gpu_sku: str) -> None:
+    """``check_runnable`` for a booking's SKU, before anything runs (validation)."""
+    if gpu_sku.startswith("cpu"):
+        check_runnable(layout, "cpu")
+    else:
+        check_runnable(layout, "cuda", SKU_CAPABILITY.get(gpu_sku))
+
+
 def check_runnable(layout: ParallelLayout, device: str,
                    capability: tuple[int, int] | None = None) -> None:
     """Refuse what this device cannot execute: context parallel and fp8 need CUDA

@@ -151,6 +151,8 @@ class ParallelModel:
 
     def __init__(self, full: nn.Module, layout: ParallelLayout, mesh: Any,
                  device: torch.device):
+        if layout.dp_shard == -1 or (layout.pp > 1 and not layout.pp_microbatches):
+            layout = layout.resolved(int(mesh.size()) if mesh is not None else 1)
         self.layout = layout
         config: Any = full.config
         self.hidden = int(config.hidden_size)
