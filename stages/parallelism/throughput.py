@@ -12,7 +12,8 @@ Communication is bandwidth x volume plus latency, with the overlap torchtitan ge
 TP/SP collectives (async TP hides TP_OVERLAP of them), FSDP all-gather and
 reduce-scatter prefetched under compute (FSDP_OVERLAP of compute can hide them),
 CP's K/V all-gather (exposed: attention waits for it), and torchft's replica
-all-reduce after the backward (not hidden). Pipeline bubbles follow (pp - 1) / (virtual x microbatches).
+all-reduce after the backward (not hidden). Pipeline bubbles follow
+(pp - 1) / (virtual x microbatches).
 
 MFU uses the model FLOPs of torchtitan: ``6 x (params - embedding) + 12 x layers x
 hidden x seq`` per token (recompute is hardware work, not model work).
