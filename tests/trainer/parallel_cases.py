@@ -8,6 +8,8 @@ cases, logits; the test compares them with one process training the same batches
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,8 @@ import torch
 from stages.presets import ModelPreset
 from stages.trainer.layout import ParallelLayout
 
+REPO = Path(__file__).resolve().parents[2]
+RANK_TIMEOUT_S = 300
 STEPS = 3
 LR = 1e-3
 SEQS, SEQ_LEN = 4, 16
@@ -151,6 +155,27 @@ def measure_case(name: str, rank: int, world: int, out: Path) -> None:
 
     peak = measure_step_peak(step, pm.module.parameters(), opt)
     torch.save({"peak": peak, "pp_rank": pm.coords["pp"]}, out / f"{name}-rank{rank}.pt")
+
+
+def launch(world: int, cases: list[str], out: Path) -> None:
+    """Run ``cases`` in ``world`` rank processes (gloo, file init); fail on any error."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "tests.trainer.parallel_cases", str(r), str(world),
+         str(out / f"init-{world}"), str(out), *cases],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for r in range(world)]
+    logs = []
+    for p in procs:
+        try:
+            stdout, _ = p.communicate(timeout=RANK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        logs.append((p.returncode, stdout.decode(errors="replace")[-3000:]))
+    for rc, log in logs:
+        assert rc == 0, log
 
 
 def main(argv: list[str]) -> None:

@@ -18,9 +18,6 @@ weights by more than ten times that.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,43 +30,22 @@ from tests.trainer.parallel_cases import (
     PRESET,
     batches,
     eval_ids,
+    launch,
     make_optimizer,
 )
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 0.05 * LR
 LOGIT_ATOL = 1e-4
-RANK_TIMEOUT_S = 300
-
-
-def _launch(world: int, cases: list[str], out: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "tests.trainer.parallel_cases", str(r), str(world),
-         str(out / f"init-{world}"), str(out), *cases],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for r in range(world)]
-    logs = []
-    for p in procs:
-        try:
-            stdout, _ = p.communicate(timeout=RANK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        logs.append((p.returncode, stdout.decode(errors="replace")[-3000:]))
-    for rc, log in logs:
-        assert rc == 0, log
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    _launch(2, ["tp2", "pp2_gpipe", "pp2_1f1b", "pp2_load"], out)
-    _launch(4, ["tp2_fsdp2", "pp2_fsdp2"], out)
+    launch(2, ["tp2", "pp2_gpipe", "pp2_1f1b", "pp2_load"], out)
+    launch(4, ["tp2_fsdp2", "pp2_fsdp2"], out)
     return out
 
 
