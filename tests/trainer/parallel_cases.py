@@ -24,9 +24,9 @@ RANK_TIMEOUT_S = 300
 STEPS = 3
 LR = 1e-3
 SEQS, SEQ_LEN = 4, 16
-# 3 decoder layers: PP2 splits them unevenly (2 + 1).
+# 4 decoder layers: PP2 splits them unevenly (3 + 1, 1 + 3), or in 4 interleaved chunks.
 PRESET = ModelPreset(name="pp-probe", vocab_size=260, hidden_size=64, intermediate_size=172,
-                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                      max_position_embeddings=256)
 
 # Memory probes: big enough that activations, weights and AdamW state all count.
@@ -45,15 +45,17 @@ MEM_CASES: dict[str, dict[str, Any]] = {
 CASES: dict[str, dict[str, Any]] = {
     "tp2": {"tp": 2},
     "pp2_gpipe": {"pp": 2, "pp_schedule": "GPipe", "pp_microbatches": 4,
-                  "pp_stage_layers": [2, 1]},
+                  "pp_stage_layers": [3, 1]},
     "pp2_1f1b": {"pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2,
-                 "pp_stage_layers": [2, 1]},
+                 "pp_stage_layers": [3, 1]},
+    "pp2_interleaved": {"pp": 2, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2,
+                        "pp_microbatches": 4},
     "tp2_fsdp2": {"tp": 2, "dp_shard": 2},
     "pp2_fsdp2": {"pp": 2, "dp_shard": 2, "pp_schedule": "1F1B", "pp_microbatches": 2,
-                  "pp_stage_layers": [1, 2]},
+                  "pp_stage_layers": [1, 3]},
     # load the checkpoint the tp2 case saved, under PP2, and compute logits
     "pp2_load": {"pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2,
-                 "pp_stage_layers": [2, 1]},
+                 "pp_stage_layers": [3, 1]},
 }
 
 
