@@ -1,6 +1,6 @@
 """TP, PP (GPipe, 1F1B, Interleaved1F1B, uneven split), TP x FSDP2 and PP x FSDP2 on
-gloo, each against one process training the same batches; a DCP checkpoint saved under TP2 loads under
-TP1 and PP2 with the same logits.
+gloo, each against one process training the same batches; a DCP checkpoint saved
+under TP2 loads under TP1 and PP2 with the same logits.
 
 Real processes (one per rank, ``tests/trainer/parallel_cases.py``), real gloo, real
 DTensor / FSDP2 / torch.distributed.pipelining, fp32, a 3-layer Llama.
