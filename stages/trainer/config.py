@@ -160,6 +160,9 @@ class TrainStageConfig(StrictModel):
             layout = self.parallel.resolved(self.ranks_per_group)
         except ItoError as e:
             raise ValueError(e.message) from e
+        if self.micro_batch % layout.grad_accum:
+            raise ValueError(f"{self.micro_batch} sequences per data-parallel rank do not "
+                             f"split into {layout.grad_accum} accumulation steps")
         if layout.pp > 1 and self.micro_batch % layout.pp_microbatches:
             raise ValueError(f"{self.micro_batch} sequences per data-parallel rank do not "
                              f"split into {layout.pp_microbatches} pipeline micro-batches")

@@ -35,6 +35,8 @@ class ParallelLayout(StrictModel):
     pp_schedule: PipelineSchedule = "1F1B"
     pp_virtual_stages: int = Field(default=1, ge=1)
     pp_microbatches: int = Field(default=0, ge=0, description="0: pp (or pp x virtual)")
+    # Without PP: forward/backward passes per step (the plan's micro-batch x accum).
+    grad_accum: int = Field(default=1, ge=1)
     # Decoder layers per pipeline rank (uneven allowed); empty: split evenly.
     pp_stage_layers: list[int] = Field(default_factory=list)
     activation_checkpointing: ActivationCheckpointing = "none"
@@ -165,6 +167,7 @@ def layout_from_plan(plan: dict[str, object]) -> ParallelLayout:
         pp_schedule=str(plan.get("pp_schedule", "1F1B")),  # type: ignore[arg-type]
         pp_virtual_stages=num("pp_virtual_stages"),
         pp_microbatches=num("pp_microbatches", 0) if pp > 1 else 0,
+        grad_accum=num("grad_accum") if pp == 1 else 1,
         pp_stage_layers=[int(x) for x in layers] if pp > 1 and isinstance(layers, list)
         else [],
         activation_checkpointing=str(  # type: ignore[arg-type]

@@ -220,13 +220,19 @@ class ParallelModel:
         labels = shifted_labels(input_ids)
         self._scale = scale
         if self.schedule is None:
-            pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-            pos = pos.contiguous()
-            with self._context([input_ids, labels, pos]):
-                logits = self.module(input_ids=input_ids, position_ids=pos).logits
-                loss = self._loss_fn(logits, labels)
-                loss.backward()
-            return loss.detach()
+            # The plan's micro-batches: equal slices, each loss scaled by 1/n so the
+            # gradients sum to the whole batch's mean.
+            n = self.layout.grad_accum
+            total = torch.zeros((), device=input_ids.device)
+            for ids, lab in zip(input_ids.chunk(n), labels.chunk(n), strict=True):
+                pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()
+                ids, lab = ids.contiguous(), lab.contiguous()
+                with self._context([ids, lab, pos]):
+                    logits = self.module(input_ids=ids, position_ids=pos).logits
+                    loss = self._loss_fn(logits, lab) / n
+                    loss.backward()
+                total = total + loss.detach()
+            return total
         losses: list[torch.Tensor] = []
         first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         args = (input_ids,) if first else ()

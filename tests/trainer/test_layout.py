@@ -112,6 +112,13 @@ def test_one_rank_applies_recompute_and_bf16_and_reads_them_back(mode: str) -> N
     for (name, p), q in zip(pm.module.named_parameters(), ref.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         assert torch.allclose(p.grad, q.grad, atol=1e-6), name
+    # the plan's gradient accumulation: same loss and gradients as one pass
+    accum = ParallelModel(build_model(preset, seed=0), ParallelLayout(grad_accum=2), None,
+                          torch.device("cpu"))
+    assert float(accum.forward_backward(ids)) == pytest.approx(float(expected), rel=1e-6)
+    for p, q in zip(accum.module.parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)
     bf16 = ParallelModel(build_model(preset, seed=0), ParallelLayout(precision="bf16"), None,
                          torch.device("cpu"))
     assert bf16.built_layout()["precision"] == "bf16"
