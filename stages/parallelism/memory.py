@@ -172,7 +172,12 @@ def estimate_memory(preset: ModelPreset, *, seq_len: int, micro_batch: int, micr
         vocab = preset.vocab_size / (tp if loss_parallel else 1)
         loss = LOSS_BYTES_PER_LOGIT * tokens * vocab if last else 0.0
         if last and not loss_parallel and tp > 1:
-            loss += b * tokens * preset.vocab_size / tp  # the head's local shard, gathered
+            # the head's local shard and the all-gather's staging copy of the logits
+            loss += b * tokens * preset.vocab_size * (1 + 1 / tp)
+        if last and pp > 1 and pp_schedule == "GPipe":
+            # GPipe runs every forward first: each micro-batch's loss keeps its fp32
+            # log-probs until its backward (1F1B schedules run a loss's backward next)
+            saved += (microbatches - 1) * 4 * tokens * vocab
         buffers = 0.0
         if fsdp > 1 and pp > 1:
             # PP stages stay unsharded across micro-batches (no reshard after forward,
