@@ -65,6 +65,10 @@ class TrainingStage:
                    "interruptions": float(result.interruptions)}
         if result.final_loss is not None:
             metrics["final_loss"] = result.final_loss
+        # The layout the workers built (read back from their mesh), as the gate shows it.
+        for dim in ("pp", "dp_shard", "cp", "tp"):
+            if dim in result.layout:
+                metrics[f"layout_{dim}"] = float(result.layout[dim])
         done = result.steps >= cfg.target.steps
         return GateOutcome(
             stage=self.name, status="passed" if done else "failed",

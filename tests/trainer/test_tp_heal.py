@@ -53,3 +53,4 @@ def test_tp2_group_heals_from_a_tp2_peer_and_both_end_equal(
     assert {k: built[k] for k in ("pp", "dp_shard", "cp", "tp")} == \
         plan.resolved(2).degrees()
     assert built["precision"] == "fp32" and built["activation_checkpointing"] == "none"
+    assert out.metrics["layout_tp"] == 2.0 and out.metrics["layout_dp_shard"] == 1.0
