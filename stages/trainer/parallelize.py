@@ -150,7 +150,7 @@ class ParallelModel:
     """One rank's share of the model under the layout, and how to train a step on it."""
 
     def __init__(self, full: nn.Module, layout: ParallelLayout, mesh: Any,
-                 device: torch.device):
+                 device: torch.device, *, sequence_parallel: bool | None = None):
         if layout.dp_shard == -1 or (layout.pp > 1 and not layout.pp_microbatches):
             layout = layout.resolved(int(mesh.size()) if mesh is not None else 1)
         self.layout = layout
@@ -165,7 +165,11 @@ class ParallelModel:
         if mesh is None and layout.tp * layout.pp * layout.cp * layout.dp_shard != 1:
             raise ItoError(ErrorCode.plan_degrees_mismatch,
                            "a single-rank replica group cannot run a multi-rank layout")
-        self.sequence_parallel = device.type == "cuda" and layout.tp > 1
+        # Sequence parallel on the norms: on by default on GPU (torchtitan's default);
+        # on CPU only when asked (tests), as its reduce-scatters gain nothing on gloo.
+        if sequence_parallel is None:
+            sequence_parallel = device.type == "cuda"
+        self.sequence_parallel = sequence_parallel and layout.tp > 1
         self.fp8_linears = apply_fp8(full) if layout.precision == "fp8" else 0
         apply_activation_checkpointing(full, layout.activation_checkpointing)
         self.schedule: Any = None

@@ -50,6 +50,7 @@ CASES: dict[str, dict[str, Any]] = {
                  "pp_stage_layers": [3, 1]},
     "pp2_interleaved": {"pp": 2, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2,
                         "pp_microbatches": 4},
+    "tp2_sp": {"tp": 2},  # with sequence parallel forced on (the GPU default)
     "tp2_fsdp2": {"tp": 2, "dp_shard": 2},
     "pp2_fsdp2": {"pp": 2, "dp_shard": 2, "pp_schedule": "1F1B", "pp_microbatches": 2,
                   "pp_stage_layers": [1, 3]},
@@ -104,7 +105,8 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
     layout = ParallelLayout(**CASES[name]).resolved(world)
     mesh = build_mesh(layout, "cpu")
     seed = 7 if name.endswith("_load") else 0  # a load must overwrite other weights
-    pm = ParallelModel(build_model(PRESET, seed=seed), layout, mesh, torch.device("cpu"))
+    pm = ParallelModel(build_model(PRESET, seed=seed), layout, mesh, torch.device("cpu"),
+                       sequence_parallel=name.endswith("_sp"))
     opt = make_optimizer(pm.module.parameters())
     ckpt_pg = dist.new_group(backend="gloo")
     result: dict[str, Any] = {"layout": pm.built_layout()}
