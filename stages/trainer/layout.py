@@ -14,15 +14,14 @@ from pydantic import Field, model_validator
 
 from stages.base import StrictModel
 from stages.errors import ErrorCode, ItoError
+from stages.parallelism.hardware import FP8_TRAINING_MIN_CAPABILITY, SKU_COMPUTE_CAPABILITY
 
 PipelineSchedule = Literal["1F1B", "Interleaved1F1B", "GPipe"]
 ActivationCheckpointing = Literal["none", "selective", "full"]
 TrainPrecision = Literal["fp32", "bf16", "fp8"]
 # torchtitan's mesh order (outermost first); dp_replicate is torchft's, across groups.
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_shard", "cp", "tp")
-# fp8 training through torchao's float8 needs H100-class tensor cores (SM 9.0): the
-# SM 8.9 parts have fp8 too, but the planner has no fp8 figures for them.
-FP8_MIN_CAPABILITY = (9, 0)
+FP8_MIN_CAPABILITY = FP8_TRAINING_MIN_CAPABILITY
 
 
 class ParallelLayout(StrictModel):
@@ -118,18 +117,12 @@ class ParallelLayout(StrictModel):
         return out
 
 
-# Compute capability of the SKUs in configs/gpus (CPU SKUs run on the CPU).
-SKU_CAPABILITY: dict[str, tuple[int, int]] = {
-    "A100-80G": (8, 0), "L40S": (8, 9), "H100-SXM": (9, 0), "H100-PCIe": (9, 0),
-    "H200": (9, 0), "B200": (10, 0)}
-
-
 def check_runnable_on_sku(layout: ParallelLayout, gpu_sku: str) -> None:
     """``check_runnable`` for a booking's SKU, before anything runs (validation)."""
     if gpu_sku.startswith("cpu"):
         check_runnable(layout, "cpu")
     else:
-        check_runnable(layout, "cuda", SKU_CAPABILITY.get(gpu_sku))
+        check_runnable(layout, "cuda", SKU_COMPUTE_CAPABILITY.get(gpu_sku))
 
 
 def check_runnable(layout: ParallelLayout, device: str,

@@ -124,3 +124,16 @@ def test_one_rank_applies_recompute_and_bf16_and_reads_them_back(mode: str) -> N
     assert bf16.built_layout()["precision"] == "bf16"
     assert next(bf16.module.parameters()).dtype == torch.float32  # fp32 master weights
     assert abs(float(bf16.forward_backward(ids)) - float(expected)) < 0.05
+
+
+def test_the_planner_never_picks_fp8_where_the_trainer_would_refuse_it() -> None:
+    from stages.parallelism import PlanRequest, plan
+    from stages.parallelism.planner import validate_layout
+    from stages.parallelism.spec import Layout
+
+    req = PlanRequest(model="llama3-8b", gpu_sku="L40S", gpus_per_node=8, node_count=4,
+                      fabric="ib-ndr", global_batch_tokens=2**20, seq_len=4096)
+    assert plan(req).precision != "fp8"
+    with pytest.raises(ItoError) as e:
+        validate_layout(req, Layout(tp=1, precision="fp8"))
+    assert e.value.code == ErrorCode.plan_fp8_unsupported
