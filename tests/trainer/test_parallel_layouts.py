@@ -1,5 +1,6 @@
-"""TP, PP (GPipe, 1F1B, Interleaved1F1B, uneven split), TP x FSDP2 and PP x FSDP2 on
-gloo, each against one process training the same batches; a DCP checkpoint saved
+"""TP (with and without sequence parallel), PP (GPipe, 1F1B, Interleaved1F1B, uneven
+split), TP x FSDP2 and PP x FSDP2 on gloo, each against one process training the same
+batches; a DCP checkpoint saved
 under TP2 loads under TP1 and PP2 with the same logits.
 
 Real processes (one per rank, ``tests/trainer/parallel_cases.py``), real gloo, real
@@ -44,7 +45,7 @@ LOGIT_ATOL = 1e-4
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    launch(2, ["tp2", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "pp2_load"], out)
+    launch(2, ["tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "pp2_load"], out)
     launch(4, ["tp2_fsdp2", "pp2_fsdp2"], out)
     return out
 
@@ -77,7 +78,7 @@ def _results(out: Path, case: str) -> list[dict[str, Any]]:
     return [torch.load(f, weights_only=False) for f in files]
 
 
-@pytest.mark.parametrize("case", ["tp2", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved",
+@pytest.mark.parametrize("case", ["tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved",
                                   "tp2_fsdp2", "pp2_fsdp2"])
 def test_layout_trains_like_one_process(runs: Path, reference: dict[str, Any],
                                         case: str) -> None:
@@ -99,8 +100,8 @@ def test_layout_trains_like_one_process(runs: Path, reference: dict[str, Any],
 def test_built_layout_is_read_back_from_the_mesh_and_equals_the_plan(runs: Path) -> None:
     from stages.trainer.layout import ParallelLayout
 
-    for case, world in [("tp2", 2), ("pp2_gpipe", 2), ("pp2_1f1b", 2), ("pp2_interleaved", 2),
-                        ("tp2_fsdp2", 4), ("pp2_fsdp2", 4)]:
+    for case, world in [("tp2", 2), ("tp2_sp", 2), ("pp2_gpipe", 2), ("pp2_1f1b", 2),
+                        ("pp2_interleaved", 2), ("tp2_fsdp2", 4), ("pp2_fsdp2", 4)]:
         plan = ParallelLayout(**CASES[case]).resolved(world)
         for r in _results(runs, case):
             built = r["layout"]
@@ -111,6 +112,7 @@ def test_built_layout_is_read_back_from_the_mesh_and_equals_the_plan(runs: Path)
                 assert built["pp_stage_layers"] == (plan.pp_stage_layers or
                                                     plan.stage_layers(PRESET.num_hidden_layers))
             assert built["precision"] == "fp32"
+            assert built["sequence_parallel"] == case.endswith("_sp")
 
 
 def test_checkpoint_saved_under_tp2_loads_under_tp1_and_pp2_with_the_same_logits(
