@@ -120,6 +120,7 @@ class ErrorCode(StrEnum):
     curriculum_invalid = "curriculum_invalid"
     eval_gate_failed = "eval_gate_failed"
     tokenizer_invalid = "tokenizer_invalid"
+    layout_unsupported = "layout_unsupported"
 
 
 class ItoError(Exception):

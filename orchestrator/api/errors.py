@@ -48,7 +48,7 @@ _STATUS_GROUPS: dict[int, tuple[ErrorCode, ...]] = {
           E.data_empty, E.eval_suite_unknown, E.gate_failed, E.path_outside_root,
           E.plan_time_budget_exceeded, E.eval_battery_unknown,
           E.eval_metric_unknown, E.curriculum_invalid, E.eval_gate_failed,
-          E.tokenizer_invalid),
+          E.tokenizer_invalid, E.layout_unsupported),
     428: (E.confirmation_required, E.idempotency_key_missing),
     429: (E.rate_limited,),
     500: (E.internal_error, E.checkpoint_corrupt, E.all_replica_groups_lost,

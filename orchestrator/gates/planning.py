@@ -62,4 +62,11 @@ def plan_manifest(m: Manifest, booking: dict[str, Any],
         log.exception("planner crashed")
         return PlanResult(None, {"code": str(ErrorCode.internal_error),
                                  "message": "the planner failed; see the server log"}, None)
-    return PlanResult(chosen.model_dump(mode="json"), None, chosen.step_time_s)
+    dumped = chosen.model_dump(mode="json")
+    try:  # a plan the trainer could not apply on this device is refused here too
+        from stages.trainer.layout import check_runnable_on_sku, layout_from_plan
+
+        check_runnable_on_sku(layout_from_plan(dumped), str(booking.get("gpu_sku", "")))
+    except ItoError as e:
+        return PlanResult(None, {"code": str(e.code), "message": e.message}, None)
+    return PlanResult(dumped, None, chosen.step_time_s)

@@ -56,6 +56,7 @@ def _parallelism(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
 def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
     def make(ctx: StageContext) -> Stage:
         from stages.trainer.config import TrainStageConfig
+        from stages.trainer.layout import layout_from_plan
         from stages.trainer.stage import TrainingStage
 
         plan = ctx.previous["parallelism"].artifacts["plan"]
@@ -66,6 +67,8 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
             "checkpoint": manifest.checkpoint.model_dump(mode="json"),
             "loss_spike": manifest.loss_spike.model_dump(mode="json"),
             "replica_groups": int(plan["dp_replicate"]), "ranks_per_group": ranks,
+            # The plan's layout inside each group: the trainer builds exactly this.
+            "parallel": layout_from_plan(plan).model_dump(mode="json"),
             "device": spec.facts.get("device", "cpu"),
         }
         # Operator-level knobs (never from the tenant's manifest): test pacing, FT timeouts.

@@ -16,6 +16,13 @@ from stages.errors import ErrorCode, ItoError
 from stages.presets import list_configs, load_config
 
 Precision = Literal["fp32", "bf16", "fp8"]
+# CUDA compute capability of the SKUs in configs/gpus. fp8 training (torchao float8,
+# what the trainer runs) needs H100-class tensor cores, SM 9.0: SM 8.9 parts (L40S)
+# have fp8 TFLOP/s but are not fp8 training targets here.
+SKU_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
+    "A100-80G": (8, 0), "L40S": (8, 9), "H100-SXM": (9, 0), "H100-PCIe": (9, 0),
+    "H200": (9, 0), "B200": (10, 0)}
+FP8_TRAINING_MIN_CAPABILITY = (9, 0)
 
 
 class GpuSku(BaseModel):
@@ -40,6 +47,12 @@ class GpuSku(BaseModel):
     @property
     def supports_fp8(self) -> bool:
         return self.fp8_tflops is not None
+
+    @property
+    def trains_fp8(self) -> bool:
+        """fp8 tensor cores the trainer can train on (SM 9.0 or newer)."""
+        cap = SKU_COMPUTE_CAPABILITY.get(self.name)
+        return self.supports_fp8 and (cap is None or cap >= FP8_TRAINING_MIN_CAPABILITY)
 
     def peak_tflops(self, precision: Precision) -> float:
         if precision == "fp8":

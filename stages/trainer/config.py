@@ -8,6 +8,8 @@ from pydantic import Field, model_validator
 
 from stages.base import StrictModel
 from stages.checkpointing.config import CheckpointPolicy
+from stages.errors import ItoError
+from stages.trainer.layout import ParallelLayout
 
 
 class ModelSpec(StrictModel):
@@ -157,10 +159,33 @@ class TrainStageConfig(StrictModel):
     pace_step_s: float = Field(default=0.0, ge=0, le=10)
     # Test-only fault injection; never set by a tenant manifest.
     inject_loss_spike: LossSpikeInjection | None = None
+    # The layout inside each replica group (the planner's tp, pp, cp, dp_shard,
+    # schedule, recompute, precision); tp x pp x cp x dp_shard = ranks_per_group.
+    parallel: ParallelLayout = Field(default_factory=ParallelLayout)
+
+    @model_validator(mode="after")
+    def _layout_fits(self) -> TrainStageConfig:
+        try:
+            layout = self.parallel.resolved(self.ranks_per_group)
+        except ItoError as e:
+            raise ValueError(e.message) from e
+        if self.micro_batch % layout.grad_accum:
+            raise ValueError(f"{self.micro_batch} sequences per data-parallel rank do not "
+                             f"split into {layout.grad_accum} accumulation steps")
+        if layout.pp > 1 and self.micro_batch % layout.pp_microbatches:
+            raise ValueError(f"{self.micro_batch} sequences per data-parallel rank do not "
+                             f"split into {layout.pp_microbatches} pipeline micro-batches")
+        return self
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The group layout with dp_shard and the micro-batch count resolved."""
+        return self.parallel.resolved(self.ranks_per_group)
 
     @property
     def micro_batch(self) -> int:
-        """Sequences per rank per step (the global batch split over every rank)."""
+        """Sequences per data-parallel rank per step (the global batch split over the
+        replica groups and their dp_shard ranks; TP, PP and CP ranks share a batch)."""
         seqs = self.target.global_batch_tokens // self.target.seq_len
-        world = self.replica_groups * self.ranks_per_group
+        world = self.replica_groups * self.layout.dp_shard
         return max(1, seqs // world)

@@ -166,6 +166,11 @@ def test_submitted_run_succeeds_with_gates_checkpoints_and_goodput(rt: dict[str,
     run = _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
     gates = {g["stage"]: g["status"] for g in run["stage_gates"]}
     assert gates == {"data_prep": "passed", "parallelism": "passed", "train": "passed"}
+    # The train gate shows the layout its workers built, read back from their mesh:
+    # the plan's.
+    train = next(g for g in run["stage_gates"] if g["stage"] == "train")
+    built = {dim: train["metrics"][f"layout_{dim}"] for dim in ("pp", "dp_shard", "cp", "tp")}
+    assert built == {dim: float(run["plan"][dim]) for dim in built}
     ckpts = _get(rt, f"/v1/runs/{run_id}/checkpoints")["checkpoints"]
     assert ckpts and max(c["step"] for c in ckpts) == 12
     assert all(Path(c["path"]).is_dir() for c in ckpts)
