@@ -113,12 +113,17 @@ class ErrorCode(StrEnum):
     # --- placement (runs on their booking's nodes) ------------------------------------
     booking_nodes_unavailable = "booking_nodes_unavailable"
     placement_timeout = "placement_timeout"
+    # --- tenant isolation and bounds (issue 14) ---------------------------------------
+    path_outside_root = "path_outside_root"
+    plan_time_budget_exceeded = "plan_time_budget_exceeded"
+    account_disabled = "account_disabled"
     # --- curriculum, eval batteries, HF formats (stages.evals, stages.hf) -------------
     eval_battery_unknown = "eval_battery_unknown"
     eval_metric_unknown = "eval_metric_unknown"
     curriculum_invalid = "curriculum_invalid"
     eval_gate_failed = "eval_gate_failed"
     tokenizer_invalid = "tokenizer_invalid"
+    layout_unsupported = "layout_unsupported"
 
 
 class ItoError(Exception):

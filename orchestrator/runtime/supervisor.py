@@ -331,6 +331,7 @@ class RayRuntime:
             facts={"booking": {k: booking.get(k) for k in
                                ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")},
                    "train_overrides": self.settings.train_overrides,
+                   "data_roots": list(self.store.roots(run["account_id"], "data")),
                    **({PLACEMENT_FACT: placed.model_dump()} if placed else {})},
             completed_stages=completed, seq_start=self.store.max_seq(run_id) + 1,
             attempt=attempt))
