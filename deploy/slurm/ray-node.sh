@@ -46,4 +46,8 @@ if [ -n "${ITO_RAY_TEMP_DIR:-}" ]; then
   args+=("--temp-dir=${ITO_RAY_TEMP_DIR}")
 fi
 export RAY_AUTH_MODE=token RAY_USAGE_STATS_ENABLED=0
+if [ "$role" = head ]; then
+  # Token auth stays on; the token (~/.ray/auth_token, shared file system) is made once.
+  "$ray" get-auth-token --generate >/dev/null
+fi
 exec "$ray" "${args[@]}"
