@@ -15,7 +15,7 @@ class StreamConfig(StrictModel):
     block_docs: int = Field(default=20_000, ge=1, le=10_000_000)
     # LSH band rows (one per band per document) per bucket partition: the shuffle's
     # fan-out is ceil(docs x bands / rows_per_partition), at least min_partitions.
-    rows_per_partition: int = Field(default=4_000_000, ge=1)
+    rows_per_partition: int = Field(default=1_000_000, ge=1)
     min_partitions: int = Field(default=2, ge=1, le=4096)
     output_format: Literal["jsonl", "parquet"] = "jsonl"
     # On resume, re-hash every finished task's outputs (else size only).

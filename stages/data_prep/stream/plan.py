@@ -64,6 +64,27 @@ class Plan:
         return {"sources": [asdict(s) for s in self.sources],
                 "blocks": [asdict(b) for b in self.blocks], "text_field": self.text_field}
 
+    def doc_id(self, index: int) -> str:
+        """The provenance id "<ref>:<relpath>:<n>" of the document at a global index."""
+        lo, hi = 0, len(self.blocks) - 1
+        while lo < hi:  # the last block starting at or before ``index``
+            mid = (lo + hi + 1) // 2
+            if self.blocks[mid].doc_start <= index:
+                lo = mid
+            else:
+                hi = mid - 1
+        blk = self.blocks[lo]
+        src = self.sources[blk.source]
+        return f"{src.ref}:{src.relpath}:{blk.line_start + index - blk.doc_start}"
+
+    def input_sha256(self, folder: bool) -> str:
+        """The DataRef digest of the whole input: a single file's sha256, or the folder
+        rule (sha256 of the sorted "<relpath>\t<sha256>\n" lines)."""
+        if not folder and len(self.sources) == 1:
+            return self.sources[0].sha256
+        lines = sorted(f"{s.relpath}\t{s.sha256}\n" for s in self.sources)
+        return hashlib.sha256("".join(lines).encode("utf-8")).hexdigest()
+
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Plan:
         return cls([Source(**s) for s in obj["sources"]], [Block(**b) for b in obj["blocks"]],

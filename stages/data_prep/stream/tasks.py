@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -372,7 +373,8 @@ def filter_block(root: str, b: int) -> dict[str, Any]:
                              "file": items[m.item].file, "method": m.method,
                              "grams": m.grams, "ratio": round(m.ratio, 4)}
                             for m in ms[:MAX_MATCHES_PER_DOC]],
-                "total_matches": len(ms), "items": sorted({m.item for m in ms})})
+                "total_matches": len(ms), "items": sorted({m.item for m in ms}),
+                "suites": dict(Counter(items[m.item].suite for m in ms))})
         hit = np.array(sorted(by_doc), dtype=np.int64)
         if decon["action"] == "remove":
             keep[hit] = False
