@@ -107,7 +107,8 @@ def _run(args: argparse.Namespace, dedup_cfg: DedupConfig | None,
     if suffix_fmt and suffix_fmt != fmt:
         raise ItoError(ErrorCode.bad_request,
                        f"--output {args.output.name} is not a {fmt} file name")
-    cfg = StreamConfig(block_docs=args.block_docs, output_format=fmt)
+    cfg = StreamConfig(block_docs=args.block_docs,
+                       output_format="parquet" if fmt == "parquet" else "jsonl")
     files = [(p, rel, f, 0, "custom") for p, rel, f in input_files(args.input)]
     shards_dir = args.output.with_name(args.output.name + ".shards") if suffix_fmt \
         else args.output

@@ -18,6 +18,12 @@ class StreamConfig(StrictModel):
     rows_per_partition: int = Field(default=1_000_000, ge=1)
     min_partitions: int = Field(default=2, ge=1, le=4096)
     output_format: Literal["jsonl", "parquet"] = "jsonl"
+    # The stage runs its tasks on Ray Data when Ray is up (inside a run's driver) and
+    # the inputs hold at least ``ray_min_bytes``; "local"/"ray" force either way.
+    executor: Literal["auto", "local", "ray"] = "auto"
+    ray_min_bytes: int = Field(default=256 * 2**20, ge=0)
+    # Seconds between progress events of one step (a new step always reports).
+    progress_interval_s: float = Field(default=5.0, ge=0)
     # On resume, re-hash every finished task's outputs (else size only).
     verify_digests: bool = True
     # No task finished for this long: the stage fails (a hung worker, a lost node).

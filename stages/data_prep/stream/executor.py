@@ -61,10 +61,12 @@ class RayDataExecutor:
             return
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
-        ds = ray.data.from_items([{"task": t} for t in tasks], override_num_blocks=len(tasks))
-        ds = ds.map_batches(_apply, fn_kwargs={"stage": stage, "root": root}, batch_size=1,
-                            batch_format="numpy", num_cpus=self.cfg.task_cpus,
-                            max_retries=self.cfg.task_retries)
+        items = ray.data.from_items([{"task": t} for t in tasks],
+                                    override_num_blocks=len(tasks))
+        fn: Any = _apply
+        ds = items.map_batches(fn, fn_kwargs={"stage": stage, "root": root}, batch_size=1,
+                               batch_format="numpy", num_cpus=self.cfg.task_cpus,
+                               max_retries=self.cfg.task_retries)
         results: queue.Queue[tuple[str, Any]] = queue.Queue()
 
         def consume() -> None:

@@ -33,6 +33,7 @@ class Source:
     bytes: int
     ref: int = 0  # index of the manifest ref (or 0 for the command line)
     role: str = "custom"
+    text_field: str | None = None  # None: the plan's
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,9 @@ def _scan_lines(path: Path, block_docs: int) -> tuple[str, list[tuple[int, int, 
 
 
 def make_plan(files: list[tuple[Path, str, str, int, str]], text_field: str,
-              block_docs: int) -> Plan:
-    """``files``: (path, relpath, format, ref index, role) in input order."""
+              block_docs: int, fields: dict[int, str] | None = None) -> Plan:
+    """``files``: (path, relpath, format, ref index, role) in input order; ``fields``:
+    a ref's own text field where it differs from ``text_field``."""
     import pyarrow.parquet as pq
 
     from stages.data_prep.refs import file_sha256
@@ -144,7 +146,8 @@ def make_plan(files: list[tuple[Path, str, str, int, str]], text_field: str,
             digest, ranges = _scan_lines(path, block_docs)
         else:
             raise ItoError(ErrorCode.data_format_unsupported, f"unknown format {fmt!r}")
-        sources.append(Source(str(path), rel, fmt, digest, path.stat().st_size, ref, role))
+        sources.append(Source(str(path), rel, fmt, digest, path.stat().st_size, ref, role,
+                              (fields or {}).get(ref)))
         for start, stop, n, first in ranges:
             blocks.append(Block(len(blocks), k, start, stop, doc, n, first))
             doc += n
@@ -162,7 +165,7 @@ class BlockData:
 
 def read_block(plan: Plan, block: Block) -> BlockData:
     src = plan.sources[block.source]
-    field = plan.text_field
+    field = src.text_field or plan.text_field
     if src.format == "parquet":
         return _read_parquet(src, block, field)
     with open(src.path, "rb") as f:

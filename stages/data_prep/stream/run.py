@@ -18,6 +18,7 @@ old output or the new one, never a mix.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -96,7 +97,7 @@ def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *
                executor: Executor | None = None,
                progress: Callable[[Progress], None] = lambda _p: None,
                cancelled: Callable[[], bool] = lambda: False,
-               keep_work: bool = False) -> StreamResult:
+               keep_work: bool = False, fields: dict[int, str] | None = None) -> StreamResult:
     """Dedup (when ``dedup_cfg``), then filter + decontaminate (when ``decon``) the
     documents of ``files`` ((path, relpath, format, ref, role) in input order) into
     sharded ``output_dir``. See the module docstring."""
@@ -105,7 +106,7 @@ def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *
     output_dir = Path(output_dir)
     work_dir = Path(work_dir) if work_dir else output_dir.with_name(output_dir.name + ".work")
     t0 = time.time()
-    plan = make_plan(files, text_field, cfg.block_docs)
+    plan = make_plan(files, text_field, cfg.block_docs, fields)
     if plan.docs == 0:
         raise ItoError(ErrorCode.data_empty, "the input holds no documents")
     params: dict[str, Any] = {"output_format": cfg.output_format, "text_field": text_field}
@@ -131,7 +132,6 @@ def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *
         if evals_obj is not None:
             write_json(wd.path("evals.json"), evals_obj)
         write_json(wd.path("params.json"), params)  # last: marks the folder complete
-    root = str(wd.root)
 
     blocks = list(range(len(plan.blocks)))
     parts = list(range(params.get("partitions", 0)))
@@ -147,12 +147,14 @@ def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *
         if cancelled():
             raise InterruptedError("data prep cancelled")
         ts = time.time()
-        records[stage], n_resumed = _run_stage(
-            wd, stage, tasks, executor, cfg, plan,
-            lambda done, total, docs, nbytes, eta, r, s=stage, i=si: progress(Progress(
-                s, i, len(stages), done, total, docs, plan.docs, nbytes, plan.bytes,
-                time.time() - t0, eta, r)),
-            cancelled)
+
+        def report(done: int, total: int, docs: int, nbytes: int, eta: float | None,
+                   r: int, s: str = stage, i: int = si) -> None:
+            progress(Progress(s, i, len(stages), done, total, docs, plan.docs, nbytes,
+                              plan.bytes, time.time() - t0, eta, r))
+
+        records[stage], n_resumed = _run_stage(wd, stage, tasks, executor, cfg, plan, report,
+                                               cancelled)
         resumed += n_resumed
         seconds[stage] = round(time.time() - ts, 3)
 
@@ -177,10 +179,8 @@ def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *
     _publish(wd, output_dir, key, shards)
     if not keep_work:
         shutil.rmtree(wd.root, ignore_errors=True)
-        try:
+        with contextlib.suppress(OSError):
             work_dir.rmdir()  # only if no other attempt is in it
-        except OSError:
-            pass
     return StreamResult(output_dir, key, executor.name, plan, shards, counts, dedup_summary,
                         contaminated, resumed, seconds)
 

@@ -38,7 +38,7 @@ def atomic_write(path: Path, data: bytes) -> dict[str, Any]:
 
 def write_arrays(path: Path, **arrays: np.ndarray) -> dict[str, Any]:
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    np.savez(buf, **arrays)  # type: ignore[arg-type]
     return atomic_write(path, buf.getvalue())
 
 

@@ -31,6 +31,7 @@ Stages of dedup (``B`` input blocks, ``P`` bucket partitions):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections import Counter
 from functools import lru_cache
@@ -80,7 +81,7 @@ def _scatter(wd: WorkDir, folder: str, dest: np.ndarray, n_dest: int,
     order = np.argsort(dest, kind="stable")
     sd = dest[order]
     cuts = np.flatnonzero(np.r_[True, sd[1:] != sd[:-1], True])
-    for a, z in zip(cuts[:-1], cuts[1:], strict=True):
+    for a, z in itertools.pairwise(cuts):
         d = int(sd[a])
         assert 0 <= d < n_dest
         sel = order[a:z]
@@ -204,7 +205,7 @@ def fetch(root: str, b: int) -> dict[str, Any]:
         dest = block_of(starts, pairs[:, 1])
         order = np.argsort(dest, kind="stable")
         cuts = np.flatnonzero(np.r_[True, dest[order][1:] != dest[order][:-1], True])
-        for a, z in zip(cuts[:-1], cuts[1:], strict=True):
+        for a, z in itertools.pairwise(cuts):
             sel = pairs[order[a:z]]
             need = np.unique(sel[:, 0])
             pos = np.searchsorted(lows, need)
@@ -305,7 +306,7 @@ def _records_out(plan: Plan, b: int, data: BlockData, keep: np.ndarray, flagged:
                  fmt: str) -> bytes:
     src = plan.sources[plan.blocks[b].source]
     idx = np.flatnonzero(keep)
-    field = plan.text_field
+    field = src.text_field or plan.text_field
     if fmt == "jsonl":
         if data.lines is not None:
             rows = [data.lines[i] if not flagged[i] else
@@ -333,7 +334,6 @@ def _records_out(plan: Plan, b: int, data: BlockData, keep: np.ndarray, flagged:
         table = table.append_column(FLAG_FIELD, pa.array(flagged[idx].tolist(), pa.bool_()))
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
-    del src
     return bytes(sink.getvalue().to_pybytes())
 
 
