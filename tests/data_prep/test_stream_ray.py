@@ -48,7 +48,7 @@ def test_ray_data_gives_the_same_output_as_one_process(tmp_path: Path, local_ray
                         executor=RayDataExecutor(cfg))
     local = run_stream(files, tmp_path / "local", dedup_cfg=DedupConfig(), cfg=cfg)
     assert on_ray.executor == "ray" and local.executor == "local"
-    assert len(on_ray.plan.blocks) == 10
+    assert len(on_ray.plan.blocks) == -(-len(texts) // 450) == 9
     assert on_ray.attempt == local.attempt
     assert [s["sha256"] for s in on_ray.shards] == [s["sha256"] for s in local.shards]
     assert on_ray.counts == local.counts and on_ray.dedup == local.dedup
@@ -64,5 +64,5 @@ def test_ray_data_gives_the_same_output_as_one_process(tmp_path: Path, local_ray
             for x in (tmp_path / "ray" / s["path"]).read_text("utf-8").splitlines()}
     dropped = set(range(len(texts))) - kept
     tp = len(dropped & truth)
-    assert len(truth) > 300
+    assert len(truth) > 200
     assert tp / len(dropped) >= 0.95 and tp / len(truth) >= 0.95
