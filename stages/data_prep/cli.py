@@ -33,6 +33,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from stages.data_prep.config import DecontaminationConfig, DedupConfig
 from stages.data_prep.decontam import EvalIndex
 from stages.data_prep.evals import load_eval_items
@@ -188,6 +190,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.input.exists():
             raise ItoError(ErrorCode.data_not_found, f"no such file or folder: {args.input}")
         summary = run_dedup(args) if args.command == "dedup" else run_decontaminate(args)
+    except ValidationError as ve:  # a setting out of range (e.g. --block-docs 0)
+        msg = "; ".join(f"{'.'.join(str(x) for x in d['loc'])}: {d['msg']}"
+                        for d in ve.errors())
+        err = {"ok": False, "error": {"code": str(ErrorCode.bad_request), "message": msg}}
+        print(json.dumps(err) if args.json else f"error [bad_request]: {msg}",
+              file=sys.stdout if args.json else sys.stderr)
+        return 2
     except ItoError as e:
         err = {"ok": False, "error": {"code": str(e.code), "message": e.message}}
         print(json.dumps(err) if args.json else f"error [{e.code}]: {e.message}",
