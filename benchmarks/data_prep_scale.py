@@ -24,7 +24,9 @@ What each number counts:
   Jaccard >= 0.8 found with an inverted index (``synth.similar_pairs_exact``),
   clustered, all but the lowest member of each cluster counted as duplicates;
 - ``baseline``: the in-memory ``stages.data_prep.dedup`` (the whole corpus read into
-  one process, Ray off) at ``--baseline-sizes``, docs/s and peak RSS the same way.
+  one process, Ray off) at ``--baseline-sizes``, docs/s and peak RSS the same way;
+  ``baseline_rss_growth`` is its peak at its largest size over its smallest (for
+  ``baseline_docs_growth`` times the documents).
 
 Ends with one JSON line: ``docs``, ``docs_per_s``, ``peak_rss_mb`` (lists, one per
 size), ``rss_growth``, ``precision``, ``recall``, and the baseline's lists.
@@ -255,6 +257,10 @@ def main() -> None:
         "baseline_docs": [r["docs"] for r in bl],
         "baseline_docs_per_s": [round(r["docs_per_s"], 1) for r in bl],
         "baseline_peak_rss_mb": [round(r["peak_rss_mb"], 1) for r in bl],
+        # Growth of the in-memory baseline over its own sizes, for comparison.
+        "baseline_rss_growth": round(bl[-1]["peak_rss_mb"] / bl[0]["peak_rss_mb"], 3)
+        if bl else None,
+        "baseline_docs_growth": round(bl[-1]["docs"] / bl[0]["docs"], 3) if bl else None,
     }
     print(json.dumps(summary))
 
