@@ -28,9 +28,8 @@ class StreamConfig(StrictModel):
     verify_digests: bool = True
     # No task finished for this long: the stage fails (a hung worker, a lost node).
     stall_timeout_s: float = Field(default=1800.0, gt=0)
-    # Ray Data: CPUs per task and retries of a failed task (a lost worker).
+    # Ray Data: CPUs per task (a task lost with its worker is retried by Ray Data).
     task_cpus: float = Field(default=1.0, gt=0)
-    task_retries: int = Field(default=2, ge=0, le=10)
     # Only when this process starts its own local Ray (``ray_address="local"``): the
     # object store's size and where it spills to disk when full. A cluster started
     # by deploy/ sets these with ``ray start --object-store-memory`` and

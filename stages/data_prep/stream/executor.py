@@ -64,9 +64,10 @@ class RayDataExecutor:
         items = ray.data.from_items([{"task": t} for t in tasks],
                                     override_num_blocks=len(tasks))
         fn: Any = _apply
+        # A task lost with its worker or node is retried by Ray Data (its default for
+        # tasks); ``stall_timeout_s`` bounds how long the driver waits for progress.
         ds = items.map_batches(fn, fn_kwargs={"stage": stage, "root": root}, batch_size=1,
-                               batch_format="numpy", num_cpus=self.cfg.task_cpus,
-                               max_retries=self.cfg.task_retries)
+                               batch_format="numpy", num_cpus=self.cfg.task_cpus)
         results: queue.Queue[tuple[str, Any]] = queue.Queue()
 
         def consume() -> None:
