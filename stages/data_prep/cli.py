@@ -6,11 +6,12 @@
 ``--input`` is a file or a folder of jsonl/parquet/text (``--text-field``, default
 "text"). Every input record is written out with all of its fields as given (a jsonl
 line byte for byte); nothing is added except, with ``--action flag``, the field
-``ito_contaminated``. ``--output`` ending in ``.jsonl`` or ``.parquet`` is one file;
-any other path is a folder of shards ``part-NNNNN.<format>`` (one per input block)
+``--flag-field`` (default "contaminated"; naming a field the records have is
+refused). ``--output`` ending in ``.jsonl`` or ``.parquet`` is one file; any other path is a folder of shards ``part-NNNNN.<format>`` (one per input block)
 with ``manifest.json`` (shards, sha256s). ``--output-format`` picks jsonl or parquet
 (default: the suffix, else jsonl). The provenance record (input and output digests,
-what was removed and why, with each document's "<ref>:<file>:<line>" id) goes beside
+what was removed and why, with each document's "<ref>:<file>:<line>" id, and
+``output_rows``: output row n -> its input document id) goes beside
 it as ``<output>.provenance.json``. Eval files are jsonl with a text field named by
 ``--eval-field`` (default "question") or plain text, one item a line.
 
@@ -49,6 +50,9 @@ from stages.errors import ErrorCode, ItoError
 # Seconds between progress lines on stderr (a new stage always prints one).
 PROGRESS_INTERVAL_S = 10.0
 SINGLE_FILE_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet"}
+# Up to this many output rows, the provenance record lists each row's input document id
+# (``output_rows``); above, they go to ``<output>.rows.txt`` (``output_rows_path``).
+OUTPUT_ROWS_INLINE_MAX = 1_000_000
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--overlap-threshold", type=float,
                    default=DecontaminationConfig().overlap_threshold)
     c.add_argument("--action", choices=["remove", "flag"], default="remove")
+    c.add_argument("--flag-field", default="contaminated",
+                   help="with --action flag: the field set to true on flagged records "
+                        "(naming a field the records already have is refused)")
     for s in (d, c):
         s.add_argument("--input", required=True, type=Path)
         s.add_argument("--output", required=True, type=Path)
@@ -118,7 +125,9 @@ def _run(args: argparse.Namespace, dedup_cfg: DedupConfig | None,
     with executor_for(args.ray_address, cfg) as executor:
         res = run_stream(files, shards_dir, text_field=args.text_field, dedup_cfg=dedup_cfg,
                          decon=decon, cfg=cfg, work_dir=work, executor=executor,
-                         progress=_ProgressPrinter(quiet=False), keep_work=args.keep_work)
+                         progress=_ProgressPrinter(quiet=False), keep_work=args.keep_work,
+                         flag_field=getattr(args, "flag_field", "contaminated"))
+    rows = _output_rows(shards_dir, res, args.output)
     if suffix_fmt:
         digest, size = concat_shards(shards_dir, [s["path"] for s in res.shards], args.output,
                                      fmt)
@@ -128,7 +137,7 @@ def _run(args: argparse.Namespace, dedup_cfg: DedupConfig | None,
         out = {"path": str(args.output.resolve()), "format": fmt,
                "manifest": str(args.output.resolve() / "manifest.json"),
                "shards": res.shards, "bytes": sum(s["bytes"] for s in res.shards)}
-    io = {"input": {"path": str(args.input.resolve()),
+    io = {**rows, "input": {"path": str(args.input.resolve()),
                     "sha256": res.plan.input_sha256(args.input.is_dir()),
                     "files": [{"relpath": s.relpath, "sha256": s.sha256, "bytes": s.bytes}
                               for s in res.plan.sources]},
@@ -137,6 +146,19 @@ def _run(args: argparse.Namespace, dedup_cfg: DedupConfig | None,
                                        "resumed_tasks": res.resumed_tasks,
                                        "stage_seconds": res.stage_seconds}}
     return res, io
+
+
+def _output_rows(folder: Path, res: StreamResult, output: Path) -> dict[str, Any]:
+    """Output row n -> its input document id "0:<file>:<n>" (the shards' id files)."""
+    names = [sh["ids"] for sh in res.shards]
+    if res.counts["docs_out"] <= OUTPUT_ROWS_INLINE_MAX:
+        ids: list[str] = []
+        for name in names:
+            ids += (folder / name).read_text("utf-8").splitlines()
+        return {"output_rows": ids}
+    dest = output.with_name(output.name + ".rows.txt")
+    concat_shards(folder, names, dest, "jsonl")  # plain line files: a byte concatenation
+    return {"output_rows_path": str(dest.resolve())}
 
 
 def _summary(res: StreamResult, args: argparse.Namespace, prov: Path) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Everything is written under ``<workdir>/data_prep/``:
 ``data_manifest.json`` (refs, files, digests, documents, bytes), ``clean/<role>/
 ref<k>.jsonl`` (the cleaned training records, every input field as given; flagged
-documents carry ``"ito_contaminated": true``) and ``provenance.json`` (what was removed
+documents carry ``"contaminated": true``) and ``provenance.json`` (what was removed
 and why, by "<ref>:<file>:<line>" id, the eval files matched against, input and output
 digests, the probe's numbers). Dedup, decontamination and the outputs run on the
 streaming engine (``stages.data_prep.stream``), block by block, in this process or on
@@ -12,8 +12,10 @@ Ray Data; ``work/`` holds its resumable intermediate files while it runs.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -24,7 +26,7 @@ from stages.data_prep.decontam import EvalIndex
 from stages.data_prep.evals import load_eval_items
 from stages.data_prep.ladder import ladder_probe
 from stages.data_prep.records import write_json
-from stages.data_prep.refs import ResolvedRef, resolve_ref
+from stages.data_prep.refs import ResolvedRef, check_inside, resolve_ref
 from stages.data_prep.stream.config import StreamConfig
 from stages.data_prep.stream.output import concat_shards, executor_for
 from stages.data_prep.stream.provenance import decontam_section, dedup_section
@@ -43,8 +45,12 @@ class DataPrepStage:
     name: ClassVar[str] = "data_prep"
     config_model: ClassVar[type[DataPrepConfig]] = DataPrepConfig
 
-    def __init__(self, config: DataPrepConfig):
+    def __init__(self, config: DataPrepConfig, data_roots: Sequence[str] | None = None):
         self.config = config
+        # The account's data roots (operator's, never the tenant's): every file:// ref,
+        # eval file and cache folder must lie inside one. None only outside a run
+        # (the stage CLI and unit tests).
+        self.data_roots = tuple(data_roots) if data_roots is not None else None
 
     def _log(self, ctx: StageContext, message: str, level: str = "info") -> None:
         ctx.log(message, level=level, stage=self.name)  # type: ignore[arg-type]
@@ -92,12 +98,16 @@ class DataPrepStage:
         t0 = time.time()
         out = Path(ctx.workdir) / "data_prep"
         cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+        if cache is not None and self.data_roots is not None:
+            fd, _ = check_inside(str(cache), self.data_roots, "data.cache_dir", want="dir")
+            if fd is not None:
+                os.close(fd)
 
         # 1. Data manifest: resolve refs and check their digests before reading any.
         resolved: list[ResolvedRef] = []
-        for ref in cfg.refs:
+        for i, ref in enumerate(cfg.refs):
             self._check(ctx)
-            resolved.append(resolve_ref(ref, cache))
+            resolved.append(resolve_ref(ref, cache, self.data_roots, f"data.refs[{i}]"))
         manifest_refs: list[dict[str, Any]] = [{
             "index": k, "uri": r.ref.uri, "role": r.ref.role, "path": str(r.path),
             "expected_sha256": r.ref.sha256, "sha256": r.sha256, "digest_ok": r.digest_ok,
@@ -116,7 +126,8 @@ class DataPrepStage:
             return self._fail(f"data digest mismatch: {reason}", ErrorCode.data_digest_mismatch,
                               artifacts={"data_manifest_path": str(manifest_path),
                                          "mismatched": [m["uri"] for m in bad]})
-        items, infos = load_eval_items(cfg.eval_suites, cfg.eval_files, cfg.eval_field)
+        items, infos = load_eval_items(cfg.eval_suites, cfg.eval_files, cfg.eval_field,
+                                       roots=self.data_roots)
         self._check(ctx)
 
         # 2-4. Dedup, decontamination and cleaned outputs: the streaming engine, block

@@ -132,7 +132,7 @@ def test_flag_instead_of_remove(tmp_path: Path, corpus: dict) -> None:
     assert out.status == "passed" and out.artifacts["ladder"]["decision"] == "skipped"
     rows = [json.loads(x) for x in
             Path(out.artifacts["train_files"]["custom"][0]).read_text("utf-8").splitlines()]
-    assert sum(bool(r.get("ito_contaminated")) for r in rows) == 4
+    assert sum(bool(r.get("contaminated")) for r in rows) == 4
     # Only duplicates removed.
     assert out.metrics["docs_out"] == corpus["docs"] - 5 - corpus["near_in_baseline"]
 

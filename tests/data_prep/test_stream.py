@@ -96,7 +96,7 @@ def test_parquet_output_and_decontamination_flag(tmp_path: Path, corpus: dict) -
                      cfg=StreamConfig(block_docs=300, output_format="parquet"))
     rows = _rows(tmp_path / "out", "parquet")
     assert len(rows) == len(texts) and res.counts["docs_out"] == len(texts)
-    flagged = [r for r in rows if r.get("ito_contaminated")]
+    flagged = [r for r in rows if r.get("contaminated")]
     # texts[3] and its exact copy at 900+3 (the planted copies of it may match too).
     assert {r["text"] for r in flagged} >= {texts[3]} and res.counts["contaminated"] >= 2
     assert res.contaminated_documents[0]["doc"] == "0:a.jsonl:3"

@@ -97,7 +97,8 @@ def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *
                executor: Executor | None = None,
                progress: Callable[[Progress], None] = lambda _p: None,
                cancelled: Callable[[], bool] = lambda: False,
-               keep_work: bool = False, fields: dict[int, str] | None = None) -> StreamResult:
+               keep_work: bool = False, fields: dict[int, str] | None = None,
+               flag_field: str = "contaminated") -> StreamResult:
     """Dedup (when ``dedup_cfg``), then filter + decontaminate (when ``decon``) the
     documents of ``files`` ((path, relpath, format, ref, role) in input order) into
     sharded ``output_dir``. See the module docstring."""
@@ -109,7 +110,8 @@ def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *
     plan = make_plan(files, text_field, cfg.block_docs, fields)
     if plan.docs == 0:
         raise ItoError(ErrorCode.data_empty, "the input holds no documents")
-    params: dict[str, Any] = {"output_format": cfg.output_format, "text_field": text_field}
+    params: dict[str, Any] = {"output_format": cfg.output_format, "text_field": text_field,
+                              "flag_field": flag_field}
     if dedup_cfg is not None:
         bands, rows = lsh_params(dedup_cfg.threshold, dedup_cfg.num_perm,
                                  dedup_cfg.recall_target)
@@ -161,7 +163,7 @@ def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *
     filt = [records["filter"][b] for b in blocks]
     shards = [{"path": r["stats"]["shard"], "sha256": r["stats"]["sha256"],
                "bytes": r["stats"]["shard_bytes"], "docs": r["stats"]["docs_out"],
-               "block": b, "source": plan.blocks[b].source}
+               "block": b, "source": plan.blocks[b].source, "ids": r["stats"]["ids"]}
               for b, r in zip(blocks, filt, strict=True)]
     counts = {k: sum(int(r["stats"][k]) for r in filt)
               for k in ("docs_in", "docs_out", "bytes_in", "bytes_out", "exact_duplicates",

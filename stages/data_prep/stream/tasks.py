@@ -46,9 +46,11 @@ from stages.data_prep.minhash import Banding, band_keys, bucket_pairs, unique_pa
 from stages.data_prep.stream.plan import BlockData, Plan, read_block
 from stages.data_prep.stream.store import WorkDir, atomic_write, read_arrays, write_arrays
 from stages.data_prep.text import fmix64, ngram_hashes, word_batch
+from stages.errors import ErrorCode, ItoError
 
-# Field added to a record kept with ``action: flag`` (the record's own fields are kept).
-FLAG_FIELD = "ito_contaminated"
+# Field added to a record kept with ``action: flag`` (the record's own fields are kept;
+# a record that already has it is refused): ``params["flag_field"]``, by default this.
+FLAG_FIELD = "contaminated"
 # Dropped -> survivor examples kept by the components task for the provenance record.
 MAX_EXAMPLES = 1_000
 _SHINGLE_BATCH = 8_192
@@ -303,22 +305,29 @@ def _drops(wd: WorkDir, b: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _records_out(plan: Plan, b: int, data: BlockData, keep: np.ndarray, flagged: np.ndarray,
-                 fmt: str) -> bytes:
+                 fmt: str, flag: str = FLAG_FIELD) -> bytes:
     src = plan.sources[plan.blocks[b].source]
+    if flagged.any():
+        taken = (data.table is not None and flag in data.table.column_names) or (
+            data.lines is not None and any(flag in json.loads(data.lines[i])
+                                           for i in np.flatnonzero(flagged)))
+        if taken:
+            raise ItoError(ErrorCode.bad_request, f"flag field {flag!r} is already a field of "
+                           "the input records: name another")
     idx = np.flatnonzero(keep)
     field = src.text_field or plan.text_field
     if fmt == "jsonl":
         if data.lines is not None:
             rows = [data.lines[i] if not flagged[i] else
-                    json.dumps({**json.loads(data.lines[i]), FLAG_FIELD: True},
+                    json.dumps({**json.loads(data.lines[i]), flag: True},
                                ensure_ascii=False).encode("utf-8") for i in idx]
         elif data.table is not None:
             recs = data.table.take(pa.array(idx, type=pa.int64())).to_pylist()
-            rows = [json.dumps({**r, **({FLAG_FIELD: True} if flagged[i] else {})},
+            rows = [json.dumps({**r, **({flag: True} if flagged[i] else {})},
                                ensure_ascii=False, default=str).encode("utf-8")
                     for r, i in zip(recs, idx, strict=True)]
         else:
-            rows = [json.dumps({field: data.texts[i], **({FLAG_FIELD: True} if flagged[i]
+            rows = [json.dumps({field: data.texts[i], **({flag: True} if flagged[i]
                                                          else {})},
                                ensure_ascii=False).encode("utf-8") for i in idx]
         return b"".join(r.rstrip(b"\r") + b"\n" for r in rows)
@@ -331,7 +340,7 @@ def _records_out(plan: Plan, b: int, data: BlockData, keep: np.ndarray, flagged:
     else:
         table = pa.table({field: pa.array([data.texts[i] for i in idx], type=pa.string())})
     if flagged.any():
-        table = table.append_column(FLAG_FIELD, pa.array(flagged[idx].tolist(), pa.bool_()))
+        table = table.append_column(flag, pa.array(flagged[idx].tolist(), pa.bool_()))
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     return bytes(sink.getvalue().to_pybytes())
@@ -382,14 +391,19 @@ def filter_block(root: str, b: int) -> dict[str, Any]:
             flagged[hit] = True
     fmt = params["output_format"]
     path = wd.path("out", f"part-{b:05d}.{fmt}")
-    meta = atomic_write(path, _records_out(plan, b, data, keep, flagged, fmt))
+    meta = atomic_write(path, _records_out(plan, b, data, keep, flagged, fmt,
+                                           params.get("flag_field", FLAG_FIELD)))
+    ids_path = wd.path("out", f"part-{b:05d}.ids.txt")  # output row -> input document id
+    ids = atomic_write(ids_path, "".join(doc_id(plan, b, int(i)) + "\n"
+                                         for i in np.flatnonzero(keep)).encode("utf-8"))
     kept = [data.texts[i] for i in np.flatnonzero(keep)]
     stats = {"docs_in": n, "docs_out": len(kept), "bytes_in": text_bytes(data.texts),
              "bytes_out": text_bytes(kept), "exact_duplicates": len(ex),
              "near_duplicates": len(near), "contaminated": len(contaminated),
              "contaminated_documents": contaminated, "shard": path.name,
              "sha256": meta["sha256"], "shard_bytes": meta["bytes"]}
-    return wd.record("filter", str(b), {_rel(wd, path): meta}, stats)
+    stats["ids"] = ids_path.name
+    return wd.record("filter", str(b), {_rel(wd, path): meta, _rel(wd, ids_path): ids}, stats)
 
 
 TASKS = {"sketch": sketch, "exact": exact, "candidates": candidates, "fetch": fetch,
