@@ -7,8 +7,9 @@
 "text"). Every input record is written out with all of its fields as given (a jsonl
 line byte for byte); nothing is added except, with ``--action flag``, the field
 ``--flag-field`` (default "contaminated"; naming a field the records have is
-refused). ``--output`` ending in ``.jsonl`` or ``.parquet`` is one file; any other path is a folder of shards ``part-NNNNN.<format>`` (one per input block)
-with ``manifest.json`` (shards, sha256s). ``--output-format`` picks jsonl or parquet
+refused). ``--output`` ending in ``.jsonl`` or ``.parquet`` is one file; any other
+path is a folder of shards ``part-NNNNN.<format>`` (one per input block) with
+``manifest.json`` (shards, sha256s). ``--output-format`` picks jsonl or parquet
 (default: the suffix, else jsonl). The provenance record (input and output digests,
 what was removed and why, with each document's "<ref>:<file>:<line>" id, and
 ``output_rows``: output row n -> its input document id) goes beside
