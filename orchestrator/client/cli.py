@@ -210,6 +210,13 @@ def _fmt_plan(d: dict[str, Any]) -> str:
         lines.append(f"  {name}: {shown}")
     plan = d.get("plan")
     lines.append("  plan: " + (json.dumps(plan, sort_keys=True) if plan else "none yet"))
+    for ph in ((d.get("validation") or {}).get("curriculum") or {}).get("phases") or []:
+        gates = ", ".join(f"{g.get('metric')}" + "".join(
+            f" {k}={g[k]}" for k in ("min", "max", "max_regression") if k in g)
+            for g in ph.get("gates") or []) or "every check must run"
+        lines.append(f"  phase {ph.get('name')} ({ph.get('kind')}): steps {ph.get('steps')}, "
+                     f"{ph.get('token_budget')} tokens, seq_len {ph.get('seq_len')}, "
+                     f"battery {ph.get('battery')} [{gates}]")
     return "\n".join(lines)
 
 

@@ -89,8 +89,10 @@ class TrainingEngine:
     def __init__(self, cfg: TrainStageConfig, *, run_id: str, checkpoint_dir: Path,
                  shards: list[str], emit: Callable[[Event], None],
                  cancel_event: threading.Event,
-                 wait_decision: Callable[[str, float], str | None]):
+                 wait_decision: Callable[[str, float], str | None],
+                 role_shards: dict[str, list[str]] | None = None):
         self.cfg = cfg
+        self.role_shards = dict(role_shards or {})
         self.ft = cfg.fault_tolerance
         self.run_id = run_id
         self.checkpoint_dir = checkpoint_dir
@@ -155,7 +157,8 @@ class TrainingEngine:
 
         spec = WorkerSpec(run_id=self.run_id, replica_group=group, rank=rank, config=self.cfg,
                           lighthouse_addr=self._lh_addr, shards=self.shards,
-                          checkpoint_dir=str(self.checkpoint_dir))
+                          checkpoint_dir=str(self.checkpoint_dir),
+                          role_shards=self.role_shards)
         return ray.remote(ReplicaWorker).options(  # type: ignore[attr-defined]
             name=name, num_cpus=self.cfg.worker_num_cpus,
             # One GPU per rank on cuda: Ray sets CUDA_VISIBLE_DEVICES, so it is cuda:0.
