@@ -159,6 +159,12 @@ def _fmt_run(run: dict[str, Any]) -> str:
         lines.append(f"  {prog}")
     for g in run.get("stage_gates") or []:
         lines.append(f"  gate {g.get('stage')}: {g.get('status')} {g.get('reason') or ''}".rstrip())
+    for eg in run.get("eval_gates") or []:
+        lines.append(f"  eval gate {eg.get('phase')} ({eg.get('battery')}, step "
+                     f"{eg.get('step')}): {'passed' if eg.get('passed') else 'FAILED'}")
+        for ch in eg.get("checks") or []:
+            lines.append(f"    {'ok  ' if ch.get('passed') else 'FAIL'} {ch.get('check')} = "
+                         f"{ch.get('score')}  ({ch.get('reason')})")
     for pr in run.get("proposals") or []:
         lines.append(
             f"  proposal {pr.get('proposal_id')} [{pr.get('status')}] {pr.get('action')}: "
@@ -236,6 +242,8 @@ def _readable(command: str, data: dict[str, Any]) -> str:
         rows = [
             f"step {c.get('step')}: {c.get('bytes')} B, blocking {c.get('blocking_s')} s, "
             f"total {c.get('total_s')} s, {c.get('bytes_per_s')} B/s  {c.get('path')}"
+            + (f"  [phase {c['phase']}{', closes it' if c.get('closes_phase') else ''}]"
+               if c.get("phase") else "")
             for c in data.get("checkpoints") or []
         ]
         return "\n".join(rows) or "no checkpoints"

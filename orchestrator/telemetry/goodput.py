@@ -42,6 +42,8 @@ class RunMetrics(BaseModel):
     checkpoint_bytes: int = 0
     checkpoint_bytes_per_s: float = 0.0
     checkpoint_blocking_s: float = 0.0
+    # Every scored check of every phase's eval battery: phase, check, score, passed.
+    eval_scores: list[dict[str, Any]] = Field(default_factory=list)
 
 
 def _merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -86,6 +88,13 @@ def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: floa
             if ev.get("recovered_at") is not None:
                 m.interruptions_recovered += 1
                 m.recover_s.append(float(ev["recovered_at"]) - detected)
+        elif kind == "eval":
+            if ev.get("score") is not None:
+                m.eval_scores.append({"phase": ev["phase"], "check": ev["check"],
+                                      "score": float(ev["score"]),
+                                      "passed": bool(ev.get("passed"))})
+        elif kind == "checkpoint" and ev.get("closes_phase"):
+            continue  # a phase end re-announcing a checkpoint already counted
         elif kind == "checkpoint":
             m.checkpoints += 1
             m.checkpoint_bytes += int(ev["bytes"])

@@ -50,6 +50,9 @@ class TelemetryCollector(Collector):
                                     labels=labels)
         state = GaugeMetricFamily("ito_run_state", "1 for the run's current state",
                                   labels=[*labels, "state"])
+        evals = GaugeMetricFamily("ito_run_eval_score",
+                                  "Score of one check of a curriculum phase's eval battery",
+                                  labels=[*labels, "phase", "check"])
         by_booking: dict[str, list[RunMetrics]] = defaultdict(list)
         for s in samples:
             lv = [s.run_id, s.booking_id]
@@ -64,6 +67,9 @@ class TelemetryCollector(Collector):
             tps.add_metric(lv, m.tokens_per_s)
             steps.add_metric(lv, m.steps_committed)
             state.add_metric([*lv, s.state], 1.0)
+            scores = {(e["phase"], e["check"]): e["score"] for e in m.eval_scores}
+            for (phase, check), score in scores.items():  # a re-scored check: the last
+                evals.add_metric([*lv, phase, check], score)
             by_booking[s.booking_id].append(m)
         b_goodput = GaugeMetricFamily("ito_booking_goodput_ratio",
                                       "Pooled goodput of the booking's runs", labels=["booking_id"])
@@ -83,4 +89,5 @@ class TelemetryCollector(Collector):
             b_bw.add_metric([booking_id], agg.checkpoint_bytes_per_s)
             b_tps.add_metric([booking_id], agg.tokens_per_s)
         yield from (goodput, elapsed, badput, interruptions, rate, ckpt_bw, tps, steps, state,
+                    evals,
                     b_goodput, b_rate, b_bw, b_tps)
