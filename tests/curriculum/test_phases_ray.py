@@ -169,7 +169,7 @@ def test_second_gate_fails_the_run_and_phase_three_never_runs(
 
 def test_phases_train_with_their_own_seq_len_and_lr_schedule(
         failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
-    run, _, cfg, _ = failed_run
+    run, _, _, _ = failed_run
     plan = _plan()
     pre, mid = plan.phases[0], plan.phases[1]
     assert (pre.start_step, pre.end_step, mid.end_step) == (0, 10, 90)
