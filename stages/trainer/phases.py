@@ -51,11 +51,12 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def _wait_actor_names_free(run_id: str) -> None:
     import ray
 
-    prefix = f"run-{run_id}-"
+    from stages.trainer.replica import lighthouse_name, trainer_prefix
+
     deadline = time.time() + ACTOR_NAMES_FREE_TIMEOUT_S
     while time.time() < deadline:
         names = [n for n in ray.util.list_named_actors() if isinstance(n, str)
-                 and n.startswith(prefix) and n != f"run-{run_id}"]
+                 and (n.startswith(trainer_prefix(run_id)) or n == lighthouse_name(run_id))]
         if not names:
             return
         time.sleep(0.2)
