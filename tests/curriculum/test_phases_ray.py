@@ -237,3 +237,25 @@ def test_a_relaunched_stage_keeps_the_decided_gate(
     assert out2.status == "failed" and out2.error_code == ErrorCode.eval_gate_failed
     assert out2.artifacts["failed_checks"] == out.artifacts["failed_checks"]
     assert not [e for e in again.events if isinstance(e, StepEvent | EvalEvent)]
+
+
+def test_the_same_checkpoint_scores_identically_again(
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    """Re-scoring the checkpoint that closed pretrain, in a fresh model, gives exactly
+    the scores its gate recorded."""
+    from stages.evals import run_battery
+    from stages.hf import load_tokenizer
+    from stages.trainer.phases import load_phase_model, read_gate
+
+    run, out, cfg, _ = failed_run
+    pre = _plan().phases[0]
+    rec = read_gate(Path(out.artifacts["checkpoint_dir"]), pre)
+    assert rec is not None
+    work = Path(run.ctx.workdir)
+    heldout = [json.loads(line)["text"] for line in
+               (work / "phase_data" / "heldout.jsonl").read_text().splitlines()]
+    model = load_phase_model(cfg, pre, rec["checkpoint"])
+    again = run_battery(model, load_tokenizer(work / "tokenizer"), "smoke", heldout,
+                        seq_len=pre.seq_len, phase=pre.name)
+    assert again.scores() == {c["name"]: c["score"] for c in rec["result"]["checks"]}
+    assert again.task_files == rec["result"]["task_files"]

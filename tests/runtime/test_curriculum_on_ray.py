@@ -24,7 +24,7 @@ import httpx
 import pytest
 from helpers import backend as backend_mod
 from helpers.backend import Backend, free_port
-from helpers.flows import confirm_ref, submit
+from helpers.flows import confirm, confirm_ref, submit
 from helpers.tenants import Tenant, booking_doc, make_tenant
 
 from orchestrator.runtime import ray_cluster
@@ -188,8 +188,9 @@ def test_no_override_path_exists(rt: dict[str, Any], failed: dict[str, Any]) -> 
         # 5. The manifest has no override field: an unknown key is refused.
         m = _manifest(rt, second_gate_max=0.001)
         m["curriculum"]["phases"][1]["override"] = True
-        ref = confirm_ref(c, t.approver, "train", t.booking_id, manifest=m)
-        r = submit(c, t.submitter, t.booking_id, m, ref)
+        env = confirm(c, t.approver, "train", t.booking_id, manifest=m)
+        assert env["error"]["code"] == "manifest_invalid"  # not even confirmable
+        r = submit(c, t.submitter, t.booking_id, m, failed["ref"])
         assert r.json()["error"]["code"] == "manifest_invalid"
     # 6. The operator CLI has no override either: no such command.
     for args in (["runs", "override", run_id], ["gates", "override", run_id]):
