@@ -7,27 +7,29 @@ from pydantic import Field
 from stages.base import StrictModel
 from stages.data_prep.config import DataRef
 
+MAX_STEPS = 100_000_000
+
 
 class SFTConfig(StrictModel):
     data: DataRef
-    steps: int = Field(gt=0)
-    learning_rate: float = Field(default=2e-5, gt=0)
+    steps: int = Field(gt=0, le=MAX_STEPS)
+    learning_rate: float = Field(default=2e-5, gt=0, le=10, allow_inf_nan=False)
 
 
 class DPOConfig(StrictModel):
     data: DataRef
-    steps: int = Field(gt=0)
-    beta: float = Field(default=0.1, gt=0)
-    learning_rate: float = Field(default=5e-7, gt=0)
+    steps: int = Field(gt=0, le=MAX_STEPS)
+    beta: float = Field(default=0.1, gt=0, le=1e3, allow_inf_nan=False)
+    learning_rate: float = Field(default=5e-7, gt=0, le=10, allow_inf_nan=False)
 
 
 class RLVRConfig(StrictModel):
     """GRPO with DAPO: clip-higher, dynamic sampling, token-level loss, overlong shaping."""
 
     data: DataRef
-    steps: int = Field(gt=0)
+    steps: int = Field(gt=0, le=MAX_STEPS)
     reward: str = Field(default="gsm8k_exact_match", max_length=64)
-    group_size: int = Field(default=8, ge=2)
+    group_size: int = Field(default=8, ge=2, le=1024)
     epsilon: float = Field(default=0.2, gt=0)
     epsilon_high: float = Field(default=0.28, gt=0)
     beta: float = Field(default=0.0, ge=0)
