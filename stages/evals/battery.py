@@ -134,7 +134,9 @@ def run_battery(model: torch.nn.Module, tokenizer: Any, battery_name: str,
             return {c.name: got.get(c.metric) for c in held}
         results += _record(held, _held, s.check_timeout_s)
 
-    tmp = tempfile.TemporaryDirectory(prefix="ito-lmeval-", dir=work_dir)
+    # A timed-out check's thread may still write here: removal must not fail on it.
+    tmp = tempfile.TemporaryDirectory(prefix="ito-lmeval-", dir=work_dir,
+                                      ignore_cleanup_errors=True)
     try:
         by_task: dict[str, list[BatteryCheck]] = {}
         for c in battery.checks:
