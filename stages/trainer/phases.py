@@ -100,6 +100,8 @@ class CurriculumRunner:
         self.final_loss: float | None = None
         self.proposals: list[str] = []
         self.digests: dict[int, str] = {}
+        self.rank_digests: Any = {}
+        self.layout: dict[str, Any] = {}
         self.phases: list[dict[str, Any]] = []
 
     def log(self, message: str, level: Any = "info") -> None:
@@ -158,6 +160,8 @@ class CurriculumRunner:
             self.final_loss
         self.proposals += result.proposals
         self.digests = result.digests
+        self.rank_digests = result.rank_digests
+        self.layout = result.layout or self.layout
         if result.steps < phase.end_step:
             raise ItoError(ErrorCode.training_failed,
                            f"phase {phase.name} stopped at step {result.steps} of "
@@ -224,6 +228,10 @@ class CurriculumRunner:
                                      "interruptions": float(self.interruptions)}
         if self.final_loss is not None:
             metrics["final_loss"] = self.final_loss
+        # The layout the workers built (read back from their mesh), as the gate shows it.
+        for dim in ("pp", "dp_shard", "cp", "tp"):
+            if dim in self.layout:
+                metrics[f"layout_{dim}"] = float(self.layout[dim])
         for ph in self.phases:
             for check, score in ph["scores"].items():
                 if score is not None:
@@ -232,7 +240,8 @@ class CurriculumRunner:
             "checkpoint_dir": str(self.ckpt_dir), "phases": self.phases,
             "tokenizer_dir": str(self.data.tokenizer_dir), "proposals": self.proposals,
             "final_checkpoint": self.phases[-1]["checkpoint"] if self.phases else None,
-            "replica_digests": {str(g): d for g, d in self.digests.items()}}
+            "replica_digests": {str(g): d for g, d in self.digests.items()},
+            "rank_digests": self.rank_digests, "layout": self.layout}
         if failed is not None:
             artifacts["failed_checks"] = [c.model_dump(mode="json") for c in failed.failing]
             return GateOutcome(stage=STAGE, status="failed", reason=failed.summary(),

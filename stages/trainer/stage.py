@@ -102,11 +102,13 @@ class TrainingStage:
     def _run_curriculum(self, ctx: StageContext) -> GateOutcome:
         from stages.presets import load_model_preset
         from stages.trainer.engine import RunCancelled
+        from stages.trainer.layout import check_runnable
         from stages.trainer.phase_data import prepare_phase_data
         from stages.trainer.phases import CurriculumRunner
 
         cfg = self.config
         try:
+            check_runnable(cfg.layout, cfg.device)
             preset = load_model_preset(cfg.model.preset)
             data = prepare_phase_data(
                 resolve_files_by_role(cfg, ctx), ctx.workdir, text_field=cfg.text_field,

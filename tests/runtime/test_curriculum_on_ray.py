@@ -146,7 +146,7 @@ def test_second_gate_fails_the_run_with_its_check_everywhere(
     scored = {(e["phase"], e["check"]) for e in metrics["eval_scores"]}
     assert ("pretrain", "arith_mc_acc") in scored and ("long", "heldout_loss") in scored
     assert metrics["badput_s"]["evaluation"] > 0
-    text = httpx.get(f"{rt['backend'].url}/metrics", timeout=30).text
+    text = httpx.get(rt["backend"].metrics_url, timeout=30).text
     assert f'ito_run_eval_score{{booking_id="bk-cur",check="heldout_loss",phase="long",' \
            f'run_id="{run_id}"}}' in text
     # The checkpoint that closed pretrain is listed with its phase despite keep=1.
