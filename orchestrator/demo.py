@@ -102,10 +102,21 @@ def _manifest(path: Path, baseline: Path, custom: Path, ckpt_dir: Path) -> None:
             "eval_suites": ["gsm8k"],
             "ladder_probe": {"enabled": True, "seeds": 2, "token_budget": 60000},
         },
-        "training": {"max_steps": 60, "seq_len": 128, "global_batch_tokens": 2048,
+        "training": {"max_steps": 60, "seq_len": 64, "global_batch_tokens": 2048,
                      "learning_rate": 0.003, "warmup_steps": 5, "seed": 0},
-        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain",
-                                   "token_fraction": 1.0}]},
+        # Two phases, each closed by the smoke battery (held-out loss and bits per byte,
+        # GSM8K-style exact match and multiple choice through lm-eval) and its gate.
+        "curriculum": {"phases": [
+            {"name": "pretrain", "kind": "pretrain", "token_fraction": 0.5, "seq_len": 64,
+             "eval_battery": "smoke",
+             "gates": [{"metric": "heldout_loss", "max": 6.0},
+                       {"metric": "heldout_bits_per_byte", "max": 9.0},
+                       {"metric": "arith_mc_acc", "min": 0.0}]},
+            {"name": "long_context", "kind": "long_context", "token_fraction": 0.5,
+             "seq_len": 128, "eval_battery": "smoke",
+             "gates": [{"metric": "heldout_loss", "max": 6.0, "max_regression": 0.5},
+                       {"metric": "heldout_bits_per_byte", "max": 9.0},
+                       {"metric": "gsm8k_exact_match", "min": 0.0}]}]},
         "budget": {"ceiling_usd": 5.0, "max_incremental_cost_usd": 5.0},
         "checkpoint": {"interval_steps": 20, "keep": 2, "storage_uri": f"file://{ckpt_dir}"},
     }
@@ -181,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
           "--checkpoint", str(var_dir / "checkpoints"), "--json"], env)
     manifest = var_dir / "manifest.json"
     _manifest(manifest, baseline, custom, var_dir / "checkpoints")
-    _say(f"manifest {manifest} (llama-tiny, 60 steps, 2 replica groups)")
+    _say(f"manifest {manifest} (llama-tiny, 60 steps, 2 replica groups, phases pretrain "
+         "@64 then long_context @128 tokens)")
 
     _say("starting ito-backend serve (SQLite + embedded Ray head)")
     server = _start_server(env, db, var_dir, port, _free_port(), _free_port())
@@ -190,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
                         "--manifest", str(manifest), "--json"], {**env, "ITO_API_KEY": approver})
         ref = confirm["data"]["confirmation_ref"]
         _say(f"approver confirmed: cost {confirm['data']['cost_usd']} USD, reference issued")
+        plan = subprocess.run([str(BIN / "ito"), "plan", "--booking", booking_id, "--manifest",
+                               str(manifest)], env={**env, "ITO_API_KEY": submitter},
+                              capture_output=True, text=True, timeout=120)
+        print(f"$ ito plan --booking {booking_id} --manifest {manifest}\n"
+              + plan.stdout.strip(), flush=True)
         key = f"demo-{uuid.uuid4().hex[:12]}"
         sub_env = {**env, "ITO_API_KEY": submitter}
         cmd = ["ito", "train", "--booking", booking_id, "--manifest", str(manifest),
@@ -206,7 +223,22 @@ def main(argv: list[str] | None = None) -> int:
                            timeout=60)
         final = subprocess.run([str(BIN / "ito"), "status", "--run", run_id, "--json"],
                                env=sub_env, capture_output=True, text=True, timeout=60)
-        state = json.loads(final.stdout)["data"]["state"]
+        data = json.loads(final.stdout)["data"]
+        state = data["state"]
+        for gate in data.get("eval_gates") or []:
+            checks = ", ".join(
+                f"{c['check']}={c['score']:.4g}" + "".join(
+                    f" {k}={c[k]:g}" for k in ("min", "max", "max_regression")
+                    if c.get(k) is not None) for c in gate["checks"] if c["score"] is not None)
+            _say(f"gate {gate['phase']} ({gate['battery']}, step {gate['step']}): "
+                 f"{'PASSED' if gate['passed'] else 'FAILED'}: {checks}")
+        metrics = subprocess.run([str(BIN / "ito"), "metrics", "--run", run_id, "--json"],
+                                 env=sub_env, capture_output=True, text=True, timeout=60)
+        m = json.loads(metrics.stdout)["data"]
+        evaluation, elapsed = m["badput_s"]["evaluation"], m["elapsed_s"]
+        _say(json.dumps({"demo_eval_seconds": round(evaluation, 2),
+                         "run_elapsed_seconds": round(elapsed, 2),
+                         "eval_share_of_run": round(evaluation / elapsed, 4) if elapsed else None}))
         _say(f"finished in {time.monotonic() - t0:.0f}s, run {state}")
         print(final.stdout.strip(), flush=True)
         return 0 if state == "succeeded" else 1

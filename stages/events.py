@@ -41,6 +41,10 @@ class StepEvent(_Event):
     seconds: float
     committed: bool
     quorum_size: int = 1
+    # The LR, sequence length and curriculum phase the step trained with.
+    lr: float | None = None
+    seq_len: int | None = None
+    phase: str = ""
 
 
 class CheckpointEvent(_Event):
@@ -50,6 +54,10 @@ class CheckpointEvent(_Event):
     bytes: int
     blocking_s: float
     total_s: float
+    # The curriculum phase the checkpoint belongs to; the one that closes a phase is
+    # kept whatever keep-K says.
+    phase: str = ""
+    closes_phase: bool = False
 
 
 class InterruptionEvent(_Event):
@@ -99,6 +107,21 @@ class ProgressEvent(_Event):
     bytes_total: int = 0
     elapsed_s: float = 0.0
     eta_s: float | None = None
+class EvalEvent(_Event):
+    """One check of a phase's eval battery: its score and the gate's verdict on it."""
+
+    kind: Literal["eval"] = "eval"
+    phase: str
+    battery: str
+    check: str
+    score: float | None
+    passed: bool
+    reason: str = ""
+    min: float | None = None
+    max: float | None = None
+    max_regression: float | None = None
+    previous: float | None = None
+    step: int | None = None
 
 
 class StageResultEvent(_Event):
@@ -114,6 +137,7 @@ Event = Annotated[
     | ProposalEvent
     | PhaseEvent
     | ProgressEvent
+    | EvalEvent
     | StageResultEvent,
     Field(discriminator="kind"),
 ]

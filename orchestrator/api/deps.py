@@ -131,4 +131,21 @@ def run_view(store: Store, run: Row) -> dict[str, Any]:
         "plan": _loads(run["plan"]), "data_prep": _loads(run["data_prep"]),
         # The latest progress of a long stage step (data prep over a corpus), or None.
         "stage_progress": store.last_event(run["run_id"], "progress"),
+        "eval_gates": eval_gates(store, run["run_id"]),
     }
+
+
+def eval_gates(store: Store, run_id: str) -> list[dict[str, Any]]:
+    """Each curriculum phase's gate with every check's score, bounds and verdict
+    (from the events, so a live run shows the phases decided so far)."""
+    phases: dict[str, dict[str, Any]] = {}
+    for ev in store.list_events(run_id, kinds=["eval"], limit=100_000):
+        b = ev["payload"]
+        ph = phases.setdefault(b["phase"], {"phase": b["phase"], "battery": b["battery"],
+                                            "step": b.get("step"), "passed": True,
+                                            "checks": []})
+        ph["passed"] = ph["passed"] and bool(b["passed"])
+        ph["checks"].append({k: b.get(k) for k in (
+            "check", "score", "passed", "reason", "min", "max", "max_regression",
+            "previous")})
+    return list(phases.values())

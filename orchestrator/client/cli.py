@@ -205,6 +205,12 @@ def _fmt_run(run: dict[str, Any]) -> str:
         lines.append(f"  {_fmt_stage_progress(sp)}")
     for g in run.get("stage_gates") or []:
         lines.append(f"  gate {g.get('stage')}: {g.get('status')} {g.get('reason') or ''}".rstrip())
+    for eg in run.get("eval_gates") or []:
+        lines.append(f"  eval gate {eg.get('phase')} ({eg.get('battery')}, step "
+                     f"{eg.get('step')}): {'passed' if eg.get('passed') else 'FAILED'}")
+        for ch in eg.get("checks") or []:
+            lines.append(f"    {'ok  ' if ch.get('passed') else 'FAIL'} {ch.get('check')} = "
+                         f"{ch.get('score')}  ({ch.get('reason')})")
     for pr in run.get("proposals") or []:
         lines.append(
             f"  proposal {pr.get('proposal_id')} [{pr.get('status')}] {pr.get('action')}: "
@@ -277,6 +283,13 @@ def _fmt_plan(d: dict[str, Any]) -> str:
         lines.append(f"  {name}: {shown}")
     plan = d.get("plan")
     lines.append("  plan: " + (json.dumps(plan, sort_keys=True) if plan else "none yet"))
+    for ph in ((d.get("validation") or {}).get("curriculum") or {}).get("phases") or []:
+        gates = ", ".join(f"{g.get('metric')}" + "".join(
+            f" {k}={g[k]}" for k in ("min", "max", "max_regression") if k in g)
+            for g in ph.get("gates") or []) or "every check must run"
+        lines.append(f"  phase {ph.get('name')} ({ph.get('kind')}): steps {ph.get('steps')}, "
+                     f"{ph.get('token_budget')} tokens, seq_len {ph.get('seq_len')}, "
+                     f"battery {ph.get('battery')} [{gates}]")
     return "\n".join(lines)
 
 
@@ -302,6 +315,8 @@ def _readable(command: str, data: dict[str, Any]) -> str:
             f"{human.value('blocking_s', c.get('blocking_s'))}, total "
             f"{human.value('total_s', c.get('total_s'))}, "
             f"{human.value('bytes_per_s', c.get('bytes_per_s'))}  {c.get('path')}"
+            + (f"  [phase {c['phase']}{', closes it' if c.get('closes_phase') else ''}]"
+               if c.get("phase") else "")
             for c in data.get("checkpoints") or []
         ]
         return "\n".join(rows) or "no checkpoints"

@@ -22,6 +22,7 @@ from orchestrator.gates.costing import (
     gpu_profile,
     price_per_gpu_hour,
 )
+from orchestrator.gates.curriculum import curriculum_plan, curriculum_report
 from orchestrator.gates.manifest import Manifest
 from orchestrator.gates.planning import total_steps
 from orchestrator.gates.roots import Roots, check_checkpoint_roots, check_data_roots
@@ -180,10 +181,13 @@ def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
                        f"estimated ${cost.incremental_usd:,.2f} beyond the booking's remaining "
                        f"term exceeds max_incremental_cost_usd "
                        f"${m.budget.max_incremental_cost_usd:,.2f}")
+    # After the budget: an absurd training target is refused there first.
+    curriculum = curriculum_report(curriculum_plan(m))
     report = {
         "model_preset": "ok", "gpu_sku": "ok", "fabric": "ok", "capacity": capacity,
         "data_policy": {"refs": n_refs, "schemes": list(settings.allowed_data_schemes)},
         "checkpoint_storage": {"path": storage, "inside_roots": True},
         "cost": cost.as_dict(),
+        "curriculum": curriculum,
     }
     return report, cost

@@ -71,6 +71,9 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
             "parallel": layout_from_plan(plan).model_dump(mode="json"),
             "device": spec.facts.get("device", "cpu"),
         }
+        from orchestrator.gates.curriculum import curriculum_plan
+
+        config["curriculum"] = curriculum_plan(manifest).model_dump(mode="json")
         # Operator-level knobs (never from the tenant's manifest): test pacing, FT timeouts.
         config.update(spec.facts.get("train_overrides") or {})
         return TrainingStage(TrainStageConfig.model_validate_json(json.dumps(config)))

@@ -48,6 +48,8 @@ class RunMetrics(BaseModel):
     checkpoint_blocking_s: float = 0.0
     # The latest progress report of a long stage step, None until one came.
     stage_progress: dict[str, Any] | None = None
+    # Every scored check of every phase's eval battery: phase, check, score, passed.
+    eval_scores: list[dict[str, Any]] = Field(default_factory=list)
 
 
 def _merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -95,6 +97,13 @@ def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: floa
                 m.recover_s.append(float(ev["recovered_at"]) - detected)
         elif kind == "progress":
             m.stage_progress = {k: ev.get(k) for k in PROGRESS_FIELDS}
+        elif kind == "eval":
+            if ev.get("score") is not None:
+                m.eval_scores.append({"phase": ev["phase"], "check": ev["check"],
+                                      "score": float(ev["score"]),
+                                      "passed": bool(ev.get("passed"))})
+        elif kind == "checkpoint" and ev.get("closes_phase"):
+            continue  # a phase end re-announcing a checkpoint already counted
         elif kind == "checkpoint":
             m.checkpoints += 1
             m.checkpoint_bytes += int(ev["bytes"])

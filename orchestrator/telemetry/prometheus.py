@@ -64,6 +64,9 @@ class TelemetryCollector(Collector):
         p_eta = GaugeMetricFamily("ito_run_stage_progress_eta_seconds",
                                   "Estimated seconds left of the stage's current step",
                                   labels=plabels)
+        evals = GaugeMetricFamily("ito_run_eval_score",
+                                  "Score of one check of a curriculum phase's eval battery",
+                                  labels=[*labels, "phase", "check"])
         by_booking: dict[str, list[RunMetrics]] = defaultdict(list)
         for s in samples:
             lv = [s.run_id, s.booking_id]
@@ -86,6 +89,9 @@ class TelemetryCollector(Collector):
                 p_bytes.add_metric(pl, float(p.get("bytes_done") or 0))
                 if p.get("eta_s") is not None:
                     p_eta.add_metric(pl, float(p["eta_s"]))
+            scores = {(e["phase"], e["check"]): e["score"] for e in m.eval_scores}
+            for (phase, check), score in scores.items():  # a re-scored check: the last
+                evals.add_metric([*lv, phase, check], score)
             by_booking[s.booking_id].append(m)
         b_goodput = GaugeMetricFamily("ito_booking_goodput_ratio",
                                       "Pooled goodput of the booking's runs", labels=["booking_id"])
@@ -105,7 +111,7 @@ class TelemetryCollector(Collector):
             b_bw.add_metric([booking_id], agg.checkpoint_bytes_per_s)
             b_tps.add_metric([booking_id], agg.tokens_per_s)
         yield from (goodput, elapsed, badput, interruptions, rate, ckpt_bw, tps, steps, state,
-                    p_docs, p_docs_total, p_bytes, p_eta, b_goodput, b_rate, b_bw, b_tps)
+                    p_docs, p_docs_total, p_bytes, p_eta, evals, b_goodput, b_rate, b_bw, b_tps)
 
 
 def render(store: Store) -> tuple[bytes, str]:

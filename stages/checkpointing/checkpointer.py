@@ -53,6 +53,7 @@ from stages.checkpointing.storage import (
     delete_checkpoint,
     final_name,
     list_checkpoints,
+    pinned_phase,
     read_record,
     sweep_incomplete,
     tmp_prefix,
@@ -256,7 +257,8 @@ class Checkpointer:
             pending.done.set()
 
     def _apply_keep(self) -> None:
-        records = list_checkpoints(self.storage_dir)
+        # Checkpoints that closed a curriculum phase are kept whatever keep-K says.
+        records = [r for r in list_checkpoints(self.storage_dir) if pinned_phase(r) is None]
         for old in records[:-self.policy.keep]:
             try:
                 delete_checkpoint(old)

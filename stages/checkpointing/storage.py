@@ -19,6 +19,7 @@ Everything here works without torch.distributed, so the API can list and clean u
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -33,6 +34,8 @@ from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent
 
 COMMIT_NAME = "ito_commit.json"
+# Written into a checkpoint that closes a curriculum phase: kept beyond keep-K.
+PHASE_MARK_NAME = "ito_phase.json"
 DCP_METADATA_NAME = ".metadata"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
@@ -188,3 +191,21 @@ def storage_usage(storage_dir: str | Path) -> dict[str, int]:
         leftovers = sum(folder_bytes(p) for p in root.iterdir()
                         if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
     return {"complete_bytes": complete, "leftover_bytes": leftovers}
+
+
+def pin_phase(record: CheckpointRecord, phase: str) -> None:
+    """Mark ``record`` as the checkpoint that closed ``phase``: keep-K never deletes it."""
+    path = Path(record.path) / PHASE_MARK_NAME
+    tmp = path.with_name(f".{PHASE_MARK_NAME}.tmp")
+    tmp.write_text(json.dumps({"phase": phase, "step": record.step}))
+    os.replace(tmp, path)
+    fsync_dir(Path(record.path))
+
+
+def pinned_phase(record: CheckpointRecord) -> str | None:
+    """The phase ``record`` closes, or None."""
+    path = Path(record.path) / PHASE_MARK_NAME
+    try:
+        return str(json.loads(path.read_text())["phase"])
+    except (OSError, ValueError, KeyError):
+        return None

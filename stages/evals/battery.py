@@ -17,29 +17,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from stages.evals.config import Battery, BatteryCheck, evals_dir, load_battery
+from stages.evals.config import EvalRunSettings as EvalSettings
 from stages.evals.harness import run_tasks, task_data_files
 from stages.evals.heldout import heldout_scores
 
 CheckStatus = Literal["ok", "error", "timeout", "no_number"]
-
-
-class EvalSettings(BaseModel):
-    """How a battery runs (not what it checks: that is the battery's, fixed)."""
-
-    model_config = ConfigDict(extra="forbid")
-    check_timeout_s: float = Field(default=600.0, gt=0,
-                                   description="wall-clock bound of one check group")
-    heldout_max_tokens: int = Field(default=16384, gt=0)
-    heldout_seq_len: int | None = Field(default=None, gt=1,
-                                        description="default: the phase's seq_len")
-    batch_size: int = Field(default=8, gt=0)
-    max_length: int | None = Field(default=None, gt=0,
-                                   description="lm-eval context; default: the model's")
-    limit: int | None = Field(default=None, gt=0, description="items per task (tests)")
-    seed: int = 0
 
 
 class CheckResult(BaseModel):
@@ -149,7 +134,9 @@ def run_battery(model: torch.nn.Module, tokenizer: Any, battery_name: str,
             return {c.name: got.get(c.metric) for c in held}
         results += _record(held, _held, s.check_timeout_s)
 
-    tmp = tempfile.TemporaryDirectory(prefix="ito-lmeval-", dir=work_dir)
+    # A timed-out check's thread may still write here: removal must not fail on it.
+    tmp = tempfile.TemporaryDirectory(prefix="ito-lmeval-", dir=work_dir,
+                                      ignore_cleanup_errors=True)
     try:
         by_task: dict[str, list[BatteryCheck]] = {}
         for c in battery.checks:

@@ -111,3 +111,19 @@ class GateThreshold(StrictModel):
         if self.max is None and self.min is None and self.max_regression is None:
             raise ValueError("a gate needs max, min and/or max_regression")
         return self
+
+
+class EvalRunSettings(BaseModel):
+    """How a battery runs (not what it checks: that is the battery's, fixed)."""
+
+    model_config = ConfigDict(extra="forbid")
+    check_timeout_s: float = Field(default=600.0, gt=0,
+                                   description="wall-clock bound of one check group")
+    heldout_max_tokens: int = Field(default=16384, gt=0)
+    heldout_seq_len: int | None = Field(default=None, gt=1,
+                                        description="default: the phase's seq_len")
+    batch_size: int = Field(default=8, gt=0)
+    max_length: int | None = Field(default=None, gt=0,
+                                   description="lm-eval context; default: the model's")
+    limit: int | None = Field(default=None, gt=0, description="items per task (tests)")
+    seed: int = 0

@@ -8,7 +8,9 @@ from pydantic import Field, model_validator
 
 from stages.base import StrictModel
 from stages.checkpointing.config import CheckpointPolicy
+from stages.curriculum.plan import CurriculumPlan, PhasePlan
 from stages.errors import ItoError
+from stages.evals.config import EvalRunSettings
 from stages.trainer.layout import ParallelLayout
 
 
@@ -19,6 +21,9 @@ class ModelSpec(StrictModel):
     revision: str = Field(default="random-init", max_length=128)
     # A local Hugging Face checkpoint folder; None builds from the preset, random init.
     checkpoint_path: str | None = None
+    # A local tokenizer folder (save_pretrained layout); None trains a byte-level BPE
+    # with the preset's vocab_size on the run's prepared data.
+    tokenizer_path: str | None = None
 
 
 # Upper bounds a real run stays far below (the largest public runs: ~15T tokens, ~16M
@@ -159,6 +164,16 @@ class TrainStageConfig(StrictModel):
     pace_step_s: float = Field(default=0.0, ge=0, le=10)
     # Test-only fault injection; never set by a tenant manifest.
     inject_loss_spike: LossSpikeInjection | None = None
+    # Curriculum: the phase plan, and the phase one engine run trains (None: the
+    # whole target as one plain phase, cosine LR, no gate).
+    curriculum: CurriculumPlan | None = None
+    phase_index: int | None = None
+    # How eval batteries run at phase ends (timeouts, sizes); the checks are fixed.
+    evals: EvalRunSettings = Field(default_factory=EvalRunSettings)
+    # Documents of each role held out from training for the held-out checks.
+    heldout_permille: int = Field(default=20, ge=0, le=500)
+    heldout_min_docs: int = Field(default=8, ge=0)
+
     # The layout inside each replica group (the planner's tp, pp, cp, dp_shard,
     # schedule, recompute, precision); tp x pp x cp x dp_shard = ranks_per_group.
     parallel: ParallelLayout = Field(default_factory=ParallelLayout)
@@ -181,6 +196,12 @@ class TrainStageConfig(StrictModel):
     def layout(self) -> ParallelLayout:
         """The group layout with dp_shard and the micro-batch count resolved."""
         return self.parallel.resolved(self.ranks_per_group)
+
+    @property
+    def phase(self) -> PhasePlan | None:
+        if self.curriculum is None or self.phase_index is None:
+            return None
+        return self.curriculum.phases[self.phase_index]
 
     @property
     def micro_batch(self) -> int:

@@ -95,8 +95,10 @@ class TrainingEngine:
                  shards: list[str], emit: Callable[[Event], None],
                  cancel_event: threading.Event,
                  wait_decision: Callable[[str, float], str | None],
-                 facts: dict[str, Any] | None = None):
+                 facts: dict[str, Any] | None = None,
+                 role_shards: dict[str, list[str]] | None = None):
         self.cfg = cfg
+        self.role_shards = dict(role_shards or {})
         self.ft = cfg.fault_tolerance
         self.run_id = run_id
         self.checkpoint_dir = checkpoint_dir
@@ -168,7 +170,8 @@ class TrainingEngine:
 
         spec = WorkerSpec(run_id=self.run_id, replica_group=group, rank=rank, config=self.cfg,
                           lighthouse_addr=self._lh_addr, shards=self.shards,
-                          checkpoint_dir=str(self.checkpoint_dir))
+                          checkpoint_dir=str(self.checkpoint_dir),
+                          role_shards=self.role_shards)
         world = self.cfg.replica_groups * self.cfg.ranks_per_group
         index = bundle_for_rank(self.facts, max(group, 0) * self.cfg.ranks_per_group + rank,
                                 world) if group >= 0 else -1

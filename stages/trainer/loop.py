@@ -68,6 +68,8 @@ class WorkerSpec:
     # Rank 0 of a multi-rank group hosts the group's TCPStore; others get it here.
     store_addr: str = "127.0.0.1"
     store_port: int = 0
+    # Curriculum phases: token shards by data role (the phase's mix reads these).
+    role_shards: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -145,6 +147,9 @@ class TrainLoop:
         self.is_reporter = spec.rank == 0  # each group's rank 0 reports events
         self.windows: list[Window] = []
         self.started_at = time.time()
+        # The curriculum phase this loop trains: steps [start_step, end_step) only.
+        self.phase = spec.config.phase
+        self.phase_start = self.phase.start_step if self.phase is not None else 0
 
     # --- events ---------------------------------------------------------------------
     def emit(self, event: Event) -> None:
@@ -181,8 +186,12 @@ class TrainLoop:
         self.healed = True
 
     def _seek_loader(self, step: int) -> None:
-        target = data_index(step, self.windows)
+        target = data_index(step - self.phase_start, self.windows)
         if self.loader.batches_served != target:
+            seek = getattr(self.loader, "seek", None)
+            if seek is not None:
+                seek(target)
+                return
             st = self.loader.state_dict()
             st["epoch"], st["batch_in_epoch"] = divmod(target, self.loader.batches_per_epoch)
             self.loader.load_state_dict(st)
@@ -199,6 +208,10 @@ class TrainLoop:
         preset = load_model_preset(cfg.model.preset)
         model: torch.nn.Module = build_model(
             preset, seed=target.seed, checkpoint_path=cfg.model.checkpoint_path)
+        if self.phase is not None and self.phase.rope_theta is not None:
+            from stages.trainer.model import set_rope_theta
+
+            set_rope_theta(model, self.phase.rope_theta)
         self.model = model.to(self.device)
         self.model.train()
         self.layout = cfg.layout
@@ -266,12 +279,24 @@ class TrainLoop:
         spec, cfg, target = self.spec, self.cfg, self.cfg.target
         # Ranks of a group that differ only in pp, cp or tp read the same batch.
         dp = self.layout.dp_shard
-        self.loader = TokenLoader(
-            [Path(s) for s in spec.shards], seq_len=target.seq_len,
-            micro_batch=cfg.micro_batch, seed=target.seed,
-            dp_rank=spec.replica_group * dp + self.layout.coords(spec.rank)["dp_shard"],
-            dp_world=cfg.replica_groups * dp)
-        self.total_steps = target.steps
+        dp_rank = spec.replica_group * dp + self.layout.coords(spec.rank)["dp_shard"]
+        dp_world = cfg.replica_groups * dp
+        self.loader: Any
+        if self.phase is not None:
+            from stages.trainer.mix import MixedLoader
+
+            self.loader = MixedLoader(
+                {r: [Path(p) for p in ps] for r, ps in spec.role_shards.items()},
+                dict(self.phase.data_weights), seq_len=self.phase.seq_len,
+                micro_batch=cfg.micro_batch, seed=target.seed + self.phase.index,
+                dp_rank=dp_rank, dp_world=dp_world, phase=self.phase.name)
+            self.total_steps = self.phase.end_step
+        else:
+            self.loader = TokenLoader(
+                [Path(s) for s in spec.shards], seq_len=target.seq_len,
+                micro_batch=cfg.micro_batch, seed=target.seed,
+                dp_rank=dp_rank, dp_world=dp_world)
+            self.total_steps = target.steps
         self.healed = False
 
         self.store = None
@@ -319,6 +344,8 @@ class TrainLoop:
 
             raise ItoError(ErrorCode.checkpoint_not_found, f"no complete checkpoint {step}")
         self.ckpt.load(records[0], self.train_state)
+        if step <= self.phase_start:
+            self.windows = []  # the previous phase's skipped windows index its own data
         self.manager.load_state_dict({"step": self.train_state.step,
                                       "batches_committed": self.loop_state.batches_committed})
 
@@ -366,8 +393,13 @@ class TrainLoop:
                 if step >= self.total_steps:
                     break
             # After the quorum: a group that just healed jumped to the peers' step.
-            lr = lr_at(step, base_lr=self.cfg.target.learning_rate,
-                       warmup=self.cfg.target.warmup_steps, total=self.total_steps)
+            if self.phase is not None:
+                if step < self.phase_start:  # never train another phase's step here
+                    raise RuntimeError(f"step {step} precedes phase {self.phase.name}")
+                lr = self.phase.lr(step)
+            else:
+                lr = lr_at(step, base_lr=self.cfg.target.learning_rate,
+                           warmup=self.cfg.target.warmup_steps, total=self.total_steps)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             self._seek_loader(step)
@@ -386,7 +418,9 @@ class TrainLoop:
                                 loss=global_loss if math.isfinite(global_loss) else 1e9,
                                 tokens=tokens_per_step * quorum * self.layout.dp_shard
                                 if committed else 0,
-                                seconds=now - t0, committed=committed, quorum_size=quorum))
+                                seconds=now - t0, committed=committed, quorum_size=quorum,
+                                lr=lr, seq_len=int(input_ids.shape[1]),
+                                phase=self.phase.name if self.phase is not None else ""))
             self.status.update(step=self.manager.current_step(), quorum=quorum)
             if pace and now - t0 < pace:
                 time.sleep(pace - (now - t0))
@@ -420,7 +454,8 @@ class TrainLoop:
     def _report_checkpoints(self) -> None:
         for rec in self.ckpt.poll():
             self.emit(CheckpointEvent(step=rec.step, path=rec.path, bytes=rec.bytes,
-                                      blocking_s=rec.blocking_s, total_s=rec.total_s))
+                                      blocking_s=rec.blocking_s, total_s=rec.total_s,
+                                      phase=self.phase.name if self.phase is not None else ""))
             # Blocking includes any wait for the state copy in the next optimizer
             # step, so the badput span is the record's, not save()'s own duration.
             t0 = self._save_started.pop(rec.step, time.time())
@@ -470,7 +505,7 @@ class TrainLoop:
             step = int(params["step"])
             self._restore(step)
             # Skip the next ``skip_batches`` batches from the checkpoint's data position.
-            start = data_index(step, self.windows)
+            start = data_index(step - self.phase_start, self.windows)
             window = (start, start + int(params["skip_batches"]))
             self.windows = sorted({*self.windows, window})
             if self._is_saver_at_end():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,3 +50,15 @@ def causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor,
         target[:, 1:].reshape(-1),
         ignore_index=-100,
     )
+
+
+def set_rope_theta(model: torch.nn.Module, theta: float) -> None:
+    """Set the RoPE base of a built Llama (config and the cached inverse frequencies),
+    so a longer-context phase trains with a scaled base and an HF export keeps it."""
+    config: Any = model.config
+    params = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default"})
+    params["rope_theta"] = float(theta)
+    config.rope_parameters = params
+    inner: Any = getattr(model, "model", model)
+    rotary = inner.rotary_emb
+    inner.rotary_emb = type(rotary)(config=config).to(next(model.parameters()).device)

@@ -24,6 +24,20 @@ def resolve_train_files(cfg: TrainStageConfig, ctx: StageContext) -> list[Path]:
     return [Path(p) for p in files]
 
 
+def resolve_files_by_role(cfg: TrainStageConfig, ctx: StageContext) -> dict[str, list[Path]]:
+    """Train files by data role; the config's own files count as ``baseline``."""
+    if cfg.train_files:
+        return {"baseline": [Path(p.removeprefix("file://")) for p in cfg.train_files]}
+    prep = ctx.previous.get("data_prep")
+    files = prep.artifacts.get("train_files") if prep else None
+    if not files:
+        raise ItoError(ErrorCode.data_not_found,
+                       "no train_files in the config and no data_prep artifacts")
+    if isinstance(files, dict):
+        return {role: [Path(p) for p in ps] for role, ps in files.items() if ps}
+    return {"baseline": [Path(p) for p in files]}
+
+
 class TrainingStage:
     name: ClassVar[str] = "train"
     config_model: ClassVar[type[TrainStageConfig]] = TrainStageConfig
@@ -41,6 +55,8 @@ class TrainingStage:
         from stages.trainer.tokenizer import ByteTokenizer
 
         cfg = self.config
+        if cfg.curriculum is not None:
+            return self._run_curriculum(ctx)
         try:
             # What the device cannot run fails here, before any worker starts; each
             # worker checks again against its GPU's compute capability.
@@ -82,3 +98,29 @@ class TrainingStage:
                        "rank_digests": result.rank_digests,
                        "layout": result.layout},
             error_code=None if done else ErrorCode.training_failed.value)
+
+    def _run_curriculum(self, ctx: StageContext) -> GateOutcome:
+        from stages.presets import load_model_preset
+        from stages.trainer.engine import RunCancelled
+        from stages.trainer.layout import check_runnable
+        from stages.trainer.phase_data import prepare_phase_data
+        from stages.trainer.phases import CurriculumRunner
+
+        cfg = self.config
+        try:
+            check_runnable(cfg.layout, cfg.device)
+            preset = load_model_preset(cfg.model.preset)
+            data = prepare_phase_data(
+                resolve_files_by_role(cfg, ctx), ctx.workdir, text_field=cfg.text_field,
+                vocab_size=preset.vocab_size, permille=cfg.heldout_permille,
+                min_docs=cfg.heldout_min_docs, tokenizer_path=cfg.model.tokenizer_path,
+                model_max_length=preset.max_position_embeddings)
+            ckpt_dir = self.checkpoint_dir(ctx)
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            return CurriculumRunner(cfg, ctx, ckpt_dir, data).run()
+        except RunCancelled:
+            return GateOutcome(stage=self.name, status="failed", reason="cancelled",
+                               error_code=ErrorCode.invalid_state.value)
+        except ItoError as e:
+            return GateOutcome(stage=self.name, status="failed", reason=e.message,
+                               error_code=e.code.value)

@@ -87,6 +87,16 @@ def test_export_reloads_with_from_pretrained_and_gives_the_same_logits(tmp_path:
         a = model(input_ids=ids).logits
         b = loaded(input_ids=ids).logits
     assert torch.equal(a, b)
+    # A long-context phase's scaled RoPE base travels with the export.
+    from stages.trainer.model import set_rope_theta
+
+    set_rope_theta(model, 22081.79)
+    out2 = export_hf(model, tok, tmp_path / "long")
+    loaded2 = AutoModelForCausalLM.from_pretrained(str(out2), local_files_only=True).eval()
+    with torch.no_grad():
+        c = model(input_ids=ids).logits
+        assert not torch.equal(a, c)
+        assert torch.equal(c, loaded2(input_ids=ids).logits)
     # Exporting again replaces the folder atomically.
     export_hf(model, tok, out, metadata={"phase": "long_context", "step": 9})
     assert json.loads((out / "ito_export.json").read_text())["phase"] == "long_context"

@@ -178,12 +178,26 @@ def get_metrics(run_id: str, creds: HTTPAuthorizationCredentials | None = Depend
 
 def retained_checkpoints(store: Store, run_id: str) -> list[Row]:
     """The checkpoints the trainer still keeps: its keep-K policy over the completed
-    saves it reported, less any removed since (an approved restart discards newer ones;
-    cleanup removes all). Existence is checked where the storage is visible here."""
+    saves it reported, plus every checkpoint that closed a curriculum phase (kept
+    whatever keep-K says), less any removed since (an approved restart discards newer
+    ones; cleanup removes all). Each row carries its ``phase`` and ``closes_phase``.
+    Existence is checked where the storage is visible here."""
     if store.get_run(run_id)["state"] == RunState.cleaned:
         return []
     keep = int(store.run_manifest(run_id)["checkpoint"]["keep"])
-    rows = store.list_checkpoints(run_id)[-keep:]
+    phase_of: dict[int, str] = {}
+    closing: set[int] = set()
+    for ev in store.list_events(run_id, kinds=["checkpoint"], limit=1_000_000):
+        body = ev["payload"]
+        if body.get("phase"):
+            phase_of[int(body["step"])] = str(body["phase"])
+        if body.get("closes_phase"):
+            closing.add(int(body["step"]))
+    rows = store.list_checkpoints(run_id)
+    kept = {r["step"] for r in rows if r["step"] not in closing}
+    kept = set(sorted(kept)[-keep:]) | closing
+    rows = [{**r, "phase": phase_of.get(r["step"], ""), "closes_phase": r["step"] in closing}
+            for r in rows if r["step"] in kept]
     return [r for r in rows if Path(r["path"]).exists() or not Path(r["path"]).parent.exists()]
 
 
@@ -196,5 +210,6 @@ def get_checkpoints(run_id: str, creds: HTTPAuthorizationCredentials | None = De
         "step": r["step"], "path": r["path"], "bytes": r["bytes"],
         "blocking_s": r["blocking_s"], "total_s": r["total_s"],
         "bytes_per_s": r["bytes"] / r["total_s"] if r["total_s"] > 0 else None,
-        "created_at": iso(r["created_at"])} for r in rows]})
+        "created_at": iso(r["created_at"]), "phase": r["phase"],
+        "closes_phase": r["closes_phase"]} for r in rows]})
 

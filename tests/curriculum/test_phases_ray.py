@@ -1,0 +1,261 @@
+"""Curriculum phases executed for real: a local Ray, torchft replica groups, a real
+SIGKILL, real lm-eval batteries at each phase end, real HF exports.
+
+Three phases (pretrain 32 → mid_train 32 → long_context 64 tokens). Phase 2's gate
+cannot pass (held-out loss below 0.001), so the run must end ``eval_gate_failed``
+after phase 2 and no step of phase 3 may ever run. A replica group is SIGKILLed in
+phase 2 and must recover in phase 2.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.base import GateOutcome, StageContext
+from stages.checkpointing.config import CheckpointPolicy
+from stages.checkpointing.storage import list_checkpoints, pinned_phase
+from stages.curriculum.config import CurriculumConfig
+from stages.curriculum.plan import CurriculumPlan, plan_curriculum
+from stages.errors import ErrorCode
+from stages.events import CheckpointEvent, EvalEvent, Event, LogEvent, PhaseEvent, StepEvent
+from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget, TrainStageConfig
+
+pytestmark = pytest.mark.slow
+WAIT_S = 180.0
+RUN_ID = "phases"
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="ray-phases-")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=tmp,
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _data(path: Path) -> Path:
+    with path.open("w") as f:
+        for i in range(300):
+            f.write(json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 5 + 1)})
+                    + "\n")
+    return path
+
+
+CURRICULUM = CurriculumConfig.model_validate({"phases": [
+    {"name": "pretrain", "kind": "pretrain", "token_fraction": 0.1, "seq_len": 32,
+     "gates": [{"metric": "heldout_loss", "max": 100.0}]},
+    {"name": "mid", "kind": "mid_train", "token_fraction": 0.8, "lr_scale": 0.5,
+     "warmup_steps": 2,
+     "gates": [{"metric": "heldout_loss", "max": 0.001},
+               {"metric": "heldout_bits_per_byte", "max_regression": 100.0}]},
+    {"name": "long", "kind": "long_context", "token_fraction": 0.1, "seq_len": 64},
+]}, strict=False)
+
+
+def _plan() -> CurriculumPlan:
+    return plan_curriculum(CURRICULUM, total_steps=100, base_seq_len=32,
+                           global_batch_tokens=256, learning_rate=1e-3, warmup_steps=3,
+                           rope_theta=10000.0, head_dim=16, max_positions=256)
+
+
+def _config(tmp: Path) -> TrainStageConfig:
+    return TrainStageConfig.model_validate(dict(
+        model=ModelSpec(preset="llama-tiny", size="0.1M"),
+        target=TrainingTarget(max_steps=100, seq_len=32, global_batch_tokens=256,
+                              learning_rate=1e-3, warmup_steps=3),
+        # keep=1: the checkpoint that closed pretrain must survive it anyway.
+        checkpoint=CheckpointPolicy(interval_steps=5, keep=1,
+                                    storage_uri=f"file://{tmp}/ckpt"),
+        loss_spike=LossSpikeConfig(enabled=False),
+        train_files=[str(_data(tmp / "train.jsonl"))],
+        replica_groups=2, pace_step_s=0.15, curriculum=_plan()), strict=False)
+
+
+class Run:
+    def __init__(self, cfg: TrainStageConfig, tmp: Path):
+        from stages.trainer import TrainingStage
+
+        self.events: list[Event] = []
+        self.cond = threading.Condition()
+        self.ctx = StageContext(run_id=RUN_ID, booking_id="bk", workdir=tmp / "work",
+                                emit=self._emit)
+        self.ctx.workdir.mkdir(exist_ok=True)
+        self.outcome: GateOutcome | None = None
+        self.thread = threading.Thread(target=self._run, args=(TrainingStage(cfg),),
+                                       daemon=True)
+        self.thread.start()
+
+    def _emit(self, e: Event) -> None:
+        with self.cond:
+            self.events.append(e)
+            self.cond.notify_all()
+
+    def _run(self, stage: object) -> None:
+        self.outcome = stage.run(self.ctx)  # type: ignore[attr-defined]
+
+    def wait_for(self, pred: object, what: str) -> Event:
+        deadline = time.time() + WAIT_S
+        with self.cond:
+            while True:
+                for e in self.events:
+                    if pred(e):  # type: ignore[operator]
+                        return e
+                left = deadline - time.time()
+                assert left > 0, f"timed out waiting for {what}"
+                self.cond.wait(min(left, 1.0))
+
+    def join(self) -> GateOutcome:
+        self.thread.join(timeout=WAIT_S)
+        self.ctx.cancel_event.set()
+        assert self.outcome is not None
+        return self.outcome
+
+
+@pytest.fixture(scope="module")
+def failed_run(ray_local: None, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[tuple[Run, GateOutcome, TrainStageConfig, float]]:
+    from stages.trainer import kill_replica_group
+
+    tmp = tmp_path_factory.mktemp("phases")
+    cfg = _config(tmp)
+    run = Run(cfg, tmp)
+    # SIGKILL group 1 early in phase 2 (steps 10..90), so it is back well before 90.
+    run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.phase == "mid"
+                 and e.step >= 15 and e.quorum_size == 2, "phase 2 in the full quorum")
+    killed_at, pids = kill_replica_group(RUN_ID, 1)
+    assert pids
+    out = run.join()
+    yield run, out, cfg, killed_at
+
+
+def test_second_gate_fails_the_run_and_phase_three_never_runs(
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    run, out, _, _ = failed_run
+    assert out.status == "failed", out.reason
+    assert out.error_code == ErrorCode.eval_gate_failed
+    assert "phase mid" in out.reason and "heldout_loss" in out.reason
+    [failing] = out.artifacts["failed_checks"]
+    assert failing["check"] == "heldout_loss" and failing["max"] == 0.001
+    assert failing["phase"] == "mid" and failing["score"] > 0.001
+    steps = [e for e in run.events if isinstance(e, StepEvent)]
+    assert steps and not [e for e in steps if e.phase == "long" or e.step > 90]
+    assert max(e.step for e in steps if e.committed) == 90
+    evals = [e for e in run.events if isinstance(e, EvalEvent)]
+    assert {e.phase for e in evals} == {"pretrain", "mid"}
+    assert all(e.passed for e in evals if e.phase == "pretrain")
+    # Every check of the battery ran and scored, in both phases.
+    assert {e.check for e in evals if e.phase == "mid" and e.score is not None} >= {
+        "heldout_loss", "heldout_bits_per_byte", "gsm8k_exact_match", "arith_mc_acc"}
+    regression = [e for e in evals if e.check == "heldout_bits_per_byte" and e.phase == "mid"
+                  and e.max_regression is not None]
+    assert regression and regression[0].previous is not None  # compared with pretrain
+    assert [e for e in run.events if isinstance(e, PhaseEvent) and e.phase == "evaluation"]
+    assert any(isinstance(e, LogEvent) and e.level == "error" and "failed" in e.message
+               for e in run.events)
+
+
+def test_phases_train_with_their_own_seq_len_and_lr_schedule(
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    run, _, _, _ = failed_run
+    plan = _plan()
+    pre, mid = plan.phases[0], plan.phases[1]
+    assert (pre.start_step, pre.end_step, mid.end_step) == (0, 10, 90)
+    committed = [e for e in run.events if isinstance(e, StepEvent) and e.committed]
+    for e in committed:
+        phase = plan.phase_of(e.step - 1)
+        assert e.phase == phase.name
+        assert e.seq_len == phase.seq_len
+        assert e.lr == pytest.approx(phase.lr(e.step - 1))
+    # The schedules differ: pretrain warms up to 1e-3; mid re-warms to half that and
+    # decays (WSD) to 10% over its last 20% of steps (74..90).
+    lrs = {e.step: e.lr for e in committed}
+    assert lrs[1] == pytest.approx(1e-3 / 3) and lrs[5] == pytest.approx(1e-3)
+    assert lrs[10] == pytest.approx(1e-4)  # pretrain's anneal ends at the floor
+    assert lrs[11] == pytest.approx(0.5e-3 / 2) and lrs[20] == pytest.approx(0.5e-3)
+    assert lrs[90] == pytest.approx(0.5e-4)
+    assert lrs[82] < lrs[74] == pytest.approx(0.5e-3)
+
+
+def test_group_killed_in_phase_two_recovers_in_phase_two(
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    run, out, _, killed_at = failed_run
+    after = [e for e in run.events if isinstance(e, StepEvent) and e.ts > killed_at]
+    assert after and all(e.phase == "mid" and e.seq_len == 32 for e in after)
+    logs = [e.message for e in run.events if isinstance(e, LogEvent) and e.ts > killed_at]
+    assert any("rg1: healed" in m for m in logs), logs
+    rejoined = [e for e in after if e.replica_group == 1 and e.committed]
+    assert rejoined and any(e.quorum_size == 2 for e in rejoined)
+    assert out.metrics["interruptions"] >= 1
+
+
+def test_phase_closing_checkpoints_are_kept_and_exported(
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.trainer.phases import load_phase_model
+
+    run, out, cfg, _ = failed_run
+    records = list_checkpoints(out.artifacts["checkpoint_dir"])
+    by_step = {r.step: r for r in records}
+    # keep=1, yet the checkpoints that closed pretrain (10) and mid (90) are both kept.
+    assert pinned_phase(by_step[10]) == "pretrain" and pinned_phase(by_step[90]) == "mid"
+    closing = [e for e in run.events if isinstance(e, CheckpointEvent) and e.closes_phase]
+    assert [(e.step, e.phase) for e in closing] == [(10, "pretrain"), (90, "mid")]
+    # Each phase's export reloads with from_pretrained and gives its checkpoint's logits.
+    plan = _plan()
+    for ph, summary in zip(plan.phases[:2], out.artifacts["phases"], strict=True):
+        export = Path(summary["export"])
+        model = AutoModelForCausalLM.from_pretrained(str(export), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(export), local_files_only=True)
+        ids = torch.tensor([tok("doc 7: the quick brown fox")["input_ids"]])
+        ref = load_phase_model(cfg, ph, by_step[ph.end_step].path)
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_a_relaunched_stage_keeps_the_decided_gate(
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A driver relaunch runs the stage again: decided gates are read back, nothing
+    trains and nothing is re-scored; a failed gate stays failed."""
+    run, out, cfg, _ = failed_run
+    again = Run(cfg, Path(run.ctx.workdir).parent)
+    out2 = again.join()
+    assert out2.status == "failed" and out2.error_code == ErrorCode.eval_gate_failed
+    assert out2.artifacts["failed_checks"] == out.artifacts["failed_checks"]
+    assert not [e for e in again.events if isinstance(e, StepEvent | EvalEvent)]
+
+
+def test_the_same_checkpoint_scores_identically_again(
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    """Re-scoring the checkpoint that closed pretrain, in a fresh model, gives exactly
+    the scores its gate recorded."""
+    from stages.evals import run_battery
+    from stages.hf import load_tokenizer
+    from stages.trainer.phases import load_phase_model, read_gate
+
+    run, out, cfg, _ = failed_run
+    pre = _plan().phases[0]
+    rec = read_gate(Path(out.artifacts["checkpoint_dir"]), pre)
+    assert rec is not None
+    work = Path(run.ctx.workdir)
+    heldout = [json.loads(line)["text"] for line in
+               (work / "phase_data" / "heldout.jsonl").read_text().splitlines()]
+    model = load_phase_model(cfg, pre, rec["checkpoint"])
+    again = run_battery(model, load_tokenizer(work / "tokenizer"), "smoke", heldout,
+                        seq_len=pre.seq_len, phase=pre.name)
+    assert again.scores() == {c["name"]: c["score"] for c in rec["result"]["checks"]}
+    assert again.task_files == rec["result"]["task_files"]
