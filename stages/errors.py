@@ -110,6 +110,11 @@ class ErrorCode(StrEnum):
     stage_failed = "stage_failed"
     gate_failed = "gate_failed"
     ray_unavailable = "ray_unavailable"
+    # --- post-training (stages.post_training) -----------------------------------------
+    post_training_data_invalid = "post_training_data_invalid"
+    post_training_model_invalid = "post_training_model_invalid"
+    reward_unknown = "reward_unknown"
+    rollout_fleet_failed = "rollout_fleet_failed"
 
 
 class ItoError(Exception):

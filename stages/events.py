@@ -57,7 +57,7 @@ class InterruptionEvent(_Event):
 
     kind: Literal["interruption"] = "interruption"
     interruption_kind: Literal["replica_group_lost", "all_groups_lost", "hang", "loss_spike",
-                               "driver_lost"]
+                               "driver_lost", "rollout_worker_lost"]
     replica_group: int | None = None
     detected_at: float
     recovered_at: float | None = None
@@ -83,6 +83,15 @@ class PhaseEvent(_Event):
     end: float
 
 
+class MetricsEvent(_Event):
+    """Named gauges of a stage at a step (post-training's rollout fleet and losses)."""
+
+    kind: Literal["metrics"] = "metrics"
+    step: int
+    scope: str = ""
+    values: dict[str, float] = Field(default_factory=dict)
+
+
 class StageResultEvent(_Event):
     kind: Literal["stage_result"] = "stage_result"
     outcome: dict[str, Any]
@@ -95,6 +104,7 @@ Event = Annotated[
     | InterruptionEvent
     | ProposalEvent
     | PhaseEvent
+    | MetricsEvent
     | StageResultEvent,
     Field(discriminator="kind"),
 ]

@@ -45,11 +45,12 @@ _STATUS_GROUPS: dict[int, tuple[ErrorCode, ...]] = {
           E.plan_pp_bubble_too_large, E.plan_batch_not_divisible, E.plan_fp8_unsupported,
           E.plan_degrees_mismatch, E.plan_wasteful, E.plan_no_feasible, E.data_not_found,
           E.data_remote_not_cached, E.data_format_unsupported, E.data_digest_mismatch,
-          E.data_empty, E.eval_suite_unknown, E.gate_failed),
+          E.data_empty, E.eval_suite_unknown, E.gate_failed,
+          E.post_training_data_invalid, E.post_training_model_invalid, E.reward_unknown),
     428: (E.confirmation_required, E.idempotency_key_missing),
     429: (E.rate_limited,),
     500: (E.internal_error, E.checkpoint_corrupt, E.all_replica_groups_lost,
-          E.training_failed, E.stage_failed, E.driver_lost),
+          E.training_failed, E.stage_failed, E.driver_lost, E.rollout_fleet_failed),
     503: (E.ray_unavailable,),
 }
 HTTP_STATUS: dict[ErrorCode, int] = {
