@@ -24,8 +24,11 @@ def _say(n: int) -> dict[str, Any]:
     return {"prompt": f"Say {n}.", "answer": str(n)}
 
 
-def write_task(folder: Path, *, n_prompts: int = 10, seed: int = 0) -> dict[str, Path]:
-    """SFT (conversational), DPO (preference) and RLVR (prompt/answer) JSONL files."""
+def write_task(folder: Path, *, n_prompts: int = 10, rl_numbers: tuple[int, ...] = (7,),
+               seed: int = 0) -> dict[str, Path]:
+    """SFT (conversational) and DPO (preference) files over ``n_prompts`` numbers; the
+    RLVR prompt/answer file over ``rl_numbers`` (a few, so a tiny policy that SFT
+    left near chance can visibly improve within a few RL steps)."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     nums = list(range(n_prompts))
@@ -35,7 +38,7 @@ def write_task(folder: Path, *, n_prompts: int = 10, seed: int = 0) -> dict[str,
             "chosen": [{"role": "assistant", "content": str(n)}],
             "rejected": [{"role": "assistant", "content": str((n + rng.randint(1, 9)) % 10)}]}
            for n in nums]
-    rl = [_say(n) for n in nums]
+    rl = [_say(n) for n in rl_numbers]
     paths = {}
     for name, rows in (("sft", sft), ("dpo", dpo), ("rlvr", rl)):
         p = folder / f"{name}.jsonl"
