@@ -6,6 +6,7 @@ next rollout starts."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from typing import Any, Protocol
 
@@ -33,15 +34,24 @@ class WorkerPool(Protocol):
 
 
 class LocalPool:
-    """In-process workers, one single-thread executor each (FIFO per worker)."""
+    """In-process workers, one single-thread executor each (FIFO per worker).
+
+    In-process workers share torch's global RNG, which generation seeds per request:
+    their rollouts run one at a time so a seed means the same samples as in a
+    process of its own."""
 
     def __init__(self, workers: list[Any]):
         self.workers = workers
         self.size = len(workers)
         self._ex = [cf.ThreadPoolExecutor(max_workers=1) for _ in workers]
+        self._rng_lock = threading.Lock()
+
+    def _generate(self, w: int, req: RolloutRequest) -> Any:
+        with self._rng_lock:
+            return self.workers[w].generate(req)
 
     def submit(self, w: int, req: RolloutRequest) -> Any:
-        return self._ex[w].submit(self.workers[w].generate, req)
+        return self._ex[w].submit(self._generate, w, req)
 
     def put_weights(self, state: dict[str, Any]) -> Any:
         # The trainer changes its tensors in place on the next step: hand over a copy.

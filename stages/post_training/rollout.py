@@ -77,6 +77,15 @@ def rollout_prefix(run_id: str) -> str:
     return f"run-{run_id}-rollout-"
 
 
+def admission_refusal(version: int, req: RolloutRequest, worker: int) -> Refusal | None:
+    """The worker's own admission check (AReaL): None if it may start ``req``."""
+    if version < 0:
+        return Refusal(id=req.id, worker=worker, version=version, reason="no weights")
+    if req.consume_step - version > req.max_staleness:
+        return Refusal(id=req.id, worker=worker, version=version, reason="stale")
+    return None
+
+
 class RolloutWorker:
     def __init__(self, spec: WorkerSpec):
         import torch
@@ -105,12 +114,9 @@ class RolloutWorker:
 
     # -- rollouts --------------------------------------------------------------------
     def generate(self, req: RolloutRequest) -> RolloutGroup | Refusal:
-        if self.version < 0:
-            return Refusal(id=req.id, worker=self.spec.index, version=self.version,
-                           reason="no weights")
-        if req.consume_step - self.version > req.max_staleness:
-            return Refusal(id=req.id, worker=self.spec.index, version=self.version,
-                           reason="stale")
+        refused = admission_refusal(self.version, req, self.spec.index)
+        if refused is not None:
+            return refused
         t0 = time.perf_counter()
         out = generate_group(self.model, self.tokenizer, req)
         from stages.post_training.losses import overlong_penalty
