@@ -42,6 +42,10 @@ class RunMetrics(BaseModel):
     checkpoint_bytes: int = 0
     checkpoint_bytes_per_s: float = 0.0
     checkpoint_blocking_s: float = 0.0
+    # Post-training's rollout fleet: the latest RLVR gauges (rollout_samples_per_s,
+    # trainer_idle_frac, rollout_idle_frac, weight_sync_s, staleness_min/mean/max,
+    # drop_rate, mean_reward, ...), from its ``metrics`` events.
+    post_training: dict[str, float] = Field(default_factory=dict)
 
 
 def _merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -86,6 +90,8 @@ def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: floa
             if ev.get("recovered_at") is not None:
                 m.interruptions_recovered += 1
                 m.recover_s.append(float(ev["recovered_at"]) - detected)
+        elif kind == "metrics" and ev.get("scope") == "rlvr":
+            m.post_training.update({str(k): float(v) for k, v in ev["values"].items()})
         elif kind == "checkpoint":
             m.checkpoints += 1
             m.checkpoint_bytes += int(ev["bytes"])

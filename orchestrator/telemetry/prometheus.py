@@ -16,6 +16,24 @@ from prometheus_client.registry import Collector
 
 from orchestrator.telemetry.goodput import RunMetrics, aggregate
 
+# Post-training's rollout-fleet gauges: (RunMetrics.post_training key, family, help).
+POST_TRAINING_GAUGES = (
+    ("rollout_samples_per_s", "ito_run_rollout_samples_per_second",
+     "RLVR rollout samples (completions) generated per second"),
+    ("trainer_idle_frac", "ito_run_rl_trainer_idle_ratio",
+     "Fraction of RLVR wall time the trainer waited for rollouts"),
+    ("rollout_idle_frac", "ito_run_rl_rollout_idle_ratio",
+     "Fraction of rollout-worker time not generating"),
+    ("weight_sync_s", "ito_run_rl_weight_sync_seconds",
+     "Median seconds to publish a policy version to every rollout worker"),
+    ("staleness_min", "ito_run_rl_staleness_min", "Fewest policy versions a trained sample lagged"),
+    ("staleness_mean", "ito_run_rl_staleness_mean", "Mean policy versions a trained sample lagged"),
+    ("staleness_max", "ito_run_rl_staleness_max", "Most policy versions a trained sample lagged"),
+    ("drop_rate", "ito_run_rl_dynamic_sampling_drop_ratio",
+     "Fraction of rollout groups dropped by dynamic sampling (uniform rewards)"),
+    ("mean_reward", "ito_run_rl_mean_reward", "Mean verifiable reward of the last RLVR step"),
+)
+
 
 @dataclass(frozen=True)
 class RunSample:
@@ -50,6 +68,8 @@ class TelemetryCollector(Collector):
                                     labels=labels)
         state = GaugeMetricFamily("ito_run_state", "1 for the run's current state",
                                   labels=[*labels, "state"])
+        rl = {key: GaugeMetricFamily(name, doc, labels=labels)
+              for key, name, doc in POST_TRAINING_GAUGES}
         by_booking: dict[str, list[RunMetrics]] = defaultdict(list)
         for s in samples:
             lv = [s.run_id, s.booking_id]
@@ -64,6 +84,9 @@ class TelemetryCollector(Collector):
             tps.add_metric(lv, m.tokens_per_s)
             steps.add_metric(lv, m.steps_committed)
             state.add_metric([*lv, s.state], 1.0)
+            for key, value in m.post_training.items():
+                if key in rl:
+                    rl[key].add_metric(lv, value)
             by_booking[s.booking_id].append(m)
         b_goodput = GaugeMetricFamily("ito_booking_goodput_ratio",
                                       "Pooled goodput of the booking's runs", labels=["booking_id"])
@@ -84,3 +107,4 @@ class TelemetryCollector(Collector):
             b_tps.add_metric([booking_id], agg.tokens_per_s)
         yield from (goodput, elapsed, badput, interruptions, rate, ckpt_bw, tps, steps, state,
                     b_goodput, b_rate, b_bw, b_tps)
+        yield from rl.values()
