@@ -158,6 +158,10 @@ def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
     check_fabric(settings, booking["fabric"])
     capacity = check_capacity(m, booking, profile)
     n_refs = check_data_policy(settings, m)
+    if m.post_training.steps():
+        from stages.post_training.stage import validate_recipe
+
+        validate_recipe(m.post_training)  # formats, reward name, base model: clear codes
     storage = check_checkpoint_storage(settings, m)
     step_time_s = planner() if planner is not None else None
     try:

@@ -10,8 +10,13 @@ import threading
 import time
 from typing import Any, Protocol
 
-from stages.post_training.rollout import (RolloutGroup, RolloutRequest, Refusal, WorkerSpec,
-                                          rollout_name)
+from stages.post_training.rollout import (
+    Refusal,
+    RolloutGroup,
+    RolloutRequest,
+    WorkerSpec,
+    rollout_name,
+)
 
 
 class WorkerLost(Exception):
@@ -71,9 +76,8 @@ class LocalPool:
             raise WorkerLost(w, f"{type(e).__name__}: {e}") from e
 
     def versions(self, timeout_s: float) -> list[int]:
-        futs = [ex.submit(lambda wk=wk: wk.identity()["version"])
-                for ex, wk in zip(self._ex, self.workers, strict=True)]
-        return [f.result(timeout=timeout_s) for f in futs]
+        futs = [ex.submit(wk.identity) for ex, wk in zip(self._ex, self.workers, strict=True)]
+        return [int(f.result(timeout=timeout_s)["version"]) for f in futs]
 
     def close(self) -> None:
         for ex in self._ex:
@@ -94,8 +98,8 @@ class RayPool:
         from stages.post_training.rollout import RolloutWorker
 
         self.size = len(specs)
-        cls = ray.remote(RolloutWorker)
-        self.actors = [cls.options(  # type: ignore[attr-defined]
+        cls: Any = ray.remote(RolloutWorker)
+        self.actors: list[Any] = [cls.options(
             name=rollout_name(run_id, s.index), namespace=namespace,
             num_cpus=ROLLOUT_NUM_CPUS, num_gpus=1 if device == "cuda" else 0,
             max_restarts=max_restarts, max_task_retries=0, max_concurrency=1,
@@ -152,4 +156,4 @@ class RayPool:
                 continue
 
 
-__all__ = ["LocalPool", "RayPool", "WorkerLost", "WorkerPool", "RolloutGroup", "Refusal"]
+__all__ = ["LocalPool", "RayPool", "Refusal", "RolloutGroup", "WorkerLost", "WorkerPool"]

@@ -11,8 +11,7 @@ from typing import Any
 from stages.events import Event, MetricsEvent
 from stages.post_training.config import RLVRConfig
 from stages.post_training.fleet import DynamicSampler, FleetStats, RolloutController
-from stages.post_training.losses import (aggregate, dapo_token_loss, group_advantages,
-                                         token_logprobs)
+from stages.post_training.losses import aggregate, dapo_token_loss, group_advantages, token_logprobs
 from stages.post_training.pools import WorkerPool
 from stages.post_training.rollout import RolloutGroup, RolloutRequest
 
@@ -197,5 +196,11 @@ def run_synchronous(cfg: RLVRConfig, learner: GRPOLearner, worker: Any,
     return result
 
 
-__all__ = ["GRPOLearner", "RequestMaker", "run_rlvr", "run_synchronous", "RLResult",
-           "time"]
+__all__ = [
+    "GRPOLearner",
+    "RLResult",
+    "RequestMaker",
+    "run_rlvr",
+    "run_synchronous",
+    "time",
+]

@@ -43,6 +43,18 @@ def reward_gain(rewards: list[float]) -> dict[str, float]:
     return {"reward_first": first, "reward_last": last, "reward_gain": last - first}
 
 
+def validate_recipe(recipe: PostTrainingConfig) -> dict[str, int]:
+    """The API's validation-time check: every dataset parses in its format, the reward
+    is registered and a named base model is an HF folder. Returns rows per step."""
+    from stages.post_training.hf_io import check_model_dir, model_dir
+
+    stage = PostTrainingStage(PostTrainingStageConfig(recipe=recipe, output_dir="/nonexistent"))
+    rows = stage.load_data()
+    if recipe.base_model is not None:
+        check_model_dir(model_dir(recipe.base_model))
+    return {k: len(v) for k, v in rows.items()}
+
+
 class PostTrainingStage:
     name: ClassVar[str] = "post_training"
     config_model: ClassVar[type[PostTrainingStageConfig]] = PostTrainingStageConfig
@@ -66,14 +78,16 @@ class PostTrainingStage:
         return path
 
     def load_data(self) -> dict[str, list[dict[str, Any]]]:
-        from stages.post_training.data import load_rows
+        from stages.post_training.data import Kind, load_rows
         from stages.post_training.rewards import get_reward
 
         recipe = self.config.recipe
         rows: dict[str, list[dict[str, Any]]] = {}
-        for step in recipe.steps():
+        kinds: tuple[Kind, ...] = ("sft", "dpo", "rlvr")
+        for step in kinds:
             cfg = getattr(recipe, step)
-            rows[step] = load_rows(step, cfg.data.uri)
+            if cfg is not None:
+                rows[step] = load_rows(step, cfg.data.uri)
         if recipe.rlvr is not None:
             get_reward(recipe.rlvr.reward)
             if recipe.rlvr.rollout_engine == "vllm":

@@ -131,3 +131,27 @@ def test_bad_base_model_and_unknown_reward(tmp_path: Path, tiny_policy: Path,
         "max_completion_tokens": 4, "overlong_buffer_tokens": 1})
     out = bad.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path))
     assert out.error_code == ErrorCode.reward_unknown
+
+
+def test_validation_time_check_names_the_bad_line(tmp_path: Path, tiny_policy: Path) -> None:
+    from stages.post_training.config import PostTrainingConfig
+    from stages.post_training.stage import validate_recipe
+
+    good = _write(tmp_path, [{"messages": [{"role": "user", "content": "a"},
+                                           {"role": "assistant", "content": "b"}]}], "s.jsonl")
+    bad = _write(tmp_path, [{"prompt": "p", "chosen": "c"}], "p.jsonl")
+
+    def recipe(**kw: Any) -> PostTrainingConfig:
+        return PostTrainingConfig.model_validate({"base_model": f"file://{tiny_policy}", **kw})
+
+    ref = {"sha256": "0" * 64, "provenance": {"source": "s", "license": "MIT"}}
+    assert validate_recipe(recipe(sft={"data": {"uri": good, **ref}, "steps": 1})) == {"sft": 1}
+    with pytest.raises(ItoError) as e:
+        validate_recipe(recipe(sft={"data": {"uri": good, **ref}, "steps": 1},
+                               dpo={"data": {"uri": bad, **ref}, "steps": 1}))
+    assert e.value.code == ErrorCode.post_training_data_invalid and "p.jsonl:1" in str(e.value)
+    with pytest.raises(ItoError) as e:
+        validate_recipe(PostTrainingConfig.model_validate(
+            {"base_model": f"file://{tmp_path}", "sft": {"data": {"uri": good, **ref},
+                                                          "steps": 1}}))
+    assert e.value.code == ErrorCode.post_training_model_invalid

@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 
 from stages.post_training.fleet import DynamicSampler, RolloutController
 from stages.post_training.pools import LocalPool
-from stages.post_training.rollout import (Refusal, RolloutGroup, RolloutRequest,
-                                          admission_refusal)
+from stages.post_training.rollout import Refusal, RolloutGroup, RolloutRequest, admission_refusal
 from tests.post_training.conftest import data_ref
 
 
