@@ -110,6 +110,12 @@ class ErrorCode(StrEnum):
     stage_failed = "stage_failed"
     gate_failed = "gate_failed"
     ray_unavailable = "ray_unavailable"
+    # --- curriculum, eval batteries, HF formats (stages.evals, stages.hf) -------------
+    eval_battery_unknown = "eval_battery_unknown"
+    eval_metric_unknown = "eval_metric_unknown"
+    curriculum_invalid = "curriculum_invalid"
+    eval_gate_failed = "eval_gate_failed"
+    tokenizer_invalid = "tokenizer_invalid"
     # --- post-training (stages.post_training) -----------------------------------------
     post_training_data_invalid = "post_training_data_invalid"
     post_training_model_invalid = "post_training_model_invalid"

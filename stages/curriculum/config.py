@@ -7,24 +7,15 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from stages.base import StrictModel
+from stages.evals.config import GateThreshold
 
 DataRole = Literal["baseline", "custom"]
+
+__all__ = ["CurriculumConfig", "CurriculumPhase", "DataRole", "GateThreshold"]
 
 
 def _all_roles() -> list[DataRole]:
     return ["baseline", "custom"]
-
-
-class GateThreshold(StrictModel):
-    metric: str = Field(min_length=1, max_length=64)
-    max: float | None = None
-    min: float | None = None
-
-    @model_validator(mode="after")
-    def _bound(self) -> GateThreshold:
-        if self.max is None and self.min is None:
-            raise ValueError("a gate needs max and/or min")
-        return self
 
 
 class CurriculumPhase(StrictModel):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,6 +38,9 @@ class EvalSuite(BaseModel):
     description: str = ""
     license: str = ""
     files: list[EvalFileSpec] = Field(min_length=1)
+    # An eval battery (stages.evals) is a suite with checks: its items are
+    # decontaminated against like any suite's; the checks are read by stages.evals.
+    checks: list[dict[str, Any]] = Field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,173 @@
+"""Run a battery on an in-memory model: every check, each bounded in time.
+
+A check that raises, times out or gives no finite number is recorded as such, with
+no score; the gate treats it as failed (never as a pass).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.evals.config import Battery, BatteryCheck, evals_dir, load_battery
+from stages.evals.harness import run_tasks, task_data_files
+from stages.evals.heldout import heldout_scores
+
+CheckStatus = Literal["ok", "error", "timeout", "no_number"]
+
+
+class EvalSettings(BaseModel):
+    """How a battery runs (not what it checks: that is the battery's, fixed)."""
+
+    model_config = ConfigDict(extra="forbid")
+    check_timeout_s: float = Field(default=600.0, gt=0,
+                                   description="wall-clock bound of one check group")
+    heldout_max_tokens: int = Field(default=16384, gt=0)
+    heldout_seq_len: int | None = Field(default=None, gt=1,
+                                        description="default: the phase's seq_len")
+    batch_size: int = Field(default=8, gt=0)
+    max_length: int | None = Field(default=None, gt=0,
+                                   description="lm-eval context; default: the model's")
+    limit: int | None = Field(default=None, gt=0, description="items per task (tests)")
+    seed: int = 0
+
+
+class CheckResult(BaseModel):
+    name: str
+    kind: str
+    metric: str
+    higher_is_better: bool
+    score: float | None
+    status: CheckStatus
+    error: str = ""
+    seconds: float = 0.0
+
+
+class BatteryResult(BaseModel):
+    battery: str
+    phase: str = ""
+    step: int | None = None
+    checks: list[CheckResult]
+    # configs/evals-relative path -> sha256 of the battery file, task YAMLs and data.
+    task_files: dict[str, str]
+    started_at: float
+    seconds: float
+
+    def scores(self) -> dict[str, float]:
+        return {c.name: c.score for c in self.checks if c.score is not None}
+
+    def check(self, name: str) -> CheckResult | None:
+        return next((c for c in self.checks if c.name == name), None)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def battery_files(battery: Battery) -> dict[str, str]:
+    """sha256 of every file the battery's numbers depend on."""
+    root = evals_dir().resolve()
+    paths = [root / f"{battery.name}.json"]
+    for task in battery.task_paths():
+        paths += [task.resolve(), *task_data_files(task)]
+    out: dict[str, str] = {}
+    for p in paths:
+        try:
+            key = str(p.relative_to(root))
+        except ValueError:
+            key = str(p)
+        out[key] = _sha256(p) if p.is_file() else "missing"
+    return out
+
+
+def _bounded(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """Run ``fn`` in a worker thread, at most ``timeout_s``. On timeout the thread is
+    abandoned (Python cannot kill it); the caller fails the gate and stops using the
+    model, so its late writes go nowhere."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ito-eval")
+    try:
+        return pool.submit(fn).result(timeout=timeout_s)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _record(checks: Sequence[BatteryCheck], fn: Callable[[], dict[str, float | None]],
+            timeout_s: float) -> list[CheckResult]:
+    t0 = time.time()
+    status: CheckStatus = "ok"
+    error = ""
+    values: dict[str, float | None] = {}
+    try:
+        values = _bounded(fn, timeout_s)
+    except FutureTimeout:
+        status, error = "timeout", f"no result within {timeout_s:g} s"
+    except Exception as e:  # any crash of an eval is a failed check, with its reason
+        status, error = "error", f"{type(e).__name__}: {str(e)[:300]}"
+    dt = time.time() - t0
+    out = []
+    for c in checks:
+        score = values.get(c.name)
+        st, err = status, error
+        if st == "ok" and (score is None or not math.isfinite(score)):
+            st, err, score = "no_number", f"no finite {c.metric} in the result", None
+        out.append(CheckResult(name=c.name, kind=c.kind, metric=c.metric,
+                               higher_is_better=c.higher_is_better,
+                               score=score if st == "ok" else None, status=st, error=err,
+                               seconds=dt / len(checks)))
+    return out
+
+
+def run_battery(model: torch.nn.Module, tokenizer: Any, battery_name: str,
+                heldout_texts: Sequence[str], *, seq_len: int, phase: str = "",
+                step: int | None = None, settings: EvalSettings | None = None,
+                work_dir: Path | None = None) -> BatteryResult:
+    """Every check of the battery on ``model`` (left in the train/eval mode it was in)."""
+    s = settings or EvalSettings()
+    battery = load_battery(battery_name)
+    started = time.time()
+    files = battery_files(battery)
+    results: list[CheckResult] = []
+    max_length = s.max_length or int(getattr(getattr(model, "config", None),
+                                             "max_position_embeddings", 2048))
+
+    held = [c for c in battery.checks if c.kind == "heldout"]
+    if held:
+        def _held() -> dict[str, float | None]:
+            got = heldout_scores(model, tokenizer, heldout_texts,
+                                 seq_len=s.heldout_seq_len or seq_len,
+                                 max_tokens=s.heldout_max_tokens, batch_size=s.batch_size)
+            return {c.name: got.get(c.metric) for c in held}
+        results += _record(held, _held, s.check_timeout_s)
+
+    tmp = tempfile.TemporaryDirectory(prefix="ito-lmeval-", dir=work_dir)
+    try:
+        by_task: dict[str, list[BatteryCheck]] = {}
+        for c in battery.checks:
+            if c.kind == "lm_eval" and c.task:
+                by_task.setdefault(c.task, []).append(c)
+        for i, (task, checks) in enumerate(sorted(by_task.items())):
+            def _task(task: str = task, checks: list[BatteryCheck] = checks,
+                      i: int = i) -> dict[str, float | None]:
+                got = run_tasks(model, tokenizer, [evals_dir() / task],
+                                include_dir=Path(tmp.name) / str(i), max_length=max_length,
+                                batch_size=s.batch_size, limit=s.limit, seed=s.seed)
+                metrics = next(iter(got.values()), {})
+                return {c.name: metrics.get(f"{c.metric},{c.filter}") for c in checks}
+            results += _record(checks, _task, s.check_timeout_s)
+    finally:
+        tmp.cleanup()
+
+    order = {c.name: i for i, c in enumerate(battery.checks)}
+    results.sort(key=lambda r: order[r.name])
+    return BatteryResult(battery=battery.name, phase=phase, step=step, checks=results,
+                         task_files=files, started_at=started, seconds=time.time() - started)

@@ -1,0 +1,78 @@
+"""lm-evaluation-harness tasks on an in-memory model: ``simple_evaluate`` with ``HFLM``.
+
+The battery's task YAMLs name their data files relative to their own folder; they
+are materialised into a private include folder with absolute paths (the vendored
+bytes are what the gate records by sha256). Offline: the hub is never contacted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+_OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def task_data_files(task_yaml: Path) -> list[Path]:
+    """The data files a task YAML reads, absolute."""
+    spec = yaml.safe_load(task_yaml.read_text())
+    files = (spec.get("dataset_kwargs") or {}).get("data_files") or {}
+    values = files.values() if isinstance(files, dict) else [files]
+    out: list[Path] = []
+    for v in values:
+        for f in v if isinstance(v, list) else [v]:
+            p = Path(f)
+            out.append(p if p.is_absolute() else (task_yaml.parent / p).resolve())
+    return out
+
+
+def materialise(task_yaml: Path, include_dir: Path) -> str:
+    """Copy a task YAML into ``include_dir`` with absolute data paths; its task name."""
+    spec = yaml.safe_load(task_yaml.read_text())
+    kwargs = spec.setdefault("dataset_kwargs", {})
+    files = kwargs.get("data_files") or {}
+    kwargs["data_files"] = {
+        split: str(p if Path(p).is_absolute() else (task_yaml.parent / p).resolve())
+        for split, p in files.items()}
+    include_dir.mkdir(parents=True, exist_ok=True)
+    (include_dir / task_yaml.name).write_text(yaml.safe_dump(spec, sort_keys=False))
+    return str(spec["task"])
+
+
+def run_tasks(model: torch.nn.Module, tokenizer: Any, task_yamls: list[Path], *,
+              include_dir: Path, max_length: int, batch_size: int = 8,
+              limit: int | None = None, seed: int = 0) -> dict[str, dict[str, float]]:
+    """Run the tasks; returns ``{task: {"<metric>,<filter>": value}}``."""
+    for k, v in _OFFLINE.items():
+        os.environ.setdefault(k, v)
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    names = [materialise(t, include_dir) for t in task_yamls]
+    for name in ("lm-eval", "lm_eval"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, device=str(device),
+                  batch_size=batch_size, max_length=max_length)
+        out = lm_eval.simple_evaluate(
+            model=lm, tasks=names, limit=limit, log_samples=False, bootstrap_iters=0,
+            task_manager=TaskManager(include_path=str(include_dir), include_defaults=False),
+            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+            fewshot_random_seed=seed, verbosity="WARNING")
+    finally:
+        model.train(was_training)
+    if out is None:
+        return {}
+    results: dict[str, dict[str, Any]] = out["results"]
+    return {task: {k: float(v) for k, v in metrics.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+            for task, metrics in results.items()}

@@ -1,0 +1,117 @@
+"""The run's tokenizer: a byte-level BPE trained with ``tokenizers``, wrapped as a
+``PreTrainedTokenizerFast`` (pad/bos/eos/unk, chat template) and saved as a folder.
+
+Ids are laid out like ``stages.trainer.tokenizer.ByteTokenizer``: byte ``b`` is id
+``b`` (0..255), the specials are 256 pad, 257 bos, 258 eos, 259 unk, and learned
+merges take 260.. in merge order. So with ``vocab_size == 260`` (the tiny presets)
+the BPE has no merges and encodes exactly like the byte tokenizer the trainer's
+token shards were built with; a larger vocabulary adds merges on top.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from stages.errors import ErrorCode, ItoError
+
+BYTE_VOCAB = 256
+SPECIAL_TOKENS: dict[str, str] = {
+    "pad_token": "<|pad|>", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
+    "unk_token": "<|unk|>",
+}
+BASE_VOCAB = BYTE_VOCAB + len(SPECIAL_TOKENS)  # 260
+# Turns are delimited by bos ... eos, each starting with its role on its own line.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|bos|>' + message['role'] + '\n' + message['content'] + '<|eos|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|bos|>assistant\n' }}{% endif %}"
+)
+
+
+@cache
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what ByteLevel uses)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def _assemble(merges: list[tuple[str, str]]) -> Tokenizer:
+    """A ByteLevel BPE with the fixed id layout above and the given merges."""
+    vocab: dict[str, int] = {ch: b for b, ch in bytes_to_unicode().items()}
+    for i, special in enumerate(SPECIAL_TOKENS.values()):
+        vocab[special] = BYTE_VOCAB + i
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None,
+                               fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS.values()))
+    return tok
+
+
+def _wrap(tok: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE,
+                                   model_max_length=model_max_length, **SPECIAL_TOKENS)
+
+
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int, min_frequency: int = 2,
+                    model_max_length: int = 2048) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on ``texts`` to ``vocab_size`` ids (at least 260).
+
+    Deterministic for the same texts and settings. ``vocab_size == 260`` trains
+    nothing: the result is the pure byte tokenizer.
+    """
+    if vocab_size < BASE_VOCAB:
+        raise ItoError(ErrorCode.tokenizer_invalid,
+                       f"vocab_size {vocab_size} < {BASE_VOCAB} (256 bytes + 4 specials)")
+    merges: list[tuple[str, str]] = []
+    if vocab_size > BASE_VOCAB:
+        raw = Tokenizer(models.BPE())
+        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=list(SPECIAL_TOKENS.values()))
+        raw.train_from_iterator(texts, trainer=trainer)
+        spec = json.loads(raw.to_str())
+        for m in spec["model"]["merges"]:
+            a, b = m.split(" ", 1) if isinstance(m, str) else m
+            merges.append((a, b))
+        merges = merges[: vocab_size - BASE_VOCAB]
+    return _wrap(_assemble(merges), model_max_length)
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """A local tokenizer folder (``save_pretrained`` layout); never the hub."""
+    p = Path(path)
+    if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
+        raise ItoError(ErrorCode.tokenizer_invalid, f"no tokenizer files in {p}")
+    tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok

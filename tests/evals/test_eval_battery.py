@@ -1,0 +1,152 @@
+"""Eval batteries through the real lm-evaluation-harness (offline, vendored files)
+and the gate decision. A tiny random-init model: the numbers are real but small."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stages.data_prep.evals import load_eval_items
+from stages.errors import ErrorCode, ItoError
+from stages.evals import (
+    BatteryResult,
+    CheckResult,
+    EvalSettings,
+    GateThreshold,
+    evaluate_gates,
+    list_batteries,
+    load_battery,
+    run_battery,
+)
+from stages.hf import train_tokenizer
+from stages.presets import configs_dir, load_model_preset
+from stages.trainer.model import build_model
+
+HELDOUT = [f"def f{i}(x):\n    return x + {i}  # add\n" for i in range(120)]
+
+
+@pytest.fixture(scope="module")
+def lm() -> tuple[Any, Any]:
+    model = build_model(load_model_preset("llama-tiny"), seed=0)
+    return model, train_tokenizer([], vocab_size=260, model_max_length=256)
+
+
+@pytest.fixture(scope="module")
+def first(lm: tuple[Any, Any]) -> BatteryResult:
+    model, tok = lm
+    return run_battery(model, tok, "smoke", HELDOUT, seq_len=64, phase="pretrain", step=10)
+
+
+def test_smoke_battery_runs_every_check_through_lm_eval(first: BatteryResult) -> None:
+    assert [c.name for c in first.checks] == load_battery("smoke").check_names
+    assert all(c.status == "ok" for c in first.checks), first.checks
+    s = first.scores()
+    assert 0.0 <= s["gsm8k_exact_match"] <= 1.0 and 0.0 <= s["arith_mc_acc"] <= 1.0
+    # 12 items with 4 choices: acc is a multiple of 1/12, as lm-eval's mean gives it.
+    assert abs(s["arith_mc_acc"] * 12 - round(s["arith_mc_acc"] * 12)) < 1e-9
+    # A random-init byte model is near uniform over 260 ids: ~ln(260) nats a token.
+    assert 4.5 < s["heldout_loss"] < 6.5
+    # Byte vocabulary: one byte a token except the EOS closing each ~33-byte text, which
+    # costs nats but stands for no byte.
+    per_token_bits = s["heldout_loss"] / 0.693147
+    assert per_token_bits < s["heldout_bits_per_byte"] < per_token_bits * 34 / 32
+    # Every file the numbers depend on is pinned by sha256.
+    root = configs_dir() / "evals"
+    assert set(first.task_files) == {
+        "smoke.json", "smoke/ito_smoke_gsm8k.yaml", "smoke/gsm8k_mini.jsonl",
+        "smoke/gsm8k_fewshot.jsonl", "smoke/ito_smoke_mc.yaml", "smoke/arith_mc.jsonl"}
+    import hashlib
+    assert first.task_files["smoke/arith_mc.jsonl"] == hashlib.sha256(
+        (root / "smoke/arith_mc.jsonl").read_bytes()).hexdigest()
+
+
+def test_the_same_checkpoint_scores_identically_twice(lm: tuple[Any, Any],
+                                                      first: BatteryResult) -> None:
+    model, tok = lm
+    again = run_battery(model, tok, "smoke", HELDOUT, seq_len=64, phase="pretrain", step=10)
+    assert again.scores() == first.scores()
+    assert again.task_files == first.task_files
+
+
+def test_gate_bounds_and_regression(first: BatteryResult) -> None:
+    loss = first.scores()["heldout_loss"]
+    ok = evaluate_gates(first, [GateThreshold(metric="heldout_loss", max=loss + 1),
+                                GateThreshold(metric="arith_mc_acc", min=0.0)])
+    assert ok.passed and not ok.failing
+    bad = evaluate_gates(first, [GateThreshold(metric="heldout_loss", max=loss - 0.5)])
+    assert not bad.passed
+    [v] = bad.failing
+    assert v.check == "heldout_loss" and v.score == loss and v.max == loss - 0.5
+    assert "above max" in v.reason and v.phase == "pretrain"
+    # Regression: loss is lower-is-better, so a previous loss 0.2 lower is a regression.
+    prev = first.model_copy(update={"checks": [
+        c.model_copy(update={"score": c.score - 0.2}) if c.name == "heldout_loss" else c
+        for c in first.checks]})
+    t = [GateThreshold(metric="heldout_loss", max_regression=0.1)]
+    reg = evaluate_gates(first, t, previous=prev)
+    assert not reg.passed and reg.failing[0].previous == pytest.approx(loss - 0.2)
+    assert evaluate_gates(first, [GateThreshold(metric="heldout_loss", max_regression=0.3)],
+                          previous=prev).passed
+    # No previous result (first phase): the regression bound has nothing to compare.
+    assert evaluate_gates(first, t).passed
+    # A threshold on a check the battery does not have is a failure, never ignored.
+    assert not evaluate_gates(first, [GateThreshold(metric="mmlu_acc", min=0.1)]).passed
+    # The battery's files changed between phases: fail.
+    moved = first.model_copy(update={"task_files": {**first.task_files, "smoke.json": "0"}})
+    assert not evaluate_gates(first, [], previous=moved).passed
+
+
+def test_crash_timeout_or_no_number_fail_even_without_a_bound(first: BatteryResult) -> None:
+    for status in ("error", "timeout", "no_number"):
+        checks = [c.model_copy(update={"status": status, "score": None, "error": "x"})
+                  if c.name == "gsm8k_exact_match" else c for c in first.checks]
+        d = evaluate_gates(first.model_copy(update={"checks": checks}), [])
+        assert not d.passed and [v.check for v in d.failing] == ["gsm8k_exact_match"]
+        assert d.failing[0].reason.startswith(status)
+    assert isinstance(first.checks[0], CheckResult)
+
+
+def test_a_real_timeout_is_a_failed_gate(lm: tuple[Any, Any]) -> None:
+    model, tok = lm
+    r = run_battery(model, tok, "smoke", HELDOUT, seq_len=64,
+                    settings=EvalSettings(check_timeout_s=1e-4))
+    assert {c.status for c in r.checks} == {"timeout"} and not r.scores()
+    assert not evaluate_gates(r, []).passed
+
+
+def test_an_eval_that_raises_is_a_failed_gate(lm: tuple[Any, Any], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A battery whose multiple-choice data is not JSON: lm-eval (datasets) raises for
+    real inside that check; the other checks still run and score."""
+    cfg = tmp_path / "configs"
+    shutil.copytree(configs_dir(), cfg)
+    (cfg / "evals" / "smoke" / "arith_mc.jsonl").write_text("{not json\n")
+    monkeypatch.setenv("ITO_CONFIGS_DIR", str(cfg))
+    model, tok = lm
+    r = run_battery(model, tok, "smoke", HELDOUT, seq_len=64, phase="mid_train")
+    by = {c.name: c for c in r.checks}
+    assert by["arith_mc_acc"].status == "error" and by["arith_mc_acc"].score is None
+    assert by["heldout_loss"].status == "ok" and by["gsm8k_exact_match"].status == "ok"
+    d = evaluate_gates(r, [GateThreshold(metric="heldout_loss", max=100)])
+    assert not d.passed and [v.check for v in d.failing] == ["arith_mc_acc"]
+    # And a heldout split too small for one window raises in the heldout check.
+    r2 = run_battery(model, tok, "smoke", ["tiny"], seq_len=64)
+    assert {c.status for c in r2.checks if c.kind == "heldout"} == {"error"}
+
+
+def test_battery_registry(tmp_path: Path) -> None:
+    assert "smoke" in list_batteries() and "gsm8k" not in list_batteries()
+    with pytest.raises(ItoError) as e:
+        load_battery("nope")
+    assert e.value.code == ErrorCode.eval_battery_unknown
+    with pytest.raises(ItoError) as e:
+        load_battery("gsm8k")  # an eval suite without checks is not a battery
+    assert e.value.code == ErrorCode.eval_battery_unknown
+    # A battery is also an eval suite: decontamination reads its items.
+    items, _infos = load_eval_items(["smoke"])
+    assert len(items) == 8 + 12 and {i.suite for i in items} == {"smoke"}
+    assert json.loads((configs_dir() / "evals" / "smoke.json").read_text())["checks"]
