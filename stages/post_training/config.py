@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from stages.base import StrictModel
 from stages.data_prep.config import DataRef
+from stages.evals.config import GateThreshold
 
 
 class StepGate(StrictModel):
@@ -19,6 +20,14 @@ class StepGate(StrictModel):
 
     metric: str = Field(min_length=1, max_length=64)
     min: float = Field(allow_inf_nan=False)
+
+
+class StepBattery(StrictModel):
+    """The curriculum's eval battery after a step (``configs/evals/<battery>.json``),
+    gated like a curriculum phase (min / max / max_regression vs the previous step)."""
+
+    battery: str | None = Field(default=None, max_length=64)
+    gates: list[GateThreshold] = Field(default_factory=list, max_length=32)
 
 
 class SFTConfig(StrictModel):
@@ -31,6 +40,7 @@ class SFTConfig(StrictModel):
     max_length: int = Field(default=256, ge=8)
     # Battery: mean assistant-token NLL on the data before and after; gain = before - after.
     gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="nll_gain", min=0.0))
+    eval: StepBattery = Field(default_factory=StepBattery)
 
 
 class DPOConfig(StrictModel):
@@ -45,6 +55,7 @@ class DPOConfig(StrictModel):
     # Battery: mean log-prob margin (chosen - rejected) before and after.
     gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="margin_gain",
                                                                   min=0.0))
+    eval: StepBattery = Field(default_factory=StepBattery)
 
 
 class RLVRConfig(StrictModel):
@@ -84,6 +95,7 @@ class RLVRConfig(StrictModel):
     rollout_timeout_s: float = Field(default=300.0, gt=0)
     gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="reward_gain",
                                                                   min=0.0))
+    eval: StepBattery = Field(default_factory=StepBattery)
 
     @model_validator(mode="after")
     def _check(self) -> RLVRConfig:

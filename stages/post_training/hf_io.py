@@ -1,4 +1,4 @@
-"""Load and save the policy as a local HF folder (model + tokenizer with a chat template)."""
+"""Load and save the policy as a local HF folder (model + the run's tokenizer, stages.hf)."""
 
 from __future__ import annotations
 
@@ -25,15 +25,10 @@ def check_model_dir(path: Path) -> None:
 
 
 def load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
+    """The run's tokenizer (``stages.hf``): local files only, pad and chat template set."""
+    from stages.hf import load_tokenizer as load
 
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    if not getattr(tok, "chat_template", None):
-        raise ItoError(ErrorCode.post_training_model_invalid,
-                       f"{path.name}: the tokenizer has no chat template")
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
+    return load(path)
 
 
 def load_model(path: Path) -> Any:
@@ -47,8 +42,8 @@ def load_model(path: Path) -> Any:
     return model
 
 
-def save(model: Any, tokenizer: Any, path: Path) -> str:
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
-    return str(path)
+def save(model: Any, tokenizer: Any, path: Path, **metadata: Any) -> str:
+    """An HF export (``stages.hf.export_hf``: atomic, with each file's sha256)."""
+    from stages.hf import export_hf
+
+    return str(export_hf(model, tokenizer, path, metadata=metadata))

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from stages.base import GateOutcome, StageContext, StrictModel
 from stages.errors import ErrorCode, ItoError
-from stages.events import InterruptionEvent, MetricsEvent
+from stages.events import InterruptionEvent, MetricsEvent, PhaseEvent
 from stages.post_training.config import PostTrainingConfig, RLVRConfig, StepGate
 
 
@@ -55,6 +55,21 @@ def validate_recipe(recipe: PostTrainingConfig) -> dict[str, int]:
     return {k: len(v) for k, v in rows.items()}
 
 
+def heldout_text(tok: Any, row: dict[str, Any]) -> str:
+    """A step's row as the text the held-out checks score (chat template applied)."""
+    if "messages" in row:
+        msgs = row["messages"]
+    elif "chosen" in row:
+        prompt, chosen = row["prompt"], row["chosen"]
+        msgs = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt) \
+            + ([{"role": "assistant", "content": chosen}] if isinstance(chosen, str) else chosen)
+    else:
+        prompt = row["prompt"]
+        msgs = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt) \
+            + [{"role": "assistant", "content": row["answer"]}]
+    return str(tok.apply_chat_template(msgs, tokenize=False))
+
+
 class PostTrainingStage:
     name: ClassVar[str] = "post_training"
     config_model: ClassVar[type[PostTrainingStageConfig]] = PostTrainingStageConfig
@@ -88,6 +103,12 @@ class PostTrainingStage:
             cfg = getattr(recipe, step)
             if cfg is not None:
                 rows[step] = load_rows(step, cfg.data.uri)
+        for name in recipe.steps():
+            battery = getattr(recipe, name).eval.battery
+            if battery is not None:
+                from stages.evals.config import load_battery
+
+                load_battery(battery)  # eval_battery_unknown before anything runs
         if recipe.rlvr is not None:
             get_reward(recipe.rlvr.reward)
             if recipe.rlvr.rollout_engine == "vllm":
@@ -107,6 +128,7 @@ class PostTrainingStage:
             results: dict[str, Any] = {}
             metrics: dict[str, float] = {}
             current = base
+            battery: Any = None
             for step in self.config.recipe.steps():
                 if ctx.cancelled:
                     return GateOutcome(stage=self.name, status="failed", reason="cancelled",
@@ -114,18 +136,23 @@ class PostTrainingStage:
                 t0 = time.time()
                 ctx.log(f"post_training {step}: started from {current.name}", stage=self.name)
                 m = self._run_step(step, ctx, model, tok, rows[step], out, current)
-                current = Path(save(model, tok, out / step))
+                current = Path(save(model, tok, out / step, run_id=ctx.run_id, step=step))
                 m["seconds"] = time.time() - t0
                 ctx.emit(MetricsEvent(stage=self.name, step=0, scope=step, values=m))
                 results[step] = {"metrics": m, "hf_model_dir": str(current)}
                 metrics.update({f"{step}_{k}": v for k, v in m.items()})
-                failed = check_gate(step, getattr(self.config.recipe, step).gate, m)
+                step_cfg = getattr(self.config.recipe, step)
+                failed = check_gate(step, step_cfg.gate, m)
+                if failed is None and step_cfg.eval.battery is not None:
+                    failed, battery = self._battery(step, step_cfg.eval, model, tok,
+                                                    rows[step], battery, ctx)
+                    results[step]["battery"] = battery.model_dump(mode="json")
                 ctx.log(f"post_training {step}: gate {'failed: ' + failed if failed else 'passed'}"
                         f"; saved {current}", stage=self.name)
                 if failed:
                     return GateOutcome(stage=self.name, status="failed", reason=failed,
                                        metrics=metrics, artifacts={"steps": results},
-                                       error_code=ErrorCode.gate_failed.value)
+                                       error_code=ErrorCode.eval_gate_failed.value)
         except ItoError as e:
             return GateOutcome(stage=self.name, status="failed", reason=e.message,
                                error_code=e.code.value)
@@ -133,6 +160,22 @@ class PostTrainingStage:
                            reason=f"post-training {' -> '.join(results) or 'empty'} passed "
                                   "every gate", metrics=metrics,
                            artifacts={"steps": results, "hf_model_dir": str(current)})
+
+    def _battery(self, step: str, spec: Any, model: Any, tok: Any, rows: list[dict[str, Any]],
+                 previous: Any, ctx: StageContext) -> tuple[str | None, Any]:
+        """The curriculum's battery and gates after a step; (reason or None, result)."""
+        from stages.evals import evaluate_gates, run_battery
+
+        t0 = time.time()
+        texts = [heldout_text(tok, r) for r in rows]
+        result = run_battery(model, tok, spec.battery, texts,
+                             seq_len=int(model.config.max_position_embeddings),
+                             phase=f"post_training.{step}", work_dir=ctx.workdir)
+        decision = evaluate_gates(result, list(spec.gates), previous)
+        ctx.emit(PhaseEvent(stage=self.name, phase="evaluation", start=t0, end=time.time()))
+        scores = {c.name: c.score for c in result.checks if c.score is not None}
+        ctx.emit(MetricsEvent(stage=self.name, step=0, scope=f"{step}.battery", values=scores))
+        return (None if decision.passed else decision.summary()), result
 
     def _run_step(self, step: str, ctx: StageContext, model: Any, tok: Any,
                   rows: list[dict[str, Any]], out: Path, current: Path) -> dict[str, float]:

@@ -2,10 +2,9 @@
 the demo (nothing can be downloaded here).
 
 The task: "Say <n>." -> "<n>"; the reward (``first_number_match``) checks the first
-number of the completion. The policy: a random-init ``LlamaForCausalLM`` and a
-ByteLevel BPE tokenizer trained on the task's text, wrapped as
-``PreTrainedTokenizerFast`` with a chat template. (When the run's HF tokenizer and
-export from the pretraining stage are available, they replace this.)
+number of the completion. The policy: a random-init ``LlamaForCausalLM`` and the
+run's byte-level BPE tokenizer (``stages.hf.train_tokenizer``, chat template
+included) trained on the task's text, saved with ``stages.hf.export_hf``.
 """
 
 from __future__ import annotations
@@ -14,10 +13,6 @@ import json
 import random
 from pathlib import Path
 from typing import Any
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def _say(n: int) -> dict[str, Any]:
@@ -47,32 +42,17 @@ def write_task(folder: Path, *, n_prompts: int = 10, rl_numbers: tuple[int, ...]
     return paths
 
 
-def build_tokenizer(corpus: list[str], vocab_size: int = 320) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
 def build_tiny_policy(folder: Path, *, seed: int = 0, hidden: int = 32, layers: int = 2
                       ) -> Path:
     """A random-init tiny Llama + tokenizer saved as a local HF folder."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from stages.hf import train_tokenizer
+
     corpus = [f"Say {n}. {n} " * 3 for n in range(100)] + \
              ["user assistant system Say number answer"] * 5
-    tok = build_tokenizer(corpus)
+    tok = train_tokenizer(corpus, vocab_size=320)
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
@@ -80,7 +60,6 @@ def build_tiny_policy(folder: Path, *, seed: int = 0, hidden: int = 32, layers: 
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id)
     model = LlamaForCausalLM(cfg)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(folder))
-    tok.save_pretrained(str(folder))
-    return folder
+    from stages.hf import export_hf
+
+    return export_hf(model, tok, folder, metadata={"source": "synthetic tiny policy"})

@@ -100,7 +100,7 @@ def test_a_failed_gate_stops_the_chain(tmp_path: Path, tiny_policy: Path,
         "gate": {"metric": "nll_gain", "min": 1e9}})
     events: list[Any] = []
     out = stage.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path, emit=events.append))
-    assert out.status == "failed" and out.error_code == ErrorCode.gate_failed
+    assert out.status == "failed" and out.error_code == ErrorCode.eval_gate_failed
     assert "sft: nll_gain" in out.reason
     assert (tmp_path / "out" / "sft" / "config.json").is_file()   # saved before its gate
     assert not (tmp_path / "out" / "rlvr").exists()                # never started
@@ -155,3 +155,20 @@ def test_validation_time_check_names_the_bad_line(tmp_path: Path, tiny_policy: P
             {"base_model": f"file://{tmp_path}", "sft": {"data": {"uri": good, **ref},
                                                           "steps": 1}}))
     assert e.value.code == ErrorCode.post_training_model_invalid
+
+
+def test_the_curriculum_battery_gates_a_step(tmp_path: Path, tiny_policy: Path,
+                                             task_files: dict[str, Path]) -> None:
+    """issue 9's battery (held-out loss + lm-eval checks) and gates after SFT."""
+    stage = _stage(tmp_path, tiny_policy, task_files, sft={
+        "data": data_ref(task_files["sft"]), "steps": 2, "learning_rate": 5e-3,
+        "eval": {"battery": "smoke", "gates": [{"metric": "heldout_loss", "max": 1e9},
+                                               {"metric": "arith_mc_acc", "min": 1.01}]}})
+    events: list[Any] = []
+    out = stage.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path,
+                                 emit=events.append))
+    assert out.status == "failed" and out.error_code == ErrorCode.eval_gate_failed
+    assert "arith_mc_acc" in out.reason and "heldout_loss" not in out.reason
+    scores = [e for e in events if getattr(e, "scope", "") == "sft.battery"]
+    assert scores and "heldout_loss" in scores[0].values
+    assert not (tmp_path / "out" / "rlvr").exists()
