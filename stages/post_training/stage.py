@@ -84,7 +84,8 @@ class PostTrainingStage:
         uri = self.config.recipe.base_model
         if uri is None:
             train = ctx.previous.get("train")
-            uri = (train.artifacts.get("hf_model_dir") if train else None) or None
+            arts = train.artifacts if train else {}
+            uri = arts.get("hf_model_dir") or arts.get("hf_export_dir") or None
         if uri is None:
             raise ItoError(ErrorCode.post_training_model_invalid,
                            "no base_model in the recipe and no HF export from pretraining")
