@@ -112,6 +112,7 @@ class RolloutController:
         self._put_s = 0.0
         self._sync_load: list[float] = []
         self._losses = 0
+        self._training = False
 
     # -- weights ---------------------------------------------------------------------
     def publish(self, version: int, state: dict[str, Any]) -> None:
@@ -130,7 +131,9 @@ class RolloutController:
 
     # -- admission -------------------------------------------------------------------
     def expected_step(self, k: int) -> int:
-        return self.V + (len(self.batch) + k - self.walk_id) // self.G
+        # While the trainer trains, the next batch is trained at V + 1 at the earliest.
+        base = self.V + (1 if self._training else 0)
+        return base + (len(self.batch) + k - self.walk_id) // self.G
 
     def _admit(self) -> None:
         busy = set(self.inflight)
@@ -161,20 +164,54 @@ class RolloutController:
             if not ready and time.monotonic() >= deadline:
                 raise ItoError(ErrorCode.rollout_fleet_failed,
                                f"no rollout finished within {self.rollout_timeout_s:.0f}s")
-            ready_ids = {id(h) for h in ready}
-            for w, (h, t_sent, lost_at) in list(self.syncing.items()):
-                if id(h) in ready_ids:
-                    self._on_synced(w, h, t_sent, lost_at)
-            for w, (k, h) in list(self.inflight.items()):
-                if id(h) in ready_ids:
-                    del self.inflight[w]
-                    self._on_result(w, k, h)
+            self._collect(ready)
             self._walk()
         self.stats.wait_s += time.perf_counter() - t0
         batch, walked = self.batch, self.walked
         self.batch, self.walked = [], []
         self.sampler.reset()
         return batch, walked
+
+    def pump_while(self, train: Callable[[], Any]) -> Any:
+        """Run ``train()`` (the optimizer step) while the fleet keeps generating:
+        requests are admitted against version V + 1 and results collected, but not
+        walked (a walk checks staleness against the version that trains on them)."""
+        import threading
+
+        done = threading.Event()
+        error: list[BaseException] = []
+
+        def pump() -> None:
+            try:
+                while not done.is_set():
+                    self._admit()
+                    handles = [h for _, h in self.inflight.values()] + \
+                              [h for h, _, _ in self.syncing.values()]
+                    self._collect(self.pool.wait(handles, timeout_s=0.02))
+            except BaseException as e:  # surfaced to the caller below
+                error.append(e)
+
+        self._training = True
+        t = threading.Thread(target=pump, name="rollout-pump", daemon=True)
+        t.start()
+        try:
+            return train()
+        finally:
+            done.set()
+            t.join()
+            self._training = False
+            if error:
+                raise error[0]
+
+    def _collect(self, ready: list[Any]) -> None:
+        ready_ids = {id(h) for h in ready}
+        for w, (h, t_sent, lost_at) in list(self.syncing.items()):
+            if id(h) in ready_ids:
+                self._on_synced(w, h, t_sent, lost_at)
+        for w, (k, h) in list(self.inflight.items()):
+            if id(h) in ready_ids:
+                del self.inflight[w]
+                self._on_result(w, k, h)
 
     def _on_synced(self, w: int, h: Any, t_sent: float, lost_at: float | None) -> None:
         try:
@@ -250,11 +287,4 @@ class RolloutController:
         while self.syncing and time.monotonic() < deadline:
             handles = [h for h, _, _ in self.syncing.values()] + \
                       [h for _, h in self.inflight.values()]
-            ready = {id(h) for h in self.pool.wait(handles, deadline - time.monotonic())}
-            for w, (h, t_sent, lost_at) in list(self.syncing.items()):
-                if id(h) in ready:
-                    self._on_synced(w, h, t_sent, lost_at)
-            for w, (k, h) in list(self.inflight.items()):
-                if id(h) in ready:
-                    del self.inflight[w]
-                    self._on_result(w, k, h)
+            self._collect(self.pool.wait(handles, deadline - time.monotonic()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from functools import partial
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -160,7 +161,7 @@ def run_rlvr(cfg: RLVRConfig, learner: GRPOLearner, pool: WorkerPool, maker: Req
         if cancelled():
             break
         batch, walked = ctl.next_batch()
-        stats = learner.step(batch)
+        stats: StepStats = ctl.pump_while(partial(learner.step, batch))  # fleet keeps going
         ctl.publish(learner.version, learner.state())
         task = [r for g in walked for r in g.task_rewards]
         stats.mean_reward = sum(task) / len(task)

@@ -86,7 +86,8 @@ def test_no_trained_sample_is_older_than_eta(eta: int, workers: int, G: int, see
             assert len(batch) == G
             for g in batch:
                 assert 0 <= step - g.version <= eta
-            time.sleep(rng.random() * 0.004)  # the trainer's step takes a random while
+            # The trainer's step takes a random while; the fleet generates meanwhile.
+            ctl.pump_while(lambda: time.sleep(rng.random() * 0.004))
             ctl.publish(step + 1, {})
         assert ctl.stats.stale_refused == 0  # admission already kept every sample fresh
         assert max(ctl.stats.staleness) <= eta
@@ -101,7 +102,7 @@ def test_eta_above_zero_lets_rollouts_overlap_training() -> None:
         ctl.publish(0, {})
         for step in range(6):
             ctl.next_batch()
-            time.sleep(0.02)
+            ctl.pump_while(lambda: time.sleep(0.02))
             ctl.publish(step + 1, {})
         assert max(ctl.stats.staleness) >= 1  # generated under older versions ...
         assert max(ctl.stats.staleness) <= 2  # ... never older than eta
