@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import random
-from functools import partial
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from stages.events import Event, MetricsEvent
