@@ -168,6 +168,9 @@ def run_rlvr(cfg: RLVRConfig, learner: GRPOLearner, pool: WorkerPool, maker: Req
         result.rewards.append(stats.mean_reward)
         result.steps = step + 1
         emit(_metrics_event(step + 1, stats, ctl.stats.summary(pool.size)))
+    # Account for every worker before reporting: a death is seen by the last sync at
+    # the latest, and its restart and re-sync are counted as an interruption.
+    ctl.drain_syncs(cfg.worker_restart_timeout_s)
     result.summary = ctl.stats.summary(pool.size)
     return result, ctl
 
