@@ -78,10 +78,13 @@ def _manifest(tmp: Path, policy: Path, task: dict[str, Path]) -> dict[str, Any]:
             "base_model": f"file://{policy}",
             "sft": {"data": _ref(task["sft"]), "steps": 20, "learning_rate": 5e-3},
             "dpo": {"data": _ref(task["dpo"]), "steps": 10, "learning_rate": 1e-3},
-            "rlvr": {"data": _ref(task["rlvr"]), "steps": 12, "reward": "first_number_match",
+            # eta = 0 with fixed seeds: the same updates as the synchronous loop whatever
+            # the timing (test_fleet.py), so the reward curve is reproducible; eta > 0 and
+            # a worker kill are test_fleet_ray.py.
+            "rlvr": {"data": _ref(task["rlvr"]), "steps": 14, "reward": "first_number_match",
                      "group_size": 8, "groups_per_step": 4, "max_completion_tokens": 4,
                      "overlong_buffer_tokens": 1, "overlong_penalty_factor": 0.0,
-                     "learning_rate": 5e-2, "max_staleness": 1, "rollout_workers": 2,
+                     "learning_rate": 5e-2, "max_staleness": 0, "rollout_workers": 2,
                      "gate": {"metric": "reward_gain", "min": 0.2}},
         },
         "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
@@ -126,7 +129,7 @@ def test_ito_train_runs_sft_dpo_rlvr_and_the_reward_rises(
     m = pt["metrics"]
     assert m["sft_nll_gain"] > 0 and m["dpo_margin_gain"] > 0
     assert m["rlvr_reward_last"] > m["rlvr_reward_first"] + 0.2, m
-    assert m["rlvr_staleness_max"] <= 1
+    assert m["rlvr_staleness_max"] == 0
     out = rt["tmp"] / "ckpt" / run_id / "post_training"
     for step in ("sft", "dpo", "rlvr"):
         assert (out / step / "config.json").is_file()
