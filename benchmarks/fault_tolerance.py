@@ -1,30 +1,40 @@
 """Fault-tolerance benchmark (not in CI): torchft live recovery vs checkpoint restart.
 
 Runs the real training stage (a local Ray, torchft lighthouse, one Ray actor per
-replica group, gloo on CPU or NCCL with ``--device cuda``) on a tiny model and, in
-the same run:
+replica group, gloo on CPU or NCCL with ``--device cuda``) on a tiny model, twice.
 
-1. ``--kills`` times, at a random step, SIGKILLs the worker process of a random
-   replica group and measures
+Tokens: every committed step is counted once, with the tokens of the quorum that
+committed it (each group's rank 0 reports the same step; a step redone after a
+restart is not counted again). The undisturbed rate ``R`` (tokens/s) is the median
+of full-quorum steps before the first kill.
+
+1. torchft, ``--kills`` times at a random step: SIGKILL the worker process(es) of a
+   random replica group. Measured:
    - detect: kill -> a survivor's next committed step in the smaller quorum;
    - resume: kill -> the restarted group's first committed step in the full quorum
-     (Ray restarts the actor, torchft heals it from a live peer);
-   - ft lost seconds, from the survivor's last step before the kill to a few steps
-     after the rejoin, two ways: by steps, the survivor's stalls (each gap between
-     its committed steps beyond the undisturbed step time: waiting for the quorum to
-     drop the dead group, sending the heal); by tokens, wall time minus the tokens
-     committed valued at the undisturbed full-quorum rate (the missing group's
-     share of each batch counts as lost too);
-2. ``--restart-kills`` times, SIGKILLs every group at once: the job restarts from
-   the newest complete DCP checkpoint (what Ray Train or torchrun elastic do) and
-   redoes the steps since. Lost seconds: kill -> the job commits the step it had
-   reached before the kill.
+     (a warm spare takes the group's place, or Ray restarts the actor; torchft
+     heals it from a live peer);
+   - lost seconds by tokens (the headline): over the window from the last committed
+     step before the kill to ``SETTLE_STEPS`` full-quorum steps after the rejoin,
+     window seconds minus (new tokens committed in the window) / R. The dead
+     group's share of every batch committed by the smaller quorum counts as lost;
+   - lost seconds by steps (secondary): the survivor's stalls, each gap between its
+     committed steps beyond the undisturbed step time.
+2. The checkpoint-restart baseline (what Ray Train or torchrun elastic do), no
+   spares, checkpointing every ``--checkpoint-every`` steps (default: the production
+   default, ``stages.checkpointing.config.DEFAULT_INTERVAL_STEPS``). ``--restart-kills``
+   times, SIGKILL every group at once at a step drawn uniformly within a checkpoint
+   interval, after the first checkpoint: the job restarts from the newest complete
+   DCP checkpoint and redoes the steps since. Lost seconds by tokens over the same
+   kind of window: the last committed step before the kill to ``SETTLE_STEPS`` steps
+   beyond the step reached before the kill, window seconds minus (new tokens: steps
+   beyond the one reached before the kill) / R. Redone steps add nothing.
 
-Prints one line per measurement and ends with one JSON line: kills,
-detect_s_median, detect_s_max, resume_s_median, resume_s_max, ft_lost_s_median,
-restart_lost_s_median, lost_ratio (restart / ft, step basis), plus the token-basis
-ft loss and ratio. Goals on the 2-core CPU testbed: detect <= 3 s, resume <= 15 s,
-lost_ratio >= 5. Timings on a shared, loaded machine are noisy.
+Prints one line per measurement and ends with one JSON line: ``lost_ratio_tokens``
+(restart / torchft, median lost seconds by tokens: the headline), the token-basis
+medians of both sides, detect and resume medians and maxima, and the step-basis ft
+loss for reference. Goals on the 2-core CPU testbed: detect <= 3 s, resume <= 15 s.
+Timings on a shared, loaded machine are noisy.
 
     .venv/bin/python benchmarks/fault_tolerance.py --groups 2 --kills 3
 """
@@ -50,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from stages.base import GateOutcome, StageContext
-from stages.checkpointing.config import CheckpointPolicy
+from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS, CheckpointPolicy
 from stages.events import Event, StepEvent
 from stages.trainer.config import ModelSpec, TrainingTarget, TrainStageConfig
 
@@ -76,10 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restart-kills", type=int, default=2,
                    help="all-group SIGKILLs (checkpoint-restart baseline)")
     p.add_argument("--kill-steps", default="",
-                   help="comma-separated steps between kills (default: random in "
+                   help="comma-separated steps between torchft kills (default: random in "
                         "--kill-gap)")
-    p.add_argument("--kill-gap", default="15,40", help="min,max random steps between kills")
-    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between saves")
+    p.add_argument("--kill-gap", default="15,40", help="min,max random steps between torchft kills")
+    p.add_argument("--checkpoint-every", type=int, default=DEFAULT_INTERVAL_STEPS,
+                   help="steps between saves (default: the production default)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-tokens", type=int, default=2048, help="global batch tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -128,15 +139,31 @@ class Watcher:
         return max((e.step for e in self.steps()), default=0)
 
 
+def committed_tokens(w: Watcher, after_ts: float, until_ts: float, beyond_step: int) -> int:
+    """Tokens of the steps numbered above ``beyond_step`` committed in (after, until]:
+    each step once (its last report), so redone steps and a second group's report of
+    the same step add nothing."""
+    by_step: dict[int, int] = {}
+    for e in sorted(w.steps(), key=lambda e: e.ts):
+        if after_ts < e.ts <= until_ts and e.step > beyond_step:
+            by_step[e.step] = e.tokens
+    return sum(by_step.values())
+
+
 def full_rate(w: Watcher, groups: int) -> tuple[float, float]:
     """(seconds per step, tokens per second) of undisturbed full-quorum training,
-    from consecutive committed full-quorum steps of group 0."""
+    from consecutive committed full-quorum steps of group 0. A step's ``tokens`` is
+    already the whole quorum's."""
     evs = sorted((e for e in w.steps() if e.replica_group == 0 and e.quorum_size == groups),
                  key=lambda e: e.step)
     gaps = [b.ts - a.ts for a, b in itertools.pairwise(evs) if b.step == a.step + 1]
     step_s = statistics.median(gaps[-WARMUP_STEPS:])
-    tokens_per_step = statistics.median(e.tokens for e in evs[-WARMUP_STEPS:]) * groups
+    tokens_per_step = statistics.median(e.tokens for e in evs[-WARMUP_STEPS:])
     return step_s, tokens_per_step / step_s
+
+
+def last_before(w: Watcher, t: float) -> StepEvent:
+    return max((e for e in w.steps() if e.ts <= t), key=lambda e: e.ts)
 
 
 def ft_kill(w: Watcher, run_id: str, group: int, groups: int, step_s: float,
@@ -144,6 +171,7 @@ def ft_kill(w: Watcher, run_id: str, group: int, groups: int, step_s: float,
     from stages.trainer import kill_replica_group
 
     t_kill, _ = kill_replica_group(run_id, group)
+    start = last_before(w, t_kill)
     det = w.wait(lambda e: e.ts > t_kill and e.replica_group != group
                  and e.quorum_size < groups, "survivor step in the smaller quorum")
     res = w.wait(lambda e: e.ts > t_kill and e.replica_group == group
@@ -152,29 +180,38 @@ def ft_kill(w: Watcher, run_id: str, group: int, groups: int, step_s: float,
     # Settle: a few full-quorum steps after the rejoin (healing stalls the sender too).
     end = w.wait(lambda e: e.replica_group == survivor and e.step >= res.step + SETTLE_STEPS,
                  "steps after the rejoin")
-    before = [e for e in w.steps() if e.replica_group == survivor and e.ts <= t_kill]
-    start = max(before, key=lambda e: e.ts)
     # Step basis: the survivor's stalls (waiting for the quorum to drop the dead group,
-    # sending the heal), each gap beyond the undisturbed step time. Faster steps in
-    # the smaller quorum do not offset them: they carry fewer tokens.
+    # sending the heal), each gap beyond the undisturbed step time.
     ts = sorted(e.ts for e in w.steps()
                 if e.replica_group == survivor and start.ts <= e.ts <= end.ts)
     lost = sum(max(0.0, b - a - step_s) for a, b in itertools.pairwise(ts))
     # Token basis: the missing group's share of every batch counts as lost as well.
-    tokens = sum(e.tokens for e in w.steps() if start.ts < e.ts <= end.ts)
+    tokens = committed_tokens(w, start.ts, end.ts, start.step)
     lost_tok = (end.ts - start.ts) - tokens / tok_rate
     return {"group": group, "detect_s": det.ts - t_kill, "resume_s": res.ts - t_kill,
             "lost_s": max(0.0, lost), "lost_token_s": max(0.0, lost_tok)}
 
 
-def restart_kill(w: Watcher, run_id: str, groups: int, step_s: float) -> dict[str, float]:
+def restart_kill(w: Watcher, run_id: str, groups: int, tok_rate: float) -> dict[str, float]:
     from stages.trainer import kill_replica_groups
 
-    reached = w.max_step()
     t_kill, _ = kill_replica_groups(run_id, list(range(groups)))
+    start = last_before(w, t_kill)
+    reached = w.max_step()
     back = w.wait(lambda e: e.ts > t_kill and e.step >= reached, "the pre-kill step again")
-    # One step of the window would have been spent anyway.
-    return {"reached": reached, "lost_s": max(0.0, back.ts - t_kill - step_s)}
+    end = w.wait(lambda e: e.ts > t_kill and e.step >= reached + SETTLE_STEPS,
+                 "steps after the pre-kill step")
+    # Only steps beyond the one reached before the kill are new work.
+    tokens = committed_tokens(w, start.ts, end.ts, reached)
+    lost_tok = (end.ts - start.ts) - tokens / tok_rate
+    return {"reached": reached, "back_s": back.ts - t_kill,
+            "lost_token_s": max(0.0, lost_tok)}
+
+
+def restart_kill_steps(interval: int, n: int, rng: random.Random) -> list[int]:
+    """Kill steps after the first checkpoint, each uniform within an interval:
+    the k-th kill lands in interval k (steps k*interval+1 .. (k+1)*interval)."""
+    return [(k + 1) * interval + rng.randint(1, interval) for k in range(n)]
 
 
 def gaps(args: argparse.Namespace, n: int, rng: random.Random) -> list[int]:
@@ -266,13 +303,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"{r['lost_token_s']:.2f}s)", flush=True)
         # 2. The baseline: every group killed, the job restarts from its last checkpoint.
         with Session(config(0, "ckpt-restart"), tmp, f"rsb{os.getpid()}") as sess:
-            step_r, _ = sess.warm(args.groups)
-            for gap in gaps(args, args.restart_kills, rng):
-                sess.reach(gap, args.groups)
-                r = restart_kill(sess.w, sess.run_id, args.groups, step_r)
+            _, tok_rate_r = sess.warm(args.groups)  # each side valued at its own rate
+            for kill_at in restart_kill_steps(args.checkpoint_every, args.restart_kills, rng):
+                sess.w.wait(lambda e, k=kill_at: e.step >= k, f"step {kill_at}")
+                r = restart_kill(sess.w, sess.run_id, args.groups, tok_rate_r)
                 restart_results.append(r)
-                print(f"restart kill at step {r['reached']:.0f}: lost {r['lost_s']:.2f}s",
-                      flush=True)
+                print(f"restart kill at step {r['reached']:.0f}: back at it after "
+                      f"{r['back_s']:.2f}s, lost {r['lost_token_s']:.2f}s (tokens)", flush=True)
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -282,23 +319,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     ft_lost = med("lost_s", ft_results)
     ft_lost_tok = med("lost_token_s", ft_results)
-    restart_lost = med("lost_s", restart_results)
+    restart_lost_tok = med("lost_token_s", restart_results)
     summary = {
         "kills": len(ft_results),
         "detect_s_median": med("detect_s", ft_results),
         "detect_s_max": round(max(r["detect_s"] for r in ft_results), 3),
         "resume_s_median": med("resume_s", ft_results),
         "resume_s_max": round(max(r["resume_s"] for r in ft_results), 3),
-        "ft_lost_s_median": ft_lost,
-        "restart_lost_s_median": restart_lost,
-        "lost_ratio": round(restart_lost / ft_lost, 2) if ft_lost > 0 else None,
         "ft_lost_token_s_median": ft_lost_tok,
-        "lost_ratio_tokens": round(restart_lost / ft_lost_tok, 2) if ft_lost_tok > 0
+        "restart_lost_token_s_median": restart_lost_tok,
+        "lost_ratio_tokens": round(restart_lost_tok / ft_lost_tok, 2) if ft_lost_tok > 0
         else None,
+        "ft_lost_step_s_median": ft_lost,
+        "checkpoint_every": args.checkpoint_every,
         "restart_kills": len(restart_results),
         "groups": args.groups, "ranks_per_group": args.ranks_per_group,
         "spares": args.spares, "preset": args.preset, "device": args.device,
-        "step_ms": round(step_s * 1000, 1), "wall_s": round(time.time() - t_start, 1),
+        "step_ms": round(step_s * 1000, 1), "tokens_per_s": round(tok_rate),
+        "wall_s": round(time.time() - t_start, 1),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(summary), flush=True)

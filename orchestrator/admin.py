@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -89,6 +90,18 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
           planner_gate: Annotated[bool, typer.Option(
               "--planner-gate/--no-planner-gate", help="refuse at submit what the "
               "parallelism planner refuses, and price from its step time")] = True,
+          metrics_host: Annotated[str, typer.Option(
+              help="the Prometheus scrape's own listener (never the API socket)")]
+          = "127.0.0.1",
+          metrics_port: Annotated[int, typer.Option(help="its port (0: pick a free one)")]
+          = 9464,
+          metrics_token_file: Annotated[Path | None, typer.Option(
+              help="require 'Authorization: Bearer <token>' from this 0600 file")] = None,
+          api_docs: Annotated[bool, typer.Option(
+              "--api-docs/--no-api-docs", help="serve /openapi.json, /docs, /redoc")]
+          = False,
+          shutdown_grace_s: Annotated[float, typer.Option(
+              help="on SIGTERM, seconds in-flight requests may take before exit")] = 10.0,
           log_level: str = "info") -> None:
     """Run the API server (uvicorn) on the store at --db."""
     if runtime == "ray":
@@ -99,8 +112,13 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from orchestrator.telemetry.listener import read_token
+
     settings = Settings(db_path=db, var_dir=var_dir, planner_gate=planner_gate,
-                        checkpoint_roots=tuple(checkpoint_root or ()))
+                        checkpoint_roots=tuple(checkpoint_root or ()),
+                        metrics_host=metrics_host, metrics_port=metrics_port,
+                        metrics_token=read_token(metrics_token_file), api_docs=api_docs,
+                        shutdown_grace_s=shutdown_grace_s)
     store = Store(db, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     rt: RunRuntime
     if runtime == "none":
@@ -114,8 +132,14 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
             num_cpus=ray_num_cpus))
     else:
         _fail(False, ErrorCode.bad_request, f"unknown runtime {runtime!r} (known: ray, none)")
-    uvicorn.run(create_app(settings, rt, store), host=host, port=port, log_level=log_level,
-                access_log=True)
+    from orchestrator.redact import AccessLogRedactor
+
+    config = uvicorn.Config(create_app(settings, rt, store), host=host, port=port,
+                            log_level=log_level, access_log=True,
+                            timeout_graceful_shutdown=int(max(1, settings.shutdown_grace_s)))
+    # uvicorn configures its loggers in Config(); the filter goes on afterwards.
+    logging.getLogger("uvicorn.access").addFilter(AccessLogRedactor())
+    uvicorn.Server(config).run()
 
 
 @accounts_app.command("create")
@@ -126,6 +150,57 @@ def accounts_create(name: str, db: DbOpt, as_json: JsonOpt = False) -> None:
         _fail(as_json, e.code, e.message)
     _audit(db, "accounts.create", account_id=row["account_id"])
     _emit(as_json, {"account_id": row["account_id"], "name": name}, f"account {name} created")
+
+
+@accounts_app.command("disable")
+def accounts_disable(name: str, db: DbOpt, as_json: JsonOpt = False) -> None:
+    """Disable an account: its keys stop working, and so do the confirmations they made."""
+    store = _store(db)
+    row = store.account_by_name(name)
+    if row is None or not store.disable_account(name):
+        _fail(as_json, ErrorCode.not_found, f"no enabled account {name!r}")
+    _audit(db, "accounts.disable", account_id=row["account_id"])
+    _emit(as_json, {"account": name, "disabled": True}, f"account {name} disabled")
+
+
+def canonical_root(raw: Path) -> str:
+    """An operator root: absolute, canonical (no '..', '//', trailing '/'), an existing
+    folder; symlinks in it are resolved once, here, by the operator's hand."""
+    text = str(raw)
+    if not raw.is_absolute() or os.path.normpath(text) != text or "\x00" in text:
+        raise ItoError(ErrorCode.bad_request, "a root must be a canonical absolute path")
+    real = os.path.realpath(text)
+    if not os.path.isdir(real):
+        raise ItoError(ErrorCode.bad_request, "a root must be an existing folder")
+    return real
+
+
+@accounts_app.command("roots")
+def accounts_roots(name: str, db: DbOpt,
+                   data: Annotated[list[Path] | None, typer.Option(
+                       "--data", help="data root (repeatable): data.refs, eval_files and "
+                       "cache_dir must lie inside one")] = None,
+                   checkpoint: Annotated[list[Path] | None, typer.Option(
+                       "--checkpoint", help="checkpoint root (repeatable)")] = None,
+                   as_json: JsonOpt = False) -> None:
+    """Set (replace) an account's data and/or checkpoint roots; with neither, show them.
+
+    An account without roots of a kind can reference nothing of that kind."""
+    store = _store(db)
+    row = store.account_by_name(name)
+    if row is None:
+        _fail(as_json, ErrorCode.not_found, f"no account {name!r}")
+    try:
+        for kind, paths in (("data", data), ("checkpoint", checkpoint)):
+            if paths is not None:
+                store.set_roots(row["account_id"], kind, sorted({canonical_root(p)
+                                                                 for p in paths}))
+                _audit(db, f"accounts.roots.{kind}", account_id=row["account_id"])
+    except ItoError as e:
+        _fail(as_json, e.code, e.message)
+    _emit(as_json, {"account": name, "data_roots": list(store.roots(row["account_id"], "data")),
+                    "checkpoint_roots": list(store.roots(row["account_id"], "checkpoint"))},
+          f"roots of {name}")
 
 
 @keys_app.command("issue")

@@ -119,7 +119,7 @@ def _start_server(env: dict[str, str], db: Path, var_dir: Path, port: int,
     log = open(var_dir / "server.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [str(BIN / "ito-backend"), "serve", "--db", str(db), "--host", "127.0.0.1",
-         "--port", str(port), "--runtime", "ray", "--var-dir", str(var_dir),
+         "--port", str(port), "--runtime", "ray", "--var-dir", str(var_dir / "server"),
          "--ray-head-port", str(ray_port), "--ray-dashboard-port", str(dashboard_port),
          "--log-level", "warning"],
         env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     var_dir: Path = args.var_dir.resolve()
-    ray_cluster.stop_local_head(var_dir)  # a head left by an earlier demo
+    ray_cluster.stop_local_head(var_dir / "server")  # a head left by an earlier demo
     if var_dir.exists():
         shutil.rmtree(var_dir)
     var_dir.mkdir(parents=True)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     submitter = _cli(["ito-backend", "keys", "issue", "--account", "demo", "--scope",
                       "runs:read,runs:write", "--json"], env)["data"]["api_key"]
     approver = _cli(["ito-backend", "keys", "issue", "--account", "demo", "--scope",
-                     "runs:read,confirm:train,confirm:cancel,confirm:cleanup,confirm:restart",
+                     "confirm:train,confirm:cancel,confirm:cleanup,confirm:restart",
                      "--json"], env)["data"]["api_key"]
     now = datetime.now(UTC)
     booking_id = f"bk_demo_{uuid.uuid4().hex[:8]}"
@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"booking {booking_id}: 1 node x 2 cpu-testbed ranks, fabric loopback")
 
     baseline, custom = _write_data(var_dir / "data", random.Random(0))
+    (var_dir / "checkpoints").mkdir()
+    # The operator confines the account: its data and checkpoints only under these roots.
+    _cli(["ito-backend", "accounts", "roots", "demo", "--data", str(var_dir / "data"),
+          "--checkpoint", str(var_dir / "checkpoints"), "--json"], env)
     manifest = var_dir / "manifest.json"
     _manifest(manifest, baseline, custom, var_dir / "checkpoints")
     _say(f"manifest {manifest} (llama-tiny, 60 steps, 2 replica groups)")
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 server.kill()
-            ray_cluster.stop_local_head(var_dir)
+            ray_cluster.stop_local_head(var_dir / "server")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Light on purpose (no stages, no torch): the store and every route import it.
 
 from __future__ import annotations
 
+import logging
 import re
 
 _SECRET_VALUES: list[tuple[str, re.Pattern[str]]] = [
@@ -44,3 +45,30 @@ def safe_id(value: str | None) -> str | None:
     if value is None:
         return None
     return value if _ID.match(value) and not looks_secret(value) else REDACTED
+
+
+# Path segments the access log may show: the API's own vocabulary. Anything else (a
+# run id, booking id, proposal id, an idempotency key put where a run id goes) is
+# replaced, and the query string is never shown.
+_ROUTE_WORDS = frozenset({
+    "v1", "runs", "bookings", "plans", "confirmations", "logs", "metrics", "checkpoints",
+    "cancel", "cleanup", "proposals", "approve", "decline", "release", "eligibility",
+    "healthz", "openapi.json", "docs", "redoc", "events", "status"})
+
+
+def redact_url(url: str) -> str:
+    """``/v1/runs/run_ab12/logs?cursor=3`` -> ``/v1/runs/{id}/logs?{query}``."""
+    path, sep, _ = url.partition("?")
+    segments = [s if s in _ROUTE_WORDS or s == "" else "{id}" for s in path.split("/")]
+    return "/".join(segments)[:256] + ("?{query}" if sep else "")
+
+
+class AccessLogRedactor(logging.Filter):
+    """A filter for ``uvicorn.access``: its records carry (client, method, path,
+    http version, status); the path is replaced by ``redact_url(path)``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            record.args = (*args[:2], redact_url(args[2]), *args[3:])
+        return True

@@ -16,7 +16,8 @@ class Settings(BaseModel):
     # Scratch space of runs (``<var_dir>/runs/<run_id>``); cleanup removes it.
     var_dir: Path = Path("/tmp/ito-var")
     configs_dir: Path = Field(default_factory=configs_dir)
-    # Checkpoint storage must resolve inside one of these; empty means any absolute path.
+    # Server-wide checkpoint roots added to every account's own (``ito-backend accounts
+    # roots``); with neither, checkpoint storage is refused (there is no "any path").
     checkpoint_roots: tuple[Path, ...] = ()
     allowed_data_schemes: tuple[str, ...] = ("file",)
     # SQLite waits this long for a write lock before ``database is locked``.
@@ -39,3 +40,25 @@ class Settings(BaseModel):
     # the run's parallelism stage gates it).
     # The parallelism planner is a server-side gate: what it refuses never becomes a run.
     planner_gate: bool = True
+    # --- issue 14: tenant isolation and bounds ---------------------------------------
+    # The Prometheus scrape has its own listener (None: not served); loopback by default,
+    # with an optional bearer token (never on the API socket, which tenants reach).
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = Field(default=None, ge=0, lt=65536)
+    metrics_token: str | None = Field(default=None, min_length=16, repr=False)
+    # Serve /openapi.json, /docs and /redoc only where the operator enables them.
+    api_docs: bool = False
+    # The planner's layout search gives up after this long (plan_time_budget_exceeded).
+    plan_time_budget_s: float = Field(default=2.0, gt=0, le=60)
+    # Rate limits (token buckets): per API key, and per client address for requests
+    # that fail authentication. Over the limit: 429 rate_limited with Retry-After.
+    rate_key_per_s: float = Field(default=50.0, gt=0)
+    rate_key_burst: int = Field(default=200, ge=1)
+    rate_auth_fail_per_s: float = Field(default=2.0, gt=0)
+    rate_auth_fail_burst: int = Field(default=20, ge=1)
+    # Unauthenticated failures are audited as one counted row per (address class, code)
+    # per window, written by one transaction, not one row per request.
+    auth_fail_audit_window_s: float = Field(default=5.0, gt=0)
+    # On SIGTERM the server stops accepting, lets requests finish for at most this long,
+    # then exits (uvicorn's timeout_graceful_shutdown).
+    shutdown_grace_s: float = Field(default=10.0, gt=0, le=300)

@@ -110,12 +110,17 @@ class ErrorCode(StrEnum):
     stage_failed = "stage_failed"
     gate_failed = "gate_failed"
     ray_unavailable = "ray_unavailable"
+    # --- tenant isolation and bounds (issue 14) ---------------------------------------
+    path_outside_root = "path_outside_root"
+    plan_time_budget_exceeded = "plan_time_budget_exceeded"
+    account_disabled = "account_disabled"
     # --- curriculum, eval batteries, HF formats (stages.evals, stages.hf) -------------
     eval_battery_unknown = "eval_battery_unknown"
     eval_metric_unknown = "eval_metric_unknown"
     curriculum_invalid = "curriculum_invalid"
     eval_gate_failed = "eval_gate_failed"
     tokenizer_invalid = "tokenizer_invalid"
+    layout_unsupported = "layout_unsupported"
     # --- post-training (stages.post_training) -----------------------------------------
     post_training_data_invalid = "post_training_data_invalid"
     post_training_model_invalid = "post_training_model_invalid"

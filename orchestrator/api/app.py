@@ -11,10 +11,13 @@ from fastapi import FastAPI
 from orchestrator.api.bodycap import BodyCap
 from orchestrator.api.deps import Ctx
 from orchestrator.api.errors import install_handlers
+from orchestrator.api.ratelimit import RateLimit
 from orchestrator.api.routes import bookings, confirmations, health, mutations, plans, runs
 from orchestrator.db.store import Store
 from orchestrator.runtime.interface import NullRuntime, RunRuntime
 from orchestrator.settings import Settings
+from orchestrator.telemetry.listener import MetricsListener
+from orchestrator.telemetry.prometheus import render
 
 API_VERSION = "1.0.0"
 
@@ -22,6 +25,7 @@ API_VERSION = "1.0.0"
 def create_app(settings: Settings, runtime: RunRuntime | None = None,
                store: Store | None = None) -> FastAPI:
     store = store or Store(settings.db_path, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+    store.counted_window_s = settings.auth_fail_audit_window_s
     rt: RunRuntime = runtime if runtime is not None else NullRuntime(store, settings.var_dir)
 
     @asynccontextmanager
@@ -31,20 +35,35 @@ def create_app(settings: Settings, runtime: RunRuntime | None = None,
         # own CPU time; a few threads keep requests first-come, first-served.
         anyio.to_thread.current_default_thread_limiter().total_tokens = (
             settings.request_threads)
+        metrics = None
+        if settings.metrics_port is not None:
+            metrics = MetricsListener(lambda: render(store), settings.metrics_host,
+                                      settings.metrics_port, settings.metrics_token).start()
+            app.state.metrics_address = metrics.address
         rt.start()
         try:
             yield
         finally:
+            if metrics is not None:
+                metrics.stop()
             rt.stop()
             store.close()
 
+    docs = settings.api_docs  # OpenAPI and docs pages only where the operator enables them
     app = FastAPI(title="ito-train API", version=API_VERSION, lifespan=lifespan,
+                  openapi_url="/openapi.json" if docs else None,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
                   description="Canonical API of the ito-train backend. Every response is an "
                               "envelope {ok, live_api_contacted, notice, data | error}.")
     app.state.ctx = Ctx(settings, store, rt)
     install_handlers(app)
 
     app.add_middleware(BodyCap, max_bytes=settings.max_body_bytes)
+    # Outermost: a refused flood costs neither a body read nor a handler thread.
+    app.add_middleware(RateLimit, store=store, key_per_s=settings.rate_key_per_s,
+                       key_burst=settings.rate_key_burst,
+                       fail_per_s=settings.rate_auth_fail_per_s,
+                       fail_burst=settings.rate_auth_fail_burst)
     for module in (health, bookings, confirmations, plans, runs, mutations):
         app.include_router(module.router)
     return app

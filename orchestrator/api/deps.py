@@ -61,6 +61,11 @@ class Gates:
     def record(self, gate: str, ok: bool, code: str | None = None) -> None:
         if ok and not self.audit_passes:
             return
+        if gate == "auth" and not ok and self.principal is None:
+            # An unauthenticated failure: no write transaction of its own (a flood of
+            # bad keys must not serialise real writes); one counted row per window.
+            self.store.audit_counted(self.action, str(code))
+            return
         self.rows.append({
             "ts": time.time(), "account_id": self.principal.account_id if self.principal else None,
             "key_id": self.principal.key_id if self.principal else None, "action": self.action,
@@ -76,12 +81,13 @@ class Gates:
         self.record(gate, True)
         return result
 
-    def auth(self, creds: HTTPAuthorizationCredentials | None, scope: str) -> Principal:
+    def auth(self, creds: HTTPAuthorizationCredentials | None, scope: str,
+             *alternatives: str) -> Principal:
         def _auth() -> Principal:
             header = f"Bearer {creds.credentials}" if creds else None
             p = authenticate(self.store, header)
             self.principal = p
-            p.require(scope)
+            p.require(scope, *alternatives)
             return p
         return self.check("auth", _auth)
 

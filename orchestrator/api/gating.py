@@ -11,6 +11,7 @@ from orchestrator.gates.bookings import check_eligibility
 from orchestrator.gates.costing import CostEstimate
 from orchestrator.gates.manifest import ParsedManifest, decode_b64, parse_manifest
 from orchestrator.gates.planning import PlanResult, plan_manifest
+from orchestrator.gates.roots import account_roots
 from orchestrator.gates.validation import validate
 
 
@@ -36,14 +37,17 @@ def validation_gate(g: Gates, c: Ctx, parsed: ParsedManifest, eligibility: dict[
     def gate_plan() -> float | None:
         # Called by validate() once every other check passed (so the planner only sees
         # a known preset, SKU and fabric).
-        planned.append(plan_manifest(parsed.model, eligibility))
+        planned.append(plan_manifest(parsed.model, eligibility,
+                                     c.settings.plan_time_budget_s))
         if not c.settings.planner_gate:
             return None
         planned[0].raise_refusal()
         return planned[0].step_time_s
 
+    assert g.principal is not None
+    roots = account_roots(c.settings, c.store, g.principal.account_id)
     report, cost = g.check("validation", validate, c.settings, parsed.model, eligibility,
-                           remaining_h, gate_plan)
+                           remaining_h, gate_plan, roots)
     return report, cost, planned[0]
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from orchestrator.client import human
 from orchestrator.client.api import (
     TERMINAL_STATES,
     ClientSettings,
@@ -28,8 +30,9 @@ from orchestrator.client.api import (
     error_envelope,
     ok_envelope,
 )
-from orchestrator.client.credentials import ApiKey, load_api_key, redact
+from orchestrator.client.credentials import REDACTED, ApiKey, load_api_key, redact
 from orchestrator.client.manifest_reader import ManifestBytes, read_manifest
+from orchestrator.redact import looks_secret
 from stages.errors import ErrorCode, ItoError
 
 API_URL_ENV = "ITO_API_URL"
@@ -44,7 +47,8 @@ EXIT_AUTH = 6  # credential revoked or not accepted: stopped, no login attempted
 EXIT_RUN_UNSUCCESSFUL = 7  # --follow ended with the run failed or cancelled
 EXIT_INTERRUPTED = 130
 
-_AUTH_CODES = {ErrorCode.credential_revoked, ErrorCode.unauthenticated}
+_AUTH_CODES = {ErrorCode.credential_revoked, ErrorCode.unauthenticated,
+               ErrorCode.account_disabled}
 _TRANSPORT_CODES = {
     ErrorCode.api_unreachable,
     ErrorCode.api_timeout,
@@ -70,6 +74,33 @@ def exit_code_for(env: Envelope) -> int:
 
 class _UsageError(Exception):
     pass
+
+
+# Options nobody should pass (``ito`` takes no secret on its command line) whose value
+# must still never be echoed by a usage error: --api-key, --token, --password, ...
+_SECRET_OPTION = re.compile(r"^--?[\w-]*(api[-_]?key|token|secret|passw|credential|auth)",
+                            re.IGNORECASE)
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """argv with every secret-looking value replaced, before argparse sees it (so no
+    usage error can print one): values of secret-named options (``--api-key K`` and
+    ``--api-key=K``) and any argument shaped like a key or token."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+        elif _SECRET_OPTION.match(arg):
+            name, eq, _ = arg.partition("=")
+            out.append(f"{name}={REDACTED}" if eq else arg)
+            hide_next = not eq
+        elif looks_secret(arg):
+            out.append(REDACTED)
+        else:
+            out.append(arg)
+    return out
 
 
 class _Parser(argparse.ArgumentParser):
@@ -141,6 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proposal")
     p.add_argument("--cost-usd", type=float, default=None)
     p.add_argument("--ttl-s", type=int, default=None)
+    p = sub.add_parser("manifest", help="write a manifest for review (never submits)")
+    msub = p.add_subparsers(dest="manifest_command", required=True, parser_class=_Parser)
+    p = msub.add_parser("init", parents=[common], help="the short form as a full manifest, "
+                        "with the server's plan and cost; never submits")
+    p.add_argument("--booking", required=True)
+    p.add_argument("--model-size", required=True, help="e.g. 8B, 70B, 150M")
+    p.add_argument("--data", required=True, help="a local file or folder, or file:// URI")
+    p.add_argument("--target", required=True, help="capability: an eval suite, e.g. gsm8k")
+    p.add_argument("--budget-usd", required=True, type=float)
+    p.add_argument("--post-training", choices=["sft", "dpo", "rlvr"], default=None)
+    p.add_argument("--output", default=None,
+                   help="where to write it (default ./ito-manifest-<booking>.json)")
     return parser
 
 
@@ -198,14 +241,17 @@ def _fmt_log(e: dict[str, Any]) -> str:
 def _fmt_plan(d: dict[str, Any]) -> str:
     lines = [
         f"manifest {d.get('manifest_id')} (sha256 {d.get('manifest_digest')})",
-        f"  booking {d.get('booking_id')}: cost estimate ${d.get('cost_estimate_usd')}"
-        + (f", incremental ${d['incremental_cost_usd']}" if "incremental_cost_usd" in d else ""),
+        f"  booking {d.get('booking_id')}: cost estimate "
+        f"{human.value('cost_estimate_usd', d.get('cost_estimate_usd'))}"
+        + (f", incremental {human.value('incremental_cost_usd', d['incremental_cost_usd'])}"
+           if "incremental_cost_usd" in d else ""),
     ]
     for name, result in (d.get("validation") or {}).items():
         shown = (
             result
             if not isinstance(result, dict)
-            else ", ".join(f"{k}={v}" for k, v in result.items() if not isinstance(v, dict | list))
+            else ", ".join(f"{k}={human.value(k, v)}" for k, v in result.items()
+                           if not isinstance(v, dict | list))
         )
         lines.append(f"  {name}: {shown}")
     plan = d.get("plan")
@@ -225,20 +271,27 @@ def _readable(command: str, data: dict[str, Any]) -> str:
         return "\n".join(_fmt_run(r) for r in runs) or "no run for this idempotency key"
     if command == "confirm":
         return str(data.get("confirmation_ref"))
+    if command == "manifest":
+        from orchestrator.client.manifest_init import readable
+
+        return readable(data)
     if command == "checkpoints":
         rows = [
-            f"step {c.get('step')}: {c.get('bytes')} B, blocking {c.get('blocking_s')} s, "
-            f"total {c.get('total_s')} s, {c.get('bytes_per_s')} B/s  {c.get('path')}"
+            f"step {c.get('step')}: {human.value('bytes', c.get('bytes'))}, blocking "
+            f"{human.value('blocking_s', c.get('blocking_s'))}, total "
+            f"{human.value('total_s', c.get('total_s'))}, "
+            f"{human.value('bytes_per_s', c.get('bytes_per_s'))}  {c.get('path')}"
             for c in data.get("checkpoints") or []
         ]
         return "\n".join(rows) or "no checkpoints"
     if command == "metrics":
-        return "\n".join(f"{k}: {json.dumps(v)}" for k, v in data.items())
+        return "\n".join(f"{k}: {human.value(k, v)}" for k, v in data.items())
     if command == "cleanup":
         run = data.get("run") or {}
         return (
             f"run {run.get('run_id')} state={run.get('state')}: removed "
-            f"{len(data.get('removed') or [])} paths, {data.get('bytes_removed')} bytes; "
+            f"{len(data.get('removed') or [])} paths, "
+            f"{human.value('bytes_removed', data.get('bytes_removed'))}; "
             f"booking untouched={data.get('booking_untouched')}"
         )
     return json.dumps(data, indent=2, sort_keys=True)
@@ -269,7 +322,8 @@ class _Out:
                 self._write(
                     sys.stderr,
                     f"confirmation for {d.get('action')} on booking {d.get('booking_id')}: "
-                    f"cost_usd={d.get('cost_usd')} expires_at={d.get('expires_at')}",
+                    f"cost {human.value('cost_usd', d.get('cost_usd'))}, "
+                    f"expires_at={d.get('expires_at')}",
                 )
             text = _readable(command, env["data"])
             if text:
@@ -395,6 +449,10 @@ def _dispatch(client: ItoClient, args: argparse.Namespace, out: _Out) -> Envelop
         return client.release(args.booking, args.confirmation_ref, args.idempotency_key)
     if c == "confirm":
         return _cmd_confirm(client, args)
+    if c == "manifest":
+        from orchestrator.client.manifest_init import run_init
+
+        return run_init(client, args)
     raise ItoError(ErrorCode.bad_request, f"unknown command {c!r}")
 
 
@@ -432,7 +490,7 @@ def run_cli(
         return EXIT_OK, env
     try:
         try:
-            args = build_parser().parse_args(list(argv))
+            args = build_parser().parse_args(redact_argv(argv))
         except _UsageError as exc:
             env = error_envelope(ErrorCode.bad_request, f"usage: {exc}")
             out.final(command, env)
@@ -442,7 +500,7 @@ def run_cli(
             # Local checks first, in this order: nothing below touches the network
             # until the manifest, the URL and the key have all been accepted.
             args.manifest_bytes = None
-            if getattr(args, "manifest", None):
+            if getattr(args, "manifest", None) is not None:  # "" is refused, not skipped
                 args.manifest_bytes = read_manifest(args.manifest)
             api_url = args.api_url or os.environ.get(API_URL_ENV, "")
             if not api_url:

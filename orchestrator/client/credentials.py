@@ -3,7 +3,8 @@
 Only two sources, never a command-line flag (argv is visible in ``ps`` and shell
 history): the ``ITO_API_KEY`` environment variable, or a credentials file
 (``ITO_CREDENTIALS_FILE``, default ``~/.config/ito/credentials``) that is a regular
-file, not a symlink, owned by the caller, and readable by nobody else (0600/0400).
+file, not a symlink, owned by the caller, and readable by nobody else: exactly 0600
+or 0400, reached by the same symlink-safe walk as manifests (``stages/safepath.py``).
 
 The key is wrapped in ``ApiKey`` whose ``repr``/``str`` are redacted, so it cannot
 leak through a log line or an exception message by accident; ``redact`` scrubs it
@@ -12,14 +13,15 @@ from any text the CLI is about to print, as a second line of defence.
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
 
+from stages import safepath
 from stages.errors import ErrorCode, ItoError
+from stages.safepath import WalkError
 
 API_KEY_ENV = "ITO_API_KEY"
 CREDENTIALS_FILE_ENV = "ITO_CREDENTIALS_FILE"
@@ -85,24 +87,29 @@ def _parse(raw: str) -> str | None:
 
 def read_credentials_file(path: str) -> ApiKey | None:
     """Read a key from ``path``; ``None`` if the file does not exist."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    # The same symlink-safe walk as the manifest reader: canonical absolute path, no
+    # symlink on any component (a symlinked ~/.config is refused too).
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ENOENT:
-            return None
-        if exc.errno == errno.ELOOP:
-            raise _insecure(path, "is a symlink") from None
-        raise _insecure(path, os.strerror(exc.errno or 0)) from None
+        fd, _ = safepath.walk(os.open("/", safepath.DIR_FLAGS), safepath.path_parts(path),
+                              want="any", allow_missing=True)
+    except WalkError as exc:
+        why = {"symlink": "a symlink is on its path", "not_absolute": "path is not absolute",
+               "not_canonical": "path is not canonical", "not_regular": "not a regular file",
+               "not_dir": "a component of its path is not a directory"}.get(
+            exc.kind, os.strerror(exc.errno) if exc.errno else "cannot open")
+        raise _insecure(path, why) from None
+    if fd is None:
+        return None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _insecure(path, "not a regular file")
         if st.st_uid != os.geteuid():
             raise _insecure(path, f"owned by uid {st.st_uid}, not the caller")
-        if st.st_mode & 0o077:
+        if stat.S_IMODE(st.st_mode) not in (0o600, 0o400):
             raise _insecure(
-                path, f"mode {stat.S_IMODE(st.st_mode):04o}; must be 0600 (chmod 600 {path})"
+                path, f"mode {stat.S_IMODE(st.st_mode):04o}; must be 0600 or 0400 "
+                f"(chmod 600 {path})"
             )
         raw = os.read(fd, CREDENTIALS_MAX_BYTES + 1)
     finally:

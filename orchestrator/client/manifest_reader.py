@@ -21,20 +21,19 @@ into an envelope with ``live_api_contacted: false``.
 from __future__ import annotations
 
 import base64
-import errno
 import hashlib
 import os
 import stat
 from dataclasses import dataclass
 
+from stages import safepath
 from stages.errors import ErrorCode, ItoError
+from stages.safepath import WalkError, path_parts
 
 # A manifest is a small JSON document; anything bigger is a mistake or an attack.
 MANIFEST_MAX_BYTES = 1 << 20
 _READ_CHUNK = 64 * 1024
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -59,65 +58,43 @@ def _refuse(code: ErrorCode, path: str, why: str) -> ItoError:
     return ItoError(code, f"manifest {path!r} refused: {why}")
 
 
+_WHY = {
+    "not_absolute": (ErrorCode.manifest_path_not_absolute, "path must be absolute (start with /)"),
+    "not_canonical": (ErrorCode.manifest_path_not_canonical,
+                      "path must be canonical (no '.', '..', '//', NUL or trailing '/')"),
+    "symlink": (ErrorCode.manifest_symlink, "a symlink is on the path"),
+    "not_regular": (ErrorCode.manifest_not_regular_file, "not a regular file"),
+}
+
+
+def walk_refusal(exc: WalkError, path: str) -> ItoError:
+    """The manifest_* refusal for a failed safe walk (the credentials reader reuses it)."""
+    code, why = _WHY.get(exc.kind, (ErrorCode.manifest_unreadable, ""))
+    if exc.kind == "symlink":
+        why = "the file is a symlink" if exc.last else f"path component {exc.name!r} is a symlink"
+    elif exc.kind == "not_dir":
+        why = f"{exc.name!r} is not a directory"
+    elif not why:
+        why = os.strerror(exc.errno) if exc.errno else "cannot open"
+    return _refuse(code, path, why)
+
+
 def check_manifest_path(path: str) -> list[str]:
     """Validate the path's shape; returns its components (without the root)."""
-    if not isinstance(path, str) or not path:
-        raise _refuse(ErrorCode.manifest_path_not_absolute, str(path), "empty path")
-    if "\x00" in path:
-        raise _refuse(ErrorCode.manifest_path_not_canonical, path, "path contains NUL")
-    if not path.startswith("/"):
-        raise _refuse(
-            ErrorCode.manifest_path_not_absolute, path, "path must be absolute (start with /)"
-        )
-    parts = path[1:].split("/")
-    if path == "/" or any(p in ("", ".", "..") for p in parts):
-        raise _refuse(
-            ErrorCode.manifest_path_not_canonical,
-            path,
-            "path must be canonical (no '.', '..', '//' or trailing '/')",
-        )
-    return parts
-
-
-def _classify_open_error(
-    exc: OSError, name: str, dir_fd: int, path: str, *, last: bool
-) -> ItoError:
-    """Turn a failed openat into the right refusal (symlink vs. not found vs. other)."""
     try:
-        st = os.lstat(name, dir_fd=dir_fd)
-    except OSError:
-        st = None
-    if st is not None and stat.S_ISLNK(st.st_mode):
-        what = "the file" if last else f"path component {name!r}"
-        return _refuse(ErrorCode.manifest_symlink, path, f"{what} is a symlink")
-    if exc.errno == errno.ELOOP:
-        return _refuse(ErrorCode.manifest_symlink, path, "symlink on the path")
-    if st is not None and not last and not stat.S_ISDIR(st.st_mode):
-        return _refuse(ErrorCode.manifest_unreadable, path, f"{name!r} is not a directory")
-    if st is not None and last and not stat.S_ISREG(st.st_mode):
-        # e.g. a UNIX socket (open fails with ENXIO) or a FIFO without a reader.
-        return _refuse(ErrorCode.manifest_not_regular_file, path, "not a regular file")
-    reason = os.strerror(exc.errno) if exc.errno else "cannot open"
-    return _refuse(ErrorCode.manifest_unreadable, path, reason)
+        return path_parts(path)
+    except WalkError as exc:
+        raise walk_refusal(exc, str(path)) from None
 
 
 def _open_no_follow(path: str, parts: list[str]) -> int:
     """Walk ``parts`` from ``/`` with openat + O_NOFOLLOW; return the file's descriptor."""
-    dir_fd = os.open("/", _DIR_FLAGS)
     try:
-        for name in parts[:-1]:
-            try:
-                next_fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-            except OSError as exc:
-                raise _classify_open_error(exc, name, dir_fd, path, last=False) from None
-            os.close(dir_fd)
-            dir_fd = next_fd
-        try:
-            return os.open(parts[-1], _FILE_FLAGS, dir_fd=dir_fd)
-        except OSError as exc:
-            raise _classify_open_error(exc, parts[-1], dir_fd, path, last=True) from None
-    finally:
-        os.close(dir_fd)
+        fd, _ = safepath.walk(os.open("/", safepath.DIR_FLAGS), parts, want="any")
+    except WalkError as exc:
+        raise walk_refusal(exc, path) from None
+    assert fd is not None
+    return fd
 
 
 def _check_descriptor(fd: int, path: str, *, euid: int, max_bytes: int) -> None:

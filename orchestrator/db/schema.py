@@ -143,6 +143,23 @@ MIGRATIONS: list[str] = [
         run_id TEXT
     );
     """,
+    # 2: tenant isolation (issue 14): per-account data and checkpoint roots, disabled
+    # accounts, counted (batched) audit rows, per-run log cursors.
+    """
+    CREATE TABLE account_roots (
+        account_id TEXT NOT NULL REFERENCES accounts(account_id),
+        kind TEXT NOT NULL CHECK (kind IN ('data', 'checkpoint')),
+        path TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (account_id, kind, path)
+    );
+    ALTER TABLE accounts ADD COLUMN disabled_at REAL;
+    ALTER TABLE audit_events ADD COLUMN count INTEGER NOT NULL DEFAULT 1;
+    ALTER TABLE logs ADD COLUMN run_seq INTEGER;
+    UPDATE logs SET run_seq = (SELECT COUNT(*) FROM logs AS l2
+                               WHERE l2.run_id = logs.run_id AND l2.log_id <= logs.log_id);
+    CREATE UNIQUE INDEX logs_run_seq ON logs(run_id, run_seq);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

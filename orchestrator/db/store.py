@@ -15,7 +15,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,11 @@ class Store:
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        # Counted audit rows waiting for their window: (action, code) -> count.
+        self._counted: dict[tuple[str, str], int] = {}
+        self._counted_since = time.monotonic()
+        self._counted_lock = threading.Lock()
+        self.counted_window_s = 5.0  # the server sets Settings.auth_fail_audit_window_s
         self._migrate()
 
     # --- connections and transactions ------------------------------------------------
@@ -108,6 +113,8 @@ class Store:
         return rows[0] if rows else None
 
     def close(self) -> None:
+        with suppress(sqlite3.Error):
+            self.flush_counted()
         with self._lock:
             for c in self._all:
                 c.close()
@@ -142,8 +149,30 @@ class Store:
         with self.tx() as c:
             if c.execute("SELECT 1 FROM accounts WHERE name = ?", (name,)).fetchone():
                 raise ItoError(ErrorCode.bad_request, f"account {name!r} already exists")
-            c.execute("INSERT INTO accounts VALUES (:account_id, :name, :created_at)", row)
+            c.execute("INSERT INTO accounts (account_id, name, created_at) "
+                      "VALUES (:account_id, :name, :created_at)", row)
         return row
+
+    def disable_account(self, name: str) -> bool:
+        """Disable an account: its keys stop authenticating and the confirmations its
+        keys made can no longer be consumed (checked in the consuming transaction)."""
+        with self.tx() as c:
+            cur = c.execute("UPDATE accounts SET disabled_at = ? WHERE name = ? "
+                            "AND disabled_at IS NULL", (time.time(), name))
+            return cur.rowcount == 1
+
+    def set_roots(self, account_id: str, kind: str, paths: list[str]) -> None:
+        """Replace the account's roots of one kind ('data' or 'checkpoint')."""
+        with self.tx() as c:
+            c.execute("DELETE FROM account_roots WHERE account_id = ? AND kind = ?",
+                      (account_id, kind))
+            c.executemany("INSERT INTO account_roots VALUES (?, ?, ?, ?)",
+                          [(account_id, kind, p, time.time()) for p in paths])
+
+    def roots(self, account_id: str, kind: str) -> tuple[str, ...]:
+        rows = self.read("SELECT path FROM account_roots WHERE account_id = ? AND kind = ? "
+                         "ORDER BY path", (account_id, kind))
+        return tuple(r["path"] for r in rows)
 
     def account_by_name(self, name: str) -> Row | None:
         return self.read_one("SELECT * FROM accounts WHERE name = ?", (name,))
@@ -265,10 +294,9 @@ class Store:
             now = time.time()
             c.execute("UPDATE runs SET state = ?, state_reason = ?, updated_at = ? "
                       "WHERE run_id = ?", (str(RunState(to_state)), reason, now, run_id))
-            c.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message) "
-                      "VALUES (?, NULL, ?, 'info', 'orchestrator', ?)",
-                      (run_id, now, f"state {row['state']} -> {RunState(to_state)}"
-                       + (f": {reason}" if reason else "")))
+            self.insert_log(c, run_id, None, now, "info", "orchestrator",
+                            f"state {row['state']} -> {RunState(to_state)}"
+                            + (f": {reason}" if reason else ""))
             return {**row, "state": str(RunState(to_state)), "state_reason": reason,
                     "updated_at": now}
         if conn is not None:
@@ -338,9 +366,7 @@ class Store:
     @staticmethod
     def _derive(c: sqlite3.Connection, run_id: str, seq: int, ev: Any) -> None:
         if ev.kind == "log":
-            c.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message) "
-                      "VALUES (?, ?, ?, ?, ?, ?)",
-                      (run_id, seq, ev.ts, ev.level, ev.stage, ev.message))
+            Store.insert_log(c, run_id, seq, ev.ts, ev.level, ev.stage, ev.message)
         elif ev.kind == "checkpoint":
             c.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)",
                       (run_id, ev.step, ev.path, ev.bytes, ev.blocking_s, ev.total_s, ev.ts))
@@ -370,14 +396,23 @@ class Store:
         return -1 if row is None or row["m"] is None else int(row["m"])
 
     def list_logs(self, run_id: str, cursor: int, limit: int) -> list[Row]:
-        return self.read("SELECT * FROM logs WHERE run_id = ? AND log_id > ? "
-                         "ORDER BY log_id LIMIT ?", (run_id, cursor, limit))
+        """Logs after ``cursor``, a per-run counter (it reveals nothing of other runs)."""
+        return self.read("SELECT * FROM logs WHERE run_id = ? AND run_seq > ? "
+                         "ORDER BY run_seq LIMIT ?", (run_id, cursor, limit))
 
     def add_log(self, run_id: str, message: str, level: str = "info",
                 stage: str = "orchestrator") -> None:
         with self.tx() as c:
-            c.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message) "
-                      "VALUES (?, NULL, ?, ?, ?, ?)", (run_id, time.time(), level, stage, message))
+            self.insert_log(c, run_id, None, time.time(), level, stage, message)
+
+    @staticmethod
+    def insert_log(c: sqlite3.Connection, run_id: str, seq: int | None, ts: float,
+                   level: str, stage: str, message: str) -> None:
+        """One log line; ``run_seq`` counts per run (the public cursor)."""
+        c.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message, run_seq) "
+                  "VALUES (?, ?, ?, ?, ?, ?, (SELECT COALESCE(MAX(run_seq), 0) + 1 "
+                  "FROM logs WHERE run_id = ?))",
+                  (run_id, seq, ts, level, stage, message, run_id))
 
     def list_checkpoints(self, run_id: str) -> list[Row]:
         return self.read("SELECT * FROM checkpoints WHERE run_id = ? ORDER BY step", (run_id,))
@@ -408,13 +443,34 @@ class Store:
         """Gate decisions: only ids and codes, never a message, body or secret."""
         c.executemany(
             "INSERT INTO audit_events (ts, account_id, key_id, action, gate, outcome, code, "
-            "booking_id, run_id) VALUES (:ts, :account_id, :key_id, :action, :gate, "
-            ":outcome, :code, :booking_id, :run_id)", rows)
+            "booking_id, run_id, count) VALUES (:ts, :account_id, :key_id, :action, :gate, "
+            ":outcome, :code, :booking_id, :run_id, :count)",
+            [{"count": 1, **r} for r in rows])
 
     def audit(self, rows: list[Row]) -> None:
         if rows:
             with self.tx() as c:
                 self.audit_rows(c, rows)
+
+    def audit_counted(self, action: str, code: str, window_s: float | None = None) -> None:
+        """Audit a cheap, frequent failure (bad key, rate limited) as one counted row per
+        (action, code) per window: a flood costs one write transaction per window."""
+        with self._counted_lock:
+            self._counted[(action, code)] = self._counted.get((action, code), 0) + 1
+            window = self.counted_window_s if window_s is None else window_s
+            due = time.monotonic() - self._counted_since >= window
+        if due:
+            self.flush_counted()
+
+    def flush_counted(self) -> None:
+        with self._counted_lock:
+            pending, self._counted = self._counted, {}
+            self._counted_since = time.monotonic()
+        if pending:
+            now = time.time()
+            self.audit([{"ts": now, "account_id": None, "key_id": None, "action": action,
+                         "gate": "auth", "outcome": "fail", "code": code, "booking_id": None,
+                         "run_id": None, "count": n} for (action, code), n in pending.items()])
 
     def audit_events(self, limit: int = 1000) -> list[Row]:
         return self.read("SELECT * FROM audit_events ORDER BY audit_id DESC LIMIT ?", (limit,))

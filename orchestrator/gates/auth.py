@@ -30,9 +30,12 @@ class Principal:
     key_id: str
     scopes: frozenset[str]
 
-    def require(self, scope: str) -> None:
-        if scope not in self.scopes:
-            raise ItoError(ErrorCode.forbidden_scope, f"this key lacks the {scope} scope")
+    def require(self, scope: str, *alternatives: str) -> None:
+        """The key must hold ``scope`` or one of ``alternatives``."""
+        wanted = (scope, *alternatives)
+        if not any(s in self.scopes for s in wanted):
+            raise ItoError(ErrorCode.forbidden_scope,
+                           f"this key lacks the {' or '.join(wanted)} scope")
 
 
 def issue_key(store: Store, account_name: str, scopes: list[str]) -> tuple[str, str]:
@@ -64,4 +67,7 @@ def authenticate(store: Store, authorization: str | None) -> Principal:
         raise ItoError(ErrorCode.unauthenticated, "invalid API key")
     if row["revoked_at"] is not None:
         raise ItoError(ErrorCode.credential_revoked, "this API key was revoked")
+    account = store.account(row["account_id"])
+    if account is None or account["disabled_at"] is not None:
+        raise ItoError(ErrorCode.account_disabled, "this API key's account is disabled")
     return Principal(row["account_id"], row["key_id"], frozenset(row["scopes"].split()))

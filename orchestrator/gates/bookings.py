@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from orchestrator.db.store import Row, Store
 from orchestrator.redact import safe_id
 from stages.errors import ErrorCode, ItoError
+from stages.parallelism.hardware import canonical_name
 
 
 def iso(ts: float | None) -> str | None:
@@ -62,6 +63,13 @@ def add_booking(store: Store, booking: BookingFile) -> dict[str, Any]:
     if end <= start:
         raise ItoError(ErrorCode.bad_request, "term_end must be after term_start")
     row = booking.model_dump()
+    # SKU and fabric are checked now, not first at confirmation; upstream spellings
+    # ("InfiniBand NDR", "infiniband-ndr") are stored as the profile name ("ib-ndr").
+    # A missing one is kept missing: the eligibility gate refuses it as incomplete.
+    if booking.gpu_sku is not None:
+        row["gpu_sku"] = canonical_name("gpus", booking.gpu_sku)
+    if booking.fabric is not None:
+        row["fabric"] = canonical_name("fabrics", booking.fabric)
     row.update(account_id=account["account_id"], term_start=start, term_end=end)
     store.add_booking(row)
     return booking_view(store, booking.booking_id)
@@ -85,11 +93,10 @@ def booking_view(store: Store, booking_id: str) -> dict[str, Any]:
 def owned_live_booking(store: Store, booking_id: str, account_id: str) -> Row:
     """The account's booking, neither revoked nor released; else its own code."""
     row = store.booking(booking_id)
-    if row is None:
+    # Another account's booking answers exactly as a missing one (same code, status and
+    # message), so a tenant cannot learn which booking ids exist.
+    if row is None or row["account_id"] != account_id:
         raise ItoError(ErrorCode.booking_not_found, f"no booking {safe_id(booking_id)}")
-    if row["account_id"] != account_id:
-        raise ItoError(ErrorCode.booking_account_mismatch,
-                       "this booking belongs to another account")
     if row["state"] == "revoked":
         raise ItoError(ErrorCode.booking_revoked, "this booking was revoked")
     if row["state"] == "released":

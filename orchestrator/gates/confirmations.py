@@ -106,7 +106,18 @@ def resolve(store: Store, ref: str | None, expect: Expect,
 
 
 def consume(store: Store, conn: sqlite3.Connection, ref: str, expect: Expect, by: str) -> Any:
-    """Re-check under the write lock and consume: exactly one caller wins."""
+    """Re-check under the write lock and consume: exactly one caller wins.
+
+    Credentials end with their key: the key that made the confirmation must still be
+    live (not revoked) and its account not disabled, checked in this transaction."""
     row = resolve(store, ref, expect, conn)
+    maker = conn.execute(
+        "SELECT k.revoked_at, a.disabled_at FROM api_keys AS k JOIN accounts AS a "
+        "ON a.account_id = k.account_id WHERE k.key_id = ?", (row["created_by_key"],)).fetchone()
+    if maker is None or maker["revoked_at"] is not None:
+        raise ItoError(ErrorCode.credential_revoked,
+                       "the key that made this confirmation was revoked; confirm again")
+    if maker["disabled_at"] is not None:
+        raise ItoError(ErrorCode.account_disabled, "this account is disabled")
     store.consume_confirmation(conn, row["ref_sha256"], by)
     return row

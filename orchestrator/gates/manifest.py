@@ -30,10 +30,10 @@ from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget
 
 class Budget(StrictModel):
     # Finite only: a NaN ceiling would make every comparison false, i.e. no budget.
-    ceiling_usd: float = Field(gt=0, allow_inf_nan=False,
+    ceiling_usd: float = Field(gt=0, le=1e10, allow_inf_nan=False,
                                description="estimated cost of the run must not exceed it")
     max_incremental_cost_usd: float = Field(
-        ge=0, allow_inf_nan=False,
+        ge=0, le=1e10, allow_inf_nan=False,
         description="spend beyond what the booking's remaining term already covers")
 
 

@@ -43,13 +43,15 @@ def total_steps(m: Manifest) -> int:
     return steps
 
 
-def plan_manifest(m: Manifest, booking: dict[str, Any]) -> PlanResult:
-    """Plan ``m`` on the booking's topology; a refusal is returned, not raised."""
+def plan_manifest(m: Manifest, booking: dict[str, Any],
+                  time_budget_s: float | None = None) -> PlanResult:
+    """Plan ``m`` on the booking's topology within ``time_budget_s``; a refusal is
+    returned, not raised."""
     from orchestrator.runtime.pipeline import parallelism_config  # the run's stage asks the same
 
     config = parallelism_config(m, booking)
     try:
-        chosen = plan(request_from(config, booking))
+        chosen = plan(request_from(config, booking), time_budget_s)
     except ItoError as e:
         return PlanResult(None, {"code": str(e.code), "message": e.message}, None)
     except ValidationError as e:
@@ -60,4 +62,11 @@ def plan_manifest(m: Manifest, booking: dict[str, Any]) -> PlanResult:
         log.exception("planner crashed")
         return PlanResult(None, {"code": str(ErrorCode.internal_error),
                                  "message": "the planner failed; see the server log"}, None)
-    return PlanResult(chosen.model_dump(mode="json"), None, chosen.step_time_s)
+    dumped = chosen.model_dump(mode="json")
+    try:  # a plan the trainer could not apply on this device is refused here too
+        from stages.trainer.layout import check_runnable_on_sku, layout_from_plan
+
+        check_runnable_on_sku(layout_from_plan(dumped), str(booking.get("gpu_sku", "")))
+    except ItoError as e:
+        return PlanResult(None, {"code": str(e.code), "message": e.message}, None)
+    return PlanResult(dumped, None, chosen.step_time_s)

@@ -2,17 +2,15 @@
 
 Checks run in a fixed order and the first failure is raised with its own code:
 model preset, GPU SKU, fabric, capacity, data policy, checkpoint storage, cost.
-Nothing here writes the store; the storage probe file is removed at once.
+Nothing here writes the store or the file system (no probe file): paths are only
+walked, read-only, inside the account's roots (orchestrator/gates/roots.py).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
-import secrets
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,7 +24,9 @@ from orchestrator.gates.costing import (
 )
 from orchestrator.gates.manifest import Manifest
 from orchestrator.gates.planning import total_steps
+from orchestrator.gates.roots import Roots, check_checkpoint_roots, check_data_roots
 from orchestrator.settings import Settings
+from stages.data_prep.evals import list_eval_suites
 from stages.errors import ErrorCode, ItoError
 from stages.presets import load_model_preset
 
@@ -97,34 +97,20 @@ def check_data_policy(settings: Settings, m: Manifest) -> int:
     return len(refs)
 
 
-def check_checkpoint_storage(settings: Settings, m: Manifest) -> str:
-    """Absolute, normalised, inside an allowed root, and writable (probe file)."""
-    raw = m.checkpoint.storage_path
-    path = Path(raw)
-    if not path.is_absolute() or os.path.normpath(raw) != raw.rstrip("/") or "\x00" in raw:
-        raise ItoError(ErrorCode.checkpoint_storage_invalid,
-                       "checkpoint storage must be a normalised absolute path")
-    resolved = path.resolve()
-    if settings.checkpoint_roots and not any(
-            resolved.is_relative_to(root.resolve()) for root in settings.checkpoint_roots):
-        raise ItoError(ErrorCode.checkpoint_storage_invalid,
-                       "checkpoint storage is outside the allowed roots")
-    # The run creates the folder later; probe the nearest folder that exists now.
-    probe_dir = resolved
-    while not probe_dir.exists():
-        probe_dir = probe_dir.parent
-    if not probe_dir.is_dir():
-        raise ItoError(ErrorCode.checkpoint_storage_invalid,
-                       "checkpoint storage path is not a folder")
-    probe = probe_dir / f".ito-probe-{secrets.token_hex(8)}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError:
-        raise ItoError(ErrorCode.checkpoint_storage_unwritable,
-                       "checkpoint storage is not writable by the backend") from None
-    return str(resolved)
+def check_names(m: Manifest) -> None:
+    """Names that pick files on the server are checked against what exists, before a
+    confirmation is spent (a path-shaped name never reaches a loader)."""
+    known = set(list_eval_suites())
+    for i, name in enumerate(m.data.eval_suites):
+        if name not in known:
+            raise ItoError(ErrorCode.eval_suite_unknown,
+                           f"data.eval_suites[{i}] is not a known suite; known: "
+                           + ", ".join(sorted(known)))
+    rung = m.data.ladder_probe.rung_preset
+    if not PRESET_NAME.match(rung):
+        raise ItoError(ErrorCode.model_preset_unknown,
+                       "data.ladder_probe.rung_preset is not a preset name")
+    load_model_preset(rung)
 
 
 def estimate_run_cost(settings: Settings, m: Manifest, booking: dict[str, Any],
@@ -143,39 +129,56 @@ def estimate_run_cost(settings: Settings, m: Manifest, booking: dict[str, Any],
         steps=total_steps(m) if step_time_s is not None else None)
 
 
-def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
-             remaining_term_h: float,
-             planner: Callable[[], float | None] | None = None,
-             ) -> tuple[dict[str, Any], CostEstimate]:
-    """All server-side checks; returns (report, cost) or raises the first failure.
-
-    ``planner`` (run after the other checks, before cost) raises the planner's refusal
-    or returns the planned step time, which then replaces the FLOP bound of the cost."""
-    if not PRESET_NAME.match(m.model.preset):
-        raise ItoError(ErrorCode.model_preset_unknown, "model.preset is not a preset name")
-    load_model_preset(m.model.preset)
-    profile = gpu_profile(settings.configs_dir, booking["gpu_sku"])
-    check_fabric(settings, booking["fabric"])
-    capacity = check_capacity(m, booking, profile)
-    n_refs = check_data_policy(settings, m)
-    if m.post_training.steps():
-        from stages.post_training.stage import validate_recipe
-
-        validate_recipe(m.post_training)  # formats, reward name, base model: clear codes
-    storage = check_checkpoint_storage(settings, m)
-    step_time_s = planner() if planner is not None else None
-    try:
-        cost = estimate_run_cost(settings, m, booking, profile, remaining_term_h, step_time_s)
-    except OverflowError:
-        raise ItoError(ErrorCode.budget_exceeded,
-                       "the cost estimate overflows: the training target is absurdly large"
-                       ) from None
+def _check_budget(m: Manifest, cost: CostEstimate) -> None:
     if not math.isfinite(cost.total_usd):
         raise ItoError(ErrorCode.budget_exceeded, "the cost estimate is not finite")
     if cost.total_usd > m.budget.ceiling_usd:
         raise ItoError(ErrorCode.budget_exceeded,
                        f"estimated cost ${cost.total_usd:,.2f} exceeds the budget ceiling "
                        f"${m.budget.ceiling_usd:,.2f}")
+
+
+def _cost(settings: Settings, m: Manifest, booking: dict[str, Any], profile: dict[str, Any],
+          remaining_term_h: float, step_time_s: float | None) -> CostEstimate:
+    try:
+        return estimate_run_cost(settings, m, booking, profile, remaining_term_h, step_time_s)
+    except OverflowError:
+        raise ItoError(ErrorCode.budget_exceeded,
+                       "the cost estimate overflows: the training target is absurdly large"
+                       ) from None
+
+
+def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
+             remaining_term_h: float,
+             planner: Callable[[], float | None] | None = None,
+             roots: Roots | None = None,
+             ) -> tuple[dict[str, Any], CostEstimate]:
+    """All server-side checks; returns (report, cost) or raises the first failure.
+
+    ``planner`` (run after the other checks, before cost) raises the planner's refusal
+    or returns the planned step time, which then replaces the FLOP bound of the cost.
+    The FLOP-bound cost is checked against the budget before the planner runs, so an
+    absurd request is refused before any search. ``roots`` are the account's
+    (``Roots()`` with nothing in it when not given: every path is refused)."""
+    roots = roots if roots is not None else Roots((), ())
+    if not PRESET_NAME.match(m.model.preset):
+        raise ItoError(ErrorCode.model_preset_unknown, "model.preset is not a preset name")
+    load_model_preset(m.model.preset)
+    profile = gpu_profile(settings.configs_dir, booking["gpu_sku"])
+    check_fabric(settings, booking["fabric"])
+    capacity = check_capacity(m, booking, profile)
+    check_names(m)
+    n_refs = check_data_policy(settings, m)
+    check_data_roots(m, roots)
+    if m.post_training.steps():
+        from stages.post_training.stage import validate_recipe
+
+        validate_recipe(m.post_training)  # formats, reward name, base model: clear codes
+    storage = check_checkpoint_roots(m, roots)
+    _check_budget(m, _cost(settings, m, booking, profile, remaining_term_h, None))
+    step_time_s = planner() if planner is not None else None
+    cost = _cost(settings, m, booking, profile, remaining_term_h, step_time_s)
+    _check_budget(m, cost)
     if cost.incremental_usd > m.budget.max_incremental_cost_usd:
         raise ItoError(ErrorCode.incremental_cost_exceeded,
                        f"estimated ${cost.incremental_usd:,.2f} beyond the booking's remaining "
@@ -184,7 +187,7 @@ def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
     report = {
         "model_preset": "ok", "gpu_sku": "ok", "fabric": "ok", "capacity": capacity,
         "data_policy": {"refs": n_refs, "schemes": list(settings.allowed_data_schemes)},
-        "checkpoint_storage": {"path": storage, "writable": True},
+        "checkpoint_storage": {"path": storage, "inside_roots": True},
         "cost": cost.as_dict(),
     }
     return report, cost

@@ -21,11 +21,13 @@ from stages.parallelism import ParallelismConfig
 StageFactory = Callable[[StageContext], Stage]
 
 
-def _data_prep(manifest: Manifest) -> StageFactory:
+def _data_prep(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
     def make(ctx: StageContext) -> Stage:
         from stages.data_prep import DataPrepStage
 
-        return DataPrepStage(manifest.data)
+        # The account's data roots, set by the supervisor from the store (never from the
+        # manifest): the stage resolves every reference inside them again at run time.
+        return DataPrepStage(manifest.data, data_roots=spec.facts.get("data_roots") or ())
 
     return make
 
@@ -54,6 +56,7 @@ def _parallelism(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
 def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
     def make(ctx: StageContext) -> Stage:
         from stages.trainer.config import TrainStageConfig
+        from stages.trainer.layout import layout_from_plan
         from stages.trainer.stage import TrainingStage
 
         plan = ctx.previous["parallelism"].artifacts["plan"]
@@ -64,6 +67,8 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
             "checkpoint": manifest.checkpoint.model_dump(mode="json"),
             "loss_spike": manifest.loss_spike.model_dump(mode="json"),
             "replica_groups": int(plan["dp_replicate"]), "ranks_per_group": ranks,
+            # The plan's layout inside each group: the trainer builds exactly this.
+            "parallel": layout_from_plan(plan).model_dump(mode="json"),
             "device": spec.facts.get("device", "cpu"),
         }
         # Operator-level knobs (never from the tenant's manifest): test pacing, FT timeouts.
@@ -89,7 +94,7 @@ def _post_training(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
 def build_pipeline(spec: LaunchSpec) -> list[tuple[str, StageFactory]]:
     manifest = Manifest.model_validate_json(spec.manifest_json)
     stages = [
-        ("data_prep", _data_prep(manifest)),
+        ("data_prep", _data_prep(manifest, spec)),
         ("parallelism", _parallelism(manifest, spec)),
         ("train", _train(manifest, spec)),
     ]

@@ -12,11 +12,14 @@ Token authentication stays on (``RAY_AUTH_MODE=token``). The token lives in
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +41,8 @@ class RaySettings(BaseModel):
     dashboard_port: int = Field(default=8265, gt=0, lt=65536)
     num_cpus: int | None = Field(default=None, gt=0)
     include_dashboard: bool = True
+    # Ray Client's port on the embedded head (bound to loopback like every other).
+    client_server_port: int = Field(default=10001, gt=0, lt=65536)
     # Waiting for a freshly started head to accept connections.
     head_start_timeout_s: float = Field(default=90.0, gt=0)
 
@@ -63,6 +68,23 @@ def head_pid_file(var_dir: Path) -> Path:
     return var_dir / "ray-head.pid"
 
 
+def ray_temp_dir(var_dir: Path) -> Path:
+    """The embedded head's own temp root, mode 0700 (Ray makes its session folders
+    0777; under a 0700 root nobody else reaches them). Short, because Ray's unix
+    sockets live below it (a socket path must fit in 107 bytes)."""
+    tag = hashlib.sha256(str(var_dir.resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"ito-ray-{os.geteuid()}-{tag}"
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise ItoError(ErrorCode.ray_unavailable, "the Ray temp folder is not ours")
+    os.chmod(path, 0o700)
+    return path
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -79,8 +101,12 @@ def start_local_head(var_dir: Path, settings: RaySettings) -> str:
     if pid_file.exists() and _alive(int(pid_file.read_text() or 0)):
         return address
     var_dir.mkdir(parents=True, exist_ok=True)
+    temp = _private_dir(ray_temp_dir(var_dir))
+    # Loopback only: the node's address, the dashboard and Ray Client (which would
+    # otherwise listen on all interfaces) are bound to 127.0.0.1.
     cmd = [_ray_bin(), "start", "--head", "--block", f"--port={settings.head_port}",
            "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+           f"--temp-dir={temp}", f"--ray-client-server-port={settings.client_server_port}",
            f"--include-dashboard={str(settings.include_dashboard).lower()}",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={settings.dashboard_port}"]
     if settings.num_cpus:
@@ -95,6 +121,7 @@ def start_local_head(var_dir: Path, settings: RaySettings) -> str:
             raise ItoError(ErrorCode.ray_unavailable,
                            f"ray head exited with {proc.returncode}; see {var_dir}/ray-head.log")
         if b"Ray runtime started" in (var_dir / "ray-head.log").read_bytes()[-20000:]:
+            os.chmod(temp, 0o700)  # Ray opens its temp root to 0777; nobody else needs it
             return address
         time.sleep(0.25)
     raise ItoError(ErrorCode.ray_unavailable, "ray head did not start in time")

@@ -258,7 +258,8 @@ class RayRuntime:
             checkpoint_dir=str(self._checkpoint_dir(run)),
             facts={"booking": {k: booking.get(k) for k in
                                ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")},
-                   "train_overrides": self.settings.train_overrides},
+                   "train_overrides": self.settings.train_overrides,
+                   "data_roots": list(self.store.roots(run["account_id"], "data"))},
             completed_stages=completed, seq_start=self.store.max_seq(run_id) + 1,
             attempt=attempt))
         actor = driver_actor_class().options(

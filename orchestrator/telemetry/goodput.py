@@ -75,8 +75,9 @@ def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: floa
         kind = ev.get("kind")
         if kind == "step":
             if ev.get("committed"):
-                m.steps_committed += 1
-                m.tokens += int(ev.get("tokens", 0))
+                # Every replica group's rank 0 reports the same committed step with the
+                # whole quorum's tokens, and a step redone after a restart is reported
+                # again: the last report of each step is the one that counts.
                 last_by_step[int(ev["step"])] = ev
                 m.last_loss = float(ev["loss"])
                 m.last_step = int(ev["step"])
@@ -97,6 +98,8 @@ def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: floa
             m.checkpoint_bytes += int(ev["bytes"])
             ckpt_total_s += float(ev["total_s"])
             m.checkpoint_blocking_s += float(ev["blocking_s"])
+    m.steps_committed = len(last_by_step)
+    m.tokens = sum(int(ev.get("tokens", 0)) for ev in last_by_step.values())
     m.elapsed_s = max(0.0, now - started_at)
     m.productive_s = sum(float(ev["seconds"]) for ev in last_by_step.values())
     attributed = 0.0

@@ -1,4 +1,5 @@
-"""Prometheus exposition of run and booking telemetry at the API server's /metrics.
+"""Prometheus exposition of run and booking telemetry (served by the metrics listener,
+orchestrator/telemetry/listener.py, never on the API socket).
 
 A custom collector computes the families at scrape time from the store, so the
 numbers a scrape shows are exactly what ``ito metrics`` shows. Labels are
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from orchestrator.db.store import Store
 from orchestrator.telemetry.goodput import RunMetrics, aggregate
 
 # Post-training's rollout-fleet gauges: (RunMetrics.post_training key, family, help).
@@ -108,3 +110,26 @@ class TelemetryCollector(Collector):
         yield from (goodput, elapsed, badput, interruptions, rate, ckpt_bw, tps, steps, state,
                     b_goodput, b_rate, b_bw, b_tps)
         yield from rl.values()
+
+
+def render(store: Store) -> tuple[bytes, str]:
+    """The whole scrape: run counts, gate failures, and per-run and per-booking goodput
+    telemetry (docs/runtime.md)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+    from orchestrator.runs import RunState
+    from orchestrator.telemetry.metrics_view import samples
+
+    registry = CollectorRegistry()
+    runs = Gauge("ito_runs", "Runs by state", ["state"], registry=registry)
+    counts = {r["state"]: r["n"] for r in store.read(
+        "SELECT state, COUNT(*) AS n FROM runs GROUP BY state")}
+    for state in RunState:
+        runs.labels(state=str(state)).set(counts.get(str(state), 0))
+    fails = Gauge("ito_gate_failures", "Gate failures by code (since the store was created)",
+                  ["code"], registry=registry)
+    for r in store.read("SELECT code, SUM(count) AS n FROM audit_events "
+                        "WHERE outcome = 'fail' GROUP BY code"):
+        fails.labels(code=str(r["code"])).set(r["n"])
+    registry.register(TelemetryCollector(lambda: samples(store)))
+    return generate_latest(registry), CONTENT_TYPE_LATEST

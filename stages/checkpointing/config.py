@@ -6,11 +6,17 @@ from pydantic import Field, field_validator, model_validator
 
 from stages.base import StrictModel
 
+# What ``ito manifest init`` writes and what the checkpoint-restart baseline of
+# benchmarks/fault_tolerance.py uses: the production default interval.
+DEFAULT_INTERVAL_STEPS = 100
+DEFAULT_KEEP = 3
+
 
 class CheckpointPolicy(StrictModel):
-    interval_steps: int | None = Field(default=None, gt=0)
-    interval_minutes: float | None = Field(default=None, gt=0)
-    keep: int = Field(default=3, ge=1, le=100)
+    interval_steps: int | None = Field(default=None, gt=0, le=100_000_000)
+    interval_minutes: float | None = Field(default=None, gt=0, le=7 * 24 * 60,
+                                           allow_inf_nan=False)
+    keep: int = Field(default=DEFAULT_KEEP, ge=1, le=100)
     # file:///absolute/dir is the only storage this build writes to.
     storage_uri: str
 

@@ -4,9 +4,13 @@
     python -m stages.data_prep decontaminate --input PATH --eval PATH... --output PATH [--json]
 
 ``--input`` is a file or a folder of jsonl/parquet/text (``--text-field``, default
-"text"); ``--output`` a jsonl file of {"text", "id"} rows. The provenance record is
-written beside it as ``<output>.provenance.json``. Eval files are jsonl with a text
-field named by ``--eval-field`` (default "question") or plain text, one item a line.
+"text"); ``--output`` a jsonl file of the caller's records, every field as it was (a
+text line becomes ``{"<text-field>": line}``), in input order. With ``--action flag``
+a flagged record gets one more field, ``--flag-field`` (default "contaminated"). The
+provenance record is written beside it as ``<output>.provenance.json``; its
+``output_rows`` maps output line n to the input document id "0:<file>:<n>". Eval
+files are jsonl with a text field named by ``--eval-field`` (default "question") or
+plain text, one item a line.
 Exit status 0 on success, 2 on an error (printed with its stable code).
 """
 
@@ -49,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--overlap-threshold", type=float,
                    default=DecontaminationConfig().overlap_threshold)
     c.add_argument("--action", choices=["remove", "flag"], default="remove")
+    c.add_argument("--flag-field", default="contaminated",
+                   help="with --action flag: the field set to true on flagged records")
     for s in (d, c):
         s.add_argument("--input", required=True, type=Path)
         s.add_argument("--output", required=True, type=Path)
@@ -68,12 +74,12 @@ def run_dedup(args: argparse.Namespace) -> dict[str, Any]:
     corpus = read_input(args.input, args.text_field)
     res = dedup(corpus.texts, cfg)
     kept = [i for i in range(len(corpus)) if res.keep[i]]
-    digest, size, count = write_jsonl(
-        args.output, ({"text": corpus.texts[i], "id": corpus.ids[i]} for i in kept))
+    digest, size, count = write_jsonl(args.output, (corpus.records[i] for i in kept))
     prov = args.output.with_name(args.output.name + ".provenance.json")
     write_json(prov, {"command": "dedup", **_io_record(args, digest, size),
                       "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
                       "docs_in": len(corpus), "docs_out": count,
+                      "output_rows": [corpus.ids[i] for i in kept],
                       "dedup": dedup_record(res, cfg, corpus.ids)})
     return {"command": "dedup", "docs_in": len(corpus), "docs_out": count,
             "exact_duplicates": res.exact_duplicates, "near_duplicates": res.near_duplicates,
@@ -93,14 +99,19 @@ def run_decontaminate(args: argparse.Namespace) -> dict[str, Any]:
     corpus = read_input(args.input, args.text_field)
     index = EvalIndex(items, cfg)
     res = decontaminate(corpus.texts, index)
-    rows = ({"text": t, "id": corpus.ids[i], **({"contaminated": True} if bad else {})}
-            for i, (t, bad) in enumerate(zip(corpus.texts, res.contaminated, strict=True))
-            if not (bad and cfg.action == "remove"))
+    if cfg.action == "flag" and any(args.flag_field in r for r in corpus.records):
+        raise ItoError(ErrorCode.bad_request, f"--flag-field {args.flag_field!r} is already "
+                       "a field of the input records: name another")
+    kept = [i for i, bad in enumerate(res.contaminated)
+            if not (bad and cfg.action == "remove")]
+    rows = ({**corpus.records[i], args.flag_field: True} if res.contaminated[i]
+            else corpus.records[i] for i in kept)
     digest, size, count = write_jsonl(args.output, rows)
     prov = args.output.with_name(args.output.name + ".provenance.json")
     write_json(prov, {"command": "decontaminate", **_io_record(args, digest, size),
                       "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
                       "docs_in": len(corpus), "docs_out": count,
+                      "output_rows": [corpus.ids[i] for i in kept],
                       "decontamination": {**res.record(corpus.ids),
                                           "eval_files": [vars(i) for i in infos]}})
     return {"command": "decontaminate", "docs_in": len(corpus), "docs_out": count,

@@ -14,13 +14,15 @@ probe's held-out text read the same registry.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.data_prep.refs import file_sha256, local_path
+from stages.data_prep.refs import check_inside, file_sha256, file_uri_path, local_path
 from stages.errors import ErrorCode, ItoError
 from stages.presets import configs_dir
 
@@ -103,7 +105,8 @@ def read_eval_file(path: Path, field: str, suite: str,
 
 
 def load_eval_items(suites: list[str], files: list[str] | None = None,
-                    field: str = "question") -> tuple[list[EvalItem], list[EvalFileInfo]]:
+                    field: str = "question", roots: Sequence[str] | None = None,
+                    ) -> tuple[list[EvalItem], list[EvalFileInfo]]:
     """All items of the named suites plus extra eval files (paths or file:// URIs; their
     suite name is the file's stem)."""
     items: list[EvalItem] = []
@@ -115,7 +118,12 @@ def load_eval_items(suites: list[str], files: list[str] | None = None,
             got = read_eval_file(path, spec.field, suite.name, spec.answer_field)
             items += got
             infos.append(EvalFileInfo(suite.name, str(path), file_sha256(path), len(got)))
-    for ref in files or []:
+    for i, ref in enumerate(files or []):
+        if roots is not None:  # a run: a file:// URI inside the data roots, by the safe walk
+            where = f"data.eval_files[{i}]"
+            fd, _ = check_inside(file_uri_path(ref, where), roots, where, want="file")
+            assert fd is not None
+            os.close(fd)
         path = local_path(ref) if "://" in ref else Path(ref)
         got = read_eval_file(path, field, path.stem)
         items += got

@@ -12,7 +12,13 @@ from typing import Any
 
 from stages.data_prep.config import DedupConfig
 from stages.data_prep.dedup import DedupResult
-from stages.data_prep.refs import DATA_SUFFIXES, ResolvedRef, data_files, read_texts
+from stages.data_prep.refs import (
+    DATA_SUFFIXES,
+    ResolvedRef,
+    data_files,
+    read_records,
+    read_texts,
+)
 
 # Near-duplicate (dropped -> survivor) examples kept in the provenance record; the
 # counts are always exact.
@@ -27,6 +33,8 @@ class Corpus:
     ids: list[str] = field(default_factory=list)
     roles: list[str] = field(default_factory=list)
     refs: list[int] = field(default_factory=list)
+    # The caller's records as read (command-line input only): written back unchanged.
+    records: list[dict[str, Any]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -36,7 +44,8 @@ class Corpus:
         files = []
         for f in resolved.files:
             before = len(self.texts)
-            for n, text in enumerate(read_texts(f.path, f.format, resolved.ref.text_field)):
+            for n, text in enumerate(read_texts(f.path, f.format, resolved.ref.text_field,
+                                                    roots=f.roots)):
                 self.texts.append(text)
                 self.ids.append(f"{k}:{f.relpath}:{n}")
                 self.roles.append(resolved.ref.role)
@@ -54,7 +63,8 @@ def read_input(path: Path, text_field: str = "text") -> Corpus:
     for f in files:
         rel = f.relative_to(path).as_posix() if path.is_dir() else f.name
         fmt = DATA_SUFFIXES.get(f.suffix, "jsonl")
-        for n, text in enumerate(read_texts(f, fmt, text_field)):
+        for n, (record, text) in enumerate(read_records(f, fmt, text_field)):
+            corpus.records.append(record)
             corpus.texts.append(text)
             corpus.ids.append(f"0:{rel}:{n}")
             corpus.roles.append("custom")

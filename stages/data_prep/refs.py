@@ -12,11 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+import stat
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 from urllib.parse import unquote, urlparse
 
+from stages import safepath
 from stages.data_prep.config import DataRef
 from stages.errors import ErrorCode, ItoError
 
@@ -60,6 +63,95 @@ def path_sha256(path: str | Path) -> str:
     return folder_sha256(p) if p.is_dir() else file_sha256(p)
 
 
+OUTSIDE_MESSAGE = "is not inside this account's data roots"
+
+
+def outside(where: str) -> ItoError:
+    """The one refusal for a reference that leaves its roots: it names the manifest
+    field only, never a path, a digest or whether anything exists."""
+    return ItoError(ErrorCode.path_outside_root, f"{where} {OUTSIDE_MESSAGE}")
+
+
+def file_uri_path(uri: str, where: str = "data ref") -> str:
+    """The absolute path of a local ``file://`` URI; another host, a query or a
+    fragment is refused like any path outside the roots."""
+    try:
+        parsed = urlparse(uri)
+    except ValueError:
+        raise outside(where) from None
+    if (parsed.scheme.lower() != "file" or parsed.netloc not in ("", "localhost")
+            or parsed.query or parsed.fragment or parsed.params):
+        raise outside(where)
+    return unquote(parsed.path)
+
+
+def check_inside(path: str, roots: Sequence[str], where: str, *,
+                 want: str = "any", allow_missing: bool = False) -> tuple[int | None, bool]:
+    """Open ``path`` inside ``roots`` with the safe walk; ``(fd or None, is_dir)``.
+
+    Everything that is not a plain file or folder reached without a symlink below a
+    root is ``path_outside_root``; a missing one is ``data_not_found`` (or ``(None,
+    False)`` with ``allow_missing``), said without the path."""
+    try:
+        fd, st = safepath.open_inside(path, roots, want=want,  # type: ignore[arg-type]
+                                      allow_missing=allow_missing)
+    except safepath.WalkError as e:
+        if e.kind == "missing":
+            raise ItoError(ErrorCode.data_not_found, f"{where}: no such file or folder") from None
+        raise outside(where) from None
+    except OSError:
+        raise outside(where) from None
+    return fd, bool(st is not None and stat.S_ISDIR(st.st_mode))
+
+
+def _fd_sha256(fd: int) -> tuple[str, int]:
+    h, n = hashlib.sha256(), 0
+    while chunk := os.read(fd, _READ_CHUNK):
+        h.update(chunk)
+        n += len(chunk)
+    return h.hexdigest(), n
+
+
+def _resolve_inside(ref: DataRef, roots: Sequence[str], where: str) -> ResolvedRef:
+    """resolve_ref under data roots: every file is reached by the safe walk and hashed
+    from its own descriptor; a symlink anywhere below the ref is refused."""
+    path = file_uri_path(ref.uri, where)
+    fd, is_dir = check_inside(path, roots, where)
+    assert fd is not None
+    files: list[DataFile] = []
+    try:
+        if not is_dir:
+            digest, size = _fd_sha256(fd)
+            name = path.rsplit("/", 1)[-1]
+            files.append(DataFile(Path(path), name, file_format(Path(name), ref.format),
+                                  digest, size, tuple(roots)))
+        else:
+            try:
+                for rel, ffd in safepath.iter_tree(fd):
+                    try:
+                        name = rel.rsplit("/", 1)[-1]
+                        if Path(name).suffix not in DATA_SUFFIXES or name.startswith("."):
+                            continue
+                        digest, size = _fd_sha256(ffd)
+                    finally:
+                        os.close(ffd)
+                    files.append(DataFile(Path(path) / rel, rel,
+                                          file_format(Path(name), ref.format), digest, size,
+                                          tuple(roots)))
+            except (safepath.WalkError, OSError):
+                raise outside(where) from None
+    finally:
+        os.close(fd)
+    if is_dir:
+        if not files:
+            raise ItoError(ErrorCode.data_empty, f"{where}: no data files in the folder")
+        lines = sorted(f"{f.relpath}\t{f.sha256}\n" for f in files)
+        total = hashlib.sha256("".join(lines).encode("utf-8")).hexdigest()
+    else:
+        total = files[0].sha256
+    return ResolvedRef(ref, Path(path), files, total)
+
+
 def local_path(uri: str, cache_dir: Path | None = None) -> Path:
     """The local file or folder a URI names; refuses what is not here."""
     parsed = urlparse(uri)
@@ -95,6 +187,8 @@ class DataFile:
     format: str
     sha256: str
     bytes: int
+    # Set when the file was found under data roots: it is re-opened by the safe walk.
+    roots: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,8 +212,14 @@ def file_format(path: Path, declared: str | None = None) -> str:
     return fmt
 
 
-def resolve_ref(ref: DataRef, cache_dir: Path | None = None) -> ResolvedRef:
-    """Find the ref's files and compute their digests (no document is read yet)."""
+def resolve_ref(ref: DataRef, cache_dir: Path | None = None,
+                roots: Sequence[str] | None = None, where: str = "data ref") -> ResolvedRef:
+    """Find the ref's files and compute their digests (no document is read yet).
+
+    With ``roots`` (the account's data roots, always set for a run) a ``file://`` ref
+    must lie inside one of them, reached by the symlink-safe walk."""
+    if roots is not None and urlparse(ref.uri).scheme.lower() == "file":
+        return _resolve_inside(ref, roots, where)
     path = local_path(ref.uri, cache_dir)
     if path.is_dir():
         paths = data_files(path)
@@ -136,27 +236,23 @@ def resolve_ref(ref: DataRef, cache_dir: Path | None = None) -> ResolvedRef:
     return ResolvedRef(ref, path, files, digest)
 
 
-def read_texts(path: Path, fmt: str, text_field: str = "text") -> Iterator[str]:
-    """Documents of one file: a jsonl/parquet field, or one non-empty line of text."""
-    if fmt == "jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    value = json.loads(line)[text_field]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ItoError(ErrorCode.data_format_unsupported,
-                                   f"{path.name}:{lineno}: not a JSON object with a "
-                                   f"{text_field!r} field ({type(e).__name__})") from e
-                if not isinstance(value, str):
-                    raise ItoError(ErrorCode.data_format_unsupported,
-                                   f"{path.name}:{lineno}: {text_field!r} is not a string")
-                yield value
-    elif fmt == "parquet":
+def _open(path: Path, roots: Sequence[str] | None, binary: bool = False) -> IO:  # type: ignore[type-arg]
+    if roots is None:
+        return open(path, "rb") if binary else open(path, encoding="utf-8")
+    fd, _ = check_inside(str(path), roots, "data file", want="file")
+    assert fd is not None
+    return os.fdopen(fd, "rb") if binary else os.fdopen(fd, encoding="utf-8")
+
+
+def read_texts(path: Path, fmt: str, text_field: str = "text",
+               roots: Sequence[str] | None = None) -> Iterator[str]:
+    """Documents of one file: a jsonl/parquet field, or one non-empty line of text.
+    With ``roots`` the file is opened by the safe walk inside them."""
+    if fmt == "parquet":  # only the text column, not whole rows
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        with _open(path, roots, binary=True) as fb:
+            table = pq.read_table(fb)
         if text_field not in table.column_names:
             raise ItoError(ErrorCode.data_format_unsupported,
                            f"{path.name}: no column {text_field!r}")
@@ -165,10 +261,50 @@ def read_texts(path: Path, fmt: str, text_field: str = "text") -> Iterator[str]:
                 raise ItoError(ErrorCode.data_format_unsupported,
                                f"{path.name}: column {text_field!r} holds a non-string")
             yield value
+        return
+    for _, text in read_records(path, fmt, text_field, roots):
+        yield text
+
+
+def read_records(path: Path, fmt: str, text_field: str = "text",
+                 roots: Sequence[str] | None = None) -> Iterator[tuple[dict[str, Any], str]]:
+    """(the caller's record as it was, its text) per document of one file. A text
+    file's record is ``{text_field: line}``. With ``roots``, opened by the safe walk."""
+    if fmt == "jsonl":
+        with _open(path, roots) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    value = record[text_field]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ItoError(ErrorCode.data_format_unsupported,
+                                   f"{path.name}:{lineno}: not a JSON object with a "
+                                   f"{text_field!r} field ({type(e).__name__})") from e
+                if not isinstance(value, str):
+                    raise ItoError(ErrorCode.data_format_unsupported,
+                                   f"{path.name}:{lineno}: {text_field!r} is not a string")
+                yield record, value
+    elif fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        with _open(path, roots, binary=True) as fb:
+            table = pq.read_table(fb)
+        if text_field not in table.column_names:
+            raise ItoError(ErrorCode.data_format_unsupported,
+                           f"{path.name}: no column {text_field!r}")
+        for record in table.to_pylist():
+            value = record[text_field]
+            if not isinstance(value, str):
+                raise ItoError(ErrorCode.data_format_unsupported,
+                               f"{path.name}: column {text_field!r} holds a non-string")
+            yield record, value
     elif fmt == "text":
-        with open(path, encoding="utf-8") as f:
+        with _open(path, roots) as f:
             for line in f:
                 if line.strip():
-                    yield line.rstrip("\n")
+                    text = line.rstrip("\n")
+                    yield {text_field: text}, text
     else:
         raise ItoError(ErrorCode.data_format_unsupported, f"unknown format {fmt!r}")

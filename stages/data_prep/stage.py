@@ -9,7 +9,9 @@ the eval files matched against, input and output digests, the probe's numbers).
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -29,7 +31,7 @@ from stages.data_prep.records import (
     write_json,
     write_jsonl,
 )
-from stages.data_prep.refs import ResolvedRef, resolve_ref
+from stages.data_prep.refs import ResolvedRef, check_inside, resolve_ref
 from stages.errors import ErrorCode, ItoError
 
 PROVENANCE_VERSION = 1
@@ -43,8 +45,12 @@ class DataPrepStage:
     name: ClassVar[str] = "data_prep"
     config_model: ClassVar[type[DataPrepConfig]] = DataPrepConfig
 
-    def __init__(self, config: DataPrepConfig):
+    def __init__(self, config: DataPrepConfig, data_roots: Sequence[str] | None = None):
         self.config = config
+        # The account's data roots (operator's, never the tenant's): every file:// ref,
+        # eval file and cache folder must lie inside one. None only outside a run
+        # (the stage CLI and unit tests).
+        self.data_roots = tuple(data_roots) if data_roots is not None else None
 
     def _log(self, ctx: StageContext, message: str, level: str = "info") -> None:
         ctx.log(message, level=level, stage=self.name)  # type: ignore[arg-type]
@@ -75,12 +81,16 @@ class DataPrepStage:
         t0 = time.time()
         out = Path(ctx.workdir) / "data_prep"
         cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+        if cache is not None and self.data_roots is not None:
+            fd, _ = check_inside(str(cache), self.data_roots, "data.cache_dir", want="dir")
+            if fd is not None:
+                os.close(fd)
 
         # 1. Data manifest: resolve refs, digests, documents, bytes.
         resolved: list[ResolvedRef] = []
-        for ref in cfg.refs:
+        for i, ref in enumerate(cfg.refs):
             self._check(ctx)
-            resolved.append(resolve_ref(ref, cache))
+            resolved.append(resolve_ref(ref, cache, self.data_roots, f"data.refs[{i}]"))
         corpus = Corpus()
         manifest_refs = []
         for k, r in enumerate(resolved):
@@ -125,7 +135,8 @@ class DataPrepStage:
         self._check(ctx)
 
         # 3. Decontamination of the survivors against the eval suites and files.
-        items, infos = load_eval_items(cfg.eval_suites, cfg.eval_files, cfg.eval_field)
+        items, infos = load_eval_items(cfg.eval_suites, cfg.eval_files, cfg.eval_field,
+                                       roots=self.data_roots)
         flagged = np.zeros(docs_in, dtype=bool)
         decon_rec: dict[str, Any] = {"enabled": False}
         survivors = np.flatnonzero(keep)

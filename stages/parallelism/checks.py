@@ -197,3 +197,7 @@ def check_precision(ctx: Context, layout: Layout) -> None:
     if layout.precision == "fp8" and not ctx.sku.supports_fp8:
         raise ItoError(ErrorCode.plan_fp8_unsupported,
                        f"{ctx.sku.name} has no fp8 tensor cores; use bf16")
+    if layout.precision == "fp8" and not ctx.sku.trains_fp8:
+        raise ItoError(ErrorCode.plan_fp8_unsupported,
+                       f"fp8 training (torchao float8) needs an H100-class GPU; "
+                       f"{ctx.sku.name} is not one; use bf16")

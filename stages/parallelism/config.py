@@ -14,7 +14,7 @@ class ParallelismConfig(StrictModel):
     """Model and batch to plan for; the topology comes from the booking."""
 
     model: str = Field(description="configs/models preset name, e.g. llama3-8b")
-    global_batch_tokens: int = Field(gt=0)
+    global_batch_tokens: int = Field(gt=0, le=1 << 30)
     seq_len: int | None = Field(default=None, gt=1)
     precision: PrecisionPreference = "auto"
     activation_checkpointing: ActivationCheckpointing | Literal["auto"] = "auto"

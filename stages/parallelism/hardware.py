@@ -6,6 +6,7 @@ too (``memory_gib``, ``bf16_tflops``): never rename them, only add optional ones
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from typing import Literal
 
@@ -15,6 +16,13 @@ from stages.errors import ErrorCode, ItoError
 from stages.presets import list_configs, load_config
 
 Precision = Literal["fp32", "bf16", "fp8"]
+# CUDA compute capability of the SKUs in configs/gpus. fp8 training (torchao float8,
+# what the trainer runs) needs H100-class tensor cores, SM 9.0: SM 8.9 parts (L40S)
+# have fp8 TFLOP/s but are not fp8 training targets here.
+SKU_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
+    "A100-80G": (8, 0), "L40S": (8, 9), "H100-SXM": (9, 0), "H100-PCIe": (9, 0),
+    "H200": (9, 0), "B200": (10, 0)}
+FP8_TRAINING_MIN_CAPABILITY = (9, 0)
 
 
 class GpuSku(BaseModel):
@@ -33,10 +41,18 @@ class GpuSku(BaseModel):
     # Precisions this device trains in; ``auto`` takes the first (fp8 is tried on top
     # when the SKU has fp8 TFLOP/s). Empty means bf16 (+ fp8 when fp8_tflops is set).
     precisions: tuple[Precision, ...] = ()
+    # Other spellings of this SKU (as upstream or vendors write it); see canonical_name.
+    aliases: tuple[str, ...] = ()
 
     @property
     def supports_fp8(self) -> bool:
         return self.fp8_tflops is not None
+
+    @property
+    def trains_fp8(self) -> bool:
+        """fp8 tensor cores the trainer can train on (SM 9.0 or newer)."""
+        cap = SKU_COMPUTE_CAPABILITY.get(self.name)
+        return self.supports_fp8 and (cap is None or cap >= FP8_TRAINING_MIN_CAPABILITY)
 
     def peak_tflops(self, precision: Precision) -> float:
         if precision == "fp8":
@@ -60,6 +76,7 @@ class Fabric(BaseModel):
     inter_node_bandwidth_gb_s_per_gpu: float = Field(gt=0, description="one direction")
     latency_us: float = Field(ge=0)
     efficiency: float = Field(default=0.8, gt=0, le=1, description="achievable share of line rate")
+    aliases: tuple[str, ...] = ()
 
 
 def list_gpu_skus() -> list[str]:
@@ -78,3 +95,27 @@ def load_gpu_sku(name: str) -> GpuSku:
 @cache
 def load_fabric(name: str) -> Fabric:
     return load_config("fabrics", name, Fabric, ErrorCode.fabric_unknown)
+
+
+def _spelling(name: str) -> str:
+    """Case, spaces and punctuation do not tell two names apart."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def canonical_name(kind: Literal["gpus", "fabrics"], name: str) -> str:
+    """The config name (``configs/<kind>/<name>.json``) a SKU or fabric spelling means:
+    the name itself or one of the profile's ``aliases``, ignoring case, spaces and
+    punctuation (``InfiniBand NDR``, ``infiniband-ndr`` -> ``ib-ndr``). An unknown
+    spelling is ``gpu_sku_unknown`` / ``fabric_unknown``."""
+    load = load_gpu_sku if kind == "gpus" else load_fabric
+    table: dict[str, str] = {}
+    for known in list_configs(kind):
+        for spelling in (known, *load(known).aliases):
+            table.setdefault(_spelling(spelling), known)
+    hit = table.get(_spelling(name))
+    if hit is None:
+        code = ErrorCode.gpu_sku_unknown if kind == "gpus" else ErrorCode.fabric_unknown
+        what = "GPU SKU" if kind == "gpus" else "fabric"
+        raise ItoError(code, f"unknown {what} {name[:64]!r}; known: "
+                       f"{', '.join(list_configs(kind))} (or an alias in their profiles)")
+    return hit

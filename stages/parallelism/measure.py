@@ -65,8 +65,6 @@ def measure_peak_memory(preset: ModelPreset, *, micro_batch: int, seq_len: int,
                         seed: int = 0) -> int:
     """Peak bytes of live tensors during one fp32 forward + backward + AdamW step of
     ``preset`` on CPU (steady state: the optimizer state already exists)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from stages.trainer.model import build_model, causal_lm_loss
 
     model = build_model(preset, seed=seed)
@@ -80,12 +78,27 @@ def measure_peak_memory(preset: ModelPreset, *, micro_batch: int, seq_len: int,
         causal_lm_loss(model, ids).backward()
         optimizer.step()
 
+    return measure_step_peak(step, model.parameters(), optimizer)
+
+
+def _local(t: Any) -> Any:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def measure_step_peak(step: Any, params: Any, optimizer: torch.optim.Optimizer) -> int:
+    """Peak bytes of live tensors during ``step()`` (forward, backward and optimizer
+    step of whatever layout), after one warm-up call. DTensors count their local
+    shard: this is one rank's peak."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = list(params)
     step()
     # Free gradients outside the profiled window: frees of blocks allocated before
     # profiling are not reported, so they must not happen inside it.
     optimizer.zero_grad(set_to_none=True)
-    before = _live_bytes(model.parameters()) + _live_bytes(
-        v for state in optimizer.state.values() for v in state.values())
+    before = _live_bytes(_local(p) for p in params) + _live_bytes(
+        _local(v) for state in optimizer.state.values() for v in state.values())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()

@@ -63,18 +63,21 @@ def param_gather_bytes(precision: Precision) -> int:
 
 
 def layer_activation_bytes(preset: ModelPreset, tp: int, b: int,
-                           mode: ActivationCheckpointing) -> float:
-    """Saved activation bytes of one decoder layer per token (per GPU, SP on)."""
+                           mode: ActivationCheckpointing, sequence_parallel: bool = True
+                           ) -> float:
+    """Saved activation bytes of one decoder layer per token (per GPU). Without
+    sequence parallel (TP on CPU) the norms and the layer input are replicated."""
     h = preset.hidden_size
     kv = preset.num_key_value_heads * preset.head_dim
     ffn = preset.intermediate_size * max(1, preset.experts_per_token)
     heads = preset.num_attention_heads
+    sp = tp if sequence_parallel else 1
     if mode == "full":
-        return b * h / tp
+        return b * h / sp
     if mode == "selective":
         # layer input (SP-sharded), q/k/v/o and attention outputs, gate and up outputs.
-        return b * h / tp + b * (4 * h + 2 * kv + 2 * ffn) / tp + 4 * heads / tp
-    norms = 2 * ((4 + b) * h / tp + b * h)
+        return b * h / sp + b * (4 * h + 2 * kv + 2 * ffn) / tp + 4 * heads / tp
+    norms = 2 * ((4 + b) * h / sp + b * h)
     attention = b * (2 * h + 2 * kv) / tp + 4 * heads / tp
     mlp = 4 * b * ffn / tp
     return norms + attention + mlp + 8 / tp
@@ -128,13 +131,18 @@ def estimate_memory(preset: ModelPreset, *, seq_len: int, micro_batch: int, micr
                     tp: int, cp: int, fsdp: int, dp_replicate: int, pp_stage_layers: list[int],
                     pp_schedule: PipelineSchedule, pp_virtual_stages: int,
                     activation_checkpointing: ActivationCheckpointing,
-                    precision: Precision, foreach_optimizer: bool = True) -> MemoryEstimate:
-    """Peak memory (bytes) of the busiest pipeline rank. ``fsdp = dp_shard x cp``."""
+                    precision: Precision, foreach_optimizer: bool = True,
+                    sequence_parallel: bool = True, loss_parallel: bool = True
+                    ) -> MemoryEstimate:
+    """Peak memory (bytes) of the busiest pipeline rank. ``fsdp = dp_shard x cp``.
+    ``sequence_parallel`` / ``loss_parallel`` False: TP as the CPU trainer runs it
+    (replicated norms, logits gathered before the loss)."""
     pp = len(pp_stage_layers)
     b = compute_bytes(precision)
     tokens = micro_batch * seq_len / cp
-    per_layer = layer_activation_bytes(preset, tp, b, activation_checkpointing)
-    full_layer = layer_activation_bytes(preset, tp, b, "none")
+    per_layer = layer_activation_bytes(preset, tp, b, activation_checkpointing,
+                                       sequence_parallel)
+    full_layer = layer_activation_bytes(preset, tp, b, "none", sequence_parallel)
     attn, mlp = layer_params(preset)
     gather_unit = max(attn + mlp, preset.vocab_size * preset.hidden_size) / tp
     h = preset.hidden_size
@@ -161,7 +169,15 @@ def estimate_memory(preset: ModelPreset, *, seq_len: int, micro_batch: int, micr
         if activation_checkpointing != "none" and layers:
             recompute = (full_layer - per_layer if activation_checkpointing == "selective"
                          else full_layer) * tokens
-        loss = LOSS_BYTES_PER_LOGIT * tokens * preset.vocab_size / tp if last else 0.0
+        vocab = preset.vocab_size / (tp if loss_parallel else 1)
+        loss = LOSS_BYTES_PER_LOGIT * tokens * vocab if last else 0.0
+        if last and not loss_parallel and tp > 1:
+            # the head's local shard and the all-gather's staging copy of the logits
+            loss += b * tokens * preset.vocab_size * (1 + 1 / tp)
+        if last and pp > 1 and pp_schedule == "GPipe":
+            # GPipe runs every forward first: each micro-batch's loss keeps its fp32
+            # log-probs until its backward (1F1B schedules run a loss's backward next)
+            saved += (microbatches - 1) * 4 * tokens * vocab
         buffers = 0.0
         if fsdp > 1 and pp > 1:
             # PP stages stay unsharded across micro-batches (no reshard after forward,

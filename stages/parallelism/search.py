@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -51,7 +52,32 @@ class _Failure:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of ``n`` in increasing order, in O(sqrt(n)) steps (never linear in a
+    batch size a request may make huge)."""
+    small: list[int] = []
+    large: list[int] = []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+class _Deadline:
+    """The search's time budget: checked between groups and candidates."""
+
+    def __init__(self, budget_s: float | None):
+        self.budget_s = budget_s
+        self.at = None if budget_s is None else time.monotonic() + budget_s
+
+    def check(self) -> None:
+        if self.at is not None and time.monotonic() > self.at:
+            raise ItoError(ErrorCode.plan_time_budget_exceeded,
+                           f"the layout search did not finish within {self.budget_s:g} s; "
+                           "nothing was planned (a smaller batch or model plans faster)")
 
 
 @dataclass
@@ -161,13 +187,15 @@ def _shard_options(dp: int, inner: int, per_node: int) -> list[int]:
     return sorted(out)
 
 
-def plan(request: PlanRequest) -> Plan:
+def plan(request: PlanRequest, time_budget_s: float | None = None) -> Plan:
     """The fastest feasible layout for the booking, with its reasons and the ranked
     alternatives it rejected. Raises the most informative refusal when none fits:
     the code of the candidates that got furthest through the checks, with the
-    ranked rejected alternatives in ``ItoError.details["rejected"]``."""
-    search = _Search(resolve(request))
+    ranked rejected alternatives in ``ItoError.details["rejected"]``. With
+    ``time_budget_s`` a search that runs longer raises ``plan_time_budget_exceeded``."""
+    search = _Search(resolve(request), _Deadline(time_budget_s))
     for g in search.queue():
+        search.deadline.check()
         if search.beaten(g):
             break
         search.explore(g)
@@ -179,8 +207,9 @@ class _Search:
     on micro-batch or recompute, the rest are visited best bound first, and the
     search stops once no remaining bound can beat the best layout found."""
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, deadline: _Deadline | None = None):
         self.ctx, self.request = ctx, ctx.request
+        self.deadline = deadline or _Deadline(None)
         self.keep = max(self.request.max_alternatives, 1)
         self.capacity = ctx.sku.memory_gib * self.request.memory_utilization
         self.margin = 1 - self.request.replica_preference_margin
@@ -215,6 +244,7 @@ class _Search:
         queued: list[tuple[float, int, _Group]] = []
         bounds: dict[tuple[object, ...], float] = {}
         for n, g in enumerate(_groups(ctx)):
+            self.deadline.check()
             key, batch_key = g.structure, g.structure[:4]
             if key in self.ruled_out or batch_key in self.ruled_out:
                 continue
@@ -280,6 +310,7 @@ class _Search:
         for ac in g.recompute:
             fitted = stop_group = False
             for mb in g.micro_batches:
+                self.deadline.check()
                 layout = g.layout(mb, ac)
                 try:
                     a = assess(self.ctx, layout)

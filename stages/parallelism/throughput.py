@@ -11,8 +11,9 @@ pointwise ops (norms, RoPE, SiLU, residuals) are HBM-bound.
 Communication is bandwidth x volume plus latency, with the overlap torchtitan gets:
 TP/SP collectives (async TP hides TP_OVERLAP of them), FSDP all-gather and
 reduce-scatter prefetched under compute (FSDP_OVERLAP of compute can hide them),
-CP ring passes under attention, and torchft's replica all-reduce after the backward
-(not hidden). Pipeline bubbles follow (pp - 1) / (virtual x microbatches).
+CP's K/V all-gather (exposed: attention waits for it), and torchft's replica
+all-reduce after the backward (not hidden). Pipeline bubbles follow
+(pp - 1) / (virtual x microbatches).
 
 MFU uses the model FLOPs of torchtitan: ``6 x (params - embedding) + 12 x layers x
 hidden x seq`` per token (recompute is hardware work, not model work).
@@ -36,8 +37,7 @@ ATTENTION_EFFICIENCY = 0.4   # flash attention (fwd + bwd) vs dense bf16 peak, l
 ATTENTION_HALF_BLOCK = 1024  # key-block length at which flash runs at half that
 # (short blocks, as CP's ring makes them, leave tensor cores idle in the softmax)
 POINTWISE_PASSES = 2         # eager kernels read/write each activation more than once
-CP_OVERLAP = 0.5             # share of attention time the ring's transfers hide under
-CP_STEP_OVERHEAD_S = 30e-6   # per ring step and layer: extra attention/merge kernels
+CP_STEP_OVERHEAD_S = 30e-6   # per CP rank and layer: extra attention/merge kernels
 HBM_EFFICIENCY = 0.7
 NVLINK_EFFICIENCY = 0.8
 NVLINK_LATENCY_S = 10e-6
@@ -189,16 +189,19 @@ def step_time(x: StepInputs) -> StepTime:
     per_collective = _collective(tokens * h * b, x.tp, tp_bw, tp_lat)
     n_tp = 8 + (2 if x.ac == "full" else 0)
     tp_comm = (1 - TP_OVERLAP) * n_tp * per_collective * busiest_layers * x.microbatches
-    # CP ring attention: K and V (and their gradients in the backward) go round the ring.
+    # CP as the trainer runs it (torchtitan's default, and Llama 3's): every layer
+    # all-gathers the sequence's K and V before attention and reduce-scatters their
+    # gradients after it (plus a re-gather under full recompute). Attention cannot
+    # start before the gather, so nothing hides it; with TP x CP beyond a node it
+    # crosses the NICs once per layer and micro-batch, forward and backward.
     cp_comm = 0.0
     if x.cp > 1:
         cp_bw, cp_lat = group_bandwidth(x.tp * x.cp, x.gpus_per_node, x.sku, x.fabric)
         kv = x.preset.num_key_value_heads * x.preset.head_dim
-        ring = 3 * 2 * tokens * kv / x.tp * b * (x.cp - 1) / (cp_bw * 1e9) + cp_lat * x.cp
-        attn_time = 3.5 * 2 * tokens * x.seq_len * h / x.tp / (
-            x.sku.peak_tflops("bf16") * 1e12 * attention_efficiency(x.seq_len, x.cp))
-        exposed = max(0.0, ring - CP_OVERLAP * attn_time) + 3 * x.cp * CP_STEP_OVERHEAD_S
-        cp_comm = exposed * busiest_layers * x.microbatches
+        kv_bytes = 2 * x.micro_batch * x.seq_len * kv / x.tp * b  # the whole sequence's
+        passes = 3 if x.ac == "full" else 2
+        exchange = passes * _collective(kv_bytes, x.cp, cp_bw, cp_lat)
+        cp_comm = (exchange + 3 * x.cp * CP_STEP_OVERHEAD_S) * busiest_layers * x.microbatches
     # FSDP over dp_shard x cp: all-gather in forward and backward, reduce-scatter in fp32.
     fsdp = x.dp_shard * x.cp
     fsdp_comm = 0.0

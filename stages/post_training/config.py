@@ -14,6 +14,8 @@ from stages.base import StrictModel
 from stages.data_prep.config import DataRef
 from stages.evals.config import GateThreshold
 
+MAX_STEPS = 100_000_000
+
 
 class StepGate(StrictModel):
     """A step passes when ``metric`` (from its eval battery) is ``>= min``."""
@@ -34,10 +36,10 @@ class SFTConfig(StrictModel):
     """trl ``SFTTrainer`` on conversational JSONL (``{"messages": [{role, content}...]}``)."""
 
     data: DataRef
-    steps: int = Field(gt=0)
-    learning_rate: float = Field(default=2e-5, gt=0)
-    batch_size: int = Field(default=4, ge=1)
-    max_length: int = Field(default=256, ge=8)
+    steps: int = Field(gt=0, le=MAX_STEPS)
+    learning_rate: float = Field(default=2e-5, gt=0, le=10, allow_inf_nan=False)
+    batch_size: int = Field(default=4, ge=1, le=4096)
+    max_length: int = Field(default=256, ge=8, le=1 << 20)
     # Battery: mean assistant-token NLL on the data before and after; gain = before - after.
     gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="nll_gain", min=0.0))
     eval: StepBattery = Field(default_factory=StepBattery)
@@ -47,11 +49,11 @@ class DPOConfig(StrictModel):
     """trl ``DPOTrainer`` on preference JSONL (``prompt``/``chosen``/``rejected``)."""
 
     data: DataRef
-    steps: int = Field(gt=0)
-    beta: float = Field(default=0.1, gt=0)
-    learning_rate: float = Field(default=5e-7, gt=0)
-    batch_size: int = Field(default=4, ge=1)
-    max_length: int = Field(default=256, ge=8)
+    steps: int = Field(gt=0, le=MAX_STEPS)
+    beta: float = Field(default=0.1, gt=0, le=1e3, allow_inf_nan=False)
+    learning_rate: float = Field(default=5e-7, gt=0, le=10, allow_inf_nan=False)
+    batch_size: int = Field(default=4, ge=1, le=4096)
+    max_length: int = Field(default=256, ge=8, le=1 << 20)
     # Battery: mean log-prob margin (chosen - rejected) before and after.
     gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="margin_gain",
                                                                   min=0.0))
@@ -62,12 +64,12 @@ class RLVRConfig(StrictModel):
     """GRPO with DAPO: clip-higher, dynamic sampling, token-level loss, overlong shaping."""
 
     data: DataRef
-    steps: int = Field(gt=0)
+    steps: int = Field(gt=0, le=MAX_STEPS)
     reward: str = Field(default="gsm8k_exact_match", max_length=64,
                         description="a name in the reward registry (stages.post_training.rewards)")
-    group_size: int = Field(default=8, ge=2)
-    groups_per_step: int = Field(default=4, ge=1)
-    learning_rate: float = Field(default=1e-6, gt=0)
+    group_size: int = Field(default=8, ge=2, le=1024)
+    groups_per_step: int = Field(default=4, ge=1, le=4096)
+    learning_rate: float = Field(default=1e-6, gt=0, le=10, allow_inf_nan=False)
     temperature: float = Field(default=1.0, gt=0)
     epsilon: float = Field(default=0.2, gt=0, lt=1, description="clip-low")
     epsilon_high: float = Field(default=0.28, gt=0, description="clip-higher")
@@ -77,7 +79,7 @@ class RLVRConfig(StrictModel):
     # Dynamic sampling bound: uniform-reward groups dropped per step before the step
     # trains on what it has (the extra uniform groups then carry zero advantage).
     max_dropped_groups_per_step: int = Field(default=16, ge=0)
-    max_completion_tokens: int = Field(default=256, gt=0)
+    max_completion_tokens: int = Field(default=256, gt=0, le=1 << 20)
     overlong_buffer_tokens: int = Field(default=64, ge=0)
     overlong_penalty_factor: float = Field(default=1.0, ge=0)
     mask_truncated_completions: bool = False
@@ -85,9 +87,10 @@ class RLVRConfig(StrictModel):
     # behaviour weight prox/behav truncated at ``is_truncation``).
     is_correction: Literal["decoupled", "none"] = "decoupled"
     is_truncation: float = Field(default=2.0, gt=0)
-    rollout_workers: int = Field(default=1, ge=1)
+    rollout_workers: int = Field(default=1, ge=1, le=1024)
     rollout_engine: Literal["hf", "vllm"] = "hf"
-    max_staleness: int = Field(default=1, ge=0, description="policy versions a rollout may lag")
+    max_staleness: int = Field(default=1, ge=0, le=1024,
+                               description="policy versions a rollout may lag")
     seed: int = Field(default=0, ge=0)
     # Named timeouts of the fleet.
     worker_ready_timeout_s: float = Field(default=120.0, gt=0)

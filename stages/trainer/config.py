@@ -8,6 +8,8 @@ from pydantic import Field, model_validator
 
 from stages.base import StrictModel
 from stages.checkpointing.config import CheckpointPolicy
+from stages.errors import ItoError
+from stages.trainer.layout import ParallelLayout
 
 
 class ModelSpec(StrictModel):
@@ -19,16 +21,25 @@ class ModelSpec(StrictModel):
     checkpoint_path: str | None = None
 
 
+# Upper bounds a real run stays far below (the largest public runs: ~15T tokens, ~16M
+# tokens a batch, 128K context): validation and the planner never see magnitudes
+# that only an attack would send.
+MAX_STEPS = 100_000_000
+MAX_TOKENS = 10**15
+MAX_BATCH_TOKENS = 1 << 30
+MAX_SEQ_LEN = 1 << 21
+
+
 class TrainingTarget(StrictModel):
-    max_steps: int | None = Field(default=None, gt=0)
-    target_tokens: int | None = Field(default=None, gt=0)
-    seq_len: int = Field(default=128, gt=1)
-    global_batch_tokens: int = Field(gt=0)
-    learning_rate: float = Field(default=3e-4, gt=0)
-    warmup_steps: int = Field(default=10, ge=0)
-    weight_decay: float = Field(default=0.1, ge=0)
-    grad_clip: float = Field(default=1.0, gt=0)
-    seed: int = 0
+    max_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
+    target_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)
+    seq_len: int = Field(default=128, gt=1, le=MAX_SEQ_LEN)
+    global_batch_tokens: int = Field(gt=0, le=MAX_BATCH_TOKENS)
+    learning_rate: float = Field(default=3e-4, gt=0, le=10, allow_inf_nan=False)
+    warmup_steps: int = Field(default=10, ge=0, le=MAX_STEPS)
+    weight_decay: float = Field(default=0.1, ge=0, le=10, allow_inf_nan=False)
+    grad_clip: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0, lt=2**63)
     deterministic: bool = True
 
     @model_validator(mode="after")
@@ -148,10 +159,33 @@ class TrainStageConfig(StrictModel):
     pace_step_s: float = Field(default=0.0, ge=0, le=10)
     # Test-only fault injection; never set by a tenant manifest.
     inject_loss_spike: LossSpikeInjection | None = None
+    # The layout inside each replica group (the planner's tp, pp, cp, dp_shard,
+    # schedule, recompute, precision); tp x pp x cp x dp_shard = ranks_per_group.
+    parallel: ParallelLayout = Field(default_factory=ParallelLayout)
+
+    @model_validator(mode="after")
+    def _layout_fits(self) -> TrainStageConfig:
+        try:
+            layout = self.parallel.resolved(self.ranks_per_group)
+        except ItoError as e:
+            raise ValueError(e.message) from e
+        if self.micro_batch % layout.grad_accum:
+            raise ValueError(f"{self.micro_batch} sequences per data-parallel rank do not "
+                             f"split into {layout.grad_accum} accumulation steps")
+        if layout.pp > 1 and self.micro_batch % layout.pp_microbatches:
+            raise ValueError(f"{self.micro_batch} sequences per data-parallel rank do not "
+                             f"split into {layout.pp_microbatches} pipeline micro-batches")
+        return self
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The group layout with dp_shard and the micro-batch count resolved."""
+        return self.parallel.resolved(self.ranks_per_group)
 
     @property
     def micro_batch(self) -> int:
-        """Sequences per rank per step (the global batch split over every rank)."""
+        """Sequences per data-parallel rank per step (the global batch split over the
+        replica groups and their dp_shard ranks; TP, PP and CP ranks share a batch)."""
         seqs = self.target.global_batch_tokens // self.target.seq_len
-        world = self.replica_groups * self.ranks_per_group
+        world = self.replica_groups * self.layout.dp_shard
         return max(1, seqs // world)

@@ -83,6 +83,10 @@ class EngineResult:
     proposals: list[str] = field(default_factory=list)
     # Final parameter digest of each group: all equal unless replicas diverged.
     digests: dict[int, str] = field(default_factory=dict)
+    # The layout rank 0 of a group built, read back from its mesh (parallelize.py).
+    layout: dict[str, Any] = field(default_factory=dict)
+    # Final digest of every rank's own shard, keyed "group/rank" (multi-rank groups).
+    rank_digests: dict[str, str] = field(default_factory=dict)
 
 
 class TrainingEngine:
@@ -108,7 +112,9 @@ class TrainingEngine:
         self._spares_ready: set[str] = set()
         self._spares_made = 0
         self._lh_addr = ""
-        self.tokens = 0
+        # step -> tokens of its last committed report: every group's rank 0 reports the
+        # quorum's tokens of the same step, and a redone step replaces its first run.
+        self.step_tokens: dict[int, int] = {}
         self.final_loss: float | None = None
         self.max_step = 0
         self.interruptions = 0
@@ -122,6 +128,8 @@ class TrainingEngine:
         self._ready: set[tuple[int, int]] = set()
         self._spikes_handled: set[tuple[int, int]] = set()
         self._started = False
+        self.layout: dict[str, Any] = {}
+        self.rank_digests: dict[str, str] = {}
 
     # --- lifecycle --------------------------------------------------------------------
     def emit(self, event: Event) -> None:
@@ -295,6 +303,10 @@ class TrainingEngine:
             grp.finished = status["phase"] == "finished"
             grp.digest = status.get("digest")
             grp.paused = status.get("paused_at") is not None
+            if status.get("layout"):
+                self.layout = status["layout"]
+        if status.get("digest"):
+            self.rank_digests[f"{g}/{rank}"] = status["digest"]
         if status.get("error"):
             grp.error = status["error"]
         for raw in reply["events"]:
@@ -309,7 +321,7 @@ class TrainingEngine:
 
     def _on_event(self, event: Event, grp: _Group) -> None:
         if isinstance(event, StepEvent) and event.committed:
-            self.tokens += event.tokens
+            self.step_tokens[event.step] = event.tokens
             if event.step >= self.max_step:
                 self.max_step = event.step
                 self.final_loss = event.loss
@@ -449,12 +461,13 @@ class TrainingEngine:
         finally:
             self.shutdown()
         records = list_checkpoints(self.checkpoint_dir)
-        return EngineResult(steps=self.max_step, tokens=self.tokens,
+        return EngineResult(steps=self.max_step, tokens=sum(self.step_tokens.values()),
                             final_loss=self.final_loss, interruptions=self.interruptions,
                             checkpoints=[r.step for r in records],
                             final_checkpoint=records[-1].path if records else None,
                             proposals=self.proposals,
-                            digests={g.index: g.digest for g in self.groups if g.digest})
+                            digests={g.index: g.digest for g in self.groups if g.digest},
+                            layout=self.layout, rank_digests=self.rank_digests)
 
     def _stragglers_done(self) -> bool:
         # A group still down when its peers finished has nothing left to heal from.

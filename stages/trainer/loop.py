@@ -201,9 +201,20 @@ class TrainLoop:
             preset, seed=target.seed, checkpoint_path=cfg.model.checkpoint_path)
         self.model = model.to(self.device)
         self.model.train()
+        self.layout = cfg.layout
         self.sharded = cfg.ranks_per_group > 1
         if not self.sharded:  # FSDP2 must wrap the model before the optimizer sees it
-            self._make_optimizer()
+            self._parallelize(None)
+
+    def _parallelize(self, mesh: Any) -> None:
+        """The plan's layout on this rank (stages.trainer.parallelize), then AdamW over
+        what this rank holds."""
+        from stages.trainer.parallelize import ParallelModel
+
+        self.parallel = ParallelModel(self.model, self.layout, mesh, self.device)
+        self.model = self.parallel.module
+        self._make_optimizer()
+        self.status.update(layout=self.parallel.built_layout())
 
     def _make_optimizer(self) -> None:
         target = self.cfg.target
@@ -212,12 +223,12 @@ class TrainLoop:
             weight_decay=target.weight_decay, betas=(0.9, 0.95))
 
     def _shard_in_group(self, store_addr: str, store_port: int) -> Any:
-        """Multi-rank group: a gloo/NCCL process group over the group's ranks, FSDP2
-        over it (per decoder layer, then the root), and a separate gloo group for
-        DCP's save-thread collectives. Returns that checkpoint group."""
+        """Multi-rank group: a gloo/NCCL process group over the group's ranks, the
+        plan's (pp, dp_shard, cp, tp) mesh over it with TP/PP/FSDP2 applied, and a
+        separate gloo group for DCP's save-thread collectives. Returns that group."""
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+
+        from stages.trainer.mesh import build_mesh
 
         spec, world = self.spec, self.cfg.ranks_per_group
         client = dist.TCPStore(store_addr, store_port, is_master=False,
@@ -227,12 +238,7 @@ class TrainLoop:
             store=dist.PrefixStore(f"ito/intra/rg{spec.replica_group}", client),
             rank=spec.rank, world_size=world,
             timeout=timedelta(seconds=self.cfg.fault_tolerance.collective_timeout_s))
-        mesh = init_device_mesh(self.device.type, (world,))
-        layers: Any = getattr(self.model, "model", self.model).layers
-        for layer in layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-        self._make_optimizer()
+        self._parallelize(build_mesh(self.layout, self.device.type))
         return dist.new_group(backend="gloo")
 
     def warm_up(self) -> None:
@@ -258,11 +264,13 @@ class TrainLoop:
         from stages.trainer.train_state import TrainState
 
         spec, cfg, target = self.spec, self.cfg, self.cfg.target
+        # Ranks of a group that differ only in pp, cp or tp read the same batch.
+        dp = self.layout.dp_shard
         self.loader = TokenLoader(
             [Path(s) for s in spec.shards], seq_len=target.seq_len,
             micro_batch=cfg.micro_batch, seed=target.seed,
-            dp_rank=spec.replica_group * cfg.ranks_per_group + spec.rank,
-            dp_world=cfg.replica_groups * cfg.ranks_per_group)
+            dp_rank=spec.replica_group * dp + self.layout.coords(spec.rank)["dp_shard"],
+            dp_world=cfg.replica_groups * dp)
         self.total_steps = target.steps
         self.healed = False
 
@@ -365,11 +373,10 @@ class TrainLoop:
             self._seek_loader(step)
             batch_idx = self.loader.batches_served
             input_ids = self.loader.next_batch().to(self.device)
-            loss = self._loss(input_ids, batch_idx)
-            loss.backward()
+            loss = self._loss(input_ids, batch_idx)  # forward and backward
             ft.allreduce_gradients(self.manager, self.model.parameters())
             global_loss = ft.allreduce_scalar(self.manager, self._group_mean(loss))
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.target.grad_clip)
+            self.parallel.clip_grad_norm_(self.cfg.target.grad_clip)
             self.optimizer.step()  # torchft: should_commit, then the inner step
             committed = self.manager.current_step() > step
             quorum = self.manager.num_participants()
@@ -377,7 +384,7 @@ class TrainLoop:
             self.emit(StepEvent(step=step + 1 if committed else step,
                                 replica_group=self.spec.replica_group,
                                 loss=global_loss if math.isfinite(global_loss) else 1e9,
-                                tokens=tokens_per_step * quorum * self.cfg.ranks_per_group
+                                tokens=tokens_per_step * quorum * self.layout.dp_shard
                                 if committed else 0,
                                 seconds=now - t0, committed=committed, quorum_size=quorum))
             self.status.update(step=self.manager.current_step(), quorum=quorum)
@@ -397,22 +404,13 @@ class TrainLoop:
         self._finish()
 
     def _group_mean(self, loss: torch.Tensor) -> torch.Tensor:
-        if not self.sharded:
-            return loss.detach()
-        import torch.distributed as dist
-
-        t = loss.detach().reshape(1).clone()
-        dist.all_reduce(t)  # gloo has no AVG
-        return t / self.cfg.ranks_per_group
+        return self.parallel.group_mean_loss(loss)
 
     def _loss(self, input_ids: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        from stages.trainer.model import causal_lm_loss
-
-        loss = causal_lm_loss(self.model, input_ids)
         inj = self.cfg.inject_loss_spike
-        if inj is not None and batch_idx in inj.batches:
-            loss = loss * inj.scale  # test knob: a poisoned data batch
-        return loss
+        # test knob: a poisoned data batch
+        scale = inj.scale if inj is not None and batch_idx in inj.batches else 1.0
+        return self.parallel.forward_backward(input_ids, scale=scale)
 
     # --- checkpoints ----------------------------------------------------------------
     def _is_saver(self) -> bool:

@@ -37,10 +37,14 @@ class TrainingStage:
     def run(self, ctx: StageContext) -> GateOutcome:
         from stages.trainer.data import build_token_shards
         from stages.trainer.engine import RunCancelled, TrainingEngine
+        from stages.trainer.layout import check_runnable
         from stages.trainer.tokenizer import ByteTokenizer
 
         cfg = self.config
         try:
+            # What the device cannot run fails here, before any worker starts; each
+            # worker checks again against its GPU's compute capability.
+            check_runnable(cfg.layout, cfg.device)
             files = resolve_train_files(cfg, ctx)
             shards = build_token_shards(files, ctx.workdir / "tokens", tokenizer=ByteTokenizer(),
                                         text_field=cfg.text_field)
@@ -61,6 +65,10 @@ class TrainingStage:
                    "interruptions": float(result.interruptions)}
         if result.final_loss is not None:
             metrics["final_loss"] = result.final_loss
+        # The layout the workers built (read back from their mesh), as the gate shows it.
+        for dim in ("pp", "dp_shard", "cp", "tp"):
+            if dim in result.layout:
+                metrics[f"layout_{dim}"] = float(result.layout[dim])
         done = result.steps >= cfg.target.steps
         return GateOutcome(
             stage=self.name, status="passed" if done else "failed",
@@ -70,5 +78,7 @@ class TrainingStage:
             artifacts={"checkpoint_dir": str(ckpt_dir),
                        "final_checkpoint": result.final_checkpoint,
                        "proposals": result.proposals,
-                       "replica_digests": {str(g): d for g, d in result.digests.items()}},
+                       "replica_digests": {str(g): d for g, d in result.digests.items()},
+                       "rank_digests": result.rank_digests,
+                       "layout": result.layout},
             error_code=None if done else ErrorCode.training_failed.value)

@@ -57,3 +57,30 @@ def test_accounts_keys_bookings(tmp_path: Path) -> None:
     assert {"admin:accounts.create", "admin:keys.issue", "admin:keys.revoke",
             "admin:bookings.add", "admin:bookings.revoked", "admin:bookings.released"} <= actions
     store.close()
+
+
+@pytest.mark.slow
+def test_accounts_roots_and_disable(tmp_path: Path) -> None:
+    """The operator confines an account to its roots, then disables it (issue 14)."""
+    db = tmp_path / "ito.db"
+    admin(db, "accounts", "create", "acme")
+    data, ckpt = tmp_path / "data", tmp_path / "ckpt"
+    data.mkdir()
+    ckpt.mkdir()
+    env = admin(db, "accounts", "roots", "acme", "--data", str(data), "--checkpoint",
+                str(ckpt))
+    assert env["data"]["data_roots"] == [str(data)]
+    assert env["data"]["checkpoint_roots"] == [str(ckpt)]
+    for bad in ("relative/dir", f"{data}/../ckpt", str(tmp_path / "missing")):
+        assert admin(db, "accounts", "roots", "acme", "--data", bad,
+                     check=False)["error"]["code"] == "bad_request", bad
+    key = admin(db, "keys", "issue", "--account", "acme", "--scope", "runs:read")["data"]
+    store = Store(db)
+    assert authenticate(store, f"Bearer {key['api_key']}").account_id
+    assert admin(db, "accounts", "disable", "acme")["data"]["disabled"] is True
+    with pytest.raises(ItoError) as e:
+        authenticate(store, f"Bearer {key['api_key']}")
+    assert e.value.code == ErrorCode.account_disabled
+    assert admin(db, "accounts", "disable", "acme", check=False)["ok"] is False
+    assert admin(db, "accounts", "disable", "nobody", check=False)["ok"] is False
+    store.close()

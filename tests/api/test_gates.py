@@ -12,8 +12,9 @@ import pytest
 from helpers.manifests import manifest_payload
 from helpers.tenants import add_key, booking_doc, iso_in, make_tenant
 
-from orchestrator.gates.bookings import BookingFile, add_booking
+from orchestrator.gates.bookings import BookingFile, add_booking, parse_iso
 from orchestrator.gates.confirmations import ref_hash
+from stages.errors import ItoError
 
 from .conftest import Api, code_of
 
@@ -130,11 +131,22 @@ def test_revoked_and_released_bookings(api: Api, state: str, code: str) -> None:
     assert code_of(api.submit(ref=ref)) == code and _runs(api) == 0
 
 
-def test_other_accounts_booking(api: Api) -> None:
+def test_other_accounts_booking_answers_as_a_missing_one(api: Api) -> None:
     other = make_tenant(api.db, "globex")
-    r = api.client.get(f"/v1/bookings/{other.booking_id}/eligibility",
-                       headers=api.h(api.t.submitter))
-    assert r.status_code == 403 and code_of(r) == "booking_account_mismatch"
+    h = api.h(api.t.submitter)
+    theirs = api.client.get(f"/v1/bookings/{other.booking_id}/eligibility", headers=h)
+    missing = api.client.get("/v1/bookings/bk-globey/eligibility", headers=h)
+    assert theirs.status_code == missing.status_code == 404
+    assert code_of(theirs) == code_of(missing) == "booking_not_found"
+    def strip(r):
+        return (r.json()["error"]["message"].replace(other.booking_id, "ID")
+                 .replace("bk-globey", "ID"))
+    assert strip(theirs) == strip(missing)
+    # The same for a confirmation naming it.
+    body = {"action": "cancel", "booking_id": other.booking_id, "run_id": "run_x",
+            "cost_usd": 0}
+    r = api.client.post("/v1/confirmations", json=body, headers=api.h(api.t.approver))
+    assert r.status_code == 404 and code_of(r) == "booking_not_found"
 
 
 def test_eligibility_is_fresh_and_bound(api: Api) -> None:
@@ -266,8 +278,9 @@ def _v(api: Api, **sections: object) -> dict:
     (lambda api, m: m["checkpoint"].update(storage_uri="file:///tmp/../etc/ckpt"),
      "checkpoint_storage_invalid"),
     (lambda api, m: m["checkpoint"].update(storage_uri="file:///proc/ito-ckpt"),
-     "checkpoint_storage_unwritable"),
-    (lambda api, m: m["training"].update(max_steps=10**400), "budget_exceeded"),
+     "path_outside_root"),
+    # Beyond what any real run uses: refused by the schema's bounds, before any math.
+    (lambda api, m: m["training"].update(max_steps=10**400), "manifest_invalid"),
     (lambda api, m: m.update(model={"preset": "llama-1b", "size": "1B"},
                              training={"target_tokens": 10**11, "seq_len": 64,
                                        "global_batch_tokens": 512}), "budget_exceeded"),
@@ -275,7 +288,7 @@ def _v(api: Api, **sections: object) -> dict:
 def test_validation_failures(api: Api, mutate, code: str) -> None:  # type: ignore[no-untyped-def]
     m = api.manifest()
     mutate(api, m)
-    if code in ("data_provenance_missing",):
+    if code in ("data_provenance_missing", "manifest_invalid"):
         # Refused at the manifest gate already; the approver cannot even confirm it.
         assert api.confirm(manifest=m)["error"]["code"] == code
         return
@@ -289,9 +302,34 @@ def test_validation_failures(api: Api, mutate, code: str) -> None:  # type: igno
     assert code_of(plan) == code
 
 
+def test_unknown_fabric_and_sku_are_refused_at_registration(api: Api) -> None:
+    for over, code in (({"fabric": "token-ring"}, "fabric_unknown"),
+                       ({"gpu_sku": "Z9000"}, "gpu_sku_unknown")):
+        with pytest.raises(ItoError) as e:
+            _booking(api, "bk-unknown", **over)
+        assert e.value.code == code
+    assert api.store.booking("bk-unknown") is None
+
+
+def test_upstream_spellings_of_sku_and_fabric_are_stored_as_profile_names(api: Api) -> None:
+    for i, (fabric, sku) in enumerate((("infiniband-ndr", "NVIDIA H100 80GB HBM3"),
+                                       ("InfiniBand NDR", "h100 sxm5"),
+                                       ("IB_NDR", "H100-SXM"))):
+        row = api.store.booking(_booking(api, f"bk-alias-{i}", fabric=fabric, gpu_sku=sku))
+        assert row is not None
+        assert (row["fabric"], row["gpu_sku"]) == ("ib-ndr", "H100-SXM")
+
+
 def test_unknown_fabric_and_sku(api: Api) -> None:
-    _booking(api, "bk-fabric", fabric="token-ring")
-    _booking(api, "bk-sku", gpu_sku="Z9000")
+    # Registration refuses them now; the gate still does, for a booking registered
+    # before its profile was removed from configs/ (written to the store directly).
+    for booking_id, over in (("bk-fabric", {"fabric": "token-ring"}),
+                             ("bk-sku", {"gpu_sku": "Z9000"})):
+        doc = BookingFile.model_validate(booking_doc(booking_id, "acme", **over))
+        row = doc.model_dump()
+        row.update(account_id=api.store.account_by_name("acme")["account_id"],
+                   term_start=parse_iso(doc.term_start), term_end=parse_iso(doc.term_end))
+        api.store.add_booking(row)
     for booking_id, code in (("bk-fabric", "fabric_unknown"), ("bk-sku", "gpu_sku_unknown")):
         m = api.manifest()
         ref = api.ref(manifest=m, booking_id=booking_id)

@@ -14,7 +14,8 @@ from orchestrator.gates.costing import (
     price_per_gpu_hour,
 )
 from orchestrator.gates.manifest import Manifest
-from orchestrator.gates.validation import check_checkpoint_storage, training_tokens
+from orchestrator.gates.roots import Roots, check_checkpoint_roots
+from orchestrator.gates.validation import training_tokens
 from orchestrator.settings import Settings
 from stages.errors import ErrorCode, ItoError
 
@@ -57,17 +58,23 @@ def test_training_tokens_counts_post_training() -> None:
 def test_checkpoint_storage_roots(tmp_path: Path) -> None:
     allowed = tmp_path / "allowed"
     allowed.mkdir()
-    settings = Settings(db_path=tmp_path / "x.db", checkpoint_roots=(allowed,))
+    roots = Roots(data=(), checkpoint=(str(allowed),))
     inside = Manifest.model_validate(example_manifest(allowed / "run" / "ckpt"))
-    assert check_checkpoint_storage(settings, inside) == str(allowed / "run" / "ckpt")
-    assert list(allowed.iterdir()) == []  # the probe left nothing behind, created nothing
+    assert check_checkpoint_roots(inside, roots) == str(allowed / "run" / "ckpt")
+    assert list(allowed.iterdir()) == []  # no probe: nothing created, nothing written
     outside = Manifest.model_validate(example_manifest(tmp_path / "elsewhere"))
     with pytest.raises(ItoError) as e:
-        check_checkpoint_storage(settings, outside)
-    assert e.value.code == ErrorCode.checkpoint_storage_invalid
-    # A symlink inside the root pointing outside it is judged by where it resolves.
+        check_checkpoint_roots(outside, roots)
+    assert e.value.code == ErrorCode.path_outside_root
+    # A symlink inside the root pointing outside it is refused, never followed.
     (allowed / "escape").symlink_to(tmp_path)
     sneaky = Manifest.model_validate(example_manifest(allowed / "escape" / "ckpt"))
     with pytest.raises(ItoError) as e:
-        check_checkpoint_storage(settings, sneaky)
-    assert e.value.code == ErrorCode.checkpoint_storage_invalid
+        check_checkpoint_roots(sneaky, roots)
+    assert e.value.code == ErrorCode.path_outside_root
+    assert str(tmp_path) not in e.value.message
+    # No roots configured: nothing is allowed (there is no "any path" default).
+    with pytest.raises(ItoError) as e:
+        check_checkpoint_roots(inside, Roots((), ()))
+    assert e.value.code == ErrorCode.path_outside_root
+

@@ -49,9 +49,11 @@ def test_planted_spike_restarts_only_after_approval_and_skips_the_window(
         assert spike_event.params["from_step"] == 8
         assert spike_event.params["skip_batches"] == 3  # steps 9..11
 
-        # Nothing restarts by itself: with no decision the wait times out.
+        # Nothing restarts by itself: with no decision the wait times out, and a decision
+        # on another proposal does not release this one.
         assert ctx.wait_decision(spike_event.proposal_id, timeout_s=0.05) is None
-        assert state.step == 11
+        threading.Timer(0.01, ctx.decide, ("some-other-proposal", "approved")).start()
+        assert ctx.wait_decision(spike_event.proposal_id, timeout_s=0.2) is None
         threading.Timer(0.05, ctx.decide, (spike_event.proposal_id, "approved")).start()
         assert ctx.wait_decision(spike_event.proposal_id, DECISION_TIMEOUT_S) == "approved"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -338,3 +339,28 @@ def test_canary_secrets_appear_in_no_output(
     codes = [rc for _, rc, _ in outputs]
     assert EXIT_AUTH in codes and EXIT_OK in codes and EXIT_SERVER_ERROR in codes
     assert any("manifest_contains_secret" in t for _, _, t in outputs)
+
+
+def test_readme_approver_key_confirms_as_written(world: World, monkeypatch: pytest.MonkeyPatch,
+                                                capsys) -> None:
+    """The approver key exactly as the README issues it (confirm:* scopes only) can run
+    `ito confirm --action train`, which asks the server for the plan and cost first."""
+    from helpers.tenants import admin
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if "keys issue" in x and "# approver" in x)
+    argv = shlex.split(line.split("#")[0])[1:]  # without "ito-backend"
+    argv = [world.tenant.account if a == "acme" else a for a in argv if a != "--json"]
+    issued = admin(world.backend.db, *argv)
+    key = issued["data"]["api_key"]
+    assert not any(s.startswith("runs:") for s in issued["data"]["scopes"])
+    status, env = world.cli(monkeypatch, ["confirm", "--action", "train", "--booking",
+                                          world.booking, "--manifest", str(world.manifest),
+                                          "--json"], key=key)
+    assert status == EXIT_OK, env
+    assert env["data"]["confirmation_ref"]
+    # Planning is allowed for review; reading runs is still the submitter's scope.
+    status, env = world.cli(monkeypatch, ["find", "--idempotency-key", "any-key-0001",
+                                          "--json"], key=key)
+    assert status == EXIT_SERVER_ERROR and env["error"]["code"] == "forbidden_scope"
+    capsys.readouterr()

@@ -29,7 +29,9 @@ def test_dedup_command(tmp_path: Path) -> None:
             "the quick brown fox jumps over the lazy dog near the river bank today!",
             "the quick brown fox jumps over the lazy dog near the river bank today and",
             "an entirely different sentence about grade school arithmetic problems"]
-    (folder / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:3]))
+    (folder / "a.jsonl").write_text("".join(
+        json.dumps({"id": f"mine-{n}", "text": d, "meta": {"source": "crawl", "n": n}}) + "\n"
+        for n, d in enumerate(docs[:3])))
     (folder / "b.txt").write_text("\n".join(docs[3:]) + "\n")
     out = tmp_path / "out" / "clean.jsonl"
     rc, summary = _cli("dedup", "--input", str(folder), "--output", str(out))
@@ -37,8 +39,12 @@ def test_dedup_command(tmp_path: Path) -> None:
     assert summary["docs_in"] == 5 and summary["docs_out"] == 2
     assert summary["exact_duplicates"] == 1 and summary["near_duplicates"] == 2
     kept = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [k["text"] for k in kept] == [docs[0], docs[4]]
+    # The caller's records come back as they were (their own id and every field);
+    # provenance lives in the provenance file.
+    assert kept == [{"id": "mine-0", "text": docs[0], "meta": {"source": "crawl", "n": 0}},
+                    {"text": docs[4]}]
     prov = json.loads(Path(summary["provenance_path"]).read_text())
+    assert prov["output_rows"] == ["0:a.jsonl:0", "0:b.txt:1"]
     assert prov["output"]["sha256"] == file_sha256(out)
     assert prov["dedup"]["near_duplicate_examples"][0]["survivor"] == "0:a.jsonl:0"
 
@@ -53,7 +59,8 @@ def test_decontaminate_command(tmp_path: Path) -> None:
     data = tmp_path / "train.jsonl"
     docs = ["Practice: " + question.upper(), "What is SEVEN times six? 42.",
             "A harmless document about birds and their migration over the sea."]
-    data.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    records = [{"id": 100 + n, "body": d, "label": n % 2} for n, d in enumerate(docs)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "clean.jsonl"
     rc, summary = _cli("decontaminate", "--input", str(data), "--text-field", "body",
                        "--eval", str(evals), str(lines), "--output", str(out))
@@ -63,9 +70,18 @@ def test_decontaminate_command(tmp_path: Path) -> None:
     methods = {row["matches"][0]["method"] for row in
                prov["decontamination"]["contaminated_documents"]}
     assert methods == {"ngram", "exact"}
+    assert [json.loads(x) for x in out.read_text().splitlines()] == [records[2]]
+    assert prov["output_rows"] == ["0:train.jsonl:2"]
     rc, summary = _cli("decontaminate", "--input", str(data), "--text-field", "body",
                        "--eval", str(evals), "--output", str(out), "--action", "flag")
     assert rc == 0 and summary["docs_out"] == 3 and summary["contaminated"] == 1
+    flagged = [json.loads(x) for x in out.read_text().splitlines()]
+    assert flagged == [{**records[0], "contaminated": True}, records[1], records[2]]
+    # A flag field that would overwrite a caller's field is refused.
+    rc, summary = _cli("decontaminate", "--input", str(data), "--text-field", "body",
+                       "--eval", str(evals), "--output", str(out), "--action", "flag",
+                       "--flag-field", "label")
+    assert rc == 2 and summary["error"]["code"] == "bad_request"
 
 
 def test_errors_carry_stable_codes(tmp_path: Path) -> None:

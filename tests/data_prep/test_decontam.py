@@ -62,7 +62,7 @@ def test_planted_gsm8k_test_questions_are_found(gsm8k_test: list[EvalItem],
     result = decontaminate(docs, EvalIndex(gsm8k_test, DecontaminationConfig()))
     planted = 3 * len(questions)
     recall = result.contaminated[:planted].mean()
-    assert recall >= 0.99, recall
+    assert recall == 1.0, recall  # what docs/data_prep.md claims
     assert not result.contaminated[planted:].any()  # unrelated prose is never flagged
     # The record says which item matched which document.
     record = result.record()

@@ -34,6 +34,8 @@ class Backend:
     var_dir: Path
     log_path: Path
     port: int = 0
+    # The Prometheus scrape's own listener (never the API port).
+    metrics_port: int = 0
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
@@ -42,12 +44,17 @@ class Backend:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
     def start(self) -> Backend:
         for _ in range(3):  # a free port can be taken between probe and bind
             self.port = self.port or free_port()
+            self.metrics_port = self.metrics_port or free_port()
             if self._spawn():
                 return self
-            self.port = 0
+            self.port = self.metrics_port = 0
         raise RuntimeError(f"backend did not start; log:\n{self.log_text()[-4000:]}")
 
     def _spawn(self) -> bool:
@@ -58,7 +65,8 @@ class Backend:
              "--host", "127.0.0.1", "--port", str(self.port), "--var-dir", str(self.var_dir),
              # API tests need no Ray and isolate the other gates; a test that wants the
              # Ray runtime or the planner gate says so in extra_args (the last one wins).
-             "--runtime", "none", "--no-planner-gate", *self.extra_args],
+             "--runtime", "none", "--no-planner-gate",
+             "--metrics-port", str(self.metrics_port), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

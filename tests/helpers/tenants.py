@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -62,12 +64,21 @@ class Tenant:
         return self.keys["approver"]
 
 
+# Tests keep data and checkpoints in pytest's temp folders: the default tenant's roots
+# are the temp folder (the isolation tests set narrow roots of their own).
+DEFAULT_ROOTS = (os.path.realpath(tempfile.gettempdir()),)
+
+
 def make_tenant(db: Path, name: str, roles: dict[str, tuple[str, ...]] | None = None,
-                booking: dict[str, Any] | None = None, with_booking: bool = True) -> Tenant:
+                booking: dict[str, Any] | None = None, with_booking: bool = True,
+                data_roots: tuple[str, ...] = DEFAULT_ROOTS,
+                checkpoint_roots: tuple[str, ...] = DEFAULT_ROOTS) -> Tenant:
     """Account + keys per role (default submitter and approver) + one booking, via Store."""
     store = Store(db)
     try:
-        store.create_account(name)
+        row = store.create_account(name)
+        store.set_roots(row["account_id"], "data", list(data_roots))
+        store.set_roots(row["account_id"], "checkpoint", list(checkpoint_roots))
         t = Tenant(name)
         for role, scopes in (roles or {"submitter": SUBMITTER, "approver": APPROVER}).items():
             t.key_ids[role], t.keys[role] = issue_key(store, name, list(scopes))

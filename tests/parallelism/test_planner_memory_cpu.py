@@ -53,3 +53,44 @@ def test_predicted_peak_within_20_percent_of_measured(preset: ModelPreset, micro
     assert abs(predicted - measured) / measured <= TOLERANCE, (
         f"predicted {predicted / 1e6:.1f} MB vs measured {measured / 1e6:.1f} MB")
 
+
+
+# --- TP and PP: each rank its own process on gloo ------------------------------------
+# Measured the same way on every rank (tests/trainer/parallel_cases.py, the trainer's
+# own ParallelModel); predicted for TP as it runs on CPU: no sequence parallel and the
+# logits gathered before the loss (on GPU both are on and the model divides by TP).
+
+
+@pytest.fixture(scope="module")
+def parallel_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    import torch
+
+    from tests.trainer.parallel_cases import MEM_CASES, launch
+
+    out = tmp_path_factory.mktemp("mem")
+    launch(2, list(MEM_CASES), out)
+    return {name: [int(torch.load(out / f"{name}-rank{r}.pt")["peak"]) for r in range(2)]
+            for name in MEM_CASES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["mem_tp2", "mem_pp2", "mem_pp2_gpipe"])
+def test_tp_and_pp_predicted_peak_within_20_percent_of_measured(
+        parallel_peaks: dict[str, list[int]], case: str) -> None:
+    from stages.trainer.layout import ParallelLayout
+    from tests.trainer.parallel_cases import MEM_CASES, MEM_PRESET, MEM_SEQ_LEN, MEM_SEQS
+
+    layout = ParallelLayout(**MEM_CASES[case]).resolved(2)
+    mbs = layout.pp_microbatches
+    predicted = estimate_memory(
+        MEM_PRESET, seq_len=MEM_SEQ_LEN, micro_batch=MEM_SEQS // mbs, microbatches=mbs,
+        tp=layout.tp, cp=1, fsdp=1, dp_replicate=1,
+        pp_stage_layers=layout.stage_layers(MEM_PRESET.num_hidden_layers),
+        pp_schedule=layout.pp_schedule, pp_virtual_stages=1, activation_checkpointing="none",
+        precision="fp32", foreach_optimizer=False, sequence_parallel=False,
+        loss_parallel=False).total
+    # the planner predicts the busiest rank
+    measured = max(parallel_peaks[case])
+    assert measured > 1e7
+    assert abs(predicted - measured) / measured <= TOLERANCE, (
+        f"predicted {predicted / 1e6:.1f} MB vs measured {measured / 1e6:.1f} MB")

@@ -166,6 +166,11 @@ def test_submitted_run_succeeds_with_gates_checkpoints_and_goodput(rt: dict[str,
     run = _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
     gates = {g["stage"]: g["status"] for g in run["stage_gates"]}
     assert gates == {"data_prep": "passed", "parallelism": "passed", "train": "passed"}
+    # The train gate shows the layout its workers built, read back from their mesh:
+    # the plan's.
+    train = next(g for g in run["stage_gates"] if g["stage"] == "train")
+    built = {dim: train["metrics"][f"layout_{dim}"] for dim in ("pp", "dp_shard", "cp", "tp")}
+    assert built == {dim: float(run["plan"][dim]) for dim in built}
     ckpts = _get(rt, f"/v1/runs/{run_id}/checkpoints")["checkpoints"]
     assert ckpts and max(c["step"] for c in ckpts) == 12
     assert all(Path(c["path"]).is_dir() for c in ckpts)
@@ -233,7 +238,7 @@ def test_replica_group_kill_is_an_interruption_and_the_run_still_succeeds(
     _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
     metrics = _get(rt, f"/v1/runs/{run_id}/metrics")
     assert metrics["interruptions"] >= 1
-    text = httpx.get(rt["backend"].url + "/metrics", timeout=10).text
+    text = httpx.get(rt["backend"].metrics_url, timeout=10).text
     line = next(li for li in text.splitlines()
                 if li.startswith("ito_run_interruptions_total{") and run_id in li)
     assert float(line.rsplit(" ", 1)[1]) >= 1
@@ -274,6 +279,65 @@ def test_lost_driver_is_relaunched_and_training_resumes_from_its_checkpoint(
     metrics = _get(rt, f"/v1/runs/{run_id}/metrics")
     assert metrics["interruptions"] >= 1 and metrics["last_step"] == 40
     assert {g["stage"]: g["status"] for g in run["stage_gates"]}["train"] == "passed"
+
+
+def test_a_driver_lost_on_every_allowed_launch_fails_the_run_with_driver_lost(
+        rt: dict[str, Any]) -> None:
+    """The relaunch limit: a run gets max_driver_attempts (2) launches; when the second
+    driver dies too, the run fails with driver_lost instead of relaunching again."""
+    run_id = _submit(rt, steps=400)
+    pids: list[int] = []
+    for attempt in (1, 2):
+        _wait(rt, run_id, lambda r: r["state"] == "running" and any(
+            a.name == f"run-{run_id}" and int(a.pid) not in pids
+            for a in _run_actors(rt, run_id)), f"driver of launch {attempt}")
+        (driver,) = [a for a in _run_actors(rt, run_id) if a.name == f"run-{run_id}"]
+        pids.append(int(driver.pid))
+        os.kill(int(driver.pid), signal.SIGKILL)
+    run = _wait(rt, run_id, lambda r: r["state"] == "failed", "failed")
+    assert run["state_reason"].startswith("driver_lost"), run["state_reason"]
+    logs = [e["message"] for e in _get(rt, f"/v1/runs/{run_id}/logs?limit=1000")["entries"]]
+    assert sum("driver lost; relaunching" in m for m in logs) == 1, logs
+    deadline = time.monotonic() + 60
+    while _run_actors(rt, run_id):  # nothing of the run is left running
+        assert time.monotonic() < deadline, [a.name for a in _run_actors(rt, run_id)]
+        time.sleep(1.0)
+
+
+def test_canary_secret_reaches_no_driver_or_worker_log(rt: dict[str, Any]) -> None:
+    """The canary of tests/api/test_canary.py, once with the Ray runtime: planted in the
+    API server's environment and sent as an idempotency key, it appears in no file of
+    the backend's var dir (store, scratch, checkpoints), no Ray session log (driver,
+    trainer and worker logs) and not in the server's log, after a run succeeded."""
+    be: Backend = rt["backend"]
+    t: Tenant = rt["tenant"]
+    canary = "sk-canary" + uuid.uuid4().hex
+    be.stop()
+    old_env = dict(be.env)
+    be.env.update({"ITO_CANARY_TOKEN": canary, "OPENAI_API_KEY": canary})
+    be.proc = None
+    be.start()
+    try:
+        m = _manifest(rt, steps=10, name=f"run-{uuid.uuid4().hex[:6]}")
+        with be.client() as c:
+            ref = confirm_ref(c, t.approver, "train", t.booking_id, manifest=m)
+            r = submit(c, t.submitter, t.booking_id, m, ref, canary)
+            assert r.json()["error"]["code"] == "idempotency_key_invalid"
+            assert canary not in r.text
+        run_id = _submit(rt, steps=10)
+        _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
+    finally:
+        be.stop()
+        be.env = old_env
+        be.proc = None
+        be.start()
+    head_pid = (be.var_dir / "ray-head.pid").read_text().strip()
+    sessions = list(Path("/tmp/ray").glob(f"session_*_{head_pid}"))
+    files = [p for root in (be.var_dir, *sessions) for p in root.rglob("*")
+             if p.is_file() and not p.is_symlink() and p.stat().st_size < 64 << 20]
+    assert any("worker" in p.name for p in files), "no Ray worker log was searched"
+    assert [p for p in files if canary.encode() in p.read_bytes()] == []
+    assert canary not in be.log_text()
 
 
 def test_loss_spike_proposal_waits_for_approval_through_the_api(rt: dict[str, Any]) -> None:
@@ -318,9 +382,13 @@ def test_loss_spike_proposal_waits_for_approval_through_the_api(rt: dict[str, An
         be.start()
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None,
-                    reason="Debian's prometheus is installed by scripts/test.sh (.ci/run)")
 def test_prometheus_scrapes_goodput(rt: dict[str, Any], tmp_path: Path) -> None:
+    if shutil.which("prometheus") is None:
+        # scripts/test.sh (.ci/run, as root) installs Debian's prometheus and sets
+        # ITO_REQUIRE_PROMETHEUS: there a missing binary is a failure, not a skip.
+        if os.environ.get("ITO_REQUIRE_PROMETHEUS") == "1":
+            pytest.fail("prometheus is required (ITO_REQUIRE_PROMETHEUS=1) but not on PATH")
+        pytest.skip("no prometheus binary; scripts/test.sh installs it as root")
     be: Backend = rt["backend"]
     port = free_port()
     cfg = tmp_path / "prometheus.yml"
@@ -330,7 +398,7 @@ scrape_configs:
   - job_name: ito
     metrics_path: /metrics
     static_configs:
-      - targets: ["127.0.0.1:{be.port}"]
+      - targets: ["127.0.0.1:{be.metrics_port}"]
 """)
     prom = subprocess.Popen(["prometheus", f"--config.file={cfg}",
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}",

@@ -38,8 +38,11 @@ def test_goodput_counts_each_step_once_across_groups_and_redone_steps_once() -> 
     assert m.badput_s["checkpoint_blocking"] == pytest.approx(1.0)
     assert m.badput_s["recovery"] == pytest.approx(5.0)  # merged span 20..25
     assert m.badput_s["idle"] == pytest.approx(40.0 - 5.0 - 16.0)
-    assert m.steps_committed == 5 and m.steps_uncommitted == 1
-    assert m.tokens == 500
+    # Each step's tokens are the whole quorum's: steps 1 and 2 count once each, however
+    # many groups reported them and however often they were redone.
+    assert m.steps_committed == 2 and m.steps_uncommitted == 1
+    assert m.tokens == 200
+    assert m.tokens_per_s == pytest.approx(200 / 40.0)
     assert m.interruptions == 1 and m.recover_s == [5.0]
     assert m.interruption_rate_per_h == pytest.approx(1 / (40 / 3600))
     assert m.checkpoint_bytes_per_s == pytest.approx(500.0)

@@ -168,6 +168,11 @@ def _kill_and_recover(run: Run, cfg: TrainStageConfig) -> None:
     assert out.status == "passed", out.reason
     assert out.metrics["steps"] == cfg.target.steps
     assert out.metrics["interruptions"] >= 2
+    # Tokens count each committed step once (its last report: both groups report every
+    # step, and steps redone after the all-groups restart are reported again).
+    last = {e.step: e.tokens for e in sorted(run.steps(), key=lambda e: e.ts) if e.committed}
+    assert out.metrics["tokens"] == sum(last.values())
+    assert out.metrics["tokens"] <= cfg.target.steps * cfg.target.global_batch_tokens
     after = [e for e in run.steps(1) if e.committed and e.ts > healed.ts]
     assert any(e.quorum_size == 2 for e in after), "group 1 never rejoined the full quorum"
     # Both groups end bit-identical: the heal (weights, optimizer state, data position,
@@ -264,3 +269,27 @@ def test_cancel_kills_every_actor_of_the_run(ray_local: None, tmp_path: Path) ->
     while any(n.startswith("run-ftcancel-") for n in ray.util.list_named_actors()):
         assert time.time() < deadline, "actors outlived the cancelled run"
         time.sleep(0.5)
+
+
+def test_a_warm_spare_takes_a_lost_groups_place(ray_local: None, tmp_path: Path) -> None:
+    """A pre-started spare steps in for a SIGKILLed group: it heals from the survivor,
+    joins the full quorum as that group, and both end with identical weights."""
+    from stages.trainer import kill_replica_group
+
+    cfg = _config(tmp_path, spare_groups=1, target=TrainingTarget(
+        max_steps=60, seq_len=32, global_batch_tokens=256, warmup_steps=5))
+    with Run(cfg, tmp_path, "ftspare") as run:
+        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 10
+                     and e.quorum_size == 2, "10 steps in the full quorum")
+        killed_at, pids = kill_replica_group("ftspare", 1)
+        assert pids
+        took = run.wait_for(lambda e: isinstance(e, LogEvent) and "spare" in e.message
+                            and "takes the place of replica group 1" in e.message,
+                            "the spare takes group 1's place")
+        assert took.ts > killed_at
+        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.replica_group == 1
+                     and e.quorum_size == 2 and e.ts > took.ts, "group 1 back in the quorum")
+        out = run.join()
+    assert out.status == "passed", out.reason
+    digests = out.artifacts["replica_digests"]
+    assert set(digests) == {"0", "1"} and digests["0"] == digests["1"]

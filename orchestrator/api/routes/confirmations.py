@@ -22,11 +22,9 @@ router = APIRouter(tags=["confirmations"])
 
 def _owned_booking(store: Store, p: Principal, booking_id: str) -> None:
     row = store.booking(booking_id)
-    if row is None:
+    # Another account's booking answers exactly as a missing one: ids do not leak.
+    if row is None or row["account_id"] != p.account_id:
         raise ItoError(ErrorCode.booking_not_found, f"no booking {safe_id(booking_id)}")
-    if row["account_id"] != p.account_id:
-        raise ItoError(ErrorCode.booking_account_mismatch,
-                       "this booking belongs to another account")
 
 
 def _bound_run(store: Store, p: Principal, body: ConfirmationRequest) -> None:

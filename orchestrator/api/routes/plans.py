@@ -19,7 +19,9 @@ router = APIRouter(tags=["plans"])
 def plan(body: PlanRequest, creds: HTTPAuthorizationCredentials | None = Depends(bearer),
          c: Ctx = Depends(ctx)) -> JSONResponse:
     with Gates(c.store, "plan", booking_id=body.booking_id) as g:
-        p = g.auth(creds, "runs:read")
+        # The approver reviews the plan and its cost before confirming: a confirm:train
+        # key may plan too (it still cannot submit or read runs).
+        p = g.auth(creds, "runs:read", "confirm:train")
         eligibility = booking_gate(g, c, p, body.booking_id)
         parsed = manifest_gate(g, c, body.manifest_b64, body.manifest_digest)
         report, cost, planned = validation_gate(g, c, parsed, eligibility)

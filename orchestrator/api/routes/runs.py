@@ -116,10 +116,9 @@ def _gated_create(c: Ctx, g: Gates, p: Principal, body: RunRequest, key: str,
             return {**twin, "_replayed": True}
         confirmations.consume(store, conn, body.confirmation_ref, expect, by=run["run_id"])
         store.insert_run(conn, run)
-        conn.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message) VALUES "
-                     "(?, NULL, ?, 'info', 'orchestrator', ?)",
-                     (run["run_id"], now, f"accepted: {parsed.manifest_id}, estimated "
-                      f"${cost.total_usd:,.2f} ({cost.method})"))
+        store.insert_log(conn, run["run_id"], None, now, "info", "orchestrator",
+                         f"accepted: {parsed.manifest_id}, estimated "
+                         f"${cost.total_usd:,.2f} ({cost.method})")
         return run
 
     result: Row = g.check("commit", store.write, create)
@@ -163,7 +162,7 @@ def get_logs(run_id: str, cursor: str | None = Query(default=None, max_length=32
     rows = c.store.list_logs(run_id, after, min(limit, c.settings.logs_page_max))
     entries = [{"seq": r["seq"], "ts": r["ts"], "level": r["level"], "stage": r["stage"],
                 "message": r["message"]} for r in rows]
-    next_cursor = str(rows[-1]["log_id"]) if rows else str(after)
+    next_cursor = str(rows[-1]["run_seq"]) if rows else str(after)
     return ok({"entries": entries, "next_cursor": next_cursor})
 
 

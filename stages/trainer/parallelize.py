@@ -1,0 +1,362 @@
+"""Apply the plan's layout to the model of one replica-group rank, in torchtitan's
+order (``parallelize_llama`` / ``pipeline_llama``):
+
+1. fp8: swap the decoder's linears for torchao's ``Float8Linear`` (before TP, as
+   torchtitan's model converters run before ``parallelize``);
+2. pipeline split into this rank's chunks (each chunk is parallelized alone);
+3. tensor parallel with DTensor ``parallelize_module``, module by module as
+   transformers' own Llama TP plan shards them (q/k/v/gate/up colwise, o/down
+   rowwise, embedding rowwise, head colwise, gathered), with sequence parallel on
+   the norms on GPU;
+4. context parallel: a ``context_parallel`` context around forward and backward
+   that shards the sequence and swaps SDPA for ring attention (CUDA only);
+5. activation checkpointing per decoder layer (none, selective, full);
+6. FSDP2 over ``dp_shard x cp`` with bf16 parameters and fp32 reductions (bf16
+   mixed precision); without FSDP, bf16 runs under autocast (fp32 master weights).
+
+``ParallelModel`` then runs a step (forward + backward, through the pipeline
+schedule where there is one), clips gradients over every mesh dimension, and reads
+back the layout it really built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stages.errors import ErrorCode, ItoError
+from stages.parallelism.measure import apply_activation_checkpointing
+from stages.trainer.layout import ParallelLayout, check_runnable
+from stages.trainer.mesh import FSDP_DIM, mesh_coords, mesh_layout
+from stages.trainer.pipeline import LocalModel, StageModule, build_schedule, split_model
+
+
+def shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets aligned with the input positions (-100: no target), so that
+    a sequence can be cut into pipeline micro-batches or CP shards as it is."""
+    labels = torch.full_like(input_ids, -100)
+    labels[:, :-1] = input_ids[:, 1:]
+    return labels
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32 (equals ``model.causal_lm_loss``)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                           ignore_index=-100)
+
+
+def _decoder_layers(module: nn.Module) -> list[nn.Module]:
+    inner: Any = module.model
+    layers: Any = inner.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def apply_fp8(model: nn.Module) -> int:
+    """torchao float8 training on the decoder's linears (the head stays bf16, and
+    torchao needs both dimensions divisible by 16). Returns the linears converted."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as e:
+        raise ItoError(ErrorCode.layout_unsupported,
+                       "fp8 needs torchao (pip install 'ito-train[gpu]')") from e
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        return isinstance(mod, nn.Linear) and "lm_head" not in fqn and \
+            mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+
+    convert_to_float8_training(model, module_filter_fn=keep)
+    return sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
+
+
+def apply_tp(chunk: nn.Module, tp_mesh: Any, *, sequence_parallel: bool, fp8: bool) -> None:
+    """transformers' Llama TP plan (``base_model_tp_plan``) on one model chunk."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    colwise: Any = ColwiseParallel
+    rowwise: Any = RowwiseParallel
+    prepare: Any = PrepareModuleInput
+    if fp8:  # tensorwise float8 all-gathers in fp8 (torchtitan's float8 TP)
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        colwise, rowwise, prepare = (Float8ColwiseParallel, Float8RowwiseParallel,
+                                     PrepareFloat8ModuleInput)
+    seq = Shard(1) if sequence_parallel else Replicate()
+    top: dict[str, Any] = {}
+    inner: Any = chunk.model
+    if hasattr(inner, "embed_tokens"):
+        top["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if hasattr(inner, "norm"):
+        if sequence_parallel:
+            top["model.norm"] = SequenceParallel()
+        top["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(),
+                                         use_local_output=True)
+    if top:
+        parallelize_module(chunk, tp_mesh, top)
+    for layer in _decoder_layers(chunk):
+        plan: dict[str, Any] = {
+            "self_attn.q_proj": colwise(), "self_attn.k_proj": colwise(),
+            "self_attn.v_proj": colwise(), "self_attn.o_proj": rowwise(output_layouts=seq),
+            "mlp.gate_proj": colwise(), "mlp.up_proj": colwise(),
+            "mlp.down_proj": rowwise(output_layouts=seq),
+        }
+        if sequence_parallel:
+            plan.update({
+                "input_layernorm": SequenceParallel(),
+                "post_attention_layernorm": SequenceParallel(),
+                "self_attn": prepare(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                     desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "mlp": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def apply_fsdp(chunk: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype | None,
+               pp_enabled: bool) -> None:
+    """FSDP2 per decoder layer, embedding, [norm, head] and the chunk (torchtitan's
+    ``apply_fsdp``); with PP the chunk stays unsharded across micro-batches."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    cfg: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp}
+    reshard = not pp_enabled
+    inner: Any = chunk.model
+    if hasattr(inner, "embed_tokens"):
+        fully_shard(inner.embed_tokens, **cfg, reshard_after_forward=reshard)
+    for layer in _decoder_layers(chunk):
+        fully_shard(layer, **cfg, reshard_after_forward=reshard)
+    if hasattr(inner, "norm"):
+        head: Any = chunk.lm_head
+        fully_shard([inner.norm, head], **cfg, reshard_after_forward=False)
+    fully_shard(chunk, **cfg)
+
+
+class ParallelModel:
+    """One rank's share of the model under the layout, and how to train a step on it."""
+
+    def __init__(self, full: nn.Module, layout: ParallelLayout, mesh: Any,
+                 device: torch.device, *, sequence_parallel: bool | None = None):
+        if layout.dp_shard == -1 or (layout.pp > 1 and not layout.pp_microbatches):
+            layout = layout.resolved(int(mesh.size()) if mesh is not None else 1)
+        self.layout = layout
+        config: Any = full.config
+        self.hidden = int(config.hidden_size)
+        self.mesh = mesh
+        self.device = device
+        self.coords = mesh_coords(mesh) if mesh is not None else dict.fromkeys(
+            ("pp", "dp_shard", "cp", "tp"), 0)
+        check_runnable(layout, device.type, torch.cuda.get_device_capability(device)
+                       if device.type == "cuda" else None)
+        if mesh is None and layout.tp * layout.pp * layout.cp * layout.dp_shard != 1:
+            raise ItoError(ErrorCode.plan_degrees_mismatch,
+                           "a single-rank replica group cannot run a multi-rank layout")
+        # Sequence parallel on the norms: on by default on GPU (torchtitan's default);
+        # on CPU only when asked (tests), as its reduce-scatters gain nothing on gloo.
+        if sequence_parallel is None:
+            sequence_parallel = device.type == "cuda"
+        self.sequence_parallel = sequence_parallel and layout.tp > 1
+        self.fp8_linears = apply_fp8(full) if layout.precision == "fp8" else 0
+        apply_activation_checkpointing(full, layout.activation_checkpointing)
+        self.schedule: Any = None
+        self._scale = 1.0
+        if layout.pp > 1:
+            self.stage_ids, chunks = split_model(full, layout, self.coords["pp"])
+            self.chunks: list[nn.Module] = list(chunks)
+        else:
+            self.stage_ids, self.chunks = [0], [full]
+        fsdp = layout.dp_shard * layout.cp > 1
+        bf16 = layout.precision in ("bf16", "fp8")
+        for chunk in self.chunks:
+            if layout.tp > 1:
+                apply_tp(chunk, mesh["tp"], sequence_parallel=self.sequence_parallel,
+                         fp8=layout.precision == "fp8")
+            if fsdp:
+                apply_fsdp(chunk, mesh[FSDP_DIM], param_dtype=torch.bfloat16 if bf16 else None,
+                           pp_enabled=layout.pp > 1)
+        self.autocast = bf16 and not fsdp
+        if layout.pp > 1:
+            first = self.chunks[0]
+            self.module: nn.Module = first if len(self.chunks) == 1 else LocalModel(
+                [c for c in self.chunks if isinstance(c, StageModule)])
+            self.schedule = build_schedule(layout, self.chunks, self.stage_ids, device,
+                                           mesh["pp"].get_group(), self._loss_fn)
+        else:
+            self.module = full
+        self.num_stages = layout.pp * layout.pp_virtual_stages
+
+    # --- a step -------------------------------------------------------------------
+    def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_loss(logits, labels) * self._scale
+
+    @contextlib.contextmanager
+    def _context(self, buffers: list[torch.Tensor]) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.layout.cp > 1:  # CUDA only (check_runnable)
+                from torch.distributed.tensor.experimental import context_parallel
+                from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+                set_rotate_method("allgather")
+                stack.enter_context(context_parallel(
+                    self.mesh["cp"], buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                    no_restore_buffers=set(buffers)))
+            if self.autocast:
+                stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
+            yield
+
+    def forward_backward(self, input_ids: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of this rank's batch; returns its mean token loss (0 on
+        pipeline ranks without the last stage)."""
+        labels = shifted_labels(input_ids)
+        self._scale = scale
+        if self.schedule is None:
+            # The plan's micro-batches: equal slices, each loss scaled by 1/n so the
+            # gradients sum to the whole batch's mean.
+            n = self.layout.grad_accum
+            total = torch.zeros((), device=input_ids.device)
+            for ids, lab in zip(input_ids.chunk(n), labels.chunk(n), strict=True):
+                pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()
+                ids, lab = ids.contiguous(), lab.contiguous()
+                with self._context([ids, lab, pos]):
+                    logits = self.module(input_ids=ids, position_ids=pos).logits
+                    loss = self._loss_fn(logits, lab) / n
+                    loss.backward()
+                total = total + loss.detach()
+            return total
+        losses: list[torch.Tensor] = []
+        first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
+        args = (input_ids,) if first else ()
+        kwargs: dict[str, Any] = {"target": labels, "losses": losses} if last else {}
+        with self._context([]):
+            # return_outputs=False: the last stage would keep every micro-batch's logits
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        if not last:
+            return torch.zeros((), device=input_ids.device)
+        return torch.stack([x.detach() for x in losses]).mean()
+
+    def group_mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The replica group's loss: the mean over its data-parallel ranks of the loss
+        held by each one's last pipeline stage (TP ranks hold copies, CP ranks parts)."""
+        if self.mesh is None:
+            return loss.detach()
+        import torch.distributed as dist
+
+        holds = self.coords["pp"] == self.layout.pp - 1 and self.coords["tp"] == 0
+        t = (loss.detach().float() if holds else torch.zeros((), device=loss.device)).reshape(1)
+        t = t.clone()
+        dist.all_reduce(t)  # gloo has no AVG
+        return t / (self.layout.dp_shard * self.layout.cp)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the global norm over every parameter of the model (all pipeline
+        stages, TP and FSDP shards): per kind of DTensor, a local norm made global by
+        ``full_tensor``, then summed over the pipeline ranks (torchtitan's approach)."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        kinds: dict[Any, list[torch.Tensor]] = {}
+        for p in params:
+            g: Any = p.grad
+            key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+            kinds.setdefault(key, []).append(g)
+        total_sq = torch.zeros((), device=self.device)
+        for key, grads in kinds.items():
+            norm: Any = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+            if key is not None:
+                norm = norm.full_tensor()
+            total_sq = total_sq + norm.float() ** 2
+        if self.layout.pp > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(total_sq, group=self.mesh["pp"].get_group())
+        total = float(total_sq.sqrt())
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            with torch.no_grad():
+                for p in params:
+                    g = p.grad
+                    assert g is not None
+                    g.mul_(coef)
+        return total
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Evaluation forward: the full logits on the last pipeline stage (every TP
+        rank), None on the other pipeline ranks. Pipelines pass activations by p2p."""
+        if self.schedule is None:
+            with self._context([]):
+                out = self.module(input_ids=input_ids).logits
+            return out.float().full_tensor() if hasattr(out, "full_tensor") else out.float()
+        import torch.distributed as dist
+
+        if self.layout.pp_virtual_stages != 1:
+            raise ItoError(ErrorCode.layout_unsupported,
+                           "evaluation forward of an interleaved pipeline is not built")
+        group, r = self.mesh["pp"].get_group(), self.coords["pp"]
+        x = input_ids
+        if r > 0:
+            x = torch.empty(*input_ids.shape, self.hidden, device=self.device)
+            dist.recv(x, group=group, group_src=r - 1)
+        with self._context([]):
+            out = self.chunks[0](x).float()
+        if r < self.layout.pp - 1:
+            dist.send(out.contiguous(), group=group, group_dst=r + 1)
+            return None
+        return out
+
+    # --- what was built -------------------------------------------------------------
+    def built_layout(self) -> dict[str, Any]:
+        """The layout as built, read back from the mesh, the schedule, the chunks and
+        the modules (not from the plan). Collective over the group when there is one."""
+        degrees = mesh_layout(self.mesh) if self.mesh is not None else dict.fromkeys(
+            ("pp", "dp_shard", "cp", "tp"), 1)
+        mine = {"pp_rank": self.coords["pp"], "layers": sum(
+            len(_decoder_layers(c)) for c in self.chunks)}
+        per_rank = [mine]
+        if self.mesh is not None:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            per_rank = gathered
+        stage_layers = [0] * degrees["pp"]
+        for item in per_rank:
+            stage_layers[item["pp_rank"]] = item["layers"]
+        layers = _decoder_layers(self.chunks[0])
+        ac = "none"
+        if layers and getattr(layers[0], "gradient_checkpointing", False):
+            fn = getattr(layers[0], "_gradient_checkpointing_func", None)
+            ac = "selective" if "context_fn" in getattr(fn, "keywords", {}) else "full"
+        params = [p for p in self.module.parameters()]
+        fsdp_dtype = None
+        for m in self.module.modules():
+            state = getattr(m, "_get_fsdp_state", None)
+            if callable(state):
+                fsdp_dtype = state()._mp_policy.param_dtype
+                break
+        precision = "fp8" if self.fp8_linears else (
+            "bf16" if fsdp_dtype == torch.bfloat16 or self.autocast else
+            str(params[0].dtype).removeprefix("torch.").replace("float32", "fp32"))
+        schedule = None
+        if self.schedule is not None:
+            schedule = {"ScheduleGPipe": "GPipe", "Schedule1F1B": "1F1B",
+                        "ScheduleInterleaved1F1B": "Interleaved1F1B"}.get(
+                type(self.schedule).__name__, type(self.schedule).__name__)
+        return {**degrees, "pp_schedule": schedule,
+                "pp_microbatches": self.schedule._n_microbatches if self.schedule else 1,
+                "pp_stage_layers": stage_layers, "activation_checkpointing": ac,
+                "precision": precision, "sequence_parallel": self.sequence_parallel}

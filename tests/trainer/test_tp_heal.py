@@ -1,0 +1,56 @@
+"""torchft heals a tensor-parallel replica group from a peer group with the same
+layout, and the stage reports the layout the workers built.
+
+Real Ray actors (2 replica groups x 2 TP ranks), torchft's lighthouse and Managers,
+gloo, DTensor TP, and a SIGKILL of group 1's processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stages.events import InterruptionEvent, LogEvent, StepEvent
+from stages.trainer.layout import ParallelLayout
+from tests.trainer.test_ft_recovery import Run, _config, ray_local  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def test_tp2_group_heals_from_a_tp2_peer_and_both_end_equal(
+        ray_local: None, tmp_path: Path) -> None:  # noqa: F811
+    from stages.trainer import kill_replica_group
+    from stages.trainer.config import TrainingTarget
+
+    # 150 paced steps: the survivor must still be training when the killed group is
+    # back (Ray restart + imports + model build), or there is nobody to heal from.
+
+    plan = ParallelLayout(tp=2, dp_shard=1)
+    cfg = _config(tmp_path, ranks_per_group=2, parallel=plan, worker_num_cpus=0.25,
+                  target=TrainingTarget(max_steps=150, seq_len=32, global_batch_tokens=256,
+                                        warmup_steps=5))
+    with Run(cfg, tmp_path, "tpheal") as run:
+        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 10
+                     and e.quorum_size == 2, "10 steps in the full quorum")
+        killed_at, pids = kill_replica_group("tpheal", 1)
+        assert len(pids) == 2  # both TP ranks of the group
+        run.wait_for(lambda e: isinstance(e, InterruptionEvent)
+                     and e.interruption_kind == "replica_group_lost", "recovery")
+        healed = run.wait_for(lambda e: isinstance(e, LogEvent) and "rg1: healed" in e.message
+                              and e.ts > killed_at, "heal log")
+        out = run.join()
+    assert out.status == "passed", out.reason
+    after = [e for e in run.steps(1) if e.committed and e.ts > healed.ts]
+    assert any(e.quorum_size == 2 for e in after), "group 1 never rejoined the full quorum"
+    # Each TP rank's shard is identical across the two groups after the heal.
+    digests = out.artifacts["rank_digests"]
+    assert set(digests) == {"0/0", "0/1", "1/0", "1/1"}
+    assert digests["0/0"] == digests["1/0"] and digests["0/1"] == digests["1/1"]
+    assert digests["0/0"] != digests["0/1"]  # the two ranks hold different shards
+    # stage_gates carry the layout read back from the workers' mesh: the plan's.
+    built = out.artifacts["layout"]
+    assert {k: built[k] for k in ("pp", "dp_shard", "cp", "tp")} == \
+        plan.resolved(2).degrees()
+    assert built["precision"] == "fp32" and built["activation_checkpointing"] == "none"
+    assert out.metrics["layout_tp"] == 2.0 and out.metrics["layout_dp_shard"] == 1.0
