@@ -83,6 +83,24 @@ class PhaseEvent(_Event):
     end: float
 
 
+class ProgressEvent(_Event):
+    """Progress of a stage's long work (e.g. data prep over a large corpus): which step,
+    how much of it is done, and the estimated seconds left of that step."""
+
+    kind: Literal["progress"] = "progress"
+    step: str
+    step_index: int = 0
+    steps: int = 1
+    tasks_done: int = 0
+    tasks_total: int = 0
+    docs_done: int = 0
+    docs_total: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    elapsed_s: float = 0.0
+    eta_s: float | None = None
+
+
 class MetricsEvent(_Event):
     """Named gauges of a stage at a step (post-training's rollout fleet and losses)."""
 
@@ -104,6 +122,7 @@ Event = Annotated[
     | InterruptionEvent
     | ProposalEvent
     | PhaseEvent
+    | ProgressEvent
     | MetricsEvent
     | StageResultEvent,
     Field(discriminator="kind"),

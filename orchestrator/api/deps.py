@@ -129,4 +129,6 @@ def run_view(store: Store, run: Row) -> dict[str, Any]:
              "status": p["status"]}
             for p in store.list_proposals(run["run_id"])],
         "plan": _loads(run["plan"]), "data_prep": _loads(run["data_prep"]),
+        # The latest progress of a long stage step (data prep over a corpus), or None.
+        "stage_progress": store.last_event(run["run_id"], "progress"),
     }

@@ -200,6 +200,9 @@ def _fmt_run(run: dict[str, Any]) -> str:
     prog = _progress(run)
     if prog:
         lines.append(f"  {prog}")
+    sp = run.get("stage_progress")
+    if isinstance(sp, dict) and sp.get("step"):
+        lines.append(f"  {_fmt_stage_progress(sp)}")
     for g in run.get("stage_gates") or []:
         lines.append(f"  gate {g.get('stage')}: {g.get('status')} {g.get('reason') or ''}".rstrip())
     for pr in run.get("proposals") or []:
@@ -230,6 +233,24 @@ def _progress(run: dict[str, Any]) -> str:
     if isinstance(loss, int | float):
         parts.append(f"loss={loss:.4f}")
     return " ".join(parts)
+
+
+def _fmt_stage_progress(p: dict[str, Any]) -> str:
+    """One line: stage step (i/n): tasks, documents, MB, ETA."""
+    eta = p.get("eta_s")
+    mb_done = (p.get("bytes_done") or 0) / 1e6
+    mb_total = (p.get("bytes_total") or 0) / 1e6
+    return (f"{p.get('stage')} {p.get('step')} ({int(p.get('step_index') or 0) + 1}/"
+            f"{p.get('steps')}): {p.get('tasks_done')}/{p.get('tasks_total')} tasks, "
+            f"{p.get('docs_done')}/{p.get('docs_total')} documents, "
+            f"{mb_done:.1f}/{mb_total:.1f} MB"
+            + (f", eta {_fmt_eta(float(eta))}" if isinstance(eta, int | float) else ""))
+
+
+def _fmt_eta(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else \
+        f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def _fmt_log(e: dict[str, Any]) -> str:

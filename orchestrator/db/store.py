@@ -391,6 +391,12 @@ class Store:
         rows = self.read(sql + " ORDER BY seq LIMIT ?", [*params, limit])
         return [{**r, "payload": json.loads(r["payload"])} for r in rows]
 
+    def last_event(self, run_id: str, kind: str) -> dict[str, Any] | None:
+        """The payload of the run's newest event of this kind (e.g. "progress")."""
+        row = self.read_one("SELECT payload FROM run_events WHERE run_id = ? AND kind = ? "
+                            "ORDER BY seq DESC LIMIT 1", (run_id, kind))
+        return None if row is None else dict(json.loads(row["payload"]))
+
     def max_seq(self, run_id: str) -> int:
         row = self.read_one("SELECT MAX(seq) AS m FROM run_events WHERE run_id = ?", (run_id,))
         return -1 if row is None or row["m"] is None else int(row["m"])

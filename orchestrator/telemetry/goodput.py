@@ -20,6 +20,10 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 BADPUT_KINDS = ("startup", "checkpoint_blocking", "recovery", "evaluation", "idle")
+# What a stage's latest ``ProgressEvent`` contributes (e.g. data prep over a corpus).
+PROGRESS_FIELDS = ("stage", "step", "step_index", "steps", "tasks_done", "tasks_total",
+                   "docs_done", "docs_total", "bytes_done", "bytes_total", "elapsed_s",
+                   "eta_s", "ts")
 
 
 class RunMetrics(BaseModel):
@@ -42,6 +46,8 @@ class RunMetrics(BaseModel):
     checkpoint_bytes: int = 0
     checkpoint_bytes_per_s: float = 0.0
     checkpoint_blocking_s: float = 0.0
+    # The latest progress report of a long stage step, None until one came.
+    stage_progress: dict[str, Any] | None = None
     # Post-training's rollout fleet: the latest RLVR gauges (rollout_samples_per_s,
     # trainer_idle_frac, rollout_idle_frac, weight_sync_s, staleness_min/mean/max,
     # drop_rate, mean_reward, ...), from its ``metrics`` events.
@@ -91,6 +97,8 @@ def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: floa
             if ev.get("recovered_at") is not None:
                 m.interruptions_recovered += 1
                 m.recover_s.append(float(ev["recovered_at"]) - detected)
+        elif kind == "progress":
+            m.stage_progress = {k: ev.get(k) for k in PROGRESS_FIELDS}
         elif kind == "metrics" and ev.get("scope") == "rlvr":
             m.post_training.update({str(k): float(v) for k, v in ev["values"].items()})
         elif kind == "checkpoint":

@@ -70,6 +70,18 @@ class TelemetryCollector(Collector):
                                     labels=labels)
         state = GaugeMetricFamily("ito_run_state", "1 for the run's current state",
                                   labels=[*labels, "state"])
+        plabels = [*labels, "stage", "step"]
+        p_docs = GaugeMetricFamily("ito_run_stage_progress_documents",
+                                   "Documents done in the stage's current step", labels=plabels)
+        p_docs_total = GaugeMetricFamily("ito_run_stage_progress_documents_total",
+                                         "Documents the stage's current step goes through",
+                                         labels=plabels)
+        p_bytes = GaugeMetricFamily("ito_run_stage_progress_bytes",
+                                    "Input bytes done in the stage's current step",
+                                    labels=plabels)
+        p_eta = GaugeMetricFamily("ito_run_stage_progress_eta_seconds",
+                                  "Estimated seconds left of the stage's current step",
+                                  labels=plabels)
         rl = {key: GaugeMetricFamily(name, doc, labels=labels)
               for key, name, doc in POST_TRAINING_GAUGES}
         by_booking: dict[str, list[RunMetrics]] = defaultdict(list)
@@ -86,6 +98,14 @@ class TelemetryCollector(Collector):
             tps.add_metric(lv, m.tokens_per_s)
             steps.add_metric(lv, m.steps_committed)
             state.add_metric([*lv, s.state], 1.0)
+            p = m.stage_progress
+            if p:
+                pl = [*lv, str(p.get("stage") or ""), str(p.get("step") or "")]
+                p_docs.add_metric(pl, float(p.get("docs_done") or 0))
+                p_docs_total.add_metric(pl, float(p.get("docs_total") or 0))
+                p_bytes.add_metric(pl, float(p.get("bytes_done") or 0))
+                if p.get("eta_s") is not None:
+                    p_eta.add_metric(pl, float(p["eta_s"]))
             for key, value in m.post_training.items():
                 if key in rl:
                     rl[key].add_metric(lv, value)
@@ -108,7 +128,7 @@ class TelemetryCollector(Collector):
             b_bw.add_metric([booking_id], agg.checkpoint_bytes_per_s)
             b_tps.add_metric([booking_id], agg.tokens_per_s)
         yield from (goodput, elapsed, badput, interruptions, rate, ckpt_bw, tps, steps, state,
-                    b_goodput, b_rate, b_bw, b_tps)
+                    p_docs, p_docs_total, p_bytes, p_eta, b_goodput, b_rate, b_bw, b_tps)
         yield from rl.values()
 
 

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from stages.base import StrictModel
+from stages.data_prep.stream.config import StreamConfig
 
 
 class DataProvenance(StrictModel):
@@ -88,3 +89,7 @@ class DataPrepConfig(StrictModel):
     # Local copies of remote refs: <cache_dir>/<scheme>/<host and path>. None:
     # ITO_DATA_CACHE or ~/.cache/ito/data.
     cache_dir: str | None = None
+    # The streaming engine: block size, output format, Ray Data, spilling, timeouts.
+    stream: StreamConfig = Field(default_factory=StreamConfig)
+    # The ladder probe reads at most this many bytes of cleaned text per role.
+    probe_max_bytes: int = Field(default=256 * 2**20, ge=1)

@@ -101,6 +101,49 @@ def _band_keys(sig: np.ndarray, band: int, rows: int) -> np.ndarray:
     return key
 
 
+def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
+    """Pairs (i, j) of documents that share a bucket key: all pairs of a bucket of up to
+    ``MAX_BUCKET_ALL_PAIRS`` members, a star from its lowest member above that.
+
+    ``keys`` and ``docs`` are parallel (any order; a document appears at most once per
+    key). Pairs come out with i < j, possibly repeated across buckets."""
+    if len(keys) < 2:
+        return np.zeros((0, 2), dtype=np.int64)
+    order = np.lexsort((docs, keys))
+    sk, sd = keys[order], docs[order].astype(np.int64)
+    brk = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1], True])
+    sizes = np.diff(brk)
+    multi = np.flatnonzero(sizes >= 2)
+    pairs: list[np.ndarray] = []
+    two = multi[sizes[multi] == 2]
+    if len(two):
+        pairs.append(np.stack([sd[brk[two]], sd[brk[two] + 1]], axis=1))
+    for g in multi[sizes[multi] > 2]:
+        members = sd[brk[g]:brk[g + 1]]  # sorted: lexsort's second key
+        if len(members) <= MAX_BUCKET_ALL_PAIRS:
+            ii, jj = np.triu_indices(len(members), k=1)
+            pairs.append(np.stack([members[ii], members[jj]], axis=1))
+        else:
+            pairs.append(np.stack([np.full(len(members) - 1, members[0]), members[1:]],
+                                  axis=1))
+    if not pairs:
+        return np.zeros((0, 2), dtype=np.int64)
+    return np.concatenate(pairs)
+
+
+def unique_pairs(p: np.ndarray) -> np.ndarray:
+    """Sorted unique rows of an (k, 2) int64 pair array with i < j."""
+    if len(p) == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    return np.unique(p, axis=0)
+
+
+def band_keys(sig: np.ndarray, banding: Banding) -> np.ndarray:
+    """(docs, bands) uint64 bucket keys (the band index is mixed in)."""
+    return np.stack([_band_keys(sig, band, banding.rows) for band in range(banding.bands)],
+                    axis=1) if len(sig) else np.zeros((0, banding.bands), dtype=np.uint64)
+
+
 def candidate_pairs(sig: np.ndarray, banding: Banding,
                     eligible: np.ndarray | None = None) -> np.ndarray:
     """Unique (i, j), i < j, pairs of rows that share at least one band.
@@ -110,30 +153,9 @@ def candidate_pairs(sig: np.ndarray, banding: Banding,
     if eligible is not None:
         idx_all = idx_all[eligible]
     sub = sig[idx_all]
-    pairs: list[np.ndarray] = []
-    for band in range(banding.bands):
-        keys = _band_keys(sub, band, banding.rows)
-        order = np.argsort(keys, kind="stable")
-        sk = keys[order]
-        brk = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1], True])
-        sizes = np.diff(brk)
-        multi = np.flatnonzero(sizes >= 2)
-        if len(multi) == 0:
-            continue
-        two = multi[sizes[multi] == 2]
-        if len(two):
-            pairs.append(np.stack([order[brk[two]], order[brk[two] + 1]], axis=1))
-        for g in multi[sizes[multi] > 2]:
-            members = np.sort(order[brk[g]:brk[g + 1]])
-            if len(members) <= MAX_BUCKET_ALL_PAIRS:
-                ii, jj = np.triu_indices(len(members), k=1)
-                pairs.append(np.stack([members[ii], members[jj]], axis=1))
-            else:
-                pairs.append(np.stack([np.full(len(members) - 1, members[0]), members[1:]],
-                                      axis=1))
+    pairs = [bucket_pairs(_band_keys(sub, band, banding.rows), idx_all)
+             for band in range(banding.bands)]
+    pairs = [p for p in pairs if len(p)]
     if not pairs:
         return np.zeros((0, 2), dtype=np.int64)
-    p = idx_all[np.concatenate(pairs)]
-    lo, hi = np.minimum(p[:, 0], p[:, 1]), np.maximum(p[:, 0], p[:, 1])
-    codes = np.unique(lo * np.int64(len(sig)) + hi)
-    return np.stack([codes // len(sig), codes % len(sig)], axis=1)
+    return unique_pairs(np.concatenate(pairs))

@@ -2,37 +2,37 @@
 
 Everything is written under ``<workdir>/data_prep/``:
 ``data_manifest.json`` (refs, files, digests, documents, bytes), ``clean/<role>/
-ref<k>.jsonl`` (the cleaned training text, ``{"text", "id"}`` a line; flagged documents
-carry ``"contaminated": true``) and ``provenance.json`` (what was removed and why,
-the eval files matched against, input and output digests, the probe's numbers).
+ref<k>.jsonl`` (the cleaned training records, every input field as given; flagged
+documents carry ``"contaminated": true``) and ``provenance.json`` (what was removed
+and why, by "<ref>:<file>:<line>" id, the eval files matched against, input and output
+digests, the probe's numbers). Dedup, decontamination and the outputs run on the
+streaming engine (``stages.data_prep.stream``), block by block, in this process or on
+Ray Data; ``work/`` holds its resumable intermediate files while it runs.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
-
 from stages.base import GateOutcome, StageContext
 from stages.data_prep.config import DataPrepConfig
-from stages.data_prep.decontam import EvalIndex, decontaminate
-from stages.data_prep.dedup import dedup
+from stages.data_prep.decontam import EvalIndex
 from stages.data_prep.evals import load_eval_items
 from stages.data_prep.ladder import ladder_probe
-from stages.data_prep.records import (
-    Corpus,
-    dedup_record,
-    text_bytes,
-    write_json,
-    write_jsonl,
-)
+from stages.data_prep.records import write_json
 from stages.data_prep.refs import ResolvedRef, check_inside, resolve_ref
+from stages.data_prep.stream.config import StreamConfig
+from stages.data_prep.stream.output import concat_shards, executor_for
+from stages.data_prep.stream.provenance import decontam_section, dedup_section
+from stages.data_prep.stream.run import Progress, run_stream
 from stages.errors import ErrorCode, ItoError
+from stages.events import ProgressEvent
 
 PROVENANCE_VERSION = 1
 
@@ -54,6 +54,23 @@ class DataPrepStage:
 
     def _log(self, ctx: StageContext, message: str, level: str = "info") -> None:
         ctx.log(message, level=level, stage=self.name)  # type: ignore[arg-type]
+
+    def _ray_address(self, total_bytes: int) -> str | None:
+        """"ray" (the Ray this process is attached to) or None (this process)."""
+        mode = self.config.stream.executor
+        if mode == "local":
+            return None
+        try:
+            import ray
+
+            up = ray.is_initialized()
+        except ImportError:  # pragma: no cover - ray is a dependency
+            up = False
+        if mode == "ray":
+            if not up:  # never start a cluster from inside a stage
+                raise ItoError(ErrorCode.ray_unavailable, "stream.executor=ray needs Ray up")
+            return "auto"
+        return "auto" if up and total_bytes >= self.config.stream.ray_min_bytes else None
 
     def _check(self, ctx: StageContext) -> None:
         if ctx.cancelled:
@@ -86,98 +103,100 @@ class DataPrepStage:
             if fd is not None:
                 os.close(fd)
 
-        # 1. Data manifest: resolve refs, digests, documents, bytes.
+        # 1. Data manifest: resolve refs and check their digests before reading any.
         resolved: list[ResolvedRef] = []
         for i, ref in enumerate(cfg.refs):
             self._check(ctx)
             resolved.append(resolve_ref(ref, cache, self.data_roots, f"data.refs[{i}]"))
-        corpus = Corpus()
-        manifest_refs = []
-        for k, r in enumerate(resolved):
-            self._check(ctx)
-            files = corpus.add_ref(k, r) if r.digest_ok else []
-            manifest_refs.append({
-                "index": k, "uri": r.ref.uri, "role": r.ref.role, "path": str(r.path),
-                "expected_sha256": r.ref.sha256, "sha256": r.sha256, "digest_ok": r.digest_ok,
-                "files": files or [{"path": str(f.path), "relpath": f.relpath,
-                                    "sha256": f.sha256, "bytes": f.bytes}
-                                   for f in r.files],
-                "docs": sum(f.get("docs", 0) for f in files),
-                "bytes": sum(f.bytes for f in r.files),
-                "provenance": r.ref.provenance.model_dump(),
-            })
+        manifest_refs: list[dict[str, Any]] = [{
+            "index": k, "uri": r.ref.uri, "role": r.ref.role, "path": str(r.path),
+            "expected_sha256": r.ref.sha256, "sha256": r.sha256, "digest_ok": r.digest_ok,
+            "files": [{"path": str(f.path), "relpath": f.relpath, "format": f.format,
+                       "sha256": f.sha256, "bytes": f.bytes} for f in r.files],
+            "bytes": sum(f.bytes for f in r.files),
+            "provenance": r.ref.provenance.model_dump(),
+        } for k, r in enumerate(resolved)]
         manifest_path = out / "data_manifest.json"
-        write_json(manifest_path, {"run_id": ctx.run_id, "refs": manifest_refs})
         bad = [m for m in manifest_refs if not m["digest_ok"]]
         if bad:
+            write_json(manifest_path, {"run_id": ctx.run_id, "refs": manifest_refs})
             reason = "; ".join(f"{m['uri']}: expected {m['expected_sha256'][:12]}…, "
                                f"got {m['sha256'][:12]}…" for m in bad)
             self._log(ctx, f"data digest mismatch: {reason}", "error")
             return self._fail(f"data digest mismatch: {reason}", ErrorCode.data_digest_mismatch,
                               artifacts={"data_manifest_path": str(manifest_path),
                                          "mismatched": [m["uri"] for m in bad]})
-        if len(corpus) == 0:
-            raise ItoError(ErrorCode.data_empty, "the data refs hold no documents")
-        docs_in, bytes_in = len(corpus), text_bytes(corpus.texts)
-        self._log(ctx, f"data manifest: {len(resolved)} refs, {docs_in} documents, "
-                       f"{bytes_in} bytes, digests ok")
-
-        # 2. Exact + near-duplicate removal over all refs together.
-        keep = np.ones(docs_in, dtype=bool)
-        dedup_rec: dict[str, Any] = {"enabled": False}
-        if cfg.dedup.enabled:
-            res = dedup(corpus.texts, cfg.dedup, cancelled=lambda: ctx.cancelled)
-            keep = res.keep.copy()
-            dedup_rec = {"enabled": True, **dedup_record(res, cfg.dedup, corpus.ids)}
-            self._log(ctx, f"dedup: {res.exact_duplicates} exact and {res.near_duplicates} "
-                           f"near duplicates removed ({res.backend}, {res.shards} shards, "
-                           f"b={res.bands} r={res.rows})")
-        self._check(ctx)
-
-        # 3. Decontamination of the survivors against the eval suites and files.
         items, infos = load_eval_items(cfg.eval_suites, cfg.eval_files, cfg.eval_field,
                                        roots=self.data_roots)
-        flagged = np.zeros(docs_in, dtype=bool)
+        self._check(ctx)
+
+        # 2-4. Dedup, decontamination and cleaned outputs: the streaming engine, block
+        # by block, here or on Ray Data (the same code as ``python -m stages.data_prep``).
+        files: list[tuple[Path, str, str, int, str]] = [
+            (f.path, f.relpath, f.format, k, str(r.ref.role))
+                 for k, r in enumerate(resolved) for f in r.files]
+        decon = (cfg.decontamination, items) if cfg.decontamination.enabled and items \
+            else None
+        index = EvalIndex(items, cfg.decontamination) if decon else None
+        total_bytes = sum(m["bytes"] for m in manifest_refs)
+        with executor_for(self._ray_address(total_bytes), cfg.stream) as executor:
+            self._log(ctx, f"data manifest: {len(resolved)} refs, {len(files)} files, "
+                           f"{total_bytes} bytes, digests ok; streaming on {executor.name}")
+            res = run_stream(files, out / "clean.shards", dedup_cfg=cfg.dedup
+                             if cfg.dedup.enabled else None, decon=decon, cfg=cfg.stream,
+                             work_dir=out / "work", executor=executor,
+                             fields={k: r.ref.text_field for k, r in enumerate(resolved)},
+                             progress=_ProgressReporter(ctx, self.name, cfg.stream),
+                             cancelled=lambda: ctx.cancelled)
+        docs_of: dict[str, int] = {}
+        for blk in res.plan.blocks:
+            src = res.plan.sources[blk.source]
+            docs_of[src.path] = docs_of.get(src.path, 0) + blk.docs
+        for m in manifest_refs:
+            for f in m["files"]:
+                f["docs"] = docs_of.get(f["path"], 0)
+            m["docs"] = sum(f["docs"] for f in m["files"])
+        write_json(manifest_path, {"run_id": ctx.run_id, "refs": manifest_refs})
+        c = res.counts
+        docs_in, bytes_in, docs_out, bytes_out = (c["docs_in"], c["bytes_in"], c["docs_out"],
+                                                  c["bytes_out"])
+        dedup_rec: dict[str, Any] = {"enabled": False}
+        if cfg.dedup.enabled:
+            dedup_rec = {"enabled": True, **dedup_section(res)}
+            self._log(ctx, f"dedup: {c['exact_duplicates']} exact and {c['near_duplicates']} "
+                           f"near duplicates removed ({res.executor}, {len(res.plan.blocks)} "
+                           f"blocks, b={dedup_rec['parameters']['bands']} "
+                           f"r={dedup_rec['parameters']['rows']})")
         decon_rec: dict[str, Any] = {"enabled": False}
-        survivors = np.flatnonzero(keep)
-        if cfg.decontamination.enabled and items:
-            index = EvalIndex(items, cfg.decontamination)
-            dres = decontaminate([corpus.texts[i] for i in survivors], index,
-                                 cancelled=lambda: ctx.cancelled)
-            hit = survivors[dres.contaminated]
-            if cfg.decontamination.action == "remove":
-                keep[hit] = False
-            else:
-                flagged[hit] = True
-            decon_rec = {"enabled": True,
-                         **dres.record([corpus.ids[i] for i in survivors]),
+        if index is not None:
+            decon_rec = {"enabled": True, **decontam_section(res, index),
                          "eval_files": [vars(i) for i in infos]}
-            self._log(ctx, f"decontamination: {len(hit)} documents matched "
+            self._log(ctx, f"decontamination: {c['contaminated']} documents matched "
                            f"{decon_rec['eval_items_matched']} eval items "
                            f"({cfg.decontamination.mode}, n={index.n}); "
                            f"{cfg.decontamination.action}d")
-        contaminated = len(survivors) - int(keep[survivors].sum()) + int(flagged.sum())
+        contaminated = c["contaminated"]
         self._check(ctx)
 
-        # 4. Cleaned outputs, one jsonl per ref, grouped by role.
+        # One cleaned file per ref (its shards joined in order), grouped by role.
         train_files: dict[str, list[str]] = {"baseline": [], "custom": []}
         outputs = []
-        ref_of = np.asarray(corpus.refs, dtype=np.int64)
+        fmt = cfg.stream.output_format
         for k, r in enumerate(resolved):
-            idx = np.flatnonzero(keep & (ref_of == k)).tolist()
-            path = out / "clean" / r.ref.role / f"ref{k:02d}.jsonl"
-            rows = ({"text": corpus.texts[i], "id": corpus.ids[i],
-                     **({"contaminated": True} if flagged[i] else {})} for i in idx)
-            digest, size, count = write_jsonl(path, rows)
+            shards = [sh for sh in res.shards if res.plan.sources[sh["source"]].ref == k]
+            path = out / "clean" / r.ref.role / f"ref{k:02d}.{fmt}"
+            digest, size = concat_shards(res.output_dir, [sh["path"] for sh in shards], path,
+                                         fmt)
+            count = sum(sh["docs"] for sh in shards)
             outputs.append({"ref": k, "role": r.ref.role, "path": str(path), "sha256": digest,
                             "bytes": size, "docs": count})
             if count:
                 train_files[r.ref.role].append(str(path))
-        docs_out = int(keep.sum())
-        bytes_out = text_bytes(corpus.texts[i] for i in np.flatnonzero(keep))
+        shutil.rmtree(res.output_dir, ignore_errors=True)
 
         # 5. Ladder probe on the cleaned data.
-        ladder = self._ladder(ctx, corpus, keep, [it.text for it in items])
+        fields = {o["path"]: resolved[o["ref"]].ref.text_field for o in outputs}
+        ladder = self._ladder(ctx, train_files, [it.text for it in items], fields)
 
         provenance_path = out / "provenance.json"
         write_json(provenance_path, {
@@ -214,12 +233,12 @@ class DataPrepStage:
         return GateOutcome(stage=self.name, status=status, reason=summary, metrics=metrics,
                            artifacts=artifacts)
 
-    def _ladder(self, ctx: StageContext, corpus: Corpus, keep: np.ndarray,
-                eval_texts: list[str]) -> dict[str, Any]:
+    def _ladder(self, ctx: StageContext, train_files: dict[str, list[str]],
+                eval_texts: list[str], fields: dict[str, str]) -> dict[str, Any]:
         cfg = self.config.ladder_probe
-        kept = np.flatnonzero(keep)
-        base = [corpus.texts[i] for i in kept if corpus.roles[i] == "baseline"]
-        custom = [corpus.texts[i] for i in kept if corpus.roles[i] == "custom"]
+        cap = self.config.probe_max_bytes
+        base = _read_texts(train_files["baseline"], fields, cap) if cfg.enabled else []
+        custom = _read_texts(train_files["custom"], fields, cap) if cfg.enabled else []
         why = ("disabled" if not cfg.enabled else
                "no baseline data" if not base else
                "no custom data" if not custom else
@@ -236,3 +255,46 @@ class DataPrepStage:
         self._log(ctx, f"ladder probe: {result.decision} (Δ={result.stats['delta_bpb']:+.4f} "
                        f"bits/byte, margin {result.stats['margin_bpb']:.4f})")
         return {**result.as_dict(), "reason": ""}
+
+
+def _read_texts(paths: list[str], fields: dict[str, str], max_bytes: int) -> list[str]:
+    """The texts of cleaned files in order, up to ``max_bytes`` of UTF-8 in all."""
+    from stages.trainer.data import _iter_documents
+
+    out: list[str] = []
+    size = 0
+    for p in paths:
+        for text in _iter_documents(Path(p), fields[p]):
+            size += len(text.encode("utf-8"))
+            if size > max_bytes:
+                return out
+            out.append(text)
+    return out
+
+
+class _ProgressReporter:
+    """Streaming progress as ``ProgressEvent``s (and a log line per step and every
+    ``progress_interval_s``), which ``ito status``, logs and /metrics show."""
+
+    def __init__(self, ctx: StageContext, stage: str, cfg: StreamConfig):
+        self.ctx, self.stage, self.cfg = ctx, stage, cfg
+        self.step, self.last = "", 0.0
+
+    def __call__(self, p: Progress) -> None:
+        now = time.time()
+        final = p.tasks_done == p.tasks_total
+        if p.stage == self.step and now - self.last < self.cfg.progress_interval_s \
+                and not final:
+            return
+        if p.stage != self.step or final:
+            eta = f", eta {p.eta_s:.0f} s" if p.eta_s else ""
+            self.ctx.log(f"data prep {p.stage} ({p.stage_index + 1}/{p.stages}): "
+                         f"{p.tasks_done}/{p.tasks_total} tasks, {p.docs_done}/{p.docs_total} "
+                         f"documents{eta}", stage=self.stage)
+        self.step, self.last = p.stage, now
+        self.ctx.emit(ProgressEvent(
+            stage=self.stage, step=p.stage, step_index=p.stage_index, steps=p.stages,
+            tasks_done=p.tasks_done, tasks_total=p.tasks_total, docs_done=p.docs_done,
+            docs_total=p.docs_total, bytes_done=p.bytes_done, bytes_total=p.bytes_total,
+            elapsed_s=round(p.elapsed_s, 3),
+            eta_s=None if p.eta_s is None else round(p.eta_s, 3)))

@@ -144,3 +144,17 @@ def test_parallel_first_open_migrates_once(tmp_path: Path) -> None:
     store = Store(tmp_path / "fresh.db")
     assert store.schema_version() == SCHEMA_VERSION
     assert store.read("SELECT COUNT(*) AS n FROM schema_version")[0]["n"] == 1
+
+
+def test_last_event_is_the_newest_of_its_kind(tmp_path: Path) -> None:
+    from stages.events import ProgressEvent
+
+    store = Store(tmp_path / "s.db")
+    _run(store)
+    assert store.last_event("run_1", "progress") is None
+    events = [{**ProgressEvent(stage="data_prep", step=s, docs_done=d).model_dump(mode="json"),
+               "seq": i} for i, (s, d) in enumerate((("sketch", 10), ("verify", 20)))]
+    events.append({**LogEvent(message="later").model_dump(mode="json"), "seq": 2})
+    assert store.ingest_events("run_1", events) == 3
+    last = store.last_event("run_1", "progress")
+    assert last is not None and last["step"] == "verify" and last["docs_done"] == 20

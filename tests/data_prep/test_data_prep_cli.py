@@ -89,3 +89,29 @@ def test_errors_carry_stable_codes(tmp_path: Path) -> None:
                        str(tmp_path / "o.jsonl"))
     assert rc == 2 and summary == {"ok": False, "error": {
         "code": "data_not_found", "message": f"no such file or folder: {tmp_path / 'missing'}"}}
+
+
+def test_records_keep_every_field_in_sharded_parquet(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "in.jsonl"
+    rows = [{"uid": f"u{i}", "text": f"document number {i} says something of its own {i * 7}",
+             "meta": {"lang": "en", "n": i}} for i in range(50)]
+    rows.append({**rows[3], "uid": "copy-of-3"})  # exact duplicate text, other fields
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "shards"
+    rc, summary = _cli("dedup", "--input", str(data), "--output", str(out),
+                       "--output-format", "parquet", "--block-docs", "20")
+    assert rc == 0 and summary["blocks"] == 3 and summary["executor"] == "local"
+    assert summary["docs_out"] == 50 and summary["exact_duplicates"] == 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [s["path"] for s in manifest["shards"]] == [f"part-0000{i}.parquet" for i in range(3)]
+    got = [r for s in manifest["shards"] for r in pq.read_table(out / s["path"]).to_pylist()]
+    assert got == rows[:50]  # every field, in input order; the later copy dropped
+    prov = json.loads(Path(summary["provenance_path"]).read_text())
+    assert prov["input"]["sha256"] == file_sha256(data)
+    assert [s["sha256"] for s in prov["output"]["shards"]] == \
+        [file_sha256(out / s["path"]) for s in manifest["shards"]]
+    rc, summary = _cli("dedup", "--input", str(data), "--output", str(tmp_path / "x.jsonl"),
+                       "--output-format", "parquet")
+    assert rc == 2 and summary["error"]["code"] == "bad_request"

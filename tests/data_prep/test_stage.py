@@ -20,7 +20,7 @@ from stages.data_prep.config import (
     LadderProbeConfig,
 )
 from stages.errors import ErrorCode
-from stages.events import Event, LogEvent
+from stages.events import Event, LogEvent, ProgressEvent
 
 REPO = Path(__file__).resolve().parents[2]
 PROV = DataProvenance(source="test corpus", license="MIT")
@@ -117,6 +117,11 @@ def test_stage_end_to_end(tmp_path: Path, corpus: dict) -> None:
     logs = [e for e in events if isinstance(e, LogEvent)]
     assert logs and all(e.stage == "data_prep" for e in logs)
     assert any("decontamination" in e.message for e in logs)
+    # Streaming progress as stage events: every step, documents counted to the total.
+    prog = [e for e in events if isinstance(e, ProgressEvent)]
+    assert prog and all(e.stage == "data_prep" and e.docs_total == m["docs_in"] for e in prog)
+    assert [e.step for e in prog if e.tasks_done == e.tasks_total][-1] == "filter"
+    assert prog[-1].docs_done == m["docs_in"] and prog[-1].bytes_total > 0
 
 
 def test_flag_instead_of_remove(tmp_path: Path, corpus: dict) -> None:

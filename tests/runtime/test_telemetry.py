@@ -64,3 +64,35 @@ def test_prometheus_collector_labels_run_and_booking() -> None:
     assert 'ito_booking_goodput_ratio{booking_id="bk_1"} 0.5' in text
     assert 'cause="idle"' in text
     assert "job=" not in text
+
+
+def test_stage_progress_reaches_metrics_prometheus_and_status_line() -> None:
+    from orchestrator.client.cli import _fmt_run
+    from stages.events import ProgressEvent
+
+    def prog(step: str, i: int, done: int, eta: float | None) -> dict:
+        return ProgressEvent(stage="data_prep", step=step, step_index=i, steps=7,
+                             tasks_done=done, tasks_total=80, docs_done=done * 20_000,
+                             docs_total=1_600_000, bytes_done=done * 11_000_000,
+                             bytes_total=880_000_000, elapsed_s=30.0 * (i + 1),
+                             eta_s=eta).model_dump(mode="json")
+
+    events = [prog("sketch", 0, 80, 0.0), prog("fetch", 3, 12, 95.4), _step(1, 5.0)]
+    m = compute_run_metrics(events, started_at=0, now=10)
+    assert m.stage_progress is not None and m.stage_progress["step"] == "fetch"
+    assert m.stage_progress["docs_done"] == 240_000 and m.stage_progress["eta_s"] == 95.4
+    registry = CollectorRegistry()
+    registry.register(TelemetryCollector(lambda: [RunSample("run_a", "bk_1", "running", m)]))
+    text = generate_latest(registry).decode()
+    labels = 'booking_id="bk_1",run_id="run_a",stage="data_prep",step="fetch"'
+    assert f"ito_run_stage_progress_documents{{{labels}}} 240000.0" in text
+    assert f"ito_run_stage_progress_documents_total{{{labels}}} 1.6e+06" in text
+    assert f"ito_run_stage_progress_eta_seconds{{{labels}}} 95.4" in text
+    line = _fmt_run({"run_id": "run_a", "state": "running",
+                     "stage_progress": m.stage_progress})
+    assert ("data_prep fetch (4/7): 12/80 tasks, 240000/1600000 documents, "
+            "132.0/880.0 MB, eta 1m35s") in line
+    # No progress yet: no gauge, no line.
+    quiet = compute_run_metrics([_step(1, 5.0)], started_at=0, now=10)
+    assert quiet.stage_progress is None
+    assert "stage_progress" not in _fmt_run({"run_id": "r", "state": "running"})

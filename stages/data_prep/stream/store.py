@@ -1,0 +1,109 @@
+"""The work folder of one streaming data-prep attempt: atomic files with digests.
+
+Layout, all under ``<work>/<attempt key>/`` (the key is a digest of the inputs' bytes,
+the block plan and every parameter, so two different attempts never share a folder
+and a resumed attempt only ever sees its own files):
+
+- ``plan.json``: the blocks (file, byte/row range, first document index);
+- ``<stage>/...``: each task's outputs, written to ``*.tmp`` then renamed;
+- ``done/<stage>/<task>.json``: written by the task itself after its outputs, with the
+  sha256 and size of each; a task is finished iff this record exists and its files
+  still match it (a task killed half-way left no record, so it runs again);
+- ``done/<stage>.json``: the stage's summary once every task finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def atomic_write(path: Path, data: bytes) -> dict[str, Any]:
+    """Write ``data`` to ``path`` via tmp + fsync + rename; returns {sha256, bytes}."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def write_arrays(path: Path, **arrays: np.ndarray) -> dict[str, Any]:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)  # type: ignore[arg-type]
+    return atomic_write(path, buf.getvalue())
+
+
+def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json(path: Path, obj: Any) -> dict[str, Any]:
+    return atomic_write(path, (json.dumps(obj, sort_keys=True, default=str) + "\n").encode())
+
+
+class WorkDir:
+    """One attempt's folder (``root`` already includes the attempt key)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def path(self, *parts: str) -> Path:
+        return self.root.joinpath(*parts)
+
+    def done_path(self, stage: str, task: str) -> Path:
+        return self.root / "done" / stage / f"{task}.json"
+
+    def record(self, stage: str, task: str, outputs: dict[str, dict[str, Any]],
+               stats: dict[str, Any]) -> dict[str, Any]:
+        """Mark a task finished: its outputs (relative path -> digest) and counts."""
+        rec = {"stage": stage, "task": task, "outputs": outputs, "stats": stats}
+        write_json(self.done_path(stage, task), rec)
+        return rec
+
+    def finished(self, stage: str, task: str, verify: bool = True) -> dict[str, Any] | None:
+        """The task's record if it finished and its outputs are intact, else None."""
+        p = self.done_path(stage, task)
+        if not p.exists():
+            return None
+        try:
+            rec: dict[str, Any] = json.loads(p.read_text())
+        except (OSError, ValueError):
+            return None
+        for rel, meta in rec.get("outputs", {}).items():
+            f = self.root / rel
+            if not f.exists() or f.stat().st_size != meta["bytes"]:
+                return None
+            if verify and file_digest(f) != meta["sha256"]:
+                return None
+        return rec
+
+    def stage_done(self, stage: str) -> dict[str, Any] | None:
+        p = self.root / "done" / f"{stage}.json"
+        if not p.exists():
+            return None
+        try:
+            out: dict[str, Any] = json.loads(p.read_text())
+            return out
+        except (OSError, ValueError):
+            return None
+
+    def mark_stage(self, stage: str, summary: dict[str, Any]) -> None:
+        write_json(self.root / "done" / f"{stage}.json", summary)
