@@ -124,6 +124,11 @@ class ErrorCode(StrEnum):
     eval_gate_failed = "eval_gate_failed"
     tokenizer_invalid = "tokenizer_invalid"
     layout_unsupported = "layout_unsupported"
+    # --- post-training (stages.post_training) -----------------------------------------
+    post_training_data_invalid = "post_training_data_invalid"
+    post_training_model_invalid = "post_training_model_invalid"
+    reward_unknown = "reward_unknown"
+    rollout_fleet_failed = "rollout_fleet_failed"
 
 
 class ItoError(Exception):

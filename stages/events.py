@@ -65,7 +65,7 @@ class InterruptionEvent(_Event):
 
     kind: Literal["interruption"] = "interruption"
     interruption_kind: Literal["replica_group_lost", "all_groups_lost", "hang", "loss_spike",
-                               "driver_lost", "node_lost"]
+                               "driver_lost", "node_lost", "rollout_worker_lost"]
     replica_group: int | None = None
     detected_at: float
     recovered_at: float | None = None
@@ -107,6 +107,8 @@ class ProgressEvent(_Event):
     bytes_total: int = 0
     elapsed_s: float = 0.0
     eta_s: float | None = None
+
+
 class EvalEvent(_Event):
     """One check of a phase's eval battery: its score and the gate's verdict on it."""
 
@@ -124,6 +126,15 @@ class EvalEvent(_Event):
     step: int | None = None
 
 
+class MetricsEvent(_Event):
+    """Named gauges of a stage at a step (post-training's rollout fleet and losses)."""
+
+    kind: Literal["metrics"] = "metrics"
+    step: int
+    scope: str = ""
+    values: dict[str, float] = Field(default_factory=dict)
+
+
 class StageResultEvent(_Event):
     kind: Literal["stage_result"] = "stage_result"
     outcome: dict[str, Any]
@@ -138,6 +149,7 @@ Event = Annotated[
     | PhaseEvent
     | ProgressEvent
     | EvalEvent
+    | MetricsEvent
     | StageResultEvent,
     Field(discriminator="kind"),
 ]

@@ -48,11 +48,12 @@ _STATUS_GROUPS: dict[int, tuple[ErrorCode, ...]] = {
           E.data_empty, E.eval_suite_unknown, E.gate_failed, E.path_outside_root,
           E.plan_time_budget_exceeded, E.eval_battery_unknown,
           E.eval_metric_unknown, E.curriculum_invalid, E.eval_gate_failed,
-          E.tokenizer_invalid, E.layout_unsupported),
+          E.tokenizer_invalid, E.layout_unsupported, E.post_training_data_invalid,
+          E.post_training_model_invalid, E.reward_unknown),
     428: (E.confirmation_required, E.idempotency_key_missing),
     429: (E.rate_limited,),
     500: (E.internal_error, E.checkpoint_corrupt, E.all_replica_groups_lost,
-          E.training_failed, E.stage_failed, E.driver_lost),
+          E.training_failed, E.stage_failed, E.driver_lost, E.rollout_fleet_failed),
     503: (E.ray_unavailable, E.booking_nodes_unavailable, E.placement_timeout),
 }
 HTTP_STATUS: dict[ErrorCode, int] = {

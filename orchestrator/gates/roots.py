@@ -91,6 +91,9 @@ def check_data_roots(m: Manifest, roots: Roots) -> None:
         _check(file_uri_path(uri, where), roots.data, roots, where, "file")
     if m.data.cache_dir is not None:
         _check(m.data.cache_dir, roots.data, roots, "data.cache_dir", "dir")
+    if m.post_training.base_model is not None:
+        where = "post_training.base_model"
+        _check(file_uri_path(m.post_training.base_model, where), roots.data, roots, where, "dir")
 
 
 def check_checkpoint_roots(m: Manifest, roots: Roots) -> str:

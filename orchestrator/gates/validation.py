@@ -171,6 +171,10 @@ def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
     check_names(m)
     n_refs = check_data_policy(settings, m)
     check_data_roots(m, roots)
+    if m.post_training.steps():
+        from stages.post_training.stage import validate_recipe
+
+        validate_recipe(m.post_training)  # formats, reward name, base model: clear codes
     storage = check_checkpoint_roots(m, roots)
     _check_budget(m, _cost(settings, m, booking, profile, remaining_term_h, None))
     step_time_s = planner() if planner is not None else None

@@ -1,4 +1,4 @@
-"""The run's pipeline, built from its manifest: data prep → plan → train.
+"""The run's pipeline, built from its manifest: data prep → plan → train → post-training.
 
 Each entry is a stage name and a factory that builds the stage from the run
 context, so a later stage can use what an earlier one decided (the training stage
@@ -81,10 +81,26 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
     return make
 
 
+def _post_training(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
+    def make(ctx: StageContext) -> Stage:
+        from stages.post_training import PostTrainingStage, PostTrainingStageConfig
+
+        out = f"{manifest.checkpoint.storage_path.rstrip('/')}/{ctx.run_id}/post_training"
+        return PostTrainingStage(PostTrainingStageConfig(
+            recipe=manifest.post_training, output_dir=out,
+            device=spec.facts.get("device", "cpu"),
+            fleet="ray"))
+
+    return make
+
+
 def build_pipeline(spec: LaunchSpec) -> list[tuple[str, StageFactory]]:
     manifest = Manifest.model_validate_json(spec.manifest_json)
-    return [
+    stages = [
         ("data_prep", _data_prep(manifest, spec)),
         ("parallelism", _parallelism(manifest, spec)),
         ("train", _train(manifest, spec)),
     ]
+    if manifest.post_training.steps():
+        stages.append(("post_training", _post_training(manifest, spec)))
+    return stages

@@ -50,6 +50,10 @@ class RunMetrics(BaseModel):
     stage_progress: dict[str, Any] | None = None
     # Every scored check of every phase's eval battery: phase, check, score, passed.
     eval_scores: list[dict[str, Any]] = Field(default_factory=list)
+    # Post-training's rollout fleet: the latest RLVR gauges (rollout_samples_per_s,
+    # trainer_idle_frac, rollout_idle_frac, weight_sync_s, staleness_min/mean/max,
+    # drop_rate, mean_reward, ...), from its ``metrics`` events.
+    post_training: dict[str, float] = Field(default_factory=dict)
 
 
 def _merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -104,6 +108,8 @@ def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: floa
                                       "passed": bool(ev.get("passed"))})
         elif kind == "checkpoint" and ev.get("closes_phase"):
             continue  # a phase end re-announcing a checkpoint already counted
+        elif kind == "metrics" and ev.get("scope") == "rlvr":
+            m.post_training.update({str(k): float(v) for k, v in ev["values"].items()})
         elif kind == "checkpoint":
             m.checkpoints += 1
             m.checkpoint_bytes += int(ev["bytes"])

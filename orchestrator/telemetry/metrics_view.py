@@ -15,7 +15,8 @@ from orchestrator.runs import TERMINAL, RunState
 from orchestrator.telemetry.goodput import RunMetrics, compute_run_metrics
 from orchestrator.telemetry.prometheus import RunSample
 
-TELEMETRY_KINDS = ("step", "phase", "interruption", "checkpoint", "progress", "eval")
+TELEMETRY_KINDS = ("step", "phase", "interruption", "checkpoint", "progress", "eval",
+                   "metrics")
 
 
 def metrics_for(store: Store, run: Row) -> RunMetrics:

@@ -18,6 +18,24 @@ from prometheus_client.registry import Collector
 from orchestrator.db.store import Store
 from orchestrator.telemetry.goodput import RunMetrics, aggregate
 
+# Post-training's rollout-fleet gauges: (RunMetrics.post_training key, family, help).
+POST_TRAINING_GAUGES = (
+    ("rollout_samples_per_s", "ito_run_rollout_samples_per_second",
+     "RLVR rollout samples (completions) generated per second"),
+    ("trainer_idle_frac", "ito_run_rl_trainer_idle_ratio",
+     "Fraction of RLVR wall time the trainer waited for rollouts"),
+    ("rollout_idle_frac", "ito_run_rl_rollout_idle_ratio",
+     "Fraction of rollout-worker time not generating"),
+    ("weight_sync_s", "ito_run_rl_weight_sync_seconds",
+     "Median seconds to publish a policy version to every rollout worker"),
+    ("staleness_min", "ito_run_rl_staleness_min", "Fewest policy versions a trained sample lagged"),
+    ("staleness_mean", "ito_run_rl_staleness_mean", "Mean policy versions a trained sample lagged"),
+    ("staleness_max", "ito_run_rl_staleness_max", "Most policy versions a trained sample lagged"),
+    ("drop_rate", "ito_run_rl_dynamic_sampling_drop_ratio",
+     "Fraction of rollout groups dropped by dynamic sampling (uniform rewards)"),
+    ("mean_reward", "ito_run_rl_mean_reward", "Mean verifiable reward of the last RLVR step"),
+)
+
 
 @dataclass(frozen=True)
 class RunSample:
@@ -67,6 +85,8 @@ class TelemetryCollector(Collector):
         evals = GaugeMetricFamily("ito_run_eval_score",
                                   "Score of one check of a curriculum phase's eval battery",
                                   labels=[*labels, "phase", "check"])
+        rl = {key: GaugeMetricFamily(name, doc, labels=labels)
+              for key, name, doc in POST_TRAINING_GAUGES}
         by_booking: dict[str, list[RunMetrics]] = defaultdict(list)
         for s in samples:
             lv = [s.run_id, s.booking_id]
@@ -92,6 +112,9 @@ class TelemetryCollector(Collector):
             scores = {(e["phase"], e["check"]): e["score"] for e in m.eval_scores}
             for (phase, check), score in scores.items():  # a re-scored check: the last
                 evals.add_metric([*lv, phase, check], score)
+            for key, value in m.post_training.items():
+                if key in rl:
+                    rl[key].add_metric(lv, value)
             by_booking[s.booking_id].append(m)
         b_goodput = GaugeMetricFamily("ito_booking_goodput_ratio",
                                       "Pooled goodput of the booking's runs", labels=["booking_id"])
@@ -112,6 +135,7 @@ class TelemetryCollector(Collector):
             b_tps.add_metric([booking_id], agg.tokens_per_s)
         yield from (goodput, elapsed, badput, interruptions, rate, ckpt_bw, tps, steps, state,
                     p_docs, p_docs_total, p_bytes, p_eta, evals, b_goodput, b_rate, b_bw, b_tps)
+        yield from rl.values()
 
 
 def render(store: Store) -> tuple[bytes, str]:

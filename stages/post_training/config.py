@@ -1,26 +1,63 @@
-"""Post-training recipe: SFT -> DPO -> RLVR (GRPO with the DAPO fixes)."""
+"""Post-training recipe: SFT -> DPO -> RLVR (GRPO with the DAPO fixes).
+
+The manifest names any prefix of the chain; each step ends with its gate. Every
+timeout of the rollout fleet is a named setting here.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from stages.base import StrictModel
 from stages.data_prep.config import DataRef
+from stages.evals.config import GateThreshold
 
 MAX_STEPS = 100_000_000
 
 
+class StepGate(StrictModel):
+    """A step passes when ``metric`` (from its eval battery) is ``>= min``."""
+
+    metric: str = Field(min_length=1, max_length=64)
+    min: float = Field(allow_inf_nan=False)
+
+
+class StepBattery(StrictModel):
+    """The curriculum's eval battery after a step (``configs/evals/<battery>.json``),
+    gated like a curriculum phase (min / max / max_regression vs the previous step)."""
+
+    battery: str | None = Field(default=None, max_length=64)
+    gates: list[GateThreshold] = Field(default_factory=list, max_length=32)
+
+
 class SFTConfig(StrictModel):
+    """trl ``SFTTrainer`` on conversational JSONL (``{"messages": [{role, content}...]}``)."""
+
     data: DataRef
     steps: int = Field(gt=0, le=MAX_STEPS)
     learning_rate: float = Field(default=2e-5, gt=0, le=10, allow_inf_nan=False)
+    batch_size: int = Field(default=4, ge=1, le=4096)
+    max_length: int = Field(default=256, ge=8, le=1 << 20)
+    # Battery: mean assistant-token NLL on the data before and after; gain = before - after.
+    gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="nll_gain", min=0.0))
+    eval: StepBattery = Field(default_factory=StepBattery)
 
 
 class DPOConfig(StrictModel):
+    """trl ``DPOTrainer`` on preference JSONL (``prompt``/``chosen``/``rejected``)."""
+
     data: DataRef
     steps: int = Field(gt=0, le=MAX_STEPS)
     beta: float = Field(default=0.1, gt=0, le=1e3, allow_inf_nan=False)
     learning_rate: float = Field(default=5e-7, gt=0, le=10, allow_inf_nan=False)
+    batch_size: int = Field(default=4, ge=1, le=4096)
+    max_length: int = Field(default=256, ge=8, le=1 << 20)
+    # Battery: mean log-prob margin (chosen - rejected) before and after.
+    gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="margin_gain",
+                                                                  min=0.0))
+    eval: StepBattery = Field(default_factory=StepBattery)
 
 
 class RLVRConfig(StrictModel):
@@ -28,19 +65,55 @@ class RLVRConfig(StrictModel):
 
     data: DataRef
     steps: int = Field(gt=0, le=MAX_STEPS)
-    reward: str = Field(default="gsm8k_exact_match", max_length=64)
+    reward: str = Field(default="gsm8k_exact_match", max_length=64,
+                        description="a name in the reward registry (stages.post_training.rewards)")
     group_size: int = Field(default=8, ge=2, le=1024)
-    epsilon: float = Field(default=0.2, gt=0)
-    epsilon_high: float = Field(default=0.28, gt=0)
-    beta: float = Field(default=0.0, ge=0)
+    groups_per_step: int = Field(default=4, ge=1, le=4096)
+    learning_rate: float = Field(default=1e-6, gt=0, le=10, allow_inf_nan=False)
+    temperature: float = Field(default=1.0, gt=0)
+    epsilon: float = Field(default=0.2, gt=0, lt=1, description="clip-low")
+    epsilon_high: float = Field(default=0.28, gt=0, description="clip-higher")
+    beta: float = Field(default=0.0, ge=0, description="KL to the reference; 0 = no KL term")
+    scale_rewards: bool = Field(default=True, description="divide advantages by the group std")
     dynamic_sampling: bool = True
+    # Dynamic sampling bound: uniform-reward groups dropped per step before the step
+    # trains on what it has (the extra uniform groups then carry zero advantage).
+    max_dropped_groups_per_step: int = Field(default=16, ge=0)
+    max_completion_tokens: int = Field(default=256, gt=0, le=1 << 20)
     overlong_buffer_tokens: int = Field(default=64, ge=0)
-    max_completion_tokens: int = Field(default=256, gt=0)
-    rollout_workers: int = Field(default=1, ge=1)
-    max_staleness: int = Field(default=1, ge=0, description="policy versions a rollout may lag")
+    overlong_penalty_factor: float = Field(default=1.0, ge=0)
+    mask_truncated_completions: bool = False
+    # Stale-sample correction: decoupled PPO (ratio to the trainer's proximal policy,
+    # behaviour weight prox/behav truncated at ``is_truncation``).
+    is_correction: Literal["decoupled", "none"] = "decoupled"
+    is_truncation: float = Field(default=2.0, gt=0)
+    rollout_workers: int = Field(default=1, ge=1, le=1024)
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    max_staleness: int = Field(default=1, ge=0, le=1024,
+                               description="policy versions a rollout may lag")
+    seed: int = Field(default=0, ge=0)
+    # Named timeouts of the fleet.
+    worker_ready_timeout_s: float = Field(default=120.0, gt=0)
+    worker_restart_timeout_s: float = Field(default=120.0, gt=0)
+    rollout_timeout_s: float = Field(default=300.0, gt=0)
+    gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="reward_gain",
+                                                                  min=0.0))
+    eval: StepBattery = Field(default_factory=StepBattery)
+
+    @model_validator(mode="after")
+    def _check(self) -> RLVRConfig:
+        if self.overlong_buffer_tokens >= self.max_completion_tokens:
+            raise ValueError("overlong_buffer_tokens must be below max_completion_tokens")
+        return self
 
 
 class PostTrainingConfig(StrictModel):
+    # file:///abs path of a local HF model folder (config, weights, tokenizer with a chat
+    # template); None: the pretraining stage's HF export.
+    base_model: str | None = Field(default=None, max_length=2048)
     sft: SFTConfig | None = None
     dpo: DPOConfig | None = None
     rlvr: RLVRConfig | None = None
+
+    def steps(self) -> list[str]:
+        return [s for s in ("sft", "dpo", "rlvr") if getattr(self, s) is not None]

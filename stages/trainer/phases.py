@@ -240,6 +240,8 @@ class CurriculumRunner:
             "checkpoint_dir": str(self.ckpt_dir), "phases": self.phases,
             "tokenizer_dir": str(self.data.tokenizer_dir), "proposals": self.proposals,
             "final_checkpoint": self.phases[-1]["checkpoint"] if self.phases else None,
+            # The last phase's HF export: what post-training starts from.
+            "hf_model_dir": self.phases[-1]["export"] if self.phases else None,
             "replica_digests": {str(g): d for g, d in self.digests.items()},
             "rank_digests": self.rank_digests, "layout": self.layout}
         if failed is not None:

@@ -1,0 +1,162 @@
+"""Where rollout workers live: Ray actors (the fleet) or threads (tests, the
+synchronous reference). Both run each worker's calls one at a time, in the order
+they were submitted, so a weight sync queued behind a rollout applies before the
+next rollout starts."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from typing import Any, Protocol
+
+from stages.post_training.rollout import (
+    Refusal,
+    RolloutGroup,
+    RolloutRequest,
+    WorkerSpec,
+    rollout_name,
+)
+
+
+class WorkerLost(Exception):
+    def __init__(self, worker: int, detail: str):
+        super().__init__(f"rollout worker {worker} lost: {detail}")
+        self.worker = worker
+        self.detail = detail
+
+
+class WorkerPool(Protocol):
+    size: int
+
+    def submit(self, w: int, req: RolloutRequest) -> Any: ...
+    def sync(self, w: int, version: int, weights: Any) -> Any: ...
+    def put_weights(self, state: dict[str, Any]) -> Any: ...
+    def wait(self, handles: list[Any], timeout_s: float) -> list[Any]: ...
+    def result(self, w: int, handle: Any) -> Any: ...
+    def versions(self, timeout_s: float) -> list[int]: ...
+    def close(self) -> None: ...
+
+
+class LocalPool:
+    """In-process workers, one single-thread executor each (FIFO per worker).
+
+    In-process workers share torch's global RNG, which generation seeds per request:
+    their rollouts run one at a time so a seed means the same samples as in a
+    process of its own."""
+
+    def __init__(self, workers: list[Any]):
+        self.workers = workers
+        self.size = len(workers)
+        self._ex = [cf.ThreadPoolExecutor(max_workers=1) for _ in workers]
+        self._rng_lock = threading.Lock()
+
+    def _generate(self, w: int, req: RolloutRequest) -> Any:
+        with self._rng_lock:
+            return self.workers[w].generate(req)
+
+    def submit(self, w: int, req: RolloutRequest) -> Any:
+        return self._ex[w].submit(self._generate, w, req)
+
+    def put_weights(self, state: dict[str, Any]) -> Any:
+        # The trainer changes its tensors in place on the next step: hand over a copy.
+        return {k: v.detach().clone() for k, v in state.items()}
+
+    def sync(self, w: int, version: int, weights: Any) -> Any:
+        return self._ex[w].submit(self.workers[w].set_weights, version, weights)
+
+    def wait(self, handles: list[Any], timeout_s: float) -> list[Any]:
+        done, _ = cf.wait(handles, timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
+        return list(done)
+
+    def result(self, w: int, handle: Any) -> Any:
+        try:
+            return handle.result()
+        except Exception as e:
+            raise WorkerLost(w, f"{type(e).__name__}: {e}") from e
+
+    def versions(self, timeout_s: float) -> list[int]:
+        futs = [ex.submit(wk.identity) for ex, wk in zip(self._ex, self.workers, strict=True)]
+        return [int(f.result(timeout=timeout_s)["version"]) for f in futs]
+
+    def close(self) -> None:
+        for ex in self._ex:
+            ex.shutdown(wait=True, cancel_futures=True)
+
+
+# CPU share of one rollout actor on the testbed; a GPU each on cuda.
+ROLLOUT_NUM_CPUS = 0.5
+
+
+class RayPool:
+    """Rollout workers as named Ray actors that Ray restarts when they die."""
+
+    def __init__(self, run_id: str, specs: list[WorkerSpec], *, device: str = "cpu",
+                 max_restarts: int = 3, namespace: str | None = None,
+                 placement: dict[str, Any] | None = None):
+        import ray
+
+        from stages.post_training.rollout import RolloutWorker
+
+        self.size = len(specs)
+        cls: Any = ray.remote(RolloutWorker)
+        self.actors: list[Any] = [cls.options(
+            name=rollout_name(run_id, s.index), namespace=namespace,
+            num_cpus=ROLLOUT_NUM_CPUS, num_gpus=1 if device == "cuda" else 0,
+            max_restarts=max_restarts, max_task_retries=0, max_concurrency=1,
+            # Inside the run's placement group on its booking's nodes (stages.placement).
+            **(placement or {}),
+        ).remote(s) for s in specs]
+
+    def submit(self, w: int, req: RolloutRequest) -> Any:
+        return self.actors[w].generate.remote(req)
+
+    def put_weights(self, state: dict[str, Any]) -> Any:
+        import ray
+
+        return ray.put({k: v.detach().cpu() for k, v in state.items()})
+
+    def sync(self, w: int, version: int, weights: Any) -> Any:
+        # A top-level ObjectRef argument is fetched from the object store by the worker.
+        return self.actors[w].set_weights.remote(version, weights)
+
+    def wait(self, handles: list[Any], timeout_s: float) -> list[Any]:
+        import ray
+
+        if not handles:
+            time.sleep(min(timeout_s, 0.01))
+            return []
+        ready, _ = ray.wait(handles, num_returns=1, timeout=timeout_s)
+        return list(ready)
+
+    def result(self, w: int, handle: Any) -> Any:
+        import ray
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+        try:
+            return ray.get(handle)
+        except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
+            raise WorkerLost(w, type(e).__name__) from e
+
+    def versions(self, timeout_s: float) -> list[int]:
+        import ray
+
+        return [int(i["version"]) for i in ray.get(
+            [a.identity.remote() for a in self.actors], timeout=timeout_s)]
+
+    def identities(self, timeout_s: float) -> list[dict[str, int]]:
+        import ray
+
+        return list(ray.get([a.identity.remote() for a in self.actors], timeout=timeout_s))
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                continue
+
+
+__all__ = ["LocalPool", "RayPool", "Refusal", "RolloutGroup", "WorkerLost", "WorkerPool"]

@@ -1,0 +1,210 @@
+"""RLVR: the GRPO/DAPO trainer fed by the rollout controller."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from stages.events import Event, MetricsEvent
+from stages.post_training.config import RLVRConfig
+from stages.post_training.fleet import DynamicSampler, FleetStats, RolloutController
+from stages.post_training.losses import aggregate, dapo_token_loss, group_advantages, token_logprobs
+from stages.post_training.pools import WorkerPool
+from stages.post_training.rollout import RolloutGroup, RolloutRequest
+
+
+def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[int]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    return list(ids)
+
+
+class RequestMaker:
+    """Request ``k`` is always the same prompt with the same seed."""
+
+    def __init__(self, cfg: RLVRConfig, tokenizer: Any, rows: list[dict[str, Any]]):
+        self.cfg = cfg
+        self.prompts = [(prompt_ids(tokenizer, r["prompt"]), r["answer"]) for r in rows]
+        self.order = list(range(len(rows)))
+        random.Random(cfg.seed).shuffle(self.order)
+
+    def __call__(self, k: int, consume_step: int) -> RolloutRequest:
+        ids, answer = self.prompts[self.order[k % len(self.order)]]
+        return RolloutRequest(id=k, prompt_ids=ids, answer=answer,
+                              group_size=self.cfg.group_size, seed=self.cfg.seed * 1_000_003 + k,
+                              consume_step=consume_step, max_staleness=self.cfg.max_staleness,
+                              max_new_tokens=self.cfg.max_completion_tokens,
+                              temperature=self.cfg.temperature)
+
+
+@dataclass
+class StepStats:
+    loss: float
+    tokens: int
+    mean_reward: float
+    staleness: list[int]
+
+
+@dataclass
+class RLResult:
+    steps: int
+    rewards: list[float] = field(default_factory=list)  # mean task reward per step
+    summary: dict[str, float] = field(default_factory=dict)
+
+
+class GRPOLearner:
+    """One optimizer update per batch of groups; micro-batch = one group."""
+
+    def __init__(self, cfg: RLVRConfig, model: Any, pad_id: int):
+        import copy
+
+        import torch
+
+        self.cfg = cfg
+        self.model = model
+        self.pad_id = pad_id
+        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0,
+                                     foreach=False)
+        self.ref = copy.deepcopy(model).eval() if cfg.beta > 0 else None
+        self.version = 0
+
+    def state(self) -> dict[str, Any]:
+        return dict(self.model.state_dict())
+
+    def step(self, batch: list[RolloutGroup]) -> StepStats:
+        import torch
+
+        cfg = self.cfg
+        self.model.train()
+        rewards = torch.tensor([g.rewards for g in batch], dtype=torch.float32)
+        adv = group_advantages(rewards, scale=cfg.scale_rewards)
+        masks = [self._mask(g) for g in batch]
+        total = int(sum(int(m.sum()) for m in masks))
+        loss_sum = 0.0
+        for g, a, mask in zip(batch, adv, masks, strict=True):
+            loss = self.group_loss(g, a, mask, total)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.version += 1
+        task = [r for g in batch for r in g.task_rewards]
+        return StepStats(loss=loss_sum, tokens=total, mean_reward=sum(task) / len(task),
+                         staleness=[self.version - 1 - g.version for g in batch])
+
+    def _mask(self, g: RolloutGroup) -> Any:
+        import torch
+
+        width = max(g.lengths)
+        mask = torch.zeros(len(g.lengths), width)
+        for i, n in enumerate(g.lengths):
+            if not (self.cfg.mask_truncated_completions and g.truncated[i]):
+                mask[i, :n] = 1.0
+        return mask
+
+    def group_loss(self, g: RolloutGroup, adv: Any, mask: Any, total_tokens: int) -> Any:
+        import torch
+
+        width = mask.shape[1]
+        comp = torch.full((len(g.lengths), width), self.pad_id, dtype=torch.long)
+        behav = torch.zeros(len(g.lengths), width)
+        for i, (ids, lp) in enumerate(zip(g.completion_ids, g.behav_logp, strict=True)):
+            comp[i, :len(ids)] = torch.tensor(ids)
+            behav[i, :len(lp)] = torch.tensor(lp)
+        prompt = torch.tensor([g.prompt_ids] * len(g.lengths), dtype=torch.long)
+        seq = torch.cat([prompt, comp], dim=1)
+        p = prompt.shape[1]
+        logits = self.model(input_ids=seq).logits[:, p - 1:-1]
+        logp = token_logprobs(logits, comp, self.cfg.temperature)
+        ref_logp = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref_logp = token_logprobs(self.ref(input_ids=seq).logits[:, p - 1:-1], comp,
+                                          self.cfg.temperature)
+        decoupled = self.cfg.is_correction == "decoupled"
+        tok = dapo_token_loss(logp, logp.detach(), behav if decoupled else logp.detach(), adv,
+                              eps_low=self.cfg.epsilon, eps_high=self.cfg.epsilon_high,
+                              is_truncation=self.cfg.is_truncation if decoupled else None,
+                              ref_logp=ref_logp, beta=self.cfg.beta)
+        return aggregate(tok, mask, total_tokens)
+
+
+def _metrics_event(step: int, stats: StepStats, summary: dict[str, float]) -> MetricsEvent:
+    st = stats.staleness or [0]
+    values = {**summary, "loss": stats.loss, "mean_reward": stats.mean_reward,
+              "step_staleness_max": float(max(st))}
+    return MetricsEvent(stage="post_training", step=step, scope="rlvr", values=values)
+
+
+def run_rlvr(cfg: RLVRConfig, learner: GRPOLearner, pool: WorkerPool, maker: RequestMaker, *,
+             emit: Callable[[Event], None] = lambda _e: None,
+             cancelled: Callable[[], bool] = lambda: False,
+             on_interruption: Callable[[int, float, float, str], None] | None = None,
+             ) -> tuple[RLResult, RolloutController]:
+    """The asynchronous loop: the fleet generates while the learner trains."""
+    ctl = RolloutController(pool, maker, groups_per_step=cfg.groups_per_step,
+                            max_staleness=cfg.max_staleness,
+                            sampler=DynamicSampler(cfg.dynamic_sampling,
+                                                   cfg.max_dropped_groups_per_step),
+                            rollout_timeout_s=cfg.rollout_timeout_s,
+                            restart_timeout_s=cfg.worker_restart_timeout_s,
+                            on_interruption=on_interruption)
+    ctl.publish(0, learner.state())
+    result = RLResult(steps=0)
+    for step in range(cfg.steps):
+        if cancelled():
+            break
+        batch, walked = ctl.next_batch()
+        stats: StepStats = ctl.pump_while(partial(learner.step, batch))  # fleet keeps going
+        ctl.publish(learner.version, learner.state())
+        task = [r for g in walked for r in g.task_rewards]
+        stats.mean_reward = sum(task) / len(task)
+        result.rewards.append(stats.mean_reward)
+        result.steps = step + 1
+        emit(_metrics_event(step + 1, stats, ctl.stats.summary(pool.size)))
+    # Account for every worker before reporting: a death is seen by the last sync at
+    # the latest, and its restart and re-sync are counted as an interruption.
+    ctl.drain_syncs(cfg.worker_restart_timeout_s)
+    result.summary = ctl.stats.summary(pool.size)
+    return result, ctl
+
+
+def run_synchronous(cfg: RLVRConfig, learner: GRPOLearner, worker: Any,
+                    maker: RequestMaker) -> RLResult:
+    """The reference loop: one in-process worker, generate in id order, then train."""
+    sampler = DynamicSampler(cfg.dynamic_sampling, cfg.max_dropped_groups_per_step)
+    stats = FleetStats()
+    worker.set_weights(0, {k: v.detach().clone() for k, v in learner.state().items()})
+    k = 0
+    result = RLResult(steps=0)
+    for step in range(cfg.steps):
+        batch: list[RolloutGroup] = []
+        sampler.reset()
+        while len(batch) < cfg.groups_per_step:
+            g = worker.generate(maker(k, step))
+            k += 1
+            if sampler.offer(g.rewards):
+                batch.append(g)
+            else:
+                stats.groups_dropped += 1
+        learner.step(batch)
+        worker.set_weights(learner.version,
+                           {k2: v.detach().clone() for k2, v in learner.state().items()})
+        result.steps = step + 1
+    return result
+
+
+__all__ = [
+    "GRPOLearner",
+    "RLResult",
+    "RequestMaker",
+    "run_rlvr",
+    "run_synchronous",
+    "time",
+]

@@ -1,0 +1,164 @@
+"""A rollout worker: generates groups of completions from a versioned policy.
+
+The same class is a Ray actor (``run-<id>-rollout-<n>``) or an in-process worker.
+It holds a policy version; weights arrive with their version through
+``set_weights`` (from Ray's object store when it is an actor). Admission is
+checked here as well as in the controller (AReaL): a rollout that would be
+trained more than ``max_staleness`` versions after the policy it is generated
+with is refused before any token is generated, and a worker with no synced weights
+(a fresh or restarted one) refuses everything.
+
+Engines: HF ``generate`` on CPU (and on GPU where vLLM does not install); a vLLM
+engine plugs in behind ``generate_group`` with the same inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class RolloutRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    id: int
+    prompt_ids: list[int]
+    answer: str
+    group_size: int
+    seed: int
+    # The trainer version at which this group is expected to be trained.
+    consume_step: int
+    max_staleness: int
+    max_new_tokens: int
+    temperature: float = 1.0
+
+
+class RolloutGroup(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: int
+    version: int
+    worker: int
+    prompt_ids: list[int]
+    completion_ids: list[list[int]]
+    behav_logp: list[list[float]]
+    lengths: list[int]
+    truncated: list[bool]
+    rewards: list[float]
+    task_rewards: list[float]
+    gen_s: float
+
+
+class Refusal(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: int
+    worker: int
+    version: int
+    reason: str
+    gen_s: float = 0.0
+
+
+class WorkerSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    index: int
+    model_dir: str
+    reward: str
+    max_completion_tokens: int
+    overlong_buffer_tokens: int
+    overlong_penalty_factor: float
+
+
+def rollout_name(run_id: str, n: int) -> str:
+    return f"run-{run_id}-rollout-{n}"
+
+
+def rollout_prefix(run_id: str) -> str:
+    return f"run-{run_id}-rollout-"
+
+
+def admission_refusal(version: int, req: RolloutRequest, worker: int) -> Refusal | None:
+    """The worker's own admission check (AReaL): None if it may start ``req``."""
+    if version < 0:
+        return Refusal(id=req.id, worker=worker, version=version, reason="no weights")
+    if req.consume_step - version > req.max_staleness:
+        return Refusal(id=req.id, worker=worker, version=version, reason="stale")
+    return None
+
+
+class RolloutWorker:
+    def __init__(self, spec: WorkerSpec):
+        import torch
+
+        from stages.post_training.hf_io import load_model, load_tokenizer, model_dir
+        from stages.post_training.rewards import get_reward
+
+        torch.set_num_threads(1)
+        self.spec = spec
+        path = model_dir(spec.model_dir)
+        self.model = load_model(path).eval()
+        self.tokenizer = load_tokenizer(path)
+        self.reward_fn = get_reward(spec.reward)
+        self.version = -1  # no weights synced yet: refuse every rollout
+        self.started = time.time()
+
+    # -- control ---------------------------------------------------------------------
+    def set_weights(self, version: int, state: dict[str, Any]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.model.load_state_dict(state)
+        self.version = version
+        return {"version": version, "load_s": time.perf_counter() - t0}
+
+    def identity(self) -> dict[str, int]:
+        return {"pid": os.getpid(), "index": self.spec.index, "version": self.version}
+
+    # -- rollouts --------------------------------------------------------------------
+    def generate(self, req: RolloutRequest) -> RolloutGroup | Refusal:
+        refused = admission_refusal(self.version, req, self.spec.index)
+        if refused is not None:
+            return refused
+        t0 = time.perf_counter()
+        out = generate_group(self.model, self.tokenizer, req)
+        from stages.post_training.losses import overlong_penalty
+
+        task = [self.reward_fn(text, req.answer) for text in out["texts"]]
+        shaped = [r + overlong_penalty(n, max_tokens=self.spec.max_completion_tokens,
+                                       buffer_tokens=self.spec.overlong_buffer_tokens,
+                                       factor=self.spec.overlong_penalty_factor)
+                  for r, n in zip(task, out["lengths"], strict=True)]
+        return RolloutGroup(id=req.id, version=self.version, worker=self.spec.index,
+                            prompt_ids=req.prompt_ids, completion_ids=out["completion_ids"],
+                            behav_logp=out["logp"], lengths=out["lengths"],
+                            truncated=out["truncated"], rewards=shaped, task_rewards=task,
+                            gen_s=time.perf_counter() - t0)
+
+
+def generate_group(model: Any, tokenizer: Any, req: RolloutRequest) -> dict[str, Any]:
+    """HF generate: ``group_size`` samples of one prompt, with their behaviour log-probs."""
+    import torch
+
+    from stages.post_training.losses import token_logprobs
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    ids = torch.tensor([req.prompt_ids] * req.group_size, dtype=torch.long)
+    torch.manual_seed(req.seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             do_sample=True, temperature=req.temperature, top_k=0, top_p=1.0,
+                             max_new_tokens=req.max_new_tokens, eos_token_id=eos,
+                             pad_token_id=pad, output_logits=True,
+                             return_dict_in_generate=True)
+    comp = out.sequences[:, ids.shape[1]:]
+    logits = torch.stack(out.logits, dim=1)
+    logp = token_logprobs(logits, comp, req.temperature)
+    completion_ids, lps, lengths, truncated, texts = [], [], [], [], []
+    for row, lp in zip(comp.tolist(), logp.tolist(), strict=True):
+        n = row.index(eos) + 1 if eos in row else len(row)
+        completion_ids.append(row[:n])
+        lps.append(lp[:n])
+        lengths.append(n)
+        truncated.append(eos not in row[:n])
+        texts.append(tokenizer.decode(row[:n], skip_special_tokens=True))
+    return {"completion_ids": completion_ids, "logp": lps, "lengths": lengths,
+            "truncated": truncated, "texts": texts}

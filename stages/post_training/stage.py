@@ -1,0 +1,237 @@
+"""``PostTrainingStage``: the recipe's steps in order (any prefix of sft -> dpo -> rlvr),
+each saved in HF format and followed by its gate; a failed gate stops the run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from stages.base import GateOutcome, StageContext, StrictModel
+from stages.errors import ErrorCode, ItoError
+from stages.events import InterruptionEvent, MetricsEvent, PhaseEvent
+from stages.placement import actor_options
+from stages.post_training.config import PostTrainingConfig, RLVRConfig, StepGate
+
+
+class PostTrainingStageConfig(StrictModel):
+    recipe: PostTrainingConfig
+    output_dir: str = Field(min_length=1)
+    # Where rollout workers live: Ray actors (the run's cluster) or in-process threads.
+    fleet: Literal["ray", "local"] = "ray"
+    device: Literal["cpu", "cuda"] = "cpu"
+    ray_namespace: str | None = None
+    max_worker_restarts: int = Field(default=3, ge=0)
+
+
+def check_gate(step: str, gate: StepGate | None, metrics: dict[str, float]) -> str | None:
+    """None if the gate passes, else the reason."""
+    if gate is None:
+        return None
+    if gate.metric not in metrics:
+        return f"{step}: gate metric {gate.metric!r} is not in the battery ({sorted(metrics)})"
+    value = metrics[gate.metric]
+    if not value >= gate.min:
+        return f"{step}: {gate.metric} = {value:.4g} < {gate.min:.4g}"
+    return None
+
+
+def reward_gain(rewards: list[float]) -> dict[str, float]:
+    k = max(1, len(rewards) // 4)
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    return {"reward_first": first, "reward_last": last, "reward_gain": last - first}
+
+
+def validate_recipe(recipe: PostTrainingConfig) -> dict[str, int]:
+    """The API's validation-time check: every dataset parses in its format, the reward
+    is registered and a named base model is an HF folder. Returns rows per step."""
+    from stages.post_training.hf_io import check_model_dir, model_dir
+
+    stage = PostTrainingStage(PostTrainingStageConfig(recipe=recipe, output_dir="/nonexistent"))
+    rows = stage.load_data()
+    if recipe.base_model is not None:
+        check_model_dir(model_dir(recipe.base_model))
+    return {k: len(v) for k, v in rows.items()}
+
+
+def heldout_text(tok: Any, row: dict[str, Any]) -> str:
+    """A step's row as the text the held-out checks score (chat template applied)."""
+    if "messages" in row:
+        msgs = row["messages"]
+    elif "chosen" in row:
+        prompt, chosen = row["prompt"], row["chosen"]
+        msgs = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt) \
+            + ([{"role": "assistant", "content": chosen}] if isinstance(chosen, str) else chosen)
+    else:
+        prompt = row["prompt"]
+        msgs = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt) \
+            + [{"role": "assistant", "content": row["answer"]}]
+    return str(tok.apply_chat_template(msgs, tokenize=False))
+
+
+class PostTrainingStage:
+    name: ClassVar[str] = "post_training"
+    config_model: ClassVar[type[PostTrainingStageConfig]] = PostTrainingStageConfig
+
+    def __init__(self, config: PostTrainingStageConfig):
+        self.config = config
+
+    # -- inputs ------------------------------------------------------------------------
+    def base_model(self, ctx: StageContext) -> Path:
+        from stages.post_training.hf_io import check_model_dir, model_dir
+
+        uri = self.config.recipe.base_model
+        if uri is None:
+            train = ctx.previous.get("train")
+            arts = train.artifacts if train else {}
+            uri = arts.get("hf_model_dir") or arts.get("hf_export_dir") or None
+        if uri is None:
+            raise ItoError(ErrorCode.post_training_model_invalid,
+                           "no base_model in the recipe and no HF export from pretraining")
+        path = model_dir(str(uri))
+        check_model_dir(path)
+        return path
+
+    def load_data(self) -> dict[str, list[dict[str, Any]]]:
+        from stages.post_training.data import Kind, load_rows
+        from stages.post_training.rewards import get_reward
+
+        recipe = self.config.recipe
+        rows: dict[str, list[dict[str, Any]]] = {}
+        kinds: tuple[Kind, ...] = ("sft", "dpo", "rlvr")
+        for step in kinds:
+            cfg = getattr(recipe, step)
+            if cfg is not None:
+                rows[step] = load_rows(step, cfg.data.uri)
+        for name in recipe.steps():
+            battery = getattr(recipe, name).eval.battery
+            if battery is not None:
+                from stages.evals.config import load_battery
+
+                load_battery(battery)  # eval_battery_unknown before anything runs
+        if recipe.rlvr is not None:
+            get_reward(recipe.rlvr.reward)
+            if recipe.rlvr.rollout_engine == "vllm":
+                raise ItoError(ErrorCode.post_training_model_invalid,
+                               "rollout_engine vllm is not installed on this deployment")
+        return rows
+
+    # -- the chain ---------------------------------------------------------------------
+    def run(self, ctx: StageContext) -> GateOutcome:
+        from stages.post_training.hf_io import load_model, load_tokenizer, save
+
+        try:
+            base = self.base_model(ctx)
+            rows = self.load_data()
+            model, tok = load_model(base), load_tokenizer(base)
+            out = Path(self.config.output_dir)
+            results: dict[str, Any] = {}
+            metrics: dict[str, float] = {}
+            current = base
+            battery: Any = None
+            for step in self.config.recipe.steps():
+                if ctx.cancelled:
+                    return GateOutcome(stage=self.name, status="failed", reason="cancelled",
+                                       error_code=ErrorCode.invalid_state.value)
+                t0 = time.time()
+                ctx.log(f"post_training {step}: started from {current.name}", stage=self.name)
+                m = self._run_step(step, ctx, model, tok, rows[step], out, current)
+                current = Path(save(model, tok, out / step, run_id=ctx.run_id, step=step))
+                m["seconds"] = time.time() - t0
+                ctx.emit(MetricsEvent(stage=self.name, step=0, scope=step, values=m))
+                results[step] = {"metrics": m, "hf_model_dir": str(current)}
+                metrics.update({f"{step}_{k}": v for k, v in m.items()})
+                step_cfg = getattr(self.config.recipe, step)
+                failed = check_gate(step, step_cfg.gate, m)
+                if failed is None and step_cfg.eval.battery is not None:
+                    failed, battery = self._battery(step, step_cfg.eval, model, tok,
+                                                    rows[step], battery, ctx)
+                    results[step]["battery"] = battery.model_dump(mode="json")
+                ctx.log(f"post_training {step}: gate {'failed: ' + failed if failed else 'passed'}"
+                        f"; saved {current}", stage=self.name)
+                if failed:
+                    return GateOutcome(stage=self.name, status="failed", reason=failed,
+                                       metrics=metrics, artifacts={"steps": results},
+                                       error_code=ErrorCode.eval_gate_failed.value)
+        except ItoError as e:
+            return GateOutcome(stage=self.name, status="failed", reason=e.message,
+                               error_code=e.code.value)
+        return GateOutcome(stage=self.name, status="passed",
+                           reason=f"post-training {' -> '.join(results) or 'empty'} passed "
+                                  "every gate", metrics=metrics,
+                           artifacts={"steps": results, "hf_model_dir": str(current)})
+
+    def _battery(self, step: str, spec: Any, model: Any, tok: Any, rows: list[dict[str, Any]],
+                 previous: Any, ctx: StageContext) -> tuple[str | None, Any]:
+        """The curriculum's battery and gates after a step; (reason or None, result)."""
+        from stages.evals import evaluate_gates, run_battery
+
+        t0 = time.time()
+        texts = [heldout_text(tok, r) for r in rows]
+        result = run_battery(model, tok, spec.battery, texts,
+                             seq_len=int(model.config.max_position_embeddings),
+                             phase=f"post_training.{step}", work_dir=ctx.workdir)
+        decision = evaluate_gates(result, list(spec.gates), previous)
+        ctx.emit(PhaseEvent(stage=self.name, phase="evaluation", start=t0, end=time.time()))
+        scores = {c.name: c.score for c in result.checks if c.score is not None}
+        ctx.emit(MetricsEvent(stage=self.name, step=0, scope=f"{step}.battery", values=scores))
+        return (None if decision.passed else decision.summary()), result
+
+    def _run_step(self, step: str, ctx: StageContext, model: Any, tok: Any,
+                  rows: list[dict[str, Any]], out: Path, current: Path) -> dict[str, float]:
+        from stages.post_training.sft_dpo import run_dpo, run_sft
+
+        recipe = self.config.recipe
+        if step == "sft":
+            assert recipe.sft is not None
+            return run_sft(recipe.sft, model, tok, rows, out / "sft-trainer")
+        if step == "dpo":
+            assert recipe.dpo is not None
+            return run_dpo(recipe.dpo, model, tok, rows, out / "dpo-trainer")
+        assert recipe.rlvr is not None
+        # Workers build the architecture from this folder; the weights come as version 0.
+        from stages.post_training.hf_io import save
+
+        init = Path(save(model, tok, out / "rlvr-init"))
+        return self._run_rlvr(recipe.rlvr, ctx, model, tok, rows, init)
+
+    def _run_rlvr(self, cfg: RLVRConfig, ctx: StageContext, model: Any, tok: Any,
+                  rows: list[dict[str, Any]], init: Path) -> dict[str, float]:
+        from stages.post_training.pools import LocalPool, RayPool
+        from stages.post_training.rl import GRPOLearner, RequestMaker, run_rlvr
+        from stages.post_training.rollout import RolloutWorker, WorkerSpec
+
+        specs = [WorkerSpec(index=n, model_dir=str(init), reward=cfg.reward,
+                            max_completion_tokens=cfg.max_completion_tokens,
+                            overlong_buffer_tokens=cfg.overlong_buffer_tokens,
+                            overlong_penalty_factor=cfg.overlong_penalty_factor)
+                 for n in range(cfg.rollout_workers)]
+        pool: Any
+        if self.config.fleet == "ray":
+            import ray
+
+            if not ray.is_initialized():
+                raise ItoError(ErrorCode.ray_unavailable, "Ray is not initialised here")
+            pool = RayPool(ctx.run_id, specs, device=self.config.device,
+                           max_restarts=self.config.max_worker_restarts,
+                           namespace=self.config.ray_namespace,
+                           placement=actor_options(ctx.facts))
+        else:
+            pool = LocalPool([RolloutWorker(s) for s in specs])
+
+        def interrupted(w: int, lost: float, back: float, detail: str) -> None:
+            ctx.emit(InterruptionEvent(stage=self.name, interruption_kind="rollout_worker_lost",
+                                       detected_at=lost, recovered_at=back,
+                                       detail=f"rollout-{w}: {detail}"))
+
+        try:
+            learner = GRPOLearner(cfg, model, tok.pad_token_id)
+            result, _ = run_rlvr(cfg, learner, pool, RequestMaker(cfg, tok, rows),
+                                 emit=ctx.emit, cancelled=lambda: ctx.cancelled,
+                                 on_interruption=interrupted)
+        finally:
+            pool.close()
+        return {**result.summary, **reward_gain(result.rewards),
+                "steps": float(result.steps)}

@@ -1,0 +1,174 @@
+"""Dataset validation codes, the strict numeric reward, and the stage's gates (local
+fleet: in-process rollout workers; the Ray fleet is test_fleet_ray.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stages.base import StageContext
+from stages.errors import ErrorCode, ItoError
+from stages.post_training.data import load_rows
+from stages.post_training.rewards import get_reward, gsm8k_exact_match, parse_number
+from tests.post_training.conftest import data_ref
+
+
+def _write(tmp: Path, rows: list[Any], name: str = "d.jsonl") -> str:
+    p = tmp / name
+    p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return f"file://{p}"
+
+
+@pytest.mark.parametrize("kind,row,why", [
+    ("sft", {"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+    ("sft", {"messages": [{"role": "robot", "content": "hi"}]}, "role must be"),
+    ("sft", {"text": "plain"}, "messages must be"),
+    ("dpo", {"prompt": "p", "chosen": "c"}, "missing rejected"),
+    ("dpo", {"prompt": [{"role": "user", "content": "p"}], "chosen": "c",
+             "rejected": [{"role": "assistant", "content": "r"}]}, "chosen must be"),
+    ("rlvr", {"prompt": "What is 2+2?", "answer": "four"}, "no number"),
+    ("rlvr", {"prompt": "", "answer": "4"}, "prompt is empty"),
+    ("rlvr", "not json", "not UTF-8 JSON"),
+])
+def test_bad_rows_fail_with_a_clear_code(tmp_path: Path, kind: Any, row: Any, why: str) -> None:
+    good = {"sft": {"messages": [{"role": "user", "content": "a"},
+                                 {"role": "assistant", "content": "b"}]},
+            "dpo": {"prompt": "p", "chosen": "c", "rejected": "r"},
+            "rlvr": {"question": "1+1?", "answer": "#### 2"}}[kind]
+    with pytest.raises(ItoError) as e:
+        load_rows(kind, _write(tmp_path, [good, row]))
+    assert e.value.code == ErrorCode.post_training_data_invalid
+    assert "d.jsonl:2" in e.value.message and why in e.value.message
+
+
+def test_missing_and_empty_data(tmp_path: Path) -> None:
+    with pytest.raises(ItoError) as e:
+        load_rows("sft", f"file://{tmp_path}/none.jsonl")
+    assert e.value.code == ErrorCode.data_not_found
+    with pytest.raises(ItoError) as e:
+        load_rows("sft", _write(tmp_path, []))
+    assert e.value.code == ErrorCode.data_empty
+
+
+def test_gsm8k_train_file_is_valid_rlvr_data() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    rows = load_rows("rlvr", f"file://{repo / 'data' / 'gsm8k' / 'train.jsonl'}")
+    assert len(rows) > 100
+    assert all(gsm8k_exact_match(r["answer"], r["answer"]) == 1.0 for r in rows[:200])
+
+
+@pytest.mark.parametrize("text,value", [
+    ("so the answer is #### 1,234", "1234"), ("\\boxed{-3.5}", "-3.5"),
+    ("first 3 then 7", "7"), ("12,34", "34"), ("no digits", None), ("x1 y", None),
+])
+def test_parse_number_is_strict(text: str, value: str | None) -> None:
+    got = parse_number(text)
+    assert (str(got) if got is not None else None) == value
+
+
+def test_exact_match_and_registry() -> None:
+    assert gsm8k_exact_match("... #### 72", "#### 72") == 1.0
+    assert gsm8k_exact_match("72.0", "#### 72") == 1.0
+    assert gsm8k_exact_match("#### 73", "#### 72") == 0.0
+    assert gsm8k_exact_match("I don't know", "#### 72") == 0.0
+    assert get_reward("first_number_match")("7 or 8", "8") == 0.0
+    with pytest.raises(ItoError) as e:
+        get_reward("os.system")
+    assert e.value.code == ErrorCode.reward_unknown
+
+
+def _stage(tmp: Path, policy: Path, task: dict[str, Path], **over: Any) -> Any:
+    from stages.post_training import PostTrainingStage, PostTrainingStageConfig
+
+    recipe: dict[str, Any] = {
+        "base_model": f"file://{policy}",
+        "sft": {"data": data_ref(task["sft"]), "steps": 4, "learning_rate": 5e-3},
+        "rlvr": {"data": data_ref(task["rlvr"]), "steps": 2, "reward": "first_number_match",
+                 "group_size": 4, "groups_per_step": 2, "max_completion_tokens": 4,
+                 "overlong_buffer_tokens": 1, "learning_rate": 1e-2}, **over}
+    return PostTrainingStage(PostTrainingStageConfig.model_validate(
+        {"recipe": recipe, "output_dir": str(tmp / "out"), "fleet": "local"}))
+
+
+def test_a_failed_gate_stops_the_chain(tmp_path: Path, tiny_policy: Path,
+                                       task_files: dict[str, Path]) -> None:
+    stage = _stage(tmp_path, tiny_policy, task_files, sft={
+        "data": data_ref(task_files["sft"]), "steps": 2, "learning_rate": 5e-3,
+        "gate": {"metric": "nll_gain", "min": 1e9}})
+    events: list[Any] = []
+    out = stage.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path, emit=events.append))
+    assert out.status == "failed" and out.error_code == ErrorCode.eval_gate_failed
+    assert "sft: nll_gain" in out.reason
+    assert (tmp_path / "out" / "sft" / "config.json").is_file()   # saved before its gate
+    assert not (tmp_path / "out" / "rlvr").exists()                # never started
+
+
+def test_prefix_chain_passes_and_reports_fleet_metrics(tmp_path: Path, tiny_policy: Path,
+                                                       task_files: dict[str, Path]) -> None:
+    stage = _stage(tmp_path, tiny_policy, task_files)
+    events: list[Any] = []
+    # No rlvr gate here: two steps cannot show a trend (the API test gates on it).
+    stage.config = stage.config.model_copy(update={"recipe": stage.config.recipe.model_copy(
+        update={"rlvr": stage.config.recipe.rlvr.model_copy(update={"gate": None})})})
+    out = stage.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path, emit=events.append))
+    assert out.status == "passed", out.reason
+    assert set(out.artifacts["steps"]) == {"sft", "rlvr"}
+    kinds = {(e.kind, getattr(e, "scope", "")) for e in events}
+    assert ("metrics", "rlvr") in kinds and ("metrics", "sft") in kinds
+    assert out.metrics["rlvr_steps"] == 2.0
+
+
+def test_bad_base_model_and_unknown_reward(tmp_path: Path, tiny_policy: Path,
+                                           task_files: dict[str, Path]) -> None:
+    out = _stage(tmp_path, tmp_path, task_files).run(
+        StageContext(run_id="r", booking_id="b", workdir=tmp_path))
+    assert out.error_code == ErrorCode.post_training_model_invalid
+    bad = _stage(tmp_path, tiny_policy, task_files, rlvr={
+        "data": data_ref(task_files["rlvr"]), "steps": 1, "reward": "nope",
+        "max_completion_tokens": 4, "overlong_buffer_tokens": 1})
+    out = bad.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path))
+    assert out.error_code == ErrorCode.reward_unknown
+
+
+def test_validation_time_check_names_the_bad_line(tmp_path: Path, tiny_policy: Path) -> None:
+    from stages.post_training.config import PostTrainingConfig
+    from stages.post_training.stage import validate_recipe
+
+    good = _write(tmp_path, [{"messages": [{"role": "user", "content": "a"},
+                                           {"role": "assistant", "content": "b"}]}], "s.jsonl")
+    bad = _write(tmp_path, [{"prompt": "p", "chosen": "c"}], "p.jsonl")
+
+    def recipe(**kw: Any) -> PostTrainingConfig:
+        return PostTrainingConfig.model_validate({"base_model": f"file://{tiny_policy}", **kw})
+
+    ref = {"sha256": "0" * 64, "provenance": {"source": "s", "license": "MIT"}}
+    assert validate_recipe(recipe(sft={"data": {"uri": good, **ref}, "steps": 1})) == {"sft": 1}
+    with pytest.raises(ItoError) as e:
+        validate_recipe(recipe(sft={"data": {"uri": good, **ref}, "steps": 1},
+                               dpo={"data": {"uri": bad, **ref}, "steps": 1}))
+    assert e.value.code == ErrorCode.post_training_data_invalid and "p.jsonl:1" in str(e.value)
+    with pytest.raises(ItoError) as e:
+        validate_recipe(PostTrainingConfig.model_validate(
+            {"base_model": f"file://{tmp_path}", "sft": {"data": {"uri": good, **ref},
+                                                          "steps": 1}}))
+    assert e.value.code == ErrorCode.post_training_model_invalid
+
+
+def test_the_curriculum_battery_gates_a_step(tmp_path: Path, tiny_policy: Path,
+                                             task_files: dict[str, Path]) -> None:
+    """issue 9's battery (held-out loss + lm-eval checks) and gates after SFT."""
+    stage = _stage(tmp_path, tiny_policy, task_files, sft={
+        "data": data_ref(task_files["sft"]), "steps": 2, "learning_rate": 5e-3,
+        "eval": {"battery": "smoke", "gates": [{"metric": "heldout_loss", "max": 1e9},
+                                               {"metric": "arith_mc_acc", "min": 1.01}]}})
+    events: list[Any] = []
+    out = stage.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path,
+                                 emit=events.append))
+    assert out.status == "failed" and out.error_code == ErrorCode.eval_gate_failed
+    assert "arith_mc_acc" in out.reason and "heldout_loss" not in out.reason
+    scores = [e for e in events if getattr(e, "scope", "") == "sft.battery"]
+    assert scores and "heldout_loss" in scores[0].values
+    assert not (tmp_path / "out" / "rlvr").exists()

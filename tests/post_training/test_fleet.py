@@ -1,0 +1,196 @@
+"""The rollout controller: bounded staleness under random delays (property test),
+dynamic sampling refills, eta = 0 equals the synchronous loop, versions after a sync.
+
+In-process workers (threads) stand in for the Ray actors here; the Ray fleet with a
+real SIGKILL is tests/post_training/test_fleet_ray.py."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stages.post_training.fleet import DynamicSampler, RolloutController
+from stages.post_training.pools import LocalPool
+from stages.post_training.rollout import Refusal, RolloutGroup, RolloutRequest, admission_refusal
+from tests.post_training.conftest import data_ref
+
+
+class FakeWorker:
+    """Generates instantly-known rewards after a random delay; keeps the real
+    worker's admission check. ``uniform(id)`` says which requests come back uniform."""
+
+    def __init__(self, index: int, rng: random.Random, max_delay_s: float,
+                 uniform: Any = lambda k: False):
+        self.index, self.rng, self.max_delay_s, self.uniform = index, rng, max_delay_s, uniform
+        self.version = -1
+        self.generated: list[int] = []
+
+    def set_weights(self, version: int, state: dict[str, Any]) -> dict[str, float]:
+        time.sleep(self.rng.random() * self.max_delay_s / 4)
+        self.version = version
+        return {"version": version, "load_s": 0.0}
+
+    def identity(self) -> dict[str, int]:
+        return {"pid": 0, "index": self.index, "version": self.version}
+
+    def generate(self, req: RolloutRequest) -> RolloutGroup | Refusal:
+        refused = admission_refusal(self.version, req, self.index)
+        if refused is not None:
+            return refused
+        v = self.version
+        time.sleep(self.rng.random() * self.max_delay_s)
+        self.generated.append(req.id)
+        r = [1.0] * req.group_size if self.uniform(req.id) else \
+            [float(i % 2) for i in range(req.group_size)]
+        return RolloutGroup(id=req.id, version=v, worker=self.index, prompt_ids=[1],
+                            completion_ids=[[2]] * req.group_size,
+                            behav_logp=[[0.0]] * req.group_size, lengths=[1] * req.group_size,
+                            truncated=[False] * req.group_size, rewards=r, task_rewards=r,
+                            gen_s=0.0)
+
+
+def _request(eta: int) -> Any:
+    def make(k: int, s: int) -> RolloutRequest:
+        return RolloutRequest(id=k, prompt_ids=[1], answer="1", group_size=2, seed=k,
+                              consume_step=s, max_staleness=eta, max_new_tokens=1)
+    return make
+
+
+def _controller(pool: LocalPool, eta: int, G: int, *, drops: int = 0) -> RolloutController:
+    return RolloutController(pool, _request(eta), groups_per_step=G, max_staleness=eta,
+                             sampler=DynamicSampler(True, drops), rollout_timeout_s=30,
+                             restart_timeout_s=30)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(eta=st.integers(0, 3), workers=st.integers(1, 4), G=st.integers(1, 3),
+       seed=st.integers(0, 10_000), uniform_every=st.integers(0, 4))
+def test_no_trained_sample_is_older_than_eta(eta: int, workers: int, G: int, seed: int,
+                                             uniform_every: int) -> None:
+    rng = random.Random(seed)
+    pool = LocalPool([FakeWorker(i, random.Random(rng.random()), 0.004,
+                                 uniform=(lambda k, u=uniform_every: u > 0 and k % u == 0))
+                      for i in range(workers)])
+    ctl = _controller(pool, eta, G, drops=2)
+    try:
+        ctl.publish(0, {})
+        for step in range(6):
+            batch, _ = ctl.next_batch()
+            assert len(batch) == G
+            for g in batch:
+                assert 0 <= step - g.version <= eta
+            # The trainer's step takes a random while; the fleet generates meanwhile.
+            ctl.pump_while(lambda: time.sleep(rng.random() * 0.004))
+            ctl.publish(step + 1, {})
+        assert ctl.stats.stale_refused == 0  # admission already kept every sample fresh
+        assert max(ctl.stats.staleness) <= eta
+    finally:
+        pool.close()
+
+
+def test_eta_above_zero_lets_rollouts_overlap_training() -> None:
+    pool = LocalPool([FakeWorker(i, random.Random(i), 0.01) for i in range(2)])
+    ctl = _controller(pool, 2, 2)
+    try:
+        ctl.publish(0, {})
+        for step in range(6):
+            ctl.next_batch()
+            ctl.pump_while(lambda: time.sleep(0.02))
+            ctl.publish(step + 1, {})
+        assert max(ctl.stats.staleness) >= 1  # generated under older versions ...
+        assert max(ctl.stats.staleness) <= 2  # ... never older than eta
+    finally:
+        pool.close()
+
+
+def test_uniform_groups_are_dropped_and_refilled() -> None:
+    uniform_ids = {0, 2, 3}
+    worker = FakeWorker(0, random.Random(0), 0.0, uniform=lambda k: k in uniform_ids)
+    pool = LocalPool([worker])
+    ctl = _controller(pool, 0, 3, drops=10)
+    try:
+        ctl.publish(0, {})
+        batch, walked = ctl.next_batch()
+        assert [g.id for g in batch] == [1, 4, 5]        # refilled by ids 4 and 5
+        assert [g.id for g in walked] == [0, 1, 2, 3, 4, 5]
+        assert ctl.stats.groups_dropped == 3
+        assert ctl.stats.summary(1)["drop_rate"] == pytest.approx(0.5)
+    finally:
+        pool.close()
+
+
+def test_dynamic_sampling_bound_keeps_uniform_groups_after_max_drops() -> None:
+    worker = FakeWorker(0, random.Random(0), 0.0, uniform=lambda k: True)
+    pool = LocalPool([worker])
+    ctl = _controller(pool, 0, 2, drops=3)
+    try:
+        ctl.publish(0, {})
+        batch, walked = ctl.next_batch()
+        assert [g.id for g in batch] == [3, 4]  # 0..2 dropped, then the bound is reached
+        assert len(walked) == 5
+    finally:
+        pool.close()
+
+
+def test_after_a_sync_every_worker_reports_the_trainer_version() -> None:
+    pool = LocalPool([FakeWorker(i, random.Random(i), 0.002) for i in range(3)])
+    ctl = _controller(pool, 1, 2)
+    try:
+        ctl.publish(0, {})
+        for step in range(3):
+            ctl.next_batch()
+            ctl.publish(step + 1, {})
+        ctl.drain_syncs(10)
+        assert pool.versions(10) == [3, 3, 3]
+    finally:
+        pool.close()
+
+
+def _rl_setup(tiny_policy: Path, task_files: dict[str, Path], eta: int) -> tuple[Any, ...]:
+    from stages.post_training.config import RLVRConfig
+    from stages.post_training.data import load_rows
+    from stages.post_training.hf_io import load_model, load_tokenizer
+    from stages.post_training.rl import GRPOLearner, RequestMaker
+    from stages.post_training.rollout import RolloutWorker, WorkerSpec
+
+    cfg = RLVRConfig.model_validate({
+        "data": data_ref(task_files["rlvr"]), "steps": 3, "reward": "first_number_match",
+        "group_size": 4, "groups_per_step": 2, "max_completion_tokens": 4,
+        "overlong_buffer_tokens": 2, "overlong_penalty_factor": 0.5, "learning_rate": 1e-2,
+        "max_staleness": eta})
+    tok = load_tokenizer(tiny_policy)
+    learner = GRPOLearner(cfg, load_model(tiny_policy), tok.pad_token_id)
+    spec = WorkerSpec(index=0, model_dir=str(tiny_policy), reward=cfg.reward,
+                      max_completion_tokens=4, overlong_buffer_tokens=2,
+                      overlong_penalty_factor=0.5)
+    maker = RequestMaker(cfg, tok, load_rows("rlvr", cfg.data.uri))
+    return cfg, learner, maker, lambda i: RolloutWorker(spec.model_copy(update={"index": i}))
+
+
+def test_eta_zero_gives_the_same_updates_as_the_synchronous_loop(
+        tiny_policy: Path, task_files: dict[str, Path]) -> None:
+    from stages.post_training.rl import run_rlvr, run_synchronous
+
+    cfg, sync_learner, maker, make_worker = _rl_setup(tiny_policy, task_files, 0)
+    run_synchronous(cfg, sync_learner, make_worker(0), maker)
+
+    cfg, fleet_learner, maker, make_worker = _rl_setup(tiny_policy, task_files, 0)
+    pool = LocalPool([make_worker(i) for i in range(3)])
+    try:
+        result, ctl = run_rlvr(cfg, fleet_learner, pool, maker)
+    finally:
+        pool.close()
+    assert result.steps == 3 and fleet_learner.version == 3
+    assert ctl.stats.staleness and max(ctl.stats.staleness) == 0
+    a, b = sync_learner.model.state_dict(), fleet_learner.model.state_dict()
+    start = _rl_setup(tiny_policy, task_files, 0)[1].model.state_dict()
+    assert any(not torch.equal(a[k], start[k]) for k in a)  # training did change weights
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
