@@ -20,10 +20,15 @@ pytestmark = pytest.mark.slow  # the session's real server subprocess
 
 
 def _data(tmp: Path) -> Path:
+    """One file for both uses of the short form's single ``--data``: pretraining reads
+    ``text``, SFT reads ``messages`` (the server checks the conversational format)."""
     path = tmp / "data" / "train.jsonl"
     path.parent.mkdir()
-    path.write_text("".join(json.dumps({"text": f"problem {i}: 3 + {i} = {3 + i}"}) + "\n"
-                            for i in range(50)))
+    path.write_text("".join(json.dumps({
+        "text": f"problem {i}: 3 + {i} = {3 + i}",
+        "messages": [{"role": "user", "content": f"3 + {i}?"},
+                     {"role": "assistant", "content": str(3 + i)}]}) + "\n"
+        for i in range(50)))
     return path
 
 

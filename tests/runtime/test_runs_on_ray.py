@@ -332,7 +332,8 @@ def test_canary_secret_reaches_no_driver_or_worker_log(rt: dict[str, Any]) -> No
         be.proc = None
         be.start()
     head_pid = (be.var_dir / "ray-head.pid").read_text().strip()
-    sessions = list(Path("/tmp/ray").glob(f"session_*_{head_pid}"))
+    sessions = list(ray_cluster.ray_temp_dir(be.var_dir).glob(f"session_*_{head_pid}"))
+    assert sessions, "the embedded head's Ray session folder was not found"
     files = [p for root in (be.var_dir, *sessions) for p in root.rglob("*")
              if p.is_file() and not p.is_symlink() and p.stat().st_size < 64 << 20]
     assert any("worker" in p.name for p in files), "no Ray worker log was searched"
