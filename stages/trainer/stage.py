@@ -11,17 +11,9 @@ from stages.trainer.config import TrainStageConfig
 
 
 def resolve_train_files(cfg: TrainStageConfig, ctx: StageContext) -> list[Path]:
-    """The config's files, else data prep's ``train_files`` ({"baseline": [...], ...})."""
-    if cfg.train_files:
-        return [Path(p.removeprefix("file://")) for p in cfg.train_files]
-    prep = ctx.previous.get("data_prep")
-    files = prep.artifacts.get("train_files") if prep else None
-    if not files:
-        raise ItoError(ErrorCode.data_not_found,
-                       "no train_files in the config and no data_prep artifacts")
-    if isinstance(files, dict):
-        return [Path(p) for role in sorted(files) for p in files[role]]
-    return [Path(p) for p in files]
+    """The config's files, else data prep's ``train_files``, all roles in name order."""
+    by_role = resolve_files_by_role(cfg, ctx)
+    return [p for role in sorted(by_role) for p in by_role[role]]
 
 
 def resolve_files_by_role(cfg: TrainStageConfig, ctx: StageContext) -> dict[str, list[Path]]:
