@@ -54,6 +54,10 @@ def data_index(step: int, windows: list[Window]) -> int:
     return idx
 
 
+# Restores retried when retention sweeps the newest checkpoint during a read.
+RESTORE_ATTEMPTS = 3
+
+
 @dataclass
 class WorkerSpec:
     """Everything one rank needs; picklable, passed to the Ray actor."""
@@ -332,10 +336,23 @@ class TrainLoop:
             update={"storage_uri": f"file://{Path(spec.checkpoint_dir).resolve()}"})
         self.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}",
                                  process_group=ckpt_pg)
-        latest = self.ckpt.latest()
-        if latest is not None:
-            self._restore(latest.step)
+        from stages.errors import ItoError
+
+        for _ in range(RESTORE_ATTEMPTS):
+            latest = self.ckpt.latest()
+            if latest is None:
+                break
+            try:
+                self._restore(latest.step)
+            except ItoError:
+                # Another group's retention may sweep the newest checkpoint while this
+                # (restarting) group reads it: take the then-newest one. A checkpoint
+                # that is still there and fails to load is corrupt: that is raised.
+                if Path(latest.path).exists():
+                    raise
+                continue
             self.log(f"resumed from checkpoint step {latest.step}")
+            break
 
     def _restore(self, step: int) -> None:
         records = [r for r in self.ckpt.records() if r.step == step]

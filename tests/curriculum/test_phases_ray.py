@@ -81,7 +81,7 @@ def _config(tmp: Path) -> TrainStageConfig:
                                     storage_uri=f"file://{tmp}/ckpt"),
         loss_spike=LossSpikeConfig(enabled=False),
         train_files=[str(_data(tmp / "train.jsonl"))],
-        replica_groups=2, pace_step_s=0.15, curriculum=_plan()), strict=False)
+        replica_groups=2, pace_step_s=0.3, curriculum=_plan()), strict=False)
 
 
 class Run:
