@@ -125,11 +125,13 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
         rt = NullRuntime(store, var_dir)
     elif runtime == "ray":
         from orchestrator.runtime.ray_cluster import RaySettings
-        from orchestrator.runtime.supervisor import RayRuntime
+        from orchestrator.runtime.supervisor import RayRuntime, SupervisorSettings
 
+        supervisor = SupervisorSettings.from_env().model_copy(update={"checkpoint_roots": tuple(
+            os.path.realpath(r) for r in settings.checkpoint_roots)})
         rt = RayRuntime(store, var_dir, RaySettings(
             address=ray_address, head_port=ray_head_port, dashboard_port=ray_dashboard_port,
-            num_cpus=ray_num_cpus))
+            num_cpus=ray_num_cpus), settings=supervisor)
     else:
         _fail(False, ErrorCode.bad_request, f"unknown runtime {runtime!r} (known: ray, none)")
     from orchestrator.redact import AccessLogRedactor

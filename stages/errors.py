@@ -98,6 +98,7 @@ class ErrorCode(StrEnum):
     data_remote_not_cached = "data_remote_not_cached"
     data_format_unsupported = "data_format_unsupported"
     data_digest_mismatch = "data_digest_mismatch"
+    data_digest_placeholder = "data_digest_placeholder"
     data_empty = "data_empty"
     eval_suite_unknown = "eval_suite_unknown"
     # --- training engine / runtime ----------------------------------------------------
@@ -115,6 +116,7 @@ class ErrorCode(StrEnum):
     placement_timeout = "placement_timeout"
     # --- tenant isolation and bounds (issue 14) ---------------------------------------
     path_outside_root = "path_outside_root"
+    path_not_local = "path_not_local"
     plan_time_budget_exceeded = "plan_time_budget_exceeded"
     account_disabled = "account_disabled"
     # --- curriculum, eval batteries, HF formats (stages.evals, stages.hf) -------------
@@ -123,6 +125,7 @@ class ErrorCode(StrEnum):
     curriculum_invalid = "curriculum_invalid"
     eval_gate_failed = "eval_gate_failed"
     tokenizer_invalid = "tokenizer_invalid"
+    model_checkpoint_invalid = "model_checkpoint_invalid"
     layout_unsupported = "layout_unsupported"
     # --- post-training (stages.post_training) -----------------------------------------
     post_training_data_invalid = "post_training_data_invalid"

@@ -45,6 +45,7 @@ _STATUS_GROUPS: dict[int, tuple[ErrorCode, ...]] = {
           E.plan_pp_bubble_too_large, E.plan_batch_not_divisible, E.plan_fp8_unsupported,
           E.plan_degrees_mismatch, E.plan_wasteful, E.plan_no_feasible, E.data_not_found,
           E.data_remote_not_cached, E.data_format_unsupported, E.data_digest_mismatch,
+          E.data_digest_placeholder, E.path_not_local, E.model_checkpoint_invalid,
           E.data_empty, E.eval_suite_unknown, E.gate_failed, E.path_outside_root,
           E.plan_time_budget_exceeded, E.eval_battery_unknown,
           E.eval_metric_unknown, E.curriculum_invalid, E.eval_gate_failed,

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from orchestrator.gates.manifest import Manifest
@@ -25,7 +24,6 @@ def curriculum_plan(m: Manifest) -> CurriculumPlan:
                                f"phase {phase.name}: battery {battery.name} does not produce "
                                f"{gate.metric!r}; it produces {', '.join(battery.check_names)}")
     preset = load_model_preset(m.model.preset)
-    check_tokenizer_path(m.model.tokenizer_path)
     t = m.training
     return plan_curriculum(m.curriculum, total_steps=t.steps, base_seq_len=t.seq_len,
                            global_batch_tokens=t.global_batch_tokens,
@@ -49,13 +47,3 @@ def curriculum_report(plan: CurriculumPlan) -> dict[str, Any]:
         "post_training": plan.post_training,
     }
 
-
-def check_tokenizer_path(raw: str | None) -> None:
-    """A manifest-named tokenizer is a local, absolute, existing save_pretrained folder."""
-    if raw is None:
-        return
-    path = Path(raw.removeprefix("file://"))
-    if not path.is_absolute() or ".." in path.parts or not (path / "tokenizer.json").is_file():
-        raise ItoError(ErrorCode.tokenizer_invalid,
-                       "model.tokenizer_path must be an absolute local folder with a "
-                       "tokenizer.json (save_pretrained layout)")

@@ -1,17 +1,24 @@
-"""Tenant roots: every data and checkpoint reference stays inside the account's roots.
+"""Tenant roots: every path a manifest names stays inside the account's roots.
 
 The operator configures each account's data and checkpoint roots
 (``ito-backend accounts roots``, stored in SQLite). At submit (and plan and confirm)
-every ``file://`` data reference, eval file, cache folder and the checkpoint storage
-is resolved with the same symlink-safe walk the client uses for manifests
-(``stages/safepath.py``: canonical path, ``openat`` + ``O_NOFOLLOW`` below the root,
-no other host in ``file://``); the data-prep stage resolves them again at run time.
-The server's own files (its database files, the run scratch space, the launch key,
-Ray's session folders) are refused even where a root would include them.
+every path field of the manifest, as the config models mark them
+(``stages/pathfields.py``: data refs, eval files, cache and spill folders, the
+checkpoint storage, ``model.checkpoint_path``, ``model.tokenizer_path``,
+``post_training.base_model``), is resolved with the same symlink-safe walk the client
+uses for manifests (``stages/safepath.py``: canonical path, ``openat`` + ``O_NOFOLLOW``
+below the root, no other host in ``file://``); a folder is walked whole (a symlink
+anywhere below it is refused). The stages resolve them again at run time, with roots
+the supervisor gives them, and read what they resolved (``stages/snapshot.py``). The
+server's own files (its database files, the run scratch space, the launch key, Ray's
+session folders) are refused even where a root would include them.
 
-A refusal is ``path_outside_root`` with a message that names the manifest field
-only: never a path, a digest, or whether anything exists. Nothing is created or
-written here (no probe file); an ``OSError`` becomes the same refusal, never a 500.
+A path outside the roots is ``path_outside_root`` with a message that names the
+manifest field only: never a path, a digest, or whether anything exists (the lexical
+check and the walk stop before the target). A relative path or hub id is
+``path_not_local``. What a folder inside the roots must hold (``tokenizer.json``,
+``config.json``) is checked only there. Nothing is created or written here (no probe
+file); an ``OSError`` becomes the same refusal, never a 500.
 """
 
 from __future__ import annotations
@@ -20,15 +27,14 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from orchestrator.db.store import Store
 from orchestrator.gates.manifest import Manifest
 from orchestrator.runtime.launch import launch_key_path
 from orchestrator.settings import Settings
 from stages import safepath
-from stages.data_prep.refs import check_inside, file_uri_path, outside
 from stages.errors import ErrorCode, ItoError
+from stages.pathfields import PathField, local_path, outside, path_values
 
 
 @dataclass(frozen=True)
@@ -58,58 +64,66 @@ def _forbidden(path: str, roots: Roots) -> bool:
     return any(path == f or path.startswith(f.rstrip("/") + "/") for f in roots.forbidden)
 
 
-def _check(path: str, allowed: tuple[str, ...], roots: Roots, where: str, want: str) -> None:
+def allowed_roots(spec: PathField, roots: Roots) -> tuple[str, ...]:
+    if spec.roots == "data":
+        return roots.data
+    if spec.roots == "checkpoint":
+        return roots.checkpoint
+    return tuple(dict.fromkeys((*roots.data, *roots.checkpoint)))
+
+
+def check_path(where: str, raw: str, spec: PathField, roots: Roots) -> str | None:
+    """One path field: the local path it names (None for a remote ref) once it is
+    inside its roots, or the field's refusal."""
+    path = local_path(raw, spec, where)
+    if path is None:
+        return None
+    try:
+        safepath.path_parts(path)
+    except safepath.WalkError:
+        if spec.not_canonical != ErrorCode.path_outside_root:
+            raise ItoError(spec.not_canonical,
+                           f"{where} must be a normalised absolute path") from None
+        raise outside(where, spec.roots) from None
     if _forbidden(path, roots):
-        raise outside(where)
+        raise outside(where, spec.roots)
     try:
-        fd, _ = check_inside(path, allowed, where, want=want, allow_missing=True)
-    except ItoError as e:
-        if e.code == ErrorCode.data_not_found:  # a component exists but not as a folder
-            raise outside(where) from None
-        raise
-    if fd is None:
-        return
-    try:
-        if want == "any" and stat.S_ISDIR(os.fstat(fd).st_mode):
-            safepath.check_tree(fd)  # a folder ref: no symlink anywhere below it
+        fd, st = safepath.open_inside(path, allowed_roots(spec, roots), want=spec.want,
+                                      allow_missing=True)
     except (safepath.WalkError, OSError):
-        raise outside(where) from None
+        raise outside(where, spec.roots) from None
+    if fd is None or st is None:  # inside the roots, not there (yet)
+        if spec.exists:
+            raise ItoError(spec.invalid, f"{where}: no such folder in the account's roots")
+        return path
+    try:
+        if stat.S_ISDIR(st.st_mode) and spec.want != "file":
+            try:
+                safepath.check_tree(fd)  # a folder ref: no symlink anywhere below it
+            except (safepath.WalkError, OSError):
+                raise outside(where, spec.roots) from None
+            for name in spec.contains:
+                try:
+                    ffd, _ = safepath.walk(os.dup(fd), [name], want="file")
+                except (safepath.WalkError, OSError):
+                    raise ItoError(spec.invalid, f"{where} has no {name}") from None
+                if ffd is not None:
+                    os.close(ffd)
     finally:
         os.close(fd)
+    return path
 
 
-def check_data_roots(m: Manifest, roots: Roots) -> None:
-    """Every local data reference of the manifest lies inside the data roots.
+def check_manifest_paths(m: Manifest, roots: Roots) -> None:
+    """Every path field of the manifest lies inside its roots (``check_path``)."""
+    for where, raw, spec in path_values(m):
+        check_path(where, raw, spec, roots)
 
-    A reference that does not exist yet is accepted here (the run checks again and
-    answers ``data_not_found``); one that leaves the roots is refused."""
+
+def check_post_training_digests(m: Manifest) -> None:
+    """A post-training dataset names the digest of its bytes: a placeholder (one digit
+    repeated, e.g. all zeros) would pin nothing and is refused before anything reads."""
     for where, ref in m.data_refs():
-        if urlsplit(ref.uri).scheme.lower() == "file":
-            _check(file_uri_path(ref.uri, where), roots.data, roots, where, "any")
-    for i, uri in enumerate(m.data.eval_files):
-        where = f"data.eval_files[{i}]"
-        _check(file_uri_path(uri, where), roots.data, roots, where, "file")
-    if m.data.cache_dir is not None:
-        _check(m.data.cache_dir, roots.data, roots, "data.cache_dir", "dir")
-    if m.post_training.base_model is not None:
-        where = "post_training.base_model"
-        _check(file_uri_path(m.post_training.base_model, where), roots.data, roots, where, "dir")
-
-
-def check_checkpoint_roots(m: Manifest, roots: Roots) -> str:
-    """The checkpoint storage: canonical, absolute, inside a checkpoint root; every
-    part of it that exists already is a folder reached without a symlink."""
-    raw = m.checkpoint.storage_path
-    try:
-        safepath.path_parts(raw)
-    except safepath.WalkError:
-        raise ItoError(ErrorCode.checkpoint_storage_invalid,
-                       "checkpoint storage must be a normalised absolute path") from None
-    try:
-        _check(raw, roots.checkpoint, roots, "checkpoint.storage_uri", "dir")
-    except ItoError as e:
-        if e.code == ErrorCode.path_outside_root:
-            raise ItoError(ErrorCode.path_outside_root, "checkpoint.storage_uri is not inside "
-                           "this account's checkpoint roots") from None
-        raise
-    return raw
+        if where.startswith("post_training.") and len(set(ref.sha256)) == 1:
+            raise ItoError(ErrorCode.data_digest_placeholder,
+                           f"{where}.sha256 is a placeholder; give the sha256 of the data")

@@ -25,7 +25,12 @@ from orchestrator.gates.costing import (
 from orchestrator.gates.curriculum import curriculum_plan, curriculum_report
 from orchestrator.gates.manifest import Manifest
 from orchestrator.gates.planning import total_steps
-from orchestrator.gates.roots import Roots, check_checkpoint_roots, check_data_roots
+from orchestrator.gates.roots import (
+    Roots,
+    allowed_roots,
+    check_manifest_paths,
+    check_post_training_digests,
+)
 from orchestrator.settings import Settings
 from stages.data_prep.evals import list_eval_suites
 from stages.errors import ErrorCode, ItoError
@@ -170,12 +175,19 @@ def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
     capacity = check_capacity(m, booking, profile)
     check_names(m)
     n_refs = check_data_policy(settings, m)
-    check_data_roots(m, roots)
+    check_manifest_paths(m, roots)
+    storage = m.checkpoint.storage_path
     if m.post_training.steps():
+        from stages.pathfields import field_spec
+        from stages.post_training.config import PostTrainingConfig
         from stages.post_training.stage import validate_recipe
 
-        validate_recipe(m.post_training)  # formats, reward name, base model: clear codes
-    storage = check_checkpoint_roots(m, roots)
+        check_post_training_digests(m)
+        # Formats, digests, reward name, base model: clear codes, read by the safe walk.
+        spec = field_spec(PostTrainingConfig, "base_model")
+        assert spec is not None
+        validate_recipe(m.post_training, data_roots=roots.data,
+                        model_roots=allowed_roots(spec, roots))
     _check_budget(m, _cost(settings, m, booking, profile, remaining_term_h, None))
     step_time_s = planner() if planner is not None else None
     cost = _cost(settings, m, booking, profile, remaining_term_h, step_time_s)

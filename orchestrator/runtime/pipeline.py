@@ -76,7 +76,8 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
         config["curriculum"] = curriculum_plan(manifest).model_dump(mode="json")
         # Operator-level knobs (never from the tenant's manifest): test pacing, FT timeouts.
         config.update(spec.facts.get("train_overrides") or {})
-        return TrainingStage(TrainStageConfig.model_validate_json(json.dumps(config)))
+        return TrainingStage(TrainStageConfig.model_validate_json(json.dumps(config)),
+                             model_roots=spec.facts.get("model_roots") or ())
 
     return make
 
@@ -88,8 +89,9 @@ def _post_training(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
         out = f"{manifest.checkpoint.storage_path.rstrip('/')}/{ctx.run_id}/post_training"
         return PostTrainingStage(PostTrainingStageConfig(
             recipe=manifest.post_training, output_dir=out,
-            device=spec.facts.get("device", "cpu"),
-            fleet="ray"))
+            device=spec.facts.get("device", "cpu"), fleet="ray",
+            data_roots=tuple(spec.facts.get("data_roots") or ()),
+            model_roots=tuple(spec.facts.get("model_roots") or ())))
 
     return make
 

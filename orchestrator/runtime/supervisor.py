@@ -59,6 +59,9 @@ class SupervisorSettings(BaseModel):
     train_overrides: dict[str, Any] = Field(default_factory=dict)
     # Where runs go: their booking's nodes (ITO_PLACEMENT_WAIT_S sets the wait).
     placement: PlacementSettings = Field(default_factory=PlacementSettings)
+    # Server-wide checkpoint roots (``serve --checkpoint-root``): every account's model
+    # folders may lie in them, as at submit (orchestrator/gates/roots.py).
+    checkpoint_roots: tuple[str, ...] = ()
 
     @field_validator("train_overrides")
     @classmethod
@@ -331,7 +334,7 @@ class RayRuntime:
             facts={"booking": {k: booking.get(k) for k in
                                ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")},
                    "train_overrides": self.settings.train_overrides,
-                   "data_roots": list(self.store.roots(run["account_id"], "data")),
+                   **self._input_roots(run["account_id"]),
                    **({PLACEMENT_FACT: placed.model_dump()} if placed else {})},
             completed_stages=completed, seq_start=self.store.max_seq(run_id) + 1,
             attempt=attempt))
@@ -346,6 +349,13 @@ class RayRuntime:
         handle.start.remote()
         self._handles[run_id] = handle
         self._launched_at[run_id] = time.monotonic()
+
+    def _input_roots(self, account_id: str) -> dict[str, list[str]]:
+        """The account's roots as the stages check them again at run time: data refs
+        in the data roots, model folders in the data or checkpoint roots."""
+        data = self.store.roots(account_id, "data")
+        ckpt = (*self.store.roots(account_id, "checkpoint"), *self.settings.checkpoint_roots)
+        return {"data_roots": list(data), "model_roots": list(dict.fromkeys((*data, *ckpt)))}
 
     def _driver_attempts(self, run_id: str) -> int:
         lost = self.store.list_events(run_id, kinds=["interruption"])

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import Field, field_validator, model_validator
 
 from stages.base import StrictModel
+from stages.errors import ErrorCode
+from stages.pathfields import PathField
 
 # What ``ito manifest init`` writes and what the checkpoint-restart baseline of
 # benchmarks/fault_tolerance.py uses: the production default interval.
@@ -18,7 +22,9 @@ class CheckpointPolicy(StrictModel):
                                            allow_inf_nan=False)
     keep: int = Field(default=DEFAULT_KEEP, ge=1, le=100)
     # file:///absolute/dir is the only storage this build writes to.
-    storage_uri: str
+    storage_uri: Annotated[str, PathField("checkpoint", "dir", form="file_uri",
+                                          not_local=ErrorCode.checkpoint_storage_invalid,
+                                          not_canonical=ErrorCode.checkpoint_storage_invalid)]
 
     @field_validator("storage_uri")
     @classmethod

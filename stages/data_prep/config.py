@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from stages.base import StrictModel
 from stages.data_prep.stream.config import StreamConfig
+from stages.pathfields import PathField
 
 
 class DataProvenance(StrictModel):
@@ -20,7 +21,8 @@ class DataProvenance(StrictModel):
 class DataRef(StrictModel):
     # file:///abs/path (a file or a folder of jsonl/parquet/txt); hf:// etc. are
     # recognised and refused unless cached locally.
-    uri: str = Field(min_length=1, max_length=2048)
+    uri: Annotated[str, PathField("data", "any", form="file_uri", remote=True)] = Field(
+        min_length=1, max_length=2048)
     # sha256 of the file's bytes; for a folder, sha256 of the sorted lines
     # "<relative path>\t<file sha256>\n" of every data file under it.
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
@@ -80,7 +82,8 @@ class LadderProbeConfig(StrictModel):
 class DataPrepConfig(StrictModel):
     refs: list[DataRef] = Field(min_length=1, max_length=256)
     eval_suites: list[str] = Field(default_factory=lambda: ["gsm8k"])
-    eval_files: list[str] = Field(default_factory=list, description="file:/// eval files")
+    eval_files: Annotated[list[str], PathField("data", "file", form="file_uri")] = Field(
+        default_factory=list, description="file:/// eval files")
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     decontamination: DecontaminationConfig = Field(default_factory=DecontaminationConfig)
     ladder_probe: LadderProbeConfig = Field(default_factory=LadderProbeConfig)
@@ -88,7 +91,7 @@ class DataPrepConfig(StrictModel):
     eval_field: str = "question"
     # Local copies of remote refs: <cache_dir>/<scheme>/<host and path>. None:
     # ITO_DATA_CACHE or ~/.cache/ito/data.
-    cache_dir: str | None = None
+    cache_dir: Annotated[str | None, PathField("data", "dir", form="path")] = None
     # The streaming engine: block size, output format, Ray Data, spilling, timeouts.
     stream: StreamConfig = Field(default_factory=StreamConfig)
     # The ladder probe reads at most this many bytes of cleaned text per role.

@@ -44,8 +44,7 @@ class Corpus:
         files = []
         for f in resolved.files:
             before = len(self.texts)
-            for n, text in enumerate(read_texts(f.path, f.format, resolved.ref.text_field,
-                                                    roots=f.roots)):
+            for n, text in enumerate(read_texts(f.path, f.format, resolved.ref.text_field)):
                 self.texts.append(text)
                 self.ids.append(f"{k}:{f.relpath}:{n}")
                 self.roles.append(resolved.ref.role)

@@ -22,6 +22,8 @@ from urllib.parse import unquote, urlparse
 from stages import safepath
 from stages.data_prep.config import DataRef
 from stages.errors import ErrorCode, ItoError
+from stages.pathfields import file_uri_path, outside
+from stages.snapshot import snapshot
 
 DATA_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 REMOTE_SCHEMES = ("hf", "s3", "gs", "http", "https")
@@ -63,28 +65,6 @@ def path_sha256(path: str | Path) -> str:
     return folder_sha256(p) if p.is_dir() else file_sha256(p)
 
 
-OUTSIDE_MESSAGE = "is not inside this account's data roots"
-
-
-def outside(where: str) -> ItoError:
-    """The one refusal for a reference that leaves its roots: it names the manifest
-    field only, never a path, a digest or whether anything exists."""
-    return ItoError(ErrorCode.path_outside_root, f"{where} {OUTSIDE_MESSAGE}")
-
-
-def file_uri_path(uri: str, where: str = "data ref") -> str:
-    """The absolute path of a local ``file://`` URI; another host, a query or a
-    fragment is refused like any path outside the roots."""
-    try:
-        parsed = urlparse(uri)
-    except ValueError:
-        raise outside(where) from None
-    if (parsed.scheme.lower() != "file" or parsed.netloc not in ("", "localhost")
-            or parsed.query or parsed.fragment or parsed.params):
-        raise outside(where)
-    return unquote(parsed.path)
-
-
 def check_inside(path: str, roots: Sequence[str], where: str, *,
                  want: str = "any", allow_missing: bool = False) -> tuple[int | None, bool]:
     """Open ``path`` inside ``roots`` with the safe walk; ``(fd or None, is_dir)``.
@@ -104,52 +84,28 @@ def check_inside(path: str, roots: Sequence[str], where: str, *,
     return fd, bool(st is not None and stat.S_ISDIR(st.st_mode))
 
 
-def _fd_sha256(fd: int) -> tuple[str, int]:
-    h, n = hashlib.sha256(), 0
-    while chunk := os.read(fd, _READ_CHUNK):
-        h.update(chunk)
-        n += len(chunk)
-    return h.hexdigest(), n
+def is_data(rel: str) -> bool:
+    """A data file by DataRef's folder rule (its suffix; no hidden files)."""
+    name = rel.rsplit("/", 1)[-1]
+    return Path(name).suffix in DATA_SUFFIXES and not name.startswith(".")
 
 
-def _resolve_inside(ref: DataRef, roots: Sequence[str], where: str) -> ResolvedRef:
-    """resolve_ref under data roots: every file is reached by the safe walk and hashed
-    from its own descriptor; a symlink anywhere below the ref is refused."""
+def _resolve_inside(ref: DataRef, roots: Sequence[str], where: str,
+                    copy_to: Path) -> ResolvedRef:
+    """resolve_ref under data roots: every file is reached by the safe walk (a symlink
+    anywhere below the ref is refused) and copied from its own descriptor into the
+    run's ``copy_to``, hashed as copied; the stage reads only the copies, so what the
+    digests were checked on is what is read (stages/snapshot.py)."""
     path = file_uri_path(ref.uri, where)
-    fd, is_dir = check_inside(path, roots, where)
-    assert fd is not None
-    files: list[DataFile] = []
-    try:
-        if not is_dir:
-            digest, size = _fd_sha256(fd)
-            name = path.rsplit("/", 1)[-1]
-            files.append(DataFile(Path(path), name, file_format(Path(name), ref.format),
-                                  digest, size, tuple(roots)))
-        else:
-            try:
-                for rel, ffd in safepath.iter_tree(fd):
-                    try:
-                        name = rel.rsplit("/", 1)[-1]
-                        if Path(name).suffix not in DATA_SUFFIXES or name.startswith("."):
-                            continue
-                        digest, size = _fd_sha256(ffd)
-                    finally:
-                        os.close(ffd)
-                    files.append(DataFile(Path(path) / rel, rel,
-                                          file_format(Path(name), ref.format), digest, size,
-                                          tuple(roots)))
-            except (safepath.WalkError, OSError):
-                raise outside(where) from None
-    finally:
-        os.close(fd)
-    if is_dir:
-        if not files:
-            raise ItoError(ErrorCode.data_empty, f"{where}: no data files in the folder")
-        lines = sorted(f"{f.relpath}\t{f.sha256}\n" for f in files)
-        total = hashlib.sha256("".join(lines).encode("utf-8")).hexdigest()
-    else:
-        total = files[0].sha256
-    return ResolvedRef(ref, Path(path), files, total)
+    snap = snapshot(path, roots, copy_to, where, include=is_data)
+    if snap.is_dir and not snap.files:
+        raise ItoError(ErrorCode.data_empty, f"{where}: no data files in the folder")
+    assert snap.path is not None
+    files = [DataFile(snap.path / f.relpath if snap.is_dir else snap.path, f.relpath,
+                      file_format(Path(f.relpath), ref.format), f.sha256, f.bytes,
+                      origin=f"{path}/{f.relpath}" if snap.is_dir else path)
+             for f in snap.files]
+    return ResolvedRef(ref, Path(path), files, snap.sha256)
 
 
 def local_path(uri: str, cache_dir: Path | None = None) -> Path:
@@ -187,8 +143,8 @@ class DataFile:
     format: str
     sha256: str
     bytes: int
-    # Set when the file was found under data roots: it is re-opened by the safe walk.
-    roots: tuple[str, ...] | None = None
+    # Set when ``path`` is the run's private copy of a file found under data roots.
+    origin: str | None = None
 
 
 @dataclass(frozen=True)
@@ -213,13 +169,17 @@ def file_format(path: Path, declared: str | None = None) -> str:
 
 
 def resolve_ref(ref: DataRef, cache_dir: Path | None = None,
-                roots: Sequence[str] | None = None, where: str = "data ref") -> ResolvedRef:
+                roots: Sequence[str] | None = None, where: str = "data ref",
+                copy_to: Path | None = None) -> ResolvedRef:
     """Find the ref's files and compute their digests (no document is read yet).
 
     With ``roots`` (the account's data roots, always set for a run) a ``file://`` ref
-    must lie inside one of them, reached by the symlink-safe walk."""
+    must lie inside one of them, reached by the symlink-safe walk, and is copied into
+    ``copy_to`` (the run's scratch space) from the descriptors that walk opened."""
     if roots is not None and urlparse(ref.uri).scheme.lower() == "file":
-        return _resolve_inside(ref, roots, where)
+        if copy_to is None:
+            raise ValueError("a ref under data roots is read from a private copy: copy_to")
+        return _resolve_inside(ref, roots, where, copy_to)
     path = local_path(ref.uri, cache_dir)
     if path.is_dir():
         paths = data_files(path)

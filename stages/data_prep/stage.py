@@ -103,16 +103,20 @@ class DataPrepStage:
             if fd is not None:
                 os.close(fd)
 
-        # 1. Data manifest: resolve refs and check their digests before reading any.
+        # 1. Data manifest: resolve refs and check their digests before reading any. A
+        # ref under the data roots is copied into the run's scratch space from the
+        # descriptors that were hashed; everything below reads those copies.
         resolved: list[ResolvedRef] = []
         for i, ref in enumerate(cfg.refs):
             self._check(ctx)
-            resolved.append(resolve_ref(ref, cache, self.data_roots, f"data.refs[{i}]"))
+            resolved.append(resolve_ref(ref, cache, self.data_roots, f"data.refs[{i}]",
+                                        copy_to=out / "inputs" / f"ref{i:02d}"))
         manifest_refs: list[dict[str, Any]] = [{
             "index": k, "uri": r.ref.uri, "role": r.ref.role, "path": str(r.path),
             "expected_sha256": r.ref.sha256, "sha256": r.sha256, "digest_ok": r.digest_ok,
             "files": [{"path": str(f.path), "relpath": f.relpath, "format": f.format,
-                       "sha256": f.sha256, "bytes": f.bytes} for f in r.files],
+                       "sha256": f.sha256, "bytes": f.bytes,
+                       **({"origin": f.origin} if f.origin else {})} for f in r.files],
             "bytes": sum(f.bytes for f in r.files),
             "provenance": r.ref.provenance.model_dump(),
         } for k, r in enumerate(resolved)]
@@ -120,6 +124,7 @@ class DataPrepStage:
         bad = [m for m in manifest_refs if not m["digest_ok"]]
         if bad:
             write_json(manifest_path, {"run_id": ctx.run_id, "refs": manifest_refs})
+            shutil.rmtree(out / "inputs", ignore_errors=True)  # nothing of it is read
             reason = "; ".join(f"{m['uri']}: expected {m['expected_sha256'][:12]}…, "
                                f"got {m['sha256'][:12]}…" for m in bad)
             self._log(ctx, f"data digest mismatch: {reason}", "error")
@@ -193,6 +198,7 @@ class DataPrepStage:
             if count:
                 train_files[r.ref.role].append(str(path))
         shutil.rmtree(res.output_dir, ignore_errors=True)
+        shutil.rmtree(out / "inputs", ignore_errors=True)  # the private input copies
 
         # 5. Ladder probe on the cleaned data.
         fields = {o["path"]: resolved[o["ref"]].ref.text_field for o in outputs}

@@ -6,13 +6,15 @@ timeout of the rollout fleet is a named setting here.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from stages.base import StrictModel
 from stages.data_prep.config import DataRef
+from stages.errors import ErrorCode
 from stages.evals.config import GateThreshold
+from stages.pathfields import PathField
 
 MAX_STEPS = 100_000_000
 
@@ -110,10 +112,22 @@ class RLVRConfig(StrictModel):
 class PostTrainingConfig(StrictModel):
     # file:///abs path of a local HF model folder (config, weights, tokenizer with a chat
     # template); None: the pretraining stage's HF export.
-    base_model: str | None = Field(default=None, max_length=2048)
+    base_model: Annotated[str | None, PathField(
+        "model", "dir", exists=True, contains=("config.json", "tokenizer_config.json"),
+        invalid=ErrorCode.post_training_model_invalid)] = Field(default=None, max_length=2048)
+    # The base model folder's digest, by the folder rule over every file in it (sha256
+    # of the sorted "<relative path>\t<file sha256>\n" lines, stages/snapshot.py): the
+    # run trains only on the bytes this names.
+    base_model_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     sft: SFTConfig | None = None
     dpo: DPOConfig | None = None
     rlvr: RLVRConfig | None = None
+
+    @model_validator(mode="after")
+    def _pinned(self) -> PostTrainingConfig:
+        if (self.base_model is None) != (self.base_model_sha256 is None):
+            raise ValueError("base_model and base_model_sha256 go together")
+        return self
 
     def steps(self) -> list[str]:
         return [s for s in ("sft", "dpo", "rlvr") if getattr(self, s) is not None]

@@ -10,11 +10,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from stages.data_prep.refs import is_data
 from stages.errors import ErrorCode, ItoError
+from stages.pathfields import file_uri_path
+from stages.snapshot import InputFile, hash_fd, read_inside, tree_digest
 
 Kind = Literal["sft", "dpo", "rlvr"]
 ROLES = ("system", "user", "assistant")
@@ -23,21 +30,6 @@ MAX_ROWS = 1_000_000
 
 def _bad(path: Path, line: int, why: str) -> ItoError:
     return ItoError(ErrorCode.post_training_data_invalid, f"{path.name}:{line}: {why}")
-
-
-def ref_path(uri: str) -> Path:
-    return Path(uri.removeprefix("file://"))
-
-
-def _files(path: Path) -> list[Path]:
-    if path.is_dir():
-        return sorted(p for p in path.rglob("*.jsonl") if p.is_file())
-    if not path.exists():
-        raise ItoError(ErrorCode.data_not_found, f"{path.name}: no such file")
-    if path.suffix != ".jsonl":
-        raise ItoError(ErrorCode.data_format_unsupported,
-                       f"{path.name}: post-training data must be .jsonl")
-    return [path]
 
 
 def _messages(v: Any, path: Path, line: int, field: str) -> list[dict[str, str]]:
@@ -88,21 +80,55 @@ def _check(kind: Kind, row: Any, path: Path, line: int) -> dict[str, Any]:
     return {"prompt": prompt, "answer": answer}
 
 
-def load_rows(kind: Kind, uri: str) -> list[dict[str, Any]]:
-    """Every row of the dataset, validated; raises ItoError on the first bad line."""
+def _parse(kind: Kind, fd: int, path: Path, rows: list[dict[str, Any]]) -> InputFile:
+    """Validate and append the rows of one file, hashing the very bytes parsed."""
+    h, size = hashlib.sha256(), 0
+    with os.fdopen(os.dup(fd), "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            h.update(raw)
+            size += len(raw)
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                raise _bad(path, n, "not UTF-8 JSON") from None
+            rows.append(_check(kind, row, path, n))
+            if len(rows) > MAX_ROWS:
+                raise _bad(path, n, f"more than {MAX_ROWS} rows")
+    return InputFile(path.as_posix(), h.hexdigest(), size)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    rows: list[dict[str, Any]]
+    sha256: str  # by DataRef's rule, of the bytes the rows were parsed from
+
+
+def read_dataset(kind: Kind, uri: str, roots: Sequence[str], where: str) -> Dataset:
+    """Every row of the dataset, validated, read by the safe walk inside ``roots``
+    (``stages/snapshot.py``) and hashed as parsed; raises ItoError on the first bad
+    line. Of a folder, the ``.jsonl`` files are rows; every data file is digested."""
+    path = file_uri_path(uri, where) if uri.startswith("file:") else uri
     rows: list[dict[str, Any]] = []
-    for path in _files(ref_path(uri)):
-        with path.open("rb") as f:
-            for n, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    row = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError):
-                    raise _bad(path, n, "not UTF-8 JSON") from None
-                rows.append(_check(kind, row, path, n))
-                if len(rows) > MAX_ROWS:
-                    raise _bad(path, n, f"more than {MAX_ROWS} rows")
+    files: list[InputFile] = []
+    is_dir = False
+    for rel, fd, is_dir in read_inside(path, roots, where, include=is_data):
+        name = Path(rel)
+        if name.suffix == ".jsonl":
+            files.append(_parse(kind, fd, name, rows))
+        elif not is_dir:
+            raise ItoError(ErrorCode.data_format_unsupported,
+                           f"{where}: post-training data must be .jsonl")
+        else:
+            files.append(InputFile(rel, *hash_fd(fd)))
     if not rows:
         raise ItoError(ErrorCode.data_empty, f"{kind} data has no rows")
-    return rows
+    digest = tree_digest((f.relpath, f.sha256) for f in files) if is_dir else files[0].sha256
+    return Dataset(rows, digest)
+
+
+def load_rows(kind: Kind, uri: str) -> list[dict[str, Any]]:
+    """The rows of a dataset anywhere on this host (benchmarks, the stage's own tests):
+    ``read_dataset`` with the whole file system as the root."""
+    return read_dataset(kind, uri, ("/",), "data").rows

@@ -12,15 +12,16 @@ def model_dir(uri: str) -> Path:
     return Path(uri.removeprefix("file://"))
 
 
-def check_model_dir(path: Path) -> None:
-    if not path.is_absolute():
-        raise ItoError(ErrorCode.post_training_model_invalid, "base_model must be absolute")
-    need = ["config.json", "tokenizer_config.json"]
-    missing = [n for n in need if not (path / n).is_file()]
-    weights = list(path.glob("*.safetensors")) + list(path.glob("pytorch_model*.bin"))
+def check_model_dir(files: list[str]) -> None:
+    """The folder's files (relative paths, from the walk that read them) make an HF
+    model: config, tokenizer config and weights at its top level."""
+    top = {f for f in files if "/" not in f}
+    missing = [n for n in ("config.json", "tokenizer_config.json") if n not in top]
+    weights = [f for f in top if f.endswith(".safetensors")
+               or (f.startswith("pytorch_model") and f.endswith(".bin"))]
     if missing or not weights:
         raise ItoError(ErrorCode.post_training_model_invalid,
-                       f"{path.name}: not an HF model folder (missing "
+                       "base_model is not an HF model folder (missing "
                        f"{', '.join(missing + ([] if weights else ['weights']))})")
 
 
@@ -35,7 +36,6 @@ def load_model(path: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
                                                  dtype=torch.float32)
     model.config.use_cache = True

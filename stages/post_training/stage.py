@@ -4,6 +4,7 @@ each saved in HF format and followed by its gate; a failed gate stops the run.""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -12,8 +13,14 @@ from pydantic import Field
 from stages.base import GateOutcome, StageContext, StrictModel
 from stages.errors import ErrorCode, ItoError
 from stages.events import InterruptionEvent, MetricsEvent, PhaseEvent
+from stages.pathfields import field_spec, local_path
 from stages.placement import actor_options
 from stages.post_training.config import PostTrainingConfig, RLVRConfig, StepGate
+
+_spec = field_spec(PostTrainingConfig, "base_model")
+assert _spec is not None
+BASE_MODEL = _spec
+MODEL_INVALID = ErrorCode.post_training_model_invalid
 
 
 class PostTrainingStageConfig(StrictModel):
@@ -24,6 +31,10 @@ class PostTrainingStageConfig(StrictModel):
     device: Literal["cpu", "cuda"] = "cpu"
     ray_namespace: str | None = None
     max_worker_restarts: int = Field(default=3, ge=0)
+    # The account's roots, from the supervisor (never the manifest): datasets are read
+    # inside the data roots, a named base model inside the data or checkpoint roots.
+    data_roots: tuple[str, ...] = ()
+    model_roots: tuple[str, ...] = ()
 
 
 def check_gate(step: str, gate: StepGate | None, metrics: dict[str, float]) -> str | None:
@@ -44,15 +55,25 @@ def reward_gain(rewards: list[float]) -> dict[str, float]:
     return {"reward_first": first, "reward_last": last, "reward_gain": last - first}
 
 
-def validate_recipe(recipe: PostTrainingConfig) -> dict[str, int]:
-    """The API's validation-time check: every dataset parses in its format, the reward
-    is registered and a named base model is an HF folder. Returns rows per step."""
-    from stages.post_training.hf_io import check_model_dir, model_dir
+def validate_recipe(recipe: PostTrainingConfig, *, data_roots: Sequence[str],
+                    model_roots: Sequence[str]) -> dict[str, int]:
+    """The API's validation-time check: every dataset parses in its format and matches
+    its digest, the reward is registered and a named base model is an HF folder (its
+    digest is checked by the run, which reads the weights). Returns rows per step."""
+    from stages.post_training.hf_io import check_model_dir
+    from stages.snapshot import read_inside
 
-    stage = PostTrainingStage(PostTrainingStageConfig(recipe=recipe, output_dir="/nonexistent"))
+    stage = PostTrainingStage(PostTrainingStageConfig(
+        recipe=recipe, output_dir="/nonexistent", data_roots=tuple(data_roots),
+        model_roots=tuple(model_roots)))
     rows = stage.load_data()
     if recipe.base_model is not None:
-        check_model_dir(model_dir(recipe.base_model))
+        where = "post_training.base_model"
+        path = local_path(recipe.base_model, BASE_MODEL, where)
+        assert path is not None
+        names = [rel for rel, _, _ in read_inside(path, model_roots, where, kind="model",
+                                                   want="dir", missing=MODEL_INVALID)]
+        check_model_dir(names)
     return {k: len(v) for k, v in rows.items()}
 
 
@@ -80,22 +101,40 @@ class PostTrainingStage:
 
     # -- inputs ------------------------------------------------------------------------
     def base_model(self, ctx: StageContext) -> Path:
+        """The folder the policy loads from: a private copy of the recipe's base model,
+        made from the descriptors the safe walk opened and matched against its digest,
+        or the pretraining stage's export (the run's own)."""
         from stages.post_training.hf_io import check_model_dir, model_dir
+        from stages.snapshot import snapshot
 
-        uri = self.config.recipe.base_model
-        if uri is None:
-            train = ctx.previous.get("train")
-            arts = train.artifacts if train else {}
-            uri = arts.get("hf_model_dir") or arts.get("hf_export_dir") or None
+        recipe = self.config.recipe
+        if recipe.base_model is not None:
+            where = "post_training.base_model"
+            path = local_path(recipe.base_model, BASE_MODEL, where)
+            assert path is not None
+            snap = snapshot(path, self.config.model_roots, ctx.workdir / "inputs" / "base_model",
+                            where, kind="model", want="dir", missing=MODEL_INVALID)
+            if snap.sha256 != recipe.base_model_sha256:
+                raise ItoError(ErrorCode.data_digest_mismatch,
+                               f"{where}: the folder's digest does not match base_model_sha256"
+                               "; nothing was trained on it")
+            assert snap.path is not None
+            check_model_dir([f.relpath for f in snap.files])
+            return snap.path
+        train = ctx.previous.get("train")
+        arts = train.artifacts if train else {}
+        uri = arts.get("hf_model_dir") or arts.get("hf_export_dir") or None
         if uri is None:
             raise ItoError(ErrorCode.post_training_model_invalid,
                            "no base_model in the recipe and no HF export from pretraining")
-        path = model_dir(str(uri))
-        check_model_dir(path)
-        return path
+        exported = model_dir(str(uri))
+        check_model_dir([p.relative_to(exported).as_posix() for p in exported.rglob("*")])
+        return exported
 
     def load_data(self) -> dict[str, list[dict[str, Any]]]:
-        from stages.post_training.data import Kind, load_rows
+        """Every dataset's rows, parsed from the bytes its digest was computed over;
+        a dataset changed since submit is ``data_digest_mismatch`` before any step."""
+        from stages.post_training.data import Kind, read_dataset
         from stages.post_training.rewards import get_reward
 
         recipe = self.config.recipe
@@ -104,7 +143,13 @@ class PostTrainingStage:
         for step in kinds:
             cfg = getattr(recipe, step)
             if cfg is not None:
-                rows[step] = load_rows(step, cfg.data.uri)
+                where = f"post_training.{step}.data"
+                data = read_dataset(step, cfg.data.uri, self.config.data_roots, where)
+                if data.sha256 != cfg.data.sha256:
+                    raise ItoError(ErrorCode.data_digest_mismatch,
+                                   f"{where}: the data's digest does not match its sha256; "
+                                   "nothing was trained on it")
+                rows[step] = data.rows
         for name in recipe.steps():
             battery = getattr(recipe, name).eval.battery
             if battery is not None:
@@ -123,8 +168,8 @@ class PostTrainingStage:
         from stages.post_training.hf_io import load_model, load_tokenizer, save
 
         try:
-            base = self.base_model(ctx)
             rows = self.load_data()
+            base = self.base_model(ctx)
             model, tok = load_model(base), load_tokenizer(base)
             out = Path(self.config.output_dir)
             results: dict[str, Any] = {}

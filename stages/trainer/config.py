@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from stages.base import StrictModel
 from stages.checkpointing.config import CheckpointPolicy
 from stages.curriculum.plan import CurriculumPlan, PhasePlan
-from stages.errors import ItoError
+from stages.errors import ErrorCode, ItoError
 from stages.evals.config import EvalRunSettings
+from stages.pathfields import PathField
 from stages.trainer.layout import ParallelLayout
 
 
@@ -20,10 +21,14 @@ class ModelSpec(StrictModel):
     size: str = Field(description="Human label of the size, e.g. '124K' or '8B'")
     revision: str = Field(default="random-init", max_length=128)
     # A local Hugging Face checkpoint folder; None builds from the preset, random init.
-    checkpoint_path: str | None = None
+    checkpoint_path: Annotated[str | None, PathField(
+        "model", "dir", exists=True, contains=("config.json",),
+        invalid=ErrorCode.model_checkpoint_invalid)] = Field(default=None, max_length=4096)
     # A local tokenizer folder (save_pretrained layout); None trains a byte-level BPE
     # with the preset's vocab_size on the run's prepared data.
-    tokenizer_path: str | None = None
+    tokenizer_path: Annotated[str | None, PathField(
+        "model", "dir", exists=True, contains=("tokenizer.json",),
+        invalid=ErrorCode.tokenizer_invalid)] = Field(default=None, max_length=4096)
 
 
 # Upper bounds a real run stays far below (the largest public runs: ~15T tokens, ~16M

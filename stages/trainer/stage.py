@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -34,8 +35,39 @@ class TrainingStage:
     name: ClassVar[str] = "train"
     config_model: ClassVar[type[TrainStageConfig]] = TrainStageConfig
 
-    def __init__(self, config: TrainStageConfig):
+    def __init__(self, config: TrainStageConfig, model_roots: Sequence[str] = ()):
         self.config = config
+        # The account's data and checkpoint roots, from the supervisor (never the
+        # manifest): a named checkpoint or tokenizer folder must lie inside them.
+        self.model_roots = tuple(model_roots)
+
+    def pin_inputs(self, ctx: StageContext) -> TrainStageConfig:
+        """The config with ``model.checkpoint_path`` and ``model.tokenizer_path`` pointing
+        at private copies in the run's scratch space, made by the safe walk inside the
+        roots (``stages/snapshot.py``): every rank loads what was checked, and a swap
+        in the tenant's folder after the check reaches no rank."""
+        from stages.pathfields import field_spec, local_path
+        from stages.snapshot import snapshot
+        from stages.trainer.config import ModelSpec
+
+        model, update = self.config.model, {}
+        for name in ("checkpoint_path", "tokenizer_path"):
+            raw, spec = getattr(model, name), field_spec(ModelSpec, name)
+            if raw is None or spec is None:
+                continue
+            where = f"model.{name}"
+            path = local_path(raw, spec, where)
+            assert path is not None
+            snap = snapshot(path, self.model_roots, ctx.workdir / "inputs" / name, where,
+                            kind=spec.roots, want="dir", missing=spec.invalid)
+            names = {f.relpath for f in snap.files}
+            absent = [n for n in spec.contains if n not in names]
+            if absent:
+                raise ItoError(spec.invalid, f"{where} has no {', '.join(absent)}")
+            update[name] = str(snap.path)
+        if not update:
+            return self.config
+        return self.config.model_copy(update={"model": model.model_copy(update=update)})
 
     def checkpoint_dir(self, ctx: StageContext) -> Path:
         return Path(self.config.checkpoint.storage_path) / ctx.run_id
@@ -46,9 +78,13 @@ class TrainingStage:
         from stages.trainer.layout import check_runnable
         from stages.trainer.tokenizer import ByteTokenizer
 
-        cfg = self.config
+        try:
+            cfg = self.pin_inputs(ctx)
+        except ItoError as e:
+            return GateOutcome(stage=self.name, status="failed", reason=e.message,
+                               error_code=e.code.value)
         if cfg.curriculum is not None:
-            return self._run_curriculum(ctx)
+            return self._run_curriculum(ctx, cfg)
         try:
             # What the device cannot run fails here, before any worker starts; each
             # worker checks again against its GPU's compute capability.
@@ -91,14 +127,13 @@ class TrainingStage:
                        "layout": result.layout},
             error_code=None if done else ErrorCode.training_failed.value)
 
-    def _run_curriculum(self, ctx: StageContext) -> GateOutcome:
+    def _run_curriculum(self, ctx: StageContext, cfg: TrainStageConfig) -> GateOutcome:
         from stages.presets import load_model_preset
         from stages.trainer.engine import RunCancelled
         from stages.trainer.layout import check_runnable
         from stages.trainer.phase_data import prepare_phase_data
         from stages.trainer.phases import CurriculumRunner
 
-        cfg = self.config
         try:
             check_runnable(cfg.layout, cfg.device)
             preset = load_model_preset(cfg.model.preset)

@@ -85,12 +85,14 @@ def _payload(m: dict[str, Any]) -> dict[str, str]:
 def test_a_tokenizer_folder_must_be_a_local_tokenizer(api: Api) -> None:
     from stages.hf import save_tokenizer, train_tokenizer
 
-    for bad in ("relative/tok", "/nonexistent/tok", str(api.tmp)):
+    for bad, code in (("relative/tok", "path_not_local"), ("hf://org/tok", "path_not_local"),
+                      ("/nonexistent/tok", "path_outside_root"),
+                      (str(api.tmp), "tokenizer_invalid")):
         m = api.manifest()
         m["model"]["tokenizer_path"] = bad
         r = api.client.post("/v1/plans", json={"booking_id": api.t.booking_id,
                                                **_payload(m)}, headers=api.h(api.t.submitter))
-        assert code_of(r) == "tokenizer_invalid"
+        assert code_of(r) == code, (bad, r.text)
     good = save_tokenizer(train_tokenizer([], vocab_size=260), api.tmp / "tok")
     m = api.manifest()
     m["model"]["tokenizer_path"] = f"file://{good}"

@@ -14,7 +14,7 @@ from orchestrator.gates.costing import (
     price_per_gpu_hour,
 )
 from orchestrator.gates.manifest import Manifest
-from orchestrator.gates.roots import Roots, check_checkpoint_roots
+from orchestrator.gates.roots import Roots, check_manifest_paths
 from orchestrator.gates.validation import training_tokens
 from orchestrator.settings import Settings
 from stages.errors import ErrorCode, ItoError
@@ -58,23 +58,29 @@ def test_training_tokens_counts_post_training() -> None:
 def test_checkpoint_storage_roots(tmp_path: Path) -> None:
     allowed = tmp_path / "allowed"
     allowed.mkdir()
-    roots = Roots(data=(), checkpoint=(str(allowed),))
-    inside = Manifest.model_validate(example_manifest(allowed / "run" / "ckpt"))
-    assert check_checkpoint_roots(inside, roots) == str(allowed / "run" / "ckpt")
+    data = tmp_path / "data"
+    data.mkdir()
+
+    def manifest(storage: Path) -> Manifest:
+        m = example_manifest(storage)
+        m["data"]["refs"][0]["uri"] = f"file://{data}/train.jsonl"
+        return Manifest.model_validate(m)
+
+    roots = Roots(data=(str(data),), checkpoint=(str(allowed),))
+    inside = manifest(allowed / "run" / "ckpt")
+    check_manifest_paths(inside, roots)
     assert list(allowed.iterdir()) == []  # no probe: nothing created, nothing written
-    outside = Manifest.model_validate(example_manifest(tmp_path / "elsewhere"))
     with pytest.raises(ItoError) as e:
-        check_checkpoint_roots(outside, roots)
+        check_manifest_paths(manifest(tmp_path / "elsewhere"), roots)
     assert e.value.code == ErrorCode.path_outside_root
     # A symlink inside the root pointing outside it is refused, never followed.
     (allowed / "escape").symlink_to(tmp_path)
-    sneaky = Manifest.model_validate(example_manifest(allowed / "escape" / "ckpt"))
     with pytest.raises(ItoError) as e:
-        check_checkpoint_roots(sneaky, roots)
+        check_manifest_paths(manifest(allowed / "escape" / "ckpt"), roots)
     assert e.value.code == ErrorCode.path_outside_root
     assert str(tmp_path) not in e.value.message
     # No roots configured: nothing is allowed (there is no "any path" default).
     with pytest.raises(ItoError) as e:
-        check_checkpoint_roots(inside, Roots((), ()))
+        check_manifest_paths(inside, Roots((str(data),), ()))
     assert e.value.code == ErrorCode.path_outside_root
 

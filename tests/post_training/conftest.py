@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from stages.data_prep.refs import is_data
 from stages.post_training.synthetic import build_tiny_policy, write_task
+from stages.snapshot import path_digest
 
 
 @pytest.fixture(scope="session")
@@ -21,5 +23,10 @@ def task_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def data_ref(path: Path) -> dict[str, object]:
-    return {"uri": f"file://{path}", "sha256": "0" * 64,
+    return {"uri": f"file://{path}", "sha256": path_digest(path, include=is_data),
             "provenance": {"source": "synthetic", "license": "MIT"}}
+
+
+def base_model(path: Path) -> dict[str, str]:
+    """A recipe's ``base_model`` and the digest that pins it."""
+    return {"base_model": f"file://{path}", "base_model_sha256": path_digest(path)}

@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.tenants import DEFAULT_ROOTS
 
 from stages.base import StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.post_training.data import load_rows
 from stages.post_training.rewards import get_reward, gsm8k_exact_match, parse_number
-from tests.post_training.conftest import data_ref
+from tests.post_training.conftest import base_model, data_ref
 
 
 def _write(tmp: Path, rows: list[Any], name: str = "d.jsonl") -> str:
@@ -84,13 +85,14 @@ def _stage(tmp: Path, policy: Path, task: dict[str, Path], **over: Any) -> Any:
     from stages.post_training import PostTrainingStage, PostTrainingStageConfig
 
     recipe: dict[str, Any] = {
-        "base_model": f"file://{policy}",
+        **base_model(policy),
         "sft": {"data": data_ref(task["sft"]), "steps": 4, "learning_rate": 5e-3},
         "rlvr": {"data": data_ref(task["rlvr"]), "steps": 2, "reward": "first_number_match",
                  "group_size": 4, "groups_per_step": 2, "max_completion_tokens": 4,
                  "overlong_buffer_tokens": 1, "learning_rate": 1e-2}, **over}
     return PostTrainingStage(PostTrainingStageConfig.model_validate(
-        {"recipe": recipe, "output_dir": str(tmp / "out"), "fleet": "local"}))
+        {"recipe": recipe, "output_dir": str(tmp / "out"), "fleet": "local",
+         "data_roots": DEFAULT_ROOTS, "model_roots": DEFAULT_ROOTS}))
 
 
 def test_a_failed_gate_stops_the_chain(tmp_path: Path, tiny_policy: Path,
@@ -123,9 +125,12 @@ def test_prefix_chain_passes_and_reports_fleet_metrics(tmp_path: Path, tiny_poli
 
 def test_bad_base_model_and_unknown_reward(tmp_path: Path, tiny_policy: Path,
                                            task_files: dict[str, Path]) -> None:
-    out = _stage(tmp_path, tmp_path, task_files).run(
-        StageContext(run_id="r", booking_id="b", workdir=tmp_path))
-    assert out.error_code == ErrorCode.post_training_model_invalid
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    (not_a_model / "config.json").write_text("{}")
+    out = _stage(tmp_path, not_a_model, task_files).run(
+        StageContext(run_id="r", booking_id="b", workdir=tmp_path / "w"))
+    assert out.error_code == ErrorCode.post_training_model_invalid, out
     bad = _stage(tmp_path, tiny_policy, task_files, rlvr={
         "data": data_ref(task_files["rlvr"]), "steps": 1, "reward": "nope",
         "max_completion_tokens": 4, "overlong_buffer_tokens": 1})
@@ -142,18 +147,24 @@ def test_validation_time_check_names_the_bad_line(tmp_path: Path, tiny_policy: P
     bad = _write(tmp_path, [{"prompt": "p", "chosen": "c"}], "p.jsonl")
 
     def recipe(**kw: Any) -> PostTrainingConfig:
-        return PostTrainingConfig.model_validate({"base_model": f"file://{tiny_policy}", **kw})
+        return PostTrainingConfig.model_validate({**base_model(tiny_policy), **kw})
 
-    ref = {"sha256": "0" * 64, "provenance": {"source": "s", "license": "MIT"}}
-    assert validate_recipe(recipe(sft={"data": {"uri": good, **ref}, "steps": 1})) == {"sft": 1}
+    def check(r: PostTrainingConfig) -> dict[str, int]:
+        return validate_recipe(r, data_roots=DEFAULT_ROOTS, model_roots=DEFAULT_ROOTS)
+
+    assert check(recipe(sft={"data": data_ref(Path(good[7:])), "steps": 1})) == {"sft": 1}
     with pytest.raises(ItoError) as e:
-        validate_recipe(recipe(sft={"data": {"uri": good, **ref}, "steps": 1},
-                               dpo={"data": {"uri": bad, **ref}, "steps": 1}))
+        check(recipe(sft={"data": data_ref(Path(good[7:])), "steps": 1},
+                     dpo={"data": data_ref(Path(bad[7:])), "steps": 1}))
     assert e.value.code == ErrorCode.post_training_data_invalid and "p.jsonl:1" in str(e.value)
+    with pytest.raises(ItoError) as e:  # bytes other than the digest names: refused at plan
+        check(recipe(sft={"data": {**data_ref(Path(good[7:])), "sha256": "1" * 64},
+                          "steps": 1}))
+    assert e.value.code == ErrorCode.data_digest_mismatch
     with pytest.raises(ItoError) as e:
-        validate_recipe(PostTrainingConfig.model_validate(
-            {"base_model": f"file://{tmp_path}", "sft": {"data": {"uri": good, **ref},
-                                                          "steps": 1}}))
+        check(PostTrainingConfig.model_validate(
+            {"base_model": f"file://{tmp_path}", "base_model_sha256": "1" * 64,
+             "sft": {"data": data_ref(Path(good[7:])), "steps": 1}}))
     assert e.value.code == ErrorCode.post_training_model_invalid
 
 

@@ -21,6 +21,7 @@ from helpers.tenants import Tenant, booking_doc, make_tenant
 from orchestrator.client.api import ClientSettings, ItoClient
 from orchestrator.client.cli import run_cli
 from orchestrator.runtime import ray_cluster
+from tests.post_training.conftest import base_model
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +76,7 @@ def _manifest(tmp: Path, policy: Path, task: dict[str, Path]) -> dict[str, Any]:
         "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain",
                                    "token_fraction": 1.0}]},
         "post_training": {
-            "base_model": f"file://{policy}",
+            **base_model(policy),
             "sft": {"data": _ref(task["sft"]), "steps": 20, "learning_rate": 5e-3},
             "dpo": {"data": _ref(task["dpo"]), "steps": 10, "learning_rate": 1e-3},
             # eta = 0 with fixed seeds: the same updates as the synchronous loop whatever

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from stages.base import StrictModel
+from stages.pathfields import PathField
 
 
 class StreamConfig(StrictModel):
@@ -35,4 +36,4 @@ class StreamConfig(StrictModel):
     # by deploy/ sets these with ``ray start --object-store-memory`` and
     # ``--system-config '{"object_spilling_config": ...}'``.
     object_store_memory_mb: int = Field(default=1024, ge=78)
-    spill_dir: str | None = None
+    spill_dir: Annotated[str | None, PathField("data", "dir", form="path")] = None
