@@ -90,14 +90,36 @@ def is_data(rel: str) -> bool:
     return Path(name).suffix in DATA_SUFFIXES and not name.startswith(".")
 
 
-def _resolve_inside(ref: DataRef, roots: Sequence[str], where: str,
-                    copy_to: Path) -> ResolvedRef:
+def _cached_path(uri: str, cache_dir: Path, where: str) -> str:
+    """Where a remote ref's local copy sits below a tenant's cache folder (lexically:
+    the walk, not ``resolve()``, decides what is reached)."""
+    parsed = urlparse(uri)
+    rel = (parsed.netloc + unquote(parsed.path)).strip("/")
+    if not rel:
+        raise outside(where)
+    return f"{str(cache_dir).rstrip('/')}/{parsed.scheme.lower()}/{rel}"
+
+
+def _resolve_inside(ref: DataRef, roots: Sequence[str], where: str, copy_to: Path,
+                    cache_dir: Path | None) -> ResolvedRef:
     """resolve_ref under data roots: every file is reached by the safe walk (a symlink
     anywhere below the ref is refused) and copied from its own descriptor into the
     run's ``copy_to``, hashed as copied; the stage reads only the copies, so what the
-    digests were checked on is what is read (stages/snapshot.py)."""
-    path = file_uri_path(ref.uri, where)
-    snap = snapshot(path, roots, copy_to, where, include=is_data)
+    digests were checked on is what is read (stages/snapshot.py). A remote ref is read
+    the same way from the tenant's cache folder."""
+    if cache_dir is None:
+        path = file_uri_path(ref.uri, where)
+        snap = snapshot(path, roots, copy_to, where, include=is_data)
+    else:
+        path = _cached_path(ref.uri, cache_dir, where)
+        try:
+            snap = snapshot(path, roots, copy_to, where, include=is_data)
+        except ItoError as e:
+            if e.code != ErrorCode.data_not_found:
+                raise
+            raise ItoError(ErrorCode.data_remote_not_cached,
+                           f"{where}: remote data is not fetched on booked nodes; place a "
+                           "copy in the cache folder first") from None
     if snap.is_dir and not snap.files:
         raise ItoError(ErrorCode.data_empty, f"{where}: no data files in the folder")
     assert snap.path is not None
@@ -176,10 +198,14 @@ def resolve_ref(ref: DataRef, cache_dir: Path | None = None,
     With ``roots`` (the account's data roots, always set for a run) a ``file://`` ref
     must lie inside one of them, reached by the symlink-safe walk, and is copied into
     ``copy_to`` (the run's scratch space) from the descriptors that walk opened."""
-    if roots is not None and urlparse(ref.uri).scheme.lower() == "file":
+    scheme = urlparse(ref.uri).scheme.lower()
+    # A tenant's cache folder lies in its roots too; the operator's default cache
+    # (cache_dir None) is the server's own.
+    if roots is not None and (scheme == "file" or (scheme in REMOTE_SCHEMES and cache_dir)):
         if copy_to is None:
             raise ValueError("a ref under data roots is read from a private copy: copy_to")
-        return _resolve_inside(ref, roots, where, copy_to)
+        return _resolve_inside(ref, roots, where, copy_to,
+                               cache_dir if scheme != "file" else None)
     path = local_path(ref.uri, cache_dir)
     if path.is_dir():
         paths = data_files(path)

@@ -269,3 +269,33 @@ def test_a_data_file_swapped_for_a_symlink_during_data_prep_is_not_read(
                           data_roots=(str(w.data_root),)).run(
         StageContext(run_id="r2", booking_id="b", workdir=tmp_path / "again"))
     assert again.error_code == "path_outside_root"
+
+
+def test_a_remote_ref_from_the_tenants_cache_folder_is_walked_too(
+        world: World, tmp_path: Path) -> None:
+    """An hf:// ref resolves from the tenant's ``cache_dir``; a symlink there to another
+    tenant's corpus is refused like any other, and a real copy is read privately."""
+    w = world
+    globex = w.tmp / "globex-data" / "corpus.jsonl"
+    globex.parent.mkdir(parents=True)
+    globex.write_text(json.dumps({"text": "globex private"}) + "\n")
+    cache = w.data_root / "cache"
+    (cache / "hf" / "datasets" / "acme").mkdir(parents=True)
+    cached = cache / "hf" / "datasets" / "acme" / "ds.jsonl"
+    cached.symlink_to(globex)
+    m = w.manifest("hf://datasets/acme/ds.jsonl", eval_suites=[], cache_dir=str(cache))
+    m["data"]["refs"][0]["sha256"] = hashlib.sha256(globex.read_bytes()).hexdigest()
+    m["data"]["ladder_probe"] = {"enabled": False}
+
+    def run(name: str) -> Any:
+        return DataPrepStage(DataPrepConfig.model_validate(m["data"]),
+                             data_roots=(str(w.data_root),)).run(
+            StageContext(run_id="r1", booking_id="b", workdir=tmp_path / name))
+
+    out = run("link")
+    assert out.error_code == "path_outside_root", out
+    assert not _leaks(out.reason, globex)
+    cached.unlink()
+    cached.write_text(json.dumps({"text": "acme cached document"}) + "\n")
+    m["data"]["refs"][0]["sha256"] = hashlib.sha256(cached.read_bytes()).hexdigest()
+    assert run("real").status == "passed"
