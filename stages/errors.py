@@ -22,7 +22,9 @@ class ErrorCode(StrEnum):
     http_status: int
     meaning: str
 
-    def __new__(cls, value: str, http_status: int, meaning: str) -> ErrorCode:
+    # The defaults exist only so type checkers accept the lookup ``ErrorCode("x")``;
+    # every member must give both (checked right below the class).
+    def __new__(cls, value: str, http_status: int = 0, meaning: str = "") -> ErrorCode:
         member = str.__new__(cls, value)
         member._value_ = value
         member.http_status = http_status
@@ -429,6 +431,11 @@ class ErrorCode(StrEnum):
         "Post-training: the rollout fleet could not produce samples (workers not ready or not "
         "restarted within their timeouts)."
     )
+
+
+_INCOMPLETE = [c.value for c in ErrorCode if not (400 <= c.http_status <= 599 and c.meaning)]
+if _INCOMPLETE:
+    raise TypeError(f"error codes without an HTTP status or meaning: {_INCOMPLETE}")
 
 
 _MARKDOWN_HEAD = """\

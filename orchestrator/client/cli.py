@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--post-training", choices=["sft", "dpo", "rlvr"], default=None)
     p.add_argument("--output", default=None,
                    help="where to write it (default ./ito-manifest-<booking>.json)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="checkpoints go under DIR/<name> (default: the account's first "
+                        "checkpoint root, from the server)")
     return parser
 
 
