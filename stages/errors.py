@@ -136,6 +136,12 @@ class ErrorCode(StrEnum):
         "`booking_not_found`, exactly as a missing one."
     )
     booking_exists = "booking_exists", 409, "Admin: a booking with this id is already registered."
+    address_in_use = (
+        "address_in_use", 409,
+        "Admin: `ito-backend serve` could not bind its metrics port because another process "
+        "holds it; the message names the address and the flag (`--metrics-port`, or 0 for a "
+        "free port)."
+    )
     # --- manifest ---------------------------------------------------------------------
     manifest_invalid = (
         "manifest_invalid", 422,
