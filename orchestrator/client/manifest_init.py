@@ -240,19 +240,3 @@ def run_init(client: ItoClient, args: Any) -> Envelope:
                        "(confirm and train it with the commands under next)",
                        live_api_contacted=True)
 
-
-def readable(d: dict[str, Any]) -> str:
-    from orchestrator.client import human
-
-    lines = [f"wrote {d['manifest_path']} (0600)",
-             f"  sha256 {d['manifest_digest']}  preset {d['model_preset']}  "
-             f"evals {', '.join(d['eval_suites'])}"]
-    if "cost_estimate_usd" in d:
-        lines.append(f"  server cost estimate {human.value('cost', d['cost_estimate_usd'])}"
-                     f" (beyond the booking's term "
-                     f"{human.value('cost', d.get('incremental_cost_usd') or 0.0)})")
-        plan = d.get("plan")
-        lines.append("  plan: " + (json.dumps(plan, sort_keys=True) if plan else
-                                   f"none ({d.get('plan_refusal')})"))
-    lines += ["next:", *(f"  {k}: {v}" for k, v in d["next"].items())]
-    return "\n".join(lines)
