@@ -21,7 +21,7 @@ def _section(title: str) -> str:
     text = README.read_text()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else None]
+    return text[start : end if end > 0 else None]
 
 
 def test_readme_starts_with_the_two_commands_that_ci_runs() -> None:
@@ -63,27 +63,51 @@ def test_readme_development_commands_work_as_written() -> None:
         assert (bin_dir / tool).exists(), f"{command}: no {tool} in {bin_dir}"
     # `pytest tests/<folder>` (the console script, not `python -m pytest`) must import
     # the `tests` package: every module that does, collected the way the README runs it.
-    by_package = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests").rglob("test_*.py"))
-                  if re.search(r"^(from|import) tests\.", p.read_text(), re.M)]
-    proc = subprocess.run([str(bin_dir / "pytest"), *by_package, "tests/test_packaging.py",
-                           "--collect-only", "-q", "-p", "no:cacheprovider"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    by_package = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "tests").rglob("test_*.py"))
+        if re.search(r"^(from|import) tests\.", p.read_text(), re.M)
+    ]
+    proc = subprocess.run(
+        [
+            str(bin_dir / "pytest"),
+            *by_package,
+            "tests/test_packaging.py",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "No module named 'tests'" not in proc.stdout + proc.stderr
 
 
 # Bookkeeping of how the code was written, which a maintainer cannot act on; and claims
 # known to have gone stale.
-_STALE = re.compile(r"\bissue[ -]?#?\d+|\bpart [AB]\b|\bpart [AB]'s\b|FINDINGS\.md"
-                    r"|relaunched .{0,60}at most twice", re.IGNORECASE)
+_STALE = re.compile(
+    r"\bissue[ -]?#?\d+|\bpart [AB]\b|\bpart [AB]'s\b|FINDINGS\.md"
+    r"|relaunched .{0,60}at most twice",
+    re.IGNORECASE,
+)
 
 
 def test_no_session_bookkeeping_or_stale_claims_in_code_or_docs() -> None:
     files = [README, *(ROOT / "docs").glob("*.md")]
     for folder in ("orchestrator", "stages", "tests", "benchmarks", "scripts", "deploy"):
-        files += [p for p in (ROOT / folder).rglob("*") if p.is_file()
-                  and p.suffix in (".py", ".md", ".sh", ".sbatch", ".yaml")]
-    hits = [f"{p.relative_to(ROOT)}:{n}: {line.strip()[:80]}"
-            for p in files for n, line in enumerate(p.read_text().splitlines(), 1)
-            if p != Path(__file__) and _STALE.search(line)]
+        files += [
+            p
+            for p in (ROOT / folder).rglob("*")
+            if p.is_file() and p.suffix in (".py", ".md", ".sh", ".sbatch", ".yaml")
+        ]
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()[:80]}"
+        for p in files
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if p != Path(__file__) and _STALE.search(line)
+    ]
     assert not hits, hits

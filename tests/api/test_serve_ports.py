@@ -21,19 +21,41 @@ _PRINTED = re.compile(r"metrics listener on http://127\.0\.0\.1:(\d+)/metrics")
 
 
 def _serve_argv(tmp: Path, metrics_port: int) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.admin", "serve", "--db", str(tmp / "ito.db"),
-            "--host", "127.0.0.1", "--port", str(free_port()), "--var-dir", str(tmp / "var"),
-            "--runtime", "none", "--no-planner-gate", "--metrics-port", str(metrics_port)]
+    return [
+        sys.executable,
+        "-m",
+        "orchestrator.admin",
+        "serve",
+        "--db",
+        str(tmp / "ito.db"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "--var-dir",
+        str(tmp / "var"),
+        "--runtime",
+        "none",
+        "--no-planner-gate",
+        "--metrics-port",
+        str(metrics_port),
+    ]
 
 
 def test_a_taken_metrics_port_is_refused_with_the_port_and_the_flag(tmp_path: Path) -> None:
     first = start_backend(tmp_path / "first")
     try:
-        second = subprocess.run(_serve_argv(tmp_path, first.metrics_port),
-                                capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S * 2)
+        second = subprocess.run(
+            _serve_argv(tmp_path, first.metrics_port),
+            capture_output=True,
+            text=True,
+            timeout=STARTUP_TIMEOUT_S * 2,
+        )
         assert second.returncode == 1, second.stderr[-2000:]
-        assert f"error [address_in_use]: the metrics port 127.0.0.1:{first.metrics_port} " \
-               "is already in use" in second.stderr
+        assert (
+            f"error [address_in_use]: the metrics port 127.0.0.1:{first.metrics_port} "
+            "is already in use" in second.stderr
+        )
         assert "--metrics-port 0" in second.stderr
         assert "Traceback" not in second.stderr
         # The first server is unharmed.
@@ -45,8 +67,9 @@ def test_a_taken_metrics_port_is_refused_with_the_port_and_the_flag(tmp_path: Pa
 def test_metrics_port_zero_picks_a_free_port_and_prints_it(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(_serve_argv(tmp_path, 0), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            _serve_argv(tmp_path, 0), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         port = None

@@ -21,34 +21,88 @@ HOSTILE = f"x{CLEAR}\r{FORGED}\n{FORGED}\u202e\x9b31m\x07\x00"
 
 
 def _run(**over: Any) -> dict[str, Any]:
-    run = {"run_id": "run_1", "state": "failed", "state_reason": HOSTILE,
-           "booking_id": "bk", "manifest_id": "m", "idempotency_key": "k",
-           "cost_estimate_usd": 1.0,
-           "stage_gates": [{"stage": "data_prep", "status": "failed", "reason": HOSTILE}],
-           "eval_gates": [{"phase": HOSTILE, "battery": HOSTILE, "step": 5, "passed": False,
-                           "checks": [{"check": HOSTILE, "score": 1.5, "passed": False,
-                                       "reason": HOSTILE, "max": 1.0}]}],
-           "proposals": [{"proposal_id": "p1", "status": "pending", "action": "restart",
-                          "description": HOSTILE}]}
+    run = {
+        "run_id": "run_1",
+        "state": "failed",
+        "state_reason": HOSTILE,
+        "booking_id": "bk",
+        "manifest_id": "m",
+        "idempotency_key": "k",
+        "cost_estimate_usd": 1.0,
+        "stage_gates": [{"stage": "data_prep", "status": "failed", "reason": HOSTILE}],
+        "eval_gates": [
+            {
+                "phase": HOSTILE,
+                "battery": HOSTILE,
+                "step": 5,
+                "passed": False,
+                "checks": [
+                    {"check": HOSTILE, "score": 1.5, "passed": False, "reason": HOSTILE, "max": 1.0}
+                ],
+            }
+        ],
+        "proposals": [
+            {"proposal_id": "p1", "status": "pending", "action": "restart", "description": HOSTILE}
+        ],
+    }
     return {**run, **over}
 
 
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("status", _run()),
     ("logs", {"entries": [{"ts": 0, "level": "info", "stage": HOSTILE, "message": HOSTILE}]}),
-    ("checkpoints", {"checkpoints": [{"step": 1, "bytes": 10, "blocking_s": 0.1,
-                                      "total_s": 0.2, "bytes_per_s": 50.0, "path": HOSTILE,
-                                      "phase": HOSTILE, "closes_phase": True}]}),
-    ("metrics", {"goodput": 0.5, "eval_scores": [{"phase": HOSTILE, "check": HOSTILE,
-                                                  "score": 0.5, "passed": True}],
-                 "stage_progress": {"stage": HOSTILE, "step": HOSTILE, "step_index": 0,
-                                    "steps": 1}}),
-    ("plan", {"manifest_id": "m", "manifest_digest": "d", "booking_id": "bk",
-              "cost_estimate_usd": 1.0, "plan": None,
-              "plan_refusal": {"code": "plan_no_feasible", "message": HOSTILE},
-              "validation": {"model_preset": HOSTILE, "curriculum": {"phases": [
-                  {"name": HOSTILE, "kind": "pretrain", "steps": [0, 5], "token_budget": 10,
-                   "seq_len": 64, "battery": HOSTILE, "gates": [{"metric": HOSTILE}]}]}}}),
+    (
+        "checkpoints",
+        {
+            "checkpoints": [
+                {
+                    "step": 1,
+                    "bytes": 10,
+                    "blocking_s": 0.1,
+                    "total_s": 0.2,
+                    "bytes_per_s": 50.0,
+                    "path": HOSTILE,
+                    "phase": HOSTILE,
+                    "closes_phase": True,
+                }
+            ]
+        },
+    ),
+    (
+        "metrics",
+        {
+            "goodput": 0.5,
+            "eval_scores": [{"phase": HOSTILE, "check": HOSTILE, "score": 0.5, "passed": True}],
+            "stage_progress": {"stage": HOSTILE, "step": HOSTILE, "step_index": 0, "steps": 1},
+        },
+    ),
+    (
+        "plan",
+        {
+            "manifest_id": "m",
+            "manifest_digest": "d",
+            "booking_id": "bk",
+            "cost_estimate_usd": 1.0,
+            "plan": None,
+            "plan_refusal": {"code": "plan_no_feasible", "message": HOSTILE},
+            "validation": {
+                "model_preset": HOSTILE,
+                "curriculum": {
+                    "phases": [
+                        {
+                            "name": HOSTILE,
+                            "kind": "pretrain",
+                            "steps": [0, 5],
+                            "token_budget": 10,
+                            "seq_len": 64,
+                            "battery": HOSTILE,
+                            "gates": [{"metric": HOSTILE}],
+                        }
+                    ]
+                },
+            },
+        },
+    ),
 ]
 
 
@@ -70,8 +124,12 @@ def test_tenant_strings_reach_the_terminal_escaped(command: str, data: dict, cap
 
 
 def test_error_messages_reach_the_terminal_escaped(capsys) -> None:
-    env = {"ok": False, "live_api_contacted": True, "notice": HOSTILE,
-           "error": {"code": "stage_failed", "message": HOSTILE}}
+    env = {
+        "ok": False,
+        "live_api_contacted": True,
+        "notice": HOSTILE,
+        "error": {"code": "stage_failed", "message": HOSTILE},
+    }
     _Out(as_json=False).final("status", env)
     out = capsys.readouterr()
     assert out.out == ""
