@@ -89,9 +89,9 @@ def _bound(c: dict[str, Any]) -> str:
         for k, label in (("min", "min"), ("max", "max"), ("max_regression", "max regression"))
         if c.get(k) is not None
     ]
-    if c.get("max_regression") is not None and c.get("previous") is not None:
-        parts.append(f"(previous {human.score(c['previous'])})")
-    return " ".join(parts) or "-"
+    if parts and c.get("max_regression") is not None and c.get("previous") is not None:
+        parts[-1] += f" (previous {human.score(c['previous'])})"
+    return ", ".join(parts) or "-"
 
 
 def eval_gate(eg: dict[str, Any], indent: str = "  ") -> str:

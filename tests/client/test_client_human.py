@@ -139,13 +139,14 @@ def test_status_prints_gate_scores_rounded_in_a_table() -> None:
             {"check": "heldout_loss", "score": 3.2311687772236173, "passed": True,
              "reason": "within bounds", "max": 6.0},
             {"check": "heldout_loss", "score": 3.2311687772236173, "passed": True,
-             "reason": "within bounds", "max_regression": 0.5, "previous": 3.3}]}]}
+             "reason": "within bounds", "max": 6.0, "max_regression": 0.5,
+             "previous": 3.3}]}]}
     text = readable("status", run)
     assert "3.2311687772236173" not in text
     rows = _rows(text)
     assert ["CHECK", "SCORE", "BOUND", "RESULT", "REASON"] in rows
     assert ["heldout_loss", "3.231", "max 6", "ok", "within bounds"] in rows
-    assert ["heldout_loss", "3.231", "max regression 0.5 (previous 3.3)", "ok",
+    assert ["heldout_loss", "3.231", "max 6, max regression 0.5 (previous 3.3)", "ok",
             "within bounds"] in rows
 
 
