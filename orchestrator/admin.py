@@ -93,7 +93,8 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
           metrics_host: Annotated[str, typer.Option(
               help="the Prometheus scrape's own listener (never the API socket)")]
           = "127.0.0.1",
-          metrics_port: Annotated[int, typer.Option(help="its port (0: pick a free one)")]
+          metrics_port: Annotated[int, typer.Option(
+              help="its port (0: pick a free one, printed at start)")]
           = 9464,
           metrics_token_file: Annotated[Path | None, typer.Option(
               help="require 'Authorization: Bearer <token>' from this 0600 file")] = None,
@@ -136,7 +137,16 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
         _fail(False, ErrorCode.bad_request, f"unknown runtime {runtime!r} (known: ray, none)")
     from orchestrator.redact import AccessLogRedactor
 
-    config = uvicorn.Config(create_app(settings, rt, store), host=host, port=port,
+    try:
+        app = create_app(settings, rt, store)
+    except ItoError as e:
+        _fail(False, e.code, e.message)
+    if app.state.metrics_address is not None:
+        m_host, m_port = app.state.metrics_address
+        # With --metrics-port 0 this is the only place the chosen port is told.
+        print(f"metrics listener on http://{m_host}:{m_port}/metrics", file=sys.stderr,
+              flush=True)
+    config = uvicorn.Config(app, host=host, port=port,
                             log_level=log_level, access_log=True,
                             timeout_graceful_shutdown=int(max(1, settings.shutdown_grace_s)))
     # uvicorn configures its loggers in Config(); the filter goes on afterwards.

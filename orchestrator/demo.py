@@ -132,7 +132,7 @@ def _start_server(env: dict[str, str], db: Path, var_dir: Path, port: int,
         [str(BIN / "ito-backend"), "serve", "--db", str(db), "--host", "127.0.0.1",
          "--port", str(port), "--runtime", "ray", "--var-dir", str(var_dir / "server"),
          "--ray-head-port", str(ray_port), "--ray-dashboard-port", str(dashboard_port),
-         "--log-level", "warning"],
+         "--metrics-port", "0", "--log-level", "warning"],  # any free port: one per host
         env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -40,7 +40,7 @@ class Settings(BaseModel):
     # the run's parallelism stage gates it).
     # The parallelism planner is a server-side gate: what it refuses never becomes a run.
     planner_gate: bool = True
-    # --- issue 14: tenant isolation and bounds ---------------------------------------
+    # --- tenant isolation and bounds -----------------------------------------------
     # The Prometheus scrape has its own listener (None: not served); loopback by default,
     # with an optional bearer token (never on the API socket, which tenants reach).
     metrics_host: str = "127.0.0.1"

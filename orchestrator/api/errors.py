@@ -1,4 +1,4 @@
-"""ErrorCode -> HTTP status, and the handlers that make every failure an envelope."""
+"""The handlers that make every failure an envelope with its code's HTTP status."""
 
 from __future__ import annotations
 
@@ -15,55 +15,10 @@ from stages.errors import ErrorCode, ItoError
 log = logging.getLogger("ito.api")
 E = ErrorCode
 
-_STATUS_GROUPS: dict[int, tuple[ErrorCode, ...]] = {
-    400: (E.bad_request, E.idempotency_key_invalid,
-          # Client-side codes never come from the server; 400 if one ever did.
-          E.api_unreachable, E.api_timeout, E.ambiguous_transport_failure,
-          E.credentials_missing, E.credentials_file_insecure, E.manifest_path_not_absolute,
-          E.manifest_path_not_canonical, E.manifest_symlink, E.manifest_not_regular_file,
-          E.manifest_not_owned, E.manifest_insecure_permissions, E.manifest_unreadable),
-    401: (E.unauthenticated, E.credential_revoked, E.account_disabled),
-    403: (E.forbidden_scope, E.booking_account_mismatch, E.confirmation_not_found,
-          E.confirmation_expired, E.confirmation_account_mismatch,
-          E.confirmation_action_mismatch, E.confirmation_booking_mismatch,
-          E.confirmation_digest_mismatch, E.confirmation_run_mismatch,
-          E.confirmation_self_approved,
-          E.confirmation_cost_exceeded, E.driver_not_authorized),
-    404: (E.not_found, E.booking_not_found, E.run_not_found, E.proposal_not_found,
-          E.checkpoint_not_found),
-    405: (E.method_not_allowed,),
-    409: (E.booking_expired, E.booking_not_started, E.booking_revoked, E.booking_released,
-          E.booking_exists, E.confirmation_consumed, E.idempotency_conflict, E.invalid_state),
-    413: (E.payload_too_large, E.manifest_too_large),
-    422: (E.validation_error, E.booking_incomplete, E.manifest_invalid,
-          E.manifest_contains_secret, E.manifest_digest_mismatch, E.confirmation_ttl_invalid,
-          E.capacity_insufficient, E.fabric_unknown, E.gpu_sku_unknown,
-          E.model_preset_unknown, E.data_scheme_not_allowed, E.data_provenance_missing,
-          E.checkpoint_storage_invalid, E.checkpoint_storage_unwritable, E.budget_exceeded,
-          E.incremental_cost_exceeded, E.plan_out_of_memory, E.plan_tp_across_nodes,
-          E.plan_tp_beyond_nvlink, E.plan_heads_not_divisible, E.plan_pp_layers_unbalanced,
-          E.plan_pp_bubble_too_large, E.plan_batch_not_divisible, E.plan_fp8_unsupported,
-          E.plan_degrees_mismatch, E.plan_wasteful, E.plan_no_feasible, E.data_not_found,
-          E.data_remote_not_cached, E.data_format_unsupported, E.data_digest_mismatch,
-          E.data_digest_placeholder, E.path_not_local, E.model_checkpoint_invalid,
-          E.data_empty, E.eval_suite_unknown, E.gate_failed, E.path_outside_root,
-          E.plan_time_budget_exceeded, E.eval_battery_unknown,
-          E.eval_metric_unknown, E.curriculum_invalid, E.eval_gate_failed,
-          E.tokenizer_invalid, E.layout_unsupported, E.post_training_data_invalid,
-          E.post_training_model_invalid, E.reward_unknown),
-    428: (E.confirmation_required, E.idempotency_key_missing),
-    429: (E.rate_limited,),
-    500: (E.internal_error, E.checkpoint_corrupt, E.all_replica_groups_lost,
-          E.training_failed, E.stage_failed, E.driver_lost, E.rollout_fleet_failed),
-    503: (E.ray_unavailable, E.booking_nodes_unavailable, E.placement_timeout),
-}
-HTTP_STATUS: dict[ErrorCode, int] = {
-    code: status for status, codes in _STATUS_GROUPS.items() for code in codes}
-
-
 def status_of(code: ErrorCode | str) -> int:
+    """The status each code carries (stages/errors.py); 500 for a string that is no code."""
     try:
-        return HTTP_STATUS.get(ErrorCode(code), 400)
+        return ErrorCode(code).http_status
     except ValueError:
         return 500
 

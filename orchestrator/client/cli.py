@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from orchestrator.client import human
+from orchestrator.client import human, render
 from orchestrator.client.api import (
     TERMINAL_STATES,
     ClientSettings,
@@ -184,153 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--post-training", choices=["sft", "dpo", "rlvr"], default=None)
     p.add_argument("--output", default=None,
                    help="where to write it (default ./ito-manifest-<booking>.json)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="checkpoints go under DIR/<name> (default: the account's first "
+                        "checkpoint root, from the server)")
     return parser
-
-
-# --- readable output -------------------------------------------------------------------
-
-
-def _fmt_run(run: dict[str, Any]) -> str:
-    lines = [
-        f"run {run.get('run_id')}  state={run.get('state')}"
-        + (f" ({run['state_reason']})" if run.get("state_reason") else ""),
-        f"  booking={run.get('booking_id')} manifest={run.get('manifest_id')} "
-        f"key={run.get('idempotency_key')} cost_estimate_usd={run.get('cost_estimate_usd')}",
-    ]
-    prog = _progress(run)
-    if prog:
-        lines.append(f"  {prog}")
-    sp = run.get("stage_progress")
-    if isinstance(sp, dict) and sp.get("step"):
-        lines.append(f"  {_fmt_stage_progress(sp)}")
-    for g in run.get("stage_gates") or []:
-        lines.append(f"  gate {g.get('stage')}: {g.get('status')} {g.get('reason') or ''}".rstrip())
-    for eg in run.get("eval_gates") or []:
-        lines.append(f"  eval gate {eg.get('phase')} ({eg.get('battery')}, step "
-                     f"{eg.get('step')}): {'passed' if eg.get('passed') else 'FAILED'}")
-        for ch in eg.get("checks") or []:
-            lines.append(f"    {'ok  ' if ch.get('passed') else 'FAIL'} {ch.get('check')} = "
-                         f"{ch.get('score')}  ({ch.get('reason')})")
-    for pr in run.get("proposals") or []:
-        lines.append(
-            f"  proposal {pr.get('proposal_id')} [{pr.get('status')}] {pr.get('action')}: "
-            f"{pr.get('description')}"
-        )
-    if run.get("replayed"):
-        lines.append("  (replayed: this idempotency key already named this run)")
-    return "\n".join(lines)
-
-
-def _find(d: dict[str, Any], *names: str) -> Any:
-    for scope in (d, d.get("progress"), d.get("training"), d.get("metrics")):
-        if isinstance(scope, dict):
-            for n in names:
-                if scope.get(n) is not None:
-                    return scope[n]
-    return None
-
-
-def _progress(run: dict[str, Any]) -> str:
-    step = _find(run, "step", "last_step", "global_step")
-    loss = _find(run, "loss", "last_loss")
-    parts = []
-    if step is not None:
-        parts.append(f"step={step}")
-    if isinstance(loss, int | float):
-        parts.append(f"loss={loss:.4f}")
-    return " ".join(parts)
-
-
-def _fmt_stage_progress(p: dict[str, Any]) -> str:
-    """One line: stage step (i/n): tasks, documents, MB, ETA."""
-    eta = p.get("eta_s")
-    mb_done = (p.get("bytes_done") or 0) / 1e6
-    mb_total = (p.get("bytes_total") or 0) / 1e6
-    return (f"{p.get('stage')} {p.get('step')} ({int(p.get('step_index') or 0) + 1}/"
-            f"{p.get('steps')}): {p.get('tasks_done')}/{p.get('tasks_total')} tasks, "
-            f"{p.get('docs_done')}/{p.get('docs_total')} documents, "
-            f"{mb_done:.1f}/{mb_total:.1f} MB"
-            + (f", eta {_fmt_eta(float(eta))}" if isinstance(eta, int | float) else ""))
-
-
-def _fmt_eta(seconds: float) -> str:
-    s = round(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else \
-        f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-def _fmt_log(e: dict[str, Any]) -> str:
-    ts = e.get("ts")
-    when = time.strftime("%H:%M:%S", time.gmtime(ts)) if isinstance(ts, int | float) else str(ts)
-    return f"{when} {e.get('level', ''):<7} {e.get('stage') or '-':<14} {e.get('message', '')}"
-
-
-def _fmt_plan(d: dict[str, Any]) -> str:
-    lines = [
-        f"manifest {d.get('manifest_id')} (sha256 {d.get('manifest_digest')})",
-        f"  booking {d.get('booking_id')}: cost estimate "
-        f"{human.value('cost_estimate_usd', d.get('cost_estimate_usd'))}"
-        + (f", incremental {human.value('incremental_cost_usd', d['incremental_cost_usd'])}"
-           if "incremental_cost_usd" in d else ""),
-    ]
-    for name, result in (d.get("validation") or {}).items():
-        shown = (
-            result
-            if not isinstance(result, dict)
-            else ", ".join(f"{k}={human.value(k, v)}" for k, v in result.items()
-                           if not isinstance(v, dict | list))
-        )
-        lines.append(f"  {name}: {shown}")
-    plan = d.get("plan")
-    lines.append("  plan: " + (json.dumps(plan, sort_keys=True) if plan else "none yet"))
-    for ph in ((d.get("validation") or {}).get("curriculum") or {}).get("phases") or []:
-        gates = ", ".join(f"{g.get('metric')}" + "".join(
-            f" {k}={g[k]}" for k in ("min", "max", "max_regression") if k in g)
-            for g in ph.get("gates") or []) or "every check must run"
-        lines.append(f"  phase {ph.get('name')} ({ph.get('kind')}): steps {ph.get('steps')}, "
-                     f"{ph.get('token_budget')} tokens, seq_len {ph.get('seq_len')}, "
-                     f"battery {ph.get('battery')} [{gates}]")
-    return "\n".join(lines)
-
-
-def _readable(command: str, data: dict[str, Any]) -> str:
-    if command == "plan":
-        return _fmt_plan(data)
-    if command in ("train", "status", "cancel", "approve", "decline") and "run_id" in data:
-        return _fmt_run(data)
-    if command == "logs":
-        return "\n".join(_fmt_log(e) for e in data.get("entries") or [])
-    if command == "find":
-        runs = data.get("runs") or []
-        return "\n".join(_fmt_run(r) for r in runs) or "no run for this idempotency key"
-    if command == "confirm":
-        return str(data.get("confirmation_ref"))
-    if command == "manifest":
-        from orchestrator.client.manifest_init import readable
-
-        return readable(data)
-    if command == "checkpoints":
-        rows = [
-            f"step {c.get('step')}: {human.value('bytes', c.get('bytes'))}, blocking "
-            f"{human.value('blocking_s', c.get('blocking_s'))}, total "
-            f"{human.value('total_s', c.get('total_s'))}, "
-            f"{human.value('bytes_per_s', c.get('bytes_per_s'))}  {c.get('path')}"
-            + (f"  [phase {c['phase']}{', closes it' if c.get('closes_phase') else ''}]"
-               if c.get("phase") else "")
-            for c in data.get("checkpoints") or []
-        ]
-        return "\n".join(rows) or "no checkpoints"
-    if command == "metrics":
-        return "\n".join(f"{k}: {human.value(k, v)}" for k, v in data.items())
-    if command == "cleanup":
-        run = data.get("run") or {}
-        return (
-            f"run {run.get('run_id')} state={run.get('state')}: removed "
-            f"{len(data.get('removed') or [])} paths, "
-            f"{human.value('bytes_removed', data.get('bytes_removed'))}; "
-            f"booking untouched={data.get('booking_untouched')}"
-        )
-    return json.dumps(data, indent=2, sort_keys=True)
 
 
 class _Out:
@@ -341,6 +198,8 @@ class _Out:
         self.secret: str | None = None
 
     def _write(self, stream: Any, text: str) -> None:
+        if not self.as_json:  # JSON escapes control characters itself
+            text = human.safe_lines(text)
         stream.write(redact(text, self.secret) + "\n")
         stream.flush()
 
@@ -357,21 +216,23 @@ class _Out:
                 d = env["data"]
                 self._write(
                     sys.stderr,
-                    f"confirmation for {d.get('action')} on booking {d.get('booking_id')}: "
+                    f"confirmation for {human.safe(d.get('action'))} on booking "
+                    f"{human.safe(d.get('booking_id'))}: "
                     f"cost {human.value('cost_usd', d.get('cost_usd'))}, "
-                    f"expires_at={d.get('expires_at')}",
+                    f"expires_at={human.safe(d.get('expires_at'))}",
                 )
-            text = _readable(command, env["data"])
+            text = render.readable(command, env["data"])
             if text:
                 self._write(sys.stdout, text)
             if env.get("notice"):
-                self._write(sys.stderr, f"note: {env['notice']}")
+                self._write(sys.stderr, f"note: {human.safe(env['notice'])}")
         else:
             err = env.get("error") or {}
             where = "server" if env.get("live_api_contacted") else "client"
-            self._write(sys.stderr, f"error [{err.get('code')}] ({where}): {err.get('message')}")
+            self._write(sys.stderr, f"error [{human.safe(err.get('code'))}] ({where}): "
+                                    f"{human.safe(err.get('message'))}")
             if env.get("notice"):
-                self._write(sys.stderr, f"note: {env['notice']}")
+                self._write(sys.stderr, f"note: {human.safe(env['notice'])}")
 
 
 # --- commands --------------------------------------------------------------------------
@@ -390,10 +251,11 @@ def _cmd_follow_status(client: ItoClient, args: argparse.Namespace, out: _Out) -
         if not env.get("ok"):
             return
         run = env["data"]
-        line = f"state={run.get('state')} {_progress(run)}".rstrip()
+        line = f"state={human.safe(run.get('state'))} {render.progress(run)}".rstrip()
         if line != last_line[0]:
             last_line[0] = line
-            out.progress(f"{time.strftime('%H:%M:%S')} run {run.get('run_id')} {line}")
+            out.progress(f"{time.strftime('%H:%M:%S')} run {human.safe(run.get('run_id'))} "
+                         f"{line}")
 
     return client.follow_status(args.run, on_update, with_progress=not out.as_json)
 
@@ -406,7 +268,7 @@ def _cmd_follow_logs(client: ItoClient, args: argparse.Namespace, out: _Out) -> 
             collected.extend(entries)
         else:
             for e in entries:
-                out.progress(_fmt_log(e))
+                out.progress(render.log_entry(e))
 
     env = client.follow_logs(args.run, on_entries, cursor=args.cursor)
     if not env.get("ok"):

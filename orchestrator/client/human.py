@@ -1,13 +1,69 @@
-"""Numbers for people: durations, sizes, rates, ratios and money in ``ito``'s readable
-output. ``--json`` never goes through here: it keeps every value at full precision."""
+"""Text for people: durations, sizes, rates, ratios, money, aligned tables and
+terminal-safe strings in ``ito``'s readable output. ``--json`` never goes through here:
+it keeps every value at full precision and every string as sent.
+
+Every string a tenant (or a server) controls, such as file, phase and check names,
+messages and log lines, reaches the terminal through ``safe``: a control character,
+an ANSI escape, a carriage return or a newline is printed as its escape (``\x1b``,
+``\r``, ``\n``), so no run can clear the screen, rewrite a line or forge one.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_NAMED_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(ch: str) -> str:
+    if ch in _NAMED_ESCAPES:
+        return _NAMED_ESCAPES[ch]
+    o = ord(ch)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+
+
+def safe(value: object) -> str:
+    """``value`` as one terminal-safe line: every character that is not printable
+    (C0/C1 controls, ESC, DEL, CR, LF, tab, bidi overrides and other format characters,
+    unusual separators) becomes its escape."""
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
+
+
+def safe_lines(text: str) -> str:
+    """Rendered output as it goes to the terminal: each line through ``safe`` (the
+    renderers' own newlines kept), so a string a renderer failed to escape still cannot
+    carry a control sequence."""
+    return "\n".join(safe(line) for line in text.split("\n"))
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]], indent: str = "") -> str:
+    """A left-aligned table under upper-case headers (``kubectl get``'s layout); every
+    cell goes through ``safe``."""
+    cells = [[safe(h).upper() for h in headers], *([safe(c) for c in r] for r in rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join(indent + "   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)
+                                        ).rstrip() for r in cells)
+
+
+def pairs(rows: Iterable[tuple[object, object]], indent: str = "") -> str:
+    """Aligned ``key   value`` lines without headers (``kubectl describe``'s layout)."""
+    cells = [(safe(k), safe(v)) for k, v in rows]
+    width = max((len(k) for k, _ in cells), default=0)
+    return "\n".join(f"{indent}{k.ljust(width)}   {v}".rstrip() for k, v in cells)
+
+
+def score(x: object) -> str:
+    """An eval score to four significant digits ("3.231"); "-" when there is none."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return "-" if x is None else safe(x)
+    return f"{x:.4g}"
 
 
 def duration(seconds: float) -> str:
@@ -56,7 +112,8 @@ def ratio(x: float) -> str:
 
 
 def usd(x: float) -> str:
-    return f"${x:,.2f}"
+    """1234.5 -> "$1,234.50"; a cost that rounds to nothing but is not zero -> "< $0.01"."""
+    return "< $0.01" if 0 < x < 0.005 else f"${x:,.2f}"
 
 
 def count_rate(x: float, unit: str) -> str:
@@ -84,6 +141,12 @@ def value(key: str, v: Any) -> str:
         return size(v)
     if key.endswith("_usd") or key.startswith("cost"):
         return usd(v)
+    if key.startswith("usd_per_"):  # usd_per_gpu_hour -> "$2.50/gpu hour"
+        return f"{usd(v)}/{key.removeprefix('usd_per_').replace('_', ' ')}"
+    if key.endswith("_gib"):
+        return f"{v:.4g} GiB"
+    if key == "hours":
+        return duration(v * 3600)
     if key.endswith("_s") or key in ("seconds", "elapsed"):
         return duration(v)
     if key in ("goodput", "ratio") or key.endswith("_ratio"):

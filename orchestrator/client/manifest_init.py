@@ -1,11 +1,13 @@
 """``ito manifest init``: the short form of a run, written out as a complete manifest.
 
 Tenants describe a run as ``--booking B --model-size 8B --data REF --target CAPABILITY
---budget-usd N [--post-training sft|dpo|rlvr]``. This writes the full manifest those
-flags mean (0600, every default spelled out), reads it back with the safe manifest
-reader, and asks the server for its plan and cost estimate. It never submits: the
-reviewed file is the only thing a run is made from, through ``ito confirm`` and
-``ito train``.
+--budget-usd N [--post-training sft|dpo|rlvr] [--checkpoint-dir DIR]``. This writes the
+full manifest those flags mean (0600, every default spelled out), reads it back with the
+safe manifest reader, and asks the server for its plan and cost estimate. Checkpoints go
+under ``--checkpoint-dir``, by default the account's first checkpoint root as the
+server's eligibility answer names it (the server refuses storage outside those roots).
+It never submits: the reviewed file is the only thing a run is made from, through
+``ito confirm`` and ``ito train``.
 """
 
 from __future__ import annotations
@@ -177,11 +179,33 @@ def write_private(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def _absolute(path: str) -> Path:
+    return Path(os.path.normpath(Path(path).expanduser().absolute()))
+
+
+def checkpoint_dir(client: ItoClient, booking: str, chosen: str | None) -> Path | Envelope:
+    """``--checkpoint-dir``, else the account's first checkpoint root (from eligibility);
+    an envelope when the server refused or the account has no checkpoint root."""
+    if chosen:
+        return _absolute(chosen)
+    env = client.eligibility(booking)
+    if not env.get("ok"):
+        return env
+    roots = (env["data"].get("roots") or {}).get("checkpoint") or []
+    if not roots:
+        raise ItoError(ErrorCode.path_outside_root,
+                       "this account has no checkpoint root: ask the operator for one "
+                       "(ito-backend accounts roots) and pass it as --checkpoint-dir")
+    return Path(str(roots[0]))
+
+
 def run_init(client: ItoClient, args: Any) -> Envelope:
-    output = Path(args.output or f"ito-manifest-{args.booking}.json").expanduser().absolute()
-    output = Path(os.path.normpath(output))
+    output = _absolute(args.output or f"ito-manifest-{args.booking}.json")
+    where = checkpoint_dir(client, args.booking, args.checkpoint_dir)
+    if not isinstance(where, Path):
+        return where  # nothing written
     doc = build_manifest(args.booking, args.model_size, args.data, args.target,
-                         args.budget_usd, args.post_training, output.parent / "checkpoints")
+                         args.budget_usd, args.post_training, where)
     write_private(output, (json.dumps(doc, indent=2) + "\n").encode())
     mb = read_manifest(str(output))  # the bytes a later confirm/train will send
     q = shlex.quote
@@ -216,19 +240,3 @@ def run_init(client: ItoClient, args: Any) -> Envelope:
                        "(confirm and train it with the commands under next)",
                        live_api_contacted=True)
 
-
-def readable(d: dict[str, Any]) -> str:
-    from orchestrator.client import human
-
-    lines = [f"wrote {d['manifest_path']} (0600)",
-             f"  sha256 {d['manifest_digest']}  preset {d['model_preset']}  "
-             f"evals {', '.join(d['eval_suites'])}"]
-    if "cost_estimate_usd" in d:
-        lines.append(f"  server cost estimate {human.value('cost', d['cost_estimate_usd'])}"
-                     f" (beyond the booking's term "
-                     f"{human.value('cost', d.get('incremental_cost_usd') or 0.0)})")
-        plan = d.get("plan")
-        lines.append("  plan: " + (json.dumps(plan, sort_keys=True) if plan else
-                                   f"none ({d.get('plan_refusal')})"))
-    lines += ["next:", *(f"  {k}: {v}" for k, v in d["next"].items())]
-    return "\n".join(lines)

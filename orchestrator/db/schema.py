@@ -143,7 +143,7 @@ MIGRATIONS: list[str] = [
         run_id TEXT
     );
     """,
-    # 2: tenant isolation (issue 14): per-account data and checkpoint roots, disabled
+    # 2: tenant isolation: per-account data and checkpoint roots, disabled
     # accounts, counted (batched) audit rows, per-run log cursors.
     """
     CREATE TABLE account_roots (

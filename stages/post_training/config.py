@@ -90,7 +90,6 @@ class RLVRConfig(StrictModel):
     is_correction: Literal["decoupled", "none"] = "decoupled"
     is_truncation: float = Field(default=2.0, gt=0)
     rollout_workers: int = Field(default=1, ge=1, le=1024)
-    rollout_engine: Literal["hf", "vllm"] = "hf"
     max_staleness: int = Field(default=1, ge=0, le=1024,
                                description="policy versions a rollout may lag")
     seed: int = Field(default=0, ge=0)

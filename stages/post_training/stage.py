@@ -158,9 +158,6 @@ class PostTrainingStage:
                 load_battery(battery)  # eval_battery_unknown before anything runs
         if recipe.rlvr is not None:
             get_reward(recipe.rlvr.reward)
-            if recipe.rlvr.rollout_engine == "vllm":
-                raise ItoError(ErrorCode.post_training_model_invalid,
-                               "rollout_engine vllm is not installed on this deployment")
         return rows
 
     # -- the chain ---------------------------------------------------------------------

@@ -61,7 +61,7 @@ def test_accounts_keys_bookings(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_accounts_roots_and_disable(tmp_path: Path) -> None:
-    """The operator confines an account to its roots, then disables it (issue 14)."""
+    """The operator confines an account to its roots, then disables it."""
     db = tmp_path / "ito.db"
     admin(db, "accounts", "create", "acme")
     data, ckpt = tmp_path / "data", tmp_path / "ckpt"

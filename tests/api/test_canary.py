@@ -74,7 +74,7 @@ def test_canary_secret_is_echoed_nowhere(tmp_path: Path) -> None:
         backend.stop()
     for text in bodies:
         assert canary not in text
-    # The server's log, access log included (its URLs are redacted: issue 13 item 7).
+    # The server's log, access log included (its URLs are redacted).
     log = backend.log_text()
     assert "GET /v1/runs/{id} HTTP/1.1" in log  # the access log is on and was searched
     assert canary not in log

@@ -69,11 +69,16 @@ def test_plan_shows_phases_with_budgets_seq_lens_and_batteries(api: Api) -> None
     assert long["rope_theta"] > pre["rope_theta"]  # the RoPE base scales with seq_len
     assert long["gates"] == [{"metric": "heldout_loss", "max_regression": 0.5}]
     # The CLI's readable plan lists them too.
-    from orchestrator.client.cli import _fmt_plan
+    import re
 
-    text = _fmt_plan(body["data"])
-    assert "phase pretrain (pretrain): steps [0, " in text
-    assert "seq_len 128, battery smoke [heldout_loss max_regression=0.5]" in text
+    from orchestrator.client.render import readable
+
+    rows = [re.split(r" {3,}", line.strip()) for line in
+            readable("plan", body["data"]).splitlines()]
+    assert ["PHASE", "KIND", "STEPS", "TOKENS", "SEQ LEN", "BATTERY", "GATES"] in rows
+    assert [r[:3] + r[4:] for r in rows if r[0] == long["name"]] == [
+        [long["name"], "long_context", f"{steps // 2}-{steps}", "128", "smoke",
+         "heldout_loss max_regression=0.5"]]
 
 
 def _payload(m: dict[str, Any]) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Tenants reach only what is theirs (issue 14), in process: real SQLite, real gates,
+"""Tenants reach only what is theirs, in process: real SQLite, real gates,
 real files and symlinks; each test is an attack that succeeded on the old code.
 
 What a refusal may say is checked on every channel a tenant or a log reader sees: the

@@ -1,4 +1,4 @@
-"""A real ``ito-backend serve`` under hostile requests (issue 14): bounded validation,
+"""A real ``ito-backend serve`` under hostile requests: bounded validation,
 nothing secret in the access log, a SIGTERM that ends the server in bounded time."""
 
 from __future__ import annotations

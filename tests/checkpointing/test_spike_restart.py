@@ -1,5 +1,5 @@
-"""Part A's pieces together: a planted spike -> proposal -> approval -> restart from the
-checkpoint with the data window skipped (the loop that drives this is part B's)."""
+"""The checkpointing pieces together: a planted spike -> proposal -> approval -> restart from the
+checkpoint with the data window skipped (stages/trainer/loop.py drives this)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""No key in usage errors; an empty --manifest is refused locally (issue 14)."""
+"""No key in usage errors; an empty --manifest is refused locally."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from client_world import World
+from helpers.tenants import booking_doc, make_tenant
 
 from orchestrator.client.cli import EXIT_OK, EXIT_REFUSED
 from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS
@@ -82,6 +83,69 @@ def test_init_writes_a_complete_manifest_plans_it_and_submits_nothing(
         "--json"])
     assert status == EXIT_REFUSED and env["error"]["code"] == "bad_request"
     assert out.read_bytes() == raw
+
+
+def _init_then_confirm_and_train(world: World, monkeypatch: pytest.MonkeyPatch,
+                                 extra: list[str]) -> dict:
+    """Run ``manifest init`` and then the confirm and train commands it printed."""
+    out = world.tmp / "review" / "m.json"
+    out.parent.mkdir(exist_ok=True)
+    status, env = world.cli(monkeypatch, [
+        "manifest", "init", "--booking", world.booking, "--model-size", "1B",
+        "--data", str(world.tmp / "data" / "train.jsonl"), "--target", "gsm8k",
+        "--budget-usd", "500", "--output", str(out), *extra, "--json"])
+    assert status == EXIT_OK, env  # the server accepted the plan of the file it wrote
+    d = env["data"]
+    confirm = shlex.split(d["next"]["confirm"])[1:]
+    status, env = world.cli(monkeypatch, [*confirm, "--json"], key=world.tenant.approver)
+    assert status == EXIT_OK, env
+    train = shlex.split(d["next"]["train"].split(" --confirmation-ref")[0])[1:]
+    status, env = world.cli(monkeypatch, [*train, "--confirmation-ref",
+                                          env["data"]["confirmation_ref"],
+                                          "--idempotency-key", "init-key-0002", "--json"])
+    assert status == EXIT_OK, env
+    m: dict = json.loads(out.read_bytes())
+    return m
+
+
+@pytest.fixture
+def narrow_world(world: World) -> World:
+    """A tenant whose data and checkpoint roots are two sibling folders, neither holding
+    the reviewed manifest (the shape of a real deployment's roots)."""
+    (world.tmp / "ckpt-root").mkdir()
+    _data(world.tmp)
+    name = f"{world.tenant.account}-narrow"
+    tenant = make_tenant(world.backend.db, name, booking=booking_doc(f"bk-{name}", name),
+                         data_roots=(str(world.tmp / "data"),),
+                         checkpoint_roots=(str(world.tmp / "ckpt-root"),))
+    return World(world.backend, tenant, world.tmp, world.manifest)
+
+
+def test_init_defaults_checkpoints_inside_the_accounts_checkpoint_root(
+        narrow_world: World, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    m = _init_then_confirm_and_train(narrow_world, monkeypatch, [])
+    uri = m["checkpoint"]["storage_uri"]
+    assert uri.startswith(f"file://{narrow_world.tmp / 'ckpt-root'}/"), uri
+    capsys.readouterr()
+
+
+def test_init_takes_checkpoint_dir(
+        narrow_world: World, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    chosen = narrow_world.tmp / "ckpt-root" / "team-a"
+    m = _init_then_confirm_and_train(narrow_world, monkeypatch,
+                                     ["--checkpoint-dir", str(chosen)])
+    assert m["checkpoint"]["storage_uri"].startswith(f"file://{chosen}/")
+    capsys.readouterr()
+
+
+def test_eligibility_names_the_accounts_roots(
+        narrow_world: World, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    status, env = narrow_world.cli(monkeypatch, ["eligibility", "--booking",
+                                                 narrow_world.booking, "--json"])
+    assert status == EXIT_OK, env
+    assert env["data"]["roots"] == {"data": [str(narrow_world.tmp / "data")],
+                                    "checkpoint": [str(narrow_world.tmp / "ckpt-root")]}
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize(("over", "code"), [

@@ -1,4 +1,4 @@
-"""The planner's work is bounded whatever the request's magnitudes (issue 14)."""
+"""The planner's work is bounded whatever the request's magnitudes."""
 
 from __future__ import annotations
 

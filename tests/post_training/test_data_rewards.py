@@ -170,7 +170,7 @@ def test_validation_time_check_names_the_bad_line(tmp_path: Path, tiny_policy: P
 
 def test_the_curriculum_battery_gates_a_step(tmp_path: Path, tiny_policy: Path,
                                              task_files: dict[str, Path]) -> None:
-    """issue 9's battery (held-out loss + lm-eval checks) and gates after SFT."""
+    """The curriculum's battery (held-out loss + lm-eval checks) and gates after SFT."""
     stage = _stage(tmp_path, tiny_policy, task_files, sft={
         "data": data_ref(task_files["sft"]), "steps": 2, "learning_rate": 5e-3,
         "eval": {"battery": "smoke", "gates": [{"metric": "heldout_loss", "max": 1e9},

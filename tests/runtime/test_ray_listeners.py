@@ -1,4 +1,4 @@
-"""The embedded Ray head (issue 14): what listens where, with which folder modes.
+"""The embedded Ray head: what listens where, with which folder modes.
 
 Starts a real head (``ray start --head`` as ``ito-backend serve`` does), lists its
 listening sockets with ``ss -ltnp``, and stops it. What this build controls is

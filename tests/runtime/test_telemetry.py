@@ -67,7 +67,7 @@ def test_prometheus_collector_labels_run_and_booking() -> None:
 
 
 def test_stage_progress_reaches_metrics_prometheus_and_status_line() -> None:
-    from orchestrator.client.cli import _fmt_run
+    from orchestrator.client.render import run as render_run
     from stages.events import ProgressEvent
 
     def prog(step: str, i: int, done: int, eta: float | None) -> dict:
@@ -88,11 +88,11 @@ def test_stage_progress_reaches_metrics_prometheus_and_status_line() -> None:
     assert f"ito_run_stage_progress_documents{{{labels}}} 240000.0" in text
     assert f"ito_run_stage_progress_documents_total{{{labels}}} 1.6e+06" in text
     assert f"ito_run_stage_progress_eta_seconds{{{labels}}} 95.4" in text
-    line = _fmt_run({"run_id": "run_a", "state": "running",
+    line = render_run({"run_id": "run_a", "state": "running",
                      "stage_progress": m.stage_progress})
     assert ("data_prep fetch (4/7): 12/80 tasks, 240000/1600000 documents, "
             "132.0/880.0 MB, eta 1m35s") in line
     # No progress yet: no gauge, no line.
     quiet = compute_run_metrics([_step(1, 5.0)], started_at=0, now=10)
     assert quiet.stage_progress is None
-    assert "stage_progress" not in _fmt_run({"run_id": "r", "state": "running"})
+    assert "stage_progress" not in render_run({"run_id": "r", "state": "running"})

@@ -1,0 +1,427 @@
+"""``ito``'s readable output: one renderer per command, small aligned tables with units
+(``kubectl get`` / ``gh`` style). ``--json`` never comes here.
+
+Every value from the server is a tenant's or the server's string, so each one is
+printed through ``human.safe`` (tables do it per cell), and ``cli._Out`` passes the whole
+text through ``human.safe_lines`` once more before it reaches the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from orchestrator.client import human
+from orchestrator.client.human import safe, table
+
+# Plan fields shown in the layout table, in this order, with their labels.
+_LAYOUT = (
+    ("tp", "tp"),
+    ("pp", "pp"),
+    ("cp", "cp"),
+    ("dp_shard", "fsdp"),
+    ("dp_replicate", "replicas"),
+    ("micro_batch", "micro-batch"),
+    ("grad_accum", "grad-accum"),
+    ("activation_checkpointing", "recompute"),
+    ("precision", "precision"),
+)
+# Metrics rendered as their own tables rather than as one value.
+_METRIC_TABLES = ("badput_s", "eval_scores", "stage_progress", "post_training")
+
+
+def _get(d: dict[str, Any], key: str) -> str:
+    return safe(d.get(key))
+
+
+# --- runs ------------------------------------------------------------------------------
+
+
+def _find(d: dict[str, Any], *names: str) -> Any:
+    for scope in (d, d.get("progress"), d.get("training"), d.get("metrics")):
+        if isinstance(scope, dict):
+            for n in names:
+                if scope.get(n) is not None:
+                    return scope[n]
+    return None
+
+
+def progress(run: dict[str, Any]) -> str:
+    step = _find(run, "step", "last_step", "global_step")
+    loss = _find(run, "loss", "last_loss")
+    parts = []
+    if step is not None:
+        parts.append(f"step={safe(step)}")
+    if isinstance(loss, int | float):
+        parts.append(f"loss={loss:.4f}")
+    return " ".join(parts)
+
+
+def _eta(seconds: float) -> str:
+    s = round(seconds)
+    return (
+        f"{s // 3600}h{s % 3600 // 60:02d}m"
+        if s >= 3600
+        else f"{s // 60}m{s % 60:02d}s"
+        if s >= 60
+        else f"{s}s"
+    )
+
+
+def stage_progress(p: dict[str, Any]) -> str:
+    """One line: stage step (i/n): tasks, documents, MB, ETA."""
+    eta = p.get("eta_s")
+    mb_done = (p.get("bytes_done") or 0) / 1e6
+    mb_total = (p.get("bytes_total") or 0) / 1e6
+    return (
+        f"{_get(p, 'stage')} {_get(p, 'step')} ({int(p.get('step_index') or 0) + 1}/"
+        f"{_get(p, 'steps')}): {_get(p, 'tasks_done')}/{_get(p, 'tasks_total')} tasks, "
+        f"{_get(p, 'docs_done')}/{_get(p, 'docs_total')} documents, "
+        f"{mb_done:.1f}/{mb_total:.1f} MB"
+        + (f", eta {_eta(float(eta))}" if isinstance(eta, int | float) else "")
+    )
+
+
+def _bound(c: dict[str, Any]) -> str:
+    parts = [
+        f"{label} {human.score(c[k])}"
+        for k, label in (("min", "min"), ("max", "max"), ("max_regression", "max regression"))
+        if c.get(k) is not None
+    ]
+    if parts and c.get("max_regression") is not None and c.get("previous") is not None:
+        parts[-1] += f" (previous {human.score(c['previous'])})"
+    return ", ".join(parts) or "-"
+
+
+def eval_gate(eg: dict[str, Any], indent: str = "  ") -> str:
+    head = (
+        f"{indent}eval gate {_get(eg, 'phase')} (battery {_get(eg, 'battery')}, step "
+        f"{_get(eg, 'step')}): {'passed' if eg.get('passed') else 'FAILED'}"
+    )
+    rows = [
+        (
+            c.get("check"),
+            human.score(c.get("score")),
+            _bound(c),
+            "ok" if c.get("passed") else "FAIL",
+            c.get("reason") or "",
+        )
+        for c in eg.get("checks") or []
+    ]
+    if not rows:
+        return head
+    return head + "\n" + table(("check", "score", "bound", "result", "reason"), rows, indent + "  ")
+
+
+def run(r: dict[str, Any]) -> str:
+    lines = [
+        f"run {_get(r, 'run_id')}  state={_get(r, 'state')}"
+        + (f" ({safe(r['state_reason'])})" if r.get("state_reason") else ""),
+        f"  booking={_get(r, 'booking_id')} manifest={_get(r, 'manifest_id')} "
+        f"key={_get(r, 'idempotency_key')} cost estimate "
+        f"{human.value('cost_estimate_usd', r.get('cost_estimate_usd'))}",
+    ]
+    prog = progress(r)
+    if prog:
+        lines.append(f"  {prog}")
+    sp = r.get("stage_progress")
+    if isinstance(sp, dict) and sp.get("step"):
+        lines.append(f"  {stage_progress(sp)}")
+    gates = r.get("stage_gates") or []
+    if gates:
+        lines.append(
+            table(
+                ("stage", "gate", "reason"),
+                [(g.get("stage"), g.get("status"), g.get("reason") or "") for g in gates],
+                "  ",
+            )
+        )
+    lines += [eval_gate(eg) for eg in r.get("eval_gates") or []]
+    proposals = r.get("proposals") or []
+    if proposals:
+        lines.append(
+            table(
+                ("proposal", "status", "action", "description"),
+                [
+                    (p.get("proposal_id"), p.get("status"), p.get("action"), p.get("description"))
+                    for p in proposals
+                ],
+                "  ",
+            )
+        )
+    if r.get("replayed"):
+        lines.append("  (replayed: this idempotency key already named this run)")
+    return "\n".join(lines)
+
+
+def log_entry(e: dict[str, Any]) -> str:
+    ts = e.get("ts")
+    when = time.strftime("%H:%M:%S", time.gmtime(ts)) if isinstance(ts, int | float) else safe(ts)
+    return (
+        f"{when} {safe(e.get('level', '')):<7} {safe(e.get('stage') or '-'):<14} "
+        f"{safe(e.get('message', ''))}"
+    )
+
+
+# --- plans -----------------------------------------------------------------------------
+
+
+def plan_layout(plan: dict[str, Any] | None, refusal: Any = None, indent: str = "  ") -> str:
+    """The parallelism plan as a key/value table and the layouts it beat."""
+    if not plan:
+        why = ""
+        if isinstance(refusal, dict):
+            why = f" ({safe(refusal.get('code'))}: {safe(refusal.get('message'))})"
+        return f"{indent}plan: none{why}"
+    mem = plan.get("memory") or {}
+    rows = [
+        (
+            "model",
+            f"{_get(plan, 'model')} on {_get(plan, 'node_count')} node(s) x "
+            f"{_get(plan, 'gpus_per_node')} {_get(plan, 'gpu_sku')} over "
+            f"{_get(plan, 'fabric')} ({_get(plan, 'world_size')} ranks)",
+        ),
+        ("layout", "  ".join(f"{label} {safe(plan[k])}" for k, label in _LAYOUT if k in plan)),
+        (
+            "batch",
+            f"{human.value('tokens', plan.get('global_batch_tokens'))} tokens of seq_len "
+            f"{_get(plan, 'seq_len')}",
+        ),
+        (
+            "memory",
+            f"{plan.get('peak_memory_gib')} GiB peak of {mem.get('capacity', '?')} GiB per GPU",
+        ),
+        (
+            "step time",
+            f"{human.value('step_time_s', plan.get('step_time_s'))}, "
+            f"{human.value('tokens_per_s', plan.get('tokens_per_s'))}, MFU "
+            f"{human.value('ratio', plan.get('mfu'))}",
+        ),
+    ]
+    rows += [
+        ("why" if i == 0 else "", reason) for i, reason in enumerate(plan.get("reasons") or [])
+    ]
+    lines = [f"{indent}plan:", human.pairs(rows, indent + "  ")]
+    rejected = plan.get("rejected") or []
+    if rejected:
+        lines.append(
+            table(
+                ("rank", "other layout", "tokens/s", "mfu", "peak mem", "why not"),
+                [
+                    (
+                        c.get("rank"),
+                        c.get("layout"),
+                        human.count_rate(float(c.get("tokens_per_s") or 0), ""),
+                        human.value("ratio", c.get("mfu")),
+                        f"{c.get('peak_memory_gib')} GiB",
+                        c.get("reason") or "",
+                    )
+                    for c in rejected
+                ],
+                indent + "  ",
+            )
+        )
+    return "\n".join(lines)
+
+
+def _phase_gates(ph: dict[str, Any]) -> str:
+    return (
+        ", ".join(
+            safe(g.get("metric"))
+            + "".join(f" {k}={safe(g[k])}" for k in ("min", "max", "max_regression") if k in g)
+            for g in ph.get("gates") or []
+        )
+        or "every check must run"
+    )
+
+
+def phases(validation: dict[str, Any], indent: str = "  ") -> str:
+    cur = validation.get("curriculum") or {}
+    rows = [
+        (
+            ph.get("name"),
+            ph.get("kind"),
+            "-".join(str(s) for s in ph.get("steps") or []),
+            human.value("tokens", ph.get("token_budget")),
+            ph.get("seq_len"),
+            ph.get("battery"),
+            _phase_gates(ph),
+        )
+        for ph in cur.get("phases") or []
+    ]
+    if not rows:
+        return ""
+    return table(("phase", "kind", "steps", "tokens", "seq len", "battery", "gates"), rows, indent)
+
+
+def plan_response(d: dict[str, Any]) -> str:
+    lines = [
+        f"manifest {_get(d, 'manifest_id')} (sha256 {_get(d, 'manifest_digest')})",
+        f"  booking {_get(d, 'booking_id')}: cost estimate "
+        f"{human.value('cost_estimate_usd', d.get('cost_estimate_usd'))}"
+        + (
+            f", beyond the booking's term "
+            f"{human.value('incremental_cost_usd', d['incremental_cost_usd'])}"
+            if d.get("incremental_cost_usd") is not None
+            else ""
+        ),
+    ]
+    validation = d.get("validation") or {}
+    rows = []
+    for name, result in validation.items():
+        if name == "curriculum":
+            continue  # its own table below
+        shown = (
+            safe(result)
+            if not isinstance(result, dict)
+            else ", ".join(
+                f"{safe(k)} {human.value(k, v)}"
+                for k, v in result.items()
+                if not isinstance(v, dict | list)
+            )
+        )
+        if shown:
+            rows.append((name, shown))
+    if rows:
+        lines.append(table(("check", "result"), rows, "  "))
+    lines.append(plan_layout(d.get("plan"), d.get("plan_refusal")))
+    table_of_phases = phases(validation)
+    if table_of_phases:
+        lines.append(table_of_phases)
+    return "\n".join(lines)
+
+
+def manifest_init(d: dict[str, Any]) -> str:
+    lines = [
+        f"wrote {_get(d, 'manifest_path')} (0600)",
+        f"  sha256 {_get(d, 'manifest_digest')}  preset {_get(d, 'model_preset')}  "
+        f"evals {', '.join(safe(s) for s in d.get('eval_suites') or [])}",
+    ]
+    if "cost_estimate_usd" in d:
+        lines.append(
+            f"  server cost estimate {human.value('cost', d['cost_estimate_usd'])}"
+            f" (beyond the booking's term "
+            f"{human.value('cost', d.get('incremental_cost_usd') or 0.0)})"
+        )
+        lines.append(plan_layout(d.get("plan"), d.get("plan_refusal")))
+        table_of_phases = phases(d.get("validation") or {})
+        if table_of_phases:
+            lines.append(table_of_phases)
+    lines += ["next:", *(f"  {safe(k)}: {safe(v)}" for k, v in (d.get("next") or {}).items())]
+    return "\n".join(lines)
+
+
+# --- telemetry -------------------------------------------------------------------------
+
+
+def metrics(d: dict[str, Any]) -> str:
+    scalars = [(k, human.value(k, v)) for k, v in d.items() if k not in _METRIC_TABLES]
+    parts = [table(("metric", "value"), scalars)]
+    badput = d.get("badput_s") or {}
+    if badput:
+        parts.append(
+            table(
+                ("badput cause", "time"), [(k, human.duration(float(v))) for k, v in badput.items()]
+            )
+        )
+    scores = d.get("eval_scores") or []
+    if scores:
+        parts.append(
+            table(
+                ("phase", "check", "score", "result"),
+                [
+                    (
+                        e.get("phase"),
+                        e.get("check"),
+                        human.score(e.get("score")),
+                        "ok" if e.get("passed") else "FAIL",
+                    )
+                    for e in scores
+                ],
+            )
+        )
+    sp = d.get("stage_progress")
+    if isinstance(sp, dict):
+        eta = sp.get("eta_s")
+        parts.append(
+            table(
+                ("stage", "step", "tasks", "documents", "bytes", "elapsed", "eta"),
+                [
+                    (
+                        sp.get("stage"),
+                        f"{safe(sp.get('step'))} ({int(sp.get('step_index') or 0) + 1}/"
+                        f"{safe(sp.get('steps'))})",
+                        f"{safe(sp.get('tasks_done'))}/{safe(sp.get('tasks_total'))}",
+                        f"{human.value('docs', sp.get('docs_done'))}/"
+                        f"{human.value('docs', sp.get('docs_total'))}",
+                        f"{human.size(float(sp.get('bytes_done') or 0))}/"
+                        f"{human.size(float(sp.get('bytes_total') or 0))}",
+                        human.value("elapsed_s", sp.get("elapsed_s")),
+                        human.duration(float(eta)) if isinstance(eta, int | float) else "-",
+                    )
+                ],
+            )
+        )
+    post = d.get("post_training") or {}
+    if post:
+        parts.append(
+            table(("post-training", "value"), [(k, human.value(k, v)) for k, v in post.items()])
+        )
+    return "\n\n".join(parts)
+
+
+def checkpoints(d: dict[str, Any]) -> str:
+    rows = [
+        (
+            c.get("step"),
+            human.value("bytes", c.get("bytes")),
+            human.value("blocking_s", c.get("blocking_s")),
+            human.value("total_s", c.get("total_s")),
+            human.value("bytes_per_s", c.get("bytes_per_s")),
+            (
+                f"{safe(c['phase'])}{' (closes it)' if c.get('closes_phase') else ''}"
+                if c.get("phase")
+                else "-"
+            ),
+            c.get("path"),
+        )
+        for c in d.get("checkpoints") or []
+    ]
+    if not rows:
+        return "no checkpoints"
+    return table(("step", "size", "blocking", "total", "bandwidth", "phase", "path"), rows)
+
+
+# --- dispatch --------------------------------------------------------------------------
+
+
+def readable(command: str, data: dict[str, Any]) -> str:
+    """The readable form of a successful answer to ``command``."""
+    if command == "plan":
+        return plan_response(data)
+    if command in ("train", "status", "cancel", "approve", "decline") and "run_id" in data:
+        return run(data)
+    if command == "logs":
+        return "\n".join(log_entry(e) for e in data.get("entries") or [])
+    if command == "find":
+        return (
+            "\n".join(run(r) for r in data.get("runs") or []) or "no run for this idempotency key"
+        )
+    if command == "confirm":
+        return safe(data.get("confirmation_ref"))
+    if command == "manifest":
+        return manifest_init(data)
+    if command == "checkpoints":
+        return checkpoints(data)
+    if command == "metrics":
+        return metrics(data)
+    if command == "cleanup":
+        r = data.get("run") or {}
+        return (
+            f"run {_get(r, 'run_id')} state={_get(r, 'state')}: removed "
+            f"{len(data.get('removed') or [])} paths, "
+            f"{human.value('bytes_removed', data.get('bytes_removed'))}; "
+            f"booking untouched={_get(data, 'booking_untouched')}"
+        )
+    return json.dumps(data, indent=2, sort_keys=True)
