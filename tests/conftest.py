@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -13,6 +14,13 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray reads its auth mode at import; every Ray in the tests keeps token auth on.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+# Property tests draw the same examples on every run, so a CI failure replays here;
+# print_blob gives the failing example's reproduction decorator. A test's own
+# @settings still sets its example count and deadline (hypothesis's own
+# --hypothesis-profile picks another profile for a local hunt).
+settings.register_profile("ito", derandomize=True, database=None, print_blob=True)
+settings.load_profile("ito")
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ from stages.data_prep.synth import planted_pair_corpus
 
 @pytest.fixture
 def local_ray() -> Iterator[None]:
-    ray = pytest.importorskip("ray")
+    import ray
+
     # A short temp dir of our own: Ray's socket paths must stay under 107 bytes.
     temp = tempfile.mkdtemp(prefix="dpray")
     ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp,

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    ray = pytest.importorskip("ray")
+    import ray
+
     temp = tempfile.mkdtemp(prefix="dpstream")  # short: Ray's socket paths < 107 bytes
     ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp,
              log_to_driver=False, object_store_memory=200 * 2**20,

@@ -27,6 +27,7 @@ import httpx
 import pytest
 from helpers.flows import confirm_ref, submit
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
+from helpers.tools import missing, require
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +38,9 @@ JOB_START_TIMEOUT_S = 240.0
 RUN_TIMEOUT_S = 300.0
 TEARDOWN_TIMEOUT_S = 90.0
 
-if os.geteuid() != 0 or not all(shutil.which(b) for b in ("slurmctld", "slurmd", "munged",
-                                                         "sbatch")):
-    pytest.skip("needs root with slurm-wlm and munge (scripts/test.sh installs them)",
-                allow_module_level=True)
+require("slurm", "slurmctld", "slurmd", "munged", "sbatch", allow_module_level=True)
+if os.geteuid() != 0:
+    missing("slurm", "the Slurm and munge daemons need root", allow_module_level=True)
 
 
 def _run(*cmd: str, env: dict[str, str], timeout: float = 30.0) -> str:

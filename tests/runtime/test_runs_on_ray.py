@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -27,6 +26,7 @@ from helpers import backend as backend_mod
 from helpers.backend import Backend, free_port
 from helpers.flows import confirm_ref, submit
 from helpers.tenants import Tenant, booking_doc, make_tenant
+from helpers.tools import require
 
 from orchestrator.runtime import ray_cluster
 
@@ -384,12 +384,7 @@ def test_loss_spike_proposal_waits_for_approval_through_the_api(rt: dict[str, An
 
 
 def test_prometheus_scrapes_goodput(rt: dict[str, Any], tmp_path: Path) -> None:
-    if shutil.which("prometheus") is None:
-        # scripts/test.sh (.ci/run, as root) installs Debian's prometheus and sets
-        # ITO_REQUIRE_PROMETHEUS: there a missing binary is a failure, not a skip.
-        if os.environ.get("ITO_REQUIRE_PROMETHEUS") == "1":
-            pytest.fail("prometheus is required (ITO_REQUIRE_PROMETHEUS=1) but not on PATH")
-        pytest.skip("no prometheus binary; scripts/test.sh installs it as root")
+    prometheus = require("prometheus", "prometheus")["prometheus"]
     be: Backend = rt["backend"]
     port = free_port()
     cfg = tmp_path / "prometheus.yml"
@@ -401,7 +396,7 @@ scrape_configs:
     static_configs:
       - targets: ["127.0.0.1:{be.metrics_port}"]
 """)
-    prom = subprocess.Popen(["prometheus", f"--config.file={cfg}",
+    prom = subprocess.Popen([prometheus, f"--config.file={cfg}",
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
