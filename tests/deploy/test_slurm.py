@@ -29,7 +29,8 @@ from helpers.flows import confirm_ref, submit
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
 from helpers.tools import missing, require
 
-pytestmark = pytest.mark.slow
+# Above pytest's 300 s default: job start, the run and the teardown each have their own deadline.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "deploy" / "slurm"

@@ -22,7 +22,8 @@ from orchestrator.client.api import ClientSettings, ItoClient
 from orchestrator.client.cli import run_cli
 from orchestrator.runtime import ray_cluster
 
-pytestmark = pytest.mark.slow
+# Above pytest's 300 s default: the run may take RUN_TIMEOUT_S after the backend and its Ray start.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 420.0
 

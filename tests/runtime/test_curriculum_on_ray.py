@@ -29,7 +29,8 @@ from helpers.tenants import Tenant, booking_doc, make_tenant
 
 from orchestrator.runtime import ray_cluster
 
-pytestmark = pytest.mark.slow
+# Above pytest's 300 s default: the run may take RUN_TIMEOUT_S after the backend and its Ray start.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 RUN_TIMEOUT_S = 300.0
 REPO = Path(__file__).resolve().parents[2]
 
