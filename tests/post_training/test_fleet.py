@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.waiting import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -219,19 +220,22 @@ def test_trainer_refuses_a_stale_group_and_regenerates_it() -> None:
 
 def test_a_death_seen_by_several_failed_calls_is_one_loss_and_one_discarded_rollout(
         ) -> None:
-    worker = DiesMidRollout(0, die_on=1, down_calls=3)
+    worker = DiesMidRollout(0, die_on=1, down_calls=6)
     pool = LocalPool([worker])
-    # One loss allowed: the three calls that fail while the worker is down are that loss.
-    ctl = RolloutController(pool, _request(0), groups_per_step=1, max_staleness=0,
+    # One loss allowed: the calls that fail while the worker is down are that one loss,
+    # the weight publish that lands in the outage included.
+    ctl = RolloutController(pool, _request(1), groups_per_step=1, max_staleness=1,
                             sampler=DynamicSampler(True, 0), rollout_timeout_s=60,
                             restart_timeout_s=60, max_worker_losses=1)
     try:
         ctl.publish(0, {})
         ctl.next_batch()
+        # Request 1 is generated while the trainer trains, and the worker dies in it.
+        ctl.pump_while(lambda: wait_until(lambda: worker.died, 30, "the worker's death"))
         ctl.publish(1, {})
         batch, _ = ctl.next_batch()
         assert [(g.id, g.version) for g in batch] == [(1, 1)]  # regenerated after the heal
-        assert worker.died and worker.down == 0
+        assert worker.down == 0 and worker.generated == [0, 1]
         assert ctl.stats.discarded_rollouts == 1
         assert ctl.stats.interruptions == 1
     finally:
