@@ -30,8 +30,9 @@ def which(binary: str) -> str | None:
 def missing(tool: str, reason: str, *, allow_module_level: bool = False) -> None:
     """Skip for ``reason``, or fail when CI requires ``tool``."""
     if required(tool):
-        pytest.fail(f"{tool} is required in CI (ITO_REQUIRE_{tool.upper()}=1): {reason}",
-                    pytrace=False)
+        pytest.fail(
+            f"{tool} is required in CI (ITO_REQUIRE_{tool.upper()}=1): {reason}", pytrace=False
+        )
     pytest.skip(reason, allow_module_level=allow_module_level)
 
 
@@ -40,6 +41,9 @@ def require(tool: str, *binaries: str, allow_module_level: bool = False) -> dict
     paths = {b: which(b) for b in binaries}
     absent = [b for b, p in paths.items() if p is None]
     if absent:
-        missing(tool, f"needs {', '.join(absent)} (scripts/test.sh installs it in CI)",
-                allow_module_level=allow_module_level)
+        missing(
+            tool,
+            f"needs {', '.join(absent)} (scripts/test.sh installs it in CI)",
+            allow_module_level=allow_module_level,
+        )
     return {b: p for b, p in paths.items() if p is not None}

@@ -12,8 +12,7 @@ T = TypeVar("T")
 POLL_S = 0.05
 
 
-def wait_until(cond: Callable[[], T], timeout_s: float, what: str,
-               poll_s: float = POLL_S) -> T:
+def wait_until(cond: Callable[[], T], timeout_s: float, what: str, poll_s: float = POLL_S) -> T:
     """Call ``cond`` until it returns something truthy, and return that; fail with
     ``what`` once ``timeout_s`` has passed."""
     deadline = time.monotonic() + timeout_s
