@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,3 +27,15 @@ settings.load_profile("ito")
 @pytest.fixture
 def repo_root() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[None]:
+    """One local Ray for every test that uses Ray in this process (helpers.ray_local)."""
+    from helpers import ray_local as local
+
+    temp = local.start()
+    try:
+        yield
+    finally:
+        local.stop(temp)

@@ -10,8 +10,6 @@ phase 2 and must recover in phase 2.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -32,18 +30,6 @@ from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget, Tr
 pytestmark = pytest.mark.slow
 WAIT_S = 180.0
 RUN_ID = "phases"
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    tmp = tempfile.mkdtemp(prefix="ray-phases-")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=tmp,
-             log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _data(path: Path) -> Path:

@@ -29,7 +29,7 @@ from helpers.flows import confirm_ref, submit
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
 from helpers.tools import missing, require
 
-# Above pytest's 300 s default: job start, the run and the teardown each have their own deadline.
+# Above pytest's 300 s default: job start, run and teardown each have a deadline.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]

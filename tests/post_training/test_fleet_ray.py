@@ -6,12 +6,9 @@ succeeds. Nothing is mocked but the GPU (HF generate on CPU)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +17,9 @@ import pytest
 from stages.events import InterruptionEvent
 from tests.post_training.conftest import data_ref
 
-# Above pytest's 300 s default: actor start-up and the blocked rollout each have their own deadline.
+# Above pytest's 300 s default: actor start and the blocked rollout each have one.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 NAMESPACE = "ito-pt-test"
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    tmp = tempfile.mkdtemp(prefix="ray-pt-")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=tmp,
-             log_to_driver=False, namespace=NAMESPACE)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 # Bounds on waiting (actors importing torch on a loaded machine, the blocked rollout
@@ -88,8 +73,8 @@ def test_killed_rollout_worker_is_replaced_resynced_and_the_run_succeeds(
                         overlong_penalty_factor=1.0) for i in range(2)]
     marker = tmp_path / "worker-0-generating"
     pool = RayPool("pt1", specs, namespace=NAMESPACE, worker_cls=_blocking_worker(marker))
-    names = sorted(n for n in ray.util.list_named_actors() if str(n).startswith(
-        rollout_prefix("pt1")))
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == NAMESPACE and a["name"].startswith(rollout_prefix("pt1")))
     assert names == ["run-pt1-rollout-0", "run-pt1-rollout-1"]
     before = pool.identities(ACTOR_TIMEOUT_S)
     events: list[Any] = []

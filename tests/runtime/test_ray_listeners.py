@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers.backend import free_port
+from helpers.ray_local import note_start
 from helpers.tools import require
 
 from orchestrator.runtime import ray_cluster
@@ -35,6 +36,7 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]
     settings = ray_cluster.RaySettings(head_port=free_port(), dashboard_port=free_port(),
                                        client_server_port=free_port(), num_cpus=1)
     ray_cluster.start_local_head(var_dir, settings)
+    note_start("embedded-head", str(var_dir))
     try:
         yield {"var_dir": var_dir, "settings": settings}
     finally:

@@ -22,27 +22,22 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import backend as backend_mod
 from helpers.backend import Backend, free_port
 from helpers.flows import confirm_ref, submit
-from helpers.tenants import Tenant, booking_doc, make_tenant
+from helpers.ray_backend import corpora, ray_backend
+from helpers.tenants import Tenant
 from helpers.tools import require
 from helpers.waiting import wait_until
 
 from orchestrator.runtime import ray_cluster
 
-# Above pytest's 300 s default: each run may take RUN_TIMEOUT_S after the backend and its Ray start.
+# Above pytest's 300 s default: a run may take RUN_TIMEOUT_S once the server is up.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 RUN_TIMEOUT_S = 300.0
 # A run's actors are reaped by Ray after its state is final: a hang guard, not a bound.
 ACTORS_GONE_TIMEOUT_S = 120.0
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _docs(path: Path, texts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path
 
 
 def _sha(path: Path) -> str:
@@ -54,35 +49,12 @@ def _sha(path: Path) -> str:
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("ray-runtime")
-    dash = free_port()
-    be = Backend(db=tmp / "ito.db", var_dir=tmp / "var", log_path=tmp / "backend.log",
-                 extra_args=["--runtime", "ray", "--planner-gate",
-                             "--ray-head-port", str(free_port()),
-                             "--ray-dashboard-port", str(dash), "--ray-num-cpus", "4"],
-                 # Operator knob: pace steps so a tiny model's run lasts long enough to
-                 # cancel it, kill a group in it, or kill the API server under it.
-                 env={"ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.15})})
-    old_timeout = backend_mod.STARTUP_TIMEOUT_S
-    backend_mod.STARTUP_TIMEOUT_S = 240.0  # the first start also starts the Ray head
-    tenant = make_tenant(be.db, "acme", booking=booking_doc(
-        "bk-cpu", "acme", gpu_sku="cpu-testbed", gpus_per_node=2, node_count=1,
-        fabric="loopback", region="local"))
-    data = tmp / "data"
-    data.mkdir()
-    baseline = _docs(data / "baseline.jsonl", [
-        json.loads(line)["text"] for line in
-        (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:400]])
-    gsm = [json.loads(line) for line in
-           (REPO / "data" / "gsm8k" / "train.jsonl").read_text().splitlines()[:300]]
-    custom = _docs(data / "custom.jsonl", [f"{g['question']}\n{g['answer']}" for g in gsm])
-    try:
-        be.start()
-        yield {"backend": be, "tenant": tenant, "tmp": tmp, "dashboard": dash,
-               "baseline": baseline, "custom": custom}
-    finally:
-        backend_mod.STARTUP_TIMEOUT_S = old_timeout
-        be.stop()
-        ray_cluster.stop_local_head(be.var_dir)
+    baseline, custom = corpora(tmp / "data", 400, 300)
+    # Operator knob: pace steps so a tiny model's run lasts long enough to cancel it,
+    # kill a group in it, or kill the API server under it.
+    with ray_backend(tmp, "bk-cpu", env={"ITO_TRAIN_OVERRIDES": json.dumps(
+            {"pace_step_s": 0.15})}) as rt:
+        yield {**rt, "baseline": baseline, "custom": custom}
 
 
 def _manifest(rt: dict[str, Any], *, steps: int, name: str,

@@ -8,11 +8,8 @@ Nothing is mocked: a local Ray, torchft's Rust lighthouse, gloo process groups, 
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,18 +35,6 @@ pytestmark = pytest.mark.slow
 
 # Generous bounds on waiting for things that take seconds; never asserted as speed.
 WAIT_S = 120.0
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    tmp = tempfile.mkdtemp(prefix="ray-ft-")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=tmp,
-             log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _data(path: Path) -> Path:

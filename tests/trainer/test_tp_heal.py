@@ -13,13 +13,13 @@ import pytest
 
 from stages.events import InterruptionEvent, LogEvent, StepEvent
 from stages.trainer.layout import ParallelLayout
-from tests.trainer.test_ft_recovery import Run, _config, ray_local  # noqa: F401
+from tests.trainer.test_ft_recovery import Run, _config
 
 pytestmark = pytest.mark.slow
 
 
 def test_tp2_group_heals_from_a_tp2_peer_and_both_end_equal(
-        ray_local: None, tmp_path: Path) -> None:  # noqa: F811
+        ray_local: None, tmp_path: Path) -> None:
     from stages.trainer import kill_replica_group
     from stages.trainer.config import TrainingTarget
 
