@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers.backend import free_port
 from helpers.flows import confirm_ref, submit
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
 from helpers.tools import missing, require
@@ -70,13 +71,6 @@ def _port_block() -> int:
     raise RuntimeError("no free block of 100 ports")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def slurm() -> Iterator[dict[str, Any]]:
     d = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))  # short: unix sockets
@@ -97,7 +91,7 @@ def slurm() -> Iterator[dict[str, Any]]:
         "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none", "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core", "ReturnToService=2",
-        f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
         f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
         f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid",
         f"SlurmctldLogFile={d}/slurmctld.log", f"SlurmdLogFile={d}/slurmd.log",
