@@ -15,9 +15,6 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray reads its auth mode at import; every Ray in the tests keeps token auth on.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
-# Ray's wait for a new raylet to register (60 s, read at import) times out on a loaded
-# 2-core machine; a hang guard like any other deadline here, inherited by subprocesses.
-os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
 
 # Property tests draw the same examples on every run, so a CI failure replays here;
 # print_blob gives the failing example's reproduction decorator. A test's own

@@ -144,9 +144,6 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
-        # Ray's own wait for a raylet to register (60 s by default) is short on a
-        # loaded 2-core machine: a hang guard, as BENCH_TIMEOUT_S is.
-        "RAY_raylet_start_wait_time_s": "180",
     }
     return subprocess.run(
         [sys.executable, str(BENCH / script), *args],

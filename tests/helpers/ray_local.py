@@ -21,6 +21,7 @@ NUM_CPUS = 4
 # Small on purpose: the streaming test spills to disk through it.
 OBJECT_STORE_BYTES = 200 * 2**20
 NAMESPACE = "ito-tests"
+START_ATTEMPTS = 3
 
 
 def note_start(kind: str, where: str) -> None:
@@ -37,12 +38,23 @@ def start() -> str:
 
     from stages.data_prep.stream.output import spilling_config
 
-    temp = tempfile.mkdtemp(prefix="ray-t-")  # short: Ray's socket paths < 107 bytes
-    ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False, _temp_dir=temp,
-             log_to_driver=False, namespace=NAMESPACE, object_store_memory=OBJECT_STORE_BYTES,
-             _system_config={"object_spilling_config": spilling_config(temp + "/spill")})
-    note_start("local", "tests session")
-    return temp
+    for attempt in range(1, START_ATTEMPTS + 1):
+        temp = tempfile.mkdtemp(prefix="ray-t-")  # short: Ray's socket paths < 107 bytes
+        try:
+            ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False,
+                     _temp_dir=temp, log_to_driver=False, namespace=NAMESPACE,
+                     object_store_memory=OBJECT_STORE_BYTES,
+                     _system_config={"object_spilling_config": spilling_config(temp + "/spill")})
+        except Exception:
+            # Ray gives a new raylet a fixed 30 s to register with its GCS, which an
+            # overloaded host can miss; the next attempt usually makes it.
+            stop(temp)
+            if attempt == START_ATTEMPTS:
+                raise
+            continue
+        note_start("local", f"tests session, attempt {attempt}")
+        return temp
+    raise AssertionError("unreachable")
 
 
 def stop(temp: str) -> None:
