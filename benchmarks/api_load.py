@@ -1,4 +1,4 @@
-"""API load benchmark (not in CI): N concurrent clients polling status and submitting.
+"""API load benchmark (CI: smallest size only): N concurrent clients polling status and submitting.
 
 Starts a real ``ito-backend serve`` subprocess on loopback with a temp DB, makes one
 tenant (submitter and approver keys, a live booking), one run to poll, and one
