@@ -18,13 +18,13 @@ from stages.events import InterruptionEvent
 from tests.post_training.conftest import data_ref
 
 # Above pytest's 300 s default: actor start and the blocked rollout each have one.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NAMESPACE = "ito-pt-test"
 
 
 # Bounds on waiting (actors importing torch on a loaded machine, the blocked rollout
 # and its kill); never asserted as speed.
-ACTOR_TIMEOUT_S = 180.0
+ACTOR_TIMEOUT_S = 300.0
 BLOCK_TIMEOUT_S = 180.0
 
 
