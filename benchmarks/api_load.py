@@ -1,4 +1,4 @@
-"""API load benchmark (not in CI): N concurrent clients polling status and submitting.
+"""API load benchmark (CI: smallest size only): N concurrent clients polling status and submitting.
 
 Starts a real ``ito-backend serve`` subprocess on loopback with a temp DB, makes one
 tenant (submitter and approver keys, a live booking), one run to poll, and one
@@ -88,6 +88,9 @@ def start_server(
             # the planner gate stays on, so a submit costs what it costs in production.
             "--runtime",
             "none",
+            # Its own free metrics port: another server on this host may hold 9464.
+            "--metrics-port",
+            str(_free_port()),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -109,14 +112,19 @@ def start_server(
     raise RuntimeError("server did not start")
 
 
-def make_tenant(db: Path) -> dict[str, str]:
+def make_tenant(db: Path, data_root: Path, checkpoint_root: Path) -> dict[str, str]:
+    """The ``bench`` account, its keys and booking; its data and checkpoint roots hold
+    the manifest's paths (the server refuses paths outside an account's roots)."""
     from orchestrator.db.store import Store
     from orchestrator.gates.auth import SCOPES, issue_key
     from orchestrator.gates.bookings import BookingFile, add_booking
 
     store = Store(db)
     try:
-        store.create_account("bench")
+        account = store.create_account("bench")
+        store.set_roots(account["account_id"], "data", [os.path.realpath(data_root)])
+        store.set_roots(account["account_id"], "checkpoint",
+                        [os.path.realpath(checkpoint_root)])
         _, submitter = issue_key(store, "bench", ["runs:read", "runs:write"])
         approver_scopes = [s for s in SCOPES if s.startswith("confirm:")] + ["runs:read"]
         _, approver = issue_key(store, "bench", approver_scopes)
@@ -142,9 +150,18 @@ def make_tenant(db: Path) -> dict[str, str]:
     return {"submitter": submitter, "approver": approver, "booking": "bk-bench"}
 
 
-def manifest_body(tmp: Path) -> dict[str, str]:
-    m = json.loads((REPO / "configs" / "manifests" / "example.json").read_text())
+def example_manifest(tmp: Path) -> dict[str, Any]:
+    """configs/manifests/example.json with its data and checkpoints under ``tmp/data``
+    and ``tmp/ckpt`` (the account's roots; the runs never start, so no data is read)."""
+    m: dict[str, Any] = json.loads((REPO / "configs" / "manifests" / "example.json").read_text())
+    for sub in ("data", "ckpt"):
+        (tmp / sub).mkdir(exist_ok=True)
+    m["data"]["refs"][0]["uri"] = "file://" + str(tmp / "data" / "train.jsonl")
     m["checkpoint"]["storage_uri"] = "file://" + str(tmp / "ckpt")
+    return m
+
+
+def manifest_body(m: dict[str, Any]) -> dict[str, str]:
     raw = json.dumps(m, sort_keys=True).encode()
     return {
         "manifest_b64": base64.b64encode(raw).decode(),
@@ -439,8 +456,9 @@ def main() -> None:
     proc, url = start_server(tmp, args.server_log_level, args.server_module)
     spy: subprocess.Popen[bytes] | None = None
     try:
-        t = make_tenant(tmp / "ito.db")
-        body = manifest_body(tmp)
+        m = example_manifest(tmp)
+        t = make_tenant(tmp / "ito.db", tmp / "data", tmp / "ckpt")
+        body = manifest_body(m)
         first = confirmations(url, t, body, 1)[0]
         run_id = submit_sync(url, t, body, first, "bench-poll-target")
         refs = confirmations(url, t, body, args.submits)

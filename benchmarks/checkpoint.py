@@ -1,4 +1,4 @@
-"""Checkpoint benchmark (not in CI): async vs sync DCP save, and disk bandwidth.
+"""Checkpoint benchmark (CI: smallest size only): async vs sync DCP save, and disk bandwidth.
 
 Builds a training-like state of ``--state-mb`` MB (fp32 weights plus two AdamW
 moments, in tensors of ``--tensor-mb``). After one warm-up async save (which

@@ -1,4 +1,4 @@
-"""Fault-tolerance benchmark (not in CI): torchft live recovery vs checkpoint restart.
+"""Fault-tolerance benchmark (CI: smallest size only): torchft live recovery vs checkpoint restart.
 
 Runs the real training stage (a local Ray, torchft lighthouse, one Ray actor per
 replica group, gloo on CPU or NCCL with ``--device cuda``) on a tiny model, twice.

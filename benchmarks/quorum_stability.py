@@ -1,4 +1,4 @@
-"""Quorum stability under full CPU load (not in CI): spurious quorum changes per run.
+"""Quorum stability under full CPU load (CI: smallest size only): spurious quorum changes per run.
 
 Trains the real training stage (local Ray, torchft lighthouse, ``--groups`` replica
 groups) for ``--duration`` seconds per heartbeat setting while one busy-loop

@@ -1,29 +1,55 @@
 #!/usr/bin/env bash
-# Installs everything (venv, the project, Debian's prometheus for the scrape test)
+# Installs everything (venv, the project, the system tools some tests drive for real)
 # and runs the whole test suite. Used by the README and by .ci/run.
+#
+# In CI (CI=true, or as root) every tool below is installed or the run fails, and
+# ITO_REQUIRE_<TOOL>=1 turns the tests' "tool missing" skip into a failure
+# (tests/helpers/tools.py). Elsewhere a missing tool is a warning and a skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/install.sh
-if [ "$(id -u)" = 0 ]; then
-  # CI runs as root: the real-Prometheus scrape test must run there, never be skipped.
-  if ! command -v prometheus >/dev/null 2>&1; then
-    if ! (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-          --no-install-recommends prometheus) >/tmp/ito-prometheus-install.log 2>&1; then
-      cat /tmp/ito-prometheus-install.log >&2
-      echo "error: could not install Debian's prometheus (needed by the scrape test)" >&2
-      exit 1
-    fi
+
+in_ci() { [ "${CI:-}" = true ] || [ "$(id -u)" = 0 ]; }
+
+# Debian's postgresql keeps initdb/pg_ctl under /usr/lib/postgresql/<major>/bin.
+have() {
+  local b
+  for b in "$@"; do
+    command -v "$b" >/dev/null 2>&1 || compgen -G "/usr/lib/postgresql/*/bin/$b" >/dev/null \
+      || return 1
+  done
+}
+
+# require TOOL "binaries" "apt packages (alternatives separated by |)" "what needs it"
+require() {
+  local tool=$1 bins=$2 pkgs=$3 why=$4 log="/tmp/ito-install-$1.log" alt
+  if ! have $bins && in_ci; then
+    : >"$log"
+    apt-get update -qq >>"$log" 2>&1 || true
+    IFS='|' read -ra alts <<<"$pkgs"
+    for alt in "${alts[@]}"; do
+      # shellcheck disable=SC2086 # word-split the package list on purpose
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $alt \
+        >>"$log" 2>&1 && break
+    done
   fi
-  export ITO_REQUIRE_PROMETHEUS=1
-else
-  command -v prometheus >/dev/null 2>&1 \
-    || echo "warning: prometheus is not installed and this is not root: the scrape test will be skipped" >&2
-fi
-if ! { command -v slurmctld && command -v munged; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  # The Slurm deploy test starts a real single-node Slurm (tests/deploy/test_slurm.py).
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge) >/dev/null 2>&1 \
-    || echo "warning: could not install slurm-wlm and munge; the Slurm test will be skipped" >&2
-fi
+  if have $bins; then
+    if in_ci; then export "ITO_REQUIRE_$tool=1"; fi
+  elif in_ci; then
+    cat "$log" >&2 2>/dev/null || true
+    echo "error: could not install $pkgs (provides $bins, needed by $why)" >&2
+    exit 1
+  else
+    echo "warning: $bins not installed and this is not CI: $why will be skipped" >&2
+  fi
+}
+
+require PROMETHEUS "prometheus" "prometheus" "the real-Prometheus scrape test"
+require SLURM "slurmctld slurmd munged sbatch" "slurm-wlm munge" "the single-node Slurm test"
+require KUBECTL "kubectl" "kubectl|kubernetes-client" "the deploy/k8s render tests"
+require SS "ss" "iproute2" "the Ray head listener test"
+require POSTGRES "initdb pg_ctl" "postgresql" "the PostgreSQL store tests"
+
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

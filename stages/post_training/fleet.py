@@ -12,7 +12,10 @@ depend on which worker answered first. Staleness is bounded twice (AReaL):
 
 A worker that dies mid-rollout loses its request (regenerated under the same id, so
 never trained under a wrong version); Ray restarts it, the controller re-sends the
-current weights and counts the interruption once the worker acknowledges them.
+current weights and counts the interruption once the worker acknowledges them. Until
+Ray sees the death, every call to the worker fails at once: those failures are one
+loss, not many, and the re-send is paced (``RESYNC_RETRY_S``) and bounded by
+``restart_timeout_s``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from stages.post_training.pools import WorkerLost, WorkerPool
 from stages.post_training.rollout import Refusal, RolloutGroup, RolloutRequest
 
 MakeRequest = Callable[[int, int], RolloutRequest]  # (id, consume_step) -> request
+# Pause between weight re-sends to a worker that is still down (each failed call
+# returns at once, so without it the controller spins while Ray restarts the actor).
+RESYNC_RETRY_S = 0.5
 
 
 class DynamicSampler:
@@ -112,6 +118,7 @@ class RolloutController:
         self._put_s = 0.0
         self._sync_load: list[float] = []
         self._losses = 0
+        self._resend_at: dict[int, tuple[float, float]] = {}  # w -> (due, lost_at)
         self._training = False
 
     # -- weights ---------------------------------------------------------------------
@@ -123,7 +130,10 @@ class RolloutController:
         self._sync_load = []
         self.V = version
         for w in range(self.pool.size):
-            self._send(w, lost_at=None)
+            if w in self._resend_at:  # still down: it gets V when it is re-sent
+                continue
+            prev = self.syncing.get(w)  # a restart in progress stays one outage
+            self._send(w, lost_at=prev[2] if prev is not None else None)
 
     def _send(self, w: int, lost_at: float | None) -> None:
         self.syncing[w] = (self.pool.sync(w, self.V, self._weights), time.time(), lost_at)
@@ -135,10 +145,19 @@ class RolloutController:
         base = self.V + (1 if self._training else 0)
         return base + (len(self.batch) + k - self.walk_id) // self.G
 
+    def _resend_due(self) -> None:
+        now = time.monotonic()
+        for w, (due, lost_at) in list(self._resend_at.items()):
+            if due <= now:
+                del self._resend_at[w]
+                self._send(w, lost_at=lost_at)
+
     def _admit(self) -> None:
+        self._resend_due()
         busy = set(self.inflight)
         for w in range(self.pool.size):
-            if w in busy or (w in self.syncing and self.syncing[w][2] is not None):
+            if w in busy or w in self._resend_at or \
+                    (w in self.syncing and self.syncing[w][2] is not None):
                 continue  # busy, or restarting: wait for its re-sync
             k = self.retry[0] if self.retry else self.next_id
             s = self.expected_step(k)
@@ -160,7 +179,7 @@ class RolloutController:
             self._admit()
             handles = [h for _, h in self.inflight.values()] + \
                       [h for h, _, _ in self.syncing.values()]
-            ready = self.pool.wait(handles, timeout_s=max(0.0, deadline - time.monotonic()))
+            ready = self.pool.wait(handles, timeout_s=self._wait_s(deadline))
             if not ready and time.monotonic() >= deadline:
                 raise ItoError(ErrorCode.rollout_fleet_failed,
                                f"no rollout finished within {self.rollout_timeout_s:.0f}s")
@@ -171,6 +190,11 @@ class RolloutController:
         self.batch, self.walked = [], []
         self.sampler.reset()
         return batch, walked
+
+    def _wait_s(self, deadline: float) -> float:
+        """How long one wait may block: until the deadline or the next due re-send."""
+        until = min([deadline, *(due for due, _ in self._resend_at.values())])
+        return max(0.0, until - time.monotonic())
 
     def pump_while(self, train: Callable[[], Any]) -> Any:
         """Run ``train()`` (the optimizer step) while the fleet keeps generating:
@@ -240,7 +264,8 @@ class RolloutController:
         if isinstance(out, Refusal):
             self.stats.worker_refused += 1
             self._requeue(k)
-            if out.reason == "no weights" and w not in self.syncing:
+            if out.reason == "no weights" and w not in self.syncing \
+                    and w not in self._resend_at:
                 # Restarted while idle: its death went unseen until now.
                 self._send(w, lost_at=time.time())
             return
@@ -253,17 +278,27 @@ class RolloutController:
         self.retry.sort()
 
     def _lost(self, w: int, e: WorkerLost) -> None:
-        self._losses += 1
-        if self._losses > self.max_worker_losses:
+        prev = self.syncing.get(w)
+        outage = prev[2] if prev is not None else None  # set: the same death, seen again
+        if outage is None:
+            self._losses += 1
+            if self._losses > self.max_worker_losses:
+                raise ItoError(ErrorCode.rollout_fleet_failed,
+                               f"rollout workers lost {self._losses} times: {e.detail}")
+        elif time.time() - outage > self.restart_timeout_s:
             raise ItoError(ErrorCode.rollout_fleet_failed,
-                           f"rollout workers lost {self._losses} times: {e.detail}")
+                           f"rollout worker {w} not back within "
+                           f"{self.restart_timeout_s:.0f}s: {e.detail}")
         if w in self.inflight:
             k, _ = self.inflight.pop(w)
             self.stats.discarded_rollouts += 1
             self._requeue(k)
-        prev = self.syncing.get(w)
-        lost_at = prev[2] if prev is not None and prev[2] is not None else time.time()
-        self._send(w, lost_at=lost_at)  # Ray queues it until the actor is restarted
+        self.syncing.pop(w, None)
+        lost_at = outage if outage is not None else time.time()
+        if outage is None:
+            self._send(w, lost_at=lost_at)  # Ray queues it once it sees the death
+        else:  # still down: try again shortly
+            self._resend_at[w] = (time.monotonic() + RESYNC_RETRY_S, lost_at)
 
     def _walk(self) -> None:
         while len(self.batch) < self.G and self.walk_id in self.resolved:
@@ -284,7 +319,8 @@ class RolloutController:
     def drain_syncs(self, timeout_s: float) -> None:
         """Wait for outstanding weight syncs (e.g. before reading worker versions)."""
         deadline = time.monotonic() + timeout_s
-        while self.syncing and time.monotonic() < deadline:
+        while (self.syncing or self._resend_at) and time.monotonic() < deadline:
+            self._resend_due()
             handles = [h for h, _, _ in self.syncing.values()] + \
                       [h for _, h in self.inflight.values()]
-            self._collect(self.pool.wait(handles, deadline - time.monotonic()))
+            self._collect(self.pool.wait(handles, self._wait_s(deadline)))

@@ -14,6 +14,7 @@ from stages.post_training.rollout import (
     Refusal,
     RolloutGroup,
     RolloutRequest,
+    RolloutWorker,
     WorkerSpec,
     rollout_name,
 )
@@ -93,13 +94,13 @@ class RayPool:
 
     def __init__(self, run_id: str, specs: list[WorkerSpec], *, device: str = "cpu",
                  max_restarts: int = 3, namespace: str | None = None,
-                 placement: dict[str, Any] | None = None):
+                 placement: dict[str, Any] | None = None,
+                 worker_cls: type[RolloutWorker] | None = None):
         import ray
 
-        from stages.post_training.rollout import RolloutWorker
-
         self.size = len(specs)
-        cls: Any = ray.remote(RolloutWorker)
+        # worker_cls: a RolloutWorker subclass (another generation backend).
+        cls: Any = ray.remote(worker_cls or RolloutWorker)
         self.actors: list[Any] = [cls.options(
             name=rollout_name(run_id, s.index), namespace=namespace,
             num_cpus=ROLLOUT_NUM_CPUS, num_gpus=1 if device == "cuda" else 0,

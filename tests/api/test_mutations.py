@@ -49,12 +49,15 @@ def test_cleanup_needs_terminal_run_and_keeps_booking(api: Api) -> None:
     # A cancel confirmation cannot clean up.
     assert code_of(_post(api, f"/v1/runs/{rid}/cleanup", api.ref("cancel", run_id=rid),
                          "clean-k-002")) == "confirmation_action_mismatch"
+    booking_before = api.store.booking(api.t.booking_id)
     r = _post(api, f"/v1/runs/{rid}/cleanup", ref, "clean-k-003")
     d = r.json()["data"]
     assert r.status_code == 200 and d["run"]["state"] == "cleaned"
     assert d["removed"] == [str(scratch)] and d["bytes_removed"] == 1000
-    assert d["booking_untouched"] is True and not scratch.exists()
-    assert (api.store.booking(api.t.booking_id) or {})["state"] == "active"
+    assert not scratch.exists()
+    # The booking row is exactly as before, not only the response saying so.
+    assert api.store.booking(api.t.booking_id) == booking_before
+    assert (booking_before or {})["state"] == "active"
     replay = _post(api, f"/v1/runs/{rid}/cleanup", ref, "clean-k-003").json()["data"]
     assert replay["replayed"] is True and replay["removed"] == [str(scratch)]
     # Same key, other request: conflict.

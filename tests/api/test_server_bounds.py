@@ -9,7 +9,6 @@ import hashlib
 import json
 import signal
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -17,6 +16,7 @@ import pytest
 from helpers.backend import Backend
 from helpers.manifests import example_manifest
 from helpers.tenants import Tenant
+from helpers.waiting import wait_until
 
 HUGE = 640000000000000000000000000000  # 6.4e29 tokens a batch
 # Generous deadlines on each request (never a timing assertion): the old code never
@@ -72,9 +72,14 @@ def test_canary_ids_never_reach_the_access_log(backend: Backend, tenant: Tenant)
         c.get(f"/v1/runs/{canary_run}")
         c.get(f"/v1/runs/{canary_run}/logs", params={"cursor": "0"})
         assert c.get("/healthz").status_code == 200
-    time.sleep(0.5)  # let the server flush its log
-    log = backend.log_text()
-    assert '"GET /v1/runs/{id} HTTP/1.1" 404' in log  # the access log is on, redacted
+
+    def flushed() -> str:
+        text = backend.log_text()
+        return text if "/v1/runs/{id}/logs" in text else ""
+
+    # The access log is on, redacted (waits for the server to flush it).
+    log = wait_until(flushed, REQUEST_DEADLINE_S, "the access log line of the last request")
+    assert '"GET /v1/runs/{id} HTTP/1.1" 404' in log
     assert "/v1/runs?{query}" in log
     assert canary_key not in log and canary_run not in log
 
@@ -83,21 +88,27 @@ def test_canary_ids_never_reach_the_access_log(backend: Backend, tenant: Tenant)
 def test_sigterm_stops_the_server_within_its_grace(backend: Backend, tenant: Tenant) -> None:
     h = {"Authorization": f"Bearer {tenant.submitter}"}
     stop = threading.Event()
+    served: list[int] = []
 
     def load() -> None:
         while not stop.is_set():
             with contextlib.suppress(httpx.HTTPError):
-                httpx.get(f"{backend.url}/v1/bookings/{tenant.booking_id}/eligibility",
-                          headers=h, timeout=2.0)
+                served.append(httpx.get(
+                    f"{backend.url}/v1/bookings/{tenant.booking_id}/eligibility",
+                    headers=h, timeout=2.0).status_code)
 
     workers = [threading.Thread(target=load, daemon=True) for _ in range(4)]
     for w in workers:
         w.start()
-    time.sleep(0.5)
-    assert backend.proc is not None
-    backend.proc.send_signal(signal.SIGTERM)
     try:
+        # SIGTERM lands while every load thread is sending (each was answered once).
+        wait_until(lambda: len(served) >= 2 * len(workers), REQUEST_DEADLINE_S * 3,
+                   "the load threads' first answers")
+        assert set(served) == {200}
+        assert backend.proc is not None
+        backend.proc.send_signal(signal.SIGTERM)
         # serve's default grace is 10 s; 40 s is a generous bound, not a speed claim.
-        assert backend.proc.wait(timeout=40) is not None
+        # uvicorn re-raises the SIGTERM once its graceful shutdown is done (not a kill).
+        assert backend.proc.wait(timeout=40) == -signal.SIGTERM
     finally:
         stop.set()

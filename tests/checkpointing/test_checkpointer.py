@@ -172,7 +172,8 @@ def test_an_older_checkpoint_survives_until_the_newer_one_is_complete(
         assert [r.step for r in ck.records()] == [2]
         assert ck.poll() == [ck.records()[0]]  # only step 2's completion so far
         release.set()
-        assert ck.wait() is not None
+        rec = ck.wait()
+        assert rec is not None and rec.step == 4
         assert [r.step for r in ck.records()] == [4]
 
 

@@ -64,6 +64,15 @@ class World:
             ).fetchall()
         return [(str(a), str(b)) for a, b in rows]
 
+    def booking_row(self) -> dict[str, object]:
+        """This test's booking row as the DB holds it (read-only)."""
+        with sqlite3.connect(f"file:{self.backend.db}?mode=ro", uri=True) as db:
+            db.row_factory = sqlite3.Row
+            row = db.execute(
+                "SELECT * FROM bookings WHERE booking_id = ?", (self.booking,)
+            ).fetchone()
+        return dict(row)
+
     def cli(
         self,
         monkeypatch: pytest.MonkeyPatch,

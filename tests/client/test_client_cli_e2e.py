@@ -132,11 +132,13 @@ def test_full_flow(world: World, monkeypatch: pytest.MonkeyPatch, capsys) -> Non
             ]
         )
         assert status == EXIT_SERVER_ERROR and env["live_api_contacted"] is True
+        assert env["error"]["code"] == ErrorCode.proposal_not_found
 
     status, env = j(
         ["confirm", "--action", "cleanup", "--booking", b, "--run", run_id],
         key=world.tenant.approver,
     )
+    booking_before = world.booking_row()
     status, env = j(
         [
             "cleanup",
@@ -148,7 +150,8 @@ def test_full_flow(world: World, monkeypatch: pytest.MonkeyPatch, capsys) -> Non
             "cleanup-key-1",
         ]
     )
-    assert status == EXIT_OK and env["data"]["booking_untouched"] is True
+    assert status == EXIT_OK and env["data"]["run"]["state"] == "cleaned"
+    assert world.booking_row() == booking_before  # cleanup never changes the booking
 
     status, env = j(["confirm", "--action", "release", "--booking", b], key=world.tenant.approver)
     status, env = j(

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 from client_proxy import RecordingProxy
+from helpers.backend import free_port
 
 from orchestrator.client.api import ClientSettings, ItoClient, check_api_url
 from orchestrator.client.cli import EXIT_TRANSPORT, run_cli
@@ -17,9 +18,13 @@ from orchestrator.client.credentials import ApiKey
 from stages.errors import ErrorCode
 
 KEY = ApiKey("itok_t1_transportsecret", source="env")
+# No backoff, so retries are immediate; the deadlines are generous (a loaded machine
+# answers a 502 slowly too): only the total-timeout test below shortens its deadline,
+# against servers that never finish answering.
 FAST = ClientSettings(
-    connect_timeout_s=1.0, total_timeout_s=0.6, retry_backoff_s=0.0, read_max_attempts=3
+    connect_timeout_s=10.0, total_timeout_s=30.0, retry_backoff_s=0.0, read_max_attempts=3
 )
+SHORT_TOTAL_TIMEOUT_S = 0.6
 
 
 class _RawServer:
@@ -86,14 +91,8 @@ def raw_server(request: pytest.FixtureRequest) -> Iterator[_RawServer]:
     srv.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_connection_refused_is_unreachable_and_not_live() -> None:
-    with ItoClient(f"http://127.0.0.1:{_free_port()}", KEY, settings=FAST) as c:
+    with ItoClient(f"http://127.0.0.1:{free_port()}", KEY, settings=FAST) as c:
         env = c.run("r1")
         assert env["ok"] is False and env["live_api_contacted"] is False
         assert env["error"]["code"] == ErrorCode.api_unreachable
@@ -103,7 +102,8 @@ def test_connection_refused_is_unreachable_and_not_live() -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("raw_server", ["hang", "slow_loris"], indirect=True)
 def test_total_timeout_bounds_the_whole_request(raw_server: _RawServer) -> None:
-    settings = FAST.model_copy(update={"read_max_attempts": 1})
+    settings = FAST.model_copy(update={"read_max_attempts": 1,
+                                       "total_timeout_s": SHORT_TOTAL_TIMEOUT_S})
     with ItoClient(f"http://127.0.0.1:{raw_server.port}", KEY, settings=settings) as c:
         env = c.run("r1")
     assert env["error"]["code"] == ErrorCode.api_timeout
@@ -181,7 +181,7 @@ def test_cli_transport_failure_exit_code(
         "r1",
         "--json",
         "--api-url",
-        f"http://127.0.0.1:{_free_port()}",
+        f"http://127.0.0.1:{free_port()}",
         "--connect-timeout",
         "0.5",
         "--timeout",

@@ -10,40 +10,25 @@ phase 2 and must recover in phase 2.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.stage_run import StageRun
 
-from stages.base import GateOutcome, StageContext
+from stages.base import GateOutcome
 from stages.checkpointing.config import CheckpointPolicy
 from stages.checkpointing.storage import list_checkpoints, pinned_phase
 from stages.curriculum.config import CurriculumConfig
 from stages.curriculum.plan import CurriculumPlan, plan_curriculum
 from stages.errors import ErrorCode
-from stages.events import CheckpointEvent, EvalEvent, Event, LogEvent, PhaseEvent, StepEvent
+from stages.events import CheckpointEvent, EvalEvent, LogEvent, PhaseEvent, StepEvent
 from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget, TrainStageConfig
 
 pytestmark = pytest.mark.slow
 WAIT_S = 180.0
 RUN_ID = "phases"
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    tmp = tempfile.mkdtemp(prefix="ray-phases-")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=tmp,
-             log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _data(path: Path) -> Path:
@@ -84,65 +69,29 @@ def _config(tmp: Path) -> TrainStageConfig:
         replica_groups=2, pace_step_s=0.3, curriculum=_plan()), strict=False)
 
 
-class Run:
-    def __init__(self, cfg: TrainStageConfig, tmp: Path):
-        from stages.trainer import TrainingStage
-
-        self.events: list[Event] = []
-        self.cond = threading.Condition()
-        self.ctx = StageContext(run_id=RUN_ID, booking_id="bk", workdir=tmp / "work",
-                                emit=self._emit)
-        self.ctx.workdir.mkdir(exist_ok=True)
-        self.outcome: GateOutcome | None = None
-        self.thread = threading.Thread(target=self._run, args=(TrainingStage(cfg),),
-                                       daemon=True)
-        self.thread.start()
-
-    def _emit(self, e: Event) -> None:
-        with self.cond:
-            self.events.append(e)
-            self.cond.notify_all()
-
-    def _run(self, stage: object) -> None:
-        self.outcome = stage.run(self.ctx)  # type: ignore[attr-defined]
-
-    def wait_for(self, pred: object, what: str) -> Event:
-        deadline = time.time() + WAIT_S
-        with self.cond:
-            while True:
-                for e in self.events:
-                    if pred(e):  # type: ignore[operator]
-                        return e
-                left = deadline - time.time()
-                assert left > 0, f"timed out waiting for {what}"
-                self.cond.wait(min(left, 1.0))
-
-    def join(self) -> GateOutcome:
-        self.thread.join(timeout=WAIT_S)
-        self.ctx.cancel_event.set()
-        assert self.outcome is not None
-        return self.outcome
+def Run(cfg: TrainStageConfig, tmp: Path) -> StageRun:
+    return StageRun(cfg, tmp / "work", RUN_ID, wait_s=WAIT_S, join_timeout_s=WAIT_S)
 
 
 @pytest.fixture(scope="module")
 def failed_run(ray_local: None, tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[tuple[Run, GateOutcome, TrainStageConfig, float]]:
+               ) -> Iterator[tuple[StageRun, GateOutcome, TrainStageConfig, float]]:
     from stages.trainer import kill_replica_group
 
     tmp = tmp_path_factory.mktemp("phases")
     cfg = _config(tmp)
-    run = Run(cfg, tmp)
-    # SIGKILL group 1 early in phase 2 (steps 10..90), so it is back well before 90.
-    run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.phase == "mid"
-                 and e.step >= 15 and e.quorum_size == 2, "phase 2 in the full quorum")
-    killed_at, pids = kill_replica_group(RUN_ID, 1)
-    assert pids
-    out = run.join()
+    with Run(cfg, tmp) as run:
+        # SIGKILL group 1 early in phase 2 (steps 10..90), so it is back well before 90.
+        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.phase == "mid"
+                     and e.step >= 15 and e.quorum_size == 2, "phase 2 in the full quorum")
+        killed_at, pids = kill_replica_group(RUN_ID, 1)
+        assert pids
+        out = run.join()
     yield run, out, cfg, killed_at
 
 
 def test_second_gate_fails_the_run_and_phase_three_never_runs(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+        failed_run: tuple[StageRun, GateOutcome, TrainStageConfig, float]) -> None:
     run, out, _, _ = failed_run
     assert out.status == "failed", out.reason
     assert out.error_code == ErrorCode.eval_gate_failed
@@ -168,7 +117,7 @@ def test_second_gate_fails_the_run_and_phase_three_never_runs(
 
 
 def test_phases_train_with_their_own_seq_len_and_lr_schedule(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+        failed_run: tuple[StageRun, GateOutcome, TrainStageConfig, float]) -> None:
     run, _, _, _ = failed_run
     plan = _plan()
     pre, mid = plan.phases[0], plan.phases[1]
@@ -190,7 +139,7 @@ def test_phases_train_with_their_own_seq_len_and_lr_schedule(
 
 
 def test_group_killed_in_phase_two_recovers_in_phase_two(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+        failed_run: tuple[StageRun, GateOutcome, TrainStageConfig, float]) -> None:
     run, out, _, killed_at = failed_run
     after = [e for e in run.events if isinstance(e, StepEvent) and e.ts > killed_at]
     assert after and all(e.phase == "mid" and e.seq_len == 32 for e in after)
@@ -202,7 +151,7 @@ def test_group_killed_in_phase_two_recovers_in_phase_two(
 
 
 def test_phase_closing_checkpoints_are_kept_and_exported(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+        failed_run: tuple[StageRun, GateOutcome, TrainStageConfig, float]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stages.trainer.phases import load_phase_model
@@ -227,7 +176,7 @@ def test_phase_closing_checkpoints_are_kept_and_exported(
 
 
 def test_a_relaunched_stage_keeps_the_decided_gate(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float],
+        failed_run: tuple[StageRun, GateOutcome, TrainStageConfig, float],
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """A driver relaunch runs the stage again: decided gates are read back, nothing
     trains and nothing is re-scored; a failed gate stays failed."""
@@ -240,7 +189,7 @@ def test_a_relaunched_stage_keeps_the_decided_gate(
 
 
 def test_the_same_checkpoint_scores_identically_again(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+        failed_run: tuple[StageRun, GateOutcome, TrainStageConfig, float]) -> None:
     """Re-scoring the checkpoint that closed pretrain, in a fresh model, gives exactly
     the scores its gate recorded."""
     from stages.evals import run_battery

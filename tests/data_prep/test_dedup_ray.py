@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
@@ -14,22 +10,8 @@ from stages.data_prep.dedup import dedup
 from stages.data_prep.synth import planted_pair_corpus
 
 
-@pytest.fixture
-def local_ray() -> Iterator[None]:
-    ray = pytest.importorskip("ray")
-    # A short temp dir of our own: Ray's socket paths must stay under 107 bytes.
-    temp = tempfile.mkdtemp(prefix="dpray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp,
-             log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
-
-
 @pytest.mark.slow
-def test_dedup_sharded_over_ray_workers_matches_local(local_ray: None) -> None:
+def test_dedup_sharded_over_ray_workers_matches_local(ray_local: None) -> None:
     texts, _ = planted_pair_corpus(200, 150, seed=5)
     texts += texts[:7]  # exact duplicates across shards
     cfg = DedupConfig(ray_min_docs=100, shard_docs=90)  # threshold lowered for the test

@@ -5,9 +5,6 @@ byte, as in one process, and planted near-duplicates found with precision and re
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,28 +12,13 @@ import pytest
 
 from stages.data_prep.config import DedupConfig
 from stages.data_prep.stream import RayDataExecutor, StreamConfig, input_files, run_stream
-from stages.data_prep.stream.output import spilling_config
 from stages.data_prep.stream.tasks import connected_components
 from stages.data_prep.synth import planted_pair_corpus, similar_pairs_exact
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray = pytest.importorskip("ray")
-    temp = tempfile.mkdtemp(prefix="dpstream")  # short: Ray's socket paths < 107 bytes
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp,
-             log_to_driver=False, object_store_memory=200 * 2**20,
-             _system_config={"object_spilling_config": spilling_config(temp + "/spill")})
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def test_ray_data_gives_the_same_output_as_one_process(tmp_path: Path, local_ray: None) -> None:
+def test_ray_data_gives_the_same_output_as_one_process(tmp_path: Path, ray_local: None) -> None:
     texts, _ = planted_pair_corpus(3000, 1000, seed=7)
     texts += texts[100:130]
     src = tmp_path / "in.jsonl"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from helpers.tools import require
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -25,9 +25,7 @@ KUBECTL_TIMEOUT_S = 60
 
 
 def _render(path: Path) -> list[dict[str, Any]]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    kubectl = require("kubectl", "kubectl")["kubectl"]  # its built-in kustomize
     out = subprocess.run([kubectl, "kustomize", str(path)], check=True, capture_output=True,
                          text=True, timeout=KUBECTL_TIMEOUT_S).stdout
     return [d for d in yaml.safe_load_all(out) if d]

@@ -25,10 +25,13 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers.backend import free_port
 from helpers.flows import confirm_ref, submit
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
+from helpers.tools import missing, require
 
-pytestmark = pytest.mark.slow
+# Above pytest's 300 s default: job start, run and teardown each have a deadline.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "deploy" / "slurm"
@@ -37,10 +40,9 @@ JOB_START_TIMEOUT_S = 240.0
 RUN_TIMEOUT_S = 300.0
 TEARDOWN_TIMEOUT_S = 90.0
 
-if os.geteuid() != 0 or not all(shutil.which(b) for b in ("slurmctld", "slurmd", "munged",
-                                                         "sbatch")):
-    pytest.skip("needs root with slurm-wlm and munge (scripts/test.sh installs them)",
-                allow_module_level=True)
+require("slurm", "slurmctld", "slurmd", "munged", "sbatch", allow_module_level=True)
+if os.geteuid() != 0:
+    missing("slurm", "the Slurm and munge daemons need root", allow_module_level=True)
 
 
 def _run(*cmd: str, env: dict[str, str], timeout: float = 30.0) -> str:
@@ -69,13 +71,6 @@ def _port_block() -> int:
     raise RuntimeError("no free block of 100 ports")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def slurm() -> Iterator[dict[str, Any]]:
     d = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))  # short: unix sockets
@@ -96,7 +91,7 @@ def slurm() -> Iterator[dict[str, Any]]:
         "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none", "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core", "ReturnToService=2",
-        f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
         f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
         f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid",
         f"SlurmctldLogFile={d}/slurmctld.log", f"SlurmdLogFile={d}/slurmd.log",

@@ -39,6 +39,8 @@ class Backend:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    # Until /healthz answers; a server that starts its own Ray head needs longer.
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
 
     @property
     def url(self) -> str:
@@ -69,7 +71,7 @@ class Backend:
              "--metrics-port", str(self.metrics_port), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from helpers.backend import free_port
+from helpers.ray_local import note_start
 
 NODE_START_TIMEOUT_S = 120.0
 NODE_STOP_TIMEOUT_S = 30.0
@@ -104,6 +105,7 @@ class LocalCluster:
                        capture_output=True, timeout=60)
         self.head_port = free_port()
         self.dashboard_port = free_port()
+        note_start("cluster", str(self.tmp))
         # The head runs no work (num-cpus 0), as in deploy/k8s: runs go to booked nodes.
         return self._start("head", [
             "--head", f"--port={self.head_port}", "--num-cpus=0",

@@ -10,8 +10,9 @@ vocabulary and whether activations or optimizer state dominate.
 from __future__ import annotations
 
 import pytest
+import torch
 
-from stages.parallelism.measure import measure_peak_memory
+from stages.parallelism.measure import measure_peak_memory, measure_step_peak
 from stages.parallelism.memory import estimate_memory
 from stages.presets import ModelPreset, load_model_preset
 
@@ -36,6 +37,35 @@ CASES = [
     (_preset(64, 172, 2, 4, 2, vocab=8192), 2, 128, "none"),  # the loss dominates
     (_preset(256, 688, 2, 4, 2), 1, 32, "none"),  # weights + AdamW dominate
 ]
+
+
+def test_measured_peak_is_exact_on_a_known_allocation() -> None:
+    """The measuring side alone: a step whose allocations are known byte for byte."""
+    p = torch.nn.Parameter(torch.zeros(1000))  # 4,000 B, live before the window
+    optimizer = torch.optim.SGD([p], lr=0.1)  # no state
+
+    def step() -> None:
+        a = torch.empty(250_000, dtype=torch.float32)  # 1,000,000 B
+        b = torch.empty(125_000, dtype=torch.float64)  # 1,000,000 B while a lives
+        del a, b
+        c = torch.empty(100_000, dtype=torch.uint8)  # after both are freed: no new peak
+        del c
+
+    assert measure_step_peak(step, [p], optimizer) == 4_000 + 2_000_000
+
+
+def test_measured_peak_counts_optimizer_state_and_gradients() -> None:
+    p = torch.nn.Parameter(torch.zeros(1000))
+    # Momentum: a 4,000 B buffer, made by the warm-up call before the measured one.
+    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9, foreach=False)
+
+    def step() -> None:
+        p.grad = torch.ones(1000)  # 4,000 B, freed between calls (set_to_none)
+        optimizer.step()
+        scratch = torch.empty(250_000)  # 1,000,000 B
+        del scratch
+
+    assert measure_step_peak(step, [p], optimizer) == 3 * 4_000 + 1_000_000
 
 
 @pytest.mark.parametrize(("preset", "micro_batch", "seq_len", "recompute"), CASES,

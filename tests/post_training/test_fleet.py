@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.waiting import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -54,6 +55,62 @@ class FakeWorker:
                             behav_logp=[[0.0]] * req.group_size, lengths=[1] * req.group_size,
                             truncated=[False] * req.group_size, rewards=r, task_rewards=r,
                             gen_s=0.0)
+
+
+class IgnoresAdmission(FakeWorker):
+    """Skips the worker-side admission check and answers its first request after the
+    sync to ``lag_from`` with the weights it had before (a sync that raced its rollout):
+    only the trainer-side refusal stands between that group and the optimizer."""
+
+    def __init__(self, index: int, lag_from: int):
+        super().__init__(index, random.Random(index), 0.0)
+        self.lag_from = lag_from
+        self.previous = -1
+        self.lagged = False
+
+    def set_weights(self, version: int, state: dict[str, Any]) -> dict[str, float]:
+        self.previous = self.version
+        return super().set_weights(version, state)
+
+    def generate(self, req: RolloutRequest) -> RolloutGroup | Refusal:
+        lag = self.version >= self.lag_from and not self.lagged
+        self.lagged = self.lagged or lag
+        self.generated.append(req.id)
+        r = [float(i % 2) for i in range(req.group_size)]
+        return RolloutGroup(id=req.id, version=self.previous if lag else self.version,
+                            worker=self.index, prompt_ids=[1],
+                            completion_ids=[[2]] * req.group_size,
+                            behav_logp=[[0.0]] * req.group_size, lengths=[1] * req.group_size,
+                            truncated=[False] * req.group_size, rewards=r, task_rewards=r,
+                            gen_s=0.0)
+
+
+class DiesMidRollout(FakeWorker):
+    """Dies inside its rollout of request ``die_on`` (as a SIGKILL mid-generate), fails
+    its next ``down_calls`` calls at once (Ray has not seen the death yet), then comes
+    back without weights, as a restarted actor does."""
+
+    def __init__(self, index: int, die_on: int, down_calls: int):
+        super().__init__(index, random.Random(index), 0.0)
+        self.die_on, self.down_calls = die_on, down_calls
+        self.down = 0
+        self.died = False
+
+    def _unavailable(self) -> None:
+        if self.down > 0:
+            self.down -= 1
+            raise ConnectionError("actor unavailable")
+
+    def set_weights(self, version: int, state: dict[str, Any]) -> dict[str, float]:
+        self._unavailable()
+        return super().set_weights(version, state)
+
+    def generate(self, req: RolloutRequest) -> RolloutGroup | Refusal:
+        self._unavailable()
+        if req.id == self.die_on and not self.died:
+            self.died, self.version, self.down = True, -1, self.down_calls
+            raise ConnectionError("killed mid-rollout")
+        return super().generate(req)
 
 
 def _request(eta: int) -> Any:
@@ -135,6 +192,52 @@ def test_dynamic_sampling_bound_keeps_uniform_groups_after_max_drops() -> None:
         batch, walked = ctl.next_batch()
         assert [g.id for g in batch] == [3, 4]  # 0..2 dropped, then the bound is reached
         assert len(walked) == 5
+    finally:
+        pool.close()
+
+
+def test_trainer_refuses_a_stale_group_and_regenerates_it() -> None:
+    worker = IgnoresAdmission(0, lag_from=1)
+    pool = LocalPool([worker])
+    ctl = _controller(pool, 0, 1)  # eta = 0: only groups of the training version
+    try:
+        ctl.publish(0, {})
+        first, _ = ctl.next_batch()
+        ctl.publish(1, {})
+        second, walked = ctl.next_batch()
+        assert [(g.id, g.version) for g in first] == [(0, 0)]
+        # Request 1 came back from version 0 while the trainer is at 1: refused, asked
+        # again under the same id, and the fresh answer is what trains.
+        assert ctl.stats.stale_refused == 1
+        assert worker.generated == [0, 1, 1]
+        assert [(g.id, g.version) for g in second] == [(1, 1)]
+        assert [(g.id, g.version) for g in walked] == [(1, 1)]
+        assert ctl.stats.staleness == [0, 0]
+        assert ctl.stats.summary(1)["stale_refused"] == 1.0
+    finally:
+        pool.close()
+
+
+def test_a_death_seen_by_several_failed_calls_is_one_loss_and_one_discarded_rollout(
+        ) -> None:
+    worker = DiesMidRollout(0, die_on=1, down_calls=6)
+    pool = LocalPool([worker])
+    # One loss allowed: the calls that fail while the worker is down are that one loss,
+    # the weight publish that lands in the outage included.
+    ctl = RolloutController(pool, _request(1), groups_per_step=1, max_staleness=1,
+                            sampler=DynamicSampler(True, 0), rollout_timeout_s=60,
+                            restart_timeout_s=60, max_worker_losses=1)
+    try:
+        ctl.publish(0, {})
+        ctl.next_batch()
+        # Request 1 is generated while the trainer trains, and the worker dies in it.
+        ctl.pump_while(lambda: wait_until(lambda: worker.died, 30, "the worker's death"))
+        ctl.publish(1, {})
+        batch, _ = ctl.next_batch()
+        assert [(g.id, g.version) for g in batch] == [(1, 1)]  # regenerated after the heal
+        assert worker.down == 0 and worker.generated == [0, 1]
+        assert ctl.stats.discarded_rollouts == 1
+        assert ctl.stats.interruptions == 1
     finally:
         pool.close()
 

@@ -6,38 +6,52 @@ succeeds. Nothing is mocked but the GPU (HF generate on CPU)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from stages.events import InterruptionEvent, MetricsEvent
+from stages.events import InterruptionEvent
 from tests.post_training.conftest import data_ref
 
-pytestmark = pytest.mark.slow
+# Above pytest's 300 s default: actor start and the blocked rollout each have one.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NAMESPACE = "ito-pt-test"
 
 
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
+# Bounds on waiting (actors importing torch on a loaded machine, the blocked rollout
+# and its kill); never asserted as speed.
+ACTOR_TIMEOUT_S = 300.0
+BLOCK_TIMEOUT_S = 180.0
 
-    tmp = tempfile.mkdtemp(prefix="ray-pt-")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=tmp,
-             log_to_driver=False, namespace=NAMESPACE)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
+
+def _blocking_worker(marker: Path) -> type[Any]:
+    """A real RolloutWorker whose first rollout on worker 0 from version 2 on writes its
+    pid to ``marker`` and blocks until the test SIGKILLs it: the kill lands inside a
+    generate call by construction. The restarted actor finds the marker and does not
+    block (it would carry on after BLOCK_TIMEOUT_S, failing the counts below)."""
+    from stages.post_training.rollout import RolloutWorker
+
+    class BlockingWorker(RolloutWorker):
+        def generate(self, req: Any) -> Any:
+            if self.spec.index == 0 and self.version >= 2 and not marker.exists():
+                part = marker.with_suffix(".part")
+                part.write_text(str(os.getpid()))
+                part.replace(marker)  # the killer never reads a half-written pid
+                deadline = time.monotonic() + BLOCK_TIMEOUT_S
+                while time.monotonic() < deadline:
+                    time.sleep(0.05)
+            return super().generate(req)
+
+    return BlockingWorker
 
 
 def test_killed_rollout_worker_is_replaced_resynced_and_the_run_succeeds(
-        ray_local: None, tiny_policy: Path, task_files: dict[str, Path]) -> None:
+        ray_local: None, tiny_policy: Path, task_files: dict[str, Path],
+        tmp_path: Path) -> None:
     import ray
 
     from stages.post_training.config import RLVRConfig
@@ -57,44 +71,48 @@ def test_killed_rollout_worker_is_replaced_resynced_and_the_run_succeeds(
     specs = [WorkerSpec(index=i, model_dir=str(tiny_policy), reward=cfg.reward,
                         max_completion_tokens=24, overlong_buffer_tokens=4,
                         overlong_penalty_factor=1.0) for i in range(2)]
-    pool = RayPool("pt1", specs, namespace=NAMESPACE)
-    names = sorted(n for n in ray.util.list_named_actors() if str(n).startswith(
-        rollout_prefix("pt1")))
+    marker = tmp_path / "worker-0-generating"
+    pool = RayPool("pt1", specs, namespace=NAMESPACE, worker_cls=_blocking_worker(marker))
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == NAMESPACE and a["name"].startswith(rollout_prefix("pt1")))
     assert names == ["run-pt1-rollout-0", "run-pt1-rollout-1"]
-    before = pool.identities(60)
+    before = pool.identities(ACTOR_TIMEOUT_S)
     events: list[Any] = []
     killed: dict[str, Any] = {}
 
-    def emit(ev: Any) -> None:
-        events.append(ev)
-        if isinstance(ev, MetricsEvent) and ev.step == 2 and not killed:
-            threading.Thread(target=kill, daemon=True).start()
-
     def kill() -> None:
-        time.sleep(0.05)  # the workers are generating for step 3 by now (eta = 1)
-        pid = before[0]["pid"]
-        killed["at"] = time.time()
+        deadline = time.monotonic() + BLOCK_TIMEOUT_S
+        while not marker.exists():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        pid = int(marker.read_text())
+        killed["at"], killed["pid"] = time.time(), pid
         os.kill(pid, signal.SIGKILL)
 
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
     try:
-        result, ctl = run_rlvr(cfg, learner, pool, RequestMaker(cfg, tok,
-                                                                load_rows("rlvr", cfg.data.uri)),
-                               emit=emit, on_interruption=lambda w, a, b, d: events.append(
+        maker = RequestMaker(cfg, tok, load_rows("rlvr", cfg.data.uri))
+        result, ctl = run_rlvr(cfg, learner, pool, maker, emit=events.append,
+                               on_interruption=lambda w, a, b, d: events.append(
                                    InterruptionEvent(interruption_kind="rollout_worker_lost",
                                                      replica_group=w, detected_at=a,
                                                      recovered_at=b, detail=d)))
         assert result.steps == cfg.steps and learner.version == cfg.steps
-        assert "at" in killed
+        assert killed.get("pid") == before[0]["pid"]  # killed inside worker 0's generate
         # The last weight sync reaches the restarted worker too (a death is seen at the
         # latest by the next sync, since every version goes to every worker).
-        ctl.drain_syncs(60)
+        ctl.drain_syncs(ACTOR_TIMEOUT_S)
         lost = [e for e in events if isinstance(e, InterruptionEvent)]
         assert len(lost) == 1 and lost[0].replica_group == 0
         assert lost[0].recovered_at is not None and lost[0].recovered_at >= killed["at"]
         assert ctl.stats.interruptions == 1
+        # The rollout the kill interrupted was thrown away (and regenerated), once.
+        assert ctl.stats.discarded_rollouts == 1
         # Every trained sample stayed within eta, the refilled one included.
         assert max(ctl.stats.staleness) <= cfg.max_staleness
-        after = pool.identities(60)
+        after = pool.identities(ACTOR_TIMEOUT_S)
         assert after[0]["pid"] != before[0]["pid"]          # a new process ...
         assert after[1]["pid"] == before[1]["pid"]
         assert [a["version"] for a in after] == [cfg.steps, cfg.steps]  # ... re-synced

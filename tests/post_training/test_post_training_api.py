@@ -13,17 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import backend as backend_mod
-from helpers.backend import Backend, free_port
+from helpers.backend import Backend
 from helpers.manifests import write_manifest
-from helpers.tenants import Tenant, booking_doc, make_tenant
+from helpers.ray_backend import ray_backend
+from helpers.tenants import Tenant
 
 from orchestrator.client.api import ClientSettings, ItoClient
 from orchestrator.client.cli import run_cli
-from orchestrator.runtime import ray_cluster
 from tests.post_training.conftest import base_model
 
-pytestmark = pytest.mark.slow
+# Above pytest's 300 s default: a run may take RUN_TIMEOUT_S once the server is up.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 420.0
 
@@ -36,22 +36,9 @@ def _client(url: str, key: Any, settings: ClientSettings | None = None) -> ItoCl
 
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("pt-runtime")
-    be = Backend(db=tmp / "ito.db", var_dir=tmp / "var", log_path=tmp / "backend.log",
-                 extra_args=["--runtime", "ray", "--ray-head-port", str(free_port()),
-                             "--ray-dashboard-port", str(free_port()), "--ray-num-cpus", "4"])
-    old = backend_mod.STARTUP_TIMEOUT_S
-    backend_mod.STARTUP_TIMEOUT_S = 240.0
-    tenant = make_tenant(be.db, "acme", booking=booking_doc(
-        "bk-pt", "acme", gpu_sku="cpu-testbed", gpus_per_node=1, node_count=1,
-        fabric="loopback", region="local"))
-    try:
-        be.start()
-        yield {"backend": be, "tenant": tenant, "tmp": tmp}
-    finally:
-        backend_mod.STARTUP_TIMEOUT_S = old
-        be.stop()
-        ray_cluster.stop_local_head(be.var_dir)
+    with ray_backend(tmp_path_factory.mktemp("pt-runtime"), "bk-pt", gpus_per_node=1,
+                     planner_gate=False) as rt:
+        yield rt
 
 
 def _ref(p: Path, role: str = "custom", text_field: str = "text") -> dict[str, Any]:

@@ -9,7 +9,6 @@ so the day Ray binds it to the node address, the test says so.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
 from collections.abc import Iterator
@@ -17,11 +16,12 @@ from pathlib import Path
 
 import pytest
 from helpers.backend import free_port
+from helpers.ray_local import note_start
+from helpers.tools import require
 
 from orchestrator.runtime import ray_cluster
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")]
+pytestmark = pytest.mark.slow
 
 
 def _session_pids(leader: int) -> set[int]:
@@ -36,15 +36,23 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]
     settings = ray_cluster.RaySettings(head_port=free_port(), dashboard_port=free_port(),
                                        client_server_port=free_port(), num_cpus=1)
     ray_cluster.start_local_head(var_dir, settings)
+    note_start("embedded-head", str(var_dir))
     try:
-        leader = int(ray_cluster.head_pid_file(var_dir).read_text())
-        pids = _session_pids(leader)
-        lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True,
-                               check=True).stdout.splitlines()
-        mine = [li for li in lines if any(f"pid={p}," in li for p in pids)]
-        yield {"var_dir": var_dir, "settings": settings, "listeners": mine}
+        yield {"var_dir": var_dir, "settings": settings}
     finally:
         ray_cluster.stop_local_head(var_dir)
+
+
+@pytest.fixture(scope="module")
+def listeners(head: dict[str, object]) -> list[str]:
+    """``ss -ltnp`` lines of the head's processes (only these tests need ss)."""
+    ss = require("ss", "ss")["ss"]
+    var_dir = head["var_dir"]
+    assert isinstance(var_dir, Path)
+    pids = _session_pids(int(ray_cluster.head_pid_file(var_dir).read_text()))
+    lines = subprocess.run([ss, "-ltnpH"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    return [li for li in lines if any(f"pid={p}," in li for p in pids)]
 
 
 def _local(line: str) -> tuple[str, int]:
@@ -53,13 +61,14 @@ def _local(line: str) -> tuple[str, int]:
     return host.strip("[]").removeprefix("::ffff:"), int(port)
 
 
-def test_dashboard_and_client_server_listen_on_loopback(head: dict[str, object]) -> None:
+def test_dashboard_and_client_server_listen_on_loopback(head: dict[str, object],
+                                                        listeners: list[str]) -> None:
     settings = head["settings"]
     assert isinstance(settings, ray_cluster.RaySettings)
-    listeners = [_local(li) for li in head["listeners"]]  # type: ignore[attr-defined]
-    assert listeners, "no listening socket found for the head's processes"
+    bound = [_local(li) for li in listeners]
+    assert bound, "no listening socket found for the head's processes"
     for port in (settings.dashboard_port,):
-        hosts = {h for h, p in listeners if p == port}
+        hosts = {h for h, p in bound if p == port}
         assert hosts == {"127.0.0.1"}, (port, hosts)
 
 
@@ -77,6 +86,6 @@ def test_temp_root_is_private(head: dict[str, object]) -> None:
                    "agent gRPC servers bind all interfaces whatever --node-ip-address says "
                    "(fixed upstream in ray-project/ray#59852); docs/runtime.md lists the "
                    "ports to firewall")
-def test_every_listener_is_loopback(head: dict[str, object]) -> None:
-    hosts = {_local(li)[0] for li in head["listeners"]}  # type: ignore[attr-defined]
+def test_every_listener_is_loopback(listeners: list[str]) -> None:
+    hosts = {_local(li)[0] for li in listeners}
     assert hosts <= {"127.0.0.1", "::1"}, hosts

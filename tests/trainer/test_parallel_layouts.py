@@ -35,7 +35,8 @@ from tests.trainer.parallel_cases import (
     make_optimizer,
 )
 
-pytestmark = pytest.mark.slow
+# Above pytest's 300 s default: ranks may take parallel_cases.RANK_TIMEOUT_S.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 0.05 * LR

@@ -1,0 +1,70 @@
+"""A training stage's ``run()`` in a background thread, with its events collected, so a
+test can wait on an event (never a sleep), kill things mid-run, then read the outcome."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stages.base import GateOutcome, StageContext
+from stages.events import Event, StepEvent
+
+# Waiting for the thread after a cancel (a failed assertion must not leave the engine
+# running into Ray's shutdown).
+CANCEL_JOIN_TIMEOUT_S = 60.0
+
+
+class StageRun:
+    def __init__(self, cfg: Any, workdir: Path, run_id: str, *, wait_s: float,
+                 join_timeout_s: float):
+        from stages.trainer import TrainingStage
+
+        self.wait_s, self.join_timeout_s = wait_s, join_timeout_s
+        self.events: list[Event] = []
+        self.cond = threading.Condition()
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.ctx = StageContext(run_id=run_id, booking_id="bk", workdir=workdir,
+                                emit=self._emit)
+        self.outcome: GateOutcome | None = None
+        self.thread = threading.Thread(target=self._run, args=(TrainingStage(cfg),),
+                                       daemon=True)
+        self.thread.start()
+
+    def __enter__(self) -> StageRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ctx.cancel_event.set()
+        self.thread.join(timeout=CANCEL_JOIN_TIMEOUT_S)
+
+    def _emit(self, e: Event) -> None:
+        with self.cond:
+            self.events.append(e)
+            self.cond.notify_all()
+
+    def _run(self, stage: Any) -> None:
+        self.outcome = stage.run(self.ctx)
+
+    def wait_for(self, pred: Callable[[Any], bool], what: str) -> Any:
+        """The first event (so far or to come) for which ``pred`` holds."""
+        deadline = time.monotonic() + self.wait_s
+        with self.cond:
+            while True:
+                for e in self.events:
+                    if pred(e):
+                        return e
+                left = deadline - time.monotonic()
+                assert left > 0, f"timed out waiting for {what}"
+                self.cond.wait(min(left, 1.0))
+
+    def join(self) -> GateOutcome:
+        self.thread.join(timeout=self.join_timeout_s)
+        assert self.outcome is not None
+        return self.outcome
+
+    def steps(self, group: int | None = None) -> list[StepEvent]:
+        return [e for e in self.events if isinstance(e, StepEvent)
+                and (group is None or e.replica_group == group)]

@@ -1,0 +1,194 @@
+"""Every script in benchmarks/ runs at its smallest size and ends with its JSON line,
+so none rots unnoticed. The figures themselves are not checked (a smoke size on a
+shared machine measures nothing); their keys are, since docs and READMEs quote them.
+``gpu_check.py`` needs a CUDA GPU: without one it must exit 2 and say why."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+# A hang guard per script on a loaded 2-core machine, never a speed claim.
+BENCH_TIMEOUT_S = 240
+NO_GPU_EXIT = 2
+
+# script -> (smallest-size arguments, keys its last JSON line must carry, needs Ray)
+CASES: dict[str, tuple[list[str], set[str], bool]] = {
+    "api_load.py": (
+        ["--clients", "2", "--duration", "1", "--submits", "2"],
+        {
+            "clients",
+            "status_p50_ms",
+            "status_p99_ms",
+            "submit_p99_ms",
+            "status_service_p99_ms",
+            "submit_service_p99_ms",
+            "requests_per_s",
+            "errors",
+        },
+        False,
+    ),
+    "checkpoint.py": (
+        ["--state-mb", "4", "--tensor-mb", "1", "--repeats", "1", "--step-s", "0"],
+        {
+            "state_mb",
+            "sync_save_s",
+            "async_block_s",
+            "block_ratio",
+            "ckpt_mb_per_s",
+            "disk_mb_per_s",
+            "bandwidth_ratio",
+            "staging",
+            "checkpoint_bytes",
+        },
+        False,
+    ),
+    "data_prep.py": (
+        ["--docs", "300", "--baseline-docs", "100"],
+        {
+            "docs",
+            "dedup_docs_per_s",
+            "baseline_docs_per_s",
+            "speedup",
+            "precision",
+            "recall",
+            "decontam_mb_per_s",
+        },
+        False,
+    ),
+    "planner.py": (["--quick"], {"max_plan_s", "plans"}, False),
+    "data_prep_scale.py": (
+        ["--sizes", "2000", "--baseline-sizes", "2000", "--block-docs", "1000"],
+        {
+            "docs",
+            "docs_per_s",
+            "peak_rss_mb",
+            "rss_growth",
+            "precision",
+            "recall",
+            "baseline_docs",
+            "baseline_docs_per_s",
+        },
+        True,
+    ),
+    "post_training.py": (
+        [
+            "--steps",
+            "2",
+            "--workers",
+            "1",
+            "--groups",
+            "1",
+            "--group-size",
+            "2",
+            "--max-tokens",
+            "4",
+            "--hidden",
+            "16",
+        ],
+        {
+            "eta0_idle_frac",
+            "eta2_idle_frac",
+            "idle_ratio",
+            "eta0_samples_per_s",
+            "eta2_samples_per_s",
+            "sync_s_median",
+        },
+        True,
+    ),
+    "quorum_stability.py": (
+        ["--heartbeat-ms", "1000", "--duration", "2", "--burners", "0"],
+        {"burners", "groups", "results"},
+        True,
+    ),
+    "fault_tolerance.py": (
+        [
+            "--kills",
+            "1",
+            "--restart-kills",
+            "1",
+            "--spares",
+            "0",
+            "--kill-steps",
+            "8",
+            "--checkpoint-every",
+            "5",
+        ],
+        {
+            "kills",
+            "detect_s_median",
+            "resume_s_median",
+            "ft_lost_token_s_median",
+            "restart_lost_token_s_median",
+            "checkpoint_every",
+            "restart_kills",
+            "tokens_per_s",
+            "wall_s",
+        },
+        True,
+    ),
+}
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BENCH_TIMEOUT_S,
+    )
+
+
+def _last_json(stdout: str) -> dict[str, Any]:
+    lines = [li for li in stdout.splitlines() if li.strip()]
+    assert lines, "no output"
+    out: dict[str, Any] = json.loads(lines[-1])
+    return out
+
+
+def test_every_benchmark_has_a_smoke_case() -> None:
+    scripts = {p.name for p in BENCH.glob("*.py")}
+    assert scripts == {*CASES, "gpu_check.py"}
+
+
+def _cases() -> list[Any]:
+    ray_marks = [pytest.mark.slow, pytest.mark.timeout(BENCH_TIMEOUT_S + 60)]
+    return [
+        pytest.param(script, id=script, marks=ray_marks if ray else [])
+        for script, (_, _, ray) in CASES.items()
+    ]
+
+
+@pytest.mark.parametrize("script", _cases())
+def test_benchmark_runs_at_its_smallest_size(script: str) -> None:
+    args, keys, _ = CASES[script]
+    proc = _run(script, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = _last_json(proc.stdout)
+    assert keys <= set(out), sorted(keys - set(out))
+
+
+def test_gpu_check_without_a_gpu_exits_2_and_says_why() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: gpu_check measures instead")
+    proc = _run("gpu_check.py", "--steps", "1")
+    assert proc.returncode == NO_GPU_EXIT
+    assert "no CUDA GPU" in proc.stderr and proc.stdout == ""
