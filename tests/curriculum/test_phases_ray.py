@@ -94,6 +94,7 @@ class Run:
                                 emit=self._emit)
         self.ctx.workdir.mkdir(exist_ok=True)
         self.outcome: GateOutcome | None = None
+        self.fleet_ids: list[dict[str, str]] = []
         self.thread = threading.Thread(target=self._run, args=(TrainingStage(cfg),),
                                        daemon=True)
         self.thread.start()
@@ -132,13 +133,42 @@ def failed_run(ray_local: None, tmp_path_factory: pytest.TempPathFactory
     tmp = tmp_path_factory.mktemp("phases")
     cfg = _config(tmp)
     run = Run(cfg, tmp)
+    run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.phase == "pretrain"
+                 and e.quorum_size == 2, "phase 1 in the full quorum")
+    run.fleet_ids.append(_fleet_ids())
     # SIGKILL group 1 early in phase 2 (steps 10..90), so it is back well before 90.
     run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.phase == "mid"
                  and e.step >= 15 and e.quorum_size == 2, "phase 2 in the full quorum")
+    run.fleet_ids.append(_fleet_ids())
     killed_at, pids = kill_replica_group(RUN_ID, 1)
     assert pids
     out = run.join()
     yield run, out, cfg, killed_at
+
+
+def _fleet_ids() -> dict[str, str]:
+    """Ray actor id of the lighthouse and of every trainer actor of the run."""
+    import ray
+
+    from stages.trainer.replica import lighthouse_name, worker_name
+
+    names = [lighthouse_name(RUN_ID), worker_name(RUN_ID, 0, 0), worker_name(RUN_ID, 1, 0)]
+    return {n: ray.get_actor(n)._actor_id.hex() for n in names}
+
+
+def test_the_fleet_stays_up_across_the_phase_boundary(
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    """Phases switch in place: the same lighthouse and trainer actors train phase 1
+    and phase 2, started once (one start-up span per rank, none at the boundary)."""
+    run, _, _, killed_at = failed_run
+    in_pretrain, in_mid = run.fleet_ids
+    assert in_pretrain == in_mid
+    started = [e for e in run.events if isinstance(e, LogEvent)
+               and e.message.startswith("started lighthouse")]
+    assert len(started) == 1
+    startups = [e for e in run.events if isinstance(e, PhaseEvent) and e.phase == "startup"
+                and e.ts < killed_at]
+    assert len(startups) == 2  # one per group's rank 0, before the kill
 
 
 def test_second_gate_fails_the_run_and_phase_three_never_runs(
