@@ -27,6 +27,7 @@ from pydantic import TypeAdapter
 from stages.checkpointing.storage import list_checkpoints
 from stages.curriculum.plan import PhasePlan
 from stages.errors import ErrorCode, ItoError
+from stages.event_buffer import expand_steps
 from stages.events import (
     Event,
     InterruptionEvent,
@@ -343,7 +344,8 @@ class TrainingEngine:
         if status.get("error"):
             grp.error = status["error"]
         for raw in reply["events"]:
-            self._on_event(_EVENT.validate_python(raw), grp)
+            for one in expand_steps(raw) if raw.get("kind") == "step" else (raw,):
+                self._on_event(_EVENT.validate_python(one), grp)
         spike = status.get("spike")
         if spike and status.get("paused_at") is not None and self._spike_pending is None:
             # A poll in flight during the last decision may still show that spike.
