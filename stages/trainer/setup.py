@@ -158,7 +158,7 @@ class RankSetup:
                 if Path(latest.path).exists():
                     raise
                 continue
-            loop.log(f"resumed from checkpoint step {latest.step} (phase {loop.phase.name})")
+            loop.log(f"resumed from checkpoint step {latest.step}")
             return
 
 

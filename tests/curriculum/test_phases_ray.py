@@ -95,6 +95,7 @@ class Run:
         self.ctx.workdir.mkdir(exist_ok=True)
         self.outcome: GateOutcome | None = None
         self.fleet_ids: list[dict[str, str]] = []
+        self.fleet_seen_at = 0.0
         self.thread = threading.Thread(target=self._run, args=(TrainingStage(cfg),),
                                        daemon=True)
         self.thread.start()
@@ -133,9 +134,10 @@ def failed_run(ray_local: None, tmp_path_factory: pytest.TempPathFactory
     tmp = tmp_path_factory.mktemp("phases")
     cfg = _config(tmp)
     run = Run(cfg, tmp)
-    run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.phase == "pretrain"
-                 and e.quorum_size == 2, "phase 1 in the full quorum")
+    run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.phase == "pretrain",
+                 "a phase 1 step")
     run.fleet_ids.append(_fleet_ids())
+    run.fleet_seen_at = time.time()
     # SIGKILL group 1 early in phase 2 (steps 10..90), so it is back well before 90.
     run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.phase == "mid"
                  and e.step >= 15 and e.quorum_size == 2, "phase 2 in the full quorum")
@@ -162,6 +164,8 @@ def test_the_fleet_stays_up_across_the_phase_boundary(
     and phase 2, started once (one start-up span per rank, none at the boundary)."""
     run, _, _, killed_at = failed_run
     in_pretrain, in_mid = run.fleet_ids
+    first_mid = min(e.ts for e in run.events if isinstance(e, StepEvent) and e.phase == "mid")
+    assert run.fleet_seen_at < first_mid  # the first look was in phase 1
     assert in_pretrain == in_mid
     started = [e for e in run.events if isinstance(e, LogEvent)
                and e.message.startswith("started lighthouse")]
