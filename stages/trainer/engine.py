@@ -507,6 +507,16 @@ class TrainingEngine:
                             layout=self.layout, rank_digests=self.rank_digests,
                             stopped_at_phase=self.stopped_at_phase)
 
+    def evaluate_on_rank(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Run a phase's battery and export on rank 0 of the lowest live group (its
+        loop waits at the phase's end); returns ``PhaseEvalReply`` as JSON."""
+        import ray
+
+        live = [g.index for g in self.groups if g.lost_at is None] or [0]
+        ref = self.actors[(min(live), 0)].evaluate_phase.remote(request)
+        reply: dict[str, Any] = ray.get(ref, timeout=timeout_s)
+        return reply
+
     def _phase_closed(self) -> bool:
         """Every live rank waits at the same phase end: run its gate, then let every
         rank go on (passed) or stop the run (failed). True when a gate was run."""

@@ -187,7 +187,8 @@ class TrainLoop:
         self._maybe_checkpoint(step, force=True)
         self.ckpt.wait()
         self._report_checkpoints()
-        self.status.update(boundary=self.phase.index, phase="phase_end")
+        # The driver may now evaluate this rank's model (ReplicaWorker.evaluate_phase).
+        self.status.update(boundary=self.plan.phase_of(step - 1).index, phase="phase_end")
         kind, _ = self.control.wait_command()
         self.status.update(boundary=None, phase="training")
         if kind != "next_phase":
@@ -214,7 +215,8 @@ class TrainLoop:
         self.recovering_since = self.started_at if restarted else None
         step = self.manager.current_step()
         # A group resumed from a phase-closing checkpoint waits for that phase's gate.
-        if 0 < step == self.phase.start_step and not self._close_phase(step):
+        if step > 0 and step == self.plan.phase_of(step - 1).end_step \
+                and not self._close_phase(step):
             return self._finish()
         while not self.control.stop:
             step = self.manager.current_step()

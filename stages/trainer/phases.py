@@ -47,29 +47,6 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -> Any:
-    """The weights of a complete checkpoint in a fresh model of the phase's shape."""
-    import torch.distributed.checkpoint as dcp
-
-    from stages.presets import load_model_preset
-    from stages.trainer.model import build_model, set_rope_theta
-
-    model = build_model(load_model_preset(cfg.model.preset), seed=cfg.target.seed,
-                        checkpoint_path=cfg.model.checkpoint_path)
-    if phase.rope_theta is not None:
-        set_rope_theta(model, phase.rope_theta)
-    sd = model.state_dict()
-    try:
-        dcp.load({"train": {"model": sd}}, checkpoint_id=checkpoint, no_dist=True)
-    except Exception as e:
-        raise ItoError(ErrorCode.checkpoint_corrupt,
-                       f"phase {phase.name}: checkpoint {Path(checkpoint).name} could not "
-                       f"be loaded for evaluation: {type(e).__name__}") from e
-    model.load_state_dict(sd)
-    model.eval()
-    return model
-
-
 class CurriculumRunner:
     def __init__(self, cfg: TrainStageConfig, ctx: StageContext, ckpt_dir: Path,
                  data: PhaseData):
@@ -89,6 +66,7 @@ class CurriculumRunner:
         self.phases: list[dict[str, Any]] = []
         self._previous: Any = None  # the last decided phase's BatteryResult
         self._failed: Any = None
+        self.engine: Any = None
 
     def log(self, message: str, level: Any = "info") -> None:
         self.ctx.emit(LogEvent(stage=STAGE, level=level, message=message))
@@ -102,14 +80,14 @@ class CurriculumRunner:
 
                 raise RunCancelled()
             rec = read_gate(self.ckpt_dir, phase)
-            if rec is not None:
-                self.log(f"phase {phase.name}: gate already decided in an earlier attempt "
-                         f"({'passed' if rec['decision']['passed'] else 'failed'})")
-            elif self._closing(phase) is not None:
-                rec = self._evaluate(phase)  # the driver stopped before this gate
-            else:
+            if rec is None:
+                # Not decided: train from here. A driver that stopped between a phase's
+                # closing checkpoint and its gate resumes the fleet at that boundary,
+                # where the gate runs as usual.
                 todo = phase
                 break
+            self.log(f"phase {phase.name}: gate already decided in an earlier attempt "
+                     f"({'passed' if rec['decision']['passed'] else 'failed'})")
             if not self._decided(phase, rec):
                 return self._outcome(failed=self._failed)
         if todo is not None:
@@ -145,13 +123,13 @@ class CurriculumRunner:
                      f"{phase.end_step}, seq_len {phase.seq_len}, mix {phase.data_weights}, "
                      f"peak lr {phase.peak_lr:g} ({phase.lr_schedule}), rope_theta "
                      f"{phase.rope_theta}")
-        engine = TrainingEngine(self.cfg, run_id=self.ctx.run_id, checkpoint_dir=self.ckpt_dir,
-                                role_shards=self.data.role_shards, emit=self.ctx.emit,
-                                cancel_event=self.ctx.cancel_event,
-                                wait_decision=self.ctx.wait_decision, facts=self.ctx.facts,
-                                on_phase_end=self._phase_end,
-                                decided={p.index for p in self.plan.phases[:first.index]})
-        result = engine.run()
+        self.engine = TrainingEngine(
+            self.cfg, run_id=self.ctx.run_id, checkpoint_dir=self.ckpt_dir,
+            role_shards=self.data.role_shards, emit=self.ctx.emit,
+            cancel_event=self.ctx.cancel_event, wait_decision=self.ctx.wait_decision,
+            facts=self.ctx.facts, on_phase_end=self._phase_end,
+            decided={p.index for p in self.plan.phases[:first.index]})
+        result = self.engine.run()
         self.steps = max(self.steps, result.steps)
         self.tokens += result.tokens
         self.interruptions += result.interruptions
@@ -171,8 +149,7 @@ class CurriculumRunner:
 
     # --- the gate ---------------------------------------------------------------------
     def _evaluate(self, phase: PhasePlan) -> dict[str, Any]:
-        from stages.evals import BatteryResult, GateDecision, evaluate_gates, run_battery
-        from stages.hf import export_hf
+        from stages.evals import BatteryResult, GateDecision, evaluate_gates
 
         closing = self._closing(phase)
         if closing is None:
@@ -197,16 +174,23 @@ class CurriculumRunner:
             _write_json(gate_path(self.ckpt_dir, phase), rec)
             return rec
         self.log(f"phase {phase.name}: evaluating battery {phase.eval_battery} on step "
-                 f"{closing.step}")
-        model = load_phase_model(self.cfg, phase, closing.path)
-        result = run_battery(model, self.data.tokenizer, phase.eval_battery,
-                             self.data.heldout_texts, seq_len=phase.seq_len, phase=phase.name,
-                             step=closing.step, settings=self.cfg.evals,
-                             work_dir=self.ctx.workdir)
+                 f"{closing.step} on a trainer rank")
+        from stages.trainer.phase_data import HELDOUT_NAME
+        from stages.trainer.phase_eval import PhaseEvalReply, PhaseEvalRequest
+
+        # The export's metadata carries no verdict: the gate decides after the scores.
+        req = PhaseEvalRequest(
+            phase=phase, checkpoint=closing.path, step=closing.step,
+            heldout_path=str(self.ctx.workdir / "phase_data" / HELDOUT_NAME),
+            tokenizer_dir=str(self.data.tokenizer_dir), work_dir=str(self.ctx.workdir),
+            export_dir=str(self.ckpt_dir / "hf" / phase.name),
+            metadata={"run_id": self.ctx.run_id, "phase": phase.name, "step": closing.step},
+            settings=self.cfg.evals)
+        reply = PhaseEvalReply.model_validate(self.engine.evaluate_on_rank(
+            req.model_dump(mode="json"), self.cfg.evals.rank_eval_timeout_s))
+        result = BatteryResult.model_validate(reply.result)
         decision = evaluate_gates(result, phase.gates, self._previous)
-        export = export_hf(model, self.data.tokenizer, self.ckpt_dir / "hf" / phase.name,
-                           metadata={"run_id": self.ctx.run_id, "phase": phase.name,
-                                     "step": closing.step, "gate_passed": decision.passed})
+        export = reply.export
         t1 = time.time()
         self.ctx.emit(PhaseEvent(stage=STAGE, phase="evaluation", start=t0, end=t1))
         for v in decision.checks:

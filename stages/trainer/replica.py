@@ -136,6 +136,21 @@ class ReplicaWorker:
     def command(self, kind: str, params: dict[str, Any] | None = None) -> None:
         self.control.send(kind, **(params or {}))  # type: ignore[arg-type]
 
+    def evaluate_phase(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The phase's battery and HF export on this rank, while its loop waits at the
+        phase's end (stages.trainer.phase_eval)."""
+        from stages.errors import ErrorCode, ItoError
+        from stages.trainer.phase_eval import PhaseEvalRequest, evaluate_on_rank
+
+        req = PhaseEvalRequest.model_validate(request)
+        if self.status.get("boundary") != req.phase.index:
+            raise ItoError(ErrorCode.invalid_state,
+                           f"rank is not waiting at the end of phase {req.phase.name}")
+        loop = self.loop
+        live = None if loop.sharded or loop.cfg.layout.activation_checkpointing != "none" \
+            or loop.parallel.fp8_linears else loop.model
+        return evaluate_on_rank(req, cfg=loop.cfg, live=live).model_dump(mode="json")
+
     def param_digest(self) -> dict[str, Any]:
         """sha256 over every parameter's bytes, with the step it was taken at."""
         return {"digest": param_digest(self.loop.model), "step": self.loop.manager.current_step()}

@@ -239,7 +239,7 @@ def test_phase_closing_checkpoints_are_kept_and_exported(
         failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.trainer.phases import load_phase_model
+    from stages.trainer.phase_eval import load_phase_model
 
     run, out, cfg, _ = failed_run
     records = list_checkpoints(out.artifacts["checkpoint_dir"])
@@ -279,7 +279,8 @@ def test_the_same_checkpoint_scores_identically_again(
     the scores its gate recorded."""
     from stages.evals import run_battery
     from stages.hf import load_tokenizer
-    from stages.trainer.phases import load_phase_model, read_gate
+    from stages.trainer.phase_eval import load_phase_model
+    from stages.trainer.phases import read_gate
 
     run, out, cfg, _ = failed_run
     pre = _plan().phases[0]

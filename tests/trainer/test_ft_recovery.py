@@ -304,7 +304,7 @@ def test_a_non_finite_step_is_refused_on_every_group_before_the_update(
 
     import ray
 
-    from stages.trainer.phases import load_phase_model
+    from stages.trainer.phase_eval import load_phase_model
     from stages.trainer.replica import worker_name
     from stages.trainer.shard_state import param_digest
 
