@@ -85,12 +85,12 @@ def _config(tmp: Path) -> TrainStageConfig:
 
 
 class Run:
-    def __init__(self, cfg: TrainStageConfig, tmp: Path):
+    def __init__(self, cfg: TrainStageConfig, tmp: Path, run_id: str = RUN_ID):
         from stages.trainer import TrainingStage
 
         self.events: list[Event] = []
         self.cond = threading.Condition()
-        self.ctx = StageContext(run_id=RUN_ID, booking_id="bk", workdir=tmp / "work",
+        self.ctx = StageContext(run_id=run_id, booking_id="bk", workdir=tmp / "work",
                                 emit=self._emit)
         self.ctx.workdir.mkdir(exist_ok=True)
         self.outcome: GateOutcome | None = None
@@ -294,3 +294,38 @@ def test_the_same_checkpoint_scores_identically_again(
                         seq_len=pre.seq_len, phase=pre.name)
     assert again.scores() == {c["name"]: c["score"] for c in rec["result"]["checks"]}
     assert again.task_files == rec["result"]["task_files"]
+
+
+def test_a_driver_relaunched_mid_phase_resumes_there(
+        ray_local: None, tmp_path: Path) -> None:
+    """The driver stops in phase 2 (every actor killed); a relaunched one reads phase
+    1's decided gate back (no re-scoring) and resumes phase 2 at its newest checkpoint."""
+    import ray
+
+    cfg, plan = _config(tmp_path), _plan()
+    mid = plan.phases[1]
+    first = Run(cfg, tmp_path, "relaunch")
+    first.wait_for(lambda e: isinstance(e, CheckpointEvent) and e.phase == "mid"
+                   and e.step >= mid.start_step + 10, "a phase 2 checkpoint")
+    first.ctx.cancel_event.set()
+    assert first.join().reason == "cancelled"
+    deadline = time.time() + WAIT_S
+    while any(n.startswith("run-relaunch-") for n in ray.util.list_named_actors()):
+        assert time.time() < deadline, "actors outlived the stopped driver"
+        time.sleep(0.5)
+    newest = list_checkpoints(tmp_path / "ckpt" / "relaunch")[-1].step
+    assert mid.start_step < newest < mid.end_step
+
+    again = Run(cfg, tmp_path, "relaunch")
+    resumed = again.wait_for(lambda e: isinstance(e, LogEvent)
+                             and "resumed from checkpoint" in e.message, "the resume")
+    assert resumed.message.endswith(f"step {newest}")
+    step = again.wait_for(lambda e: isinstance(e, StepEvent) and e.committed, "a step")
+    assert isinstance(step, StepEvent)
+    assert step.phase == "mid" and step.step == newest + 1 and step.seq_len == mid.seq_len
+    again.ctx.cancel_event.set()
+    again.join()
+    assert any(isinstance(e, LogEvent) and "pretrain: gate already decided" in e.message
+               for e in again.events)
+    assert not [e for e in again.events if isinstance(e, EvalEvent) and e.phase == "pretrain"]
+
