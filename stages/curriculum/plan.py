@@ -89,7 +89,9 @@ def one_phase_plan(*, total_steps: int, global_batch_tokens: int, seq_len: int,
         phases=[PhasePlan(
             index=0, name="train", kind="pretrain", start_step=0, end_step=total_steps,
             seq_len=seq_len, token_budget=total_steps * global_batch_tokens,
-            data_weights={"baseline": 1.0}, eval_battery=None, lr_schedule="cosine",
+            # Every role weighs 1, as a curriculum phase's unnamed roles do.
+            data_weights={"baseline": 1.0, "custom": 1.0}, eval_battery=None,
+            lr_schedule="cosine",
             peak_lr=learning_rate, warmup_steps=min(warmup_steps, total_steps),
             decay_steps=0, min_lr_ratio=0.1)])
 

@@ -34,7 +34,8 @@ def test_a_run_without_a_curriculum_is_one_phase_warmup_then_cosine_to_the_floor
                        "learning_rate": 1.0, "warmup_steps": 4})
     [phase] = cfg.plan.phases
     assert (phase.start_step, phase.end_step, phase.seq_len) == (0, 20, 32)
-    assert phase.data_weights == {"baseline": 1.0} and phase.eval_battery is None
+    assert phase.data_weights == {"baseline": 1.0, "custom": 1.0}
+    assert phase.eval_battery is None
     lrs = [phase.lr(s) for s in range(20)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in itertools.pairwise(lrs[3:]))
