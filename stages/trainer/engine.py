@@ -18,7 +18,6 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from stages.events import (
 from stages.placement import actor_options, bundle_for_rank
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.control import WorkerSpec
+from stages.trainer.engine_state import EngineResult, GroupState
 from stages.trainer.loss_spike import LossSpike, LossSpikeDetector
 from stages.trainer.replica import (
     LighthouseActor,
@@ -54,43 +54,6 @@ PhaseEndHook = Callable[[PhasePlan], bool]
 
 class RunCancelled(Exception):
     """``cancel_event`` was set; every actor of the run has been killed."""
-
-
-@dataclass
-class _Group:
-    index: int
-    pid: int | None = None
-    last_ok: float = 0.0
-    lost_at: float | None = None  # set while the group is down
-    lost_since_poll_fail: float | None = None
-    restarts: int = 0
-    phase: str = "starting"
-    step: int = 0
-    error: str | None = None
-    finished: bool = False
-    digest: str | None = None
-    paused: bool = False
-    # The phase index this group closed and waits at (its gate), if any.
-    boundary: int | None = None
-
-
-@dataclass
-class EngineResult:
-    steps: int
-    tokens: int
-    final_loss: float | None
-    interruptions: int
-    checkpoints: list[int]
-    final_checkpoint: str | None = None
-    proposals: list[str] = field(default_factory=list)
-    # Final parameter digest of each group: all equal unless replicas diverged.
-    digests: dict[int, str] = field(default_factory=dict)
-    # The layout rank 0 of a group built, read back from its mesh (parallelize.py).
-    layout: dict[str, Any] = field(default_factory=dict)
-    # Final digest of every rank's own shard, keyed "group/rank" (multi-rank groups).
-    rank_digests: dict[str, str] = field(default_factory=dict)
-    # The phase whose gate failed and stopped the run, if one did.
-    stopped_at_phase: int | None = None
 
 
 class TrainingEngine:
@@ -122,7 +85,7 @@ class TrainingEngine:
         self.wait_decision = wait_decision
         # Run facts; ``placement`` puts every actor on the booking's nodes.
         self.facts = facts or {}
-        self.groups = [_Group(g) for g in range(cfg.replica_groups)]
+        self.groups = [GroupState(g) for g in range(cfg.replica_groups)]
         self.actors: dict[tuple[int, int], Any] = {}
         self.lighthouse: Any = None
         self._pending: dict[tuple[int, int], Any] = {}
@@ -354,7 +317,7 @@ class TrainingEngine:
                 self._spikes_handled.add(key)
                 self._spike_pending = {**spike, "group": g, "at": now}
 
-    def _on_event(self, event: Event, grp: _Group) -> None:
+    def _on_event(self, event: Event, grp: GroupState) -> None:
         if isinstance(event, StepEvent) and event.committed:
             self.step_tokens[event.step] = event.tokens
             if event.step >= self.max_step:
@@ -375,7 +338,7 @@ class TrainingEngine:
                 self._interruption("loss_spike", None, detected, event.ts, detail)
         self.emit(event)
 
-    def _recovered(self, grp: _Group, ts: float) -> None:
+    def _recovered(self, grp: GroupState, ts: float) -> None:
         if self._all_lost_at is not None:
             self._interruption("all_groups_lost", None, self._all_lost_at, ts,
                                "every replica group was lost; restarted from the newest "

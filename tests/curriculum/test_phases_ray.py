@@ -81,7 +81,9 @@ def _config(tmp: Path) -> TrainStageConfig:
                                     storage_uri=f"file://{tmp}/ckpt"),
         loss_spike=LossSpikeConfig(enabled=False),
         train_files=[str(_data(tmp / "train.jsonl"))],
-        replica_groups=2, pace_step_s=0.3, curriculum=_plan()), strict=False)
+        # A warm spare takes a killed group's place at once: a new process would need
+        # longer than phase 2 lasts on a loaded 2-core machine.
+        replica_groups=2, spare_groups=1, pace_step_s=0.3, curriculum=_plan()), strict=False)
 
 
 class Run:
