@@ -180,10 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", nargs=2, default=["llama-tiny", "llama-small"])
     parser.add_argument("--var-dir", type=Path, default=Path(".bench-pipeline"))
     args = parser.parse_args(argv)
-    results = [run_preset(p, args.var_dir.resolve() / p) for p in args.presets]
+    results: list[dict[str, Any]] = []
+    for preset in args.presets:
+        try:
+            results.append(run_preset(preset, args.var_dir.resolve() / preset))
+        except (Exception, SystemExit) as e:  # one preset's failure still reports the other
+            results.append({"preset": preset, "state": "error", "error": str(e)[:300],
+                            "driver_peak_rss_mb": None})
     small, large = results
     growth = (large["driver_peak_rss_mb"] / small["driver_peak_rss_mb"]
-              if small["driver_peak_rss_mb"] else None)
+              if small["driver_peak_rss_mb"] and large["driver_peak_rss_mb"] else None)
     print(json.dumps({"presets": results,
                       "driver_rss_growth": round(growth, 3) if growth else None}), flush=True)
     return 0 if all(r["state"] == "succeeded" for r in results) else 1
