@@ -17,6 +17,12 @@ then in fp8, and prints next to each the planner's prediction for the same layou
 * peak GiB: ``torch.cuda.max_memory_allocated`` over the run (tensors, as the
   planner's memory model counts them; the allocator's cache is not included).
 
+Then a two-phase curriculum run on CUDA through the training stage itself (a local
+Ray, one torchft replica group, ``llama-tiny``, pretrain @64 then long_context @128
+tokens, each phase closed by the ``smoke`` battery on the trainer rank): it reports
+whether both gates ran, the phase switch (last step of phase 1 -> first step of
+phase 2, the gate included) and the eval seconds (``two_phase`` in the JSON line).
+
 Ends with one JSON line: ``bf16_mfu``, ``fp8_mfu``, ``predicted_mfu`` (bf16),
 ``predicted_fp8_mfu``, ``peak_gib`` and ``predicted_peak_gib`` (bf16), plus the GPU and
 the layout. Runs unattended in well under 5 minutes on an H100 (two runs of ~30
@@ -113,6 +119,63 @@ def train(precision: str, *, steps: int, warmup: int, micro_batch: int, seq_len:
     return out
 
 
+def two_phase_run(work: Path) -> dict[str, Any]:
+    """A two-phase run with an eval battery at each phase end, on CUDA."""
+    import tempfile
+
+    import ray
+
+    from stages.base import StageContext
+    from stages.curriculum.config import CurriculumConfig
+    from stages.curriculum.plan import plan_curriculum
+    from stages.events import EvalEvent, Event, PhaseEvent, StepEvent
+    from stages.trainer import TrainingStage
+    from stages.trainer.config import TrainStageConfig
+
+    data = work / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": f"doc {i}: " + "the quick brown fox " *
+                                        (i % 7 + 1)}) + "\n" for i in range(400)))
+    curriculum = CurriculumConfig.model_validate({"phases": [
+        {"name": "pretrain", "kind": "pretrain", "token_fraction": 0.5, "seq_len": 64,
+         "gates": [{"metric": "heldout_loss", "max": 100.0}]},
+        {"name": "long", "kind": "long_context", "token_fraction": 0.5, "seq_len": 128,
+         "gates": [{"metric": "heldout_loss", "max": 100.0}]}]})
+    plan = plan_curriculum(curriculum, total_steps=40, base_seq_len=64,
+                           global_batch_tokens=2048, learning_rate=3e-3, warmup_steps=5,
+                           rope_theta=10000.0, head_dim=16, max_positions=256)
+    cfg = TrainStageConfig.model_validate({
+        "model": {"preset": "llama-tiny", "size": "0.1M"},
+        "target": {"max_steps": 40, "seq_len": 64, "global_batch_tokens": 2048},
+        "checkpoint": {"interval_steps": 10, "keep": 2, "storage_uri": f"file://{work}/ckpt"},
+        "train_files": [str(data)], "replica_groups": 1, "device": "cuda",
+        "worker_num_cpus": 1, "curriculum": plan.model_dump(mode="json")})
+    events: list[Event] = []
+    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False,
+             _temp_dir=tempfile.mkdtemp(prefix="ray-gpucheck-"), log_to_driver=False)
+    try:
+        (work / "run").mkdir(exist_ok=True)
+        ctx = StageContext(run_id="gpucheck", booking_id="bk", workdir=work / "run",
+                           emit=events.append)
+        out = TrainingStage(cfg).run(ctx)
+    finally:
+        ray.shutdown()
+    steps = [e for e in events if isinstance(e, StepEvent) and e.committed]
+    ends = {p.name: max((e.ts for e in steps if e.phase == p.name), default=None)
+            for p in plan.phases}
+    starts = {p.name: min((e.ts for e in steps if e.phase == p.name), default=None)
+              for p in plan.phases}
+    first, second = (p.name for p in plan.phases)
+    a, b = ends[first], starts[second]
+    switch = b - a if a is not None and b is not None else None
+    evals = [e for e in events if isinstance(e, EvalEvent)]
+    return {"status": out.status, "reason": out.reason,
+            "gated_phases": sorted({e.phase for e in evals}),
+            "phase_switch_s": round(switch, 2) if switch is not None else None,
+            "eval_s": round(sum(e.end - e.start for e in events if isinstance(e, PhaseEvent)
+                                and e.phase == "evaluation"), 2),
+            "steps": len({e.step for e in steps})}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
@@ -143,8 +206,14 @@ def main() -> int:
         results[precision] = {"measured": measured, "predicted": predicted}
         print(f"{precision}: measured {json.dumps(measured, default=str)}")
         print(f"{precision}: predicted {json.dumps(predicted)}")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpu-check-phases-") as tmp:
+        two_phase = two_phase_run(Path(tmp))
+    print(f"two-phase run: {json.dumps(two_phase)}")
     b, f = results["bf16"], results["fp8"]
     print(json.dumps({
+        "two_phase": two_phase,
         "gpu": name, "sku": sku_name, "model": PRESET, **shape,
         "bf16_mfu": b["measured"].get("mfu"), "fp8_mfu": f["measured"].get("mfu"),
         "predicted_mfu": b["predicted"].get("mfu"),

@@ -45,6 +45,9 @@ class StepEvent(_Event):
     lr: float | None = None
     seq_len: int | None = None
     phase: str = ""
+    # Set when a lagging consumer's buffer merged the committed steps first_step..step
+    # of this group into this one event (tokens and seconds are their sums).
+    first_step: int | None = None
 
 
 class CheckpointEvent(_Event):

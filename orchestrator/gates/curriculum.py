@@ -39,7 +39,7 @@ def curriculum_report(plan: CurriculumPlan) -> dict[str, Any]:
             "name": p.name, "kind": p.kind, "steps": [p.start_step, p.end_step],
             "token_budget": p.token_budget, "seq_len": p.seq_len,
             "data_weights": dict(p.data_weights), "battery": p.eval_battery,
-            "checks": load_battery(p.eval_battery).check_names,
+            "checks": load_battery(p.eval_battery).check_names if p.eval_battery else [],
             "gates": [g.model_dump(mode="json", exclude_none=True) for g in p.gates],
             "lr_schedule": p.lr_schedule, "peak_lr": p.peak_lr,
             "warmup_steps": p.warmup_steps, "decay_steps": p.decay_steps,

@@ -14,7 +14,6 @@ import os
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -23,11 +22,12 @@ from orchestrator.runtime import launch
 from orchestrator.runtime.launch import LaunchSpec
 from stages.base import GateOutcome, Stage, StageContext
 from stages.errors import ErrorCode, ItoError
+from stages.event_buffer import EventBuffer
 from stages.events import Event, LogEvent, PhaseEvent, StageResultEvent, StepEvent
 
 StageFactory = Callable[[StageContext], Stage]
 DriverState = Literal["created", "running", "succeeded", "failed", "cancelled"]
-# Events a driver keeps unacknowledged before it starts dropping the oldest logs.
+# Events a driver keeps unacknowledged before it aggregates them (stages.event_buffer).
 MAX_BUFFERED_EVENTS = 50_000
 POLL_BATCH_LIMIT = 2_000
 
@@ -64,7 +64,7 @@ class RunDriverImpl:
         self._pipeline = pipeline
         launch.verify(self.spec)  # a driver not launched by the API refuses to exist
         self._lock = threading.Lock()
-        self._events: deque[dict[str, Any]] = deque()
+        self._events = EventBuffer(MAX_BUFFERED_EVENTS)
         self._next_seq = self.spec.seq_start
         self.state: DriverState = "created"
         self.error_code: str | None = None
@@ -85,22 +85,17 @@ class RunDriverImpl:
             payload = event.model_dump(mode="json")
             payload["seq"] = self._next_seq
             self._next_seq += 1
-            self._events.append(payload)
-            if len(self._events) > MAX_BUFFERED_EVENTS:
-                # Never silently: drop the oldest *log* line and say so once.
-                for i, e in enumerate(self._events):
-                    if e["kind"] == "log":
-                        del self._events[i]
-                        break
+            self._events.append(payload)  # beyond the bound: aggregated, never dropped
 
     def poll(self, after_seq: int, limit: int = POLL_BATCH_LIMIT) -> dict[str, Any]:
         """Events with seq > after_seq (those <= after_seq are acknowledged and dropped)."""
         with self._lock:
-            while self._events and self._events[0]["seq"] <= after_seq:
-                self._events.popleft()
-            batch = [e for _, e in zip(range(limit), self._events, strict=False)]
+            items = self._events.items
+            while items and items[0]["seq"] <= after_seq:
+                items.popleft()
+            batch = [e for _, e in zip(range(limit), items, strict=False)]
             return {"events": batch, "state": self.state, "error_code": self.error_code,
-                    "reason": self.reason, "more": len(self._events) > len(batch),
+                    "reason": self.reason, "more": len(items) > len(batch),
                     "pid": os.getpid()}
 
     # -- control ------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from stages.event_buffer import expand_steps
+
 BADPUT_KINDS = ("startup", "checkpoint_blocking", "recovery", "evaluation", "idle")
 # What a stage's latest ``ProgressEvent`` contributes (e.g. data prep over a corpus).
 PROGRESS_FIELDS = ("stage", "step", "step_index", "steps", "tasks_done", "tasks_total",
@@ -86,7 +88,9 @@ def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: floa
                 # Every replica group's rank 0 reports the same committed step with the
                 # whole quorum's tokens, and a step redone after a restart is reported
                 # again: the last report of each step is the one that counts.
-                last_by_step[int(ev["step"])] = ev
+                # A lagging buffer may have merged a run of steps into one event.
+                for one in expand_steps(dict(ev)):
+                    last_by_step[int(one["step"])] = one
                 m.last_loss = float(ev["loss"])
                 m.last_step = int(ev["step"])
             else:

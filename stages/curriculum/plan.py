@@ -29,7 +29,9 @@ class PhasePlan(BaseModel):
     seq_len: int
     token_budget: int
     data_weights: dict[DataRole, float]
-    eval_battery: str
+    # None: the phase closes with a kept checkpoint and no battery (a run without a
+    # curriculum is one such phase).
+    eval_battery: str | None
     gates: list[GateThreshold] = Field(default_factory=list)
     lr_schedule: str = "wsd"
     peak_lr: float
@@ -76,6 +78,22 @@ class CurriculumPlan(BaseModel):
             if p.start_step <= step < p.end_step:
                 return p
         return self.phases[-1]
+
+
+def one_phase_plan(*, total_steps: int, global_batch_tokens: int, seq_len: int,
+                   learning_rate: float, warmup_steps: int) -> CurriculumPlan:
+    """A run without a curriculum: one pretrain phase over every step, warmup then
+    cosine decay to 10% of the peak, no eval battery and no gate."""
+    return CurriculumPlan(
+        total_steps=total_steps, global_batch_tokens=global_batch_tokens,
+        phases=[PhasePlan(
+            index=0, name="train", kind="pretrain", start_step=0, end_step=total_steps,
+            seq_len=seq_len, token_budget=total_steps * global_batch_tokens,
+            # Every role weighs 1, as a curriculum phase's unnamed roles do.
+            data_weights={"baseline": 1.0, "custom": 1.0}, eval_battery=None,
+            lr_schedule="cosine",
+            peak_lr=learning_rate, warmup_steps=min(warmup_steps, total_steps),
+            decay_steps=0, min_lr_ratio=0.1)])
 
 
 def ntk_rope_theta(theta: float, head_dim: int, scale: float) -> float:

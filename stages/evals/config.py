@@ -127,3 +127,5 @@ class EvalRunSettings(BaseModel):
                                    description="lm-eval context; default: the model's")
     limit: int | None = Field(default=None, gt=0, description="items per task (tests)")
     seed: int = 0
+    # The driver's wait for the evaluating rank: every check group plus the export.
+    rank_eval_timeout_s: float = Field(default=3600.0, gt=0)

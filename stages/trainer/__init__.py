@@ -17,7 +17,8 @@ from stages.trainer.config import (
 )
 
 if TYPE_CHECKING:
-    from stages.trainer.engine import TrainingEngine, kill_replica_group, kill_replica_groups
+    from stages.trainer.engine import TrainingEngine
+    from stages.trainer.kill import kill_replica_group, kill_replica_groups
     from stages.trainer.stage import TrainingStage
 
 __all__ = [
@@ -39,8 +40,12 @@ def __getattr__(name: str) -> Any:
         from stages.trainer.stage import TrainingStage
 
         return TrainingStage
-    if name in ("TrainingEngine", "kill_replica_group", "kill_replica_groups"):
-        from stages.trainer import engine
+    if name == "TrainingEngine":
+        from stages.trainer.engine import TrainingEngine
 
-        return getattr(engine, name)
+        return TrainingEngine
+    if name in ("kill_replica_group", "kill_replica_groups"):
+        from stages.trainer import kill
+
+        return getattr(kill, name)
     raise AttributeError(name)

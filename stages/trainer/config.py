@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from stages.base import StrictModel
 from stages.checkpointing.config import CheckpointPolicy
-from stages.curriculum.plan import CurriculumPlan, PhasePlan
+from stages.curriculum.plan import CurriculumPlan, one_phase_plan
 from stages.errors import ErrorCode, ItoError
 from stages.evals.config import EvalRunSettings
 from stages.pathfields import PathField
@@ -169,10 +169,9 @@ class TrainStageConfig(StrictModel):
     pace_step_s: float = Field(default=0.0, ge=0, le=10)
     # Test-only fault injection; never set by a tenant manifest.
     inject_loss_spike: LossSpikeInjection | None = None
-    # Curriculum: the phase plan, and the phase one engine run trains (None: the
-    # whole target as one plain phase, cosine LR, no gate).
+    # Curriculum: the phase plan (None: the whole target as one phase, cosine LR, no
+    # gate; see ``plan``).
     curriculum: CurriculumPlan | None = None
-    phase_index: int | None = None
     # How eval batteries run at phase ends (timeouts, sizes); the checks are fixed.
     evals: EvalRunSettings = Field(default_factory=EvalRunSettings)
     # Documents of each role held out from training for the held-out checks.
@@ -203,15 +202,23 @@ class TrainStageConfig(StrictModel):
         return self.parallel.resolved(self.ranks_per_group)
 
     @property
-    def phase(self) -> PhasePlan | None:
-        if self.curriculum is None or self.phase_index is None:
-            return None
-        return self.curriculum.phases[self.phase_index]
+    def plan(self) -> CurriculumPlan:
+        """The phases the loop follows: the curriculum, or the whole target as one."""
+        if self.curriculum is not None:
+            return self.curriculum
+        t = self.target
+        return one_phase_plan(total_steps=t.steps, global_batch_tokens=t.global_batch_tokens,
+                              seq_len=t.seq_len, learning_rate=t.learning_rate,
+                              warmup_steps=t.warmup_steps)
 
     @property
     def micro_batch(self) -> int:
-        """Sequences per data-parallel rank per step (the global batch split over the
-        replica groups and their dp_shard ranks; TP, PP and CP ranks share a batch)."""
-        seqs = self.target.global_batch_tokens // self.target.seq_len
+        return self.micro_batch_at(self.target.seq_len)
+
+    def micro_batch_at(self, seq_len: int) -> int:
+        """Sequences per data-parallel rank per step at ``seq_len`` (the global batch
+        split over the replica groups and their dp_shard ranks; TP, PP and CP ranks
+        share a batch)."""
+        seqs = self.target.global_batch_tokens // seq_len
         world = self.replica_groups * self.layout.dp_shard
         return max(1, seqs // world)

@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import TypeAdapter
 
 from stages.checkpointing.storage import list_checkpoints
+from stages.curriculum.plan import PhasePlan
 from stages.errors import ErrorCode, ItoError
+from stages.event_buffer import expand_steps
 from stages.events import (
     Event,
     InterruptionEvent,
@@ -37,78 +36,56 @@ from stages.events import (
 )
 from stages.placement import actor_options, bundle_for_rank
 from stages.trainer.config import TrainStageConfig
-from stages.trainer.loop import WorkerSpec
+from stages.trainer.control import WorkerSpec
+from stages.trainer.engine_state import EngineResult, GroupState
 from stages.trainer.loss_spike import LossSpike, LossSpikeDetector
 from stages.trainer.replica import (
     LighthouseActor,
     ReplicaWorker,
     lighthouse_name,
     spare_name,
-    trainer_prefix,
     worker_name,
 )
 
 _EVENT = TypeAdapter(Event)
-# Seconds to wait for an actor's pid when killing it on purpose (tests, benchmarks).
-KILL_LOOKUP_TIMEOUT_S = 10.0
+# Called when every live group closed a phase; True: the gate passed, go on.
+PhaseEndHook = Callable[[PhasePlan], bool]
 
 
 class RunCancelled(Exception):
     """``cancel_event`` was set; every actor of the run has been killed."""
 
 
-@dataclass
-class _Group:
-    index: int
-    pid: int | None = None
-    last_ok: float = 0.0
-    lost_at: float | None = None  # set while the group is down
-    lost_since_poll_fail: float | None = None
-    restarts: int = 0
-    phase: str = "starting"
-    step: int = 0
-    error: str | None = None
-    finished: bool = False
-    digest: str | None = None
-    paused: bool = False
-
-
-@dataclass
-class EngineResult:
-    steps: int
-    tokens: int
-    final_loss: float | None
-    interruptions: int
-    checkpoints: list[int]
-    final_checkpoint: str | None = None
-    proposals: list[str] = field(default_factory=list)
-    # Final parameter digest of each group: all equal unless replicas diverged.
-    digests: dict[int, str] = field(default_factory=dict)
-    # The layout rank 0 of a group built, read back from its mesh (parallelize.py).
-    layout: dict[str, Any] = field(default_factory=dict)
-    # Final digest of every rank's own shard, keyed "group/rank" (multi-rank groups).
-    rank_digests: dict[str, str] = field(default_factory=dict)
-
-
 class TrainingEngine:
     def __init__(self, cfg: TrainStageConfig, *, run_id: str, checkpoint_dir: Path,
-                 shards: list[str], emit: Callable[[Event], None],
+                 role_shards: dict[str, list[str]], emit: Callable[[Event], None],
                  cancel_event: threading.Event,
                  wait_decision: Callable[[str, float], str | None],
                  facts: dict[str, Any] | None = None,
-                 role_shards: dict[str, list[str]] | None = None):
+                 on_phase_end: PhaseEndHook | None = None,
+                 decided: set[int] | None = None):
         self.cfg = cfg
-        self.role_shards = dict(role_shards or {})
+        self.plan = cfg.plan
+        self.role_shards = dict(role_shards)
         self.ft = cfg.fault_tolerance
         self.run_id = run_id
         self.checkpoint_dir = checkpoint_dir
-        self.shards = shards
+        # Phase ends: the gate hook, and the phases whose gate already passed (a
+        # group that resumes at such a boundary goes on at once).
+        self.on_phase_end: PhaseEndHook = on_phase_end or (lambda phase: True)
+        self.passed: set[int] = set(decided or ())
+        self.stopped_at_phase: int | None = None
+        # (boundary, pid) each rank was last told to leave: a poll in flight may show
+        # it again; a restarted process (new pid) at the same boundary is told again.
+        self._released: dict[tuple[int, int], tuple[int, int]] = {}
+        self._rank_pid: dict[tuple[int, int], int] = {}
+        self._rank_boundary: dict[tuple[int, int], int | None] = {}
         self.emit_fn = emit
         self.cancel_event = cancel_event
         self.wait_decision = wait_decision
         # Run facts; ``placement`` puts every actor on the booking's nodes.
         self.facts = facts or {}
-        self.groups = [_Group(g) for g in range(cfg.replica_groups)]
+        self.groups = [GroupState(g) for g in range(cfg.replica_groups)]
         self.actors: dict[tuple[int, int], Any] = {}
         self.lighthouse: Any = None
         self._pending: dict[tuple[int, int], Any] = {}
@@ -169,7 +146,7 @@ class TrainingEngine:
         import ray
 
         spec = WorkerSpec(run_id=self.run_id, replica_group=group, rank=rank, config=self.cfg,
-                          lighthouse_addr=self._lh_addr, shards=self.shards,
+                          lighthouse_addr=self._lh_addr,
                           checkpoint_dir=str(self.checkpoint_dir),
                           role_shards=self.role_shards)
         world = self.cfg.replica_groups * self.cfg.ranks_per_group
@@ -317,12 +294,21 @@ class TrainingEngine:
             grp.paused = status.get("paused_at") is not None
             if status.get("layout"):
                 self.layout = status["layout"]
+            grp.boundary = status.get("boundary")
+        self._rank_boundary[key] = status.get("boundary")
+        self._rank_pid[key] = status["pid"]
+        b = status.get("boundary")
+        if b is not None and b in self.passed and self._released.get(key) != (b, status["pid"]):
+            # Resumed (or restarted) at a boundary whose gate already passed.
+            self._released[key] = (b, status["pid"])
+            self.actors[key].command.remote("next_phase", {})
         if status.get("digest"):
             self.rank_digests[f"{g}/{rank}"] = status["digest"]
         if status.get("error"):
             grp.error = status["error"]
         for raw in reply["events"]:
-            self._on_event(_EVENT.validate_python(raw), grp)
+            for one in expand_steps(raw) if raw.get("kind") == "step" else (raw,):
+                self._on_event(_EVENT.validate_python(one), grp)
         spike = status.get("spike")
         if spike and status.get("paused_at") is not None and self._spike_pending is None:
             # A poll in flight during the last decision may still show that spike.
@@ -331,7 +317,7 @@ class TrainingEngine:
                 self._spikes_handled.add(key)
                 self._spike_pending = {**spike, "group": g, "at": now}
 
-    def _on_event(self, event: Event, grp: _Group) -> None:
+    def _on_event(self, event: Event, grp: GroupState) -> None:
         if isinstance(event, StepEvent) and event.committed:
             self.step_tokens[event.step] = event.tokens
             if event.step >= self.max_step:
@@ -352,7 +338,7 @@ class TrainingEngine:
                 self._interruption("loss_spike", None, detected, event.ts, detail)
         self.emit(event)
 
-    def _recovered(self, grp: _Group, ts: float) -> None:
+    def _recovered(self, grp: GroupState, ts: float) -> None:
         if self._all_lost_at is not None:
             self._interruption("all_groups_lost", None, self._all_lost_at, ts,
                                "every replica group was lost; restarted from the newest "
@@ -462,6 +448,8 @@ class TrainingEngine:
                 if self._spike_pending is not None:
                     self._handle_spike()
                     continue
+                if self._phase_closed() and self.stopped_at_phase is not None:
+                    break
                 if all(g.finished for g in self.groups):
                     break
                 if self._stragglers_done():
@@ -479,44 +467,39 @@ class TrainingEngine:
                             final_checkpoint=records[-1].path if records else None,
                             proposals=self.proposals,
                             digests={g.index: g.digest for g in self.groups if g.digest},
-                            layout=self.layout, rank_digests=self.rank_digests)
+                            layout=self.layout, rank_digests=self.rank_digests,
+                            stopped_at_phase=self.stopped_at_phase)
+
+    def evaluate_on_rank(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Run a phase's battery and export on rank 0 of the lowest live group (its
+        loop waits at the phase's end); returns ``PhaseEvalReply`` as JSON."""
+        import ray
+
+        live = [g.index for g in self.groups if g.lost_at is None] or [0]
+        ref = self.actors[(min(live), 0)].evaluate_phase.remote(request)
+        reply: dict[str, Any] = ray.get(ref, timeout=timeout_s)
+        return reply
+
+    def _phase_closed(self) -> bool:
+        """Every live rank waits at the same phase end: run its gate, then let every
+        rank go on (passed) or stop the run (failed). True when a gate was run."""
+        live = [k for k in self.actors if self.groups[k[0]].lost_at is None]
+        marks = {self._rank_boundary.get(k) for k in live}
+        if not live or len(marks) != 1:
+            return False
+        b = marks.pop()
+        if b is None or b in self.passed:
+            return False
+        if not self.on_phase_end(self.plan.phases[b]):
+            self.stopped_at_phase = b
+            return True
+        self.passed.add(b)
+        for k in self.actors:
+            self._released[k] = (b, self._rank_pid.get(k, 0))
+        self.command_all("next_phase")
+        return True
 
     def _stragglers_done(self) -> bool:
         # A group still down when its peers finished has nothing left to heal from.
         return any(g.finished for g in self.groups) and all(
             g.finished or g.lost_at is not None for g in self.groups)
-
-
-def kill_replica_group(run_id: str, group: int, *, namespace: str | None = None
-                       ) -> tuple[float, list[int]]:
-    """SIGKILL every worker process that is now replica group ``group`` of the run
-    (a real crash, for tests and benchmarks; the actors must run on this host).
-    Spares that took a group's place are found too. Returns (kill time, pids)."""
-    return kill_replica_groups(run_id, [group], namespace=namespace)
-
-
-def kill_replica_groups(run_id: str, groups: list[int], *, namespace: str | None = None
-                        ) -> tuple[float, list[int]]:
-    """``kill_replica_group`` for several groups at the same instant."""
-    import ray
-
-    names = [n for n in ray.util.list_named_actors()
-             if isinstance(n, str) and n.startswith(trainer_prefix(run_id))]
-    refs: dict[Any, str] = {}
-    for name in names:
-        with contextlib.suppress(Exception):
-            refs[ray.get_actor(name, namespace=namespace).identity.remote()] = name
-    # Dead or restarting actors never answer: they are not live members of a group.
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=KILL_LOOKUP_TIMEOUT_S)
-    pids: list[int] = []
-    for ref in ready:
-        try:
-            ident = ray.get(ref, timeout=0)
-        except Exception:
-            continue
-        if ident["group"] in groups:
-            pids.append(int(ident["pid"]))
-    t = time.time()
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    return t, pids

@@ -1,12 +1,13 @@
-"""Curriculum phases, executed: train a phase, close it with a kept checkpoint, run
-its eval battery, export it in HF format, and let its gate decide.
+"""Curriculum phases, executed: one engine run follows the whole plan; at each
+phase's end the fleet waits while the phase's closing checkpoint is kept, its eval
+battery runs, it is exported in HF format, and its gate decides.
 
-Each phase is one engine run over that phase's steps only (its own sequence length,
-data mix, LR schedule and RoPE base), resumed from the checkpoint that closed the
-previous phase; no step of one phase can train on another's data or length. A
-phase's gate result is written beside its checkpoints before the next phase starts,
-so a relaunched driver skips passed phases, resumes the unfinished one at its step,
-and never re-scores a decided gate: a failed gate stays failed. Nothing overrides it.
+The fleet (lighthouse, trainer actors, process groups, Managers, model, optimizer)
+stays up across phase boundaries; the ranks switch sequence length, data mix, LR
+schedule and RoPE base in place (``TrainLoop.enter_phase``). A phase's gate result
+is written beside its checkpoints before the next phase trains, so a relaunched
+driver skips passed phases, resumes the unfinished one at its step, and never
+re-scores a decided gate: a failed gate stays failed. Nothing overrides it.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from stages.trainer.config import TrainStageConfig
 from stages.trainer.phase_data import PhaseData
 
 STAGE = "train"
-# Seconds to wait for the previous phase's actor names to be released by Ray.
-ACTOR_NAMES_FREE_TIMEOUT_S = 30.0
 
 
 def gate_path(ckpt_dir: Path, phase: PhasePlan) -> Path:
@@ -48,49 +47,11 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _wait_actor_names_free(run_id: str) -> None:
-    import ray
-
-    from stages.trainer.replica import lighthouse_name, trainer_prefix
-
-    deadline = time.time() + ACTOR_NAMES_FREE_TIMEOUT_S
-    while time.time() < deadline:
-        names = [n for n in ray.util.list_named_actors() if isinstance(n, str)
-                 and (n.startswith(trainer_prefix(run_id)) or n == lighthouse_name(run_id))]
-        if not names:
-            return
-        time.sleep(0.2)
-
-
-def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -> Any:
-    """The weights of a complete checkpoint in a fresh model of the phase's shape."""
-    import torch.distributed.checkpoint as dcp
-
-    from stages.presets import load_model_preset
-    from stages.trainer.model import build_model, set_rope_theta
-
-    model = build_model(load_model_preset(cfg.model.preset), seed=cfg.target.seed,
-                        checkpoint_path=cfg.model.checkpoint_path)
-    if phase.rope_theta is not None:
-        set_rope_theta(model, phase.rope_theta)
-    sd = model.state_dict()
-    try:
-        dcp.load({"train": {"model": sd}}, checkpoint_id=checkpoint, no_dist=True)
-    except Exception as e:
-        raise ItoError(ErrorCode.checkpoint_corrupt,
-                       f"phase {phase.name}: checkpoint {Path(checkpoint).name} could not "
-                       f"be loaded for evaluation: {type(e).__name__}") from e
-    model.load_state_dict(sd)
-    model.eval()
-    return model
-
-
 class CurriculumRunner:
     def __init__(self, cfg: TrainStageConfig, ctx: StageContext, ckpt_dir: Path,
                  data: PhaseData):
-        assert cfg.curriculum is not None
         self.cfg = cfg
-        self.plan = cfg.curriculum
+        self.plan = cfg.plan
         self.ctx = ctx
         self.ckpt_dir = ckpt_dir
         self.data = data
@@ -103,81 +64,98 @@ class CurriculumRunner:
         self.rank_digests: Any = {}
         self.layout: dict[str, Any] = {}
         self.phases: list[dict[str, Any]] = []
+        self._previous: Any = None  # the last decided phase's BatteryResult
+        self._failed: Any = None
+        self.engine: Any = None
 
     def log(self, message: str, level: Any = "info") -> None:
         self.ctx.emit(LogEvent(stage=STAGE, level=level, message=message))
 
     def run(self) -> GateOutcome:
-        previous = None
+        """Decided gates first (a relaunch), then one engine run for the rest."""
+        todo = None
         for phase in self.plan.phases:
-            from stages.evals import BatteryResult, GateDecision
-
             if self.ctx.cancelled:
                 from stages.trainer.engine import RunCancelled
 
                 raise RunCancelled()
             rec = read_gate(self.ckpt_dir, phase)
             if rec is None:
-                self._train(phase)
-                rec = self._evaluate(phase, previous)
-            else:
-                self.log(f"phase {phase.name}: gate already decided in an earlier attempt "
-                         f"({'passed' if rec['decision']['passed'] else 'failed'})")
-            decision = GateDecision.model_validate(rec["decision"])
-            previous = BatteryResult.model_validate(rec["result"])
-            self.phases.append(self._summary(phase, rec))
-            if not decision.passed:
-                return self._outcome(failed=decision)
+                # Not decided: train from here. A driver that stopped between a phase's
+                # closing checkpoint and its gate resumes the fleet at that boundary,
+                # where the gate runs as usual.
+                todo = phase
+                break
+            self.log(f"phase {phase.name}: gate already decided in an earlier attempt "
+                     f"({'passed' if rec['decision']['passed'] else 'failed'})")
+            if not self._decided(phase, rec):
+                return self._outcome(failed=self._failed)
+        if todo is not None:
+            self._train(todo)
+            if self._failed is not None:
+                return self._outcome(failed=self._failed)
         return self._outcome()
 
+    def _decided(self, phase: PhasePlan, rec: dict[str, Any]) -> bool:
+        from stages.evals import BatteryResult, GateDecision
+
+        decision = GateDecision.model_validate(rec["decision"])
+        self._previous = BatteryResult.model_validate(rec["result"])
+        self.phases.append(self._summary(phase, rec))
+        if not decision.passed:
+            self._failed = decision
+        return decision.passed
+
+    def _closing(self, phase: PhasePlan) -> Any:
+        return next((r for r in list_checkpoints(self.ckpt_dir) if r.step == phase.end_step),
+                    None)
+
     # --- training ---------------------------------------------------------------------
-    def _train(self, phase: PhasePlan) -> None:
+    def _train(self, first: PhasePlan) -> None:
         from stages.trainer.engine import TrainingEngine
 
         latest = list_checkpoints(self.ckpt_dir)
-        at = latest[-1].step if latest else 0
-        if at >= phase.end_step:
-            self.log(f"phase {phase.name}: already trained to step {at}")
-            return
-        self.log(f"phase {phase.name} ({phase.kind}): steps {max(at, phase.start_step)}.."
-                 f"{phase.end_step}, seq_len {phase.seq_len}, mix {phase.data_weights}, "
-                 f"peak lr {phase.peak_lr:g} ({phase.lr_schedule}), rope_theta "
-                 f"{phase.rope_theta}")
-        cfg = self.cfg.model_copy(update={
-            "phase_index": phase.index,
-            "target": self.cfg.target.model_copy(update={"seq_len": phase.seq_len})})
-        _wait_actor_names_free(self.ctx.run_id)
-        engine = TrainingEngine(cfg, run_id=self.ctx.run_id, checkpoint_dir=self.ckpt_dir,
-                                shards=[], emit=self.ctx.emit,
-                                cancel_event=self.ctx.cancel_event,
-                                wait_decision=self.ctx.wait_decision,
-                                facts=self.ctx.facts, role_shards=self.data.role_shards)
-        result = engine.run()
+        at = max(latest[-1].step if latest else 0, first.start_step)
+        self.log(f"training phases {', '.join(p.name for p in self.plan.phases[first.index:])}"
+                 f" from step {at} in one fleet")
+        for phase in self.plan.phases[first.index:]:
+            self.log(f"phase {phase.name} ({phase.kind}): steps {phase.start_step}.."
+                     f"{phase.end_step}, seq_len {phase.seq_len}, mix {phase.data_weights}, "
+                     f"peak lr {phase.peak_lr:g} ({phase.lr_schedule}), rope_theta "
+                     f"{phase.rope_theta}")
+        self.engine = TrainingEngine(
+            self.cfg, run_id=self.ctx.run_id, checkpoint_dir=self.ckpt_dir,
+            role_shards=self.data.role_shards, emit=self.ctx.emit,
+            cancel_event=self.ctx.cancel_event, wait_decision=self.ctx.wait_decision,
+            facts=self.ctx.facts, on_phase_end=self._phase_end,
+            decided={p.index for p in self.plan.phases[:first.index]})
+        result = self.engine.run()
         self.steps = max(self.steps, result.steps)
         self.tokens += result.tokens
         self.interruptions += result.interruptions
-        self.final_loss = result.final_loss if result.final_loss is not None else \
-            self.final_loss
+        self.final_loss = result.final_loss
         self.proposals += result.proposals
         self.digests = result.digests
         self.rank_digests = result.rank_digests
-        self.layout = result.layout or self.layout
-        if result.steps < phase.end_step:
+        self.layout = result.layout
+        if self._failed is None and len(self.phases) < len(self.plan.phases):
             raise ItoError(ErrorCode.training_failed,
-                           f"phase {phase.name} stopped at step {result.steps} of "
-                           f"{phase.end_step}")
+                           f"training stopped at step {result.steps} of "
+                           f"{self.plan.total_steps}")
+
+    def _phase_end(self, phase: PhasePlan) -> bool:
+        """The engine's hook: every live group closed ``phase``; its gate decides."""
+        return self._decided(phase, self._evaluate(phase))
 
     # --- the gate ---------------------------------------------------------------------
-    def _evaluate(self, phase: PhasePlan, previous: Any) -> dict[str, Any]:
-        from stages.evals import evaluate_gates, run_battery
-        from stages.hf import export_hf
+    def _evaluate(self, phase: PhasePlan) -> dict[str, Any]:
+        from stages.evals import BatteryResult, GateDecision, evaluate_gates
 
-        records = [r for r in list_checkpoints(self.ckpt_dir) if r.step == phase.end_step]
-        if not records:
+        closing = self._closing(phase)
+        if closing is None:
             raise ItoError(ErrorCode.checkpoint_not_found,
                            f"phase {phase.name}: no checkpoint at its end step "
                            f"{phase.end_step}")
-        closing = records[0]
         if pinned_phase(closing) is None:
             pin_phase(closing, phase.name)
         self.ctx.emit(CheckpointEvent(stage=STAGE, step=closing.step, path=closing.path,
@@ -185,17 +163,34 @@ class CurriculumRunner:
                                       total_s=closing.total_s, phase=phase.name,
                                       closes_phase=True))
         t0 = time.time()
+        if phase.eval_battery is None:  # a run without a curriculum: no battery, no gate
+            result = BatteryResult(battery="", phase=phase.name, step=closing.step, checks=[],
+                                   task_files={}, started_at=t0, seconds=0.0)
+            rec = {"phase": phase.name, "index": phase.index, "checkpoint": closing.path,
+                   "step": closing.step, "export": None, "eval_seconds": 0.0,
+                   "result": result.model_dump(mode="json"),
+                   "decision": GateDecision(battery="", phase=phase.name, passed=True,
+                                            checks=[], task_files={}).model_dump(mode="json")}
+            _write_json(gate_path(self.ckpt_dir, phase), rec)
+            return rec
         self.log(f"phase {phase.name}: evaluating battery {phase.eval_battery} on step "
-                 f"{closing.step}")
-        model = load_phase_model(self.cfg, phase, closing.path)
-        result = run_battery(model, self.data.tokenizer, phase.eval_battery,
-                             self.data.heldout_texts, seq_len=phase.seq_len, phase=phase.name,
-                             step=closing.step, settings=self.cfg.evals,
-                             work_dir=self.ctx.workdir)
-        decision = evaluate_gates(result, phase.gates, previous)
-        export = export_hf(model, self.data.tokenizer, self.ckpt_dir / "hf" / phase.name,
-                           metadata={"run_id": self.ctx.run_id, "phase": phase.name,
-                                     "step": closing.step, "gate_passed": decision.passed})
+                 f"{closing.step} on a trainer rank")
+        from stages.trainer.phase_data import HELDOUT_NAME
+        from stages.trainer.phase_eval import PhaseEvalReply, PhaseEvalRequest
+
+        # The export's metadata carries no verdict: the gate decides after the scores.
+        req = PhaseEvalRequest(
+            phase=phase, checkpoint=closing.path, step=closing.step,
+            heldout_path=str(self.ctx.workdir / "phase_data" / HELDOUT_NAME),
+            tokenizer_dir=str(self.data.tokenizer_dir), work_dir=str(self.ctx.workdir),
+            export_dir=str(self.ckpt_dir / "hf" / phase.name),
+            metadata={"run_id": self.ctx.run_id, "phase": phase.name, "step": closing.step},
+            settings=self.cfg.evals)
+        reply = PhaseEvalReply.model_validate(self.engine.evaluate_on_rank(
+            req.model_dump(mode="json"), self.cfg.evals.rank_eval_timeout_s))
+        result = BatteryResult.model_validate(reply.result)
+        decision = evaluate_gates(result, phase.gates, self._previous)
+        export = reply.export
         t1 = time.time()
         self.ctx.emit(PhaseEvent(stage=STAGE, phase="evaluation", start=t0, end=t1))
         for v in decision.checks:

@@ -16,10 +16,11 @@ import traceback
 import warnings
 from typing import Any
 
+from stages.event_buffer import EventBuffer
 from stages.trainer.config import FaultToleranceConfig
 from stages.trainer.loop import Control, TrainLoop, WorkerSpec, param_digest
 
-# Events buffered in an actor between two polls; the oldest are dropped beyond this.
+# Events buffered in an actor between two polls; beyond this they are aggregated.
 MAX_BUFFERED_EVENTS = 10_000
 
 
@@ -70,7 +71,7 @@ class ReplicaWorker:
         torch.set_num_threads(max(1, round(spec.config.worker_num_cpus)))
         self.spec = spec
         self._lock = threading.Lock()
-        self._events: list[dict[str, Any]] = []
+        self._events = EventBuffer(MAX_BUFFERED_EVENTS)
         self.control = Control()
         with warnings.catch_warnings():  # Ray marks the property deprecated, no successor
             warnings.simplefilter("ignore")
@@ -109,8 +110,6 @@ class ReplicaWorker:
     def _emit(self, event: Any) -> None:
         with self._lock:
             self._events.append(event.model_dump(mode="json"))
-            if len(self._events) > MAX_BUFFERED_EVENTS:
-                del self._events[: len(self._events) - MAX_BUFFERED_EVENTS]
 
     def _main(self) -> None:
         try:
@@ -123,7 +122,7 @@ class ReplicaWorker:
     def poll(self) -> dict[str, Any]:
         """Drain buffered events and report status (the driver pulls; never pushes)."""
         with self._lock:
-            events, self._events = self._events, []
+            events = self._events.drain()
         return {"events": events, "status": dict(self.status)}
 
     def pid(self) -> int:
@@ -136,6 +135,21 @@ class ReplicaWorker:
 
     def command(self, kind: str, params: dict[str, Any] | None = None) -> None:
         self.control.send(kind, **(params or {}))  # type: ignore[arg-type]
+
+    def evaluate_phase(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The phase's battery and HF export on this rank, while its loop waits at the
+        phase's end (stages.trainer.phase_eval)."""
+        from stages.errors import ErrorCode, ItoError
+        from stages.trainer.phase_eval import PhaseEvalRequest, evaluate_on_rank
+
+        req = PhaseEvalRequest.model_validate(request)
+        if self.status.get("boundary") != req.phase.index:
+            raise ItoError(ErrorCode.invalid_state,
+                           f"rank is not waiting at the end of phase {req.phase.name}")
+        loop = self.loop
+        live = None if loop.sharded or loop.cfg.layout.activation_checkpointing != "none" \
+            or loop.parallel.fp8_linears else loop.model
+        return evaluate_on_rank(req, cfg=loop.cfg, live=live).model_dump(mode="json")
 
     def param_digest(self) -> dict[str, Any]:
         """sha256 over every parameter's bytes, with the step it was taken at."""

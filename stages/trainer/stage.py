@@ -73,61 +73,14 @@ class TrainingStage:
         return Path(self.config.checkpoint.storage_path) / ctx.run_id
 
     def run(self, ctx: StageContext) -> GateOutcome:
-        from stages.trainer.data import build_token_shards
-        from stages.trainer.engine import RunCancelled, TrainingEngine
-        from stages.trainer.layout import check_runnable
-        from stages.trainer.tokenizer import ByteTokenizer
-
+        """One path: the pinned inputs, data (held-out split, tokenizer, shards by role),
+        then the plan's phases in one fleet; a run without a curriculum is a one-phase
+        plan."""
         try:
             cfg = self.pin_inputs(ctx)
         except ItoError as e:
             return GateOutcome(stage=self.name, status="failed", reason=e.message,
                                error_code=e.code.value)
-        if cfg.curriculum is not None:
-            return self._run_curriculum(ctx, cfg)
-        try:
-            # What the device cannot run fails here, before any worker starts; each
-            # worker checks again against its GPU's compute capability.
-            check_runnable(cfg.layout, cfg.device)
-            files = resolve_train_files(cfg, ctx)
-            shards = build_token_shards(files, ctx.workdir / "tokens", tokenizer=ByteTokenizer(),
-                                        text_field=cfg.text_field)
-            ckpt_dir = self.checkpoint_dir(ctx)
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            engine = TrainingEngine(cfg, run_id=ctx.run_id, checkpoint_dir=ckpt_dir,
-                                    shards=[str(s) for s in shards], emit=ctx.emit,
-                                    cancel_event=ctx.cancel_event,
-                                    wait_decision=ctx.wait_decision, facts=ctx.facts)
-            result = engine.run()
-        except RunCancelled:
-            return GateOutcome(stage=self.name, status="failed", reason="cancelled",
-                               error_code=ErrorCode.invalid_state.value)
-        except ItoError as e:
-            return GateOutcome(stage=self.name, status="failed", reason=e.message,
-                               error_code=e.code.value)
-        metrics = {"steps": float(result.steps), "tokens": float(result.tokens),
-                   "interruptions": float(result.interruptions)}
-        if result.final_loss is not None:
-            metrics["final_loss"] = result.final_loss
-        # The layout the workers built (read back from their mesh), as the gate shows it.
-        for dim in ("pp", "dp_shard", "cp", "tp"):
-            if dim in result.layout:
-                metrics[f"layout_{dim}"] = float(result.layout[dim])
-        done = result.steps >= cfg.target.steps
-        return GateOutcome(
-            stage=self.name, status="passed" if done else "failed",
-            reason=f"trained {result.steps}/{cfg.target.steps} steps"
-                   f" with {result.interruptions} interruption(s)",
-            metrics=metrics,
-            artifacts={"checkpoint_dir": str(ckpt_dir),
-                       "final_checkpoint": result.final_checkpoint,
-                       "proposals": result.proposals,
-                       "replica_digests": {str(g): d for g, d in result.digests.items()},
-                       "rank_digests": result.rank_digests,
-                       "layout": result.layout},
-            error_code=None if done else ErrorCode.training_failed.value)
-
-    def _run_curriculum(self, ctx: StageContext, cfg: TrainStageConfig) -> GateOutcome:
         from stages.presets import load_model_preset
         from stages.trainer.engine import RunCancelled
         from stages.trainer.layout import check_runnable
@@ -135,6 +88,8 @@ class TrainingStage:
         from stages.trainer.phases import CurriculumRunner
 
         try:
+            # What the device cannot run fails here, before any worker starts; each
+            # worker checks again against its GPU's compute capability.
             check_runnable(cfg.layout, cfg.device)
             preset = load_model_preset(cfg.model.preset)
             data = prepare_phase_data(

@@ -10,6 +10,7 @@ phase 2 and must recover in phase 2.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,32 +67,71 @@ def _config(tmp: Path) -> TrainStageConfig:
                                     storage_uri=f"file://{tmp}/ckpt"),
         loss_spike=LossSpikeConfig(enabled=False),
         train_files=[str(_data(tmp / "train.jsonl"))],
-        replica_groups=2, pace_step_s=0.3, curriculum=_plan()), strict=False)
+        # A warm spare takes a killed group's place at once: a new process would need
+        # longer than phase 2 lasts on a loaded 2-core machine.
+        replica_groups=2, spare_groups=1, pace_step_s=0.3, curriculum=_plan()), strict=False)
 
 
-def Run(cfg: TrainStageConfig, tmp: Path) -> StageRun:
-    return StageRun(cfg, tmp / "work", RUN_ID, wait_s=WAIT_S, join_timeout_s=WAIT_S)
+class Run(StageRun):
+    """The stage in a thread, plus the fleet's actor ids as the test saw them."""
+
+    def __init__(self, cfg: TrainStageConfig, tmp: Path, run_id: str = RUN_ID):
+        super().__init__(cfg, tmp / "work", run_id, wait_s=WAIT_S, join_timeout_s=WAIT_S)
+        self.fleet_ids: list[dict[str, str]] = []
+        self.fleet_seen_at = 0.0
 
 
 @pytest.fixture(scope="module")
 def failed_run(ray_local: None, tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[tuple[StageRun, GateOutcome, TrainStageConfig, float]]:
+               ) -> Iterator[tuple[Run, GateOutcome, TrainStageConfig, float]]:
     from stages.trainer import kill_replica_group
 
     tmp = tmp_path_factory.mktemp("phases")
     cfg = _config(tmp)
     with Run(cfg, tmp) as run:
+        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed
+                     and e.phase == "pretrain", "a phase 1 step")
+        run.fleet_ids.append(_fleet_ids())
+        run.fleet_seen_at = time.time()
         # SIGKILL group 1 early in phase 2 (steps 10..90), so it is back well before 90.
         run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.phase == "mid"
                      and e.step >= 15 and e.quorum_size == 2, "phase 2 in the full quorum")
+        run.fleet_ids.append(_fleet_ids())
         killed_at, pids = kill_replica_group(RUN_ID, 1)
         assert pids
         out = run.join()
     yield run, out, cfg, killed_at
 
 
+def _fleet_ids() -> dict[str, str]:
+    """Ray actor id of the lighthouse and of every trainer actor of the run."""
+    import ray
+
+    from stages.trainer.replica import lighthouse_name, worker_name
+
+    names = [lighthouse_name(RUN_ID), worker_name(RUN_ID, 0, 0), worker_name(RUN_ID, 1, 0)]
+    return {n: ray.get_actor(n)._actor_id.hex() for n in names}
+
+
+def test_the_fleet_stays_up_across_the_phase_boundary(
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    """Phases switch in place: the same lighthouse and trainer actors train phase 1
+    and phase 2, started once (one start-up span per rank, none at the boundary)."""
+    run, _, _, killed_at = failed_run
+    in_pretrain, in_mid = run.fleet_ids
+    first_mid = min(e.ts for e in run.events if isinstance(e, StepEvent) and e.phase == "mid")
+    assert run.fleet_seen_at < first_mid  # the first look was in phase 1
+    assert in_pretrain == in_mid
+    started = [e for e in run.events if isinstance(e, LogEvent)
+               and e.message.startswith("started lighthouse")]
+    assert len(started) == 1
+    startups = [e for e in run.events if isinstance(e, PhaseEvent) and e.phase == "startup"
+                and e.ts < killed_at]
+    assert len(startups) == 2  # one per group's rank 0, before the kill
+
+
 def test_second_gate_fails_the_run_and_phase_three_never_runs(
-        failed_run: tuple[StageRun, GateOutcome, TrainStageConfig, float]) -> None:
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
     run, out, _, _ = failed_run
     assert out.status == "failed", out.reason
     assert out.error_code == ErrorCode.eval_gate_failed
@@ -117,7 +157,7 @@ def test_second_gate_fails_the_run_and_phase_three_never_runs(
 
 
 def test_phases_train_with_their_own_seq_len_and_lr_schedule(
-        failed_run: tuple[StageRun, GateOutcome, TrainStageConfig, float]) -> None:
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
     run, _, _, _ = failed_run
     plan = _plan()
     pre, mid = plan.phases[0], plan.phases[1]
@@ -139,7 +179,7 @@ def test_phases_train_with_their_own_seq_len_and_lr_schedule(
 
 
 def test_group_killed_in_phase_two_recovers_in_phase_two(
-        failed_run: tuple[StageRun, GateOutcome, TrainStageConfig, float]) -> None:
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
     run, out, _, killed_at = failed_run
     after = [e for e in run.events if isinstance(e, StepEvent) and e.ts > killed_at]
     assert after and all(e.phase == "mid" and e.seq_len == 32 for e in after)
@@ -151,10 +191,10 @@ def test_group_killed_in_phase_two_recovers_in_phase_two(
 
 
 def test_phase_closing_checkpoints_are_kept_and_exported(
-        failed_run: tuple[StageRun, GateOutcome, TrainStageConfig, float]) -> None:
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.trainer.phases import load_phase_model
+    from stages.trainer.phase_eval import load_phase_model
 
     run, out, cfg, _ = failed_run
     records = list_checkpoints(out.artifacts["checkpoint_dir"])
@@ -176,7 +216,7 @@ def test_phase_closing_checkpoints_are_kept_and_exported(
 
 
 def test_a_relaunched_stage_keeps_the_decided_gate(
-        failed_run: tuple[StageRun, GateOutcome, TrainStageConfig, float],
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float],
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """A driver relaunch runs the stage again: decided gates are read back, nothing
     trains and nothing is re-scored; a failed gate stays failed."""
@@ -189,12 +229,13 @@ def test_a_relaunched_stage_keeps_the_decided_gate(
 
 
 def test_the_same_checkpoint_scores_identically_again(
-        failed_run: tuple[StageRun, GateOutcome, TrainStageConfig, float]) -> None:
+        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
     """Re-scoring the checkpoint that closed pretrain, in a fresh model, gives exactly
     the scores its gate recorded."""
     from stages.evals import run_battery
     from stages.hf import load_tokenizer
-    from stages.trainer.phases import load_phase_model, read_gate
+    from stages.trainer.phase_eval import load_phase_model
+    from stages.trainer.phases import read_gate
 
     run, out, cfg, _ = failed_run
     pre = _plan().phases[0]
@@ -208,3 +249,38 @@ def test_the_same_checkpoint_scores_identically_again(
                         seq_len=pre.seq_len, phase=pre.name)
     assert again.scores() == {c["name"]: c["score"] for c in rec["result"]["checks"]}
     assert again.task_files == rec["result"]["task_files"]
+
+
+def test_a_driver_relaunched_mid_phase_resumes_there(
+        ray_local: None, tmp_path: Path) -> None:
+    """The driver stops in phase 2 (every actor killed); a relaunched one reads phase
+    1's decided gate back (no re-scoring) and resumes phase 2 at its newest checkpoint."""
+    import ray
+
+    cfg, plan = _config(tmp_path), _plan()
+    mid = plan.phases[1]
+    first = Run(cfg, tmp_path, "relaunch")
+    first.wait_for(lambda e: isinstance(e, CheckpointEvent) and e.phase == "mid"
+                   and e.step >= mid.start_step + 10, "a phase 2 checkpoint")
+    first.ctx.cancel_event.set()
+    assert first.join().reason == "cancelled"
+    deadline = time.time() + WAIT_S
+    while any(n.startswith("run-relaunch-") for n in ray.util.list_named_actors()):
+        assert time.time() < deadline, "actors outlived the stopped driver"
+        time.sleep(0.5)
+    newest = list_checkpoints(tmp_path / "ckpt" / "relaunch")[-1].step
+    assert mid.start_step < newest < mid.end_step
+
+    again = Run(cfg, tmp_path, "relaunch")
+    resumed = again.wait_for(lambda e: isinstance(e, LogEvent)
+                             and "resumed from checkpoint" in e.message, "the resume")
+    assert resumed.message.endswith(f"step {newest}")
+    step = again.wait_for(lambda e: isinstance(e, StepEvent) and e.committed, "a step")
+    assert isinstance(step, StepEvent)
+    assert step.phase == "mid" and step.step == newest + 1 and step.seq_len == mid.seq_len
+    again.ctx.cancel_event.set()
+    again.join()
+    assert any(isinstance(e, LogEvent) and "pretrain: gate already decided" in e.message
+               for e in again.events)
+    assert not [e for e in again.events if isinstance(e, EvalEvent) and e.phase == "pretrain"]
+

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from stages.base import GateOutcome, StageContext
 from stages.errors import ItoError
 from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
-from stages.trainer.loop import data_index, lr_at
+from stages.trainer.loop import data_index
 from stages.trainer.stage import resolve_train_files
 
 
@@ -29,12 +29,18 @@ def _cfg(**kw: object) -> TrainStageConfig:
     return TrainStageConfig.model_validate(base, strict=False)
 
 
-def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor() -> None:
-    lrs = [lr_at(s, base_lr=1.0, warmup=4, total=20) for s in range(20)]
+def test_a_run_without_a_curriculum_is_one_phase_warmup_then_cosine_to_the_floor() -> None:
+    cfg = _cfg(target={"max_steps": 20, "seq_len": 32, "global_batch_tokens": 256,
+                       "learning_rate": 1.0, "warmup_steps": 4})
+    [phase] = cfg.plan.phases
+    assert (phase.start_step, phase.end_step, phase.seq_len) == (0, 20, 32)
+    assert phase.data_weights == {"baseline": 1.0, "custom": 1.0}
+    assert phase.eval_battery is None
+    lrs = [phase.lr(s) for s in range(20)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in itertools.pairwise(lrs[3:]))
-    assert lr_at(20, base_lr=1.0, warmup=4, total=20) == pytest.approx(0.1)
-    assert lr_at(10_000, base_lr=1.0, warmup=4, total=20) == pytest.approx(0.1)
+    assert phase.lr(20) == pytest.approx(0.1)
+    assert phase.lr(10_000) == pytest.approx(0.1)
 
 
 def test_data_index_skips_windows_without_changing_earlier_steps() -> None:

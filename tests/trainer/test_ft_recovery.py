@@ -228,3 +228,49 @@ def test_a_warm_spare_takes_a_lost_groups_place(ray_local: None, tmp_path: Path)
     assert out.status == "passed", out.reason
     digests = out.artifacts["replica_digests"]
     assert set(digests) == {"0", "1"} and digests["0"] == digests["1"]
+
+
+def test_a_non_finite_step_is_refused_on_every_group_before_the_update(
+        ray_local: None, tmp_path: Path) -> None:
+    """A poisoned batch makes step 21's loss infinite: no group commits it, so every
+    group still holds exactly the weights of step 20 (its checkpoint's), and the
+    spike proposal restarts from there, skipping the batch."""
+    import math
+
+    import ray
+
+    from stages.trainer.phase_eval import load_phase_model
+    from stages.trainer.replica import worker_name
+    from stages.trainer.shard_state import param_digest
+
+    bad = 20  # the data batch of step 21
+    cfg = _config(
+        tmp_path,
+        target=TrainingTarget(max_steps=30, seq_len=32, global_batch_tokens=256,
+                              warmup_steps=5),
+        loss_spike=LossSpikeConfig(window=10, min_steps=5, skip_window_steps=2),
+        inject_loss_spike=LossSpikeInjection(batches=[bad], scale=math.inf),
+        pace_step_s=0.02)
+    with Run(cfg, tmp_path, "ftnan") as run:
+        p = run.wait_for(lambda e: isinstance(e, ProposalEvent), "the proposal")
+        assert isinstance(p, ProposalEvent)
+        assert p.params["non_finite"] and p.params["spike_step"] == bad + 1
+        assert p.params["from_step"] == bad and p.params["from_checkpoint"]
+        assert max(e.step for e in run.steps() if e.committed) == bad
+        refused = [e for e in run.steps() if not e.committed and e.step == bad]
+        assert {e.replica_group for e in refused} == {0, 1}
+        digests = [ray.get(ray.get_actor(worker_name("ftnan", g, 0)).param_digest.remote(),
+                           timeout=WAIT_S) for g in range(cfg.replica_groups)]
+        from stages.checkpointing.storage import list_checkpoints
+
+        [ckpt] = [r for r in list_checkpoints(tmp_path / "ckpt" / "ftnan") if r.step == bad]
+        ref = param_digest(load_phase_model(cfg, cfg.plan.phases[0], ckpt.path))
+        assert [d["step"] for d in digests] == [bad, bad]
+        assert [d["digest"] for d in digests] == [ref, ref]
+        run.ctx.decide(p.proposal_id, "approved")
+        out = run.join()
+    assert out.status == "passed", out.reason
+    assert out.metrics["steps"] == cfg.target.steps
+    assert all(e.loss < 1e9 for e in run.steps() if e.committed)
+    digests_end = out.artifacts["replica_digests"]
+    assert digests_end["0"] == digests_end["1"]

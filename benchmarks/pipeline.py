@@ -1,0 +1,199 @@
+"""Pipeline benchmark (not in CI): the embedded pipeline end to end, as the demo runs
+it (``orchestrator.demo``'s data, manifest, server and CLI), for two model presets
+whose parameter counts differ ~25x (llama-tiny, llama-small).
+
+For each preset it submits the demo's two-phase run through ``ito train`` and, from
+the run's stored events and ``ito metrics``, reports:
+
+- ``goodput``: productive step time / elapsed time (the API's goodput);
+- ``accept_to_first_step_s``: run accepted -> its first committed step;
+- ``phase_switch_s_max``: last committed step of a phase -> first committed step of
+  the next (the gate included), the largest over the boundaries;
+- ``eval_share``: evaluation badput / elapsed;
+- ``driver_peak_rss_mb``: peak resident memory (VmHWM) of the RunDriver actor process.
+
+``driver_rss_growth`` is the larger preset's driver peak over the smaller's: a driver
+that materialises the model grows with it. One JSON line on stdout.
+
+    python -m benchmarks.pipeline [--presets llama-tiny llama-small] [--var-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import shutil
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from orchestrator import demo
+from orchestrator.runtime import ray_cluster
+
+RUN_TIMEOUT_S = 1800.0
+RSS_SAMPLE_S = 0.5
+POLL_S = 2.0
+
+
+def _driver_rss_kb() -> int:
+    """Largest VmHWM among live RunDriver actor processes (Ray titles them ray::RunDriver)."""
+    peak = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if not cmd.startswith(b"ray::RunDriver"):
+                continue
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = max(peak, int(line.split()[1]))
+        except OSError:
+            continue
+    return peak
+
+
+class _RssSampler(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak_kb = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.peak_kb = max(self.peak_kb, _driver_rss_kb())
+            self.stop.wait(RSS_SAMPLE_S)
+
+
+def _events(db: Path, run_id: str) -> list[dict[str, Any]]:
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT payload FROM run_events WHERE run_id = ? ORDER BY seq",
+                           (run_id,)).fetchall()
+    return [json.loads(r[0]) for r in rows]
+
+
+def _accepted_at(db: Path, run_id: str) -> float:
+    with sqlite3.connect(db) as con:
+        return float(con.execute("SELECT created_at FROM runs WHERE run_id = ?",
+                                 (run_id,)).fetchone()[0])
+
+
+def _figures(events: list[dict[str, Any]], accepted_at: float) -> dict[str, Any]:
+    steps = [e for e in events if e.get("kind") == "step" and e.get("committed")]
+    first = min((e["ts"] for e in steps), default=None)
+    by_phase: dict[str, list[float]] = {}
+    for e in steps:
+        by_phase.setdefault(e.get("phase", ""), []).append(float(e["ts"]))
+    order = sorted(by_phase, key=lambda p: min(by_phase[p]))
+    switches = [min(by_phase[b]) - max(by_phase[a]) for a, b in itertools.pairwise(order)]
+    return {"accept_to_first_step_s": round(first - accepted_at, 2) if first else None,
+            "phase_switch_s_max": round(max(switches), 2) if switches else None,
+            "phases": order}
+
+
+def run_preset(preset: str, var_dir: Path) -> dict[str, Any]:
+    if var_dir.exists():
+        ray_cluster.stop_local_head(var_dir / "server")
+        shutil.rmtree(var_dir)
+    var_dir.mkdir(parents=True)
+    db = var_dir / "ito.db"
+    port = demo._free_port()
+    env = {k: v for k, v in os.environ.items() if k != "ITO_API_KEY"}
+    env.update({"ITO_DB": str(db), "ITO_API_URL": f"http://127.0.0.1:{port}",
+                "OMP_NUM_THREADS": "1", "ITO_LAUNCH_KEY_FILE": str(var_dir / "launch.key")})
+    demo._cli(["ito-backend", "accounts", "create", "demo", "--json"], env)
+    submitter = demo._cli(["ito-backend", "keys", "issue", "--account", "demo", "--scope",
+                           "runs:read,runs:write", "--json"], env)["data"]["api_key"]
+    approver = demo._cli(["ito-backend", "keys", "issue", "--account", "demo", "--scope",
+                          "confirm:train", "--json"], env)["data"]["api_key"]
+    now = datetime.now(UTC)
+    booking_id = f"bk_bench_{uuid.uuid4().hex[:8]}"
+    booking_file = var_dir / "booking.json"
+    booking_file.write_text(json.dumps({
+        "booking_id": booking_id, "account": "demo", "gpu_sku": "cpu-testbed",
+        "gpus_per_node": 2, "node_count": 1, "region": "local", "fabric": "loopback",
+        "term_start": (now - timedelta(minutes=5)).isoformat(),
+        "term_end": (now + timedelta(hours=24)).isoformat()}))
+    demo._cli(["ito-backend", "bookings", "add", str(booking_file), "--json"], env)
+    baseline, custom = demo._write_data(var_dir / "data", random.Random(0))
+    (var_dir / "checkpoints").mkdir()
+    demo._cli(["ito-backend", "accounts", "roots", "demo", "--data", str(var_dir / "data"),
+               "--checkpoint", str(var_dir / "checkpoints"), "--json"], env)
+    manifest = var_dir / "manifest.json"
+    demo._manifest(manifest, baseline, custom, var_dir / "checkpoints")
+    doc = json.loads(manifest.read_text())
+    doc["model"]["preset"] = preset
+    manifest.write_text(json.dumps(doc, indent=2))
+
+    server = demo._start_server(env, db, var_dir, port, demo._free_port(), demo._free_port())
+    sampler = _RssSampler()
+    sampler.start()
+    try:
+        ref = demo._cli(["ito", "confirm", "--action", "train", "--booking", booking_id,
+                         "--manifest", str(manifest), "--json"],
+                        {**env, "ITO_API_KEY": approver})["data"]["confirmation_ref"]
+        sub_env = {**env, "ITO_API_KEY": submitter}
+        run_id = demo._cli(["ito", "train", "--booking", booking_id, "--manifest",
+                            str(manifest), "--confirmation-ref", ref, "--idempotency-key",
+                            f"bench-{uuid.uuid4().hex[:12]}", "--json"],
+                           sub_env)["data"]["run_id"]
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        state = "queued"
+        while time.monotonic() < deadline:
+            state = demo._cli(["ito", "status", "--run", run_id, "--json"],
+                              sub_env)["data"]["state"]
+            if state in ("succeeded", "failed", "cancelled"):
+                break
+            time.sleep(POLL_S)
+        m = demo._cli(["ito", "metrics", "--run", run_id, "--json"], sub_env)["data"]
+        events = _events(db, run_id)
+        out = {"preset": preset, "state": state, "goodput": m.get("goodput"),
+               **_figures(events, _accepted_at(db, run_id)),
+               "eval_share": round(m["badput_s"].get("evaluation", 0.0) / m["elapsed_s"], 4)
+               if m.get("elapsed_s") else None,
+               "elapsed_s": round(m.get("elapsed_s", 0.0), 1)}
+    finally:
+        sampler.stop.set()
+        sampler.join(timeout=5)
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        ray_cluster.stop_local_head(var_dir / "server")
+    out["driver_peak_rss_mb"] = round(sampler.peak_kb / 1024, 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", nargs=2, default=["llama-tiny", "llama-small"])
+    parser.add_argument("--var-dir", type=Path, default=Path(".bench-pipeline"))
+    args = parser.parse_args(argv)
+    results: list[dict[str, Any]] = []
+    for preset in args.presets:
+        try:
+            results.append(run_preset(preset, args.var_dir.resolve() / preset))
+        except (Exception, SystemExit) as e:  # one preset's failure still reports the other
+            results.append({"preset": preset, "state": "error", "error": str(e)[:300],
+                            "driver_peak_rss_mb": None})
+    small, large = results
+    growth = (large["driver_peak_rss_mb"] / small["driver_peak_rss_mb"]
+              if small["driver_peak_rss_mb"] and large["driver_peak_rss_mb"] else None)
+    print(json.dumps({"presets": results,
+                      "driver_rss_growth": round(growth, 3) if growth else None}), flush=True)
+    return 0 if all(r["state"] == "succeeded" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

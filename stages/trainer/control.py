@@ -1,0 +1,75 @@
+"""What a rank is told: its spec at start-up, and the driver's commands at step
+boundaries (pause, resume, restore, the next phase, stop)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from stages.trainer.config import TrainStageConfig
+
+CommandKind = Literal["resume", "restore", "next_phase"]
+
+
+@dataclass
+class WorkerSpec:
+    """Everything one rank needs; picklable, passed to the Ray actor."""
+
+    run_id: str
+    replica_group: int
+    rank: int
+    config: TrainStageConfig
+    lighthouse_addr: str
+    checkpoint_dir: str
+    # Token shards by data role; each phase's mix reads the roles it names.
+    role_shards: dict[str, list[str]] = field(default_factory=dict)
+    # Rank 0 of a multi-rank group hosts the group's TCPStore; others get it here.
+    store_addr: str = "127.0.0.1"
+    store_port: int = 0
+
+
+@dataclass
+class Control:
+    """Commands from the driver to the loop, applied at step boundaries."""
+
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    stop: bool = False
+    # Fresh workers wait for "go" so that every group joins the first quorum together.
+    go: threading.Event = field(default_factory=threading.Event)
+    # The driver asks every group to pause at its next step boundary (a spike elsewhere).
+    pause: bool = False
+    command: tuple[CommandKind, dict[str, Any]] | None = None
+    # A spare is told which replica group to become.
+    activate_group: int | None = None
+
+    def send(self, kind: Literal["resume", "restore", "next_phase", "stop", "pause", "go",
+                                 "activate"], **params: Any) -> None:
+        with self.cond:
+            if kind == "stop":
+                self.stop = True
+                self.go.set()
+            elif kind == "go":
+                self.go.set()
+            elif kind == "activate":
+                self.activate_group = int(params["group"])
+            elif kind == "pause":
+                self.pause = True
+            else:
+                self.command = (kind, params)
+            self.cond.notify_all()
+
+    def wait_activation(self) -> int | None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.stop or self.activate_group is not None)
+            return None if self.stop else self.activate_group
+
+    def wait_command(self) -> tuple[str, dict[str, Any]]:
+        with self.cond:
+            self.cond.wait_for(lambda: self.stop or self.command is not None)
+            if self.stop:
+                return "stop", {}
+            assert self.command is not None
+            cmd, self.command = self.command, None
+            self.pause = False
+            return cmd

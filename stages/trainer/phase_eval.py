@@ -1,0 +1,92 @@
+"""A phase's eval battery and HF export, run on a trainer rank while the fleet waits
+at the phase's end (never in the driver).
+
+Rank 0 of the lowest live replica group evaluates. A single-rank group holds the
+whole live model: the battery and ``save_pretrained`` run on it directly (it is
+bit-identical to the closing checkpoint: nothing updated it since the save). A rank
+whose model is laid out over several ranks (FSDP2, TP, PP), recomputes activations
+or runs fp8 linears loads the closing checkpoint into a fresh, plain model in its
+own process instead (``load_phase_model``). Either way the scores are those of the
+closing checkpoint, and the driver only sees numbers and paths.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+from stages.curriculum.plan import PhasePlan
+from stages.errors import ErrorCode, ItoError
+from stages.evals.config import EvalRunSettings
+from stages.trainer.config import TrainStageConfig
+
+
+class PhaseEvalRequest(BaseModel):
+    """What the driver asks the evaluating rank to do at a phase's end."""
+
+    phase: PhasePlan
+    checkpoint: str
+    step: int
+    heldout_path: str
+    tokenizer_dir: str
+    work_dir: str
+    export_dir: str
+    metadata: dict[str, Any]
+    settings: EvalRunSettings
+
+
+class PhaseEvalReply(BaseModel):
+    result: dict[str, Any]  # a BatteryResult, as JSON
+    export: str
+    live_model: bool
+
+
+def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -> Any:
+    """The weights of a complete checkpoint in a fresh model of the phase's shape."""
+    import torch.distributed.checkpoint as dcp
+
+    from stages.presets import load_model_preset
+    from stages.trainer.model import build_model, set_rope_theta
+
+    model = build_model(load_model_preset(cfg.model.preset), seed=cfg.target.seed,
+                        checkpoint_path=cfg.model.checkpoint_path)
+    if phase.rope_theta is not None:
+        set_rope_theta(model, phase.rope_theta)
+    sd = model.state_dict()
+    try:
+        dcp.load({"train": {"model": sd}}, checkpoint_id=checkpoint, no_dist=True)
+    except Exception as e:
+        raise ItoError(ErrorCode.checkpoint_corrupt,
+                       f"phase {phase.name}: checkpoint {Path(checkpoint).name} could not "
+                       f"be loaded for evaluation: {type(e).__name__}") from e
+    model.load_state_dict(sd)
+    model.eval()
+    return model
+
+
+def evaluate_on_rank(req: PhaseEvalRequest, *, cfg: TrainStageConfig,
+                     live: torch.nn.Module | None) -> PhaseEvalReply:
+    """Run the phase's battery and write its HF export; ``live`` is this rank's whole
+    model when it can serve (see the module docstring), else None."""
+    from stages.evals import run_battery
+    from stages.hf import export_hf, load_tokenizer
+
+    assert req.phase.eval_battery is not None
+    model = live if live is not None else load_phase_model(cfg, req.phase, req.checkpoint)
+    tokenizer = load_tokenizer(req.tokenizer_dir)
+    heldout = [json.loads(line)["text"] for line in
+               Path(req.heldout_path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    was_training = model.training
+    try:
+        result = run_battery(model, tokenizer, req.phase.eval_battery, heldout,
+                             seq_len=req.phase.seq_len, phase=req.phase.name, step=req.step,
+                             settings=req.settings, work_dir=Path(req.work_dir))
+        export = export_hf(model, tokenizer, Path(req.export_dir), metadata=req.metadata)
+    finally:
+        model.train(was_training)
+    return PhaseEvalReply(result=result.model_dump(mode="json"), export=str(export),
+                          live_model=live is not None)

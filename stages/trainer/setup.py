@@ -1,0 +1,166 @@
+"""A rank's start-up, in the order it must happen: build the model (the part a spare
+does ahead), lay it out over the group's mesh, make the optimizer, then join the
+replica group (torchft Manager, checkpoints, resume from the newest one)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stages.presets import load_model_preset
+from stages.trainer import ft
+
+if TYPE_CHECKING:
+    from stages.trainer.loop import TrainLoop
+
+
+class RankSetup:
+    def __init__(self, loop: TrainLoop):
+        self.loop = loop
+        self.device = torch.device("cpu")
+
+    def build(self) -> None:
+        """The group-independent part of start-up (what a spare group does ahead)."""
+        from stages.trainer.model import build_model
+        from stages.trainer.train_state import set_determinism
+
+        loop, cfg = self.loop, self.loop.cfg
+        set_determinism(cfg.target.seed, deterministic=cfg.target.deterministic)
+        self.device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+        model: torch.nn.Module = build_model(
+            load_model_preset(cfg.model.preset), seed=cfg.target.seed,
+            checkpoint_path=cfg.model.checkpoint_path)
+        loop.model = model.to(self.device)
+        loop.model.train()
+        if not loop.sharded:  # FSDP2 must wrap the model before the optimizer sees it
+            self._parallelize(None)
+
+    def _parallelize(self, mesh: Any) -> None:
+        """The plan's layout on this rank (stages.trainer.parallelize), then AdamW over
+        what this rank holds."""
+        from stages.trainer.parallelize import ParallelModel
+
+        loop, target = self.loop, self.loop.cfg.target
+        loop.parallel = ParallelModel(loop.model, loop.cfg.layout, mesh, self.device)
+        loop.model = loop.parallel.module
+        loop.inner_optimizer = torch.optim.AdamW(
+            loop.model.parameters(), lr=target.learning_rate,
+            weight_decay=target.weight_decay, betas=(0.9, 0.95))
+        loop.status.update(layout=loop.parallel.built_layout())
+
+    def _shard_in_group(self, store_addr: str, store_port: int) -> Any:
+        """Multi-rank group: a gloo/NCCL process group over the group's ranks, the
+        plan's (pp, dp_shard, cp, tp) mesh over it with TP/PP/FSDP2 applied, and a
+        separate gloo group for DCP's save-thread collectives. Returns that group."""
+        import torch.distributed as dist
+
+        from stages.trainer.mesh import build_mesh
+
+        spec, cfg = self.loop.spec, self.loop.cfg
+        client = dist.TCPStore(store_addr, store_port, is_master=False,
+                               wait_for_workers=False)
+        dist.init_process_group(
+            "nccl" if cfg.device == "cuda" else "gloo",
+            store=dist.PrefixStore(f"ito/intra/rg{spec.replica_group}", client),
+            rank=spec.rank, world_size=cfg.ranks_per_group,
+            timeout=timedelta(seconds=cfg.fault_tolerance.collective_timeout_s))
+        self._parallelize(build_mesh(cfg.layout, self.device.type))
+        return dist.new_group(backend="gloo")
+
+    def warm_up(self) -> None:
+        """Pay the one-off costs (autograd kernels, the optimizer's lazy imports) before
+        a spare is needed, without touching the model's weights or optimizer state."""
+        from stages.trainer.model import causal_lm_loss
+
+        loop = self.loop
+        ids = torch.zeros(1, loop.plan.phases[0].seq_len, dtype=torch.long, device=self.device)
+        causal_lm_loss(loop.model, ids).backward()
+        loop.model.zero_grad(set_to_none=True)
+        p = torch.zeros(1, requires_grad=True, device=self.device)
+        p.grad = torch.zeros_like(p)
+        torch.optim.AdamW([p]).step()
+
+    def wait_as_spare(self) -> bool:
+        """A pre-started spare: warm up, then wait to take a lost group's place.
+        False: the run stopped first."""
+        loop = self.loop
+        self.warm_up()
+        loop.status.update(phase="standby")
+        group = loop.control.wait_activation()
+        if group is None:
+            return False
+        loop.spec.replica_group = group
+        loop.is_reporter = loop.spec.rank == 0
+        loop.started_at = time.time()
+        loop.status.update(group=group, restarted=True)
+        return True
+
+    def join(self) -> None:
+        """Join replica group ``spec.replica_group``: the first phase's data, torchft
+        Manager, checkpoints (and resume from the newest one, in its phase)."""
+        from torchft.optim import OptimizerWrapper
+
+        from stages.checkpointing.checkpointer import Checkpointer
+        from stages.trainer.loss_spike import LossSpikeDetector
+        from stages.trainer.train_state import TrainState
+
+        loop, spec, cfg = self.loop, self.loop.spec, self.loop.cfg
+        loop.enter_phase(loop.plan.phases[0])
+        store_addr, store_port = spec.store_addr, spec.store_port
+        self.store = None
+        if store_port == 0:
+            # Single-rank group: this process hosts the group's store; it dies with it.
+            from torch.distributed import TCPStore
+
+            self.store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False)
+            store_port = self.store.port
+        ckpt_pg = self._shard_in_group(store_addr, store_port) if loop.sharded else None
+        loop.manager = ft.build_manager(  # torchft: this group's Manager
+            cfg.fault_tolerance, pg=ft.build_process_group(cfg.fault_tolerance, cfg.device),
+            replica_group=spec.replica_group, rank=spec.rank,
+            ranks_per_group=cfg.ranks_per_group, store_addr=store_addr,
+            store_port=store_port, lighthouse_addr=spec.lighthouse_addr,
+            load_state_dict=loop.load_heal_state, state_dict=loop.heal_state)
+        # torchft: step() votes should_commit before the inner AdamW step.
+        loop.optimizer = OptimizerWrapper(loop.manager, loop.inner_optimizer)
+        loop.detector = LossSpikeDetector(cfg.loss_spike)
+        # The whole resumable state as one DCP Stateful; the loader position in it is
+        # informational (the loop seeks by step), the skipped windows are not.
+        loop.train_state = TrainState(
+            loop.model, loop.inner_optimizer, loader=loop.loader, rank=spec.rank,
+            extras={"loop": loop.loop_state, "spike": loop.detector})
+        # Each group labels its temp folders, so a restarting group never sweeps the
+        # in-flight save of the group that is saving now.
+        policy = cfg.checkpoint.model_copy(
+            update={"storage_uri": f"file://{Path(spec.checkpoint_dir).resolve()}"})
+        loop.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}",
+                                 process_group=ckpt_pg)
+        self._resume()
+
+    def _resume(self) -> None:
+        from stages.errors import ItoError
+
+        loop = self.loop
+        for _ in range(RESTORE_ATTEMPTS):
+            latest = loop.ckpt.latest()
+            if latest is None:
+                return
+            try:
+                loop.restore(latest.step)
+            except ItoError:
+                # Another group's retention may sweep the newest checkpoint while this
+                # (restarting) group reads it: take the then-newest one. A checkpoint
+                # that is still there and fails to load is corrupt: that is raised.
+                if Path(latest.path).exists():
+                    raise
+                continue
+            loop.log(f"resumed from checkpoint step {latest.step}")
+            return
+
+
+# Restores retried when retention sweeps the newest checkpoint during a read.
+RESTORE_ATTEMPTS = 3
