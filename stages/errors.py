@@ -46,6 +46,7 @@ class ErrorCode(StrEnum):
     booking_incomplete = "booking_incomplete"
     booking_account_mismatch = "booking_account_mismatch"
     booking_exists = "booking_exists"
+    booking_term_ended = "booking_term_ended"
     # --- manifest ---------------------------------------------------------------------
     manifest_invalid = "manifest_invalid"
     manifest_contains_secret = "manifest_contains_secret"
@@ -70,6 +71,8 @@ class ErrorCode(StrEnum):
     run_not_found = "run_not_found"
     invalid_state = "invalid_state"
     proposal_not_found = "proposal_not_found"
+    operator_stopped = "operator_stopped"
+    too_many_active_runs = "too_many_active_runs"
     # --- server-side validation -------------------------------------------------------
     capacity_insufficient = "capacity_insufficient"
     fabric_unknown = "fabric_unknown"
