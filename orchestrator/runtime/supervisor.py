@@ -108,6 +108,7 @@ class RayRuntime:
 
     # -- RunRuntime -----------------------------------------------------------------------
     def start(self) -> None:
+        ray_cluster.private_var_dir(self.var_dir)
         os.environ.setdefault(launch.LAUNCH_KEY_ENV, str(self.var_dir / "launch.key"))
         launch.ensure_launch_key()
         settings = self.ray_settings
