@@ -92,6 +92,9 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
           = 8265,
           ray_num_cpus: Annotated[int | None, typer.Option(help="embedded Ray logical CPUs")]
           = None,
+          max_active_runs_per_account: Annotated[int, typer.Option(
+              help="active (queued or running) runs each account may have at once; one "
+              "more is refused with too_many_active_runs")] = 64,
           planner_gate: Annotated[bool, typer.Option(
               "--planner-gate/--no-planner-gate", help="refuse at submit what the "
               "parallelism planner refuses, and price from its step time")] = True,
@@ -121,6 +124,7 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
 
     settings = Settings(db_path=db, var_dir=var_dir, planner_gate=planner_gate,
                         checkpoint_roots=tuple(checkpoint_root or ()),
+                        max_active_runs_per_account=max_active_runs_per_account,
                         metrics_host=metrics_host, metrics_port=metrics_port,
                         metrics_token=read_token(metrics_token_file), api_docs=api_docs,
                         shutdown_grace_s=shutdown_grace_s)
