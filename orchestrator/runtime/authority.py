@@ -42,8 +42,9 @@ def lapsed(store: Store, run: Row, now: float | None = None) -> Lapse | None:
     if booking["state"] == "released":
         return Lapse(ErrorCode.booking_released, "the run's booking was released")
     if now >= booking["term_end"]:
-        return Lapse(ErrorCode.booking_term_ended,
-                     f"the booking's term ended at {iso(booking['term_end'])}")
+        return Lapse(
+            ErrorCode.booking_term_ended, f"the booking's term ended at {iso(booking['term_end'])}"
+        )
     return None
 
 

@@ -52,8 +52,7 @@ def _literal_keys(tp: Any) -> bool:
     return False
 
 
-def unbounded(model: type[BaseModel], path: str = "$",
-              seen: set[type] | None = None) -> list[str]:
+def unbounded(model: type[BaseModel], path: str = "$", seen: set[type] | None = None) -> list[str]:
     seen = set() if seen is None else seen
     if model in seen:
         return []
@@ -66,8 +65,11 @@ def unbounded(model: type[BaseModel], path: str = "$",
                 found += unbounded(tp, where, seen)
             elif tp in (int, float) and not _has(metadata, (at.Le, at.Lt)):
                 found.append(f"{where} ({tp.__name__}: no upper bound)")
-            elif tp in CONTAINERS and not _has(metadata, (at.MaxLen,)) and \
-                    not _literal_keys(field.annotation):
+            elif (
+                tp in CONTAINERS
+                and not _has(metadata, (at.MaxLen,))
+                and not _literal_keys(field.annotation)
+            ):
                 found.append(f"{where} ({tp.__name__}: no max_length)")
     return found
 
@@ -87,6 +89,9 @@ def test_the_walk_finds_an_unbounded_field() -> None:
         weights: dict[str, typing.Annotated[float, at.Le(1)]]
 
     assert sorted(unbounded(Outer)) == [
-        "$.inner.ok (int: no upper bound)", "$.inner.timeout_s (float: no upper bound)",
-        "$.items (int: no upper bound)", "$.items (list: no max_length)",
-        "$.weights (dict: no max_length)"]
+        "$.inner.ok (int: no upper bound)",
+        "$.inner.timeout_s (float: no upper bound)",
+        "$.items (int: no upper bound)",
+        "$.items (list: no max_length)",
+        "$.weights (dict: no max_length)",
+    ]

@@ -30,18 +30,30 @@ def bin_dir(tmp_path: Path) -> Path:
     d.mkdir()
     for name in ("srun", "ray"):
         exe = d / name
-        exe.write_text(f"#!/bin/bash\n{sys.executable} -c 'import json, sys; "
-                       f"print(json.dumps(sys.argv[1:]))' \"$@\" >> {tmp_path}/calls.log\n")
+        exe.write_text(
+            f"#!/bin/bash\n{sys.executable} -c 'import json, sys; "
+            f'print(json.dumps(sys.argv[1:]))\' "$@" >> {tmp_path}/calls.log\n'
+        )
         exe.chmod(0o755)
     return d
 
 
-def _run(script: str, tmp: Path, bin_dir: Path, env: dict[str, str],
-         *args: str) -> subprocess.CompletedProcess[str]:
-    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp),
-            "ITO_RAY_BIN": str(bin_dir / "ray")}
-    return subprocess.run(["bash", str(SLURM / script), *args], env={**base, **env},
-                          cwd=tmp, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
+def _run(
+    script: str, tmp: Path, bin_dir: Path, env: dict[str, str], *args: str
+) -> subprocess.CompletedProcess[str]:
+    base = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp),
+        "ITO_RAY_BIN": str(bin_dir / "ray"),
+    }
+    return subprocess.run(
+        ["bash", str(SLURM / script), *args],
+        env={**base, **env},
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+    )
 
 
 def _calls(tmp: Path) -> list[list[str]]:
@@ -49,27 +61,41 @@ def _calls(tmp: Path) -> list[list[str]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
-GOOD = {"ITO_BOOKING": "bk-1", "ITO_RAY_ADDRESS": "10.0.0.1:6379", "SLURM_JOB_ID": "42",
-        "SLURM_JOB_NUM_NODES": "2", "ITO_PORT_BASE": "30000", "SLURM_CPUS_ON_NODE": "8",
-        "SLURM_GPUS_ON_NODE": "8", "ITO_NODE_IP": "10.0.0.2"}
+GOOD = {
+    "ITO_BOOKING": "bk-1",
+    "ITO_RAY_ADDRESS": "10.0.0.1:6379",
+    "SLURM_JOB_ID": "42",
+    "SLURM_JOB_NUM_NODES": "2",
+    "ITO_PORT_BASE": "30000",
+    "SLURM_CPUS_ON_NODE": "8",
+    "SLURM_GPUS_ON_NODE": "8",
+    "ITO_NODE_IP": "10.0.0.2",
+}
 
 
 def _hostile(marker: Path) -> dict[str, str]:
     run = f"a[$(touch {marker})]"
     return {
-        "SLURM_JOB_ID": run, "ITO_PORT_BASE": run, "SLURM_JOB_NUM_NODES": run,
-        "SLURM_GPUS_ON_NODE": run, "SLURM_CPUS_ON_NODE": run, "ITO_JOIN_TIMEOUT_S": run,
-        "ITO_MARK_AMOUNT": run, "ITO_OBJECT_STORE_BYTES": "1$(touch " + str(marker) + ")",
+        "SLURM_JOB_ID": run,
+        "ITO_PORT_BASE": run,
+        "SLURM_JOB_NUM_NODES": run,
+        "SLURM_GPUS_ON_NODE": run,
+        "SLURM_CPUS_ON_NODE": run,
+        "ITO_JOIN_TIMEOUT_S": run,
+        "ITO_MARK_AMOUNT": run,
+        "ITO_OBJECT_STORE_BYTES": "1$(touch " + str(marker) + ")",
         # Widens the booking's resource JSON to claim every node's CPUs.
         "ITO_BOOKING": 'bk-1": 8, "CPU": 100000, "x',
         "ITO_RAY_ADDRESS": "head:6379 --include-dashboard=true",
-        "ITO_NODE_IP": "10.0.0.2; touch " + str(marker), "ITO_RAY_TEMP_DIR": "../../etc",
+        "ITO_NODE_IP": "10.0.0.2; touch " + str(marker),
+        "ITO_RAY_TEMP_DIR": "../../etc",
     }
 
 
 @pytest.mark.parametrize("script", ["ray-booking.sbatch", "ray-node.sh"])
 def test_every_hostile_variable_is_refused_before_anything_starts(
-        script: str, tmp_path: Path, bin_dir: Path) -> None:
+    script: str, tmp_path: Path, bin_dir: Path
+) -> None:
     marker = tmp_path / "pwned"
     for name, value in _hostile(marker).items():
         r = _run(script, tmp_path, bin_dir, {**GOOD, name: value}, "worker")
@@ -88,7 +114,8 @@ def test_out_of_range_port_base_is_refused(tmp_path: Path, bin_dir: Path) -> Non
 
 
 def test_a_valid_environment_starts_the_node_with_well_formed_arguments(
-        tmp_path: Path, bin_dir: Path) -> None:
+    tmp_path: Path, bin_dir: Path
+) -> None:
     r = _run("ray-node.sh", tmp_path, bin_dir, GOOD, "worker")
     assert r.returncode == 0, r.stderr
     (argv,) = _calls(tmp_path)
@@ -100,9 +127,11 @@ def test_a_valid_environment_starts_the_node_with_well_formed_arguments(
 
 def test_wait_joined_checks_its_arguments(tmp_path: Path, bin_dir: Path) -> None:
     marker = tmp_path / "pwned"
-    for args in (("head:6379", "booking:bk-1", f"a[$(touch {marker})]"),
-                 ("head:6379; id", "booking:bk-1", "1"),
-                 ("head:6379", "booking:bk-1\"]; import os; os.system('id'); [\"", "1")):
+    for args in (
+        ("head:6379", "booking:bk-1", f"a[$(touch {marker})]"),
+        ("head:6379; id", "booking:bk-1", "1"),
+        ("head:6379", "booking:bk-1\"]; import os; os.system('id'); [\"", "1"),
+    ):
         r = _run("wait-joined.sh", tmp_path, bin_dir, {}, *args)
         assert r.returncode == INVALID, (args, r.stderr)
         assert not marker.exists()

@@ -18,12 +18,26 @@ from stages.errors import ErrorCode
 def _run(store: Store, account_id: str, booking_id: str, run_id: str = "run_a") -> dict:
     now = time.time()
     with store.tx() as c:
-        store.insert_run(c, {
-            "run_id": run_id, "account_id": account_id, "booking_id": booking_id,
-            "manifest_id": "mf_x", "manifest_digest": "d", "manifest_json": "{}",
-            "idempotency_key": f"key-{run_id}", "request_sha256": "r", "state": "accepted",
-            "state_reason": "", "cost_estimate_usd": 0.0, "plan": None, "data_prep": None,
-            "created_at": now, "updated_at": now})
+        store.insert_run(
+            c,
+            {
+                "run_id": run_id,
+                "account_id": account_id,
+                "booking_id": booking_id,
+                "manifest_id": "mf_x",
+                "manifest_digest": "d",
+                "manifest_json": "{}",
+                "idempotency_key": f"key-{run_id}",
+                "request_sha256": "r",
+                "state": "accepted",
+                "state_reason": "",
+                "cost_estimate_usd": 0.0,
+                "plan": None,
+                "data_prep": None,
+                "created_at": now,
+                "updated_at": now,
+            },
+        )
     return store.get_run(run_id)
 
 
@@ -46,10 +60,13 @@ def test_a_run_keeps_its_authority_while_booking_account_and_term_hold(store: St
     assert lapsed(store, run) is None
 
 
-@pytest.mark.parametrize(("change", "code"), [
-    ("revoked", ErrorCode.booking_revoked), ("released", ErrorCode.booking_released)])
-def test_a_revoked_or_released_booking_lapses_the_run(store: Store, change: str,
-                                                      code: ErrorCode) -> None:
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [("revoked", ErrorCode.booking_revoked), ("released", ErrorCode.booking_released)],
+)
+def test_a_revoked_or_released_booking_lapses_the_run(
+    store: Store, change: str, code: ErrorCode
+) -> None:
     account_id, booking_id = _ids(store, "acme")
     run = _run(store, account_id, booking_id)
     store.set_booking_state(booking_id, change)
@@ -80,8 +97,10 @@ def test_a_booking_moved_to_another_account_lapses_the_run(store: Store) -> None
     account_id, booking_id = _ids(store, "acme")
     run = _run(store, account_id, booking_id)
     with store.tx() as c:  # the upstream registry reassigned it (mocked here)
-        c.execute("UPDATE bookings SET account_id = ? WHERE booking_id = ?",
-                  (_ids(store, "globex")[0], booking_id))
+        c.execute(
+            "UPDATE bookings SET account_id = ? WHERE booking_id = ?",
+            (_ids(store, "globex")[0], booking_id),
+        )
     lapse = lapsed(store, run)
     assert lapse is not None and lapse.code == ErrorCode.booking_revoked
 
@@ -112,12 +131,15 @@ def test_operator_runs_stop_is_audited_and_refuses_what_cannot_stop(tmp_path: Pa
     assert run["state_reason"] == "operator_stopped: abuse report #12"
     rows = store.read("SELECT * FROM audit_events WHERE action = 'admin:runs.stop'")
     assert [(r["run_id"], r["account_id"], r["booking_id"], r["code"]) for r in rows] == [
-        ("run_a", account_id, booking_id, "operator_stopped")]
+        ("run_a", account_id, booking_id, "operator_stopped")
+    ]
 
     # Already stopping (or ended): the transition table refuses it; nothing is audited.
     again = admin(db, "runs", "stop", "run_a", "--reason", "again", check=False)
     assert again["error"]["code"] == "invalid_state"
-    assert admin(db, "runs", "stop", "run_nope", "--reason", "x",
-                 check=False)["error"]["code"] == "run_not_found"
+    assert (
+        admin(db, "runs", "stop", "run_nope", "--reason", "x", check=False)["error"]["code"]
+        == "run_not_found"
+    )
     assert len(store.read("SELECT 1 FROM audit_events WHERE action = 'admin:runs.stop'")) == 1
     store.close()
