@@ -21,6 +21,8 @@ from pydantic import ValidationError
 from orchestrator.db.store import Store
 from orchestrator.gates.auth import issue_key
 from orchestrator.gates.bookings import BookingFile, add_booking, booking_view
+from orchestrator.redact import looks_secret
+from orchestrator.runs import RunState
 from orchestrator.runtime.interface import NullRuntime, RunRuntime
 from orchestrator.settings import Settings
 from stages.errors import ErrorCode, ItoError
@@ -30,9 +32,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 accounts_app = typer.Typer(no_args_is_help=True, help="Tenant accounts")
 keys_app = typer.Typer(no_args_is_help=True, help="API keys (stored as sha256 only)")
 bookings_app = typer.Typer(no_args_is_help=True, help="The booking registry")
+runs_app = typer.Typer(no_args_is_help=True, help="Runs (any account's)")
 app.add_typer(accounts_app, name="accounts")
 app.add_typer(keys_app, name="keys")
 app.add_typer(bookings_app, name="bookings")
+app.add_typer(runs_app, name="runs")
 
 DbOpt = Annotated[Path, typer.Option("--db", envvar="ITO_DB", help="SQLite store path")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON envelope")]
@@ -63,11 +67,12 @@ def _store(db: Path) -> Store:
 
 
 def _audit(db: Path, action: str, account_id: str | None = None, key_id: str | None = None,
-           booking_id: str | None = None) -> None:
+           booking_id: str | None = None, run_id: str | None = None,
+           code: str | None = None) -> None:
     """Operator actions are audit events too (ids only)."""
     _store(db).audit([{"ts": time.time(), "account_id": account_id, "key_id": key_id,
                        "action": f"admin:{action}", "gate": "operator", "outcome": "pass",
-                       "code": None, "booking_id": booking_id, "run_id": None}])
+                       "code": code, "booking_id": booking_id, "run_id": run_id}])
 
 
 @app.command()
@@ -87,6 +92,9 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
           = 8265,
           ray_num_cpus: Annotated[int | None, typer.Option(help="embedded Ray logical CPUs")]
           = None,
+          max_active_runs_per_account: Annotated[int, typer.Option(
+              help="active (queued or running) runs each account may have at once; one "
+              "more is refused with too_many_active_runs")] = 64,
           planner_gate: Annotated[bool, typer.Option(
               "--planner-gate/--no-planner-gate", help="refuse at submit what the "
               "parallelism planner refuses, and price from its step time")] = True,
@@ -117,6 +125,7 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
 
     settings = Settings(db_path=db, var_dir=var_dir, planner_gate=planner_gate,
                         checkpoint_roots=tuple(checkpoint_root or ()),
+                        max_active_runs_per_account=max_active_runs_per_account,
                         metrics_host=metrics_host, metrics_port=metrics_port,
                         metrics_token=read_token(metrics_token_file), api_docs=api_docs,
                         shutdown_grace_s=shutdown_grace_s)
@@ -273,6 +282,35 @@ def bookings_revoke(booking_id: str, db: DbOpt, as_json: JsonOpt = False) -> Non
 @bookings_app.command("release")
 def bookings_release(booking_id: str, db: DbOpt, as_json: JsonOpt = False) -> None:
     _set_booking(db, booking_id, "released", as_json)
+
+
+MAX_STOP_REASON = 500
+
+
+@runs_app.command("stop")
+def runs_stop(run_id: str, db: DbOpt,
+              reason: Annotated[str, typer.Option(
+                  help="why; kept in the run's state reason and logs (no secrets)")],
+              as_json: JsonOpt = False) -> None:
+    """Stop any account's run, queued or running: it goes to ``cancelling`` with code
+    ``operator_stopped``, and the server's supervisor tears its driver and fleet down
+    (ending ``cancelled``). Audited."""
+    why = " ".join(reason.split())  # one line: it lands in logs a tenant reads
+    if not why or len(why) > MAX_STOP_REASON or not why.isprintable() or looks_secret(why):
+        _fail(as_json, ErrorCode.bad_request,
+              f"--reason must be 1-{MAX_STOP_REASON} printable characters, no secrets")
+    store = _store(db)
+    try:
+        run = store.get_run(run_id)
+        # The transition table refuses a run that is already stopping or has ended.
+        store.transition(run_id, RunState.cancelling, f"{ErrorCode.operator_stopped}: {why}")
+    except ItoError as e:
+        _fail(as_json, e.code, e.message)
+    _audit(db, "runs.stop", account_id=run["account_id"], booking_id=run["booking_id"],
+           run_id=run_id, code=str(ErrorCode.operator_stopped))
+    _emit(as_json, {"run_id": run_id, "state": str(RunState.cancelling),
+                    "state_reason": f"{ErrorCode.operator_stopped}: {why}"},
+          f"run {run_id} is stopping")
 
 
 def main() -> None:

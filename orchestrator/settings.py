@@ -32,7 +32,14 @@ class Settings(BaseModel):
     max_body_bytes: int = Field(default=2 << 20, gt=0)
     # Model FLOPs utilisation assumed by the cost estimate until the planner lands.
     assumed_mfu: float = Field(default=0.4, gt=0, le=1)
+    # The same for RLVR rollout generation, which decodes token by token and is bound
+    # by memory bandwidth, not FLOPs: priced at a far lower utilisation.
+    assumed_rollout_mfu: float = Field(default=0.1, gt=0, le=1)
     logs_page_max: int = Field(default=1000, gt=0)
+    # Runs an account may have active (queued, starting, running, awaiting approval or
+    # cancelling) at once; one more is refused with too_many_active_runs. Each active
+    # run holds the booking's nodes or waits for them.
+    max_active_runs_per_account: int = Field(default=64, ge=1, le=100_000)
     # Worker threads for the sync route handlers (see orchestrator/api/app.py).
     request_threads: int = Field(default=4, ge=1, le=64)
     # Refuse at submit what the parallelism planner refuses, price from its step time

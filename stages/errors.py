@@ -146,6 +146,24 @@ class ErrorCode(StrEnum):
         409,
         "The booking was released (by the tenant's confirmed release, or upstream).",
     )
+    booking_term_ended = (
+        "booking_term_ended",
+        409,
+        "Runtime: the run's booking term ended while the run was queued or running; the "
+        "supervisor stopped it.",
+    )
+    operator_stopped = (
+        "operator_stopped",
+        409,
+        "Runtime: an operator stopped the run (`ito-backend runs stop ID --reason ...`, "
+        "audited).",
+    )
+    too_many_active_runs = (
+        "too_many_active_runs",
+        409,
+        "The account already has the operator's maximum of active runs "
+        "(`serve --max-active-runs-per-account`); the confirmation is not spent.",
+    )
     booking_incomplete = (
         "booking_incomplete",
         422,

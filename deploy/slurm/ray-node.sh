@@ -10,7 +10,13 @@
 # so a head and a worker on one host (the batch host) do not collide either.
 # Usage: ray-node.sh worker|head
 set -euo pipefail
+# shellcheck source=env-check.sh
+. "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/env-check.sh"
+ito_check_env  # before any use: every variable below has passed its pattern
+# Ray's workers inherit this: run scratch and checkpoints are the backend user's alone.
+umask 077
 role="${1:-worker}"
+case "$role" in head | worker) ;; *) echo "usage: ray-node.sh worker|head" >&2; exit 64 ;; esac
 ray="${ITO_RAY_BIN:-ray}"
 base="${ITO_PORT_BASE:?}"
 workers="--min-worker-port=$((base + 20)) --max-worker-port=$((base + 99))"

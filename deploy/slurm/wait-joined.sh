@@ -2,7 +2,15 @@
 # Wait (bounded: ITO_JOIN_TIMEOUT_S, default 300) until N live nodes carry the Ray
 # resource MARK in the cluster at ADDRESS. Usage: wait-joined.sh ADDRESS MARK N
 set -euo pipefail
-address="$1" mark="$2" want="$3"
+# shellcheck source=env-check.sh
+. "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/env-check.sh"
+ito_check_env
+address="${1:?usage: wait-joined.sh ADDRESS MARK N}" mark="${2:?}" want="${3:?}"
+# The arguments are checked like the environment: they reach Python and arithmetic.
+ITO_ARG_ADDRESS="$address" ITO_ARG_MARK="$mark" ITO_ARG_WANT="$want"
+ito_valid ITO_ARG_ADDRESS '^([A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:]{2,39}\]):[0-9]{1,5}$'
+ito_valid ITO_ARG_MARK '^[A-Za-z0-9_.:-]{1,136}$'
+ito_valid ITO_ARG_WANT '^[1-9][0-9]{0,5}$'
 python="${ITO_PYTHON:-python3}"
 deadline=$(( $(date +%s) + ${ITO_JOIN_TIMEOUT_S:-300} ))
 while :; do

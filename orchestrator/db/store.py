@@ -23,7 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from orchestrator.db.schema import MIGRATIONS, SCHEMA_VERSION
 from orchestrator.redact import safe_id
-from orchestrator.runs import RunState, check_transition
+from orchestrator.runs import ACTIVE, RunState, check_transition
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event
 
@@ -262,6 +262,13 @@ class Store:
             ":account_id, :booking_id, :manifest_id, :manifest_digest, :manifest_json, "
             ":idempotency_key, :request_sha256, :state, :state_reason, :cost_estimate_usd, "
             ":plan, :data_prep, :created_at, :updated_at)", run)
+
+    @staticmethod
+    def count_active_runs(c: sqlite3.Connection, account_id: str) -> int:
+        marks = ",".join("?" * len(ACTIVE))
+        row = c.execute(f"SELECT COUNT(*) AS n FROM runs WHERE account_id = ? AND state IN "
+                        f"({marks})", (account_id, *map(str, ACTIVE))).fetchone()
+        return int(row["n"])
 
     def get_run(self, run_id: str, account_id: str | None = None) -> Row:
         """The run; with ``account_id``, another tenant's run is ``run_not_found`` too."""

@@ -33,16 +33,6 @@ class PlanResult:
             raise ItoError(ErrorCode(self.refusal["code"]), self.refusal["message"])
 
 
-def total_steps(m: Manifest) -> int:
-    """Optimizer steps of the run: pretraining plus every post-training stage."""
-    steps = m.training.steps
-    for stage in ("sft", "dpo", "rlvr"):
-        cfg = getattr(m.post_training, stage)
-        if cfg is not None:
-            steps += cfg.steps
-    return steps
-
-
 def plan_manifest(m: Manifest, booking: dict[str, Any],
                   time_budget_s: float | None = None) -> PlanResult:
     """Plan ``m`` on the booking's topology within ``time_budget_s``; a refusal is

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from orchestrator.gates.costing import (
     CostEstimate,
+    PostTrainingWork,
     estimate_cost,
     gpu_bf16_flops,
     gpu_memory_bytes,
@@ -24,7 +25,6 @@ from orchestrator.gates.costing import (
 )
 from orchestrator.gates.curriculum import curriculum_plan, curriculum_report
 from orchestrator.gates.manifest import Manifest
-from orchestrator.gates.planning import total_steps
 from orchestrator.gates.roots import (
     Roots,
     allowed_roots,
@@ -42,14 +42,43 @@ PRESET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def training_tokens(m: Manifest) -> int:
-    """Pretraining tokens plus a rough count for post-training steps."""
+    """Pretraining tokens (post-training is priced by ``post_training_work``)."""
     t = m.training
-    tokens = t.target_tokens if t.target_tokens is not None else t.steps * t.global_batch_tokens
-    for stage in ("sft", "dpo", "rlvr"):
-        cfg = getattr(m.post_training, stage)
-        if cfg is not None:
-            tokens += cfg.steps * t.global_batch_tokens
-    return tokens
+    return t.target_tokens if t.target_tokens is not None else t.steps * t.global_batch_tokens
+
+
+# FLOPs per token per active parameter: a forward pass is 2, forward + backward 6.
+FORWARD, TRAIN = 2.0, 6.0
+
+
+def post_training_work(m: Manifest, active_params: int) -> PostTrainingWork:
+    """Upper bounds of the post-training chain's FLOPs, from the recipe's own sizes."""
+    p, n = m.post_training, float(active_params)
+    learner = rollout = 0.0
+    workers = 1
+    if p.sft is not None:
+        learner += TRAIN * n * p.sft.steps * p.sft.batch_size * p.sft.max_length
+    if p.dpo is not None:
+        # Policy forward + backward and the frozen reference's forward, on the chosen
+        # and the rejected sequence of every pair.
+        pair_tokens = 2 * p.dpo.steps * p.dpo.batch_size * p.dpo.max_length
+        learner += (TRAIN + FORWARD) * n * pair_tokens
+    if p.rlvr is not None:
+        r = p.rlvr
+        trained = r.steps * r.groups_per_step * r.group_size * r.max_completion_tokens
+        # Dynamic sampling may drop (and so regenerate) up to this many groups a step.
+        dropped = r.max_dropped_groups_per_step if r.dynamic_sampling else 0
+        generated = r.steps * (r.groups_per_step + dropped) * r.group_size \
+            * r.max_completion_tokens
+        rollout += FORWARD * n * generated
+        # The learner's update, the proximal policy's log-probs (decoupled correction)
+        # and the reference's when a KL term is on.
+        per_token = TRAIN + (FORWARD if r.is_correction == "decoupled" else 0.0) \
+            + (FORWARD if r.beta > 0 else 0.0)
+        learner += per_token * n * trained
+        workers = r.rollout_workers
+    return PostTrainingWork(learner_flops=learner, rollout_flops=rollout,
+                            rollout_gpus=workers)
 
 
 def check_capacity(m: Manifest, booking: dict[str, Any], profile: dict[str, Any]) -> dict:
@@ -132,7 +161,9 @@ def estimate_run_cost(settings: Settings, m: Manifest, booking: dict[str, Any],
         usd_per_gpu_hour=price_per_gpu_hour(settings.configs_dir, booking["gpu_sku"]),
         tokens=training_tokens(m), active_params=preset.active_params, peak_flops=peak,
         mfu=settings.assumed_mfu, remaining_term_h=remaining_term_h, step_time_s=step_time_s,
-        steps=total_steps(m) if step_time_s is not None else None)
+        steps=m.training.steps if step_time_s is not None else None,
+        post_training=post_training_work(m, preset.active_params),
+        rollout_mfu=settings.assumed_rollout_mfu)
 
 
 def _check_budget(m: Manifest, cost: CostEstimate) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from orchestrator.runtime import launch
 from orchestrator.runtime.launch import LaunchSpec
+from orchestrator.runtime.ray_cluster import PRIVATE_UMASK
 from stages.base import GateOutcome, Stage, StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.event_buffer import EventBuffer
@@ -70,7 +71,9 @@ class RunDriverImpl:
         self.error_code: str | None = None
         self.reason = ""
         workdir = Path(self.spec.workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
+        # Run scratch holds cleaned tenant data: private to the backend's user.
+        workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        workdir.chmod(0o700)
         self.ctx = StageContext(run_id=self.spec.run_id, booking_id=self.spec.booking_id,
                                 workdir=workdir, emit=self._emit, facts=dict(self.spec.facts))
         self._gauges = _RayGauges(self.spec.run_id, self.spec.booking_id) if use_ray_metrics \
@@ -187,4 +190,11 @@ def driver_actor_class() -> Any:
     """The Ray actor class, made on demand so importing this module needs no Ray."""
     import ray
 
-    return ray.remote(RunDriverImpl)
+    class PrivateRunDriver(RunDriverImpl):
+        def __init__(self, spec: dict[str, Any]):
+            # The driver's process is its own: what it writes is private to the
+            # backend's user even on a cluster whose raylets run with a wider umask.
+            os.umask(PRIVATE_UMASK)
+            super().__init__(spec)
+
+    return ray.remote(PrivateRunDriver)

@@ -62,29 +62,60 @@ def _env() -> dict[str, str]:
     return env
 
 
-def ensure_auth_token() -> None:
-    """Create ~/.ray/auth_token if missing (token auth is never turned off)."""
+# Every process the backend starts for Ray (the head, hence every raylet worker: the
+# drivers, trainers and data prep tasks that write run scratch) creates files private
+# to the backend's user.
+PRIVATE_UMASK = 0o077
+
+
+def auth_token_path() -> Path:
+    """Where Ray reads its cluster token (``ray get-auth-token`` prints it)."""
+    return Path.home() / ".ray" / "auth_token"
+
+
+def ensure_auth_token() -> Path:
+    """Create ~/.ray/auth_token if missing (token auth is never turned off) and keep
+    it 0600 in a 0700 folder: Ray writes it with the caller's umask (0644 by default),
+    and whoever reads it may run code on every node of the cluster."""
+    path = auth_token_path()
+    _private_dir(path.parent, parents=True)
     subprocess.run([_ray_bin(), "get-auth-token", "--generate"], env=_env(), check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
+                   umask=PRIVATE_UMASK)
+    st = path.lstat()
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise ItoError(ErrorCode.ray_unavailable, "the Ray token file is not ours")
+    os.chmod(path, 0o600)
+    return path
 
 
 def head_pid_file(var_dir: Path) -> Path:
     return var_dir / "ray-head.pid"
 
 
-def ray_temp_dir(var_dir: Path) -> Path:
-    """The embedded head's own temp root, mode 0700 (Ray makes its session folders
-    0777; under a 0700 root nobody else reaches them). Short, because Ray's unix
-    sockets live below it (a socket path must fit in 107 bytes)."""
+def ray_private_root(var_dir: Path) -> Path:
+    """The 0700 folder the embedded head's temp dir lives in. Ray opens the temp dir
+    it is given (and its session folders) to 0777 whenever it creates them; this
+    parent is never handed to Ray, so it stays 0700 and nobody else reaches anything
+    below it, at any moment. Short, because Ray's unix sockets live below it (a
+    socket path must fit in 107 bytes)."""
     tag = hashlib.sha256(str(var_dir.resolve()).encode()).hexdigest()[:12]
     return Path(tempfile.gettempdir()) / f"ito-ray-{os.geteuid()}-{tag}"
 
 
-def _private_dir(path: Path) -> Path:
+def ray_temp_dir(var_dir: Path) -> Path:
+    """The embedded head's ``--temp-dir`` (sessions, logs, sockets)."""
+    return ray_private_root(var_dir) / "r"
+
+
+def _private_dir(path: Path, *, parents: bool = False) -> Path:
+    if parents:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     path.mkdir(mode=0o700, exist_ok=True)
     st = path.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise ItoError(ErrorCode.ray_unavailable, "the Ray temp folder is not ours")
+        raise ItoError(ErrorCode.ray_unavailable, f"{path.name}: a private folder of the "
+                       "backend is not a folder it owns")
     os.chmod(path, 0o700)
     return path
 
@@ -104,7 +135,8 @@ def start_local_head(var_dir: Path, settings: RaySettings) -> str:
     pid_file = head_pid_file(var_dir)
     if pid_file.exists() and _alive(int(pid_file.read_text() or 0)):
         return address
-    var_dir.mkdir(parents=True, exist_ok=True)
+    private_var_dir(var_dir)
+    _private_dir(ray_private_root(var_dir))
     temp = _private_dir(ray_temp_dir(var_dir))
     # Loopback only: the node's address, the dashboard and Ray Client (which would
     # otherwise listen on all interfaces) are bound to 127.0.0.1.
@@ -119,7 +151,8 @@ def start_local_head(var_dir: Path, settings: RaySettings) -> str:
         cmd.append(f"--resources={json.dumps(settings.node_resources, sort_keys=True)}")
     log = open(var_dir / "ray-head.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            umask=PRIVATE_UMASK)
     pid_file.write_text(str(proc.pid))
     deadline = time.monotonic() + settings.head_start_timeout_s
     while time.monotonic() < deadline:
@@ -131,6 +164,14 @@ def start_local_head(var_dir: Path, settings: RaySettings) -> str:
             return address
         time.sleep(0.25)
     raise ItoError(ErrorCode.ray_unavailable, "ray head did not start in time")
+
+
+def private_var_dir(var_dir: Path) -> Path:
+    """The backend's scratch root (run scratch holds cleaned tenant data, the launch
+    key lives here): 0700 and ours, with ``runs/`` below it 0700 too."""
+    _private_dir(var_dir, parents=True)
+    _private_dir(var_dir / "runs")
+    return var_dir
 
 
 def stop_local_head(var_dir: Path, timeout_s: float = 30.0) -> bool:

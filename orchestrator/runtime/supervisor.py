@@ -27,12 +27,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from orchestrator.db.store import Row, Store
 from orchestrator.runs import ACTIVE, TERMINAL, RunState
-from orchestrator.runtime import launch, placement, ray_cluster
+from orchestrator.runtime import authority, launch, placement, ray_cluster
 from orchestrator.runtime.interface import Decision, remove_tree, run_dir
 from orchestrator.runtime.launch import LaunchSpec
 from orchestrator.runtime.placement import PlacementSettings
 from orchestrator.runtime.ray_cluster import RAY_NAMESPACE, RaySettings
-from stages.errors import ErrorCode
+from stages.errors import ErrorCode, ItoError
 from stages.events import InterruptionEvent, LogEvent
 from stages.placement import PLACEMENT_FACT, PlacementFact, actor_options
 
@@ -53,6 +53,10 @@ class SupervisorSettings(BaseModel):
     # After cancel, the driver gets this long to stop its stages cleanly; then
     # every actor of the run is killed. Well inside the 30 s promise.
     cancel_grace_s: float = Field(default=10.0, gt=0)
+    # How often every active run's booking, account and term are re-checked; a run
+    # whose authority lapsed is stopped then, so this plus cancel_grace_s bounds how
+    # long work outlives its booking (well inside 30 s).
+    authority_check_interval_s: float = Field(default=2.0, gt=0, le=30)
     max_driver_attempts: int = Field(default=2, ge=1)
     # Operator-level TrainStageConfig overrides passed to every run (test pacing,
     # fault-tolerance timeouts), e.g. ITO_TRAIN_OVERRIDES='{"pace_step_s": 0.2}'.
@@ -102,10 +106,12 @@ class RayRuntime:
         # Runs whose driver must be (re)launched once their placement group exists.
         self._relaunch: dict[str, int] = {}
         self._waiter = placement.Waiter(self.settings.placement)
+        self._authority_checked_at = float("-inf")
         self.embedded = ray.address is None
 
     # -- RunRuntime -----------------------------------------------------------------------
     def start(self) -> None:
+        ray_cluster.private_var_dir(self.var_dir)
         os.environ.setdefault(launch.LAUNCH_KEY_ENV, str(self.var_dir / "launch.key"))
         launch.ensure_launch_key()
         settings = self.ray_settings
@@ -159,7 +165,10 @@ class RayRuntime:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                for run in self.store.runs_in_states(ACTIVE):
+                runs = self.store.runs_in_states(ACTIVE)
+                if self.enforce_authority(runs):
+                    runs = self.store.runs_in_states(ACTIVE)
+                for run in runs:
                     if self._stop.is_set():
                         break
                     self._tick(run)
@@ -167,6 +176,31 @@ class RayRuntime:
                 log.exception("supervisor tick failed")
             self._wake.wait(self.settings.poll_interval_s)
             self._wake.clear()
+
+    def enforce_authority(self, runs: list[Row]) -> bool:
+        """Stop every active run whose booking, account or term lapsed (checked at most
+        every ``authority_check_interval_s``): it goes to ``cancelling`` with the lapse's
+        code, and the cancel path tears its driver and fleet down. Returns whether any
+        run was stopped."""
+        now = time.monotonic()
+        if now - self._authority_checked_at < self.settings.authority_check_interval_s:
+            return False
+        self._authority_checked_at = now
+        stopped = False
+        for run in runs:
+            if run["state"] == RunState.cancelling:
+                continue
+            lapse = authority.lapsed(self.store, run)
+            if lapse is None:
+                continue
+            try:
+                self.store.transition(run["run_id"], RunState.cancelling, lapse.state_reason())
+            except ItoError:  # it moved on meanwhile (finished, or cancelled by its tenant)
+                continue
+            log.warning("stopping run %s: %s", run["run_id"], lapse.code)
+            self.cancel(run["run_id"])
+            stopped = True
+        return stopped
 
     def _tick(self, run: Row) -> None:
         run_id, state = run["run_id"], RunState(run["state"])
@@ -243,9 +277,13 @@ class RayRuntime:
             self.store.transition(run_id, RunState.running, "proposal decided")
 
     def _finish(self, run_id: str, target: RunState, reason: str) -> None:
-        current = RunState(self.store.get_run(run_id)["state"])
+        row = self.store.get_run(run_id)
+        current = RunState(row["state"])
         if current in TERMINAL:
             return
+        if current == RunState.cancelling and authority.stop_code(row["state_reason"]):
+            # A stop that came with a code (a lapsed booking, an operator) keeps it.
+            reason = f"{row['state_reason']}; {reason}"
         if current == RunState.awaiting_approval and target == RunState.succeeded:
             self.store.transition(run_id, RunState.running, "proposal decided")
         self.store.transition(run_id, target, reason)

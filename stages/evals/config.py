@@ -23,6 +23,9 @@ from stages.base import StrictModel
 from stages.errors import ErrorCode, ItoError
 from stages.presets import configs_dir
 
+# Scores and losses are small numbers; a bound keeps a gate finite and comparable.
+THRESHOLD_BOUND = 1e12
+
 
 class BatteryCheck(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -100,10 +103,10 @@ class GateThreshold(StrictModel):
     """A bound on one check of the phase's battery (``metric`` names the check)."""
 
     metric: str = Field(min_length=1, max_length=64)
-    max: float | None = None
-    min: float | None = None
+    max: float | None = Field(default=None, ge=-THRESHOLD_BOUND, le=THRESHOLD_BOUND)
+    min: float | None = Field(default=None, ge=-THRESHOLD_BOUND, le=THRESHOLD_BOUND)
     max_regression: float | None = Field(
-        default=None, ge=0,
+        default=None, ge=0, le=THRESHOLD_BOUND,
         description="allowed worsening vs the previous phase's result of this check")
 
     @model_validator(mode="after")

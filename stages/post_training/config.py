@@ -23,7 +23,7 @@ class StepGate(StrictModel):
     """A step passes when ``metric`` (from its eval battery) is ``>= min``."""
 
     metric: str = Field(min_length=1, max_length=64)
-    min: float = Field(allow_inf_nan=False)
+    min: float = Field(ge=-1e12, le=1e12, allow_inf_nan=False)
 
 
 class StepBattery(StrictModel):
@@ -72,31 +72,32 @@ class RLVRConfig(StrictModel):
     group_size: int = Field(default=8, ge=2, le=1024)
     groups_per_step: int = Field(default=4, ge=1, le=4096)
     learning_rate: float = Field(default=1e-6, gt=0, le=10, allow_inf_nan=False)
-    temperature: float = Field(default=1.0, gt=0)
+    temperature: float = Field(default=1.0, gt=0, le=10)
     epsilon: float = Field(default=0.2, gt=0, lt=1, description="clip-low")
-    epsilon_high: float = Field(default=0.28, gt=0, description="clip-higher")
-    beta: float = Field(default=0.0, ge=0, description="KL to the reference; 0 = no KL term")
+    epsilon_high: float = Field(default=0.28, gt=0, le=10, description="clip-higher")
+    beta: float = Field(default=0.0, ge=0, le=1e3,
+                        description="KL to the reference; 0 = no KL term")
     scale_rewards: bool = Field(default=True, description="divide advantages by the group std")
     dynamic_sampling: bool = True
     # Dynamic sampling bound: uniform-reward groups dropped per step before the step
     # trains on what it has (the extra uniform groups then carry zero advantage).
-    max_dropped_groups_per_step: int = Field(default=16, ge=0)
+    max_dropped_groups_per_step: int = Field(default=16, ge=0, le=4096)
     max_completion_tokens: int = Field(default=256, gt=0, le=1 << 20)
-    overlong_buffer_tokens: int = Field(default=64, ge=0)
-    overlong_penalty_factor: float = Field(default=1.0, ge=0)
+    overlong_buffer_tokens: int = Field(default=64, ge=0, le=1 << 20)
+    overlong_penalty_factor: float = Field(default=1.0, ge=0, le=1e3)
     mask_truncated_completions: bool = False
     # Stale-sample correction: decoupled PPO (ratio to the trainer's proximal policy,
     # behaviour weight prox/behav truncated at ``is_truncation``).
     is_correction: Literal["decoupled", "none"] = "decoupled"
-    is_truncation: float = Field(default=2.0, gt=0)
+    is_truncation: float = Field(default=2.0, gt=0, le=1e3)
     rollout_workers: int = Field(default=1, ge=1, le=1024)
     max_staleness: int = Field(default=1, ge=0, le=1024,
                                description="policy versions a rollout may lag")
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
     # Named timeouts of the fleet.
-    worker_ready_timeout_s: float = Field(default=120.0, gt=0)
-    worker_restart_timeout_s: float = Field(default=120.0, gt=0)
-    rollout_timeout_s: float = Field(default=300.0, gt=0)
+    worker_ready_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    worker_restart_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    rollout_timeout_s: float = Field(default=300.0, gt=0, le=86_400)
     gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="reward_gain",
                                                                   min=0.0))
     eval: StepBattery = Field(default_factory=StepBattery)

@@ -72,10 +72,12 @@ class LossSpikeConfig(StrictModel):
     """Rolling robust z-score (median / MAD) on the loss."""
 
     enabled: bool = True
-    window: int = Field(default=50, ge=5)
-    z_threshold: float = Field(default=6.0, gt=0)
-    min_steps: int = Field(default=20, ge=1, description="steps before detection starts")
-    skip_window_steps: int = Field(default=10, ge=1, description="data window to skip on restart")
+    window: int = Field(default=50, ge=5, le=100_000)
+    z_threshold: float = Field(default=6.0, gt=0, le=1000)
+    min_steps: int = Field(default=20, ge=1, le=100_000_000,
+                           description="steps before detection starts")
+    skip_window_steps: int = Field(default=10, ge=1, le=1_000_000,
+                                   description="data window to skip on restart")
 
 
 class FaultToleranceConfig(StrictModel):

@@ -8,6 +8,7 @@ import pytest
 from helpers.manifests import example_manifest
 
 from orchestrator.gates.costing import (
+    PostTrainingWork,
     estimate_cost,
     estimate_hours,
     gpu_profile,
@@ -46,13 +47,18 @@ def test_profiles_and_prices_from_configs() -> None:
         assert e.value.code == ErrorCode.gpu_sku_unknown
 
 
-def test_training_tokens_counts_post_training() -> None:
+def test_training_tokens_are_pretraining_and_post_training_is_priced_apart() -> None:
     m = example_manifest()
     base = training_tokens(Manifest.model_validate(m))
     assert base == 50 * 512
     ref = m["data"]["refs"][0]
     m["post_training"] = {"sft": {"data": ref, "steps": 10}}
-    assert training_tokens(Manifest.model_validate(m)) == base + 10 * 512
+    assert training_tokens(Manifest.model_validate(m)) == base
+    est = estimate_cost(gpus=8, usd_per_gpu_hour=3.0, tokens=10**9, active_params=10**9,
+                        peak_flops=1e15, mfu=0.5, remaining_term_h=10,
+                        post_training=PostTrainingWork(learner_flops=4e15 * 3600))
+    assert est.post_training_hours == pytest.approx(1.0)
+    assert est.hours == pytest.approx(1500 / 3600 + 1.0)
 
 
 def test_checkpoint_storage_roots(tmp_path: Path) -> None:

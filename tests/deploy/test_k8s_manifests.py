@@ -165,3 +165,136 @@ def test_secret_scan_finds_a_planted_secret(tmp_path: Path) -> None:
     (tmp_path / "ok.sh").write_text('export RAY_TOKEN="$(ray get-auth-token)"\n')
     found = _inline_secrets(tmp_path)
     assert len(found) == 3, found
+
+
+# --- hardening: token from a Secret, locked-down containers, network, mounts -----------
+SHARED_SECRETS = {"ito-launch-key", "ito-ray-token"}
+
+
+def _pods(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every pod spec of the render, by where it sits."""
+    pods: dict[str, dict[str, Any]] = {}
+    for d in docs:
+        name = f"{d['kind']}/{d['metadata']['name']}"
+        if d["kind"] == "StatefulSet":
+            pods[name] = d["spec"]["template"]["spec"]
+        elif d["kind"] == "RayCluster":
+            pods[f"{name}/head"] = d["spec"]["headGroupSpec"]["template"]["spec"]
+            for g in d["spec"]["workerGroupSpecs"]:
+                pods[f"{name}/{g['groupName']}"] = g["template"]["spec"]
+        elif d["kind"] == "RayJob":
+            pods[f"{name}/submitter"] = d["spec"]["submitterPodTemplate"]["spec"]
+    return pods
+
+
+def hardening_faults(docs: list[dict[str, Any]]) -> list[str]:
+    faults: list[str] = []
+    cluster = next(d for d in docs if d["kind"] == "RayCluster")
+    auth = cluster["spec"].get("authOptions") or {}
+    if auth.get("mode") != "token" or auth.get("secretName") not in SHARED_SECRETS:
+        faults.append("RayCluster: token auth is not from a Secret (authOptions)")
+    for where, pod in _pods(docs).items():
+        if pod.get("automountServiceAccountToken") is not False:
+            faults.append(f"{where}: mounts a service account token")
+        psc = pod.get("securityContext") or {}
+        if (psc.get("seccompProfile") or {}).get("type") != "RuntimeDefault":
+            faults.append(f"{where}: no RuntimeDefault seccomp profile")
+        for c in pod["containers"]:
+            sc = c.get("securityContext") or {}
+            at = f"{where}/{c['name']}"
+            if not sc.get("runAsNonRoot", psc.get("runAsNonRoot")):
+                faults.append(f"{at}: may run as root")
+            if sc.get("allowPrivilegeEscalation") is not False:
+                faults.append(f"{at}: privilege escalation allowed")
+            if (sc.get("capabilities") or {}).get("drop") != ["ALL"]:
+                faults.append(f"{at}: capabilities not all dropped")
+            if not isinstance(sc.get("readOnlyRootFilesystem"), bool):
+                faults.append(f"{at}: readOnlyRootFilesystem not decided")
+            elif "/bk-" not in where and not sc["readOnlyRootFilesystem"]:
+                faults.append(f"{at}: writable root (only GPU workers need one)")
+            for env in c.get("env", []):
+                if env["name"].startswith("RAY_AUTH_TOKEN") and "value" in env:
+                    faults.append(f"{at}: the Ray token is inline")
+        if "/bk-" in where:  # a booking's nodes: its own volumes and the shared keys only
+            booking = where.rsplit("/", 1)[1]
+            for v in pod.get("volumes", []):
+                secret = (v.get("secret") or {}).get("secretName")
+                claim = (v.get("persistentVolumeClaim") or {}).get("claimName", "")
+                ok = (secret in SHARED_SECRETS or "emptyDir" in v
+                      or claim.startswith(f"ito-{booking}-"))
+                if not ok:
+                    faults.append(f"{where}: volume {v['name']} is not the booking's own")
+    api = next(d for d in docs if d["kind"] == "StatefulSet")
+    env = {e["name"]: e for e in api["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+    ref = ((env.get("RAY_AUTH_TOKEN") or {}).get("valueFrom") or {}).get("secretKeyRef") or {}
+    if ref.get("name") != auth.get("secretName"):
+        faults.append("StatefulSet/ito-api: the Ray token is not the cluster's Secret")
+    faults += _network_faults(docs, cluster)
+    return faults
+
+
+def _network_faults(docs: list[dict[str, Any]], cluster: dict[str, Any]) -> list[str]:
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    head = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].get(
+        "ray.io/node-type") == "head"]
+    if not head:
+        return ["no NetworkPolicy selects the Ray head"]
+    faults = []
+    for rule in head[0]["spec"].get("ingress", []):
+        ports = {p["port"] for p in rule.get("ports", [])}
+        peers = [p.get("podSelector", {}).get("matchLabels", {}) for p in rule.get("from", [])]
+        if not rule.get("from") or not ports:
+            faults.append("a head ingress rule allows any peer or any port")
+        if 8265 in ports and peers != [{"app.kubernetes.io/name": "ito-api"}]:
+            faults.append("the dashboard answers more than the API server")
+        if 6379 in ports and not all(peers):
+            faults.append("the GCS answers any pod")
+    params = cluster["spec"]["headGroupSpec"]["rayStartParams"]
+    if not {"node-manager-port", "object-manager-port", "min-worker-port"} <= set(params):
+        faults.append("the head's ports are not fixed, so the policy cannot name them")
+    return faults
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_deploy_is_hardened(overlay: Path) -> None:
+    assert hardening_faults(_render(overlay)) == []
+
+
+def test_hardening_check_catches_each_weakening() -> None:
+    docs = _render(OVERLAYS[0])
+
+    def weakened(edit: Any) -> list[str]:
+        copy_ = copy.deepcopy(docs)
+        edit(copy_)
+        return hardening_faults(copy_)
+
+    def kind(ds: list[dict[str, Any]], k: str) -> dict[str, Any]:
+        return next(d for d in ds if d["kind"] == k)
+
+    def head(ds: list[dict[str, Any]]) -> dict[str, Any]:
+        spec: dict[str, Any] = kind(ds, "RayCluster")["spec"]["headGroupSpec"]
+        return spec["template"]["spec"]
+
+    def worker(ds: list[dict[str, Any]]) -> dict[str, Any]:
+        spec: dict[str, Any] = kind(ds, "RayCluster")["spec"]["workerGroupSpecs"][0]
+        return spec["template"]["spec"]
+
+    assert weakened(lambda ds: kind(ds, "RayCluster")["spec"].pop("authOptions"))
+    assert weakened(lambda ds: head(ds)["containers"][0]["securityContext"].update(
+        allowPrivilegeEscalation=True))
+    assert weakened(lambda ds: head(ds)["containers"][0]["securityContext"].update(
+        readOnlyRootFilesystem=False))
+    assert weakened(lambda ds: worker(ds)["containers"][0]["securityContext"].pop(
+        "capabilities"))
+    assert weakened(lambda ds: worker(ds)["volumes"].append(
+        {"name": "other", "persistentVolumeClaim": {"claimName": "ito-bk-other-data"}}))
+    assert weakened(lambda ds: worker(ds)["volumes"].append(
+        {"name": "host", "hostPath": {"path": "/"}}))
+    assert weakened(lambda ds: kind(ds, "StatefulSet")["spec"]["template"]["spec"][
+        "containers"][0]["env"].append({"name": "RAY_AUTH_TOKEN_X", "value": "x"}))
+    def head_policy(ds: list[dict[str, Any]]) -> dict[str, Any]:
+        return next(d for d in ds if d["metadata"]["name"] == "ito-ray-head")
+
+    assert weakened(lambda ds: head_policy(ds)["spec"]["ingress"][0]["from"].append(
+        {"podSelector": {}}))
+    assert weakened(lambda ds: ds.remove(head_policy(ds)))

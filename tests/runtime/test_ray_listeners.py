@@ -79,7 +79,11 @@ def test_temp_root_is_private(head: dict[str, object]) -> None:
     st = root.stat()
     assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
     assert any(p.name.startswith("session_") for p in root.iterdir())
-    assert (Path.home() / ".ray" / "auth_token").exists()  # token auth stays on
+    # Its parent, which Ray never touches, is what keeps everyone else out.
+    parent = ray_cluster.ray_private_root(var_dir)
+    assert root.parent == parent and stat.S_IMODE(parent.stat().st_mode) == 0o700
+    token = ray_cluster.auth_token_path()  # token auth stays on, its file private
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
 
 
 @pytest.mark.xfail(strict=True, reason="Ray 2.60's GCS, raylet, core-worker and dashboard "

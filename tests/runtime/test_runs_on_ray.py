@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 import uuid
@@ -25,10 +26,12 @@ import pytest
 from helpers.backend import Backend, free_port
 from helpers.flows import confirm_ref, submit
 from helpers.ray_backend import corpora, ray_backend
-from helpers.tenants import Tenant
+from helpers.tenants import Tenant, admin, cpu_booking_doc, make_tenant
 from helpers.tools import require
 from helpers.waiting import wait_until
 
+from orchestrator.db.store import Store
+from orchestrator.gates.bookings import BookingFile, add_booking, parse_iso
 from orchestrator.runtime import ray_cluster
 
 # Above pytest's 300 s default: a run may take RUN_TIMEOUT_S once the server is up.
@@ -79,22 +82,24 @@ def _manifest(rt: dict[str, Any], *, steps: int, name: str,
     }
 
 
-def _submit(rt: dict[str, Any], *, steps: int, **sections: Any) -> str:
+def _submit(rt: dict[str, Any], *, steps: int, tenant: Tenant | None = None,
+            booking_id: str | None = None, **sections: Any) -> str:
     be: Backend = rt["backend"]
-    t: Tenant = rt["tenant"]
+    t: Tenant = tenant or rt["tenant"]
+    booking = booking_id or t.booking_id
     m = _manifest(rt, steps=steps, name=f"run-{uuid.uuid4().hex[:6]}", **sections)
     with be.client() as c:
-        ref = confirm_ref(c, t.approver, "train", t.booking_id, manifest=m)
-        r = submit(c, t.submitter, t.booking_id, m, ref)
+        ref = confirm_ref(c, t.approver, "train", booking, manifest=m)
+        r = submit(c, t.submitter, booking, m, ref)
     body = r.json()
     assert body["ok"], body
     run_id: str = body["data"]["run_id"]
     return run_id
 
 
-def _get(rt: dict[str, Any], path: str) -> dict[str, Any]:
+def _get(rt: dict[str, Any], path: str, tenant: Tenant | None = None) -> dict[str, Any]:
     be: Backend = rt["backend"]
-    with be.client(rt["tenant"].submitter) as c:
+    with be.client((tenant or rt["tenant"]).submitter) as c:
         body: dict[str, Any] = c.get(path).json()
     assert body["ok"], body
     data: dict[str, Any] = body["data"]
@@ -102,12 +107,12 @@ def _get(rt: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def _wait(rt: dict[str, Any], run_id: str, pred: Any, what: str,
-          timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:
+          timeout_s: float = RUN_TIMEOUT_S, tenant: Tenant | None = None) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     run: dict[str, Any] = {}
     while time.monotonic() < deadline:
         try:
-            run = _get(rt, f"/v1/runs/{run_id}")
+            run = _get(rt, f"/v1/runs/{run_id}", tenant)
         except httpx.HTTPError:
             time.sleep(0.5)
             continue
@@ -116,14 +121,14 @@ def _wait(rt: dict[str, Any], run_id: str, pred: Any, what: str,
         if run["state"] in ("failed", "cancelled", "succeeded", "cleaned") and not pred(run):
             break
         time.sleep(0.5)
-    logs = _get(rt, f"/v1/runs/{run_id}/logs?limit=1000")["entries"]
+    logs = Store(rt["backend"].db).list_logs(run_id, 0, 1000)
     tail = "\n".join(f"{e['stage']}: {e['message']}" for e in logs[-40:])
     raise AssertionError(f"run {run_id} never reached {what}; last {run}\n{tail}\n"
                          f"{rt['backend'].log_text()[-3000:]}")
 
 
-def _last_step(rt: dict[str, Any], run_id: str) -> int:
-    metrics = _get(rt, f"/v1/runs/{run_id}/metrics")
+def _last_step(rt: dict[str, Any], run_id: str, tenant: Tenant | None = None) -> int:
+    metrics = _get(rt, f"/v1/runs/{run_id}/metrics", tenant)
     return int(metrics.get("last_step") or 0)
 
 
@@ -389,3 +394,107 @@ scrape_configs:
     finally:
         prom.terminate()
         prom.wait(timeout=10)
+
+
+# --- authority ends when it ends; the host stays private ----------------------------------
+def _wait_store(rt: dict[str, Any], run_id: str, state: str,
+                timeout_s: float = 120.0) -> dict[str, Any]:
+    """Wait on the store itself (a disabled account's keys no longer read the API)."""
+    store = Store(rt["backend"].db)
+    deadline = time.monotonic() + timeout_s
+    while (run := store.get_run(run_id))["state"] != state:
+        assert time.monotonic() < deadline, (run["state"], run["state_reason"],
+                                             rt["backend"].log_text()[-3000:])
+        time.sleep(0.5)
+    return run
+
+
+def _assert_torn_down(rt: dict[str, Any], run_id: str) -> None:
+    deadline = time.monotonic() + 60
+    while _run_actors(rt, run_id):  # the driver and every actor of its fleet are gone
+        assert time.monotonic() < deadline, [a.name for a in _run_actors(rt, run_id)]
+        time.sleep(0.5)
+
+
+def test_a_running_run_stops_within_30s_of_its_booking_being_revoked(
+        rt: dict[str, Any]) -> None:
+    be: Backend = rt["backend"]
+    t = make_tenant(be.db, "revokee", booking=cpu_booking_doc("bk-revokee", "revokee"))
+    run_id = _submit(rt, steps=2000, tenant=t)
+    _wait(rt, run_id, lambda r: r["state"] == "running" and
+          _last_step(rt, run_id, t) >= 3, "a few steps", tenant=t)
+    assert any("trainer" in a.name for a in _run_actors(rt, run_id))
+    admin(be.db, "bookings", "revoke", t.booking_id)  # the upstream revocation (mocked)
+    revoked_at = Store(be.db).booking(t.booking_id)["updated_at"]  # type: ignore[index]
+    run = _wait(rt, run_id, lambda r: r["state"] == "cancelled", "cancelled", tenant=t)
+    assert run["state_reason"].startswith("booking_revoked: "), run["state_reason"]
+    stopped_s = parse_iso(run["updated_at"]) - revoked_at
+    print(f"booking revoked -> run cancelled in {stopped_s:.1f} s (run timestamps)")
+    assert stopped_s <= 30.0
+    _assert_torn_down(rt, run_id)
+
+
+def test_a_disabled_account_and_an_ended_term_stop_queued_and_running_runs(
+        rt: dict[str, Any]) -> None:
+    """One run trains; two more wait for the head it holds (queued in ``starting``).
+    The term of one queued run's booking ends (the upstream registry shortens it,
+    mocked by writing the store): that run is cancelled with booking_term_ended.
+    Then the operator disables the account: the running and the other queued run
+    are cancelled with account_disabled and nothing of them stays on Ray."""
+    be: Backend = rt["backend"]
+    t = make_tenant(be.db, "lapsing", booking=cpu_booking_doc("bk-lapse-1", "lapsing"))
+    store = Store(be.db)
+    add_booking(store, BookingFile.model_validate(cpu_booking_doc("bk-lapse-2", "lapsing")))
+    running = _submit(rt, steps=2000, tenant=t)
+    _wait(rt, running, lambda r: r["state"] == "running" and
+          _last_step(rt, running, t) >= 2, "a few steps", tenant=t)
+    term_ends = _submit(rt, steps=20, tenant=t, booking_id="bk-lapse-2")
+    disabled = _submit(rt, steps=20, tenant=t)
+    for run_id in (term_ends, disabled):
+        _wait(rt, run_id, lambda r: r["state"] == "starting" and
+              "waiting for booking" in r["state_reason"], "queued behind the running run",
+              timeout_s=60, tenant=t)
+    with store.tx() as c:
+        c.execute("UPDATE bookings SET term_end = ? WHERE booking_id = 'bk-lapse-2'",
+                  (time.time(),))
+    run = _wait_store(rt, term_ends, "cancelled")
+    assert run["state_reason"].startswith("booking_term_ended: "), run["state_reason"]
+    assert store.get_run(running)["state"] == "running"
+
+    admin(be.db, "accounts", "disable", "lapsing")
+    for run_id in (disabled, running):
+        run = _wait_store(rt, run_id, "cancelled")
+        assert run["state_reason"].startswith("account_disabled: "), run["state_reason"]
+        _assert_torn_down(rt, run_id)
+
+
+def _private(path: Path) -> bool:
+    return path.lstat().st_uid == os.geteuid() and not path.lstat().st_mode & 0o077
+
+
+def test_host_files_stay_private_while_a_run_executes_and_runs_stop_is_audited(
+        rt: dict[str, Any]) -> None:
+    be: Backend = rt["backend"]
+    run_id = _submit(rt, steps=2000)
+    _wait(rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 4,
+          "a few steps")
+    # While it trains: Ray's temp root, its token and the run's scratch (which holds
+    # the cleaned tenant data) are the backend user's alone.
+    root = ray_cluster.ray_private_root(be.var_dir)
+    assert stat.S_IMODE(root.lstat().st_mode) == 0o700 and _private(root)
+    token = ray_cluster.auth_token_path()
+    assert stat.S_IMODE(token.lstat().st_mode) == 0o600
+    assert _private(be.var_dir) and _private(be.var_dir / "runs")
+    scratch = be.var_dir / "runs" / run_id
+    entries = [scratch, *scratch.rglob("*")]
+    files = [p for p in entries if p.is_file() and not p.is_symlink()]
+    assert files, "the run wrote no scratch"
+    assert [str(p) for p in entries if not _private(p)] == []
+
+    admin(be.db, "runs", "stop", run_id, "--reason", "operator test: abuse report")
+    run = _wait(rt, run_id, lambda r: r["state"] == "cancelled", "cancelled")
+    assert run["state_reason"].startswith("operator_stopped: operator test: abuse report")
+    _assert_torn_down(rt, run_id)
+    rows = Store(be.db).read("SELECT * FROM audit_events WHERE action = 'admin:runs.stop' "
+                             "AND run_id = ?", (run_id,))
+    assert len(rows) == 1 and rows[0]["code"] == "operator_stopped"

@@ -114,6 +114,12 @@ def _gated_create(c: Ctx, g: Gates, p: Principal, body: RunRequest, key: str,
         twin = store.run_by_key(p.account_id, key, conn)
         if twin is not None:
             return {**twin, "_replayed": True}
+        # Counted under the same write lock, so concurrent submits cannot overshoot.
+        cap = c.settings.max_active_runs_per_account
+        if store.count_active_runs(conn, p.account_id) >= cap:
+            raise ItoError(ErrorCode.too_many_active_runs,
+                           f"the account has {cap} active runs, the most allowed; "
+                           "wait for one to end")
         confirmations.consume(store, conn, body.confirmation_ref, expect, by=run["run_id"])
         store.insert_run(conn, run)
         store.insert_log(conn, run["run_id"], None, now, "info", "orchestrator",
