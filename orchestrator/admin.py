@@ -34,7 +34,9 @@ app.add_typer(accounts_app, name="accounts")
 app.add_typer(keys_app, name="keys")
 app.add_typer(bookings_app, name="bookings")
 
-DbOpt = Annotated[Path, typer.Option("--db", envvar="ITO_DB", help="SQLite store path")]
+DbOpt = Annotated[str, typer.Option(
+    "--db", envvar="ITO_DB", help="the store: a SQLite file path, or a postgresql:// URL "
+    "without a password (ITO_DB_PASSWORD_FILE, PGPASSWORD or PGPASSFILE carry it)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON envelope")]
 
 
@@ -58,11 +60,11 @@ def _fail(as_json: bool, code: ErrorCode, message: str) -> NoReturn:
     raise typer.Exit(1)
 
 
-def _store(db: Path) -> Store:
+def _store(db: str) -> Store:
     return Store(db)
 
 
-def _audit(db: Path, action: str, account_id: str | None = None, key_id: str | None = None,
+def _audit(db: str, action: str, account_id: str | None = None, key_id: str | None = None,
            booking_id: str | None = None) -> None:
     """Operator actions are audit events too (ids only)."""
     _store(db).audit([{"ts": time.time(), "account_id": account_id, "key_id": key_id,
@@ -242,7 +244,7 @@ def bookings_add(file: Path, db: DbOpt, as_json: JsonOpt = False) -> None:
     _emit(as_json, view, f"booking {booking.booking_id} added")
 
 
-def _set_booking(db: Path, booking_id: str, state: str, as_json: bool) -> None:
+def _set_booking(db: str, booking_id: str, state: str, as_json: bool) -> None:
     store = _store(db)
     try:
         store.set_booking_state(booking_id, state)

@@ -110,6 +110,9 @@ class ErrorCode(StrEnum):
     stage_failed = "stage_failed"
     gate_failed = "gate_failed"
     ray_unavailable = "ray_unavailable"
+    # A supervisor's write after its leader lease passed to another replica (fenced).
+    lease_lost = "lease_lost"
+    store_unavailable = "store_unavailable"
     # --- placement (runs on their booking's nodes) ------------------------------------
     booking_nodes_unavailable = "booking_nodes_unavailable"
     placement_timeout = "placement_timeout"

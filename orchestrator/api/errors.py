@@ -54,7 +54,8 @@ _STATUS_GROUPS: dict[int, tuple[ErrorCode, ...]] = {
     429: (E.rate_limited,),
     500: (E.internal_error, E.checkpoint_corrupt, E.all_replica_groups_lost,
           E.training_failed, E.stage_failed, E.driver_lost, E.rollout_fleet_failed),
-    503: (E.ray_unavailable, E.booking_nodes_unavailable, E.placement_timeout),
+    503: (E.ray_unavailable, E.lease_lost, E.store_unavailable, E.booking_nodes_unavailable,
+          E.placement_timeout),
 }
 HTTP_STATUS: dict[ErrorCode, int] = {
     code: status for status, codes in _STATUS_GROUPS.items() for code in codes}
