@@ -209,11 +209,16 @@ class PostgresSettings:
     """How the pool connects; every bound is named."""
 
     def __init__(self, *, min_size: int = 1, max_size: int = 16, connect_timeout_s: int = 10,
-                 pool_timeout_s: float = 30.0, statement_timeout_ms: int = 30_000):
+                 pool_timeout_s: float = 30.0, statement_timeout_ms: int = 30_000,
+                 idle_in_transaction_timeout_ms: int = 5_000):
         self.min_size, self.max_size = min_size, max_size
         self.connect_timeout_s = connect_timeout_s
         self.pool_timeout_s = pool_timeout_s
         self.statement_timeout_ms = statement_timeout_ms
+        # A process paused (SIGSTOP) or partitioned inside a transaction keeps its row
+        # locks (a lease row among them) until the server ends its session: this bounds
+        # it, well inside the supervisor lease.
+        self.idle_in_transaction_timeout_ms = idle_in_transaction_timeout_ms
 
 
 def _password() -> str | None:
@@ -242,7 +247,9 @@ class PostgresEngine:
         kwargs: dict[str, Any] = {
             "autocommit": True, "row_factory": dict_row,
             "connect_timeout": s.connect_timeout_s,
-            "options": f"-c statement_timeout={s.statement_timeout_ms}",
+            "options": f"-c statement_timeout={s.statement_timeout_ms} "
+                       f"-c idle_in_transaction_session_timeout="
+                       f"{s.idle_in_transaction_timeout_ms}",
         }
         if password is not None:
             kwargs["password"] = password
