@@ -1,7 +1,8 @@
 """API load benchmark (not in CI): N concurrent clients polling status and submitting.
 
 Starts a real ``ito-backend serve`` subprocess on loopback with a temp DB, makes one
-tenant (submitter and approver keys, a live booking), one run to poll, and one
+tenant (one submitter key per client, so the per-key rate limit measures nothing
+here; an approver key; a live booking), one run to poll, and one
 confirmation per planned submit (made before the timed phase: confirming is the
 approver's step, not load). Then ``--clients`` asyncio clients, each with its own
 connection, run for ``--duration`` seconds: GET /v1/runs/{id} every ``--interval``
@@ -122,7 +123,7 @@ def start_server(
     raise RuntimeError("server did not start")
 
 
-def make_tenant(db: str) -> dict[str, str]:
+def make_tenant(db: str, clients: int) -> dict[str, Any]:
     from orchestrator.db.store import Store
     from orchestrator.gates.auth import SCOPES, issue_key
     from orchestrator.gates.bookings import BookingFile, add_booking
@@ -136,7 +137,8 @@ def make_tenant(db: str) -> dict[str, str]:
         root = os.path.realpath(tempfile.gettempdir())
         store.set_roots(account, "data", [root])
         store.set_roots(account, "checkpoint", [root])
-        _, submitter = issue_key(store, name, ["runs:read", "runs:write"])
+        submitters = [issue_key(store, name, ["runs:read", "runs:write"])[1]
+                      for _ in range(clients)]
         approver_scopes = [s for s in SCOPES if s.startswith("confirm:")] + ["runs:read"]
         _, approver = issue_key(store, name, approver_scopes)
         booking = f"bk-{name}"
@@ -159,7 +161,8 @@ def make_tenant(db: str) -> dict[str, str]:
         )
     finally:
         store.close()
-    return {"submitter": submitter, "approver": approver, "booking": booking}
+    return {"submitter": submitters[0], "submitters": submitters, "approver": approver,
+            "booking": booking}
 
 
 def manifest_body(tmp: Path) -> dict[str, str]:
@@ -285,7 +288,7 @@ async def client_loop(
     errors: Counter[str],
 ) -> None:
     rng = random.Random(i)
-    headers = {"Authorization": f"Bearer {t['submitter']}"}
+    headers = {"Authorization": f"Bearer {t['submitters'][i]}"}
     conn: RawHttp | HttpxConn = (RawHttp if args.http == "raw" else HttpxConn)(url, headers)
     try:
         # Submits at random moments of the run, so they meet polls from other clients.
@@ -481,7 +484,7 @@ def measure(args: argparse.Namespace, db: str | None, replicas: int) -> dict[str
     urls = [u for _, u in servers]
     spy: subprocess.Popen[bytes] | None = None
     try:
-        t = make_tenant(store)
+        t = make_tenant(store, args.clients)
         body = manifest_body(tmp)
         first = confirmations(url, t, body, 1)[0]
         run_id = submit_sync(url, t, body, first, "bench-poll-target")
