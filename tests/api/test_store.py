@@ -196,3 +196,10 @@ def test_lease_has_one_holder_and_fences_a_stale_one(db: str) -> None:
     store.fenced(b).transition("run_1", RunState.running, "by the new leader")
     store.release_lease(b)  # a clean shutdown hands over at once
     assert store.acquire_lease(a, lease_s=60) == 3
+
+
+def test_a_password_in_the_store_url_is_refused() -> None:
+    """A URL is argv: the password comes from ITO_DB_PASSWORD_FILE or libpq's env."""
+    with pytest.raises(ItoError) as e:
+        Store("postgresql://ito:hunter2hunter2@127.0.0.1:1/ito")
+    assert e.value.code == ErrorCode.bad_request and "hunter2" not in e.value.message
