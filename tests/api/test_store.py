@@ -7,6 +7,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -17,6 +18,13 @@ from orchestrator.db.store import Fence, Store
 from orchestrator.runs import TRANSITIONS, RunState, can_transition, check_transition
 from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent, LogEvent, ProposalEvent, StageResultEvent
+
+
+def _lease(store: Store) -> dict[str, Any]:
+    row = store.lease("supervisor")
+    assert row is not None
+    return row
+
 
 
 def _run(store: Store, run_id: str = "run_1", key: str = "k1") -> None:
@@ -185,7 +193,7 @@ def test_lease_has_one_holder_and_fences_a_stale_one(db: str) -> None:
     while store.acquire_lease(b, lease_s=60) is None:  # a stopped renewing
         assert time.monotonic() < deadline, "the lease never expired"
         time.sleep(0.05)
-    assert b.token == 2 and store.lease("supervisor")["holder"] == "replica-b"
+    assert b.token == 2 and _lease(store)["holder"] == "replica-b"
     with pytest.raises(ItoError) as e:
         stale.transition("run_1", RunState.running, "by a stale leader")
     assert e.value.code == ErrorCode.lease_lost

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.postgres import PgServer
@@ -64,6 +65,12 @@ class Replica:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+def _lease(store: Store) -> dict[str, Any]:
+    row = store.lease("supervisor")
+    assert row is not None
+    return row
+
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
@@ -119,7 +126,7 @@ def test_leader_killed_standby_takes_over_and_starts_the_queued_run(
     _wait(lambda: store.get_run("run_2")["state"] == "running",
           "the standby to take over and start run_2", timeout=LEASE_S + 5)
     assert time.monotonic() - killed_at <= LEASE_S + 5
-    assert b.holds(store) and store.lease("supervisor")["token"] == 2
+    assert b.holds(store) and _lease(store)["token"] == 2
     # The new leader watches the run the old one started, and launched nothing twice.
     _wait(lambda: any("token=2" in m for m in _messages(store, "run_1", "watch")),
           "b to watch run_1")
@@ -153,5 +160,5 @@ def test_paused_leader_that_lost_its_lease_changes_nothing(
     watches = _messages(store, "run_1", "watch")
     first_b = next(i for i, m in enumerate(watches) if "token=2" in m)
     assert all("token=2" in m for m in watches[first_b:]), watches
-    assert b.holds(store) and store.lease("supervisor")["token"] == 2
+    assert b.holds(store) and _lease(store)["token"] == 2
     assert _messages(store, "run_1", "launched") == ["launched token=1"]
