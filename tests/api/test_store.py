@@ -26,7 +26,6 @@ def _lease(store: Store) -> dict[str, Any]:
     return row
 
 
-
 def _run(store: Store, run_id: str = "run_1", key: str = "k1") -> None:
     now = time.time()
     with store.tx() as c:

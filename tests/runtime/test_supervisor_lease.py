@@ -72,7 +72,6 @@ def _lease(store: Store) -> dict[str, Any]:
     return row
 
 
-
 def _wait(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
