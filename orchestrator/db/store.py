@@ -12,20 +12,19 @@ The supervisor calls ``ingest_events`` / ``transition`` / ``runs_in_states`` /
 
 from __future__ import annotations
 
-import copy
 import json
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
 from orchestrator.db.engines import Conn, Row, SqliteEngine, is_postgres, open_engine
+from orchestrator.db.lease import Fence, Leases
 from orchestrator.db.schema import MIGRATIONS, SCHEMA_VERSION, render
 from orchestrator.redact import safe_id
 from orchestrator.runs import RunState, check_transition
@@ -44,16 +43,7 @@ def new_id(prefix: str, nbytes: int = 8) -> str:
     return f"{prefix}_{secrets.token_hex(nbytes)}"
 
 
-@dataclass
-class Fence:
-    """A lease as its holder knows it; ``token`` is None while it holds none."""
-
-    name: str
-    holder: str
-    token: int | None = None
-
-
-class Store:
+class Store(Leases):
     def __init__(self, path: str | Path, *, busy_timeout_ms: int = 10_000):
         self.path = str(path)
         self.engine = open_engine(path, busy_timeout_ms=busy_timeout_ms)
@@ -65,10 +55,6 @@ class Store:
         self._counted_lock = threading.Lock()
         self.counted_window_s = 5.0  # the server sets Settings.auth_fail_audit_window_s
         self._migrate()
-
-    @property
-    def is_postgres(self) -> bool:
-        return is_postgres(self.path)
 
     def describe(self) -> str:
         """Where the store is, safe to log (a URL never carries the password)."""
@@ -124,59 +110,6 @@ class Store:
     def schema_version(self) -> int:
         row = self.read_one("SELECT version FROM schema_version")
         return int(row["version"]) if row else 0
-
-    # --- the supervisor's lease and its fence ----------------------------------------
-    def acquire_lease(self, fence: Fence, lease_s: float) -> int | None:
-        """Take or renew the lease by the database's clock; returns the holder's token
-        (new holder: the previous token + 1) or None while another holder's is live."""
-        now = self.engine.now_sql
-        with self.engine.tx() as c:
-            row = c.execute(f"SELECT holder, token, expires_at, {now} AS now FROM leases "
-                            "WHERE name = ? FOR UPDATE", (fence.name,)).fetchone()
-            if row is None:
-                cur = c.execute(f"INSERT INTO leases VALUES (?, ?, 1, {now} + ?) "
-                                "ON CONFLICT (name) DO NOTHING",
-                                (fence.name, fence.holder, lease_s))
-                fence.token = 1 if cur.rowcount == 1 else None
-            elif row["holder"] == fence.holder and row["token"] == fence.token and \
-                    row["expires_at"] > row["now"]:
-                c.execute(f"UPDATE leases SET expires_at = {now} + ? WHERE name = ?",
-                          (lease_s, fence.name))
-            elif row["expires_at"] <= row["now"]:
-                fence.token = int(row["token"]) + 1
-                c.execute(f"UPDATE leases SET holder = ?, token = ?, expires_at = {now} + ? "
-                          "WHERE name = ?", (fence.holder, fence.token, lease_s, fence.name))
-            else:
-                fence.token = None
-        return fence.token
-
-    def release_lease(self, fence: Fence) -> None:
-        """Give the lease up at once (a clean shutdown): a standby need not wait it out."""
-        if fence.token is not None:
-            with self.engine.tx() as c:
-                c.execute(f"UPDATE leases SET expires_at = {self.engine.now_sql} "
-                          "WHERE name = ? AND holder = ? AND token = ?",
-                          (fence.name, fence.holder, fence.token))
-            fence.token = None
-
-    def lease(self, name: str) -> Row | None:
-        return self.read_one("SELECT * FROM leases WHERE name = ?", (name,))
-
-    def _check_fence(self, c: Conn, fence: Fence) -> None:
-        held = fence.token is not None and c.execute(
-            f"SELECT 1 FROM leases WHERE name = ? AND holder = ? AND token = ? AND "
-            f"expires_at > {self.engine.now_sql} FOR SHARE",
-            (fence.name, fence.holder, fence.token)).fetchone()
-        if not held:
-            raise ItoError(ErrorCode.lease_lost, f"the {fence.name} lease (token "
-                           f"{fence.token}) is no longer held here; write refused")
-
-    def fenced(self, fence: Fence) -> Store:
-        """A view on the same connections whose every write transaction first checks
-        that ``fence`` still holds its lease: a stale leader's write is refused."""
-        view = copy.copy(self)
-        view._fence = fence
-        return view
 
     # --- accounts and keys -----------------------------------------------------------
     def create_account(self, name: str) -> Row:
