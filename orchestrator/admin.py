@@ -122,6 +122,7 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
                         metrics_token=read_token(metrics_token_file), api_docs=api_docs,
                         shutdown_grace_s=shutdown_grace_s)
     store = Store(db, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+    logging.getLogger("ito.api").info("store: %s (%s)", store.describe(), store.dialect)
     rt: RunRuntime
     if runtime == "none":
         rt = NullRuntime(store, var_dir)
