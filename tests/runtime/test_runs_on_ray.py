@@ -264,6 +264,8 @@ def test_api_server_sigkill_mid_run_reattaches_and_loses_no_event(rt: dict[str, 
     assert run["state"] == "succeeded"
 
 
+# Two runs, a lease handover and a replica restart: longer than the default timeout.
+@pytest.mark.timeout(600)
 def test_standby_replica_takes_the_supervisor_over_and_reattaches(rt: dict[str, Any]) -> None:
     """A second API replica on the same store and Ray cluster stands by; SIGKILL the
     supervising one mid-run: the standby takes the lease within supervisor_lease_s + 5 s,
@@ -277,7 +279,7 @@ def test_standby_replica_takes_the_supervisor_over_and_reattaches(rt: dict[str, 
     b.start()
     on_b = {**rt, "backend": b}
     try:
-        run_id = _submit(rt, steps=60)
+        run_id = _submit(rt, steps=40)
         _wait(rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 5,
               "a few steps")
         a.kill()
