@@ -478,12 +478,14 @@ def main() -> None:
 def measure(args: argparse.Namespace, db: str | None, replicas: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="ito-api-load-"))
     store = db or str(tmp / "ito.db")
-    servers = [start_server(tmp, args.server_log_level, args.server_module, store, f"server{i}")
-               for i in range(replicas)]
-    proc, url = servers[0]
-    urls = [u for _, u in servers]
+    servers: list[tuple[subprocess.Popen[bytes], str]] = []
     spy: subprocess.Popen[bytes] | None = None
     try:
+        for i in range(replicas):
+            servers.append(start_server(tmp, args.server_log_level, args.server_module,
+                                        store, f"server{i}"))
+        proc, url = servers[0]
+        urls = [u for _, u in servers]
         t = make_tenant(store, args.clients)
         body = manifest_body(tmp)
         first = confirmations(url, t, body, 1)[0]
