@@ -1,7 +1,8 @@
-"""API load benchmark (CI: smallest size only): N concurrent clients polling status and submitting.
+"""API load benchmark (not in CI): N concurrent clients polling status and submitting.
 
 Starts a real ``ito-backend serve`` subprocess on loopback with a temp DB, makes one
-tenant (submitter and approver keys, a live booking), one run to poll, and one
+tenant (one submitter key per client, so the per-key rate limit measures nothing
+here; an approver key; a live booking), one run to poll, and one
 confirmation per planned submit (made before the timed phase: confirming is the
 approver's step, not load). Then ``--clients`` asyncio clients, each with its own
 connection, run for ``--duration`` seconds: GET /v1/runs/{id} every ``--interval``
@@ -17,9 +18,19 @@ moment, so time spent queued behind a slow request counts (no coordinated omissi
 with ``--interval 0``, a closed loop, due = sent). ``*_service_p99_ms`` are the same
 requests timed from their send, for comparison.
 
+Several replicas: ``--replicas N --db postgresql://...`` starts N servers on that
+(empty or shared) PostgreSQL database and spreads the clients over them round-robin,
+as a load balancer would; ``--sqlite-baseline`` first measures the single server on
+a temp SQLite file in the same run, so both lines come from the same machine state.
+The password comes from ``ITO_DB_PASSWORD_FILE`` / ``PGPASSWORD``, never argv.
+
+    .venv/bin/python benchmarks/api_load.py --replicas 2 --db postgresql://ito@127.0.0.1:5432/ito \
+        --sqlite-baseline
+
 Prints p50/p99 latency per kind and requests/s; the last line is one JSON object:
 clients, status_p50_ms, status_p99_ms, submit_p99_ms, the service-time p99s,
-requests_per_s (plus details).
+requests_per_s (plus details); with ``--sqlite-baseline``, ``{"sqlite": {...},
+"replicas": {...}}``.
 ``--profile PATH`` records the server with py-spy during the timed phase (raw
 collapsed stacks) and prints the hottest frames.
 """
@@ -64,10 +75,11 @@ def _iso(hours: float) -> str:
 
 
 def start_server(
-    tmp: Path, log_level: str, module: str = "orchestrator.admin"
+    tmp: Path, log_level: str, module: str = "orchestrator.admin", db: str | None = None,
+    name: str = "server",
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
-    log = open(tmp / "server.log", "wb")  # noqa: SIM115 - handed to the child
+    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -75,7 +87,7 @@ def start_server(
             module,
             "serve",
             "--db",
-            str(tmp / "ito.db"),
+            db or str(tmp / "ito.db"),
             "--host",
             "127.0.0.1",
             "--port",
@@ -88,9 +100,8 @@ def start_server(
             # the planner gate stays on, so a submit costs what it costs in production.
             "--runtime",
             "none",
-            # Its own free metrics port: another server on this host may hold 9464.
             "--metrics-port",
-            str(_free_port()),
+            "0",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -101,7 +112,7 @@ def start_server(
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError((tmp / "server.log").read_text()[-3000:])
+            raise RuntimeError((tmp / f"{name}.log").read_text()[-3000:])
         try:
             if httpx.get(url + "/healthz", timeout=1.0).status_code == 200:
                 return proc, url
@@ -112,28 +123,31 @@ def start_server(
     raise RuntimeError("server did not start")
 
 
-def make_tenant(db: Path, data_root: Path, checkpoint_root: Path) -> dict[str, str]:
-    """The ``bench`` account, its keys and booking; its data and checkpoint roots hold
-    the manifest's paths (the server refuses paths outside an account's roots)."""
+def make_tenant(db: str, clients: int) -> dict[str, Any]:
     from orchestrator.db.store import Store
     from orchestrator.gates.auth import SCOPES, issue_key
     from orchestrator.gates.bookings import BookingFile, add_booking
 
     store = Store(db)
+    # A fresh account per run: a shared PostgreSQL database may hold earlier ones.
+    name = f"bench-{os.urandom(4).hex()}"
     try:
-        account = store.create_account("bench")
-        store.set_roots(account["account_id"], "data", [os.path.realpath(data_root)])
-        store.set_roots(account["account_id"], "checkpoint",
-                        [os.path.realpath(checkpoint_root)])
-        _, submitter = issue_key(store, "bench", ["runs:read", "runs:write"])
+        account = store.create_account(name)["account_id"]
+        # The manifest's data and checkpoint folders are under the temp folder.
+        root = os.path.realpath(tempfile.gettempdir())
+        store.set_roots(account, "data", [root])
+        store.set_roots(account, "checkpoint", [root])
+        submitters = [issue_key(store, name, ["runs:read", "runs:write"])[1]
+                      for _ in range(clients)]
         approver_scopes = [s for s in SCOPES if s.startswith("confirm:")] + ["runs:read"]
-        _, approver = issue_key(store, "bench", approver_scopes)
+        _, approver = issue_key(store, name, approver_scopes)
+        booking = f"bk-{name}"
         add_booking(
             store,
             BookingFile.model_validate(
                 {
-                    "booking_id": "bk-bench",
-                    "account": "bench",
+                    "booking_id": booking,
+                    "account": name,
                     # The CPU testbed: the planner gate accepts llama-tiny on it.
                     "gpu_sku": "cpu-testbed",
                     "gpus_per_node": 2,
@@ -147,21 +161,13 @@ def make_tenant(db: Path, data_root: Path, checkpoint_root: Path) -> dict[str, s
         )
     finally:
         store.close()
-    return {"submitter": submitter, "approver": approver, "booking": "bk-bench"}
+    return {"submitter": submitters[0], "submitters": submitters, "approver": approver,
+            "booking": booking}
 
 
-def example_manifest(tmp: Path) -> dict[str, Any]:
-    """configs/manifests/example.json with its data and checkpoints under ``tmp/data``
-    and ``tmp/ckpt`` (the account's roots; the runs never start, so no data is read)."""
-    m: dict[str, Any] = json.loads((REPO / "configs" / "manifests" / "example.json").read_text())
-    for sub in ("data", "ckpt"):
-        (tmp / sub).mkdir(exist_ok=True)
-    m["data"]["refs"][0]["uri"] = "file://" + str(tmp / "data" / "train.jsonl")
+def manifest_body(tmp: Path) -> dict[str, str]:
+    m = json.loads((REPO / "configs" / "manifests" / "example.json").read_text())
     m["checkpoint"]["storage_uri"] = "file://" + str(tmp / "ckpt")
-    return m
-
-
-def manifest_body(m: dict[str, Any]) -> dict[str, str]:
     raw = json.dumps(m, sort_keys=True).encode()
     return {
         "manifest_b64": base64.b64encode(raw).decode(),
@@ -282,7 +288,7 @@ async def client_loop(
     errors: Counter[str],
 ) -> None:
     rng = random.Random(i)
-    headers = {"Authorization": f"Bearer {t['submitter']}"}
+    headers = {"Authorization": f"Bearer {t['submitters'][i]}"}
     conn: RawHttp | HttpxConn = (RawHttp if args.http == "raw" else HttpxConn)(url, headers)
     try:
         # Submits at random moments of the run, so they meet polls from other clients.
@@ -386,7 +392,7 @@ def hottest(raw: Path, top: int = 15) -> tuple[list[tuple[str, float]], list[tup
 
 
 async def load(
-    url: str,
+    urls: list[str],
     t: dict[str, str],
     body: dict[str, str],
     run_id: str,
@@ -401,7 +407,8 @@ async def load(
     t_end = t0 + args.duration
     await asyncio.gather(
         *(
-            client_loop(i, url, t, body, run_id, per_client[i], args, t_end, lat, errors)
+            client_loop(i, urls[i % len(urls)], t, body, run_id, per_client[i], args, t_end,
+                        lat, errors)
             for i in range(args.clients)
         )
     )
@@ -409,6 +416,7 @@ async def load(
     total = len(lat["status"]) + len(lat["submit"])
     return {
         "clients": args.clients,
+        "replicas": len(urls),
         "status_p50_ms": round(pct(lat["status"], 50), 2),
         "status_p99_ms": round(pct(lat["status"], 99), 2),
         "submit_p50_ms": round(pct(lat["submit"], 50), 2),
@@ -450,15 +458,36 @@ def main() -> None:
         default="orchestrator.admin",
         help="module run as `python -m MODULE serve ...` (A/B a patched server)",
     )
+    ap.add_argument("--replicas", type=int, default=1, help="API servers on one store")
+    ap.add_argument("--db", default=None,
+                    help="the store (default: a temp SQLite file); postgresql://... for "
+                         "replicas, without a password")
+    ap.add_argument("--sqlite-baseline", action="store_true",
+                    help="first measure one server on a temp SQLite file, in the same run")
     args = ap.parse_args()
+    if args.replicas > 1 and not (args.db or "").startswith("postgresql://"):
+        ap.error("--replicas > 1 needs --db postgresql://... (SQLite has one writer host)")
+    if args.sqlite_baseline:
+        results = {"sqlite": measure(args, None, 1), "replicas": measure(args, args.db,
+                                                                          args.replicas)}
+        print(json.dumps(results))
+    else:
+        print(json.dumps(measure(args, args.db, args.replicas)))
 
+
+def measure(args: argparse.Namespace, db: str | None, replicas: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="ito-api-load-"))
-    proc, url = start_server(tmp, args.server_log_level, args.server_module)
+    store = db or str(tmp / "ito.db")
+    servers: list[tuple[subprocess.Popen[bytes], str]] = []
     spy: subprocess.Popen[bytes] | None = None
     try:
-        m = example_manifest(tmp)
-        t = make_tenant(tmp / "ito.db", tmp / "data", tmp / "ckpt")
-        body = manifest_body(m)
+        for i in range(replicas):
+            servers.append(start_server(tmp, args.server_log_level, args.server_module,
+                                        store, f"server{i}"))
+        proc, url = servers[0]
+        urls = [u for _, u in servers]
+        t = make_tenant(store, args.clients)
+        body = manifest_body(tmp)
         first = confirmations(url, t, body, 1)[0]
         run_id = submit_sync(url, t, body, first, "bench-poll-target")
         refs = confirmations(url, t, body, args.submits)
@@ -483,24 +512,30 @@ def main() -> None:
                 stderr=subprocess.DEVNULL,
             )
             time.sleep(1.0)  # let py-spy attach
-        cpu0, own0 = cpu_seconds(proc.pid), cpu_seconds(os.getpid())
-        result = asyncio.run(load(url, t, body, run_id, refs, args))
+        pids = [p.pid for p, _ in servers]
+        cpu0, own0 = sum(cpu_seconds(p) for p in pids), cpu_seconds(os.getpid())
+        result = asyncio.run(load(urls, t, body, run_id, refs, args))
         n = result["status_requests"] + result["submit_requests"]
-        result["server_cpu_ms_per_request"] = round(1000 * (cpu_seconds(proc.pid) - cpu0) / n, 2)
+        server_cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+        result["store"] = "postgresql" if store.startswith("postgresql://") else "sqlite"
+        result["server_cpu_ms_per_request"] = round(1000 * server_cpu / n, 2)
         # The load generator shares the cores: its own cost per request, for context.
         result["client_cpu_ms_per_request"] = round(1000 * (cpu_seconds(os.getpid()) - own0) / n, 2)
         result["load_avg_1m"] = os.getloadavg()[0]
         if spy is not None:
             spy.wait(timeout=args.duration + 60)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for p, _ in servers:
+            p.terminate()
+        for p, _ in servers:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"{result['clients']} clients, {result['duration_s']} s, interval {args.interval} s")
+    print(f"{result['store']} x{result['replicas']}: {result['clients']} clients, "
+          f"{result['duration_s']} s, interval {args.interval} s")
     print(
         f"status  p50 {result['status_p50_ms']} ms  p99 {result['status_p99_ms']} ms  "
         f"(n={result['status_requests']})"
@@ -521,7 +556,7 @@ def main() -> None:
         print("server inclusive time (py-spy):")
         for frame, share in incl:
             print(f"  {share:5.1f}%  {frame}")
-    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":

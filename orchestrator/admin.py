@@ -38,7 +38,9 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(bookings_app, name="bookings")
 app.add_typer(runs_app, name="runs")
 
-DbOpt = Annotated[Path, typer.Option("--db", envvar="ITO_DB", help="SQLite store path")]
+DbOpt = Annotated[str, typer.Option(
+    "--db", envvar="ITO_DB", help="the store: a SQLite file path, or a postgresql:// URL "
+    "without a password (ITO_DB_PASSWORD_FILE, PGPASSWORD or PGPASSFILE carry it)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON envelope")]
 
 
@@ -62,11 +64,11 @@ def _fail(as_json: bool, code: ErrorCode, message: str) -> NoReturn:
     raise typer.Exit(1)
 
 
-def _store(db: Path) -> Store:
+def _store(db: str) -> Store:
     return Store(db)
 
 
-def _audit(db: Path, action: str, account_id: str | None = None, key_id: str | None = None,
+def _audit(db: str, action: str, account_id: str | None = None, key_id: str | None = None,
            booking_id: str | None = None, run_id: str | None = None,
            code: str | None = None) -> None:
     """Operator actions are audit events too (ids only)."""
@@ -130,6 +132,7 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
                         metrics_token=read_token(metrics_token_file), api_docs=api_docs,
                         shutdown_grace_s=shutdown_grace_s)
     store = Store(db, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+    logging.getLogger("ito.api").info("store: %s (%s)", store.describe(), store.dialect)
     rt: RunRuntime
     if runtime == "none":
         rt = NullRuntime(store, var_dir)
@@ -263,7 +266,7 @@ def bookings_add(file: Path, db: DbOpt, as_json: JsonOpt = False) -> None:
     _emit(as_json, view, f"booking {booking.booking_id} added")
 
 
-def _set_booking(db: Path, booking_id: str, state: str, as_json: bool) -> None:
+def _set_booking(db: str, booking_id: str, state: str, as_json: bool) -> None:
     store = _store(db)
     try:
         store.set_booking_state(booking_id, state)

@@ -12,7 +12,8 @@ from stages.presets import configs_dir
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    db_path: Path
+    # The store: a SQLite file (embedded) or a ``postgresql://`` URL (several replicas).
+    db_path: Path | str
     # Scratch space of runs (``<var_dir>/runs/<run_id>``); cleanup removes it.
     var_dir: Path = Path("/tmp/ito-var")
     configs_dir: Path = Field(default_factory=configs_dir)

@@ -453,6 +453,18 @@ class ErrorCode(StrEnum):
         "failure is `eval_gate_failed`.",
     )
     ray_unavailable = "ray_unavailable", 503, "Runtime: the Ray cluster is not reachable."
+    lease_lost = (
+        "lease_lost",
+        503,
+        "Runtime: a supervisor's write came after its leader lease passed to another "
+        "replica (fenced); the new leader carries on.",
+    )
+    store_unavailable = (
+        "store_unavailable",
+        503,
+        "The store (SQLite file or PostgreSQL) cannot be reached; `/readyz` answers this "
+        "until it can.",
+    )
     # --- placement (runs on their booking's nodes) ------------------------------------
     booking_nodes_unavailable = (
         "booking_nodes_unavailable",

@@ -10,6 +10,8 @@ import pytest
 from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
+# The store fixtures (``db``, ``engine``, ``pg_server``) for every test folder.
+pytest_plugins = ["helpers.fixtures"]
 
 # Keep torch from oversubscribing the 2 cores when several processes run.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,1 +1,2 @@
-"""The store: SQLite (WAL) and its versioned schema; only the API server writes it."""
+"""The store (SQLite embedded, or PostgreSQL shared by API replicas) and its versioned
+schema; only the control plane (API replicas, the lease-holding supervisor) writes it."""

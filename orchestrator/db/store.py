@@ -1,17 +1,19 @@
-"""The embedded store: SQLite in WAL mode, one connection per thread.
+"""The store: every durable fact of the control plane, on SQLite or PostgreSQL.
 
-Only the API server process writes it. Every write is one explicit
-``BEGIN IMMEDIATE`` transaction, so a reader never sees half a mutation and two
-writers serialise on SQLite's lock (``busy_timeout`` bounds the wait). The
-supervisor calls ``ingest_events`` / ``transition`` / ``runs_in_states`` /
-``set_run_field``; the API calls the rest.
+SQLite (a file path) is the embedded default; PostgreSQL (a ``postgresql://`` URL)
+lets several API replicas share one store (``orchestrator/db/engines.py`` says how
+each engine makes a transaction). Every write is one explicit transaction, so a
+reader never sees half a mutation; what must happen once (an idempotency key's
+run, a confirmation's use, a lease holder's write) is decided by a unique
+constraint or a row lock inside that transaction, never by a lock in one process.
+The supervisor calls ``ingest_events`` / ``transition`` / ``runs_in_states`` /
+``set_run_field`` through a fenced view (``fenced``); the API calls the rest.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -21,33 +23,32 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from orchestrator.db.schema import MIGRATIONS, SCHEMA_VERSION
+from orchestrator.db.engines import Conn, Row, SqliteEngine, is_postgres, open_engine
+from orchestrator.db.lease import Fence, Leases
+from orchestrator.db.schema import MIGRATIONS, SCHEMA_VERSION, render
 from orchestrator.redact import safe_id
 from orchestrator.runs import ACTIVE, RunState, check_transition
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event
 
-Row = dict[str, Any]
+__all__ = ["Conn", "Fence", "Row", "Store", "is_postgres", "new_id"]
+
 _EVENT = TypeAdapter(Event)
 RUN_FIELDS = ("plan", "data_prep")
-WAL_RETRY_S = 0.01
+# A write that lost a unique or serialisation race (PostgreSQL) runs again this often.
+WRITE_ATTEMPTS = 5
 
 
 def new_id(prefix: str, nbytes: int = 8) -> str:
     return f"{prefix}_{secrets.token_hex(nbytes)}"
 
 
-def _row(cur: sqlite3.Cursor, raw: tuple[Any, ...]) -> Row:
-    return {d[0]: v for d, v in zip(cur.description, raw, strict=True)}
-
-
-class Store:
+class Store(Leases):
     def __init__(self, path: str | Path, *, busy_timeout_ms: int = 10_000):
         self.path = str(path)
-        self.busy_timeout_ms = busy_timeout_ms
-        self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
+        self.engine = open_engine(path, busy_timeout_ms=busy_timeout_ms)
+        self.dialect = self.engine.dialect
+        self._fence: Fence | None = None
         # Counted audit rows waiting for their window: (action, code) -> count.
         self._counted: dict[tuple[str, str], int] = {}
         self._counted_since = time.monotonic()
@@ -55,76 +56,44 @@ class Store:
         self.counted_window_s = 5.0  # the server sets Settings.auth_fail_audit_window_s
         self._migrate()
 
-    # --- connections and transactions ------------------------------------------------
-    def _conn(self) -> sqlite3.Connection:
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is None:
-            # isolation_level=None: no implicit transactions; we BEGIN explicitly.
-            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                                   timeout=self.busy_timeout_ms / 1000)
-            conn.row_factory = _row
-            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
-            self._ensure_wal(conn)
-            # FULL: an acknowledged commit survives a power cut, not only a SIGKILL.
-            conn.execute("PRAGMA synchronous = FULL")
-            conn.execute("PRAGMA foreign_keys = ON")
-            self._local.conn = conn
-            with self._lock:
-                self._all.append(conn)
-        return conn
+    def describe(self) -> str:
+        """Where the store is, safe to log (a URL never carries the password)."""
+        return self.engine.describe()
 
-    def _ensure_wal(self, conn: sqlite3.Connection) -> None:
-        """WAL is persistent in the file; only the first openers switch it. Switching
-        needs an exclusive lock and SQLite answers ``database is locked`` without
-        waiting when another opener holds one, so retry until the busy timeout."""
-        deadline = time.monotonic() + self.busy_timeout_ms / 1000
-        while True:
-            try:
-                mode = conn.execute("PRAGMA journal_mode").fetchone()["journal_mode"]
-                if mode == "wal" or conn.execute(
-                        "PRAGMA journal_mode = WAL").fetchone()["journal_mode"] == "wal":
-                    return
-            except sqlite3.OperationalError:
-                if time.monotonic() > deadline:
-                    raise
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"cannot put {self.path} in WAL mode")
-            time.sleep(WAL_RETRY_S)
-
+    # --- transactions ----------------------------------------------------------------
     @contextmanager
-    def tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction; the write lock is taken at BEGIN, not at first write."""
-        conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+    def tx(self) -> Iterator[Conn]:
+        """One write transaction. In a fenced view it first checks the lease (and holds
+        it shared until commit, so no takeover interleaves with this write)."""
+        with self.engine.tx() as conn:
+            if self._fence is not None:
+                self._check_fence(conn, self._fence)
             yield conn
-            conn.execute("COMMIT")
-        except BaseException:
-            # Also after a failed COMMIT: never leave the thread's connection mid-transaction.
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
 
     def read(self, sql: str, params: Iterable[Any] = ()) -> list[Row]:
-        return self._conn().execute(sql, tuple(params)).fetchall()
+        return self.engine.read(sql, params)
 
     def read_one(self, sql: str, params: Iterable[Any] = ()) -> Row | None:
         rows = self.read(sql, params)
         return rows[0] if rows else None
 
+    def _one(self, conn: Conn | None, sql: str, params: Iterable[Any]) -> Row | None:
+        if conn is None:
+            return self.read_one(sql, params)
+        row: Row | None = conn.execute(sql, tuple(params)).fetchone()
+        return row
+
     def close(self) -> None:
-        with suppress(sqlite3.Error):
+        with suppress(Exception):
             self.flush_counted()
-        with self._lock:
-            for c in self._all:
-                c.close()
-            self._all.clear()
-        self._local = threading.local()
+        self.engine.close()
 
     def _migrate(self) -> None:
         """Apply pending migrations in one write transaction: two processes opening a
-        fresh file at once serialise here, and the second finds nothing to do."""
-        with self.tx() as c:
+        fresh store at once serialise here, and the second finds nothing to do."""
+        with self.engine.tx() as c:
+            if not isinstance(self.engine, SqliteEngine):
+                self.engine.migration_lock(c)
             c.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
             row = c.execute("SELECT version FROM schema_version").fetchone()
             if row is None:
@@ -134,9 +103,8 @@ class Store:
                 raise RuntimeError(f"database schema {version} is newer than this code "
                                    f"({SCHEMA_VERSION}); upgrade ito-train")
             for number in range(version + 1, SCHEMA_VERSION + 1):
-                for statement in MIGRATIONS[number - 1].split(";"):
-                    if statement.strip():
-                        c.execute(statement)
+                for statement in render(MIGRATIONS[number - 1], self.dialect):
+                    c.execute(statement)
                 c.execute("UPDATE schema_version SET version = ?", (number,))
 
     def schema_version(self) -> int:
@@ -212,8 +180,8 @@ class Store:
         return self.read_one("SELECT * FROM bookings WHERE booking_id = ?", (booking_id,))
 
     def set_booking_state(self, booking_id: str, state: str,
-                          conn: sqlite3.Connection | None = None) -> None:
-        def apply(c: sqlite3.Connection) -> None:
+                          conn: Conn | None = None) -> None:
+        def apply(c: Conn) -> None:
             cur = c.execute("UPDATE bookings SET state = ?, updated_at = ? "
                             "WHERE booking_id = ?", (state, time.time(), booking_id))
             if cur.rowcount != 1:
@@ -233,13 +201,17 @@ class Store:
                 ":created_by_key, :created_at, :expires_at, NULL, NULL)", row)
 
     def confirmation(self, ref_sha256: str,
-                     conn: sqlite3.Connection | None = None) -> Row | None:
-        c = conn or self._conn()
-        return c.execute("SELECT * FROM confirmations WHERE ref_sha256 = ?",
-                         (ref_sha256,)).fetchone()
+                     conn: Conn | None = None) -> Row | None:
+        # In a transaction the row is locked: concurrent users of one confirmation
+        # queue here, and each next one sees the previous one's outcome.
+        if conn is None:
+            return self.read_one("SELECT * FROM confirmations WHERE ref_sha256 = ?",
+                                 (ref_sha256,))
+        return self._one(conn, "SELECT * FROM confirmations WHERE ref_sha256 = ? FOR UPDATE",
+                         (ref_sha256,))
 
     @staticmethod
-    def consume_confirmation(c: sqlite3.Connection, ref_sha256: str, by: str) -> None:
+    def consume_confirmation(c: Conn, ref_sha256: str, by: str) -> None:
         cur = c.execute("UPDATE confirmations SET consumed_at = ?, consumed_by = ? "
                         "WHERE ref_sha256 = ? AND consumed_at IS NULL",
                         (time.time(), by, ref_sha256))
@@ -248,13 +220,12 @@ class Store:
 
     # --- runs ------------------------------------------------------------------------
     def run_by_key(self, account_id: str, key: str,
-                   conn: sqlite3.Connection | None = None) -> Row | None:
-        c = conn or self._conn()
-        return c.execute("SELECT * FROM runs WHERE account_id = ? AND idempotency_key = ?",
-                         (account_id, key)).fetchone()
+                   conn: Conn | None = None) -> Row | None:
+        return self._one(conn, "SELECT * FROM runs WHERE account_id = ? AND "
+                         "idempotency_key = ?", (account_id, key))
 
     @staticmethod
-    def insert_run(c: sqlite3.Connection, run: Row) -> None:
+    def insert_run(c: Conn, run: Row) -> None:
         c.execute(
             "INSERT INTO runs (run_id, account_id, booking_id, manifest_id, manifest_digest, "
             "manifest_json, idempotency_key, request_sha256, state, state_reason, "
@@ -264,7 +235,11 @@ class Store:
             ":plan, :data_prep, :created_at, :updated_at)", run)
 
     @staticmethod
-    def count_active_runs(c: sqlite3.Connection, account_id: str) -> int:
+    def count_active_runs(c: Conn, account_id: str) -> int:
+        """The account's active runs, counted under its row lock: concurrent submits of
+        one account queue here on PostgreSQL (SQLite has one writer), so a cap holds."""
+        c.execute("SELECT account_id FROM accounts WHERE account_id = ? FOR UPDATE",
+                  (account_id,)).fetchone()
         marks = ",".join("?" * len(ACTIVE))
         row = c.execute(f"SELECT COUNT(*) AS n FROM runs WHERE account_id = ? AND state IN "
                         f"({marks})", (account_id, *map(str, ACTIVE))).fetchone()
@@ -291,10 +266,11 @@ class Store:
                          wanted)
 
     def transition(self, run_id: str, to_state: RunState | str, reason: str = "",
-                   conn: sqlite3.Connection | None = None) -> Row:
+                   conn: Conn | None = None) -> Row:
         """Move a run along the one transition table; anything else is ``invalid_state``."""
-        def apply(c: sqlite3.Connection) -> Row:
-            row = c.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        def apply(c: Conn) -> Row:
+            row = c.execute("SELECT * FROM runs WHERE run_id = ? FOR UPDATE",
+                            (run_id,)).fetchone()
             if row is None:
                 raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
             check_transition(row["state"], to_state)
@@ -315,7 +291,7 @@ class Store:
         """Say why a run is still in its state (e.g. waiting for its booking's nodes);
         logged once per change. Returns whether the reason changed."""
         with self.tx() as c:
-            row = c.execute("SELECT state_reason FROM runs WHERE run_id = ?",
+            row = c.execute("SELECT state_reason FROM runs WHERE run_id = ? FOR UPDATE",
                             (run_id,)).fetchone()
             if row is None:
                 raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
@@ -324,8 +300,7 @@ class Store:
             now = time.time()
             c.execute("UPDATE runs SET state_reason = ?, updated_at = ? WHERE run_id = ?",
                       (reason, now, run_id))
-            c.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message) "
-                      "VALUES (?, NULL, ?, 'info', 'orchestrator', ?)", (run_id, now, reason))
+            self.insert_log(c, run_id, None, now, "info", "orchestrator", reason)
             return True
 
     def set_run_field(self, run_id: str, **fields: Any) -> None:
@@ -342,15 +317,16 @@ class Store:
 
     # --- idempotency records of other mutations -------------------------------------
     @staticmethod
-    def idempotency_record(c: sqlite3.Connection, account_id: str, key: str) -> Row | None:
+    def idempotency_record(c: Conn, account_id: str, key: str) -> Row | None:
         return c.execute("SELECT * FROM idempotency WHERE account_id = ? AND "
                          "idempotency_key = ?", (account_id, key)).fetchone()
 
     def get_idempotency(self, account_id: str, key: str) -> Row | None:
-        return self.idempotency_record(self._conn(), account_id, key)
+        return self.read_one("SELECT * FROM idempotency WHERE account_id = ? AND "
+                             "idempotency_key = ?", (account_id, key))
 
     @staticmethod
-    def insert_idempotency(c: sqlite3.Connection, account_id: str, key: str,
+    def insert_idempotency(c: Conn, account_id: str, key: str,
                            request_sha256: str, action: str, target: str,
                            response: Any = None) -> None:
         c.execute("INSERT INTO idempotency VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -376,10 +352,13 @@ class Store:
                                f"{type(e).__name__}") from None
         added = 0
         with self.tx() as c:
-            if not c.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone():
+            # The run's row lock orders this run's writers (its per-run log counter).
+            if not c.execute("SELECT 1 FROM runs WHERE run_id = ? FOR UPDATE",
+                             (run_id,)).fetchone():
                 raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
             for seq, ev in parsed:
-                cur = c.execute("INSERT OR IGNORE INTO run_events VALUES (?, ?, ?, ?, ?)",
+                cur = c.execute("INSERT INTO run_events VALUES (?, ?, ?, ?, ?) "
+                                "ON CONFLICT (run_id, seq) DO NOTHING",
                                 (run_id, seq, ev.ts, ev.kind, ev.model_dump_json()))
                 if cur.rowcount != 1:
                     continue
@@ -388,22 +367,30 @@ class Store:
         return added
 
     @staticmethod
-    def _derive(c: sqlite3.Connection, run_id: str, seq: int, ev: Any) -> None:
+    def _derive(c: Conn, run_id: str, seq: int, ev: Any) -> None:
         if ev.kind == "log":
             Store.insert_log(c, run_id, seq, ev.ts, ev.level, ev.stage, ev.message)
         elif ev.kind == "checkpoint":
-            c.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)",
+            c.execute("INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?) "
+                      "ON CONFLICT (run_id, step) DO UPDATE SET path = excluded.path, "
+                      "bytes = excluded.bytes, blocking_s = excluded.blocking_s, "
+                      "total_s = excluded.total_s, created_at = excluded.created_at",
                       (run_id, ev.step, ev.path, ev.bytes, ev.blocking_s, ev.total_s, ev.ts))
         elif ev.kind == "stage_result":
             o = ev.outcome
-            c.execute("INSERT OR REPLACE INTO stage_gates VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            c.execute("INSERT INTO stage_gates VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                      "ON CONFLICT (run_id, stage) DO UPDATE SET status = excluded.status, "
+                      "reason = excluded.reason, metrics = excluded.metrics, "
+                      "artifacts = excluded.artifacts, error_code = excluded.error_code, "
+                      "updated_at = excluded.updated_at",
                       (run_id, str(o.get("stage") or ev.stage), str(o.get("status", "")),
                        str(o.get("reason", "")), json.dumps(o.get("metrics") or {}),
                        json.dumps(o.get("artifacts") or {}), o.get("error_code"), ev.ts))
         elif ev.kind == "proposal":
-            c.execute("INSERT OR IGNORE INTO proposals VALUES (?, ?, ?, ?, ?, 'pending', ?, "
-                      "NULL)", (run_id, ev.proposal_id, ev.action, ev.description,
-                                json.dumps(ev.params), ev.ts))
+            c.execute("INSERT INTO proposals VALUES (?, ?, ?, ?, ?, 'pending', ?, NULL) "
+                      "ON CONFLICT (run_id, proposal_id) DO NOTHING",
+                      (run_id, ev.proposal_id, ev.action, ev.description,
+                       json.dumps(ev.params), ev.ts))
 
     def list_events(self, run_id: str, after_seq: int = -1,
                     kinds: Iterable[str] | None = None, limit: int = 10_000) -> list[Row]:
@@ -436,9 +423,11 @@ class Store:
             self.insert_log(c, run_id, None, time.time(), level, stage, message)
 
     @staticmethod
-    def insert_log(c: sqlite3.Connection, run_id: str, seq: int | None, ts: float,
+    def insert_log(c: Conn, run_id: str, seq: int | None, ts: float,
                    level: str, stage: str, message: str) -> None:
-        """One log line; ``run_seq`` counts per run (the public cursor)."""
+        """One log line; ``run_seq`` counts per run (the public cursor). The run's row
+        lock serialises the run's log writers, so two never compute one ``run_seq``."""
+        c.execute("SELECT 1 FROM runs WHERE run_id = ? FOR UPDATE", (run_id,))
         c.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message, run_seq) "
                   "VALUES (?, ?, ?, ?, ?, ?, (SELECT COALESCE(MAX(run_seq), 0) + 1 "
                   "FROM logs WHERE run_id = ?))",
@@ -456,7 +445,7 @@ class Store:
                          (run_id,))
 
     @staticmethod
-    def decide_proposal(c: sqlite3.Connection, run_id: str, proposal_id: str,
+    def decide_proposal(c: Conn, run_id: str, proposal_id: str,
                         decision: str) -> None:
         row = c.execute("SELECT status FROM proposals WHERE run_id = ? AND proposal_id = ?",
                         (run_id, proposal_id)).fetchone()
@@ -469,7 +458,7 @@ class Store:
 
     # --- audit -----------------------------------------------------------------------
     @staticmethod
-    def audit_rows(c: sqlite3.Connection, rows: list[Row]) -> None:
+    def audit_rows(c: Conn, rows: list[Row]) -> None:
         """Gate decisions: only ids and codes, never a message, body or secret."""
         c.executemany(
             "INSERT INTO audit_events (ts, account_id, key_id, action, gate, outcome, code, "
@@ -505,7 +494,15 @@ class Store:
     def audit_events(self, limit: int = 1000) -> list[Row]:
         return self.read("SELECT * FROM audit_events ORDER BY audit_id DESC LIMIT ?", (limit,))
 
-    def write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        """Run ``fn`` inside one write transaction and return its result."""
-        with self.tx() as c:
-            return fn(c)
+    def write(self, fn: Callable[[Conn], Any]) -> Any:
+        """Run ``fn`` inside one write transaction and return its result. A transaction
+        that lost a race on a unique constraint (two replicas reserving one key) is
+        rolled back and ``fn`` runs again: it then sees the winner's committed row."""
+        for attempt in range(1, WRITE_ATTEMPTS + 1):
+            try:
+                with self.tx() as c:
+                    return fn(c)
+            except Exception as e:
+                if attempt == WRITE_ATTEMPTS or not self.engine.retryable(e):
+                    raise
+        raise AssertionError("unreachable")

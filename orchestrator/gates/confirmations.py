@@ -9,12 +9,11 @@ consuming it in the same transaction that performs the mutation.
 from __future__ import annotations
 
 import secrets
-import sqlite3
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from orchestrator.db.store import Row, Store
+from orchestrator.db.store import Conn, Row, Store
 from orchestrator.gates.auth import Principal, sha256_hex
 from stages.errors import ErrorCode, ItoError
 
@@ -97,7 +96,7 @@ def check(row: Row | None, expect: Expect, now: float | None = None) -> Row:
 
 
 def resolve(store: Store, ref: str | None, expect: Expect,
-            conn: sqlite3.Connection | None = None) -> Row:
+            conn: Conn | None = None) -> Row:
     if not ref:
         raise ItoError(ErrorCode.confirmation_required, "a confirmation_ref is required")
     if not ref.startswith(REF_PREFIX) or len(ref) > 128:
@@ -105,7 +104,7 @@ def resolve(store: Store, ref: str | None, expect: Expect,
     return check(store.confirmation(ref_hash(ref), conn), expect)
 
 
-def consume(store: Store, conn: sqlite3.Connection, ref: str, expect: Expect, by: str) -> Any:
+def consume(store: Store, conn: Conn, ref: str, expect: Expect, by: str) -> Any:
     """Re-check under the write lock and consume: exactly one caller wins.
 
     Credentials end with their key: the key that made the confirmation must still be

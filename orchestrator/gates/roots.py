@@ -28,7 +28,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.db.store import Store
+from orchestrator.db.store import Store, is_postgres
 from orchestrator.gates.manifest import Manifest
 from orchestrator.runtime.launch import launch_key_path
 from orchestrator.settings import Settings
@@ -50,9 +50,10 @@ def _real(p: Path | str) -> str:
 
 
 def account_roots(settings: Settings, store: Store, account_id: str) -> Roots:
-    db = _real(settings.db_path)
-    forbidden = {_real(settings.var_dir), db, db + "-wal", db + "-shm", db + "-journal",
-                 _real(launch_key_path()), _real(Path.home() / ".ray")}
+    forbidden = {_real(settings.var_dir), _real(launch_key_path()), _real(Path.home() / ".ray")}
+    if not is_postgres(settings.db_path):
+        db = _real(settings.db_path)
+        forbidden |= {db, db + "-wal", db + "-shm", db + "-journal"}
     # Server-wide checkpoint roots (``serve --checkpoint-root``) add to the account's.
     ckpt = (*store.roots(account_id, "checkpoint"),
             *(_real(r) for r in settings.checkpoint_roots))

@@ -11,6 +11,15 @@ from its persisted state: stages that already passed are skipped, and training
 resumes from the newest complete checkpoint, because redoing hours of finished
 work would waste the booking. After ``max_driver_attempts`` launches it fails
 with ``driver_lost`` instead, so a run that keeps killing its driver stops.
+
+Several API replicas may share one store; exactly one of them supervises. Each
+loop turn takes or renews the ``supervisor`` lease in the store (by the database's
+clock) and only its holder ticks runs; every write the supervisor makes goes
+through ``Store.fenced``, which checks the lease's holder and fencing token in the
+same transaction, so a leader that was paused or partitioned past its lease
+changes nothing. A standby takes over within ``supervisor_lease_s`` (plus one
+poll) of the leader's last renewal and starts from the store and Ray's named
+drivers, as after a restart.
 """
 
 from __future__ import annotations
@@ -18,14 +27,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
+import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from orchestrator.db.store import Row, Store
+from orchestrator.db.store import Fence, Row, Store
 from orchestrator.runs import ACTIVE, TERMINAL, RunState
 from orchestrator.runtime import authority, launch, placement, ray_cluster
 from orchestrator.runtime.interface import Decision, remove_tree, run_dir
@@ -58,6 +69,10 @@ class SupervisorSettings(BaseModel):
     # long work outlives its booking (well inside 30 s).
     authority_check_interval_s: float = Field(default=2.0, gt=0, le=30)
     max_driver_attempts: int = Field(default=2, ge=1)
+    # The leader lease: a standby replica takes over this long after the leader's last
+    # renewal (it renews every poll). Long enough that a busy tick (up to rpc_timeout_s
+    # per driver call) or a store failover does not hand it over needlessly.
+    supervisor_lease_s: float = Field(default=15.0, gt=0)
     # Operator-level TrainStageConfig overrides passed to every run (test pacing,
     # fault-tolerance timeouts), e.g. ITO_TRAIN_OVERRIDES='{"pace_step_s": 0.2}'.
     train_overrides: dict[str, Any] = Field(default_factory=dict)
@@ -66,6 +81,13 @@ class SupervisorSettings(BaseModel):
     # Server-wide checkpoint roots (``serve --checkpoint-root``): every account's model
     # folders may lie in them, as at submit (orchestrator/gates/roots.py).
     checkpoint_roots: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _lease_outlasts_polls(self) -> SupervisorSettings:
+        if self.supervisor_lease_s < 3 * self.poll_interval_s:
+            raise ValueError("supervisor_lease_s must be at least 3 poll intervals: the "
+                             "leader renews once a poll")
+        return self
 
     @field_validator("train_overrides")
     @classmethod
@@ -80,9 +102,12 @@ class SupervisorSettings(BaseModel):
     def from_env(cls) -> SupervisorSettings:
         raw = os.environ.get("ITO_TRAIN_OVERRIDES")
         wait = os.environ.get("ITO_PLACEMENT_WAIT_S")
+        lease = os.environ.get("ITO_SUPERVISOR_LEASE_S")
         kw: dict[str, Any] = {"train_overrides": json.loads(raw)} if raw else {}
         if wait:
             kw["placement"] = PlacementSettings(wait_timeout_s=float(wait))
+        if lease:
+            kw["supervisor_lease_s"] = float(lease)
         return cls(**kw)
 
 
@@ -90,10 +115,16 @@ def driver_name(run_id: str) -> str:
     return f"run-{run_id}"
 
 
+LEASE_NAME = "supervisor"
+
+
 class RayRuntime:
     def __init__(self, store: Store, var_dir: Path, ray: RaySettings,
                  settings: SupervisorSettings | None = None):
-        self.store = store
+        # This replica's claim on the lease; every supervisor write carries its token.
+        self.fence = Fence(LEASE_NAME, f"{socket.gethostname()}:{os.getpid()}:"
+                                       f"{secrets.token_hex(4)}")
+        self.store = store.fenced(self.fence)
         self.var_dir = var_dir
         self.ray_settings = ray
         self.settings = settings or SupervisorSettings.from_env()
@@ -107,10 +138,16 @@ class RayRuntime:
         self._relaunch: dict[str, int] = {}
         self._waiter = placement.Waiter(self.settings.placement)
         self._authority_checked_at = float("-inf")
+        self._renewed_at = 0.0
         self.embedded = ray.address is None
 
     # -- RunRuntime -----------------------------------------------------------------------
     def start(self) -> None:
+        self._connect()
+        self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
+        self._thread.start()
+
+    def _connect(self) -> None:
         ray_cluster.private_var_dir(self.var_dir)
         os.environ.setdefault(launch.LAUNCH_KEY_ENV, str(self.var_dir / "launch.key"))
         launch.ensure_launch_key()
@@ -123,14 +160,16 @@ class RayRuntime:
             settings = settings.model_copy(
                 update={"node_resources": placement.embedded_marks(live)})
         ray_cluster.connect(self.var_dir, settings)
-        self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
-        self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        try:
+            self.store.release_lease(self.fence)  # a standby need not wait the lease out
+        except Exception:
+            log.warning("could not release the supervisor lease; it expires by itself")
 
     def submit(self, run_id: str) -> None:
         self._wake.set()
@@ -165,13 +204,19 @@ class RayRuntime:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                runs = self.store.runs_in_states(ACTIVE)
-                if self.enforce_authority(runs):
+                if self._lead():
                     runs = self.store.runs_in_states(ACTIVE)
-                for run in runs:
-                    if self._stop.is_set():
-                        break
-                    self._tick(run)
+                    if self.enforce_authority(runs):
+                        runs = self.store.runs_in_states(ACTIVE)
+                    for run in runs:
+                        if self._stop.is_set() or not self._lead():
+                            break
+                        self._tick(run)
+            except ItoError as e:
+                if e.code != ErrorCode.lease_lost:
+                    log.exception("supervisor tick failed")
+                else:  # another replica leads now; the next turn stands by
+                    log.warning("supervisor write refused: %s", e.message)
             except Exception:  # keep supervising; a bad run must not stop the others
                 log.exception("supervisor tick failed")
             self._wake.wait(self.settings.poll_interval_s)
@@ -201,6 +246,31 @@ class RayRuntime:
             self.cancel(run["run_id"])
             stopped = True
         return stopped
+
+    def _lead(self) -> bool:
+        """Take or renew the lease (at most once a poll); on any change of leadership
+        forget what this process knew, and start from the store as a restart does."""
+        now = time.monotonic()
+        if self.fence.token is not None and now - self._renewed_at < \
+                self.settings.poll_interval_s:
+            return True
+        before = self.fence.token
+        token = self.store.acquire_lease(self.fence, self.settings.supervisor_lease_s)
+        self._renewed_at = now
+        if token != before:
+            self._forget()
+            if token is None:
+                log.warning("supervisor lease %s lost; standing by", before)
+            else:
+                log.info("supervising as leader (lease token %s)", token)
+        return token is not None
+
+    def _forget(self) -> None:
+        self._cancel_requested.clear()
+        self._launched_at.clear()
+        self._handles.clear()
+        self._relaunch.clear()
+        self._waiter = placement.Waiter(self.settings.placement)
 
     def _tick(self, run: Row) -> None:
         run_id, state = run["run_id"], RunState(run["state"])

@@ -154,7 +154,7 @@ def render(store: Store) -> tuple[bytes, str]:
         runs.labels(state=str(state)).set(counts.get(str(state), 0))
     fails = Gauge("ito_gate_failures", "Gate failures by code (since the store was created)",
                   ["code"], registry=registry)
-    for r in store.read("SELECT code, SUM(count) AS n FROM audit_events "
+    for r in store.read("SELECT code, CAST(SUM(count) AS BIGINT) AS n FROM audit_events "
                         "WHERE outcome = 'fail' GROUP BY code"):
         fails.labels(code=str(r["code"])).set(r["n"])
     registry.register(TelemetryCollector(lambda: samples(store)))

@@ -21,7 +21,7 @@ from orchestrator.settings import Settings
 @dataclass
 class Api:
     client: TestClient
-    db: Path
+    db: str
     tmp: Path
     t: Tenant
     store: Store
@@ -71,8 +71,9 @@ class Api:
 
 
 @pytest.fixture
-def api(tmp_path: Path) -> Iterator[Api]:
-    db = tmp_path / "ito.db"
+def api(tmp_path: Path, db: str) -> Iterator[Api]:
+    """The app on a fresh store: SQLite, or PostgreSQL too where a module runs
+    ``both_engines``."""
     # These tests isolate the other gates; the planner gate (on by default) has its own
     # tests in test_planning.py, since llama-tiny on 8 H100s is wasteful to it.
     settings = Settings(db_path=db, var_dir=tmp_path / "var", planner_gate=False)

@@ -9,6 +9,7 @@ import json
 import time
 
 import pytest
+from helpers.fixtures import both_engines
 from helpers.manifests import manifest_payload
 from helpers.tenants import add_key, booking_doc, iso_in, make_tenant
 
@@ -17,6 +18,9 @@ from orchestrator.gates.confirmations import ref_hash
 from stages.errors import ItoError
 
 from .conftest import Api, code_of
+
+# The contract holds on both engines: SQLite (embedded) and PostgreSQL (replicas).
+pytestmark = both_engines
 
 
 def _runs(api: Api) -> int:

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from helpers.fixtures import both_engines
+
 from orchestrator.runs import RunState
 from orchestrator.runtime.interface import run_dir
 
 from .conftest import Api, code_of
+
+# The contract holds on both engines: SQLite (embedded) and PostgreSQL (replicas).
+pytestmark = both_engines
 
 
 def _post(api: Api, path: str, ref: str, idem: str) -> Any:

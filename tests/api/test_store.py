@@ -1,4 +1,5 @@
-"""The store: schema versioning, WAL, transitions, event ingestion (idempotent)."""
+"""The store: schema versioning, WAL, transitions, event ingestion (idempotent), the
+supervisor lease and its fence; the engine-independent ones on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -6,14 +7,23 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
+from helpers.fixtures import both_engines
 
 from orchestrator.db.schema import SCHEMA_VERSION
-from orchestrator.db.store import Store
+from orchestrator.db.store import Fence, Store
 from orchestrator.runs import TRANSITIONS, RunState, can_transition, check_transition
 from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent, LogEvent, ProposalEvent, StageResultEvent
+
+
+def _lease(store: Store) -> dict[str, Any]:
+    row = store.lease("supervisor")
+    assert row is not None
+    return row
 
 
 def _run(store: Store, run_id: str = "run_1", key: str = "k1") -> None:
@@ -42,8 +52,9 @@ def test_schema_versioned_and_wal(tmp_path: Path) -> None:
         Store(tmp_path / "s.db")
 
 
-def test_transition_table_is_enforced(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.db")
+@both_engines
+def test_transition_table_is_enforced(db: str) -> None:
+    store = Store(db)
     _run(store)
     with pytest.raises(ItoError) as e:
         store.transition("run_1", RunState.succeeded)
@@ -60,8 +71,9 @@ def test_transition_table_is_enforced(tmp_path: Path) -> None:
         check_transition("running", "bogus")
 
 
-def test_ingest_is_idempotent_and_derives_tables(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.db")
+@both_engines
+def test_ingest_is_idempotent_and_derives_tables(db: str) -> None:
+    store = Store(db)
     _run(store)
     events = [
         {**LogEvent(message="hi", stage="trainer").model_dump(), "seq": 0},
@@ -93,16 +105,18 @@ def test_ingest_is_idempotent_and_derives_tables(tmp_path: Path) -> None:
     assert store.get_run("run_1")["plan"] == '{"dp": 2}'
 
 
-def test_key_unique_per_account(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.db")
+@both_engines
+def test_key_unique_per_account(db: str) -> None:
+    store = Store(db)
     _run(store, "run_1", "same-key")
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises((sqlite3.IntegrityError, psycopg.IntegrityError)):
         _run(store, "run_2", "same-key")
 
 
-def test_concurrent_writers_serialise(tmp_path: Path) -> None:
-    """Eight threads, own connections, BEGIN IMMEDIATE: no lost update, no lock error."""
-    store = Store(tmp_path / "s.db")
+@both_engines
+def test_concurrent_writers_serialise(db: str) -> None:
+    """Eight threads, own connections: no lost update, no lock error."""
+    store = Store(db)
     _run(store)
     errors: list[BaseException] = []
 
@@ -123,15 +137,16 @@ def test_concurrent_writers_serialise(tmp_path: Path) -> None:
     assert len(store.list_events("run_1")) == 160
 
 
-def test_parallel_first_open_migrates_once(tmp_path: Path) -> None:
-    """Several openers of a fresh file at once (server + admin CLI): one migrates."""
+@both_engines
+def test_parallel_first_open_migrates_once(db: str) -> None:
+    """Several openers of a fresh store at once (replicas + admin CLI): one migrates."""
     errors: list[BaseException] = []
     barrier = threading.Barrier(6)
 
     def open_store() -> None:
         try:
             barrier.wait()
-            Store(tmp_path / "fresh.db").close()
+            Store(db).close()
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -141,15 +156,16 @@ def test_parallel_first_open_migrates_once(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert not errors
-    store = Store(tmp_path / "fresh.db")
+    store = Store(db)
     assert store.schema_version() == SCHEMA_VERSION
     assert store.read("SELECT COUNT(*) AS n FROM schema_version")[0]["n"] == 1
 
 
-def test_last_event_is_the_newest_of_its_kind(tmp_path: Path) -> None:
+@both_engines
+def test_last_event_is_the_newest_of_its_kind(db: str) -> None:
     from stages.events import ProgressEvent
 
-    store = Store(tmp_path / "s.db")
+    store = Store(db)
     _run(store)
     assert store.last_event("run_1", "progress") is None
     events = [{**ProgressEvent(stage="data_prep", step=s, docs_done=d).model_dump(mode="json"),
@@ -158,3 +174,39 @@ def test_last_event_is_the_newest_of_its_kind(tmp_path: Path) -> None:
     assert store.ingest_events("run_1", events) == 3
     last = store.last_event("run_1", "progress")
     assert last is not None and last["step"] == "verify" and last["docs_done"] == 20
+
+
+@both_engines
+def test_lease_has_one_holder_and_fences_a_stale_one(db: str) -> None:
+    """One holder at a time; a takeover after expiry bumps the token; the old holder's
+    fenced write is refused and changes nothing; renewing is not retaking."""
+    store = Store(db)
+    _run(store)
+    a, b = Fence("supervisor", "replica-a"), Fence("supervisor", "replica-b")
+    assert store.acquire_lease(a, lease_s=60) == 1
+    assert store.acquire_lease(b, lease_s=60) is None  # a's lease is live
+    assert store.acquire_lease(a, lease_s=0.2) == 1  # renewal keeps the token
+    stale = store.fenced(Fence("supervisor", "replica-a", token=1))
+    stale.transition("run_1", RunState.starting, "by the leader")
+    deadline = time.monotonic() + 30
+    while store.acquire_lease(b, lease_s=60) is None:  # a stopped renewing
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.05)
+    assert b.token == 2 and _lease(store)["holder"] == "replica-b"
+    with pytest.raises(ItoError) as e:
+        stale.transition("run_1", RunState.running, "by a stale leader")
+    assert e.value.code == ErrorCode.lease_lost
+    with pytest.raises(ItoError):
+        stale.ingest_events("run_1", [{**LogEvent(message="stale").model_dump(), "seq": 0}])
+    assert store.get_run("run_1")["state"] == "starting" and store.max_seq("run_1") == -1
+    assert store.acquire_lease(a, lease_s=60) is None and a.token is None
+    store.fenced(b).transition("run_1", RunState.running, "by the new leader")
+    store.release_lease(b)  # a clean shutdown hands over at once
+    assert store.acquire_lease(a, lease_s=60) == 3
+
+
+def test_a_password_in_the_store_url_is_refused() -> None:
+    """A URL is argv: the password comes from ITO_DB_PASSWORD_FILE or libpq's env."""
+    with pytest.raises(ItoError) as e:
+        Store("postgresql://ito:hunter2hunter2@127.0.0.1:1/ito")
+    assert e.value.code == ErrorCode.bad_request and "hunter2" not in e.value.message

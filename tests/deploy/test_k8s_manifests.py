@@ -1,11 +1,13 @@
 """deploy/k8s renders (``kubectl kustomize``, offline) and every object validates: the
-KubeRay kinds against the vendored KubeRay CRD schemas (deploy/k8s/crds, Apache-2.0),
+KubeRay kinds and CloudNativePG's ``Cluster`` against their vendored CRD schemas
+(deploy/k8s/crds, Apache-2.0),
 the built-in kinds against the Kubernetes schemas (kubernetes-validate, strict: an
 unknown field fails). No secret is inline anywhere under deploy/."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import subprocess
 from pathlib import Path
@@ -51,18 +53,26 @@ def _strict(schema: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
+# libyaml's loader where built (the vendored CRDs are ~3 MB of YAML).
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+@functools.lru_cache(maxsize=1)
 def _crd_validators() -> dict[str, jsonschema.Draft7Validator]:
     out = {}
     for path in CRDS.glob("*.yaml"):
-        crd = yaml.safe_load(path.read_text())
+        crd = yaml.load(path.read_text(), Loader=_LOADER)
         kind = crd["spec"]["names"]["kind"]
         version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
         out[kind] = jsonschema.Draft7Validator(_strict(version["schema"]["openAPIV3Schema"]))
     return out
 
 
+CRD_GROUPS = ("ray.io/", "postgresql.cnpg.io/")
+
+
 def _validate(doc: dict[str, Any], crds: dict[str, jsonschema.Draft7Validator]) -> list[str]:
-    if doc["apiVersion"].startswith("ray.io/"):
+    if doc["apiVersion"].startswith(CRD_GROUPS):
         return [f"{e.json_path}: {e.message}" for e in crds[doc["kind"]].iter_errors(doc)]
     import kubernetes_validate
 
@@ -80,8 +90,8 @@ def test_overlay_renders_and_validates(overlay: Path) -> None:
     errors = {f"{d['kind']}/{d['metadata']['name']}": _validate(d, crds) for d in docs}
     assert not {k: v for k, v in errors.items() if v}, errors
     kinds = {d["kind"] for d in docs}
-    assert {"RayCluster", "RayJob", "StatefulSet", "Service", "ConfigMap",
-            "PodDisruptionBudget"} <= kinds
+    assert {"RayCluster", "RayJob", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
+    assert len({"StatefulSet", "Deployment"} & kinds) == 1, "one kind of API server"
     assert "Secret" not in kinds
     cluster = next(d for d in docs if d["kind"] == "RayCluster")
     assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
@@ -92,8 +102,38 @@ def test_overlay_renders_and_validates(overlay: Path) -> None:
         assert f"booking:{booking}" in group["rayStartParams"]["resources"]
         pod = group["template"]["spec"]
         assert pod["nodeSelector"] and pod["tolerations"]
-    sts = next(d for d in docs if d["kind"] == "StatefulSet")
-    assert sts["spec"]["volumeClaimTemplates"], "the store lives on a persistent volume"
+    if "StatefulSet" in kinds:  # one API server, its SQLite store on a volume
+        sts = next(d for d in docs if d["kind"] == "StatefulSet")
+        assert sts["spec"]["replicas"] == 1
+        assert sts["spec"]["volumeClaimTemplates"], "the store lives on a persistent volume"
+
+
+def test_ha_overlay_runs_replicas_on_an_operator_managed_postgres() -> None:
+    docs = _render(K8S / "overlays" / "ha-postgres")
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], []).append(d)
+    [api] = by_kind["Deployment"]
+    assert api["spec"]["replicas"] >= 2
+    assert api["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    pod = api["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    [pdb] = [p for p in by_kind["PodDisruptionBudget"] if p["metadata"]["name"] == "ito-api"]
+    assert pdb["spec"]["minAvailable"] >= 1 and "maxUnavailable" not in pdb["spec"]
+    assert pdb["spec"]["selector"]["matchLabels"] == api["spec"]["selector"]["matchLabels"]
+    # The store is a reference to the operator's Cluster: its -rw Service, no password.
+    [cluster] = by_kind["Cluster"]
+    assert cluster["spec"]["instances"] >= 3
+    [config] = [c for c in by_kind["ConfigMap"] if c["metadata"]["name"] == "ito-api-config"]
+    url = config["data"]["ITO_DB"]
+    assert url.startswith(f"postgresql://ito@{cluster['metadata']['name']}-rw:")
+    assert ":" not in url.split("@")[0].removeprefix("postgresql://")  # no password
+    mounted = {v["name"]: v for v in pod["volumes"]}
+    assert mounted["db-password"]["secret"]["secretName"] == \
+        f"{cluster['metadata']['name']}-app"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "db-password")
+    assert config["data"]["ITO_DB_PASSWORD_FILE"].startswith(mount["mountPath"] + "/")
 
 
 def test_validation_catches_a_misspelt_field() -> None:
@@ -106,6 +146,11 @@ def test_validation_catches_a_misspelt_field() -> None:
     sts = copy.deepcopy(next(d for d in docs if d["kind"] == "StatefulSet"))
     sts["spec"]["replica"] = 1
     assert _validate(sts, crds)
+    ha = _render(K8S / "overlays" / "ha-postgres")
+    cluster = copy.deepcopy(next(d for d in ha if d["kind"] == "Cluster"))
+    assert not _validate(cluster, crds)
+    cluster["spec"]["instance"] = 3
+    assert _validate(cluster, crds)
 
 
 # A secret value written into a file: key material, an API key, or a credential-named
@@ -130,7 +175,9 @@ def _yaml_secrets(node: Any, where: str) -> list[str]:
                 isinstance(node.get("value"), str) and not node["value"].startswith("$"):
             found.append(f"{where}: env {env_name} has a literal value")
         for k, v in node.items():
-            if isinstance(v, str) and _CREDENTIAL.search(str(k)) and \
+            # A *_FILE setting whose value is a path names where a secret is mounted.
+            where_it_is = str(k).endswith("_FILE") and isinstance(v, str) and v.startswith("/")
+            if isinstance(v, str) and _CREDENTIAL.search(str(k)) and not where_it_is and \
                     str(k) not in _REFERENCE_KEYS and not v.startswith("$"):
                 found.append(f"{where}: {k} has a literal value")
             found += _yaml_secrets(v, where)

@@ -30,7 +30,7 @@ def free_port() -> int:
 class Backend:
     """One API server process. ``start()`` waits for /healthz; ``kill()`` is SIGKILL."""
 
-    db: Path
+    db: str | Path
     var_dir: Path
     log_path: Path
     port: int = 0

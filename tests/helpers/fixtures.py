@@ -2,13 +2,49 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from helpers.backend import Backend, start_backend
+from helpers.postgres import PgServer, pg_bin, start_postgres
 from helpers.tenants import Tenant, make_tenant
+
+ENGINES = ("sqlite", "postgresql")
+# A contract test module runs on both engines: ``pytestmark = both_engines``.
+both_engines = pytest.mark.parametrize("engine", ENGINES, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """One real PostgreSQL server for the session; each test makes its own database.
+    CI installs postgresql and fails without it (ITO_REQUIRE_POSTGRES=1)."""
+    if pg_bin() is None:
+        if os.environ.get("ITO_REQUIRE_POSTGRES") == "1":
+            pytest.fail("PostgreSQL is required here (apt-get install postgresql)")
+        pytest.skip("PostgreSQL is not installed")
+    server = start_postgres()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def engine(request: pytest.FixtureRequest) -> str:
+    """The store's engine: SQLite unless the module runs ``both_engines``."""
+    return str(getattr(request, "param", "sqlite"))
+
+
+@pytest.fixture
+def db(engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    """A fresh, empty store of ``engine``: a SQLite file path or a PostgreSQL URL."""
+    if engine == "postgresql":
+        server: PgServer = request.getfixturevalue("pg_server")
+        return server.new_database()
+    return str(tmp_path / "ito.db")
 
 
 @pytest.fixture

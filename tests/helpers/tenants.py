@@ -69,7 +69,7 @@ class Tenant:
 DEFAULT_ROOTS = (os.path.realpath(tempfile.gettempdir()),)
 
 
-def make_tenant(db: Path, name: str, roles: dict[str, tuple[str, ...]] | None = None,
+def make_tenant(db: str | Path, name: str, roles: dict[str, tuple[str, ...]] | None = None,
                 booking: dict[str, Any] | None = None, with_booking: bool = True,
                 data_roots: tuple[str, ...] = DEFAULT_ROOTS,
                 checkpoint_roots: tuple[str, ...] = DEFAULT_ROOTS) -> Tenant:
@@ -91,7 +91,7 @@ def make_tenant(db: Path, name: str, roles: dict[str, tuple[str, ...]] | None = 
         store.close()
 
 
-def add_key(db: Path, account: str, scopes: tuple[str, ...]) -> tuple[str, str]:
+def add_key(db: str | Path, account: str, scopes: tuple[str, ...]) -> tuple[str, str]:
     store = Store(db)
     try:
         return issue_key(store, account, list(scopes))
@@ -99,7 +99,7 @@ def add_key(db: Path, account: str, scopes: tuple[str, ...]) -> tuple[str, str]:
         store.close()
 
 
-def admin(db: Path, *args: str, check: bool = True) -> dict[str, Any]:
+def admin(db: str | Path, *args: str, check: bool = True) -> dict[str, Any]:
     """Run ``ito-backend <args> --db DB --json`` as a subprocess; returns the envelope."""
     proc = subprocess.run([sys.executable, "-m", "orchestrator.admin", *args, "--db", str(db),
                            "--json"], capture_output=True, text=True, timeout=ADMIN_TIMEOUT_S)
@@ -109,7 +109,7 @@ def admin(db: Path, *args: str, check: bool = True) -> dict[str, Any]:
     return env
 
 
-def add_booking_cli(db: Path, tmp: Path, doc: dict[str, Any]) -> dict[str, Any]:
+def add_booking_cli(db: str | Path, tmp: Path, doc: dict[str, Any]) -> dict[str, Any]:
     path = tmp / f"booking-{doc['booking_id']}.json"
     path.write_text(json.dumps(doc))
     return admin(db, "bookings", "add", str(path))

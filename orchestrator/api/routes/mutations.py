@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -29,7 +28,7 @@ from orchestrator.api.deps import (
 )
 from orchestrator.api.envelope import Envelope, ok
 from orchestrator.api.models import MutationRequest
-from orchestrator.db.store import Row
+from orchestrator.db.store import Conn, Row
 from orchestrator.gates import confirmations
 from orchestrator.gates.auth import Principal
 from orchestrator.gates.bookings import owned_live_booking
@@ -43,7 +42,7 @@ router = APIRouter(tags=["mutations"])
 
 def _mutate(c: Ctx, g: Gates, p: Principal, key: str, action: str, target: str,
             ref: str, expect: confirmations.Expect,
-            apply: Callable[[sqlite3.Connection], None]) -> tuple[bool, Row | None]:
+            apply: Callable[[Conn], None]) -> tuple[bool, Row | None]:
     """Returns (replayed, idempotency record). Raises the first failing gate."""
     store = c.store
     request_sha = fingerprint(action, target, confirmations.ref_hash(ref))
@@ -59,7 +58,10 @@ def _mutate(c: Ctx, g: Gates, p: Principal, key: str, action: str, target: str,
         return g.check("idempotency", replay, rec)
     g.check("confirmation", confirmations.resolve, store, ref, expect)
 
-    def tx(conn: sqlite3.Connection) -> tuple[bool, Row | None]:
+    def tx(conn: Conn) -> tuple[bool, Row | None]:
+        # The confirmation's row lock first: concurrent uses queue on it, and the next
+        # in line sees the winner's idempotency record (or the used confirmation).
+        store.confirmation(confirmations.ref_hash(ref), conn)
         twin = store.idempotency_record(conn, p.account_id, key)
         if twin is not None:
             return replay(twin)
@@ -92,7 +94,7 @@ def _run_mutation(action: Literal["cancel", "cleanup"], run_id: str, body: Mutat
         to = RunState.cancelling if action == "cancel" else RunState.cleaned
         why = "cancel requested" if action == "cancel" else "cleanup requested"
 
-        def apply(conn: sqlite3.Connection) -> None:
+        def apply(conn: Conn) -> None:
             c.store.transition(run_id, to, why, conn=conn)
 
         replayed, rec = _mutate(c, g, p, key, action, run_id, body.confirmation_ref,
@@ -151,7 +153,7 @@ def _decide(decision: Literal["approved", "declined"], run_id: str, proposal_id:
                                       booking_id=run["booking_id"], run_id=run_id,
                                       proposal_id=proposal_id, used_by_key=p.key_id)
 
-        def apply(conn: sqlite3.Connection) -> None:
+        def apply(conn: Conn) -> None:
             state = conn.execute("SELECT state FROM runs WHERE run_id = ?",
                                  (run_id,)).fetchone()["state"]
             if state not in (RunState.running, RunState.awaiting_approval):
@@ -204,7 +206,7 @@ def release_booking(booking_id: str, body: MutationRequest,
         expect = confirmations.Expect(account_id=p.account_id, action="release",
                                       booking_id=booking_id, used_by_key=p.key_id)
 
-        def apply(conn: sqlite3.Connection) -> None:
+        def apply(conn: Conn) -> None:
             active = conn.execute(
                 f"SELECT COUNT(*) AS n FROM runs WHERE booking_id = ? AND state IN "
                 f"({','.join('?' * len(ACTIVE))})", (booking_id, *map(str, ACTIVE))).fetchone()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +25,7 @@ from orchestrator.api.deps import (
 from orchestrator.api.envelope import Envelope, ok
 from orchestrator.api.gating import booking_gate, manifest_gate, validation_gate
 from orchestrator.api.models import RunRequest
-from orchestrator.db.store import Row, Store, new_id
+from orchestrator.db.store import Conn, Row, Store, new_id
 from orchestrator.gates import confirmations
 from orchestrator.gates.auth import Principal
 from orchestrator.gates.bookings import iso
@@ -108,9 +107,13 @@ def _gated_create(c: Ctx, g: Gates, p: Principal, body: RunRequest, key: str,
         "data_prep": None, "created_at": now, "updated_at": now,
     }
 
-    def create(conn: sqlite3.Connection) -> Row:
-        # Under the write lock: the key first (a same-key twin wins as a replay), then
-        # the confirmation, consumed in the same transaction that inserts the run.
+    def create(conn: Conn) -> Row:
+        # The confirmation's row lock first (SELECT ... FOR UPDATE): concurrent submits
+        # of it queue there. Then the key (a same-key twin wins as a replay), then the
+        # confirmation, consumed in the same transaction that inserts the run. Two keys'
+        # runs racing on the (account, key) unique constraint: the loser runs again
+        # (Store.write) and finds the twin.
+        store.confirmation(confirmations.ref_hash(body.confirmation_ref or ""), conn)
         twin = store.run_by_key(p.account_id, key, conn)
         if twin is not None:
             return {**twin, "_replayed": True}

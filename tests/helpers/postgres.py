@@ -1,0 +1,110 @@
+"""A real PostgreSQL server (Debian's ``postgresql`` package) in a temp folder.
+
+``initdb`` + ``pg_ctl`` as an unprivileged user (PostgreSQL refuses to run as
+root), listening on 127.0.0.1 at a free port, with password (scram) auth over TCP.
+The password reaches the store the way it does in production: a file named by
+``ITO_DB_PASSWORD_FILE``, never the URL. Each test gets its own database.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from helpers.backend import free_port
+from orchestrator.db.engines import PASSWORD_FILE_ENV
+
+PG_USER = "ito"
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+
+
+def pg_bin() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    return Path(found[-1]).parent if found else None
+
+
+def _os_user() -> str | None:
+    """The unprivileged user that runs the server (root needs one; others are one)."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        try:
+            pwd.getpwnam(name)
+            return name
+        except KeyError:
+            continue
+    raise RuntimeError("no unprivileged user to run PostgreSQL as")
+
+
+@dataclass
+class PgServer:
+    root: Path
+    port: int
+    password_file: Path
+    os_user: str | None
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"postgresql://{PG_USER}@127.0.0.1:{self.port}/{dbname}"
+
+    def _as_user(self, *cmd: str) -> list[str]:
+        return ["runuser", "-u", self.os_user, "--", *cmd] if self.os_user else list(cmd)
+
+    def new_database(self) -> str:
+        """A fresh, empty database; returns its URL (no password in it)."""
+        import psycopg
+
+        name = f"t_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(self.url(), password=self.password_file.read_text().strip(),
+                             autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def stop(self) -> None:
+        bindir = pg_bin()
+        assert bindir is not None
+        subprocess.run(self._as_user(str(bindir / "pg_ctl"), "-D", str(self.root / "data"),
+                                     "-m", "immediate", "-w", "stop"),
+                       capture_output=True, timeout=STOP_TIMEOUT_S, check=False)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def start_postgres() -> PgServer:
+    bindir = pg_bin()
+    if bindir is None:
+        raise RuntimeError("PostgreSQL is not installed (apt-get install postgresql)")
+    user = _os_user()
+    # Not under pytest's tmp_path: its parents are private to root.
+    root = Path(tempfile.mkdtemp(prefix="ito-pg-"))
+    secret = uuid.uuid4().hex
+    pwfile = root / "password"
+    pwfile.write_text(secret + "\n")
+    if user:
+        info = pwd.getpwnam(user)
+        os.chown(root, info.pw_uid, info.pw_gid)
+        os.chown(pwfile, info.pw_uid, info.pw_gid)
+    os.chmod(pwfile, 0o600)
+    server = PgServer(root=root, port=free_port(), password_file=pwfile, os_user=user)
+    subprocess.run(server._as_user(
+        str(bindir / "initdb"), "-D", str(root / "data"), "-U", PG_USER,
+        f"--pwfile={pwfile}", "--auth-local=trust", "--auth-host=scram-sha-256",
+        "--no-sync", "-E", "UTF8"), check=True, capture_output=True, timeout=START_TIMEOUT_S)
+    # Small and quiet: a test server, not a benchmark of PostgreSQL's settings.
+    opts = (f"-c listen_addresses=127.0.0.1 -c port={server.port} "
+            f"-c unix_socket_directories={root} -c max_connections=200 "
+            "-c shared_buffers=32MB -c fsync=off -c synchronous_commit=off "
+            "-c full_page_writes=off")
+    subprocess.run(server._as_user(
+        str(bindir / "pg_ctl"), "-D", str(root / "data"), "-l", str(root / "server.log"),
+        "-o", opts, "-w", "-t", str(int(START_TIMEOUT_S)), "start"),
+        check=True, capture_output=True, timeout=START_TIMEOUT_S + 10)
+    # The store and every backend subprocess read the password from this file.
+    os.environ[PASSWORD_FILE_ENV] = str(pwfile)
+    return server

@@ -1,0 +1,163 @@
+"""One supervisor by lease, across real processes on a real PostgreSQL.
+
+Each replica is the real ``RayRuntime`` loop (lease, fencing token, forget on
+takeover) in its own process with a fake launcher in place of Ray and the drivers
+(tests/helpers/lease_replica.py): what is under test is who may write, not what a
+driver does. Processes are SIGKILLed and SIGSTOPped for real.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.postgres import PgServer
+
+from orchestrator.db.store import Store
+
+pytestmark = pytest.mark.slow
+
+LEASE_S = 3.0
+POLL_S = 0.2
+WAIT_S = 60.0
+TESTS = Path(__file__).resolve().parents[1]
+
+
+class Replica:
+    def __init__(self, db: str, tmp: Path, name: str, tick_s: float = 0.0):
+        self.log = tmp / f"{name}.log"
+        self.var = tmp / name
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "helpers.lease_replica", "--db", db,
+                 "--var-dir", str(tmp / name), "--lease-s", str(LEASE_S),
+                 "--poll-s", str(POLL_S), "--tick-s", str(tick_s)],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"})
+
+    def ticks(self) -> int:
+        """How many watch ticks it began (it is inside the newest one now)."""
+        try:
+            return int((self.var / "mid-tick").read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def ready(self) -> bool:
+        return (self.var / "ready").exists()
+
+    def holds(self, store: Store) -> bool:
+        row = store.lease("supervisor")
+        return row is not None and f":{self.proc.pid}:" in row["holder"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+def _lease(store: Store) -> dict[str, Any]:
+    row = store.lease("supervisor")
+    assert row is not None
+    return row
+
+
+def _wait(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _queue_run(store: Store, run_id: str) -> None:
+    now = time.time()
+    with store.tx() as c:
+        store.insert_run(c, {
+            "run_id": run_id, "account_id": "acct", "booking_id": "bk", "manifest_id": "mf",
+            "manifest_digest": "d", "manifest_json": "{}", "idempotency_key": run_id,
+            "request_sha256": "r", "state": "accepted", "state_reason": "",
+            "cost_estimate_usd": 0.0, "plan": None, "data_prep": None, "created_at": now,
+            "updated_at": now})
+
+
+def _messages(store: Store, run_id: str, word: str) -> list[str]:
+    return [e["payload"]["message"] for e in store.list_events(run_id, kinds=["log"])
+            if e["payload"]["message"].startswith(word)]
+
+
+@pytest.fixture
+def world(pg_server: PgServer, tmp_path: Path) -> Iterator[tuple[Store, str, list[Replica]]]:
+    db = pg_server.new_database()
+    store = Store(db)
+    started: list[Replica] = []
+    try:
+        yield store, db, started
+    finally:
+        for r in started:
+            r.stop()
+        store.close()
+
+
+def test_leader_killed_standby_takes_over_and_starts_the_queued_run(
+        world: tuple[Store, str, list[Replica]], tmp_path: Path) -> None:
+    store, db, started = world
+    a = Replica(db, tmp_path, "a")
+    started.append(a)
+    _wait(lambda: a.holds(store), "replica a to lead")
+    b = Replica(db, tmp_path, "b")
+    started.append(b)
+    _queue_run(store, "run_1")
+    _wait(lambda: store.get_run("run_1")["state"] == "running", "a to start run_1")
+    assert a.holds(store)  # b stands by while a renews
+    a.proc.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    _queue_run(store, "run_2")
+    _wait(lambda: store.get_run("run_2")["state"] == "running",
+          "the standby to take over and start run_2", timeout=LEASE_S + 5)
+    assert time.monotonic() - killed_at <= LEASE_S + 5
+    assert b.holds(store) and _lease(store)["token"] == 2
+    # The new leader watches the run the old one started, and launched nothing twice.
+    _wait(lambda: any("token=2" in m for m in _messages(store, "run_1", "watch")),
+          "b to watch run_1")
+    assert _messages(store, "run_1", "launched") == ["launched token=1"]
+    assert _messages(store, "run_2", "launched") == ["launched token=2"]
+
+
+def test_paused_leader_that_lost_its_lease_changes_nothing(
+        world: tuple[Store, str, list[Replica]], tmp_path: Path) -> None:
+    store, db, started = world
+    # Slow ticks (a slow driver RPC): the pause lands between a watch's read and write.
+    a = Replica(db, tmp_path, "a", tick_s=1.0)
+    started.append(a)
+    _wait(lambda: a.holds(store), "replica a to lead")
+    _queue_run(store, "run_1")
+    _wait(lambda: len(_messages(store, "run_1", "watch")) >= 2, "a to watch run_1")
+    b = Replica(db, tmp_path, "b", tick_s=0.2)
+    started.append(b)
+    _wait(b.ready, "b to stand by")
+    begun = a.ticks()
+    _wait(lambda: a.ticks() > begun, "a to begin a watch tick")
+    os.killpg(a.proc.pid, signal.SIGSTOP)
+    _wait(lambda: b.holds(store), "b to take the lease over")
+    _wait(lambda: sum("token=2" in m for m in _messages(store, "run_1", "watch")) >= 2,
+          "b to watch run_1")
+    os.killpg(a.proc.pid, signal.SIGCONT)
+    # Give the woken leader many of its ticks to try its stale write.
+    seen = len(_messages(store, "run_1", "watch"))
+    _wait(lambda: len(_messages(store, "run_1", "watch")) >= seen + 6, "b to keep watching")
+    assert a.proc.poll() is None  # a is alive, standing by
+    watches = _messages(store, "run_1", "watch")
+    first_b = next(i for i, m in enumerate(watches) if "token=2" in m)
+    assert all("token=2" in m for m in watches[first_b:]), watches
+    assert b.holds(store) and _lease(store)["token"] == 2
+    assert _messages(store, "run_1", "launched") == ["launched token=1"]
