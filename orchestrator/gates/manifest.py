@@ -107,6 +107,17 @@ def find_secrets(node: Any, path: str = "$") -> list[SecretFinding]:
 
 
 MAX_DEPTH = 32  # the real schema nests 5 deep
+# The schema's largest integer bound (1e10 dollars, 1e15 tokens) has 16 digits; 32
+# leaves room and refuses before int() runs, which is quadratic in the digits (Python
+# itself refuses past 4300 digits with a ValueError, i.e. a 500 before this check).
+MAX_INT_DIGITS = 32
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ItoError(ErrorCode.manifest_invalid,
+                       f"manifest has an integer of more than {MAX_INT_DIGITS} digits")
+    return int(text)
 
 
 def _depth(node: Any) -> int:
@@ -170,7 +181,7 @@ def parse_manifest(raw: bytes, claimed_digest: str | None = None) -> ParsedManif
                        "manifest_digest does not match the sha256 of the manifest bytes")
     try:
         text = raw.decode("utf-8")
-        tree = json.loads(text, object_pairs_hook=_no_duplicates)
+        tree = json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_parse_int)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ItoError(ErrorCode.manifest_invalid, "manifest is not UTF-8 JSON") from None
     except RecursionError:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,10 @@ from stages.errors import ErrorCode, ItoError
 Kind = Literal["sft", "dpo", "rlvr"]
 ROLES = ("system", "user", "assistant")
 MAX_ROWS = 1_000_000
+# One row (one line) at most; a long multi-turn chat is a few hundred kB. Lines are
+# read with this cap, so a file without newlines (a sparse gigabyte) costs one cap of
+# memory, not the file.
+MAX_LINE_BYTES = 4 << 20
 
 
 def _bad(path: Path, line: int, why: str) -> ItoError:
@@ -88,21 +93,47 @@ def _check(kind: Kind, row: Any, path: Path, line: int) -> dict[str, Any]:
     return {"prompt": prompt, "answer": answer}
 
 
-def load_rows(kind: Kind, uri: str) -> list[dict[str, Any]]:
-    """Every row of the dataset, validated; raises ItoError on the first bad line."""
-    rows: list[dict[str, Any]] = []
+def iter_rows(kind: Kind, uri: str, *, max_bytes: int | None = None,
+              ) -> Iterator[dict[str, Any]]:
+    """The dataset's rows, validated, one line at a time (never a whole file in
+    memory); stops quietly after ``max_bytes`` of lines when given (the API's bounded
+    check; the run reads everything). Raises ItoError on the first bad line."""
+    read, rows = 0, 0
     for path in _files(ref_path(uri)):
         with path.open("rb") as f:
-            for n, raw in enumerate(f, start=1):
+            n = 0
+            while max_bytes is None or read < max_bytes:
+                raw = f.readline(MAX_LINE_BYTES + 1)
+                if not raw:
+                    break
+                n += 1
+                read += len(raw)
+                if len(raw) > MAX_LINE_BYTES:
+                    raise _bad(path, n, f"line longer than {MAX_LINE_BYTES} bytes")
                 if not raw.strip():
                     continue
                 try:
                     row = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError):
+                except (UnicodeDecodeError, ValueError, RecursionError):
+                    # ValueError: also an integer of more than 4300 digits.
                     raise _bad(path, n, "not UTF-8 JSON") from None
-                rows.append(_check(kind, row, path, n))
-                if len(rows) > MAX_ROWS:
+                rows += 1
+                if rows > MAX_ROWS:
                     raise _bad(path, n, f"more than {MAX_ROWS} rows")
+                yield _check(kind, row, path, n)
+
+
+def load_rows(kind: Kind, uri: str) -> list[dict[str, Any]]:
+    """Every row of the dataset, validated; raises ItoError on the first bad line."""
+    rows = list(iter_rows(kind, uri))
+    if not rows:
+        raise ItoError(ErrorCode.data_empty, f"{kind} data has no rows")
+    return rows
+
+
+def check_rows(kind: Kind, uri: str, max_bytes: int) -> int:
+    """Validate the first ``max_bytes`` of the dataset; the rows seen (none kept)."""
+    rows = sum(1 for _ in iter_rows(kind, uri, max_bytes=max_bytes))
     if not rows:
         raise ItoError(ErrorCode.data_empty, f"{kind} data has no rows")
     return rows

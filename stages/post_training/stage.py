@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -14,6 +14,11 @@ from stages.errors import ErrorCode, ItoError
 from stages.events import InterruptionEvent, MetricsEvent, PhaseEvent
 from stages.placement import actor_options
 from stages.post_training.config import PostTrainingConfig, RLVRConfig, StepGate
+
+if TYPE_CHECKING:
+    from stages.post_training.data import Kind
+
+_KINDS: tuple[Kind, ...] = ("sft", "dpo", "rlvr")
 
 
 class PostTrainingStageConfig(StrictModel):
@@ -44,16 +49,42 @@ def reward_gain(rewards: list[float]) -> dict[str, float]:
     return {"reward_first": first, "reward_last": last, "reward_gain": last - first}
 
 
-def validate_recipe(recipe: PostTrainingConfig) -> dict[str, int]:
-    """The API's validation-time check: every dataset parses in its format, the reward
-    is registered and a named base model is an HF folder. Returns rows per step."""
+# What the API validates of each post-training dataset at plan and submit (the run
+# validates every row before training): bounded, so a request's work is bounded.
+VALIDATE_SCAN_BYTES = 16 << 20
+
+
+def validate_recipe(recipe: PostTrainingConfig,
+                    scan_bytes: int = VALIDATE_SCAN_BYTES) -> dict[str, int]:
+    """The API's validation-time check: the first ``scan_bytes`` of every dataset
+    parse in its format (streamed, no row kept), the reward is registered and a named
+    base model is an HF folder. Returns the rows seen per step."""
+    from stages.post_training.data import check_rows
     from stages.post_training.hf_io import check_model_dir, model_dir
 
-    stage = PostTrainingStage(PostTrainingStageConfig(recipe=recipe, output_dir="/nonexistent"))
-    rows = stage.load_data()
+    rows = {step: check_rows(step, getattr(recipe, step).data.uri, scan_bytes)
+            for step in _KINDS if getattr(recipe, step) is not None}
+    check_recipe(recipe)
     if recipe.base_model is not None:
         check_model_dir(model_dir(recipe.base_model))
-    return {k: len(v) for k, v in rows.items()}
+    return rows
+
+
+def check_recipe(recipe: PostTrainingConfig) -> None:
+    """Names the recipe picks on the server: eval batteries, the reward, the engine."""
+    from stages.post_training.rewards import get_reward
+
+    for name in recipe.steps():
+        battery = getattr(recipe, name).eval.battery
+        if battery is not None:
+            from stages.evals.config import load_battery
+
+            load_battery(battery)  # eval_battery_unknown before anything runs
+    if recipe.rlvr is not None:
+        get_reward(recipe.rlvr.reward)
+        if recipe.rlvr.rollout_engine == "vllm":
+            raise ItoError(ErrorCode.post_training_model_invalid,
+                           "rollout_engine vllm is not installed on this deployment")
 
 
 def heldout_text(tok: Any, row: dict[str, Any]) -> str:
@@ -95,27 +126,12 @@ class PostTrainingStage:
         return path
 
     def load_data(self) -> dict[str, list[dict[str, Any]]]:
-        from stages.post_training.data import Kind, load_rows
-        from stages.post_training.rewards import get_reward
+        from stages.post_training.data import load_rows
 
         recipe = self.config.recipe
-        rows: dict[str, list[dict[str, Any]]] = {}
-        kinds: tuple[Kind, ...] = ("sft", "dpo", "rlvr")
-        for step in kinds:
-            cfg = getattr(recipe, step)
-            if cfg is not None:
-                rows[step] = load_rows(step, cfg.data.uri)
-        for name in recipe.steps():
-            battery = getattr(recipe, name).eval.battery
-            if battery is not None:
-                from stages.evals.config import load_battery
-
-                load_battery(battery)  # eval_battery_unknown before anything runs
-        if recipe.rlvr is not None:
-            get_reward(recipe.rlvr.reward)
-            if recipe.rlvr.rollout_engine == "vllm":
-                raise ItoError(ErrorCode.post_training_model_invalid,
-                               "rollout_engine vllm is not installed on this deployment")
+        rows = {step: load_rows(step, getattr(recipe, step).data.uri)
+                for step in _KINDS if getattr(recipe, step) is not None}
+        check_recipe(recipe)
         return rows
 
     # -- the chain ---------------------------------------------------------------------
