@@ -62,8 +62,9 @@ def validate_recipe(recipe: PostTrainingConfig,
     from stages.post_training.data import check_rows
     from stages.post_training.hf_io import check_model_dir, model_dir
 
-    rows = {step: check_rows(step, getattr(recipe, step).data.uri, scan_bytes)
-            for step in _KINDS if getattr(recipe, step) is not None}
+    rows: dict[str, int] = {
+        step: check_rows(step, getattr(recipe, step).data.uri, scan_bytes)
+        for step in _KINDS if getattr(recipe, step) is not None}
     check_recipe(recipe)
     if recipe.base_model is not None:
         check_model_dir(model_dir(recipe.base_model))
@@ -129,8 +130,9 @@ class PostTrainingStage:
         from stages.post_training.data import load_rows
 
         recipe = self.config.recipe
-        rows = {step: load_rows(step, getattr(recipe, step).data.uri)
-                for step in _KINDS if getattr(recipe, step) is not None}
+        rows: dict[str, list[dict[str, Any]]] = {
+            step: load_rows(step, getattr(recipe, step).data.uri)
+            for step in _KINDS if getattr(recipe, step) is not None}
         check_recipe(recipe)
         return rows
 
