@@ -105,6 +105,7 @@ class ErrorCode(StrEnum):
     driver_not_authorized = "driver_not_authorized"
     checkpoint_not_found = "checkpoint_not_found"
     checkpoint_corrupt = "checkpoint_corrupt"
+    checkpoint_untrusted = "checkpoint_untrusted"
     all_replica_groups_lost = "all_replica_groups_lost"
     training_failed = "training_failed"
     stage_failed = "stage_failed"

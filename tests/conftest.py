@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import secrets
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,15 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray reads its auth mode at import; every Ray in the tests keeps token auth on.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# One launch key for the session (never ~/.ito): checkpoint seals derive their key from
+# it, so whatever process saves or loads a checkpoint in a test (this one, a Ray actor,
+# a backend subprocess) shares it. Tests that need their own key set it themselves.
+if "ITO_LAUNCH_KEY_FILE" not in os.environ:
+    _key_dir = Path(tempfile.mkdtemp(prefix="ito-test-key-"))
+    os.environ["ITO_LAUNCH_KEY_FILE"] = str(_key_dir / "launch.key")
+    (_key_dir / "launch.key").touch(mode=0o600)
+    (_key_dir / "launch.key").write_text(secrets.token_hex(32))
+    atexit.register(shutil.rmtree, _key_dir, True)
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ _STATUS_GROUPS: dict[int, tuple[ErrorCode, ...]] = {
           E.plan_time_budget_exceeded, E.eval_battery_unknown,
           E.eval_metric_unknown, E.curriculum_invalid, E.eval_gate_failed,
           E.tokenizer_invalid, E.layout_unsupported, E.post_training_data_invalid,
-          E.post_training_model_invalid, E.reward_unknown),
+          E.post_training_model_invalid, E.reward_unknown, E.checkpoint_untrusted),
     428: (E.confirmation_required, E.idempotency_key_missing),
     429: (E.rate_limited,),
     500: (E.internal_error, E.checkpoint_corrupt, E.all_replica_groups_lost,

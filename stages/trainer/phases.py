@@ -64,8 +64,8 @@ def _wait_actor_names_free(run_id: str) -> None:
 
 def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -> Any:
     """The weights of a complete checkpoint in a fresh model of the phase's shape."""
-    import torch.distributed.checkpoint as dcp
-
+    from stages.checkpointing.checkpointer import load_sealed
+    from stages.checkpointing.seal import seal_key
     from stages.presets import load_model_preset
     from stages.trainer.model import build_model, set_rope_theta
 
@@ -74,12 +74,7 @@ def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -
     if phase.rope_theta is not None:
         set_rope_theta(model, phase.rope_theta)
     sd = model.state_dict()
-    try:
-        dcp.load({"train": {"model": sd}}, checkpoint_id=checkpoint, no_dist=True)
-    except Exception as e:
-        raise ItoError(ErrorCode.checkpoint_corrupt,
-                       f"phase {phase.name}: checkpoint {Path(checkpoint).name} could not "
-                       f"be loaded for evaluation: {type(e).__name__}") from e
+    load_sealed({"train": {"model": sd}}, Path(checkpoint), seal_key())
     model.load_state_dict(sd)
     model.eval()
     return model
