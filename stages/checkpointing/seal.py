@@ -64,28 +64,33 @@ class Seal(StrictModel):
 
 def seal_key() -> bytes:
     """The deployment's checkpoint key (raises ``checkpoint_untrusted`` without one)."""
-    return hmac.new(read_launch_key(ErrorCode.checkpoint_untrusted), _KEY_LABEL,
-                    hashlib.sha256).digest()
+    return hmac.new(
+        read_launch_key(ErrorCode.checkpoint_untrusted), _KEY_LABEL, hashlib.sha256
+    ).digest()
 
 
 def _mac(key: bytes, files: dict[str, FileDigest]) -> str:
-    body = json.dumps({k: [v.bytes, v.sha256] for k, v in sorted(files.items())},
-                      separators=(",", ":"))
+    body = json.dumps(
+        {k: [v.bytes, v.sha256] for k, v in sorted(files.items())}, separators=(",", ":")
+    )
     return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
 
 def _untrusted(folder: Path, why: str) -> ItoError:
-    return ItoError(ErrorCode.checkpoint_untrusted,
-                    f"checkpoint {folder.name} was not written by this backend ({why}); "
-                    "nothing of it was loaded")
+    return ItoError(
+        ErrorCode.checkpoint_untrusted,
+        f"checkpoint {folder.name} was not written by this backend ({why}); "
+        "nothing of it was loaded",
+    )
 
 
 def _open_dir(folder: Path) -> int:
     try:
         return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        raise _untrusted(folder, "not a folder" if e.errno in (errno.ENOTDIR, errno.ELOOP)
-                         else "unreadable") from None
+        raise _untrusted(
+            folder, "not a folder" if e.errno in (errno.ENOTDIR, errno.ELOOP) else "unreadable"
+        ) from None
 
 
 def _entries(folder: Path, dir_fd: int) -> list[str]:
@@ -102,8 +107,7 @@ def _entries(folder: Path, dir_fd: int) -> list[str]:
 
 
 def _digest(dir_fd: int, name: str, keep: bool = False) -> tuple[FileDigest, bytes]:
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                 dir_fd=dir_fd)
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise OSError(errno.EINVAL, "not a regular file")
@@ -122,8 +126,9 @@ def write_seal(folder: Path, key: bytes) -> Seal:
     """Seal every file now in ``folder`` (call after DCP finished, before commit)."""
     dir_fd = _open_dir(folder)
     try:
-        files = {n: _digest(dir_fd, n)[0] for n in sorted(_entries(folder, dir_fd))
-                 if n not in UNSEALED}
+        files = {
+            n: _digest(dir_fd, n)[0] for n in sorted(_entries(folder, dir_fd)) if n not in UNSEALED
+        }
     finally:
         os.close(dir_fd)
     seal = Seal(files=files, mac=_mac(key, files))
@@ -168,8 +173,7 @@ def verify_seal(folder: Path, key: bytes) -> bytes:
 
 
 def _read_small(dir_fd: int, name: str) -> bytes:
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                 dir_fd=dir_fd)
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise OSError(errno.EINVAL, "not a regular file")

@@ -20,7 +20,7 @@ import torch
 
 from stages.checkpointing import COMMIT_NAME, Checkpointer, CheckpointPolicy, list_checkpoints
 from stages.checkpointing.checkpointer import _TensorsOnlyPlanner
-from stages.checkpointing.seal import SEAL_NAME, Seal
+from stages.checkpointing.seal import SEAL_NAME, FileDigest, Seal
 from stages.checkpointing.storage import CheckpointRecord, final_name
 from stages.errors import ErrorCode, ItoError
 
@@ -48,8 +48,7 @@ def _saved(policy: Callable[..., CheckpointPolicy]) -> tuple[CheckpointPolicy, C
     return pol, record
 
 
-def _refused(pol: CheckpointPolicy, record: CheckpointRecord, marker: Path,
-             **kw: Any) -> ItoError:
+def _refused(pol: CheckpointPolicy, record: CheckpointRecord, marker: Path, **kw: Any) -> ItoError:
     with Checkpointer(pol, **kw) as ck, pytest.raises(ItoError) as e:
         ck.load(record, _state(0.0))
     assert e.value.code == ErrorCode.checkpoint_untrusted, e.value
@@ -65,35 +64,40 @@ def test_a_sealed_checkpoint_loads(policy: Callable[..., CheckpointPolicy]) -> N
     assert torch.equal(state["w"], torch.ones(4)) and state["step"] == 3
 
 
-def test_a_tampered_metadata_runs_nothing(policy: Callable[..., CheckpointPolicy],
-                                          tmp_path: Path) -> None:
+def test_a_tampered_metadata_runs_nothing(
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path
+) -> None:
     pol, record = _saved(policy)
     marker = tmp_path / "pwned"
     (Path(record.path) / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
     _refused(pol, record, marker)
 
 
-def test_a_fabricated_checkpoint_runs_nothing(policy: Callable[..., CheckpointPolicy],
-                                              tmp_path: Path) -> None:
+def test_a_fabricated_checkpoint_runs_nothing(
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path
+) -> None:
     pol = policy()
     marker = tmp_path / "pwned"
     fake = Path(pol.storage_path) / final_name(99)
     fake.mkdir(parents=True)
     (fake / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
-    record = CheckpointRecord(step=99, path=str(fake), bytes=1, blocking_s=0, total_s=0,
-                              bytes_per_s=0, created_at=0)
+    record = CheckpointRecord(
+        step=99, path=str(fake), bytes=1, blocking_s=0, total_s=0, bytes_per_s=0, created_at=0
+    )
     (fake / COMMIT_NAME).write_text(record.model_dump_json())
     assert [r.step for r in list_checkpoints(pol.storage_path)] == [99]  # it is listed
     _refused(pol, record, marker)
     # A seal the tenant wrote itself: without the key its MAC cannot verify.
-    digest = {"bytes": 1, "sha256": "0" * 64}
-    (fake / SEAL_NAME).write_text(Seal(files={".metadata": digest},
-                                       mac=secrets.token_hex(32)).model_dump_json())
+    digest = FileDigest(bytes=1, sha256="0" * 64)
+    (fake / SEAL_NAME).write_text(
+        Seal(files={".metadata": digest}, mac=secrets.token_hex(32)).model_dump_json()
+    )
     _refused(pol, record, marker)
 
 
-def test_a_seal_of_another_key_is_refused(policy: Callable[..., CheckpointPolicy],
-                                          tmp_path: Path) -> None:
+def test_a_seal_of_another_key_is_refused(
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path
+) -> None:
     pol, record = _saved(policy)
     err = _refused(pol, record, tmp_path / "unused", seal_key=secrets.token_bytes(32))
     assert "seal does not verify" in err.message
@@ -101,7 +105,8 @@ def test_a_seal_of_another_key_is_refused(policy: Callable[..., CheckpointPolicy
 
 @pytest.mark.parametrize("attack", ["added_file", "changed_file", "symlink"])
 def test_files_beside_or_under_the_seal_are_refused(
-        policy: Callable[..., CheckpointPolicy], tmp_path: Path, attack: str) -> None:
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path, attack: str
+) -> None:
     pol, record = _saved(policy)
     folder = Path(record.path)
     data = sorted(p for p in folder.iterdir() if p.suffix == ".distcp")[0]
