@@ -120,17 +120,26 @@ def _parse_int(text: str) -> int:
     return int(text)
 
 
-def _depth(node: Any) -> int:
-    """Nesting depth, iteratively (a hostile document must not blow the stack)."""
-    deepest, stack = 0, [(node, 1)]
+# Values (objects, arrays, scalars) in one manifest. A real one has a few thousand
+# (256 data refs at most); a megabyte of ``[],[],...`` has 350k, and walking, scanning
+# and validating those cost tens of seconds of CPU per request.
+MAX_VALUES = 20_000
+
+
+def _check_shape(node: Any) -> None:
+    """Nesting depth and value count, iteratively (a hostile document must not blow
+    the stack), stopping at the first bound crossed."""
+    stack, count = [(node, 1)], 1
     while stack:
         item, d = stack.pop()
-        deepest = max(deepest, d)
-        if isinstance(item, dict):
-            stack.extend((v, d + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, d + 1) for v in item)
-    return deepest
+        if d > MAX_DEPTH:
+            raise ItoError(ErrorCode.manifest_invalid, f"manifest nests deeper than {MAX_DEPTH}")
+        if isinstance(item, dict | list):
+            count += len(item)  # counted before they are pushed: a huge array costs nothing
+            if count > MAX_VALUES:
+                raise ItoError(ErrorCode.manifest_invalid,
+                               f"manifest has more than {MAX_VALUES} values")
+            stack.extend((v, d + 1) for v in (item.values() if isinstance(item, dict) else item))
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -188,8 +197,7 @@ def parse_manifest(raw: bytes, claimed_digest: str | None = None) -> ParsedManif
         raise ItoError(ErrorCode.manifest_invalid, "manifest nests too deeply") from None
     # Also scan the raw text: a secret split across escapes still shows up decoded,
     # and one in an invalid field never reaches the model.
-    if _depth(tree) > MAX_DEPTH:
-        raise ItoError(ErrorCode.manifest_invalid, f"manifest nests deeper than {MAX_DEPTH}")
+    _check_shape(tree)
     findings = find_secrets(tree)
     if not findings and _value_kind(text):
         findings = [SecretFinding("$", _value_kind(text) or "secret")]

@@ -206,8 +206,9 @@ def _with_field(api: Api, value_json: str) -> bytes:
         "-" + "9" * 40,
         "[" * 100_000 + "]" * 100_000,  # beyond the parser's recursion limit
         "[" * 500 + "]" * 500,  # parsed, then refused by depth
+        "[" + "[]," * 300_000 + "[]]",  # 1 MiB of values: refused by count
     ],
-    ids=["5000-digits", "40-digits", "deep-100k", "deep-500"],
+    ids=["5000-digits", "40-digits", "deep-100k", "deep-500", "300k-values"],
 )
 def test_absurd_manifest_values_are_manifest_invalid(api: Api, value: str) -> None:
     r = _plan_raw(api, _with_field(api, value))
