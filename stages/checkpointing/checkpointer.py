@@ -25,6 +25,7 @@ an agreed ``now`` (e.g. rank 0's clock, broadcast by the loop).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import pickle
@@ -51,6 +52,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils.hooks import RemovableHandle
 
 from stages.checkpointing import seal
@@ -95,6 +97,18 @@ def _describe(e: BaseException) -> str:
 def _as_state_dict(state: StateLike) -> dict[str, Any]:
     """DCP wants a dict at the top level; a bare Stateful is saved under "train"."""
     return state if isinstance(state, dict) else {"train": state}
+
+
+class _SealingWriter(FileSystemWriter):
+    """DCP's writer, remembering the digest of the metadata it pickled: the seal is
+    then over DCP's own bytes, not over whatever sits in the (tenant-writable)
+    folder by the time the seal is written."""
+
+    metadata_sha256: str | None = None
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        self.metadata_sha256 = hashlib.sha256(pickle.dumps(metadata)).hexdigest()
 
 
 class _SealedReader(FileSystemReader):
@@ -166,6 +180,7 @@ class _Pending:
     record: CheckpointRecord | None = None
     error: BaseException | None = None
     hook: RemovableHandle | None = None
+    writer: _SealingWriter | None = None
 
 
 class Checkpointer:
@@ -247,10 +262,9 @@ class Checkpointer:
         if self.is_coordinator and tmp_dir.exists():
             shutil.rmtree(tmp_dir)
         try:
+            writer = _SealingWriter(tmp_dir, sync_files=True, thread_count=self._writer_threads)
             result = dcp.async_save(
-                _as_state_dict(state),
-                storage_writer=FileSystemWriter(tmp_dir, sync_files=True,
-                                                thread_count=self._writer_threads),
+                _as_state_dict(state), storage_writer=writer,
                 async_stager=self._stager, process_group=self._pg, no_dist=not self._dist)
         except (OSError, CheckpointException) as e:
             raise ItoError(ErrorCode.checkpoint_storage_unwritable,
@@ -260,7 +274,7 @@ class Checkpointer:
         else:
             upload, staging = result.upload_completion, result.staging_completion
         pending = _Pending(step=step, tmp_dir=tmp_dir, final_dir=final_dir, started=t1,
-                           upload=upload, staging=staging)
+                           upload=upload, staging=staging, writer=writer)
         pending.blocking_s = time.perf_counter() - t0
         pending.staged_s = time.perf_counter() - t1
         if staging is not None:
@@ -312,8 +326,9 @@ class Checkpointer:
                     blocking_s=pending.blocking_s, staged_s=pending.staged_s,
                     total_s=time.perf_counter() - pending.started, bytes_per_s=0.0,
                     created_at=time.time(), run_label=self.run_label)
+                assert pending.writer is not None
                 pending.record = commit(pending.tmp_dir, pending.final_dir, record,
-                                        self._seal_key)
+                                        self._seal_key, pending.writer.metadata_sha256)
                 with self._lock:
                     self._completed.append(pending.record)
                 self._apply_keep()

@@ -122,8 +122,10 @@ def _digest(dir_fd: int, name: str, keep: bool = False) -> tuple[FileDigest, byt
     return FileDigest(bytes=size, sha256=h.hexdigest()), bytes(kept)
 
 
-def write_seal(folder: Path, key: bytes) -> Seal:
-    """Seal every file now in ``folder`` (call after DCP finished, before commit)."""
+def write_seal(folder: Path, key: bytes, metadata_sha256: str | None) -> Seal:
+    """Seal every file now in ``folder`` (call after DCP finished, before commit).
+    ``metadata_sha256`` is the digest of the metadata DCP pickled: a ``.metadata``
+    swapped in the folder since then is refused, never sealed."""
     dir_fd = _open_dir(folder)
     try:
         files = {
@@ -131,6 +133,9 @@ def write_seal(folder: Path, key: bytes) -> Seal:
         }
     finally:
         os.close(dir_fd)
+    written = files.get(METADATA_NAME)
+    if written is None or written.sha256 != metadata_sha256:
+        raise _untrusted(folder, "its metadata changed after DCP wrote it")
     seal = Seal(files=files, mac=_mac(key, files))
     path = folder / SEAL_NAME
     with path.open("w") as f:

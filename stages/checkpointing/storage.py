@@ -90,9 +90,9 @@ def folder_bytes(path: Path) -> int:
 
 
 def commit(tmp_dir: Path, final_dir: Path, record: CheckpointRecord,
-           seal_key: bytes) -> CheckpointRecord:
-    """Seal ``tmp_dir`` (``seal.py``), write its commit record and publish it as
-    ``final_dir``.
+           seal_key: bytes, metadata_sha256: str | None) -> CheckpointRecord:
+    """Seal ``tmp_dir`` (``seal.py``; ``metadata_sha256`` is what DCP wrote), write
+    its commit record and publish it as ``final_dir``.
 
     ``record.path`` and ``record.bytes`` are filled in here. An existing checkpoint
     at ``final_dir`` (same step, an abandoned timeline) is replaced.
@@ -100,7 +100,7 @@ def commit(tmp_dir: Path, final_dir: Path, record: CheckpointRecord,
     if not (tmp_dir / DCP_METADATA_NAME).is_file():
         raise ItoError(ErrorCode.checkpoint_corrupt,
                        f"{tmp_dir.name}: DCP metadata missing; refusing to commit")
-    write_seal(tmp_dir, seal_key)
+    write_seal(tmp_dir, seal_key, metadata_sha256)
     data_bytes = folder_bytes(tmp_dir)
     record = record.model_copy(update={"path": str(final_dir), "bytes": data_bytes,
                                        "bytes_per_s": data_bytes / max(record.total_s, 1e-9)})

@@ -7,10 +7,12 @@ exists. The old loader unpickled ``.metadata`` as it found it.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import pickle
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ import torch
 from stages.checkpointing import COMMIT_NAME, Checkpointer, CheckpointPolicy, list_checkpoints
 from stages.checkpointing.checkpointer import _TensorsOnlyPlanner
 from stages.checkpointing.seal import SEAL_NAME, FileDigest, Seal
-from stages.checkpointing.storage import CheckpointRecord, final_name
+from stages.checkpointing.storage import CheckpointRecord, commit, final_name
 from stages.errors import ErrorCode, ItoError
 
 
@@ -136,3 +138,22 @@ def test_non_tensor_items_are_unpickled_weights_only(tmp_path: Path) -> None:
     with pytest.raises(pickle.UnpicklingError):
         planner.load_bytes(None, buf)  # type: ignore[arg-type]
     assert not marker.exists()
+
+
+def test_a_metadata_swapped_during_the_save_is_never_sealed(
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path
+) -> None:
+    # The save's temp folder is in the tenant's root too: a .metadata replaced between
+    # DCP's write and the seal must not become a sealed (trusted) checkpoint.
+    _pol, record = _saved(policy)
+    folder = Path(record.path)
+    written = hashlib.sha256((folder / ".metadata").read_bytes()).hexdigest()
+    tmp = folder.with_name(".tmp-x-" + folder.name)
+    shutil.copytree(folder, tmp)
+    (tmp / SEAL_NAME).unlink()
+    (tmp / ".metadata").write_bytes(pickle.dumps(_Plant(tmp_path / "pwned")))
+    final = folder.with_name(final_name(7))
+    with pytest.raises(ItoError) as e:
+        commit(tmp, final, record, secrets.token_bytes(32), written)
+    assert e.value.code == ErrorCode.checkpoint_untrusted
+    assert not final.exists() and not (tmp / SEAL_NAME).exists()
