@@ -438,6 +438,12 @@ class ErrorCode(StrEnum):
         "Runtime: the checkpoint to resume from does not exist.",
     )
     checkpoint_corrupt = "checkpoint_corrupt", 500, "Runtime: a checkpoint failed to load."
+    checkpoint_untrusted = (
+        "checkpoint_untrusted",
+        422,
+        "Runtime: a checkpoint's files do not match the seal this backend wrote at save "
+        "(tampered, planted, or sealed with another key); nothing of it was unpickled.",
+    )
     all_replica_groups_lost = (
         "all_replica_groups_lost",
         500,

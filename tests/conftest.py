@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +21,15 @@ pytest_plugins = ["helpers.fixtures"]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray reads its auth mode at import; every Ray in the tests keeps token auth on.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# One launch key for the session (never ~/.ito): checkpoint seals derive their key from
+# it, so whatever process saves or loads a checkpoint in a test (this one, a Ray actor,
+# a backend subprocess) shares it. Tests that need their own key set it themselves.
+if "ITO_LAUNCH_KEY_FILE" not in os.environ:
+    _key_dir = Path(tempfile.mkdtemp(prefix="ito-test-key-"))
+    os.environ["ITO_LAUNCH_KEY_FILE"] = str(_key_dir / "launch.key")
+    (_key_dir / "launch.key").touch(mode=0o600)
+    (_key_dir / "launch.key").write_text(secrets.token_hex(32))
+    atexit.register(shutil.rmtree, _key_dir, True)
 
 # Property tests draw the same examples on every run, so a CI failure replays here;
 # print_blob gives the failing example's reproduction decorator. A test's own

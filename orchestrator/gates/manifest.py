@@ -107,19 +107,39 @@ def find_secrets(node: Any, path: str = "$") -> list[SecretFinding]:
 
 
 MAX_DEPTH = 32  # the real schema nests 5 deep
+# The schema's largest integer bound (1e10 dollars, 1e15 tokens) has 16 digits; 32
+# leaves room and refuses before int() runs, which is quadratic in the digits (Python
+# itself refuses past 4300 digits with a ValueError, i.e. a 500 before this check).
+MAX_INT_DIGITS = 32
 
 
-def _depth(node: Any) -> int:
-    """Nesting depth, iteratively (a hostile document must not blow the stack)."""
-    deepest, stack = 0, [(node, 1)]
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ItoError(ErrorCode.manifest_invalid,
+                       f"manifest has an integer of more than {MAX_INT_DIGITS} digits")
+    return int(text)
+
+
+# Values (objects, arrays, scalars) in one manifest. A real one has a few thousand
+# (256 data refs at most); a megabyte of ``[],[],...`` has 350k, and walking, scanning
+# and validating those cost tens of seconds of CPU per request.
+MAX_VALUES = 20_000
+
+
+def _check_shape(node: Any) -> None:
+    """Nesting depth and value count, iteratively (a hostile document must not blow
+    the stack), stopping at the first bound crossed."""
+    stack, count = [(node, 1)], 1
     while stack:
         item, d = stack.pop()
-        deepest = max(deepest, d)
-        if isinstance(item, dict):
-            stack.extend((v, d + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, d + 1) for v in item)
-    return deepest
+        if d > MAX_DEPTH:
+            raise ItoError(ErrorCode.manifest_invalid, f"manifest nests deeper than {MAX_DEPTH}")
+        if isinstance(item, dict | list):
+            count += len(item)  # counted before they are pushed: a huge array costs nothing
+            if count > MAX_VALUES:
+                raise ItoError(ErrorCode.manifest_invalid,
+                               f"manifest has more than {MAX_VALUES} values")
+            stack.extend((v, d + 1) for v in (item.values() if isinstance(item, dict) else item))
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -170,15 +190,14 @@ def parse_manifest(raw: bytes, claimed_digest: str | None = None) -> ParsedManif
                        "manifest_digest does not match the sha256 of the manifest bytes")
     try:
         text = raw.decode("utf-8")
-        tree = json.loads(text, object_pairs_hook=_no_duplicates)
+        tree = json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_parse_int)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ItoError(ErrorCode.manifest_invalid, "manifest is not UTF-8 JSON") from None
     except RecursionError:
         raise ItoError(ErrorCode.manifest_invalid, "manifest nests too deeply") from None
     # Also scan the raw text: a secret split across escapes still shows up decoded,
     # and one in an invalid field never reaches the model.
-    if _depth(tree) > MAX_DEPTH:
-        raise ItoError(ErrorCode.manifest_invalid, f"manifest nests deeper than {MAX_DEPTH}")
+    _check_shape(tree)
     findings = find_secrets(tree)
     if not findings and _value_kind(text):
         findings = [SecretFinding("$", _value_kind(text) or "secret")]

@@ -24,14 +24,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.errors import ErrorCode, ItoError
+from stages.keys import LAUNCH_KEY_ENV as LAUNCH_KEY_ENV  # re-exported
+from stages.keys import launch_key_path, read_launch_key
 
-LAUNCH_KEY_ENV = "ITO_LAUNCH_KEY_FILE"
 # A ticket is only good for starting a driver soon after it was signed.
 LAUNCH_TICKET_TTL_S = 300.0
-
-
-def launch_key_path() -> Path:
-    return Path(os.environ.get(LAUNCH_KEY_ENV) or Path.home() / ".ito" / "launch.key")
 
 
 def ensure_launch_key(path: Path | None = None) -> Path:
@@ -48,15 +45,7 @@ def ensure_launch_key(path: Path | None = None) -> Path:
 
 
 def _read_key(path: Path | None = None) -> bytes:
-    path = path or launch_key_path()
-    try:
-        st = path.stat()
-        if st.st_mode & 0o077:
-            raise ItoError(ErrorCode.driver_not_authorized,
-                           f"launch key {path} must not be readable by group or others")
-        return bytes.fromhex(path.read_text().strip())
-    except (OSError, ValueError) as e:
-        raise ItoError(ErrorCode.driver_not_authorized, f"launch key unavailable: {e}") from e
+    return read_launch_key(ErrorCode.driver_not_authorized, path)
 
 
 class LaunchSpec(BaseModel):

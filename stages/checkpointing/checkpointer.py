@@ -25,7 +25,10 @@ an agreed ``now`` (e.g. rank 0's clock, broadcast by the loop).
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
+import pickle
 import shutil
 import threading
 import time
@@ -37,15 +40,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils.hooks import RemovableHandle
 
+from stages.checkpointing import seal
 from stages.checkpointing.config import CheckpointPolicy
 from stages.checkpointing.storage import (
     CheckpointRecord,
@@ -89,6 +99,73 @@ def _as_state_dict(state: StateLike) -> dict[str, Any]:
     return state if isinstance(state, dict) else {"train": state}
 
 
+class _SealingWriter(FileSystemWriter):
+    """DCP's writer, remembering the digest of the metadata it pickled: the seal is
+    then over DCP's own bytes, not over whatever sits in the (tenant-writable)
+    folder by the time the seal is written."""
+
+    metadata_sha256: str | None = None
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        self.metadata_sha256 = hashlib.sha256(pickle.dumps(metadata)).hexdigest()
+
+
+class _SealedReader(FileSystemReader):
+    """Unpickles ``.metadata`` from the bytes the seal check read, never from a
+    second read of the file (which could have been swapped since)."""
+
+    def __init__(self, path: Path, metadata: bytes):
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = pickle.loads(self._metadata)  # the bytes the seal check hashed
+        if not isinstance(metadata, Metadata):
+            raise ItoError(ErrorCode.checkpoint_corrupt, "DCP metadata has the wrong type")
+        meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        meta.load_id = self.load_id
+        metadata.storage_meta = meta
+        return metadata
+
+
+# numpy arrays of numbers (the RNG state of a TrainState), rebuilt from their buffers:
+# data only (no object dtype).
+_SAFE_GLOBALS: list[Any] = [
+    np._core.multiarray._reconstruct,  # type: ignore[attr-defined]
+    np.ndarray, np.dtype, *(type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFD")]
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's planner, except that non-tensor items are unpickled with
+    ``weights_only=True`` (tensors, numpy arrays and plain containers only: no code)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            item = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                        item)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = item
+
+
+def load_sealed(state_dict: dict[str, Any], path: Path, seal_key: bytes, *,
+                process_group: dist.ProcessGroup | None = None, no_dist: bool = True) -> None:
+    """``dcp.load`` of a checkpoint this backend sealed, into ``state_dict`` in place:
+    the one way a DCP checkpoint is read (``checkpoint_untrusted`` before anything is
+    unpickled when the seal does not hold; ``checkpoint_corrupt`` when DCP fails)."""
+    metadata = seal.verify_seal(path, seal_key)
+    try:
+        dcp.load(state_dict, storage_reader=_SealedReader(path, metadata),
+                 planner=_TensorsOnlyPlanner(), process_group=process_group, no_dist=no_dist)
+    except ItoError:
+        raise
+    except (Exception, CheckpointException) as e:
+        raise ItoError(ErrorCode.checkpoint_corrupt,
+                       f"checkpoint {path.name} could not be loaded: {_describe(e)}") from e
+
+
 @dataclass
 class _Pending:
     step: int
@@ -103,6 +180,7 @@ class _Pending:
     record: CheckpointRecord | None = None
     error: BaseException | None = None
     hook: RemovableHandle | None = None
+    writer: _SealingWriter | None = None
 
 
 class Checkpointer:
@@ -111,7 +189,7 @@ class Checkpointer:
     def __init__(self, policy: CheckpointPolicy, *, process_group: dist.ProcessGroup | None = None,
                  run_label: str = "", async_staging: bool = True,
                  writer_threads: int = WRITER_THREADS, save_timeout_s: float = SAVE_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, seal_key: bytes | None = None):
         self.policy = policy
         self.storage_dir = Path(policy.storage_path)
         self.run_label = run_label
@@ -132,6 +210,9 @@ class Checkpointer:
         self._completed: list[CheckpointRecord] = []
         self._lock = threading.Lock()
         self._closed = False
+        # Read once, up front: a node without the launch key must fail here, not at
+        # the first save an hour in.
+        self._seal_key = seal_key if seal_key is not None else seal.seal_key()
         try:
             self.storage_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -181,10 +262,9 @@ class Checkpointer:
         if self.is_coordinator and tmp_dir.exists():
             shutil.rmtree(tmp_dir)
         try:
+            writer = _SealingWriter(tmp_dir, sync_files=True, thread_count=self._writer_threads)
             result = dcp.async_save(
-                _as_state_dict(state),
-                storage_writer=FileSystemWriter(tmp_dir, sync_files=True,
-                                                thread_count=self._writer_threads),
+                _as_state_dict(state), storage_writer=writer,
                 async_stager=self._stager, process_group=self._pg, no_dist=not self._dist)
         except (OSError, CheckpointException) as e:
             raise ItoError(ErrorCode.checkpoint_storage_unwritable,
@@ -194,7 +274,7 @@ class Checkpointer:
         else:
             upload, staging = result.upload_completion, result.staging_completion
         pending = _Pending(step=step, tmp_dir=tmp_dir, final_dir=final_dir, started=t1,
-                           upload=upload, staging=staging)
+                           upload=upload, staging=staging, writer=writer)
         pending.blocking_s = time.perf_counter() - t0
         pending.staged_s = time.perf_counter() - t1
         if staging is not None:
@@ -246,7 +326,9 @@ class Checkpointer:
                     blocking_s=pending.blocking_s, staged_s=pending.staged_s,
                     total_s=time.perf_counter() - pending.started, bytes_per_s=0.0,
                     created_at=time.time(), run_label=self.run_label)
-                pending.record = commit(pending.tmp_dir, pending.final_dir, record)
+                assert pending.writer is not None
+                pending.record = commit(pending.tmp_dir, pending.final_dir, record,
+                                        self._seal_key, pending.writer.metadata_sha256)
                 with self._lock:
                     self._completed.append(pending.record)
                 self._apply_keep()
@@ -322,14 +404,8 @@ class Checkpointer:
         if read_record(path) is None:
             raise ItoError(ErrorCode.checkpoint_not_found,
                            f"no complete checkpoint at {path.name}")
-        try:
-            dcp.load(_as_state_dict(state), checkpoint_id=path, process_group=self._pg,
-                     no_dist=not self._dist)
-        except ItoError:
-            raise
-        except (Exception, CheckpointException) as e:
-            raise ItoError(ErrorCode.checkpoint_corrupt,
-                           f"checkpoint {path.name} could not be loaded: {_describe(e)}") from e
+        load_sealed(_as_state_dict(state), path, self._seal_key, process_group=self._pg,
+                    no_dist=not self._dist)
         self._last_step = record.step
         self._last_time = self._clock()
 

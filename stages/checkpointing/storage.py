@@ -30,6 +30,7 @@ from pathlib import Path
 from pydantic import Field
 
 from stages.base import StrictModel
+from stages.checkpointing.seal import write_seal
 from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent
 
@@ -88,8 +89,10 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def commit(tmp_dir: Path, final_dir: Path, record: CheckpointRecord) -> CheckpointRecord:
-    """Write the commit record into ``tmp_dir`` and publish it as ``final_dir``.
+def commit(tmp_dir: Path, final_dir: Path, record: CheckpointRecord,
+           seal_key: bytes, metadata_sha256: str | None) -> CheckpointRecord:
+    """Seal ``tmp_dir`` (``seal.py``; ``metadata_sha256`` is what DCP wrote), write
+    its commit record and publish it as ``final_dir``.
 
     ``record.path`` and ``record.bytes`` are filled in here. An existing checkpoint
     at ``final_dir`` (same step, an abandoned timeline) is replaced.
@@ -97,6 +100,7 @@ def commit(tmp_dir: Path, final_dir: Path, record: CheckpointRecord) -> Checkpoi
     if not (tmp_dir / DCP_METADATA_NAME).is_file():
         raise ItoError(ErrorCode.checkpoint_corrupt,
                        f"{tmp_dir.name}: DCP metadata missing; refusing to commit")
+    write_seal(tmp_dir, seal_key, metadata_sha256)
     data_bytes = folder_bytes(tmp_dir)
     record = record.model_copy(update={"path": str(final_dir), "bytes": data_bytes,
                                        "bytes_per_s": data_bytes / max(record.total_s, 1e-9)})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -17,10 +17,14 @@ from stages.pathfields import field_spec, local_path
 from stages.placement import actor_options
 from stages.post_training.config import PostTrainingConfig, RLVRConfig, StepGate
 
+if TYPE_CHECKING:
+    from stages.post_training.data import Kind
+
 _spec = field_spec(PostTrainingConfig, "base_model")
 assert _spec is not None
 BASE_MODEL = _spec
 MODEL_INVALID = ErrorCode.post_training_model_invalid
+_KINDS: tuple[Kind, ...] = ("sft", "dpo", "rlvr")
 
 
 class PostTrainingStageConfig(StrictModel):
@@ -55,18 +59,35 @@ def reward_gain(rewards: list[float]) -> dict[str, float]:
     return {"reward_first": first, "reward_last": last, "reward_gain": last - first}
 
 
+# What the API validates of each post-training dataset at plan and submit (the run
+# validates every row and the whole digest before training): bounded, so a request's
+# work is bounded.
+VALIDATE_SCAN_BYTES = 16 << 20
+
+
 def validate_recipe(recipe: PostTrainingConfig, *, data_roots: Sequence[str],
-                    model_roots: Sequence[str]) -> dict[str, int]:
-    """The API's validation-time check: every dataset parses in its format and matches
-    its digest, the reward is registered and a named base model is an HF folder (its
-    digest is checked by the run, which reads the weights). Returns rows per step."""
+                    model_roots: Sequence[str],
+                    scan_bytes: int = VALIDATE_SCAN_BYTES) -> dict[str, int]:
+    """The API's validation-time check: the first ``scan_bytes`` of every dataset parse
+    in its format (streamed by the safe walk, no row kept) and, when that was the whole
+    dataset, match its digest; the reward and batteries are registered and a named base
+    model is an HF folder (its digest is checked by the run, which reads the weights).
+    Returns the rows seen per step."""
+    from stages.post_training.data import read_dataset
     from stages.post_training.hf_io import check_model_dir
     from stages.snapshot import read_inside
 
-    stage = PostTrainingStage(PostTrainingStageConfig(
-        recipe=recipe, output_dir="/nonexistent", data_roots=tuple(data_roots),
-        model_roots=tuple(model_roots)))
-    rows = stage.load_data()
+    rows: dict[str, int] = {}
+    for step in _KINDS:
+        cfg = getattr(recipe, step)
+        if cfg is not None:
+            where = f"post_training.{step}.data"
+            data = read_dataset(step, cfg.data.uri, data_roots, where,
+                                max_bytes=scan_bytes, keep_rows=False)
+            if data.sha256 is not None:
+                _check_digest(data.sha256, cfg.data.sha256, where)
+            rows[step] = data.count
+    check_recipe(recipe)
     if recipe.base_model is not None:
         where = "post_training.base_model"
         path = local_path(recipe.base_model, BASE_MODEL, where)
@@ -74,7 +95,27 @@ def validate_recipe(recipe: PostTrainingConfig, *, data_roots: Sequence[str],
         names = [rel for rel, _, _ in read_inside(path, model_roots, where, kind="model",
                                                    want="dir", missing=MODEL_INVALID)]
         check_model_dir(names)
-    return {k: len(v) for k, v in rows.items()}
+    return rows
+
+
+def check_recipe(recipe: PostTrainingConfig) -> None:
+    """Names the recipe picks on the server: eval batteries and the reward."""
+    from stages.evals.config import load_battery
+    from stages.post_training.rewards import get_reward
+
+    for name in recipe.steps():
+        battery = getattr(recipe, name).eval.battery
+        if battery is not None:
+            load_battery(battery)  # eval_battery_unknown before anything runs
+    if recipe.rlvr is not None:
+        get_reward(recipe.rlvr.reward)
+
+
+def _check_digest(actual: str, expected: str, where: str) -> None:
+    if actual != expected:
+        raise ItoError(ErrorCode.data_digest_mismatch,
+                       f"{where}: the data's digest does not match its sha256; "
+                       "nothing was trained on it")
 
 
 def heldout_text(tok: Any, row: dict[str, Any]) -> str:
@@ -134,30 +175,19 @@ class PostTrainingStage:
     def load_data(self) -> dict[str, list[dict[str, Any]]]:
         """Every dataset's rows, parsed from the bytes its digest was computed over;
         a dataset changed since submit is ``data_digest_mismatch`` before any step."""
-        from stages.post_training.data import Kind, read_dataset
-        from stages.post_training.rewards import get_reward
+        from stages.post_training.data import read_dataset
 
         recipe = self.config.recipe
         rows: dict[str, list[dict[str, Any]]] = {}
-        kinds: tuple[Kind, ...] = ("sft", "dpo", "rlvr")
-        for step in kinds:
+        for step in _KINDS:
             cfg = getattr(recipe, step)
             if cfg is not None:
                 where = f"post_training.{step}.data"
                 data = read_dataset(step, cfg.data.uri, self.config.data_roots, where)
-                if data.sha256 != cfg.data.sha256:
-                    raise ItoError(ErrorCode.data_digest_mismatch,
-                                   f"{where}: the data's digest does not match its sha256; "
-                                   "nothing was trained on it")
+                assert data.sha256 is not None  # read whole
+                _check_digest(data.sha256, cfg.data.sha256, where)
                 rows[step] = data.rows
-        for name in recipe.steps():
-            battery = getattr(recipe, name).eval.battery
-            if battery is not None:
-                from stages.evals.config import load_battery
-
-                load_battery(battery)  # eval_battery_unknown before anything runs
-        if recipe.rlvr is not None:
-            get_reward(recipe.rlvr.reward)
+        check_recipe(recipe)
         return rows
 
     # -- the chain ---------------------------------------------------------------------

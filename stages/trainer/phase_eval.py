@@ -47,8 +47,8 @@ class PhaseEvalReply(BaseModel):
 
 def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -> Any:
     """The weights of a complete checkpoint in a fresh model of the phase's shape."""
-    import torch.distributed.checkpoint as dcp
-
+    from stages.checkpointing.checkpointer import load_sealed
+    from stages.checkpointing.seal import seal_key
     from stages.presets import load_model_preset
     from stages.trainer.model import build_model, set_rope_theta
 
@@ -58,7 +58,10 @@ def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -
         set_rope_theta(model, phase.rope_theta)
     sd = model.state_dict()
     try:
-        dcp.load({"train": {"model": sd}}, checkpoint_id=checkpoint, no_dist=True)
+        # Only a checkpoint this backend sealed is unpickled (docs/checkpointing.md).
+        load_sealed({"train": {"model": sd}}, Path(checkpoint), seal_key())
+    except ItoError:
+        raise
     except Exception as e:
         raise ItoError(ErrorCode.checkpoint_corrupt,
                        f"phase {phase.name}: checkpoint {Path(checkpoint).name} could not "

@@ -1,0 +1,159 @@
+"""Checkpoints are data, not code: a planted pickle in a checkpoint folder runs nothing.
+
+Each attack plants a pickle whose unpickling creates a marker file, then asks the
+Checkpointer to load; the answer is ``checkpoint_untrusted`` and the marker never
+exists. The old loader unpickled ``.metadata`` as it found it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stages.checkpointing import COMMIT_NAME, Checkpointer, CheckpointPolicy, list_checkpoints
+from stages.checkpointing.checkpointer import _TensorsOnlyPlanner
+from stages.checkpointing.seal import SEAL_NAME, FileDigest, Seal
+from stages.checkpointing.storage import CheckpointRecord, commit, final_name
+from stages.errors import ErrorCode, ItoError
+
+
+class _Plant:
+    """Unpickling this opens (creates) the marker file: code ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+def _state(value: float = 1.0) -> dict[str, Any]:
+    return {"w": torch.full((4,), value), "step": 3}
+
+
+def _saved(policy: Callable[..., CheckpointPolicy]) -> tuple[CheckpointPolicy, CheckpointRecord]:
+    pol = policy()
+    with Checkpointer(pol, async_staging=False) as ck:
+        ck.save(3, _state())
+        record = ck.wait()
+    assert record is not None and (Path(record.path) / SEAL_NAME).is_file()
+    return pol, record
+
+
+def _refused(pol: CheckpointPolicy, record: CheckpointRecord, marker: Path, **kw: Any) -> ItoError:
+    with Checkpointer(pol, **kw) as ck, pytest.raises(ItoError) as e:
+        ck.load(record, _state(0.0))
+    assert e.value.code == ErrorCode.checkpoint_untrusted, e.value
+    assert not marker.exists(), "the planted pickle ran"
+    return e.value
+
+
+def test_a_sealed_checkpoint_loads(policy: Callable[..., CheckpointPolicy]) -> None:
+    pol, record = _saved(policy)
+    state = _state(0.0)
+    with Checkpointer(pol) as ck:
+        ck.load(record, state)
+    assert torch.equal(state["w"], torch.ones(4)) and state["step"] == 3
+
+
+def test_a_tampered_metadata_runs_nothing(
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path
+) -> None:
+    pol, record = _saved(policy)
+    marker = tmp_path / "pwned"
+    (Path(record.path) / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
+    _refused(pol, record, marker)
+
+
+def test_a_fabricated_checkpoint_runs_nothing(
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path
+) -> None:
+    pol = policy()
+    marker = tmp_path / "pwned"
+    fake = Path(pol.storage_path) / final_name(99)
+    fake.mkdir(parents=True)
+    (fake / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
+    record = CheckpointRecord(
+        step=99, path=str(fake), bytes=1, blocking_s=0, total_s=0, bytes_per_s=0, created_at=0
+    )
+    (fake / COMMIT_NAME).write_text(record.model_dump_json())
+    assert [r.step for r in list_checkpoints(pol.storage_path)] == [99]  # it is listed
+    _refused(pol, record, marker)
+    # A seal the tenant wrote itself: without the key its MAC cannot verify.
+    digest = FileDigest(bytes=1, sha256="0" * 64)
+    (fake / SEAL_NAME).write_text(
+        Seal(files={".metadata": digest}, mac=secrets.token_hex(32)).model_dump_json()
+    )
+    _refused(pol, record, marker)
+
+
+def test_a_seal_of_another_key_is_refused(
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path
+) -> None:
+    pol, record = _saved(policy)
+    err = _refused(pol, record, tmp_path / "unused", seal_key=secrets.token_bytes(32))
+    assert "seal does not verify" in err.message
+
+
+@pytest.mark.parametrize("attack", ["added_file", "changed_file", "symlink"])
+def test_files_beside_or_under_the_seal_are_refused(
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path, attack: str
+) -> None:
+    pol, record = _saved(policy)
+    folder = Path(record.path)
+    data = sorted(p for p in folder.iterdir() if p.suffix == ".distcp")[0]
+    if attack == "added_file":
+        (folder / "__9_0.distcp").write_bytes(b"x")
+    elif attack == "changed_file":
+        with data.open("r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 1]))
+    else:
+        copy = tmp_path / "elsewhere.distcp"
+        copy.write_bytes(data.read_bytes())
+        data.unlink()
+        data.symlink_to(copy)
+    _refused(pol, record, tmp_path / "unused")
+
+
+def test_non_tensor_items_are_unpickled_weights_only(tmp_path: Path) -> None:
+    # The second line of defence, for a data file swapped after its check.
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save(_Plant(marker), buf)
+    buf.seek(0)
+    planner = _TensorsOnlyPlanner()
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(None, buf)  # type: ignore[arg-type]
+    assert not marker.exists()
+
+
+def test_a_metadata_swapped_during_the_save_is_never_sealed(
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path
+) -> None:
+    # The save's temp folder is in the tenant's root too: a .metadata replaced between
+    # DCP's write and the seal must not become a sealed (trusted) checkpoint.
+    _pol, record = _saved(policy)
+    folder = Path(record.path)
+    written = hashlib.sha256((folder / ".metadata").read_bytes()).hexdigest()
+    tmp = folder.with_name(".tmp-x-" + folder.name)
+    shutil.copytree(folder, tmp)
+    (tmp / SEAL_NAME).unlink()
+    (tmp / ".metadata").write_bytes(pickle.dumps(_Plant(tmp_path / "pwned")))
+    final = folder.with_name(final_name(7))
+    with pytest.raises(ItoError) as e:
+        commit(tmp, final, record, secrets.token_bytes(32), written)
+    assert e.value.code == ErrorCode.checkpoint_untrusted
+    assert not final.exists() and not (tmp / SEAL_NAME).exists()
