@@ -39,6 +39,7 @@ from stages.placement import actor_options, bundle_for_rank
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.loop import WorkerSpec
 from stages.trainer.loss_spike import LossSpike, LossSpikeDetector
+from stages.trainer.recovery import failure_time
 from stages.trainer.replica import (
     LighthouseActor,
     ReplicaWorker,
@@ -63,6 +64,7 @@ class _Group:
     pid: int | None = None
     last_ok: float = 0.0
     lost_at: float | None = None  # set while the group is down
+    failed_at: float | None = None  # when the lost process died (recovery.failure_time)
     lost_since_poll_fail: float | None = None
     restarts: int = 0
     phase: str = "starting"
@@ -136,6 +138,9 @@ class TrainingEngine:
         self._started = False
         self.layout: dict[str, Any] = {}
         self.rank_digests: dict[str, str] = {}
+        # Each rank's process id and last answered poll: when it is lost, when it died.
+        self._pids: dict[tuple[int, int], int] = {}
+        self._last_seen: dict[tuple[int, int], float] = {}
 
     # --- lifecycle --------------------------------------------------------------------
     def emit(self, event: Event) -> None:
@@ -284,6 +289,7 @@ class TrainingEngine:
             # torchft may have noticed first: a survivor committed in a smaller quorum.
             detected = min(now, self._shrunk_at) if self._shrunk_at else now
             grp.lost_at = max(detected, grp.last_ok)
+            grp.failed_at = self._failed_at(key, self._pids.get(key), grp.lost_at)
             self.emit(LogEvent(level="warning",
                                message=f"replica group {grp.index} lost (rank {key[1]}): "
                                        f"{type(err).__name__}"))
@@ -308,6 +314,9 @@ class TrainingEngine:
             grp.restarts += 1
             if grp.lost_at is None:  # restarted between two polls
                 grp.lost_at = status["started_at"]
+                grp.failed_at = self._failed_at(key, grp.pid, grp.lost_at)
+        self._pids[key] = int(status["pid"])
+        self._last_seen[key] = now
         if rank == 0:
             grp.pid = status["pid"]
             grp.phase = status["phase"]
@@ -352,27 +361,39 @@ class TrainingEngine:
                 self._interruption("loss_spike", None, detected, event.ts, detail)
         self.emit(event)
 
+    def _failed_at(self, key: tuple[int, int], pid: int | None, detected: float) -> float:
+        """When rank ``key``'s process ``pid`` died: Ray's record of its end, else the
+        last poll it answered (never after its loss was detected)."""
+        died = failure_time(pid)
+        if died is None:
+            died = self._last_seen.get(key, detected)
+        return min(died, detected)
+
     def _recovered(self, grp: _Group, ts: float) -> None:
         if self._all_lost_at is not None:
+            failed = [g.failed_at for g in self.groups if g.failed_at is not None]
             self._interruption("all_groups_lost", None, self._all_lost_at, ts,
                                "every replica group was lost; restarted from the newest "
-                               "complete checkpoint")
+                               "complete checkpoint", failed=min(failed, default=None))
             self._all_lost_at = None
             for g in self.groups:
-                g.lost_at = None
+                g.lost_at = g.failed_at = None
             return
         for g in self.groups:
             if g.lost_at is not None and g.pid is not None and g.lost_since_poll_fail is None \
                     and (g is grp or g.phase == "training"):
                 self._interruption("replica_group_lost", g.index, g.lost_at, ts,
-                                   f"healed from a live peer after {g.restarts} restart(s)")
-                g.lost_at = None
+                                   f"healed from a live peer after {g.restarts} restart(s)",
+                                   failed=g.failed_at)
+                g.lost_at = g.failed_at = None
 
     def _interruption(self, kind: Any, group: int | None, detected: float,
-                      recovered: float | None, detail: str) -> None:
+                      recovered: float | None, detail: str, *,
+                      failed: float | None = None) -> None:
         self.interruptions += 1
         self.emit(InterruptionEvent(interruption_kind=kind, replica_group=group,
-                                    detected_at=detected, recovered_at=recovered, detail=detail))
+                                    failed_at=failed, detected_at=detected,
+                                    recovered_at=recovered, detail=detail))
 
     def _check_stuck(self, now: float) -> None:
         errors = [g.error for g in self.groups if g.error]
@@ -469,7 +490,8 @@ class TrainingEngine:
             for g in self.groups:
                 if g.lost_at is not None:
                     self._interruption("replica_group_lost", g.index, g.lost_at, None,
-                                       "not recovered before the run finished")
+                                       "not recovered before the run finished",
+                                       failed=g.failed_at)
         finally:
             self.shutdown()
         records = list_checkpoints(self.checkpoint_dir)

@@ -238,10 +238,20 @@ def test_replica_group_kill_is_an_interruption_and_the_run_still_succeeds(
     _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
     metrics = _get(rt, f"/v1/runs/{run_id}/metrics")
     assert metrics["interruptions"] >= 1
+    # The run reports its own recovery: seconds from the death (Ray's record of the
+    # process's end) to its detection, and to the full quorum again.
+    lost = [t for t in metrics["interruption_timings"] if t["kind"] == "replica_group_lost"]
+    assert lost and lost[0]["replica_group"] == 1
+    assert lost[0]["detect_s"] is not None and lost[0]["recover_s"] is not None
+    assert 0 <= lost[0]["detect_s"] <= lost[0]["recover_s"]
+    assert metrics["detect_s"] and metrics["recover_s"]
     text = httpx.get(rt["backend"].metrics_url, timeout=10).text
     line = next(li for li in text.splitlines()
                 if li.startswith("ito_run_interruptions_total{") and run_id in li)
     assert float(line.rsplit(" ", 1)[1]) >= 1
+    for family in ("detect", "recover"):
+        assert any(li.startswith(f"ito_run_interruption_{family}_seconds{{") and run_id in li
+                   and 'kind="replica_group_lost"' in li for li in text.splitlines()), family
 
 
 def test_api_server_sigkill_mid_run_reattaches_and_loses_no_event(rt: dict[str, Any]) -> None:
