@@ -63,6 +63,7 @@ from stages.base import GateOutcome, StageContext
 from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS, CheckpointPolicy
 from stages.events import Event, StepEvent
 from stages.trainer.config import ModelSpec, TrainingTarget, TrainStageConfig
+from stages.trainer.recovery import RecoveryConfig, production_recovery
 
 # How long to wait for one expected event before the benchmark gives up.
 EVENT_TIMEOUT_S = 120.0
@@ -79,8 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="llama-tiny", help="configs/models preset")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--kills", type=int, default=3, help="single-group SIGKILLs")
-    p.add_argument("--spares", type=int, default=1,
-                   help="pre-started spare groups in the torchft run (0: Ray restarts only)")
+    p.add_argument("--spares", type=int, default=None,
+                   help="warm standbys in the torchft run (default: what production "
+                        "launches for a one-node booking; 0: Ray restarts only)")
     p.add_argument("--ranks-per-group", type=int, default=1,
                    help="ranks per replica group (> 1: FSDP2 inside the group, no spares)")
     p.add_argument("--restart-kills", type=int, default=2,
@@ -100,9 +102,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.groups < 2:
         p.error("--groups must be >= 2 (one must survive)")
+    if args.spares is None:
+        args.spares = recovery(args).spare_groups
     if args.ranks_per_group > 1 and args.spares:
         p.error("spares replace single-rank groups only: use --spares 0")
     return args
+
+
+def recovery(args: argparse.Namespace) -> RecoveryConfig:
+    """The production recovery configuration of a one-node booking of this shape."""
+    return production_recovery({"node_count": 1, "gpus_per_node": args.groups
+                                * args.ranks_per_group}, ranks_per_group=args.ranks_per_group)
 
 
 class Watcher:
@@ -267,8 +277,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for i in range(4000):
             f.write(json.dumps({"text": f"doc {i}: " + "lorem ipsum dolor sit amet " * (i % 9 + 1)})
                     + "\n")
-    ft_over = {} if args.heartbeat_ms is None else {
-        "heartbeat_timeout_ms": args.heartbeat_ms}
+    ft_over = recovery(args).fault_tolerance.model_dump(mode="json")
+    if args.heartbeat_ms is not None:
+        ft_over["heartbeat_timeout_ms"] = args.heartbeat_ms
 
     def config(spares: int, ckpt_dir: str) -> TrainStageConfig:
         return TrainStageConfig.model_validate(dict(

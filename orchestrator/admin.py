@@ -134,16 +134,7 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
         _fail(False, ErrorCode.bad_request, f"unknown runtime {runtime!r} (known: ray, none)")
     from orchestrator.redact import AccessLogRedactor
 
-    try:
-        app = create_app(settings, rt, store)
-    except ItoError as e:
-        _fail(False, e.code, e.message)
-    if app.state.metrics_address is not None:
-        m_host, m_port = app.state.metrics_address
-        # With --metrics-port 0 this is the only place the chosen port is told.
-        print(f"metrics listener on http://{m_host}:{m_port}/metrics", file=sys.stderr,
-              flush=True)
-    config = uvicorn.Config(app, host=host, port=port,
+    config = uvicorn.Config(create_app(settings, rt, store), host=host, port=port,
                             log_level=log_level, access_log=True,
                             timeout_graceful_shutdown=int(max(1, settings.shutdown_grace_s)))
     # uvicorn configures its loggers in Config(); the filter goes on afterwards.

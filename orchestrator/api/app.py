@@ -27,12 +27,6 @@ def create_app(settings: Settings, runtime: RunRuntime | None = None,
     store = store or Store(settings.db_path, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     store.counted_window_s = settings.auth_fail_audit_window_s
     rt: RunRuntime = runtime if runtime is not None else NullRuntime(store, settings.var_dir)
-    # Bound here, not at startup, so a taken port is refused (address_in_use) before the
-    # server starts; the lifespan only starts and stops it.
-    metrics = None
-    if settings.metrics_port is not None:
-        metrics = MetricsListener(lambda: render(store), settings.metrics_host,
-                                  settings.metrics_port, settings.metrics_token)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -41,8 +35,11 @@ def create_app(settings: Settings, runtime: RunRuntime | None = None,
         # own CPU time; a few threads keep requests first-come, first-served.
         anyio.to_thread.current_default_thread_limiter().total_tokens = (
             settings.request_threads)
-        if metrics is not None:
-            metrics.start()
+        metrics = None
+        if settings.metrics_port is not None:
+            metrics = MetricsListener(lambda: render(store), settings.metrics_host,
+                                      settings.metrics_port, settings.metrics_token).start()
+            app.state.metrics_address = metrics.address
         rt.start()
         try:
             yield
@@ -59,7 +56,6 @@ def create_app(settings: Settings, runtime: RunRuntime | None = None,
                   description="Canonical API of the ito-train backend. Every response is an "
                               "envelope {ok, live_api_contacted, notice, data | error}.")
     app.state.ctx = Ctx(settings, store, rt)
-    app.state.metrics_address = metrics.address if metrics is not None else None
     install_handlers(app)
 
     app.add_middleware(BodyCap, max_bytes=settings.max_body_bytes)

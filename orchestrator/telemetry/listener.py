@@ -10,15 +10,12 @@ token file (``--metrics-token-file``), only to ``Authorization: Bearer <token>``
 
 from __future__ import annotations
 
-import errno
 import hmac
 import logging
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-
-from stages.errors import ErrorCode, ItoError
 
 log = logging.getLogger("ito.metrics")
 
@@ -73,16 +70,7 @@ class MetricsListener:
                     return
                 self._send(200, body, ctype)
 
-        try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                raise
-            # The usual cause: a second `ito-backend serve` on the host, same default port.
-            raise ItoError(ErrorCode.address_in_use,
-                           f"the metrics port {host}:{port} is already in use (another "
-                           "ito-backend serve on this host?): pass --metrics-port PORT, or "
-                           "--metrics-port 0 to pick a free one") from None
+        self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
