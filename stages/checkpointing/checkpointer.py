@@ -53,6 +53,7 @@ from stages.checkpointing.storage import (
     delete_checkpoint,
     final_name,
     list_checkpoints,
+    note_read,
     pinned_phase,
     read_record,
     sweep_incomplete,
@@ -322,6 +323,7 @@ class Checkpointer:
         if read_record(path) is None:
             raise ItoError(ErrorCode.checkpoint_not_found,
                            f"no complete checkpoint at {path.name}")
+        note_read(record, self.run_label)
         try:
             dcp.load(_as_state_dict(state), checkpoint_id=path, process_group=self._pg,
                      no_dist=not self._dist)

@@ -39,7 +39,7 @@ from stages.placement import actor_options, bundle_for_rank
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.loop import WorkerSpec
 from stages.trainer.loss_spike import LossSpike, LossSpikeDetector
-from stages.trainer.recovery import failure_time
+from stages.trainer.recovery import failure_time, failure_times
 from stages.trainer.replica import (
     LighthouseActor,
     ReplicaWorker,
@@ -242,9 +242,11 @@ class TrainingEngine:
         now = time.time()
         for ref in ready:
             key = refs[ref]
+            if key not in self._pending or self._pending[key] is not ref:
+                continue  # a poll of an actor replaced meanwhile (a standby took over)
             del self._pending[key]
             try:
-                reply = ray.get(ref, timeout=0)
+                reply: dict[str, Any] = ray.get(ref, timeout=0)
             except (RayActorError, GetTimeoutError) as e:
                 self._on_actor_down(key, now, e)
                 continue
@@ -341,6 +343,8 @@ class TrainingEngine:
                 self._spike_pending = {**spike, "group": g, "at": now}
 
     def _on_event(self, event: Event, grp: _Group) -> None:
+        if isinstance(event, StepEvent) and not event.committed:
+            self._find_dead()
         if isinstance(event, StepEvent) and event.committed:
             self.step_tokens[event.step] = event.tokens
             if event.step >= self.max_step:
@@ -360,6 +364,16 @@ class TrainingEngine:
                 self._spike_recovering = None
                 self._interruption("loss_spike", None, detected, event.ts, detail)
         self.emit(event)
+
+    def _find_dead(self) -> None:
+        """A survivor's collective failed: ask Ray which ranks' processes ended and
+        treat them as lost now, without waiting for their polls to fail."""
+        live = {pid: key for key, pid in self._pids.items()
+                if self.groups[key[0]].lost_at is None}
+        now = time.time()
+        for pid in failure_times(list(live)):
+            if self.groups[live[pid][0]].lost_at is None:
+                self._on_actor_down(live[pid], now, RuntimeError("the process ended (Ray)"))
 
     def _failed_at(self, key: tuple[int, int], pid: int | None, detected: float) -> float:
         """When rank ``key``'s process ``pid`` died: Ray's record of its end, else the

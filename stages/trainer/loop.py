@@ -154,6 +154,8 @@ class TrainLoop:
         # The curriculum phase this loop trains: steps [start_step, end_step) only.
         self.phase = spec.config.phase
         self.phase_start = self.phase.start_step if self.phase is not None else 0
+        # Whether join() restores the newest checkpoint (the actor decides: replica.py).
+        self.checkpoint_needed: Callable[[], bool] = lambda: True
 
     # --- events ---------------------------------------------------------------------
     def emit(self, event: Event) -> None:
@@ -338,7 +340,10 @@ class TrainLoop:
                                  process_group=ckpt_pg)
         from stages.errors import ItoError
 
-        for _ in range(RESTORE_ATTEMPTS):
+        # Recovery hook (replica.py): a live peer ahead of every checkpoint heals this
+        # group through torchft, so no checkpoint is read.
+        attempts = RESTORE_ATTEMPTS if self.checkpoint_needed() else 0
+        for _ in range(attempts):
             latest = self.ckpt.latest()
             if latest is None:
                 break

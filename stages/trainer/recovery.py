@@ -4,10 +4,11 @@
 the pipeline launches it and ``benchmarks/fault_tolerance.py`` measures it, so the
 published recovery figures are those of the path production takes.
 
-``failure_time`` is when a lost worker process died, as Ray recorded it: the worker
-table's end time of that pid (kept for dead workers, restarted actors included), or
-the actor table's end time of a dead actor. It is the start of an interruption's
-``detect_s`` and ``recover_s``.
+``failure_time`` is when a lost worker process died, as Ray recorded it: the GCS
+worker table's end time of that pid (kept for dead workers, restarted actors
+included). It is the start of an interruption's ``detect_s`` and ``recover_s``,
+and ``failure_times`` is how the engine finds dead ranks the moment a survivor's
+collective fails.
 """
 
 from __future__ import annotations
@@ -55,28 +56,27 @@ def production_recovery(booking: Mapping[str, Any], *, ranks_per_group: int = 1,
                           nodes=nodes)
 
 
-def failure_time(pid: int | None, actor_id: str | None = None) -> float | None:
-    """Unix time at which worker process ``pid`` (or dead actor ``actor_id``) ended,
-    as Ray's GCS recorded it; None when Ray has no record of the end (yet)."""
-    if pid is None and actor_id is None:
-        return None
+def failure_times(pids: list[int]) -> dict[int, float]:
+    """Unix end time of each of ``pids`` that Ray's GCS records as a dead worker."""
+    if not pids:
+        return {}
     try:
         from ray._private.state import state
         from ray.core.generated import gcs_pb2
 
-        if pid is not None:
-            accessor = state._connect_and_get_accessor()
-            ends = [row.end_time_ms for row in
-                    (gcs_pb2.WorkerTableData.FromString(raw)  # type: ignore[attr-defined]
-                     for raw in accessor.get_worker_table())
-                    if row.pid == pid and not row.is_alive
-                    and row.end_time_ms]
-            if ends:
-                return max(ends) / 1000.0
-        if actor_id is not None:
-            info = state.actor_table(actor_id)
-            if info and info.get("State") == "DEAD" and info.get("EndTime"):
-                return float(info["EndTime"]) / 1000.0
+        accessor = state._connect_and_get_accessor()
+        wanted = set(pids)
+        ends: dict[int, float] = {}
+        for raw in accessor.get_worker_table():
+            row = gcs_pb2.WorkerTableData.FromString(raw)  # type: ignore[attr-defined]
+            if row.pid in wanted and not row.is_alive and row.end_time_ms:
+                ends[row.pid] = max(ends.get(row.pid, 0.0), row.end_time_ms / 1000.0)
+        return ends
     except Exception:  # a private Ray API: never let a lookup fail the run
-        return None
-    return None
+        return {}
+
+
+def failure_time(pid: int | None) -> float | None:
+    """Unix time at which worker process ``pid`` ended, as Ray's GCS recorded it;
+    None when Ray has no record of its end (yet)."""
+    return None if pid is None else failure_times([pid]).get(pid)

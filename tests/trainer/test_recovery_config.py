@@ -50,3 +50,12 @@ def test_the_benchmark_defaults_are_the_production_recovery() -> None:
     want = production_recovery({"node_count": 1, "gpus_per_node": args.groups})
     assert args.spares == want.spare_groups > 0
     assert bench.recovery(args).fault_tolerance == want.fault_tolerance
+
+
+def test_each_group_gets_its_own_cores() -> None:
+    from stages.trainer.replica import group_cores
+
+    assert [group_cores(g, 2, [0, 1]) for g in range(2)] == [[0], [1]]
+    assert [group_cores(g, 2, [0, 1, 2, 3]) for g in range(2)] == [[0, 1], [2, 3]]
+    # More groups than cores: they share, round robin.
+    assert [group_cores(g, 3, [4, 5]) for g in range(3)] == [[4], [5], [4]]
