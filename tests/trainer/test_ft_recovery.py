@@ -141,8 +141,10 @@ class Run:
 
 def test_kill_a_group_survivor_continues_and_restarted_group_heals(
         ray_local: None, tmp_path: Path) -> None:
-    # No standby left: every loss is Ray's restart of the actor.
-    cfg = _config(tmp_path, standbys=0)
+    # No standby left: every loss is Ray's restart of the actor (a new process: the
+    # run is long enough for one to start on a loaded machine).
+    cfg = _config(tmp_path, standbys=0, target=TrainingTarget(
+        max_steps=300, seq_len=32, global_batch_tokens=256, warmup_steps=5))
     with Run(cfg, tmp_path, "ftkill") as run:
         _kill_and_recover(run, cfg)
 
