@@ -78,7 +78,7 @@ from stages.trainer.config import ModelSpec, TrainingTarget, TrainStageConfig
 from stages.trainer.recovery import RecoveryConfig, production_recovery
 
 # How long to wait for one expected event before the benchmark gives up.
-EVENT_TIMEOUT_S = 120.0
+EVENT_TIMEOUT_S = 300.0
 # Steps to run in the full quorum before the first kill (and to time the step rate).
 WARMUP_STEPS = 30
 # Full-quorum steps after a rejoin that still count towards the failure's cost.
