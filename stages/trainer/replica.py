@@ -218,9 +218,13 @@ class ReplicaWorker:
 
     def _pin(self, group: int) -> None:
         cfg = self.spec.config
-        if cfg.device == "cpu" and cfg.pin_group_cores and group >= 0:
-            os.sched_setaffinity(0, group_cores(group, cfg.replica_groups,
-                                                sorted(os.sched_getaffinity(0))))
+        if cfg.device != "cpu" or not cfg.pin_group_cores or group < 0:
+            return
+        cores = group_cores(group, cfg.replica_groups, sorted(os.sched_getaffinity(0)))
+        # Ranks of a group that would share one core stall each other at every
+        # collective inside the group: those groups are left unpinned.
+        if len(cores) >= cfg.ranks_per_group:
+            os.sched_setaffinity(0, cores)
 
     def cores(self) -> list[int]:
         """The cores this process may run on."""
