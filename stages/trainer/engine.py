@@ -140,6 +140,7 @@ class TrainingEngine:
         self.rank_digests: dict[str, str] = {}
         # Each rank's process id and last answered poll: when it is lost, when it died.
         self._pids: dict[tuple[int, int], int] = {}
+        self._reactivated: set[int] = set()
         self._last_seen: dict[tuple[int, int], float] = {}
 
     # --- lifecycle --------------------------------------------------------------------
@@ -308,6 +309,11 @@ class TrainingEngine:
         g, rank = key
         grp = self.groups[g]
         status = reply["status"]
+        if status["phase"] == "standby" and status["pid"] not in self._reactivated:
+            # A standby that had taken this group's place died and Ray restarted it:
+            # it came back as a standby; it is this group's rank again.
+            self._reactivated.add(status["pid"])
+            self.actors[key].command.remote("activate", {"group": g})
         if status["phase"] == "ready":
             self._ready.add(key)
         grp.last_ok = now
