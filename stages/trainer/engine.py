@@ -282,8 +282,9 @@ class TrainingEngine:
             except Exception:  # a dead spare: Ray restarts it, it warms up again
                 self._spares_ready.discard(name)
                 continue
-            if status["phase"] == "standby":
+            if status["phase"] == "standby" and name not in self._spares_ready:
                 self._spares_ready.add(name)
+                self.emit(LogEvent(message=f"standby {name} is warm"))
 
     def _on_actor_down(self, key: tuple[int, int], now: float, err: Exception) -> None:
         grp = self.groups[key[0]]

@@ -312,6 +312,8 @@ def test_a_warm_spare_takes_a_lost_groups_place(ray_local: None, tmp_path: Path)
         run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 10
                      and e.quorum_size == 2, "10 steps in the full quorum")
         run.wait_for(lambda e: isinstance(e, CheckpointEvent), "a checkpoint to reload from")
+        run.wait_for(lambda e: isinstance(e, LogEvent) and e.message.endswith(" is warm"),
+                     "a warm standby")
         # Each group runs on its own cores: a dead group's compute stays idle.
         cores = [ray.get(ray.get_actor(worker_name("ftspare", g, 0)).cores.remote(),
                          timeout=WAIT_S) for g in range(2)]
