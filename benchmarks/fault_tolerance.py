@@ -10,10 +10,11 @@ of full-quorum steps before the first kill.
 
 1. torchft, ``--kills`` times at a random step: SIGKILL the worker process(es) of a
    random replica group. Measured:
-   - detect: kill -> a survivor's next committed step in the smaller quorum;
+   - detect: kill -> the run's ``InterruptionEvent.detected_at`` (when the engine
+     knew: Ray reported the process dead, or a survivor committed without it);
    - resume: kill -> the restarted group's first committed step in the full quorum
-     (a warm spare takes the group's place, or Ray restarts the actor; torchft
-     heals it from a live peer);
+     (a warm standby takes the group's place, or Ray restarts the actor; torchft
+     heals it from a live peer, reading no checkpoint);
    - lost seconds by tokens (the headline): over the window from the last committed
      step before the kill to ``SETTLE_STEPS`` full-quorum steps after the rejoin,
      window seconds minus (new tokens committed in the window) / R. The dead
@@ -30,6 +31,15 @@ of full-quorum steps before the first kill.
    beyond the step reached before the kill, window seconds minus (new tokens: steps
    beyond the one reached before the kill) / R. Redone steps add nothing.
 
+With ``--churn-s T --duration-s D`` the torchft run instead SIGKILLs a random group
+every T seconds for D seconds (a kill may land before the standby is refilled) and
+reports ``churn_efficiency``: tokens committed in those D seconds over the
+undisturbed full-quorum rate times D (a fault-free run of the same length).
+
+The torchft run uses the production recovery configuration
+(``stages.trainer.recovery.production_recovery``: warm standbys, FT timeouts) and,
+on cpu, each group pinned to its own cores, so a dead group's compute stays idle.
+
 Prints one line per measurement and ends with one JSON line: ``lost_ratio_tokens``
 (restart / torchft, median lost seconds by tokens: the headline), the token-basis
 medians of both sides, detect and resume medians and maxima, and the step-basis ft
@@ -42,8 +52,10 @@ Timings on a shared, loaded machine are noisy.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -61,11 +73,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from stages.base import GateOutcome, StageContext
 from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS, CheckpointPolicy
-from stages.events import Event, StepEvent
+from stages.events import Event, InterruptionEvent, StepEvent
 from stages.trainer.config import ModelSpec, TrainingTarget, TrainStageConfig
+from stages.trainer.recovery import RecoveryConfig, production_recovery
 
 # How long to wait for one expected event before the benchmark gives up.
-EVENT_TIMEOUT_S = 120.0
+EVENT_TIMEOUT_S = 300.0
 # Steps to run in the full quorum before the first kill (and to time the step rate).
 WARMUP_STEPS = 30
 # Full-quorum steps after a rejoin that still count towards the failure's cost.
@@ -79,8 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="llama-tiny", help="configs/models preset")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--kills", type=int, default=3, help="single-group SIGKILLs")
-    p.add_argument("--spares", type=int, default=1,
-                   help="pre-started spare groups in the torchft run (0: Ray restarts only)")
+    p.add_argument("--spares", type=int, default=None,
+                   help="warm standbys in the torchft run (default: what production "
+                        "launches for a one-node booking; 0: Ray restarts only)")
     p.add_argument("--ranks-per-group", type=int, default=1,
                    help="ranks per replica group (> 1: FSDP2 inside the group, no spares)")
     p.add_argument("--restart-kills", type=int, default=2,
@@ -95,14 +109,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-tokens", type=int, default=2048, help="global batch tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-cpus", type=int, default=4, help="Ray logical CPUs")
+    p.add_argument("--churn-s", type=float, default=0.0,
+                   help="churn mode: SIGKILL a random group every this many seconds "
+                        "(instead of --kills), for --duration-s")
+    p.add_argument("--duration-s", type=float, default=180.0, help="churn mode's length")
     p.add_argument("--heartbeat-ms", type=int, default=None,
                    help="override FaultToleranceConfig.heartbeat_timeout_ms")
     args = p.parse_args(argv)
     if args.groups < 2:
         p.error("--groups must be >= 2 (one must survive)")
+    if args.spares is None:
+        args.spares = recovery(args).spare_groups
     if args.ranks_per_group > 1 and args.spares:
         p.error("spares replace single-rank groups only: use --spares 0")
     return args
+
+
+def recovery(args: argparse.Namespace) -> RecoveryConfig:
+    """The production recovery configuration of a one-node booking of this shape."""
+    return production_recovery({"node_count": 1, "gpus_per_node": args.groups
+                                * args.ranks_per_group}, ranks_per_group=args.ranks_per_group)
 
 
 class Watcher:
@@ -122,12 +148,18 @@ class Watcher:
             return [e for e in self.events if isinstance(e, StepEvent) and e.committed]
 
     def wait(self, pred: Callable[[StepEvent], bool], what: str) -> StepEvent:
+        e = self.wait_event(lambda e: isinstance(e, StepEvent) and e.committed and pred(e),
+                            what)
+        assert isinstance(e, StepEvent)
+        return e
+
+    def wait_event(self, pred: Callable[[Event], bool], what: str) -> Event:
         deadline = time.time() + EVENT_TIMEOUT_S
         with self.cond:
             seen = 0
             while True:
                 for e in self.events[seen:]:
-                    if isinstance(e, StepEvent) and e.committed and pred(e):
+                    if pred(e):
                         return e
                 seen = len(self.events)
                 left = deadline - time.time()
@@ -172,11 +204,15 @@ def ft_kill(w: Watcher, run_id: str, group: int, groups: int, step_s: float,
 
     t_kill, _ = kill_replica_group(run_id, group)
     start = last_before(w, t_kill)
-    det = w.wait(lambda e: e.ts > t_kill and e.replica_group != group
-                 and e.quorum_size < groups, "survivor step in the smaller quorum")
     res = w.wait(lambda e: e.ts > t_kill and e.replica_group == group
                  and e.quorum_size == groups, "restarted group in the full quorum")
-    survivor = det.replica_group
+    # Detect: the run's own report of when it knew (a standby may take the group's
+    # place before any survivor commits in a smaller quorum).
+    det = w.wait_event(lambda e: isinstance(e, InterruptionEvent) and e.replica_group == group
+                       and e.detected_at >= t_kill - 1.0 and e.recovered_at is not None,
+                       "the run's report of the interruption")
+    assert isinstance(det, InterruptionEvent)
+    survivor = (group + 1) % groups
     # Settle: a few full-quorum steps after the rejoin (healing stalls the sender too).
     end = w.wait(lambda e: e.replica_group == survivor and e.step >= res.step + SETTLE_STEPS,
                  "steps after the rejoin")
@@ -188,8 +224,29 @@ def ft_kill(w: Watcher, run_id: str, group: int, groups: int, step_s: float,
     # Token basis: the missing group's share of every batch counts as lost as well.
     tokens = committed_tokens(w, start.ts, end.ts, start.step)
     lost_tok = (end.ts - start.ts) - tokens / tok_rate
-    return {"group": group, "detect_s": det.ts - t_kill, "resume_s": res.ts - t_kill,
+    return {"group": group, "detect_s": max(0.0, det.detected_at - t_kill),
+            "resume_s": res.ts - t_kill,
             "lost_s": max(0.0, lost), "lost_token_s": max(0.0, lost_tok)}
+
+
+def churn(w: Watcher, run_id: str, groups: int, every_s: float, duration_s: float,
+          tok_rate: float, rng: random.Random) -> dict[str, float]:
+    """SIGKILL a random group every ``every_s`` seconds for ``duration_s`` (a kill may
+    land before the standby is refilled, or on a group still healing). Efficiency:
+    the tokens committed in the window over what the undisturbed full-quorum rate
+    commits in the same time (the fault-free run of the same length)."""
+    from stages.trainer import kill_replica_group
+
+    t0 = time.time()
+    kills = 0
+    while (t_next := t0 + (kills + 1) * every_s) < t0 + duration_s:
+        time.sleep(max(0.0, t_next - time.time()))
+        _, pids = kill_replica_group(run_id, rng.randrange(groups))
+        kills += bool(pids)
+        print(f"churn kill {kills} at +{time.time() - t0:.1f}s: pids {pids}", flush=True)
+    time.sleep(max(0.0, t0 + duration_s - time.time()))
+    tokens = committed_tokens(w, t0, t0 + duration_s, last_before(w, t0).step)
+    return {"churn_kills": kills, "churn_efficiency": round(tokens / (tok_rate * duration_s), 3)}
 
 
 def restart_kill(w: Watcher, run_id: str, groups: int, tok_rate: float) -> dict[str, float]:
@@ -206,6 +263,10 @@ def restart_kill(w: Watcher, run_id: str, groups: int, tok_rate: float) -> dict[
     lost_tok = (end.ts - start.ts) - tokens / tok_rate
     return {"reached": reached, "back_s": back.ts - t_kill,
             "lost_token_s": max(0.0, lost_tok)}
+
+
+def reached(step: int, e: StepEvent) -> bool:
+    return e.step >= step
 
 
 def restart_kill_steps(interval: int, n: int, rng: random.Random) -> list[int]:
@@ -267,8 +328,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for i in range(4000):
             f.write(json.dumps({"text": f"doc {i}: " + "lorem ipsum dolor sit amet " * (i % 9 + 1)})
                     + "\n")
-    ft_over = {} if args.heartbeat_ms is None else {
-        "heartbeat_timeout_ms": args.heartbeat_ms}
+    ft_over = recovery(args).fault_tolerance.model_dump(mode="json")
+    if args.heartbeat_ms is not None:
+        ft_over["heartbeat_timeout_ms"] = args.heartbeat_ms
 
     def config(spares: int, ckpt_dir: str) -> TrainStageConfig:
         return TrainStageConfig.model_validate(dict(
@@ -285,6 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
              _temp_dir=str(tmp / "ray"), log_to_driver=False)
     t_start = time.time()
+    churned: dict[str, float] = {}
     ft_results: list[dict[str, float]] = []
     restart_results: list[dict[str, float]] = []
     try:
@@ -293,7 +356,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             step_s, tok_rate = sess.warm(args.groups)
             print(f"full quorum: {step_s * 1000:.0f} ms/step, {tok_rate:.0f} tokens/s",
                   flush=True)
-            for gap in gaps(args, args.kills, rng):
+            if args.churn_s:
+                churned = churn(sess.w, sess.run_id, args.groups, args.churn_s,
+                                args.duration_s, tok_rate, rng)
+                print(f"churn: {churned}", flush=True)
+            for gap in gaps(args, 0 if args.churn_s else args.kills, rng):
                 sess.reach(gap, args.groups)
                 r = ft_kill(sess.w, sess.run_id, rng.randrange(args.groups), args.groups,
                             step_s, tok_rate)
@@ -305,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with Session(config(0, "ckpt-restart"), tmp, f"rsb{os.getpid()}") as sess:
             _, tok_rate_r = sess.warm(args.groups)  # each side valued at its own rate
             for kill_at in restart_kill_steps(args.checkpoint_every, args.restart_kills, rng):
-                sess.w.wait(lambda e, k=kill_at: e.step >= k, f"step {kill_at}")
+                sess.w.wait(functools.partial(reached, kill_at), f"step {kill_at}")
                 r = restart_kill(sess.w, sess.run_id, args.groups, tok_rate_r)
                 restart_results.append(r)
                 print(f"restart kill at step {r['reached']:.0f}: back at it after "
@@ -323,9 +390,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = {
         "kills": len(ft_results),
         "detect_s_median": med("detect_s", ft_results),
-        "detect_s_max": round(max(r["detect_s"] for r in ft_results), 3),
+        "detect_s_max": round(max((r["detect_s"] for r in ft_results), default=math.nan), 3),
         "resume_s_median": med("resume_s", ft_results),
-        "resume_s_max": round(max(r["resume_s"] for r in ft_results), 3),
+        "resume_s_max": round(max((r["resume_s"] for r in ft_results), default=math.nan), 3),
+        **churned,
         "ft_lost_token_s_median": ft_lost_tok,
         "restart_lost_token_s_median": restart_lost_tok,
         "lost_ratio_tokens": round(restart_lost_tok / ft_lost_tok, 2) if ft_lost_tok > 0

@@ -57,6 +57,7 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
     def make(ctx: StageContext) -> Stage:
         from stages.trainer.config import TrainStageConfig
         from stages.trainer.layout import layout_from_plan
+        from stages.trainer.recovery import production_recovery
         from stages.trainer.stage import TrainingStage
 
         plan = ctx.previous["parallelism"].artifacts["plan"]
@@ -70,6 +71,9 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
             # The plan's layout inside each group: the trainer builds exactly this.
             "parallel": layout_from_plan(plan).model_dump(mode="json"),
             "device": spec.facts.get("device", "cpu"),
+            # Warm standbys and FT timeouts: the configuration the benchmark measures.
+            **production_recovery(spec.facts.get("booking") or {},
+                                  ranks_per_group=ranks).train_fields(),
         }
         from orchestrator.gates.curriculum import curriculum_plan
 

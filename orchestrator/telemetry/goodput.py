@@ -8,6 +8,12 @@ since the first one's work was thrown away. Badput is attributed from the
 ``PhaseEvent`` spans stages emit (start-up, checkpoint blocking, failure recovery,
 evaluation); whatever elapsed time is neither productive nor attributed is idle.
 
+Each interruption reports two durations from the failure (``failed_at``: the lost
+process's end as Ray recorded it, else the last poll it answered): ``detect_s`` until
+the run knew (``detected_at``) and ``recover_s`` until it trained in the full quorum
+again (``recovered_at``). Without a failure time (a loss spike) recovery counts from
+detection and there is no ``detect_s``.
+
 The same numbers feed ``GET /v1/runs/{id}/metrics``, ``ito metrics`` and the
 Prometheus exporter at ``/metrics``.
 """
@@ -28,6 +34,20 @@ PROGRESS_FIELDS = ("stage", "step", "step_index", "steps", "tasks_done", "tasks_
                    "eta_s", "ts")
 
 
+# Interruptions listed one by one (/metrics gauges included): the latest this many.
+MAX_LISTED_INTERRUPTIONS = 100
+
+
+class InterruptionTiming(BaseModel):
+    """One interruption's detect and recover seconds (None: unknown or not yet)."""
+
+    index: int
+    kind: str
+    replica_group: int | None = None
+    detect_s: float | None = None
+    recover_s: float | None = None
+
+
 class RunMetrics(BaseModel):
     elapsed_s: float = 0.0
     productive_s: float = 0.0
@@ -42,8 +62,12 @@ class RunMetrics(BaseModel):
     interruptions: int = 0
     interruptions_recovered: int = 0
     interruption_rate_per_h: float = 0.0
+    # Per interruption with a failure time, in event order (failure -> detection).
     detect_s: list[float] = Field(default_factory=list)
+    # Per recovered interruption (failure, else detection -> back in the full quorum).
     recover_s: list[float] = Field(default_factory=list)
+    # The latest MAX_LISTED_INTERRUPTIONS interruptions, each with both durations.
+    interruption_timings: list[InterruptionTiming] = Field(default_factory=list)
     checkpoints: int = 0
     checkpoint_bytes: int = 0
     checkpoint_bytes_per_s: float = 0.0
@@ -100,9 +124,20 @@ def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: floa
         elif kind == "interruption":
             m.interruptions += 1
             detected = float(ev["detected_at"])
+            failed = ev.get("failed_at")
+            since = detected if failed is None else float(failed)
+            timing = InterruptionTiming(index=m.interruptions - 1,
+                                        kind=str(ev.get("interruption_kind", "")),
+                                        replica_group=ev.get("replica_group"))
+            if failed is not None:
+                timing.detect_s = max(0.0, detected - since)
+                m.detect_s.append(timing.detect_s)
             if ev.get("recovered_at") is not None:
                 m.interruptions_recovered += 1
-                m.recover_s.append(float(ev["recovered_at"]) - detected)
+                timing.recover_s = max(0.0, float(ev["recovered_at"]) - since)
+                m.recover_s.append(timing.recover_s)
+            m.interruption_timings.append(timing)
+            del m.interruption_timings[:-MAX_LISTED_INTERRUPTIONS]
         elif kind == "progress":
             m.stage_progress = {k: ev.get(k) for k in PROGRESS_FIELDS}
         elif kind == "eval":

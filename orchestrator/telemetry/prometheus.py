@@ -60,6 +60,13 @@ class TelemetryCollector(Collector):
                                    labels=[*labels, "cause"])
         interruptions = CounterMetricFamily("ito_run_interruptions",
                                             "Replica-group or job interruptions", labels=labels)
+        ilabels = [*labels, "interruption", "kind"]
+        i_detect = GaugeMetricFamily("ito_run_interruption_detect_seconds",
+                                     "Seconds from a failure to its detection",
+                                     labels=ilabels)
+        i_recover = GaugeMetricFamily("ito_run_interruption_recover_seconds",
+                                      "Seconds from a failure to training in the full "
+                                      "quorum again", labels=ilabels)
         rate = GaugeMetricFamily("ito_run_interruption_rate_per_hour",
                                  "Interruptions per hour of elapsed time", labels=labels)
         ckpt_bw = GaugeMetricFamily("ito_run_checkpoint_bandwidth_bytes_per_second",
@@ -97,6 +104,12 @@ class TelemetryCollector(Collector):
                 badput.add_metric([*lv, cause], secs)
             interruptions.add_metric(lv, m.interruptions)
             rate.add_metric(lv, m.interruption_rate_per_h)
+            for t in m.interruption_timings:
+                il = [*lv, str(t.index), t.kind]
+                if t.detect_s is not None:
+                    i_detect.add_metric(il, t.detect_s)
+                if t.recover_s is not None:
+                    i_recover.add_metric(il, t.recover_s)
             ckpt_bw.add_metric(lv, m.checkpoint_bytes_per_s)
             tps.add_metric(lv, m.tokens_per_s)
             steps.add_metric(lv, m.steps_committed)
@@ -133,8 +146,9 @@ class TelemetryCollector(Collector):
             b_rate.add_metric([booking_id], agg.interruption_rate_per_h)
             b_bw.add_metric([booking_id], agg.checkpoint_bytes_per_s)
             b_tps.add_metric([booking_id], agg.tokens_per_s)
-        yield from (goodput, elapsed, badput, interruptions, rate, ckpt_bw, tps, steps, state,
-                    p_docs, p_docs_total, p_bytes, p_eta, evals, b_goodput, b_rate, b_bw, b_tps)
+        yield from (goodput, elapsed, badput, interruptions, i_detect, i_recover, rate,
+                    ckpt_bw, tps, steps, state, p_docs, p_docs_total, p_bytes, p_eta, evals,
+                    b_goodput, b_rate, b_bw, b_tps)
         yield from rl.values()
 
 

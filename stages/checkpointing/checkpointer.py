@@ -63,6 +63,7 @@ from stages.checkpointing.storage import (
     delete_checkpoint,
     final_name,
     list_checkpoints,
+    note_read,
     pinned_phase,
     read_record,
     sweep_incomplete,
@@ -404,6 +405,7 @@ class Checkpointer:
         if read_record(path) is None:
             raise ItoError(ErrorCode.checkpoint_not_found,
                            f"no complete checkpoint at {path.name}")
+        note_read(record, self.run_label)
         load_sealed(_as_state_dict(state), path, self._seal_key, process_group=self._pg,
                     no_dist=not self._dist)
         self._last_step = record.step

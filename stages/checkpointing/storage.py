@@ -5,6 +5,7 @@ A storage directory holds only complete checkpoints under their final names::
     <storage>/step_000000120/          complete: DCP files + COMMIT_NAME, written last
     <storage>/.tmp-<label>-step_.../   a save in progress (or killed): never listed
     <storage>/.trash-step_.../         a checkpoint being deleted: never listed
+    <storage>/ito_reads.jsonl          one line per checkpoint load: which, by whom, when
 
 A save writes into a temp folder; when DCP has written and fsynced every file and
 its ``.metadata``, the coordinator writes the commit record, fsyncs it and the
@@ -40,6 +41,7 @@ PHASE_MARK_NAME = "ito_phase.json"
 DCP_METADATA_NAME = ".metadata"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+READ_LOG_NAME = "ito_reads.jsonl"
 _FINAL_RE = re.compile(r"^step_(\d{9,})$")
 _LABEL_RE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -143,6 +145,35 @@ def list_checkpoints(storage_dir: str | Path) -> list[CheckpointRecord]:
         return []
     records = [r for p in root.iterdir() if p.is_dir() and (r := read_record(p)) is not None]
     return sorted(records, key=lambda r: r.step)
+
+
+class CheckpointRead(StrictModel):
+    """One load of a checkpoint (the storage's read ledger)."""
+
+    step: int
+    reader: str
+    at: float
+
+
+def note_read(record: CheckpointRecord, reader: str) -> None:
+    """Append a load of ``record`` to its storage's read ledger (one short O_APPEND
+    write, so concurrent readers never interleave lines)."""
+    line = CheckpointRead(step=record.step, reader=reader, at=time.time()).model_dump_json()
+    fd = os.open(Path(record.path).parent / READ_LOG_NAME,
+                 os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_log(storage_dir: str | Path) -> list[CheckpointRead]:
+    """Every checkpoint load recorded in ``storage_dir``, oldest first."""
+    path = _root(storage_dir) / READ_LOG_NAME
+    if not path.is_file():
+        return []
+    return [CheckpointRead.model_validate_json(line)
+            for line in path.read_text().splitlines() if line.strip()]
 
 
 def _trash(ckpt_dir: Path) -> None:

@@ -118,6 +118,9 @@ class FaultToleranceConfig(StrictModel):
     # Driver: how long a worker may stay unreachable before its group counts as lost
     # for the all-groups-lost decision.
     actor_ready_timeout_s: float = Field(default=120.0, gt=0)
+    # A restarted or standby rank asking the other groups whether a live peer is ahead
+    # of every checkpoint (then it heals from the peer and reads no checkpoint).
+    peer_probe_timeout_s: float = Field(default=2.0, gt=0)
     # Driver: how often it pulls events from the actors.
     poll_interval_s: float = Field(default=0.2, gt=0)
     # Driver: cancel kills every actor; a graceful stop waits at most this long first.
@@ -166,6 +169,10 @@ class TrainStageConfig(StrictModel):
     text_field: str = "text"
     # Fractional logical CPUs per worker actor (Ray scheduling only).
     worker_num_cpus: float = Field(default=0.5, gt=0)
+    # On cpu, pin each replica group's ranks to their own share of the node's cores
+    # (sched_setaffinity): a lost group's compute then stays idle, as a lost GPU's
+    # would, instead of speeding up the survivors that share its cores.
+    pin_group_cores: bool = True
     # Test/benchmark pacing: minimum seconds per step, so that a tiny CPU model's run
     # lasts long enough to kill and restart a group in it. 0 in real runs.
     pace_step_s: float = Field(default=0.0, ge=0, le=10)

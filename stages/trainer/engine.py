@@ -39,6 +39,7 @@ from stages.trainer.config import TrainStageConfig
 from stages.trainer.control import WorkerSpec
 from stages.trainer.engine_state import EngineResult, GroupState
 from stages.trainer.loss_spike import LossSpike, LossSpikeDetector
+from stages.trainer.recovery import failure_time, failure_times
 from stages.trainer.replica import (
     LighthouseActor,
     ReplicaWorker,
@@ -113,6 +114,10 @@ class TrainingEngine:
         self._started = False
         self.layout: dict[str, Any] = {}
         self.rank_digests: dict[str, str] = {}
+        # Each rank's process id and last answered poll: when it is lost, when it died.
+        self._pids: dict[tuple[int, int], int] = {}
+        self._reactivated: set[int] = set()
+        self._last_seen: dict[tuple[int, int], float] = {}
 
     # --- lifecycle --------------------------------------------------------------------
     def emit(self, event: Event) -> None:
@@ -214,9 +219,11 @@ class TrainingEngine:
         now = time.time()
         for ref in ready:
             key = refs[ref]
+            if key not in self._pending or self._pending[key] is not ref:
+                continue  # a poll of an actor replaced meanwhile (a standby took over)
             del self._pending[key]
             try:
-                reply = ray.get(ref, timeout=0)
+                reply: dict[str, Any] = ray.get(ref, timeout=0)
             except (RayActorError, GetTimeoutError) as e:
                 self._on_actor_down(key, now, e)
                 continue
@@ -251,8 +258,9 @@ class TrainingEngine:
             except Exception:  # a dead spare: Ray restarts it, it warms up again
                 self._spares_ready.discard(name)
                 continue
-            if status["phase"] == "standby":
+            if status["phase"] == "standby" and name not in self._spares_ready:
                 self._spares_ready.add(name)
+                self.emit(LogEvent(message=f"standby {name} is warm"))
 
     def _on_actor_down(self, key: tuple[int, int], now: float, err: Exception) -> None:
         grp = self.groups[key[0]]
@@ -261,6 +269,7 @@ class TrainingEngine:
             # torchft may have noticed first: a survivor committed in a smaller quorum.
             detected = min(now, self._shrunk_at) if self._shrunk_at else now
             grp.lost_at = max(detected, grp.last_ok)
+            grp.failed_at = self._failed_at(key, self._pids.get(key), grp.lost_at)
             self.emit(LogEvent(level="warning",
                                message=f"replica group {grp.index} lost (rank {key[1]}): "
                                        f"{type(err).__name__}"))
@@ -277,6 +286,11 @@ class TrainingEngine:
         g, rank = key
         grp = self.groups[g]
         status = reply["status"]
+        if status["phase"] == "standby" and status["pid"] not in self._reactivated:
+            # A standby that had taken this group's place died and Ray restarted it:
+            # it came back as a standby; it is this group's rank again.
+            self._reactivated.add(status["pid"])
+            self.actors[key].command.remote("activate", {"group": g})
         if status["phase"] == "ready":
             self._ready.add(key)
         grp.last_ok = now
@@ -285,6 +299,9 @@ class TrainingEngine:
             grp.restarts += 1
             if grp.lost_at is None:  # restarted between two polls
                 grp.lost_at = status["started_at"]
+                grp.failed_at = self._failed_at(key, grp.pid, grp.lost_at)
+        self._pids[key] = int(status["pid"])
+        self._last_seen[key] = now
         if rank == 0:
             grp.pid = status["pid"]
             grp.phase = status["phase"]
@@ -318,6 +335,8 @@ class TrainingEngine:
                 self._spike_pending = {**spike, "group": g, "at": now}
 
     def _on_event(self, event: Event, grp: GroupState) -> None:
+        if isinstance(event, StepEvent) and not event.committed:
+            self._find_dead()
         if isinstance(event, StepEvent) and event.committed:
             self.step_tokens[event.step] = event.tokens
             if event.step >= self.max_step:
@@ -338,27 +357,49 @@ class TrainingEngine:
                 self._interruption("loss_spike", None, detected, event.ts, detail)
         self.emit(event)
 
+    def _find_dead(self) -> None:
+        """A survivor's collective failed: ask Ray which ranks' processes ended and
+        treat them as lost now, without waiting for their polls to fail."""
+        live = {pid: key for key, pid in self._pids.items()
+                if self.groups[key[0]].lost_at is None}
+        now = time.time()
+        for pid in failure_times(list(live)):
+            if self.groups[live[pid][0]].lost_at is None:
+                self._on_actor_down(live[pid], now, RuntimeError("the process ended (Ray)"))
+
+    def _failed_at(self, key: tuple[int, int], pid: int | None, detected: float) -> float:
+        """When rank ``key``'s process ``pid`` died: Ray's record of its end, else the
+        last poll it answered (never after its loss was detected)."""
+        died = failure_time(pid)
+        if died is None:
+            died = self._last_seen.get(key, detected)
+        return min(died, detected)
+
     def _recovered(self, grp: GroupState, ts: float) -> None:
         if self._all_lost_at is not None:
+            failed = [g.failed_at for g in self.groups if g.failed_at is not None]
             self._interruption("all_groups_lost", None, self._all_lost_at, ts,
                                "every replica group was lost; restarted from the newest "
-                               "complete checkpoint")
+                               "complete checkpoint", failed=min(failed, default=None))
             self._all_lost_at = None
             for g in self.groups:
-                g.lost_at = None
+                g.lost_at = g.failed_at = None
             return
         for g in self.groups:
             if g.lost_at is not None and g.pid is not None and g.lost_since_poll_fail is None \
                     and (g is grp or g.phase == "training"):
                 self._interruption("replica_group_lost", g.index, g.lost_at, ts,
-                                   f"healed from a live peer after {g.restarts} restart(s)")
-                g.lost_at = None
+                                   f"healed from a live peer after {g.restarts} restart(s)",
+                                   failed=g.failed_at)
+                g.lost_at = g.failed_at = None
 
     def _interruption(self, kind: Any, group: int | None, detected: float,
-                      recovered: float | None, detail: str) -> None:
+                      recovered: float | None, detail: str, *,
+                      failed: float | None = None) -> None:
         self.interruptions += 1
         self.emit(InterruptionEvent(interruption_kind=kind, replica_group=group,
-                                    detected_at=detected, recovered_at=recovered, detail=detail))
+                                    failed_at=failed, detected_at=detected,
+                                    recovered_at=recovered, detail=detail))
 
     def _check_stuck(self, now: float) -> None:
         errors = [g.error for g in self.groups if g.error]
@@ -457,7 +498,8 @@ class TrainingEngine:
             for g in self.groups:
                 if g.lost_at is not None:
                     self._interruption("replica_group_lost", g.index, g.lost_at, None,
-                                       "not recovered before the run finished")
+                                       "not recovered before the run finished",
+                                       failed=g.failed_at)
         finally:
             self.shutdown()
         records = list_checkpoints(self.checkpoint_dir)

@@ -14,6 +14,7 @@ class GroupState:
     pid: int | None = None
     last_ok: float = 0.0
     lost_at: float | None = None  # set while the group is down
+    failed_at: float | None = None  # when the lost process died (recovery.failure_time)
     lost_since_poll_fail: float | None = None
     restarts: int = 0
     phase: str = "starting"

@@ -116,6 +116,9 @@ class TrainLoop:
         self.sharded = spec.config.ranks_per_group > 1
         self._last_saved = -1
         self._save_started: dict[int, float] = {}
+        # Whether join restores the newest checkpoint (the actor decides: replica.py; a
+        # live peer ahead of every checkpoint heals the group through torchft instead).
+        self.checkpoint_needed: Callable[[], bool] = lambda: True
 
     # --- events ---------------------------------------------------------------------
     def emit(self, event: Event) -> None:

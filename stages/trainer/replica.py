@@ -40,6 +40,14 @@ def trainer_prefix(run_id: str) -> str:
     return f"run-{run_id}-trainer-"
 
 
+def group_cores(group: int, groups: int, cores: list[int]) -> list[int]:
+    """Replica group ``group``'s own share of ``cores`` (groups beyond the core count
+    share, round robin)."""
+    per = max(1, len(cores) // groups)
+    start = (group * per) % len(cores)
+    return cores[start:start + per]
+
+
 class LighthouseActor:
     """torchft's Rust LighthouseServer, kept alive for the run by this actor."""
 
@@ -81,9 +89,11 @@ class ReplicaWorker:
             "started_at": time.time(), "error": None, "paused_at": None, "spike": None,
         }
         self.store: Any = None
+        self._pin(spec.replica_group)
         if spec.config.ranks_per_group > 1:
             self._group_store(spec)
         self.loop = TrainLoop(spec, emit=self._emit, control=self.control, status=self.status)
+        self.loop.checkpoint_needed = self._checkpoint_needed
         self._thread = threading.Thread(target=self._main, name="train-loop", daemon=True)
         self._thread.start()
 
@@ -106,6 +116,73 @@ class ReplicaWorker:
 
     def store_address(self) -> tuple[str, int]:
         return self.spec.store_addr, self.spec.store_port
+
+    # --- heal, don't reload -------------------------------------------------------
+    def _checkpoint_needed(self) -> bool:
+        """Whether this rank's join must read the newest checkpoint: at a fresh start,
+        or when no live peer group is ahead of it. A restarted (or activated standby)
+        group with such a peer heals from it through torchft and reads nothing. The
+        ranks of a multi-rank group follow rank 0's answer (a sharded load is a
+        collective: they must all read or none)."""
+        restarted = bool(self.status.get("restarted"))
+        if not restarted:
+            return True
+        key = "ito/recovery/checkpoint_needed"
+        spec = self.spec
+        if spec.config.ranks_per_group > 1 and spec.rank != 0:
+            from datetime import timedelta
+
+            from torch.distributed import TCPStore
+
+            timeout = timedelta(seconds=spec.config.fault_tolerance.actor_ready_timeout_s)
+            client = TCPStore(spec.store_addr, spec.store_port, is_master=False,
+                              timeout=timeout)
+            return client.get(key) == b"1"
+        needed = not self._peer_ahead_of_checkpoints()
+        if self.store is not None:
+            self.store.set(key, "1" if needed else "0")
+        if not needed:
+            self.loop.log("a live peer is ahead of every checkpoint: healing from it, "
+                          "no checkpoint read")
+        return needed
+
+    def _peer_ahead_of_checkpoints(self) -> bool:
+        """Some other replica group's rank 0 is training at or beyond the newest
+        complete checkpoint's step (a peer that itself restarted from nothing is not)."""
+        import ray
+
+        from stages.checkpointing.storage import list_checkpoints
+
+        records = list_checkpoints(self.spec.checkpoint_dir)
+        newest = records[-1].step if records else 0
+        me = self.loop.spec.replica_group
+        mine = ray.get_runtime_context().get_actor_name()
+        pending: list[Any] = []
+        for name in ray.util.list_named_actors():
+            if isinstance(name, str) and name != mine \
+                    and name.startswith(trainer_prefix(self.spec.run_id)):
+                try:
+                    pending.append(ray.get_actor(name).progress.remote())
+                except ValueError:  # gone since the listing
+                    continue
+        deadline = time.time() + self.spec.config.fault_tolerance.peer_probe_timeout_s
+        while pending and (left := deadline - time.time()) > 0:
+            # A restarting peer never answers in time: take the first that says yes.
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in ready:
+                try:
+                    p = ray.get(ref, timeout=0)
+                except Exception:  # a dead or restarting peer is no heal source
+                    continue
+                if p["group"] >= 0 and p["group"] != me and p["rank"] == 0 \
+                        and p["phase"] == "training" and p["step"] >= newest:
+                    return True
+        return False
+
+    def progress(self) -> dict[str, Any]:
+        """Which group and rank this is, its loop's phase and committed step."""
+        return {"group": self.loop.spec.replica_group, "rank": self.spec.rank,
+                "phase": self.status.get("phase"), "step": int(self.status.get("step") or 0)}
 
     def _emit(self, event: Any) -> None:
         with self._lock:
@@ -134,6 +211,8 @@ class ReplicaWorker:
                 "pid": os.getpid()}
 
     def command(self, kind: str, params: dict[str, Any] | None = None) -> None:
+        if kind == "activate":  # a standby becomes a group: its cores from now on
+            self._pin(int((params or {})["group"]))
         self.control.send(kind, **(params or {}))  # type: ignore[arg-type]
 
     def evaluate_phase(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +229,20 @@ class ReplicaWorker:
         live = None if loop.sharded or loop.cfg.layout.activation_checkpointing != "none" \
             or loop.parallel.fp8_linears else loop.model
         return evaluate_on_rank(req, cfg=loop.cfg, live=live).model_dump(mode="json")
+
+    def _pin(self, group: int) -> None:
+        cfg = self.spec.config
+        if cfg.device != "cpu" or not cfg.pin_group_cores or group < 0:
+            return
+        cores = group_cores(group, cfg.replica_groups, sorted(os.sched_getaffinity(0)))
+        # Ranks of a group that would share one core stall each other at every
+        # collective inside the group: those groups are left unpinned.
+        if len(cores) >= cfg.ranks_per_group:
+            os.sched_setaffinity(0, cores)
+
+    def cores(self) -> list[int]:
+        """The cores this process may run on."""
+        return sorted(os.sched_getaffinity(0))
 
     def param_digest(self) -> dict[str, Any]:
         """sha256 over every parameter's bytes, with the step it was taken at."""

@@ -145,7 +145,10 @@ class RankSetup:
         from stages.errors import ItoError
 
         loop = self.loop
-        for _ in range(RESTORE_ATTEMPTS):
+        # A live peer ahead of every checkpoint heals this group through torchft, so no
+        # checkpoint is read (the recovery hook, replica.py).
+        attempts = RESTORE_ATTEMPTS if loop.checkpoint_needed() else 0
+        for _ in range(attempts):
             latest = loop.ckpt.latest()
             if latest is None:
                 return

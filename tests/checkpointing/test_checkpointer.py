@@ -21,6 +21,7 @@ from stages.checkpointing import (
     storage_usage,
     sweep_incomplete,
 )
+from stages.checkpointing.storage import READ_LOG_NAME, read_log
 from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent
 from stages.trainer.train_state import TrainState, set_determinism
@@ -148,7 +149,10 @@ def test_keep_last_k(policy: Callable[..., CheckpointPolicy]) -> None:
         storage = ck.storage_dir
         ck.load(ck.records()[0], state)
         assert torch.equal(state["w"], torch.full((1000,), 6.0))
-    assert sorted(p.name for p in storage.iterdir()) == ["step_000000006", "step_000000008"]
+    # Only complete checkpoints are left, and the storage's ledger of the one load.
+    assert sorted(p.name for p in storage.iterdir()) == [READ_LOG_NAME, "step_000000006",
+                                                         "step_000000008"]
+    assert [r.step for r in read_log(storage)] == [6]
 
 
 def test_an_older_checkpoint_survives_until_the_newer_one_is_complete(

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.base import GateOutcome, StageContext
-from stages.events import Event, StepEvent
+from stages.events import Event, LogEvent, StepEvent
 
 # Waiting for the thread after a cancel (a failed assertion must not leave the engine
 # running into Ray's shutdown).
@@ -59,6 +59,12 @@ class StageRun:
                 left = deadline - time.monotonic()
                 assert left > 0, f"timed out waiting for {what}"
                 self.cond.wait(min(left, 1.0))
+
+    def logs(self) -> str:
+        """The run's latest log lines (for assertion messages)."""
+        return "last logs:\n" + "\n".join(
+            f"{e.ts:.2f} {e.message}" for e in self.events[-400:]
+            if isinstance(e, LogEvent))[-3000:]
 
     def join(self) -> GateOutcome:
         self.thread.join(timeout=self.join_timeout_s)

@@ -96,3 +96,24 @@ def test_stage_progress_reaches_metrics_prometheus_and_status_line() -> None:
     quiet = compute_run_metrics([_step(1, 5.0)], started_at=0, now=10)
     assert quiet.stage_progress is None
     assert "stage_progress" not in render_run({"run_id": "r", "state": "running"})
+
+
+def test_each_interruption_reports_detect_and_recover_seconds_from_the_failure() -> None:
+    lost = {"kind": "interruption", "interruption_kind": "replica_group_lost",
+            "replica_group": 1, "failed_at": 10.0, "detected_at": 10.5, "recovered_at": 13.0}
+    spike = {"kind": "interruption", "interruption_kind": "loss_spike",
+             "detected_at": 20.0, "recovered_at": 22.0}  # no failure time: from detection
+    down = {**lost, "failed_at": 30.0, "detected_at": 31.0, "recovered_at": None}
+    m = compute_run_metrics([lost, spike, down], started_at=0, now=40)
+    assert m.detect_s == [0.5, 1.0]
+    assert m.recover_s == [3.0, 2.0]
+    assert [(t.index, t.detect_s is not None, t.recover_s is not None)
+            for t in m.interruption_timings] == [(0, True, True), (1, False, True),
+                                                 (2, True, False)]
+    registry = CollectorRegistry()
+    registry.register(TelemetryCollector(lambda: [RunSample("run_a", "bk_1", "running", m)]))
+    text = generate_latest(registry).decode()
+    labels = 'booking_id="bk_1",interruption="0",kind="replica_group_lost",run_id="run_a"'
+    assert f"ito_run_interruption_detect_seconds{{{labels}}} 0.5" in text
+    assert f"ito_run_interruption_recover_seconds{{{labels}}} 3.0" in text
+    assert 'ito_run_interruption_detect_seconds{booking_id="bk_1",interruption="1"' not in text

@@ -8,6 +8,7 @@ Nothing is mocked: a local Ray, torchft's Rust lighthouse, gloo process groups, 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -15,7 +16,9 @@ import pytest
 from helpers.stage_run import StageRun
 
 from stages.checkpointing.config import CheckpointPolicy
+from stages.checkpointing.storage import read_log
 from stages.events import (
+    CheckpointEvent,
     InterruptionEvent,
     LogEvent,
     ProposalEvent,
@@ -28,6 +31,7 @@ from stages.trainer.config import (
     TrainingTarget,
     TrainStageConfig,
 )
+from stages.trainer.recovery import STANDBYS_PER_NODE, production_recovery
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +48,16 @@ def _data(path: Path) -> Path:
     return path
 
 
-def _config(tmp: Path, **kw: object) -> TrainStageConfig:
+def _config(tmp: Path, *, standbys: int = STANDBYS_PER_NODE, **kw: object
+            ) -> TrainStageConfig:
+    """The production recovery configuration of a one-node booking (``standbys`` warm
+    standbys) around a paced llama-tiny run."""
+    ranks = kw.get("ranks_per_group", 1)
+    assert isinstance(ranks, int)
+    recovery = production_recovery({"node_count": 1}, ranks_per_group=ranks,
+                                   standbys_per_node=standbys)
     base: dict[str, object] = dict(
+        **recovery.train_fields(),
         model=ModelSpec(preset="llama-tiny", size="0.1M"),
         target=TrainingTarget(max_steps=150, seq_len=32, global_batch_tokens=256,
                               warmup_steps=5),
@@ -64,7 +76,10 @@ def Run(cfg: TrainStageConfig, tmp: Path, run_id: str) -> StageRun:
 
 def test_kill_a_group_survivor_continues_and_restarted_group_heals(
         ray_local: None, tmp_path: Path) -> None:
-    cfg = _config(tmp_path)
+    # No standby left: every loss is Ray's restart of the actor (a new process: the
+    # run is long enough for one to start on a loaded machine).
+    cfg = _config(tmp_path, standbys=0, target=TrainingTarget(
+        max_steps=300, seq_len=32, global_batch_tokens=256, warmup_steps=5))
     with Run(cfg, tmp_path, "ftkill") as run:
         _kill_and_recover(run, cfg)
 
@@ -84,6 +99,9 @@ def _kill_and_recover(run: StageRun, cfg: TrainStageConfig) -> None:
                            in e.message and e.ts > kill_all_at, "checkpoint resume")
     resumed_step = int(resumed.message.rsplit(" ", 1)[1])
     assert 0 < resumed_step <= last_before
+    # No peer was left: the storage recorded the restart's checkpoint reads.
+    assert [r for r in read_log(cfg.checkpoint.storage_path + "/ftkill")
+            if r.at > kill_all_at], "no checkpoint read recorded after every group died"
 
     # Then one group: the survivor keeps committing, the restarted one heals and rejoins.
     run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.quorum_size == 2
@@ -96,8 +114,11 @@ def _kill_and_recover(run: StageRun, cfg: TrainStageConfig) -> None:
                        and e.interruption_kind == "replica_group_lost", "recovery")
     assert isinstance(rec, InterruptionEvent)
     assert rec.replica_group == 1
-    assert rec.recovered_at is not None and rec.detected_at >= killed_at - 1.0
+    assert rec.recovered_at is not None and rec.detected_at >= killed_at - 1.0, run.logs()
     assert rec.recovered_at > rec.detected_at  # recovered: healed from the live peer
+    # Heal, don't reload: with a live peer the restarted group read no checkpoint.
+    assert not [r for r in read_log(cfg.checkpoint.storage_path + "/ftkill")
+                if r.at > killed_at]
 
     out = run.join()
     assert out.status == "passed", out.reason
@@ -132,7 +153,7 @@ def test_loss_spike_waits_for_a_decision_declined_continues_approved_restarts(
         loss_spike=LossSpikeConfig(window=10, z_threshold=6.0, min_steps=10,
                                    skip_window_steps=4),
         inject_loss_spike=LossSpikeInjection(batches=[first, second], scale=50.0),
-        pace_step_s=0.02)
+        pace_step_s=0.02, standbys=0)
     with Run(cfg, tmp_path, "ftspike") as run:
         _decline_then_approve(run, cfg, first, second)
 
@@ -191,7 +212,7 @@ def _decline_then_approve(run: StageRun, cfg: TrainStageConfig, first: int, seco
 def test_cancel_kills_every_actor_of_the_run(ray_local: None, tmp_path: Path) -> None:
     import ray
 
-    cfg = _config(tmp_path, replica_groups=1, spare_groups=1)
+    cfg = _config(tmp_path, replica_groups=1)
     with Run(cfg, tmp_path, "ftcancel") as run:
         run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed, "a step")
         names = [n for n in ray.util.list_named_actors() if n.startswith("run-ftcancel-")]
@@ -209,13 +230,25 @@ def test_cancel_kills_every_actor_of_the_run(ray_local: None, tmp_path: Path) ->
 def test_a_warm_spare_takes_a_lost_groups_place(ray_local: None, tmp_path: Path) -> None:
     """A pre-started spare steps in for a SIGKILLed group: it heals from the survivor,
     joins the full quorum as that group, and both end with identical weights."""
-    from stages.trainer import kill_replica_group
+    import ray
 
-    cfg = _config(tmp_path, spare_groups=1, target=TrainingTarget(
+    from stages.trainer import kill_replica_group
+    from stages.trainer.replica import worker_name
+
+    cfg = _config(tmp_path, target=TrainingTarget(
         max_steps=60, seq_len=32, global_batch_tokens=256, warmup_steps=5))
     with Run(cfg, tmp_path, "ftspare") as run:
         run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 10
                      and e.quorum_size == 2, "10 steps in the full quorum")
+        run.wait_for(lambda e: isinstance(e, CheckpointEvent), "a checkpoint to reload from")
+        run.wait_for(lambda e: isinstance(e, LogEvent) and e.message.endswith(" is warm"),
+                     "a warm standby")
+        # Each group runs on its own cores: a dead group's compute stays idle.
+        cores = [ray.get(ray.get_actor(worker_name("ftspare", g, 0)).cores.remote(),
+                         timeout=WAIT_S) for g in range(2)]
+        assert cores[0] and cores[1]
+        if len(os.sched_getaffinity(0)) >= 2:
+            assert not set(cores[0]) & set(cores[1]), cores
         killed_at, pids = kill_replica_group("ftspare", 1)
         assert pids
         took = run.wait_for(lambda e: isinstance(e, LogEvent) and "spare" in e.message
@@ -226,6 +259,9 @@ def test_a_warm_spare_takes_a_lost_groups_place(ray_local: None, tmp_path: Path)
                      and e.quorum_size == 2 and e.ts > took.ts, "group 1 back in the quorum")
         out = run.join()
     assert out.status == "passed", out.reason
+    # The standby took its weights and optimizer state from the peer: the storage
+    # recorded no checkpoint read at all (a checkpoint existed before the kill).
+    assert read_log(out.artifacts["checkpoint_dir"]) == []
     digests = out.artifacts["replica_digests"]
     assert set(digests) == {"0", "1"} and digests["0"] == digests["1"]
 
