@@ -28,7 +28,8 @@ _LAYOUT = (
     ("precision", "precision"),
 )
 # Metrics rendered as their own tables rather than as one value.
-_METRIC_TABLES = ("badput_s", "eval_scores", "stage_progress", "post_training")
+_METRIC_TABLES = ("badput_s", "eval_scores", "stage_progress", "post_training",
+                  "interruption_timings")
 
 
 def _get(d: dict[str, Any], key: str) -> str:
@@ -325,6 +326,23 @@ def metrics(d: dict[str, Any]) -> str:
                 ("badput cause", "time"), [(k, human.duration(float(v))) for k, v in badput.items()]
             )
         )
+    timings = d.get("interruption_timings") or []
+    if timings:
+        parts.append(
+            table(
+                ("interruption", "kind", "group", "detect", "recover"),
+                [
+                    (
+                        t.get("index"),
+                        t.get("kind"),
+                        "-" if t.get("replica_group") is None else t.get("replica_group"),
+                        _seconds(t.get("detect_s")),
+                        _seconds(t.get("recover_s")),
+                    )
+                    for t in timings
+                ],
+            )
+        )
     scores = d.get("eval_scores") or []
     if scores:
         parts.append(
@@ -369,6 +387,10 @@ def metrics(d: dict[str, Any]) -> str:
             table(("post-training", "value"), [(k, human.value(k, v)) for k, v in post.items()])
         )
     return "\n\n".join(parts)
+
+
+def _seconds(v: Any) -> str:
+    return human.duration(float(v)) if isinstance(v, int | float) else "-"
 
 
 def checkpoints(d: dict[str, Any]) -> str:

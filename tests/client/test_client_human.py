@@ -52,6 +52,11 @@ def test_checkpoints_print_a_table_with_units() -> None:
 METRICS = {"goodput": 0.81234567, "elapsed_s": 87.123456, "tokens_per_s": 9091.2345,
            "checkpoint_bytes_per_s": 7961073.57, "badput_s": {"startup": 12.345678},
            "interruption_rate_per_h": 41.3793103, "tokens": 123456, "recover_s": [2.5],
+           "interruption_timings": [{"index": 0, "kind": "replica_group_lost",
+                                     "replica_group": 1, "detect_s": 0.61234,
+                                     "recover_s": 2.5},
+                                    {"index": 1, "kind": "loss_spike", "replica_group": None,
+                                     "detect_s": None, "recover_s": None}],
            "eval_scores": [{"phase": "pretrain", "check": "heldout_loss",
                             "score": 3.2311687772236173, "passed": True},
                            {"phase": "pretrain", "check": "arith_mc_acc", "score": 0.25,
@@ -65,7 +70,7 @@ METRICS = {"goodput": 0.81234567, "elapsed_s": 87.123456, "tokens_per_s": 9091.2
 
 def test_metrics_print_tables_with_units_and_no_raw_floats() -> None:
     text = readable("metrics", METRICS)
-    scalars, badput, scores, progress = (_rows(t) for t in text.split("\n\n"))
+    scalars, badput, timings, scores, progress = (_rows(t) for t in text.split("\n\n"))
     assert scalars[0] == ["METRIC", "VALUE"]
     assert ["goodput", "81.2%"] in scalars and ["elapsed_s", "1 min 27 s"] in scalars
     assert ["tokens_per_s", "9,091 tokens/s"] in scalars
@@ -73,13 +78,17 @@ def test_metrics_print_tables_with_units_and_no_raw_floats() -> None:
     assert ["interruption_rate_per_h", "41.38 /h"] in scalars
     assert ["recover_s", "[2.50 s]"] in scalars
     assert badput == [["BADPUT CAUSE", "TIME"], ["startup", "12.3 s"]]
+    assert timings == [["INTERRUPTION", "KIND", "GROUP", "DETECT", "RECOVER"],
+                       ["0", "replica_group_lost", "1", "612 ms", "2.50 s"],
+                       ["1", "loss_spike", "-", "-", "-"]]
     assert scores == [["PHASE", "CHECK", "SCORE", "RESULT"],
                       ["pretrain", "heldout_loss", "3.231", "ok"],
                       ["pretrain", "arith_mc_acc", "0.25", "FAIL"]]
     assert progress == [["STAGE", "STEP", "TASKS", "DOCUMENTS", "BYTES", "ELAPSED", "ETA"],
                         ["data_prep", "fetch (4/7)", "12/80", "240,000/1,600,000",
                          "126 MiB/839 MiB", "2 min 00 s", "1 min 35 s"]]
-    for raw in ("0.81234567", "7961073.57", "3.2311687772236173", "1.796e+09", "ts "):
+    for raw in ("0.81234567", "7961073.57", "3.2311687772236173", "1.796e+09", "ts ",
+                "0.61234"):
         assert raw not in text
 
 
