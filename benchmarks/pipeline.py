@@ -24,7 +24,6 @@ import argparse
 import itertools
 import json
 import os
-import random
 import shutil
 import sqlite3
 import subprocess
@@ -32,7 +31,6 @@ import sys
 import threading
 import time
 import uuid
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -105,34 +103,9 @@ def run_preset(preset: str, var_dir: Path) -> dict[str, Any]:
         ray_cluster.stop_local_head(var_dir / "server")
         shutil.rmtree(var_dir)
     var_dir.mkdir(parents=True)
-    db = var_dir / "ito.db"
-    port = demo._free_port()
-    env = {k: v for k, v in os.environ.items() if k != "ITO_API_KEY"}
-    env.update({"ITO_DB": str(db), "ITO_API_URL": f"http://127.0.0.1:{port}",
-                "OMP_NUM_THREADS": "1", "ITO_LAUNCH_KEY_FILE": str(var_dir / "launch.key")})
-    demo._cli(["ito-backend", "accounts", "create", "demo", "--json"], env)
-    submitter = demo._cli(["ito-backend", "keys", "issue", "--account", "demo", "--scope",
-                           "runs:read,runs:write", "--json"], env)["data"]["api_key"]
-    approver = demo._cli(["ito-backend", "keys", "issue", "--account", "demo", "--scope",
-                          "confirm:train", "--json"], env)["data"]["api_key"]
-    now = datetime.now(UTC)
-    booking_id = f"bk_bench_{uuid.uuid4().hex[:8]}"
-    booking_file = var_dir / "booking.json"
-    booking_file.write_text(json.dumps({
-        "booking_id": booking_id, "account": "demo", "gpu_sku": "cpu-testbed",
-        "gpus_per_node": 2, "node_count": 1, "region": "local", "fabric": "loopback",
-        "term_start": (now - timedelta(minutes=5)).isoformat(),
-        "term_end": (now + timedelta(hours=24)).isoformat()}))
-    demo._cli(["ito-backend", "bookings", "add", str(booking_file), "--json"], env)
-    baseline, custom = demo._write_data(var_dir / "data", random.Random(0))
-    (var_dir / "checkpoints").mkdir()
-    demo._cli(["ito-backend", "accounts", "roots", "demo", "--data", str(var_dir / "data"),
-               "--checkpoint", str(var_dir / "checkpoints"), "--json"], env)
-    manifest = var_dir / "manifest.json"
-    demo._manifest(manifest, baseline, custom, var_dir / "checkpoints")
-    doc = json.loads(manifest.read_text())
-    doc["model"]["preset"] = preset
-    manifest.write_text(json.dumps(doc, indent=2))
+    setup = demo.prepare(var_dir, preset=preset)
+    db, env, port, manifest = setup.db, setup.env, setup.port, setup.manifest
+    booking_id, submitter, approver = setup.booking_id, setup.submitter, setup.approver
 
     server = demo._start_server(env, db, var_dir, port, demo._free_port(), demo._free_port())
     sampler = _RssSampler()

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -148,26 +150,33 @@ def _start_server(env: dict[str, str], db: Path, var_dir: Path, port: int,
     raise SystemExit("[demo] server did not become healthy in time")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--var-dir", type=Path, default=REPO / ".demo")
-    parser.add_argument("--keep-running", action="store_true",
-                        help="leave the API server and Ray head running at the end")
-    args = parser.parse_args(argv)
-    t0 = time.monotonic()
-    var_dir: Path = args.var_dir.resolve()
-    ray_cluster.stop_local_head(var_dir / "server")  # a head left by an earlier demo
-    if var_dir.exists():
-        shutil.rmtree(var_dir)
-    var_dir.mkdir(parents=True)
+@dataclass(frozen=True)
+class DemoSetup:
+    """What the operator's and the tenant's first steps made: the store, the server's
+    port and environment, the two keys, the booking and the manifest."""
+
+    db: Path
+    port: int
+    env: dict[str, str]
+    submitter: str
+    approver: str
+    booking_id: str
+    manifest: Path
+
+
+def prepare(var_dir: Path, *, preset: str = "llama-tiny",
+            say: Callable[[str], None] = lambda _: None) -> DemoSetup:
+    """The operator's steps (account, a submitter and an approver key, the booking,
+    the account's roots) and the tenant's (data and a manifest for ``preset``), all
+    through the real CLIs, in the empty folder ``var_dir``. The demo and
+    benchmarks/pipeline.py both start here."""
     db = var_dir / "ito.db"
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("ITO_API_KEY",)}
+    env = {k: v for k, v in os.environ.items() if k != "ITO_API_KEY"}
     env.update({"ITO_DB": str(db), "ITO_API_URL": f"http://127.0.0.1:{port}",
                 "OMP_NUM_THREADS": "1", "ITO_LAUNCH_KEY_FILE": str(var_dir / "launch.key")})
 
-    _say("creating the demo account, a submitter key and an approver key")
+    say("creating the demo account, a submitter key and an approver key")
     _cli(["ito-backend", "accounts", "create", "demo", "--json"], env)
     submitter = _cli(["ito-backend", "keys", "issue", "--account", "demo", "--scope",
                       "runs:read,runs:write", "--json"], env)["data"]["api_key"]
@@ -183,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "term_start": (now - timedelta(minutes=5)).isoformat(),
         "term_end": (now + timedelta(hours=24)).isoformat()}))
     _cli(["ito-backend", "bookings", "add", str(booking_file), "--json"], env)
-    _say(f"booking {booking_id}: 1 node x 2 cpu-testbed ranks, fabric loopback")
+    say(f"booking {booking_id}: 1 node x 2 cpu-testbed ranks, fabric loopback")
 
     baseline, custom = _write_data(var_dir / "data", random.Random(0))
     (var_dir / "checkpoints").mkdir()
@@ -192,6 +201,29 @@ def main(argv: list[str] | None = None) -> int:
           "--checkpoint", str(var_dir / "checkpoints"), "--json"], env)
     manifest = var_dir / "manifest.json"
     _manifest(manifest, baseline, custom, var_dir / "checkpoints")
+    if preset != "llama-tiny":
+        doc = json.loads(manifest.read_text())
+        doc["model"]["preset"] = preset
+        manifest.write_text(json.dumps(doc, indent=2))
+    return DemoSetup(db, port, env, submitter, approver, booking_id, manifest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--var-dir", type=Path, default=REPO / ".demo")
+    parser.add_argument("--keep-running", action="store_true",
+                        help="leave the API server and Ray head running at the end")
+    args = parser.parse_args(argv)
+    t0 = time.monotonic()
+    var_dir: Path = args.var_dir.resolve()
+    ray_cluster.stop_local_head(var_dir / "server")  # a head left by an earlier demo
+    if var_dir.exists():
+        shutil.rmtree(var_dir)
+    var_dir.mkdir(parents=True)
+    setup = prepare(var_dir, say=_say)
+    db, port, env, manifest = setup.db, setup.port, setup.env, setup.manifest
+    booking_id, submitter, approver = setup.booking_id, setup.submitter, setup.approver
     _say(f"manifest {manifest} (llama-tiny, 60 steps, 2 replica groups, phases pretrain "
          "@64 then long_context @128 tokens)")
 
