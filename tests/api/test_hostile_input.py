@@ -144,7 +144,7 @@ def _sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def _sft(uri: str, sha256: str = "0" * 64) -> dict[str, Any]:
+def _sft(uri: str, sha256: str) -> dict[str, Any]:
     return {
         "sft": {
             "data": {
@@ -258,7 +258,7 @@ def test_absurd_post_training_lines_are_post_training_data_invalid(
     path = tmp_path / "data" / "sft.jsonl"
     path.parent.mkdir()
     path.write_bytes(json.dumps(GOOD_ROW).encode() + b"\n" + line + b"\n")
-    m = api.manifest(post_training=_sft(f"file://{path}"))
+    m = api.manifest(post_training=_sft(f"file://{path}", _sha256_of(path)))
     r = _plan_raw(api, json.dumps(m).encode())
     assert r.status_code == 422 and code_of(r) == "post_training_data_invalid", r.text
     assert "sft.jsonl:2" in r.json()["error"]["message"]
