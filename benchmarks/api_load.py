@@ -75,7 +75,10 @@ def _iso(hours: float) -> str:
 
 
 def start_server(
-    tmp: Path, log_level: str, module: str = "orchestrator.admin", db: str | None = None,
+    tmp: Path,
+    log_level: str,
+    module: str = "orchestrator.admin",
+    db: str | None = None,
     name: str = "server",
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
@@ -137,8 +140,9 @@ def make_tenant(db: str, clients: int) -> dict[str, Any]:
         root = os.path.realpath(tempfile.gettempdir())
         store.set_roots(account, "data", [root])
         store.set_roots(account, "checkpoint", [root])
-        submitters = [issue_key(store, name, ["runs:read", "runs:write"])[1]
-                      for _ in range(clients)]
+        submitters = [
+            issue_key(store, name, ["runs:read", "runs:write"])[1] for _ in range(clients)
+        ]
         approver_scopes = [s for s in SCOPES if s.startswith("confirm:")] + ["runs:read"]
         _, approver = issue_key(store, name, approver_scopes)
         booking = f"bk-{name}"
@@ -161,8 +165,12 @@ def make_tenant(db: str, clients: int) -> dict[str, Any]:
         )
     finally:
         store.close()
-    return {"submitter": submitters[0], "submitters": submitters, "approver": approver,
-            "booking": booking}
+    return {
+        "submitter": submitters[0],
+        "submitters": submitters,
+        "approver": approver,
+        "booking": booking,
+    }
 
 
 def manifest_body(tmp: Path) -> dict[str, str]:
@@ -303,7 +311,8 @@ async def client_loop(
         # Submits go out on their own connection at their due moments, so a poll in
         # progress on this client's connection never delays them.
         submits = asyncio.create_task(
-            submit_loop(i, url, headers, t, body, refs, submit_at, start, args, lat, errors))
+            submit_loop(i, url, headers, t, body, refs, submit_at, start, args, lat, errors)
+        )
         status_path = f"/v1/runs/{run_id}"
         while time.monotonic() < t_end:
             # Latency counts from when the poll was due, not from when it could be sent:
@@ -326,10 +335,19 @@ async def client_loop(
         await conn.close()
 
 
-async def submit_loop(i: int, url: str, headers: dict[str, str], t: dict[str, str],
-                      body: dict[str, str], refs: list[str], submit_at: list[float],
-                      start: float, args: argparse.Namespace, lat: dict[str, list[float]],
-                      errors: Counter[str]) -> None:
+async def submit_loop(
+    i: int,
+    url: str,
+    headers: dict[str, str],
+    t: dict[str, str],
+    body: dict[str, str],
+    refs: list[str],
+    submit_at: list[float],
+    start: float,
+    args: argparse.Namespace,
+    lat: dict[str, list[float]],
+    errors: Counter[str],
+) -> None:
     # A fresh connection per submit (the server closes idle keep-alive connections
     # between these rare calls); connecting is part of the submit's latency.
     for at in submit_at:
@@ -339,7 +357,8 @@ async def submit_loop(i: int, url: str, headers: dict[str, str], t: dict[str, st
         try:
             ref = refs.pop()
             payload = json.dumps(
-                {"booking_id": t["booking"], "confirmation_ref": ref, **body}).encode()
+                {"booking_id": t["booking"], "confirmation_ref": ref, **body}
+            ).encode()
             key = {"Idempotency-Key": f"bench-{i}-{len(refs)}-{ref[-8:]}"}
             sent = time.monotonic()
             code, data = await conn.request("POST", "/v1/runs", payload, key)
@@ -399,16 +418,21 @@ async def load(
     refs: list[str],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    lat: dict[str, list[float]] = {"status": [], "submit": [], "status_service": [],
-                                   "submit_service": []}
+    lat: dict[str, list[float]] = {
+        "status": [],
+        "submit": [],
+        "status_service": [],
+        "submit_service": [],
+    }
     errors: Counter[str] = Counter()
     per_client = [refs[i :: args.clients] for i in range(args.clients)]
     t0 = time.monotonic()
     t_end = t0 + args.duration
     await asyncio.gather(
         *(
-            client_loop(i, urls[i % len(urls)], t, body, run_id, per_client[i], args, t_end,
-                        lat, errors)
+            client_loop(
+                i, urls[i % len(urls)], t, body, run_id, per_client[i], args, t_end, lat, errors
+            )
             for i in range(args.clients)
         )
     )
@@ -459,17 +483,25 @@ def main() -> None:
         help="module run as `python -m MODULE serve ...` (A/B a patched server)",
     )
     ap.add_argument("--replicas", type=int, default=1, help="API servers on one store")
-    ap.add_argument("--db", default=None,
-                    help="the store (default: a temp SQLite file); postgresql://... for "
-                         "replicas, without a password")
-    ap.add_argument("--sqlite-baseline", action="store_true",
-                    help="first measure one server on a temp SQLite file, in the same run")
+    ap.add_argument(
+        "--db",
+        default=None,
+        help="the store (default: a temp SQLite file); postgresql://... for "
+        "replicas, without a password",
+    )
+    ap.add_argument(
+        "--sqlite-baseline",
+        action="store_true",
+        help="first measure one server on a temp SQLite file, in the same run",
+    )
     args = ap.parse_args()
     if args.replicas > 1 and not (args.db or "").startswith("postgresql://"):
         ap.error("--replicas > 1 needs --db postgresql://... (SQLite has one writer host)")
     if args.sqlite_baseline:
-        results = {"sqlite": measure(args, None, 1), "replicas": measure(args, args.db,
-                                                                          args.replicas)}
+        results = {
+            "sqlite": measure(args, None, 1),
+            "replicas": measure(args, args.db, args.replicas),
+        }
         print(json.dumps(results))
     else:
         print(json.dumps(measure(args, args.db, args.replicas)))
@@ -482,8 +514,9 @@ def measure(args: argparse.Namespace, db: str | None, replicas: int) -> dict[str
     spy: subprocess.Popen[bytes] | None = None
     try:
         for i in range(replicas):
-            servers.append(start_server(tmp, args.server_log_level, args.server_module,
-                                        store, f"server{i}"))
+            servers.append(
+                start_server(tmp, args.server_log_level, args.server_module, store, f"server{i}")
+            )
         proc, url = servers[0]
         urls = [u for _, u in servers]
         t = make_tenant(store, args.clients)
@@ -534,8 +567,10 @@ def measure(args: argparse.Namespace, db: str | None, replicas: int) -> dict[str
                 p.kill()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"{result['store']} x{result['replicas']}: {result['clients']} clients, "
-          f"{result['duration_s']} s, interval {args.interval} s")
+    print(
+        f"{result['store']} x{result['replicas']}: {result['clients']} clients, "
+        f"{result['duration_s']} s, interval {args.interval} s"
+    )
     print(
         f"status  p50 {result['status_p50_ms']} ms  p99 {result['status_p99_ms']} ms  "
         f"(n={result['status_requests']})"

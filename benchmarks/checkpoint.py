@@ -86,9 +86,9 @@ def disk_write(path: Path, state: dict[str, dict[str, torch.Tensor]]) -> float:
             for t in group.values():
                 view = t.numpy().data.cast("B")
                 for off in range(0, len(view), DISK_CHUNK):
-                    chunk = view[off:off + DISK_CHUNK]
+                    chunk = view[off : off + DISK_CHUNK]
                     while chunk:
-                        chunk = chunk[os.write(fd, chunk):]
+                        chunk = chunk[os.write(fd, chunk) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -115,8 +115,13 @@ def compute_rate(seconds: float) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def async_round(ck: Checkpointer, step: int, state: dict[str, dict[str, torch.Tensor]],
-                optimizer: torch.optim.Optimizer, step_s: float) -> dict[str, float]:
+def async_round(
+    ck: Checkpointer,
+    step: int,
+    state: dict[str, dict[str, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    step_s: float,
+) -> dict[str, float]:
     """One async save as a training loop does it: save, the next step's forward and
     backward (``step_s`` of main-thread compute), then ``optimizer.step()``, which
     waits for a background copy still running. Blocking = save() + that wait."""
@@ -131,24 +136,47 @@ def async_round(ck: Checkpointer, step: int, state: dict[str, dict[str, torch.Te
         t.add_(1.0)
     record = ck.wait()
     assert record is not None
-    return {"block": block, "staged": record.staged_s, "total": record.total_s,
-            "mb_per_s": record.bytes_per_s / MB, "bytes": record.bytes, "busy": busy}
+    return {
+        "block": block,
+        "staged": record.staged_s,
+        "total": record.total_s,
+        "mb_per_s": record.bytes_per_s / MB,
+        "bytes": record.bytes,
+        "busy": busy,
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--state-mb", type=int, default=1024, help="state size in MB (default 1024)")
     ap.add_argument("--tensor-mb", type=int, default=32, help="size of each tensor in MB")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="interleaved rounds of raw write, sync save, async saves")
-    ap.add_argument("--staging", choices=MODES, default="background",
-                    help="which async mode the headline figures report (both are measured)")
-    ap.add_argument("--dir", type=Path, default=None,
-                    help="folder on the disk to measure (default: a temp folder)")
-    ap.add_argument("--step-s", type=float, default=0.5,
-                    help="forward/backward time between save() and optimizer.step() "
-                         "(main-thread compute; 0 = step right after save)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="interleaved rounds of raw write, sync save, async saves",
+    )
+    ap.add_argument(
+        "--staging",
+        choices=MODES,
+        default="background",
+        help="which async mode the headline figures report (both are measured)",
+    )
+    ap.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="folder on the disk to measure (default: a temp folder)",
+    )
+    ap.add_argument(
+        "--step-s",
+        type=float,
+        default=0.5,
+        help="forward/backward time between save() and optimizer.step() "
+        "(main-thread compute; 0 = step right after save)",
+    )
     args = ap.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
@@ -156,40 +184,55 @@ def main() -> None:
         state = build_state(args.state_mb, args.tensor_mb)
         nbytes = state_bytes(state)
         state_mb = nbytes / MB
-        print(f"state: {state_mb:.0f} MB in "
-              f"{sum(len(d) for d in state.values())} tensors; folder {root}", flush=True)
+        print(
+            f"state: {state_mb:.0f} MB in "
+            f"{sum(len(d) for d in state.values())} tensors; folder {root}",
+            flush=True,
+        )
         idle = compute_rate(args.step_s) if args.step_s > 0 else 0.0
         # The loop's optimizer: its step() is where a background copy is waited for.
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
 
         checkpointers = {
-            mode: Checkpointer(CheckpointPolicy(storage_uri=f"file://{root / mode}",
-                                                interval_steps=1, keep=1),
-                               run_label=f"bench-{mode}", async_staging=mode == "background",
-                               # A throwaway key: the benchmark needs no launch key file.
-                               seal_key=secrets.token_bytes(32))
-            for mode in MODES}
+            mode: Checkpointer(
+                CheckpointPolicy(storage_uri=f"file://{root / mode}", interval_steps=1, keep=1),
+                run_label=f"bench-{mode}",
+                async_staging=mode == "background",
+                # A throwaway key: the benchmark needs no launch key file.
+                seal_key=secrets.token_bytes(32),
+            )
+            for mode in MODES
+        }
         disk_s: list[float] = []
         sync_s: list[float] = []
         rounds: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
         try:
-            first = {mode: async_round(ck, 0, state, optimizer, args.step_s)
-                     for mode, ck in checkpointers.items()}
+            first = {
+                mode: async_round(ck, 0, state, optimizer, args.step_s)
+                for mode, ck in checkpointers.items()
+            }
             for mode, r in first.items():
-                print(f"warm-up {mode} async save (allocates staging buffers): blocking "
-                      f"{r['block']:.3f} s, staged {r['staged']:.3f} s", flush=True)
+                print(
+                    f"warm-up {mode} async save (allocates staging buffers): blocking "
+                    f"{r['block']:.3f} s, staged {r['staged']:.3f} s",
+                    flush=True,
+                )
             # Interleaved rounds, so load from other processes hits every measurement
             # alike; medians are reported.
             for i in range(1, args.repeats + 1):
                 disk_s.append(disk_write(root / "raw.bin", state))
                 sync_s.append(sync_save(state, root / "sync"))
-                line = (f"round {i}: raw disk {disk_s[-1]:.2f} s "
-                        f"({state_mb / disk_s[-1]:.0f} MB/s) | sync save {sync_s[-1]:.2f} s")
+                line = (
+                    f"round {i}: raw disk {disk_s[-1]:.2f} s "
+                    f"({state_mb / disk_s[-1]:.0f} MB/s) | sync save {sync_s[-1]:.2f} s"
+                )
                 for mode, ck in checkpointers.items():
                     r = async_round(ck, i, state, optimizer, args.step_s)
                     rounds[mode].append(r)
-                    line += (f" | {mode}: blocking {r['block']:.3f} s, staged {r['staged']:.3f} s"
-                             f", total {r['total']:.2f} s ({r['mb_per_s']:.0f} MB/s)")
+                    line += (
+                        f" | {mode}: blocking {r['block']:.3f} s, staged {r['staged']:.3f} s"
+                        f", total {r['total']:.2f} s ({r['mb_per_s']:.0f} MB/s)"
+                    )
                 print(line, flush=True)
         finally:
             for ck in checkpointers.values():
@@ -202,8 +245,11 @@ def main() -> None:
         if args.step_s > 0:
             busy = statistics.median(r["busy"] for m in MODES for r in rounds[m])
             slowdown = round(idle / busy, 2)
-            print(f"compute: {idle:.0f} matmuls/s idle, {busy:.0f} right after save() "
-                  f"({slowdown}x slower while staging/writing)", flush=True)
+            print(
+                f"compute: {idle:.0f} matmuls/s idle, {busy:.0f} right after save() "
+                f"({slowdown}x slower while staging/writing)",
+                flush=True,
+            )
 
         mode = args.staging
         async_block_s = med(mode, "block")

@@ -49,16 +49,18 @@ from stages.data_prep.synth import (
 from stages.data_prep.text import normalize_words
 
 
-def baseline_datasketch(texts: list[str], num_perm: int, k: int,
-                        threshold: float) -> tuple[float, float, int]:
+def baseline_datasketch(
+    texts: list[str], num_perm: int, k: int, threshold: float
+) -> tuple[float, float, int]:
     """(docs/s of MinHash.bulk + MinHashLSH insert and query, docs/s of the bulk
     sketching alone, candidate pairs) over word k-shingles."""
     t0 = time.perf_counter()
     shingles = []
     for text in texts:
         words = normalize_words(text)
-        shingles.append([" ".join(words[i:i + k]).encode("utf-8")
-                         for i in range(max(len(words) - k + 1, 1))])
+        shingles.append(
+            [" ".join(words[i : i + k]).encode("utf-8") for i in range(max(len(words) - k + 1, 1))]
+        )
     sketches = MinHash.bulk(shingles, num_perm=num_perm)
     t_sketch = time.perf_counter() - t0
     lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
@@ -89,41 +91,55 @@ def main() -> None:
     t0 = time.perf_counter()
     result = dedup(texts, cfg, use_ray=False)
     dedup_rate = len(texts) / (time.perf_counter() - t0)
-    print(f"dedup: {dedup_rate:.0f} docs/s, b={result.bands} r={result.rows}, "
-          f"{result.candidate_pairs} candidates, {len(result.verified_pairs)} verified",
-          file=sys.stderr)
+    print(
+        f"dedup: {dedup_rate:.0f} docs/s, b={result.bands} r={result.rows}, "
+        f"{result.candidate_pairs} candidates, {len(result.verified_pairs)} verified",
+        file=sys.stderr,
+    )
 
     truth = similar_pairs_exact(texts, cfg.shingle_size, cfg.threshold)
     precision, recall = precision_recall(cluster_pairs(result.clusters), truth)
-    print(f"pairs >= 0.8: {len(truth)}; precision {precision:.4f} recall {recall:.4f}",
-          file=sys.stderr)
+    print(
+        f"pairs >= 0.8: {len(truth)}; precision {precision:.4f} recall {recall:.4f}",
+        file=sys.stderr,
+    )
 
-    base_texts = texts[:args.baseline_docs] if args.baseline_docs else texts
+    base_texts = texts[: args.baseline_docs] if args.baseline_docs else texts
     base_rate, sketch_rate, base_cands = baseline_datasketch(
-        base_texts, cfg.num_perm, cfg.shingle_size, cfg.threshold)
-    print(f"baseline datasketch MinHash.bulk + MinHashLSH: {base_rate:.0f} docs/s "
-          f"(sketching alone {sketch_rate:.0f} docs/s; {len(base_texts)} docs, "
-          f"{base_cands} candidates)", file=sys.stderr)
+        base_texts, cfg.num_perm, cfg.shingle_size, cfg.threshold
+    )
+    print(
+        f"baseline datasketch MinHash.bulk + MinHashLSH: {base_rate:.0f} docs/s "
+        f"(sketching alone {sketch_rate:.0f} docs/s; {len(base_texts)} docs, "
+        f"{base_cands} candidates)",
+        file=sys.stderr,
+    )
 
     items, _ = load_eval_items(["gsm8k"])
     t0 = time.perf_counter()
     index = EvalIndex(items, DecontaminationConfig())
     dres = decontaminate(texts, index)
     decontam_rate = mb / (time.perf_counter() - t0)
-    print(f"decontamination: {decontam_rate:.1f} MB/s ({dres.num_contaminated} flagged)",
-          file=sys.stderr)
+    print(
+        f"decontamination: {decontam_rate:.1f} MB/s ({dres.num_contaminated} flagged)",
+        file=sys.stderr,
+    )
 
-    print(json.dumps({
-        "docs": len(texts),
-        "dedup_docs_per_s": round(dedup_rate, 1),
-        "baseline_docs_per_s": round(base_rate, 1),
-        "baseline_sketch_docs_per_s": round(sketch_rate, 1),
-        "baseline_docs": len(base_texts),
-        "speedup": round(dedup_rate / base_rate, 2),
-        "precision": round(precision, 4),
-        "recall": round(recall, 4),
-        "decontam_mb_per_s": round(decontam_rate, 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "docs": len(texts),
+                "dedup_docs_per_s": round(dedup_rate, 1),
+                "baseline_docs_per_s": round(base_rate, 1),
+                "baseline_sketch_docs_per_s": round(sketch_rate, 1),
+                "baseline_docs": len(base_texts),
+                "speedup": round(dedup_rate / base_rate, 2),
+                "precision": round(precision, 4),
+                "recall": round(recall, 4),
+                "decontam_mb_per_s": round(decontam_rate, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -129,8 +129,16 @@ def child(args: argparse.Namespace) -> None:
             texts = read_input(corpus).texts
             res = dedup(texts, DedupConfig(), use_ray=False)
             seconds = time.perf_counter() - t0
-        print(json.dumps({"docs": len(texts), "seconds": seconds,
-                          "peak_rss_mb": mon.peak / 2**20, "docs_out": int(res.keep.sum())}))
+        print(
+            json.dumps(
+                {
+                    "docs": len(texts),
+                    "seconds": seconds,
+                    "peak_rss_mb": mon.peak / 2**20,
+                    "docs_out": int(res.keep.sum()),
+                }
+            )
+        )
         return
     import ray
 
@@ -139,30 +147,64 @@ def child(args: argparse.Namespace) -> None:
 
     temp = tempfile.mkdtemp(prefix="dpscale")
     cfg = StreamConfig(block_docs=args.block_docs)
-    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, _temp_dir=temp,
-             log_to_driver=False, object_store_memory=cfg.object_store_memory_mb * 2**20,
-             _system_config={"object_spilling_config": spilling_config(temp + "/spill")})
+    ray.init(
+        address="local",
+        num_cpus=args.cpus,
+        include_dashboard=False,
+        _temp_dir=temp,
+        log_to_driver=False,
+        object_store_memory=cfg.object_store_memory_mb * 2**20,
+        _system_config={"object_spilling_config": spilling_config(temp + "/spill")},
+    )
     try:
         files = [(p, r, f, 0, "custom") for p, r, f in input_files(corpus)]
         with RssMonitor() as mon:
             t0 = time.perf_counter()
-            res = run_stream(files, out, dedup_cfg=DedupConfig(), cfg=cfg,
-                             executor=RayDataExecutor(cfg), work_dir=Path(args.work))
+            res = run_stream(
+                files,
+                out,
+                dedup_cfg=DedupConfig(),
+                cfg=cfg,
+                executor=RayDataExecutor(cfg),
+                work_dir=Path(args.work),
+            )
             seconds = time.perf_counter() - t0
-        print(json.dumps({"docs": res.counts["docs_in"], "seconds": seconds,
-                          "peak_rss_mb": mon.peak / 2**20, "docs_out": res.counts["docs_out"],
-                          "stage_seconds": res.stage_seconds}))
+        print(
+            json.dumps(
+                {
+                    "docs": res.counts["docs_in"],
+                    "seconds": seconds,
+                    "peak_rss_mb": mon.peak / 2**20,
+                    "docs_out": res.counts["docs_out"],
+                    "stage_seconds": res.stage_seconds,
+                }
+            )
+        )
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
 
 
 def run_child(mode: str, corpus: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", mode, "--corpus", str(corpus), "--out",
-           str(out), "--work", str(out) + ".work", "--block-docs", str(args.block_docs),
-           "--cpus", str(args.cpus)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        mode,
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(out),
+        "--work",
+        str(out) + ".work",
+        "--block-docs",
+        str(args.block_docs),
+        "--cpus",
+        str(args.cpus),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     if proc.returncode != 0:
         sys.exit(f"{mode} run failed:\n{proc.stderr[-4000:]}")
     res: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -220,21 +262,31 @@ def main() -> None:
         if not corpus.exists():
             t0 = time.time()
             write_corpus(corpus, n)
-            print(f"generated {n} docs, {corpus.stat().st_size / 2**20:.0f} MB "
-                  f"in {time.time() - t0:.0f} s", flush=True)
-        for mode in (["ray"] if n in sizes else []) + (["baseline"] if n in baseline_sizes
-                                                       else []):
+            print(
+                f"generated {n} docs, {corpus.stat().st_size / 2**20:.0f} MB "
+                f"in {time.time() - t0:.0f} s",
+                flush=True,
+            )
+        for mode in (["ray"] if n in sizes else []) + (["baseline"] if n in baseline_sizes else []):
             out = base / f"out-{mode}-{n}"
             shutil.rmtree(out, ignore_errors=True)
             r = run_child(mode, corpus, out, args)
-            row = {"mode": mode, "docs": r["docs"], "docs_per_s": r["docs"] / r["seconds"],
-                   "peak_rss_mb": r["peak_rss_mb"], "docs_out": r["docs_out"],
-                   "corpus_mb": corpus.stat().st_size / 2**20}
+            row = {
+                "mode": mode,
+                "docs": r["docs"],
+                "docs_per_s": r["docs"] / r["seconds"],
+                "peak_rss_mb": r["peak_rss_mb"],
+                "docs_out": r["docs_out"],
+                "corpus_mb": corpus.stat().st_size / 2**20,
+            }
             if mode == "ray" and n == max(sizes):
                 row["precision"], row["recall"] = precision_recall_sample(corpus, out)
-            print(f"{mode:8s} {r['docs']:>9d} docs ({row['corpus_mb']:.0f} MB): "
-                  f"{row['docs_per_s']:8.0f} docs/s, peak RSS {row['peak_rss_mb']:7.0f} MB, "
-                  f"{r['docs_out']} kept  {r.get('stage_seconds', '')}", flush=True)
+            print(
+                f"{mode:8s} {r['docs']:>9d} docs ({row['corpus_mb']:.0f} MB): "
+                f"{row['docs_per_s']:8.0f} docs/s, peak RSS {row['peak_rss_mb']:7.0f} MB, "
+                f"{r['docs_out']} kept  {r.get('stage_seconds', '')}",
+                flush=True,
+            )
             rows.append(row)
             if mode == "ray":
                 shutil.rmtree(out, ignore_errors=True)
@@ -251,7 +303,8 @@ def main() -> None:
         "docs_per_s": [round(r["docs_per_s"], 1) for r in ray_rows],
         "peak_rss_mb": [round(r["peak_rss_mb"], 1) for r in ray_rows],
         "rss_growth": round(ray_rows[-1]["peak_rss_mb"] / ray_rows[0]["peak_rss_mb"], 3)
-        if ray_rows else None,
+        if ray_rows
+        else None,
         "precision": round(top["precision"], 4) if "precision" in top else None,
         "recall": round(top["recall"], 4) if "recall" in top else None,
         "baseline_docs": [r["docs"] for r in bl],
@@ -259,7 +312,8 @@ def main() -> None:
         "baseline_peak_rss_mb": [round(r["peak_rss_mb"], 1) for r in bl],
         # Growth of the in-memory baseline over its own sizes, for comparison.
         "baseline_rss_growth": round(bl[-1]["peak_rss_mb"] / bl[0]["peak_rss_mb"], 3)
-        if bl else None,
+        if bl
+        else None,
         "baseline_docs_growth": round(bl[-1]["docs"] / bl[0]["docs"], 3) if bl else None,
     }
     print(json.dumps(summary))

@@ -86,35 +86,62 @@ SETTLE_STEPS = 5
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--groups", type=int, default=2, help="replica groups (>= 2)")
     p.add_argument("--preset", default="llama-tiny", help="configs/models preset")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--kills", type=int, default=3, help="single-group SIGKILLs")
-    p.add_argument("--spares", type=int, default=None,
-                   help="warm standbys in the torchft run (default: what production "
-                        "launches for a one-node booking; 0: Ray restarts only)")
-    p.add_argument("--ranks-per-group", type=int, default=1,
-                   help="ranks per replica group (> 1: FSDP2 inside the group, no spares)")
-    p.add_argument("--restart-kills", type=int, default=2,
-                   help="all-group SIGKILLs (checkpoint-restart baseline)")
-    p.add_argument("--kill-steps", default="",
-                   help="comma-separated steps between torchft kills (default: random in "
-                        "--kill-gap)")
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=None,
+        help="warm standbys in the torchft run (default: what production "
+        "launches for a one-node booking; 0: Ray restarts only)",
+    )
+    p.add_argument(
+        "--ranks-per-group",
+        type=int,
+        default=1,
+        help="ranks per replica group (> 1: FSDP2 inside the group, no spares)",
+    )
+    p.add_argument(
+        "--restart-kills",
+        type=int,
+        default=2,
+        help="all-group SIGKILLs (checkpoint-restart baseline)",
+    )
+    p.add_argument(
+        "--kill-steps",
+        default="",
+        help="comma-separated steps between torchft kills (default: random in --kill-gap)",
+    )
     p.add_argument("--kill-gap", default="15,40", help="min,max random steps between torchft kills")
-    p.add_argument("--checkpoint-every", type=int, default=DEFAULT_INTERVAL_STEPS,
-                   help="steps between saves (default: the production default)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=DEFAULT_INTERVAL_STEPS,
+        help="steps between saves (default: the production default)",
+    )
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-tokens", type=int, default=2048, help="global batch tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-cpus", type=int, default=4, help="Ray logical CPUs")
-    p.add_argument("--churn-s", type=float, default=0.0,
-                   help="churn mode: SIGKILL a random group every this many seconds "
-                        "(instead of --kills), for --duration-s")
+    p.add_argument(
+        "--churn-s",
+        type=float,
+        default=0.0,
+        help="churn mode: SIGKILL a random group every this many seconds "
+        "(instead of --kills), for --duration-s",
+    )
     p.add_argument("--duration-s", type=float, default=180.0, help="churn mode's length")
-    p.add_argument("--heartbeat-ms", type=int, default=None,
-                   help="override FaultToleranceConfig.heartbeat_timeout_ms")
+    p.add_argument(
+        "--heartbeat-ms",
+        type=int,
+        default=None,
+        help="override FaultToleranceConfig.heartbeat_timeout_ms",
+    )
     args = p.parse_args(argv)
     if args.groups < 2:
         p.error("--groups must be >= 2 (one must survive)")
@@ -127,8 +154,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def recovery(args: argparse.Namespace) -> RecoveryConfig:
     """The production recovery configuration of a one-node booking of this shape."""
-    return production_recovery({"node_count": 1, "gpus_per_node": args.groups
-                                * args.ranks_per_group}, ranks_per_group=args.ranks_per_group)
+    return production_recovery(
+        {"node_count": 1, "gpus_per_node": args.groups * args.ranks_per_group},
+        ranks_per_group=args.ranks_per_group,
+    )
 
 
 class Watcher:
@@ -148,8 +177,7 @@ class Watcher:
             return [e for e in self.events if isinstance(e, StepEvent) and e.committed]
 
     def wait(self, pred: Callable[[StepEvent], bool], what: str) -> StepEvent:
-        e = self.wait_event(lambda e: isinstance(e, StepEvent) and e.committed and pred(e),
-                            what)
+        e = self.wait_event(lambda e: isinstance(e, StepEvent) and e.committed and pred(e), what)
         assert isinstance(e, StepEvent)
         return e
 
@@ -186,8 +214,10 @@ def full_rate(w: Watcher, groups: int) -> tuple[float, float]:
     """(seconds per step, tokens per second) of undisturbed full-quorum training,
     from consecutive committed full-quorum steps of group 0. A step's ``tokens`` is
     already the whole quorum's."""
-    evs = sorted((e for e in w.steps() if e.replica_group == 0 and e.quorum_size == groups),
-                 key=lambda e: e.step)
+    evs = sorted(
+        (e for e in w.steps() if e.replica_group == 0 and e.quorum_size == groups),
+        key=lambda e: e.step,
+    )
     gaps = [b.ts - a.ts for a, b in itertools.pairwise(evs) if b.step == a.step + 1]
     step_s = statistics.median(gaps[-WARMUP_STEPS:])
     tokens_per_step = statistics.median(e.tokens for e in evs[-WARMUP_STEPS:])
@@ -198,39 +228,62 @@ def last_before(w: Watcher, t: float) -> StepEvent:
     return max((e for e in w.steps() if e.ts <= t), key=lambda e: e.ts)
 
 
-def ft_kill(w: Watcher, run_id: str, group: int, groups: int, step_s: float,
-            tok_rate: float) -> dict[str, float]:
+def ft_kill(
+    w: Watcher, run_id: str, group: int, groups: int, step_s: float, tok_rate: float
+) -> dict[str, float]:
     from stages.trainer import kill_replica_group
 
     t_kill, _ = kill_replica_group(run_id, group)
     start = last_before(w, t_kill)
-    res = w.wait(lambda e: e.ts > t_kill and e.replica_group == group
-                 and e.quorum_size == groups, "restarted group in the full quorum")
+    res = w.wait(
+        lambda e: e.ts > t_kill and e.replica_group == group and e.quorum_size == groups,
+        "restarted group in the full quorum",
+    )
     # Detect: the run's own report of when it knew (a standby may take the group's
     # place before any survivor commits in a smaller quorum).
-    det = w.wait_event(lambda e: isinstance(e, InterruptionEvent) and e.replica_group == group
-                       and e.detected_at >= t_kill - 1.0 and e.recovered_at is not None,
-                       "the run's report of the interruption")
+    det = w.wait_event(
+        lambda e: (
+            isinstance(e, InterruptionEvent)
+            and e.replica_group == group
+            and e.detected_at >= t_kill - 1.0
+            and e.recovered_at is not None
+        ),
+        "the run's report of the interruption",
+    )
     assert isinstance(det, InterruptionEvent)
     survivor = (group + 1) % groups
     # Settle: a few full-quorum steps after the rejoin (healing stalls the sender too).
-    end = w.wait(lambda e: e.replica_group == survivor and e.step >= res.step + SETTLE_STEPS,
-                 "steps after the rejoin")
+    end = w.wait(
+        lambda e: e.replica_group == survivor and e.step >= res.step + SETTLE_STEPS,
+        "steps after the rejoin",
+    )
     # Step basis: the survivor's stalls (waiting for the quorum to drop the dead group,
     # sending the heal), each gap beyond the undisturbed step time.
-    ts = sorted(e.ts for e in w.steps()
-                if e.replica_group == survivor and start.ts <= e.ts <= end.ts)
+    ts = sorted(
+        e.ts for e in w.steps() if e.replica_group == survivor and start.ts <= e.ts <= end.ts
+    )
     lost = sum(max(0.0, b - a - step_s) for a, b in itertools.pairwise(ts))
     # Token basis: the missing group's share of every batch counts as lost as well.
     tokens = committed_tokens(w, start.ts, end.ts, start.step)
     lost_tok = (end.ts - start.ts) - tokens / tok_rate
-    return {"group": group, "detect_s": max(0.0, det.detected_at - t_kill),
-            "resume_s": res.ts - t_kill,
-            "lost_s": max(0.0, lost), "lost_token_s": max(0.0, lost_tok)}
+    return {
+        "group": group,
+        "detect_s": max(0.0, det.detected_at - t_kill),
+        "resume_s": res.ts - t_kill,
+        "lost_s": max(0.0, lost),
+        "lost_token_s": max(0.0, lost_tok),
+    }
 
 
-def churn(w: Watcher, run_id: str, groups: int, every_s: float, duration_s: float,
-          tok_rate: float, rng: random.Random) -> dict[str, float]:
+def churn(
+    w: Watcher,
+    run_id: str,
+    groups: int,
+    every_s: float,
+    duration_s: float,
+    tok_rate: float,
+    rng: random.Random,
+) -> dict[str, float]:
     """SIGKILL a random group every ``every_s`` seconds for ``duration_s`` (a kill may
     land before the standby is refilled, or on a group still healing). Efficiency:
     the tokens committed in the window over what the undisturbed full-quorum rate
@@ -256,13 +309,14 @@ def restart_kill(w: Watcher, run_id: str, groups: int, tok_rate: float) -> dict[
     start = last_before(w, t_kill)
     reached = w.max_step()
     back = w.wait(lambda e: e.ts > t_kill and e.step >= reached, "the pre-kill step again")
-    end = w.wait(lambda e: e.ts > t_kill and e.step >= reached + SETTLE_STEPS,
-                 "steps after the pre-kill step")
+    end = w.wait(
+        lambda e: e.ts > t_kill and e.step >= reached + SETTLE_STEPS,
+        "steps after the pre-kill step",
+    )
     # Only steps beyond the one reached before the kill are new work.
     tokens = committed_tokens(w, start.ts, end.ts, reached)
     lost_tok = (end.ts - start.ts) - tokens / tok_rate
-    return {"reached": reached, "back_s": back.ts - t_kill,
-            "lost_token_s": max(0.0, lost_tok)}
+    return {"reached": reached, "back_s": back.ts - t_kill, "lost_token_s": max(0.0, lost_tok)}
 
 
 def reached(step: int, e: StepEvent) -> bool:
@@ -291,13 +345,15 @@ class Session:
 
         self.w = Watcher()
         self.run_id = run_id
-        self.ctx = StageContext(run_id=run_id, booking_id="bench", workdir=tmp / run_id,
-                                emit=self.w.emit)
+        self.ctx = StageContext(
+            run_id=run_id, booking_id="bench", workdir=tmp / run_id, emit=self.w.emit
+        )
         self.ctx.workdir.mkdir(parents=True)
         self.outcome: list[GateOutcome] = []
         stage = TrainingStage(cfg)
-        self.thread = threading.Thread(target=lambda: self.outcome.append(stage.run(self.ctx)),
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=lambda: self.outcome.append(stage.run(self.ctx)), daemon=True
+        )
         self.thread.start()
 
     def __enter__(self) -> Session:
@@ -308,8 +364,7 @@ class Session:
         self.thread.join(timeout=60)
 
     def warm(self, groups: int) -> tuple[float, float]:
-        self.w.wait(lambda e: e.step >= WARMUP_STEPS and e.quorum_size == groups,
-                    "warm-up steps")
+        self.w.wait(lambda e: e.step >= WARMUP_STEPS and e.quorum_size == groups, "warm-up steps")
         return full_rate(self.w, groups)
 
     def reach(self, gap: int, groups: int) -> None:
@@ -326,26 +381,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     data = tmp / "train.jsonl"
     with data.open("w") as f:
         for i in range(4000):
-            f.write(json.dumps({"text": f"doc {i}: " + "lorem ipsum dolor sit amet " * (i % 9 + 1)})
-                    + "\n")
+            f.write(
+                json.dumps({"text": f"doc {i}: " + "lorem ipsum dolor sit amet " * (i % 9 + 1)})
+                + "\n"
+            )
     ft_over = recovery(args).fault_tolerance.model_dump(mode="json")
     if args.heartbeat_ms is not None:
         ft_over["heartbeat_timeout_ms"] = args.heartbeat_ms
 
     def config(spares: int, ckpt_dir: str) -> TrainStageConfig:
-        return TrainStageConfig.model_validate(dict(
-            model=ModelSpec(preset=args.preset, size="bench"),
-            target=TrainingTarget(max_steps=1_000_000, seq_len=args.seq_len,
-                                  global_batch_tokens=args.batch_tokens, warmup_steps=10),
-            checkpoint=CheckpointPolicy(interval_steps=args.checkpoint_every, keep=2,
-                                        storage_uri=f"file://{tmp}/{ckpt_dir}"),
-            loss_spike={"enabled": False},  # a proposal would pause the run for a human
-            fault_tolerance=ft_over, replica_groups=args.groups, spare_groups=spares,
-            ranks_per_group=args.ranks_per_group,
-            device=args.device, train_files=[str(data)], worker_num_cpus=0.5), strict=False)
+        return TrainStageConfig.model_validate(
+            dict(
+                model=ModelSpec(preset=args.preset, size="bench"),
+                target=TrainingTarget(
+                    max_steps=1_000_000,
+                    seq_len=args.seq_len,
+                    global_batch_tokens=args.batch_tokens,
+                    warmup_steps=10,
+                ),
+                checkpoint=CheckpointPolicy(
+                    interval_steps=args.checkpoint_every,
+                    keep=2,
+                    storage_uri=f"file://{tmp}/{ckpt_dir}",
+                ),
+                loss_spike={"enabled": False},  # a proposal would pause the run for a human
+                fault_tolerance=ft_over,
+                replica_groups=args.groups,
+                spare_groups=spares,
+                ranks_per_group=args.ranks_per_group,
+                device=args.device,
+                train_files=[str(data)],
+                worker_num_cpus=0.5,
+            ),
+            strict=False,
+        )
 
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
-             _temp_dir=str(tmp / "ray"), log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=args.num_cpus,
+        include_dashboard=False,
+        _temp_dir=str(tmp / "ray"),
+        log_to_driver=False,
+    )
     t_start = time.time()
     churned: dict[str, float] = {}
     ft_results: list[dict[str, float]] = []
@@ -354,20 +431,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # 1. torchft live recovery (Ray restarts the actor, or a warm spare steps in).
         with Session(config(args.spares, "ckpt-ft"), tmp, f"ftb{os.getpid()}") as sess:
             step_s, tok_rate = sess.warm(args.groups)
-            print(f"full quorum: {step_s * 1000:.0f} ms/step, {tok_rate:.0f} tokens/s",
-                  flush=True)
+            print(f"full quorum: {step_s * 1000:.0f} ms/step, {tok_rate:.0f} tokens/s", flush=True)
             if args.churn_s:
-                churned = churn(sess.w, sess.run_id, args.groups, args.churn_s,
-                                args.duration_s, tok_rate, rng)
+                churned = churn(
+                    sess.w, sess.run_id, args.groups, args.churn_s, args.duration_s, tok_rate, rng
+                )
                 print(f"churn: {churned}", flush=True)
             for gap in gaps(args, 0 if args.churn_s else args.kills, rng):
                 sess.reach(gap, args.groups)
-                r = ft_kill(sess.w, sess.run_id, rng.randrange(args.groups), args.groups,
-                            step_s, tok_rate)
+                r = ft_kill(
+                    sess.w, sess.run_id, rng.randrange(args.groups), args.groups, step_s, tok_rate
+                )
                 ft_results.append(r)
-                print(f"ft kill rg{r['group']:.0f}: detect {r['detect_s']:.2f}s resume "
-                      f"{r['resume_s']:.2f}s lost {r['lost_s']:.2f}s (tokens "
-                      f"{r['lost_token_s']:.2f}s)", flush=True)
+                print(
+                    f"ft kill rg{r['group']:.0f}: detect {r['detect_s']:.2f}s resume "
+                    f"{r['resume_s']:.2f}s lost {r['lost_s']:.2f}s (tokens "
+                    f"{r['lost_token_s']:.2f}s)",
+                    flush=True,
+                )
         # 2. The baseline: every group killed, the job restarts from its last checkpoint.
         with Session(config(0, "ckpt-restart"), tmp, f"rsb{os.getpid()}") as sess:
             _, tok_rate_r = sess.warm(args.groups)  # each side valued at its own rate
@@ -375,8 +456,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 sess.w.wait(functools.partial(reached, kill_at), f"step {kill_at}")
                 r = restart_kill(sess.w, sess.run_id, args.groups, tok_rate_r)
                 restart_results.append(r)
-                print(f"restart kill at step {r['reached']:.0f}: back at it after "
-                      f"{r['back_s']:.2f}s, lost {r['lost_token_s']:.2f}s (tokens)", flush=True)
+                print(
+                    f"restart kill at step {r['reached']:.0f}: back at it after "
+                    f"{r['back_s']:.2f}s, lost {r['lost_token_s']:.2f}s (tokens)",
+                    flush=True,
+                )
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -396,14 +480,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **churned,
         "ft_lost_token_s_median": ft_lost_tok,
         "restart_lost_token_s_median": restart_lost_tok,
-        "lost_ratio_tokens": round(restart_lost_tok / ft_lost_tok, 2) if ft_lost_tok > 0
-        else None,
+        "lost_ratio_tokens": round(restart_lost_tok / ft_lost_tok, 2) if ft_lost_tok > 0 else None,
         "ft_lost_step_s_median": ft_lost,
         "checkpoint_every": args.checkpoint_every,
         "restart_kills": len(restart_results),
-        "groups": args.groups, "ranks_per_group": args.ranks_per_group,
-        "spares": args.spares, "preset": args.preset, "device": args.device,
-        "step_ms": round(step_s * 1000, 1), "tokens_per_s": round(tok_rate),
+        "groups": args.groups,
+        "ranks_per_group": args.ranks_per_group,
+        "spares": args.spares,
+        "preset": args.preset,
+        "device": args.device,
+        "step_ms": round(step_s * 1000, 1),
+        "tokens_per_s": round(tok_rate),
         "wall_s": round(time.time() - t_start, 1),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }

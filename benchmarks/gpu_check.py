@@ -45,8 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 NO_GPU_EXIT = 2
 PRESET = "llama-1b"
 # Name fragments of torch.cuda.get_device_name() -> configs/gpus SKU.
-SKUS = (("H200", "H200"), ("H100 PCIe", "H100-PCIe"), ("H100", "H100-SXM"),
-        ("B200", "B200"), ("A100", "A100-80G"), ("L40S", "L40S"))
+SKUS = (
+    ("H200", "H200"),
+    ("H100 PCIe", "H100-PCIe"),
+    ("H100", "H100-SXM"),
+    ("B200", "B200"),
+    ("A100", "A100-80G"),
+    ("L40S", "L40S"),
+)
 
 
 def sku_of(name: str) -> str | None:
@@ -59,20 +65,27 @@ def predict(sku: str, precision: str, micro_batch: int, seq_len: int) -> dict[st
     from stages.parallelism.planner import validate_layout
     from stages.parallelism.spec import Layout
 
-    req = PlanRequest(model=PRESET, gpu_sku=sku, gpus_per_node=1, node_count=1,
-                      fabric="loopback", global_batch_tokens=micro_batch * seq_len,
-                      seq_len=seq_len, precision=precision,  # type: ignore[arg-type]
-                      mfu_floor=0.0)
+    req = PlanRequest(
+        model=PRESET,
+        gpu_sku=sku,
+        gpus_per_node=1,
+        node_count=1,
+        fabric="loopback",
+        global_batch_tokens=micro_batch * seq_len,
+        seq_len=seq_len,
+        precision=precision,  # type: ignore[arg-type]
+        mfu_floor=0.0,
+    )
     try:
-        p = validate_layout(req, Layout(micro_batch=micro_batch, dp_shard=1,
-                                        precision=precision))  # type: ignore[arg-type]
+        p = validate_layout(req, Layout(micro_batch=micro_batch, dp_shard=1, precision=precision))  # type: ignore[arg-type]
     except ItoError as e:
         return {"refused": e.code.value, "reason": e.message}
     return {"mfu": p.mfu, "tokens_per_s": p.tokens_per_s, "peak_gib": p.peak_memory_gib}
 
 
-def train(precision: str, *, steps: int, warmup: int, micro_batch: int, seq_len: int,
-          peak_tflops: float) -> dict[str, Any]:
+def train(
+    precision: str, *, steps: int, warmup: int, micro_batch: int, seq_len: int, peak_tflops: float
+) -> dict[str, Any]:
     import torch
 
     from stages.errors import ItoError
@@ -87,8 +100,12 @@ def train(precision: str, *, steps: int, warmup: int, micro_batch: int, seq_len:
     torch.cuda.reset_peak_memory_stats(device)
     model = build_model(preset, seed=0).to(device)
     try:
-        pm = ParallelModel(model, ParallelLayout(precision=precision),  # type: ignore[arg-type]
-                           None, device)
+        pm = ParallelModel(
+            model,
+            ParallelLayout(precision=precision),  # type: ignore[arg-type]
+            None,
+            device,
+        )
     except ItoError as e:
         return {"skipped": e.code.value, "reason": e.message}
     opt = torch.optim.AdamW(pm.module.parameters(), lr=1e-4, fused=True)
@@ -109,10 +126,14 @@ def train(precision: str, *, steps: int, warmup: int, micro_batch: int, seq_len:
     elapsed = time.perf_counter() - t0
     tokens_per_s = (steps - warmup) * micro_batch * seq_len / elapsed
     mfu = tokens_per_s * model_flops_per_token(preset, seq_len) / (peak_tflops * 1e12)
-    out = {"tokens_per_s": tokens_per_s, "mfu": mfu,
-           "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-           "first_loss": float(losses[0]), "last_loss": float(losses[-1]),
-           "built": pm.built_layout()}
+    out = {
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "first_loss": float(losses[0]),
+        "last_loss": float(losses[-1]),
+        "built": pm.built_layout(),
+    }
     del pm, model, opt
     gc.collect()
     torch.cuda.empty_cache()
@@ -133,47 +154,98 @@ def two_phase_run(work: Path) -> dict[str, Any]:
     from stages.trainer.config import TrainStageConfig
 
     data = work / "train.jsonl"
-    data.write_text("".join(json.dumps({"text": f"doc {i}: " + "the quick brown fox " *
-                                        (i % 7 + 1)}) + "\n" for i in range(400)))
-    curriculum = CurriculumConfig.model_validate({"phases": [
-        {"name": "pretrain", "kind": "pretrain", "token_fraction": 0.5, "seq_len": 64,
-         "gates": [{"metric": "heldout_loss", "max": 100.0}]},
-        {"name": "long", "kind": "long_context", "token_fraction": 0.5, "seq_len": 128,
-         "gates": [{"metric": "heldout_loss", "max": 100.0}]}]})
-    plan = plan_curriculum(curriculum, total_steps=40, base_seq_len=64,
-                           global_batch_tokens=2048, learning_rate=3e-3, warmup_steps=5,
-                           rope_theta=10000.0, head_dim=16, max_positions=256)
-    cfg = TrainStageConfig.model_validate({
-        "model": {"preset": "llama-tiny", "size": "0.1M"},
-        "target": {"max_steps": 40, "seq_len": 64, "global_batch_tokens": 2048},
-        "checkpoint": {"interval_steps": 10, "keep": 2, "storage_uri": f"file://{work}/ckpt"},
-        "train_files": [str(data)], "replica_groups": 1, "device": "cuda",
-        "worker_num_cpus": 1, "curriculum": plan.model_dump(mode="json")})
+    data.write_text(
+        "".join(
+            json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 7 + 1)}) + "\n"
+            for i in range(400)
+        )
+    )
+    curriculum = CurriculumConfig.model_validate(
+        {
+            "phases": [
+                {
+                    "name": "pretrain",
+                    "kind": "pretrain",
+                    "token_fraction": 0.5,
+                    "seq_len": 64,
+                    "gates": [{"metric": "heldout_loss", "max": 100.0}],
+                },
+                {
+                    "name": "long",
+                    "kind": "long_context",
+                    "token_fraction": 0.5,
+                    "seq_len": 128,
+                    "gates": [{"metric": "heldout_loss", "max": 100.0}],
+                },
+            ]
+        }
+    )
+    plan = plan_curriculum(
+        curriculum,
+        total_steps=40,
+        base_seq_len=64,
+        global_batch_tokens=2048,
+        learning_rate=3e-3,
+        warmup_steps=5,
+        rope_theta=10000.0,
+        head_dim=16,
+        max_positions=256,
+    )
+    cfg = TrainStageConfig.model_validate(
+        {
+            "model": {"preset": "llama-tiny", "size": "0.1M"},
+            "target": {"max_steps": 40, "seq_len": 64, "global_batch_tokens": 2048},
+            "checkpoint": {"interval_steps": 10, "keep": 2, "storage_uri": f"file://{work}/ckpt"},
+            "train_files": [str(data)],
+            "replica_groups": 1,
+            "device": "cuda",
+            "worker_num_cpus": 1,
+            "curriculum": plan.model_dump(mode="json"),
+        }
+    )
     events: list[Event] = []
-    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False,
-             _temp_dir=tempfile.mkdtemp(prefix="ray-gpucheck-"), log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        num_gpus=1,
+        include_dashboard=False,
+        _temp_dir=tempfile.mkdtemp(prefix="ray-gpucheck-"),
+        log_to_driver=False,
+    )
     try:
         (work / "run").mkdir(exist_ok=True)
-        ctx = StageContext(run_id="gpucheck", booking_id="bk", workdir=work / "run",
-                           emit=events.append)
+        ctx = StageContext(
+            run_id="gpucheck", booking_id="bk", workdir=work / "run", emit=events.append
+        )
         out = TrainingStage(cfg).run(ctx)
     finally:
         ray.shutdown()
     steps = [e for e in events if isinstance(e, StepEvent) and e.committed]
-    ends = {p.name: max((e.ts for e in steps if e.phase == p.name), default=None)
-            for p in plan.phases}
-    starts = {p.name: min((e.ts for e in steps if e.phase == p.name), default=None)
-              for p in plan.phases}
+    ends = {
+        p.name: max((e.ts for e in steps if e.phase == p.name), default=None) for p in plan.phases
+    }
+    starts = {
+        p.name: min((e.ts for e in steps if e.phase == p.name), default=None) for p in plan.phases
+    }
     first, second = (p.name for p in plan.phases)
     a, b = ends[first], starts[second]
     switch = b - a if a is not None and b is not None else None
     evals = [e for e in events if isinstance(e, EvalEvent)]
-    return {"status": out.status, "reason": out.reason,
-            "gated_phases": sorted({e.phase for e in evals}),
-            "phase_switch_s": round(switch, 2) if switch is not None else None,
-            "eval_s": round(sum(e.end - e.start for e in events if isinstance(e, PhaseEvent)
-                                and e.phase == "evaluation"), 2),
-            "steps": len({e.step for e in steps})}
+    return {
+        "status": out.status,
+        "reason": out.reason,
+        "gated_phases": sorted({e.phase for e in evals}),
+        "phase_switch_s": round(switch, 2) if switch is not None else None,
+        "eval_s": round(
+            sum(
+                e.end - e.start
+                for e in events
+                if isinstance(e, PhaseEvent) and e.phase == "evaluation"
+            ),
+            2,
+        ),
+        "steps": len({e.step for e in steps}),
+    }
 
 
 def main() -> int:
@@ -186,8 +258,11 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA GPU on this machine (torch.cuda.is_available() is False); "
-              "nothing measured. Run it on a GPU node of a booking.", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA GPU on this machine (torch.cuda.is_available() is False); "
+            "nothing measured. Run it on a GPU node of a booking.",
+            file=sys.stderr,
+        )
         return NO_GPU_EXIT
     from stages.parallelism.hardware import load_gpu_sku
 
@@ -200,8 +275,13 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     for precision in ("bf16", "fp8"):
         peak = sku.peak_tflops(precision) if precision == "bf16" or sku.supports_fp8 else 0.0
-        measured = train(precision, steps=args.steps, warmup=args.warmup,
-                         peak_tflops=peak or sku.peak_tflops("bf16"), **shape)
+        measured = train(
+            precision,
+            steps=args.steps,
+            warmup=args.warmup,
+            peak_tflops=peak or sku.peak_tflops("bf16"),
+            **shape,
+        )
         predicted = predict(sku_name, precision, **shape)
         results[precision] = {"measured": measured, "predicted": predicted}
         print(f"{precision}: measured {json.dumps(measured, default=str)}")
@@ -212,18 +292,26 @@ def main() -> int:
         two_phase = two_phase_run(Path(tmp))
     print(f"two-phase run: {json.dumps(two_phase)}")
     b, f = results["bf16"], results["fp8"]
-    print(json.dumps({
-        "two_phase": two_phase,
-        "gpu": name, "sku": sku_name, "model": PRESET, **shape,
-        "bf16_mfu": b["measured"].get("mfu"), "fp8_mfu": f["measured"].get("mfu"),
-        "predicted_mfu": b["predicted"].get("mfu"),
-        "predicted_fp8_mfu": f["predicted"].get("mfu"),
-        "peak_gib": b["measured"].get("peak_gib"),
-        "predicted_peak_gib": b["predicted"].get("peak_gib"),
-        "bf16_tokens_per_s": b["measured"].get("tokens_per_s"),
-        "predicted_tokens_per_s": b["predicted"].get("tokens_per_s"),
-        "fp8_tokens_per_s": f["measured"].get("tokens_per_s"),
-    }))
+    print(
+        json.dumps(
+            {
+                "two_phase": two_phase,
+                "gpu": name,
+                "sku": sku_name,
+                "model": PRESET,
+                **shape,
+                "bf16_mfu": b["measured"].get("mfu"),
+                "fp8_mfu": f["measured"].get("mfu"),
+                "predicted_mfu": b["predicted"].get("mfu"),
+                "predicted_fp8_mfu": f["predicted"].get("mfu"),
+                "peak_gib": b["measured"].get("peak_gib"),
+                "predicted_peak_gib": b["predicted"].get("peak_gib"),
+                "bf16_tokens_per_s": b["measured"].get("tokens_per_s"),
+                "predicted_tokens_per_s": b["predicted"].get("tokens_per_s"),
+                "fp8_tokens_per_s": f["measured"].get("tokens_per_s"),
+            }
+        )
+    )
     return 0
 
 

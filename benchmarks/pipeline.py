@@ -74,15 +74,17 @@ class _RssSampler(threading.Thread):
 
 def _events(db: Path, run_id: str) -> list[dict[str, Any]]:
     with sqlite3.connect(db) as con:
-        rows = con.execute("SELECT payload FROM run_events WHERE run_id = ? ORDER BY seq",
-                           (run_id,)).fetchall()
+        rows = con.execute(
+            "SELECT payload FROM run_events WHERE run_id = ? ORDER BY seq", (run_id,)
+        ).fetchall()
     return [json.loads(r[0]) for r in rows]
 
 
 def _accepted_at(db: Path, run_id: str) -> float:
     with sqlite3.connect(db) as con:
-        return float(con.execute("SELECT created_at FROM runs WHERE run_id = ?",
-                                 (run_id,)).fetchone()[0])
+        return float(
+            con.execute("SELECT created_at FROM runs WHERE run_id = ?", (run_id,)).fetchone()[0]
+        )
 
 
 def _figures(events: list[dict[str, Any]], accepted_at: float) -> dict[str, Any]:
@@ -93,9 +95,11 @@ def _figures(events: list[dict[str, Any]], accepted_at: float) -> dict[str, Any]
         by_phase.setdefault(e.get("phase", ""), []).append(float(e["ts"]))
     order = sorted(by_phase, key=lambda p: min(by_phase[p]))
     switches = [min(by_phase[b]) - max(by_phase[a]) for a, b in itertools.pairwise(order)]
-    return {"accept_to_first_step_s": round(first - accepted_at, 2) if first else None,
-            "phase_switch_s_max": round(max(switches), 2) if switches else None,
-            "phases": order}
+    return {
+        "accept_to_first_step_s": round(first - accepted_at, 2) if first else None,
+        "phase_switch_s_max": round(max(switches), 2) if switches else None,
+        "phases": order,
+    }
 
 
 def run_preset(preset: str, var_dir: Path) -> dict[str, Any]:
@@ -111,29 +115,58 @@ def run_preset(preset: str, var_dir: Path) -> dict[str, Any]:
     sampler = _RssSampler()
     sampler.start()
     try:
-        ref = demo._cli(["ito", "confirm", "--action", "train", "--booking", booking_id,
-                         "--manifest", str(manifest), "--json"],
-                        {**env, "ITO_API_KEY": approver})["data"]["confirmation_ref"]
+        ref = demo._cli(
+            [
+                "ito",
+                "confirm",
+                "--action",
+                "train",
+                "--booking",
+                booking_id,
+                "--manifest",
+                str(manifest),
+                "--json",
+            ],
+            {**env, "ITO_API_KEY": approver},
+        )["data"]["confirmation_ref"]
         sub_env = {**env, "ITO_API_KEY": submitter}
-        run_id = demo._cli(["ito", "train", "--booking", booking_id, "--manifest",
-                            str(manifest), "--confirmation-ref", ref, "--idempotency-key",
-                            f"bench-{uuid.uuid4().hex[:12]}", "--json"],
-                           sub_env)["data"]["run_id"]
+        run_id = demo._cli(
+            [
+                "ito",
+                "train",
+                "--booking",
+                booking_id,
+                "--manifest",
+                str(manifest),
+                "--confirmation-ref",
+                ref,
+                "--idempotency-key",
+                f"bench-{uuid.uuid4().hex[:12]}",
+                "--json",
+            ],
+            sub_env,
+        )["data"]["run_id"]
         deadline = time.monotonic() + RUN_TIMEOUT_S
         state = "queued"
         while time.monotonic() < deadline:
-            state = demo._cli(["ito", "status", "--run", run_id, "--json"],
-                              sub_env)["data"]["state"]
+            state = demo._cli(["ito", "status", "--run", run_id, "--json"], sub_env)["data"][
+                "state"
+            ]
             if state in ("succeeded", "failed", "cancelled"):
                 break
             time.sleep(POLL_S)
         m = demo._cli(["ito", "metrics", "--run", run_id, "--json"], sub_env)["data"]
         events = _events(db, run_id)
-        out = {"preset": preset, "state": state, "goodput": m.get("goodput"),
-               **_figures(events, _accepted_at(db, run_id)),
-               "eval_share": round(m["badput_s"].get("evaluation", 0.0) / m["elapsed_s"], 4)
-               if m.get("elapsed_s") else None,
-               "elapsed_s": round(m.get("elapsed_s", 0.0), 1)}
+        out = {
+            "preset": preset,
+            "state": state,
+            "goodput": m.get("goodput"),
+            **_figures(events, _accepted_at(db, run_id)),
+            "eval_share": round(m["badput_s"].get("evaluation", 0.0) / m["elapsed_s"], 4)
+            if m.get("elapsed_s")
+            else None,
+            "elapsed_s": round(m.get("elapsed_s", 0.0), 1),
+        }
     finally:
         sampler.stop.set()
         sampler.join(timeout=5)
@@ -148,8 +181,9 @@ def run_preset(preset: str, var_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--presets", nargs=2, default=["llama-tiny", "llama-small"])
     parser.add_argument("--var-dir", type=Path, default=Path(".bench-pipeline"))
     args = parser.parse_args(argv)
@@ -158,13 +192,24 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results.append(run_preset(preset, args.var_dir.resolve() / preset))
         except (Exception, SystemExit) as e:  # one preset's failure still reports the other
-            results.append({"preset": preset, "state": "error", "error": str(e)[:300],
-                            "driver_peak_rss_mb": None})
+            results.append(
+                {
+                    "preset": preset,
+                    "state": "error",
+                    "error": str(e)[:300],
+                    "driver_peak_rss_mb": None,
+                }
+            )
     small, large = results
-    growth = (large["driver_peak_rss_mb"] / small["driver_peak_rss_mb"]
-              if small["driver_peak_rss_mb"] and large["driver_peak_rss_mb"] else None)
-    print(json.dumps({"presets": results,
-                      "driver_rss_growth": round(growth, 3) if growth else None}), flush=True)
+    growth = (
+        large["driver_peak_rss_mb"] / small["driver_peak_rss_mb"]
+        if small["driver_peak_rss_mb"] and large["driver_peak_rss_mb"]
+        else None
+    )
+    print(
+        json.dumps({"presets": results, "driver_rss_growth": round(growth, 3) if growth else None}),
+        flush=True,
+    )
     return 0 if all(r["state"] == "succeeded" for r in results) else 1
 
 

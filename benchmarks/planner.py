@@ -33,9 +33,16 @@ SEQ_LEN = 8192
 
 
 def _request(model: str, nodes: int, precision: str = "auto") -> PlanRequest:
-    return PlanRequest(model=model, gpu_sku="H100-SXM", gpus_per_node=8, node_count=nodes,
-                       fabric="ib-ndr", global_batch_tokens=MODELS[model], seq_len=SEQ_LEN,
-                       precision=precision)  # type: ignore[arg-type]
+    return PlanRequest(
+        model=model,
+        gpu_sku="H100-SXM",
+        gpus_per_node=8,
+        node_count=nodes,
+        fabric="ib-ndr",
+        global_batch_tokens=MODELS[model],
+        seq_len=SEQ_LEN,
+        precision=precision,
+    )  # type: ignore[arg-type]
 
 
 def _timed(request: PlanRequest) -> tuple[float, Plan | ItoError]:
@@ -47,40 +54,62 @@ def _timed(request: PlanRequest) -> tuple[float, Plan | ItoError]:
     return time.perf_counter() - start, result
 
 
-def _row(model: str, nodes: int, precision: str, seconds: float,
-         result: Plan | ItoError) -> dict[str, Any]:
-    row: dict[str, Any] = {"model": model, "nodes": nodes, "gpus": nodes * 8,
-                           "precision_request": precision,
-                           "global_batch_tokens": MODELS[model], "plan_s": round(seconds, 3)}
+def _row(
+    model: str, nodes: int, precision: str, seconds: float, result: Plan | ItoError
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "model": model,
+        "nodes": nodes,
+        "gpus": nodes * 8,
+        "precision_request": precision,
+        "global_batch_tokens": MODELS[model],
+        "plan_s": round(seconds, 3),
+    }
     if isinstance(result, ItoError):
         row["refusal"] = str(result.code)
         return row
-    row.update(tp=result.tp, pp=result.pp, pp_schedule=result.pp_schedule,
-               pp_virtual_stages=result.pp_virtual_stages, cp=result.cp,
-               dp_shard=result.dp_shard, dp_replicate=result.dp_replicate,
-               micro_batch=result.micro_batch, grad_accum=result.grad_accum,
-               activation_checkpointing=result.activation_checkpointing,
-               precision=result.precision, peak_memory_gib=round(result.peak_memory_gib, 1),
-               mfu=result.mfu, tokens_per_s_per_gpu=round(result.tokens_per_s / result.world_size))
+    row.update(
+        tp=result.tp,
+        pp=result.pp,
+        pp_schedule=result.pp_schedule,
+        pp_virtual_stages=result.pp_virtual_stages,
+        cp=result.cp,
+        dp_shard=result.dp_shard,
+        dp_replicate=result.dp_replicate,
+        micro_batch=result.micro_batch,
+        grad_accum=result.grad_accum,
+        activation_checkpointing=result.activation_checkpointing,
+        precision=result.precision,
+        peak_memory_gib=round(result.peak_memory_gib, 1),
+        mfu=result.mfu,
+        tokens_per_s_per_gpu=round(result.tokens_per_s / result.world_size),
+    )
     return row
 
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
-    out = ["| model | nodes | TP | PP (schedule x chunks) | CP | FSDP | replicas | micro-batch x "
-           "accum | recompute | precision | peak GiB | MFU | tok/s/GPU | plan s |",
-           "|---|---:|---:|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|"]
+    out = [
+        "| model | nodes | TP | PP (schedule x chunks) | CP | FSDP | replicas | micro-batch x "
+        "accum | recompute | precision | peak GiB | MFU | tok/s/GPU | plan s |",
+        "|---|---:|---:|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if "refusal" in r:
-            out.append(f"| {r['model']} | {r['nodes']} | refused: `{r['refusal']}` "
-                       f"| | | | | | | | | | | {r['plan_s']} |")
+            out.append(
+                f"| {r['model']} | {r['nodes']} | refused: `{r['refusal']}` "
+                f"| | | | | | | | | | | {r['plan_s']} |"
+            )
             continue
-        pp = f"{r['pp']}" + (f" ({r['pp_schedule']} x{r['pp_virtual_stages']})" if r["pp"] > 1
-                             else "")
-        out.append(f"| {r['model']} | {r['nodes']} | {r['tp']} | {pp} | {r['cp']} | "
-                   f"{r['dp_shard']} | {r['dp_replicate']} | {r['micro_batch']} x "
-                   f"{r['grad_accum']} | {r['activation_checkpointing']} | {r['precision']} | "
-                   f"{r['peak_memory_gib']} | {r['mfu']:.1%} | {r['tokens_per_s_per_gpu']} | "
-                   f"{r['plan_s']} |")
+        pp = f"{r['pp']}" + (
+            f" ({r['pp_schedule']} x{r['pp_virtual_stages']})" if r["pp"] > 1 else ""
+        )
+        out.append(
+            f"| {r['model']} | {r['nodes']} | {r['tp']} | {pp} | {r['cp']} | "
+            f"{r['dp_shard']} | {r['dp_replicate']} | {r['micro_batch']} x "
+            f"{r['grad_accum']} | {r['activation_checkpointing']} | {r['precision']} | "
+            f"{r['peak_memory_gib']} | {r['mfu']:.1%} | {r['tokens_per_s_per_gpu']} | "
+            f"{r['plan_s']} |"
+        )
     return "\n".join(out)
 
 

@@ -37,8 +37,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run_once(eta: int, args: argparse.Namespace, policy: Path, task: dict[str, Path]
-             ) -> tuple[dict[str, float], list[float]]:
+def run_once(
+    eta: int, args: argparse.Namespace, policy: Path, task: dict[str, Path]
+) -> tuple[dict[str, float], list[float]]:
     from stages.post_training.config import RLVRConfig
     from stages.post_training.data import load_rows
     from stages.post_training.hf_io import load_model, load_tokenizer
@@ -46,25 +47,46 @@ def run_once(eta: int, args: argparse.Namespace, policy: Path, task: dict[str, P
     from stages.post_training.rl import GRPOLearner, RequestMaker, run_rlvr
     from stages.post_training.rollout import WorkerSpec
 
-    ref = {"uri": f"file://{task['rlvr']}", "sha256": "0" * 64,
-           "provenance": {"source": "synthetic", "license": "MIT"}}
-    cfg = RLVRConfig.model_validate({
-        "data": ref, "steps": args.steps, "reward": "first_number_match",
-        "group_size": args.group_size, "groups_per_step": args.groups,
-        "max_completion_tokens": args.max_tokens, "overlong_buffer_tokens": 4,
-        "learning_rate": 1e-3, "max_staleness": eta, "rollout_workers": args.workers,
-        "dynamic_sampling": True, "seed": 0})
+    ref = {
+        "uri": f"file://{task['rlvr']}",
+        "sha256": "0" * 64,
+        "provenance": {"source": "synthetic", "license": "MIT"},
+    }
+    cfg = RLVRConfig.model_validate(
+        {
+            "data": ref,
+            "steps": args.steps,
+            "reward": "first_number_match",
+            "group_size": args.group_size,
+            "groups_per_step": args.groups,
+            "max_completion_tokens": args.max_tokens,
+            "overlong_buffer_tokens": 4,
+            "learning_rate": 1e-3,
+            "max_staleness": eta,
+            "rollout_workers": args.workers,
+            "dynamic_sampling": True,
+            "seed": 0,
+        }
+    )
     tok = load_tokenizer(policy)
     learner = GRPOLearner(cfg, load_model(policy), tok.pad_token_id)
-    specs = [WorkerSpec(index=i, model_dir=str(policy), reward=cfg.reward,
-                        max_completion_tokens=cfg.max_completion_tokens,
-                        overlong_buffer_tokens=4, overlong_penalty_factor=1.0)
-             for i in range(args.workers)]
+    specs = [
+        WorkerSpec(
+            index=i,
+            model_dir=str(policy),
+            reward=cfg.reward,
+            max_completion_tokens=cfg.max_completion_tokens,
+            overlong_buffer_tokens=4,
+            overlong_penalty_factor=1.0,
+        )
+        for i in range(args.workers)
+    ]
     pool = RayPool(f"bench-eta{eta}", specs)
     try:
         pool.identities(120)  # the actors are up before the clock starts
-        result, ctl = run_rlvr(cfg, learner, pool,
-                               RequestMaker(cfg, tok, load_rows("rlvr", ref["uri"])))
+        result, ctl = run_rlvr(
+            cfg, learner, pool, RequestMaker(cfg, tok, load_rows("rlvr", ref["uri"]))
+        )
     finally:
         pool.close()
     return result.summary, list(ctl.stats.sync_s)
@@ -85,8 +107,13 @@ def main() -> None:
     from stages.post_training.synthetic import build_tiny_policy, write_task
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-pt-"))
-    ray.init(address="local", num_cpus=2, include_dashboard=False,
-             _temp_dir=str(tmp / "ray"), log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=str(tmp / "ray"),
+        log_to_driver=False,
+    )
     try:
         policy = build_tiny_policy(tmp / "policy", hidden=args.hidden, layers=2)
         task = write_task(tmp / "task", rl_numbers=tuple(range(10)))
@@ -98,12 +125,16 @@ def main() -> None:
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{'eta':>4} {'samples/s':>10} {'trainer idle':>13} {'rollout idle':>13} "
-          f"{'staleness max':>14} {'drop rate':>10}")
+    print(
+        f"{'eta':>4} {'samples/s':>10} {'trainer idle':>13} {'rollout idle':>13} "
+        f"{'staleness max':>14} {'drop rate':>10}"
+    )
     for eta, m in out.items():
-        print(f"{eta:>4} {m['rollout_samples_per_s']:>10.1f} {m['trainer_idle_frac']:>13.3f} "
-              f"{m['rollout_idle_frac']:>13.3f} {m['staleness_max']:>14.0f} "
-              f"{m['drop_rate']:>10.3f}")
+        print(
+            f"{eta:>4} {m['rollout_samples_per_s']:>10.1f} {m['trainer_idle_frac']:>13.3f} "
+            f"{m['rollout_idle_frac']:>13.3f} {m['staleness_max']:>14.0f} "
+            f"{m['drop_rate']:>10.3f}"
+        )
     e0, e2 = out[0], out[2]
     line: dict[str, Any] = {
         "eta0_idle_frac": round(e0["trainer_idle_frac"], 4),

@@ -54,35 +54,52 @@ def burn(until: float) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heartbeat-ms", default="500,1000",
-                   help="comma-separated lighthouse heartbeat timeouts to try")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--heartbeat-ms",
+        default="500,1000",
+        help="comma-separated lighthouse heartbeat timeouts to try",
+    )
     p.add_argument("--duration", type=float, default=60.0, help="seconds counted per setting")
     p.add_argument("--groups", type=int, default=2)
-    p.add_argument("--burners", type=int, default=os.cpu_count() or 2,
-                   help="busy-loop processes (default: one per core)")
+    p.add_argument(
+        "--burners",
+        type=int,
+        default=os.cpu_count() or 2,
+        help="busy-loop processes (default: one per core)",
+    )
     p.add_argument("--preset", default="llama-tiny")
     return p.parse_args(argv)
 
 
-def one_setting(hb_ms: int, args: argparse.Namespace, tmp: Path, data: Path
-                ) -> dict[str, Any]:
+def one_setting(hb_ms: int, args: argparse.Namespace, tmp: Path, data: Path) -> dict[str, Any]:
     from stages.trainer import TrainingStage
 
     base = FaultToleranceConfig()
-    ft = base.model_copy(update={
-        "heartbeat_timeout_ms": hb_ms,
-        "heartbeat_interval_ms": min(base.heartbeat_interval_ms, hb_ms // 2)})
+    ft = base.model_copy(
+        update={
+            "heartbeat_timeout_ms": hb_ms,
+            "heartbeat_interval_ms": min(base.heartbeat_interval_ms, hb_ms // 2),
+        }
+    )
     FaultToleranceConfig.model_validate(ft.model_dump())  # the same checks as a manifest
     run_id = f"qs{hb_ms}-{os.getpid()}"
-    cfg = TrainStageConfig.model_validate(dict(
-        model=ModelSpec(preset=args.preset, size="bench"),
-        target=TrainingTarget(max_steps=1_000_000, seq_len=64, global_batch_tokens=1024),
-        checkpoint=CheckpointPolicy(interval_steps=1_000_000,
-                                    storage_uri=f"file://{tmp}/ckpt-{hb_ms}"),
-        loss_spike={"enabled": False}, fault_tolerance=ft.model_dump(),
-        replica_groups=args.groups, train_files=[str(data)]), strict=False)
+    cfg = TrainStageConfig.model_validate(
+        dict(
+            model=ModelSpec(preset=args.preset, size="bench"),
+            target=TrainingTarget(max_steps=1_000_000, seq_len=64, global_batch_tokens=1024),
+            checkpoint=CheckpointPolicy(
+                interval_steps=1_000_000, storage_uri=f"file://{tmp}/ckpt-{hb_ms}"
+            ),
+            loss_spike={"enabled": False},
+            fault_tolerance=ft.model_dump(),
+            replica_groups=args.groups,
+            train_files=[str(data)],
+        ),
+        strict=False,
+    )
     events: list[Event] = []
     first_full = threading.Event()
 
@@ -102,8 +119,7 @@ def one_setting(hb_ms: int, args: argparse.Namespace, tmp: Path, data: Path
             raise TimeoutError("the run never reached a full quorum")
         t0 = time.time() + SETTLE_S
         t1 = t0 + args.duration
-        burners = [mp.Process(target=burn, args=(t1,), daemon=True)
-                   for _ in range(args.burners)]
+        burners = [mp.Process(target=burn, args=(t1,), daemon=True) for _ in range(args.burners)]
         for b in burners:
             b.start()
         time.sleep(max(0.0, t1 - time.time()))
@@ -113,19 +129,24 @@ def one_setting(hb_ms: int, args: argparse.Namespace, tmp: Path, data: Path
             b.join(timeout=5)
         ctx.cancel_event.set()
         th.join(timeout=60)
-    steps = sorted((e for e in events if isinstance(e, StepEvent) and t0 <= e.ts <= t1),
-                   key=lambda e: (e.replica_group, e.ts))
+    steps = sorted(
+        (e for e in events if isinstance(e, StepEvent) and t0 <= e.ts <= t1),
+        key=lambda e: (e.replica_group, e.ts),
+    )
     shrinks = 0
     prev: dict[int, int] = {}
     for e in steps:
         if e.quorum_size < args.groups and prev.get(e.replica_group, args.groups) == args.groups:
             shrinks += 1
         prev[e.replica_group] = e.quorum_size
-    return {"heartbeat_ms": hb_ms, "seconds": args.duration,
-            "steps": sum(1 for e in steps if e.committed and e.replica_group == 0),
-            "spurious_quorum_changes": shrinks,
-            "uncommitted_steps": sum(1 for e in steps if not e.committed),
-            "load_avg_1m": round(load, 2)}
+    return {
+        "heartbeat_ms": hb_ms,
+        "seconds": args.duration,
+        "steps": sum(1 for e in steps if e.committed and e.replica_group == 0),
+        "spurious_quorum_changes": shrinks,
+        "uncommitted_steps": sum(1 for e in steps if not e.committed),
+        "load_avg_1m": round(load, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -137,22 +158,31 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     with data.open("w") as f:
         for i in range(3000):
             f.write(json.dumps({"text": f"doc {i}: " + "lorem ipsum " * (i % 11 + 1)}) + "\n")
-    ray.init(address="local", num_cpus=4, include_dashboard=False,
-             _temp_dir=str(tmp / "ray"), log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        _temp_dir=str(tmp / "ray"),
+        log_to_driver=False,
+    )
     results = []
     try:
         for hb in (int(x) for x in args.heartbeat_ms.split(",") if x.strip()):
             r = one_setting(hb, args, tmp, data)
             results.append(r)
-            print(f"heartbeat {hb} ms: {r['steps']} steps in {r['seconds']:.0f}s under "
-                  f"{args.burners} burners (load {r['load_avg_1m']}): "
-                  f"{r['spurious_quorum_changes']} spurious quorum changes, "
-                  f"{r['uncommitted_steps']} uncommitted steps", flush=True)
+            print(
+                f"heartbeat {hb} ms: {r['steps']} steps in {r['seconds']:.0f}s under "
+                f"{args.burners} burners (load {r['load_avg_1m']}): "
+                f"{r['spurious_quorum_changes']} spurious quorum changes, "
+                f"{r['uncommitted_steps']} uncommitted steps",
+                flush=True,
+            )
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps({"burners": args.burners, "groups": args.groups, "results": results}),
-          flush=True)
+    print(
+        json.dumps({"burners": args.burners, "groups": args.groups, "results": results}), flush=True
+    )
     return results
 
 

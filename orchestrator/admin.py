@@ -27,8 +27,11 @@ from orchestrator.runtime.interface import NullRuntime, RunRuntime
 from orchestrator.settings import Settings
 from stages.errors import ErrorCode, ItoError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="ito-train backend: API server and admin commands")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="ito-train backend: API server and admin commands",
+)
 accounts_app = typer.Typer(no_args_is_help=True, help="Tenant accounts")
 keys_app = typer.Typer(no_args_is_help=True, help="API keys (stored as sha256 only)")
 bookings_app = typer.Typer(no_args_is_help=True, help="The booking registry")
@@ -38,16 +41,21 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(bookings_app, name="bookings")
 app.add_typer(runs_app, name="runs")
 
-DbOpt = Annotated[str, typer.Option(
-    "--db", envvar="ITO_DB", help="the store: a SQLite file path, or a postgresql:// URL "
-    "without a password (ITO_DB_PASSWORD_FILE, PGPASSWORD or PGPASSFILE carry it)")]
+DbOpt = Annotated[
+    str,
+    typer.Option(
+        "--db",
+        envvar="ITO_DB",
+        help="the store: a SQLite file path, or a postgresql:// URL "
+        "without a password (ITO_DB_PASSWORD_FILE, PGPASSWORD or PGPASSFILE carry it)",
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON envelope")]
 
 
 def _emit(as_json: bool, data: dict[str, Any], notice: str) -> None:
     if as_json:
-        print(json.dumps({"ok": True, "live_api_contacted": False, "notice": notice,
-                          "data": data}))
+        print(json.dumps({"ok": True, "live_api_contacted": False, "notice": notice, "data": data}))
     else:
         print(notice)
         for k, v in data.items():
@@ -56,9 +64,16 @@ def _emit(as_json: bool, data: dict[str, Any], notice: str) -> None:
 
 def _fail(as_json: bool, code: ErrorCode, message: str) -> NoReturn:
     if as_json:
-        print(json.dumps({"ok": False, "live_api_contacted": False,
-                          "notice": f"refused: {code}",
-                          "error": {"code": str(code), "message": message}}))
+        print(
+            json.dumps(
+                {
+                    "ok": False,
+                    "live_api_contacted": False,
+                    "notice": f"refused: {code}",
+                    "error": {"code": str(code), "message": message},
+                }
+            )
+        )
     else:
         print(f"error [{code}]: {message}", file=sys.stderr)
     raise typer.Exit(1)
@@ -68,52 +83,95 @@ def _store(db: str) -> Store:
     return Store(db)
 
 
-def _audit(db: str, action: str, account_id: str | None = None, key_id: str | None = None,
-           booking_id: str | None = None, run_id: str | None = None,
-           code: str | None = None) -> None:
+def _audit(
+    db: str,
+    action: str,
+    account_id: str | None = None,
+    key_id: str | None = None,
+    booking_id: str | None = None,
+    run_id: str | None = None,
+    code: str | None = None,
+) -> None:
     """Operator actions are audit events too (ids only)."""
-    _store(db).audit([{"ts": time.time(), "account_id": account_id, "key_id": key_id,
-                       "action": f"admin:{action}", "gate": "operator", "outcome": "pass",
-                       "code": code, "booking_id": booking_id, "run_id": run_id}])
+    _store(db).audit(
+        [
+            {
+                "ts": time.time(),
+                "account_id": account_id,
+                "key_id": key_id,
+                "action": f"admin:{action}",
+                "gate": "operator",
+                "outcome": "pass",
+                "code": code,
+                "booking_id": booking_id,
+                "run_id": run_id,
+            }
+        ]
+    )
 
 
 @app.command()
-def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
-          runtime: Annotated[str, typer.Option(
-              help="ray (supervisor + RunDriver actors) or none (runs stay accepted)")] = "ray",
-          var_dir: Annotated[Path, typer.Option("--var-dir", envvar="ITO_VAR_DIR",
-                                                help="run scratch space")] = Path("/tmp/ito-var"),
-          checkpoint_root: Annotated[list[Path] | None, typer.Option(
-              "--checkpoint-root", help="allowed checkpoint storage root (repeatable); "
-              "default: any absolute path")] = None,
-          ray_address: Annotated[str | None, typer.Option(
-              "--ray-address", envvar="ITO_RAY_ADDRESS",
-              help="join this Ray cluster; default: start/reuse the embedded local head")] = None,
-          ray_head_port: Annotated[int, typer.Option(help="embedded Ray head's GCS port")] = 6390,
-          ray_dashboard_port: Annotated[int, typer.Option(help="embedded Ray dashboard port")]
-          = 8265,
-          ray_num_cpus: Annotated[int | None, typer.Option(help="embedded Ray logical CPUs")]
-          = None,
-          max_active_runs_per_account: Annotated[int, typer.Option(
-              help="active (queued or running) runs each account may have at once; one "
-              "more is refused with too_many_active_runs")] = 64,
-          planner_gate: Annotated[bool, typer.Option(
-              "--planner-gate/--no-planner-gate", help="refuse at submit what the "
-              "parallelism planner refuses, and price from its step time")] = True,
-          metrics_host: Annotated[str, typer.Option(
-              help="the Prometheus scrape's own listener (never the API socket)")]
-          = "127.0.0.1",
-          metrics_port: Annotated[int, typer.Option(
-              help="its port (0: pick a free one, printed at start)")]
-          = 9464,
-          metrics_token_file: Annotated[Path | None, typer.Option(
-              help="require 'Authorization: Bearer <token>' from this 0600 file")] = None,
-          api_docs: Annotated[bool, typer.Option(
-              "--api-docs/--no-api-docs", help="serve /openapi.json, /docs, /redoc")]
-          = False,
-          shutdown_grace_s: Annotated[float, typer.Option(
-              help="on SIGTERM, seconds in-flight requests may take before exit")] = 10.0,
-          log_level: str = "info") -> None:
+def serve(
+    db: DbOpt,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    runtime: Annotated[
+        str, typer.Option(help="ray (supervisor + RunDriver actors) or none (runs stay accepted)")
+    ] = "ray",
+    var_dir: Annotated[
+        Path, typer.Option("--var-dir", envvar="ITO_VAR_DIR", help="run scratch space")
+    ] = Path("/tmp/ito-var"),
+    checkpoint_root: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--checkpoint-root",
+            help="allowed checkpoint storage root (repeatable); default: any absolute path",
+        ),
+    ] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address",
+            envvar="ITO_RAY_ADDRESS",
+            help="join this Ray cluster; default: start/reuse the embedded local head",
+        ),
+    ] = None,
+    ray_head_port: Annotated[int, typer.Option(help="embedded Ray head's GCS port")] = 6390,
+    ray_dashboard_port: Annotated[int, typer.Option(help="embedded Ray dashboard port")] = 8265,
+    ray_num_cpus: Annotated[int | None, typer.Option(help="embedded Ray logical CPUs")] = None,
+    max_active_runs_per_account: Annotated[
+        int,
+        typer.Option(
+            help="active (queued or running) runs each account may have at once; one "
+            "more is refused with too_many_active_runs"
+        ),
+    ] = 64,
+    planner_gate: Annotated[
+        bool,
+        typer.Option(
+            "--planner-gate/--no-planner-gate",
+            help="refuse at submit what the "
+            "parallelism planner refuses, and price from its step time",
+        ),
+    ] = True,
+    metrics_host: Annotated[
+        str, typer.Option(help="the Prometheus scrape's own listener (never the API socket)")
+    ] = "127.0.0.1",
+    metrics_port: Annotated[
+        int, typer.Option(help="its port (0: pick a free one, printed at start)")
+    ] = 9464,
+    metrics_token_file: Annotated[
+        Path | None,
+        typer.Option(help="require 'Authorization: Bearer <token>' from this 0600 file"),
+    ] = None,
+    api_docs: Annotated[
+        bool, typer.Option("--api-docs/--no-api-docs", help="serve /openapi.json, /docs, /redoc")
+    ] = False,
+    shutdown_grace_s: Annotated[
+        float, typer.Option(help="on SIGTERM, seconds in-flight requests may take before exit")
+    ] = 10.0,
+    log_level: str = "info",
+) -> None:
     """Run the API server (uvicorn) on the store at --db."""
     if runtime == "ray":
         import orchestrator.runtime.ray_cluster  # noqa: F401 - configures Ray's token auth first
@@ -121,16 +179,23 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
 
     from orchestrator.api import create_app
 
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
     from orchestrator.telemetry.listener import read_token
 
-    settings = Settings(db_path=db, var_dir=var_dir, planner_gate=planner_gate,
-                        checkpoint_roots=tuple(checkpoint_root or ()),
-                        max_active_runs_per_account=max_active_runs_per_account,
-                        metrics_host=metrics_host, metrics_port=metrics_port,
-                        metrics_token=read_token(metrics_token_file), api_docs=api_docs,
-                        shutdown_grace_s=shutdown_grace_s)
+    settings = Settings(
+        db_path=db,
+        var_dir=var_dir,
+        planner_gate=planner_gate,
+        checkpoint_roots=tuple(checkpoint_root or ()),
+        max_active_runs_per_account=max_active_runs_per_account,
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
+        metrics_token=read_token(metrics_token_file),
+        api_docs=api_docs,
+        shutdown_grace_s=shutdown_grace_s,
+    )
     store = Store(db, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     logging.getLogger("ito.api").info("store: %s (%s)", store.describe(), store.dialect)
     rt: RunRuntime
@@ -140,11 +205,22 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
         from orchestrator.runtime.ray_cluster import RaySettings
         from orchestrator.runtime.supervisor import RayRuntime, SupervisorSettings
 
-        supervisor = SupervisorSettings.from_env().model_copy(update={"checkpoint_roots": tuple(
-            os.path.realpath(r) for r in settings.checkpoint_roots)})
-        rt = RayRuntime(store, var_dir, RaySettings(
-            address=ray_address, head_port=ray_head_port, dashboard_port=ray_dashboard_port,
-            num_cpus=ray_num_cpus), settings=supervisor)
+        supervisor = SupervisorSettings.from_env().model_copy(
+            update={
+                "checkpoint_roots": tuple(os.path.realpath(r) for r in settings.checkpoint_roots)
+            }
+        )
+        rt = RayRuntime(
+            store,
+            var_dir,
+            RaySettings(
+                address=ray_address,
+                head_port=ray_head_port,
+                dashboard_port=ray_dashboard_port,
+                num_cpus=ray_num_cpus,
+            ),
+            settings=supervisor,
+        )
     else:
         _fail(False, ErrorCode.bad_request, f"unknown runtime {runtime!r} (known: ray, none)")
     from orchestrator.redact import AccessLogRedactor
@@ -156,11 +232,15 @@ def serve(db: DbOpt, host: str = "127.0.0.1", port: int = 8080,
     if app.state.metrics_address is not None:
         m_host, m_port = app.state.metrics_address
         # With --metrics-port 0 this is the only place the chosen port is told.
-        print(f"metrics listener on http://{m_host}:{m_port}/metrics", file=sys.stderr,
-              flush=True)
-    config = uvicorn.Config(app, host=host, port=port,
-                            log_level=log_level, access_log=True,
-                            timeout_graceful_shutdown=int(max(1, settings.shutdown_grace_s)))
+        print(f"metrics listener on http://{m_host}:{m_port}/metrics", file=sys.stderr, flush=True)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=True,
+        timeout_graceful_shutdown=int(max(1, settings.shutdown_grace_s)),
+    )
     # uvicorn configures its loggers in Config(); the filter goes on afterwards.
     logging.getLogger("uvicorn.access").addFilter(AccessLogRedactor())
     uvicorn.Server(config).run()
@@ -200,13 +280,21 @@ def canonical_root(raw: Path) -> str:
 
 
 @accounts_app.command("roots")
-def accounts_roots(name: str, db: DbOpt,
-                   data: Annotated[list[Path] | None, typer.Option(
-                       "--data", help="data root (repeatable): data.refs, eval_files and "
-                       "cache_dir must lie inside one")] = None,
-                   checkpoint: Annotated[list[Path] | None, typer.Option(
-                       "--checkpoint", help="checkpoint root (repeatable)")] = None,
-                   as_json: JsonOpt = False) -> None:
+def accounts_roots(
+    name: str,
+    db: DbOpt,
+    data: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--data",
+            help="data root (repeatable): data.refs, eval_files and cache_dir must lie inside one",
+        ),
+    ] = None,
+    checkpoint: Annotated[
+        list[Path] | None, typer.Option("--checkpoint", help="checkpoint root (repeatable)")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Set (replace) an account's data and/or checkpoint roots; with neither, show them.
 
     An account without roots of a kind can reference nothing of that kind."""
@@ -217,28 +305,39 @@ def accounts_roots(name: str, db: DbOpt,
     try:
         for kind, paths in (("data", data), ("checkpoint", checkpoint)):
             if paths is not None:
-                store.set_roots(row["account_id"], kind, sorted({canonical_root(p)
-                                                                 for p in paths}))
+                store.set_roots(row["account_id"], kind, sorted({canonical_root(p) for p in paths}))
                 _audit(db, f"accounts.roots.{kind}", account_id=row["account_id"])
     except ItoError as e:
         _fail(as_json, e.code, e.message)
-    _emit(as_json, {"account": name, "data_roots": list(store.roots(row["account_id"], "data")),
-                    "checkpoint_roots": list(store.roots(row["account_id"], "checkpoint"))},
-          f"roots of {name}")
+    _emit(
+        as_json,
+        {
+            "account": name,
+            "data_roots": list(store.roots(row["account_id"], "data")),
+            "checkpoint_roots": list(store.roots(row["account_id"], "checkpoint")),
+        },
+        f"roots of {name}",
+    )
 
 
 @keys_app.command("issue")
-def keys_issue(db: DbOpt, account: Annotated[str, typer.Option(help="account name")],
-               scope: Annotated[list[str], typer.Option(help="repeatable or comma-separated")],
-               as_json: JsonOpt = False) -> None:
+def keys_issue(
+    db: DbOpt,
+    account: Annotated[str, typer.Option(help="account name")],
+    scope: Annotated[list[str], typer.Option(help="repeatable or comma-separated")],
+    as_json: JsonOpt = False,
+) -> None:
     scopes = sorted({s.strip() for item in scope for s in item.split(",") if s.strip()})
     try:
         key_id, key = issue_key(_store(db), account, scopes)
     except ItoError as e:
         _fail(as_json, e.code, e.message)
     _audit(db, "keys.issue", key_id=key_id)
-    _emit(as_json, {"key_id": key_id, "api_key": key, "account": account, "scopes": scopes},
-          "key issued; it is shown once and stored only as a hash")
+    _emit(
+        as_json,
+        {"key_id": key_id, "api_key": key, "account": account, "scopes": scopes},
+        "key issued; it is shown once and stored only as a hash",
+    )
 
 
 @keys_app.command("revoke")
@@ -257,8 +356,9 @@ def bookings_add(file: Path, db: DbOpt, as_json: JsonOpt = False) -> None:
     except OSError as e:
         _fail(as_json, ErrorCode.bad_request, f"cannot read {file}: {e.strerror}")
     except ValidationError as e:
-        msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
-                         for x in e.errors(include_input=False))
+        msgs = "; ".join(
+            f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors(include_input=False)
+        )
         _fail(as_json, ErrorCode.validation_error, msgs)
     except ItoError as e:
         _fail(as_json, e.code, e.message)
@@ -291,17 +391,24 @@ MAX_STOP_REASON = 500
 
 
 @runs_app.command("stop")
-def runs_stop(run_id: str, db: DbOpt,
-              reason: Annotated[str, typer.Option(
-                  help="why; kept in the run's state reason and logs (no secrets)")],
-              as_json: JsonOpt = False) -> None:
+def runs_stop(
+    run_id: str,
+    db: DbOpt,
+    reason: Annotated[
+        str, typer.Option(help="why; kept in the run's state reason and logs (no secrets)")
+    ],
+    as_json: JsonOpt = False,
+) -> None:
     """Stop any account's run, queued or running: it goes to ``cancelling`` with code
     ``operator_stopped``, and the server's supervisor tears its driver and fleet down
     (ending ``cancelled``). Audited."""
     why = " ".join(reason.split())  # one line: it lands in logs a tenant reads
     if not why or len(why) > MAX_STOP_REASON or not why.isprintable() or looks_secret(why):
-        _fail(as_json, ErrorCode.bad_request,
-              f"--reason must be 1-{MAX_STOP_REASON} printable characters, no secrets")
+        _fail(
+            as_json,
+            ErrorCode.bad_request,
+            f"--reason must be 1-{MAX_STOP_REASON} printable characters, no secrets",
+        )
     store = _store(db)
     try:
         run = store.get_run(run_id)
@@ -309,11 +416,23 @@ def runs_stop(run_id: str, db: DbOpt,
         store.transition(run_id, RunState.cancelling, f"{ErrorCode.operator_stopped}: {why}")
     except ItoError as e:
         _fail(as_json, e.code, e.message)
-    _audit(db, "runs.stop", account_id=run["account_id"], booking_id=run["booking_id"],
-           run_id=run_id, code=str(ErrorCode.operator_stopped))
-    _emit(as_json, {"run_id": run_id, "state": str(RunState.cancelling),
-                    "state_reason": f"{ErrorCode.operator_stopped}: {why}"},
-          f"run {run_id} is stopping")
+    _audit(
+        db,
+        "runs.stop",
+        account_id=run["account_id"],
+        booking_id=run["booking_id"],
+        run_id=run_id,
+        code=str(ErrorCode.operator_stopped),
+    )
+    _emit(
+        as_json,
+        {
+            "run_id": run_id,
+            "state": str(RunState.cancelling),
+            "state_reason": f"{ErrorCode.operator_stopped}: {why}",
+        },
+        f"run {run_id} is stopping",
+    )
 
 
 def main() -> None:

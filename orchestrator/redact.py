@@ -58,10 +58,31 @@ def safe_id(value: str | None) -> str | None:
 # Path segments the access log may show: the API's own vocabulary. Anything else (a
 # run id, booking id, proposal id, an idempotency key put where a run id goes) is
 # replaced, and the query string is never shown.
-_ROUTE_WORDS = frozenset({
-    "v1", "runs", "bookings", "plans", "confirmations", "logs", "metrics", "checkpoints",
-    "cancel", "cleanup", "proposals", "approve", "decline", "release", "eligibility",
-    "healthz", "openapi.json", "docs", "redoc", "events", "status"})
+_ROUTE_WORDS = frozenset(
+    {
+        "v1",
+        "runs",
+        "bookings",
+        "plans",
+        "confirmations",
+        "logs",
+        "metrics",
+        "checkpoints",
+        "cancel",
+        "cleanup",
+        "proposals",
+        "approve",
+        "decline",
+        "release",
+        "eligibility",
+        "healthz",
+        "openapi.json",
+        "docs",
+        "redoc",
+        "events",
+        "status",
+    }
+)
 
 
 def redact_url(url: str) -> str:

@@ -39,7 +39,8 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
 TERMINAL: frozenset[RunState] = frozenset({S.succeeded, S.failed, S.cancelled})
 # States in which the runtime owns live work for the run.
 ACTIVE: frozenset[RunState] = frozenset(
-    {S.accepted, S.starting, S.running, S.awaiting_approval, S.cancelling})
+    {S.accepted, S.starting, S.running, S.awaiting_approval, S.cancelling}
+)
 
 
 def can_transition(src: RunState | str, dst: RunState | str) -> bool:

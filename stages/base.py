@@ -75,11 +75,16 @@ class StageContext:
         decided by default: a proposal stays pending until a human acts."""
         with self._decided:
             self._decided.wait_for(
-                lambda: proposal_id in self._decisions or self.cancelled, timeout=timeout_s)
+                lambda: proposal_id in self._decisions or self.cancelled, timeout=timeout_s
+            )
             return self._decisions.get(proposal_id)
 
-    def log(self, message: str, level: Literal["debug", "info", "warning", "error"] = "info",
-            stage: str = "") -> None:
+    def log(
+        self,
+        message: str,
+        level: Literal["debug", "info", "warning", "error"] = "info",
+        stage: str = "",
+    ) -> None:
         self.emit(LogEvent(message=message, level=level, stage=stage))
 
 

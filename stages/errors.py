@@ -155,8 +155,7 @@ class ErrorCode(StrEnum):
     operator_stopped = (
         "operator_stopped",
         409,
-        "Runtime: an operator stopped the run (`ito-backend runs stop ID --reason ...`, "
-        "audited).",
+        "Runtime: an operator stopped the run (`ito-backend runs stop ID --reason ...`, audited).",
     )
     too_many_active_runs = (
         "too_many_active_runs",

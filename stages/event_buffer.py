@@ -21,9 +21,12 @@ _MERGEABLE_KEYS = ("replica_group", "phase", "committed", "quorum_size", "stage"
 
 
 def _mergeable(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return (a.get("kind") == b.get("kind") == "step" and bool(a.get("committed"))
-            and all(a.get(k) == b.get(k) for k in _MERGEABLE_KEYS)
-            and int(b.get("first_step") or b["step"]) == int(a["step"]) + 1)
+    return (
+        a.get("kind") == b.get("kind") == "step"
+        and bool(a.get("committed"))
+        and all(a.get(k) == b.get(k) for k in _MERGEABLE_KEYS)
+        and int(b.get("first_step") or b["step"]) == int(a["step"]) + 1
+    )
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -37,8 +40,7 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 FOLDED = "log line(s) folded while the event consumer lagged"
 
 
-def coalesce(events: Iterable[dict[str, Any]], folded: int = 0
-             ) -> tuple[list[dict[str, Any]], int]:
+def coalesce(events: Iterable[dict[str, Any]], folded: int = 0) -> tuple[list[dict[str, Any]], int]:
     """Merge runs of consecutive committed steps; fold log lines into one count.
     ``folded``: log lines folded before (an earlier summary line carries them).
     Returns the events and the new total of folded log lines."""
@@ -62,8 +64,12 @@ def coalesce(events: Iterable[dict[str, Any]], folded: int = 0
             last_step.clear()  # never merge steps across another kind of event
         out.append(ev)
     if first_log is not None:
-        summary = LogEvent(level="warning", message=f"{folded} {FOLDED}", ts=first_log["ts"],
-                           stage=first_log.get("stage", ""))
+        summary = LogEvent(
+            level="warning",
+            message=f"{folded} {FOLDED}",
+            ts=first_log["ts"],
+            stage=first_log.get("stage", ""),
+        )
         extra = {"seq": first_log["seq"]} if "seq" in first_log else {}
         out.insert(0, {**summary.model_dump(mode="json"), **extra})
     return out, folded
@@ -78,8 +84,13 @@ def expand_steps(ev: dict[str, Any]) -> Iterator[dict[str, Any]]:
         return
     n = int(ev["step"]) - int(first) + 1
     for s in range(int(first), int(ev["step"]) + 1):
-        yield {**ev, "step": s, "first_step": None, "tokens": int(ev["tokens"]) // n,
-               "seconds": float(ev["seconds"]) / n}
+        yield {
+            **ev,
+            "step": s,
+            "first_step": None,
+            "tokens": int(ev["tokens"]) // n,
+            "seconds": float(ev["seconds"]) / n,
+        }
 
 
 class EventBuffer:

@@ -67,8 +67,15 @@ class InterruptionEvent(_Event):
     """A replica group (or the whole job) was lost and later recovered."""
 
     kind: Literal["interruption"] = "interruption"
-    interruption_kind: Literal["replica_group_lost", "all_groups_lost", "hang", "loss_spike",
-                               "driver_lost", "node_lost", "rollout_worker_lost"]
+    interruption_kind: Literal[
+        "replica_group_lost",
+        "all_groups_lost",
+        "hang",
+        "loss_spike",
+        "driver_lost",
+        "node_lost",
+        "rollout_worker_lost",
+    ]
     replica_group: int | None = None
     # When the lost process died, as Ray recorded it (the worker's end time), else the
     # last sign of life the driver saw; None when unknown (e.g. a loss spike).

@@ -27,8 +27,11 @@ from stages.errors import ErrorCode, ItoError
 
 REMOTE_SCHEMES = ("hf", "s3", "gs", "http", "https")
 RootKind = Literal["data", "checkpoint", "model"]
-ROOT_WORDS: dict[str, str] = {"data": "data", "checkpoint": "checkpoint",
-                              "model": "data or checkpoint"}
+ROOT_WORDS: dict[str, str] = {
+    "data": "data",
+    "checkpoint": "checkpoint",
+    "model": "data or checkpoint",
+}
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,10 @@ class PathField:
 def outside(where: str, roots: RootKind = "data") -> ItoError:
     """The one refusal for a path that leaves its roots: it names the manifest field
     only, never a path, a digest or whether anything exists."""
-    return ItoError(ErrorCode.path_outside_root,
-                    f"{where} is not inside this account's {ROOT_WORDS[roots]} roots")
+    return ItoError(
+        ErrorCode.path_outside_root,
+        f"{where} is not inside this account's {ROOT_WORDS[roots]} roots",
+    )
 
 
 def file_uri_path(uri: str, where: str, roots: RootKind = "data") -> str:
@@ -69,8 +74,12 @@ def file_uri_path(uri: str, where: str, roots: RootKind = "data") -> str:
         parsed = urlsplit(uri)
     except ValueError:
         raise outside(where, roots) from None
-    if (parsed.scheme.lower() != "file" or parsed.netloc not in ("", "localhost")
-            or parsed.query or parsed.fragment):
+    if (
+        parsed.scheme.lower() != "file"
+        or parsed.netloc not in ("", "localhost")
+        or parsed.query
+        or parsed.fragment
+    ):
         raise outside(where, roots)
     return unquote(parsed.path)
 
@@ -94,11 +103,16 @@ def local_path(raw: str, spec: PathField, where: str) -> str | None:
         return None  # the data policy gate answers for the scheme
     if not scheme and spec.form != "file_uri" and raw.startswith("/"):
         return raw
-    form = {"file_uri": "a file:///absolute URI", "path": "an absolute path",
-            "either": "an absolute path or file:/// URI"}[spec.form]
-    raise ItoError(spec.not_local,
-                   f"{where} must be {form} inside this account's {ROOT_WORDS[spec.roots]} "
-                   "roots; hub ids, remote URIs and relative paths are not read")
+    form = {
+        "file_uri": "a file:///absolute URI",
+        "path": "an absolute path",
+        "either": "an absolute path or file:/// URI",
+    }[spec.form]
+    raise ItoError(
+        spec.not_local,
+        f"{where} must be {form} inside this account's {ROOT_WORDS[spec.roots]} "
+        "roots; hub ids, remote URIs and relative paths are not read",
+    )
 
 
 def field_spec(model: type[BaseModel], name: str) -> PathField | None:

@@ -73,8 +73,12 @@ def bundle_for_rank(facts: Mapping[str, Any], rank: int, world: int) -> int:
     return min(p.bundles - 1, rank * p.bundles // world)
 
 
-def actor_options(facts: Mapping[str, Any], *, bundle_index: int = -1,
-                  resources: Mapping[str, float] | None = None) -> dict[str, Any]:
+def actor_options(
+    facts: Mapping[str, Any],
+    *,
+    bundle_index: int = -1,
+    resources: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
     """``.options(**...)`` kwargs that schedule an actor or task into the run's group.
 
     ``resources`` are the caller's own custom resources, merged with the mark token.
@@ -89,7 +93,11 @@ def actor_options(facts: Mapping[str, Any], *, bundle_index: int = -1,
     pg = PlacementGroup(PlacementGroupID(bytes.fromhex(p.placement_group_id)))
     merged = dict(resources or {})
     merged[p.resource] = merged.get(p.resource, 0.0) + MARK_PER_ACTOR
-    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=bundle_index,
-                placement_group_capture_child_tasks=True),
-            "resources": merged}
+    return {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg,
+            placement_group_bundle_index=bundle_index,
+            placement_group_capture_child_tasks=True,
+        ),
+        "resources": merged,
+    }

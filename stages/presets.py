@@ -95,8 +95,11 @@ def load_config(kind: str, name: str, model: type[M], unknown: ErrorCode) -> M:
     """``configs/<kind>/<name>.json`` as ``model``; an unknown name is ``unknown``."""
     path = configs_dir() / kind / f"{name}.json"
     if "/" in name or not path.is_file():
-        raise ItoError(unknown, f"unknown {kind[:-1].replace('_', ' ')} {name!r}; "
-                                f"known: {', '.join(list_configs(kind))}")
+        raise ItoError(
+            unknown,
+            f"unknown {kind[:-1].replace('_', ' ')} {name!r}; "
+            f"known: {', '.join(list_configs(kind))}",
+        )
     return model.model_validate_json(path.read_bytes())
 
 

@@ -27,8 +27,16 @@ from typing import Literal
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
-Kind = Literal["not_absolute", "not_canonical", "symlink", "not_dir", "not_regular",
-               "missing", "outside", "unreadable"]
+Kind = Literal[
+    "not_absolute",
+    "not_canonical",
+    "symlink",
+    "not_dir",
+    "not_regular",
+    "missing",
+    "outside",
+    "unreadable",
+]
 
 
 class WalkError(Exception):
@@ -77,15 +85,21 @@ def open_dir(path: str, *, follow: bool = False) -> int:
         try:
             return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
-            raise WalkError("missing" if exc.errno == errno.ENOENT else "unreadable",
-                            err=exc.errno or 0) from None
+            raise WalkError(
+                "missing" if exc.errno == errno.ENOENT else "unreadable", err=exc.errno or 0
+            ) from None
     fd, _ = walk(os.open("/", DIR_FLAGS), path_parts(path), want="dir")
     assert fd is not None
     return fd
 
 
-def walk(start_fd: int, parts: Sequence[str], *, want: Literal["file", "dir", "any"] = "file",
-         allow_missing: bool = False) -> tuple[int | None, os.stat_result | None]:
+def walk(
+    start_fd: int,
+    parts: Sequence[str],
+    *,
+    want: Literal["file", "dir", "any"] = "file",
+    allow_missing: bool = False,
+) -> tuple[int | None, os.stat_result | None]:
     """Walk ``parts`` below ``start_fd`` (which this call closes). Returns the last
     component's descriptor and stat; with ``allow_missing``, ``(None, None)`` when a
     component does not exist (everything that does exist was still walked safely)."""
@@ -128,13 +142,18 @@ def locate(path: str, roots: Sequence[str]) -> Inside:
     parts = path_parts(path)
     for root in roots:
         rparts = path_parts(root) if root != "/" else []
-        if parts[:len(rparts)] == rparts:
-            return Inside(root, tuple(parts[len(rparts):]))
+        if parts[: len(rparts)] == rparts:
+            return Inside(root, tuple(parts[len(rparts) :]))
     raise WalkError("outside")
 
 
-def open_inside(path: str, roots: Sequence[str], *, want: Literal["file", "dir", "any"] = "any",
-                allow_missing: bool = False) -> tuple[int | None, os.stat_result | None]:
+def open_inside(
+    path: str,
+    roots: Sequence[str],
+    *,
+    want: Literal["file", "dir", "any"] = "any",
+    allow_missing: bool = False,
+) -> tuple[int | None, os.stat_result | None]:
     """Open ``path`` only if it lies inside one of ``roots`` with no symlink below the
     root. The root itself is the operator's and is opened normally."""
     where = locate(path, roots)

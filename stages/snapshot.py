@@ -62,11 +62,16 @@ class Snapshot:
         return tree_digest((f.relpath, f.sha256) for f in self.files)
 
 
-def read_inside(path: str, roots: Sequence[str], where: str, *, kind: RootKind = "data",
-                want: Literal["file", "dir", "any"] = "any",
-                include: Callable[[str], bool] | None = None,
-                missing: ErrorCode = ErrorCode.data_not_found,
-                ) -> Iterator[tuple[str, int, bool]]:
+def read_inside(
+    path: str,
+    roots: Sequence[str],
+    where: str,
+    *,
+    kind: RootKind = "data",
+    want: Literal["file", "dir", "any"] = "any",
+    include: Callable[[str], bool] | None = None,
+    missing: ErrorCode = ErrorCode.data_not_found,
+) -> Iterator[tuple[str, int, bool]]:
     """``(relative path, open fd, is_dir)`` of the file at ``path`` or of every file
     below the folder (sorted, ``include`` filtering by relative path), all opened by the
     safe walk inside ``roots``. The caller reads each fd; this closes it."""
@@ -112,7 +117,7 @@ def _copy(fd: int, dest: Path | None) -> InputFile:
             if out >= 0:
                 view = memoryview(chunk)
                 while view:
-                    view = view[os.write(out, view):]
+                    view = view[os.write(out, view) :]
         if out >= 0:
             os.fsync(out)
     finally:
@@ -121,10 +126,17 @@ def _copy(fd: int, dest: Path | None) -> InputFile:
     return InputFile("", h.hexdigest(), n)
 
 
-def snapshot(path: str, roots: Sequence[str], dest: Path | None, where: str, *,
-             kind: RootKind = "data", want: Literal["file", "dir", "any"] = "any",
-             include: Callable[[str], bool] | None = None,
-             missing: ErrorCode = ErrorCode.data_not_found) -> Snapshot:
+def snapshot(
+    path: str,
+    roots: Sequence[str],
+    dest: Path | None,
+    where: str,
+    *,
+    kind: RootKind = "data",
+    want: Literal["file", "dir", "any"] = "any",
+    include: Callable[[str], bool] | None = None,
+    missing: ErrorCode = ErrorCode.data_not_found,
+) -> Snapshot:
     """Copy into the folder ``dest`` (created; an earlier attempt's is replaced) and
     hash the input at ``path``: a file lands as ``dest/<name>``, a folder's files below
     ``dest``. ``dest=None`` only hashes. An empty folder gives no files (the caller
@@ -137,8 +149,9 @@ def snapshot(path: str, roots: Sequence[str], dest: Path | None, where: str, *,
         dest.mkdir(parents=True)
     files: list[InputFile] = []
     is_dir, copy = True, dest
-    for rel, fd, is_dir in read_inside(path, roots, where, kind=kind, want=want,
-                                       include=include, missing=missing):
+    for rel, fd, is_dir in read_inside(
+        path, roots, where, kind=kind, want=want, include=include, missing=missing
+    ):
         target = None
         if dest is not None:
             target = dest / rel

@@ -15,8 +15,23 @@ import sys
 import warnings
 from pathlib import Path
 
-SKIP = ("test", "idlelib", "tkinter", "turtle", "antigravity", "this", "__main__", "lib2to3",
-        "ensurepip", "pydoc_data", "venv", "msilib", "winreg", "winsound", "_")
+SKIP = (
+    "test",
+    "idlelib",
+    "tkinter",
+    "turtle",
+    "antigravity",
+    "this",
+    "__main__",
+    "lib2to3",
+    "ensurepip",
+    "pydoc_data",
+    "venv",
+    "msilib",
+    "winreg",
+    "winsound",
+    "_",
+)
 MIN_WORDS = 12
 
 
@@ -40,9 +55,12 @@ def main() -> None:
             mod = importlib.import_module(name)
         except Exception:  # platform-specific modules
             continue
-        objs = [mod] + [v for _, v in sorted(vars(mod).items(), key=lambda kv: kv[0])
-                        if (inspect.isclass(v) or inspect.isfunction(v))
-                        and getattr(v, "__module__", None) == name]
+        objs = [mod] + [
+            v
+            for _, v in sorted(vars(mod).items(), key=lambda kv: kv[0])
+            if (inspect.isclass(v) or inspect.isfunction(v))
+            and getattr(v, "__module__", None) == name
+        ]
         for obj in objs:
             for para in paragraphs(inspect.getdoc(obj) or ""):
                 if para not in seen:

@@ -22,8 +22,9 @@ from orchestrator.telemetry.prometheus import render
 API_VERSION = "1.0.0"
 
 
-def create_app(settings: Settings, runtime: RunRuntime | None = None,
-               store: Store | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, runtime: RunRuntime | None = None, store: Store | None = None
+) -> FastAPI:
     store = store or Store(settings.db_path, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     store.counted_window_s = settings.auth_fail_audit_window_s
     rt: RunRuntime = runtime if runtime is not None else NullRuntime(store, settings.var_dir)
@@ -31,16 +32,19 @@ def create_app(settings: Settings, runtime: RunRuntime | None = None,
     # server starts; the lifespan only starts and stops it.
     metrics = None
     if settings.metrics_port is not None:
-        metrics = MetricsListener(lambda: render(store), settings.metrics_host,
-                                  settings.metrics_port, settings.metrics_token)
+        metrics = MetricsListener(
+            lambda: render(store),
+            settings.metrics_host,
+            settings.metrics_port,
+            settings.metrics_token,
+        )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Sync handlers run in anyio's thread pool. With its default 40 threads, 50
         # polling clients share the GIL forty ways and every request waits ~40x its
         # own CPU time; a few threads keep requests first-come, first-served.
-        anyio.to_thread.current_default_thread_limiter().total_tokens = (
-            settings.request_threads)
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.request_threads
         if metrics is not None:
             metrics.start()
         rt.start()
@@ -53,21 +57,30 @@ def create_app(settings: Settings, runtime: RunRuntime | None = None,
             store.close()
 
     docs = settings.api_docs  # OpenAPI and docs pages only where the operator enables them
-    app = FastAPI(title="ito-train API", version=API_VERSION, lifespan=lifespan,
-                  openapi_url="/openapi.json" if docs else None,
-                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
-                  description="Canonical API of the ito-train backend. Every response is an "
-                              "envelope {ok, live_api_contacted, notice, data | error}.")
+    app = FastAPI(
+        title="ito-train API",
+        version=API_VERSION,
+        lifespan=lifespan,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        description="Canonical API of the ito-train backend. Every response is an "
+        "envelope {ok, live_api_contacted, notice, data | error}.",
+    )
     app.state.ctx = Ctx(settings, store, rt)
     app.state.metrics_address = metrics.address if metrics is not None else None
     install_handlers(app)
 
     app.add_middleware(BodyCap, max_bytes=settings.max_body_bytes)
     # Outermost: a refused flood costs neither a body read nor a handler thread.
-    app.add_middleware(RateLimit, store=store, key_per_s=settings.rate_key_per_s,
-                       key_burst=settings.rate_key_burst,
-                       fail_per_s=settings.rate_auth_fail_per_s,
-                       fail_burst=settings.rate_auth_fail_burst)
+    app.add_middleware(
+        RateLimit,
+        store=store,
+        key_per_s=settings.rate_key_per_s,
+        key_burst=settings.rate_key_burst,
+        fail_per_s=settings.rate_auth_fail_per_s,
+        fail_burst=settings.rate_auth_fail_burst,
+    )
     for module in (health, bookings, confirmations, plans, runs, mutations):
         app.include_router(module.router)
     return app

@@ -19,12 +19,20 @@ class BodyCap:
         self.max_bytes = max_bytes
 
     async def _refuse(self, send: Any) -> None:
-        body = json.dumps(fail_body(ErrorCode.payload_too_large,
-                                    f"request body exceeds {self.max_bytes} bytes")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        body = json.dumps(
+            fail_body(ErrorCode.payload_too_large, f"request body exceeds {self.max_bytes} bytes")
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -32,8 +40,7 @@ class BodyCap:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit()
-                                     or int(declared) > self.max_bytes):
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             await self._refuse(send)
             return
         # Read the whole body first (bounded by the cap), then replay it to the app, so

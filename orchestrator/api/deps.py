@@ -66,11 +66,19 @@ class Gates:
             # bad keys must not serialise real writes); one counted row per window.
             self.store.audit_counted(self.action, str(code))
             return
-        self.rows.append({
-            "ts": time.time(), "account_id": self.principal.account_id if self.principal else None,
-            "key_id": self.principal.key_id if self.principal else None, "action": self.action,
-            "gate": gate, "outcome": "pass" if ok else "fail", "code": code,
-            "booking_id": safe_id(self.booking_id), "run_id": safe_id(self.run_id)})
+        self.rows.append(
+            {
+                "ts": time.time(),
+                "account_id": self.principal.account_id if self.principal else None,
+                "key_id": self.principal.key_id if self.principal else None,
+                "action": self.action,
+                "gate": gate,
+                "outcome": "pass" if ok else "fail",
+                "code": code,
+                "booking_id": safe_id(self.booking_id),
+                "run_id": safe_id(self.run_id),
+            }
+        )
 
     def check(self, gate: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         try:
@@ -81,14 +89,16 @@ class Gates:
         self.record(gate, True)
         return result
 
-    def auth(self, creds: HTTPAuthorizationCredentials | None, scope: str,
-             *alternatives: str) -> Principal:
+    def auth(
+        self, creds: HTTPAuthorizationCredentials | None, scope: str, *alternatives: str
+    ) -> Principal:
         def _auth() -> Principal:
             header = f"Bearer {creds.credentials}" if creds else None
             p = authenticate(self.store, header)
             self.principal = p
             p.require(scope, *alternatives)
             return p
+
         return self.check("auth", _auth)
 
 
@@ -96,8 +106,10 @@ def idempotency_key(value: str | None) -> str:
     if not value:
         raise ItoError(ErrorCode.idempotency_key_missing, "an Idempotency-Key header is required")
     if not IDEMPOTENCY_KEY.match(value) or looks_secret(value):
-        raise ItoError(ErrorCode.idempotency_key_invalid,
-                       "Idempotency-Key must be 8-128 characters of [A-Za-z0-9._:-]")
+        raise ItoError(
+            ErrorCode.idempotency_key_invalid,
+            "Idempotency-Key must be 8-128 characters of [A-Za-z0-9._:-]",
+        )
     return value
 
 
@@ -113,22 +125,39 @@ def _loads(value: str | None) -> Any:
 def run_view(store: Store, run: Row) -> dict[str, Any]:
     account = store.account(run["account_id"])
     return {
-        "run_id": run["run_id"], "booking_id": run["booking_id"],
+        "run_id": run["run_id"],
+        "booking_id": run["booking_id"],
         "account": account["name"] if account else None,
-        "manifest_id": run["manifest_id"], "manifest_digest": run["manifest_digest"],
-        "idempotency_key": run["idempotency_key"], "state": run["state"],
-        "state_reason": run["state_reason"], "created_at": iso(run["created_at"]),
-        "updated_at": iso(run["updated_at"]), "cost_estimate_usd": run["cost_estimate_usd"],
+        "manifest_id": run["manifest_id"],
+        "manifest_digest": run["manifest_digest"],
+        "idempotency_key": run["idempotency_key"],
+        "state": run["state"],
+        "state_reason": run["state_reason"],
+        "created_at": iso(run["created_at"]),
+        "updated_at": iso(run["updated_at"]),
+        "cost_estimate_usd": run["cost_estimate_usd"],
         "stage_gates": [
-            {"stage": g["stage"], "status": g["status"], "reason": g["reason"],
-             "metrics": json.loads(g["metrics"]), "error_code": g["error_code"]}
-            for g in store.list_stage_gates(run["run_id"])],
+            {
+                "stage": g["stage"],
+                "status": g["status"],
+                "reason": g["reason"],
+                "metrics": json.loads(g["metrics"]),
+                "error_code": g["error_code"],
+            }
+            for g in store.list_stage_gates(run["run_id"])
+        ],
         "proposals": [
-            {"proposal_id": p["proposal_id"], "action": p["action"],
-             "description": p["description"], "params": json.loads(p["params"]),
-             "status": p["status"]}
-            for p in store.list_proposals(run["run_id"])],
-        "plan": _loads(run["plan"]), "data_prep": _loads(run["data_prep"]),
+            {
+                "proposal_id": p["proposal_id"],
+                "action": p["action"],
+                "description": p["description"],
+                "params": json.loads(p["params"]),
+                "status": p["status"],
+            }
+            for p in store.list_proposals(run["run_id"])
+        ],
+        "plan": _loads(run["plan"]),
+        "data_prep": _loads(run["data_prep"]),
         # The latest progress of a long stage step (data prep over a corpus), or None.
         "stage_progress": store.last_event(run["run_id"], "progress"),
         "eval_gates": eval_gates(store, run["run_id"]),
@@ -141,11 +170,30 @@ def eval_gates(store: Store, run_id: str) -> list[dict[str, Any]]:
     phases: dict[str, dict[str, Any]] = {}
     for ev in store.list_events(run_id, kinds=["eval"], limit=100_000):
         b = ev["payload"]
-        ph = phases.setdefault(b["phase"], {"phase": b["phase"], "battery": b["battery"],
-                                            "step": b.get("step"), "passed": True,
-                                            "checks": []})
+        ph = phases.setdefault(
+            b["phase"],
+            {
+                "phase": b["phase"],
+                "battery": b["battery"],
+                "step": b.get("step"),
+                "passed": True,
+                "checks": [],
+            },
+        )
         ph["passed"] = ph["passed"] and bool(b["passed"])
-        ph["checks"].append({k: b.get(k) for k in (
-            "check", "score", "passed", "reason", "min", "max", "max_regression",
-            "previous")})
+        ph["checks"].append(
+            {
+                k: b.get(k)
+                for k in (
+                    "check",
+                    "score",
+                    "passed",
+                    "reason",
+                    "min",
+                    "max",
+                    "max_regression",
+                    "previous",
+                )
+            }
+        )
     return list(phases.values())

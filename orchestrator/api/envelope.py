@@ -33,6 +33,9 @@ def ok(data: dict[str, Any], notice: str = "ok", status: int = 200) -> JSONRespo
 
 
 def fail_body(code: ErrorCode | str, message: str, notice: str = "") -> dict[str, Any]:
-    return {"ok": False, "live_api_contacted": True,
-            "notice": notice or f"refused: {code}",
-            "error": {"code": str(code), "message": message}}
+    return {
+        "ok": False,
+        "live_api_contacted": True,
+        "notice": notice or f"refused: {code}",
+        "error": {"code": str(code), "message": message},
+    }

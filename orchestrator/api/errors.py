@@ -15,6 +15,7 @@ from stages.errors import ErrorCode, ItoError
 log = logging.getLogger("ito.api")
 E = ErrorCode
 
+
 def status_of(code: ErrorCode | str) -> int:
     """The status each code carries (stages/errors.py); 500 for a string that is no code."""
     try:
@@ -49,12 +50,17 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: E.not_found, 405: E.method_not_allowed, 413: E.payload_too_large,
-                429: E.rate_limited}.get(exc.status_code, E.bad_request)
+        code = {
+            404: E.not_found,
+            405: E.method_not_allowed,
+            413: E.payload_too_large,
+            429: E.rate_limited,
+        }.get(exc.status_code, E.bad_request)
         if exc.status_code >= 500:
             code = E.internal_error
         message = {404: "no such route", 405: "method not allowed on this route"}.get(
-            exc.status_code, "request refused")
+            exc.status_code, "request refused"
+        )
         resp = JSONResponse(fail_body(code, message), status_code=exc.status_code)
         if exc.headers:
             resp.headers.update(exc.headers)

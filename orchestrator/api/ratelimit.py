@@ -77,20 +77,37 @@ def key_id_of(authorization: str | None) -> str | None:
 
 
 class RateLimit:
-    def __init__(self, app: Any, store: Store, *, key_per_s: float, key_burst: int,
-                 fail_per_s: float, fail_burst: int):
+    def __init__(
+        self,
+        app: Any,
+        store: Store,
+        *,
+        key_per_s: float,
+        key_burst: int,
+        fail_per_s: float,
+        fail_burst: int,
+    ):
         self.app, self.store = app, store
         self.keys = Buckets(key_per_s, key_burst)
         self.fails = Buckets(fail_per_s, fail_burst)
 
     async def _refuse(self, send: Any, retry_after_s: float) -> None:
-        body = json.dumps(fail_body(ErrorCode.rate_limited,
-                                    "too many requests; retry after the Retry-After "
-                                    "seconds")).encode()
-        await send({"type": "http.response.start", "status": 429,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"retry-after", str(max(1, math.ceil(retry_after_s))).encode())]})
+        body = json.dumps(
+            fail_body(
+                ErrorCode.rate_limited, "too many requests; retry after the Retry-After seconds"
+            )
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 429,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", str(max(1, math.ceil(retry_after_s))).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     def _authenticates(self, authorization: str | None) -> bool:

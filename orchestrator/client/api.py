@@ -48,8 +48,12 @@ Envelope = dict[str, Any]
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "cleaned"})
 # Answers after which polling must stop and hand control back (never re-login).
 STOP_POLLING_CODES = frozenset(
-    {ErrorCode.credential_revoked, ErrorCode.unauthenticated, ErrorCode.forbidden_scope,
-     ErrorCode.account_disabled}
+    {
+        ErrorCode.credential_revoked,
+        ErrorCode.unauthenticated,
+        ErrorCode.forbidden_scope,
+        ErrorCode.account_disabled,
+    }
 )
 INSECURE_HTTP_ENV = "ITO_ALLOW_INSECURE_HTTP"
 

@@ -47,8 +47,7 @@ EXIT_AUTH = 6  # credential revoked or not accepted: stopped, no login attempted
 EXIT_RUN_UNSUCCESSFUL = 7  # --follow ended with the run failed or cancelled
 EXIT_INTERRUPTED = 130
 
-_AUTH_CODES = {ErrorCode.credential_revoked, ErrorCode.unauthenticated,
-               ErrorCode.account_disabled}
+_AUTH_CODES = {ErrorCode.credential_revoked, ErrorCode.unauthenticated, ErrorCode.account_disabled}
 _TRANSPORT_CODES = {
     ErrorCode.api_unreachable,
     ErrorCode.api_timeout,
@@ -78,8 +77,9 @@ class _UsageError(Exception):
 
 # Options nobody should pass (``ito`` takes no secret on its command line) whose value
 # must still never be echoed by a usage error: --api-key, --token, --password, ...
-_SECRET_OPTION = re.compile(r"^--?[\w-]*(api[-_]?key|token|secret|passw|credential|auth)",
-                            re.IGNORECASE)
+_SECRET_OPTION = re.compile(
+    r"^--?[\w-]*(api[-_]?key|token|secret|passw|credential|auth)", re.IGNORECASE
+)
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:
@@ -174,19 +174,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttl-s", type=int, default=None)
     p = sub.add_parser("manifest", help="write a manifest for review (never submits)")
     msub = p.add_subparsers(dest="manifest_command", required=True, parser_class=_Parser)
-    p = msub.add_parser("init", parents=[common], help="the short form as a full manifest, "
-                        "with the server's plan and cost; never submits")
+    p = msub.add_parser(
+        "init",
+        parents=[common],
+        help="the short form as a full manifest, with the server's plan and cost; never submits",
+    )
     p.add_argument("--booking", required=True)
     p.add_argument("--model-size", required=True, help="e.g. 8B, 70B, 150M")
     p.add_argument("--data", required=True, help="a local file or folder, or file:// URI")
     p.add_argument("--target", required=True, help="capability: an eval suite, e.g. gsm8k")
     p.add_argument("--budget-usd", required=True, type=float)
     p.add_argument("--post-training", choices=["sft", "dpo", "rlvr"], default=None)
-    p.add_argument("--output", default=None,
-                   help="where to write it (default ./ito-manifest-<booking>.json)")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="checkpoints go under DIR/<name> (default: the account's first "
-                        "checkpoint root, from the server)")
+    p.add_argument(
+        "--output", default=None, help="where to write it (default ./ito-manifest-<booking>.json)"
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="checkpoints go under DIR/<name> (default: the account's first "
+        "checkpoint root, from the server)",
+    )
     return parser
 
 
@@ -229,8 +236,11 @@ class _Out:
         else:
             err = env.get("error") or {}
             where = "server" if env.get("live_api_contacted") else "client"
-            self._write(sys.stderr, f"error [{human.safe(err.get('code'))}] ({where}): "
-                                    f"{human.safe(err.get('message'))}")
+            self._write(
+                sys.stderr,
+                f"error [{human.safe(err.get('code'))}] ({where}): "
+                f"{human.safe(err.get('message'))}",
+            )
             if env.get("notice"):
                 self._write(sys.stderr, f"note: {human.safe(env['notice'])}")
 
@@ -254,8 +264,7 @@ def _cmd_follow_status(client: ItoClient, args: argparse.Namespace, out: _Out) -
         line = f"state={human.safe(run.get('state'))} {render.progress(run)}".rstrip()
         if line != last_line[0]:
             last_line[0] = line
-            out.progress(f"{time.strftime('%H:%M:%S')} run {human.safe(run.get('run_id'))} "
-                         f"{line}")
+            out.progress(f"{time.strftime('%H:%M:%S')} run {human.safe(run.get('run_id'))} {line}")
 
     return client.follow_status(args.run, on_update, with_progress=not out.as_json)
 

@@ -90,13 +90,20 @@ def read_credentials_file(path: str) -> ApiKey | None:
     # The same symlink-safe walk as the manifest reader: canonical absolute path, no
     # symlink on any component (a symlinked ~/.config is refused too).
     try:
-        fd, _ = safepath.walk(os.open("/", safepath.DIR_FLAGS), safepath.path_parts(path),
-                              want="any", allow_missing=True)
+        fd, _ = safepath.walk(
+            os.open("/", safepath.DIR_FLAGS),
+            safepath.path_parts(path),
+            want="any",
+            allow_missing=True,
+        )
     except WalkError as exc:
-        why = {"symlink": "a symlink is on its path", "not_absolute": "path is not absolute",
-               "not_canonical": "path is not canonical", "not_regular": "not a regular file",
-               "not_dir": "a component of its path is not a directory"}.get(
-            exc.kind, os.strerror(exc.errno) if exc.errno else "cannot open")
+        why = {
+            "symlink": "a symlink is on its path",
+            "not_absolute": "path is not absolute",
+            "not_canonical": "path is not canonical",
+            "not_regular": "not a regular file",
+            "not_dir": "a component of its path is not a directory",
+        }.get(exc.kind, os.strerror(exc.errno) if exc.errno else "cannot open")
         raise _insecure(path, why) from None
     if fd is None:
         return None
@@ -108,8 +115,8 @@ def read_credentials_file(path: str) -> ApiKey | None:
             raise _insecure(path, f"owned by uid {st.st_uid}, not the caller")
         if stat.S_IMODE(st.st_mode) not in (0o600, 0o400):
             raise _insecure(
-                path, f"mode {stat.S_IMODE(st.st_mode):04o}; must be 0600 or 0400 "
-                f"(chmod 600 {path})"
+                path,
+                f"mode {stat.S_IMODE(st.st_mode):04o}; must be 0600 or 0400 (chmod 600 {path})",
             )
         raw = os.read(fd, CREDENTIALS_MAX_BYTES + 1)
     finally:

@@ -48,8 +48,10 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]], indent: str 
     cell goes through ``safe``."""
     cells = [[safe(h).upper() for h in headers], *([safe(c) for c in r] for r in rows)]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join(indent + "   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)
-                                        ).rstrip() for r in cells)
+    return "\n".join(
+        indent + "   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in cells
+    )
 
 
 def pairs(rows: Iterable[tuple[object, object]], indent: str = "") -> str:
@@ -98,8 +100,13 @@ def size(n: float) -> str:
         v /= 1024
     if unit == "B":
         return f"{v:.0f} B"
-    return f"{v:.2f} {unit}" if abs(v) < 10 else f"{v:.1f} {unit}" if abs(v) < 100 \
+    return (
+        f"{v:.2f} {unit}"
+        if abs(v) < 10
+        else f"{v:.1f} {unit}"
+        if abs(v) < 100
         else f"{v:.0f} {unit}"
+    )
 
 
 def rate(bytes_per_s: float) -> str:

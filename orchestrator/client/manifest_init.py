@@ -48,8 +48,10 @@ BATCH_SEQUENCES_SMALL = 8
 def model_params(size: str) -> float:
     m = _SIZE.match(size)
     if not m:
-        raise ItoError(ErrorCode.bad_request,
-                       f"--model-size {size!r}: a number and K, M, B or T (e.g. 8B, 150M)")
+        raise ItoError(
+            ErrorCode.bad_request,
+            f"--model-size {size!r}: a number and K, M, B or T (e.g. 8B, 150M)",
+        )
     return float(m.group(1)) * _SCALE[m.group(2).lower()]
 
 
@@ -64,9 +66,11 @@ def preset_for(size: str) -> str:
         if g < gap:
             best, gap = name, g
     if best is None or gap > math.log(MAX_SIZE_FACTOR):
-        raise ItoError(ErrorCode.model_preset_unknown,
-                       f"no model preset within {MAX_SIZE_FACTOR:g}x of {size}; known: "
-                       + ", ".join(list_configs("models")))
+        raise ItoError(
+            ErrorCode.model_preset_unknown,
+            f"no model preset within {MAX_SIZE_FACTOR:g}x of {size}; known: "
+            + ", ".join(list_configs("models")),
+        )
     return best
 
 
@@ -76,17 +80,21 @@ def suites_for(target: str) -> list[str]:
         return [target]
     if target.lower() in CAPABILITY_SUITES:
         return CAPABILITY_SUITES[target.lower()]
-    raise ItoError(ErrorCode.eval_suite_unknown,
-                   f"--target {target[:64]!r}: no eval suite measures it; known: "
-                   + ", ".join([*known, *CAPABILITY_SUITES]))
+    raise ItoError(
+        ErrorCode.eval_suite_unknown,
+        f"--target {target[:64]!r}: no eval suite measures it; known: "
+        + ", ".join([*known, *CAPABILITY_SUITES]),
+    )
 
 
 def data_ref(ref: str) -> tuple[DataRef, int]:
     """The data reference (absolute file:// URI, sha256 of the bytes) and its bytes."""
     raw = ref.removeprefix("file://")
     if "://" in raw:
-        raise ItoError(ErrorCode.data_scheme_not_allowed,
-                       "--data: only local paths or file:// URIs in this build")
+        raise ItoError(
+            ErrorCode.data_scheme_not_allowed,
+            "--data: only local paths or file:// URIs in this build",
+        )
     path = Path(raw).expanduser().resolve()
     if not path.exists():
         raise ItoError(ErrorCode.data_not_found, f"--data: no such file or folder: {path}")
@@ -96,13 +104,25 @@ def data_ref(ref: str) -> tuple[DataRef, int]:
     size = sum(f.stat().st_size for f in files)
     if not size:
         raise ItoError(ErrorCode.data_empty, f"--data: {path} holds no data")
-    return DataRef(uri=f"file://{path}", sha256=path_sha256(path), provenance=DataProvenance(
-        source=f"{path} (named with ito manifest init; review before confirming)",
-        license="unspecified (review before confirming)")), size
+    return DataRef(
+        uri=f"file://{path}",
+        sha256=path_sha256(path),
+        provenance=DataProvenance(
+            source=f"{path} (named with ito manifest init; review before confirming)",
+            license="unspecified (review before confirming)",
+        ),
+    ), size
 
 
-def build_manifest(booking: str, size: str, data: str, target: str, budget_usd: float,
-                   post_training: str | None, checkpoint_dir: Path) -> dict[str, Any]:
+def build_manifest(
+    booking: str,
+    size: str,
+    data: str,
+    target: str,
+    budget_usd: float,
+    post_training: str | None,
+    checkpoint_dir: Path,
+) -> dict[str, Any]:
     """The complete manifest of the short form; validated as the server will."""
     from orchestrator.gates.manifest import Manifest
 
@@ -134,26 +154,49 @@ def build_manifest(booking: str, size: str, data: str, target: str, budget_usd: 
         else:
             reward = next((SUITE_REWARDS[s] for s in suites if s in SUITE_REWARDS), None)
             if reward is None:
-                raise ItoError(ErrorCode.bad_request,
-                               f"--post-training rlvr: no verifiable reward for {target!r}")
+                raise ItoError(
+                    ErrorCode.bad_request,
+                    f"--post-training rlvr: no verifiable reward for {target!r}",
+                )
             post["rlvr"] = RLVRConfig(data=ref, steps=steps, reward=reward).model_dump()
     doc: dict[str, Any] = {
         "manifest_version": 1,
         "name": name or "run",
-        "model": {"preset": preset_name, "architecture": preset.architecture, "size": size,
-                  "revision": "random-init"},
+        "model": {
+            "preset": preset_name,
+            "architecture": preset.architecture,
+            "size": size,
+            "revision": "random-init",
+        },
         "data": DataPrepConfig(refs=[ref], eval_suites=suites).model_dump(),
-        "training": {"target_tokens": target_tokens, "seq_len": seq_len,
-                     "global_batch_tokens": batch, "learning_rate": 3e-4,
-                     "warmup_steps": 10, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 0,
-                     "deterministic": True},
-        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain",
-                                   "token_fraction": 1.0, "eval_battery": battery}]},
+        "training": {
+            "target_tokens": target_tokens,
+            "seq_len": seq_len,
+            "global_batch_tokens": batch,
+            "learning_rate": 3e-4,
+            "warmup_steps": 10,
+            "weight_decay": 0.1,
+            "grad_clip": 1.0,
+            "seed": 0,
+            "deterministic": True,
+        },
+        "curriculum": {
+            "phases": [
+                {
+                    "name": "pretrain",
+                    "kind": "pretrain",
+                    "token_fraction": 1.0,
+                    "eval_battery": battery,
+                }
+            ]
+        },
         "post_training": post,
         "budget": {"ceiling_usd": float(budget_usd), "max_incremental_cost_usd": 0.0},
         "checkpoint": CheckpointPolicy(
-            interval_steps=DEFAULT_INTERVAL_STEPS, keep=DEFAULT_KEEP,
-            storage_uri=f"file://{checkpoint_dir / (name or 'run')}").model_dump(),
+            interval_steps=DEFAULT_INTERVAL_STEPS,
+            keep=DEFAULT_KEEP,
+            storage_uri=f"file://{checkpoint_dir / (name or 'run')}",
+        ).model_dump(),
         "loss_spike": LossSpikeConfig().model_dump(),
     }
     doc = json.loads(json.dumps(doc))  # plain JSON types only
@@ -166,9 +209,10 @@ def write_private(path: Path, data: bytes) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
-        raise ItoError(ErrorCode.bad_request,
-                       f"{path} exists: choose another --output (it is never overwritten)"
-                       ) from None
+        raise ItoError(
+            ErrorCode.bad_request,
+            f"{path} exists: choose another --output (it is never overwritten)",
+        ) from None
     except OSError as e:
         raise ItoError(ErrorCode.bad_request, f"cannot create {path}: {e.strerror}") from None
     try:
@@ -193,9 +237,11 @@ def checkpoint_dir(client: ItoClient, booking: str, chosen: str | None) -> Path 
         return env
     roots = (env["data"].get("roots") or {}).get("checkpoint") or []
     if not roots:
-        raise ItoError(ErrorCode.path_outside_root,
-                       "this account has no checkpoint root: ask the operator for one "
-                       "(ito-backend accounts roots) and pass it as --checkpoint-dir")
+        raise ItoError(
+            ErrorCode.path_outside_root,
+            "this account has no checkpoint root: ask the operator for one "
+            "(ito-backend accounts roots) and pass it as --checkpoint-dir",
+        )
     return Path(str(roots[0]))
 
 
@@ -204,39 +250,59 @@ def run_init(client: ItoClient, args: Any) -> Envelope:
     where = checkpoint_dir(client, args.booking, args.checkpoint_dir)
     if not isinstance(where, Path):
         return where  # nothing written
-    doc = build_manifest(args.booking, args.model_size, args.data, args.target,
-                         args.budget_usd, args.post_training, where)
+    doc = build_manifest(
+        args.booking,
+        args.model_size,
+        args.data,
+        args.target,
+        args.budget_usd,
+        args.post_training,
+        where,
+    )
     write_private(output, (json.dumps(doc, indent=2) + "\n").encode())
     mb = read_manifest(str(output))  # the bytes a later confirm/train will send
     q = shlex.quote
     data: dict[str, Any] = {
-        "manifest_path": str(output), "manifest_digest": mb.digest,
-        "booking_id": args.booking, "model_preset": doc["model"]["preset"],
+        "manifest_path": str(output),
+        "manifest_digest": mb.digest,
+        "booking_id": args.booking,
+        "model_preset": doc["model"]["preset"],
         "eval_suites": doc["data"]["eval_suites"],
         "next": {
             "review": f"less {q(str(output))}",
             "confirm": f"ito confirm --action train --booking {q(args.booking)} "
-                       f"--manifest {q(str(output))}",
+            f"--manifest {q(str(output))}",
             "train": f"ito train --booking {q(args.booking)} --manifest {q(str(output))} "
-                     "--confirmation-ref <ref from confirm> --idempotency-key <new key>",
+            "--confirmation-ref <ref from confirm> --idempotency-key <new key>",
         },
     }
     plan = client.plan(args.booking, mb)
     if not plan.get("ok"):
-        plan["notice"] = (f"manifest written to {output} (sha256 {mb.digest}); the server "
-                          "refused its plan: edit the file and plan it again. Nothing was "
-                          "submitted.")
+        plan["notice"] = (
+            f"manifest written to {output} (sha256 {mb.digest}); the server "
+            "refused its plan: edit the file and plan it again. Nothing was "
+            "submitted."
+        )
         return plan
     pd = plan["data"]
-    data.update(manifest_id=pd.get("manifest_id"), server_digest=pd.get("manifest_digest"),
-                cost_estimate_usd=pd.get("cost_estimate_usd"),
-                incremental_cost_usd=pd.get("incremental_cost_usd"), plan=pd.get("plan"),
-                plan_refusal=pd.get("plan_refusal"), validation=pd.get("validation"))
+    data.update(
+        manifest_id=pd.get("manifest_id"),
+        server_digest=pd.get("manifest_digest"),
+        cost_estimate_usd=pd.get("cost_estimate_usd"),
+        incremental_cost_usd=pd.get("incremental_cost_usd"),
+        plan=pd.get("plan"),
+        plan_refusal=pd.get("plan_refusal"),
+        validation=pd.get("validation"),
+    )
     if pd.get("manifest_digest") != mb.digest:  # cannot happen unless bytes changed
-        return error_envelope(ErrorCode.manifest_digest_mismatch,
-                              "the server planned other bytes than the file holds",
-                              live_api_contacted=True)
-    return ok_envelope(data, notice="manifest written for review; nothing was submitted "
-                       "(confirm and train it with the commands under next)",
-                       live_api_contacted=True)
-
+        return error_envelope(
+            ErrorCode.manifest_digest_mismatch,
+            "the server planned other bytes than the file holds",
+            live_api_contacted=True,
+        )
+    return ok_envelope(
+        data,
+        notice="manifest written for review; nothing was submitted "
+        "(confirm and train it with the commands under next)",
+        live_api_contacted=True,
+    )

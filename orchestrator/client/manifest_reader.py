@@ -35,7 +35,6 @@ MANIFEST_MAX_BYTES = 1 << 20
 _READ_CHUNK = 64 * 1024
 
 
-
 @dataclass(frozen=True)
 class ManifestBytes:
     """The exact bytes of a vetted manifest and their sha256 (hex)."""
@@ -60,8 +59,10 @@ def _refuse(code: ErrorCode, path: str, why: str) -> ItoError:
 
 _WHY = {
     "not_absolute": (ErrorCode.manifest_path_not_absolute, "path must be absolute (start with /)"),
-    "not_canonical": (ErrorCode.manifest_path_not_canonical,
-                      "path must be canonical (no '.', '..', '//', NUL or trailing '/')"),
+    "not_canonical": (
+        ErrorCode.manifest_path_not_canonical,
+        "path must be canonical (no '.', '..', '//', NUL or trailing '/')",
+    ),
     "symlink": (ErrorCode.manifest_symlink, "a symlink is on the path"),
     "not_regular": (ErrorCode.manifest_not_regular_file, "not a regular file"),
 }

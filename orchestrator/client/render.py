@@ -28,8 +28,13 @@ _LAYOUT = (
     ("precision", "precision"),
 )
 # Metrics rendered as their own tables rather than as one value.
-_METRIC_TABLES = ("badput_s", "eval_scores", "stage_progress", "post_training",
-                  "interruption_timings")
+_METRIC_TABLES = (
+    "badput_s",
+    "eval_scores",
+    "stage_progress",
+    "post_training",
+    "interruption_timings",
+)
 
 
 def _get(d: dict[str, Any], key: str) -> str:

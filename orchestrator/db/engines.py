@@ -120,8 +120,12 @@ class SqliteEngine:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
             # isolation_level=None: no implicit transactions; we BEGIN explicitly.
-            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                                   timeout=self.busy_timeout_ms / 1000)
+            conn = sqlite3.connect(
+                self.path,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=self.busy_timeout_ms / 1000,
+            )
             conn.row_factory = _sqlite_row
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
             self._ensure_wal(conn)
@@ -141,8 +145,10 @@ class SqliteEngine:
         while True:
             try:
                 mode = conn.execute("PRAGMA journal_mode").fetchone()["journal_mode"]
-                if mode == "wal" or conn.execute(
-                        "PRAGMA journal_mode = WAL").fetchone()["journal_mode"] == "wal":
+                if (
+                    mode == "wal"
+                    or conn.execute("PRAGMA journal_mode = WAL").fetchone()["journal_mode"] == "wal"
+                ):
                     return
             except sqlite3.OperationalError:
                 if time.monotonic() > deadline:
@@ -208,9 +214,16 @@ class _PgConn:
 class PostgresSettings:
     """How the pool connects; every bound is named."""
 
-    def __init__(self, *, min_size: int = 1, max_size: int = 16, connect_timeout_s: int = 10,
-                 pool_timeout_s: float = 30.0, statement_timeout_ms: int = 30_000,
-                 idle_in_transaction_timeout_ms: int = 5_000):
+    def __init__(
+        self,
+        *,
+        min_size: int = 1,
+        max_size: int = 16,
+        connect_timeout_s: int = 10,
+        pool_timeout_s: float = 30.0,
+        statement_timeout_ms: int = 30_000,
+        idle_in_transaction_timeout_ms: int = 5_000,
+    ):
         self.min_size, self.max_size = min_size, max_size
         self.connect_timeout_s = connect_timeout_s
         self.pool_timeout_s = pool_timeout_s
@@ -239,25 +252,36 @@ class PostgresEngine:
 
         params = conninfo_to_dict(url)
         if params.get("password"):
-            raise ItoError(ErrorCode.bad_request,
-                           "the database password must not be in the URL (argv); use "
-                           f"{PASSWORD_FILE_ENV}, PGPASSWORD or PGPASSFILE")
+            raise ItoError(
+                ErrorCode.bad_request,
+                "the database password must not be in the URL (argv); use "
+                f"{PASSWORD_FILE_ENV}, PGPASSWORD or PGPASSFILE",
+            )
         s = settings or PostgresSettings()
         password = _password()
         kwargs: dict[str, Any] = {
-            "autocommit": True, "row_factory": dict_row,
+            "autocommit": True,
+            "row_factory": dict_row,
             "connect_timeout": s.connect_timeout_s,
             "options": f"-c statement_timeout={s.statement_timeout_ms} "
-                       f"-c idle_in_transaction_session_timeout="
-                       f"{s.idle_in_transaction_timeout_ms}",
+            f"-c idle_in_transaction_session_timeout="
+            f"{s.idle_in_transaction_timeout_ms}",
         }
         if password is not None:
             kwargs["password"] = password
-        self._where = f"postgresql://{params.get('host', '')}:{params.get('port', '')}/" \
-                      f"{params.get('dbname', '')}"
-        self.pool = ConnectionPool(url, min_size=s.min_size, max_size=s.max_size,
-                                   kwargs=kwargs, timeout=s.pool_timeout_s, open=True,
-                                   name="ito-store")
+        self._where = (
+            f"postgresql://{params.get('host', '')}:{params.get('port', '')}/"
+            f"{params.get('dbname', '')}"
+        )
+        self.pool = ConnectionPool(
+            url,
+            min_size=s.min_size,
+            max_size=s.max_size,
+            kwargs=kwargs,
+            timeout=s.pool_timeout_s,
+            open=True,
+            name="ito-store",
+        )
         self.pool.wait(timeout=s.pool_timeout_s)
 
     def describe(self) -> str:
@@ -276,8 +300,9 @@ class PostgresEngine:
     def retryable(self, e: BaseException) -> bool:
         from psycopg import errors
 
-        return isinstance(e, errors.UniqueViolation | errors.SerializationFailure
-                          | errors.DeadlockDetected)
+        return isinstance(
+            e, errors.UniqueViolation | errors.SerializationFailure | errors.DeadlockDetected
+        )
 
     def migration_lock(self, conn: Conn) -> None:
         conn.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK_ID,))

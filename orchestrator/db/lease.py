@@ -40,21 +40,33 @@ class Leases:
         (new holder: the previous token + 1) or None while another holder's is live."""
         now = self.engine.now_sql
         with self.engine.tx() as c:
-            row = c.execute(f"SELECT holder, token, expires_at, {now} AS now FROM leases "
-                            "WHERE name = ? FOR UPDATE", (fence.name,)).fetchone()
+            row = c.execute(
+                f"SELECT holder, token, expires_at, {now} AS now FROM leases "
+                "WHERE name = ? FOR UPDATE",
+                (fence.name,),
+            ).fetchone()
             if row is None:
-                cur = c.execute(f"INSERT INTO leases VALUES (?, ?, 1, {now} + ?) "
-                                "ON CONFLICT (name) DO NOTHING",
-                                (fence.name, fence.holder, lease_s))
+                cur = c.execute(
+                    f"INSERT INTO leases VALUES (?, ?, 1, {now} + ?) ON CONFLICT (name) DO NOTHING",
+                    (fence.name, fence.holder, lease_s),
+                )
                 fence.token = 1 if cur.rowcount == 1 else None
-            elif row["holder"] == fence.holder and row["token"] == fence.token and \
-                    row["expires_at"] > row["now"]:
-                c.execute(f"UPDATE leases SET expires_at = {now} + ? WHERE name = ?",
-                          (lease_s, fence.name))
+            elif (
+                row["holder"] == fence.holder
+                and row["token"] == fence.token
+                and row["expires_at"] > row["now"]
+            ):
+                c.execute(
+                    f"UPDATE leases SET expires_at = {now} + ? WHERE name = ?",
+                    (lease_s, fence.name),
+                )
             elif row["expires_at"] <= row["now"]:
                 fence.token = int(row["token"]) + 1
-                c.execute(f"UPDATE leases SET holder = ?, token = ?, expires_at = {now} + ? "
-                          "WHERE name = ?", (fence.holder, fence.token, lease_s, fence.name))
+                c.execute(
+                    f"UPDATE leases SET holder = ?, token = ?, expires_at = {now} + ? "
+                    "WHERE name = ?",
+                    (fence.holder, fence.token, lease_s, fence.name),
+                )
             else:
                 fence.token = None
         return fence.token
@@ -63,9 +75,11 @@ class Leases:
         """Give the lease up at once (a clean shutdown): a standby need not wait it out."""
         if fence.token is not None:
             with self.engine.tx() as c:
-                c.execute(f"UPDATE leases SET expires_at = {self.engine.now_sql} "
-                          "WHERE name = ? AND holder = ? AND token = ?",
-                          (fence.name, fence.holder, fence.token))
+                c.execute(
+                    f"UPDATE leases SET expires_at = {self.engine.now_sql} "
+                    "WHERE name = ? AND holder = ? AND token = ?",
+                    (fence.name, fence.holder, fence.token),
+                )
             fence.token = None
 
     def lease(self, name: str) -> Row | None:
@@ -73,13 +87,20 @@ class Leases:
         return rows[0] if rows else None
 
     def _check_fence(self, c: Conn, fence: Fence) -> None:
-        held = fence.token is not None and c.execute(
-            f"SELECT 1 FROM leases WHERE name = ? AND holder = ? AND token = ? AND "
-            f"expires_at > {self.engine.now_sql} FOR SHARE",
-            (fence.name, fence.holder, fence.token)).fetchone()
+        held = (
+            fence.token is not None
+            and c.execute(
+                f"SELECT 1 FROM leases WHERE name = ? AND holder = ? AND token = ? AND "
+                f"expires_at > {self.engine.now_sql} FOR SHARE",
+                (fence.name, fence.holder, fence.token),
+            ).fetchone()
+        )
         if not held:
-            raise ItoError(ErrorCode.lease_lost, f"the {fence.name} lease (token "
-                           f"{fence.token}) is no longer held here; write refused")
+            raise ItoError(
+                ErrorCode.lease_lost,
+                f"the {fence.name} lease (token "
+                f"{fence.token}) is no longer held here; write refused",
+            )
 
     def fenced(self, fence: Fence) -> Self:
         """A view on the same connections whose every write transaction first checks

@@ -100,8 +100,10 @@ class Store(Leases):
                 c.execute("INSERT INTO schema_version VALUES (0)")
             version = int(row["version"]) if row else 0
             if version > SCHEMA_VERSION:
-                raise RuntimeError(f"database schema {version} is newer than this code "
-                                   f"({SCHEMA_VERSION}); upgrade ito-train")
+                raise RuntimeError(
+                    f"database schema {version} is newer than this code "
+                    f"({SCHEMA_VERSION}); upgrade ito-train"
+                )
             for number in range(version + 1, SCHEMA_VERSION + 1):
                 for statement in render(MIGRATIONS[number - 1], self.dialect):
                     c.execute(statement)
@@ -117,29 +119,39 @@ class Store(Leases):
         with self.tx() as c:
             if c.execute("SELECT 1 FROM accounts WHERE name = ?", (name,)).fetchone():
                 raise ItoError(ErrorCode.bad_request, f"account {name!r} already exists")
-            c.execute("INSERT INTO accounts (account_id, name, created_at) "
-                      "VALUES (:account_id, :name, :created_at)", row)
+            c.execute(
+                "INSERT INTO accounts (account_id, name, created_at) "
+                "VALUES (:account_id, :name, :created_at)",
+                row,
+            )
         return row
 
     def disable_account(self, name: str) -> bool:
         """Disable an account: its keys stop authenticating and the confirmations its
         keys made can no longer be consumed (checked in the consuming transaction)."""
         with self.tx() as c:
-            cur = c.execute("UPDATE accounts SET disabled_at = ? WHERE name = ? "
-                            "AND disabled_at IS NULL", (time.time(), name))
+            cur = c.execute(
+                "UPDATE accounts SET disabled_at = ? WHERE name = ? AND disabled_at IS NULL",
+                (time.time(), name),
+            )
             return cur.rowcount == 1
 
     def set_roots(self, account_id: str, kind: str, paths: list[str]) -> None:
         """Replace the account's roots of one kind ('data' or 'checkpoint')."""
         with self.tx() as c:
-            c.execute("DELETE FROM account_roots WHERE account_id = ? AND kind = ?",
-                      (account_id, kind))
-            c.executemany("INSERT INTO account_roots VALUES (?, ?, ?, ?)",
-                          [(account_id, kind, p, time.time()) for p in paths])
+            c.execute(
+                "DELETE FROM account_roots WHERE account_id = ? AND kind = ?", (account_id, kind)
+            )
+            c.executemany(
+                "INSERT INTO account_roots VALUES (?, ?, ?, ?)",
+                [(account_id, kind, p, time.time()) for p in paths],
+            )
 
     def roots(self, account_id: str, kind: str) -> tuple[str, ...]:
-        rows = self.read("SELECT path FROM account_roots WHERE account_id = ? AND kind = ? "
-                         "ORDER BY path", (account_id, kind))
+        rows = self.read(
+            "SELECT path FROM account_roots WHERE account_id = ? AND kind = ? ORDER BY path",
+            (account_id, kind),
+        )
         return tuple(r["path"] for r in rows)
 
     def account_by_name(self, name: str) -> Row | None:
@@ -148,44 +160,53 @@ class Store(Leases):
     def account(self, account_id: str) -> Row | None:
         return self.read_one("SELECT * FROM accounts WHERE account_id = ?", (account_id,))
 
-    def insert_key(self, key_id: str, account_id: str, key_sha256: str,
-                   scopes: list[str]) -> None:
+    def insert_key(self, key_id: str, account_id: str, key_sha256: str, scopes: list[str]) -> None:
         with self.tx() as c:
-            c.execute("INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, NULL)",
-                      (key_id, account_id, key_sha256, " ".join(sorted(scopes)), time.time()))
+            c.execute(
+                "INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, NULL)",
+                (key_id, account_id, key_sha256, " ".join(sorted(scopes)), time.time()),
+            )
 
     def key_by_hash(self, key_sha256: str) -> Row | None:
         return self.read_one("SELECT * FROM api_keys WHERE key_sha256 = ?", (key_sha256,))
 
     def revoke_key(self, key_id: str) -> bool:
         with self.tx() as c:
-            cur = c.execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ? "
-                            "AND revoked_at IS NULL", (time.time(), key_id))
+            cur = c.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE key_id = ? AND revoked_at IS NULL",
+                (time.time(), key_id),
+            )
             return cur.rowcount == 1
 
     # --- bookings --------------------------------------------------------------------
     def add_booking(self, b: Row) -> None:
         now = time.time()
         with self.tx() as c:
-            if c.execute("SELECT 1 FROM bookings WHERE booking_id = ?",
-                         (b["booking_id"],)).fetchone():
-                raise ItoError(ErrorCode.booking_exists,
-                               f"booking {safe_id(b['booking_id'])} exists")
+            if c.execute(
+                "SELECT 1 FROM bookings WHERE booking_id = ?", (b["booking_id"],)
+            ).fetchone():
+                raise ItoError(
+                    ErrorCode.booking_exists, f"booking {safe_id(b['booking_id'])} exists"
+                )
             c.execute(
                 "INSERT INTO bookings VALUES (:booking_id, :account_id, :gpu_sku, "
                 ":gpus_per_node, :node_count, :region, :fabric, :term_start, :term_end, "
-                "'active', :now, :now)", {**b, "now": now})
+                "'active', :now, :now)",
+                {**b, "now": now},
+            )
 
     def booking(self, booking_id: str) -> Row | None:
         return self.read_one("SELECT * FROM bookings WHERE booking_id = ?", (booking_id,))
 
-    def set_booking_state(self, booking_id: str, state: str,
-                          conn: Conn | None = None) -> None:
+    def set_booking_state(self, booking_id: str, state: str, conn: Conn | None = None) -> None:
         def apply(c: Conn) -> None:
-            cur = c.execute("UPDATE bookings SET state = ?, updated_at = ? "
-                            "WHERE booking_id = ?", (state, time.time(), booking_id))
+            cur = c.execute(
+                "UPDATE bookings SET state = ?, updated_at = ? WHERE booking_id = ?",
+                (state, time.time(), booking_id),
+            )
             if cur.rowcount != 1:
                 raise ItoError(ErrorCode.booking_not_found, f"no booking {safe_id(booking_id)}")
+
         if conn is not None:
             apply(conn)
             return
@@ -198,31 +219,36 @@ class Store(Leases):
             c.execute(
                 "INSERT INTO confirmations VALUES (:ref_sha256, :account_id, :action, "
                 ":booking_id, :manifest_digest, :run_id, :proposal_id, :cost_usd, "
-                ":created_by_key, :created_at, :expires_at, NULL, NULL)", row)
+                ":created_by_key, :created_at, :expires_at, NULL, NULL)",
+                row,
+            )
 
-    def confirmation(self, ref_sha256: str,
-                     conn: Conn | None = None) -> Row | None:
+    def confirmation(self, ref_sha256: str, conn: Conn | None = None) -> Row | None:
         # In a transaction the row is locked: concurrent users of one confirmation
         # queue here, and each next one sees the previous one's outcome.
         if conn is None:
-            return self.read_one("SELECT * FROM confirmations WHERE ref_sha256 = ?",
-                                 (ref_sha256,))
-        return self._one(conn, "SELECT * FROM confirmations WHERE ref_sha256 = ? FOR UPDATE",
-                         (ref_sha256,))
+            return self.read_one("SELECT * FROM confirmations WHERE ref_sha256 = ?", (ref_sha256,))
+        return self._one(
+            conn, "SELECT * FROM confirmations WHERE ref_sha256 = ? FOR UPDATE", (ref_sha256,)
+        )
 
     @staticmethod
     def consume_confirmation(c: Conn, ref_sha256: str, by: str) -> None:
-        cur = c.execute("UPDATE confirmations SET consumed_at = ?, consumed_by = ? "
-                        "WHERE ref_sha256 = ? AND consumed_at IS NULL",
-                        (time.time(), by, ref_sha256))
+        cur = c.execute(
+            "UPDATE confirmations SET consumed_at = ?, consumed_by = ? "
+            "WHERE ref_sha256 = ? AND consumed_at IS NULL",
+            (time.time(), by, ref_sha256),
+        )
         if cur.rowcount != 1:
             raise ItoError(ErrorCode.confirmation_consumed, "confirmation already used")
 
     # --- runs ------------------------------------------------------------------------
-    def run_by_key(self, account_id: str, key: str,
-                   conn: Conn | None = None) -> Row | None:
-        return self._one(conn, "SELECT * FROM runs WHERE account_id = ? AND "
-                         "idempotency_key = ?", (account_id, key))
+    def run_by_key(self, account_id: str, key: str, conn: Conn | None = None) -> Row | None:
+        return self._one(
+            conn,
+            "SELECT * FROM runs WHERE account_id = ? AND idempotency_key = ?",
+            (account_id, key),
+        )
 
     @staticmethod
     def insert_run(c: Conn, run: Row) -> None:
@@ -232,17 +258,22 @@ class Store(Leases):
             "cost_estimate_usd, plan, data_prep, created_at, updated_at) VALUES (:run_id, "
             ":account_id, :booking_id, :manifest_id, :manifest_digest, :manifest_json, "
             ":idempotency_key, :request_sha256, :state, :state_reason, :cost_estimate_usd, "
-            ":plan, :data_prep, :created_at, :updated_at)", run)
+            ":plan, :data_prep, :created_at, :updated_at)",
+            run,
+        )
 
     @staticmethod
     def count_active_runs(c: Conn, account_id: str) -> int:
         """The account's active runs, counted under its row lock: concurrent submits of
         one account queue here on PostgreSQL (SQLite has one writer), so a cap holds."""
-        c.execute("SELECT account_id FROM accounts WHERE account_id = ? FOR UPDATE",
-                  (account_id,)).fetchone()
+        c.execute(
+            "SELECT account_id FROM accounts WHERE account_id = ? FOR UPDATE", (account_id,)
+        ).fetchone()
         marks = ",".join("?" * len(ACTIVE))
-        row = c.execute(f"SELECT COUNT(*) AS n FROM runs WHERE account_id = ? AND state IN "
-                        f"({marks})", (account_id, *map(str, ACTIVE))).fetchone()
+        row = c.execute(
+            f"SELECT COUNT(*) AS n FROM runs WHERE account_id = ? AND state IN ({marks})",
+            (account_id, *map(str, ACTIVE)),
+        ).fetchone()
         return int(row["n"])
 
     def get_run(self, run_id: str, account_id: str | None = None) -> Row:
@@ -262,26 +293,39 @@ class Store(Leases):
         if not wanted:
             return []
         marks = ",".join("?" * len(wanted))
-        return self.read(f"SELECT * FROM runs WHERE state IN ({marks}) ORDER BY created_at",
-                         wanted)
+        return self.read(f"SELECT * FROM runs WHERE state IN ({marks}) ORDER BY created_at", wanted)
 
-    def transition(self, run_id: str, to_state: RunState | str, reason: str = "",
-                   conn: Conn | None = None) -> Row:
+    def transition(
+        self, run_id: str, to_state: RunState | str, reason: str = "", conn: Conn | None = None
+    ) -> Row:
         """Move a run along the one transition table; anything else is ``invalid_state``."""
+
         def apply(c: Conn) -> Row:
-            row = c.execute("SELECT * FROM runs WHERE run_id = ? FOR UPDATE",
-                            (run_id,)).fetchone()
+            row = c.execute("SELECT * FROM runs WHERE run_id = ? FOR UPDATE", (run_id,)).fetchone()
             if row is None:
                 raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
             check_transition(row["state"], to_state)
             now = time.time()
-            c.execute("UPDATE runs SET state = ?, state_reason = ?, updated_at = ? "
-                      "WHERE run_id = ?", (str(RunState(to_state)), reason, now, run_id))
-            self.insert_log(c, run_id, None, now, "info", "orchestrator",
-                            f"state {row['state']} -> {RunState(to_state)}"
-                            + (f": {reason}" if reason else ""))
-            return {**row, "state": str(RunState(to_state)), "state_reason": reason,
-                    "updated_at": now}
+            c.execute(
+                "UPDATE runs SET state = ?, state_reason = ?, updated_at = ? WHERE run_id = ?",
+                (str(RunState(to_state)), reason, now, run_id),
+            )
+            self.insert_log(
+                c,
+                run_id,
+                None,
+                now,
+                "info",
+                "orchestrator",
+                f"state {row['state']} -> {RunState(to_state)}" + (f": {reason}" if reason else ""),
+            )
+            return {
+                **row,
+                "state": str(RunState(to_state)),
+                "state_reason": reason,
+                "updated_at": now,
+            }
+
         if conn is not None:
             return apply(conn)
         with self.tx() as c:
@@ -291,15 +335,18 @@ class Store(Leases):
         """Say why a run is still in its state (e.g. waiting for its booking's nodes);
         logged once per change. Returns whether the reason changed."""
         with self.tx() as c:
-            row = c.execute("SELECT state_reason FROM runs WHERE run_id = ? FOR UPDATE",
-                            (run_id,)).fetchone()
+            row = c.execute(
+                "SELECT state_reason FROM runs WHERE run_id = ? FOR UPDATE", (run_id,)
+            ).fetchone()
             if row is None:
                 raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
             if row["state_reason"] == reason:
                 return False
             now = time.time()
-            c.execute("UPDATE runs SET state_reason = ?, updated_at = ? WHERE run_id = ?",
-                      (reason, now, run_id))
+            c.execute(
+                "UPDATE runs SET state_reason = ?, updated_at = ? WHERE run_id = ?",
+                (reason, now, run_id),
+            )
             self.insert_log(c, run_id, None, now, "info", "orchestrator", reason)
             return True
 
@@ -310,33 +357,56 @@ class Store(Leases):
             raise ValueError(f"unknown run fields: {sorted(unknown)}")
         with self.tx() as c:
             for name, value in fields.items():
-                cur = c.execute(f"UPDATE runs SET {name} = ?, updated_at = ? WHERE run_id = ?",
-                                (json.dumps(value), time.time(), run_id))
+                cur = c.execute(
+                    f"UPDATE runs SET {name} = ?, updated_at = ? WHERE run_id = ?",
+                    (json.dumps(value), time.time(), run_id),
+                )
                 if cur.rowcount != 1:
                     raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
 
     # --- idempotency records of other mutations -------------------------------------
     @staticmethod
     def idempotency_record(c: Conn, account_id: str, key: str) -> Row | None:
-        return c.execute("SELECT * FROM idempotency WHERE account_id = ? AND "
-                         "idempotency_key = ?", (account_id, key)).fetchone()
+        return c.execute(
+            "SELECT * FROM idempotency WHERE account_id = ? AND idempotency_key = ?",
+            (account_id, key),
+        ).fetchone()
 
     def get_idempotency(self, account_id: str, key: str) -> Row | None:
-        return self.read_one("SELECT * FROM idempotency WHERE account_id = ? AND "
-                             "idempotency_key = ?", (account_id, key))
+        return self.read_one(
+            "SELECT * FROM idempotency WHERE account_id = ? AND idempotency_key = ?",
+            (account_id, key),
+        )
 
     @staticmethod
-    def insert_idempotency(c: Conn, account_id: str, key: str,
-                           request_sha256: str, action: str, target: str,
-                           response: Any = None) -> None:
-        c.execute("INSERT INTO idempotency VALUES (?, ?, ?, ?, ?, ?, ?)",
-                  (account_id, key, request_sha256, action, target,
-                   None if response is None else json.dumps(response), time.time()))
+    def insert_idempotency(
+        c: Conn,
+        account_id: str,
+        key: str,
+        request_sha256: str,
+        action: str,
+        target: str,
+        response: Any = None,
+    ) -> None:
+        c.execute(
+            "INSERT INTO idempotency VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                account_id,
+                key,
+                request_sha256,
+                action,
+                target,
+                None if response is None else json.dumps(response),
+                time.time(),
+            ),
+        )
 
     def set_idempotency_response(self, account_id: str, key: str, response: Any) -> None:
         with self.tx() as c:
-            c.execute("UPDATE idempotency SET response = ? WHERE account_id = ? AND "
-                      "idempotency_key = ?", (json.dumps(response), account_id, key))
+            c.execute(
+                "UPDATE idempotency SET response = ? WHERE account_id = ? AND idempotency_key = ?",
+                (json.dumps(response), account_id, key),
+            )
 
     # --- events and their derived tables ---------------------------------------------
     def ingest_events(self, run_id: str, events: list[dict[str, Any]]) -> int:
@@ -348,18 +418,23 @@ class Store(Leases):
                 seq = int(raw["seq"])
                 parsed.append((seq, _EVENT.validate_python(body)))
             except (KeyError, TypeError, ValueError, ValidationError) as e:
-                raise ItoError(ErrorCode.bad_request, f"malformed event for {safe_id(run_id)}: "
-                               f"{type(e).__name__}") from None
+                raise ItoError(
+                    ErrorCode.bad_request,
+                    f"malformed event for {safe_id(run_id)}: {type(e).__name__}",
+                ) from None
         added = 0
         with self.tx() as c:
             # The run's row lock orders this run's writers (its per-run log counter).
-            if not c.execute("SELECT 1 FROM runs WHERE run_id = ? FOR UPDATE",
-                             (run_id,)).fetchone():
+            if not c.execute(
+                "SELECT 1 FROM runs WHERE run_id = ? FOR UPDATE", (run_id,)
+            ).fetchone():
                 raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
             for seq, ev in parsed:
-                cur = c.execute("INSERT INTO run_events VALUES (?, ?, ?, ?, ?) "
-                                "ON CONFLICT (run_id, seq) DO NOTHING",
-                                (run_id, seq, ev.ts, ev.kind, ev.model_dump_json()))
+                cur = c.execute(
+                    "INSERT INTO run_events VALUES (?, ?, ?, ?, ?) "
+                    "ON CONFLICT (run_id, seq) DO NOTHING",
+                    (run_id, seq, ev.ts, ev.kind, ev.model_dump_json()),
+                )
                 if cur.rowcount != 1:
                     continue
                 added += 1
@@ -371,29 +446,46 @@ class Store(Leases):
         if ev.kind == "log":
             Store.insert_log(c, run_id, seq, ev.ts, ev.level, ev.stage, ev.message)
         elif ev.kind == "checkpoint":
-            c.execute("INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?) "
-                      "ON CONFLICT (run_id, step) DO UPDATE SET path = excluded.path, "
-                      "bytes = excluded.bytes, blocking_s = excluded.blocking_s, "
-                      "total_s = excluded.total_s, created_at = excluded.created_at",
-                      (run_id, ev.step, ev.path, ev.bytes, ev.blocking_s, ev.total_s, ev.ts))
+            c.execute(
+                "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (run_id, step) DO UPDATE SET path = excluded.path, "
+                "bytes = excluded.bytes, blocking_s = excluded.blocking_s, "
+                "total_s = excluded.total_s, created_at = excluded.created_at",
+                (run_id, ev.step, ev.path, ev.bytes, ev.blocking_s, ev.total_s, ev.ts),
+            )
         elif ev.kind == "stage_result":
             o = ev.outcome
-            c.execute("INSERT INTO stage_gates VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                      "ON CONFLICT (run_id, stage) DO UPDATE SET status = excluded.status, "
-                      "reason = excluded.reason, metrics = excluded.metrics, "
-                      "artifacts = excluded.artifacts, error_code = excluded.error_code, "
-                      "updated_at = excluded.updated_at",
-                      (run_id, str(o.get("stage") or ev.stage), str(o.get("status", "")),
-                       str(o.get("reason", "")), json.dumps(o.get("metrics") or {}),
-                       json.dumps(o.get("artifacts") or {}), o.get("error_code"), ev.ts))
+            c.execute(
+                "INSERT INTO stage_gates VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (run_id, stage) DO UPDATE SET status = excluded.status, "
+                "reason = excluded.reason, metrics = excluded.metrics, "
+                "artifacts = excluded.artifacts, error_code = excluded.error_code, "
+                "updated_at = excluded.updated_at",
+                (
+                    run_id,
+                    str(o.get("stage") or ev.stage),
+                    str(o.get("status", "")),
+                    str(o.get("reason", "")),
+                    json.dumps(o.get("metrics") or {}),
+                    json.dumps(o.get("artifacts") or {}),
+                    o.get("error_code"),
+                    ev.ts,
+                ),
+            )
         elif ev.kind == "proposal":
-            c.execute("INSERT INTO proposals VALUES (?, ?, ?, ?, ?, 'pending', ?, NULL) "
-                      "ON CONFLICT (run_id, proposal_id) DO NOTHING",
-                      (run_id, ev.proposal_id, ev.action, ev.description,
-                       json.dumps(ev.params), ev.ts))
+            c.execute(
+                "INSERT INTO proposals VALUES (?, ?, ?, ?, ?, 'pending', ?, NULL) "
+                "ON CONFLICT (run_id, proposal_id) DO NOTHING",
+                (run_id, ev.proposal_id, ev.action, ev.description, json.dumps(ev.params), ev.ts),
+            )
 
-    def list_events(self, run_id: str, after_seq: int = -1,
-                    kinds: Iterable[str] | None = None, limit: int = 10_000) -> list[Row]:
+    def list_events(
+        self,
+        run_id: str,
+        after_seq: int = -1,
+        kinds: Iterable[str] | None = None,
+        limit: int = 10_000,
+    ) -> list[Row]:
         sql, params = "SELECT * FROM run_events WHERE run_id = ? AND seq > ?", [run_id, after_seq]
         kinds = list(kinds or [])
         if kinds:
@@ -404,8 +496,11 @@ class Store(Leases):
 
     def last_event(self, run_id: str, kind: str) -> dict[str, Any] | None:
         """The payload of the run's newest event of this kind (e.g. "progress")."""
-        row = self.read_one("SELECT payload FROM run_events WHERE run_id = ? AND kind = ? "
-                            "ORDER BY seq DESC LIMIT 1", (run_id, kind))
+        row = self.read_one(
+            "SELECT payload FROM run_events WHERE run_id = ? AND kind = ? "
+            "ORDER BY seq DESC LIMIT 1",
+            (run_id, kind),
+        )
         return None if row is None else dict(json.loads(row["payload"]))
 
     def max_seq(self, run_id: str) -> int:
@@ -414,47 +509,56 @@ class Store(Leases):
 
     def list_logs(self, run_id: str, cursor: int, limit: int) -> list[Row]:
         """Logs after ``cursor``, a per-run counter (it reveals nothing of other runs)."""
-        return self.read("SELECT * FROM logs WHERE run_id = ? AND run_seq > ? "
-                         "ORDER BY run_seq LIMIT ?", (run_id, cursor, limit))
+        return self.read(
+            "SELECT * FROM logs WHERE run_id = ? AND run_seq > ? ORDER BY run_seq LIMIT ?",
+            (run_id, cursor, limit),
+        )
 
-    def add_log(self, run_id: str, message: str, level: str = "info",
-                stage: str = "orchestrator") -> None:
+    def add_log(
+        self, run_id: str, message: str, level: str = "info", stage: str = "orchestrator"
+    ) -> None:
         with self.tx() as c:
             self.insert_log(c, run_id, None, time.time(), level, stage, message)
 
     @staticmethod
-    def insert_log(c: Conn, run_id: str, seq: int | None, ts: float,
-                   level: str, stage: str, message: str) -> None:
+    def insert_log(
+        c: Conn, run_id: str, seq: int | None, ts: float, level: str, stage: str, message: str
+    ) -> None:
         """One log line; ``run_seq`` counts per run (the public cursor). The run's row
         lock serialises the run's log writers, so two never compute one ``run_seq``."""
         c.execute("SELECT 1 FROM runs WHERE run_id = ? FOR UPDATE", (run_id,))
-        c.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message, run_seq) "
-                  "VALUES (?, ?, ?, ?, ?, ?, (SELECT COALESCE(MAX(run_seq), 0) + 1 "
-                  "FROM logs WHERE run_id = ?))",
-                  (run_id, seq, ts, level, stage, message, run_id))
+        c.execute(
+            "INSERT INTO logs (run_id, seq, ts, level, stage, message, run_seq) "
+            "VALUES (?, ?, ?, ?, ?, ?, (SELECT COALESCE(MAX(run_seq), 0) + 1 "
+            "FROM logs WHERE run_id = ?))",
+            (run_id, seq, ts, level, stage, message, run_id),
+        )
 
     def list_checkpoints(self, run_id: str) -> list[Row]:
         return self.read("SELECT * FROM checkpoints WHERE run_id = ? ORDER BY step", (run_id,))
 
     def list_stage_gates(self, run_id: str) -> list[Row]:
-        return self.read("SELECT * FROM stage_gates WHERE run_id = ? ORDER BY updated_at",
-                         (run_id,))
+        return self.read(
+            "SELECT * FROM stage_gates WHERE run_id = ? ORDER BY updated_at", (run_id,)
+        )
 
     def list_proposals(self, run_id: str) -> list[Row]:
-        return self.read("SELECT * FROM proposals WHERE run_id = ? ORDER BY created_at",
-                         (run_id,))
+        return self.read("SELECT * FROM proposals WHERE run_id = ? ORDER BY created_at", (run_id,))
 
     @staticmethod
-    def decide_proposal(c: Conn, run_id: str, proposal_id: str,
-                        decision: str) -> None:
-        row = c.execute("SELECT status FROM proposals WHERE run_id = ? AND proposal_id = ?",
-                        (run_id, proposal_id)).fetchone()
+    def decide_proposal(c: Conn, run_id: str, proposal_id: str, decision: str) -> None:
+        row = c.execute(
+            "SELECT status FROM proposals WHERE run_id = ? AND proposal_id = ?",
+            (run_id, proposal_id),
+        ).fetchone()
         if row is None:
             raise ItoError(ErrorCode.proposal_not_found, f"no proposal {safe_id(proposal_id)}")
         if row["status"] != "pending":
             raise ItoError(ErrorCode.invalid_state, f"proposal already {row['status']}")
-        c.execute("UPDATE proposals SET status = ?, decided_at = ? WHERE run_id = ? AND "
-                  "proposal_id = ?", (decision, time.time(), run_id, proposal_id))
+        c.execute(
+            "UPDATE proposals SET status = ?, decided_at = ? WHERE run_id = ? AND proposal_id = ?",
+            (decision, time.time(), run_id, proposal_id),
+        )
 
     # --- audit -----------------------------------------------------------------------
     @staticmethod
@@ -464,7 +568,8 @@ class Store(Leases):
             "INSERT INTO audit_events (ts, account_id, key_id, action, gate, outcome, code, "
             "booking_id, run_id, count) VALUES (:ts, :account_id, :key_id, :action, :gate, "
             ":outcome, :code, :booking_id, :run_id, :count)",
-            [{"count": 1, **r} for r in rows])
+            [{"count": 1, **r} for r in rows],
+        )
 
     def audit(self, rows: list[Row]) -> None:
         if rows:
@@ -487,9 +592,23 @@ class Store(Leases):
             self._counted_since = time.monotonic()
         if pending:
             now = time.time()
-            self.audit([{"ts": now, "account_id": None, "key_id": None, "action": action,
-                         "gate": "auth", "outcome": "fail", "code": code, "booking_id": None,
-                         "run_id": None, "count": n} for (action, code), n in pending.items()])
+            self.audit(
+                [
+                    {
+                        "ts": now,
+                        "account_id": None,
+                        "key_id": None,
+                        "action": action,
+                        "gate": "auth",
+                        "outcome": "fail",
+                        "code": code,
+                        "booking_id": None,
+                        "run_id": None,
+                        "count": n,
+                    }
+                    for (action, code), n in pending.items()
+                ]
+            )
 
     def audit_events(self, limit: int = 1000) -> list[Row]:
         return self.read("SELECT * FROM audit_events ORDER BY audit_id DESC LIMIT ?", (limit,))

@@ -15,8 +15,15 @@ from dataclasses import dataclass
 from orchestrator.db.store import Store
 from stages.errors import ErrorCode, ItoError
 
-SCOPES = ("runs:read", "runs:write", "confirm:train", "confirm:cancel", "confirm:cleanup",
-          "confirm:release", "confirm:restart")
+SCOPES = (
+    "runs:read",
+    "runs:write",
+    "confirm:train",
+    "confirm:cancel",
+    "confirm:cleanup",
+    "confirm:release",
+    "confirm:restart",
+)
 KEY_PREFIX = "itok_"
 
 
@@ -34,16 +41,18 @@ class Principal:
         """The key must hold ``scope`` or one of ``alternatives``."""
         wanted = (scope, *alternatives)
         if not any(s in self.scopes for s in wanted):
-            raise ItoError(ErrorCode.forbidden_scope,
-                           f"this key lacks the {' or '.join(wanted)} scope")
+            raise ItoError(
+                ErrorCode.forbidden_scope, f"this key lacks the {' or '.join(wanted)} scope"
+            )
 
 
 def issue_key(store: Store, account_name: str, scopes: list[str]) -> tuple[str, str]:
     """Create a key for ``account_name``; returns (key_id, key). The key is shown once."""
     bad = sorted(set(scopes) - set(SCOPES))
     if bad or not scopes:
-        raise ItoError(ErrorCode.bad_request,
-                       f"unknown or no scopes {bad}; known: {', '.join(SCOPES)}")
+        raise ItoError(
+            ErrorCode.bad_request, f"unknown or no scopes {bad}; known: {', '.join(SCOPES)}"
+        )
     account = store.account_by_name(account_name)
     if account is None:
         raise ItoError(ErrorCode.not_found, f"no account {account_name!r}")

@@ -83,9 +83,13 @@ def booking_view(store: Store, booking_id: str) -> dict[str, Any]:
     return {
         "booking_id": row["booking_id"],
         "account": account["name"] if account else None,
-        "gpu_sku": row["gpu_sku"], "gpus_per_node": row["gpus_per_node"],
-        "node_count": row["node_count"], "region": row["region"], "fabric": row["fabric"],
-        "term_start": iso(row["term_start"]), "term_end": iso(row["term_end"]),
+        "gpu_sku": row["gpu_sku"],
+        "gpus_per_node": row["gpus_per_node"],
+        "node_count": row["node_count"],
+        "region": row["region"],
+        "fabric": row["fabric"],
+        "term_start": iso(row["term_start"]),
+        "term_end": iso(row["term_end"]),
         "state": row["state"],
     }
 
@@ -104,25 +108,31 @@ def owned_live_booking(store: Store, booking_id: str, account_id: str) -> Row:
     return row
 
 
-def check_eligibility(store: Store, booking_id: str, account_id: str,
-                      ttl_s: int, now: float | None = None) -> dict[str, Any]:
+def check_eligibility(
+    store: Store, booking_id: str, account_id: str, ttl_s: int, now: float | None = None
+) -> dict[str, Any]:
     """Fail closed, each reason its own code; else fresh eligibility bound to the booking."""
     now = time.time() if now is None else now
     row = owned_live_booking(store, booking_id, account_id)
-    missing = [k for k in ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")
-               if row[k] in (None, "")]
+    missing = [
+        k
+        for k in ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")
+        if row[k] in (None, "")
+    ]
     if missing:
-        raise ItoError(ErrorCode.booking_incomplete,
-                       f"booking lacks {', '.join(missing)}")
+        raise ItoError(ErrorCode.booking_incomplete, f"booking lacks {', '.join(missing)}")
     if now < row["term_start"]:
-        raise ItoError(ErrorCode.booking_not_started,
-                       f"booking term starts at {iso(row['term_start'])}")
+        raise ItoError(
+            ErrorCode.booking_not_started, f"booking term starts at {iso(row['term_start'])}"
+        )
     if now >= row["term_end"]:
         raise ItoError(ErrorCode.booking_expired, f"booking term ended at {iso(row['term_end'])}")
     view = booking_view(store, booking_id)
     view.pop("state")
     return {
-        **view, "eligible": True, "checked_at": iso(now),
+        **view,
+        "eligible": True,
+        "checked_at": iso(now),
         "valid_until": iso(min(now + ttl_s, row["term_end"])),
         "_term_end_ts": row["term_end"],
     }

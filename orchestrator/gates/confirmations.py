@@ -31,15 +31,31 @@ def ref_hash(ref: str) -> str:
     return sha256_hex(ref)
 
 
-def create(store: Store, principal: Principal, *, action: Action, booking_id: str,
-           cost_usd: float, ttl_s: int, manifest_digest: str | None = None,
-           run_id: str | None = None, proposal_id: str | None = None) -> tuple[str, Row]:
+def create(
+    store: Store,
+    principal: Principal,
+    *,
+    action: Action,
+    booking_id: str,
+    cost_usd: float,
+    ttl_s: int,
+    manifest_digest: str | None = None,
+    run_id: str | None = None,
+    proposal_id: str | None = None,
+) -> tuple[str, Row]:
     ref, now = new_ref(), time.time()
     row = {
-        "ref_sha256": ref_hash(ref), "account_id": principal.account_id, "action": action,
-        "booking_id": booking_id, "manifest_digest": manifest_digest, "run_id": run_id,
-        "proposal_id": proposal_id, "cost_usd": float(cost_usd),
-        "created_by_key": principal.key_id, "created_at": now, "expires_at": now + ttl_s,
+        "ref_sha256": ref_hash(ref),
+        "account_id": principal.account_id,
+        "action": action,
+        "booking_id": booking_id,
+        "manifest_digest": manifest_digest,
+        "run_id": run_id,
+        "proposal_id": proposal_id,
+        "cost_usd": float(cost_usd),
+        "created_by_key": principal.key_id,
+        "created_at": now,
+        "expires_at": now + ttl_s,
     }
     store.insert_confirmation(row)
     return ref, row
@@ -66,37 +82,48 @@ def check(row: Row | None, expect: Expect, now: float | None = None) -> Row:
     if row is None:
         raise ItoError(ErrorCode.confirmation_not_found, "unknown confirmation reference")
     if row["account_id"] != expect.account_id:
-        raise ItoError(ErrorCode.confirmation_account_mismatch,
-                       "the confirmation belongs to another account")
+        raise ItoError(
+            ErrorCode.confirmation_account_mismatch, "the confirmation belongs to another account"
+        )
     if row["consumed_at"] is not None:
         raise ItoError(ErrorCode.confirmation_consumed, "the confirmation was already used")
     if now >= row["expires_at"]:
         raise ItoError(ErrorCode.confirmation_expired, "the confirmation expired")
     if row["action"] != expect.action:
-        raise ItoError(ErrorCode.confirmation_action_mismatch,
-                       f"the confirmation is for {row['action']}, not {expect.action}")
+        raise ItoError(
+            ErrorCode.confirmation_action_mismatch,
+            f"the confirmation is for {row['action']}, not {expect.action}",
+        )
     if row["booking_id"] != expect.booking_id:
-        raise ItoError(ErrorCode.confirmation_booking_mismatch,
-                       "the confirmation is for another booking")
+        raise ItoError(
+            ErrorCode.confirmation_booking_mismatch, "the confirmation is for another booking"
+        )
     if expect.manifest_digest is not None and row["manifest_digest"] != expect.manifest_digest:
-        raise ItoError(ErrorCode.confirmation_digest_mismatch,
-                       "the confirmation is for another manifest digest")
+        raise ItoError(
+            ErrorCode.confirmation_digest_mismatch,
+            "the confirmation is for another manifest digest",
+        )
     if (expect.run_id is not None and row["run_id"] != expect.run_id) or (
-            expect.proposal_id is not None and row["proposal_id"] != expect.proposal_id):
-        raise ItoError(ErrorCode.confirmation_run_mismatch,
-                       "the confirmation is for another run or proposal")
+        expect.proposal_id is not None and row["proposal_id"] != expect.proposal_id
+    ):
+        raise ItoError(
+            ErrorCode.confirmation_run_mismatch, "the confirmation is for another run or proposal"
+        )
     if expect.used_by_key is not None and row["created_by_key"] == expect.used_by_key:
-        raise ItoError(ErrorCode.confirmation_self_approved,
-                       "a confirmation must come from an approver's key, not the submitter's")
+        raise ItoError(
+            ErrorCode.confirmation_self_approved,
+            "a confirmation must come from an approver's key, not the submitter's",
+        )
     if row["cost_usd"] + COST_EPSILON_USD < expect.cost_usd:
-        raise ItoError(ErrorCode.confirmation_cost_exceeded,
-                       f"the estimated cost ${expect.cost_usd:,.2f} exceeds the confirmed "
-                       f"${row['cost_usd']:,.2f}")
+        raise ItoError(
+            ErrorCode.confirmation_cost_exceeded,
+            f"the estimated cost ${expect.cost_usd:,.2f} exceeds the confirmed "
+            f"${row['cost_usd']:,.2f}",
+        )
     return row
 
 
-def resolve(store: Store, ref: str | None, expect: Expect,
-            conn: Conn | None = None) -> Row:
+def resolve(store: Store, ref: str | None, expect: Expect, conn: Conn | None = None) -> Row:
     if not ref:
         raise ItoError(ErrorCode.confirmation_required, "a confirmation_ref is required")
     if not ref.startswith(REF_PREFIX) or len(ref) > 128:
@@ -112,10 +139,14 @@ def consume(store: Store, conn: Conn, ref: str, expect: Expect, by: str) -> Any:
     row = resolve(store, ref, expect, conn)
     maker = conn.execute(
         "SELECT k.revoked_at, a.disabled_at FROM api_keys AS k JOIN accounts AS a "
-        "ON a.account_id = k.account_id WHERE k.key_id = ?", (row["created_by_key"],)).fetchone()
+        "ON a.account_id = k.account_id WHERE k.key_id = ?",
+        (row["created_by_key"],),
+    ).fetchone()
     if maker is None or maker["revoked_at"] is not None:
-        raise ItoError(ErrorCode.credential_revoked,
-                       "the key that made this confirmation was revoked; confirm again")
+        raise ItoError(
+            ErrorCode.credential_revoked,
+            "the key that made this confirmation was revoked; confirm again",
+        )
     if maker["disabled_at"] is not None:
         raise ItoError(ErrorCode.account_disabled, "this account is disabled")
     store.consume_confirmation(conn, row["ref_sha256"], by)

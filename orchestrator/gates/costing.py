@@ -66,8 +66,9 @@ def price_per_gpu_hour(configs_dir: Path, sku: str) -> float:
     return float(value)
 
 
-def estimate_hours(*, active_params: int, tokens: int, gpus: int, peak_flops: float,
-                   mfu: float) -> float:
+def estimate_hours(
+    *, active_params: int, tokens: int, gpus: int, peak_flops: float, mfu: float
+) -> float:
     """6·N·D / (GPUs · peak · MFU), in hours."""
     return 6.0 * active_params * tokens / (gpus * peak_flops * mfu) / 3600.0
 
@@ -83,8 +84,9 @@ class PostTrainingWork:
 
     def hours(self, *, gpus: int, peak_flops: float, mfu: float, rollout_mfu: float) -> float:
         learner = self.learner_flops / (gpus * peak_flops * mfu)
-        rollout = self.rollout_flops / (max(1, min(self.rollout_gpus, gpus)) * peak_flops
-                                        * rollout_mfu)
+        rollout = self.rollout_flops / (
+            max(1, min(self.rollout_gpus, gpus)) * peak_flops * rollout_mfu
+        )
         return (learner + rollout) / 3600.0
 
 
@@ -105,24 +107,45 @@ class CostEstimate:
         return asdict(self)
 
 
-def estimate_cost(*, gpus: int, usd_per_gpu_hour: float, tokens: int, active_params: int,
-                  peak_flops: float, mfu: float, remaining_term_h: float,
-                  step_time_s: float | None = None, steps: int | None = None,
-                  post_training: PostTrainingWork | None = None,
-                  rollout_mfu: float = 0.1) -> CostEstimate:
+def estimate_cost(
+    *,
+    gpus: int,
+    usd_per_gpu_hour: float,
+    tokens: int,
+    active_params: int,
+    peak_flops: float,
+    mfu: float,
+    remaining_term_h: float,
+    step_time_s: float | None = None,
+    steps: int | None = None,
+    post_training: PostTrainingWork | None = None,
+    rollout_mfu: float = 0.1,
+) -> CostEstimate:
     """The run's cost; with ``step_time_s`` and ``steps`` (pretraining steps, from the
     planner) the pretraining FLOP bound is replaced by the modelled step time. The
     post-training work is added on top either way."""
     if step_time_s is not None and steps is not None:
         hours, method = step_time_s * steps / 3600.0, "planner_step_time"
     else:
-        hours = estimate_hours(active_params=active_params, tokens=tokens, gpus=gpus,
-                               peak_flops=peak_flops, mfu=mfu)
+        hours = estimate_hours(
+            active_params=active_params, tokens=tokens, gpus=gpus, peak_flops=peak_flops, mfu=mfu
+        )
         method = f"6ND at {mfu:.0%} MFU"
-    post_hours = 0.0 if post_training is None else post_training.hours(
-        gpus=gpus, peak_flops=peak_flops, mfu=mfu, rollout_mfu=rollout_mfu)
+    post_hours = (
+        0.0
+        if post_training is None
+        else post_training.hours(gpus=gpus, peak_flops=peak_flops, mfu=mfu, rollout_mfu=rollout_mfu)
+    )
     hours += post_hours
     total = gpus * usd_per_gpu_hour * hours
     incremental = gpus * usd_per_gpu_hour * max(0.0, hours - max(0.0, remaining_term_h))
-    return CostEstimate(gpus, usd_per_gpu_hour, tokens, hours, round(total, 6),
-                        round(incremental, 6), method, post_hours)
+    return CostEstimate(
+        gpus,
+        usd_per_gpu_hour,
+        tokens,
+        hours,
+        round(total, 6),
+        round(incremental, 6),
+        method,
+        post_hours,
+    )

@@ -30,11 +30,18 @@ from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget
 
 class Budget(StrictModel):
     # Finite only: a NaN ceiling would make every comparison false, i.e. no budget.
-    ceiling_usd: float = Field(gt=0, le=1e10, allow_inf_nan=False,
-                               description="estimated cost of the run must not exceed it")
+    ceiling_usd: float = Field(
+        gt=0,
+        le=1e10,
+        allow_inf_nan=False,
+        description="estimated cost of the run must not exceed it",
+    )
     max_incremental_cost_usd: float = Field(
-        ge=0, le=1e10, allow_inf_nan=False,
-        description="spend beyond what the booking's remaining term already covers")
+        ge=0,
+        le=1e10,
+        allow_inf_nan=False,
+        description="spend beyond what the booking's remaining term already covers",
+    )
 
 
 class Manifest(StrictModel):
@@ -71,7 +78,8 @@ def manifest_id(manifest_digest: str) -> str:
 _SECRET_KEY = re.compile(
     r"pass(word|wd|phrase)?$|^pwd$|secret|credential|api[_-]?key|access[_-]?key|"
     r"private[_-]?key|auth[_-]?token|(^|[_-])token$|^bearer$|session[_-]?key|cookie",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 _SAFE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
@@ -115,8 +123,10 @@ MAX_INT_DIGITS = 32
 
 def _parse_int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ItoError(ErrorCode.manifest_invalid,
-                       f"manifest has an integer of more than {MAX_INT_DIGITS} digits")
+        raise ItoError(
+            ErrorCode.manifest_invalid,
+            f"manifest has an integer of more than {MAX_INT_DIGITS} digits",
+        )
     return int(text)
 
 
@@ -137,8 +147,9 @@ def _check_shape(node: Any) -> None:
         if isinstance(item, dict | list):
             count += len(item)  # counted before they are pushed: a huge array costs nothing
             if count > MAX_VALUES:
-                raise ItoError(ErrorCode.manifest_invalid,
-                               f"manifest has more than {MAX_VALUES} values")
+                raise ItoError(
+                    ErrorCode.manifest_invalid, f"manifest has more than {MAX_VALUES} values"
+                )
             stack.extend((v, d + 1) for v in (item.values() if isinstance(item, dict) else item))
 
 
@@ -154,8 +165,9 @@ def _safe_errors(e: ValidationError) -> tuple[ErrorCode, str]:
     """Validation messages from location and message only: never the input value."""
     parts, code = [], ErrorCode.manifest_invalid
     for err in e.errors(include_input=False, include_url=False)[:5]:
-        loc = ".".join(str(x) if isinstance(x, int) or _SAFE_KEY.match(str(x)) else "?"
-                       for x in err["loc"])
+        loc = ".".join(
+            str(x) if isinstance(x, int) or _SAFE_KEY.match(str(x)) else "?" for x in err["loc"]
+        )
         if err["type"] == "missing" and err["loc"] and err["loc"][-1] == "provenance":
             code = ErrorCode.data_provenance_missing
         parts.append(f"{loc or '$'}: {err['msg']}")
@@ -186,8 +198,10 @@ def parse_manifest(raw: bytes, claimed_digest: str | None = None) -> ParsedManif
     """Digest check, secret scan, then the strict model. Each failure its own code."""
     actual = digest(raw)
     if claimed_digest is not None and claimed_digest.lower() != actual:
-        raise ItoError(ErrorCode.manifest_digest_mismatch,
-                       "manifest_digest does not match the sha256 of the manifest bytes")
+        raise ItoError(
+            ErrorCode.manifest_digest_mismatch,
+            "manifest_digest does not match the sha256 of the manifest bytes",
+        )
     try:
         text = raw.decode("utf-8")
         tree = json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_parse_int)
@@ -203,9 +217,11 @@ def parse_manifest(raw: bytes, claimed_digest: str | None = None) -> ParsedManif
         findings = [SecretFinding("$", _value_kind(text) or "secret")]
     if findings:
         where = ", ".join(f"{f.path} ({f.kind})" for f in findings[:5])
-        raise ItoError(ErrorCode.manifest_contains_secret,
-                       f"manifest refused: secret-like content at {where}; "
-                       "reference secrets through the platform, never inline")
+        raise ItoError(
+            ErrorCode.manifest_contains_secret,
+            f"manifest refused: secret-like content at {where}; "
+            "reference secrets through the platform, never inline",
+        )
     if not isinstance(tree, dict):
         raise ItoError(ErrorCode.manifest_invalid, "manifest must be a JSON object")
     try:

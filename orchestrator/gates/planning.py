@@ -33,8 +33,9 @@ class PlanResult:
             raise ItoError(ErrorCode(self.refusal["code"]), self.refusal["message"])
 
 
-def plan_manifest(m: Manifest, booking: dict[str, Any],
-                  time_budget_s: float | None = None) -> PlanResult:
+def plan_manifest(
+    m: Manifest, booking: dict[str, Any], time_budget_s: float | None = None
+) -> PlanResult:
     """Plan ``m`` on the booking's topology within ``time_budget_s``; a refusal is
     returned, not raised."""
     from orchestrator.runtime.pipeline import parallelism_config  # the run's stage asks the same
@@ -46,12 +47,21 @@ def plan_manifest(m: Manifest, booking: dict[str, Any],
         return PlanResult(None, {"code": str(e.code), "message": e.message}, None)
     except ValidationError as e:
         message = "; ".join(str(x["msg"]) for x in e.errors(include_input=False)[:3])
-        return PlanResult(None, {"code": str(ErrorCode.plan_no_feasible),
-                                 "message": f"cannot plan: {message}"}, None)
+        return PlanResult(
+            None,
+            {"code": str(ErrorCode.plan_no_feasible), "message": f"cannot plan: {message}"},
+            None,
+        )
     except Exception:  # a planner bug must not take the advisory plan call down
         log.exception("planner crashed")
-        return PlanResult(None, {"code": str(ErrorCode.internal_error),
-                                 "message": "the planner failed; see the server log"}, None)
+        return PlanResult(
+            None,
+            {
+                "code": str(ErrorCode.internal_error),
+                "message": "the planner failed; see the server log",
+            },
+            None,
+        )
     dumped = chosen.model_dump(mode="json")
     try:  # a plan the trainer could not apply on this device is refused here too
         from stages.trainer.layout import check_runnable_on_sku, layout_from_plan

@@ -55,10 +55,12 @@ def account_roots(settings: Settings, store: Store, account_id: str) -> Roots:
         db = _real(settings.db_path)
         forbidden |= {db, db + "-wal", db + "-shm", db + "-journal"}
     # Server-wide checkpoint roots (``serve --checkpoint-root``) add to the account's.
-    ckpt = (*store.roots(account_id, "checkpoint"),
-            *(_real(r) for r in settings.checkpoint_roots))
-    return Roots(data=store.roots(account_id, "data"), checkpoint=tuple(dict.fromkeys(ckpt)),
-                 forbidden=tuple(sorted(forbidden)))
+    ckpt = (*store.roots(account_id, "checkpoint"), *(_real(r) for r in settings.checkpoint_roots))
+    return Roots(
+        data=store.roots(account_id, "data"),
+        checkpoint=tuple(dict.fromkeys(ckpt)),
+        forbidden=tuple(sorted(forbidden)),
+    )
 
 
 def _forbidden(path: str, roots: Roots) -> bool:
@@ -83,14 +85,16 @@ def check_path(where: str, raw: str, spec: PathField, roots: Roots) -> str | Non
         safepath.path_parts(path)
     except safepath.WalkError:
         if spec.not_canonical != ErrorCode.path_outside_root:
-            raise ItoError(spec.not_canonical,
-                           f"{where} must be a normalised absolute path") from None
+            raise ItoError(
+                spec.not_canonical, f"{where} must be a normalised absolute path"
+            ) from None
         raise outside(where, spec.roots) from None
     if _forbidden(path, roots):
         raise outside(where, spec.roots)
     try:
-        fd, st = safepath.open_inside(path, allowed_roots(spec, roots), want=spec.want,
-                                      allow_missing=True)
+        fd, st = safepath.open_inside(
+            path, allowed_roots(spec, roots), want=spec.want, allow_missing=True
+        )
     except (safepath.WalkError, OSError):
         raise outside(where, spec.roots) from None
     if fd is None or st is None:  # inside the roots, not there (yet)
@@ -126,5 +130,7 @@ def check_post_training_digests(m: Manifest) -> None:
     repeated, e.g. all zeros) would pin nothing and is refused before anything reads."""
     for where, ref in m.data_refs():
         if where.startswith("post_training.") and len(set(ref.sha256)) == 1:
-            raise ItoError(ErrorCode.data_digest_placeholder,
-                           f"{where}.sha256 is a placeholder; give the sha256 of the data")
+            raise ItoError(
+                ErrorCode.data_digest_placeholder,
+                f"{where}.sha256 is a placeholder; give the sha256 of the data",
+            )

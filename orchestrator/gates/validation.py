@@ -68,38 +68,47 @@ def post_training_work(m: Manifest, active_params: int) -> PostTrainingWork:
         trained = r.steps * r.groups_per_step * r.group_size * r.max_completion_tokens
         # Dynamic sampling may drop (and so regenerate) up to this many groups a step.
         dropped = r.max_dropped_groups_per_step if r.dynamic_sampling else 0
-        generated = r.steps * (r.groups_per_step + dropped) * r.group_size \
-            * r.max_completion_tokens
+        generated = r.steps * (r.groups_per_step + dropped) * r.group_size * r.max_completion_tokens
         rollout += FORWARD * n * generated
         # The learner's update, the proximal policy's log-probs (decoupled correction)
         # and the reference's when a KL term is on.
-        per_token = TRAIN + (FORWARD if r.is_correction == "decoupled" else 0.0) \
+        per_token = (
+            TRAIN
+            + (FORWARD if r.is_correction == "decoupled" else 0.0)
             + (FORWARD if r.beta > 0 else 0.0)
+        )
         learner += per_token * n * trained
         workers = r.rollout_workers
-    return PostTrainingWork(learner_flops=learner, rollout_flops=rollout,
-                            rollout_gpus=workers)
+    return PostTrainingWork(learner_flops=learner, rollout_flops=rollout, rollout_gpus=workers)
 
 
 def check_capacity(m: Manifest, booking: dict[str, Any], profile: dict[str, Any]) -> dict:
     preset = load_model_preset(m.model.preset)
     if preset.architecture != m.model.architecture:
-        raise ItoError(ErrorCode.manifest_invalid,
-                       f"model.architecture {m.model.architecture} != preset's "
-                       f"{preset.architecture}")
+        raise ItoError(
+            ErrorCode.manifest_invalid,
+            f"model.architecture {m.model.architecture} != preset's {preset.architecture}",
+        )
     gpus = int(booking["gpus_per_node"]) * int(booking["node_count"])
     per_gpu = gpu_memory_bytes(profile)
     if per_gpu is None:
-        raise ItoError(ErrorCode.gpu_sku_unknown,
-                       f"GPU profile {booking['gpu_sku']} has no memory size")
+        raise ItoError(
+            ErrorCode.gpu_sku_unknown, f"GPU profile {booking['gpu_sku']} has no memory size"
+        )
     need, have = BYTES_PER_PARAM * preset.num_params, per_gpu * gpus
     if need > have:
-        raise ItoError(ErrorCode.capacity_insufficient,
-                       f"{preset.name} needs ~{need / 2**30:.1f} GiB for weights, grads and "
-                       f"optimizer state; the booking has {have / 2**30:.1f} GiB on {gpus} GPUs")
-    return {"params": preset.num_params, "active_params": preset.active_params,
-            "required_gib": round(need / 2**30, 3), "booked_gib": round(have / 2**30, 3),
-            "gpus": gpus}
+        raise ItoError(
+            ErrorCode.capacity_insufficient,
+            f"{preset.name} needs ~{need / 2**30:.1f} GiB for weights, grads and "
+            f"optimizer state; the booking has {have / 2**30:.1f} GiB on {gpus} GPUs",
+        )
+    return {
+        "params": preset.num_params,
+        "active_params": preset.active_params,
+        "required_gib": round(need / 2**30, 3),
+        "booked_gib": round(have / 2**30, 3),
+        "gpus": gpus,
+    }
 
 
 def check_fabric(settings: Settings, fabric: str) -> None:
@@ -120,15 +129,18 @@ def check_data_policy(settings: Settings, m: Manifest) -> int:
     for where, ref in refs:
         scheme = _scheme(ref.uri)
         if scheme not in settings.allowed_data_schemes:
-            raise ItoError(ErrorCode.data_scheme_not_allowed,
-                           f"{where}: scheme {scheme or '(none)'}:// is not allowed; allowed: "
-                           + ", ".join(f"{s}://" for s in settings.allowed_data_schemes))
+            raise ItoError(
+                ErrorCode.data_scheme_not_allowed,
+                f"{where}: scheme {scheme or '(none)'}:// is not allowed; allowed: "
+                + ", ".join(f"{s}://" for s in settings.allowed_data_schemes),
+            )
         if not (ref.provenance.source.strip() and ref.provenance.license.strip()):
             raise ItoError(ErrorCode.data_provenance_missing, f"{where}: provenance is empty")
     for i, uri in enumerate(m.data.eval_files):
         if _scheme(uri) not in settings.allowed_data_schemes:
-            raise ItoError(ErrorCode.data_scheme_not_allowed,
-                           f"data.eval_files[{i}]: scheme not allowed")
+            raise ItoError(
+                ErrorCode.data_scheme_not_allowed, f"data.eval_files[{i}]: scheme not allowed"
+            )
     return len(refs)
 
 
@@ -138,58 +150,83 @@ def check_names(m: Manifest) -> None:
     known = set(list_eval_suites())
     for i, name in enumerate(m.data.eval_suites):
         if name not in known:
-            raise ItoError(ErrorCode.eval_suite_unknown,
-                           f"data.eval_suites[{i}] is not a known suite; known: "
-                           + ", ".join(sorted(known)))
+            raise ItoError(
+                ErrorCode.eval_suite_unknown,
+                f"data.eval_suites[{i}] is not a known suite; known: " + ", ".join(sorted(known)),
+            )
     rung = m.data.ladder_probe.rung_preset
     if not PRESET_NAME.match(rung):
-        raise ItoError(ErrorCode.model_preset_unknown,
-                       "data.ladder_probe.rung_preset is not a preset name")
+        raise ItoError(
+            ErrorCode.model_preset_unknown, "data.ladder_probe.rung_preset is not a preset name"
+        )
     load_model_preset(rung)
 
 
-def estimate_run_cost(settings: Settings, m: Manifest, booking: dict[str, Any],
-                      profile: dict[str, Any], remaining_term_h: float,
-                      step_time_s: float | None = None) -> CostEstimate:
+def estimate_run_cost(
+    settings: Settings,
+    m: Manifest,
+    booking: dict[str, Any],
+    profile: dict[str, Any],
+    remaining_term_h: float,
+    step_time_s: float | None = None,
+) -> CostEstimate:
     preset = load_model_preset(m.model.preset)
     peak = gpu_bf16_flops(profile)
     if peak is None:
-        raise ItoError(ErrorCode.gpu_sku_unknown,
-                       f"GPU profile {booking['gpu_sku']} has no bf16 peak")
+        raise ItoError(
+            ErrorCode.gpu_sku_unknown, f"GPU profile {booking['gpu_sku']} has no bf16 peak"
+        )
     return estimate_cost(
         gpus=int(booking["gpus_per_node"]) * int(booking["node_count"]),
         usd_per_gpu_hour=price_per_gpu_hour(settings.configs_dir, booking["gpu_sku"]),
-        tokens=training_tokens(m), active_params=preset.active_params, peak_flops=peak,
-        mfu=settings.assumed_mfu, remaining_term_h=remaining_term_h, step_time_s=step_time_s,
+        tokens=training_tokens(m),
+        active_params=preset.active_params,
+        peak_flops=peak,
+        mfu=settings.assumed_mfu,
+        remaining_term_h=remaining_term_h,
+        step_time_s=step_time_s,
         steps=m.training.steps if step_time_s is not None else None,
         post_training=post_training_work(m, preset.active_params),
-        rollout_mfu=settings.assumed_rollout_mfu)
+        rollout_mfu=settings.assumed_rollout_mfu,
+    )
 
 
 def _check_budget(m: Manifest, cost: CostEstimate) -> None:
     if not math.isfinite(cost.total_usd):
         raise ItoError(ErrorCode.budget_exceeded, "the cost estimate is not finite")
     if cost.total_usd > m.budget.ceiling_usd:
-        raise ItoError(ErrorCode.budget_exceeded,
-                       f"estimated cost ${cost.total_usd:,.2f} exceeds the budget ceiling "
-                       f"${m.budget.ceiling_usd:,.2f}")
+        raise ItoError(
+            ErrorCode.budget_exceeded,
+            f"estimated cost ${cost.total_usd:,.2f} exceeds the budget ceiling "
+            f"${m.budget.ceiling_usd:,.2f}",
+        )
 
 
-def _cost(settings: Settings, m: Manifest, booking: dict[str, Any], profile: dict[str, Any],
-          remaining_term_h: float, step_time_s: float | None) -> CostEstimate:
+def _cost(
+    settings: Settings,
+    m: Manifest,
+    booking: dict[str, Any],
+    profile: dict[str, Any],
+    remaining_term_h: float,
+    step_time_s: float | None,
+) -> CostEstimate:
     try:
         return estimate_run_cost(settings, m, booking, profile, remaining_term_h, step_time_s)
     except OverflowError:
-        raise ItoError(ErrorCode.budget_exceeded,
-                       "the cost estimate overflows: the training target is absurdly large"
-                       ) from None
+        raise ItoError(
+            ErrorCode.budget_exceeded,
+            "the cost estimate overflows: the training target is absurdly large",
+        ) from None
 
 
-def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
-             remaining_term_h: float,
-             planner: Callable[[], float | None] | None = None,
-             roots: Roots | None = None,
-             ) -> tuple[dict[str, Any], CostEstimate]:
+def validate(
+    settings: Settings,
+    m: Manifest,
+    booking: dict[str, Any],
+    remaining_term_h: float,
+    planner: Callable[[], float | None] | None = None,
+    roots: Roots | None = None,
+) -> tuple[dict[str, Any], CostEstimate]:
     """All server-side checks; returns (report, cost) or raises the first failure.
 
     ``planner`` (run after the other checks, before cost) raises the planner's refusal
@@ -217,21 +254,27 @@ def validate(settings: Settings, m: Manifest, booking: dict[str, Any],
         # Formats, digests, reward name, base model: clear codes, read by the safe walk.
         spec = field_spec(PostTrainingConfig, "base_model")
         assert spec is not None
-        validate_recipe(m.post_training, data_roots=roots.data,
-                        model_roots=allowed_roots(spec, roots))
+        validate_recipe(
+            m.post_training, data_roots=roots.data, model_roots=allowed_roots(spec, roots)
+        )
     _check_budget(m, _cost(settings, m, booking, profile, remaining_term_h, None))
     step_time_s = planner() if planner is not None else None
     cost = _cost(settings, m, booking, profile, remaining_term_h, step_time_s)
     _check_budget(m, cost)
     if cost.incremental_usd > m.budget.max_incremental_cost_usd:
-        raise ItoError(ErrorCode.incremental_cost_exceeded,
-                       f"estimated ${cost.incremental_usd:,.2f} beyond the booking's remaining "
-                       f"term exceeds max_incremental_cost_usd "
-                       f"${m.budget.max_incremental_cost_usd:,.2f}")
+        raise ItoError(
+            ErrorCode.incremental_cost_exceeded,
+            f"estimated ${cost.incremental_usd:,.2f} beyond the booking's remaining "
+            f"term exceeds max_incremental_cost_usd "
+            f"${m.budget.max_incremental_cost_usd:,.2f}",
+        )
     # After the budget: an absurd training target is refused there first.
     curriculum = curriculum_report(curriculum_plan(m))
     report = {
-        "model_preset": "ok", "gpu_sku": "ok", "fabric": "ok", "capacity": capacity,
+        "model_preset": "ok",
+        "gpu_sku": "ok",
+        "fabric": "ok",
+        "capacity": capacity,
         "data_policy": {"refs": n_refs, "schemes": list(settings.allowed_data_schemes)},
         "checkpoint_storage": {"path": storage, "inside_roots": True},
         "cost": cost.as_dict(),

@@ -43,10 +43,12 @@ class _RayGauges:
         self._tags = {"run_id": run_id, "booking_id": booking_id}
         self.step = metrics.Gauge("ito_driver_step", "Last committed step", tag_keys=tags)
         self.loss = metrics.Gauge("ito_driver_loss", "Last committed loss", tag_keys=tags)
-        self.tokens_per_s = metrics.Gauge("ito_driver_tokens_per_second",
-                                          "Tokens/s of the last committed step", tag_keys=tags)
-        self.quorum = metrics.Gauge("ito_driver_quorum_size", "Replica groups in the quorum",
-                                    tag_keys=tags)
+        self.tokens_per_s = metrics.Gauge(
+            "ito_driver_tokens_per_second", "Tokens/s of the last committed step", tag_keys=tags
+        )
+        self.quorum = metrics.Gauge(
+            "ito_driver_quorum_size", "Replica groups in the quorum", tag_keys=tags
+        )
 
     def on_step(self, ev: StepEvent) -> None:
         self.step.set(ev.step, tags=self._tags)
@@ -59,8 +61,13 @@ class _RayGauges:
 class RunDriverImpl:
     """The actor's body; plain Python so it is testable without Ray."""
 
-    def __init__(self, spec: dict[str, Any], *, use_ray_metrics: bool = True,
-                 pipeline: Callable[[LaunchSpec], list[tuple[str, StageFactory]]] | None = None):
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        *,
+        use_ray_metrics: bool = True,
+        pipeline: Callable[[LaunchSpec], list[tuple[str, StageFactory]]] | None = None,
+    ):
         self.spec = LaunchSpec.model_validate(spec)
         self._pipeline = pipeline
         launch.verify(self.spec)  # a driver not launched by the API refuses to exist
@@ -74,10 +81,16 @@ class RunDriverImpl:
         # Run scratch holds cleaned tenant data: private to the backend's user.
         workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         workdir.chmod(0o700)
-        self.ctx = StageContext(run_id=self.spec.run_id, booking_id=self.spec.booking_id,
-                                workdir=workdir, emit=self._emit, facts=dict(self.spec.facts))
-        self._gauges = _RayGauges(self.spec.run_id, self.spec.booking_id) if use_ray_metrics \
-            else None
+        self.ctx = StageContext(
+            run_id=self.spec.run_id,
+            booking_id=self.spec.booking_id,
+            workdir=workdir,
+            emit=self._emit,
+            facts=dict(self.spec.facts),
+        )
+        self._gauges = (
+            _RayGauges(self.spec.run_id, self.spec.booking_id) if use_ray_metrics else None
+        )
         self._thread: threading.Thread | None = None
 
     # -- event buffer -------------------------------------------------------------------
@@ -97,9 +110,14 @@ class RunDriverImpl:
             while items and items[0]["seq"] <= after_seq:
                 items.popleft()
             batch = [e for _, e in zip(range(limit), items, strict=False)]
-            return {"events": batch, "state": self.state, "error_code": self.error_code,
-                    "reason": self.reason, "more": len(items) > len(batch),
-                    "pid": os.getpid()}
+            return {
+                "events": batch,
+                "state": self.state,
+                "error_code": self.error_code,
+                "reason": self.reason,
+                "more": len(items) > len(batch),
+                "pid": os.getpid(),
+            }
 
     # -- control ------------------------------------------------------------------------
     def start(self) -> str:
@@ -107,8 +125,9 @@ class RunDriverImpl:
             self.state = "running"
             if self.spec.attempt == 1:
                 # From acceptance to the driver running: queueing and Ray start-up.
-                self._emit(PhaseEvent(phase="startup", start=self.spec.accepted_at,
-                                      end=time.time()))
+                self._emit(
+                    PhaseEvent(phase="startup", start=self.spec.accepted_at, end=time.time())
+                )
             self._thread = threading.Thread(target=self._run, name="pipeline", daemon=True)
             self._thread.start()
         return self.state
@@ -122,8 +141,12 @@ class RunDriverImpl:
         self.ctx.decide(proposal_id, decision)
 
     def ping(self) -> dict[str, Any]:
-        return {"run_id": self.spec.run_id, "state": self.state, "attempt": self.spec.attempt,
-                "pid": os.getpid()}
+        return {
+            "run_id": self.spec.run_id,
+            "state": self.state,
+            "attempt": self.spec.attempt,
+            "pid": os.getpid(),
+        }
 
     # -- the pipeline -------------------------------------------------------------------
     def _run(self) -> None:
@@ -137,8 +160,9 @@ class RunDriverImpl:
                 done = self.spec.completed_stages.get(name)
                 if done is not None:
                     ctx.previous[name] = GateOutcome.model_validate(done)
-                    ctx.log(f"stage {name}: already {done['status']} in an earlier attempt",
-                            stage=name)
+                    ctx.log(
+                        f"stage {name}: already {done['status']} in an earlier attempt", stage=name
+                    )
                     continue
                 if ctx.cancelled:
                     break
@@ -161,8 +185,9 @@ class RunDriverImpl:
             self.reason = f"driver error: {type(e).__name__}"
             self._emit(LogEvent(level="error", message=traceback.format_exc(limit=8)))
             self.state = "failed"
-        self._emit(LogEvent(message=f"run {self.state}" + (f": {self.reason}" if self.reason
-                                                               else "")))
+        self._emit(
+            LogEvent(message=f"run {self.state}" + (f": {self.reason}" if self.reason else ""))
+        )
 
     def _run_stage(self, name: str, make_stage: StageFactory) -> GateOutcome:
         ctx = self.ctx
@@ -172,17 +197,23 @@ class RunDriverImpl:
             stage = make_stage(ctx)
             outcome: GateOutcome = stage.run(ctx)
         except ItoError as e:
-            outcome = GateOutcome(stage=name, status="failed", reason=e.message,
-                                  error_code=str(e.code))
+            outcome = GateOutcome(
+                stage=name, status="failed", reason=e.message, error_code=str(e.code)
+            )
         except Exception as e:
             ctx.emit(LogEvent(level="error", stage=name, message=traceback.format_exc(limit=8)))
-            outcome = GateOutcome(stage=name, status="failed", error_code=ErrorCode.stage_failed,
-                                  reason=f"{type(e).__name__}: {str(e)[:300]}")
+            outcome = GateOutcome(
+                stage=name,
+                status="failed",
+                error_code=ErrorCode.stage_failed,
+                reason=f"{type(e).__name__}: {str(e)[:300]}",
+            )
         if name != "train":
             # Everything before the first productive step is start-up badput.
             ctx.emit(PhaseEvent(stage=name, phase="startup", start=t0, end=time.time()))
-        ctx.log(f"stage {name}: {outcome.status} ({time.time() - t0:.1f}s) {outcome.reason}",
-                stage=name)
+        ctx.log(
+            f"stage {name}: {outcome.status} ({time.time() - t0:.1f}s) {outcome.reason}", stage=name
+        )
         return outcome
 
 

@@ -69,9 +69,16 @@ class LaunchSpec(BaseModel):
     ticket: str = ""
 
     def _message(self) -> bytes:
-        parts = [self.run_id, self.booking_id, self.account, self.manifest_digest,
-                 hashlib.sha256(self.manifest_json.encode()).hexdigest(),
-                 self.checkpoint_dir, str(self.attempt), f"{self.expires_at:.3f}"]
+        parts = [
+            self.run_id,
+            self.booking_id,
+            self.account,
+            self.manifest_digest,
+            hashlib.sha256(self.manifest_json.encode()).hexdigest(),
+            self.checkpoint_dir,
+            str(self.attempt),
+            f"{self.expires_at:.3f}",
+        ]
         return "\x1f".join(parts).encode()
 
 
@@ -85,8 +92,10 @@ def sign(spec: LaunchSpec, *, key_path: Path | None = None) -> LaunchSpec:
 def verify(spec: LaunchSpec, *, key_path: Path | None = None) -> None:
     """Raise ``driver_not_authorized`` unless the ticket is valid and fresh."""
     if not spec.ticket:
-        raise ItoError(ErrorCode.driver_not_authorized, "no launch ticket: runs start only "
-                       "through the canonical API")
+        raise ItoError(
+            ErrorCode.driver_not_authorized,
+            "no launch ticket: runs start only through the canonical API",
+        )
     expected = hmac.new(_read_key(key_path), spec._message(), hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected, spec.ticket):
         raise ItoError(ErrorCode.driver_not_authorized, "launch ticket does not verify")

@@ -38,10 +38,12 @@ def parallelism_config(manifest: Manifest, booking: dict[str, Any]) -> Paralleli
     Live recovery needs a peer to heal from, so a booking of two or more GPUs is
     planned with at least two torchft replica groups."""
     gpus = int(booking.get("gpus_per_node") or 1) * int(booking.get("node_count") or 1)
-    return ParallelismConfig(model=manifest.model.preset,
-                             global_batch_tokens=manifest.training.global_batch_tokens,
-                             seq_len=manifest.training.seq_len,
-                             min_replica_groups=2 if gpus >= 2 else 1)
+    return ParallelismConfig(
+        model=manifest.model.preset,
+        global_batch_tokens=manifest.training.global_batch_tokens,
+        seq_len=manifest.training.seq_len,
+        min_replica_groups=2 if gpus >= 2 else 1,
+    )
 
 
 def _parallelism(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
@@ -67,21 +69,25 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
             "target": manifest.training.model_dump(mode="json"),
             "checkpoint": manifest.checkpoint.model_dump(mode="json"),
             "loss_spike": manifest.loss_spike.model_dump(mode="json"),
-            "replica_groups": int(plan["dp_replicate"]), "ranks_per_group": ranks,
+            "replica_groups": int(plan["dp_replicate"]),
+            "ranks_per_group": ranks,
             # The plan's layout inside each group: the trainer builds exactly this.
             "parallel": layout_from_plan(plan).model_dump(mode="json"),
             "device": spec.facts.get("device", "cpu"),
             # Warm standbys and FT timeouts: the configuration the benchmark measures.
-            **production_recovery(spec.facts.get("booking") or {},
-                                  ranks_per_group=ranks).train_fields(),
+            **production_recovery(
+                spec.facts.get("booking") or {}, ranks_per_group=ranks
+            ).train_fields(),
         }
         from orchestrator.gates.curriculum import curriculum_plan
 
         config["curriculum"] = curriculum_plan(manifest).model_dump(mode="json")
         # Operator-level knobs (never from the tenant's manifest): test pacing, FT timeouts.
         config.update(spec.facts.get("train_overrides") or {})
-        return TrainingStage(TrainStageConfig.model_validate_json(json.dumps(config)),
-                             model_roots=spec.facts.get("model_roots") or ())
+        return TrainingStage(
+            TrainStageConfig.model_validate_json(json.dumps(config)),
+            model_roots=spec.facts.get("model_roots") or (),
+        )
 
     return make
 
@@ -91,11 +97,16 @@ def _post_training(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
         from stages.post_training import PostTrainingStage, PostTrainingStageConfig
 
         out = f"{manifest.checkpoint.storage_path.rstrip('/')}/{ctx.run_id}/post_training"
-        return PostTrainingStage(PostTrainingStageConfig(
-            recipe=manifest.post_training, output_dir=out,
-            device=spec.facts.get("device", "cpu"), fleet="ray",
-            data_roots=tuple(spec.facts.get("data_roots") or ()),
-            model_roots=tuple(spec.facts.get("model_roots") or ())))
+        return PostTrainingStage(
+            PostTrainingStageConfig(
+                recipe=manifest.post_training,
+                output_dir=out,
+                device=spec.facts.get("device", "cpu"),
+                fleet="ray",
+                data_roots=tuple(spec.facts.get("data_roots") or ()),
+                model_roots=tuple(spec.facts.get("model_roots") or ()),
+            )
+        )
 
     return make
 

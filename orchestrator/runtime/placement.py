@@ -42,8 +42,9 @@ class PlacementSettings(BaseModel):
     # relaunch) for its booking's nodes to be live and free, then fails.
     wait_timeout_s: float = Field(default=600.0, gt=0)
     # One bundle per booked node, each on a different node.
-    strategy: str = Field(default="STRICT_SPREAD",
-                          pattern="^(STRICT_SPREAD|SPREAD|PACK|STRICT_PACK)$")
+    strategy: str = Field(
+        default="STRICT_SPREAD", pattern="^(STRICT_SPREAD|SPREAD|PACK|STRICT_PACK)$"
+    )
     # CPUs reserved per bundle; None: the smallest CPU count among the booking's live
     # nodes (the booking paid for whole nodes).
     cpus_per_bundle: float | None = Field(default=None, gt=0)
@@ -55,8 +56,9 @@ def pg_name(run_id: str) -> str:
 
 def embedded_marks(bookings: list[dict[str, Any]]) -> dict[str, float]:
     """Custom resources of the embedded head: every given booking, plus the catch-all."""
-    marks = {booking_resource(b["booking_id"]): float(b.get("gpus_per_node") or 1)
-             for b in bookings}
+    marks = {
+        booking_resource(b["booking_id"]): float(b.get("gpus_per_node") or 1) for b in bookings
+    }
     marks[EMBEDDED_RESOURCE] = EMBEDDED_RESOURCE_AMOUNT
     return marks
 
@@ -87,18 +89,26 @@ def diagnose(booking: dict[str, Any], resource: str, bundles: int) -> Waiting:
     live = _live_nodes(resource)
     bid = booking["booking_id"]
     if not live:
-        return Waiting(f"waiting for booking {bid}'s nodes: no live node is marked "
-                       f"{resource} (0 of {bundles} joined)", ErrorCode.booking_nodes_unavailable)
+        return Waiting(
+            f"waiting for booking {bid}'s nodes: no live node is marked "
+            f"{resource} (0 of {bundles} joined)",
+            ErrorCode.booking_nodes_unavailable,
+        )
     if len(live) < bundles:
-        return Waiting(f"waiting for booking {bid}'s nodes: {len(live)} of {bundles} joined",
-                       ErrorCode.booking_nodes_unavailable)
-    return Waiting(f"waiting for booking {bid}'s nodes: {len(live)} live but busy (another "
-                   "run of the booking holds them) or smaller than booked",
-                   ErrorCode.placement_timeout)
+        return Waiting(
+            f"waiting for booking {bid}'s nodes: {len(live)} of {bundles} joined",
+            ErrorCode.booking_nodes_unavailable,
+        )
+    return Waiting(
+        f"waiting for booking {bid}'s nodes: {len(live)} live but busy (another "
+        "run of the booking holds them) or smaller than booked",
+        ErrorCode.placement_timeout,
+    )
 
 
-def unplaceable(booking: dict[str, Any], settings: PlacementSettings, *,
-                embedded: bool) -> Waiting | None:
+def unplaceable(
+    booking: dict[str, Any], settings: PlacementSettings, *, embedded: bool
+) -> Waiting | None:
     """Why the run's group cannot even be requested yet (too few marked nodes live),
     or None. The group is created only once every booked node has joined, so its
     bundles are sized from the nodes themselves."""
@@ -109,13 +119,15 @@ def unplaceable(booking: dict[str, Any], settings: PlacementSettings, *,
     return diagnose(booking, resource, nodes)
 
 
-def _bundle(booking: dict[str, Any], resource: str, settings: PlacementSettings,
-            embedded: bool) -> dict[str, float]:
+def _bundle(
+    booking: dict[str, Any], resource: str, settings: PlacementSettings, embedded: bool
+) -> dict[str, float]:
     gpus = float(booking.get("gpus_per_node") or 1)
     live = _live_nodes(resource)
     bundle = {resource: gpus}
     cpus = settings.cpus_per_bundle or min(
-        (float(n["Resources"].get("CPU", 0)) for n in live), default=0.0)
+        (float(n["Resources"].get("CPU", 0)) for n in live), default=0.0
+    )
     if cpus > 0:
         bundle["CPU"] = cpus
     if live and min(float(n["Resources"].get("GPU", 0)) for n in live) >= gpus and not embedded:
@@ -132,8 +144,9 @@ def lookup(run_id: str) -> Any | None:
         return None
 
 
-def reserve(run_id: str, booking: dict[str, Any], settings: PlacementSettings, *,
-            embedded: bool) -> Any:
+def reserve(
+    run_id: str, booking: dict[str, Any], settings: PlacementSettings, *, embedded: bool
+) -> Any:
     """Create the run's group (idempotent by name); it may stay pending."""
     from ray.util.placement_group import placement_group
 
@@ -144,9 +157,12 @@ def reserve(run_id: str, booking: dict[str, Any], settings: PlacementSettings, *
     on_embedded = resource == EMBEDDED_RESOURCE
     nodes = 1 if on_embedded else int(booking.get("node_count") or 1)
     bundle = _bundle(booking, resource, settings, on_embedded)
-    return placement_group([dict(bundle) for _ in range(nodes)],
-                           strategy="PACK" if on_embedded else settings.strategy,
-                           name=pg_name(run_id), lifetime="detached")
+    return placement_group(
+        [dict(bundle) for _ in range(nodes)],
+        strategy="PACK" if on_embedded else settings.strategy,
+        name=pg_name(run_id),
+        lifetime="detached",
+    )
 
 
 def state(pg: Any) -> str:
@@ -161,11 +177,15 @@ def fact(run_id: str, booking: dict[str, Any], pg: Any) -> PlacementFact:
 
     table = placement_group_table(pg)
     bundles = [dict(b) for b in table["bundles"].values()]
-    resource = next(k for k in bundles[0]
-                    if k.startswith("booking:") or k == EMBEDDED_RESOURCE)
-    return PlacementFact(booking_id=booking["booking_id"], resource=resource,
-                         placement_group=pg_name(run_id), placement_group_id=pg.id.hex(),
-                         bundles=len(bundles), bundle=bundles[0])
+    resource = next(k for k in bundles[0] if k.startswith("booking:") or k == EMBEDDED_RESOURCE)
+    return PlacementFact(
+        booking_id=booking["booking_id"],
+        resource=resource,
+        placement_group=pg_name(run_id),
+        placement_group_id=pg.id.hex(),
+        bundles=len(bundles),
+        bundle=bundles[0],
+    )
 
 
 def release(run_id: str) -> bool:

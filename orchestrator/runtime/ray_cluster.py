@@ -79,9 +79,15 @@ def ensure_auth_token() -> Path:
     and whoever reads it may run code on every node of the cluster."""
     path = auth_token_path()
     _private_dir(path.parent, parents=True)
-    subprocess.run([_ray_bin(), "get-auth-token", "--generate"], env=_env(), check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
-                   umask=PRIVATE_UMASK)
+    subprocess.run(
+        [_ray_bin(), "get-auth-token", "--generate"],
+        env=_env(),
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=60,
+        umask=PRIVATE_UMASK,
+    )
     st = path.lstat()
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
         raise ItoError(ErrorCode.ray_unavailable, "the Ray token file is not ours")
@@ -114,8 +120,10 @@ def _private_dir(path: Path, *, parents: bool = False) -> Path:
     path.mkdir(mode=0o700, exist_ok=True)
     st = path.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise ItoError(ErrorCode.ray_unavailable, f"{path.name}: a private folder of the "
-                       "backend is not a folder it owns")
+        raise ItoError(
+            ErrorCode.ray_unavailable,
+            f"{path.name}: a private folder of the backend is not a folder it owns",
+        )
     os.chmod(path, 0o700)
     return path
 
@@ -140,25 +148,42 @@ def start_local_head(var_dir: Path, settings: RaySettings) -> str:
     temp = _private_dir(ray_temp_dir(var_dir))
     # Loopback only: the node's address, the dashboard and Ray Client (which would
     # otherwise listen on all interfaces) are bound to 127.0.0.1.
-    cmd = [_ray_bin(), "start", "--head", "--block", f"--port={settings.head_port}",
-           "--node-ip-address=127.0.0.1", "--disable-usage-stats",
-           f"--temp-dir={temp}", f"--ray-client-server-port={settings.client_server_port}",
-           f"--include-dashboard={str(settings.include_dashboard).lower()}",
-           "--dashboard-host=127.0.0.1", f"--dashboard-port={settings.dashboard_port}"]
+    cmd = [
+        _ray_bin(),
+        "start",
+        "--head",
+        "--block",
+        f"--port={settings.head_port}",
+        "--node-ip-address=127.0.0.1",
+        "--disable-usage-stats",
+        f"--temp-dir={temp}",
+        f"--ray-client-server-port={settings.client_server_port}",
+        f"--include-dashboard={str(settings.include_dashboard).lower()}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={settings.dashboard_port}",
+    ]
     if settings.num_cpus:
         cmd.append(f"--num-cpus={settings.num_cpus}")
     if settings.node_resources:
         cmd.append(f"--resources={json.dumps(settings.node_resources, sort_keys=True)}")
     log = open(var_dir / "ray-head.log", "ab")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True,
-                            umask=PRIVATE_UMASK)
+    proc = subprocess.Popen(
+        cmd,
+        env=_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        umask=PRIVATE_UMASK,
+    )
     pid_file.write_text(str(proc.pid))
     deadline = time.monotonic() + settings.head_start_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise ItoError(ErrorCode.ray_unavailable,
-                           f"ray head exited with {proc.returncode}; see {var_dir}/ray-head.log")
+            raise ItoError(
+                ErrorCode.ray_unavailable,
+                f"ray head exited with {proc.returncode}; see {var_dir}/ray-head.log",
+            )
         if b"Ray runtime started" in (var_dir / "ray-head.log").read_bytes()[-20000:]:
             os.chmod(temp, 0o700)  # Ray opens its temp root to 0777; nobody else needs it
             return address
@@ -196,13 +221,20 @@ def connect(var_dir: Path, settings: RaySettings) -> str:
     import ray
 
     if _RAY_IMPORTED_EARLY:
-        raise ItoError(ErrorCode.ray_unavailable, "ray was imported before token auth was "
-                       "configured; import orchestrator.runtime.ray_cluster first")
+        raise ItoError(
+            ErrorCode.ray_unavailable,
+            "ray was imported before token auth was "
+            "configured; import orchestrator.runtime.ray_cluster first",
+        )
     address = settings.address or start_local_head(var_dir, settings)
     if not ray.is_initialized():
         try:
-            ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False,
-                     logging_level=logging.WARNING)
+            ray.init(
+                address=address,
+                namespace=RAY_NAMESPACE,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
         except ConnectionError as e:
             raise ItoError(ErrorCode.ray_unavailable, f"cannot reach Ray at {address}") from e
     return address

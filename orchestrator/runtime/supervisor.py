@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 # TrainStageConfig fields an operator may set for every run; a tenant's manifest
 # never reaches them (it has no such section).
 OPERATOR_TRAIN_OVERRIDES = frozenset(
-    {"pace_step_s", "fault_tolerance", "worker_num_cpus", "inject_loss_spike"})
+    {"pace_step_s", "fault_tolerance", "worker_num_cpus", "inject_loss_spike"}
+)
 
 
 class SupervisorSettings(BaseModel):
@@ -85,8 +86,10 @@ class SupervisorSettings(BaseModel):
     @model_validator(mode="after")
     def _lease_outlasts_polls(self) -> SupervisorSettings:
         if self.supervisor_lease_s < 3 * self.poll_interval_s:
-            raise ValueError("supervisor_lease_s must be at least 3 poll intervals: the "
-                             "leader renews once a poll")
+            raise ValueError(
+                "supervisor_lease_s must be at least 3 poll intervals: the "
+                "leader renews once a poll"
+            )
         return self
 
     @field_validator("train_overrides")
@@ -94,8 +97,10 @@ class SupervisorSettings(BaseModel):
     def _known_overrides(cls, v: dict[str, Any]) -> dict[str, Any]:
         unknown = set(v) - OPERATOR_TRAIN_OVERRIDES
         if unknown:
-            raise ValueError(f"not operator train overrides: {sorted(unknown)}; allowed: "
-                             f"{sorted(OPERATOR_TRAIN_OVERRIDES)}")
+            raise ValueError(
+                f"not operator train overrides: {sorted(unknown)}; allowed: "
+                f"{sorted(OPERATOR_TRAIN_OVERRIDES)}"
+            )
         return v
 
     @classmethod
@@ -119,11 +124,17 @@ LEASE_NAME = "supervisor"
 
 
 class RayRuntime:
-    def __init__(self, store: Store, var_dir: Path, ray: RaySettings,
-                 settings: SupervisorSettings | None = None):
+    def __init__(
+        self,
+        store: Store,
+        var_dir: Path,
+        ray: RaySettings,
+        settings: SupervisorSettings | None = None,
+    ):
         # This replica's claim on the lease; every supervisor write carries its token.
-        self.fence = Fence(LEASE_NAME, f"{socket.gethostname()}:{os.getpid()}:"
-                                       f"{secrets.token_hex(4)}")
+        self.fence = Fence(
+            LEASE_NAME, f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        )
         self.store = store.fenced(self.fence)
         self.var_dir = var_dir
         self.ray_settings = ray
@@ -155,10 +166,12 @@ class RayRuntime:
         if self.embedded and not settings.node_resources:
             # The embedded head is the one node of every booking registered now, plus
             # the catch-all mark for bookings added later (docs/placement.md).
-            live = self.store.read("SELECT booking_id, gpus_per_node FROM bookings "
-                                   "WHERE state = 'active'", ())
+            live = self.store.read(
+                "SELECT booking_id, gpus_per_node FROM bookings WHERE state = 'active'", ()
+            )
             settings = settings.model_copy(
-                update={"node_resources": placement.embedded_marks(live)})
+                update={"node_resources": placement.embedded_marks(live)}
+            )
         ray_cluster.connect(self.var_dir, settings)
 
     def stop(self) -> None:
@@ -251,8 +264,7 @@ class RayRuntime:
         """Take or renew the lease (at most once a poll); on any change of leadership
         forget what this process knew, and start from the store as a restart does."""
         now = time.monotonic()
-        if self.fence.token is not None and now - self._renewed_at < \
-                self.settings.poll_interval_s:
+        if self.fence.token is not None and now - self._renewed_at < self.settings.poll_interval_s:
             return True
         before = self.fence.token
         token = self.store.acquire_lease(self.fence, self.settings.supervisor_lease_s)
@@ -281,8 +293,7 @@ class RayRuntime:
         handle = self._driver(run_id)
         if handle is None:
             attempt = self._relaunch.get(run_id)
-            if attempt is None and state == RunState.starting and \
-                    run_id not in self._launched_at:
+            if attempt is None and state == RunState.starting and run_id not in self._launched_at:
                 attempt = self._driver_attempts(run_id)  # e.g. after an API restart
             if attempt is not None and state != RunState.cancelling:
                 self._place_and_launch(self.store.get_run(run_id), attempt=attempt)
@@ -315,8 +326,9 @@ class RayRuntime:
 
         while True:
             after = self.store.max_seq(run_id)
-            reply: dict[str, Any] = ray.get(handle.poll.remote(after),
-                                            timeout=self.settings.rpc_timeout_s)
+            reply: dict[str, Any] = ray.get(
+                handle.poll.remote(after), timeout=self.settings.rpc_timeout_s
+            )
             if reply["events"]:
                 self.store.ingest_events(run_id, reply["events"])
             if not reply.get("more"):
@@ -326,8 +338,11 @@ class RayRuntime:
         run_id, state = run["run_id"], RunState(run["state"])
         driver_state = reply["state"]
         if driver_state in ("succeeded", "failed", "cancelled"):
-            target = {"succeeded": RunState.succeeded, "failed": RunState.failed,
-                      "cancelled": RunState.cancelled}[driver_state]
+            target = {
+                "succeeded": RunState.succeeded,
+                "failed": RunState.failed,
+                "cancelled": RunState.cancelled,
+            }[driver_state]
             if state == RunState.cancelling and target != RunState.cancelled:
                 target = RunState.cancelled
             reason = reply.get("reason") or driver_state
@@ -341,8 +356,9 @@ class RayRuntime:
             state = RunState.running
         pending = any(p["status"] == "pending" for p in self.store.list_proposals(run_id))
         if state == RunState.running and pending:
-            self.store.transition(run_id, RunState.awaiting_approval,
-                                  "a proposal awaits a human decision")
+            self.store.transition(
+                run_id, RunState.awaiting_approval, "a proposal awaits a human decision"
+            )
         elif state == RunState.awaiting_approval and not pending:
             self.store.transition(run_id, RunState.running, "proposal decided")
 
@@ -390,19 +406,24 @@ class RayRuntime:
         """Launch the driver once the run's placement group holds the booking's nodes;
         until then say why the run waits, and fail it with a code after the wait."""
         run_id = run["run_id"]
-        booking = self.store.booking(run["booking_id"]) or {"booking_id": run["booking_id"],
-                                                            "node_count": 1}
+        booking = self.store.booking(run["booking_id"]) or {
+            "booking_id": run["booking_id"],
+            "node_count": 1,
+        }
         self._relaunch[run_id] = attempt
         pg = placement.lookup(run_id)
         if pg is None:
-            waiting = placement.unplaceable(booking, self.settings.placement,
-                                            embedded=self.embedded)
+            waiting = placement.unplaceable(
+                booking, self.settings.placement, embedded=self.embedded
+            )
             if waiting is None:
-                pg = placement.reserve(run_id, booking, self.settings.placement,
-                                       embedded=self.embedded)
+                pg = placement.reserve(
+                    run_id, booking, self.settings.placement, embedded=self.embedded
+                )
                 if placement.state(pg) != "CREATED":  # Ray places it within a tick or two
                     self.store.set_state_reason(
-                        run_id, f"reserving booking {booking['booking_id']}'s nodes")
+                        run_id, f"reserving booking {booking['booking_id']}'s nodes"
+                    )
                     return
         if pg is not None:
             if placement.state(pg) == "CREATED":
@@ -411,16 +432,21 @@ class RayRuntime:
                 self._waiter.done(run_id)
                 self._launch(run, attempt=attempt, placed=fact)
                 self.store.set_state_reason(
-                    run_id, f"driver launched on booking {booking['booking_id']}'s nodes "
-                    f"({fact.bundles} x {fact.bundle})")
+                    run_id,
+                    f"driver launched on booking {booking['booking_id']}'s nodes "
+                    f"({fact.bundles} x {fact.bundle})",
+                )
                 return
             f = placement.fact(run_id, booking, pg)
             waiting = placement.diagnose(booking, f.resource, f.bundles)
         assert waiting is not None
         if self._waiter.expired(run_id):
             seconds = self.settings.placement.wait_timeout_s
-            self._finish(run_id, RunState.failed, f"{waiting.code}: {waiting.reason}; "
-                         f"gave up after {seconds:g}s")
+            self._finish(
+                run_id,
+                RunState.failed,
+                f"{waiting.code}: {waiting.reason}; gave up after {seconds:g}s",
+            )
             return
         self.store.set_state_reason(run_id, waiting.reason)
 
@@ -429,27 +455,51 @@ class RayRuntime:
 
         run_id = run["run_id"]
         booking = self.store.booking(run["booking_id"]) or {}
-        completed = {g["stage"]: {"stage": g["stage"], "status": g["status"],
-                                  "reason": g["reason"], "metrics": json.loads(g["metrics"]),
-                                  "artifacts": json.loads(g["artifacts"]),
-                                  "error_code": g["error_code"]}
-                     for g in self.store.list_stage_gates(run_id) if g["status"] == "passed"}
-        spec = launch.sign(LaunchSpec(
-            run_id=run_id, booking_id=run["booking_id"], account=run["account_id"],
-            manifest_digest=run["manifest_digest"], manifest_json=run["manifest_json"],
-            accepted_at=run["created_at"], workdir=str(run_dir(self.var_dir, run_id)),
-            checkpoint_dir=str(self._checkpoint_dir(run)),
-            facts={"booking": {k: booking.get(k) for k in
-                               ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")},
-                   "train_overrides": self.settings.train_overrides,
-                   **self._input_roots(run["account_id"]),
-                   **({PLACEMENT_FACT: placed.model_dump()} if placed else {})},
-            completed_stages=completed, seq_start=self.store.max_seq(run_id) + 1,
-            attempt=attempt))
+        completed = {
+            g["stage"]: {
+                "stage": g["stage"],
+                "status": g["status"],
+                "reason": g["reason"],
+                "metrics": json.loads(g["metrics"]),
+                "artifacts": json.loads(g["artifacts"]),
+                "error_code": g["error_code"],
+            }
+            for g in self.store.list_stage_gates(run_id)
+            if g["status"] == "passed"
+        }
+        spec = launch.sign(
+            LaunchSpec(
+                run_id=run_id,
+                booking_id=run["booking_id"],
+                account=run["account_id"],
+                manifest_digest=run["manifest_digest"],
+                manifest_json=run["manifest_json"],
+                accepted_at=run["created_at"],
+                workdir=str(run_dir(self.var_dir, run_id)),
+                checkpoint_dir=str(self._checkpoint_dir(run)),
+                facts={
+                    "booking": {
+                        k: booking.get(k)
+                        for k in ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")
+                    },
+                    "train_overrides": self.settings.train_overrides,
+                    **self._input_roots(run["account_id"]),
+                    **({PLACEMENT_FACT: placed.model_dump()} if placed else {}),
+                },
+                completed_stages=completed,
+                seq_start=self.store.max_seq(run_id) + 1,
+                attempt=attempt,
+            )
+        )
         actor = driver_actor_class().options(
-            name=driver_name(run_id), namespace=RAY_NAMESPACE, lifetime="detached",
-            num_cpus=0, max_concurrency=16, max_restarts=0,
-            **actor_options(spec.facts, bundle_index=0))
+            name=driver_name(run_id),
+            namespace=RAY_NAMESPACE,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=16,
+            max_restarts=0,
+            **actor_options(spec.facts, bundle_index=0),
+        )
         try:
             handle = actor.remote(spec.model_dump())
         except ValueError:  # a driver of this name exists already: reattach to it
@@ -467,8 +517,9 @@ class RayRuntime:
 
     def _driver_attempts(self, run_id: str) -> int:
         lost = self.store.list_events(run_id, kinds=["interruption"])
-        return 1 + sum(1 for e in lost
-                       if e["payload"].get("interruption_kind") in ("driver_lost", "node_lost"))
+        return 1 + sum(
+            1 for e in lost if e["payload"].get("interruption_kind") in ("driver_lost", "node_lost")
+        )
 
     def _on_driver_gone(self, run: Row, state: RunState) -> None:
         run_id = run["run_id"]
@@ -484,21 +535,34 @@ class RayRuntime:
         seq = self.store.max_seq(run_id) + 1
         node_gone = self._node_lost(run_id)
         lost = InterruptionEvent(
-            interruption_kind="node_lost" if node_gone else "driver_lost", detected_at=now,
+            interruption_kind="node_lost" if node_gone else "driver_lost",
+            detected_at=now,
             recovered_at=None if node_gone else now,
-            detail=f"driver of attempt {attempts} gone" + (f"; {node_gone}" if node_gone else ""))
+            detail=f"driver of attempt {attempts} gone" + (f"; {node_gone}" if node_gone else ""),
+        )
         if attempts >= self.settings.max_driver_attempts:
             self.store.ingest_events(run_id, [{**lost.model_dump(mode="json"), "seq": seq}])
-            self._finish(run_id, RunState.failed,
-                         f"{ErrorCode.driver_lost}: the run's driver is gone and "
-                         f"{attempts} launches were used")
+            self._finish(
+                run_id,
+                RunState.failed,
+                f"{ErrorCode.driver_lost}: the run's driver is gone and "
+                f"{attempts} launches were used",
+            )
             return
         self.kill_run_actors(run_id)
-        note = LogEvent(level="warning", stage="orchestrator",
-                        message=f"driver lost; relaunching (attempt {attempts + 1}), resuming "
-                                "from the newest complete checkpoint")
-        self.store.ingest_events(run_id, [{**lost.model_dump(mode="json"), "seq": seq},
-                                          {**note.model_dump(mode="json"), "seq": seq + 1}])
+        note = LogEvent(
+            level="warning",
+            stage="orchestrator",
+            message=f"driver lost; relaunching (attempt {attempts + 1}), resuming "
+            "from the newest complete checkpoint",
+        )
+        self.store.ingest_events(
+            run_id,
+            [
+                {**lost.model_dump(mode="json"), "seq": seq},
+                {**note.model_dump(mode="json"), "seq": seq + 1},
+            ],
+        )
         self._place_and_launch(self.store.get_run(run_id), attempt=attempts + 1)
 
     def _node_lost(self, run_id: str) -> str:
@@ -518,7 +582,8 @@ class RayRuntime:
         gone = [n for n in (table.get("bundles_to_node_id") or {}).values() if n not in alive]
         if table.get("state") in ("RESCHEDULING", "PENDING") or gone:
             return "a node of the booking left the cluster" + (
-                f" ({', '.join(n[:12] for n in gone)})" if gone else "")
+                f" ({', '.join(n[:12] for n in gone)})" if gone else ""
+            )
         return ""
 
     def kill_run_actors(self, run_id: str) -> list[str]:
@@ -531,14 +596,20 @@ class RayRuntime:
         try:
             # This cluster's address, explicitly: without it the state API looks for
             # "a" Ray on the machine (/tmp/ray/ray_current_cluster), maybe another one.
-            actors = list_actors(address=ray.get_runtime_context().gcs_address,
-                                 filters=[("state", "!=", "DEAD")], limit=10_000,
-                                 timeout=int(self.settings.rpc_timeout_s),
-                                 raise_on_missing_output=False)
+            actors = list_actors(
+                address=ray.get_runtime_context().gcs_address,
+                filters=[("state", "!=", "DEAD")],
+                limit=10_000,
+                timeout=int(self.settings.rpc_timeout_s),
+                raise_on_missing_output=False,
+            )
         except Exception:
             actors = []
-        names = {a.name for a in actors if a.name and (a.name == prefix or
-                                                       a.name.startswith(prefix + "-"))}
+        names = {
+            a.name
+            for a in actors
+            if a.name and (a.name == prefix or a.name.startswith(prefix + "-"))
+        }
         names.add(prefix)
         for name in sorted(names):
             try:

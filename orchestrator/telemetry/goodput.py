@@ -29,9 +29,21 @@ from stages.event_buffer import expand_steps
 
 BADPUT_KINDS = ("startup", "checkpoint_blocking", "recovery", "evaluation", "idle")
 # What a stage's latest ``ProgressEvent`` contributes (e.g. data prep over a corpus).
-PROGRESS_FIELDS = ("stage", "step", "step_index", "steps", "tasks_done", "tasks_total",
-                   "docs_done", "docs_total", "bytes_done", "bytes_total", "elapsed_s",
-                   "eta_s", "ts")
+PROGRESS_FIELDS = (
+    "stage",
+    "step",
+    "step_index",
+    "steps",
+    "tasks_done",
+    "tasks_total",
+    "docs_done",
+    "docs_total",
+    "bytes_done",
+    "bytes_total",
+    "elapsed_s",
+    "eta_s",
+    "ts",
+)
 
 
 # Interruptions listed one by one (/metrics gauges included): the latest this many.
@@ -94,8 +106,9 @@ def _merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, floa
     return merged
 
 
-def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: float,
-                        now: float) -> RunMetrics:
+def compute_run_metrics(
+    events: Iterable[Mapping[str, Any]], *, started_at: float, now: float
+) -> RunMetrics:
     """Fold a run's events (dicts as persisted) into its telemetry at time ``now``.
 
     ``started_at`` is when the run was accepted; ``now`` is the end of the run for a
@@ -126,9 +139,11 @@ def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: floa
             detected = float(ev["detected_at"])
             failed = ev.get("failed_at")
             since = detected if failed is None else float(failed)
-            timing = InterruptionTiming(index=m.interruptions - 1,
-                                        kind=str(ev.get("interruption_kind", "")),
-                                        replica_group=ev.get("replica_group"))
+            timing = InterruptionTiming(
+                index=m.interruptions - 1,
+                kind=str(ev.get("interruption_kind", "")),
+                replica_group=ev.get("replica_group"),
+            )
             if failed is not None:
                 timing.detect_s = max(0.0, detected - since)
                 m.detect_s.append(timing.detect_s)
@@ -142,9 +157,14 @@ def compute_run_metrics(events: Iterable[Mapping[str, Any]], *, started_at: floa
             m.stage_progress = {k: ev.get(k) for k in PROGRESS_FIELDS}
         elif kind == "eval":
             if ev.get("score") is not None:
-                m.eval_scores.append({"phase": ev["phase"], "check": ev["check"],
-                                      "score": float(ev["score"]),
-                                      "passed": bool(ev.get("passed"))})
+                m.eval_scores.append(
+                    {
+                        "phase": ev["phase"],
+                        "check": ev["check"],
+                        "score": float(ev["score"]),
+                        "passed": bool(ev.get("passed")),
+                    }
+                )
         elif kind == "checkpoint" and ev.get("closes_phase"):
             continue  # a phase end re-announcing a checkpoint already counted
         elif kind == "metrics" and ev.get("scope") == "rlvr":

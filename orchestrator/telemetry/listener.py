@@ -36,8 +36,14 @@ def read_token(path: Path | None) -> str | None:
 
 
 class MetricsListener:
-    def __init__(self, render: Callable[[], tuple[bytes, str]], host: str, port: int,
-                 token: str | None = None, request_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        render: Callable[[], tuple[bytes, str]],
+        host: str,
+        port: int,
+        token: str | None = None,
+        request_timeout_s: float = 10.0,
+    ):
         self._render, self._token = render, token
         outer = self
 
@@ -47,8 +53,13 @@ class MetricsListener:
             def log_message(self, format: str, *args: object) -> None:
                 return  # scrapes are frequent and carry nothing worth logging
 
-            def _send(self, status: int, body: bytes, ctype: str = "text/plain",
-                      extra: dict[str, str] | None = None) -> None:
+            def _send(
+                self,
+                status: int,
+                body: bytes,
+                ctype: str = "text/plain",
+                extra: dict[str, str] | None = None,
+            ) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
@@ -62,8 +73,11 @@ class MetricsListener:
                     self._send(404, b"not found\n")
                     return
                 if not outer.authorized(self.headers.get("Authorization")):
-                    self._send(401, b"unauthorized\n",
-                               extra={"WWW-Authenticate": 'Bearer realm="ito-metrics"'})
+                    self._send(
+                        401,
+                        b"unauthorized\n",
+                        extra={"WWW-Authenticate": 'Bearer realm="ito-metrics"'},
+                    )
                     return
                 try:
                     body, ctype = outer._render()
@@ -79,10 +93,12 @@ class MetricsListener:
             if e.errno != errno.EADDRINUSE:
                 raise
             # The usual cause: a second `ito-backend serve` on the host, same default port.
-            raise ItoError(ErrorCode.address_in_use,
-                           f"the metrics port {host}:{port} is already in use (another "
-                           "ito-backend serve on this host?): pass --metrics-port PORT, or "
-                           "--metrics-port 0 to pick a free one") from None
+            raise ItoError(
+                ErrorCode.address_in_use,
+                f"the metrics port {host}:{port} is already in use (another "
+                "ito-backend serve on this host?): pass --metrics-port PORT, or "
+                "--metrics-port 0 to pick a free one",
+            ) from None
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
@@ -98,9 +114,12 @@ class MetricsListener:
         return str(host), int(port)
 
     def start(self) -> MetricsListener:
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.2},
-                                        name="ito-metrics", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="ito-metrics",
+            daemon=True,
+        )
         self._thread.start()
         return self
 

@@ -15,8 +15,7 @@ from orchestrator.runs import TERMINAL, RunState
 from orchestrator.telemetry.goodput import RunMetrics, compute_run_metrics
 from orchestrator.telemetry.prometheus import RunSample
 
-TELEMETRY_KINDS = ("step", "phase", "interruption", "checkpoint", "progress", "eval",
-                   "metrics")
+TELEMETRY_KINDS = ("step", "phase", "interruption", "checkpoint", "progress", "eval", "metrics")
 
 
 def metrics_for(store: Store, run: Row) -> RunMetrics:
@@ -30,8 +29,9 @@ def metrics_for(store: Store, run: Row) -> RunMetrics:
         now = max([e["ts"] for e in events[-1:]] or [run["created_at"]])
     else:
         now = time.time()
-    return compute_run_metrics((e["payload"] for e in events), started_at=run["created_at"],
-                               now=now)
+    return compute_run_metrics(
+        (e["payload"] for e in events), started_at=run["created_at"], now=now
+    )
 
 
 def run_metrics(store: Store, run_id: str) -> dict[str, Any]:

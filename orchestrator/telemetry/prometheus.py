@@ -20,19 +20,34 @@ from orchestrator.telemetry.goodput import RunMetrics, aggregate
 
 # Post-training's rollout-fleet gauges: (RunMetrics.post_training key, family, help).
 POST_TRAINING_GAUGES = (
-    ("rollout_samples_per_s", "ito_run_rollout_samples_per_second",
-     "RLVR rollout samples (completions) generated per second"),
-    ("trainer_idle_frac", "ito_run_rl_trainer_idle_ratio",
-     "Fraction of RLVR wall time the trainer waited for rollouts"),
-    ("rollout_idle_frac", "ito_run_rl_rollout_idle_ratio",
-     "Fraction of rollout-worker time not generating"),
-    ("weight_sync_s", "ito_run_rl_weight_sync_seconds",
-     "Median seconds to publish a policy version to every rollout worker"),
+    (
+        "rollout_samples_per_s",
+        "ito_run_rollout_samples_per_second",
+        "RLVR rollout samples (completions) generated per second",
+    ),
+    (
+        "trainer_idle_frac",
+        "ito_run_rl_trainer_idle_ratio",
+        "Fraction of RLVR wall time the trainer waited for rollouts",
+    ),
+    (
+        "rollout_idle_frac",
+        "ito_run_rl_rollout_idle_ratio",
+        "Fraction of rollout-worker time not generating",
+    ),
+    (
+        "weight_sync_s",
+        "ito_run_rl_weight_sync_seconds",
+        "Median seconds to publish a policy version to every rollout worker",
+    ),
     ("staleness_min", "ito_run_rl_staleness_min", "Fewest policy versions a trained sample lagged"),
     ("staleness_mean", "ito_run_rl_staleness_mean", "Mean policy versions a trained sample lagged"),
     ("staleness_max", "ito_run_rl_staleness_max", "Most policy versions a trained sample lagged"),
-    ("drop_rate", "ito_run_rl_dynamic_sampling_drop_ratio",
-     "Fraction of rollout groups dropped by dynamic sampling (uniform rewards)"),
+    (
+        "drop_rate",
+        "ito_run_rl_dynamic_sampling_drop_ratio",
+        "Fraction of rollout groups dropped by dynamic sampling (uniform rewards)",
+    ),
     ("mean_reward", "ito_run_rl_mean_reward", "Mean verifiable reward of the last RLVR step"),
 )
 
@@ -52,48 +67,78 @@ class TelemetryCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         samples = list(self._source())
         labels = ["run_id", "booking_id"]
-        goodput = GaugeMetricFamily("ito_run_goodput_ratio",
-                                    "Productive step time / elapsed time", labels=labels)
-        elapsed = GaugeMetricFamily("ito_run_elapsed_seconds", "Seconds since the run started",
-                                    labels=labels)
-        badput = GaugeMetricFamily("ito_run_badput_seconds", "Non-productive seconds by cause",
-                                   labels=[*labels, "cause"])
-        interruptions = CounterMetricFamily("ito_run_interruptions",
-                                            "Replica-group or job interruptions", labels=labels)
+        goodput = GaugeMetricFamily(
+            "ito_run_goodput_ratio", "Productive step time / elapsed time", labels=labels
+        )
+        elapsed = GaugeMetricFamily(
+            "ito_run_elapsed_seconds", "Seconds since the run started", labels=labels
+        )
+        badput = GaugeMetricFamily(
+            "ito_run_badput_seconds", "Non-productive seconds by cause", labels=[*labels, "cause"]
+        )
+        interruptions = CounterMetricFamily(
+            "ito_run_interruptions", "Replica-group or job interruptions", labels=labels
+        )
         ilabels = [*labels, "interruption", "kind"]
-        i_detect = GaugeMetricFamily("ito_run_interruption_detect_seconds",
-                                     "Seconds from a failure to its detection",
-                                     labels=ilabels)
-        i_recover = GaugeMetricFamily("ito_run_interruption_recover_seconds",
-                                      "Seconds from a failure to training in the full "
-                                      "quorum again", labels=ilabels)
-        rate = GaugeMetricFamily("ito_run_interruption_rate_per_hour",
-                                 "Interruptions per hour of elapsed time", labels=labels)
-        ckpt_bw = GaugeMetricFamily("ito_run_checkpoint_bandwidth_bytes_per_second",
-                                    "Checkpoint bytes / total save seconds", labels=labels)
-        tps = GaugeMetricFamily("ito_run_tokens_per_second", "Committed tokens per second",
-                                labels=labels)
-        steps = CounterMetricFamily("ito_run_steps_committed", "Committed optimizer steps",
-                                    labels=labels)
-        state = GaugeMetricFamily("ito_run_state", "1 for the run's current state",
-                                  labels=[*labels, "state"])
+        i_detect = GaugeMetricFamily(
+            "ito_run_interruption_detect_seconds",
+            "Seconds from a failure to its detection",
+            labels=ilabels,
+        )
+        i_recover = GaugeMetricFamily(
+            "ito_run_interruption_recover_seconds",
+            "Seconds from a failure to training in the full quorum again",
+            labels=ilabels,
+        )
+        rate = GaugeMetricFamily(
+            "ito_run_interruption_rate_per_hour",
+            "Interruptions per hour of elapsed time",
+            labels=labels,
+        )
+        ckpt_bw = GaugeMetricFamily(
+            "ito_run_checkpoint_bandwidth_bytes_per_second",
+            "Checkpoint bytes / total save seconds",
+            labels=labels,
+        )
+        tps = GaugeMetricFamily(
+            "ito_run_tokens_per_second", "Committed tokens per second", labels=labels
+        )
+        steps = CounterMetricFamily(
+            "ito_run_steps_committed", "Committed optimizer steps", labels=labels
+        )
+        state = GaugeMetricFamily(
+            "ito_run_state", "1 for the run's current state", labels=[*labels, "state"]
+        )
         plabels = [*labels, "stage", "step"]
-        p_docs = GaugeMetricFamily("ito_run_stage_progress_documents",
-                                   "Documents done in the stage's current step", labels=plabels)
-        p_docs_total = GaugeMetricFamily("ito_run_stage_progress_documents_total",
-                                         "Documents the stage's current step goes through",
-                                         labels=plabels)
-        p_bytes = GaugeMetricFamily("ito_run_stage_progress_bytes",
-                                    "Input bytes done in the stage's current step",
-                                    labels=plabels)
-        p_eta = GaugeMetricFamily("ito_run_stage_progress_eta_seconds",
-                                  "Estimated seconds left of the stage's current step",
-                                  labels=plabels)
-        evals = GaugeMetricFamily("ito_run_eval_score",
-                                  "Score of one check of a curriculum phase's eval battery",
-                                  labels=[*labels, "phase", "check"])
-        rl = {key: GaugeMetricFamily(name, doc, labels=labels)
-              for key, name, doc in POST_TRAINING_GAUGES}
+        p_docs = GaugeMetricFamily(
+            "ito_run_stage_progress_documents",
+            "Documents done in the stage's current step",
+            labels=plabels,
+        )
+        p_docs_total = GaugeMetricFamily(
+            "ito_run_stage_progress_documents_total",
+            "Documents the stage's current step goes through",
+            labels=plabels,
+        )
+        p_bytes = GaugeMetricFamily(
+            "ito_run_stage_progress_bytes",
+            "Input bytes done in the stage's current step",
+            labels=plabels,
+        )
+        p_eta = GaugeMetricFamily(
+            "ito_run_stage_progress_eta_seconds",
+            "Estimated seconds left of the stage's current step",
+            labels=plabels,
+        )
+        evals = GaugeMetricFamily(
+            "ito_run_eval_score",
+            "Score of one check of a curriculum phase's eval battery",
+            labels=[*labels, "phase", "check"],
+        )
+        rl = {
+            key: GaugeMetricFamily(name, doc, labels=labels)
+            for key, name, doc in POST_TRAINING_GAUGES
+        }
         by_booking: dict[str, list[RunMetrics]] = defaultdict(list)
         for s in samples:
             lv = [s.run_id, s.booking_id]
@@ -129,26 +174,54 @@ class TelemetryCollector(Collector):
                 if key in rl:
                     rl[key].add_metric(lv, value)
             by_booking[s.booking_id].append(m)
-        b_goodput = GaugeMetricFamily("ito_booking_goodput_ratio",
-                                      "Pooled goodput of the booking's runs", labels=["booking_id"])
-        b_rate = GaugeMetricFamily("ito_booking_interruption_rate_per_hour",
-                                   "Interruptions per hour over the booking's runs",
-                                   labels=["booking_id"])
-        b_bw = GaugeMetricFamily("ito_booking_checkpoint_bandwidth_bytes_per_second",
-                                 "Checkpoint bandwidth over the booking's runs",
-                                 labels=["booking_id"])
-        b_tps = GaugeMetricFamily("ito_booking_tokens_per_second",
-                                  "Committed tokens per second over the booking's runs",
-                                  labels=["booking_id"])
+        b_goodput = GaugeMetricFamily(
+            "ito_booking_goodput_ratio",
+            "Pooled goodput of the booking's runs",
+            labels=["booking_id"],
+        )
+        b_rate = GaugeMetricFamily(
+            "ito_booking_interruption_rate_per_hour",
+            "Interruptions per hour over the booking's runs",
+            labels=["booking_id"],
+        )
+        b_bw = GaugeMetricFamily(
+            "ito_booking_checkpoint_bandwidth_bytes_per_second",
+            "Checkpoint bandwidth over the booking's runs",
+            labels=["booking_id"],
+        )
+        b_tps = GaugeMetricFamily(
+            "ito_booking_tokens_per_second",
+            "Committed tokens per second over the booking's runs",
+            labels=["booking_id"],
+        )
         for booking_id, runs in by_booking.items():
             agg = aggregate(runs)
             b_goodput.add_metric([booking_id], agg.goodput)
             b_rate.add_metric([booking_id], agg.interruption_rate_per_h)
             b_bw.add_metric([booking_id], agg.checkpoint_bytes_per_s)
             b_tps.add_metric([booking_id], agg.tokens_per_s)
-        yield from (goodput, elapsed, badput, interruptions, i_detect, i_recover, rate,
-                    ckpt_bw, tps, steps, state, p_docs, p_docs_total, p_bytes, p_eta, evals,
-                    b_goodput, b_rate, b_bw, b_tps)
+        yield from (
+            goodput,
+            elapsed,
+            badput,
+            interruptions,
+            i_detect,
+            i_recover,
+            rate,
+            ckpt_bw,
+            tps,
+            steps,
+            state,
+            p_docs,
+            p_docs_total,
+            p_bytes,
+            p_eta,
+            evals,
+            b_goodput,
+            b_rate,
+            b_bw,
+            b_tps,
+        )
         yield from rl.values()
 
 
@@ -162,14 +235,22 @@ def render(store: Store) -> tuple[bytes, str]:
 
     registry = CollectorRegistry()
     runs = Gauge("ito_runs", "Runs by state", ["state"], registry=registry)
-    counts = {r["state"]: r["n"] for r in store.read(
-        "SELECT state, COUNT(*) AS n FROM runs GROUP BY state")}
+    counts = {
+        r["state"]: r["n"]
+        for r in store.read("SELECT state, COUNT(*) AS n FROM runs GROUP BY state")
+    }
     for state in RunState:
         runs.labels(state=str(state)).set(counts.get(str(state), 0))
-    fails = Gauge("ito_gate_failures", "Gate failures by code (since the store was created)",
-                  ["code"], registry=registry)
-    for r in store.read("SELECT code, CAST(SUM(count) AS BIGINT) AS n FROM audit_events "
-                        "WHERE outcome = 'fail' GROUP BY code"):
+    fails = Gauge(
+        "ito_gate_failures",
+        "Gate failures by code (since the store was created)",
+        ["code"],
+        registry=registry,
+    )
+    for r in store.read(
+        "SELECT code, CAST(SUM(count) AS BIGINT) AS n FROM audit_events "
+        "WHERE outcome = 'fail' GROUP BY code"
+    ):
         fails.labels(code=str(r["code"])).set(r["n"])
     registry.register(TelemetryCollector(lambda: samples(store)))
     return generate_latest(registry), CONTENT_TYPE_LATEST

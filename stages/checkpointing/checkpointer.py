@@ -73,8 +73,9 @@ from stages.errors import ErrorCode, ItoError
 
 log = logging.getLogger(__name__)
 # Single-process saves are intended (no_dist); DCP warns about them on every call.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable",
-                        category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable", category=UserWarning
+)
 
 # How long wait()/save()/close() wait for an in-flight save before failing it.
 SAVE_TIMEOUT_S = 1800.0
@@ -88,8 +89,9 @@ def _describe(e: BaseException) -> str:
     """A short, path-free reason for a failed save or load (no tracebacks)."""
     if isinstance(e, CheckpointException):
         inner = [exc for exc, _trace in e.failures.values()]
-        return "; ".join(f"rank {r}: {_describe(x)}" for r, x in zip(e.failures, inner,
-                                                                      strict=True))
+        return "; ".join(
+            f"rank {r}: {_describe(x)}" for r, x in zip(e.failures, inner, strict=True)
+        )
     if isinstance(e, OSError):
         return f"{type(e).__name__}: {e.strerror}"
     return f"{type(e).__name__}: {e}"
@@ -134,7 +136,10 @@ class _SealedReader(FileSystemReader):
 # data only (no object dtype).
 _SAFE_GLOBALS: list[Any] = [
     np._core.multiarray._reconstruct,  # type: ignore[attr-defined]
-    np.ndarray, np.dtype, *(type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFD")]
+    np.ndarray,
+    np.dtype,
+    *(type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFD"),
+]
 
 
 class _TensorsOnlyPlanner(DefaultLoadPlanner):
@@ -145,26 +150,38 @@ class _TensorsOnlyPlanner(DefaultLoadPlanner):
         with torch.serialization.safe_globals(_SAFE_GLOBALS):
             item = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
-                        item)
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], item)
         else:
             self.state_dict[read_item.dest_index.fqn] = item
 
 
-def load_sealed(state_dict: dict[str, Any], path: Path, seal_key: bytes, *,
-                process_group: dist.ProcessGroup | None = None, no_dist: bool = True) -> None:
+def load_sealed(
+    state_dict: dict[str, Any],
+    path: Path,
+    seal_key: bytes,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = True,
+) -> None:
     """``dcp.load`` of a checkpoint this backend sealed, into ``state_dict`` in place:
     the one way a DCP checkpoint is read (``checkpoint_untrusted`` before anything is
     unpickled when the seal does not hold; ``checkpoint_corrupt`` when DCP fails)."""
     metadata = seal.verify_seal(path, seal_key)
     try:
-        dcp.load(state_dict, storage_reader=_SealedReader(path, metadata),
-                 planner=_TensorsOnlyPlanner(), process_group=process_group, no_dist=no_dist)
+        dcp.load(
+            state_dict,
+            storage_reader=_SealedReader(path, metadata),
+            planner=_TensorsOnlyPlanner(),
+            process_group=process_group,
+            no_dist=no_dist,
+        )
     except ItoError:
         raise
     except (Exception, CheckpointException) as e:
-        raise ItoError(ErrorCode.checkpoint_corrupt,
-                       f"checkpoint {path.name} could not be loaded: {_describe(e)}") from e
+        raise ItoError(
+            ErrorCode.checkpoint_corrupt,
+            f"checkpoint {path.name} could not be loaded: {_describe(e)}",
+        ) from e
 
 
 @dataclass
@@ -187,10 +204,18 @@ class _Pending:
 class Checkpointer:
     """Async DCP saves with commit-on-complete, keep-last-K and interval policy."""
 
-    def __init__(self, policy: CheckpointPolicy, *, process_group: dist.ProcessGroup | None = None,
-                 run_label: str = "", async_staging: bool = True,
-                 writer_threads: int = WRITER_THREADS, save_timeout_s: float = SAVE_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic, seal_key: bytes | None = None):
+    def __init__(
+        self,
+        policy: CheckpointPolicy,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        run_label: str = "",
+        async_staging: bool = True,
+        writer_threads: int = WRITER_THREADS,
+        save_timeout_s: float = SAVE_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        seal_key: bytes | None = None,
+    ):
         self.policy = policy
         self.storage_dir = Path(policy.storage_path)
         self.run_label = run_label
@@ -199,9 +224,11 @@ class Checkpointer:
         self.rank = dist.get_rank(group=process_group) if self._dist else 0
         self.is_coordinator = self.rank == 0
         if process_group is None and self._dist and dist.get_world_size() > 1:
-            log.warning("Checkpointer on the default process group: DCP's save-thread "
-                        "collectives may interleave with training collectives; pass a "
-                        "dedicated gloo group")
+            log.warning(
+                "Checkpointer on the default process group: DCP's save-thread "
+                "collectives may interleave with training collectives; pass a "
+                "dedicated gloo group"
+            )
         self._writer_threads = writer_threads
         self._save_timeout_s = save_timeout_s
         self._clock = clock
@@ -217,17 +244,24 @@ class Checkpointer:
         try:
             self.storage_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ItoError(ErrorCode.checkpoint_storage_unwritable,
-                           f"cannot create checkpoint storage: {e.strerror}") from e
+            raise ItoError(
+                ErrorCode.checkpoint_storage_unwritable,
+                f"cannot create checkpoint storage: {e.strerror}",
+            ) from e
         if self.is_coordinator:
             for p in sweep_incomplete(self.storage_dir, label=run_label):
                 log.info("swept incomplete checkpoint %s", p.name)
         gpu = torch.cuda.is_available()
         # Staging buffers are cached across saves (keyed by the source storage), so
         # only the first save pays for allocating them; they cost 1x the state in RAM.
-        self._stager = DefaultStager(StagingOptions(
-            use_pinned_memory=gpu, use_shared_memory=False,
-            use_async_staging=async_staging, use_non_blocking_copy=gpu and async_staging))
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=gpu,
+                use_shared_memory=False,
+                use_async_staging=async_staging,
+                use_non_blocking_copy=gpu and async_staging,
+            )
+        )
 
     # --- policy ---------------------------------------------------------------------
     def due(self, step: int, now: float | None = None) -> bool:
@@ -242,8 +276,14 @@ class Checkpointer:
         return False
 
     # --- saving ---------------------------------------------------------------------
-    def save(self, step: int, state: StateLike, *, now: float | None = None,
-             guard: torch.optim.Optimizer | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        state: StateLike,
+        *,
+        now: float | None = None,
+        guard: torch.optim.Optimizer | None = None,
+    ) -> None:
         """Start an async save of ``state`` at ``step``.
 
         Inline staging: returns once the state is copied. Background staging: returns
@@ -265,29 +305,44 @@ class Checkpointer:
         try:
             writer = _SealingWriter(tmp_dir, sync_files=True, thread_count=self._writer_threads)
             result = dcp.async_save(
-                _as_state_dict(state), storage_writer=writer,
-                async_stager=self._stager, process_group=self._pg, no_dist=not self._dist)
+                _as_state_dict(state),
+                storage_writer=writer,
+                async_stager=self._stager,
+                process_group=self._pg,
+                no_dist=not self._dist,
+            )
         except (OSError, CheckpointException) as e:
-            raise ItoError(ErrorCode.checkpoint_storage_unwritable,
-                           f"checkpoint save at step {step} failed: {_describe(e)}") from e
+            raise ItoError(
+                ErrorCode.checkpoint_storage_unwritable,
+                f"checkpoint save at step {step} failed: {_describe(e)}",
+            ) from e
         if isinstance(result, Future):
             upload, staging = result, None
         else:
             upload, staging = result.upload_completion, result.staging_completion
-        pending = _Pending(step=step, tmp_dir=tmp_dir, final_dir=final_dir, started=t1,
-                           upload=upload, staging=staging, writer=writer)
+        pending = _Pending(
+            step=step,
+            tmp_dir=tmp_dir,
+            final_dir=final_dir,
+            started=t1,
+            upload=upload,
+            staging=staging,
+            writer=writer,
+        )
         pending.blocking_s = time.perf_counter() - t0
         pending.staged_s = time.perf_counter() - t1
         if staging is not None:
-            staging.add_done_callback(lambda _f: setattr(pending, "staged_s",
-                                                         time.perf_counter() - t1))
+            staging.add_done_callback(
+                lambda _f: setattr(pending, "staged_s", time.perf_counter() - t1)
+            )
         self._pending = pending
         upload.add_done_callback(lambda fut: self._finish(pending, fut))
         if staging is not None:
             guard = guard if guard is not None else getattr(state, "optimizer", None)
             if isinstance(guard, torch.optim.Optimizer):
                 pending.hook = guard.register_step_pre_hook(
-                    lambda _opt, _args, _kwargs: self._staged_before_step(pending))
+                    lambda _opt, _args, _kwargs: self._staged_before_step(pending)
+                )
             else:
                 self.wait_staged()
 
@@ -309,9 +364,11 @@ class Checkpointer:
         try:
             pending.staging.result(timeout=self._save_timeout_s)
         except FutureTimeoutError as e:  # the copy may still be reading the state
-            raise ItoError(ErrorCode.checkpoint_storage_unwritable,
-                           f"checkpoint at step {pending.step}: state copy did not finish in "
-                           f"{self._save_timeout_s:.0f} s") from e
+            raise ItoError(
+                ErrorCode.checkpoint_storage_unwritable,
+                f"checkpoint at step {pending.step}: state copy did not finish in "
+                f"{self._save_timeout_s:.0f} s",
+            ) from e
         except (Exception, CheckpointException):  # nothing reads the state now; wait() reports
             log.warning("checkpoint at step %d: state copy failed", pending.step)
         finally:
@@ -323,13 +380,24 @@ class Checkpointer:
             upload.result()
             if self.is_coordinator:
                 record = CheckpointRecord(
-                    step=pending.step, path=str(pending.final_dir), bytes=0,
-                    blocking_s=pending.blocking_s, staged_s=pending.staged_s,
-                    total_s=time.perf_counter() - pending.started, bytes_per_s=0.0,
-                    created_at=time.time(), run_label=self.run_label)
+                    step=pending.step,
+                    path=str(pending.final_dir),
+                    bytes=0,
+                    blocking_s=pending.blocking_s,
+                    staged_s=pending.staged_s,
+                    total_s=time.perf_counter() - pending.started,
+                    bytes_per_s=0.0,
+                    created_at=time.time(),
+                    run_label=self.run_label,
+                )
                 assert pending.writer is not None
-                pending.record = commit(pending.tmp_dir, pending.final_dir, record,
-                                        self._seal_key, pending.writer.metadata_sha256)
+                pending.record = commit(
+                    pending.tmp_dir,
+                    pending.final_dir,
+                    record,
+                    self._seal_key,
+                    pending.writer.metadata_sha256,
+                )
                 with self._lock:
                     self._completed.append(pending.record)
                 self._apply_keep()
@@ -342,7 +410,7 @@ class Checkpointer:
     def _apply_keep(self) -> None:
         # Checkpoints that closed a curriculum phase are kept whatever keep-K says.
         records = [r for r in list_checkpoints(self.storage_dir) if pinned_phase(r) is None]
-        for old in records[:-self.policy.keep]:
+        for old in records[: -self.policy.keep]:
             try:
                 delete_checkpoint(old)
             except (OSError, ItoError):
@@ -355,9 +423,11 @@ class Checkpointer:
         if pending is None:
             return None
         if not pending.done.wait(timeout=self._save_timeout_s):
-            raise ItoError(ErrorCode.checkpoint_storage_unwritable,
-                           f"checkpoint save at step {pending.step} did not finish in "
-                           f"{self._save_timeout_s:.0f} s")
+            raise ItoError(
+                ErrorCode.checkpoint_storage_unwritable,
+                f"checkpoint save at step {pending.step} did not finish in "
+                f"{self._save_timeout_s:.0f} s",
+            )
         self._pending = None
         if pending.hook is not None:  # staged long ago; the optimizer never stepped
             pending.hook.remove()
@@ -372,8 +442,10 @@ class Checkpointer:
         e = pending.error
         if isinstance(e, ItoError):
             raise e
-        raise ItoError(ErrorCode.checkpoint_storage_unwritable,
-                       f"checkpoint save at step {pending.step} failed: {_describe(e)}") from e
+        raise ItoError(
+            ErrorCode.checkpoint_storage_unwritable,
+            f"checkpoint save at step {pending.step} failed: {_describe(e)}",
+        ) from e
 
     def poll(self) -> list[CheckpointRecord]:
         """Saves committed since the last poll (oldest first). Raises once if the
@@ -403,11 +475,15 @@ class Checkpointer:
         """Load ``record`` into ``state`` in place (the same shape ``save`` was given)."""
         path = Path(record.path)
         if read_record(path) is None:
-            raise ItoError(ErrorCode.checkpoint_not_found,
-                           f"no complete checkpoint at {path.name}")
+            raise ItoError(ErrorCode.checkpoint_not_found, f"no complete checkpoint at {path.name}")
         note_read(record, self.run_label)
-        load_sealed(_as_state_dict(state), path, self._seal_key, process_group=self._pg,
-                    no_dist=not self._dist)
+        load_sealed(
+            _as_state_dict(state),
+            path,
+            self._seal_key,
+            process_group=self._pg,
+            no_dist=not self._dist,
+        )
         self._last_step = record.step
         self._last_time = self._clock()
 

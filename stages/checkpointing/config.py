@@ -18,13 +18,19 @@ DEFAULT_KEEP = 3
 
 class CheckpointPolicy(StrictModel):
     interval_steps: int | None = Field(default=None, gt=0, le=100_000_000)
-    interval_minutes: float | None = Field(default=None, gt=0, le=7 * 24 * 60,
-                                           allow_inf_nan=False)
+    interval_minutes: float | None = Field(default=None, gt=0, le=7 * 24 * 60, allow_inf_nan=False)
     keep: int = Field(default=DEFAULT_KEEP, ge=1, le=100)
     # file:///absolute/dir is the only storage this build writes to.
-    storage_uri: Annotated[str, PathField("checkpoint", "dir", form="file_uri",
-                                          not_local=ErrorCode.checkpoint_storage_invalid,
-                                          not_canonical=ErrorCode.checkpoint_storage_invalid)]
+    storage_uri: Annotated[
+        str,
+        PathField(
+            "checkpoint",
+            "dir",
+            form="file_uri",
+            not_local=ErrorCode.checkpoint_storage_invalid,
+            not_canonical=ErrorCode.checkpoint_storage_invalid,
+        ),
+    ]
 
     @field_validator("storage_uri")
     @classmethod

@@ -52,18 +52,28 @@ class CheckpointRecord(StrictModel):
     step: int = Field(ge=0)
     path: str
     bytes: int = Field(ge=0)
-    blocking_s: float = Field(ge=0, description="time the training loop was blocked "
-                              "(save() and wait_staged(), a wait for the previous save included)")
-    staged_s: float = Field(default=0.0, ge=0,
-                            description="start of the save until the state copy was complete")
+    blocking_s: float = Field(
+        ge=0,
+        description="time the training loop was blocked "
+        "(save() and wait_staged(), a wait for the previous save included)",
+    )
+    staged_s: float = Field(
+        default=0.0, ge=0, description="start of the save until the state copy was complete"
+    )
     total_s: float = Field(ge=0, description="start of the save to commit")
     bytes_per_s: float = Field(ge=0, description="bytes / total_s")
     created_at: float = Field(description="unix time of the commit")
     run_label: str = ""
 
     def to_event(self, stage: str = "checkpointing") -> CheckpointEvent:
-        return CheckpointEvent(stage=stage, step=self.step, path=self.path, bytes=self.bytes,
-                               blocking_s=self.blocking_s, total_s=self.total_s)
+        return CheckpointEvent(
+            stage=stage,
+            step=self.step,
+            path=self.path,
+            bytes=self.bytes,
+            blocking_s=self.blocking_s,
+            total_s=self.total_s,
+        )
 
 
 def final_name(step: int) -> str:
@@ -91,8 +101,13 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def commit(tmp_dir: Path, final_dir: Path, record: CheckpointRecord,
-           seal_key: bytes, metadata_sha256: str | None) -> CheckpointRecord:
+def commit(
+    tmp_dir: Path,
+    final_dir: Path,
+    record: CheckpointRecord,
+    seal_key: bytes,
+    metadata_sha256: str | None,
+) -> CheckpointRecord:
     """Seal ``tmp_dir`` (``seal.py``; ``metadata_sha256`` is what DCP wrote), write
     its commit record and publish it as ``final_dir``.
 
@@ -100,12 +115,19 @@ def commit(tmp_dir: Path, final_dir: Path, record: CheckpointRecord,
     at ``final_dir`` (same step, an abandoned timeline) is replaced.
     """
     if not (tmp_dir / DCP_METADATA_NAME).is_file():
-        raise ItoError(ErrorCode.checkpoint_corrupt,
-                       f"{tmp_dir.name}: DCP metadata missing; refusing to commit")
+        raise ItoError(
+            ErrorCode.checkpoint_corrupt,
+            f"{tmp_dir.name}: DCP metadata missing; refusing to commit",
+        )
     write_seal(tmp_dir, seal_key, metadata_sha256)
     data_bytes = folder_bytes(tmp_dir)
-    record = record.model_copy(update={"path": str(final_dir), "bytes": data_bytes,
-                                       "bytes_per_s": data_bytes / max(record.total_s, 1e-9)})
+    record = record.model_copy(
+        update={
+            "path": str(final_dir),
+            "bytes": data_bytes,
+            "bytes_per_s": data_bytes / max(record.total_s, 1e-9),
+        }
+    )
     marker = tmp_dir / COMMIT_NAME
     with marker.open("w") as f:
         f.write(record.model_dump_json())
@@ -159,8 +181,9 @@ def note_read(record: CheckpointRecord, reader: str) -> None:
     """Append a load of ``record`` to its storage's read ledger (one short O_APPEND
     write, so concurrent readers never interleave lines)."""
     line = CheckpointRead(step=record.step, reader=reader, at=time.time()).model_dump_json()
-    fd = os.open(Path(record.path).parent / READ_LOG_NAME,
-                 os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = os.open(
+        Path(record.path).parent / READ_LOG_NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600
+    )
     try:
         os.write(fd, (line + "\n").encode())
     finally:
@@ -172,8 +195,11 @@ def read_log(storage_dir: str | Path) -> list[CheckpointRead]:
     path = _root(storage_dir) / READ_LOG_NAME
     if not path.is_file():
         return []
-    return [CheckpointRead.model_validate_json(line)
-            for line in path.read_text().splitlines() if line.strip()]
+    return [
+        CheckpointRead.model_validate_json(line)
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def _trash(ckpt_dir: Path) -> None:
@@ -190,8 +216,9 @@ def delete_checkpoint(record: CheckpointRecord) -> None:
     _trash(path)
 
 
-def sweep_incomplete(storage_dir: str | Path, *, label: str | None = None,
-                     older_than_s: float = 0.0) -> list[Path]:
+def sweep_incomplete(
+    storage_dir: str | Path, *, label: str | None = None, older_than_s: float = 0.0
+) -> list[Path]:
     """Remove temp folders of killed saves (only ``label``'s when given) and trash.
 
     ``older_than_s`` spares temp folders modified more recently (a save that may
@@ -223,8 +250,11 @@ def storage_usage(storage_dir: str | Path) -> dict[str, int]:
     complete = sum(r.bytes for r in list_checkpoints(root))
     leftovers = 0
     if root.is_dir():
-        leftovers = sum(folder_bytes(p) for p in root.iterdir()
-                        if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
+        leftovers = sum(
+            folder_bytes(p)
+            for p in root.iterdir()
+            if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX))
+        )
     return {"complete_bytes": complete, "leftover_bytes": leftovers}
 
 

@@ -13,8 +13,14 @@ DataRole = Literal["baseline", "custom"]
 PhaseKind = Literal["pretrain", "mid_train", "long_context", "post_training"]
 TRAINER_KINDS: tuple[PhaseKind, ...] = ("pretrain", "mid_train", "long_context")
 
-__all__ = ["TRAINER_KINDS", "CurriculumConfig", "CurriculumPhase", "DataRole",
-           "GateThreshold", "PhaseKind"]
+__all__ = [
+    "TRAINER_KINDS",
+    "CurriculumConfig",
+    "CurriculumPhase",
+    "DataRole",
+    "GateThreshold",
+    "PhaseKind",
+]
 
 
 def _all_roles() -> list[DataRole]:
@@ -25,8 +31,9 @@ class CurriculumPhase(StrictModel):
     name: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")
     kind: PhaseKind
     token_fraction: float = Field(gt=0, le=1, description="share of the training target")
-    seq_len: int | None = Field(default=None, gt=1, le=1 << 20,
-                                description="default: training.seq_len")
+    seq_len: int | None = Field(
+        default=None, gt=1, le=1 << 20, description="default: training.seq_len"
+    )
     data_roles: list[DataRole] = Field(default_factory=_all_roles, max_length=16)
     # Sampling weight of each role's sequences; roles not named weigh 1.
     data_weights: dict[DataRole, Annotated[float, Field(le=1e6)]] = Field(default_factory=dict)
@@ -35,9 +42,12 @@ class CurriculumPhase(StrictModel):
     # Warmup-stable-decay per phase: the decay at the end of the phase is the anneal.
     lr_schedule: Literal["wsd", "cosine", "constant"] = "wsd"
     lr_scale: float = Field(default=1.0, gt=0, le=10, description="peak LR = this * training LR")
-    warmup_steps: int | None = Field(default=None, ge=0, le=100_000_000,
-                                     description="default: training.warmup_steps in the "
-                                                 "first phase, 0 after")
+    warmup_steps: int | None = Field(
+        default=None,
+        ge=0,
+        le=100_000_000,
+        description="default: training.warmup_steps in the first phase, 0 after",
+    )
     decay_fraction: float = Field(default=0.2, ge=0, le=1)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     # RoPE base; None: the preset's, NTK-scaled by seq_len / the first phase's seq_len.

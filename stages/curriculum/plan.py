@@ -80,20 +80,39 @@ class CurriculumPlan(BaseModel):
         return self.phases[-1]
 
 
-def one_phase_plan(*, total_steps: int, global_batch_tokens: int, seq_len: int,
-                   learning_rate: float, warmup_steps: int) -> CurriculumPlan:
+def one_phase_plan(
+    *,
+    total_steps: int,
+    global_batch_tokens: int,
+    seq_len: int,
+    learning_rate: float,
+    warmup_steps: int,
+) -> CurriculumPlan:
     """A run without a curriculum: one pretrain phase over every step, warmup then
     cosine decay to 10% of the peak, no eval battery and no gate."""
     return CurriculumPlan(
-        total_steps=total_steps, global_batch_tokens=global_batch_tokens,
-        phases=[PhasePlan(
-            index=0, name="train", kind="pretrain", start_step=0, end_step=total_steps,
-            seq_len=seq_len, token_budget=total_steps * global_batch_tokens,
-            # Every role weighs 1, as a curriculum phase's unnamed roles do.
-            data_weights={"baseline": 1.0, "custom": 1.0}, eval_battery=None,
-            lr_schedule="cosine",
-            peak_lr=learning_rate, warmup_steps=min(warmup_steps, total_steps),
-            decay_steps=0, min_lr_ratio=0.1)])
+        total_steps=total_steps,
+        global_batch_tokens=global_batch_tokens,
+        phases=[
+            PhasePlan(
+                index=0,
+                name="train",
+                kind="pretrain",
+                start_step=0,
+                end_step=total_steps,
+                seq_len=seq_len,
+                token_budget=total_steps * global_batch_tokens,
+                # Every role weighs 1, as a curriculum phase's unnamed roles do.
+                data_weights={"baseline": 1.0, "custom": 1.0},
+                eval_battery=None,
+                lr_schedule="cosine",
+                peak_lr=learning_rate,
+                warmup_steps=min(warmup_steps, total_steps),
+                decay_steps=0,
+                min_lr_ratio=0.1,
+            )
+        ],
+    )
 
 
 def ntk_rope_theta(theta: float, head_dim: int, scale: float) -> float:
@@ -103,10 +122,18 @@ def ntk_rope_theta(theta: float, head_dim: int, scale: float) -> float:
     return theta * scale ** (head_dim / (head_dim - 2))
 
 
-def plan_curriculum(curriculum: CurriculumConfig, *, total_steps: int, base_seq_len: int,
-                    global_batch_tokens: int, learning_rate: float, warmup_steps: int,
-                    rope_theta: float | None = None, head_dim: int | None = None,
-                    max_positions: int | None = None) -> CurriculumPlan:
+def plan_curriculum(
+    curriculum: CurriculumConfig,
+    *,
+    total_steps: int,
+    base_seq_len: int,
+    global_batch_tokens: int,
+    learning_rate: float,
+    warmup_steps: int,
+    rope_theta: float | None = None,
+    head_dim: int | None = None,
+    max_positions: int | None = None,
+) -> CurriculumPlan:
     """Steps and settings of every trainer phase; raises ``curriculum_invalid``."""
     trainer = [p for p in curriculum.phases if p.kind in TRAINER_KINDS]
     post = [p.name for p in curriculum.phases if p.kind not in TRAINER_KINDS]
@@ -120,24 +147,31 @@ def plan_curriculum(curriculum: CurriculumConfig, *, total_steps: int, base_seq_
     for i, p in enumerate(trainer):
         seq = p.seq_len or (prev_seq if i else base_seq_len)
         if global_batch_tokens % seq:
-            raise ItoError(ErrorCode.curriculum_invalid,
-                           f"phase {p.name}: global_batch_tokens {global_batch_tokens} is not "
-                           f"a multiple of its seq_len {seq}")
+            raise ItoError(
+                ErrorCode.curriculum_invalid,
+                f"phase {p.name}: global_batch_tokens {global_batch_tokens} is not "
+                f"a multiple of its seq_len {seq}",
+            )
         if p.kind == "long_context" and seq <= prev_seq:
-            raise ItoError(ErrorCode.curriculum_invalid,
-                           f"phase {p.name} is long_context but its seq_len {seq} does not "
-                           f"raise the previous {prev_seq}")
+            raise ItoError(
+                ErrorCode.curriculum_invalid,
+                f"phase {p.name} is long_context but its seq_len {seq} does not "
+                f"raise the previous {prev_seq}",
+            )
         if max_positions is not None and seq > max_positions:
-            raise ItoError(ErrorCode.curriculum_invalid,
-                           f"phase {p.name}: seq_len {seq} > the model's {max_positions} "
-                           "positions")
+            raise ItoError(
+                ErrorCode.curriculum_invalid,
+                f"phase {p.name}: seq_len {seq} > the model's {max_positions} positions",
+            )
         if i == len(trainer) - 1:
             end = total_steps
         else:
             end = start + max(1, round(total_steps * p.token_fraction / frac_total))
         if end <= start or end > total_steps - (len(trainer) - 1 - i):
-            raise ItoError(ErrorCode.curriculum_invalid,
-                           f"{total_steps} steps are too few for {len(trainer)} phases")
+            raise ItoError(
+                ErrorCode.curriculum_invalid,
+                f"{total_steps} steps are too few for {len(trainer)} phases",
+            )
         steps = end - start
         warm = p.warmup_steps if p.warmup_steps is not None else (warmup_steps if i == 0 else 0)
         warm = min(warm, steps)
@@ -145,13 +179,30 @@ def plan_curriculum(curriculum: CurriculumConfig, *, total_steps: int, base_seq_
         if theta is None and rope_theta is not None and head_dim:
             theta = ntk_rope_theta(rope_theta, head_dim, seq / first_seq)
         weights = {r: float(p.data_weights.get(r, 1.0)) for r in p.data_roles}
-        out.append(PhasePlan(
-            index=i, name=p.name, kind=p.kind, start_step=start, end_step=end, seq_len=seq,
-            token_budget=steps * global_batch_tokens, data_weights=weights,
-            eval_battery=p.eval_battery, gates=list(p.gates), lr_schedule=p.lr_schedule,
-            peak_lr=learning_rate * p.lr_scale, warmup_steps=warm,
-            decay_steps=min(steps - warm, round(steps * p.decay_fraction)),
-            min_lr_ratio=p.min_lr_ratio, rope_theta=theta))
+        out.append(
+            PhasePlan(
+                index=i,
+                name=p.name,
+                kind=p.kind,
+                start_step=start,
+                end_step=end,
+                seq_len=seq,
+                token_budget=steps * global_batch_tokens,
+                data_weights=weights,
+                eval_battery=p.eval_battery,
+                gates=list(p.gates),
+                lr_schedule=p.lr_schedule,
+                peak_lr=learning_rate * p.lr_scale,
+                warmup_steps=warm,
+                decay_steps=min(steps - warm, round(steps * p.decay_fraction)),
+                min_lr_ratio=p.min_lr_ratio,
+                rope_theta=theta,
+            )
+        )
         start, prev_seq = end, seq
-    return CurriculumPlan(total_steps=total_steps, global_batch_tokens=global_batch_tokens,
-                          phases=out, post_training=post)
+    return CurriculumPlan(
+        total_steps=total_steps,
+        global_batch_tokens=global_batch_tokens,
+        phases=out,
+        post_training=post,
+    )

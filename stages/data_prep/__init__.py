@@ -34,8 +34,12 @@ if TYPE_CHECKING:
 
 # The probe and the stage import torch and transformers (seconds); Ray workers that
 # only sketch documents import this package too, so those names load on first use.
-_LAZY = {"DataPrepStage": "stages.data_prep.stage", "LadderResult": "stages.data_prep.ladder",
-         "decide": "stages.data_prep.ladder", "ladder_probe": "stages.data_prep.ladder"}
+_LAZY = {
+    "DataPrepStage": "stages.data_prep.stage",
+    "LadderResult": "stages.data_prep.ladder",
+    "decide": "stages.data_prep.ladder",
+    "ladder_probe": "stages.data_prep.ladder",
+}
 
 
 def __getattr__(name: str) -> Any:

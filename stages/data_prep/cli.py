@@ -57,8 +57,11 @@ OUTPUT_ROWS_INLINE_MAX = 1_000_000
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m stages.data_prep", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m stages.data_prep",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("dedup", help="exact + MinHash-LSH near-duplicate removal")
     d.add_argument("--threshold", type=float, default=DedupConfig().threshold)
@@ -66,30 +69,43 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--shingle-size", type=int, default=DedupConfig().shingle_size)
     c = sub.add_parser("decontaminate", help="remove or flag documents containing eval items")
     c.add_argument("--eval", nargs="+", default=[], metavar="PATH", help="eval files")
-    c.add_argument("--suite", action="append", default=[],
-                   help="also a registered eval suite (configs/evals/<suite>.json)")
+    c.add_argument(
+        "--suite",
+        action="append",
+        default=[],
+        help="also a registered eval suite (configs/evals/<suite>.json)",
+    )
     c.add_argument("--eval-field", default="question")
     c.add_argument("--mode", choices=["ngram", "overlap"], default="ngram")
     c.add_argument("--ngram", type=int, default=DecontaminationConfig().ngram)
     c.add_argument("--overlap-ngram", type=int, default=DecontaminationConfig().overlap_ngram)
-    c.add_argument("--overlap-threshold", type=float,
-                   default=DecontaminationConfig().overlap_threshold)
+    c.add_argument(
+        "--overlap-threshold", type=float, default=DecontaminationConfig().overlap_threshold
+    )
     c.add_argument("--action", choices=["remove", "flag"], default="remove")
-    c.add_argument("--flag-field", default="contaminated",
-                   help="with --action flag: the field set to true on flagged records "
-                        "(naming a field the records already have is refused)")
+    c.add_argument(
+        "--flag-field",
+        default="contaminated",
+        help="with --action flag: the field set to true on flagged records "
+        "(naming a field the records already have is refused)",
+    )
     for s in (d, c):
         s.add_argument("--input", required=True, type=Path)
         s.add_argument("--output", required=True, type=Path)
         s.add_argument("--text-field", default="text")
         s.add_argument("--json", action="store_true", help="print the summary as JSON")
         s.add_argument("--output-format", choices=["jsonl", "parquet"], default=None)
-        s.add_argument("--ray-address", default=None, metavar="local|auto|HOST:PORT",
-                       help="run the tasks on Ray Data (default: in this process)")
+        s.add_argument(
+            "--ray-address",
+            default=None,
+            metavar="local|auto|HOST:PORT",
+            help="run the tasks on Ray Data (default: in this process)",
+        )
         s.add_argument("--block-docs", type=int, default=StreamConfig().block_docs)
         s.add_argument("--work-dir", type=Path, default=None)
-        s.add_argument("--keep-work", action="store_true",
-                       help="keep the work folder after success")
+        s.add_argument(
+            "--keep-work", action="store_true", help="keep the work folder after success"
+        )
     return p
 
 
@@ -100,52 +116,84 @@ class _ProgressPrinter:
     def __call__(self, p: Progress) -> None:
         now = time.time()
         final = p.tasks_done == p.tasks_total
-        if self.quiet or (p.stage == self.stage and now - self.last < PROGRESS_INTERVAL_S
-                          and not final):
+        if self.quiet or (
+            p.stage == self.stage and now - self.last < PROGRESS_INTERVAL_S and not final
+        ):
             return
         self.last, self.stage = now, p.stage
         eta = f", eta {p.eta_s:.0f} s" if p.eta_s is not None else ""
-        print(f"[{p.stage_index + 1}/{p.stages} {p.stage}] {p.tasks_done}/{p.tasks_total} "
-              f"tasks, {p.docs_done}/{p.docs_total} docs, {p.bytes_done}/{p.bytes_total} "
-              f"bytes, {p.elapsed_s:.0f} s{eta}", file=sys.stderr, flush=True)
+        print(
+            f"[{p.stage_index + 1}/{p.stages} {p.stage}] {p.tasks_done}/{p.tasks_total} "
+            f"tasks, {p.docs_done}/{p.docs_total} docs, {p.bytes_done}/{p.bytes_total} "
+            f"bytes, {p.elapsed_s:.0f} s{eta}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
-def _run(args: argparse.Namespace, dedup_cfg: DedupConfig | None,
-         decon: tuple[DecontaminationConfig, list[Any]] | None) -> tuple[StreamResult, dict]:
+def _run(
+    args: argparse.Namespace,
+    dedup_cfg: DedupConfig | None,
+    decon: tuple[DecontaminationConfig, list[Any]] | None,
+) -> tuple[StreamResult, dict]:
     suffix_fmt = SINGLE_FILE_SUFFIXES.get(args.output.suffix)
     fmt = args.output_format or suffix_fmt or "jsonl"
     if suffix_fmt and suffix_fmt != fmt:
-        raise ItoError(ErrorCode.bad_request,
-                       f"--output {args.output.name} is not a {fmt} file name")
-    cfg = StreamConfig(block_docs=args.block_docs,
-                       output_format="parquet" if fmt == "parquet" else "jsonl")
+        raise ItoError(
+            ErrorCode.bad_request, f"--output {args.output.name} is not a {fmt} file name"
+        )
+    cfg = StreamConfig(
+        block_docs=args.block_docs, output_format="parquet" if fmt == "parquet" else "jsonl"
+    )
     files = [(p, rel, f, 0, "custom") for p, rel, f in input_files(args.input)]
-    shards_dir = args.output.with_name(args.output.name + ".shards") if suffix_fmt \
-        else args.output
+    shards_dir = args.output.with_name(args.output.name + ".shards") if suffix_fmt else args.output
     work = args.work_dir or args.output.with_name(args.output.name + ".work")
     with executor_for(args.ray_address, cfg) as executor:
-        res = run_stream(files, shards_dir, text_field=args.text_field, dedup_cfg=dedup_cfg,
-                         decon=decon, cfg=cfg, work_dir=work, executor=executor,
-                         progress=_ProgressPrinter(quiet=False), keep_work=args.keep_work,
-                         flag_field=getattr(args, "flag_field", "contaminated"))
+        res = run_stream(
+            files,
+            shards_dir,
+            text_field=args.text_field,
+            dedup_cfg=dedup_cfg,
+            decon=decon,
+            cfg=cfg,
+            work_dir=work,
+            executor=executor,
+            progress=_ProgressPrinter(quiet=False),
+            keep_work=args.keep_work,
+            flag_field=getattr(args, "flag_field", "contaminated"),
+        )
     rows = _output_rows(shards_dir, res, args.output)
     if suffix_fmt:
-        digest, size = concat_shards(shards_dir, [s["path"] for s in res.shards], args.output,
-                                     fmt)
+        digest, size = concat_shards(shards_dir, [s["path"] for s in res.shards], args.output, fmt)
         shutil.rmtree(shards_dir, ignore_errors=True)
         out = {"path": str(args.output.resolve()), "sha256": digest, "bytes": size}
     else:
-        out = {"path": str(args.output.resolve()), "format": fmt,
-               "manifest": str(args.output.resolve() / "manifest.json"),
-               "shards": res.shards, "bytes": sum(s["bytes"] for s in res.shards)}
-    io = {**rows, "input": {"path": str(args.input.resolve()),
-                    "sha256": res.plan.input_sha256(args.input.is_dir()),
-                    "files": [{"relpath": s.relpath, "sha256": s.sha256, "bytes": s.bytes}
-                              for s in res.plan.sources]},
-          "output": out, "execution": {"executor": res.executor, "attempt": res.attempt,
-                                       "blocks": len(res.plan.blocks),
-                                       "resumed_tasks": res.resumed_tasks,
-                                       "stage_seconds": res.stage_seconds}}
+        out = {
+            "path": str(args.output.resolve()),
+            "format": fmt,
+            "manifest": str(args.output.resolve() / "manifest.json"),
+            "shards": res.shards,
+            "bytes": sum(s["bytes"] for s in res.shards),
+        }
+    io = {
+        **rows,
+        "input": {
+            "path": str(args.input.resolve()),
+            "sha256": res.plan.input_sha256(args.input.is_dir()),
+            "files": [
+                {"relpath": s.relpath, "sha256": s.sha256, "bytes": s.bytes}
+                for s in res.plan.sources
+            ],
+        },
+        "output": out,
+        "execution": {
+            "executor": res.executor,
+            "attempt": res.attempt,
+            "blocks": len(res.plan.blocks),
+            "resumed_tasks": res.resumed_tasks,
+            "stage_seconds": res.stage_seconds,
+        },
+    }
     return res, io
 
 
@@ -164,31 +212,56 @@ def _output_rows(folder: Path, res: StreamResult, output: Path) -> dict[str, Any
 
 def _summary(res: StreamResult, args: argparse.Namespace, prov: Path) -> dict[str, Any]:
     c = res.counts
-    return {"command": args.command, "docs_in": c["docs_in"], "docs_out": c["docs_out"],
-            "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"], "output": str(args.output),
-            "provenance_path": str(prov), "executor": res.executor,
-            "blocks": len(res.plan.blocks), "resumed_tasks": res.resumed_tasks}
+    return {
+        "command": args.command,
+        "docs_in": c["docs_in"],
+        "docs_out": c["docs_out"],
+        "bytes_in": c["bytes_in"],
+        "bytes_out": c["bytes_out"],
+        "output": str(args.output),
+        "provenance_path": str(prov),
+        "executor": res.executor,
+        "blocks": len(res.plan.blocks),
+        "resumed_tasks": res.resumed_tasks,
+    }
 
 
 def run_dedup(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = DedupConfig(threshold=args.threshold, num_perm=args.num_perm,
-                      shingle_size=args.shingle_size)
+    cfg = DedupConfig(
+        threshold=args.threshold, num_perm=args.num_perm, shingle_size=args.shingle_size
+    )
     res, io = _run(args, cfg, None)
     prov = args.output.with_name(args.output.name + ".provenance.json")
     sec = dedup_section(res)
-    write_json(prov, {"command": "dedup", **io,
-                      "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-                      "docs_in": res.counts["docs_in"], "docs_out": res.counts["docs_out"],
-                      "dedup": sec})
-    return {**_summary(res, args, prov), "exact_duplicates": sec["exact_duplicates"],
-            "near_duplicates": sec["near_duplicates"], "clusters": sec["clusters"],
-            "bands": sec["parameters"]["bands"], "rows": sec["parameters"]["rows"]}
+    write_json(
+        prov,
+        {
+            "command": "dedup",
+            **io,
+            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "docs_in": res.counts["docs_in"],
+            "docs_out": res.counts["docs_out"],
+            "dedup": sec,
+        },
+    )
+    return {
+        **_summary(res, args, prov),
+        "exact_duplicates": sec["exact_duplicates"],
+        "near_duplicates": sec["near_duplicates"],
+        "clusters": sec["clusters"],
+        "bands": sec["parameters"]["bands"],
+        "rows": sec["parameters"]["rows"],
+    }
 
 
 def run_decontaminate(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = DecontaminationConfig(mode=args.mode, ngram=args.ngram, action=args.action,
-                                overlap_ngram=args.overlap_ngram,
-                                overlap_threshold=args.overlap_threshold)
+    cfg = DecontaminationConfig(
+        mode=args.mode,
+        ngram=args.ngram,
+        action=args.action,
+        overlap_ngram=args.overlap_ngram,
+        overlap_threshold=args.overlap_threshold,
+    )
     items, infos = load_eval_items(args.suite, [str(p) for p in args.eval], args.eval_field)
     if not items:
         raise ItoError(ErrorCode.bad_request, "no eval items: give --eval PATH or --suite NAME")
@@ -196,14 +269,26 @@ def run_decontaminate(args: argparse.Namespace) -> dict[str, Any]:
     res, io = _run(args, None, (cfg, items))
     prov = args.output.with_name(args.output.name + ".provenance.json")
     sec = decontam_section(res, index)
-    write_json(prov, {"command": "decontaminate", **io,
-                      "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-                      "docs_in": res.counts["docs_in"], "docs_out": res.counts["docs_out"],
-                      "decontamination": {**sec, "eval_files": [vars(i) for i in infos]}})
-    return {**_summary(res, args, prov), "contaminated": res.counts["contaminated"],
-            "action": cfg.action, "eval_items": len(items),
-            "eval_items_matched": sec["eval_items_matched"], "method": cfg.mode,
-            "ngram": index.n}
+    write_json(
+        prov,
+        {
+            "command": "decontaminate",
+            **io,
+            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "docs_in": res.counts["docs_in"],
+            "docs_out": res.counts["docs_out"],
+            "decontamination": {**sec, "eval_files": [vars(i) for i in infos]},
+        },
+    )
+    return {
+        **_summary(res, args, prov),
+        "contaminated": res.counts["contaminated"],
+        "action": cfg.action,
+        "eval_items": len(items),
+        "eval_items_matched": sec["eval_items_matched"],
+        "method": cfg.mode,
+        "ngram": index.n,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -214,16 +299,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ItoError(ErrorCode.data_not_found, f"no such file or folder: {args.input}")
         summary = run_dedup(args) if args.command == "dedup" else run_decontaminate(args)
     except ValidationError as ve:  # a setting out of range (e.g. --block-docs 0)
-        msg = "; ".join(f"{'.'.join(str(x) for x in d['loc'])}: {d['msg']}"
-                        for d in ve.errors())
+        msg = "; ".join(f"{'.'.join(str(x) for x in d['loc'])}: {d['msg']}" for d in ve.errors())
         err = {"ok": False, "error": {"code": str(ErrorCode.bad_request), "message": msg}}
-        print(json.dumps(err) if args.json else f"error [bad_request]: {msg}",
-              file=sys.stdout if args.json else sys.stderr)
+        print(
+            json.dumps(err) if args.json else f"error [bad_request]: {msg}",
+            file=sys.stdout if args.json else sys.stderr,
+        )
         return 2
     except ItoError as e:
         err = {"ok": False, "error": {"code": str(e.code), "message": e.message}}
-        print(json.dumps(err) if args.json else f"error [{e.code}]: {e.message}",
-              file=sys.stdout if args.json else sys.stderr)
+        print(
+            json.dumps(err) if args.json else f"error [{e.code}]: {e.message}",
+            file=sys.stdout if args.json else sys.stderr,
+        )
         return 2
     summary = {"ok": True, **summary, "seconds": round(time.time() - t0, 3)}
     if args.json:

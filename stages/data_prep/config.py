@@ -22,7 +22,8 @@ class DataRef(StrictModel):
     # file:///abs/path (a file or a folder of jsonl/parquet/txt); hf:// etc. are
     # recognised and refused unless cached locally.
     uri: Annotated[str, PathField("data", "any", form="file_uri", remote=True)] = Field(
-        min_length=1, max_length=2048)
+        min_length=1, max_length=2048
+    )
     # sha256 of the file's bytes; for a folder, sha256 of the sorted lines
     # "<relative path>\t<file sha256>\n" of every data file under it.
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
@@ -83,7 +84,8 @@ class DataPrepConfig(StrictModel):
     refs: list[DataRef] = Field(min_length=1, max_length=256)
     eval_suites: list[str] = Field(default_factory=lambda: ["gsm8k"], max_length=64)
     eval_files: Annotated[list[str], PathField("data", "file", form="file_uri")] = Field(
-        default_factory=list, max_length=256, description="file:/// eval files")
+        default_factory=list, max_length=256, description="file:/// eval files"
+    )
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     decontamination: DecontaminationConfig = Field(default_factory=DecontaminationConfig)
     ladder_probe: LadderProbeConfig = Field(default_factory=LadderProbeConfig)

@@ -109,8 +109,9 @@ class EvalIndex:
                     out.append(Match(d, i, count, ratio, self.cfg.mode))
         for m, table in self.short.items():
             sd, si = table.lookup(ngram_hashes(wb, m, short="drop"))
-            out += [Match(d, i, 1, 1.0, "exact") for d, i in
-                    zip(sd.tolist(), si.tolist(), strict=True)]
+            out += [
+                Match(d, i, 1, 1.0, "exact") for d, i in zip(sd.tolist(), si.tolist(), strict=True)
+            ]
         return out
 
 
@@ -134,22 +135,34 @@ class DecontamResult:
         rows = []
         for d in sorted(by_doc):
             ms = sorted(by_doc[d], key=lambda m: (-m.ratio, -m.grams, m.item))
-            rows.append({
-                "doc": doc_ids[d] if doc_ids is not None else d,
-                "matches": [{"suite": items[m.item].suite, "item": items[m.item].index,
-                             "file": items[m.item].file, "method": m.method,
-                             "grams": m.grams, "ratio": round(m.ratio, 4)}
-                            for m in ms[:MAX_MATCHES_PER_DOC]],
-                "total_matches": len(ms),
-            })
+            rows.append(
+                {
+                    "doc": doc_ids[d] if doc_ids is not None else d,
+                    "matches": [
+                        {
+                            "suite": items[m.item].suite,
+                            "item": items[m.item].index,
+                            "file": items[m.item].file,
+                            "method": m.method,
+                            "grams": m.grams,
+                            "ratio": round(m.ratio, 4),
+                        }
+                        for m in ms[:MAX_MATCHES_PER_DOC]
+                    ],
+                    "total_matches": len(ms),
+                }
+            )
         per_suite = Counter(items[m.item].suite for m in self.matches)
         return {
             "method": cfg.mode,
-            "parameters": {"ngram": self.index.n, "mode": cfg.mode, "action": cfg.action,
-                           "overlap_threshold": cfg.overlap_threshold if cfg.mode == "overlap"
-                           else None,
-                           "normalisation": "NFKC, lower case, split on non-alphanumerics",
-                           "short_item_fallback": "exact word-sequence match"},
+            "parameters": {
+                "ngram": self.index.n,
+                "mode": cfg.mode,
+                "action": cfg.action,
+                "overlap_threshold": cfg.overlap_threshold if cfg.mode == "overlap" else None,
+                "normalisation": "NFKC, lower case, split on non-alphanumerics",
+                "short_item_fallback": "exact word-sequence match",
+            },
             "eval_items": len(items),
             "eval_items_short": self.index.short_items,
             "documents_contaminated": self.num_contaminated,
@@ -159,14 +172,15 @@ class DecontamResult:
         }
 
 
-def decontaminate(texts: Sequence[str], index: EvalIndex,
-                  cancelled: Callable[[], bool] = lambda: False) -> DecontamResult:
+def decontaminate(
+    texts: Sequence[str], index: EvalIndex, cancelled: Callable[[], bool] = lambda: False
+) -> DecontamResult:
     contaminated = np.zeros(len(texts), dtype=bool)
     matches: list[Match] = []
     for start in range(0, len(texts), MATCH_BATCH_DOCS):
         if cancelled():
             raise InterruptedError("decontamination cancelled")
-        for m in index.match(texts[start:start + MATCH_BATCH_DOCS]):
+        for m in index.match(texts[start : start + MATCH_BATCH_DOCS]):
             m = Match(m.doc + start, m.item, m.grams, m.ratio, m.method)
             contaminated[m.doc] = True
             matches.append(m)

@@ -40,19 +40,22 @@ class Sketch:
     def shingle_set(self, i: int) -> np.ndarray:
         """Sorted unique shingle hashes of document ``i`` (built on demand: only
         candidate documents ever need it)."""
-        return np.unique(self.shingles[self.offsets[i]:self.offsets[i + 1]])
+        return np.unique(self.shingles[self.offsets[i] : self.offsets[i + 1]])
 
 
 def sketch_texts(texts: Sequence[str], shingle_size: int, num_perm: int, seed: int) -> Sketch:
     sigs, shingles, lens = [], [], []
     for start in range(0, len(texts), SKETCH_BATCH_DOCS):
-        grams = ngram_hashes(word_batch(texts[start:start + SKETCH_BATCH_DOCS]), shingle_size)
+        grams = ngram_hashes(word_batch(texts[start : start + SKETCH_BATCH_DOCS]), shingle_size)
         sigs.append(signatures(grams, num_perm, seed))
         shingles.append(grams.hashes)
         lens.append(grams.counts())
     if not sigs:
-        return Sketch(np.zeros((0, num_perm), dtype=np.uint32), np.zeros(0, dtype=np.uint64),
-                      np.zeros(1, dtype=np.int64))
+        return Sketch(
+            np.zeros((0, num_perm), dtype=np.uint32),
+            np.zeros(0, dtype=np.uint64),
+            np.zeros(1, dtype=np.int64),
+        )
     lengths = np.concatenate(lens)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -65,8 +68,9 @@ def _concat_sketches(parts: Sequence[Sketch], num_perm: int) -> Sketch:
     lengths = np.concatenate([np.diff(p.offsets) for p in parts])
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return Sketch(np.concatenate([p.sig for p in parts]),
-                  np.concatenate([p.shingles for p in parts]), offsets)
+    return Sketch(
+        np.concatenate([p.sig for p in parts]), np.concatenate([p.shingles for p in parts]), offsets
+    )
 
 
 def sketch_sharded(texts: Sequence[str], cfg: DedupConfig) -> tuple[Sketch, int]:
@@ -75,9 +79,10 @@ def sketch_sharded(texts: Sequence[str], cfg: DedupConfig) -> tuple[Sketch, int]
     import ray
 
     task = ray.remote(num_cpus=1)(sketch_texts)
-    refs = [task.remote(list(texts[s:s + cfg.shard_docs]), cfg.shingle_size, cfg.num_perm,
-                        cfg.seed)
-            for s in range(0, len(texts), cfg.shard_docs)]
+    refs = [
+        task.remote(list(texts[s : s + cfg.shard_docs]), cfg.shingle_size, cfg.num_perm, cfg.seed)
+        for s in range(0, len(texts), cfg.shard_docs)
+    ]
     parts = ray.get(refs, timeout=cfg.shard_timeout_s)
     return _concat_sketches(parts, cfg.num_perm), len(refs)
 
@@ -139,9 +144,13 @@ def exact_duplicate_mask(texts: Sequence[str]) -> np.ndarray:
     return dup
 
 
-def dedup(texts: Sequence[str], cfg: DedupConfig | None = None, *,
-          use_ray: bool | None = None,
-          cancelled: Callable[[], bool] = lambda: False) -> DedupResult:
+def dedup(
+    texts: Sequence[str],
+    cfg: DedupConfig | None = None,
+    *,
+    use_ray: bool | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> DedupResult:
     """Exact + near-duplicate removal over ``texts`` (see the module docstring).
 
     ``use_ray``: None shards over Ray when Ray is initialised and the input has at
@@ -159,8 +168,11 @@ def dedup(texts: Sequence[str], cfg: DedupConfig | None = None, *,
         sk, shards = sketch_sharded(texts, cfg)
         backend = "ray"
     else:
-        sk, shards, backend = sketch_texts(texts, cfg.shingle_size, cfg.num_perm, cfg.seed), 1, \
-            "local"
+        sk, shards, backend = (
+            sketch_texts(texts, cfg.shingle_size, cfg.num_perm, cfg.seed),
+            1,
+            "local",
+        )
     if cancelled():
         raise InterruptedError("dedup cancelled")
     eligible = ~exact & (np.diff(sk.offsets) > 0)
@@ -172,8 +184,11 @@ def dedup(texts: Sequence[str], cfg: DedupConfig | None = None, *,
             sets[i] = sk.shingle_set(i)
         return sets[i]
 
-    verified = [(int(i), int(j)) for i, j in cand
-                if jaccard_sorted(shingle_set(int(i)), shingle_set(int(j))) >= cfg.threshold]
+    verified = [
+        (int(i), int(j))
+        for i, j in cand
+        if jaccard_sorted(shingle_set(int(i)), shingle_set(int(j))) >= cfg.threshold
+    ]
     uf = UnionFind(n)
     for i, j in verified:
         uf.union(i, j)
@@ -186,10 +201,18 @@ def dedup(texts: Sequence[str], cfg: DedupConfig | None = None, *,
     for c in clusters:
         keep[c[1:]] = False
     near = sum(len(c) - 1 for c in clusters)
-    return DedupResult(keep=keep, exact_duplicates=int(exact.sum()), near_duplicates=near,
-                       clusters=clusters, candidate_pairs=len(cand),
-                       verified_pairs=np.array(verified, dtype=np.int64).reshape(-1, 2),
-                       bands=bands, rows=rows, shards=shards, backend=backend)
+    return DedupResult(
+        keep=keep,
+        exact_duplicates=int(exact.sum()),
+        near_duplicates=near,
+        clusters=clusters,
+        candidate_pairs=len(cand),
+        verified_pairs=np.array(verified, dtype=np.int64).reshape(-1, 2),
+        bands=bands,
+        rows=rows,
+        shards=shards,
+        backend=backend,
+    )
 
 
 def _ray_ready() -> bool:

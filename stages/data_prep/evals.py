@@ -73,13 +73,16 @@ def list_eval_suites() -> list[str]:
 def load_eval_suite(name: str) -> EvalSuite:
     path = evals_dir() / f"{name}.json"
     if "/" in name or not path.is_file():
-        raise ItoError(ErrorCode.eval_suite_unknown,
-                       f"unknown eval suite {name!r}; known: {', '.join(list_eval_suites())}")
+        raise ItoError(
+            ErrorCode.eval_suite_unknown,
+            f"unknown eval suite {name!r}; known: {', '.join(list_eval_suites())}",
+        )
     return EvalSuite.model_validate_json(path.read_bytes())
 
 
-def read_eval_file(path: Path, field: str, suite: str,
-                   answer_field: str | None = None) -> list[EvalItem]:
+def read_eval_file(
+    path: Path, field: str, suite: str, answer_field: str | None = None
+) -> list[EvalItem]:
     """Items of one eval file: jsonl with a text ``field`` (and optionally an answer),
     or plain text a line each."""
     if not path.is_file():
@@ -93,20 +96,25 @@ def read_eval_file(path: Path, field: str, suite: str,
                 row = json.loads(line)
                 text = row[field]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ItoError(ErrorCode.data_format_unsupported,
-                               f"{path.name} item {i}: not a JSON object with a {field!r} "
-                               "field") from e
+                raise ItoError(
+                    ErrorCode.data_format_unsupported,
+                    f"{path.name} item {i}: not a JSON object with a {field!r} field",
+                ) from e
             answer = row.get(answer_field) if answer_field else None
-            items.append(EvalItem(suite, str(path), i, str(text),
-                                  None if answer is None else str(answer)))
+            items.append(
+                EvalItem(suite, str(path), i, str(text), None if answer is None else str(answer))
+            )
     else:
         items = [EvalItem(suite, str(path), i, line.rstrip("\n")) for i, line in enumerate(lines)]
     return items
 
 
-def load_eval_items(suites: list[str], files: list[str] | None = None,
-                    field: str = "question", roots: Sequence[str] | None = None,
-                    ) -> tuple[list[EvalItem], list[EvalFileInfo]]:
+def load_eval_items(
+    suites: list[str],
+    files: list[str] | None = None,
+    field: str = "question",
+    roots: Sequence[str] | None = None,
+) -> tuple[list[EvalItem], list[EvalFileInfo]]:
     """All items of the named suites plus extra eval files (paths or file:// URIs; their
     suite name is the file's stem)."""
     items: list[EvalItem] = []

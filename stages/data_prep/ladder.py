@@ -41,11 +41,9 @@ _EVAL_BATCH = 32
 def token_stream(texts: Sequence[str], tok: ByteTokenizer | None = None) -> np.ndarray:
     """Documents as one stream of byte tokens, each ended by EOS."""
     tok = tok or ByteTokenizer()
-    parts = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-             for t in texts]
+    parts = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64) for t in texts]
     eos = np.array([tok.eos_id], dtype=np.int64)
-    return np.concatenate([x for p in parts for x in (p, eos)]) if parts else np.zeros(
-        0, np.int64)
+    return np.concatenate([x for p in parts for x in (p, eos)]) if parts else np.zeros(0, np.int64)
 
 
 def eval_windows(texts: Sequence[str], seq_len: int, max_bytes: int) -> torch.Tensor:
@@ -64,7 +62,7 @@ def bits_per_byte(model: torch.nn.Module, windows: torch.Tensor, device: torch.d
     model.eval()
     total, count = 0.0, 0
     for s in range(0, len(windows), _EVAL_BATCH):
-        x = windows[s:s + _EVAL_BATCH].to(device)
+        x = windows[s : s + _EVAL_BATCH].to(device)
         loss = causal_lm_loss(model, x)  # mean over x.size(0) * (seq_len - 1) bytes
         n = x.size(0) * (x.size(1) - 1)
         total += float(loss) * n
@@ -82,9 +80,17 @@ def _lr_at(step: int, steps: int, lr: float) -> float:
     return lr * (_MIN_LR_FRACTION + (1 - _MIN_LR_FRACTION) * cosine)
 
 
-def train_and_score(preset: ModelPreset, stream: np.ndarray, windows: torch.Tensor, *,
-                    seed: int, steps: int, cfg: LadderProbeConfig, device: torch.device,
-                    cancelled: Callable[[], bool] = lambda: False) -> float:
+def train_and_score(
+    preset: ModelPreset,
+    stream: np.ndarray,
+    windows: torch.Tensor,
+    *,
+    seed: int,
+    steps: int,
+    cfg: LadderProbeConfig,
+    device: torch.device,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> float:
     """Train one proxy from scratch on random windows of ``stream``; return its bpb."""
     if len(stream) <= cfg.seq_len + 1:
         raise ValueError(f"training stream of {len(stream)} tokens is shorter than one window")
@@ -109,8 +115,9 @@ def train_and_score(preset: ModelPreset, stream: np.ndarray, windows: torch.Tens
     return bits_per_byte(model, windows, device)
 
 
-def decide(baseline: Sequence[float], custom: Sequence[float], confidence: float,
-           min_effect: float) -> tuple[Decision, dict[str, float]]:
+def decide(
+    baseline: Sequence[float], custom: Sequence[float], confidence: float, min_effect: float
+) -> tuple[Decision, dict[str, float]]:
     """The rule in the module docstring; returns the decision and its numbers."""
     b, c = np.asarray(baseline, float), np.asarray(custom, float)
     n = min(len(b), len(c))
@@ -121,11 +128,18 @@ def decide(baseline: Sequence[float], custom: Sequence[float], confidence: float
     se = pooled * math.sqrt(2 / n)
     t_crit = float(student_t.ppf(1 - (1 - confidence) / 2, df=2 * n - 2))
     margin = max(t_crit * se, min_effect)
-    decision: Decision = ("adopt" if delta <= -margin else
-                          "reject" if delta >= margin else "no_decision")
-    return decision, {"delta_bpb": delta, "pooled_std_bpb": pooled, "stderr_bpb": se,
-                      "t_critical": t_crit, "margin_bpb": margin,
-                      "baseline_bpb_mean": float(b.mean()), "custom_bpb_mean": float(c.mean())}
+    decision: Decision = (
+        "adopt" if delta <= -margin else "reject" if delta >= margin else "no_decision"
+    )
+    return decision, {
+        "delta_bpb": delta,
+        "pooled_std_bpb": pooled,
+        "stderr_bpb": se,
+        "t_critical": t_crit,
+        "margin_bpb": margin,
+        "baseline_bpb_mean": float(b.mean()),
+        "custom_bpb_mean": float(c.mean()),
+    }
 
 
 @dataclass
@@ -160,18 +174,34 @@ def _device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def _reusable(prev: LadderResult | None, preset: str, steps: int, seeds: list[int],
-              base_sha: str, eval_sha: str) -> bool:
-    return (prev is not None and prev.preset == preset and prev.steps == steps
-            and prev.seeds == seeds and prev.baseline_sha256 == base_sha
-            and prev.eval_sha256 == eval_sha)
+def _reusable(
+    prev: LadderResult | None,
+    preset: str,
+    steps: int,
+    seeds: list[int],
+    base_sha: str,
+    eval_sha: str,
+) -> bool:
+    return (
+        prev is not None
+        and prev.preset == preset
+        and prev.steps == steps
+        and prev.seeds == seeds
+        and prev.baseline_sha256 == base_sha
+        and prev.eval_sha256 == eval_sha
+    )
 
 
-def ladder_probe(baseline_texts: Sequence[str], custom_texts: Sequence[str],
-                 eval_texts: Sequence[str], cfg: LadderProbeConfig | None = None, *,
-                 reuse: LadderResult | None = None,
-                 log: Callable[[str], None] = lambda _m: None,
-                 cancelled: Callable[[], bool] = lambda: False) -> LadderResult:
+def ladder_probe(
+    baseline_texts: Sequence[str],
+    custom_texts: Sequence[str],
+    eval_texts: Sequence[str],
+    cfg: LadderProbeConfig | None = None,
+    *,
+    reuse: LadderResult | None = None,
+    log: Callable[[str], None] = lambda _m: None,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> LadderResult:
     """Run both arms for ``cfg.seeds`` seeds and decide (see the module docstring).
 
     ``reuse``: an earlier result whose baseline arm (same baseline tokens, eval text,
@@ -201,18 +231,39 @@ def ladder_probe(baseline_texts: Sequence[str], custom_texts: Sequence[str],
         arms.insert(0, ("baseline", base))
     for seed in seeds:
         for arm, stream in arms:
-            bpb = train_and_score(preset, stream, windows, seed=seed, steps=steps, cfg=cfg,
-                                  device=device, cancelled=cancelled)
+            bpb = train_and_score(
+                preset,
+                stream,
+                windows,
+                seed=seed,
+                steps=steps,
+                cfg=cfg,
+                device=device,
+                cancelled=cancelled,
+            )
             scores[arm].append(bpb)
-            log(f"ladder probe: {arm} seed {seed}: {bpb:.4f} bits/byte "
-                f"({steps} steps, {steps * tokens_per_step} tokens, {preset.name})")
-    decision, stats = decide(scores["baseline"], scores["custom"], cfg.confidence,
-                             cfg.min_effect_bpb)
+            log(
+                f"ladder probe: {arm} seed {seed}: {bpb:.4f} bits/byte "
+                f"({steps} steps, {steps * tokens_per_step} tokens, {preset.name})"
+            )
+    decision, stats = decide(
+        scores["baseline"], scores["custom"], cfg.confidence, cfg.min_effect_bpb
+    )
     return LadderResult(
-        decision=decision, preset=preset.name, params=params,
+        decision=decision,
+        preset=preset.name,
+        params=params,
         tokens_per_run=steps * tokens_per_step,
-        tokens_per_param=steps * tokens_per_step / params, steps=steps, seeds=seeds,
-        baseline_bpb=scores["baseline"], custom_bpb=scores["custom"], stats=stats,
+        tokens_per_param=steps * tokens_per_step / params,
+        steps=steps,
+        seeds=seeds,
+        baseline_bpb=scores["baseline"],
+        custom_bpb=scores["custom"],
+        stats=stats,
         custom_token_fraction=1 - len(base) / max(len(mixed), 1),
-        eval_bytes=int(windows.numel()), seconds=time.time() - t0, device=str(device),
-        baseline_sha256=base_sha, eval_sha256=eval_sha)
+        eval_bytes=int(windows.numel()),
+        seconds=time.time() - t0,
+        device=str(device),
+        baseline_sha256=base_sha,
+        eval_sha256=eval_sha,
+    )

@@ -94,7 +94,7 @@ class Banding:
 
 
 def _band_keys(sig: np.ndarray, band: int, rows: int) -> np.ndarray:
-    cols = sig[:, band * rows:(band + 1) * rows].astype(np.uint64)
+    cols = sig[:, band * rows : (band + 1) * rows].astype(np.uint64)
     key = np.full(len(sig), np.uint64(band), dtype=np.uint64)
     for c in range(rows):
         key = key * np.uint64(0x9E3779B97F4A7C15) + cols[:, c]
@@ -119,13 +119,12 @@ def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
     if len(two):
         pairs.append(np.stack([sd[brk[two]], sd[brk[two] + 1]], axis=1))
     for g in multi[sizes[multi] > 2]:
-        members = sd[brk[g]:brk[g + 1]]  # sorted: lexsort's second key
+        members = sd[brk[g] : brk[g + 1]]  # sorted: lexsort's second key
         if len(members) <= MAX_BUCKET_ALL_PAIRS:
             ii, jj = np.triu_indices(len(members), k=1)
             pairs.append(np.stack([members[ii], members[jj]], axis=1))
         else:
-            pairs.append(np.stack([np.full(len(members) - 1, members[0]), members[1:]],
-                                  axis=1))
+            pairs.append(np.stack([np.full(len(members) - 1, members[0]), members[1:]], axis=1))
     if not pairs:
         return np.zeros((0, 2), dtype=np.int64)
     return np.concatenate(pairs)
@@ -140,12 +139,16 @@ def unique_pairs(p: np.ndarray) -> np.ndarray:
 
 def band_keys(sig: np.ndarray, banding: Banding) -> np.ndarray:
     """(docs, bands) uint64 bucket keys (the band index is mixed in)."""
-    return np.stack([_band_keys(sig, band, banding.rows) for band in range(banding.bands)],
-                    axis=1) if len(sig) else np.zeros((0, banding.bands), dtype=np.uint64)
+    return (
+        np.stack([_band_keys(sig, band, banding.rows) for band in range(banding.bands)], axis=1)
+        if len(sig)
+        else np.zeros((0, banding.bands), dtype=np.uint64)
+    )
 
 
-def candidate_pairs(sig: np.ndarray, banding: Banding,
-                    eligible: np.ndarray | None = None) -> np.ndarray:
+def candidate_pairs(
+    sig: np.ndarray, banding: Banding, eligible: np.ndarray | None = None
+) -> np.ndarray:
     """Unique (i, j), i < j, pairs of rows that share at least one band.
 
     ``eligible`` masks rows that take part (e.g. non-empty, not exact duplicates)."""
@@ -153,8 +156,9 @@ def candidate_pairs(sig: np.ndarray, banding: Banding,
     if eligible is not None:
         idx_all = idx_all[eligible]
     sub = sig[idx_all]
-    pairs = [bucket_pairs(_band_keys(sub, band, banding.rows), idx_all)
-             for band in range(banding.bands)]
+    pairs = [
+        bucket_pairs(_band_keys(sub, band, banding.rows), idx_all) for band in range(banding.bands)
+    ]
     pairs = [p for p in pairs if len(p)]
     if not pairs:
         return np.zeros((0, 2), dtype=np.int64)

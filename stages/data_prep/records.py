@@ -49,9 +49,16 @@ class Corpus:
                 self.ids.append(f"{k}:{f.relpath}:{n}")
                 self.roles.append(resolved.ref.role)
                 self.refs.append(k)
-            files.append({"path": str(f.path), "relpath": f.relpath, "format": f.format,
-                          "sha256": f.sha256, "bytes": f.bytes,
-                          "docs": len(self.texts) - before})
+            files.append(
+                {
+                    "path": str(f.path),
+                    "relpath": f.relpath,
+                    "format": f.format,
+                    "sha256": f.sha256,
+                    "bytes": f.bytes,
+                    "docs": len(self.texts) - before,
+                }
+            )
         return files
 
 
@@ -96,22 +103,28 @@ def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> tuple[str, int, i
 def write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n",
-                   encoding="utf-8")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 
 def dedup_record(result: DedupResult, cfg: DedupConfig, ids: Sequence[str]) -> dict[str, Any]:
     dup_of = result.duplicate_of()
-    examples = [{"doc": ids[d], "survivor": ids[s]}
-                for d, s in sorted(dup_of.items())[:MAX_DUPLICATE_EXAMPLES]]
+    examples = [
+        {"doc": ids[d], "survivor": ids[s]}
+        for d, s in sorted(dup_of.items())[:MAX_DUPLICATE_EXAMPLES]
+    ]
     return {
         "method": "exact blake2b, then MinHash LSH verified by exact Jaccard, union-find",
-        "parameters": {"threshold": cfg.threshold, "num_perm": cfg.num_perm,
-                       "shingle_size": cfg.shingle_size, "seed": cfg.seed,
-                       "bands": result.bands, "rows": result.rows,
-                       "recall_target": cfg.recall_target,
-                       "survivor": "lowest input index in the cluster"},
+        "parameters": {
+            "threshold": cfg.threshold,
+            "num_perm": cfg.num_perm,
+            "shingle_size": cfg.shingle_size,
+            "seed": cfg.seed,
+            "bands": result.bands,
+            "rows": result.rows,
+            "recall_target": cfg.recall_target,
+            "survivor": "lowest input index in the cluster",
+        },
         "backend": result.backend,
         "shards": result.shards,
         "exact_duplicates": result.exact_duplicates,

@@ -46,8 +46,11 @@ def file_sha256(path: str | Path) -> str:
 def data_files(folder: Path) -> list[Path]:
     """Every data file under ``folder`` (by suffix; LICENSE, README etc. are not data),
     sorted by relative path."""
-    files = [p for p in folder.rglob("*")
-             if p.is_file() and p.suffix in DATA_SUFFIXES and not p.name.startswith(".")]
+    files = [
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and p.suffix in DATA_SUFFIXES and not p.name.startswith(".")
+    ]
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
 
 
@@ -55,8 +58,9 @@ def folder_sha256(folder: str | Path) -> str:
     """sha256 of the sorted lines "<relative path>\\t<file sha256>\\n" of every data file
     under ``folder`` (DataRef's folder rule)."""
     root = Path(folder)
-    lines = sorted(f"{p.relative_to(root).as_posix()}\t{file_sha256(p)}\n"
-                   for p in data_files(root))
+    lines = sorted(
+        f"{p.relative_to(root).as_posix()}\t{file_sha256(p)}\n" for p in data_files(root)
+    )
     return hashlib.sha256("".join(lines).encode("utf-8")).hexdigest()
 
 
@@ -65,16 +69,21 @@ def path_sha256(path: str | Path) -> str:
     return folder_sha256(p) if p.is_dir() else file_sha256(p)
 
 
-def check_inside(path: str, roots: Sequence[str], where: str, *,
-                 want: str = "any", allow_missing: bool = False) -> tuple[int | None, bool]:
+def check_inside(
+    path: str, roots: Sequence[str], where: str, *, want: str = "any", allow_missing: bool = False
+) -> tuple[int | None, bool]:
     """Open ``path`` inside ``roots`` with the safe walk; ``(fd or None, is_dir)``.
 
     Everything that is not a plain file or folder reached without a symlink below a
     root is ``path_outside_root``; a missing one is ``data_not_found`` (or ``(None,
     False)`` with ``allow_missing``), said without the path."""
     try:
-        fd, st = safepath.open_inside(path, roots, want=want,  # type: ignore[arg-type]
-                                      allow_missing=allow_missing)
+        fd, st = safepath.open_inside(
+            path,
+            roots,
+            want=want,  # type: ignore[arg-type]
+            allow_missing=allow_missing,
+        )
     except safepath.WalkError as e:
         if e.kind == "missing":
             raise ItoError(ErrorCode.data_not_found, f"{where}: no such file or folder") from None
@@ -100,8 +109,9 @@ def _cached_path(uri: str, cache_dir: Path, where: str) -> str:
     return f"{str(cache_dir).rstrip('/')}/{parsed.scheme.lower()}/{rel}"
 
 
-def _resolve_inside(ref: DataRef, roots: Sequence[str], where: str, copy_to: Path,
-                    cache_dir: Path | None) -> ResolvedRef:
+def _resolve_inside(
+    ref: DataRef, roots: Sequence[str], where: str, copy_to: Path, cache_dir: Path | None
+) -> ResolvedRef:
     """resolve_ref under data roots: every file is reached by the safe walk (a symlink
     anywhere below the ref is refused) and copied from its own descriptor into the
     run's ``copy_to``, hashed as copied; the stage reads only the copies, so what the
@@ -117,16 +127,25 @@ def _resolve_inside(ref: DataRef, roots: Sequence[str], where: str, copy_to: Pat
         except ItoError as e:
             if e.code != ErrorCode.data_not_found:
                 raise
-            raise ItoError(ErrorCode.data_remote_not_cached,
-                           f"{where}: remote data is not fetched on booked nodes; place a "
-                           "copy in the cache folder first") from None
+            raise ItoError(
+                ErrorCode.data_remote_not_cached,
+                f"{where}: remote data is not fetched on booked nodes; place a "
+                "copy in the cache folder first",
+            ) from None
     if snap.is_dir and not snap.files:
         raise ItoError(ErrorCode.data_empty, f"{where}: no data files in the folder")
     assert snap.path is not None
-    files = [DataFile(snap.path / f.relpath if snap.is_dir else snap.path, f.relpath,
-                      file_format(Path(f.relpath), ref.format), f.sha256, f.bytes,
-                      origin=f"{path}/{f.relpath}" if snap.is_dir else path)
-             for f in snap.files]
+    files = [
+        DataFile(
+            snap.path / f.relpath if snap.is_dir else snap.path,
+            f.relpath,
+            file_format(Path(f.relpath), ref.format),
+            f.sha256,
+            f.bytes,
+            origin=f"{path}/{f.relpath}" if snap.is_dir else path,
+        )
+        for f in snap.files
+    ]
     return ResolvedRef(ref, Path(path), files, snap.sha256)
 
 
@@ -136,8 +155,9 @@ def local_path(uri: str, cache_dir: Path | None = None) -> Path:
     scheme = parsed.scheme.lower()
     if scheme == "file":
         if parsed.netloc not in ("", "localhost"):
-            raise ItoError(ErrorCode.data_scheme_not_allowed,
-                           f"file URI with a host is not local: {uri}")
+            raise ItoError(
+                ErrorCode.data_scheme_not_allowed, f"file URI with a host is not local: {uri}"
+            )
         path = Path(unquote(parsed.path))
         if not path.is_absolute():
             raise ItoError(ErrorCode.data_not_found, f"file URI must be absolute: {uri}")
@@ -150,12 +170,16 @@ def local_path(uri: str, cache_dir: Path | None = None) -> Path:
         cached = (cache / scheme / rel).resolve()
         if rel and ".." not in Path(rel).parts and cached.exists():
             return cached
-        raise ItoError(ErrorCode.data_remote_not_cached,
-                       f"{scheme}:// data is not fetched on booked nodes; place a copy at "
-                       f"{cache / scheme / rel} first",
-                       details={"uri": uri, "cache_path": str(cache / scheme / rel)})
-    raise ItoError(ErrorCode.data_scheme_not_allowed,
-                   f"unsupported data URI scheme {scheme or '(none)'!r}: {uri}")
+        raise ItoError(
+            ErrorCode.data_remote_not_cached,
+            f"{scheme}:// data is not fetched on booked nodes; place a copy at "
+            f"{cache / scheme / rel} first",
+            details={"uri": uri, "cache_path": str(cache / scheme / rel)},
+        )
+    raise ItoError(
+        ErrorCode.data_scheme_not_allowed,
+        f"unsupported data URI scheme {scheme or '(none)'!r}: {uri}",
+    )
 
 
 @dataclass(frozen=True)
@@ -184,15 +208,21 @@ class ResolvedRef:
 def file_format(path: Path, declared: str | None = None) -> str:
     fmt = declared or DATA_SUFFIXES.get(path.suffix)
     if fmt is None:
-        raise ItoError(ErrorCode.data_format_unsupported,
-                       f"cannot tell the format of {path.name}; use .jsonl, .parquet, .txt "
-                       "or set the ref's format")
+        raise ItoError(
+            ErrorCode.data_format_unsupported,
+            f"cannot tell the format of {path.name}; use .jsonl, .parquet, .txt "
+            "or set the ref's format",
+        )
     return fmt
 
 
-def resolve_ref(ref: DataRef, cache_dir: Path | None = None,
-                roots: Sequence[str] | None = None, where: str = "data ref",
-                copy_to: Path | None = None) -> ResolvedRef:
+def resolve_ref(
+    ref: DataRef,
+    cache_dir: Path | None = None,
+    roots: Sequence[str] | None = None,
+    where: str = "data ref",
+    copy_to: Path | None = None,
+) -> ResolvedRef:
     """Find the ref's files and compute their digests (no document is read yet).
 
     With ``roots`` (the account's data roots, always set for a run) a ``file://`` ref
@@ -204,20 +234,28 @@ def resolve_ref(ref: DataRef, cache_dir: Path | None = None,
     if roots is not None and (scheme == "file" or (scheme in REMOTE_SCHEMES and cache_dir)):
         if copy_to is None:
             raise ValueError("a ref under data roots is read from a private copy: copy_to")
-        return _resolve_inside(ref, roots, where, copy_to,
-                               cache_dir if scheme != "file" else None)
+        return _resolve_inside(ref, roots, where, copy_to, cache_dir if scheme != "file" else None)
     path = local_path(ref.uri, cache_dir)
     if path.is_dir():
         paths = data_files(path)
         if not paths:
             raise ItoError(ErrorCode.data_empty, f"no data files under {path}")
-        files = [DataFile(p, p.relative_to(path).as_posix(), file_format(p, ref.format),
-                          file_sha256(p), p.stat().st_size) for p in paths]
+        files = [
+            DataFile(
+                p,
+                p.relative_to(path).as_posix(),
+                file_format(p, ref.format),
+                file_sha256(p),
+                p.stat().st_size,
+            )
+            for p in paths
+        ]
         lines = sorted(f"{f.relpath}\t{f.sha256}\n" for f in files)
         digest = hashlib.sha256("".join(lines).encode("utf-8")).hexdigest()
     else:
-        f = DataFile(path, path.name, file_format(path, ref.format), file_sha256(path),
-                     path.stat().st_size)
+        f = DataFile(
+            path, path.name, file_format(path, ref.format), file_sha256(path), path.stat().st_size
+        )
         files, digest = [f], f.sha256
     return ResolvedRef(ref, path, files, digest)
 
@@ -230,8 +268,9 @@ def _open(path: Path, roots: Sequence[str] | None, binary: bool = False) -> IO: 
     return os.fdopen(fd, "rb") if binary else os.fdopen(fd, encoding="utf-8")
 
 
-def read_texts(path: Path, fmt: str, text_field: str = "text",
-               roots: Sequence[str] | None = None) -> Iterator[str]:
+def read_texts(
+    path: Path, fmt: str, text_field: str = "text", roots: Sequence[str] | None = None
+) -> Iterator[str]:
     """Documents of one file: a jsonl/parquet field, or one non-empty line of text.
     With ``roots`` the file is opened by the safe walk inside them."""
     if fmt == "parquet":  # only the text column, not whole rows
@@ -240,20 +279,24 @@ def read_texts(path: Path, fmt: str, text_field: str = "text",
         with _open(path, roots, binary=True) as fb:
             table = pq.read_table(fb)
         if text_field not in table.column_names:
-            raise ItoError(ErrorCode.data_format_unsupported,
-                           f"{path.name}: no column {text_field!r}")
+            raise ItoError(
+                ErrorCode.data_format_unsupported, f"{path.name}: no column {text_field!r}"
+            )
         for value in table.column(text_field).to_pylist():
             if not isinstance(value, str):
-                raise ItoError(ErrorCode.data_format_unsupported,
-                               f"{path.name}: column {text_field!r} holds a non-string")
+                raise ItoError(
+                    ErrorCode.data_format_unsupported,
+                    f"{path.name}: column {text_field!r} holds a non-string",
+                )
             yield value
         return
     for _, text in read_records(path, fmt, text_field, roots):
         yield text
 
 
-def read_records(path: Path, fmt: str, text_field: str = "text",
-                 roots: Sequence[str] | None = None) -> Iterator[tuple[dict[str, Any], str]]:
+def read_records(
+    path: Path, fmt: str, text_field: str = "text", roots: Sequence[str] | None = None
+) -> Iterator[tuple[dict[str, Any], str]]:
     """(the caller's record as it was, its text) per document of one file. A text
     file's record is ``{text_field: line}``. With ``roots``, opened by the safe walk."""
     if fmt == "jsonl":
@@ -265,12 +308,16 @@ def read_records(path: Path, fmt: str, text_field: str = "text",
                     record = json.loads(line)
                     value = record[text_field]
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ItoError(ErrorCode.data_format_unsupported,
-                                   f"{path.name}:{lineno}: not a JSON object with a "
-                                   f"{text_field!r} field ({type(e).__name__})") from e
+                    raise ItoError(
+                        ErrorCode.data_format_unsupported,
+                        f"{path.name}:{lineno}: not a JSON object with a "
+                        f"{text_field!r} field ({type(e).__name__})",
+                    ) from e
                 if not isinstance(value, str):
-                    raise ItoError(ErrorCode.data_format_unsupported,
-                                   f"{path.name}:{lineno}: {text_field!r} is not a string")
+                    raise ItoError(
+                        ErrorCode.data_format_unsupported,
+                        f"{path.name}:{lineno}: {text_field!r} is not a string",
+                    )
                 yield record, value
     elif fmt == "parquet":
         import pyarrow.parquet as pq
@@ -278,13 +325,16 @@ def read_records(path: Path, fmt: str, text_field: str = "text",
         with _open(path, roots, binary=True) as fb:
             table = pq.read_table(fb)
         if text_field not in table.column_names:
-            raise ItoError(ErrorCode.data_format_unsupported,
-                           f"{path.name}: no column {text_field!r}")
+            raise ItoError(
+                ErrorCode.data_format_unsupported, f"{path.name}: no column {text_field!r}"
+            )
         for record in table.to_pylist():
             value = record[text_field]
             if not isinstance(value, str):
-                raise ItoError(ErrorCode.data_format_unsupported,
-                               f"{path.name}: column {text_field!r} holds a non-string")
+                raise ItoError(
+                    ErrorCode.data_format_unsupported,
+                    f"{path.name}: column {text_field!r} holds a non-string",
+                )
             yield record, value
     elif fmt == "text":
         with _open(path, roots) as f:

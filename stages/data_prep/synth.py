@@ -20,7 +20,7 @@ def shingle_tuples(text: str, k: int) -> set[tuple[str, ...]]:
     words = normalize_words(text)
     if 0 < len(words) < k:
         return {tuple(words)}
-    return {tuple(words[i:i + k]) for i in range(len(words) - k + 1)}
+    return {tuple(words[i : i + k]) for i in range(len(words) - k + 1)}
 
 
 def jaccard(a: set, b: set) -> float:
@@ -29,8 +29,14 @@ def jaccard(a: set, b: set) -> float:
     return len(a & b) / len(a | b)
 
 
-def _edit_towards(words: list[str], target: float, k: int, rng: random.Random,
-                  fresh: Iterator[str], tolerance: float = 0.02) -> list[str]:
+def _edit_towards(
+    words: list[str],
+    target: float,
+    k: int,
+    rng: random.Random,
+    fresh: Iterator[str],
+    tolerance: float = 0.02,
+) -> list[str]:
     """Random word edits (replace, insert, delete) until Jaccard(original, copy) falls
     to ``target`` or just below; returns the copy. An interior edit breaks ~k shingles,
     so when one would undershoot by more than ``tolerance``, an edit at the end (one
@@ -57,9 +63,16 @@ def _edit_towards(words: list[str], target: float, k: int, rng: random.Random,
     return copy
 
 
-def planted_pair_corpus(n_docs: int, n_pairs: int, *, words_per_doc: int = 80,
-                        jaccard_range: tuple[float, float] = (0.3, 0.95), shingle_size: int = 5,
-                        vocab_size: int = 30_000, seed: int = 0) -> tuple[list[str], list[Pair]]:
+def planted_pair_corpus(
+    n_docs: int,
+    n_pairs: int,
+    *,
+    words_per_doc: int = 80,
+    jaccard_range: tuple[float, float] = (0.3, 0.95),
+    shingle_size: int = 5,
+    vocab_size: int = 30_000,
+    seed: int = 0,
+) -> tuple[list[str], list[Pair]]:
     """``n_docs`` random documents, then ``n_pairs`` edited copies of randomly chosen
     ones with a target Jaccard drawn uniformly from ``jaccard_range``. Returns the texts
     (copies shuffled in) and the planted (original, copy) index pairs."""
@@ -68,8 +81,10 @@ def planted_pair_corpus(n_docs: int, n_pairs: int, *, words_per_doc: int = 80,
     fresh = (f"x{i}" for i in count())  # words no original uses
     originals = [[rng.choice(vocab) for _ in range(words_per_doc)] for _ in range(n_docs)]
     sources = rng.sample(range(n_docs), n_pairs)
-    copies = [_edit_towards(originals[s], rng.uniform(*jaccard_range), shingle_size, rng, fresh)
-              for s in sources]
+    copies = [
+        _edit_towards(originals[s], rng.uniform(*jaccard_range), shingle_size, rng, fresh)
+        for s in sources
+    ]
     docs = [(" ".join(w), i) for i, w in enumerate(originals)]
     docs += [(" ".join(w), -1 - j) for j, w in enumerate(copies)]
     rng.shuffle(docs)
@@ -81,8 +96,11 @@ def planted_pair_corpus(n_docs: int, n_pairs: int, *, words_per_doc: int = 80,
 def similar_pairs_bruteforce(texts: Sequence[str], k: int, threshold: float) -> set[Pair]:
     """Every pair with exact shingle Jaccard >= threshold, by checking all n^2/2 pairs."""
     sets = [shingle_tuples(t, k) for t in texts]
-    return {(i, j) for i, j in combinations(range(len(texts)), 2)
-            if jaccard(sets[i], sets[j]) >= threshold}
+    return {
+        (i, j)
+        for i, j in combinations(range(len(texts)), 2)
+        if jaccard(sets[i], sets[j]) >= threshold
+    }
 
 
 def similar_pairs_exact(texts: Sequence[str], k: int, threshold: float) -> set[Pair]:
@@ -93,8 +111,9 @@ def similar_pairs_exact(texts: Sequence[str], k: int, threshold: float) -> set[P
     for i, s in enumerate(sets):
         for sh in s:
             postings.setdefault(sh, []).append(i)
-    candidates = {(a, b) for docs in postings.values() if len(docs) > 1
-                  for a, b in combinations(docs, 2)}
+    candidates = {
+        (a, b) for docs in postings.values() if len(docs) > 1 for a, b in combinations(docs, 2)
+    }
     return {(i, j) for i, j in candidates if jaccard(sets[i], sets[j]) >= threshold}
 
 

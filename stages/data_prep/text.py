@@ -42,8 +42,7 @@ def word_hash(word: str) -> int:
     if h is None:
         if len(_word_cache) >= _WORD_CACHE_MAX:
             _word_cache.clear()
-        h = int.from_bytes(hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest(),
-                           "little")
+        h = int.from_bytes(hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest(), "little")
         _word_cache[word] = h
     return h
 

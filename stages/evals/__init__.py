@@ -12,15 +12,33 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "Battery": "config", "BatteryCheck": "config", "GateThreshold": "config",
-    "list_batteries": "config", "load_battery": "config",
-    "BatteryResult": "battery", "CheckResult": "battery", "EvalSettings": "battery",
+    "Battery": "config",
+    "BatteryCheck": "config",
+    "GateThreshold": "config",
+    "list_batteries": "config",
+    "load_battery": "config",
+    "BatteryResult": "battery",
+    "CheckResult": "battery",
+    "EvalSettings": "battery",
     "run_battery": "battery",
-    "CheckVerdict": "gates", "GateDecision": "gates", "evaluate_gates": "gates",
+    "CheckVerdict": "gates",
+    "GateDecision": "gates",
+    "evaluate_gates": "gates",
 }
-__all__ = ["Battery", "BatteryCheck", "BatteryResult", "CheckResult", "CheckVerdict",
-           "EvalSettings", "GateDecision", "GateThreshold", "evaluate_gates",
-           "list_batteries", "load_battery", "run_battery"]
+__all__ = [
+    "Battery",
+    "BatteryCheck",
+    "BatteryResult",
+    "CheckResult",
+    "CheckVerdict",
+    "EvalSettings",
+    "GateDecision",
+    "GateThreshold",
+    "evaluate_gates",
+    "list_batteries",
+    "load_battery",
+    "run_battery",
+]
 
 if TYPE_CHECKING:
     from stages.evals.battery import BatteryResult, CheckResult, EvalSettings, run_battery

@@ -86,8 +86,9 @@ def _bounded(fn: Callable[[], Any], timeout_s: float) -> Any:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _record(checks: Sequence[BatteryCheck], fn: Callable[[], dict[str, float | None]],
-            timeout_s: float) -> list[CheckResult]:
+def _record(
+    checks: Sequence[BatteryCheck], fn: Callable[[], dict[str, float | None]], timeout_s: float
+) -> list[CheckResult]:
     t0 = time.time()
     status: CheckStatus = "ok"
     error = ""
@@ -105,56 +106,98 @@ def _record(checks: Sequence[BatteryCheck], fn: Callable[[], dict[str, float | N
         st, err = status, error
         if st == "ok" and (score is None or not math.isfinite(score)):
             st, err, score = "no_number", f"no finite {c.metric} in the result", None
-        out.append(CheckResult(name=c.name, kind=c.kind, metric=c.metric,
-                               higher_is_better=c.higher_is_better,
-                               score=score if st == "ok" else None, status=st, error=err,
-                               seconds=dt / len(checks)))
+        out.append(
+            CheckResult(
+                name=c.name,
+                kind=c.kind,
+                metric=c.metric,
+                higher_is_better=c.higher_is_better,
+                score=score if st == "ok" else None,
+                status=st,
+                error=err,
+                seconds=dt / len(checks),
+            )
+        )
     return out
 
 
-def run_battery(model: torch.nn.Module, tokenizer: Any, battery_name: str,
-                heldout_texts: Sequence[str], *, seq_len: int, phase: str = "",
-                step: int | None = None, settings: EvalSettings | None = None,
-                work_dir: Path | None = None) -> BatteryResult:
+def run_battery(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    battery_name: str,
+    heldout_texts: Sequence[str],
+    *,
+    seq_len: int,
+    phase: str = "",
+    step: int | None = None,
+    settings: EvalSettings | None = None,
+    work_dir: Path | None = None,
+) -> BatteryResult:
     """Every check of the battery on ``model`` (left in the train/eval mode it was in)."""
     s = settings or EvalSettings()
     battery = load_battery(battery_name)
     started = time.time()
     files = battery_files(battery)
     results: list[CheckResult] = []
-    max_length = s.max_length or int(getattr(getattr(model, "config", None),
-                                             "max_position_embeddings", 2048))
+    max_length = s.max_length or int(
+        getattr(getattr(model, "config", None), "max_position_embeddings", 2048)
+    )
 
     held = [c for c in battery.checks if c.kind == "heldout"]
     if held:
+
         def _held() -> dict[str, float | None]:
-            got = heldout_scores(model, tokenizer, heldout_texts,
-                                 seq_len=s.heldout_seq_len or seq_len,
-                                 max_tokens=s.heldout_max_tokens, batch_size=s.batch_size)
+            got = heldout_scores(
+                model,
+                tokenizer,
+                heldout_texts,
+                seq_len=s.heldout_seq_len or seq_len,
+                max_tokens=s.heldout_max_tokens,
+                batch_size=s.batch_size,
+            )
             return {c.name: got.get(c.metric) for c in held}
+
         results += _record(held, _held, s.check_timeout_s)
 
     # A timed-out check's thread may still write here: removal must not fail on it.
-    tmp = tempfile.TemporaryDirectory(prefix="ito-lmeval-", dir=work_dir,
-                                      ignore_cleanup_errors=True)
+    tmp = tempfile.TemporaryDirectory(
+        prefix="ito-lmeval-", dir=work_dir, ignore_cleanup_errors=True
+    )
     try:
         by_task: dict[str, list[BatteryCheck]] = {}
         for c in battery.checks:
             if c.kind == "lm_eval" and c.task:
                 by_task.setdefault(c.task, []).append(c)
         for i, (task, checks) in enumerate(sorted(by_task.items())):
-            def _task(task: str = task, checks: list[BatteryCheck] = checks,
-                      i: int = i) -> dict[str, float | None]:
-                got = run_tasks(model, tokenizer, [evals_dir() / task],
-                                include_dir=Path(tmp.name) / str(i), max_length=max_length,
-                                batch_size=s.batch_size, limit=s.limit, seed=s.seed)
+
+            def _task(
+                task: str = task, checks: list[BatteryCheck] = checks, i: int = i
+            ) -> dict[str, float | None]:
+                got = run_tasks(
+                    model,
+                    tokenizer,
+                    [evals_dir() / task],
+                    include_dir=Path(tmp.name) / str(i),
+                    max_length=max_length,
+                    batch_size=s.batch_size,
+                    limit=s.limit,
+                    seed=s.seed,
+                )
                 metrics = next(iter(got.values()), {})
                 return {c.name: metrics.get(f"{c.metric},{c.filter}") for c in checks}
+
             results += _record(checks, _task, s.check_timeout_s)
     finally:
         tmp.cleanup()
 
     order = {c.name: i for i, c in enumerate(battery.checks)}
     results.sort(key=lambda r: order[r.name])
-    return BatteryResult(battery=battery.name, phase=phase, step=step, checks=results,
-                         task_files=files, started_at=started, seconds=time.time() - started)
+    return BatteryResult(
+        battery=battery.name,
+        phase=phase,
+        step=step,
+        checks=results,
+        task_files=files,
+        started_at=started,
+        seconds=time.time() - started,
+    )

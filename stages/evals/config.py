@@ -85,17 +85,21 @@ def list_batteries() -> list[str]:
 def load_battery(name: str) -> Battery:
     path = evals_dir() / f"{name}.json"
     if "/" in name or name.startswith(".") or not path.is_file():
-        raise ItoError(ErrorCode.eval_battery_unknown,
-                       f"unknown eval battery {name!r}; known: {', '.join(list_batteries())}")
+        raise ItoError(
+            ErrorCode.eval_battery_unknown,
+            f"unknown eval battery {name!r}; known: {', '.join(list_batteries())}",
+        )
     try:
         battery = Battery.model_validate_json(path.read_bytes())
     except ValueError as e:
-        raise ItoError(ErrorCode.eval_battery_unknown,
-                       f"{name!r} is not an eval battery (no valid checks)") from e
+        raise ItoError(
+            ErrorCode.eval_battery_unknown, f"{name!r} is not an eval battery (no valid checks)"
+        ) from e
     for task in battery.task_paths():
         if not task.is_file():
-            raise ItoError(ErrorCode.eval_battery_unknown,
-                           f"battery {name!r}: task file {task.name} missing")
+            raise ItoError(
+                ErrorCode.eval_battery_unknown, f"battery {name!r}: task file {task.name} missing"
+            )
     return battery
 
 
@@ -106,8 +110,11 @@ class GateThreshold(StrictModel):
     max: float | None = Field(default=None, ge=-THRESHOLD_BOUND, le=THRESHOLD_BOUND)
     min: float | None = Field(default=None, ge=-THRESHOLD_BOUND, le=THRESHOLD_BOUND)
     max_regression: float | None = Field(
-        default=None, ge=0, le=THRESHOLD_BOUND,
-        description="allowed worsening vs the previous phase's result of this check")
+        default=None,
+        ge=0,
+        le=THRESHOLD_BOUND,
+        description="allowed worsening vs the previous phase's result of this check",
+    )
 
     @model_validator(mode="after")
     def _bound(self) -> GateThreshold:
@@ -120,14 +127,17 @@ class EvalRunSettings(BaseModel):
     """How a battery runs (not what it checks: that is the battery's, fixed)."""
 
     model_config = ConfigDict(extra="forbid")
-    check_timeout_s: float = Field(default=600.0, gt=0,
-                                   description="wall-clock bound of one check group")
+    check_timeout_s: float = Field(
+        default=600.0, gt=0, description="wall-clock bound of one check group"
+    )
     heldout_max_tokens: int = Field(default=16384, gt=0)
-    heldout_seq_len: int | None = Field(default=None, gt=1,
-                                        description="default: the phase's seq_len")
+    heldout_seq_len: int | None = Field(
+        default=None, gt=1, description="default: the phase's seq_len"
+    )
     batch_size: int = Field(default=8, gt=0)
-    max_length: int | None = Field(default=None, gt=0,
-                                   description="lm-eval context; default: the model's")
+    max_length: int | None = Field(
+        default=None, gt=0, description="lm-eval context; default: the model's"
+    )
     limit: int | None = Field(default=None, gt=0, description="items per task (tests)")
     seed: int = 0
     # The driver's wait for the evaluating rank: every check group plus the export.

@@ -40,27 +40,43 @@ class GateDecision(BaseModel):
     def summary(self) -> str:
         if self.passed:
             return f"phase {self.phase}: battery {self.battery} passed"
-        parts = [f"{c.check}={'none' if c.score is None else f'{c.score:.4g}'} ({c.reason})"
-                 for c in self.failing]
+        parts = [
+            f"{c.check}={'none' if c.score is None else f'{c.score:.4g}'} ({c.reason})"
+            for c in self.failing
+        ]
         return f"phase {self.phase}: battery {self.battery} failed: " + "; ".join(parts)
 
 
-def evaluate_gates(result: BatteryResult, thresholds: list[GateThreshold],
-                   previous: BatteryResult | None = None) -> GateDecision:
+def evaluate_gates(
+    result: BatteryResult, thresholds: list[GateThreshold], previous: BatteryResult | None = None
+) -> GateDecision:
     verdicts: list[CheckVerdict] = []
-    changed = (previous is not None and previous.battery == result.battery
-               and previous.task_files != result.task_files)
+    changed = (
+        previous is not None
+        and previous.battery == result.battery
+        and previous.task_files != result.task_files
+    )
     by_check: dict[str, list[GateThreshold]] = {}
     for t in thresholds:
         by_check.setdefault(t.metric, []).append(t)
     for name in sorted(set(by_check) - {c.name for c in result.checks}):
-        verdicts.append(CheckVerdict(check=name, phase=result.phase, score=None, passed=False,
-                                     reason=f"battery {result.battery} has no check {name}"))
+        verdicts.append(
+            CheckVerdict(
+                check=name,
+                phase=result.phase,
+                score=None,
+                passed=False,
+                reason=f"battery {result.battery} has no check {name}",
+            )
+        )
     for c in result.checks:
         base = CheckVerdict(check=c.name, phase=result.phase, score=c.score, passed=True)
         if c.status != "ok" or c.score is None:
-            verdicts.append(base.model_copy(update={
-                "passed": False, "reason": f"{c.status}: {c.error}".strip()}))
+            verdicts.append(
+                base.model_copy(
+                    update={"passed": False, "reason": f"{c.status}: {c.error}".strip()}
+                )
+            )
             continue
         prev_check = previous.check(c.name) if previous is not None else None
         prev = prev_check.score if prev_check is not None else None
@@ -68,9 +84,14 @@ def evaluate_gates(result: BatteryResult, thresholds: list[GateThreshold],
         if not ts:
             verdicts.append(base.model_copy(update={"reason": "ran (no bound)"}))
         for t in ts:
-            v = base.model_copy(update={"min": t.min, "max": t.max,
-                                        "max_regression": t.max_regression,
-                                        "previous": prev})
+            v = base.model_copy(
+                update={
+                    "min": t.min,
+                    "max": t.max,
+                    "max_regression": t.max_regression,
+                    "previous": prev,
+                }
+            )
             reasons = []
             if t.min is not None and c.score < t.min:
                 reasons.append(f"below min {t.min:g}")
@@ -79,15 +100,27 @@ def evaluate_gates(result: BatteryResult, thresholds: list[GateThreshold],
             if t.max_regression is not None and prev is not None:
                 worse = (prev - c.score) if c.higher_is_better else (c.score - prev)
                 if worse > t.max_regression:
-                    reasons.append(f"regressed {worse:.4g} vs previous {prev:.4g} "
-                                   f"(allowed {t.max_regression:g})")
+                    reasons.append(
+                        f"regressed {worse:.4g} vs previous {prev:.4g} "
+                        f"(allowed {t.max_regression:g})"
+                    )
             v.passed = not reasons
             v.reason = "; ".join(reasons) or "within bounds"
             verdicts.append(v)
     if changed:
-        verdicts.append(CheckVerdict(
-            check="battery_files", phase=result.phase, score=None, passed=False,
-            reason="the battery's files changed since the previous phase (sha256)"))
-    return GateDecision(battery=result.battery, phase=result.phase,
-                        passed=all(v.passed for v in verdicts), checks=verdicts,
-                        task_files=result.task_files)
+        verdicts.append(
+            CheckVerdict(
+                check="battery_files",
+                phase=result.phase,
+                score=None,
+                passed=False,
+                reason="the battery's files changed since the previous phase (sha256)",
+            )
+        )
+    return GateDecision(
+        battery=result.battery,
+        phase=result.phase,
+        passed=all(v.passed for v in verdicts),
+        checks=verdicts,
+        task_files=result.task_files,
+    )

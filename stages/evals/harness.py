@@ -38,15 +38,24 @@ def materialise(task_yaml: Path, include_dir: Path) -> str:
     files = kwargs.get("data_files") or {}
     kwargs["data_files"] = {
         split: str(p if Path(p).is_absolute() else (task_yaml.parent / p).resolve())
-        for split, p in files.items()}
+        for split, p in files.items()
+    }
     include_dir.mkdir(parents=True, exist_ok=True)
     (include_dir / task_yaml.name).write_text(yaml.safe_dump(spec, sort_keys=False))
     return str(spec["task"])
 
 
-def run_tasks(model: torch.nn.Module, tokenizer: Any, task_yamls: list[Path], *,
-              include_dir: Path, max_length: int, batch_size: int = 8,
-              limit: int | None = None, seed: int = 0) -> dict[str, dict[str, float]]:
+def run_tasks(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task_yamls: list[Path],
+    *,
+    include_dir: Path,
+    max_length: int,
+    batch_size: int = 8,
+    limit: int | None = None,
+    seed: int = 0,
+) -> dict[str, dict[str, float]]:
     """Run the tasks; returns ``{task: {"<metric>,<filter>": value}}``."""
     for k, v in _OFFLINE.items():
         os.environ.setdefault(k, v)
@@ -61,18 +70,36 @@ def run_tasks(model: torch.nn.Module, tokenizer: Any, task_yamls: list[Path], *,
     was_training = model.training
     model.eval()
     try:
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, device=str(device),
-                  batch_size=batch_size, max_length=max_length)
+        lm = HFLM(
+            pretrained=model,
+            tokenizer=tokenizer,
+            device=str(device),
+            batch_size=batch_size,
+            max_length=max_length,
+        )
         out = lm_eval.simple_evaluate(
-            model=lm, tasks=names, limit=limit, log_samples=False, bootstrap_iters=0,
+            model=lm,
+            tasks=names,
+            limit=limit,
+            log_samples=False,
+            bootstrap_iters=0,
             task_manager=TaskManager(include_path=str(include_dir), include_defaults=False),
-            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-            fewshot_random_seed=seed, verbosity="WARNING")
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            verbosity="WARNING",
+        )
     finally:
         model.train(was_training)
     if out is None:
         return {}
     results: dict[str, dict[str, Any]] = out["results"]
-    return {task: {k: float(v) for k, v in metrics.items()
-                   if isinstance(v, int | float) and not isinstance(v, bool)}
-            for task, metrics in results.items()}
+    return {
+        task: {
+            k: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        for task, metrics in results.items()
+    }

@@ -22,9 +22,15 @@ def _token_bytes(tokenizer: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def heldout_scores(model: torch.nn.Module, tokenizer: Any, texts: Sequence[str], *,
-                   seq_len: int, max_tokens: int = 16384, batch_size: int = 8
-                   ) -> dict[str, float]:
+def heldout_scores(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    texts: Sequence[str],
+    *,
+    seq_len: int,
+    max_tokens: int = 16384,
+    batch_size: int = 8,
+) -> dict[str, float]:
     """Mean next-token loss (nats) and bits per byte over ``texts``.
 
     Each text is encoded as the trainer encodes documents (ids then EOS) and the
@@ -49,15 +55,15 @@ def heldout_scores(model: torch.nn.Module, tokenizer: Any, texts: Sequence[str],
     nats, tokens, nbytes = 0.0, 0, 0.0
     try:
         for i in range(0, n_win, batch_size):
-            x = stream[i: i + batch_size].to(device)
+            x = stream[i : i + batch_size].to(device)
             logits = model(input_ids=x).logits[:, :-1].float()
             target = x[:, 1:]
-            ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
-                                 reduction="sum")
+            ce = F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="sum"
+            )
             nats += float(ce)
             tokens += target.numel()
             nbytes += float(tb[target.reshape(-1).cpu()].sum())
     finally:
         model.train(was_training)
-    return {"loss": nats / tokens,
-            "bits_per_byte": nats / math.log(2) / max(nbytes, 1.0)}
+    return {"loss": nats / tokens, "bits_per_byte": nats / math.log(2) / max(nbytes, 1.0)}

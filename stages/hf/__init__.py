@@ -10,5 +10,12 @@ from stages.hf.tokenizer import (
     train_tokenizer,
 )
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "export_hf", "load_hf", "load_tokenizer",
-           "save_tokenizer", "train_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "export_hf",
+    "load_hf",
+    "load_tokenizer",
+    "save_tokenizer",
+    "train_tokenizer",
+]

@@ -25,8 +25,13 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def export_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
-              out_dir: str | Path, *, metadata: dict[str, Any] | None = None) -> Path:
+def export_hf(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | Path,
+    *,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
     """``save_pretrained`` the model (safetensors) and the tokenizer into ``out_dir``.
 
     Written into a temp folder beside it and renamed into place, so a crash leaves
@@ -47,8 +52,9 @@ def export_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
     finally:
         model.train(was_training)
     files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-    (tmp / EXPORT_META).write_text(json.dumps(
-        {"files": files, **(metadata or {})}, indent=2, sort_keys=True))
+    (tmp / EXPORT_META).write_text(
+        json.dumps({"files": files, **(metadata or {})}, indent=2, sort_keys=True)
+    )
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

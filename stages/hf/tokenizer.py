@@ -22,7 +22,9 @@ from stages.errors import ErrorCode, ItoError
 
 BYTE_VOCAB = 256
 SPECIAL_TOKENS: dict[str, str] = {
-    "pad_token": "<|pad|>", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
+    "pad_token": "<|pad|>",
+    "bos_token": "<|bos|>",
+    "eos_token": "<|eos|>",
     "unk_token": "<|unk|>",
 }
 BASE_VOCAB = BYTE_VOCAB + len(SPECIAL_TOKENS)  # 260
@@ -38,8 +40,11 @@ CHAT_TEMPLATE = (
 @cache
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what ByteLevel uses)."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -57,8 +62,9 @@ def _assemble(merges: list[tuple[str, str]]) -> Tokenizer:
         vocab[special] = BYTE_VOCAB + i
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None,
-                               fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False)
+    )
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS.values()))
@@ -66,28 +72,38 @@ def _assemble(merges: list[tuple[str, str]]) -> Tokenizer:
 
 
 def _wrap(tok: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE,
-                                   model_max_length=model_max_length, **SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+        **SPECIAL_TOKENS,
+    )
 
 
-def train_tokenizer(texts: Iterable[str], *, vocab_size: int, min_frequency: int = 2,
-                    model_max_length: int = 2048) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Iterable[str], *, vocab_size: int, min_frequency: int = 2, model_max_length: int = 2048
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on ``texts`` to ``vocab_size`` ids (at least 260).
 
     Deterministic for the same texts and settings. ``vocab_size == 260`` trains
     nothing: the result is the pure byte tokenizer.
     """
     if vocab_size < BASE_VOCAB:
-        raise ItoError(ErrorCode.tokenizer_invalid,
-                       f"vocab_size {vocab_size} < {BASE_VOCAB} (256 bytes + 4 specials)")
+        raise ItoError(
+            ErrorCode.tokenizer_invalid,
+            f"vocab_size {vocab_size} < {BASE_VOCAB} (256 bytes + 4 specials)",
+        )
     merges: list[tuple[str, str]] = []
     if vocab_size > BASE_VOCAB:
         raw = Tokenizer(models.BPE())
         raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            show_progress=False,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            special_tokens=list(SPECIAL_TOKENS.values()))
+            special_tokens=list(SPECIAL_TOKENS.values()),
+        )
         raw.train_from_iterator(texts, trainer=trainer)
         spec = json.loads(raw.to_str())
         for m in spec["model"]["merges"]:

@@ -27,7 +27,21 @@ from stages.parallelism.spec import (
 from stages.parallelism.stage import ParallelismStage, request_from
 
 __all__ = [
-    "Fabric", "GpuSku", "Layout", "MemoryBreakdown", "ParallelismConfig", "ParallelismStage",
-    "Plan", "PlanRequest", "Rejection", "StepTimeBreakdown", "list_fabrics", "list_gpu_skus",
-    "load_fabric", "load_gpu_sku", "plan", "request_from", "validate_layout",
+    "Fabric",
+    "GpuSku",
+    "Layout",
+    "MemoryBreakdown",
+    "ParallelismConfig",
+    "ParallelismStage",
+    "Plan",
+    "PlanRequest",
+    "Rejection",
+    "StepTimeBreakdown",
+    "list_fabrics",
+    "list_gpu_skus",
+    "load_fabric",
+    "load_gpu_sku",
+    "plan",
+    "request_from",
+    "validate_layout",
 ]

@@ -33,11 +33,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp8"], default="auto")
     p.add_argument("--mfu-floor", type=float, default=None)
-    p.add_argument("--min-replica-groups", type=int, default=1,
-                   help="torchft replica groups the plan must have")
-    p.add_argument("--layout", default=None,
-                   help="check hand-set degrees instead of searching, as JSON, e.g. "
-                        "'{\"tp\": 8, \"pp\": 2, \"dp_shard\": -1}'")
+    p.add_argument(
+        "--min-replica-groups",
+        type=int,
+        default=1,
+        help="torchft replica groups the plan must have",
+    )
+    p.add_argument(
+        "--layout",
+        default=None,
+        help="check hand-set degrees instead of searching, as JSON, e.g. "
+        '\'{"tp": 8, "pp": 2, "dp_shard": -1}\'',
+    )
     p.add_argument("--json", action="store_true", help="print the JSON envelope")
     return p
 
@@ -46,25 +53,44 @@ def run(argv: list[str] | None = None) -> tuple[int, dict[str, Any]]:
     args = _parser().parse_args(argv)
     try:
         request = PlanRequest(
-            model=args.model, gpu_sku=args.gpu, gpus_per_node=args.gpus_per_node,
-            node_count=args.nodes, fabric=args.fabric,
-            global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
-            precision=args.precision, mfu_floor=args.mfu_floor,
-            min_replica_groups=args.min_replica_groups)
+            model=args.model,
+            gpu_sku=args.gpu,
+            gpus_per_node=args.gpus_per_node,
+            node_count=args.nodes,
+            fabric=args.fabric,
+            global_batch_tokens=args.global_batch_tokens,
+            seq_len=args.seq_len,
+            precision=args.precision,
+            mfu_floor=args.mfu_floor,
+            min_replica_groups=args.min_replica_groups,
+        )
         if args.layout:
             result = validate_layout(request, Layout.model_validate_json(args.layout))
         else:
             result = plan(request)
     except ItoError as err:
-        return 2, {"ok": False, "live_api_contacted": False, "notice": NOTICE,
-                   "error": {"code": str(err.code), "message": err.message,
-                             "details": err.details}}
+        return 2, {
+            "ok": False,
+            "live_api_contacted": False,
+            "notice": NOTICE,
+            "error": {"code": str(err.code), "message": err.message, "details": err.details},
+        }
     except ValidationError as err:
-        return 2, {"ok": False, "live_api_contacted": False, "notice": NOTICE,
-                   "error": {"code": str(ErrorCode.validation_error),
-                             "message": str(err.errors()[0]["msg"])}}
-    return 0, {"ok": True, "live_api_contacted": False, "notice": NOTICE,
-               "data": result.model_dump()}
+        return 2, {
+            "ok": False,
+            "live_api_contacted": False,
+            "notice": NOTICE,
+            "error": {
+                "code": str(ErrorCode.validation_error),
+                "message": str(err.errors()[0]["msg"]),
+            },
+        }
+    return 0, {
+        "ok": True,
+        "live_api_contacted": False,
+        "notice": NOTICE,
+        "data": result.model_dump(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(envelope, indent=2))
     elif envelope["ok"]:
         d = envelope["data"]
-        print(f"tp {d['tp']} pp {d['pp']} ({d['pp_schedule']}) cp {d['cp']} dp_shard "
-              f"{d['dp_shard']} dp_replicate {d['dp_replicate']} micro-batch {d['micro_batch']}"
-              f" x{d['grad_accum']} ac {d['activation_checkpointing']} {d['precision']}: "
-              f"{d['peak_memory_gib']:.1f} GiB, MFU {d['mfu']:.1%}")
+        print(
+            f"tp {d['tp']} pp {d['pp']} ({d['pp_schedule']}) cp {d['cp']} dp_shard "
+            f"{d['dp_shard']} dp_replicate {d['dp_replicate']} micro-batch {d['micro_batch']}"
+            f" x{d['grad_accum']} ac {d['activation_checkpointing']} {d['precision']}: "
+            f"{d['peak_memory_gib']:.1f} GiB, MFU {d['mfu']:.1%}"
+        )
         for reason in d["reasons"]:
             print(f"  - {reason}")
     else:

@@ -18,18 +18,21 @@ from stages.presets import ModelPreset
 
 # Stage index of each refusal code in the check order (higher = got further).
 CHECK_ORDER: dict[ErrorCode, int] = {
-    code: i for i, code in enumerate([
-        ErrorCode.plan_degrees_mismatch,
-        ErrorCode.plan_tp_across_nodes,
-        ErrorCode.plan_tp_beyond_nvlink,
-        ErrorCode.plan_heads_not_divisible,
-        ErrorCode.plan_pp_layers_unbalanced,
-        ErrorCode.plan_batch_not_divisible,
-        ErrorCode.plan_fp8_unsupported,
-        ErrorCode.plan_out_of_memory,
-        ErrorCode.plan_pp_bubble_too_large,
-        ErrorCode.plan_wasteful,
-    ])
+    code: i
+    for i, code in enumerate(
+        [
+            ErrorCode.plan_degrees_mismatch,
+            ErrorCode.plan_tp_across_nodes,
+            ErrorCode.plan_tp_beyond_nvlink,
+            ErrorCode.plan_heads_not_divisible,
+            ErrorCode.plan_pp_layers_unbalanced,
+            ErrorCode.plan_batch_not_divisible,
+            ErrorCode.plan_fp8_unsupported,
+            ErrorCode.plan_out_of_memory,
+            ErrorCode.plan_pp_bubble_too_large,
+            ErrorCode.plan_wasteful,
+        ]
+    )
 }
 
 
@@ -58,50 +61,63 @@ def resolve_dp_shard(ctx: Context, layout: Layout) -> int:
         return layout.dp_shard
     rest = layout.tp * layout.pp * layout.cp * layout.dp_replicate
     if ctx.world % rest:
-        raise ItoError(ErrorCode.plan_degrees_mismatch,
-                       f"tp x pp x cp x dp_replicate = {rest} does not divide the "
-                       f"{ctx.world} GPUs of the booking")
+        raise ItoError(
+            ErrorCode.plan_degrees_mismatch,
+            f"tp x pp x cp x dp_replicate = {rest} does not divide the "
+            f"{ctx.world} GPUs of the booking",
+        )
     return ctx.world // rest
 
 
 def check_degrees(ctx: Context, layout: Layout, dp_shard: int) -> None:
     product = layout.tp * layout.pp * layout.cp * dp_shard * layout.dp_replicate
     if product != ctx.world:
-        raise ItoError(ErrorCode.plan_degrees_mismatch,
-                       f"tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp_shard {dp_shard} "
-                       f"x dp_replicate {layout.dp_replicate} = {product}, but the booking has "
-                       f"{ctx.world} GPUs")
+        raise ItoError(
+            ErrorCode.plan_degrees_mismatch,
+            f"tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp_shard {dp_shard} "
+            f"x dp_replicate {layout.dp_replicate} = {product}, but the booking has "
+            f"{ctx.world} GPUs",
+        )
 
 
 def check_tp(ctx: Context, layout: Layout) -> None:
     tp, per_node = layout.tp, ctx.request.gpus_per_node
     if tp > per_node or per_node % tp:
-        raise ItoError(ErrorCode.plan_tp_across_nodes,
-                       f"TP {tp} would span nodes of {per_node} GPUs; TP all-gathers every "
-                       f"layer and must stay inside one node")
+        raise ItoError(
+            ErrorCode.plan_tp_across_nodes,
+            f"TP {tp} would span nodes of {per_node} GPUs; TP all-gathers every "
+            f"layer and must stay inside one node",
+        )
     if tp > ctx.sku.nvlink_domain:
-        raise ItoError(ErrorCode.plan_tp_beyond_nvlink,
-                       f"TP {tp} exceeds the NVLink domain of {ctx.sku.nvlink_domain} on "
-                       f"{ctx.sku.name}; TP collectives would cross {ctx.sku.intra_node_link}")
+        raise ItoError(
+            ErrorCode.plan_tp_beyond_nvlink,
+            f"TP {tp} exceeds the NVLink domain of {ctx.sku.nvlink_domain} on "
+            f"{ctx.sku.name}; TP collectives would cross {ctx.sku.intra_node_link}",
+        )
     p = ctx.preset
     if p.num_attention_heads % tp or p.num_key_value_heads % tp:
-        raise ItoError(ErrorCode.plan_heads_not_divisible,
-                       f"TP {tp} does not divide {p.num_attention_heads} attention heads and "
-                       f"{p.num_key_value_heads} KV heads")
+        raise ItoError(
+            ErrorCode.plan_heads_not_divisible,
+            f"TP {tp} does not divide {p.num_attention_heads} attention heads and "
+            f"{p.num_key_value_heads} KV heads",
+        )
 
 
 @cache
 def head_cost_in_layers(preset: ModelPreset, seq_len: int) -> float:
     """Output projection + loss compute, in units of one decoder layer."""
     attn, mlp = preset.layer_params()
-    layer = 2 * (attn + mlp * max(1, preset.experts_per_token) / max(1, preset.num_experts)) \
+    layer = (
+        2 * (attn + mlp * max(1, preset.experts_per_token) / max(1, preset.num_experts))
         + 2 * preset.hidden_size * seq_len
+    )
     return 2 * preset.vocab_size * preset.hidden_size / layer
 
 
 @cache
-def split_layers(layers: int, pp: int, virtual: int, head_cost: float) -> tuple[
-        tuple[int, ...], float]:
+def split_layers(
+    layers: int, pp: int, virtual: int, head_cost: float
+) -> tuple[tuple[int, ...], float]:
     """Contiguous split of ``layers`` into ``pp x virtual`` chunks, chunk j on rank
     j % pp; the last chunk also runs the output head. Returns (decoder layers per rank,
     imbalance = slowest rank / mean rank - 1). Like Llama 3 405B (126 layers on 16
@@ -145,18 +161,23 @@ def check_pipeline(ctx: Context, layout: Layout) -> tuple[int, ...]:
     if layout.pp == 1 and layout.pp_virtual_stages == 1:
         return (ctx.preset.num_hidden_layers,)
     head = head_cost_in_layers(ctx.preset, ctx.seq_len)
-    ranks, imbalance = split_layers(ctx.preset.num_hidden_layers, layout.pp,
-                                    layout.pp_virtual_stages, head)
+    ranks, imbalance = split_layers(
+        ctx.preset.num_hidden_layers, layout.pp, layout.pp_virtual_stages, head
+    )
     if not ranks:
-        raise ItoError(ErrorCode.plan_pp_layers_unbalanced,
-                       f"{ctx.preset.num_hidden_layers} layers cannot fill {layout.pp} PP "
-                       f"stages x {layout.pp_virtual_stages} chunks with at least one layer each")
+        raise ItoError(
+            ErrorCode.plan_pp_layers_unbalanced,
+            f"{ctx.preset.num_hidden_layers} layers cannot fill {layout.pp} PP "
+            f"stages x {layout.pp_virtual_stages} chunks with at least one layer each",
+        )
     if layout.pp > 1 and imbalance > ctx.request.max_pp_imbalance:
-        raise ItoError(ErrorCode.plan_pp_layers_unbalanced,
-                       f"{ctx.preset.num_hidden_layers} layers plus the output head (worth "
-                       f"{head:.1f} layers) split over {layout.pp} stages leave the slowest "
-                       f"stage {imbalance:.0%} above the mean (bound "
-                       f"{ctx.request.max_pp_imbalance:.0%})")
+        raise ItoError(
+            ErrorCode.plan_pp_layers_unbalanced,
+            f"{ctx.preset.num_hidden_layers} layers plus the output head (worth "
+            f"{head:.1f} layers) split over {layout.pp} stages leave the slowest "
+            f"stage {imbalance:.0%} above the mean (bound "
+            f"{ctx.request.max_pp_imbalance:.0%})",
+        )
     return ranks
 
 
@@ -164,40 +185,55 @@ def check_batch(ctx: Context, layout: Layout, dp_shard: int) -> int:
     """Returns gradient-accumulation steps (pipeline micro-batches)."""
     tokens = ctx.request.global_batch_tokens
     if tokens % ctx.seq_len:
-        raise ItoError(ErrorCode.plan_batch_not_divisible,
-                       f"global batch of {tokens} tokens is not a whole number of "
-                       f"{ctx.seq_len}-token sequences")
+        raise ItoError(
+            ErrorCode.plan_batch_not_divisible,
+            f"global batch of {tokens} tokens is not a whole number of "
+            f"{ctx.seq_len}-token sequences",
+        )
     if ctx.seq_len % (2 * layout.cp) and layout.cp > 1:
-        raise ItoError(ErrorCode.plan_batch_not_divisible,
-                       f"sequence of {ctx.seq_len} tokens does not split into 2 x CP "
-                       f"{layout.cp} load-balanced chunks")
+        raise ItoError(
+            ErrorCode.plan_batch_not_divisible,
+            f"sequence of {ctx.seq_len} tokens does not split into 2 x CP "
+            f"{layout.cp} load-balanced chunks",
+        )
     dp = dp_shard * layout.dp_replicate
     seqs = ctx.sequences
     if seqs < dp:
-        raise ItoError(ErrorCode.plan_wasteful,
-                       f"{seqs} sequences per step over {dp} data-parallel ranks is "
-                       f"{seqs / dp:.2g} per rank, a micro-batch under 1: more GPUs than the "
-                       f"batch can use")
+        raise ItoError(
+            ErrorCode.plan_wasteful,
+            f"{seqs} sequences per step over {dp} data-parallel ranks is "
+            f"{seqs / dp:.2g} per rank, a micro-batch under 1: more GPUs than the "
+            f"batch can use",
+        )
     if seqs % dp:
-        raise ItoError(ErrorCode.plan_batch_not_divisible,
-                       f"{seqs} sequences per step do not divide into {dp} data-parallel ranks")
+        raise ItoError(
+            ErrorCode.plan_batch_not_divisible,
+            f"{seqs} sequences per step do not divide into {dp} data-parallel ranks",
+        )
     if (seqs // dp) % layout.micro_batch:
-        raise ItoError(ErrorCode.plan_batch_not_divisible,
-                       f"{seqs // dp} sequences per data-parallel rank do not divide into "
-                       f"micro-batches of {layout.micro_batch}")
+        raise ItoError(
+            ErrorCode.plan_batch_not_divisible,
+            f"{seqs // dp} sequences per data-parallel rank do not divide into "
+            f"micro-batches of {layout.micro_batch}",
+        )
     accum = seqs // (dp * layout.micro_batch)
     if layout.pp_schedule == "Interleaved1F1B" and layout.pp > 1 and accum < layout.pp:
-        raise ItoError(ErrorCode.plan_batch_not_divisible,
-                       f"interleaved 1F1B needs at least {layout.pp} micro-batches per step, "
-                       f"the batch gives {accum}")
+        raise ItoError(
+            ErrorCode.plan_batch_not_divisible,
+            f"interleaved 1F1B needs at least {layout.pp} micro-batches per step, "
+            f"the batch gives {accum}",
+        )
     return accum
 
 
 def check_precision(ctx: Context, layout: Layout) -> None:
     if layout.precision == "fp8" and not ctx.sku.supports_fp8:
-        raise ItoError(ErrorCode.plan_fp8_unsupported,
-                       f"{ctx.sku.name} has no fp8 tensor cores; use bf16")
+        raise ItoError(
+            ErrorCode.plan_fp8_unsupported, f"{ctx.sku.name} has no fp8 tensor cores; use bf16"
+        )
     if layout.precision == "fp8" and not ctx.sku.trains_fp8:
-        raise ItoError(ErrorCode.plan_fp8_unsupported,
-                       f"fp8 training (torchao float8) needs an H100-class GPU; "
-                       f"{ctx.sku.name} is not one; use bf16")
+        raise ItoError(
+            ErrorCode.plan_fp8_unsupported,
+            f"fp8 training (torchao float8) needs an H100-class GPU; "
+            f"{ctx.sku.name} is not one; use bf16",
+        )

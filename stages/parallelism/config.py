@@ -18,8 +18,10 @@ class ParallelismConfig(StrictModel):
     seq_len: int | None = Field(default=None, gt=1)
     precision: PrecisionPreference = "auto"
     activation_checkpointing: ActivationCheckpointing | Literal["auto"] = "auto"
-    mfu_floor: float | None = Field(default=None, ge=0, lt=1,
-                                    description="None: the GPU SKU's floor")
+    mfu_floor: float | None = Field(
+        default=None, ge=0, lt=1, description="None: the GPU SKU's floor"
+    )
     max_pp_bubble: float = Field(default=0.25, gt=0, lt=1)
-    min_replica_groups: int = Field(default=1, ge=1,
-                                    description="torchft replica groups the plan must have")
+    min_replica_groups: int = Field(
+        default=1, ge=1, description="torchft replica groups the plan must have"
+    )

@@ -20,8 +20,13 @@ Precision = Literal["fp32", "bf16", "fp8"]
 # what the trainer runs) needs H100-class tensor cores, SM 9.0: SM 8.9 parts (L40S)
 # have fp8 TFLOP/s but are not fp8 training targets here.
 SKU_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
-    "A100-80G": (8, 0), "L40S": (8, 9), "H100-SXM": (9, 0), "H100-PCIe": (9, 0),
-    "H200": (9, 0), "B200": (10, 0)}
+    "A100-80G": (8, 0),
+    "L40S": (8, 9),
+    "H100-SXM": (9, 0),
+    "H100-PCIe": (9, 0),
+    "H200": (9, 0),
+    "B200": (10, 0),
+}
 FP8_TRAINING_MIN_CAPABILITY = (9, 0)
 
 
@@ -36,8 +41,12 @@ class GpuSku(BaseModel):
     intra_node_link: Literal["nvlink", "pcie", "loopback"]
     nvlink_domain: int = Field(ge=1, description="GPUs that share one NVLink domain")
     intra_node_bandwidth_gb_s: float = Field(gt=0, description="per GPU, one direction")
-    mfu_floor: float = Field(default=0.2, ge=0, lt=1,
-                             description="plans predicted under this MFU are refused as wasteful")
+    mfu_floor: float = Field(
+        default=0.2,
+        ge=0,
+        lt=1,
+        description="plans predicted under this MFU are refused as wasteful",
+    )
     # Precisions this device trains in; ``auto`` takes the first (fp8 is tried on top
     # when the SKU has fp8 TFLOP/s). Empty means bf16 (+ fp8 when fp8_tflops is set).
     precisions: tuple[Precision, ...] = ()
@@ -57,8 +66,9 @@ class GpuSku(BaseModel):
     def peak_tflops(self, precision: Precision) -> float:
         if precision == "fp8":
             if self.fp8_tflops is None:
-                raise ItoError(ErrorCode.plan_fp8_unsupported,
-                               f"{self.name} has no fp8 tensor cores")
+                raise ItoError(
+                    ErrorCode.plan_fp8_unsupported, f"{self.name} has no fp8 tensor cores"
+                )
             return self.fp8_tflops
         if precision == "fp32" and self.intra_node_link != "loopback":
             return self.bf16_tflops / 2  # TF32 tensor cores run at half the bf16 rate
@@ -116,6 +126,9 @@ def canonical_name(kind: Literal["gpus", "fabrics"], name: str) -> str:
     if hit is None:
         code = ErrorCode.gpu_sku_unknown if kind == "gpus" else ErrorCode.fabric_unknown
         what = "GPU SKU" if kind == "gpus" else "fabric"
-        raise ItoError(code, f"unknown {what} {name[:64]!r}; known: "
-                       f"{', '.join(list_configs(kind))} (or an alias in their profiles)")
+        raise ItoError(
+            code,
+            f"unknown {what} {name[:64]!r}; known: "
+            f"{', '.join(list_configs(kind))} (or an alias in their profiles)",
+        )
     return hit

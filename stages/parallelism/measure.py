@@ -60,9 +60,14 @@ def _live_bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
-def measure_peak_memory(preset: ModelPreset, *, micro_batch: int, seq_len: int,
-                        activation_checkpointing: ActivationCheckpointing = "none",
-                        seed: int = 0) -> int:
+def measure_peak_memory(
+    preset: ModelPreset,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    activation_checkpointing: ActivationCheckpointing = "none",
+    seed: int = 0,
+) -> int:
     """Peak bytes of live tensors during one fp32 forward + backward + AdamW step of
     ``preset`` on CPU (steady state: the optimizer state already exists)."""
     from stages.trainer.model import build_model, causal_lm_loss
@@ -98,11 +103,16 @@ def measure_step_peak(step: Any, params: Any, optimizer: torch.optim.Optimizer) 
     # profiling are not reported, so they must not happen inside it.
     optimizer.zero_grad(set_to_none=True)
     before = _live_bytes(_local(p) for p in params) + _live_bytes(
-        _local(v) for state in optimizer.state.values() for v in state.values())
+        _local(v) for state in optimizer.state.values() for v in state.values()
+    )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    running = functools.reduce(lambda acc, ev: (acc[0] + ev[1], max(acc[1], acc[0] + ev[1])),
-                               events, (0, 0))
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    running = functools.reduce(
+        lambda acc, ev: (acc[0] + ev[1], max(acc[1], acc[0] + ev[1])), events, (0, 0)
+    )
     return before + running[1]

@@ -45,9 +45,9 @@ from stages.parallelism.spec import ActivationCheckpointing, PipelineSchedule
 from stages.presets import ModelPreset
 
 GIB = float(2**30)
-MASTER_BYTES = 4      # fp32 sharded master weights
-GRAD_BYTES = 4        # fp32 sharded gradients
-OPTIMIZER_BYTES = 8   # AdamW exp_avg + exp_avg_sq in fp32
+MASTER_BYTES = 4  # fp32 sharded master weights
+GRAD_BYTES = 4  # fp32 sharded gradients
+OPTIMIZER_BYTES = 8  # AdamW exp_avg + exp_avg_sq in fp32
 LOSS_BYTES_PER_LOGIT = 12
 DDP_BUCKET_BYTES = 2 * 25 * 2**20  # two in-flight all-reduce buckets of torchft/DDP
 
@@ -62,9 +62,13 @@ def param_gather_bytes(precision: Precision) -> int:
     return {"fp32": 4, "bf16": 2, "fp8": 1}[precision]
 
 
-def layer_activation_bytes(preset: ModelPreset, tp: int, b: int,
-                           mode: ActivationCheckpointing, sequence_parallel: bool = True
-                           ) -> float:
+def layer_activation_bytes(
+    preset: ModelPreset,
+    tp: int,
+    b: int,
+    mode: ActivationCheckpointing,
+    sequence_parallel: bool = True,
+) -> float:
     """Saved activation bytes of one decoder layer per token (per GPU). Without
     sequence parallel (TP on CPU) the norms and the layer input are replicated."""
     h = preset.hidden_size
@@ -83,8 +87,9 @@ def layer_activation_bytes(preset: ModelPreset, tp: int, b: int,
     return norms + attention + mlp + 8 / tp
 
 
-def in_flight_chunks(schedule: PipelineSchedule, pp: int, virtual: int, microbatches: int,
-                     rank: int) -> int:
+def in_flight_chunks(
+    schedule: PipelineSchedule, pp: int, virtual: int, microbatches: int, rank: int
+) -> int:
     """Micro-batch x model-chunk activations rank ``rank`` holds at its peak."""
     if pp == 1:
         return 1
@@ -127,21 +132,32 @@ def rank_params(preset: ModelPreset, layers: int, tp: int, first: bool, last: bo
     return params
 
 
-def estimate_memory(preset: ModelPreset, *, seq_len: int, micro_batch: int, microbatches: int,
-                    tp: int, cp: int, fsdp: int, dp_replicate: int, pp_stage_layers: list[int],
-                    pp_schedule: PipelineSchedule, pp_virtual_stages: int,
-                    activation_checkpointing: ActivationCheckpointing,
-                    precision: Precision, foreach_optimizer: bool = True,
-                    sequence_parallel: bool = True, loss_parallel: bool = True
-                    ) -> MemoryEstimate:
+def estimate_memory(
+    preset: ModelPreset,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    microbatches: int,
+    tp: int,
+    cp: int,
+    fsdp: int,
+    dp_replicate: int,
+    pp_stage_layers: list[int],
+    pp_schedule: PipelineSchedule,
+    pp_virtual_stages: int,
+    activation_checkpointing: ActivationCheckpointing,
+    precision: Precision,
+    foreach_optimizer: bool = True,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+) -> MemoryEstimate:
     """Peak memory (bytes) of the busiest pipeline rank. ``fsdp = dp_shard x cp``.
     ``sequence_parallel`` / ``loss_parallel`` False: TP as the CPU trainer runs it
     (replicated norms, logits gathered before the loss)."""
     pp = len(pp_stage_layers)
     b = compute_bytes(precision)
     tokens = micro_batch * seq_len / cp
-    per_layer = layer_activation_bytes(preset, tp, b, activation_checkpointing,
-                                       sequence_parallel)
+    per_layer = layer_activation_bytes(preset, tp, b, activation_checkpointing, sequence_parallel)
     full_layer = layer_activation_bytes(preset, tp, b, "none", sequence_parallel)
     attn, mlp = layer_params(preset)
     gather_unit = max(attn + mlp, preset.vocab_size * preset.hidden_size) / tp
@@ -161,14 +177,19 @@ def estimate_memory(preset: ModelPreset, *, seq_len: int, micro_batch: int, micr
         grads = params * GRAD_BYTES
         optimizer = params * OPTIMIZER_BYTES
         chunk_layers = layers / pp_virtual_stages
-        saved = in_flight_chunks(pp_schedule, pp, pp_virtual_stages, microbatches,
-                                 rank) * chunk_layers * per_layer * tokens
+        saved = (
+            in_flight_chunks(pp_schedule, pp, pp_virtual_stages, microbatches, rank)
+            * chunk_layers
+            * per_layer
+            * tokens
+        )
         if pp > 1 and not first:
             saved += tokens * b * preset.hidden_size / tp  # received activation buffer
         recompute = 0.0
         if activation_checkpointing != "none" and layers:
-            recompute = (full_layer - per_layer if activation_checkpointing == "selective"
-                         else full_layer) * tokens
+            recompute = (
+                full_layer - per_layer if activation_checkpointing == "selective" else full_layer
+            ) * tokens
         vocab = preset.vocab_size / (tp if loss_parallel else 1)
         loss = LOSS_BYTES_PER_LOGIT * tokens * vocab if last else 0.0
         if last and not loss_parallel and tp > 1:

@@ -31,8 +31,7 @@ from stages.parallelism.throughput import (
     step_time,
 )
 
-FSDP_SHARD_HINT = ("FSDP shards weights, gradients and AdamW state over dp_shard x cp = {n} "
-                   "GPUs")
+FSDP_SHARD_HINT = "FSDP shards weights, gradients and AdamW state over dp_shard x cp = {n} GPUs"
 
 
 def resolve(request: PlanRequest) -> Context:
@@ -41,9 +40,11 @@ def resolve(request: PlanRequest) -> Context:
     fabric = load_fabric(request.fabric)
     seq_len = request.resolved_seq_len()
     if seq_len > preset.max_position_embeddings:
-        raise ItoError(ErrorCode.plan_batch_not_divisible,
-                       f"sequence of {seq_len} tokens exceeds {preset.name}'s context of "
-                       f"{preset.max_position_embeddings}")
+        raise ItoError(
+            ErrorCode.plan_batch_not_divisible,
+            f"sequence of {seq_len} tokens exceeds {preset.name}'s context of "
+            f"{preset.max_position_embeddings}",
+        )
     return Context(request, preset, sku, fabric, seq_len)
 
 
@@ -76,51 +77,88 @@ def assess(ctx: Context, layout: Layout) -> Assessment:
     check_precision(ctx, layout)
     fsdp = dp_shard * layout.cp
     mem = estimate_memory(
-        ctx.preset, seq_len=ctx.seq_len, micro_batch=layout.micro_batch, microbatches=accum,
-        tp=layout.tp, cp=layout.cp, fsdp=fsdp, dp_replicate=layout.dp_replicate,
-        pp_stage_layers=list(stage_layers), pp_schedule=layout.pp_schedule,
+        ctx.preset,
+        seq_len=ctx.seq_len,
+        micro_batch=layout.micro_batch,
+        microbatches=accum,
+        tp=layout.tp,
+        cp=layout.cp,
+        fsdp=fsdp,
+        dp_replicate=layout.dp_replicate,
+        pp_stage_layers=list(stage_layers),
+        pp_schedule=layout.pp_schedule,
         pp_virtual_stages=layout.pp_virtual_stages,
-        activation_checkpointing=layout.activation_checkpointing, precision=layout.precision,
-        foreach_optimizer=ctx.sku.intra_node_link != "loopback")
+        activation_checkpointing=layout.activation_checkpointing,
+        precision=layout.precision,
+        foreach_optimizer=ctx.sku.intra_node_link != "loopback",
+    )
     capacity = ctx.sku.memory_gib * req.memory_utilization
     peak = mem.total / GIB
     if peak > capacity:
-        raise ItoError(ErrorCode.plan_out_of_memory,
-                       f"predicted peak {peak:.1f} GiB per GPU exceeds the usable "
-                       f"{capacity:.1f} GiB of {ctx.sku.name} (weights {mem.weights / GIB:.1f}, "
-                       f"gradients {mem.gradients / GIB:.1f}, optimizer {mem.optimizer / GIB:.1f}"
-                       f", activations {mem.activations / GIB:.1f}, buffers "
-                       f"{mem.buffers / GIB:.1f})",
-                       details={"peak_memory_gib": round(peak, 2)})
+        raise ItoError(
+            ErrorCode.plan_out_of_memory,
+            f"predicted peak {peak:.1f} GiB per GPU exceeds the usable "
+            f"{capacity:.1f} GiB of {ctx.sku.name} (weights {mem.weights / GIB:.1f}, "
+            f"gradients {mem.gradients / GIB:.1f}, optimizer {mem.optimizer / GIB:.1f}"
+            f", activations {mem.activations / GIB:.1f}, buffers "
+            f"{mem.buffers / GIB:.1f})",
+            details={"peak_memory_gib": round(peak, 2)},
+        )
     pp = layout.pp
     # the rank with the most parameters sets FSDP traffic and the optimizer step
-    local_params = max(rank_params(ctx.preset, stage_layers[r], layout.tp, r == 0, r == pp - 1)
-                       for r in {0, pp - 1, stage_layers.index(max(stage_layers))})
-    st = step_time(StepInputs(
-        ctx.preset, ctx.sku, ctx.fabric, req.gpus_per_node, ctx.seq_len, layout.tp, layout.cp,
-        dp_shard, layout.dp_replicate, stage_layers, layout.pp_virtual_stages,
-        layout.micro_batch, accum, layout.activation_checkpointing, layout.precision,
-        local_params))
+    local_params = max(
+        rank_params(ctx.preset, stage_layers[r], layout.tp, r == 0, r == pp - 1)
+        for r in {0, pp - 1, stage_layers.index(max(stage_layers))}
+    )
+    st = step_time(
+        StepInputs(
+            ctx.preset,
+            ctx.sku,
+            ctx.fabric,
+            req.gpus_per_node,
+            ctx.seq_len,
+            layout.tp,
+            layout.cp,
+            dp_shard,
+            layout.dp_replicate,
+            stage_layers,
+            layout.pp_virtual_stages,
+            layout.micro_batch,
+            accum,
+            layout.activation_checkpointing,
+            layout.precision,
+            local_params,
+        )
+    )
     if pp > 1:
         bubble = st.pp_bubble / st.total
         if bubble > req.max_pp_bubble:
-            raise ItoError(ErrorCode.plan_pp_bubble_too_large,
-                           f"pipeline bubble of PP {pp} with {accum} micro-batches and "
-                           f"{layout.pp_virtual_stages} chunk(s) per rank is {bubble:.0%} of the "
-                           f"step (bound {req.max_pp_bubble:.0%})")
+            raise ItoError(
+                ErrorCode.plan_pp_bubble_too_large,
+                f"pipeline bubble of PP {pp} with {accum} micro-batches and "
+                f"{layout.pp_virtual_stages} chunk(s) per rank is {bubble:.0%} of the "
+                f"step (bound {req.max_pp_bubble:.0%})",
+            )
     tokens_per_s = req.global_batch_tokens / st.total
     # MFU against the peak of the precision used: fp8 plans are not flattered by
     # being divided by the (half as fast) bf16 peak.
-    mfu = tokens_per_s * model_flops_per_token(ctx.preset, ctx.seq_len) / (
-        ctx.world * ctx.sku.peak_tflops(layout.precision) * 1e12)
+    mfu = (
+        tokens_per_s
+        * model_flops_per_token(ctx.preset, ctx.seq_len)
+        / (ctx.world * ctx.sku.peak_tflops(layout.precision) * 1e12)
+    )
     floor = ctx.sku.mfu_floor if req.mfu_floor is None else req.mfu_floor
     if mfu < floor:
-        raise ItoError(ErrorCode.plan_wasteful,
-                       f"predicted MFU {mfu:.1%} is under the floor of {floor:.0%} for "
-                       f"{ctx.sku.name}: the booking would mostly wait on "
-                       f"{_dominant_wait(st)}", details={"mfu": round(mfu, 4)})
-    return Assessment(layout, dp_shard, accum, stage_layers, mem, peak, capacity, st,
-                       tokens_per_s, mfu)
+        raise ItoError(
+            ErrorCode.plan_wasteful,
+            f"predicted MFU {mfu:.1%} is under the floor of {floor:.0%} for "
+            f"{ctx.sku.name}: the booking would mostly wait on "
+            f"{_dominant_wait(st)}",
+            details={"mfu": round(mfu, 4)},
+        )
+    return Assessment(
+        layout, dp_shard, accum, stage_layers, mem, peak, capacity, st, tokens_per_s, mfu
+    )
 
 
 def to_plan(ctx: Context, a: Assessment, *, explain: bool) -> Plan:
@@ -129,60 +167,116 @@ def to_plan(ctx: Context, a: Assessment, *, explain: bool) -> Plan:
     pp, tokens_per_s, mfu = layout.pp, a.tokens_per_s, a.mfu
     reasons = _reasons(ctx, layout, dp_shard, accum, st, mem, peak, capacity) if explain else []
     return Plan(
-        model=ctx.preset.name, gpu_sku=ctx.sku.name, fabric=ctx.fabric.name,
-        gpus_per_node=req.gpus_per_node, node_count=req.node_count, world_size=ctx.world,
-        global_batch_tokens=req.global_batch_tokens, seq_len=ctx.seq_len,
-        tp=layout.tp, pp=pp, pp_schedule=layout.pp_schedule,
-        pp_virtual_stages=layout.pp_virtual_stages, pp_microbatches=accum,
-        pp_stage_layers=list(stage_layers), cp=layout.cp, dp_shard=dp_shard,
-        dp_replicate=layout.dp_replicate, micro_batch=layout.micro_batch, grad_accum=accum,
-        activation_checkpointing=layout.activation_checkpointing, precision=layout.precision,
+        model=ctx.preset.name,
+        gpu_sku=ctx.sku.name,
+        fabric=ctx.fabric.name,
+        gpus_per_node=req.gpus_per_node,
+        node_count=req.node_count,
+        world_size=ctx.world,
+        global_batch_tokens=req.global_batch_tokens,
+        seq_len=ctx.seq_len,
+        tp=layout.tp,
+        pp=pp,
+        pp_schedule=layout.pp_schedule,
+        pp_virtual_stages=layout.pp_virtual_stages,
+        pp_microbatches=accum,
+        pp_stage_layers=list(stage_layers),
+        cp=layout.cp,
+        dp_shard=dp_shard,
+        dp_replicate=layout.dp_replicate,
+        micro_batch=layout.micro_batch,
+        grad_accum=accum,
+        activation_checkpointing=layout.activation_checkpointing,
+        precision=layout.precision,
         peak_memory_gib=round(peak, 3),
         memory=MemoryBreakdown(
-            weights=round(mem.weights / GIB, 3), gradients=round(mem.gradients / GIB, 3),
-            optimizer=round(mem.optimizer / GIB, 3), activations=round(mem.activations / GIB, 3),
-            buffers=round(mem.buffers / GIB, 3), total=round(peak, 3),
-            capacity=round(capacity, 3)),
+            weights=round(mem.weights / GIB, 3),
+            gradients=round(mem.gradients / GIB, 3),
+            optimizer=round(mem.optimizer / GIB, 3),
+            activations=round(mem.activations / GIB, 3),
+            buffers=round(mem.buffers / GIB, 3),
+            total=round(peak, 3),
+            capacity=round(capacity, 3),
+        ),
         step_time_s=round(st.total, 6),
         step_time=StepTimeBreakdown(
-            compute=st.compute, pp_bubble=st.pp_bubble, tp_comm=st.tp_comm, cp_comm=st.cp_comm,
-            fsdp_comm=st.fsdp_comm, replicate_comm=st.replicate_comm, pp_comm=st.pp_comm,
-            optimizer=st.optimizer, total=st.total),
-        tokens_per_s=round(tokens_per_s, 3), mfu=round(mfu, 4), reasons=reasons)
+            compute=st.compute,
+            pp_bubble=st.pp_bubble,
+            tp_comm=st.tp_comm,
+            cp_comm=st.cp_comm,
+            fsdp_comm=st.fsdp_comm,
+            replicate_comm=st.replicate_comm,
+            pp_comm=st.pp_comm,
+            optimizer=st.optimizer,
+            total=st.total,
+        ),
+        tokens_per_s=round(tokens_per_s, 3),
+        mfu=round(mfu, 4),
+        reasons=reasons,
+    )
 
 
 def _dominant_wait(st: StepTime) -> str:
-    parts = {k: getattr(st, k) for k in ("pp_bubble", "tp_comm", "cp_comm", "fsdp_comm",
-                                           "replicate_comm", "pp_comm", "optimizer")}
+    parts = {
+        k: getattr(st, k)
+        for k in (
+            "pp_bubble",
+            "tp_comm",
+            "cp_comm",
+            "fsdp_comm",
+            "replicate_comm",
+            "pp_comm",
+            "optimizer",
+        )
+    }
     name, value = max(parts.items(), key=lambda kv: kv[1])
     if value < st.compute * 0.5:
         return "small, memory-bound kernels"
     return name.replace("_", " ")
 
 
-def _reasons(ctx: Context, layout: Layout, dp_shard: int, accum: int, st: object,
-             mem: object, peak: float, capacity: float) -> list[str]:
-    r = [f"{ctx.preset.name} ({ctx.preset.num_params / 1e9:.3g}B params) on {ctx.world} x "
-         f"{ctx.sku.name} ({ctx.request.node_count} node(s) over {ctx.fabric.name})"]
+def _reasons(
+    ctx: Context,
+    layout: Layout,
+    dp_shard: int,
+    accum: int,
+    st: object,
+    mem: object,
+    peak: float,
+    capacity: float,
+) -> list[str]:
+    r = [
+        f"{ctx.preset.name} ({ctx.preset.num_params / 1e9:.3g}B params) on {ctx.world} x "
+        f"{ctx.sku.name} ({ctx.request.node_count} node(s) over {ctx.fabric.name})"
+    ]
     r.append(f"predicted peak {peak:.1f} of {capacity:.1f} usable GiB per GPU")
     if layout.tp > 1:
-        r.append(f"TP {layout.tp} inside the NVLink domain splits each layer's GEMMs and "
-                 f"activations {layout.tp} ways (sequence parallel on)")
+        r.append(
+            f"TP {layout.tp} inside the NVLink domain splits each layer's GEMMs and "
+            f"activations {layout.tp} ways (sequence parallel on)"
+        )
     if layout.pp > 1:
-        r.append(f"PP {layout.pp} ({layout.pp_schedule}, {layout.pp_virtual_stages} chunk(s) "
-                 f"per rank, {accum} micro-batches) splits the layers where TP and FSDP alone "
-                 f"do not fit or scale")
+        r.append(
+            f"PP {layout.pp} ({layout.pp_schedule}, {layout.pp_virtual_stages} chunk(s) "
+            f"per rank, {accum} micro-batches) splits the layers where TP and FSDP alone "
+            f"do not fit or scale"
+        )
     if layout.cp > 1:
         r.append(f"CP {layout.cp} splits each {ctx.seq_len}-token sequence (ring attention)")
     if dp_shard * layout.cp > 1:
         r.append(FSDP_SHARD_HINT.format(n=dp_shard * layout.cp))
     if layout.dp_replicate > 1:
-        r.append(f"{layout.dp_replicate} torchft replica groups: a failed group is healed "
-                 f"live while the others keep training")
+        r.append(
+            f"{layout.dp_replicate} torchft replica groups: a failed group is healed "
+            f"live while the others keep training"
+        )
     if layout.activation_checkpointing != "none":
-        r.append(f"{layout.activation_checkpointing} activation checkpointing, the least "
-                 f"recompute that fits or is fastest")
+        r.append(
+            f"{layout.activation_checkpointing} activation checkpointing, the least "
+            f"recompute that fits or is fastest"
+        )
     return r
+
 
 def validate_layout(request: PlanRequest, layout: Layout) -> Plan:
     """Check hand-set degrees and predict their memory and speed; raises ``ItoError``

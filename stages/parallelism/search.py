@@ -75,9 +75,11 @@ class _Deadline:
 
     def check(self) -> None:
         if self.at is not None and time.monotonic() > self.at:
-            raise ItoError(ErrorCode.plan_time_budget_exceeded,
-                           f"the layout search did not finish within {self.budget_s:g} s; "
-                           "nothing was planned (a smaller batch or model plans faster)")
+            raise ItoError(
+                ErrorCode.plan_time_budget_exceeded,
+                f"the layout search did not finish within {self.budget_s:g} s; "
+                "nothing was planned (a smaller batch or model plans faster)",
+            )
 
 
 @dataclass
@@ -104,10 +106,17 @@ class _Group:
     def layout(self, micro_batch: int, ac: ActivationCheckpointing) -> Layout:
         # values are valid by construction: skip validation in the hot loop
         return Layout.model_construct(
-            tp=self.tp, pp=self.pp, cp=self.cp, dp_shard=self.dp_shard,
-            dp_replicate=self.dp_replicate, micro_batch=micro_batch,
-            pp_schedule=self.schedule, pp_virtual_stages=self.virtual,
-            activation_checkpointing=ac, precision=self.precision)
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            dp_shard=self.dp_shard,
+            dp_replicate=self.dp_replicate,
+            micro_batch=micro_batch,
+            pp_schedule=self.schedule,
+            pp_virtual_stages=self.virtual,
+            activation_checkpointing=ac,
+            precision=self.precision,
+        )
 
 
 def _groups(ctx: Context) -> Iterator[_Group]:
@@ -116,10 +125,18 @@ def _groups(ctx: Context) -> Iterator[_Group]:
     that runs out of memory rules out the smaller shard degrees after it."""
     req, preset = ctx.request, ctx.preset
     world = ctx.world
-    tps = [t for t in _divisors(req.gpus_per_node) if t <= ctx.sku.nvlink_domain
-           and preset.num_attention_heads % t == 0 and preset.num_key_value_heads % t == 0]
-    cps = [c for c in (1, 2, 4, 8, 16) if c == 1 or (
-        ctx.seq_len % (2 * c) == 0 and ctx.seq_len // c >= MIN_CP_CHUNK_TOKENS)]
+    tps = [
+        t
+        for t in _divisors(req.gpus_per_node)
+        if t <= ctx.sku.nvlink_domain
+        and preset.num_attention_heads % t == 0
+        and preset.num_key_value_heads % t == 0
+    ]
+    cps = [
+        c
+        for c in (1, 2, 4, 8, 16)
+        if c == 1 or (ctx.seq_len % (2 * c) == 0 and ctx.seq_len // c >= MIN_CP_CHUNK_TOKENS)
+    ]
     if req.precision == "auto":
         precisions: list[Precision] = [ctx.sku.default_precision]
         if ctx.sku.supports_fp8 and ctx.sku.default_precision != "fp32":
@@ -127,8 +144,10 @@ def _groups(ctx: Context) -> Iterator[_Group]:
     else:
         precisions = [req.precision]
     acs: tuple[ActivationCheckpointing, ...] = (
-        ("none", "selective", "full") if req.activation_checkpointing == "auto"
-        else (req.activation_checkpointing,))
+        ("none", "selective", "full")
+        if req.activation_checkpointing == "auto"
+        else (req.activation_checkpointing,)
+    )
     seqs = max(1, ctx.sequences)
     for tp, cp in itertools.product(tps, cps):
         if world % (tp * cp):
@@ -139,12 +158,21 @@ def _groups(ctx: Context) -> Iterator[_Group]:
             dp = world // (tp * cp * pp)
             schedules: list[tuple[PipelineSchedule, int]] = [("1F1B", 1)]
             if pp > 1:
-                schedules += [("Interleaved1F1B", v) for v in (2, 4, 8)
-                              if v <= MAX_VIRTUAL_STAGES and pp * v <= preset.num_hidden_layers]
+                schedules += [
+                    ("Interleaved1F1B", v)
+                    for v in (2, 4, 8)
+                    if v <= MAX_VIRTUAL_STAGES and pp * v <= preset.num_hidden_layers
+                ]
             local = seqs // dp if seqs % dp == 0 else 0
             mbs = tuple(m for m in _divisors(local) if m <= MAX_MICRO_BATCH) if local else (1,)
-            shards = sorted((d for d in _shard_options(dp, tp * cp, req.gpus_per_node)
-                             if dp // d >= req.min_replica_groups), reverse=True)
+            shards = sorted(
+                (
+                    d
+                    for d in _shard_options(dp, tp * cp, req.gpus_per_node)
+                    if dp // d >= req.min_replica_groups
+                ),
+                reverse=True,
+            )
             for (sched, v), prec, dp_shard in itertools.product(schedules, precisions, shards):
                 yield _Group(tp, cp, pp, sched, v, prec, dp_shard, dp // dp_shard, mbs, acs)
 
@@ -156,19 +184,44 @@ def _speed_bound(ctx: Context, g: _Group, stage_layers: tuple[int, ...]) -> floa
     parts = []
     for mb in {g.micro_batches[0], g.micro_batches[-1]}:
         accum = max(1, ctx.sequences // (g.dp_shard * g.dp_replicate * mb))
-        parts.append(step_time(StepInputs(
-            ctx.preset, ctx.sku, ctx.fabric, ctx.request.gpus_per_node, ctx.seq_len, g.tp,
-            g.cp, 1, 1, stage_layers, g.virtual, mb, accum, "none", g.precision, 0.0)))
-    floor = (min(p.compute for p in parts) + min(p.pp_bubble for p in parts)
-             + min(p.tp_comm for p in parts) + min(p.cp_comm for p in parts))
+        parts.append(
+            step_time(
+                StepInputs(
+                    ctx.preset,
+                    ctx.sku,
+                    ctx.fabric,
+                    ctx.request.gpus_per_node,
+                    ctx.seq_len,
+                    g.tp,
+                    g.cp,
+                    1,
+                    1,
+                    stage_layers,
+                    g.virtual,
+                    mb,
+                    accum,
+                    "none",
+                    g.precision,
+                    0.0,
+                )
+            )
+        )
+    floor = (
+        min(p.compute for p in parts)
+        + min(p.pp_bubble for p in parts)
+        + min(p.tp_comm for p in parts)
+        + min(p.cp_comm for p in parts)
+    )
     return ctx.request.global_batch_tokens / floor
 
 
 def _state_gib(ctx: Context, g: _Group, stage_layers: tuple[int, ...]) -> float:
     """GiB of fp32 weights, gradients and AdamW moments on the fullest rank."""
     pp = len(stage_layers)
-    params = max(rank_params(ctx.preset, stage_layers[r], g.tp, r == 0, r == pp - 1)
-                 for r in {0, pp - 1, stage_layers.index(max(stage_layers))})
+    params = max(
+        rank_params(ctx.preset, stage_layers[r], g.tp, r == 0, r == pp - 1)
+        for r in {0, pp - 1, stage_layers.index(max(stage_layers))}
+    )
     return (MASTER_BYTES + GRAD_BYTES + OPTIMIZER_BYTES) * params / (g.dp_shard * g.cp) / GIB
 
 
@@ -267,8 +320,9 @@ class _Search:
                 self.stage_layers[key] = layers
             bound_key = (*key, g.schedule)
             if bound_key not in bounds:  # the dp split does not enter the bound
-                bounds[bound_key] = _speed_bound(ctx, g, self.stage_layers[key]) / \
-                    self.handicap(g.precision)
+                bounds[bound_key] = _speed_bound(ctx, g, self.stage_layers[key]) / self.handicap(
+                    g.precision
+                )
             queued.append((-bounds[bound_key], n, g))
         queued.sort()
         self._bounds = [-b for b, _, _ in queued]
@@ -298,12 +352,15 @@ class _Search:
         if state > self.capacity:
             # weights, gradients and AdamW state alone overflow: no micro-batch or
             # recompute helps, and smaller shard degrees (later in the queue) need more
-            self.record(ItoError(
-                ErrorCode.plan_out_of_memory,
-                f"weights, gradients and optimizer state alone need {state:.1f} GiB per "
-                f"GPU, over the usable {self.capacity:.1f} GiB of {self.ctx.sku.name}",
-                details={"peak_memory_gib": round(state, 2)}),
-                g.layout(g.micro_batches[0], "full"))
+            self.record(
+                ItoError(
+                    ErrorCode.plan_out_of_memory,
+                    f"weights, gradients and optimizer state alone need {state:.1f} GiB per "
+                    f"GPU, over the usable {self.capacity:.1f} GiB of {self.ctx.sku.name}",
+                    details={"peak_memory_gib": round(state, 2)},
+                ),
+                g.layout(g.micro_batches[0], "full"),
+            )
             self.ruled_out.add(oom_key)
             return
         any_memory_fit = False
@@ -336,8 +393,9 @@ class _Search:
 
     def add(self, a: Assessment) -> None:
         # prefer faster; on ties the simpler layout (earlier candidate)
-        heapq.heappush(self.feasible,
-                       (a.tokens_per_s / self.handicap(a.layout.precision), -self.assessed, a))
+        heapq.heappush(
+            self.feasible, (a.tokens_per_s / self.handicap(a.layout.precision), -self.assessed, a)
+        )
         if len(self.feasible) > self.keep + 1:
             heapq.heappop(self.feasible)
         prev = self.best_by_precision.get(a.layout.precision)
@@ -349,18 +407,24 @@ class _Search:
         ranked_failures = _rank_failures(self.failures, self.reached)
         if not self.feasible:
             if not self.counts:
-                raise ItoError(ErrorCode.plan_no_feasible,
-                               f"no layout of {ctx.world} GPUs exists for {ctx.preset.name} "
-                               f"with at least {request.min_replica_groups} torchft replica "
-                               f"group(s)")
+                raise ItoError(
+                    ErrorCode.plan_no_feasible,
+                    f"no layout of {ctx.world} GPUs exists for {ctx.preset.name} "
+                    f"with at least {request.min_replica_groups} torchft replica "
+                    f"group(s)",
+                )
             code = max(self.counts, key=lambda c: (self.reached[c], self.counts[c]))
             best = max(self.failures[code])
             rejected = [r.model_dump() for r in _as_rejections(ranked_failures, [], self.keep)]
-            raise ItoError(code, f"no layout of {ctx.world} x {ctx.sku.name} fits "
-                           f"{ctx.preset.name}; the closest: {best.layout}: {best.reason}",
-                           details={"rejected": rejected,
-                                    "refusal_counts": {str(k): v
-                                                       for k, v in self.counts.items()}})
+            raise ItoError(
+                code,
+                f"no layout of {ctx.world} x {ctx.sku.name} fits "
+                f"{ctx.preset.name}; the closest: {best.layout}: {best.reason}",
+                details={
+                    "rejected": rejected,
+                    "refusal_counts": {str(k): v for k, v in self.counts.items()},
+                },
+            )
         ranked = sorted(self.feasible, key=lambda t: (t[0], t[1]), reverse=True)
         # among layouts within the margin of the fastest, the most torchft replica groups
         near = [t for t in ranked if t[0] >= ranked[0][0] * self.margin]
@@ -374,16 +438,19 @@ class _Search:
                 f"{chosen.dp_replicate} torchft replica groups chosen over a layout with "
                 f"{fastest.layout.dp_replicate} that is predicted "
                 f"{fastest.tokens_per_s / chosen.tokens_per_s - 1:.1%} faster (within the "
-                f"{request.replica_preference_margin:.0%} fault-tolerance margin)")
+                f"{request.replica_preference_margin:.0%} fault-tolerance margin)"
+            )
         if request.precision == "auto" and ctx.sku.supports_fp8:
-            chosen.reasons.append(_fp8_reason(chosen, self.best_by_precision,
-                                              request.fp8_min_speedup))
+            chosen.reasons.append(
+                _fp8_reason(chosen, self.best_by_precision, request.fp8_min_speedup)
+            )
         slower = [p for p in ordered if p.layout() != chosen.layout()]
         alternatives = _as_rejections(ranked_failures, [(p, chosen) for p in slower], self.keep)
         chosen.reasons.append(
             f"fastest of {self.assessed} candidate layouts assessed ({self.pruned} groups "
             f"skipped that could not beat it); "
-            + ", ".join(f"{v} refused {k}" for k, v in sorted(self.counts.items())))
+            + ", ".join(f"{v} refused {k}" for k, v in sorted(self.counts.items()))
+        )
         return chosen.model_copy(update={"rejected": alternatives})
 
 
@@ -391,8 +458,11 @@ def _fp8_reason(chosen: Plan, best: dict[str, Assessment], margin: float) -> str
     take = f"auto precision takes fp8 when it is at least {margin - 1:.0%} faster than bf16"
     if "bf16" in best and "fp8" in best:
         gain = best["fp8"].tokens_per_s / best["bf16"].tokens_per_s - 1
-        verdict = ("the GEMMs are big enough to be compute-bound" if chosen.precision == "fp8"
-                   else "the GEMMs are too small or too few for fp8 to pay")
+        verdict = (
+            "the GEMMs are big enough to be compute-bound"
+            if chosen.precision == "fp8"
+            else "the GEMMs are too small or too few for fp8 to pay"
+        )
         return f"{take}; the best fp8 layout is predicted {gain:+.0%}: {verdict}"
     if chosen.precision == "fp8":
         return f"{take}; no bf16 layout could come within that margin"
@@ -407,9 +477,15 @@ def _stage(err: ItoError) -> int:
     return CHECK_ORDER[err.code]
 
 
-def _record(failures: dict[ErrorCode, list[_Failure]], counts: dict[ErrorCode, int],
-            reached: dict[ErrorCode, int], err: ItoError, layout: Layout, i: int,
-            keep: int) -> None:
+def _record(
+    failures: dict[ErrorCode, list[_Failure]],
+    counts: dict[ErrorCode, int],
+    reached: dict[ErrorCode, int],
+    err: ItoError,
+    layout: Layout,
+    i: int,
+    keep: int,
+) -> None:
     counts[err.code] = counts.get(err.code, 0) + 1
     reached[err.code] = max(reached.get(err.code, -1), _stage(err))
     bucket = failures.setdefault(err.code, [])
@@ -417,14 +493,14 @@ def _record(failures: dict[ErrorCode, list[_Failure]], counts: dict[ErrorCode, i
     closeness = -float(err.details.get("peak_memory_gib", 0.0))  # type: ignore[arg-type]
     if err.code == ErrorCode.plan_wasteful:
         closeness = float(err.details.get("mfu", 0.0))  # type: ignore[arg-type]
-    heapq.heappush(bucket, _Failure((closeness, -i), layout.label(), err.code, err.message,
-                                            layout))
+    heapq.heappush(bucket, _Failure((closeness, -i), layout.label(), err.code, err.message, layout))
     if len(bucket) > keep:
         heapq.heappop(bucket)
 
 
-def _rank_failures(failures: dict[ErrorCode, list[_Failure]],
-                   reached: dict[ErrorCode, int]) -> list[_Failure]:
+def _rank_failures(
+    failures: dict[ErrorCode, list[_Failure]], reached: dict[ErrorCode, int]
+) -> list[_Failure]:
     """Furthest-through-the-checks first, the closest of each code first."""
     out: list[_Failure] = []
     for code in sorted(failures, key=lambda c: -reached[c]):
@@ -432,24 +508,36 @@ def _rank_failures(failures: dict[ErrorCode, list[_Failure]],
     return out
 
 
-def _as_rejections(failures: list[_Failure], slower: list[tuple[Plan, Plan]],
-                   keep: int) -> list[Rejection]:
+def _as_rejections(
+    failures: list[_Failure], slower: list[tuple[Plan, Plan]], keep: int
+) -> list[Rejection]:
     rows: list[Rejection] = []
     for p, chosen in slower[:keep]:
-        rows.append(Rejection(
-            rank=0, layout=p.layout().label(), degrees=p.layout(), code=None,
-            reason=(f"feasible but {1 - p.tokens_per_s / chosen.tokens_per_s:.1%} slower"
-                    if p.tokens_per_s <= chosen.tokens_per_s else
-                    f"feasible and {p.tokens_per_s / chosen.tokens_per_s - 1:.1%} faster, but "
-                    f"with fewer torchft replica groups ({p.dp_replicate})"),
-            tokens_per_s=p.tokens_per_s, mfu=p.mfu, peak_memory_gib=p.peak_memory_gib))
+        rows.append(
+            Rejection(
+                rank=0,
+                layout=p.layout().label(),
+                degrees=p.layout(),
+                code=None,
+                reason=(
+                    f"feasible but {1 - p.tokens_per_s / chosen.tokens_per_s:.1%} slower"
+                    if p.tokens_per_s <= chosen.tokens_per_s
+                    else f"feasible and {p.tokens_per_s / chosen.tokens_per_s - 1:.1%} faster, but "
+                    f"with fewer torchft replica groups ({p.dp_replicate})"
+                ),
+                tokens_per_s=p.tokens_per_s,
+                mfu=p.mfu,
+                peak_memory_gib=p.peak_memory_gib,
+            )
+        )
     # one of each refusal first, then the rest, so every kind of refusal is shown
     firsts = {f.code: f for f in reversed(failures)}
     ordered = [f for f in failures if firsts.get(f.code) is f]
     ordered += [f for f in failures if firsts.get(f.code) is not f]
     for f in ordered[:keep]:
-        rows.append(Rejection(rank=0, layout=f.layout, degrees=f.degrees, code=str(f.code),
-                              reason=f.reason))
+        rows.append(
+            Rejection(rank=0, layout=f.layout, degrees=f.degrees, code=str(f.code), reason=f.reason)
+        )
     for i, row in enumerate(rows, 1):
         row.rank = i
     return rows

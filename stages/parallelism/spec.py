@@ -24,21 +24,29 @@ class PlanRequest(StrictModel):
     node_count: int = Field(gt=0)
     fabric: str
     global_batch_tokens: int = Field(gt=0)
-    seq_len: int | None = Field(default=None, gt=1,
-                                description="None: the preset's context, capped at 8192")
+    seq_len: int | None = Field(
+        default=None, gt=1, description="None: the preset's context, capped at 8192"
+    )
     precision: PrecisionPreference = "auto"
     activation_checkpointing: ActivationCheckpointing | Literal["auto"] = "auto"
     # Bounds of the refusals; None takes the SKU's / planner's default.
     mfu_floor: float | None = Field(default=None, ge=0, lt=1)
-    max_pp_bubble: float = Field(default=0.25, gt=0, lt=1,
-                                 description="largest pipeline bubble, as a share of the step")
-    max_pp_imbalance: float = Field(default=0.25, ge=0,
-                                    description="largest (slowest stage / mean stage) - 1")
-    memory_utilization: float = Field(default=0.9, gt=0, le=1,
-                                      description="share of device memory a plan may use; the "
-                                      "rest is CUDA context, NCCL and allocator fragmentation")
-    fp8_min_speedup: float = Field(default=1.1, ge=1,
-                                   description="auto precision takes fp8 only if this much faster")
+    max_pp_bubble: float = Field(
+        default=0.25, gt=0, lt=1, description="largest pipeline bubble, as a share of the step"
+    )
+    max_pp_imbalance: float = Field(
+        default=0.25, ge=0, description="largest (slowest stage / mean stage) - 1"
+    )
+    memory_utilization: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="share of device memory a plan may use; the "
+        "rest is CUDA context, NCCL and allocator fragmentation",
+    )
+    fp8_min_speedup: float = Field(
+        default=1.1, ge=1, description="auto precision takes fp8 only if this much faster"
+    )
     max_alternatives: int = Field(default=10, ge=0, le=100)
     # torchft heals a failed replica group live while the others train on, so more
     # groups buy fault tolerance: take the layout with the most replica groups among
@@ -80,11 +88,17 @@ class Layout(StrictModel):
         return self
 
     def label(self) -> str:
-        sched = "" if self.pp == 1 else f" {self.pp_schedule}" + (
-            f"x{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else "")
-        return (f"tp{self.tp} pp{self.pp}{sched} cp{self.cp} fsdp{self.dp_shard} "
-                f"rep{self.dp_replicate} mb{self.micro_batch} ac={self.activation_checkpointing} "
-                f"{self.precision}")
+        sched = (
+            ""
+            if self.pp == 1
+            else f" {self.pp_schedule}"
+            + (f"x{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else "")
+        )
+        return (
+            f"tp{self.tp} pp{self.pp}{sched} cp{self.cp} fsdp{self.dp_shard} "
+            f"rep{self.dp_replicate} mb{self.micro_batch} ac={self.activation_checkpointing} "
+            f"{self.precision}"
+        )
 
 
 class MemoryBreakdown(BaseModel):
@@ -162,8 +176,15 @@ class Plan(BaseModel):
     rejected: list[Rejection] = Field(default_factory=list)
 
     def layout(self) -> Layout:
-        return Layout(tp=self.tp, pp=self.pp, cp=self.cp, dp_shard=self.dp_shard,
-                      dp_replicate=self.dp_replicate, micro_batch=self.micro_batch,
-                      pp_schedule=self.pp_schedule, pp_virtual_stages=self.pp_virtual_stages,
-                      activation_checkpointing=self.activation_checkpointing,
-                      precision=self.precision)
+        return Layout(
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            dp_shard=self.dp_shard,
+            dp_replicate=self.dp_replicate,
+            micro_batch=self.micro_batch,
+            pp_schedule=self.pp_schedule,
+            pp_virtual_stages=self.pp_virtual_stages,
+            activation_checkpointing=self.activation_checkpointing,
+            precision=self.precision,
+        )

@@ -33,16 +33,16 @@ from stages.presets import ModelPreset
 # and clocks under power capping included), calibrated so Llama-3-shaped models land
 # near published H100 figures (torchtitan 8B ~35-40% MFU bf16; Llama 3 405B 38-43%).
 GEMM_EFFICIENCY = {"fp32": 0.6, "bf16": 0.6, "fp8": 0.45}
-ATTENTION_EFFICIENCY = 0.4   # flash attention (fwd + bwd) vs dense bf16 peak, long blocks
+ATTENTION_EFFICIENCY = 0.4  # flash attention (fwd + bwd) vs dense bf16 peak, long blocks
 ATTENTION_HALF_BLOCK = 1024  # key-block length at which flash runs at half that
 # (short blocks, as CP's ring makes them, leave tensor cores idle in the softmax)
-POINTWISE_PASSES = 2         # eager kernels read/write each activation more than once
-CP_STEP_OVERHEAD_S = 30e-6   # per CP rank and layer: extra attention/merge kernels
+POINTWISE_PASSES = 2  # eager kernels read/write each activation more than once
+CP_STEP_OVERHEAD_S = 30e-6  # per CP rank and layer: extra attention/merge kernels
 HBM_EFFICIENCY = 0.7
 NVLINK_EFFICIENCY = 0.8
 NVLINK_LATENCY_S = 10e-6
-TP_OVERLAP = 0.3             # share of TP collectives async TP hides
-FSDP_OVERLAP = 0.9           # share of compute FSDP's prefetch can hide comm under
+TP_OVERLAP = 0.3  # share of TP collectives async TP hides
+FSDP_OVERLAP = 0.9  # share of compute FSDP's prefetch can hide comm under
 SELECTIVE_RECOMPUTE_COST = 0.5  # of the pointwise time, recomputed in the backward
 # Launch and framework time per layer and micro-batch (~30 kernels x ~10 us, forward
 # and backward): what makes many small micro-batches slower than a few large ones.
@@ -62,20 +62,34 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.pp_bubble + self.tp_comm + self.cp_comm + self.fsdp_comm
-                + self.replicate_comm + self.pp_comm + self.optimizer)
+        return (
+            self.compute
+            + self.pp_bubble
+            + self.tp_comm
+            + self.cp_comm
+            + self.fsdp_comm
+            + self.replicate_comm
+            + self.pp_comm
+            + self.optimizer
+        )
 
 
 def model_flops_per_token(preset: ModelPreset, seq_len: int) -> float:
     embed = preset.vocab_size * preset.hidden_size
-    return (6 * (preset.active_params - embed)
-            + 12 * preset.num_hidden_layers * preset.hidden_size * seq_len)
+    return (
+        6 * (preset.active_params - embed)
+        + 12 * preset.num_hidden_layers * preset.hidden_size * seq_len
+    )
 
 
 def attention_efficiency(seq_len: int, cp: int) -> float:
     block = seq_len / (2 * cp) if cp > 1 else seq_len
-    return ATTENTION_EFFICIENCY * block / (block + ATTENTION_HALF_BLOCK) * (
-        1 + ATTENTION_HALF_BLOCK / 8192)  # normalised: an 8k block runs at the nominal value
+    return (
+        ATTENTION_EFFICIENCY
+        * block
+        / (block + ATTENTION_HALF_BLOCK)
+        * (1 + ATTENTION_HALF_BLOCK / 8192)
+    )  # normalised: an 8k block runs at the nominal value
 
 
 def _gemm_time(m: float, k: float, n: float, sku: GpuSku, precision: Precision) -> float:
@@ -92,24 +106,37 @@ def _gemm_time(m: float, k: float, n: float, sku: GpuSku, precision: Precision) 
 
 
 @lru_cache(maxsize=4096)
-def layer_compute_time(preset: ModelPreset, tokens: float, seq_len: int, tp: int, cp: int,
-                       sku: GpuSku, precision: Precision,
-                       ac: ActivationCheckpointing) -> float:
+def layer_compute_time(
+    preset: ModelPreset,
+    tokens: float,
+    seq_len: int,
+    tp: int,
+    cp: int,
+    sku: GpuSku,
+    precision: Precision,
+    ac: ActivationCheckpointing,
+) -> float:
     """Seconds of forward + backward (+ recompute) of one decoder layer for ``tokens``
     tokens (the micro-batch on this GPU, after CP) on one GPU."""
     h = preset.hidden_size
     kv = preset.num_key_value_heads * preset.head_dim
     ffn = preset.intermediate_size
     experts = max(1, preset.experts_per_token)
-    gemm = (_gemm_time(tokens, h, (h + 2 * kv) / tp, sku, precision)
-            + _gemm_time(tokens, h / tp, h, sku, precision)
-            + experts * (_gemm_time(tokens, h, 2 * ffn / tp, sku, precision)
-                         + _gemm_time(tokens, ffn / tp, h, sku, precision)))
+    gemm = (
+        _gemm_time(tokens, h, (h + 2 * kv) / tp, sku, precision)
+        + _gemm_time(tokens, h / tp, h, sku, precision)
+        + experts
+        * (
+            _gemm_time(tokens, h, 2 * ffn / tp, sku, precision)
+            + _gemm_time(tokens, ffn / tp, h, sku, precision)
+        )
+    )
     attn_precision: Precision = "fp32" if precision == "fp32" else "bf16"
     # causal flash attention: fwd 2 x 2 x s x h / 2 per token, backward 2.5x the forward
     attn_flops = 3.5 * 2 * tokens * seq_len * h / tp
-    attention = attn_flops / (sku.peak_tflops(attn_precision) * 1e12
-                              * attention_efficiency(seq_len, cp))
+    attention = attn_flops / (
+        sku.peak_tflops(attn_precision) * 1e12 * attention_efficiency(seq_len, cp)
+    )
     b = compute_bytes(precision)
     pointwise_bytes = POINTWISE_PASSES * 3 * b * tokens * (20 * h + 4 * kv + 5 * ffn * experts) / tp
     pointwise = pointwise_bytes / (sku.hbm_bandwidth_gb_s * 1e9 * HBM_EFFICIENCY)
@@ -122,11 +149,17 @@ def layer_compute_time(preset: ModelPreset, tokens: float, seq_len: int, tp: int
 
 
 @lru_cache(maxsize=4096)
-def head_compute_time(preset: ModelPreset, tokens: float, tp: int, sku: GpuSku,
-                      precision: Precision) -> float:
+def head_compute_time(
+    preset: ModelPreset, tokens: float, tp: int, sku: GpuSku, precision: Precision
+) -> float:
     """Output projection + loss of one micro-batch (the last pipeline rank)."""
-    gemm = _gemm_time(tokens, preset.hidden_size, preset.vocab_size / tp, sku,
-                      "bf16" if precision == "fp8" else precision)  # the head stays in bf16
+    gemm = _gemm_time(
+        tokens,
+        preset.hidden_size,
+        preset.vocab_size / tp,
+        sku,
+        "bf16" if precision == "fp8" else precision,
+    )  # the head stays in bf16
     loss_bytes = 3 * 12 * tokens * preset.vocab_size / tp
     return gemm + loss_bytes / (sku.hbm_bandwidth_gb_s * 1e9 * HBM_EFFICIENCY)
 
@@ -138,14 +171,14 @@ def _collective(volume: float, group: int, bandwidth_gb_s: float, latency_s: flo
     return (group - 1) / group * volume / (bandwidth_gb_s * 1e9) + latency_s * (group - 1)
 
 
-def group_bandwidth(span: int, gpus_per_node: int, sku: GpuSku,
-                    fabric: Fabric) -> tuple[float, float]:
+def group_bandwidth(
+    span: int, gpus_per_node: int, sku: GpuSku, fabric: Fabric
+) -> tuple[float, float]:
     """(GB/s per GPU, latency s) of a group whose innermost ``span`` ranks are
     consecutive: inside a node it rides NVLink/PCIe, otherwise the NICs."""
     if span <= gpus_per_node:
         return sku.intra_node_bandwidth_gb_s * NVLINK_EFFICIENCY, NVLINK_LATENCY_S
-    return (fabric.inter_node_bandwidth_gb_s_per_gpu * fabric.efficiency,
-            fabric.latency_us * 1e-6)
+    return (fabric.inter_node_bandwidth_gb_s_per_gpu * fabric.efficiency, fabric.latency_us * 1e-6)
 
 
 @dataclass(frozen=True)
@@ -171,8 +204,7 @@ class StepInputs:
 def step_time(x: StepInputs) -> StepTime:
     pp = len(x.pp_stage_layers)
     tokens = x.micro_batch * x.seq_len / x.cp
-    t_layer = layer_compute_time(x.preset, tokens, x.seq_len, x.tp, x.cp, x.sku, x.precision,
-                                 x.ac)
+    t_layer = layer_compute_time(x.preset, tokens, x.seq_len, x.tp, x.cp, x.sku, x.precision, x.ac)
     t_head = head_compute_time(x.preset, tokens, x.tp, x.sku, x.precision)
     rank_times = [n * t_layer for n in x.pp_stage_layers]
     rank_times[-1] += t_head
@@ -223,11 +255,11 @@ def step_time(x: StepInputs) -> StepTime:
     replicate_comm = 0.0
     if x.dp_replicate > 1:
         # mesh order [pp, dp_replicate, dp_shard, cp, tp]: replicas stride over the rest
-        bw, lat = group_bandwidth(x.tp * fsdp * x.dp_replicate, x.gpus_per_node, x.sku,
-                                  x.fabric)
+        bw, lat = group_bandwidth(x.tp * fsdp * x.dp_replicate, x.gpus_per_node, x.sku, x.fabric)
         shard = x.local_params / fsdp * 4
         replicate_comm = 2 * _collective(shard, x.dp_replicate, bw, 0.0) + lat * 2 * (
-            x.dp_replicate.bit_length())
+            x.dp_replicate.bit_length()
+        )
     # PP p2p: one activation per micro-batch boundary each way, half hidden.
     pp_comm = 0.0
     if pp > 1:
@@ -238,5 +270,6 @@ def step_time(x: StepInputs) -> StepTime:
         pp_comm = 0.5 * 2 * p2p * (x.pp_virtual_stages * x.microbatches + pp - 1)
     # AdamW reads and writes params, grads and both moments (fp32) once.
     optimizer = 2 * 16 * x.local_params / fsdp / (x.sku.hbm_bandwidth_gb_s * 1e9 * HBM_EFFICIENCY)
-    return StepTime(compute, bubble, tp_comm, cp_comm, fsdp_comm, replicate_comm, pp_comm,
-                    optimizer)
+    return StepTime(
+        compute, bubble, tp_comm, cp_comm, fsdp_comm, replicate_comm, pp_comm, optimizer
+    )

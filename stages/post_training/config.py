@@ -57,8 +57,7 @@ class DPOConfig(StrictModel):
     batch_size: int = Field(default=4, ge=1, le=4096)
     max_length: int = Field(default=256, ge=8, le=1 << 20)
     # Battery: mean log-prob margin (chosen - rejected) before and after.
-    gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="margin_gain",
-                                                                  min=0.0))
+    gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="margin_gain", min=0.0))
     eval: StepBattery = Field(default_factory=StepBattery)
 
 
@@ -67,16 +66,20 @@ class RLVRConfig(StrictModel):
 
     data: DataRef
     steps: int = Field(gt=0, le=MAX_STEPS)
-    reward: str = Field(default="gsm8k_exact_match", max_length=64,
-                        description="a name in the reward registry (stages.post_training.rewards)")
+    reward: str = Field(
+        default="gsm8k_exact_match",
+        max_length=64,
+        description="a name in the reward registry (stages.post_training.rewards)",
+    )
     group_size: int = Field(default=8, ge=2, le=1024)
     groups_per_step: int = Field(default=4, ge=1, le=4096)
     learning_rate: float = Field(default=1e-6, gt=0, le=10, allow_inf_nan=False)
     temperature: float = Field(default=1.0, gt=0, le=10)
     epsilon: float = Field(default=0.2, gt=0, lt=1, description="clip-low")
     epsilon_high: float = Field(default=0.28, gt=0, le=10, description="clip-higher")
-    beta: float = Field(default=0.0, ge=0, le=1e3,
-                        description="KL to the reference; 0 = no KL term")
+    beta: float = Field(
+        default=0.0, ge=0, le=1e3, description="KL to the reference; 0 = no KL term"
+    )
     scale_rewards: bool = Field(default=True, description="divide advantages by the group std")
     dynamic_sampling: bool = True
     # Dynamic sampling bound: uniform-reward groups dropped per step before the step
@@ -91,15 +94,15 @@ class RLVRConfig(StrictModel):
     is_correction: Literal["decoupled", "none"] = "decoupled"
     is_truncation: float = Field(default=2.0, gt=0, le=1e3)
     rollout_workers: int = Field(default=1, ge=1, le=1024)
-    max_staleness: int = Field(default=1, ge=0, le=1024,
-                               description="policy versions a rollout may lag")
+    max_staleness: int = Field(
+        default=1, ge=0, le=1024, description="policy versions a rollout may lag"
+    )
     seed: int = Field(default=0, ge=0, le=2**32 - 1)
     # Named timeouts of the fleet.
     worker_ready_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     worker_restart_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     rollout_timeout_s: float = Field(default=300.0, gt=0, le=86_400)
-    gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="reward_gain",
-                                                                  min=0.0))
+    gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="reward_gain", min=0.0))
     eval: StepBattery = Field(default_factory=StepBattery)
 
     @model_validator(mode="after")
@@ -112,9 +115,16 @@ class RLVRConfig(StrictModel):
 class PostTrainingConfig(StrictModel):
     # file:///abs path of a local HF model folder (config, weights, tokenizer with a chat
     # template); None: the pretraining stage's HF export.
-    base_model: Annotated[str | None, PathField(
-        "model", "dir", exists=True, contains=("config.json", "tokenizer_config.json"),
-        invalid=ErrorCode.post_training_model_invalid)] = Field(default=None, max_length=2048)
+    base_model: Annotated[
+        str | None,
+        PathField(
+            "model",
+            "dir",
+            exists=True,
+            contains=("config.json", "tokenizer_config.json"),
+            invalid=ErrorCode.post_training_model_invalid,
+        ),
+    ] = Field(default=None, max_length=2048)
     # The base model folder's digest, by the folder rule over every file in it (sha256
     # of the sorted "<relative path>\t<file sha256>\n" lines, stages/snapshot.py): the
     # run trains only on the bytes this names.

@@ -43,8 +43,7 @@ def _messages(v: Any, path: Path, line: int, field: str) -> list[dict[str, str]]
         if not isinstance(m, dict) or set(m) != {"role", "content"}:
             raise _bad(path, line, f"{field}[{i}] must have exactly role and content")
         if m["role"] not in ROLES or not isinstance(m["content"], str):
-            raise _bad(path, line, f"{field}[{i}]: role must be one of {ROLES}, "
-                                   "content a string")
+            raise _bad(path, line, f"{field}[{i}]: role must be one of {ROLES}, content a string")
     return v
 
 
@@ -139,8 +138,15 @@ class Dataset:
     sha256: str | None
 
 
-def read_dataset(kind: Kind, uri: str, roots: Sequence[str], where: str, *,
-                 max_bytes: int | None = None, keep_rows: bool = True) -> Dataset:
+def read_dataset(
+    kind: Kind,
+    uri: str,
+    roots: Sequence[str],
+    where: str,
+    *,
+    max_bytes: int | None = None,
+    keep_rows: bool = True,
+) -> Dataset:
     """The dataset's rows, validated, read by the safe walk inside ``roots``
     (``stages/snapshot.py``) and hashed as parsed, one capped line at a time (never a
     whole file in memory); raises ItoError on the first bad line. With ``max_bytes``
@@ -155,16 +161,16 @@ def read_dataset(kind: Kind, uri: str, roots: Sequence[str], where: str, *,
         if name.suffix == ".jsonl":
             files.append(_parse(kind, fd, name, scan))
         elif not is_dir:
-            raise ItoError(ErrorCode.data_format_unsupported,
-                           f"{where}: post-training data must be .jsonl")
+            raise ItoError(
+                ErrorCode.data_format_unsupported, f"{where}: post-training data must be .jsonl"
+            )
         else:
             files.append(InputFile(rel, *hash_fd(fd)))
     if not scan.count:
         raise ItoError(ErrorCode.data_empty, f"{kind} data has no rows")
     digest: str | None = None
     if scan.complete:
-        digest = tree_digest((f.relpath, f.sha256) for f in files) if is_dir \
-            else files[0].sha256
+        digest = tree_digest((f.relpath, f.sha256) for f in files) if is_dir else files[0].sha256
     return Dataset(scan.rows, scan.count, digest)
 
 

@@ -81,7 +81,8 @@ class FleetStats:
             "trainer_idle_frac": min(1.0, self.wait_s / wall),
             "rollout_idle_frac": max(0.0, 1.0 - self.gen_s / (workers * wall)),
             "weight_sync_s": statistics.median(self.sync_s) if self.sync_s else 0.0,
-            "staleness_min": float(min(st)), "staleness_mean": float(statistics.fmean(st)),
+            "staleness_min": float(min(st)),
+            "staleness_mean": float(statistics.fmean(st)),
             "staleness_max": float(max(st)),
             "drop_rate": self.groups_dropped / walked if walked else 0.0,
             "stale_refused": float(self.stale_refused),
@@ -90,10 +91,19 @@ class FleetStats:
 
 
 class RolloutController:
-    def __init__(self, pool: WorkerPool, make_request: MakeRequest, *, groups_per_step: int,
-                 max_staleness: int, sampler: DynamicSampler, rollout_timeout_s: float,
-                 restart_timeout_s: float, max_worker_losses: int = 8,
-                 on_interruption: Callable[[int, float, float, str], None] | None = None):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        make_request: MakeRequest,
+        *,
+        groups_per_step: int,
+        max_staleness: int,
+        sampler: DynamicSampler,
+        rollout_timeout_s: float,
+        restart_timeout_s: float,
+        max_worker_losses: int = 8,
+        on_interruption: Callable[[int, float, float, str], None] | None = None,
+    ):
         self.pool = pool
         self.make_request = make_request
         self.G = groups_per_step
@@ -156,8 +166,11 @@ class RolloutController:
         self._resend_due()
         busy = set(self.inflight)
         for w in range(self.pool.size):
-            if w in busy or w in self._resend_at or \
-                    (w in self.syncing and self.syncing[w][2] is not None):
+            if (
+                w in busy
+                or w in self._resend_at
+                or (w in self.syncing and self.syncing[w][2] is not None)
+            ):
                 continue  # busy, or restarting: wait for its re-sync
             k = self.retry[0] if self.retry else self.next_id
             s = self.expected_step(k)
@@ -177,12 +190,15 @@ class RolloutController:
         deadline = time.monotonic() + self.rollout_timeout_s
         while len(self.batch) < self.G:
             self._admit()
-            handles = [h for _, h in self.inflight.values()] + \
-                      [h for h, _, _ in self.syncing.values()]
+            handles = [h for _, h in self.inflight.values()] + [
+                h for h, _, _ in self.syncing.values()
+            ]
             ready = self.pool.wait(handles, timeout_s=self._wait_s(deadline))
             if not ready and time.monotonic() >= deadline:
-                raise ItoError(ErrorCode.rollout_fleet_failed,
-                               f"no rollout finished within {self.rollout_timeout_s:.0f}s")
+                raise ItoError(
+                    ErrorCode.rollout_fleet_failed,
+                    f"no rollout finished within {self.rollout_timeout_s:.0f}s",
+                )
             self._collect(ready)
             self._walk()
         self.stats.wait_s += time.perf_counter() - t0
@@ -209,8 +225,9 @@ class RolloutController:
             try:
                 while not done.is_set():
                     self._admit()
-                    handles = [h for _, h in self.inflight.values()] + \
-                              [h for h, _, _ in self.syncing.values()]
+                    handles = [h for _, h in self.inflight.values()] + [
+                        h for h, _, _ in self.syncing.values()
+                    ]
                     self._collect(self.pool.wait(handles, timeout_s=0.02))
             except BaseException as e:  # surfaced to the caller below
                 error.append(e)
@@ -250,8 +267,12 @@ class RolloutController:
         if lost_at is not None:
             self.stats.interruptions += 1
             if self.on_interruption is not None:
-                self.on_interruption(w, lost_at, time.time(), "rollout worker restarted and "
-                                     f"re-synced to version {self.V}")
+                self.on_interruption(
+                    w,
+                    lost_at,
+                    time.time(),
+                    f"rollout worker restarted and re-synced to version {self.V}",
+                )
 
     def _on_result(self, w: int, k: int, h: Any) -> None:
         try:
@@ -264,8 +285,7 @@ class RolloutController:
         if isinstance(out, Refusal):
             self.stats.worker_refused += 1
             self._requeue(k)
-            if out.reason == "no weights" and w not in self.syncing \
-                    and w not in self._resend_at:
+            if out.reason == "no weights" and w not in self.syncing and w not in self._resend_at:
                 # Restarted while idle: its death went unseen until now.
                 self._send(w, lost_at=time.time())
             return
@@ -283,12 +303,15 @@ class RolloutController:
         if outage is None:
             self._losses += 1
             if self._losses > self.max_worker_losses:
-                raise ItoError(ErrorCode.rollout_fleet_failed,
-                               f"rollout workers lost {self._losses} times: {e.detail}")
+                raise ItoError(
+                    ErrorCode.rollout_fleet_failed,
+                    f"rollout workers lost {self._losses} times: {e.detail}",
+                )
         elif time.time() - outage > self.restart_timeout_s:
-            raise ItoError(ErrorCode.rollout_fleet_failed,
-                           f"rollout worker {w} not back within "
-                           f"{self.restart_timeout_s:.0f}s: {e.detail}")
+            raise ItoError(
+                ErrorCode.rollout_fleet_failed,
+                f"rollout worker {w} not back within {self.restart_timeout_s:.0f}s: {e.detail}",
+            )
         if w in self.inflight:
             k, _ = self.inflight.pop(w)
             self.stats.discarded_rollouts += 1
@@ -321,6 +344,7 @@ class RolloutController:
         deadline = time.monotonic() + timeout_s
         while (self.syncing or self._resend_at) and time.monotonic() < deadline:
             self._resend_due()
-            handles = [h for h, _, _ in self.syncing.values()] + \
-                      [h for _, h in self.inflight.values()]
+            handles = [h for h, _, _ in self.syncing.values()] + [
+                h for _, h in self.inflight.values()
+            ]
             self._collect(self.pool.wait(handles, self._wait_s(deadline)))

@@ -17,12 +17,17 @@ def check_model_dir(files: list[str]) -> None:
     model: config, tokenizer config and weights at its top level."""
     top = {f for f in files if "/" not in f}
     missing = [n for n in ("config.json", "tokenizer_config.json") if n not in top]
-    weights = [f for f in top if f.endswith(".safetensors")
-               or (f.startswith("pytorch_model") and f.endswith(".bin"))]
+    weights = [
+        f
+        for f in top
+        if f.endswith(".safetensors") or (f.startswith("pytorch_model") and f.endswith(".bin"))
+    ]
     if missing or not weights:
-        raise ItoError(ErrorCode.post_training_model_invalid,
-                       "base_model is not an HF model folder (missing "
-                       f"{', '.join(missing + ([] if weights else ['weights']))})")
+        raise ItoError(
+            ErrorCode.post_training_model_invalid,
+            "base_model is not an HF model folder (missing "
+            f"{', '.join(missing + ([] if weights else ['weights']))})",
+        )
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -36,8 +41,9 @@ def load_model(path: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), local_files_only=True, dtype=torch.float32
+    )
     model.config.use_cache = True
     return model
 

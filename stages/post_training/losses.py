@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 
 
-def group_advantages(rewards: torch.Tensor, *, scale: bool = True,
-                     eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, *, scale: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
     """rewards [groups, group_size] -> advantages of the same shape, zero mean per group."""
     centred = rewards - rewards.mean(dim=-1, keepdim=True)
     if not scale:
@@ -31,30 +32,39 @@ def is_uniform(rewards: torch.Tensor | list[float]) -> bool:
     return bool((r.max() - r.min()).abs() <= 1e-12)
 
 
-def overlong_penalty(length: int, *, max_tokens: int, buffer_tokens: int,
-                     factor: float) -> float:
+def overlong_penalty(length: int, *, max_tokens: int, buffer_tokens: int, factor: float) -> float:
     """DAPO's soft overlong punishment (trl's ``get_soft_overlong_punishment``) times
     ``factor``: 0 up to max - buffer, linear to -factor at max, -factor beyond."""
     from trl.rewards import get_soft_overlong_punishment
 
     if buffer_tokens == 0:
         return -factor if length >= max_tokens else 0.0
-    fn = get_soft_overlong_punishment(max_completion_len=max_tokens,
-                                      soft_punish_cache=buffer_tokens)
+    fn = get_soft_overlong_punishment(
+        max_completion_len=max_tokens, soft_punish_cache=buffer_tokens
+    )
     return float(factor * fn(completion_ids=[[0] * length])[0])
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """log p(target) per position; logits [B, T, V], targets [B, T]."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def dapo_token_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
-                    advantages: torch.Tensor, *, eps_low: float, eps_high: float,
-                    is_truncation: float | None = 2.0, ref_logp: torch.Tensor | None = None,
-                    beta: float = 0.0) -> torch.Tensor:
+def dapo_token_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    is_truncation: float | None = 2.0,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> torch.Tensor:
     """Per-token loss [B, T]; ``advantages`` is [B] (one per completion).
 
     ``prox_logp`` and ``behav_logp`` are constants (no gradient flows through them)."""
@@ -73,8 +83,9 @@ def dapo_token_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: tor
     return loss
 
 
-def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, total_tokens: int | float
-              ) -> torch.Tensor:
+def aggregate(
+    token_loss: torch.Tensor, mask: torch.Tensor, total_tokens: int | float
+) -> torch.Tensor:
     """Token-level aggregation: sum over unmasked tokens / tokens of the whole batch."""
     kept = torch.where(mask.bool(), token_loss, torch.zeros_like(token_loss))
     return kept.sum() / max(float(total_tokens), 1.0)

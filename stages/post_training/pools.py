@@ -92,22 +92,36 @@ ROLLOUT_NUM_CPUS = 0.5
 class RayPool:
     """Rollout workers as named Ray actors that Ray restarts when they die."""
 
-    def __init__(self, run_id: str, specs: list[WorkerSpec], *, device: str = "cpu",
-                 max_restarts: int = 3, namespace: str | None = None,
-                 placement: dict[str, Any] | None = None,
-                 worker_cls: type[RolloutWorker] | None = None):
+    def __init__(
+        self,
+        run_id: str,
+        specs: list[WorkerSpec],
+        *,
+        device: str = "cpu",
+        max_restarts: int = 3,
+        namespace: str | None = None,
+        placement: dict[str, Any] | None = None,
+        worker_cls: type[RolloutWorker] | None = None,
+    ):
         import ray
 
         self.size = len(specs)
         # worker_cls: a RolloutWorker subclass (another generation backend).
         cls: Any = ray.remote(worker_cls or RolloutWorker)
-        self.actors: list[Any] = [cls.options(
-            name=rollout_name(run_id, s.index), namespace=namespace,
-            num_cpus=ROLLOUT_NUM_CPUS, num_gpus=1 if device == "cuda" else 0,
-            max_restarts=max_restarts, max_task_retries=0, max_concurrency=1,
-            # Inside the run's placement group on its booking's nodes (stages.placement).
-            **(placement or {}),
-        ).remote(s) for s in specs]
+        self.actors: list[Any] = [
+            cls.options(
+                name=rollout_name(run_id, s.index),
+                namespace=namespace,
+                num_cpus=ROLLOUT_NUM_CPUS,
+                num_gpus=1 if device == "cuda" else 0,
+                max_restarts=max_restarts,
+                max_task_retries=0,
+                max_concurrency=1,
+                # Inside the run's placement group on its booking's nodes (stages.placement).
+                **(placement or {}),
+            ).remote(s)
+            for s in specs
+        ]
 
     def submit(self, w: int, req: RolloutRequest) -> Any:
         return self.actors[w].generate.remote(req)
@@ -142,8 +156,10 @@ class RayPool:
     def versions(self, timeout_s: float) -> list[int]:
         import ray
 
-        return [int(i["version"]) for i in ray.get(
-            [a.identity.remote() for a in self.actors], timeout=timeout_s)]
+        return [
+            int(i["version"])
+            for i in ray.get([a.identity.remote() for a in self.actors], timeout=timeout_s)
+        ]
 
     def identities(self, timeout_s: float) -> list[dict[str, int]]:
         import ray

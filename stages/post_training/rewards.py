@@ -47,9 +47,10 @@ def get_reward(name: str) -> RewardFn:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ItoError(ErrorCode.reward_unknown,
-                       f"reward {name!r} is not registered (known: "
-                       f"{', '.join(sorted(_REGISTRY))})") from None
+        raise ItoError(
+            ErrorCode.reward_unknown,
+            f"reward {name!r} is not registered (known: {', '.join(sorted(_REGISTRY))})",
+        ) from None
 
 
 def reward_names() -> list[str]:

@@ -19,8 +19,9 @@ from stages.post_training.rollout import RolloutGroup, RolloutRequest
 
 def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[int]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     return list(ids)
 
 
@@ -35,11 +36,17 @@ class RequestMaker:
 
     def __call__(self, k: int, consume_step: int) -> RolloutRequest:
         ids, answer = self.prompts[self.order[k % len(self.order)]]
-        return RolloutRequest(id=k, prompt_ids=ids, answer=answer,
-                              group_size=self.cfg.group_size, seed=self.cfg.seed * 1_000_003 + k,
-                              consume_step=consume_step, max_staleness=self.cfg.max_staleness,
-                              max_new_tokens=self.cfg.max_completion_tokens,
-                              temperature=self.cfg.temperature)
+        return RolloutRequest(
+            id=k,
+            prompt_ids=ids,
+            answer=answer,
+            group_size=self.cfg.group_size,
+            seed=self.cfg.seed * 1_000_003 + k,
+            consume_step=consume_step,
+            max_staleness=self.cfg.max_staleness,
+            max_new_tokens=self.cfg.max_completion_tokens,
+            temperature=self.cfg.temperature,
+        )
 
 
 @dataclass
@@ -68,8 +75,9 @@ class GRPOLearner:
         self.cfg = cfg
         self.model = model
         self.pad_id = pad_id
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0,
-                                     foreach=False)
+        self.opt = torch.optim.AdamW(
+            model.parameters(), lr=cfg.learning_rate, weight_decay=0.0, foreach=False
+        )
         self.ref = copy.deepcopy(model).eval() if cfg.beta > 0 else None
         self.version = 0
 
@@ -95,8 +103,12 @@ class GRPOLearner:
         self.opt.zero_grad(set_to_none=True)
         self.version += 1
         task = [r for g in batch for r in g.task_rewards]
-        return StepStats(loss=loss_sum, tokens=total, mean_reward=sum(task) / len(task),
-                         staleness=[self.version - 1 - g.version for g in batch])
+        return StepStats(
+            loss=loss_sum,
+            tokens=total,
+            mean_reward=sum(task) / len(task),
+            staleness=[self.version - 1 - g.version for g in batch],
+        )
 
     def _mask(self, g: RolloutGroup) -> Any:
         import torch
@@ -115,46 +127,66 @@ class GRPOLearner:
         comp = torch.full((len(g.lengths), width), self.pad_id, dtype=torch.long)
         behav = torch.zeros(len(g.lengths), width)
         for i, (ids, lp) in enumerate(zip(g.completion_ids, g.behav_logp, strict=True)):
-            comp[i, :len(ids)] = torch.tensor(ids)
-            behav[i, :len(lp)] = torch.tensor(lp)
+            comp[i, : len(ids)] = torch.tensor(ids)
+            behav[i, : len(lp)] = torch.tensor(lp)
         prompt = torch.tensor([g.prompt_ids] * len(g.lengths), dtype=torch.long)
         seq = torch.cat([prompt, comp], dim=1)
         p = prompt.shape[1]
-        logits = self.model(input_ids=seq).logits[:, p - 1:-1]
+        logits = self.model(input_ids=seq).logits[:, p - 1 : -1]
         logp = token_logprobs(logits, comp, self.cfg.temperature)
         ref_logp = None
         if self.ref is not None:
             with torch.no_grad():
-                ref_logp = token_logprobs(self.ref(input_ids=seq).logits[:, p - 1:-1], comp,
-                                          self.cfg.temperature)
+                ref_logp = token_logprobs(
+                    self.ref(input_ids=seq).logits[:, p - 1 : -1], comp, self.cfg.temperature
+                )
         decoupled = self.cfg.is_correction == "decoupled"
-        tok = dapo_token_loss(logp, logp.detach(), behav if decoupled else logp.detach(), adv,
-                              eps_low=self.cfg.epsilon, eps_high=self.cfg.epsilon_high,
-                              is_truncation=self.cfg.is_truncation if decoupled else None,
-                              ref_logp=ref_logp, beta=self.cfg.beta)
+        tok = dapo_token_loss(
+            logp,
+            logp.detach(),
+            behav if decoupled else logp.detach(),
+            adv,
+            eps_low=self.cfg.epsilon,
+            eps_high=self.cfg.epsilon_high,
+            is_truncation=self.cfg.is_truncation if decoupled else None,
+            ref_logp=ref_logp,
+            beta=self.cfg.beta,
+        )
         return aggregate(tok, mask, total_tokens)
 
 
 def _metrics_event(step: int, stats: StepStats, summary: dict[str, float]) -> MetricsEvent:
     st = stats.staleness or [0]
-    values = {**summary, "loss": stats.loss, "mean_reward": stats.mean_reward,
-              "step_staleness_max": float(max(st))}
+    values = {
+        **summary,
+        "loss": stats.loss,
+        "mean_reward": stats.mean_reward,
+        "step_staleness_max": float(max(st)),
+    }
     return MetricsEvent(stage="post_training", step=step, scope="rlvr", values=values)
 
 
-def run_rlvr(cfg: RLVRConfig, learner: GRPOLearner, pool: WorkerPool, maker: RequestMaker, *,
-             emit: Callable[[Event], None] = lambda _e: None,
-             cancelled: Callable[[], bool] = lambda: False,
-             on_interruption: Callable[[int, float, float, str], None] | None = None,
-             ) -> tuple[RLResult, RolloutController]:
+def run_rlvr(
+    cfg: RLVRConfig,
+    learner: GRPOLearner,
+    pool: WorkerPool,
+    maker: RequestMaker,
+    *,
+    emit: Callable[[Event], None] = lambda _e: None,
+    cancelled: Callable[[], bool] = lambda: False,
+    on_interruption: Callable[[int, float, float, str], None] | None = None,
+) -> tuple[RLResult, RolloutController]:
     """The asynchronous loop: the fleet generates while the learner trains."""
-    ctl = RolloutController(pool, maker, groups_per_step=cfg.groups_per_step,
-                            max_staleness=cfg.max_staleness,
-                            sampler=DynamicSampler(cfg.dynamic_sampling,
-                                                   cfg.max_dropped_groups_per_step),
-                            rollout_timeout_s=cfg.rollout_timeout_s,
-                            restart_timeout_s=cfg.worker_restart_timeout_s,
-                            on_interruption=on_interruption)
+    ctl = RolloutController(
+        pool,
+        maker,
+        groups_per_step=cfg.groups_per_step,
+        max_staleness=cfg.max_staleness,
+        sampler=DynamicSampler(cfg.dynamic_sampling, cfg.max_dropped_groups_per_step),
+        rollout_timeout_s=cfg.rollout_timeout_s,
+        restart_timeout_s=cfg.worker_restart_timeout_s,
+        on_interruption=on_interruption,
+    )
     ctl.publish(0, learner.state())
     result = RLResult(steps=0)
     for step in range(cfg.steps):
@@ -175,8 +207,9 @@ def run_rlvr(cfg: RLVRConfig, learner: GRPOLearner, pool: WorkerPool, maker: Req
     return result, ctl
 
 
-def run_synchronous(cfg: RLVRConfig, learner: GRPOLearner, worker: Any,
-                    maker: RequestMaker) -> RLResult:
+def run_synchronous(
+    cfg: RLVRConfig, learner: GRPOLearner, worker: Any, maker: RequestMaker
+) -> RLResult:
     """The reference loop: one in-process worker, generate in id order, then train."""
     sampler = DynamicSampler(cfg.dynamic_sampling, cfg.max_dropped_groups_per_step)
     stats = FleetStats()
@@ -194,8 +227,9 @@ def run_synchronous(cfg: RLVRConfig, learner: GRPOLearner, worker: Any,
             else:
                 stats.groups_dropped += 1
         learner.step(batch)
-        worker.set_weights(learner.version,
-                           {k2: v.detach().clone() for k2, v in learner.state().items()})
+        worker.set_weights(
+            learner.version, {k2: v.detach().clone() for k2, v in learner.state().items()}
+        )
         result.steps = step + 1
     return result
 

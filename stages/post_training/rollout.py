@@ -122,15 +122,29 @@ class RolloutWorker:
         from stages.post_training.losses import overlong_penalty
 
         task = [self.reward_fn(text, req.answer) for text in out["texts"]]
-        shaped = [r + overlong_penalty(n, max_tokens=self.spec.max_completion_tokens,
-                                       buffer_tokens=self.spec.overlong_buffer_tokens,
-                                       factor=self.spec.overlong_penalty_factor)
-                  for r, n in zip(task, out["lengths"], strict=True)]
-        return RolloutGroup(id=req.id, version=self.version, worker=self.spec.index,
-                            prompt_ids=req.prompt_ids, completion_ids=out["completion_ids"],
-                            behav_logp=out["logp"], lengths=out["lengths"],
-                            truncated=out["truncated"], rewards=shaped, task_rewards=task,
-                            gen_s=time.perf_counter() - t0)
+        shaped = [
+            r
+            + overlong_penalty(
+                n,
+                max_tokens=self.spec.max_completion_tokens,
+                buffer_tokens=self.spec.overlong_buffer_tokens,
+                factor=self.spec.overlong_penalty_factor,
+            )
+            for r, n in zip(task, out["lengths"], strict=True)
+        ]
+        return RolloutGroup(
+            id=req.id,
+            version=self.version,
+            worker=self.spec.index,
+            prompt_ids=req.prompt_ids,
+            completion_ids=out["completion_ids"],
+            behav_logp=out["logp"],
+            lengths=out["lengths"],
+            truncated=out["truncated"],
+            rewards=shaped,
+            task_rewards=task,
+            gen_s=time.perf_counter() - t0,
+        )
 
 
 def generate_group(model: Any, tokenizer: Any, req: RolloutRequest) -> dict[str, Any]:
@@ -144,12 +158,20 @@ def generate_group(model: Any, tokenizer: Any, req: RolloutRequest) -> dict[str,
     ids = torch.tensor([req.prompt_ids] * req.group_size, dtype=torch.long)
     torch.manual_seed(req.seed)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             do_sample=True, temperature=req.temperature, top_k=0, top_p=1.0,
-                             max_new_tokens=req.max_new_tokens, eos_token_id=eos,
-                             pad_token_id=pad, output_logits=True,
-                             return_dict_in_generate=True)
-    comp = out.sequences[:, ids.shape[1]:]
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=req.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=req.max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    comp = out.sequences[:, ids.shape[1] :]
     logits = torch.stack(out.logits, dim=1)
     logp = token_logprobs(logits, comp, req.temperature)
     completion_ids, lps, lengths, truncated, texts = [], [], [], [], []
@@ -160,5 +182,10 @@ def generate_group(model: Any, tokenizer: Any, req: RolloutRequest) -> dict[str,
         lengths.append(n)
         truncated.append(eos not in row[:n])
         texts.append(tokenizer.decode(row[:n], skip_special_tokens=True))
-    return {"completion_ids": completion_ids, "logp": lps, "lengths": lengths,
-            "truncated": truncated, "texts": texts}
+    return {
+        "completion_ids": completion_ids,
+        "logp": lps,
+        "lengths": lengths,
+        "truncated": truncated,
+        "texts": texts,
+    }

@@ -65,9 +65,13 @@ def reward_gain(rewards: list[float]) -> dict[str, float]:
 VALIDATE_SCAN_BYTES = 16 << 20
 
 
-def validate_recipe(recipe: PostTrainingConfig, *, data_roots: Sequence[str],
-                    model_roots: Sequence[str],
-                    scan_bytes: int = VALIDATE_SCAN_BYTES) -> dict[str, int]:
+def validate_recipe(
+    recipe: PostTrainingConfig,
+    *,
+    data_roots: Sequence[str],
+    model_roots: Sequence[str],
+    scan_bytes: int = VALIDATE_SCAN_BYTES,
+) -> dict[str, int]:
     """The API's validation-time check: the first ``scan_bytes`` of every dataset parse
     in its format (streamed by the safe walk, no row kept) and, when that was the whole
     dataset, match its digest; the reward and batteries are registered and a named base
@@ -82,8 +86,9 @@ def validate_recipe(recipe: PostTrainingConfig, *, data_roots: Sequence[str],
         cfg = getattr(recipe, step)
         if cfg is not None:
             where = f"post_training.{step}.data"
-            data = read_dataset(step, cfg.data.uri, data_roots, where,
-                                max_bytes=scan_bytes, keep_rows=False)
+            data = read_dataset(
+                step, cfg.data.uri, data_roots, where, max_bytes=scan_bytes, keep_rows=False
+            )
             if data.sha256 is not None:
                 _check_digest(data.sha256, cfg.data.sha256, where)
             rows[step] = data.count
@@ -92,8 +97,12 @@ def validate_recipe(recipe: PostTrainingConfig, *, data_roots: Sequence[str],
         where = "post_training.base_model"
         path = local_path(recipe.base_model, BASE_MODEL, where)
         assert path is not None
-        names = [rel for rel, _, _ in read_inside(path, model_roots, where, kind="model",
-                                                   want="dir", missing=MODEL_INVALID)]
+        names = [
+            rel
+            for rel, _, _ in read_inside(
+                path, model_roots, where, kind="model", want="dir", missing=MODEL_INVALID
+            )
+        ]
         check_model_dir(names)
     return rows
 
@@ -113,9 +122,10 @@ def check_recipe(recipe: PostTrainingConfig) -> None:
 
 def _check_digest(actual: str, expected: str, where: str) -> None:
     if actual != expected:
-        raise ItoError(ErrorCode.data_digest_mismatch,
-                       f"{where}: the data's digest does not match its sha256; "
-                       "nothing was trained on it")
+        raise ItoError(
+            ErrorCode.data_digest_mismatch,
+            f"{where}: the data's digest does not match its sha256; nothing was trained on it",
+        )
 
 
 def heldout_text(tok: Any, row: dict[str, Any]) -> str:
@@ -124,12 +134,14 @@ def heldout_text(tok: Any, row: dict[str, Any]) -> str:
         msgs = row["messages"]
     elif "chosen" in row:
         prompt, chosen = row["prompt"], row["chosen"]
-        msgs = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt) \
-            + ([{"role": "assistant", "content": chosen}] if isinstance(chosen, str) else chosen)
+        msgs = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt) + (
+            [{"role": "assistant", "content": chosen}] if isinstance(chosen, str) else chosen
+        )
     else:
         prompt = row["prompt"]
-        msgs = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt) \
-            + [{"role": "assistant", "content": row["answer"]}]
+        msgs = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt) + [
+            {"role": "assistant", "content": row["answer"]}
+        ]
     return str(tok.apply_chat_template(msgs, tokenize=False))
 
 
@@ -153,12 +165,21 @@ class PostTrainingStage:
             where = "post_training.base_model"
             path = local_path(recipe.base_model, BASE_MODEL, where)
             assert path is not None
-            snap = snapshot(path, self.config.model_roots, ctx.workdir / "inputs" / "base_model",
-                            where, kind="model", want="dir", missing=MODEL_INVALID)
+            snap = snapshot(
+                path,
+                self.config.model_roots,
+                ctx.workdir / "inputs" / "base_model",
+                where,
+                kind="model",
+                want="dir",
+                missing=MODEL_INVALID,
+            )
             if snap.sha256 != recipe.base_model_sha256:
-                raise ItoError(ErrorCode.data_digest_mismatch,
-                               f"{where}: the folder's digest does not match base_model_sha256"
-                               "; nothing was trained on it")
+                raise ItoError(
+                    ErrorCode.data_digest_mismatch,
+                    f"{where}: the folder's digest does not match base_model_sha256"
+                    "; nothing was trained on it",
+                )
             assert snap.path is not None
             check_model_dir([f.relpath for f in snap.files])
             return snap.path
@@ -166,8 +187,10 @@ class PostTrainingStage:
         arts = train.artifacts if train else {}
         uri = arts.get("hf_model_dir") or arts.get("hf_export_dir") or None
         if uri is None:
-            raise ItoError(ErrorCode.post_training_model_invalid,
-                           "no base_model in the recipe and no HF export from pretraining")
+            raise ItoError(
+                ErrorCode.post_training_model_invalid,
+                "no base_model in the recipe and no HF export from pretraining",
+            )
         exported = model_dir(str(uri))
         check_model_dir([p.relative_to(exported).as_posix() for p in exported.rglob("*")])
         return exported
@@ -205,8 +228,12 @@ class PostTrainingStage:
             battery: Any = None
             for step in self.config.recipe.steps():
                 if ctx.cancelled:
-                    return GateOutcome(stage=self.name, status="failed", reason="cancelled",
-                                       error_code=ErrorCode.invalid_state.value)
+                    return GateOutcome(
+                        stage=self.name,
+                        status="failed",
+                        reason="cancelled",
+                        error_code=ErrorCode.invalid_state.value,
+                    )
                 t0 = time.time()
                 ctx.log(f"post_training {step}: started from {current.name}", stage=self.name)
                 m = self._run_step(step, ctx, model, tok, rows[step], out, current)
@@ -218,41 +245,76 @@ class PostTrainingStage:
                 step_cfg = getattr(self.config.recipe, step)
                 failed = check_gate(step, step_cfg.gate, m)
                 if failed is None and step_cfg.eval.battery is not None:
-                    failed, battery = self._battery(step, step_cfg.eval, model, tok,
-                                                    rows[step], battery, ctx)
+                    failed, battery = self._battery(
+                        step, step_cfg.eval, model, tok, rows[step], battery, ctx
+                    )
                     results[step]["battery"] = battery.model_dump(mode="json")
-                ctx.log(f"post_training {step}: gate {'failed: ' + failed if failed else 'passed'}"
-                        f"; saved {current}", stage=self.name)
+                ctx.log(
+                    f"post_training {step}: gate {'failed: ' + failed if failed else 'passed'}"
+                    f"; saved {current}",
+                    stage=self.name,
+                )
                 if failed:
-                    return GateOutcome(stage=self.name, status="failed", reason=failed,
-                                       metrics=metrics, artifacts={"steps": results},
-                                       error_code=ErrorCode.eval_gate_failed.value)
+                    return GateOutcome(
+                        stage=self.name,
+                        status="failed",
+                        reason=failed,
+                        metrics=metrics,
+                        artifacts={"steps": results},
+                        error_code=ErrorCode.eval_gate_failed.value,
+                    )
         except ItoError as e:
-            return GateOutcome(stage=self.name, status="failed", reason=e.message,
-                               error_code=e.code.value)
-        return GateOutcome(stage=self.name, status="passed",
-                           reason=f"post-training {' -> '.join(results) or 'empty'} passed "
-                                  "every gate", metrics=metrics,
-                           artifacts={"steps": results, "hf_model_dir": str(current)})
+            return GateOutcome(
+                stage=self.name, status="failed", reason=e.message, error_code=e.code.value
+            )
+        return GateOutcome(
+            stage=self.name,
+            status="passed",
+            reason=f"post-training {' -> '.join(results) or 'empty'} passed every gate",
+            metrics=metrics,
+            artifacts={"steps": results, "hf_model_dir": str(current)},
+        )
 
-    def _battery(self, step: str, spec: Any, model: Any, tok: Any, rows: list[dict[str, Any]],
-                 previous: Any, ctx: StageContext) -> tuple[str | None, Any]:
+    def _battery(
+        self,
+        step: str,
+        spec: Any,
+        model: Any,
+        tok: Any,
+        rows: list[dict[str, Any]],
+        previous: Any,
+        ctx: StageContext,
+    ) -> tuple[str | None, Any]:
         """The curriculum's battery and gates after a step; (reason or None, result)."""
         from stages.evals import evaluate_gates, run_battery
 
         t0 = time.time()
         texts = [heldout_text(tok, r) for r in rows]
-        result = run_battery(model, tok, spec.battery, texts,
-                             seq_len=int(model.config.max_position_embeddings),
-                             phase=f"post_training.{step}", work_dir=ctx.workdir)
+        result = run_battery(
+            model,
+            tok,
+            spec.battery,
+            texts,
+            seq_len=int(model.config.max_position_embeddings),
+            phase=f"post_training.{step}",
+            work_dir=ctx.workdir,
+        )
         decision = evaluate_gates(result, list(spec.gates), previous)
         ctx.emit(PhaseEvent(stage=self.name, phase="evaluation", start=t0, end=time.time()))
         scores = {c.name: c.score for c in result.checks if c.score is not None}
         ctx.emit(MetricsEvent(stage=self.name, step=0, scope=f"{step}.battery", values=scores))
         return (None if decision.passed else decision.summary()), result
 
-    def _run_step(self, step: str, ctx: StageContext, model: Any, tok: Any,
-                  rows: list[dict[str, Any]], out: Path, current: Path) -> dict[str, float]:
+    def _run_step(
+        self,
+        step: str,
+        ctx: StageContext,
+        model: Any,
+        tok: Any,
+        rows: list[dict[str, Any]],
+        out: Path,
+        current: Path,
+    ) -> dict[str, float]:
         from stages.post_training.sft_dpo import run_dpo, run_sft
 
         recipe = self.config.recipe
@@ -269,41 +331,69 @@ class PostTrainingStage:
         init = Path(save(model, tok, out / "rlvr-init"))
         return self._run_rlvr(recipe.rlvr, ctx, model, tok, rows, init)
 
-    def _run_rlvr(self, cfg: RLVRConfig, ctx: StageContext, model: Any, tok: Any,
-                  rows: list[dict[str, Any]], init: Path) -> dict[str, float]:
+    def _run_rlvr(
+        self,
+        cfg: RLVRConfig,
+        ctx: StageContext,
+        model: Any,
+        tok: Any,
+        rows: list[dict[str, Any]],
+        init: Path,
+    ) -> dict[str, float]:
         from stages.post_training.pools import LocalPool, RayPool
         from stages.post_training.rl import GRPOLearner, RequestMaker, run_rlvr
         from stages.post_training.rollout import RolloutWorker, WorkerSpec
 
-        specs = [WorkerSpec(index=n, model_dir=str(init), reward=cfg.reward,
-                            max_completion_tokens=cfg.max_completion_tokens,
-                            overlong_buffer_tokens=cfg.overlong_buffer_tokens,
-                            overlong_penalty_factor=cfg.overlong_penalty_factor)
-                 for n in range(cfg.rollout_workers)]
+        specs = [
+            WorkerSpec(
+                index=n,
+                model_dir=str(init),
+                reward=cfg.reward,
+                max_completion_tokens=cfg.max_completion_tokens,
+                overlong_buffer_tokens=cfg.overlong_buffer_tokens,
+                overlong_penalty_factor=cfg.overlong_penalty_factor,
+            )
+            for n in range(cfg.rollout_workers)
+        ]
         pool: Any
         if self.config.fleet == "ray":
             import ray
 
             if not ray.is_initialized():
                 raise ItoError(ErrorCode.ray_unavailable, "Ray is not initialised here")
-            pool = RayPool(ctx.run_id, specs, device=self.config.device,
-                           max_restarts=self.config.max_worker_restarts,
-                           namespace=self.config.ray_namespace,
-                           placement=actor_options(ctx.facts))
+            pool = RayPool(
+                ctx.run_id,
+                specs,
+                device=self.config.device,
+                max_restarts=self.config.max_worker_restarts,
+                namespace=self.config.ray_namespace,
+                placement=actor_options(ctx.facts),
+            )
         else:
             pool = LocalPool([RolloutWorker(s) for s in specs])
 
         def interrupted(w: int, lost: float, back: float, detail: str) -> None:
-            ctx.emit(InterruptionEvent(stage=self.name, interruption_kind="rollout_worker_lost",
-                                       detected_at=lost, recovered_at=back,
-                                       detail=f"rollout-{w}: {detail}"))
+            ctx.emit(
+                InterruptionEvent(
+                    stage=self.name,
+                    interruption_kind="rollout_worker_lost",
+                    detected_at=lost,
+                    recovered_at=back,
+                    detail=f"rollout-{w}: {detail}",
+                )
+            )
 
         try:
             learner = GRPOLearner(cfg, model, tok.pad_token_id)
-            result, _ = run_rlvr(cfg, learner, pool, RequestMaker(cfg, tok, rows),
-                                 emit=ctx.emit, cancelled=lambda: ctx.cancelled,
-                                 on_interruption=interrupted)
+            result, _ = run_rlvr(
+                cfg,
+                learner,
+                pool,
+                RequestMaker(cfg, tok, rows),
+                emit=ctx.emit,
+                cancelled=lambda: ctx.cancelled,
+                on_interruption=interrupted,
+            )
         finally:
             pool.close()
-        return {**result.summary, **reward_gain(result.rewards),
-                "steps": float(result.steps)}
+        return {**result.summary, **reward_gain(result.rewards), "steps": float(result.steps)}

@@ -21,14 +21,28 @@ class ModelSpec(StrictModel):
     size: str = Field(description="Human label of the size, e.g. '124K' or '8B'")
     revision: str = Field(default="random-init", max_length=128)
     # A local Hugging Face checkpoint folder; None builds from the preset, random init.
-    checkpoint_path: Annotated[str | None, PathField(
-        "model", "dir", exists=True, contains=("config.json",),
-        invalid=ErrorCode.model_checkpoint_invalid)] = Field(default=None, max_length=4096)
+    checkpoint_path: Annotated[
+        str | None,
+        PathField(
+            "model",
+            "dir",
+            exists=True,
+            contains=("config.json",),
+            invalid=ErrorCode.model_checkpoint_invalid,
+        ),
+    ] = Field(default=None, max_length=4096)
     # A local tokenizer folder (save_pretrained layout); None trains a byte-level BPE
     # with the preset's vocab_size on the run's prepared data.
-    tokenizer_path: Annotated[str | None, PathField(
-        "model", "dir", exists=True, contains=("tokenizer.json",),
-        invalid=ErrorCode.tokenizer_invalid)] = Field(default=None, max_length=4096)
+    tokenizer_path: Annotated[
+        str | None,
+        PathField(
+            "model",
+            "dir",
+            exists=True,
+            contains=("tokenizer.json",),
+            invalid=ErrorCode.tokenizer_invalid,
+        ),
+    ] = Field(default=None, max_length=4096)
 
 
 # Upper bounds a real run stays far below (the largest public runs: ~15T tokens, ~16M
@@ -74,10 +88,12 @@ class LossSpikeConfig(StrictModel):
     enabled: bool = True
     window: int = Field(default=50, ge=5, le=100_000)
     z_threshold: float = Field(default=6.0, gt=0, le=1000)
-    min_steps: int = Field(default=20, ge=1, le=100_000_000,
-                           description="steps before detection starts")
-    skip_window_steps: int = Field(default=10, ge=1, le=1_000_000,
-                                   description="data window to skip on restart")
+    min_steps: int = Field(
+        default=20, ge=1, le=100_000_000, description="steps before detection starts"
+    )
+    skip_window_steps: int = Field(
+        default=10, ge=1, le=1_000_000, description="data window to skip on restart"
+    )
 
 
 class FaultToleranceConfig(StrictModel):
@@ -198,11 +214,15 @@ class TrainStageConfig(StrictModel):
         except ItoError as e:
             raise ValueError(e.message) from e
         if self.micro_batch % layout.grad_accum:
-            raise ValueError(f"{self.micro_batch} sequences per data-parallel rank do not "
-                             f"split into {layout.grad_accum} accumulation steps")
+            raise ValueError(
+                f"{self.micro_batch} sequences per data-parallel rank do not "
+                f"split into {layout.grad_accum} accumulation steps"
+            )
         if layout.pp > 1 and self.micro_batch % layout.pp_microbatches:
-            raise ValueError(f"{self.micro_batch} sequences per data-parallel rank do not "
-                             f"split into {layout.pp_microbatches} pipeline micro-batches")
+            raise ValueError(
+                f"{self.micro_batch} sequences per data-parallel rank do not "
+                f"split into {layout.pp_microbatches} pipeline micro-batches"
+            )
         return self
 
     @property
@@ -216,9 +236,13 @@ class TrainStageConfig(StrictModel):
         if self.curriculum is not None:
             return self.curriculum
         t = self.target
-        return one_phase_plan(total_steps=t.steps, global_batch_tokens=t.global_batch_tokens,
-                              seq_len=t.seq_len, learning_rate=t.learning_rate,
-                              warmup_steps=t.warmup_steps)
+        return one_phase_plan(
+            total_steps=t.steps,
+            global_batch_tokens=t.global_batch_tokens,
+            seq_len=t.seq_len,
+            learning_rate=t.learning_rate,
+            warmup_steps=t.warmup_steps,
+        )
 
     @property
     def micro_batch(self) -> int:

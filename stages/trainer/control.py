@@ -43,8 +43,11 @@ class Control:
     # A spare is told which replica group to become.
     activate_group: int | None = None
 
-    def send(self, kind: Literal["resume", "restore", "next_phase", "stop", "pause", "go",
-                                 "activate"], **params: Any) -> None:
+    def send(
+        self,
+        kind: Literal["resume", "restore", "next_phase", "stop", "pause", "go", "activate"],
+        **params: Any,
+    ) -> None:
         with self.cond:
             if kind == "stop":
                 self.stop = True

@@ -55,20 +55,25 @@ def _iter_documents(path: Path, text_field: str) -> Iterator[str]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ItoError(ErrorCode.data_format_unsupported,
-                                   f"{path.name}:{lineno}: not valid JSON ({e.msg})") from e
+                    raise ItoError(
+                        ErrorCode.data_format_unsupported,
+                        f"{path.name}:{lineno}: not valid JSON ({e.msg})",
+                    ) from e
                 text = record.get(text_field) if isinstance(record, dict) else None
                 if not isinstance(text, str):
-                    raise ItoError(ErrorCode.data_format_unsupported,
-                                   f"{path.name}:{lineno}: no string field {text_field!r}")
+                    raise ItoError(
+                        ErrorCode.data_format_unsupported,
+                        f"{path.name}:{lineno}: no string field {text_field!r}",
+                    )
                 yield text
     elif suffix in _PARQUET_SUFFIXES:
         import pyarrow.parquet as pq
 
         pf = pq.ParquetFile(path)
         if text_field not in pf.schema_arrow.names:
-            raise ItoError(ErrorCode.data_format_unsupported,
-                           f"{path.name}: no column {text_field!r}")
+            raise ItoError(
+                ErrorCode.data_format_unsupported, f"{path.name}: no column {text_field!r}"
+            )
         for batch in pf.iter_batches(columns=[text_field]):
             for text in batch.column(0).to_pylist():
                 if text is not None:
@@ -77,9 +82,10 @@ def _iter_documents(path: Path, text_field: str) -> Iterator[str]:
         # One document per file: plain text has no reliable record separator.
         yield path.read_text(encoding="utf-8")
     else:
-        raise ItoError(ErrorCode.data_format_unsupported,
-                       f"{path.name}: unsupported input format {suffix!r} "
-                       "(jsonl, parquet or txt)")
+        raise ItoError(
+            ErrorCode.data_format_unsupported,
+            f"{path.name}: unsupported input format {suffix!r} (jsonl, parquet or txt)",
+        )
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -112,9 +118,14 @@ def _encode(tokenizer: ByteTokenizer, text: str, dtype: type[np.integer]) -> np.
     return np.asarray(tokenizer.encode(text), dtype=dtype)
 
 
-def build_token_shards(inputs: list[Path], out_dir: Path, *, tokenizer: ByteTokenizer,
-                       text_field: str = "text",
-                       shard_tokens: int = DEFAULT_SHARD_TOKENS) -> list[Path]:
+def build_token_shards(
+    inputs: list[Path],
+    out_dir: Path,
+    *,
+    tokenizer: ByteTokenizer,
+    text_field: str = "text",
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+) -> list[Path]:
     """Tokenize ``inputs`` (in the given order) into ``out_dir/shard_NNNNN.npy``.
 
     Every document ends with EOS. Shards hold exactly ``shard_tokens`` tokens except
@@ -151,7 +162,7 @@ def build_token_shards(inputs: list[Path], out_dir: Path, *, tokenizer: ByteToke
             pos = 0
             while pos < len(ids):
                 take = min(shard_tokens - fill, len(ids) - pos)
-                buf[fill:fill + take] = ids[pos:pos + take]
+                buf[fill : fill + take] = ids[pos : pos + take]
                 fill += take
                 pos += take
                 if fill == shard_tokens:
@@ -173,8 +184,9 @@ def build_token_shards(inputs: list[Path], out_dir: Path, *, tokenizer: ByteToke
         "inputs": [{"name": Path(p).name, "sha256": _sha256_file(Path(p))} for p in inputs],
         "shards": shards,
     }
-    _atomic_write_bytes(out_dir / INDEX_NAME,
-                        (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
+    _atomic_write_bytes(
+        out_dir / INDEX_NAME, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()
+    )
     return paths
 
 
@@ -205,8 +217,16 @@ class TokenLoader:
     grouped into batches of ``micro_batch`` windows; a partial last batch is dropped.
     """
 
-    def __init__(self, shards: Sequence[Path], *, seq_len: int, micro_batch: int, seed: int,
-                 dp_rank: int = 0, dp_world: int = 1):
+    def __init__(
+        self,
+        shards: Sequence[Path],
+        *,
+        seq_len: int,
+        micro_batch: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+    ):
         if seq_len <= 0 or micro_batch <= 0:
             raise ValueError("seq_len and micro_batch must be positive")
         if not 0 <= dp_rank < dp_world:
@@ -228,7 +248,8 @@ class TokenLoader:
             raise ItoError(
                 ErrorCode.data_empty,
                 f"{self.total_tokens} tokens give {self.num_windows} windows of {seq_len}: "
-                f"fewer than one batch of {micro_batch} per rank for {dp_world} ranks")
+                f"fewer than one batch of {micro_batch} per rank for {dp_world} ranks",
+            )
         self.epoch = 0
         self.batch_in_epoch = 0
         self._order_epoch = -1
@@ -258,7 +279,7 @@ class TokenLoader:
         if self._order_epoch != epoch:
             perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
             per_rank = self.num_windows // self.dp_world
-            self._order = perm[self.dp_rank::self.dp_world][:per_rank]
+            self._order = perm[self.dp_rank :: self.dp_world][:per_rank]
             self._order_epoch = epoch
         return self._order
 
@@ -270,7 +291,7 @@ class TokenLoader:
         while lo < hi:
             start = int(self._starts[i])
             end = min(hi, int(self._starts[i + 1]))
-            parts.append(self._arrays[i][lo - start:end - start])
+            parts.append(self._arrays[i][lo - start : end - start])
             lo = end
             i += 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -279,7 +300,7 @@ class TokenLoader:
         """The next ``LongTensor[micro_batch, seq_len]``; epochs wrap deterministically."""
         order = self._rank_order(self.epoch)
         b = self.batch_in_epoch * self.micro_batch
-        windows = order[b:b + self.micro_batch]
+        windows = order[b : b + self.micro_batch]
         batch = np.stack([self._window(int(w)) for w in windows]).astype(np.int64)
         self._seek(self.batches_served + 1)
         return torch.from_numpy(batch)
@@ -290,19 +311,31 @@ class TokenLoader:
 
     # --- checkpointing --------------------------------------------------------------
     def _identity(self) -> dict[str, int]:
-        return {"seq_len": self.seq_len, "micro_batch": self.micro_batch, "seed": self.seed,
-                "dp_world": self.dp_world, "num_windows": self.num_windows}
+        return {
+            "seq_len": self.seq_len,
+            "micro_batch": self.micro_batch,
+            "seed": self.seed,
+            "dp_world": self.dp_world,
+            "num_windows": self.num_windows,
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "dp_rank": self.dp_rank, **self._identity()}
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "dp_rank": self.dp_rank,
+            **self._identity(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the position. The data identity must match (dp_rank need not:
         positions are shared by all ranks)."""
-        mismatched = {k: (state.get(k), v) for k, v in self._identity().items()
-                      if state.get(k) != v}
+        mismatched = {
+            k: (state.get(k), v) for k, v in self._identity().items() if state.get(k) != v
+        }
         if mismatched:
-            raise ItoError(ErrorCode.checkpoint_corrupt,
-                           f"data loader state does not match this loader: {mismatched}")
+            raise ItoError(
+                ErrorCode.checkpoint_corrupt,
+                f"data loader state does not match this loader: {mismatched}",
+            )
         self._seek(int(state["epoch"]) * self.batches_per_epoch + int(state["batch_in_epoch"]))

@@ -58,13 +58,20 @@ class RunCancelled(Exception):
 
 
 class TrainingEngine:
-    def __init__(self, cfg: TrainStageConfig, *, run_id: str, checkpoint_dir: Path,
-                 role_shards: dict[str, list[str]], emit: Callable[[Event], None],
-                 cancel_event: threading.Event,
-                 wait_decision: Callable[[str, float], str | None],
-                 facts: dict[str, Any] | None = None,
-                 on_phase_end: PhaseEndHook | None = None,
-                 decided: set[int] | None = None):
+    def __init__(
+        self,
+        cfg: TrainStageConfig,
+        *,
+        run_id: str,
+        checkpoint_dir: Path,
+        role_shards: dict[str, list[str]],
+        emit: Callable[[Event], None],
+        cancel_event: threading.Event,
+        wait_decision: Callable[[str, float], str | None],
+        facts: dict[str, Any] | None = None,
+        on_phase_end: PhaseEndHook | None = None,
+        decided: set[int] | None = None,
+    ):
         self.cfg = cfg
         self.plan = cfg.plan
         self.role_shards = dict(role_shards)
@@ -133,7 +140,9 @@ class TrainingEngine:
         t0 = time.time()
         lh_cls = ray.remote(LighthouseActor)
         self.lighthouse = lh_cls.options(  # type: ignore[attr-defined]
-            name=lighthouse_name(self.run_id), num_cpus=0.1, max_restarts=-1,
+            name=lighthouse_name(self.run_id),
+            num_cpus=0.1,
+            max_restarts=-1,
             **actor_options(self.facts, bundle_index=0),
         ).remote(self.ft, 1)
         lh_addr = ray.get(self.lighthouse.address.remote(), timeout=self.ft.actor_ready_timeout_s)
@@ -143,29 +152,47 @@ class TrainingEngine:
                 self.actors[(g, r)] = self._make_worker(worker_name(self.run_id, g, r), g, r)
         for _ in range(self.cfg.spare_groups):
             self._start_spare()
-        self.emit(LogEvent(message=f"started lighthouse {lh_addr}, {len(self.actors)} trainer "
-                                   f"and {len(self.spares)} spare actors in "
-                                   f"{time.time() - t0:.1f}s"))
+        self.emit(
+            LogEvent(
+                message=f"started lighthouse {lh_addr}, {len(self.actors)} trainer "
+                f"and {len(self.spares)} spare actors in "
+                f"{time.time() - t0:.1f}s"
+            )
+        )
 
     def _make_worker(self, name: str, group: int, rank: int) -> Any:
         import ray
 
-        spec = WorkerSpec(run_id=self.run_id, replica_group=group, rank=rank, config=self.cfg,
-                          lighthouse_addr=self._lh_addr,
-                          checkpoint_dir=str(self.checkpoint_dir),
-                          role_shards=self.role_shards)
+        spec = WorkerSpec(
+            run_id=self.run_id,
+            replica_group=group,
+            rank=rank,
+            config=self.cfg,
+            lighthouse_addr=self._lh_addr,
+            checkpoint_dir=str(self.checkpoint_dir),
+            role_shards=self.role_shards,
+        )
         world = self.cfg.replica_groups * self.cfg.ranks_per_group
-        index = bundle_for_rank(self.facts, max(group, 0) * self.cfg.ranks_per_group + rank,
-                                world) if group >= 0 else -1
-        return ray.remote(ReplicaWorker).options(  # type: ignore[attr-defined]
-            name=name, num_cpus=self.cfg.worker_num_cpus,
-            **actor_options(self.facts, bundle_index=index),
-            # One GPU per rank on cuda: Ray sets CUDA_VISIBLE_DEVICES, so it is cuda:0.
-            num_gpus=1 if self.cfg.device == "cuda" else 0,
-            # No runtime_env: a restart can then use one of Ray's prestarted idle
-            # workers instead of spawning a new Python process.
-            max_restarts=self.ft.max_restarts, max_task_retries=0,
-        ).remote(spec)
+        index = (
+            bundle_for_rank(self.facts, max(group, 0) * self.cfg.ranks_per_group + rank, world)
+            if group >= 0
+            else -1
+        )
+        return (
+            ray.remote(ReplicaWorker)
+            .options(  # type: ignore[attr-defined]
+                name=name,
+                num_cpus=self.cfg.worker_num_cpus,
+                **actor_options(self.facts, bundle_index=index),
+                # One GPU per rank on cuda: Ray sets CUDA_VISIBLE_DEVICES, so it is cuda:0.
+                num_gpus=1 if self.cfg.device == "cuda" else 0,
+                # No runtime_env: a restart can then use one of Ray's prestarted idle
+                # workers instead of spawning a new Python process.
+                max_restarts=self.ft.max_restarts,
+                max_task_retries=0,
+            )
+            .remote(spec)
+        )
 
     def _start_spare(self) -> None:
         name = spare_name(self.run_id, self._spares_made)
@@ -270,9 +297,12 @@ class TrainingEngine:
             detected = min(now, self._shrunk_at) if self._shrunk_at else now
             grp.lost_at = max(detected, grp.last_ok)
             grp.failed_at = self._failed_at(key, self._pids.get(key), grp.lost_at)
-            self.emit(LogEvent(level="warning",
-                               message=f"replica group {grp.index} lost (rank {key[1]}): "
-                                       f"{type(err).__name__}"))
+            self.emit(
+                LogEvent(
+                    level="warning",
+                    message=f"replica group {grp.index} lost (rank {key[1]}): {type(err).__name__}",
+                )
+            )
             if all(g.lost_at is not None and not g.finished for g in self.groups):
                 self._all_lost_at = min(g.lost_at or now for g in self.groups)
             if self.cfg.ranks_per_group > 1:
@@ -345,8 +375,7 @@ class TrainingEngine:
             full = self.cfg.replica_groups
             if self._all_lost_at is not None and grp.lost_since_poll_fail is None:
                 self._recovered(grp, event.ts)
-            if event.quorum_size < full and self._shrunk_at is None and \
-                    grp.lost_at is None:
+            if event.quorum_size < full and self._shrunk_at is None and grp.lost_at is None:
                 self._shrunk_at = event.ts
             if event.quorum_size == full:
                 self._shrunk_at = None
@@ -360,8 +389,7 @@ class TrainingEngine:
     def _find_dead(self) -> None:
         """A survivor's collective failed: ask Ray which ranks' processes ended and
         treat them as lost now, without waiting for their polls to fail."""
-        live = {pid: key for key, pid in self._pids.items()
-                if self.groups[key[0]].lost_at is None}
+        live = {pid: key for key, pid in self._pids.items() if self.groups[key[0]].lost_at is None}
         now = time.time()
         for pid in failure_times(list(live)):
             if self.groups[live[pid][0]].lost_at is None:
@@ -378,38 +406,72 @@ class TrainingEngine:
     def _recovered(self, grp: GroupState, ts: float) -> None:
         if self._all_lost_at is not None:
             failed = [g.failed_at for g in self.groups if g.failed_at is not None]
-            self._interruption("all_groups_lost", None, self._all_lost_at, ts,
-                               "every replica group was lost; restarted from the newest "
-                               "complete checkpoint", failed=min(failed, default=None))
+            self._interruption(
+                "all_groups_lost",
+                None,
+                self._all_lost_at,
+                ts,
+                "every replica group was lost; restarted from the newest complete checkpoint",
+                failed=min(failed, default=None),
+            )
             self._all_lost_at = None
             for g in self.groups:
                 g.lost_at = g.failed_at = None
             return
         for g in self.groups:
-            if g.lost_at is not None and g.pid is not None and g.lost_since_poll_fail is None \
-                    and (g is grp or g.phase == "training"):
-                self._interruption("replica_group_lost", g.index, g.lost_at, ts,
-                                   f"healed from a live peer after {g.restarts} restart(s)",
-                                   failed=g.failed_at)
+            if (
+                g.lost_at is not None
+                and g.pid is not None
+                and g.lost_since_poll_fail is None
+                and (g is grp or g.phase == "training")
+            ):
+                self._interruption(
+                    "replica_group_lost",
+                    g.index,
+                    g.lost_at,
+                    ts,
+                    f"healed from a live peer after {g.restarts} restart(s)",
+                    failed=g.failed_at,
+                )
                 g.lost_at = g.failed_at = None
 
-    def _interruption(self, kind: Any, group: int | None, detected: float,
-                      recovered: float | None, detail: str, *,
-                      failed: float | None = None) -> None:
+    def _interruption(
+        self,
+        kind: Any,
+        group: int | None,
+        detected: float,
+        recovered: float | None,
+        detail: str,
+        *,
+        failed: float | None = None,
+    ) -> None:
         self.interruptions += 1
-        self.emit(InterruptionEvent(interruption_kind=kind, replica_group=group,
-                                    failed_at=failed, detected_at=detected,
-                                    recovered_at=recovered, detail=detail))
+        self.emit(
+            InterruptionEvent(
+                interruption_kind=kind,
+                replica_group=group,
+                failed_at=failed,
+                detected_at=detected,
+                recovered_at=recovered,
+                detail=detail,
+            )
+        )
 
     def _check_stuck(self, now: float) -> None:
         errors = [g.error for g in self.groups if g.error]
         if errors and all(g.error or g.finished for g in self.groups):
             raise ItoError(ErrorCode.training_failed, f"trainer failed: {errors[0]}")
-        down = [g for g in self.groups if g.lost_since_poll_fail is not None
-                and now - g.lost_since_poll_fail > self.ft.actor_ready_timeout_s]
+        down = [
+            g
+            for g in self.groups
+            if g.lost_since_poll_fail is not None
+            and now - g.lost_since_poll_fail > self.ft.actor_ready_timeout_s
+        ]
         if len(down) == len(self.groups):
-            raise ItoError(ErrorCode.all_replica_groups_lost,
-                           f"no replica group came back within {self.ft.actor_ready_timeout_s}s")
+            raise ItoError(
+                ErrorCode.all_replica_groups_lost,
+                f"no replica group came back within {self.ft.actor_ready_timeout_s}s",
+            )
 
     # --- commands ---------------------------------------------------------------------
     def command_all(self, kind: str, params: dict[str, Any] | None = None) -> None:
@@ -425,16 +487,24 @@ class TrainingEngine:
         # Let every live group reach its pause (a straggler may first wait out the join
         # timeout), so their last steps and saves are reported before the proposal.
         deadline = time.time() + self.ft.join_timeout_ms / 1000 + self.ft.stop_timeout_s
-        while time.time() < deadline and not self.cancel_event.is_set() and not all(
-                g.paused or g.lost_at is not None or g.finished for g in self.groups):
+        while (
+            time.time() < deadline
+            and not self.cancel_event.is_set()
+            and not all(g.paused or g.lost_at is not None or g.finished for g in self.groups)
+        ):
             self.poll_once(self.ft.poll_interval_s)
         # Restart from before the spike: a checkpoint at the spike step holds its update.
-        candidates = [r.step for r in list_checkpoints(self.checkpoint_dir)
-                      if r.step < spike["step"]]
+        candidates = [
+            r.step for r in list_checkpoints(self.checkpoint_dir) if r.step < spike["step"]
+        ]
         if not candidates:
-            self.emit(LogEvent(level="warning",
-                               message=f"loss spike at step {spike['step']} but no checkpoint "
-                                       "to restart from; continuing"))
+            self.emit(
+                LogEvent(
+                    level="warning",
+                    message=f"loss spike at step {spike['step']} but no checkpoint "
+                    "to restart from; continuing",
+                )
+            )
             self.command_all("resume")
             self._spike_pending = None
             return
@@ -453,8 +523,9 @@ class TrainingEngine:
         self.emit(PhaseEvent(phase="idle", start=paused_at, end=time.time()))
         detail = f"loss spike at step {spike['step']}: {decision or 'no decision'}"
         if decision == "approved":
-            self.command_all("restore", {"step": ckpt,
-                                         "skip_batches": proposal.params["skip_batches"]})
+            self.command_all(
+                "restore", {"step": ckpt, "skip_batches": proposal.params["skip_batches"]}
+            )
             self._spike_recovering = (spike["at"], detail)
         else:
             self.command_all("resume")
@@ -497,20 +568,30 @@ class TrainingEngine:
                     break
             for g in self.groups:
                 if g.lost_at is not None:
-                    self._interruption("replica_group_lost", g.index, g.lost_at, None,
-                                       "not recovered before the run finished",
-                                       failed=g.failed_at)
+                    self._interruption(
+                        "replica_group_lost",
+                        g.index,
+                        g.lost_at,
+                        None,
+                        "not recovered before the run finished",
+                        failed=g.failed_at,
+                    )
         finally:
             self.shutdown()
         records = list_checkpoints(self.checkpoint_dir)
-        return EngineResult(steps=self.max_step, tokens=sum(self.step_tokens.values()),
-                            final_loss=self.final_loss, interruptions=self.interruptions,
-                            checkpoints=[r.step for r in records],
-                            final_checkpoint=records[-1].path if records else None,
-                            proposals=self.proposals,
-                            digests={g.index: g.digest for g in self.groups if g.digest},
-                            layout=self.layout, rank_digests=self.rank_digests,
-                            stopped_at_phase=self.stopped_at_phase)
+        return EngineResult(
+            steps=self.max_step,
+            tokens=sum(self.step_tokens.values()),
+            final_loss=self.final_loss,
+            interruptions=self.interruptions,
+            checkpoints=[r.step for r in records],
+            final_checkpoint=records[-1].path if records else None,
+            proposals=self.proposals,
+            digests={g.index: g.digest for g in self.groups if g.digest},
+            layout=self.layout,
+            rank_digests=self.rank_digests,
+            stopped_at_phase=self.stopped_at_phase,
+        )
 
     def evaluate_on_rank(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Run a phase's battery and export on rank 0 of the lowest live group (its
@@ -544,4 +625,5 @@ class TrainingEngine:
     def _stragglers_done(self) -> bool:
         # A group still down when its peers finished has nothing left to heal from.
         return any(g.finished for g in self.groups) and all(
-            g.finished or g.lost_at is not None for g in self.groups)
+            g.finished or g.lost_at is not None for g in self.groups
+        )

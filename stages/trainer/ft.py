@@ -23,8 +23,9 @@ from stages.trainer.config import FaultToleranceConfig
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def start_lighthouse(cfg: FaultToleranceConfig, *, min_replicas: int = 1,
-                     bind: str = "[::]:0") -> Any:
+def start_lighthouse(
+    cfg: FaultToleranceConfig, *, min_replicas: int = 1, bind: str = "[::]:0"
+) -> Any:
     """torchft's own Rust lighthouse server, in this process."""
     from torchft._torchft import LighthouseServer
 
@@ -87,8 +88,7 @@ def build_manager(
     )
 
 
-def _buckets(params: Iterable[torch.nn.Parameter], bucket_bytes: int
-             ) -> list[list[torch.Tensor]]:
+def _buckets(params: Iterable[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.Tensor]]:
     buckets: list[list[torch.Tensor]] = [[]]
     size = 0
     for p in params:
@@ -109,8 +109,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def allreduce_gradients(manager: Any, params: Iterable[torch.nn.Parameter], *,
-                        bucket_bytes: int = BUCKET_BYTES) -> None:
+def allreduce_gradients(
+    manager: Any, params: Iterable[torch.nn.Parameter], *, bucket_bytes: int = BUCKET_BYTES
+) -> None:
     """Average gradients over the participating replica groups, one flat bucket at a
     time. Never raises on a peer failure: the manager swallows it and the step is not
     committed (``should_commit`` returns False on every group)."""
@@ -121,7 +122,7 @@ def allreduce_gradients(manager: Any, params: Iterable[torch.nn.Parameter], *,
         offset = 0
         for g in grads:
             n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g))
+            g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
 
 

@@ -14,21 +14,26 @@ from stages.trainer.replica import trainer_prefix
 KILL_LOOKUP_TIMEOUT_S = 10.0
 
 
-def kill_replica_group(run_id: str, group: int, *, namespace: str | None = None
-                       ) -> tuple[float, list[int]]:
+def kill_replica_group(
+    run_id: str, group: int, *, namespace: str | None = None
+) -> tuple[float, list[int]]:
     """SIGKILL every worker process that is now replica group ``group`` of the run
     (a real crash, for tests and benchmarks; the actors must run on this host).
     Spares that took a group's place are found too. Returns (kill time, pids)."""
     return kill_replica_groups(run_id, [group], namespace=namespace)
 
 
-def kill_replica_groups(run_id: str, groups: list[int], *, namespace: str | None = None
-                        ) -> tuple[float, list[int]]:
+def kill_replica_groups(
+    run_id: str, groups: list[int], *, namespace: str | None = None
+) -> tuple[float, list[int]]:
     """``kill_replica_group`` for several groups at the same instant."""
     import ray
 
-    names = [n for n in ray.util.list_named_actors()
-             if isinstance(n, str) and n.startswith(trainer_prefix(run_id))]
+    names = [
+        n
+        for n in ray.util.list_named_actors()
+        if isinstance(n, str) and n.startswith(trainer_prefix(run_id))
+    ]
     refs: dict[Any, str] = {}
     for name in names:
         with contextlib.suppress(Exception):

@@ -59,9 +59,11 @@ class ParallelLayout(StrictModel):
         rest = self.tp * self.pp * self.cp
         dp = self.dp_shard if self.dp_shard != -1 else ranks_per_group // rest
         if dp < 1 or rest * dp != ranks_per_group:
-            raise ItoError(ErrorCode.plan_degrees_mismatch,
-                           f"tp {self.tp} x pp {self.pp} x cp {self.cp} x dp_shard "
-                           f"{self.dp_shard} != {ranks_per_group} ranks per replica group")
+            raise ItoError(
+                ErrorCode.plan_degrees_mismatch,
+                f"tp {self.tp} x pp {self.pp} x cp {self.cp} x dp_shard "
+                f"{self.dp_shard} != {ranks_per_group} ranks per replica group",
+            )
         mbs = self.pp_microbatches or (self.pp * self.pp_virtual_stages if self.pp > 1 else 1)
         return self.model_copy(update={"dp_shard": dp, "pp_microbatches": mbs})
 
@@ -82,17 +84,21 @@ class ParallelLayout(StrictModel):
         (the remainder goes to the middle ranks; the ends hold embedding and head)."""
         if self.pp_stage_layers:
             if sum(self.pp_stage_layers) != num_layers:
-                raise ItoError(ErrorCode.plan_pp_layers_unbalanced,
-                               f"pp_stage_layers {self.pp_stage_layers} do not sum to the "
-                               f"model's {num_layers} layers")
+                raise ItoError(
+                    ErrorCode.plan_pp_layers_unbalanced,
+                    f"pp_stage_layers {self.pp_stage_layers} do not sum to the "
+                    f"model's {num_layers} layers",
+                )
             return list(self.pp_stage_layers)
         chunks = self.pp * self.pp_virtual_stages
         if chunks > num_layers:
-            raise ItoError(ErrorCode.plan_pp_layers_unbalanced,
-                           f"{num_layers} layers cannot fill {chunks} pipeline chunks")
+            raise ItoError(
+                ErrorCode.plan_pp_layers_unbalanced,
+                f"{num_layers} layers cannot fill {chunks} pipeline chunks",
+            )
         base, extra = divmod(num_layers, self.pp)
         counts = [base] * self.pp
-        order = [*range(1, self.pp - 1), 0, self.pp - 1][:self.pp]
+        order = [*range(1, self.pp - 1), 0, self.pp - 1][: self.pp]
         for i in range(extra):
             counts[order[i]] += 1
         return counts
@@ -108,8 +114,10 @@ class ParallelLayout(StrictModel):
             base, extra = divmod(per_rank[r], v)
             sizes.append(base + (1 if local < extra else 0))
         if min(sizes) < 1:
-            raise ItoError(ErrorCode.plan_pp_layers_unbalanced,
-                           f"{num_layers} layers cannot fill {self.pp * v} pipeline chunks")
+            raise ItoError(
+                ErrorCode.plan_pp_layers_unbalanced,
+                f"{num_layers} layers cannot fill {self.pp * v} pipeline chunks",
+            )
         out, start = [], 0
         for n in sizes:
             out.append((start, start + n))
@@ -125,30 +133,37 @@ def check_runnable_on_sku(layout: ParallelLayout, gpu_sku: str) -> None:
         check_runnable(layout, "cuda", SKU_COMPUTE_CAPABILITY.get(gpu_sku))
 
 
-def check_runnable(layout: ParallelLayout, device: str,
-                   capability: tuple[int, int] | None = None) -> None:
+def check_runnable(
+    layout: ParallelLayout, device: str, capability: tuple[int, int] | None = None
+) -> None:
     """Refuse what this device cannot execute: context parallel and fp8 need CUDA
     (ring attention, torchao float8 kernels), fp8 needs SM 9.0 or newer.
     ``capability`` is the GPU's (major, minor); None where it is not known yet
     (validation before the workers start), in which case only the device is checked."""
     if device != "cuda":
         if layout.cp > 1:
-            raise ItoError(ErrorCode.layout_unsupported,
-                           f"context parallel (cp {layout.cp}) needs CUDA: ring attention "
-                           f"has no CPU implementation in torch")
+            raise ItoError(
+                ErrorCode.layout_unsupported,
+                f"context parallel (cp {layout.cp}) needs CUDA: ring attention "
+                f"has no CPU implementation in torch",
+            )
         if layout.precision == "fp8":
-            raise ItoError(ErrorCode.layout_unsupported,
-                           "fp8 training needs an H100-class GPU (torchao float8)")
+            raise ItoError(
+                ErrorCode.layout_unsupported,
+                "fp8 training needs an H100-class GPU (torchao float8)",
+            )
         return
-    if layout.precision == "fp8" and capability is not None and \
-            capability < FP8_MIN_CAPABILITY:
-        raise ItoError(ErrorCode.layout_unsupported,
-                       f"fp8 training needs SM {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}"
-                       f" (H100-class); this GPU is SM {capability[0]}.{capability[1]}")
+    if layout.precision == "fp8" and capability is not None and capability < FP8_MIN_CAPABILITY:
+        raise ItoError(
+            ErrorCode.layout_unsupported,
+            f"fp8 training needs SM {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}"
+            f" (H100-class); this GPU is SM {capability[0]}.{capability[1]}",
+        )
 
 
 def layout_from_plan(plan: dict[str, object]) -> ParallelLayout:
     """The trainer's part of a planner ``Plan`` (as stored in the stage's artifacts)."""
+
     def num(key: str, default: int = 1) -> int:
         v = plan.get(key, default)
         return int(v) if isinstance(v, (int, float, str)) else default
@@ -156,14 +171,17 @@ def layout_from_plan(plan: dict[str, object]) -> ParallelLayout:
     layers = plan.get("pp_stage_layers") or []
     pp = num("pp")
     return ParallelLayout(
-        tp=num("tp"), pp=pp, cp=num("cp"), dp_shard=num("dp_shard"),
+        tp=num("tp"),
+        pp=pp,
+        cp=num("cp"),
+        dp_shard=num("dp_shard"),
         pp_schedule=str(plan.get("pp_schedule", "1F1B")),  # type: ignore[arg-type]
         pp_virtual_stages=num("pp_virtual_stages"),
         pp_microbatches=num("pp_microbatches", 0) if pp > 1 else 0,
         grad_accum=num("grad_accum") if pp == 1 else 1,
-        pp_stage_layers=[int(x) for x in layers] if pp > 1 and isinstance(layers, list)
-        else [],
+        pp_stage_layers=[int(x) for x in layers] if pp > 1 and isinstance(layers, list) else [],
         activation_checkpointing=str(  # type: ignore[arg-type]
-            plan.get("activation_checkpointing", "none")),
+            plan.get("activation_checkpointing", "none")
+        ),
         precision=str(plan.get("precision", "fp32")),  # type: ignore[arg-type]
     )

@@ -75,8 +75,10 @@ class _LoopState:
         self.batches_committed = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"windows": [list(w) for w in self.loop.windows],
-                "batches_committed": self.loop.manager.batches_committed()}
+        return {
+            "windows": [list(w) for w in self.loop.windows],
+            "batches_committed": self.loop.manager.batches_committed(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loop.windows = [(int(a), int(b)) for a, b in state["windows"]]
@@ -84,8 +86,14 @@ class _LoopState:
 
 
 class TrainLoop:
-    def __init__(self, spec: WorkerSpec, *, emit: Callable[[Event], None],
-                 control: Control, status: dict[str, Any]):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        emit: Callable[[Event], None],
+        control: Control,
+        status: dict[str, Any],
+    ):
         from stages.trainer.setup import RankSetup
 
         self.spec = spec
@@ -126,8 +134,9 @@ class TrainLoop:
             event.stage = "train"
             self.emit_fn(event)
 
-    def log(self, message: str, level: Literal["debug", "info", "warning", "error"] = "info"
-            ) -> None:
+    def log(
+        self, message: str, level: Literal["debug", "info", "warning", "error"] = "info"
+    ) -> None:
         self.emit(LogEvent(message=f"rg{self.spec.replica_group}: {message}", level=level))
 
     # --- state (torchft: what a healing peer fetches and loads) ---------------------
@@ -135,10 +144,15 @@ class TrainLoop:
         """With FSDP2 each rank sends its local shards: rank r of the peer holds rank
         r's shards."""
         if self.sharded:
-            return {"shards": sharded_state(self.model, self.inner_optimizer),
-                    "loop": self.loop_state.state_dict()}
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                "loop": self.loop_state.state_dict()}
+            return {
+                "shards": sharded_state(self.model, self.inner_optimizer),
+                "loop": self.loop_state.state_dict(),
+            }
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "loop": self.loop_state.state_dict(),
+        }
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
         # A heal overwrites the weights in place; an async save still copying them
@@ -171,10 +185,14 @@ class TrainLoop:
         dp_rank = spec.replica_group * layout.dp_shard + layout.coords(spec.rank)["dp_shard"]
         self.loader = MixedLoader(
             {r: [Path(p) for p in ps] for r, ps in spec.role_shards.items()},
-            dict(phase.data_weights), seq_len=phase.seq_len,
-            micro_batch=self.cfg.micro_batch_at(phase.seq_len), seed=self.cfg.target.seed
-            + phase.index, dp_rank=dp_rank, dp_world=self.cfg.replica_groups * layout.dp_shard,
-            phase=phase.name)
+            dict(phase.data_weights),
+            seq_len=phase.seq_len,
+            micro_batch=self.cfg.micro_batch_at(phase.seq_len),
+            seed=self.cfg.target.seed + phase.index,
+            dp_rank=dp_rank,
+            dp_world=self.cfg.replica_groups * layout.dp_shard,
+            phase=phase.name,
+        )
         if getattr(self, "train_state", None) is not None:
             self.train_state.loader = self.loader
         self.status.update(phase_name=phase.name)
@@ -218,8 +236,11 @@ class TrainLoop:
         self.recovering_since = self.started_at if restarted else None
         step = self.manager.current_step()
         # A group resumed from a phase-closing checkpoint waits for that phase's gate.
-        if step > 0 and step == self.plan.phase_of(step - 1).end_step \
-                and not self._close_phase(step):
+        if (
+            step > 0
+            and step == self.plan.phase_of(step - 1).end_step
+            and not self._close_phase(step)
+        ):
             return self._finish()
         while not self.control.stop:
             step = self.manager.current_step()
@@ -260,29 +281,48 @@ class TrainLoop:
         loss = self.parallel.forward_backward(input_ids, scale=scale)
         ft.allreduce_gradients(self.manager, self.model.parameters())  # torchft
         global_loss = ft.allreduce_scalar(  # torchft: the same loss on every group
-            self.manager, self.parallel.group_mean_loss(loss))
+            self.manager, self.parallel.group_mean_loss(loss)
+        )
         grad_norm = self.parallel.clip_grad_norm_(self.cfg.target.grad_clip)
         if not (math.isfinite(global_loss) and math.isfinite(grad_norm)):
             # torchft: an error reported before the vote makes should_commit false, so
             # optimizer.step skips the update. Loss and norm are global (allreduced),
             # so every group refuses the same step.
-            self.manager.report_error(FloatingPointError(
-                f"non-finite loss {global_loss} or grad norm {grad_norm} at step {step}"))
+            self.manager.report_error(
+                FloatingPointError(
+                    f"non-finite loss {global_loss} or grad norm {grad_norm} at step {step}"
+                )
+            )
         self.optimizer.step()  # torchft: should_commit, then the inner step
         committed = self.manager.current_step() > step  # torchft
         quorum = self.manager.num_participants()  # torchft
         now = time.time()
-        result = StepResult(step=step, committed=committed, loss=global_loss,
-                            grad_norm=grad_norm, lr=lr, batch=batch, quorum=quorum,
-                            seconds=now - t0, ended_at=now)
+        result = StepResult(
+            step=step,
+            committed=committed,
+            loss=global_loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            batch=batch,
+            quorum=quorum,
+            seconds=now - t0,
+            ended_at=now,
+        )
         tokens = self.cfg.micro_batch_at(self.phase.seq_len) * self.phase.seq_len
-        self.emit(StepEvent(step=step + 1 if committed else step,
-                            replica_group=self.spec.replica_group,
-                            loss=global_loss if math.isfinite(global_loss) else 1e9,
-                            tokens=tokens * quorum * self.cfg.layout.dp_shard
-                            if committed else 0,
-                            seconds=result.seconds, committed=committed, quorum_size=quorum,
-                            lr=lr, seq_len=int(input_ids.shape[1]), phase=self.phase.name))
+        self.emit(
+            StepEvent(
+                step=step + 1 if committed else step,
+                replica_group=self.spec.replica_group,
+                loss=global_loss if math.isfinite(global_loss) else 1e9,
+                tokens=tokens * quorum * self.cfg.layout.dp_shard if committed else 0,
+                seconds=result.seconds,
+                committed=committed,
+                quorum_size=quorum,
+                lr=lr,
+                seq_len=int(input_ids.shape[1]),
+                phase=self.phase.name,
+            )
+        )
         self.status.update(step=self.manager.current_step(), quorum=quorum)  # torchft
         pace = self.cfg.pace_step_s
         if pace and now - t0 < pace:
@@ -298,17 +338,20 @@ class TrainLoop:
             if not self._spiked(result.step + 1, bad, result.batch):
                 from stages.errors import ErrorCode, ItoError
 
-                raise ItoError(ErrorCode.training_failed,
-                               f"step {result.step + 1} is not finite (loss {result.loss}, "
-                               f"grad norm {result.grad_norm}) and loss-spike handling is off")
+                raise ItoError(
+                    ErrorCode.training_failed,
+                    f"step {result.step + 1} is not finite (loss {result.loss}, "
+                    f"grad norm {result.grad_norm}) and loss-spike handling is off",
+                )
             self._pause(result.step, refused_batch=result.batch)
             return
         if not result.committed:
             return
         done = result.step + 1
         if self.recovering_since is not None and result.quorum == self.cfg.replica_groups:
-            self.emit(PhaseEvent(phase="recovery", start=self.recovering_since,
-                                 end=result.ended_at))
+            self.emit(
+                PhaseEvent(phase="recovery", start=self.recovering_since, end=result.ended_at)
+            )
             self.recovering_since = None
         # Spike check first: a checkpoint must never capture the spiking update.
         if self._spiked(done, result.loss, result.batch):
@@ -332,9 +375,12 @@ class TrainLoop:
             self.enter_phase(phase)
         if step <= phase.start_step:
             self.windows = []  # the previous phase's skipped windows index its own data
-        self.manager.load_state_dict({  # torchft: resume its step and batch count
-            "step": self.train_state.step,
-            "batches_committed": self.loop_state.batches_committed})
+        self.manager.load_state_dict(
+            {  # torchft: resume its step and batch count
+                "step": self.train_state.step,
+                "batches_committed": self.loop_state.batches_committed,
+            }
+        )
 
     # --- checkpoints ----------------------------------------------------------------
     def _is_saver(self) -> bool:
@@ -343,14 +389,20 @@ class TrainLoop:
 
     def _report_checkpoints(self) -> None:
         for rec in self.ckpt.poll():
-            self.emit(CheckpointEvent(step=rec.step, path=rec.path, bytes=rec.bytes,
-                                      blocking_s=rec.blocking_s, total_s=rec.total_s,
-                                      phase=self.plan.phase_of(max(0, rec.step - 1)).name))
+            self.emit(
+                CheckpointEvent(
+                    step=rec.step,
+                    path=rec.path,
+                    bytes=rec.bytes,
+                    blocking_s=rec.blocking_s,
+                    total_s=rec.total_s,
+                    phase=self.plan.phase_of(max(0, rec.step - 1)).name,
+                )
+            )
             # Blocking includes any wait for the state copy in the next optimizer
             # step, so the badput span is the record's, not save()'s own duration.
             t0 = self._save_started.pop(rec.step, time.time())
-            self.emit(PhaseEvent(phase="checkpoint_blocking", start=t0,
-                                 end=t0 + rec.blocking_s))
+            self.emit(PhaseEvent(phase="checkpoint_blocking", start=t0, end=t0 + rec.blocking_s))
 
     def _due(self, step: int) -> bool:
         due = self.ckpt.due(step)
@@ -380,8 +432,13 @@ class TrainLoop:
         spike = self.detector.observe(step, loss)
         if spike is None:
             return False
-        self.status.update(spike={**spike.model_dump(mode="json"), "batch": batch_idx,
-                                  "windows": [list(w) for w in self.windows]})
+        self.status.update(
+            spike={
+                **spike.model_dump(mode="json"),
+                "batch": batch_idx,
+                "windows": [list(w) for w in self.windows],
+            }
+        )
         return True
 
     def _pause(self, step: int, *, refused_batch: int | None = None) -> None:
@@ -402,8 +459,9 @@ class TrainLoop:
             self.windows = sorted({*self.windows, window})
             if self._is_saver_at_end():
                 self.ckpt.discard_after(step)  # the abandoned timeline is never resumed
-            self.log(f"restored checkpoint step {step}, skipping data batches "
-                     f"[{window[0]}, {window[1]})")
+            self.log(
+                f"restored checkpoint step {step}, skipping data batches [{window[0]}, {window[1]})"
+            )
         elif kind == "resume" and refused_batch is not None:
             self.windows = sorted({*self.windows, (refused_batch, refused_batch + 1)})
             self.log(f"skipping data batch {refused_batch}: its step was not finite")
@@ -414,8 +472,11 @@ class TrainLoop:
         if self.ckpt is not None:
             self.ckpt.close()
             self._report_checkpoints()
-        self.status.update(phase="finished" if not self.control.stop else "stopped",
-                           step=self.manager.current_step(), digest=param_digest(self.model))
+        self.status.update(
+            phase="finished" if not self.control.stop else "stopped",
+            step=self.manager.current_step(),
+            digest=param_digest(self.model),
+        )
         self.manager.shutdown(wait=False)  # torchft
 
     def _is_saver_at_end(self) -> bool:
@@ -427,4 +488,3 @@ class TrainLoop:
     @property
     def device(self) -> torch.device:
         return self.setup.device
-

@@ -71,8 +71,9 @@ class LossSpikeDetector:
         if not math.isfinite(loss):
             self.spikes += 1
             median = float(np.median(list(self._window))) if self._window else math.nan
-            return LossSpike(step=step, loss=loss, z=math.inf, median=median, mad=math.nan,
-                             non_finite=True)
+            return LossSpike(
+                step=step, loss=loss, z=math.inf, median=median, mad=math.nan, non_finite=True
+            )
         if self.observed > self.config.min_steps and len(self._window) >= 2:
             z, median, mad = self.zscore(loss)
             if z > self.config.z_threshold:
@@ -87,8 +88,9 @@ class LossSpikeDetector:
         self._window.clear()
         self.observed = 0
 
-    def propose(self, spike: LossSpike, latest_checkpoint_step: int | None,
-                batches_per_step: int = 1) -> ProposalEvent:
+    def propose(
+        self, spike: LossSpike, latest_checkpoint_step: int | None, batches_per_step: int = 1
+    ) -> ProposalEvent:
         """The restart a human should approve: rewind to the latest checkpoint S and
         skip the batches of steps S+1 .. max(spike, S + skip_window_steps).
 
@@ -107,9 +109,11 @@ class LossSpikeDetector:
             stage="trainer",
             proposal_id=f"loss-spike-{spike.step}-{uuid.uuid4().hex[:8]}",
             action="restart_from_checkpoint",
-            description=(f"loss spike at step {spike.step}: {what}; restart from {source}, "
-                         f"skipping the data of steps {from_step + 1}-{end_step} "
-                         f"({skip_steps * batches_per_step} batches)"),
+            description=(
+                f"loss spike at step {spike.step}: {what}; restart from {source}, "
+                f"skipping the data of steps {from_step + 1}-{end_step} "
+                f"({skip_steps * batches_per_step} batches)"
+            ),
             params={
                 "from_step": from_step,
                 "from_checkpoint": latest_checkpoint_step is not None,

@@ -42,5 +42,4 @@ def mesh_layout(mesh: Any) -> dict[str, int]:
 def mesh_coords(mesh: Any) -> dict[str, int]:
     """This rank's coordinate on each dimension of the mesh."""
     names = tuple(mesh.mesh_dim_names or ())
-    return {name: int(mesh[name].get_local_rank()) if name in names else 0
-            for name in MESH_DIMS}
+    return {name: int(mesh[name].get_local_rank()) if name in names else 0 for name in MESH_DIMS}

@@ -20,26 +20,43 @@ import torch
 from stages.errors import ErrorCode, ItoError
 from stages.trainer.data import TokenLoader
 
-_PHI = (5 ** 0.5 - 1) / 2  # golden ratio conjugate
+_PHI = (5**0.5 - 1) / 2  # golden ratio conjugate
 _CHUNK = 1 << 20
 
 
 class MixedLoader:
-    def __init__(self, role_shards: Mapping[str, Sequence[Path]],
-                 weights: Mapping[Any, float], *, seq_len: int, micro_batch: int, seed: int,
-                 dp_rank: int = 0, dp_world: int = 1, phase: str = ""):
+    def __init__(
+        self,
+        role_shards: Mapping[str, Sequence[Path]],
+        weights: Mapping[Any, float],
+        *,
+        seq_len: int,
+        micro_batch: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+        phase: str = "",
+    ):
         roles = sorted(r for r in weights if role_shards.get(r))
         if not roles:
-            raise ItoError(ErrorCode.data_empty,
-                           f"phase {phase}: no data for its roles {sorted(weights)}")
+            raise ItoError(
+                ErrorCode.data_empty, f"phase {phase}: no data for its roles {sorted(weights)}"
+            )
         total = sum(weights[r] for r in roles)
         self.roles = roles
         self.edges = np.cumsum([weights[r] / total for r in roles])
         self.edges[-1] = 1.0
-        self.loaders = {r: TokenLoader([Path(p) for p in role_shards[r]], seq_len=seq_len,
-                                       micro_batch=1, seed=seed + 7919 * i, dp_rank=dp_rank,
-                                       dp_world=dp_world)
-                        for i, r in enumerate(roles)}
+        self.loaders = {
+            r: TokenLoader(
+                [Path(p) for p in role_shards[r]],
+                seq_len=seq_len,
+                micro_batch=1,
+                seed=seed + 7919 * i,
+                dp_rank=dp_rank,
+                dp_world=dp_world,
+            )
+            for i, r in enumerate(roles)
+        }
         self.seq_len = seq_len
         self.micro_batch = micro_batch
         self.phase = phase
@@ -56,8 +73,9 @@ class MixedLoader:
         """Sequences each role served in the first ``slots`` slots."""
         counts = np.zeros(len(self.roles), dtype=np.int64)
         for a in range(0, slots, _CHUNK):
-            counts += np.bincount(self._roles_of(a, min(slots, a + _CHUNK)),
-                                  minlength=len(self.roles))
+            counts += np.bincount(
+                self._roles_of(a, min(slots, a + _CHUNK)), minlength=len(self.roles)
+            )
         return {r: int(c) for r, c in zip(self.roles, counts, strict=True)}
 
     @property
@@ -71,8 +89,10 @@ class MixedLoader:
 
     def next_batch(self) -> torch.Tensor:
         b = self._batch * self.micro_batch
-        rows = [self.loaders[self.roles[int(k)]].next_batch()[0]
-                for k in self._roles_of(b, b + self.micro_batch)]
+        rows = [
+            self.loaders[self.roles[int(k)]].next_batch()[0]
+            for k in self._roles_of(b, b + self.micro_batch)
+        ]
         self._batch += 1
         return torch.stack(rows)
 

@@ -27,8 +27,9 @@ def llama_config(preset: ModelPreset) -> LlamaConfig:
     )
 
 
-def build_model(preset: ModelPreset, *, seed: int = 0,
-                checkpoint_path: str | Path | None = None) -> LlamaForCausalLM:
+def build_model(
+    preset: ModelPreset, *, seed: int = 0, checkpoint_path: str | Path | None = None
+) -> LlamaForCausalLM:
     """Random-init from the preset with a fixed seed, or load a local HF folder."""
     if checkpoint_path is not None:
         return LlamaForCausalLM.from_pretrained(str(checkpoint_path), local_files_only=True)
@@ -40,8 +41,9 @@ def build_model(preset: ModelPreset, *, seed: int = 0,
     return LlamaForCausalLM(config)
 
 
-def causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor,
-                   labels: torch.Tensor | None = None) -> torch.Tensor:
+def causal_lm_loss(
+    model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean next-token cross-entropy; ``labels`` of -100 are ignored."""
     logits = model(input_ids=input_ids).logits
     target = input_ids if labels is None else labels

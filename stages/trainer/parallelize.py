@@ -46,8 +46,9 @@ def shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32 (equals ``model.causal_lm_loss``)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                           ignore_index=-100)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=-100
+    )
 
 
 def _decoder_layers(module: nn.Module) -> list[nn.Module]:
@@ -62,12 +63,17 @@ def apply_fp8(model: nn.Module) -> int:
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError as e:
-        raise ItoError(ErrorCode.layout_unsupported,
-                       "fp8 needs torchao (pip install 'ito-train[gpu]')") from e
+        raise ItoError(
+            ErrorCode.layout_unsupported, "fp8 needs torchao (pip install 'ito-train[gpu]')"
+        ) from e
 
     def keep(mod: nn.Module, fqn: str) -> bool:
-        return isinstance(mod, nn.Linear) and "lm_head" not in fqn and \
-            mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+        return (
+            isinstance(mod, nn.Linear)
+            and "lm_head" not in fqn
+            and mod.in_features % 16 == 0
+            and mod.out_features % 16 == 0
+        )
 
     convert_to_float8_training(model, module_filter_fn=keep)
     return sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
@@ -94,8 +100,11 @@ def apply_tp(chunk: nn.Module, tp_mesh: Any, *, sequence_parallel: bool, fp8: bo
             PrepareFloat8ModuleInput,
         )
 
-        colwise, rowwise, prepare = (Float8ColwiseParallel, Float8RowwiseParallel,
-                                     PrepareFloat8ModuleInput)
+        colwise, rowwise, prepare = (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
     seq = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, Any] = {}
     inner: Any = chunk.model
@@ -104,30 +113,39 @@ def apply_tp(chunk: nn.Module, tp_mesh: Any, *, sequence_parallel: bool, fp8: bo
     if hasattr(inner, "norm"):
         if sequence_parallel:
             top["model.norm"] = SequenceParallel()
-        top["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(),
-                                         use_local_output=True)
+        top["lm_head"] = ColwiseParallel(
+            input_layouts=seq, output_layouts=Replicate(), use_local_output=True
+        )
     if top:
         parallelize_module(chunk, tp_mesh, top)
     for layer in _decoder_layers(chunk):
         plan: dict[str, Any] = {
-            "self_attn.q_proj": colwise(), "self_attn.k_proj": colwise(),
-            "self_attn.v_proj": colwise(), "self_attn.o_proj": rowwise(output_layouts=seq),
-            "mlp.gate_proj": colwise(), "mlp.up_proj": colwise(),
+            "self_attn.q_proj": colwise(),
+            "self_attn.k_proj": colwise(),
+            "self_attn.v_proj": colwise(),
+            "self_attn.o_proj": rowwise(output_layouts=seq),
+            "mlp.gate_proj": colwise(),
+            "mlp.up_proj": colwise(),
             "mlp.down_proj": rowwise(output_layouts=seq),
         }
         if sequence_parallel:
-            plan.update({
-                "input_layernorm": SequenceParallel(),
-                "post_attention_layernorm": SequenceParallel(),
-                "self_attn": prepare(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                     desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-                "mlp": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
+            plan.update(
+                {
+                    "input_layernorm": SequenceParallel(),
+                    "post_attention_layernorm": SequenceParallel(),
+                    "self_attn": prepare(
+                        input_kwarg_layouts={"hidden_states": Shard(1)},
+                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                    ),
+                    "mlp": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                }
+            )
         parallelize_module(layer, tp_mesh, plan)
 
 
-def apply_fsdp(chunk: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype | None,
-               pp_enabled: bool) -> None:
+def apply_fsdp(
+    chunk: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype | None, pp_enabled: bool
+) -> None:
     """FSDP2 per decoder layer, embedding, [norm, head] and the chunk (torchtitan's
     ``apply_fsdp``); with PP the chunk stays unsharded across micro-batches."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -149,8 +167,15 @@ def apply_fsdp(chunk: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype | Non
 class ParallelModel:
     """One rank's share of the model under the layout, and how to train a step on it."""
 
-    def __init__(self, full: nn.Module, layout: ParallelLayout, mesh: Any,
-                 device: torch.device, *, sequence_parallel: bool | None = None):
+    def __init__(
+        self,
+        full: nn.Module,
+        layout: ParallelLayout,
+        mesh: Any,
+        device: torch.device,
+        *,
+        sequence_parallel: bool | None = None,
+    ):
         if layout.dp_shard == -1 or (layout.pp > 1 and not layout.pp_microbatches):
             layout = layout.resolved(int(mesh.size()) if mesh is not None else 1)
         self.layout = layout
@@ -158,13 +183,21 @@ class ParallelModel:
         self.hidden = int(config.hidden_size)
         self.mesh = mesh
         self.device = device
-        self.coords = mesh_coords(mesh) if mesh is not None else dict.fromkeys(
-            ("pp", "dp_shard", "cp", "tp"), 0)
-        check_runnable(layout, device.type, torch.cuda.get_device_capability(device)
-                       if device.type == "cuda" else None)
+        self.coords = (
+            mesh_coords(mesh)
+            if mesh is not None
+            else dict.fromkeys(("pp", "dp_shard", "cp", "tp"), 0)
+        )
+        check_runnable(
+            layout,
+            device.type,
+            torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+        )
         if mesh is None and layout.tp * layout.pp * layout.cp * layout.dp_shard != 1:
-            raise ItoError(ErrorCode.plan_degrees_mismatch,
-                           "a single-rank replica group cannot run a multi-rank layout")
+            raise ItoError(
+                ErrorCode.plan_degrees_mismatch,
+                "a single-rank replica group cannot run a multi-rank layout",
+            )
         # Sequence parallel on the norms: on by default on GPU (torchtitan's default);
         # on CPU only when asked (tests), as its reduce-scatters gain nothing on gloo.
         if sequence_parallel is None:
@@ -183,18 +216,30 @@ class ParallelModel:
         bf16 = layout.precision in ("bf16", "fp8")
         for chunk in self.chunks:
             if layout.tp > 1:
-                apply_tp(chunk, mesh["tp"], sequence_parallel=self.sequence_parallel,
-                         fp8=layout.precision == "fp8")
+                apply_tp(
+                    chunk,
+                    mesh["tp"],
+                    sequence_parallel=self.sequence_parallel,
+                    fp8=layout.precision == "fp8",
+                )
             if fsdp:
-                apply_fsdp(chunk, mesh[FSDP_DIM], param_dtype=torch.bfloat16 if bf16 else None,
-                           pp_enabled=layout.pp > 1)
+                apply_fsdp(
+                    chunk,
+                    mesh[FSDP_DIM],
+                    param_dtype=torch.bfloat16 if bf16 else None,
+                    pp_enabled=layout.pp > 1,
+                )
         self.autocast = bf16 and not fsdp
         if layout.pp > 1:
             first = self.chunks[0]
-            self.module: nn.Module = first if len(self.chunks) == 1 else LocalModel(
-                [c for c in self.chunks if isinstance(c, StageModule)])
-            self.schedule = build_schedule(layout, self.chunks, self.stage_ids, device,
-                                           mesh["pp"].get_group(), self._loss_fn)
+            self.module: nn.Module = (
+                first
+                if len(self.chunks) == 1
+                else LocalModel([c for c in self.chunks if isinstance(c, StageModule)])
+            )
+            self.schedule = build_schedule(
+                layout, self.chunks, self.stage_ids, device, mesh["pp"].get_group(), self._loss_fn
+            )
         else:
             self.module = full
         self.num_stages = layout.pp * layout.pp_virtual_stages
@@ -211,9 +256,14 @@ class ParallelModel:
                 from torch.distributed.tensor.experimental._attention import set_rotate_method
 
                 set_rotate_method("allgather")
-                stack.enter_context(context_parallel(
-                    self.mesh["cp"], buffers=buffers, buffer_seq_dims=[1] * len(buffers),
-                    no_restore_buffers=set(buffers)))
+                stack.enter_context(
+                    context_parallel(
+                        self.mesh["cp"],
+                        buffers=buffers,
+                        buffer_seq_dims=[1] * len(buffers),
+                        no_restore_buffers=set(buffers),
+                    )
+                )
             if self.autocast:
                 stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
             yield
@@ -304,8 +354,10 @@ class ParallelModel:
         import torch.distributed as dist
 
         if self.layout.pp_virtual_stages != 1:
-            raise ItoError(ErrorCode.layout_unsupported,
-                           "evaluation forward of an interleaved pipeline is not built")
+            raise ItoError(
+                ErrorCode.layout_unsupported,
+                "evaluation forward of an interleaved pipeline is not built",
+            )
         group, r = self.mesh["pp"].get_group(), self.coords["pp"]
         x = input_ids
         if r > 0:
@@ -322,10 +374,15 @@ class ParallelModel:
     def built_layout(self) -> dict[str, Any]:
         """The layout as built, read back from the mesh, the schedule, the chunks and
         the modules (not from the plan). Collective over the group when there is one."""
-        degrees = mesh_layout(self.mesh) if self.mesh is not None else dict.fromkeys(
-            ("pp", "dp_shard", "cp", "tp"), 1)
-        mine = {"pp_rank": self.coords["pp"], "layers": sum(
-            len(_decoder_layers(c)) for c in self.chunks)}
+        degrees = (
+            mesh_layout(self.mesh)
+            if self.mesh is not None
+            else dict.fromkeys(("pp", "dp_shard", "cp", "tp"), 1)
+        )
+        mine = {
+            "pp_rank": self.coords["pp"],
+            "layers": sum(len(_decoder_layers(c)) for c in self.chunks),
+        }
         per_rank = [mine]
         if self.mesh is not None:
             import torch.distributed as dist
@@ -348,15 +405,28 @@ class ParallelModel:
             if callable(state):
                 fsdp_dtype = state()._mp_policy.param_dtype
                 break
-        precision = "fp8" if self.fp8_linears else (
-            "bf16" if fsdp_dtype == torch.bfloat16 or self.autocast else
-            str(params[0].dtype).removeprefix("torch.").replace("float32", "fp32"))
+        precision = (
+            "fp8"
+            if self.fp8_linears
+            else (
+                "bf16"
+                if fsdp_dtype == torch.bfloat16 or self.autocast
+                else str(params[0].dtype).removeprefix("torch.").replace("float32", "fp32")
+            )
+        )
         schedule = None
         if self.schedule is not None:
-            schedule = {"ScheduleGPipe": "GPipe", "Schedule1F1B": "1F1B",
-                        "ScheduleInterleaved1F1B": "Interleaved1F1B"}.get(
-                type(self.schedule).__name__, type(self.schedule).__name__)
-        return {**degrees, "pp_schedule": schedule,
-                "pp_microbatches": self.schedule._n_microbatches if self.schedule else 1,
-                "pp_stage_layers": stage_layers, "activation_checkpointing": ac,
-                "precision": precision, "sequence_parallel": self.sequence_parallel}
+            schedule = {
+                "ScheduleGPipe": "GPipe",
+                "Schedule1F1B": "1F1B",
+                "ScheduleInterleaved1F1B": "Interleaved1F1B",
+            }.get(type(self.schedule).__name__, type(self.schedule).__name__)
+        return {
+            **degrees,
+            "pp_schedule": schedule,
+            "pp_microbatches": self.schedule._n_microbatches if self.schedule else 1,
+            "pp_stage_layers": stage_layers,
+            "activation_checkpointing": ac,
+            "precision": precision,
+            "sequence_parallel": self.sequence_parallel,
+        }

@@ -40,8 +40,9 @@ def _bucket(text: str) -> int:
     return int(hashlib.sha256(text.encode("utf-8")).hexdigest()[:8], 16) % 1000
 
 
-def split_heldout(files_by_role: dict[str, list[Path]], text_field: str, *, permille: int,
-                  min_docs: int) -> tuple[dict[str, list[str]], list[str]]:
+def split_heldout(
+    files_by_role: dict[str, list[Path]], text_field: str, *, permille: int, min_docs: int
+) -> tuple[dict[str, list[str]], list[str]]:
     """Deterministic split by content hash: a document is held out when its hash
     bucket is below ``permille`` (at least ``min_docs``, at most half, overall)."""
     docs: list[tuple[int, str, int, str]] = []
@@ -54,7 +55,7 @@ def split_heldout(files_by_role: dict[str, list[Path]], text_field: str, *, perm
     held = {d[2] for d in docs if d[0] < permille}
     if len(held) < min_docs:
         ranked = sorted(docs, key=lambda d: (d[0], d[2]))
-        held = {d[2] for d in ranked[:min(min_docs, len(docs) // 2)]}
+        held = {d[2] for d in ranked[: min(min_docs, len(docs) // 2)]}
     train: dict[str, list[str]] = {}
     heldout: list[str] = []
     for _, role, i, text in docs:
@@ -65,27 +66,37 @@ def split_heldout(files_by_role: dict[str, list[Path]], text_field: str, *, perm
     return train, heldout
 
 
-def prepare_phase_data(files_by_role: dict[str, list[Path]], workdir: Path, *,
-                       text_field: str, vocab_size: int, permille: int, min_docs: int,
-                       tokenizer_path: str | None = None,
-                       model_max_length: int = 2048) -> PhaseData:
+def prepare_phase_data(
+    files_by_role: dict[str, list[Path]],
+    workdir: Path,
+    *,
+    text_field: str,
+    vocab_size: int,
+    permille: int,
+    min_docs: int,
+    tokenizer_path: str | None = None,
+    model_max_length: int = 2048,
+) -> PhaseData:
     from stages.hf import load_tokenizer, save_tokenizer, train_tokenizer
 
-    train, heldout = split_heldout(files_by_role, text_field, permille=permille,
-                                   min_docs=min_docs)
+    train, heldout = split_heldout(files_by_role, text_field, permille=permille, min_docs=min_docs)
     if tokenizer_path:
         tokenizer = load_tokenizer(tokenizer_path.removeprefix("file://"))
         if len(tokenizer) > vocab_size:
-            raise ItoError(ErrorCode.tokenizer_invalid,
-                           f"tokenizer has {len(tokenizer)} ids, the model {vocab_size}")
+            raise ItoError(
+                ErrorCode.tokenizer_invalid,
+                f"tokenizer has {len(tokenizer)} ids, the model {vocab_size}",
+            )
     else:
         texts = [t for role in sorted(train) for t in train[role]]
-        tokenizer = train_tokenizer(texts, vocab_size=vocab_size,
-                                    model_max_length=model_max_length)
+        tokenizer = train_tokenizer(texts, vocab_size=vocab_size, model_max_length=model_max_length)
     tok_dir = save_tokenizer(tokenizer, workdir / "tokenizer")
     # The byte vocabulary encodes exactly like ByteTokenizer (and much faster).
-    encoder: Any = ByteTokenizer() if len(tokenizer) == ByteTokenizer.vocab_size and \
-        not tokenizer_path else HFEncoder(tokenizer)
+    encoder: Any = (
+        ByteTokenizer()
+        if len(tokenizer) == ByteTokenizer.vocab_size and not tokenizer_path
+        else HFEncoder(tokenizer)
+    )
     role_shards: dict[str, list[str]] = {}
     for role, texts in sorted(train.items()):
         src = workdir / "phase_data" / f"{role}.jsonl"
@@ -93,8 +104,9 @@ def prepare_phase_data(files_by_role: dict[str, list[Path]], workdir: Path, *,
         with src.open("w", encoding="utf-8") as f:
             for t in texts:
                 f.write(json.dumps({"text": t}) + "\n")
-        shards = build_token_shards([src], workdir / "tokens" / role, tokenizer=encoder,
-                                    text_field="text")
+        shards = build_token_shards(
+            [src], workdir / "tokens" / role, tokenizer=encoder, text_field="text"
+        )
         role_shards[role] = [str(s) for s in shards]
     with (workdir / "phase_data" / HELDOUT_NAME).open("w", encoding="utf-8") as f:
         for t in heldout:

@@ -52,8 +52,11 @@ def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -
     from stages.presets import load_model_preset
     from stages.trainer.model import build_model, set_rope_theta
 
-    model = build_model(load_model_preset(cfg.model.preset), seed=cfg.target.seed,
-                        checkpoint_path=cfg.model.checkpoint_path)
+    model = build_model(
+        load_model_preset(cfg.model.preset),
+        seed=cfg.target.seed,
+        checkpoint_path=cfg.model.checkpoint_path,
+    )
     if phase.rope_theta is not None:
         set_rope_theta(model, phase.rope_theta)
     sd = model.state_dict()
@@ -63,16 +66,19 @@ def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -
     except ItoError:
         raise
     except Exception as e:
-        raise ItoError(ErrorCode.checkpoint_corrupt,
-                       f"phase {phase.name}: checkpoint {Path(checkpoint).name} could not "
-                       f"be loaded for evaluation: {type(e).__name__}") from e
+        raise ItoError(
+            ErrorCode.checkpoint_corrupt,
+            f"phase {phase.name}: checkpoint {Path(checkpoint).name} could not "
+            f"be loaded for evaluation: {type(e).__name__}",
+        ) from e
     model.load_state_dict(sd)
     model.eval()
     return model
 
 
-def evaluate_on_rank(req: PhaseEvalRequest, *, cfg: TrainStageConfig,
-                     live: torch.nn.Module | None) -> PhaseEvalReply:
+def evaluate_on_rank(
+    req: PhaseEvalRequest, *, cfg: TrainStageConfig, live: torch.nn.Module | None
+) -> PhaseEvalReply:
     """Run the phase's battery and write its HF export; ``live`` is this rank's whole
     model when it can serve (see the module docstring), else None."""
     from stages.evals import run_battery
@@ -81,15 +87,27 @@ def evaluate_on_rank(req: PhaseEvalRequest, *, cfg: TrainStageConfig,
     assert req.phase.eval_battery is not None
     model = live if live is not None else load_phase_model(cfg, req.phase, req.checkpoint)
     tokenizer = load_tokenizer(req.tokenizer_dir)
-    heldout = [json.loads(line)["text"] for line in
-               Path(req.heldout_path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    heldout = [
+        json.loads(line)["text"]
+        for line in Path(req.heldout_path).read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
     was_training = model.training
     try:
-        result = run_battery(model, tokenizer, req.phase.eval_battery, heldout,
-                             seq_len=req.phase.seq_len, phase=req.phase.name, step=req.step,
-                             settings=req.settings, work_dir=Path(req.work_dir))
+        result = run_battery(
+            model,
+            tokenizer,
+            req.phase.eval_battery,
+            heldout,
+            seq_len=req.phase.seq_len,
+            phase=req.phase.name,
+            step=req.step,
+            settings=req.settings,
+            work_dir=Path(req.work_dir),
+        )
         export = export_hf(model, tokenizer, Path(req.export_dir), metadata=req.metadata)
     finally:
         model.train(was_training)
-    return PhaseEvalReply(result=result.model_dump(mode="json"), export=str(export),
-                          live_model=live is not None)
+    return PhaseEvalReply(
+        result=result.model_dump(mode="json"), export=str(export), live_model=live is not None
+    )

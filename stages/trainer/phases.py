@@ -48,8 +48,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 class CurriculumRunner:
-    def __init__(self, cfg: TrainStageConfig, ctx: StageContext, ckpt_dir: Path,
-                 data: PhaseData):
+    def __init__(self, cfg: TrainStageConfig, ctx: StageContext, ckpt_dir: Path, data: PhaseData):
         self.cfg = cfg
         self.plan = cfg.plan
         self.ctx = ctx
@@ -86,8 +85,10 @@ class CurriculumRunner:
                 # where the gate runs as usual.
                 todo = phase
                 break
-            self.log(f"phase {phase.name}: gate already decided in an earlier attempt "
-                     f"({'passed' if rec['decision']['passed'] else 'failed'})")
+            self.log(
+                f"phase {phase.name}: gate already decided in an earlier attempt "
+                f"({'passed' if rec['decision']['passed'] else 'failed'})"
+            )
             if not self._decided(phase, rec):
                 return self._outcome(failed=self._failed)
         if todo is not None:
@@ -107,8 +108,7 @@ class CurriculumRunner:
         return decision.passed
 
     def _closing(self, phase: PhasePlan) -> Any:
-        return next((r for r in list_checkpoints(self.ckpt_dir) if r.step == phase.end_step),
-                    None)
+        return next((r for r in list_checkpoints(self.ckpt_dir) if r.step == phase.end_step), None)
 
     # --- training ---------------------------------------------------------------------
     def _train(self, first: PhasePlan) -> None:
@@ -116,19 +116,29 @@ class CurriculumRunner:
 
         latest = list_checkpoints(self.ckpt_dir)
         at = max(latest[-1].step if latest else 0, first.start_step)
-        self.log(f"training phases {', '.join(p.name for p in self.plan.phases[first.index:])}"
-                 f" from step {at} in one fleet")
-        for phase in self.plan.phases[first.index:]:
-            self.log(f"phase {phase.name} ({phase.kind}): steps {phase.start_step}.."
-                     f"{phase.end_step}, seq_len {phase.seq_len}, mix {phase.data_weights}, "
-                     f"peak lr {phase.peak_lr:g} ({phase.lr_schedule}), rope_theta "
-                     f"{phase.rope_theta}")
+        self.log(
+            f"training phases {', '.join(p.name for p in self.plan.phases[first.index :])}"
+            f" from step {at} in one fleet"
+        )
+        for phase in self.plan.phases[first.index :]:
+            self.log(
+                f"phase {phase.name} ({phase.kind}): steps {phase.start_step}.."
+                f"{phase.end_step}, seq_len {phase.seq_len}, mix {phase.data_weights}, "
+                f"peak lr {phase.peak_lr:g} ({phase.lr_schedule}), rope_theta "
+                f"{phase.rope_theta}"
+            )
         self.engine = TrainingEngine(
-            self.cfg, run_id=self.ctx.run_id, checkpoint_dir=self.ckpt_dir,
-            role_shards=self.data.role_shards, emit=self.ctx.emit,
-            cancel_event=self.ctx.cancel_event, wait_decision=self.ctx.wait_decision,
-            facts=self.ctx.facts, on_phase_end=self._phase_end,
-            decided={p.index for p in self.plan.phases[:first.index]})
+            self.cfg,
+            run_id=self.ctx.run_id,
+            checkpoint_dir=self.ckpt_dir,
+            role_shards=self.data.role_shards,
+            emit=self.ctx.emit,
+            cancel_event=self.ctx.cancel_event,
+            wait_decision=self.ctx.wait_decision,
+            facts=self.ctx.facts,
+            on_phase_end=self._phase_end,
+            decided={p.index for p in self.plan.phases[: first.index]},
+        )
         result = self.engine.run()
         self.steps = max(self.steps, result.steps)
         self.tokens += result.tokens
@@ -139,9 +149,10 @@ class CurriculumRunner:
         self.rank_digests = result.rank_digests
         self.layout = result.layout
         if self._failed is None and len(self.phases) < len(self.plan.phases):
-            raise ItoError(ErrorCode.training_failed,
-                           f"training stopped at step {result.steps} of "
-                           f"{self.plan.total_steps}")
+            raise ItoError(
+                ErrorCode.training_failed,
+                f"training stopped at step {result.steps} of {self.plan.total_steps}",
+            )
 
     def _phase_end(self, phase: PhasePlan) -> bool:
         """The engine's hook: every live group closed ``phase``; its gate decides."""
@@ -153,74 +164,132 @@ class CurriculumRunner:
 
         closing = self._closing(phase)
         if closing is None:
-            raise ItoError(ErrorCode.checkpoint_not_found,
-                           f"phase {phase.name}: no checkpoint at its end step "
-                           f"{phase.end_step}")
+            raise ItoError(
+                ErrorCode.checkpoint_not_found,
+                f"phase {phase.name}: no checkpoint at its end step {phase.end_step}",
+            )
         if pinned_phase(closing) is None:
             pin_phase(closing, phase.name)
-        self.ctx.emit(CheckpointEvent(stage=STAGE, step=closing.step, path=closing.path,
-                                      bytes=closing.bytes, blocking_s=closing.blocking_s,
-                                      total_s=closing.total_s, phase=phase.name,
-                                      closes_phase=True))
+        self.ctx.emit(
+            CheckpointEvent(
+                stage=STAGE,
+                step=closing.step,
+                path=closing.path,
+                bytes=closing.bytes,
+                blocking_s=closing.blocking_s,
+                total_s=closing.total_s,
+                phase=phase.name,
+                closes_phase=True,
+            )
+        )
         t0 = time.time()
         if phase.eval_battery is None:  # a run without a curriculum: no battery, no gate
-            result = BatteryResult(battery="", phase=phase.name, step=closing.step, checks=[],
-                                   task_files={}, started_at=t0, seconds=0.0)
-            rec = {"phase": phase.name, "index": phase.index, "checkpoint": closing.path,
-                   "step": closing.step, "export": None, "eval_seconds": 0.0,
-                   "result": result.model_dump(mode="json"),
-                   "decision": GateDecision(battery="", phase=phase.name, passed=True,
-                                            checks=[], task_files={}).model_dump(mode="json")}
+            result = BatteryResult(
+                battery="",
+                phase=phase.name,
+                step=closing.step,
+                checks=[],
+                task_files={},
+                started_at=t0,
+                seconds=0.0,
+            )
+            rec = {
+                "phase": phase.name,
+                "index": phase.index,
+                "checkpoint": closing.path,
+                "step": closing.step,
+                "export": None,
+                "eval_seconds": 0.0,
+                "result": result.model_dump(mode="json"),
+                "decision": GateDecision(
+                    battery="", phase=phase.name, passed=True, checks=[], task_files={}
+                ).model_dump(mode="json"),
+            }
             _write_json(gate_path(self.ckpt_dir, phase), rec)
             return rec
-        self.log(f"phase {phase.name}: evaluating battery {phase.eval_battery} on step "
-                 f"{closing.step} on a trainer rank")
+        self.log(
+            f"phase {phase.name}: evaluating battery {phase.eval_battery} on step "
+            f"{closing.step} on a trainer rank"
+        )
         from stages.trainer.phase_data import HELDOUT_NAME
         from stages.trainer.phase_eval import PhaseEvalReply, PhaseEvalRequest
 
         # The export's metadata carries no verdict: the gate decides after the scores.
         req = PhaseEvalRequest(
-            phase=phase, checkpoint=closing.path, step=closing.step,
+            phase=phase,
+            checkpoint=closing.path,
+            step=closing.step,
             heldout_path=str(self.ctx.workdir / "phase_data" / HELDOUT_NAME),
-            tokenizer_dir=str(self.data.tokenizer_dir), work_dir=str(self.ctx.workdir),
+            tokenizer_dir=str(self.data.tokenizer_dir),
+            work_dir=str(self.ctx.workdir),
             export_dir=str(self.ckpt_dir / "hf" / phase.name),
             metadata={"run_id": self.ctx.run_id, "phase": phase.name, "step": closing.step},
-            settings=self.cfg.evals)
-        reply = PhaseEvalReply.model_validate(self.engine.evaluate_on_rank(
-            req.model_dump(mode="json"), self.cfg.evals.rank_eval_timeout_s))
+            settings=self.cfg.evals,
+        )
+        reply = PhaseEvalReply.model_validate(
+            self.engine.evaluate_on_rank(
+                req.model_dump(mode="json"), self.cfg.evals.rank_eval_timeout_s
+            )
+        )
         result = BatteryResult.model_validate(reply.result)
         decision = evaluate_gates(result, phase.gates, self._previous)
         export = reply.export
         t1 = time.time()
         self.ctx.emit(PhaseEvent(stage=STAGE, phase="evaluation", start=t0, end=t1))
         for v in decision.checks:
-            self.ctx.emit(EvalEvent(stage=STAGE, phase=phase.name, battery=result.battery,
-                                    check=v.check, score=v.score, passed=v.passed,
-                                    reason=v.reason, min=v.min, max=v.max,
-                                    max_regression=v.max_regression, previous=v.previous,
-                                    step=closing.step))
-        rec = {"phase": phase.name, "index": phase.index, "checkpoint": closing.path,
-               "step": closing.step, "export": str(export), "eval_seconds": t1 - t0,
-               "result": result.model_dump(mode="json"),
-               "decision": decision.model_dump(mode="json")}
+            self.ctx.emit(
+                EvalEvent(
+                    stage=STAGE,
+                    phase=phase.name,
+                    battery=result.battery,
+                    check=v.check,
+                    score=v.score,
+                    passed=v.passed,
+                    reason=v.reason,
+                    min=v.min,
+                    max=v.max,
+                    max_regression=v.max_regression,
+                    previous=v.previous,
+                    step=closing.step,
+                )
+            )
+        rec = {
+            "phase": phase.name,
+            "index": phase.index,
+            "checkpoint": closing.path,
+            "step": closing.step,
+            "export": str(export),
+            "eval_seconds": t1 - t0,
+            "result": result.model_dump(mode="json"),
+            "decision": decision.model_dump(mode="json"),
+        }
         _write_json(gate_path(self.ckpt_dir, phase), rec)
-        self.log(decision.summary() + f" ({t1 - t0:.1f}s)",
-                 level="info" if decision.passed else "error")
+        self.log(
+            decision.summary() + f" ({t1 - t0:.1f}s)", level="info" if decision.passed else "error"
+        )
         return rec
 
     # --- reporting --------------------------------------------------------------------
     def _summary(self, phase: PhasePlan, rec: dict[str, Any]) -> dict[str, Any]:
-        return {"phase": phase.name, "kind": phase.kind, "steps": [phase.start_step,
-                                                                   phase.end_step],
-                "seq_len": phase.seq_len, "battery": phase.eval_battery,
-                "checkpoint": rec["checkpoint"], "export": rec["export"],
-                "passed": rec["decision"]["passed"],
-                "scores": {c["name"]: c["score"] for c in rec["result"]["checks"]},
-                "gates": rec["decision"]["checks"]}
+        return {
+            "phase": phase.name,
+            "kind": phase.kind,
+            "steps": [phase.start_step, phase.end_step],
+            "seq_len": phase.seq_len,
+            "battery": phase.eval_battery,
+            "checkpoint": rec["checkpoint"],
+            "export": rec["export"],
+            "passed": rec["decision"]["passed"],
+            "scores": {c["name"]: c["score"] for c in rec["result"]["checks"]},
+            "gates": rec["decision"]["checks"],
+        }
 
     def _outcome(self, failed: Any = None) -> GateOutcome:
-        metrics: dict[str, float] = {"steps": float(self.steps), "tokens": float(self.tokens),
-                                     "interruptions": float(self.interruptions)}
+        metrics: dict[str, float] = {
+            "steps": float(self.steps),
+            "tokens": float(self.tokens),
+            "interruptions": float(self.interruptions),
+        }
         if self.final_loss is not None:
             metrics["final_loss"] = self.final_loss
         # The layout the workers built (read back from their mesh), as the gate shows it.
@@ -232,18 +301,32 @@ class CurriculumRunner:
                 if score is not None:
                     metrics[f"eval.{ph['phase']}.{check}"] = float(score)
         artifacts: dict[str, Any] = {
-            "checkpoint_dir": str(self.ckpt_dir), "phases": self.phases,
-            "tokenizer_dir": str(self.data.tokenizer_dir), "proposals": self.proposals,
+            "checkpoint_dir": str(self.ckpt_dir),
+            "phases": self.phases,
+            "tokenizer_dir": str(self.data.tokenizer_dir),
+            "proposals": self.proposals,
             "final_checkpoint": self.phases[-1]["checkpoint"] if self.phases else None,
             # The last phase's HF export: what post-training starts from.
             "hf_model_dir": self.phases[-1]["export"] if self.phases else None,
             "replica_digests": {str(g): d for g, d in self.digests.items()},
-            "rank_digests": self.rank_digests, "layout": self.layout}
+            "rank_digests": self.rank_digests,
+            "layout": self.layout,
+        }
         if failed is not None:
             artifacts["failed_checks"] = [c.model_dump(mode="json") for c in failed.failing]
-            return GateOutcome(stage=STAGE, status="failed", reason=failed.summary(),
-                               metrics=metrics, artifacts=artifacts,
-                               error_code=ErrorCode.eval_gate_failed.value)
+            return GateOutcome(
+                stage=STAGE,
+                status="failed",
+                reason=failed.summary(),
+                metrics=metrics,
+                artifacts=artifacts,
+                error_code=ErrorCode.eval_gate_failed.value,
+            )
         names = ", ".join(p["phase"] for p in self.phases)
-        return GateOutcome(stage=STAGE, status="passed", metrics=metrics, artifacts=artifacts,
-                           reason=f"phases {names}: every gate passed")
+        return GateOutcome(
+            stage=STAGE,
+            status="passed",
+            metrics=metrics,
+            artifacts=artifacts,
+            reason=f"phases {names}: every gate passed",
+        )

@@ -71,26 +71,33 @@ class LocalModel(nn.Module):
         self.model.layers = nn.ModuleDict(dict(sorted(layers.items(), key=lambda kv: int(kv[0]))))
 
 
-def split_model(full: nn.Module, layout: ParallelLayout, pp_rank: int
-                ) -> tuple[list[int], list[StageModule]]:
+def split_model(
+    full: nn.Module, layout: ParallelLayout, pp_rank: int
+) -> tuple[list[int], list[StageModule]]:
     """This rank's chunks and their global stage indices (chunk ``j`` on rank ``j % pp``)."""
     inner: Any = full.model
     if getattr(getattr(full, "config", None), "tie_word_embeddings", False):
         from stages.errors import ErrorCode, ItoError
 
-        raise ItoError(ErrorCode.layout_unsupported,
-                       "pipeline parallel cannot split a model with tied input and output "
-                       "embeddings (they sit on the first and last stages)")
+        raise ItoError(
+            ErrorCode.layout_unsupported,
+            "pipeline parallel cannot split a model with tied input and output "
+            "embeddings (they sit on the first and last stages)",
+        )
     bounds = layout.chunk_layers(len(inner.layers))
     ids = [j for j in range(len(bounds)) if j % layout.pp == pp_rank]
-    chunks = [StageModule(full, *bounds[j], first=j == 0, last=j == len(bounds) - 1)
-              for j in ids]
+    chunks = [StageModule(full, *bounds[j], first=j == 0, last=j == len(bounds) - 1) for j in ids]
     return ids, chunks
 
 
-def build_schedule(layout: ParallelLayout, chunks: list[nn.Module], stage_ids: list[int],
-                   device: torch.device, group: Any,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+def build_schedule(
+    layout: ParallelLayout,
+    chunks: list[nn.Module],
+    stage_ids: list[int],
+    device: torch.device,
+    group: Any,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Any:
     """PipelineStages over this rank's chunks and the plan's schedule (torchtitan's
     ``build_pipeline_schedule``). Gradients are averaged over micro-batches."""
     from torch.distributed.pipelining import (
@@ -101,8 +108,10 @@ def build_schedule(layout: ParallelLayout, chunks: list[nn.Module], stage_ids: l
     )
 
     num_stages = layout.pp * layout.pp_virtual_stages
-    stages: list[Any] = [PipelineStage(c, j, num_stages, device, group=group)
-              for c, j in zip(chunks, stage_ids, strict=True)]
+    stages: list[Any] = [
+        PipelineStage(c, j, num_stages, device, group=group)
+        for c, j in zip(chunks, stage_ids, strict=True)
+    ]
     n = layout.pp_microbatches
     if layout.pp_schedule == "Interleaved1F1B":
         return ScheduleInterleaved1F1B(stages, n_microbatches=n, loss_fn=loss_fn)

@@ -40,20 +40,27 @@ class RecoveryConfig(StrictModel):
 
     def train_fields(self) -> dict[str, Any]:
         """The ``TrainStageConfig`` fields this decides."""
-        return {"spare_groups": self.spare_groups,
-                "fault_tolerance": self.fault_tolerance.model_dump(mode="json")}
+        return {
+            "spare_groups": self.spare_groups,
+            "fault_tolerance": self.fault_tolerance.model_dump(mode="json"),
+        }
 
 
-def production_recovery(booking: Mapping[str, Any], *, ranks_per_group: int = 1,
-                        standbys_per_node: int = STANDBYS_PER_NODE) -> RecoveryConfig:
+def production_recovery(
+    booking: Mapping[str, Any],
+    *,
+    ranks_per_group: int = 1,
+    standbys_per_node: int = STANDBYS_PER_NODE,
+) -> RecoveryConfig:
     """The recovery configuration of a run on ``booking`` (its ``node_count``) whose
     replica groups have ``ranks_per_group`` ranks.
 
     A standby replaces a single-rank group only: a multi-rank group's lost rank is
     restarted by Ray with the rest of its group, so no standby is kept for it."""
     nodes = max(1, int(booking.get("node_count") or 1))
-    return RecoveryConfig(standbys_per_node=standbys_per_node if ranks_per_group == 1 else 0,
-                          nodes=nodes)
+    return RecoveryConfig(
+        standbys_per_node=standbys_per_node if ranks_per_group == 1 else 0, nodes=nodes
+    )
 
 
 def failure_times(pids: list[int]) -> dict[int, float]:

@@ -45,7 +45,7 @@ def group_cores(group: int, groups: int, cores: list[int]) -> list[int]:
     share, round robin)."""
     per = max(1, len(cores) // groups)
     start = (group * per) % len(cores)
-    return cores[start:start + per]
+    return cores[start : start + per]
 
 
 class LighthouseActor:
@@ -85,8 +85,14 @@ class ReplicaWorker:
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self.status: dict[str, Any] = {
-            "pid": os.getpid(), "phase": "starting", "step": 0, "restarted": restarted,
-            "started_at": time.time(), "error": None, "paused_at": None, "spike": None,
+            "pid": os.getpid(),
+            "phase": "starting",
+            "step": 0,
+            "restarted": restarted,
+            "started_at": time.time(),
+            "error": None,
+            "paused_at": None,
+            "spike": None,
         }
         self.store: Any = None
         self._pin(spec.replica_group)
@@ -135,15 +141,15 @@ class ReplicaWorker:
             from torch.distributed import TCPStore
 
             timeout = timedelta(seconds=spec.config.fault_tolerance.actor_ready_timeout_s)
-            client = TCPStore(spec.store_addr, spec.store_port, is_master=False,
-                              timeout=timeout)
+            client = TCPStore(spec.store_addr, spec.store_port, is_master=False, timeout=timeout)
             return client.get(key) == b"1"
         needed = not self._peer_ahead_of_checkpoints()
         if self.store is not None:
             self.store.set(key, "1" if needed else "0")
         if not needed:
-            self.loop.log("a live peer is ahead of every checkpoint: healing from it, "
-                          "no checkpoint read")
+            self.loop.log(
+                "a live peer is ahead of every checkpoint: healing from it, no checkpoint read"
+            )
         return needed
 
     def _peer_ahead_of_checkpoints(self) -> bool:
@@ -159,8 +165,11 @@ class ReplicaWorker:
         mine = ray.get_runtime_context().get_actor_name()
         pending: list[Any] = []
         for name in ray.util.list_named_actors():
-            if isinstance(name, str) and name != mine \
-                    and name.startswith(trainer_prefix(self.spec.run_id)):
+            if (
+                isinstance(name, str)
+                and name != mine
+                and name.startswith(trainer_prefix(self.spec.run_id))
+            ):
                 try:
                     pending.append(ray.get_actor(name).progress.remote())
                 except ValueError:  # gone since the listing
@@ -174,15 +183,24 @@ class ReplicaWorker:
                     p = ray.get(ref, timeout=0)
                 except Exception:  # a dead or restarting peer is no heal source
                     continue
-                if p["group"] >= 0 and p["group"] != me and p["rank"] == 0 \
-                        and p["phase"] == "training" and p["step"] >= newest:
+                if (
+                    p["group"] >= 0
+                    and p["group"] != me
+                    and p["rank"] == 0
+                    and p["phase"] == "training"
+                    and p["step"] >= newest
+                ):
                     return True
         return False
 
     def progress(self) -> dict[str, Any]:
         """Which group and rank this is, its loop's phase and committed step."""
-        return {"group": self.loop.spec.replica_group, "rank": self.spec.rank,
-                "phase": self.status.get("phase"), "step": int(self.status.get("step") or 0)}
+        return {
+            "group": self.loop.spec.replica_group,
+            "rank": self.spec.rank,
+            "phase": self.status.get("phase"),
+            "step": int(self.status.get("step") or 0),
+        }
 
     def _emit(self, event: Any) -> None:
         with self._lock:
@@ -192,8 +210,11 @@ class ReplicaWorker:
         try:
             self.loop.run()
         except BaseException as e:  # reported to the driver, which fails the run
-            self.status.update(phase="error", error=f"{type(e).__name__}: {e}",
-                               traceback=traceback.format_exc()[-4000:])
+            self.status.update(
+                phase="error",
+                error=f"{type(e).__name__}: {e}",
+                traceback=traceback.format_exc()[-4000:],
+            )
 
     # --- driver API -----------------------------------------------------------------
     def poll(self) -> dict[str, Any]:
@@ -207,8 +228,7 @@ class ReplicaWorker:
 
     def identity(self) -> dict[str, int]:
         """Which group and rank this process is now (a spare changes group once)."""
-        return {"group": self.loop.spec.replica_group, "rank": self.spec.rank,
-                "pid": os.getpid()}
+        return {"group": self.loop.spec.replica_group, "rank": self.spec.rank, "pid": os.getpid()}
 
     def command(self, kind: str, params: dict[str, Any] | None = None) -> None:
         if kind == "activate":  # a standby becomes a group: its cores from now on
@@ -223,11 +243,17 @@ class ReplicaWorker:
 
         req = PhaseEvalRequest.model_validate(request)
         if self.status.get("boundary") != req.phase.index:
-            raise ItoError(ErrorCode.invalid_state,
-                           f"rank is not waiting at the end of phase {req.phase.name}")
+            raise ItoError(
+                ErrorCode.invalid_state, f"rank is not waiting at the end of phase {req.phase.name}"
+            )
         loop = self.loop
-        live = None if loop.sharded or loop.cfg.layout.activation_checkpointing != "none" \
-            or loop.parallel.fp8_linears else loop.model
+        live = (
+            None
+            if loop.sharded
+            or loop.cfg.layout.activation_checkpointing != "none"
+            or loop.parallel.fp8_linears
+            else loop.model
+        )
         return evaluate_on_rank(req, cfg=loop.cfg, live=live).model_dump(mode="json")
 
     def _pin(self, group: int) -> None:

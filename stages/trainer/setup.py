@@ -32,8 +32,10 @@ class RankSetup:
         set_determinism(cfg.target.seed, deterministic=cfg.target.deterministic)
         self.device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
         model: torch.nn.Module = build_model(
-            load_model_preset(cfg.model.preset), seed=cfg.target.seed,
-            checkpoint_path=cfg.model.checkpoint_path)
+            load_model_preset(cfg.model.preset),
+            seed=cfg.target.seed,
+            checkpoint_path=cfg.model.checkpoint_path,
+        )
         loop.model = model.to(self.device)
         loop.model.train()
         if not loop.sharded:  # FSDP2 must wrap the model before the optimizer sees it
@@ -48,8 +50,11 @@ class RankSetup:
         loop.parallel = ParallelModel(loop.model, loop.cfg.layout, mesh, self.device)
         loop.model = loop.parallel.module
         loop.inner_optimizer = torch.optim.AdamW(
-            loop.model.parameters(), lr=target.learning_rate,
-            weight_decay=target.weight_decay, betas=(0.9, 0.95))
+            loop.model.parameters(),
+            lr=target.learning_rate,
+            weight_decay=target.weight_decay,
+            betas=(0.9, 0.95),
+        )
         loop.status.update(layout=loop.parallel.built_layout())
 
     def _shard_in_group(self, store_addr: str, store_port: int) -> Any:
@@ -61,13 +66,14 @@ class RankSetup:
         from stages.trainer.mesh import build_mesh
 
         spec, cfg = self.loop.spec, self.loop.cfg
-        client = dist.TCPStore(store_addr, store_port, is_master=False,
-                               wait_for_workers=False)
+        client = dist.TCPStore(store_addr, store_port, is_master=False, wait_for_workers=False)
         dist.init_process_group(
             "nccl" if cfg.device == "cuda" else "gloo",
             store=dist.PrefixStore(f"ito/intra/rg{spec.replica_group}", client),
-            rank=spec.rank, world_size=cfg.ranks_per_group,
-            timeout=timedelta(seconds=cfg.fault_tolerance.collective_timeout_s))
+            rank=spec.rank,
+            world_size=cfg.ranks_per_group,
+            timeout=timedelta(seconds=cfg.fault_tolerance.collective_timeout_s),
+        )
         self._parallelize(build_mesh(cfg.layout, self.device.type))
         return dist.new_group(backend="gloo")
 
@@ -120,25 +126,35 @@ class RankSetup:
             store_port = self.store.port
         ckpt_pg = self._shard_in_group(store_addr, store_port) if loop.sharded else None
         loop.manager = ft.build_manager(  # torchft: this group's Manager
-            cfg.fault_tolerance, pg=ft.build_process_group(cfg.fault_tolerance, cfg.device),
-            replica_group=spec.replica_group, rank=spec.rank,
-            ranks_per_group=cfg.ranks_per_group, store_addr=store_addr,
-            store_port=store_port, lighthouse_addr=spec.lighthouse_addr,
-            load_state_dict=loop.load_heal_state, state_dict=loop.heal_state)
+            cfg.fault_tolerance,
+            pg=ft.build_process_group(cfg.fault_tolerance, cfg.device),
+            replica_group=spec.replica_group,
+            rank=spec.rank,
+            ranks_per_group=cfg.ranks_per_group,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=spec.lighthouse_addr,
+            load_state_dict=loop.load_heal_state,
+            state_dict=loop.heal_state,
+        )
         # torchft: step() votes should_commit before the inner AdamW step.
         loop.optimizer = OptimizerWrapper(loop.manager, loop.inner_optimizer)
         loop.detector = LossSpikeDetector(cfg.loss_spike)
         # The whole resumable state as one DCP Stateful; the loader position in it is
         # informational (the loop seeks by step), the skipped windows are not.
         loop.train_state = TrainState(
-            loop.model, loop.inner_optimizer, loader=loop.loader, rank=spec.rank,
-            extras={"loop": loop.loop_state, "spike": loop.detector})
+            loop.model,
+            loop.inner_optimizer,
+            loader=loop.loader,
+            rank=spec.rank,
+            extras={"loop": loop.loop_state, "spike": loop.detector},
+        )
         # Each group labels its temp folders, so a restarting group never sweeps the
         # in-flight save of the group that is saving now.
         policy = cfg.checkpoint.model_copy(
-            update={"storage_uri": f"file://{Path(spec.checkpoint_dir).resolve()}"})
-        loop.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}",
-                                 process_group=ckpt_pg)
+            update={"storage_uri": f"file://{Path(spec.checkpoint_dir).resolve()}"}
+        )
+        loop.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}", process_group=ckpt_pg)
         self._resume()
 
     def _resume(self) -> None:

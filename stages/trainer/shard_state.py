@@ -19,14 +19,17 @@ def sharded_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[
     names: dict[Any, str] = {p: n for n, p in model.named_parameters()}
     return {
         "model": {n: _local(t).detach().clone() for n, t in model.state_dict().items()},
-        "optim": {names[p]: {k: _local(v).detach().clone() for k, v in st.items()}
-                  for p, st in optim.state.items()},
+        "optim": {
+            names[p]: {k: _local(v).detach().clone() for k, v in st.items()}
+            for p, st in optim.state.items()
+        },
     }
 
 
 @torch.no_grad()
-def load_sharded_state(model: torch.nn.Module, optim: torch.optim.Optimizer,
-                       state: dict[str, Any]) -> None:
+def load_sharded_state(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
     """Inverse of ``sharded_state`` (same mesh size, same rank)."""
     for n, t in model.state_dict().items():
         _local(t).copy_(state["model"][n])

@@ -24,8 +24,9 @@ def resolve_files_by_role(cfg: TrainStageConfig, ctx: StageContext) -> dict[str,
     prep = ctx.previous.get("data_prep")
     files = prep.artifacts.get("train_files") if prep else None
     if not files:
-        raise ItoError(ErrorCode.data_not_found,
-                       "no train_files in the config and no data_prep artifacts")
+        raise ItoError(
+            ErrorCode.data_not_found, "no train_files in the config and no data_prep artifacts"
+        )
     if isinstance(files, dict):
         return {role: [Path(p) for p in ps] for role, ps in files.items() if ps}
     return {"baseline": [Path(p) for p in files]}
@@ -58,8 +59,15 @@ class TrainingStage:
             where = f"model.{name}"
             path = local_path(raw, spec, where)
             assert path is not None
-            snap = snapshot(path, self.model_roots, ctx.workdir / "inputs" / name, where,
-                            kind=spec.roots, want="dir", missing=spec.invalid)
+            snap = snapshot(
+                path,
+                self.model_roots,
+                ctx.workdir / "inputs" / name,
+                where,
+                kind=spec.roots,
+                want="dir",
+                missing=spec.invalid,
+            )
             names = {f.relpath for f in snap.files}
             absent = [n for n in spec.contains if n not in names]
             if absent:
@@ -79,8 +87,9 @@ class TrainingStage:
         try:
             cfg = self.pin_inputs(ctx)
         except ItoError as e:
-            return GateOutcome(stage=self.name, status="failed", reason=e.message,
-                               error_code=e.code.value)
+            return GateOutcome(
+                stage=self.name, status="failed", reason=e.message, error_code=e.code.value
+            )
         from stages.presets import load_model_preset
         from stages.trainer.engine import RunCancelled
         from stages.trainer.layout import check_runnable
@@ -93,16 +102,26 @@ class TrainingStage:
             check_runnable(cfg.layout, cfg.device)
             preset = load_model_preset(cfg.model.preset)
             data = prepare_phase_data(
-                resolve_files_by_role(cfg, ctx), ctx.workdir, text_field=cfg.text_field,
-                vocab_size=preset.vocab_size, permille=cfg.heldout_permille,
-                min_docs=cfg.heldout_min_docs, tokenizer_path=cfg.model.tokenizer_path,
-                model_max_length=preset.max_position_embeddings)
+                resolve_files_by_role(cfg, ctx),
+                ctx.workdir,
+                text_field=cfg.text_field,
+                vocab_size=preset.vocab_size,
+                permille=cfg.heldout_permille,
+                min_docs=cfg.heldout_min_docs,
+                tokenizer_path=cfg.model.tokenizer_path,
+                model_max_length=preset.max_position_embeddings,
+            )
             ckpt_dir = self.checkpoint_dir(ctx)
             ckpt_dir.mkdir(parents=True, exist_ok=True)
             return CurriculumRunner(cfg, ctx, ckpt_dir, data).run()
         except RunCancelled:
-            return GateOutcome(stage=self.name, status="failed", reason="cancelled",
-                               error_code=ErrorCode.invalid_state.value)
+            return GateOutcome(
+                stage=self.name,
+                status="failed",
+                reason="cancelled",
+                error_code=ErrorCode.invalid_state.value,
+            )
         except ItoError as e:
-            return GateOutcome(stage=self.name, status="failed", reason=e.message,
-                               error_code=e.code.value)
+            return GateOutcome(
+                stage=self.name, status="failed", reason=e.message, error_code=e.code.value
+            )

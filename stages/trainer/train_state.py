@@ -80,12 +80,18 @@ class TrainState(Stateful):
     its (replica) group; ``step`` is read and written by the training loop.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 loader: _HasState | None = None,
-                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                 extras: dict[str, _HasState] | None = None,
-                 step: int = 0, rank: int = 0,
-                 state_dict_options: StateDictOptions | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        loader: _HasState | None = None,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        extras: dict[str, _HasState] | None = None,
+        step: int = 0,
+        rank: int = 0,
+        state_dict_options: StateDictOptions | None = None,
+    ):
         self.model = model
         self.optimizer = optimizer
         self.loader = loader
@@ -115,8 +121,13 @@ class TrainState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         key = f"rank_{self.rank}"
         try:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                           optim_state_dict=state_dict["optim"], options=self._options)
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state_dict["model"],
+                optim_state_dict=state_dict["optim"],
+                options=self._options,
+            )
             self.step = int(state_dict["train"]["step"])
             if self.loader is not None:
                 self.loader.load_state_dict(state_dict["loader"][key])
@@ -126,5 +137,6 @@ class TrainState(Stateful):
                 obj.load_state_dict(state_dict["extras"][name])
             set_rng_state(state_dict["rng"][key])
         except KeyError as e:
-            raise ItoError(ErrorCode.checkpoint_corrupt,
-                           f"checkpoint lacks training state entry {e}") from e
+            raise ItoError(
+                ErrorCode.checkpoint_corrupt, f"checkpoint lacks training state entry {e}"
+            ) from e

@@ -35,15 +35,26 @@ class Api:
     def manifest(self, **sections: Any) -> dict[str, Any]:
         return example_manifest(self.tmp / "ckpt", **sections)
 
-    def confirm(self, action: str = "train", manifest: Any = None, key: str | None = None,
-                booking_id: str | None = None, cost_usd: float = 100.0,
-                **extra: Any) -> dict[str, Any]:
-        body: dict[str, Any] = {"action": action, "booking_id": booking_id or self.t.booking_id,
-                                "cost_usd": cost_usd, **extra}
+    def confirm(
+        self,
+        action: str = "train",
+        manifest: Any = None,
+        key: str | None = None,
+        booking_id: str | None = None,
+        cost_usd: float = 100.0,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "action": action,
+            "booking_id": booking_id or self.t.booking_id,
+            "cost_usd": cost_usd,
+            **extra,
+        }
         if action == "train":
             body.update(manifest_payload(manifest if manifest is not None else self.manifest()))
         out: dict[str, Any] = self.client.post(
-            "/v1/confirmations", json=body, headers=self.h(key or self.t.approver)).json()
+            "/v1/confirmations", json=body, headers=self.h(key or self.t.approver)
+        ).json()
         return out
 
     def ref(self, action: str = "train", **kw: Any) -> str:
@@ -52,16 +63,23 @@ class Api:
         ref: str = env["data"]["confirmation_ref"]
         return ref
 
-    def submit(self, manifest: Any = None, ref: str | None = None, idem: str = "key-0000001",
-               key: str | None = None, booking_id: str | None = None) -> Any:
+    def submit(
+        self,
+        manifest: Any = None,
+        ref: str | None = None,
+        idem: str = "key-0000001",
+        key: str | None = None,
+        booking_id: str | None = None,
+    ) -> Any:
         m = manifest if manifest is not None else self.manifest()
         bid = booking_id or self.t.booking_id
         if ref is None:
             ref = self.ref(manifest=m, booking_id=bid)
         return self.client.post(
-            "/v1/runs", json={"booking_id": bid, "confirmation_ref": ref,
-                              **manifest_payload(m)},
-            headers=self.h(key or self.t.submitter, idem))
+            "/v1/runs",
+            json={"booking_id": bid, "confirmation_ref": ref, **manifest_payload(m)},
+            headers=self.h(key or self.t.submitter, idem),
+        )
 
     def run(self, **kw: Any) -> dict[str, Any]:
         r = self.submit(**kw)

@@ -18,8 +18,9 @@ from orchestrator.db.store import Store
 @pytest.mark.slow
 def test_canary_secret_is_echoed_nowhere(tmp_path: Path) -> None:
     canary = "sk-canary" + secrets.token_hex(16)
-    backend = start_backend(tmp_path / "b", env={"ITO_CANARY_TOKEN": canary,
-                                                 "OPENAI_API_KEY": canary})
+    backend = start_backend(
+        tmp_path / "b", env={"ITO_CANARY_TOKEN": canary, "OPENAI_API_KEY": canary}
+    )
     bodies: list[str] = []
     try:
         t = make_tenant(backend.db, "acme")
@@ -44,32 +45,46 @@ def test_canary_secret_is_echoed_nowhere(tmp_path: Path) -> None:
                 env = confirm(c, t.approver, "train", t.booking_id, manifest=planted)
                 assert env["error"]["code"] == "manifest_contains_secret", env
                 bodies.append(str(env))
-                r = c.post("/v1/plans", json={"booking_id": t.booking_id,
-                                              **manifest_payload(planted)},
-                           headers={"Authorization": f"Bearer {t.submitter}"})
+                r = c.post(
+                    "/v1/plans",
+                    json={"booking_id": t.booking_id, **manifest_payload(planted)},
+                    headers={"Authorization": f"Bearer {t.submitter}"},
+                )
                 bodies.append(r.text)
-                r = submit(c, t.submitter, t.booking_id, planted,
-                           good_ref["data"]["confirmation_ref"], f"canary-key-{i}")
+                r = submit(
+                    c,
+                    t.submitter,
+                    t.booking_id,
+                    planted,
+                    good_ref["data"]["confirmation_ref"],
+                    f"canary-key-{i}",
+                )
                 assert r.json()["error"]["code"] == "manifest_contains_secret"
                 bodies.append(r.text)
             # The canary as an idempotency key (refused as invalid, echoed nowhere) and
             # as a booking id.
-            r = submit(c, t.submitter, t.booking_id, base,
-                       good_ref["data"]["confirmation_ref"], canary)
+            r = submit(
+                c, t.submitter, t.booking_id, base, good_ref["data"]["confirmation_ref"], canary
+            )
             assert r.json()["error"]["code"] == "idempotency_key_invalid", r.text
             bodies.append(r.text)
-            r = c.get(f"/v1/bookings/{canary}/eligibility",
-                      headers={"Authorization": f"Bearer {t.submitter}"})
+            r = c.get(
+                f"/v1/bookings/{canary}/eligibility",
+                headers={"Authorization": f"Bearer {t.submitter}"},
+            )
             bodies.append(r.text)
             # ... as an idempotency key sent for real (header and the find query), and
             # as a run id in a URL path: all of them reach the access log's URL.
-            r = submit(c, t.submitter, t.booking_id, base,
-                       good_ref["data"]["confirmation_ref"], canary)
+            r = submit(
+                c, t.submitter, t.booking_id, base, good_ref["data"]["confirmation_ref"], canary
+            )
             bodies.append(r.text)
-            for url in (f"/v1/runs?idempotency_key={canary}", f"/v1/runs/{canary}",
-                        f"/v1/runs/{canary}/logs?cursor=0"):
-                bodies.append(c.get(url, headers={
-                    "Authorization": f"Bearer {t.submitter}"}).text)
+            for url in (
+                f"/v1/runs?idempotency_key={canary}",
+                f"/v1/runs/{canary}",
+                f"/v1/runs/{canary}/logs?cursor=0",
+            ):
+                bodies.append(c.get(url, headers={"Authorization": f"Bearer {t.submitter}"}).text)
     finally:
         backend.stop()
     for text in bodies:
@@ -80,8 +95,9 @@ def test_canary_secret_is_echoed_nowhere(tmp_path: Path) -> None:
     assert canary not in log
     store = Store(backend.db)
     try:
-        tables = [r["name"] for r in store.read(
-            "SELECT name FROM sqlite_master WHERE type = 'table'")]
+        tables = [
+            r["name"] for r in store.read("SELECT name FROM sqlite_master WHERE type = 'table'")
+        ]
         for table in tables:
             for row in store.read(f"SELECT * FROM {table}"):
                 assert canary not in str(row), table

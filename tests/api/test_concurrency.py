@@ -50,8 +50,11 @@ def _fire(backend: Backend, calls: list[dict[str, Any]]) -> list[httpx.Response 
 def _runs(db: Path, account: str | None = None) -> list[dict[str, Any]]:
     store = Store(db)
     try:
-        return store.read("SELECT run_id, idempotency_key FROM runs JOIN accounts USING "
-                          "(account_id) WHERE ? IS NULL OR name = ?", (account, account))
+        return store.read(
+            "SELECT run_id, idempotency_key FROM runs JOIN accounts USING "
+            "(account_id) WHERE ? IS NULL OR name = ?",
+            (account, account),
+        )
     finally:
         store.close()
 
@@ -62,11 +65,17 @@ def test_50_concurrent_submits_one_key_make_one_run(shared: Backend, tmp_path: P
     m = example_manifest(tmp_path / "ckpt")
     with backend.client() as c:
         ref = confirm_ref(c, tenant.approver, "train", tenant.booking_id, manifest=m)
-    call = {"submitter_key": tenant.submitter, "booking_id": tenant.booking_id,
-            "manifest": m, "ref": ref, "idempotency_key": "one-key-for-all"}
+    call = {
+        "submitter_key": tenant.submitter,
+        "booking_id": tenant.booking_id,
+        "manifest": m,
+        "ref": ref,
+        "idempotency_key": "one-key-for-all",
+    }
     answers = _fire(backend, [call] * N)
     assert all(isinstance(a, httpx.Response) and a.status_code == 200 for a in answers), [
-        a.json() if isinstance(a, httpx.Response) else repr(a) for a in answers]
+        a.json() if isinstance(a, httpx.Response) else repr(a) for a in answers
+    ]
     run_ids = {a.json()["data"]["run_id"] for a in answers if isinstance(a, httpx.Response)}
     assert len(run_ids) == 1
     replayed = [a.json()["data"]["replayed"] for a in answers if isinstance(a, httpx.Response)]
@@ -81,8 +90,15 @@ def test_50_keys_one_confirmation_make_one_run(shared: Backend, tmp_path: Path) 
     with backend.client() as c:
         ref = confirm_ref(c, tenant.approver, "train", tenant.booking_id, manifest=m)
     calls: list[dict[str, Any]] = [
-        {"submitter_key": tenant.submitter, "booking_id": tenant.booking_id, "manifest": m,
-         "ref": ref, "idempotency_key": f"key-{i:04d}"} for i in range(N)]
+        {
+            "submitter_key": tenant.submitter,
+            "booking_id": tenant.booking_id,
+            "manifest": m,
+            "ref": ref,
+            "idempotency_key": f"key-{i:04d}",
+        }
+        for i in range(N)
+    ]
     answers = [a for a in _fire(backend, calls) if isinstance(a, httpx.Response)]
     assert len(answers) == N
     ok = [a for a in answers if a.status_code == 200]
@@ -92,16 +108,25 @@ def test_50_keys_one_confirmation_make_one_run(shared: Backend, tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_sigkill_during_submits_loses_no_acknowledged_run(backend: Backend, tenant: Tenant,
-                                                          tmp_path: Path) -> None:
+def test_sigkill_during_submits_loses_no_acknowledged_run(
+    backend: Backend, tenant: Tenant, tmp_path: Path
+) -> None:
     m = example_manifest(tmp_path / "ckpt")
     with backend.client() as c:
-        refs = [confirm_ref(c, tenant.approver, "train", tenant.booking_id, manifest=m)
-                for _ in range(N)]
+        refs = [
+            confirm_ref(c, tenant.approver, "train", tenant.booking_id, manifest=m)
+            for _ in range(N)
+        ]
     calls: list[dict[str, Any]] = [
-             {"submitter_key": tenant.submitter, "booking_id": tenant.booking_id,
-              "manifest": m, "ref": ref, "idempotency_key": f"crash-{i:04d}"}
-             for i, ref in enumerate(refs)]
+        {
+            "submitter_key": tenant.submitter,
+            "booking_id": tenant.booking_id,
+            "manifest": m,
+            "ref": ref,
+            "idempotency_key": f"crash-{i:04d}",
+        }
+        for i, ref in enumerate(refs)
+    ]
     acked: dict[str, str] = {}
     in_flight: list[str] = []  # sent, and the connection died before an answer
     lock = threading.Lock()
@@ -148,8 +173,10 @@ def test_sigkill_during_submits_loses_no_acknowledged_run(backend: Backend, tena
             r = submit(client, **call)
             assert r.status_code == 200, r.json()
             if call["idempotency_key"] in acked:
-                assert r.json()["data"] == {**r.json()["data"],
-                                            "run_id": acked[call["idempotency_key"]],
-                                            "replayed": True}
+                assert r.json()["data"] == {
+                    **r.json()["data"],
+                    "run_id": acked[call["idempotency_key"]],
+                    "replayed": True,
+                }
     keys = [row["idempotency_key"] for row in _runs(backend.db)]
     assert sorted(keys) == sorted(call["idempotency_key"] for call in calls)

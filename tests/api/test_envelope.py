@@ -22,21 +22,37 @@ def _is_envelope(body: dict) -> bool:
     keys = set(body)
     if body.get("ok") is True:
         return keys == {"ok", "live_api_contacted", "notice", "data"}
-    return keys == {"ok", "live_api_contacted", "notice", "error"} and \
-        set(body["error"]) == {"code", "message"} and body["error"]["code"] in set(ErrorCode)
+    return (
+        keys == {"ok", "live_api_contacted", "notice", "error"}
+        and set(body["error"]) == {"code", "message"}
+        and body["error"]["code"] in set(ErrorCode)
+    )
 
 
 def test_framework_errors_are_envelopes(api: Api) -> None:
     cases = [
         (api.client.get("/no/such/route"), 404, "not_found"),
         (api.client.put("/v1/runs"), 405, "method_not_allowed"),
-        (api.client.post("/v1/runs", content=b"{not json",
-                         headers={"Content-Type": "application/json"}), 422, "validation_error"),
-        (api.client.post("/v1/confirmations", json={"action": "fly"},
-                         headers=api.h(api.t.approver)), 422, "validation_error"),
+        (
+            api.client.post(
+                "/v1/runs", content=b"{not json", headers={"Content-Type": "application/json"}
+            ),
+            422,
+            "validation_error",
+        ),
+        (
+            api.client.post(
+                "/v1/confirmations", json={"action": "fly"}, headers=api.h(api.t.approver)
+            ),
+            422,
+            "validation_error",
+        ),
         (api.client.get("/v1/runs"), 422, "validation_error"),
-        (api.client.post("/v1/plans", content=b"x" * 10,
-                         headers={"Content-Length": str(10**9)}), 413, "payload_too_large"),
+        (
+            api.client.post("/v1/plans", content=b"x" * 10, headers={"Content-Length": str(10**9)}),
+            413,
+            "payload_too_large",
+        ),
     ]
     for resp, status, code in cases:
         assert resp.status_code == status, resp.text
@@ -45,8 +61,9 @@ def test_framework_errors_are_envelopes(api: Api) -> None:
 
 def test_validation_message_never_echoes_input(api: Api) -> None:
     canary = "sk-" + "Q" * 40
-    r = api.client.post("/v1/plans", json={"booking_id": canary, "manifest_b64": 5},
-                        headers=api.h(api.t.submitter))
+    r = api.client.post(
+        "/v1/plans", json={"booking_id": canary, "manifest_b64": 5}, headers=api.h(api.t.submitter)
+    )
     assert code_of(r) == "validation_error" and canary not in r.text
 
 
@@ -74,16 +91,19 @@ def test_every_code_has_a_status_and_a_meaning() -> None:
     for code in ErrorCode:
         assert 400 <= code.http_status <= 599, code
         assert len(code.meaning) > 10 and "|" not in code.meaning, code
-    rows = re.findall(r"^\| `([a-z0-9_]+)` \| (\d{3}) \| (.+) \|$",
-                      (DOCS / "errors.md").read_text(), re.M)
+    rows = re.findall(
+        r"^\| `([a-z0-9_]+)` \| (\d{3}) \| (.+) \|$", (DOCS / "errors.md").read_text(), re.M
+    )
     assert {code: int(status) for code, status, _ in rows} == {
-        c.value: c.http_status for c in ErrorCode}
+        c.value: c.http_status for c in ErrorCode
+    }
 
 
 def test_docs_errors_md_is_generated_from_the_enum() -> None:
     committed = (DOCS / "errors.md").read_text()
     assert committed == markdown_table(), (
-        "docs/errors.md is stale: python -m stages.errors --markdown > docs/errors.md")
+        "docs/errors.md is stale: python -m stages.errors --markdown > docs/errors.md"
+    )
 
 
 def test_the_server_answers_each_code_with_its_status() -> None:
@@ -98,7 +118,8 @@ def test_committed_openapi_equals_served(tmp_path: Path) -> None:
         served = client.get("/openapi.json").json()
     committed = json.loads((DOCS / "openapi.json").read_text())
     assert served == committed, (
-        "docs/openapi.json is stale: python -m orchestrator.api > docs/openapi.json")
+        "docs/openapi.json is stale: python -m orchestrator.api > docs/openapi.json"
+    )
 
 
 def test_chunked_body_over_cap_is_refused(tmp_path: Path) -> None:
@@ -109,6 +130,5 @@ def test_chunked_body_over_cap_is_refused(tmp_path: Path) -> None:
             yield b"x" * 500
 
     with TestClient(app) as client:
-        r = client.post("/v1/plans", content=chunks(),
-                        headers={"Content-Type": "application/json"})
+        r = client.post("/v1/plans", content=chunks(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and code_of(r) == "payload_too_large"

@@ -28,8 +28,9 @@ def _runs(api: Api) -> int:
 
 
 def _consumed(api: Api, ref: str) -> bool:
-    row = api.store.read_one("SELECT consumed_at FROM confirmations WHERE ref_sha256 = ?",
-                             (ref_hash(ref),))
+    row = api.store.read_one(
+        "SELECT consumed_at FROM confirmations WHERE ref_sha256 = ?", (ref_hash(ref),)
+    )
     return row is not None and row["consumed_at"] is not None
 
 
@@ -45,8 +46,9 @@ def test_submit_creates_one_accepted_run_and_replays(api: Api) -> None:
     again = api.submit(manifest=m, ref=ref, idem="key-happy-1").json()
     assert again["data"]["run_id"] == run["run_id"] and again["data"]["replayed"] is True
     assert _runs(api) == 1
-    found = api.client.get("/v1/runs", params={"idempotency_key": "key-happy-1"},
-                           headers=api.h(api.t.submitter)).json()
+    found = api.client.get(
+        "/v1/runs", params={"idempotency_key": "key-happy-1"}, headers=api.h(api.t.submitter)
+    ).json()
     assert [r["run_id"] for r in found["data"]["runs"]] == [run["run_id"]]
 
 
@@ -58,16 +60,22 @@ def test_same_key_different_request_is_conflict(api: Api) -> None:
     assert _runs(api) == 1
 
 
-@pytest.mark.parametrize("idem, code", [(None, "idempotency_key_missing"),
-                                        ("short", "idempotency_key_invalid"),
-                                        ("bad key with spaces!", "idempotency_key_invalid")])
-def test_idempotency_key_required_and_well_formed(api: Api, idem: str | None,
-                                                   code: str) -> None:
+@pytest.mark.parametrize(
+    "idem, code",
+    [
+        (None, "idempotency_key_missing"),
+        ("short", "idempotency_key_invalid"),
+        ("bad key with spaces!", "idempotency_key_invalid"),
+    ],
+)
+def test_idempotency_key_required_and_well_formed(api: Api, idem: str | None, code: str) -> None:
     m = api.manifest()
     ref = api.ref(manifest=m)
-    r = api.client.post("/v1/runs", json={"booking_id": api.t.booking_id,
-                                          "confirmation_ref": ref, **manifest_payload(m)},
-                        headers=api.h(api.t.submitter, idem))
+    r = api.client.post(
+        "/v1/runs",
+        json={"booking_id": api.t.booking_id, "confirmation_ref": ref, **manifest_payload(m)},
+        headers=api.h(api.t.submitter, idem),
+    )
     assert code_of(r) == code and not _consumed(api, ref)
 
 
@@ -75,8 +83,9 @@ def test_idempotency_key_required_and_well_formed(api: Api, idem: str | None,
 def test_auth_failures(api: Api) -> None:
     r = api.client.get(f"/v1/bookings/{api.t.booking_id}/eligibility")
     assert r.status_code == 401 and code_of(r) == "unauthenticated"
-    r = api.client.get(f"/v1/bookings/{api.t.booking_id}/eligibility",
-                       headers=api.h("itok_0000_not-a-real-key"))
+    r = api.client.get(
+        f"/v1/bookings/{api.t.booking_id}/eligibility", headers=api.h("itok_0000_not-a-real-key")
+    )
     assert code_of(r) == "unauthenticated"
     # The approver cannot submit (no runs:write): authentication is not authority.
     assert code_of(api.submit(key=api.t.approver)) == "forbidden_scope"
@@ -94,8 +103,9 @@ def test_other_tenant_sees_run_not_found(api: Api) -> None:
     for path in ("", "/logs", "/metrics", "/checkpoints"):
         r = api.client.get(f"/v1/runs/{run['run_id']}{path}", headers=api.h(other.submitter))
         assert r.status_code == 404 and code_of(r) == "run_not_found"
-    r = api.client.get("/v1/runs", params={"idempotency_key": "key-0000001"},
-                       headers=api.h(other.submitter))
+    r = api.client.get(
+        "/v1/runs", params={"idempotency_key": "key-0000001"}, headers=api.h(other.submitter)
+    )
     assert r.json()["data"]["runs"] == []
 
 
@@ -105,16 +115,25 @@ def _booking(api: Api, booking_id: str, **over: object) -> str:
     return booking_id
 
 
-@pytest.mark.parametrize("setup, code", [
-    (lambda api: "bk-unknown", "booking_not_found"),
-    (lambda api: _booking(api, "bk-old", term_start=iso_in(-48), term_end=iso_in(-1)),
-     "booking_expired"),
-    (lambda api: _booking(api, "bk-future", term_start=iso_in(2), term_end=iso_in(30)),
-     "booking_not_started"),
-    (lambda api: _booking(api, "bk-nofabric", fabric=None), "booking_incomplete"),
-    (lambda api: _booking(api, "bk-nosku", gpu_sku=None, gpus_per_node=None),
-     "booking_incomplete"),
-])
+@pytest.mark.parametrize(
+    "setup, code",
+    [
+        (lambda api: "bk-unknown", "booking_not_found"),
+        (
+            lambda api: _booking(api, "bk-old", term_start=iso_in(-48), term_end=iso_in(-1)),
+            "booking_expired",
+        ),
+        (
+            lambda api: _booking(api, "bk-future", term_start=iso_in(2), term_end=iso_in(30)),
+            "booking_not_started",
+        ),
+        (lambda api: _booking(api, "bk-nofabric", fabric=None), "booking_incomplete"),
+        (
+            lambda api: _booking(api, "bk-nosku", gpu_sku=None, gpus_per_node=None),
+            "booking_incomplete",
+        ),
+    ],
+)
 def test_booking_fails_closed(api: Api, setup, code: str) -> None:  # type: ignore[no-untyped-def]
     booking_id = setup(api)
     r = api.client.get(f"/v1/bookings/{booking_id}/eligibility", headers=api.h(api.t.submitter))
@@ -125,13 +144,20 @@ def test_booking_fails_closed(api: Api, setup, code: str) -> None:  # type: igno
     assert _runs(api) == 0 and not _consumed(api, ref)
 
 
-@pytest.mark.parametrize("state, code", [("revoked", "booking_revoked"),
-                                         ("released", "booking_released")])
+@pytest.mark.parametrize(
+    "state, code", [("revoked", "booking_revoked"), ("released", "booking_released")]
+)
 def test_revoked_and_released_bookings(api: Api, state: str, code: str) -> None:
     ref = api.ref()
     api.store.set_booking_state(api.t.booking_id, state)
-    assert code_of(api.client.get(f"/v1/bookings/{api.t.booking_id}/eligibility",
-                                  headers=api.h(api.t.submitter))) == code
+    assert (
+        code_of(
+            api.client.get(
+                f"/v1/bookings/{api.t.booking_id}/eligibility", headers=api.h(api.t.submitter)
+            )
+        )
+        == code
+    )
     assert code_of(api.submit(ref=ref)) == code and _runs(api) == 0
 
 
@@ -142,23 +168,35 @@ def test_other_accounts_booking_answers_as_a_missing_one(api: Api) -> None:
     missing = api.client.get("/v1/bookings/bk-globey/eligibility", headers=h)
     assert theirs.status_code == missing.status_code == 404
     assert code_of(theirs) == code_of(missing) == "booking_not_found"
+
     def strip(r):
-        return (r.json()["error"]["message"].replace(other.booking_id, "ID")
-                 .replace("bk-globey", "ID"))
+        return (
+            r.json()["error"]["message"].replace(other.booking_id, "ID").replace("bk-globey", "ID")
+        )
+
     assert strip(theirs) == strip(missing)
     # The same for a confirmation naming it.
-    body = {"action": "cancel", "booking_id": other.booking_id, "run_id": "run_x",
-            "cost_usd": 0}
+    body = {"action": "cancel", "booking_id": other.booking_id, "run_id": "run_x", "cost_usd": 0}
     r = api.client.post("/v1/confirmations", json=body, headers=api.h(api.t.approver))
     assert r.status_code == 404 and code_of(r) == "booking_not_found"
 
 
 def test_eligibility_is_fresh_and_bound(api: Api) -> None:
-    d = api.client.get(f"/v1/bookings/{api.t.booking_id}/eligibility",
-                       headers=api.h(api.t.submitter)).json()["data"]
+    d = api.client.get(
+        f"/v1/bookings/{api.t.booking_id}/eligibility", headers=api.h(api.t.submitter)
+    ).json()["data"]
     assert d["eligible"] is True and d["account"] == "acme"
-    assert {"gpu_sku", "gpus_per_node", "node_count", "region", "fabric", "term_start",
-            "term_end", "checked_at", "valid_until"} <= set(d)
+    assert {
+        "gpu_sku",
+        "gpus_per_node",
+        "node_count",
+        "region",
+        "fabric",
+        "term_start",
+        "term_end",
+        "checked_at",
+        "valid_until",
+    } <= set(d)
     assert d["checked_at"] < d["valid_until"] <= d["term_end"]
 
 
@@ -184,17 +222,20 @@ def test_manifest_secret_refused_everywhere(api: Api) -> None:
     env = api.confirm(manifest=m)
     assert env["error"]["code"] == "manifest_contains_secret"
     assert "hunter2" not in str(env)
-    r = api.client.post("/v1/plans", json={"booking_id": api.t.booking_id,
-                                           **manifest_payload(m)},
-                        headers=api.h(api.t.submitter))
+    r = api.client.post(
+        "/v1/plans",
+        json={"booking_id": api.t.booking_id, **manifest_payload(m)},
+        headers=api.h(api.t.submitter),
+    )
     assert code_of(r) == "manifest_contains_secret" and "hunter2" not in r.text
 
 
 # --- confirmation --------------------------------------------------------------------
 def test_confirmation_required_and_unknown(api: Api) -> None:
     assert code_of(api.submit(ref="")) == "confirmation_required"
-    assert code_of(api.submit(ref="itoc_" + "A" * 43, idem="key-unknown")) == \
-        "confirmation_not_found"
+    assert (
+        code_of(api.submit(ref="itoc_" + "A" * 43, idem="key-unknown")) == "confirmation_not_found"
+    )
 
 
 def test_confirmation_replay_is_refused(api: Api) -> None:
@@ -222,21 +263,28 @@ def test_confirmation_bindings(api: Api) -> None:
     assert code_of(api.submit(manifest=m, ref=other_ref)) == "confirmation_account_mismatch"
     # other action: a release confirmation is not a train confirmation.
     rel = api.ref("release")
-    assert code_of(api.submit(manifest=m, ref=rel, idem="key-act-01")) == \
-        "confirmation_action_mismatch"
+    assert (
+        code_of(api.submit(manifest=m, ref=rel, idem="key-act-01"))
+        == "confirmation_action_mismatch"
+    )
     # other booking of the same account.
     _booking(api, "bk-second")
     ref2 = api.ref(manifest=m, booking_id="bk-second")
-    assert code_of(api.submit(manifest=m, ref=ref2, idem="key-bk-001")) == \
-        "confirmation_booking_mismatch"
+    assert (
+        code_of(api.submit(manifest=m, ref=ref2, idem="key-bk-001"))
+        == "confirmation_booking_mismatch"
+    )
     # other digest: confirmed one manifest, submitted another (file swapped).
     ref3 = api.ref(manifest=m)
     swapped = api.manifest(name="swapped")
-    assert code_of(api.submit(manifest=swapped, ref=ref3, idem="key-dig-01")) == \
-        "confirmation_digest_mismatch"
+    assert (
+        code_of(api.submit(manifest=swapped, ref=ref3, idem="key-dig-01"))
+        == "confirmation_digest_mismatch"
+    )
     # higher cost: confirmed $0.0000001 but the estimate is higher.
-    big = api.manifest(training={"target_tokens": 10_000_000_000, "seq_len": 64,
-                                 "global_batch_tokens": 512})
+    big = api.manifest(
+        training={"target_tokens": 10_000_000_000, "seq_len": 64, "global_batch_tokens": 512}
+    )
     big["budget"] = {"ceiling_usd": 1e6, "max_incremental_cost_usd": 1e6}
     ref4 = api.ref(manifest=big, cost_usd=0.0)
     r = api.submit(manifest=big, ref=ref4, idem="key-cost-1")
@@ -248,8 +296,11 @@ def test_confirmation_run_mismatch_and_ttl(api: Api) -> None:
     a = api.run(idem="key-run-a1")
     b = api.run(idem="key-run-b1")
     ref = api.ref("cancel", run_id=a["run_id"])
-    r = api.client.post(f"/v1/runs/{b['run_id']}/cancel", json={"confirmation_ref": ref},
-                        headers=api.h(api.t.submitter, "key-cancel-b"))
+    r = api.client.post(
+        f"/v1/runs/{b['run_id']}/cancel",
+        json={"confirmation_ref": ref},
+        headers=api.h(api.t.submitter, "key-cancel-b"),
+    )
     assert code_of(r) == "confirmation_run_mismatch"
     assert api.confirm(ttl_s=901)["error"]["code"] == "confirmation_ttl_invalid"
     assert api.confirm(ttl_s=0)["error"]["code"] == "confirmation_ttl_invalid"
@@ -269,26 +320,43 @@ def _v(api: Api, **sections: object) -> dict:
     return api.manifest(**sections)
 
 
-@pytest.mark.parametrize("mutate, code", [
-    (lambda api, m: m["model"].update(preset="llama-nope"), "model_preset_unknown"),
-    (lambda api, m: m["model"].update(preset="llama\u0000tiny"), "model_preset_unknown"),
-    (lambda api, m: m["data"]["refs"][0].update(uri="http://[::1/data"),
-     "data_scheme_not_allowed"),
-    (lambda api, m: m["model"].update(preset="llama3-405b", size="405B"),
-     "capacity_insufficient"),
-    (lambda api, m: m["data"]["refs"][0].update(uri="s3://bucket/data.jsonl"),
-     "data_scheme_not_allowed"),
-    (lambda api, m: m["data"]["refs"][0].pop("provenance"), "data_provenance_missing"),
-    (lambda api, m: m["checkpoint"].update(storage_uri="file:///tmp/../etc/ckpt"),
-     "checkpoint_storage_invalid"),
-    (lambda api, m: m["checkpoint"].update(storage_uri="file:///proc/ito-ckpt"),
-     "path_outside_root"),
-    # Beyond what any real run uses: refused by the schema's bounds, before any math.
-    (lambda api, m: m["training"].update(max_steps=10**400), "manifest_invalid"),
-    (lambda api, m: m.update(model={"preset": "llama-1b", "size": "1B"},
-                             training={"target_tokens": 10**11, "seq_len": 64,
-                                       "global_batch_tokens": 512}), "budget_exceeded"),
-])
+@pytest.mark.parametrize(
+    "mutate, code",
+    [
+        (lambda api, m: m["model"].update(preset="llama-nope"), "model_preset_unknown"),
+        (lambda api, m: m["model"].update(preset="llama\u0000tiny"), "model_preset_unknown"),
+        (
+            lambda api, m: m["data"]["refs"][0].update(uri="http://[::1/data"),
+            "data_scheme_not_allowed",
+        ),
+        (
+            lambda api, m: m["model"].update(preset="llama3-405b", size="405B"),
+            "capacity_insufficient",
+        ),
+        (
+            lambda api, m: m["data"]["refs"][0].update(uri="s3://bucket/data.jsonl"),
+            "data_scheme_not_allowed",
+        ),
+        (lambda api, m: m["data"]["refs"][0].pop("provenance"), "data_provenance_missing"),
+        (
+            lambda api, m: m["checkpoint"].update(storage_uri="file:///tmp/../etc/ckpt"),
+            "checkpoint_storage_invalid",
+        ),
+        (
+            lambda api, m: m["checkpoint"].update(storage_uri="file:///proc/ito-ckpt"),
+            "path_outside_root",
+        ),
+        # Beyond what any real run uses: refused by the schema's bounds, before any math.
+        (lambda api, m: m["training"].update(max_steps=10**400), "manifest_invalid"),
+        (
+            lambda api, m: m.update(
+                model={"preset": "llama-1b", "size": "1B"},
+                training={"target_tokens": 10**11, "seq_len": 64, "global_batch_tokens": 512},
+            ),
+            "budget_exceeded",
+        ),
+    ],
+)
 def test_validation_failures(api: Api, mutate, code: str) -> None:  # type: ignore[no-untyped-def]
     m = api.manifest()
     mutate(api, m)
@@ -300,15 +368,19 @@ def test_validation_failures(api: Api, mutate, code: str) -> None:  # type: igno
     r = api.submit(manifest=m, ref=ref, idem="key-valid-1")
     assert code_of(r) == code
     assert _runs(api) == 0 and not _consumed(api, ref), "validation must not consume"
-    plan = api.client.post("/v1/plans", json={"booking_id": api.t.booking_id,
-                                              **manifest_payload(m)},
-                           headers=api.h(api.t.submitter))
+    plan = api.client.post(
+        "/v1/plans",
+        json={"booking_id": api.t.booking_id, **manifest_payload(m)},
+        headers=api.h(api.t.submitter),
+    )
     assert code_of(plan) == code
 
 
 def test_unknown_fabric_and_sku_are_refused_at_registration(api: Api) -> None:
-    for over, code in (({"fabric": "token-ring"}, "fabric_unknown"),
-                       ({"gpu_sku": "Z9000"}, "gpu_sku_unknown")):
+    for over, code in (
+        ({"fabric": "token-ring"}, "fabric_unknown"),
+        ({"gpu_sku": "Z9000"}, "gpu_sku_unknown"),
+    ):
         with pytest.raises(ItoError) as e:
             _booking(api, "bk-unknown", **over)
         assert e.value.code == code
@@ -316,9 +388,13 @@ def test_unknown_fabric_and_sku_are_refused_at_registration(api: Api) -> None:
 
 
 def test_upstream_spellings_of_sku_and_fabric_are_stored_as_profile_names(api: Api) -> None:
-    for i, (fabric, sku) in enumerate((("infiniband-ndr", "NVIDIA H100 80GB HBM3"),
-                                       ("InfiniBand NDR", "h100 sxm5"),
-                                       ("IB_NDR", "H100-SXM"))):
+    for i, (fabric, sku) in enumerate(
+        (
+            ("infiniband-ndr", "NVIDIA H100 80GB HBM3"),
+            ("InfiniBand NDR", "h100 sxm5"),
+            ("IB_NDR", "H100-SXM"),
+        )
+    ):
         row = api.store.booking(_booking(api, f"bk-alias-{i}", fabric=fabric, gpu_sku=sku))
         assert row is not None
         assert (row["fabric"], row["gpu_sku"]) == ("ib-ndr", "H100-SXM")
@@ -327,12 +403,17 @@ def test_upstream_spellings_of_sku_and_fabric_are_stored_as_profile_names(api: A
 def test_unknown_fabric_and_sku(api: Api) -> None:
     # Registration refuses them now; the gate still does, for a booking registered
     # before its profile was removed from configs/ (written to the store directly).
-    for booking_id, over in (("bk-fabric", {"fabric": "token-ring"}),
-                             ("bk-sku", {"gpu_sku": "Z9000"})):
+    for booking_id, over in (
+        ("bk-fabric", {"fabric": "token-ring"}),
+        ("bk-sku", {"gpu_sku": "Z9000"}),
+    ):
         doc = BookingFile.model_validate(booking_doc(booking_id, "acme", **over))
         row = doc.model_dump()
-        row.update(account_id=api.store.account_by_name("acme")["account_id"],
-                   term_start=parse_iso(doc.term_start), term_end=parse_iso(doc.term_end))
+        row.update(
+            account_id=api.store.account_by_name("acme")["account_id"],
+            term_start=parse_iso(doc.term_start),
+            term_end=parse_iso(doc.term_end),
+        )
         api.store.add_booking(row)
     for booking_id, code in (("bk-fabric", "fabric_unknown"), ("bk-sku", "gpu_sku_unknown")):
         m = api.manifest()
@@ -344,10 +425,15 @@ def test_unknown_fabric_and_sku(api: Api) -> None:
 def test_incremental_cost(api: Api) -> None:
     # A booking ending in 1 h and a run estimated at ~3.5 h on 8 H100s.
     _booking(api, "bk-short", term_end=iso_in(1))
-    m = api.manifest(model={"preset": "llama-1b", "size": "1B"},
-                     training={"target_tokens": 2_000_000_000 * 8, "seq_len": 512,
-                               "global_batch_tokens": 524288},
-                     budget={"ceiling_usd": 1e6, "max_incremental_cost_usd": 1.0})
+    m = api.manifest(
+        model={"preset": "llama-1b", "size": "1B"},
+        training={
+            "target_tokens": 2_000_000_000 * 8,
+            "seq_len": 512,
+            "global_batch_tokens": 524288,
+        },
+        budget={"ceiling_usd": 1e6, "max_incremental_cost_usd": 1.0},
+    )
     ref = api.ref(manifest=m, booking_id="bk-short", cost_usd=1e6)
     r = api.submit(manifest=m, ref=ref, booking_id="bk-short")
     assert code_of(r) == "incremental_cost_exceeded" and _runs(api) == 0
@@ -357,9 +443,11 @@ def test_incremental_cost(api: Api) -> None:
 def test_plan_creates_nothing(api: Api) -> None:
     m = api.manifest()
     ref = api.ref(manifest=m)
-    r = api.client.post("/v1/plans", json={"booking_id": api.t.booking_id,
-                                           **manifest_payload(m)},
-                        headers=api.h(api.t.submitter, "key-plan-01"))
+    r = api.client.post(
+        "/v1/plans",
+        json={"booking_id": api.t.booking_id, **manifest_payload(m)},
+        headers=api.h(api.t.submitter, "key-plan-01"),
+    )
     d = r.json()["data"]
     assert r.status_code == 200 and d["manifest_id"].startswith("mf_")
     assert d["validation"]["capacity"]["gpus"] == 8 and d["cost_estimate_usd"] >= 0
@@ -388,9 +476,11 @@ def test_gate_decisions_are_audited(api: Api) -> None:
 
 def test_oversized_manifest(api: Api) -> None:
     raw = json.dumps(api.manifest()).encode() + b" " * (1 << 20)  # > 1 MiB cap, valid JSON
-    r = api.client.post("/v1/plans", json={"booking_id": api.t.booking_id,
-                                           **manifest_payload(raw)},
-                        headers=api.h(api.t.submitter))
+    r = api.client.post(
+        "/v1/plans",
+        json={"booking_id": api.t.booking_id, **manifest_payload(raw)},
+        headers=api.h(api.t.submitter),
+    )
     assert r.status_code == 413 and code_of(r) == "manifest_too_large"
 
 

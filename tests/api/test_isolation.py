@@ -62,8 +62,10 @@ class World:
 
     def plan(self, m: dict[str, Any]) -> httpx.Response:
         r: httpx.Response = self.client.post(
-            "/v1/plans", json={"booking_id": self.t.booking_id, **manifest_payload(m)},
-            headers=self.h())
+            "/v1/plans",
+            json={"booking_id": self.t.booking_id, **manifest_payload(m)},
+            headers=self.h(),
+        )
         return r
 
 
@@ -76,12 +78,17 @@ def world(tmp_path: Path) -> Iterator[World]:
     (data_root / "train.jsonl").write_text('{"text": "hello"}\n')
     secret = tmp_path / "shadow"
     secret.write_bytes(SECRET_TEXT)
-    settings = Settings(db_path=db, var_dir=tmp_path / "var", planner_gate=False,
-                        metrics_port=0, metrics_token="scrape-token-0123456789",
-                        rate_auth_fail_burst=FAIL_BURST, rate_auth_fail_per_s=0.01,
-                        auth_fail_audit_window_s=AUDIT_WINDOW_S)
-    t = make_tenant(db, "acme", data_roots=(str(data_root),),
-                    checkpoint_roots=(str(ckpt_root),))
+    settings = Settings(
+        db_path=db,
+        var_dir=tmp_path / "var",
+        planner_gate=False,
+        metrics_port=0,
+        metrics_token="scrape-token-0123456789",
+        rate_auth_fail_burst=FAIL_BURST,
+        rate_auth_fail_per_s=0.01,
+        auth_fail_audit_window_s=AUDIT_WINDOW_S,
+    )
+    t = make_tenant(db, "acme", data_roots=(str(data_root),), checkpoint_roots=(str(ckpt_root),))
     other = make_tenant(db, "globex")
     store = Store(db)
     with TestClient(create_app(settings)) as client:
@@ -132,13 +139,15 @@ def _attacks(w: World) -> dict[str, str]:
 
 
 def test_every_file_read_attempt_is_refused_with_one_code_and_no_leak(
-        world: World, caplog: pytest.LogCaptureFixture) -> None:
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
     w = world
     attacks = _attacks(w)
     # An operator mistake: a root that also holds the server's own files. Those stay
     # out of reach anyway (database, run scratch space).
-    w.store.set_roots(w.store.account_by_name("acme")["account_id"], "data",
-                      [str(w.data_root), str(w.tmp)])
+    w.store.set_roots(
+        w.store.account_by_name("acme")["account_id"], "data", [str(w.data_root), str(w.tmp)]
+    )
     caplog.set_level(logging.DEBUG)
     messages = {}
     for name, uri in attacks.items():
@@ -152,10 +161,16 @@ def test_every_file_read_attempt_is_refused_with_one_code_and_no_leak(
     # Existence is not told: a file that exists and one that does not answer alike.
     assert messages["etc_shadow"] == messages["missing_outside"]
     # Narrow roots again: everything outside, through any trick, is refused.
-    w.store.set_roots(w.store.account_by_name("acme")["account_id"], "data",
-                      [str(w.data_root)])
-    for name in ("absolute", "dotdot", "dotdot_encoded", "symlink_file", "symlink_dir",
-                 "symlink_in_folder", "other_tenant_run"):
+    w.store.set_roots(w.store.account_by_name("acme")["account_id"], "data", [str(w.data_root)])
+    for name in (
+        "absolute",
+        "dotdot",
+        "dotdot_encoded",
+        "symlink_file",
+        "symlink_dir",
+        "symlink_in_folder",
+        "other_tenant_run",
+    ):
         r = w.plan(w.manifest(attacks[name]))
         assert r.status_code == 422, (name, r.text[:600])
         assert r.json()["error"]["code"] == "path_outside_root", name
@@ -174,12 +189,20 @@ def test_the_run_checks_again_with_the_same_walk(world: World, tmp_path: Path) -
     swapped in after submit is refused), and says nothing about the target."""
     w = world
     attacks = _attacks(w)
-    for name in ("absolute", "symlink_file", "symlink_dir", "symlink_in_folder", "dotdot",
-                 "other_host", "other_tenant_run"):
+    for name in (
+        "absolute",
+        "symlink_file",
+        "symlink_dir",
+        "symlink_in_folder",
+        "dotdot",
+        "other_host",
+        "other_tenant_run",
+    ):
         cfg = DataPrepConfig.model_validate(w.manifest(attacks[name])["data"])
         events: list[Event] = []
-        ctx = StageContext(run_id="run-1", booking_id="bk-1", workdir=tmp_path / name,
-                           emit=events.append)
+        ctx = StageContext(
+            run_id="run-1", booking_id="bk-1", workdir=tmp_path / name, emit=events.append
+        )
         out = DataPrepStage(cfg, data_roots=(str(w.data_root),)).run(ctx)
         assert out.status == "failed" and out.error_code == "path_outside_root", (name, out)
         seen = out.reason + json.dumps([e.model_dump(mode="json") for e in events])
@@ -187,10 +210,12 @@ def test_the_run_checks_again_with_the_same_walk(world: World, tmp_path: Path) -
     # Eval files and the cache folder are held to the same roots.
     m = w.manifest(f"file://{w.data_root}/train.jsonl", eval_files=[f"file://{w.secret}"])
     m["data"]["refs"][0]["sha256"] = hashlib.sha256(
-        (w.data_root / "train.jsonl").read_bytes()).hexdigest()
+        (w.data_root / "train.jsonl").read_bytes()
+    ).hexdigest()
     cfg = DataPrepConfig.model_validate(m["data"])
     out = DataPrepStage(cfg, data_roots=(str(w.data_root),)).run(
-        StageContext(run_id="run-1", booking_id="bk-1", workdir=tmp_path / "ev"))
+        StageContext(run_id="run-1", booking_id="bk-1", workdir=tmp_path / "ev")
+    )
     assert out.error_code == "path_outside_root"
 
 
@@ -225,15 +250,21 @@ def test_checkpoint_storage_needs_a_root_and_plan_writes_nothing(world: World) -
     assert w.plan(w.manifest(ok_uri)).json()["error"]["code"] == "path_outside_root"
 
 
-@pytest.mark.parametrize("data, code", [
-    ({"eval_suites": ["../../../etc/passwd"]}, "eval_suite_unknown"),
-    ({"eval_suites": ["gsm8k", "nope"]}, "eval_suite_unknown"),
-    ({"ladder_probe": {"enabled": True, "rung_preset": "../../../etc/passwd"}},
-     "model_preset_unknown"),
-    ({"ladder_probe": {"enabled": True, "rung_preset": "llama-nope"}}, "model_preset_unknown"),
-])
+@pytest.mark.parametrize(
+    "data, code",
+    [
+        ({"eval_suites": ["../../../etc/passwd"]}, "eval_suite_unknown"),
+        ({"eval_suites": ["gsm8k", "nope"]}, "eval_suite_unknown"),
+        (
+            {"ladder_probe": {"enabled": True, "rung_preset": "../../../etc/passwd"}},
+            "model_preset_unknown",
+        ),
+        ({"ladder_probe": {"enabled": True, "rung_preset": "llama-nope"}}, "model_preset_unknown"),
+    ],
+)
 def test_names_that_pick_server_files_are_checked_at_validation(
-        world: World, data: dict[str, Any], code: str) -> None:
+    world: World, data: dict[str, Any], code: str
+) -> None:
     r = world.plan(world.manifest(f"file://{world.data_root}/train.jsonl", **data))
     assert r.status_code == 422 and r.json()["error"]["code"] == code, r.text
     assert "/etc/passwd" not in r.text
@@ -248,19 +279,29 @@ def test_metrics_have_their_own_listener_with_a_token(world: World) -> None:
     assert host == "127.0.0.1"
     url = f"http://{host}:{port}/metrics"
     assert httpx.get(url, timeout=5).status_code == 401
-    assert httpx.get(url, headers={"Authorization": "Bearer wrong-token-0123456789"},
-                     timeout=5).status_code == 401
-    good = httpx.get(url, headers={"Authorization": "Bearer scrape-token-0123456789"},
-                     timeout=5)
+    assert (
+        httpx.get(
+            url, headers={"Authorization": "Bearer wrong-token-0123456789"}, timeout=5
+        ).status_code
+        == 401
+    )
+    good = httpx.get(url, headers={"Authorization": "Bearer scrape-token-0123456789"}, timeout=5)
     assert good.status_code == 200 and "ito_runs" in good.text
     assert httpx.get(f"http://{host}:{port}/other", timeout=5).status_code == 404
 
 
 def _confirm(w: World, approver: str) -> str:
     m = w.manifest(f"file://{w.data_root}/train.jsonl")
-    env = w.client.post("/v1/confirmations", json={
-        "action": "train", "booking_id": w.t.booking_id, "cost_usd": 100.0,
-        **manifest_payload(m)}, headers=w.h(approver)).json()
+    env = w.client.post(
+        "/v1/confirmations",
+        json={
+            "action": "train",
+            "booking_id": w.t.booking_id,
+            "cost_usd": 100.0,
+            **manifest_payload(m),
+        },
+        headers=w.h(approver),
+    ).json()
     assert env["ok"], env
     ref: str = env["data"]["confirmation_ref"]
     return ref
@@ -269,9 +310,10 @@ def _confirm(w: World, approver: str) -> str:
 def _submit(w: World, ref: str, idem: str) -> httpx.Response:
     m = w.manifest(f"file://{w.data_root}/train.jsonl")
     r: httpx.Response = w.client.post(
-        "/v1/runs", json={"booking_id": w.t.booking_id, "confirmation_ref": ref,
-                          **manifest_payload(m)},
-        headers={**w.h(), "Idempotency-Key": idem})
+        "/v1/runs",
+        json={"booking_id": w.t.booking_id, "confirmation_ref": ref, **manifest_payload(m)},
+        headers={**w.h(), "Idempotency-Key": idem},
+    )
     return r
 
 
@@ -293,8 +335,9 @@ def test_a_disabled_accounts_keys_and_confirmations_stop(world: World) -> None:
     r = w.client.get(f"/v1/bookings/{w.t.booking_id}/eligibility", headers=w.h())
     assert r.json()["error"]["code"] == "account_disabled"
     # Another account is untouched.
-    r = w.client.get(f"/v1/bookings/{w.other.booking_id}/eligibility",
-                     headers=w.h(w.other.submitter))
+    r = w.client.get(
+        f"/v1/bookings/{w.other.booking_id}/eligibility", headers=w.h(w.other.submitter)
+    )
     assert r.status_code == 200
 
 
@@ -304,8 +347,10 @@ def test_a_flood_of_bad_keys_is_rate_limited_while_good_keys_are_served(world: W
     rows_before = w.store.read(unauth)[0]["n"]
     codes = []
     for i in range(200):
-        r = w.client.get(f"/v1/bookings/{w.t.booking_id}/eligibility",
-                         headers={"Authorization": f"Bearer itok_bad{i}_xxxxxxxx"})
+        r = w.client.get(
+            f"/v1/bookings/{w.t.booking_id}/eligibility",
+            headers={"Authorization": f"Bearer itok_bad{i}_xxxxxxxx"},
+        )
         codes.append(r.status_code)
         if r.status_code == 429:
             assert r.json()["error"]["code"] == "rate_limited"
@@ -325,8 +370,7 @@ def test_a_flood_of_bad_keys_is_rate_limited_while_good_keys_are_served(world: W
 def test_a_key_over_its_rate_is_refused_with_retry_after(tmp_path: Path) -> None:
     db = tmp_path / "ito.db"
     t = make_tenant(db, "acme")
-    settings = Settings(db_path=db, var_dir=tmp_path / "var", rate_key_burst=3,
-                        rate_key_per_s=0.01)
+    settings = Settings(db_path=db, var_dir=tmp_path / "var", rate_key_burst=3, rate_key_per_s=0.01)
     with TestClient(create_app(settings)) as client:
         url = f"/v1/bookings/{t.booking_id}/eligibility"
         h = {"Authorization": f"Bearer {t.submitter}"}
@@ -356,12 +400,17 @@ def test_schema_migration_adds_roots_to_an_old_database(tmp_path: Path) -> None:
     import sqlite3
 
     from orchestrator.db.schema import MIGRATIONS
+
     db = tmp_path / "old.db"
     conn = sqlite3.connect(db)
-    conn.executescript(MIGRATIONS[0] + ";CREATE TABLE schema_version (version INTEGER);"
-                       "INSERT INTO schema_version VALUES (1);")
-    conn.execute("INSERT INTO logs (run_id, seq, ts, level, stage, message) "
-                 "VALUES ('r1', NULL, 0, 'info', 's', 'a')")
+    conn.executescript(
+        MIGRATIONS[0] + ";CREATE TABLE schema_version (version INTEGER);"
+        "INSERT INTO schema_version VALUES (1);"
+    )
+    conn.execute(
+        "INSERT INTO logs (run_id, seq, ts, level, stage, message) "
+        "VALUES ('r1', NULL, 0, 'info', 's', 'a')"
+    )
     conn.commit()
     conn.close()
     store = Store(db)

@@ -27,14 +27,17 @@ def test_example_is_valid_and_digest_is_of_exact_bytes() -> None:
     assert e.value.code == ErrorCode.manifest_digest_mismatch
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda m: m.update(extra_field=1),
-    lambda m: m["model"].update(unknown=1),
-    lambda m: m.update(manifest_version=2),
-    lambda m: m["training"].update(max_steps="50"),  # strict: no str -> int coercion
-    lambda m: m["curriculum"]["phases"][0].update(token_fraction=0.5),
-    lambda m: m.pop("budget"),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda m: m.update(extra_field=1),
+        lambda m: m["model"].update(unknown=1),
+        lambda m: m.update(manifest_version=2),
+        lambda m: m["training"].update(max_steps="50"),  # strict: no str -> int coercion
+        lambda m: m["curriculum"]["phases"][0].update(token_fraction=0.5),
+        lambda m: m.pop("budget"),
+    ],
+)
 def test_strict_model(mutate) -> None:  # type: ignore[no-untyped-def]
     m = example_manifest()
     mutate(m)
@@ -103,9 +106,14 @@ def test_no_false_positive_on_token_counts() -> None:
     assert find_secrets({"max_completion_tokens": 5, "tokenizer": "byte"}) == []
 
 
-@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000,
-                                 b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
-                                 b"[" * 40 + b"]" * 40])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+        b"[" * 40 + b"]" * 40,
+    ],
+)
 def test_hostile_nesting_is_refused_not_crashing(raw: bytes) -> None:
     with pytest.raises(ItoError) as e:
         parse_manifest(raw)

@@ -18,13 +18,24 @@ from orchestrator.settings import Settings
 from stages.errors import ItoError
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(10**30), 10**30)
-    | st.floats(allow_nan=False) | st.text(max_size=40),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner,
-                                                                 max_size=3),
-    max_leaves=6)
-BOOKING = {"booking_id": "bk", "gpu_sku": "H100-SXM", "gpus_per_node": 8, "node_count": 1,
-           "fabric": "ib-ndr", "region": "eu"}
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**30), 10**30)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+BOOKING = {
+    "booking_id": "bk",
+    "gpu_sku": "H100-SXM",
+    "gpus_per_node": 8,
+    "node_count": 1,
+    "fabric": "ib-ndr",
+    "region": "eu",
+}
 BASE = example_manifest("/tmp/ito-fuzz-ckpt")
 
 
@@ -43,8 +54,7 @@ PATHS = _paths(BASE)
 
 
 @given(edits=st.lists(st.tuples(st.sampled_from(PATHS), JSON), min_size=1, max_size=3))
-@settings(max_examples=300, deadline=None, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 def test_mutated_manifests_never_crash(edits: list[tuple[tuple[Any, ...], Any]]) -> None:
     m = copy.deepcopy(BASE)
     for path, value in edits:

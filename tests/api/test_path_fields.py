@@ -54,8 +54,12 @@ def unmarked_path_fields(root: type[BaseModel]) -> list[str]:
         for name, info in model.model_fields.items():
             where = f"{prefix}{name}"
             subs = list(_models(info.annotation))  # a section, not a value
-            if PATH_LIKE.search(name) and not subs and field_spec(model, name) is None \
-                    and where not in NOT_PATHS:
+            if (
+                PATH_LIKE.search(name)
+                and not subs
+                and field_spec(model, name) is None
+                and where not in NOT_PATHS
+            ):
                 found.append(where)
             for sub in subs:
                 if sub not in seen:
@@ -93,12 +97,24 @@ def _globex_model(w: World) -> Path:
 
 def _pt_manifest(w: World, **post: Any) -> dict[str, Any]:
     sft = w.data_root / "sft.jsonl"
-    sft.write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
-                                            {"role": "assistant", "content": "b"}]}) + "\n")
+    sft.write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+        )
+        + "\n"
+    )
     m = w.manifest(f"file://{w.data_root}/train.jsonl")
-    m["post_training"] = {"sft": {"data": {
-        "uri": f"file://{sft}", "sha256": hashlib.sha256(sft.read_bytes()).hexdigest(),
-        "provenance": {"source": "s", "license": "MIT"}}, "steps": 1}, **post}
+    m["post_training"] = {
+        "sft": {
+            "data": {
+                "uri": f"file://{sft}",
+                "sha256": hashlib.sha256(sft.read_bytes()).hexdigest(),
+                "provenance": {"source": "s", "license": "MIT"},
+            },
+            "steps": 1,
+        },
+        **post,
+    }
     return m
 
 
@@ -126,8 +142,10 @@ def _pairs(w: World, globex: Path) -> dict[str, tuple[str, str]]:
         "file_uri": (f"file://{globex}", f"file://{missing}"),
         "symlink": (str(w.data_root / "steal"), str(w.data_root / "steal-missing")),
         "symlink_filled": (str(w.data_root / "filled"), str(w.data_root / "filled-missing")),
-        "dotdot": (f"{w.data_root}/../globex-data/model",
-                   f"{w.data_root}/../globex-data/no-such-model"),
+        "dotdot": (
+            f"{w.data_root}/../globex-data/model",
+            f"{w.data_root}/../globex-data/no-such-model",
+        ),
     }
 
 
@@ -136,7 +154,8 @@ FIELDS = ("model.checkpoint_path", "model.tokenizer_path", "post_training.base_m
 
 @pytest.mark.parametrize("field", FIELDS)
 def test_another_tenants_model_folder_is_refused_at_plan_alike_whether_it_exists(
-        world: World, field: str) -> None:
+    world: World, field: str
+) -> None:
     w = world
     globex = _globex_model(w)
     for trick, (there, absent) in _pairs(w, globex).items():
@@ -179,7 +198,8 @@ def _train_stage(w: World, **model: str) -> TrainingStage:
 
 @pytest.mark.parametrize("name", ["checkpoint_path", "tokenizer_path"])
 def test_the_training_stage_checks_again_and_loads_only_a_private_copy(
-        world: World, tmp_path: Path, name: str) -> None:
+    world: World, tmp_path: Path, name: str
+) -> None:
     """Passed at plan, swapped afterwards: the run walks again with roots from the
     supervisor, answers alike whether the target exists, and every rank loads a copy
     made from the descriptors it checked."""
@@ -188,16 +208,21 @@ def test_the_training_stage_checks_again_and_loads_only_a_private_copy(
     own = _hf_folder(w.data_root / "own", weights=b"acme weights")
     assert w.plan(_with(w, f"model.{name}", str(own))).status_code == 200
     pinned = _train_stage(w, **{name: str(own)}).pin_inputs(
-        StageContext(run_id="r1", booking_id="b", workdir=tmp_path / "ok"))
+        StageContext(run_id="r1", booking_id="b", workdir=tmp_path / "ok")
+    )
     copy = Path(getattr(pinned.model, name))
     assert copy.is_relative_to(tmp_path / "ok") and path_digest(copy) == path_digest(own)
     answers = []
     for trick, (there, absent) in _pairs(w, globex).items():
         for value in (there, absent):
             out = _train_stage(w, **{name: value}).run(
-                StageContext(run_id="r1", booking_id="b", workdir=tmp_path / trick))
-            assert out.status == "failed" and out.error_code == "path_outside_root", \
-                (trick, value, out)
+                StageContext(run_id="r1", booking_id="b", workdir=tmp_path / trick)
+            )
+            assert out.status == "failed" and out.error_code == "path_outside_root", (
+                trick,
+                value,
+                out,
+            )
             assert not _leaks(out.reason, globex, w.tmp / "globex-data"), out.reason
             answers.append(out.reason)
     assert len(set(answers)) == 1
@@ -209,7 +234,8 @@ def test_the_training_stage_checks_again_and_loads_only_a_private_copy(
 
 
 def test_the_post_training_stage_refuses_a_symlink_filled_base_model_at_run(
-        world: World, tmp_path: Path) -> None:
+    world: World, tmp_path: Path
+) -> None:
     from stages.post_training import PostTrainingStage, PostTrainingStageConfig
 
     w = world
@@ -218,13 +244,19 @@ def test_the_post_training_stage_refuses_a_symlink_filled_base_model_at_run(
     answers = []
     for trick in ("symlink", "symlink_filled", "absolute"):
         for value in pairs[trick]:
-            recipe = Manifest.model_validate(_pt_manifest(
-                w, base_model=value, base_model_sha256="1" * 64)).post_training
-            stage = PostTrainingStage(PostTrainingStageConfig(
-                recipe=recipe, output_dir=str(tmp_path / "out"), fleet="local",
-                data_roots=(str(w.data_root),), model_roots=(str(w.data_root),)))
-            out = stage.run(StageContext(run_id="r1", booking_id="b",
-                                         workdir=tmp_path / "w"))
+            recipe = Manifest.model_validate(
+                _pt_manifest(w, base_model=value, base_model_sha256="1" * 64)
+            ).post_training
+            stage = PostTrainingStage(
+                PostTrainingStageConfig(
+                    recipe=recipe,
+                    output_dir=str(tmp_path / "out"),
+                    fleet="local",
+                    data_roots=(str(w.data_root),),
+                    model_roots=(str(w.data_root),),
+                )
+            )
+            out = stage.run(StageContext(run_id="r1", booking_id="b", workdir=tmp_path / "w"))
             assert out.error_code == "path_outside_root", (trick, value, out)
             answers.append(out.reason)
     assert len(set(answers)) == 1 and not _leaks(answers[0], globex)
@@ -232,7 +264,8 @@ def test_the_post_training_stage_refuses_a_symlink_filled_base_model_at_run(
 
 
 def test_a_data_file_swapped_for_a_symlink_during_data_prep_is_not_read(
-        world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After the digests are checked and before the streaming engine reads, the ref is
     swapped for a symlink to another tenant's corpus: the run reads what it checked."""
     import stages.data_prep.stage as stage_mod
@@ -240,11 +273,13 @@ def test_a_data_file_swapped_for_a_symlink_during_data_prep_is_not_read(
     w = world
     globex = w.tmp / "globex-data" / "corpus.jsonl"
     globex.parent.mkdir(parents=True)
-    globex.write_text("".join(json.dumps({"text": f"globex private document {i} " * 4})
-                              + "\n" for i in range(20)))
+    globex.write_text(
+        "".join(json.dumps({"text": f"globex private document {i} " * 4}) + "\n" for i in range(20))
+    )
     ref = w.data_root / "train.jsonl"
-    ref.write_text("".join(json.dumps({"text": f"acme document number {i} " * 4}) + "\n"
-                           for i in range(20)))
+    ref.write_text(
+        "".join(json.dumps({"text": f"acme document number {i} " * 4}) + "\n" for i in range(20))
+    )
     m = w.manifest(f"file://{ref}", eval_suites=[])
     m["data"]["refs"][0]["sha256"] = hashlib.sha256(ref.read_bytes()).hexdigest()
     m["data"]["ladder_probe"] = {"enabled": False}
@@ -257,22 +292,24 @@ def test_a_data_file_swapped_for_a_symlink_during_data_prep_is_not_read(
 
     monkeypatch.setattr(stage_mod, "run_stream", swap_then_stream)
     ctx = StageContext(run_id="r1", booking_id="b", workdir=tmp_path)
-    out = DataPrepStage(DataPrepConfig.model_validate(m["data"]),
-                        data_roots=(str(w.data_root),)).run(ctx)
+    out = DataPrepStage(
+        DataPrepConfig.model_validate(m["data"]), data_roots=(str(w.data_root),)
+    ).run(ctx)
     assert ref.is_symlink()  # the swap happened
     assert out.status == "passed", out
     cleaned = "".join(Path(p).read_text() for p in out.artifacts["train_files"]["custom"])
     assert "acme document number 7" in cleaned
     assert "globex" not in cleaned
     assert not (tmp_path / "data_prep" / "inputs").exists()  # the private copies are gone
-    again = DataPrepStage(DataPrepConfig.model_validate(m["data"]),
-                          data_roots=(str(w.data_root),)).run(
-        StageContext(run_id="r2", booking_id="b", workdir=tmp_path / "again"))
+    again = DataPrepStage(
+        DataPrepConfig.model_validate(m["data"]), data_roots=(str(w.data_root),)
+    ).run(StageContext(run_id="r2", booking_id="b", workdir=tmp_path / "again"))
     assert again.error_code == "path_outside_root"
 
 
 def test_a_remote_ref_from_the_tenants_cache_folder_is_walked_too(
-        world: World, tmp_path: Path) -> None:
+    world: World, tmp_path: Path
+) -> None:
     """An hf:// ref resolves from the tenant's ``cache_dir``; a symlink there to another
     tenant's corpus is refused like any other, and a real copy is read privately."""
     w = world
@@ -288,9 +325,9 @@ def test_a_remote_ref_from_the_tenants_cache_folder_is_walked_too(
     m["data"]["ladder_probe"] = {"enabled": False}
 
     def run(name: str) -> Any:
-        return DataPrepStage(DataPrepConfig.model_validate(m["data"]),
-                             data_roots=(str(w.data_root),)).run(
-            StageContext(run_id="r1", booking_id="b", workdir=tmp_path / name))
+        return DataPrepStage(
+            DataPrepConfig.model_validate(m["data"]), data_roots=(str(w.data_root),)
+        ).run(StageContext(run_id="r1", booking_id="b", workdir=tmp_path / name))
 
     out = run("link")
     assert out.error_code == "path_outside_root", out

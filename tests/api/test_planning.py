@@ -19,9 +19,11 @@ from .conftest import Api, code_of
 
 
 def test_plan_is_advisory_with_the_gate_off(api: Api) -> None:
-    r = api.client.post("/v1/plans", json={"booking_id": api.t.booking_id,
-                                           **manifest_payload(api.manifest())},
-                        headers=api.h(api.t.submitter))
+    r = api.client.post(
+        "/v1/plans",
+        json={"booking_id": api.t.booking_id, **manifest_payload(api.manifest())},
+        headers=api.h(api.t.submitter),
+    )
     d = r.json()["data"]
     # llama-tiny on 8 H100s is wasteful to the planner; advisory: the plan call answers.
     assert r.status_code == 200 and d["plan"] is None and d["planner_gate"] is False
@@ -42,8 +44,11 @@ def gated(tmp_path: Path) -> Iterator[Api]:
 
 def test_planner_gate_prices_and_stores_the_plan(gated: Api) -> None:
     m = gated.manifest()
-    d = gated.client.post("/v1/plans", json={"booking_id": "bk-cpu", **manifest_payload(m)},
-                          headers=gated.h(gated.t.submitter)).json()["data"]
+    d = gated.client.post(
+        "/v1/plans",
+        json={"booking_id": "bk-cpu", **manifest_payload(m)},
+        headers=gated.h(gated.t.submitter),
+    ).json()["data"]
     plan = d["plan"]
     assert plan["world_size"] == 2 and plan["gpu_sku"] == "cpu-testbed"
     cost = d["validation"]["cost"]

@@ -33,8 +33,9 @@ def _replica(tmp: Path, name: str, db: str) -> Backend:
 
 
 @pytest.fixture(scope="module")
-def replicas(pg_server: PgServer,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Backend]]:
+def replicas(
+    pg_server: PgServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[Backend]]:
     db = pg_server.new_database()
     tmp = tmp_path_factory.mktemp("replicas")
     pair = [_replica(tmp, "a", db).start(), _replica(tmp, "b", db).start()]
@@ -45,13 +46,15 @@ def replicas(pg_server: PgServer,
             b.stop()
 
 
-def _fire(calls: list[tuple[Backend, Callable[[httpx.Client], httpx.Response]]]
-          ) -> list[httpx.Response | BaseException]:
+def _fire(
+    calls: list[tuple[Backend, Callable[[httpx.Client], httpx.Response]]],
+) -> list[httpx.Response | BaseException]:
     """Send every call at once, each on its own connection to its replica."""
     barrier = threading.Barrier(len(calls))
 
-    def one(call: tuple[Backend, Callable[[httpx.Client], httpx.Response]]
-            ) -> httpx.Response | BaseException:
+    def one(
+        call: tuple[Backend, Callable[[httpx.Client], httpx.Response]],
+    ) -> httpx.Response | BaseException:
         backend, send = call
         with backend.client() as c:
             barrier.wait()
@@ -67,25 +70,31 @@ def _fire(calls: list[tuple[Backend, Callable[[httpx.Client], httpx.Response]]]
 def _runs(db: str, account: str) -> list[dict[str, Any]]:
     store = Store(db)
     try:
-        return store.read("SELECT run_id, idempotency_key FROM runs JOIN accounts USING "
-                          "(account_id) WHERE name = ?", (account,))
+        return store.read(
+            "SELECT run_id, idempotency_key FROM runs JOIN accounts USING "
+            "(account_id) WHERE name = ?",
+            (account,),
+        )
     finally:
         store.close()
 
 
-def _submit_call(t: Tenant, m: dict[str, Any], ref: str, key: str
-                 ) -> Callable[[httpx.Client], httpx.Response]:
+def _submit_call(
+    t: Tenant, m: dict[str, Any], ref: str, key: str
+) -> Callable[[httpx.Client], httpx.Response]:
     return lambda c: submit(c, t.submitter, t.booking_id, m, ref, key)
 
 
 def test_50_submits_of_one_key_across_replicas_make_one_run(
-        replicas: list[Backend], tmp_path: Path) -> None:
+    replicas: list[Backend], tmp_path: Path
+) -> None:
     t = make_tenant(replicas[0].db, "ha-one-key")
     m = example_manifest(tmp_path / "ckpt")
     with replicas[0].client() as c:
         ref = confirm_ref(c, t.approver, "train", t.booking_id, manifest=m)
-    answers = _fire([(replicas[i % 2], _submit_call(t, m, ref, "one-key-two-replicas"))
-                     for i in range(N)])
+    answers = _fire(
+        [(replicas[i % 2], _submit_call(t, m, ref, "one-key-two-replicas")) for i in range(N)]
+    )
     bodies = [a.json() if isinstance(a, httpx.Response) else repr(a) for a in answers]
     assert all(isinstance(a, httpx.Response) and a.status_code == 200 for a in answers), bodies
     ok = [a.json()["data"] for a in answers if isinstance(a, httpx.Response)]
@@ -95,43 +104,56 @@ def test_50_submits_of_one_key_across_replicas_make_one_run(
 
 
 def test_one_confirmation_through_both_replicas_authorises_one_mutation(
-        replicas: list[Backend], tmp_path: Path) -> None:
+    replicas: list[Backend], tmp_path: Path
+) -> None:
     t = make_tenant(replicas[0].db, "ha-one-confirmation")
     m = example_manifest(tmp_path / "ckpt")
     with replicas[0].client() as c:
         train_ref = confirm_ref(c, t.approver, "train", t.booking_id, manifest=m)
     # One train confirmation, 50 keys: one run.
-    answers = _fire([(replicas[i % 2], _submit_call(t, m, train_ref, f"one-ref-key-{i:03d}"))
-                     for i in range(N)])
-    codes = [a.json()["error"]["code"] for a in answers
-             if isinstance(a, httpx.Response) and a.status_code != 200]
-    created = [a.json()["data"]["run_id"] for a in answers
-               if isinstance(a, httpx.Response) and a.status_code == 200]
+    answers = _fire(
+        [(replicas[i % 2], _submit_call(t, m, train_ref, f"one-ref-key-{i:03d}")) for i in range(N)]
+    )
+    codes = [
+        a.json()["error"]["code"]
+        for a in answers
+        if isinstance(a, httpx.Response) and a.status_code != 200
+    ]
+    created = [
+        a.json()["data"]["run_id"]
+        for a in answers
+        if isinstance(a, httpx.Response) and a.status_code == 200
+    ]
     assert len(created) == 1 and codes == ["confirmation_consumed"] * (N - 1), codes
     run_id = created[0]
     # One cancel confirmation, used at once through both replicas under 20 keys: one
     # cancel is authorised, every other use is refused.
     with replicas[1].client() as c:
-        cancel_ref = confirm_ref(c, t.approver, "cancel", t.booking_id, run_id=run_id,
-                                 cost_usd=0)
+        cancel_ref = confirm_ref(c, t.approver, "cancel", t.booking_id, run_id=run_id, cost_usd=0)
 
     def cancel(key: str) -> Callable[[httpx.Client], httpx.Response]:
-        return lambda c: c.post(f"/v1/runs/{run_id}/cancel",
-                                json={"confirmation_ref": cancel_ref},
-                                headers={"Authorization": f"Bearer {t.submitter}",
-                                         "Idempotency-Key": key})
+        return lambda c: c.post(
+            f"/v1/runs/{run_id}/cancel",
+            json={"confirmation_ref": cancel_ref},
+            headers={"Authorization": f"Bearer {t.submitter}", "Idempotency-Key": key},
+        )
 
     answers = _fire([(replicas[i % 2], cancel(f"cancel-key-{i:03d}")) for i in range(20)])
     assert all(isinstance(a, httpx.Response) for a in answers)
     done = [a for a in answers if isinstance(a, httpx.Response) and a.status_code == 200]
-    refused = [a.json()["error"]["code"] for a in answers
-               if isinstance(a, httpx.Response) and a.status_code != 200]
+    refused = [
+        a.json()["error"]["code"]
+        for a in answers
+        if isinstance(a, httpx.Response) and a.status_code != 200
+    ]
     assert len(done) == 1 and done[0].json()["data"]["replayed"] is False
     assert refused == ["confirmation_consumed"] * 19
     store = Store(replicas[0].db)
     try:
-        cancels = store.read("SELECT idempotency_key FROM idempotency WHERE action = 'cancel' "
-                             "AND target = ?", (run_id,))
+        cancels = store.read(
+            "SELECT idempotency_key FROM idempotency WHERE action = 'cancel' AND target = ?",
+            (run_id,),
+        )
         assert len(cancels) == 1
     finally:
         store.close()
@@ -150,15 +172,15 @@ def test_revoked_key_stops_on_every_replica(replicas: list[Backend]) -> None:
 
 
 def test_replica_killed_mid_submit_retry_through_the_other_finds_one_run(
-        replicas: list[Backend], tmp_path: Path) -> None:
+    replicas: list[Backend], tmp_path: Path
+) -> None:
     """SIGKILL replica A while submits to it are on the wire; the client then looks each
     key up through replica B and retries there only if no run has it."""
     a, b = replicas
     t = make_tenant(a.db, "ha-kill")
     m = example_manifest(tmp_path / "ckpt")
     with b.client() as c:
-        refs = [confirm_ref(c, t.approver, "train", t.booking_id, manifest=m)
-                for _ in range(N)]
+        refs = [confirm_ref(c, t.approver, "train", t.booking_id, manifest=m) for _ in range(N)]
     keys = [f"crash-{i:03d}" for i in range(N)]
     acked: dict[str, str] = {}
     lock = threading.Lock()

@@ -33,13 +33,18 @@ def test_fuzz_served_openapi(tmp_path: Path) -> None:
         for op in operations:
 
             @given(case=op.as_strategy())
-            @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=EXAMPLES_PER_OPERATION,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             def fuzz(case: schemathesis.Case) -> None:
                 # schemathesis generates its own (random) Authorization for the bearer
                 # scheme; replace it so the case is judged by the handler.
-                headers = {k: v for k, v in (case.headers or {}).items()
-                           if k.lower() != "authorization"}
+                headers = {
+                    k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"
+                }
                 headers["Authorization"] = f"Bearer {t.keys['all']}"
                 case.headers = headers
                 resp = case.call(base_url=backend.url, timeout=30)
@@ -53,14 +58,15 @@ def test_fuzz_served_openapi(tmp_path: Path) -> None:
                 else:
                     assert set(body) == {"ok", "live_api_contacted", "notice", "error"}
                     assert body["error"]["code"] in set(ErrorCode)
-                    assert body["error"]["code"] not in ("unauthenticated",
-                                                         "forbidden_scope"), body
+                    assert body["error"]["code"] not in ("unauthenticated", "forbidden_scope"), body
 
             fuzz()
 
         by_class = Counter(f"{code // 100}xx" for code in statuses.elements())
-        print(f"schemathesis: {sum(statuses.values())} cases, by class {dict(by_class)}, "
-              f"by status {dict(sorted(statuses.items()))}")
+        print(
+            f"schemathesis: {sum(statuses.values())} cases, by class {dict(by_class)}, "
+            f"by status {dict(sorted(statuses.items()))}"
+        )
         # Every operation was exercised, and answered by its handler (never an auth error).
         assert set(by_operation) == {op.label for op in operations}
         assert all(sum(c.values()) >= 1 for c in by_operation.values()), by_operation

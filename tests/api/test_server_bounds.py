@@ -26,13 +26,17 @@ REQUEST_DEADLINE_S = 10.0
 
 def _plan_body(t: Tenant, m: dict[str, Any]) -> dict[str, str]:
     raw = json.dumps(m).encode()
-    return {"booking_id": t.booking_id, "manifest_b64": base64.b64encode(raw).decode(),
-            "manifest_digest": hashlib.sha256(raw).hexdigest()}
+    return {
+        "booking_id": t.booking_id,
+        "manifest_b64": base64.b64encode(raw).decode(),
+        "manifest_digest": hashlib.sha256(raw).hexdigest(),
+    }
 
 
 @pytest.mark.slow
-def test_huge_batch_is_refused_while_others_are_served(backend: Backend, tenant: Tenant,
-                                                        tmp_path: Any) -> None:
+def test_huge_batch_is_refused_while_others_are_served(
+    backend: Backend, tenant: Tenant, tmp_path: Any
+) -> None:
     m = example_manifest(tmp_path / "ckpt")
     m["training"]["global_batch_tokens"] = HUGE
     h = {"Authorization": f"Bearer {tenant.submitter}"}
@@ -41,8 +45,12 @@ def test_huge_batch_is_refused_while_others_are_served(backend: Backend, tenant:
 
     def hostile() -> None:
         try:
-            r = httpx.post(backend.url + "/v1/plans", json=_plan_body(tenant, m), headers=h,
-                           timeout=REQUEST_DEADLINE_S)
+            r = httpx.post(
+                backend.url + "/v1/plans",
+                json=_plan_body(tenant, m),
+                headers=h,
+                timeout=REQUEST_DEADLINE_S,
+            )
             answers.append(r.status_code)
             assert r.json()["error"]["code"] == "manifest_invalid"
         except BaseException as e:
@@ -53,8 +61,11 @@ def test_huge_batch_is_refused_while_others_are_served(backend: Backend, tenant:
         th.start()
     # Others keep being served meanwhile (the old code pinned every request thread).
     for _ in range(5):
-        r = httpx.get(f"{backend.url}/v1/bookings/{tenant.booking_id}/eligibility",
-                      headers=h, timeout=REQUEST_DEADLINE_S)
+        r = httpx.get(
+            f"{backend.url}/v1/bookings/{tenant.booking_id}/eligibility",
+            headers=h,
+            timeout=REQUEST_DEADLINE_S,
+        )
         assert r.status_code == 200
     for th in threads:
         th.join(REQUEST_DEADLINE_S * 2)
@@ -93,17 +104,24 @@ def test_sigterm_stops_the_server_within_its_grace(backend: Backend, tenant: Ten
     def load() -> None:
         while not stop.is_set():
             with contextlib.suppress(httpx.HTTPError):
-                served.append(httpx.get(
-                    f"{backend.url}/v1/bookings/{tenant.booking_id}/eligibility",
-                    headers=h, timeout=2.0).status_code)
+                served.append(
+                    httpx.get(
+                        f"{backend.url}/v1/bookings/{tenant.booking_id}/eligibility",
+                        headers=h,
+                        timeout=2.0,
+                    ).status_code
+                )
 
     workers = [threading.Thread(target=load, daemon=True) for _ in range(4)]
     for w in workers:
         w.start()
     try:
         # SIGTERM lands while every load thread is sending (each was answered once).
-        wait_until(lambda: len(served) >= 2 * len(workers), REQUEST_DEADLINE_S * 3,
-                   "the load threads' first answers")
+        wait_until(
+            lambda: len(served) >= 2 * len(workers),
+            REQUEST_DEADLINE_S * 3,
+            "the load threads' first answers",
+        )
         assert set(served) == {200}
         assert backend.proc is not None
         backend.proc.send_signal(signal.SIGTERM)

@@ -29,12 +29,26 @@ def _lease(store: Store) -> dict[str, Any]:
 def _run(store: Store, run_id: str = "run_1", key: str = "k1") -> None:
     now = time.time()
     with store.tx() as c:
-        store.insert_run(c, {
-            "run_id": run_id, "account_id": "acct", "booking_id": "bk", "manifest_id": "mf_x",
-            "manifest_digest": "d", "manifest_json": "{}", "idempotency_key": key,
-            "request_sha256": "r", "state": "accepted", "state_reason": "",
-            "cost_estimate_usd": 0.0, "plan": None, "data_prep": None, "created_at": now,
-            "updated_at": now})
+        store.insert_run(
+            c,
+            {
+                "run_id": run_id,
+                "account_id": "acct",
+                "booking_id": "bk",
+                "manifest_id": "mf_x",
+                "manifest_digest": "d",
+                "manifest_json": "{}",
+                "idempotency_key": key,
+                "request_sha256": "r",
+                "state": "accepted",
+                "state_reason": "",
+                "cost_estimate_usd": 0.0,
+                "plan": None,
+                "data_prep": None,
+                "created_at": now,
+                "updated_at": now,
+            },
+        )
 
 
 def test_schema_versioned_and_wal(tmp_path: Path) -> None:
@@ -77,19 +91,36 @@ def test_ingest_is_idempotent_and_derives_tables(db: str) -> None:
     _run(store)
     events = [
         {**LogEvent(message="hi", stage="trainer").model_dump(), "seq": 0},
-        {**CheckpointEvent(step=10, path="/c/10", bytes=100, blocking_s=0.1,
-                           total_s=1.0).model_dump(), "seq": 1},
-        {**StageResultEvent(outcome={"stage": "trainer", "status": "failed",
-                                     "reason": "gate", "error_code": "gate_failed"}
-                            ).model_dump(), "seq": 2},
-        {**ProposalEvent(proposal_id="p1", action="restart_from_checkpoint",
-                         description="spike").model_dump(), "seq": 3},
+        {
+            **CheckpointEvent(
+                step=10, path="/c/10", bytes=100, blocking_s=0.1, total_s=1.0
+            ).model_dump(),
+            "seq": 1,
+        },
+        {
+            **StageResultEvent(
+                outcome={
+                    "stage": "trainer",
+                    "status": "failed",
+                    "reason": "gate",
+                    "error_code": "gate_failed",
+                }
+            ).model_dump(),
+            "seq": 2,
+        },
+        {
+            **ProposalEvent(
+                proposal_id="p1", action="restart_from_checkpoint", description="spike"
+            ).model_dump(),
+            "seq": 3,
+        },
     ]
     assert store.ingest_events("run_1", events) == 4
     assert store.ingest_events("run_1", events) == 0  # a re-sent batch adds nothing
     assert [e["seq"] for e in store.list_events("run_1")] == [0, 1, 2, 3]
-    assert [e["kind"] for e in store.list_events("run_1", after_seq=1, kinds=["proposal"])] \
-        == ["proposal"]
+    assert [e["kind"] for e in store.list_events("run_1", after_seq=1, kinds=["proposal"])] == [
+        "proposal"
+    ]
     assert store.max_seq("run_1") == 3
     assert store.list_checkpoints("run_1")[0]["step"] == 10
     assert store.list_stage_gates("run_1")[0]["error_code"] == "gate_failed"
@@ -123,8 +154,9 @@ def test_concurrent_writers_serialise(db: str) -> None:
     def worker(base: int) -> None:
         try:
             for i in range(20):
-                store.ingest_events("run_1", [{**LogEvent(message="m").model_dump(),
-                                               "seq": base * 100 + i}])
+                store.ingest_events(
+                    "run_1", [{**LogEvent(message="m").model_dump(), "seq": base * 100 + i}]
+                )
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -168,8 +200,10 @@ def test_last_event_is_the_newest_of_its_kind(db: str) -> None:
     store = Store(db)
     _run(store)
     assert store.last_event("run_1", "progress") is None
-    events = [{**ProgressEvent(stage="data_prep", step=s, docs_done=d).model_dump(mode="json"),
-               "seq": i} for i, (s, d) in enumerate((("sketch", 10), ("verify", 20)))]
+    events = [
+        {**ProgressEvent(stage="data_prep", step=s, docs_done=d).model_dump(mode="json"), "seq": i}
+        for i, (s, d) in enumerate((("sketch", 10), ("verify", 20)))
+    ]
     events.append({**LogEvent(message="later").model_dump(mode="json"), "seq": 2})
     assert store.ingest_events("run_1", events) == 3
     last = store.last_event("run_1", "progress")

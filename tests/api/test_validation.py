@@ -23,16 +23,32 @@ from stages.errors import ErrorCode, ItoError
 
 def test_cost_is_6nd_over_gpus_peak_mfu() -> None:
     # 1e9 params x 1e9 tokens x 6 = 6e18 FLOPs; 8 GPUs x 1e15 x 0.5 = 4e15 FLOP/s.
-    assert estimate_hours(active_params=10**9, tokens=10**9, gpus=8, peak_flops=1e15,
-                          mfu=0.5) == pytest.approx(1500 / 3600)
-    est = estimate_cost(gpus=8, usd_per_gpu_hour=3.0, tokens=10**9, active_params=10**9,
-                        peak_flops=1e15, mfu=0.5, remaining_term_h=0.25)
+    assert estimate_hours(
+        active_params=10**9, tokens=10**9, gpus=8, peak_flops=1e15, mfu=0.5
+    ) == pytest.approx(1500 / 3600)
+    est = estimate_cost(
+        gpus=8,
+        usd_per_gpu_hour=3.0,
+        tokens=10**9,
+        active_params=10**9,
+        peak_flops=1e15,
+        mfu=0.5,
+        remaining_term_h=0.25,
+    )
     assert est.total_usd == pytest.approx(8 * 3.0 * 1500 / 3600)
     assert est.incremental_usd == pytest.approx(8 * 3.0 * (1500 / 3600 - 0.25))
     # The planner's step time replaces the FLOP bound when given.
-    planned = estimate_cost(gpus=8, usd_per_gpu_hour=3.0, tokens=10**9, active_params=10**9,
-                            peak_flops=1e15, mfu=0.5, remaining_term_h=10, step_time_s=2.0,
-                            steps=1800)
+    planned = estimate_cost(
+        gpus=8,
+        usd_per_gpu_hour=3.0,
+        tokens=10**9,
+        active_params=10**9,
+        peak_flops=1e15,
+        mfu=0.5,
+        remaining_term_h=10,
+        step_time_s=2.0,
+        steps=1800,
+    )
     assert planned.hours == pytest.approx(1.0) and planned.method == "planner_step_time"
     assert planned.incremental_usd == 0
 
@@ -54,9 +70,16 @@ def test_training_tokens_are_pretraining_and_post_training_is_priced_apart() -> 
     ref = m["data"]["refs"][0]
     m["post_training"] = {"sft": {"data": ref, "steps": 10}}
     assert training_tokens(Manifest.model_validate(m)) == base
-    est = estimate_cost(gpus=8, usd_per_gpu_hour=3.0, tokens=10**9, active_params=10**9,
-                        peak_flops=1e15, mfu=0.5, remaining_term_h=10,
-                        post_training=PostTrainingWork(learner_flops=4e15 * 3600))
+    est = estimate_cost(
+        gpus=8,
+        usd_per_gpu_hour=3.0,
+        tokens=10**9,
+        active_params=10**9,
+        peak_flops=1e15,
+        mfu=0.5,
+        remaining_term_h=10,
+        post_training=PostTrainingWork(learner_flops=4e15 * 3600),
+    )
     assert est.post_training_hours == pytest.approx(1.0)
     assert est.hours == pytest.approx(1500 / 3600 + 1.0)
 
@@ -89,4 +112,3 @@ def test_checkpoint_storage_roots(tmp_path: Path) -> None:
     with pytest.raises(ItoError) as e:
         check_manifest_paths(inside, Roots((str(data),), ()))
     assert e.value.code == ErrorCode.path_outside_root
-

@@ -30,8 +30,9 @@ class Tiny:
         loader = TokenLoader(self.shards, seq_len=SEQ, micro_batch=MB, seed=SEED)
         return TrainState(model, opt, loader=loader)
 
-    def train(self, state: TrainState, steps: int,
-              between: Callable[[TrainState], None] | None = None) -> list[float]:
+    def train(
+        self, state: TrainState, steps: int, between: Callable[[TrainState], None] | None = None
+    ) -> list[float]:
         """``between(state)`` runs after each committed step (where a loop saves)."""
         losses = []
         for _ in range(steps):
@@ -53,10 +54,10 @@ class Tiny:
 def tiny_shards(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     tmp = tmp_path_factory.mktemp("ckpt_data")
     src = tmp / "corpus.txt"
-    src.write_text("".join(f"record {i}: checkpoints must be exact {i * 31 % 17}\n"
-                           for i in range(300)))
-    return build_token_shards([src], tmp / "shards", tokenizer=ByteTokenizer(),
-                              shard_tokens=2048)
+    src.write_text(
+        "".join(f"record {i}: checkpoints must be exact {i * 31 % 17}\n" for i in range(300))
+    )
+    return build_token_shards([src], tmp / "shards", tokenizer=ByteTokenizer(), shard_tokens=2048)
 
 
 @pytest.fixture
@@ -72,4 +73,5 @@ def policy(tmp_path: Path) -> Callable[..., CheckpointPolicy]:
     def make(**kw: object) -> CheckpointPolicy:
         kw.setdefault("interval_steps", 2)
         return CheckpointPolicy(storage_uri=f"file://{tmp_path / 'ckpt'}", **kw)  # type: ignore[arg-type]
+
     return make

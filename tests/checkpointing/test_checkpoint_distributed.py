@@ -113,11 +113,20 @@ def test_two_gloo_ranks_save_async_and_resume_exactly(tmp_path: Path) -> None:
     build_token_shards([src], tmp_path / "shards", tokenizer=ByteTokenizer(), shard_tokens=2048)
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
     outputs = []
     try:
         for p in procs:

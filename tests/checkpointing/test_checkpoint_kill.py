@@ -73,10 +73,17 @@ def test_save_killed_midway_is_never_listed(tmp_path: Path, kill_point: str) -> 
     ready = tmp_path / "ready"
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    child = subprocess.Popen([sys.executable, str(script), str(storage), kill_point, str(ready)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(storage), kill_point, str(ready)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + CHILD_READY_TIMEOUT_S
         while not ready.exists():

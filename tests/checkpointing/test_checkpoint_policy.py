@@ -64,7 +64,8 @@ def test_steps_and_minutes_together(policy: Callable[..., CheckpointPolicy]) -> 
 
 
 def test_no_step_at_or_before_a_loaded_checkpoint_is_due(
-        policy: Callable[..., CheckpointPolicy]) -> None:
+    policy: Callable[..., CheckpointPolicy],
+) -> None:
     state = {"w": torch.arange(4.0)}
     with Checkpointer(policy(interval_steps=2)) as ck:
         ck.save(6, state)

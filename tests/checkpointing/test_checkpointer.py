@@ -32,7 +32,8 @@ COMMIT_HOLD_TIMEOUT_S = 60.0
 
 @pytest.mark.parametrize("async_staging", [False, True])
 def test_resume_from_async_checkpoint_is_step_for_step_identical(
-        tiny: Tiny, policy: Callable[..., CheckpointPolicy], async_staging: bool) -> None:
+    tiny: Tiny, policy: Callable[..., CheckpointPolicy], async_staging: bool
+) -> None:
     set_determinism(tiny.seed)
     reference = tiny.train(tiny.state(), 10)
 
@@ -73,7 +74,8 @@ def _hold_staging(ck: Checkpointer, release: threading.Event) -> None:
 
 
 def test_background_copy_is_guarded_by_the_optimizer_step(
-        tiny: Tiny, policy: Callable[..., CheckpointPolicy]) -> None:
+    tiny: Tiny, policy: Callable[..., CheckpointPolicy]
+) -> None:
     set_determinism(tiny.seed)
     state = tiny.state()
     tiny.train(state, 2)
@@ -95,7 +97,8 @@ def test_background_copy_is_guarded_by_the_optimizer_step(
 
 
 def test_a_state_without_optimizer_is_copied_before_save_returns(
-        policy: Callable[..., CheckpointPolicy]) -> None:
+    policy: Callable[..., CheckpointPolicy],
+) -> None:
     state = {"w": torch.zeros(1000)}
     with Checkpointer(policy(), async_staging=True) as ck:
         release = threading.Event()
@@ -110,7 +113,8 @@ def test_a_state_without_optimizer_is_copied_before_save_returns(
 
 
 def test_records_are_complete_and_become_events(
-        tiny: Tiny, policy: Callable[..., CheckpointPolicy]) -> None:
+    tiny: Tiny, policy: Callable[..., CheckpointPolicy]
+) -> None:
     set_determinism(tiny.seed)
     with Checkpointer(policy(interval_steps=2), run_label="run-1") as ck:
         state = tiny.state()
@@ -150,13 +154,17 @@ def test_keep_last_k(policy: Callable[..., CheckpointPolicy]) -> None:
         ck.load(ck.records()[0], state)
         assert torch.equal(state["w"], torch.full((1000,), 6.0))
     # Only complete checkpoints are left, and the storage's ledger of the one load.
-    assert sorted(p.name for p in storage.iterdir()) == [READ_LOG_NAME, "step_000000006",
-                                                         "step_000000008"]
+    assert sorted(p.name for p in storage.iterdir()) == [
+        READ_LOG_NAME,
+        "step_000000006",
+        "step_000000008",
+    ]
     assert [r.step for r in read_log(storage)] == [6]
 
 
 def test_an_older_checkpoint_survives_until_the_newer_one_is_complete(
-        policy: Callable[..., CheckpointPolicy], monkeypatch: pytest.MonkeyPatch) -> None:
+    policy: Callable[..., CheckpointPolicy], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import stages.checkpointing.checkpointer as checkpointer_mod
 
     release = threading.Event()
@@ -201,7 +209,8 @@ def test_discard_after_restart_point(policy: Callable[..., CheckpointPolicy]) ->
 
 
 def test_incomplete_folders_are_never_listed_and_are_swept(
-        policy: Callable[..., CheckpointPolicy]) -> None:
+    policy: Callable[..., CheckpointPolicy],
+) -> None:
     pol = policy(keep=3)
     root = Path(pol.storage_path)
     with Checkpointer(pol, run_label="a") as ck:
@@ -209,22 +218,27 @@ def test_incomplete_folders_are_never_listed_and_are_swept(
         ck.wait()
     # A killed save of this run, one of another run, a half-deleted checkpoint, a
     # final-named folder with no commit record, and one with a corrupt record.
-    for name in (".tmp-a-step_000000004", ".tmp-b-step_000000004",
-                 ".trash-step_000000000-1234", "step_000000006", "step_000000008"):
+    for name in (
+        ".tmp-a-step_000000004",
+        ".tmp-b-step_000000004",
+        ".trash-step_000000000-1234",
+        "step_000000006",
+        "step_000000008",
+    ):
         (root / name).mkdir()
         (root / name / ".metadata").write_bytes(b"x")
     (root / "step_000000008" / COMMIT_NAME).write_text("{not json")
     assert [r.step for r in list_checkpoints(root)] == [2]
     with Checkpointer(pol, run_label="a"):  # a restarted run sweeps its own leftovers
         names = sorted(p.name for p in root.iterdir())
-    assert names == [".tmp-b-step_000000004", "step_000000002", "step_000000006",
-                     "step_000000008"]
+    assert names == [".tmp-b-step_000000004", "step_000000002", "step_000000006", "step_000000008"]
     assert storage_usage(root)["leftover_bytes"] == 1
     assert [p.name for p in sweep_incomplete(root)] == [".tmp-b-step_000000004"]
 
 
-def test_load_errors_have_stable_codes(policy: Callable[..., CheckpointPolicy],
-                                       tmp_path: Path) -> None:
+def test_load_errors_have_stable_codes(
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path
+) -> None:
     with Checkpointer(policy()) as ck:
         ck.save(2, {"w": torch.zeros(10)})
         record = ck.wait()
@@ -263,5 +277,14 @@ def test_a_failed_save_is_reported_not_listed(policy: Callable[..., CheckpointPo
 
 def test_record_model_is_strict() -> None:
     with pytest.raises(ValueError):
-        CheckpointRecord.model_validate({"step": "3", "path": "/x", "bytes": 1, "blocking_s": 0.0,
-                                         "total_s": 0.0, "bytes_per_s": 0.0, "created_at": 0.0})
+        CheckpointRecord.model_validate(
+            {
+                "step": "3",
+                "path": "/x",
+                "bytes": 1,
+                "blocking_s": 0.0,
+                "total_s": 0.0,
+                "bytes_per_s": 0.0,
+                "created_at": 0.0,
+            }
+        )

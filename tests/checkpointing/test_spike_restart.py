@@ -22,11 +22,13 @@ DECISION_TIMEOUT_S = 30.0
 
 
 def test_planted_spike_restarts_only_after_approval_and_skips_the_window(
-        tiny: Tiny, policy: Callable[..., CheckpointPolicy], tmp_path: Path) -> None:
+    tiny: Tiny, policy: Callable[..., CheckpointPolicy], tmp_path: Path
+) -> None:
     set_determinism(tiny.seed)
     state = tiny.state()
-    det = LossSpikeDetector(LossSpikeConfig(window=10, min_steps=5, z_threshold=6.0,
-                                            skip_window_steps=3))
+    det = LossSpikeDetector(
+        LossSpikeConfig(window=10, min_steps=5, z_threshold=6.0, skip_window_steps=3)
+    )
     state.extras["loss_spike"] = det
     ctx = StageContext(run_id="r", booking_id="b", workdir=tmp_path)
     events: list[Any] = []
@@ -69,6 +71,8 @@ def test_planted_spike_restarts_only_after_approval_and_skips_the_window(
         # The next batch is the one an uninterrupted loader serves after step 11.
         fresh = tiny.state()
         fresh.loader.skip(11)  # type: ignore[union-attr]
-        assert torch.equal(state.loader.next_batch(),  # type: ignore[attr-defined]
-                           fresh.loader.next_batch())  # type: ignore[union-attr]
+        assert torch.equal(
+            state.loader.next_batch(),  # type: ignore[attr-defined]
+            fresh.loader.next_batch(),
+        )  # type: ignore[union-attr]
         assert [r.step for r in ck.records()] == [4, 8]

@@ -49,8 +49,18 @@ class World:
 
     def train_argv(self, ref: str, key: str, *extra: str) -> list[str]:
         """The canonical `ito train` command line for this world's booking and manifest."""
-        return ["train", "--booking", self.booking, "--manifest", str(self.manifest),
-                "--confirmation-ref", ref, "--idempotency-key", key, *extra]
+        return [
+            "train",
+            "--booking",
+            self.booking,
+            "--manifest",
+            str(self.manifest),
+            "--confirmation-ref",
+            ref,
+            "--idempotency-key",
+            key,
+            *extra,
+        ]
 
     @property
     def booking(self) -> str:

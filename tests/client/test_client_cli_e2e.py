@@ -344,8 +344,9 @@ def test_canary_secrets_appear_in_no_output(
     assert any("manifest_contains_secret" in t for _, _, t in outputs)
 
 
-def test_readme_approver_key_confirms_as_written(world: World, monkeypatch: pytest.MonkeyPatch,
-                                                capsys) -> None:
+def test_readme_approver_key_confirms_as_written(
+    world: World, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
     """The approver key exactly as the README issues it (confirm:* scopes only) can run
     `ito confirm --action train`, which asks the server for the plan and cost first."""
     from helpers.tenants import admin
@@ -357,13 +358,25 @@ def test_readme_approver_key_confirms_as_written(world: World, monkeypatch: pyte
     issued = admin(world.backend.db, *argv)
     key = issued["data"]["api_key"]
     assert not any(s.startswith("runs:") for s in issued["data"]["scopes"])
-    status, env = world.cli(monkeypatch, ["confirm", "--action", "train", "--booking",
-                                          world.booking, "--manifest", str(world.manifest),
-                                          "--json"], key=key)
+    status, env = world.cli(
+        monkeypatch,
+        [
+            "confirm",
+            "--action",
+            "train",
+            "--booking",
+            world.booking,
+            "--manifest",
+            str(world.manifest),
+            "--json",
+        ],
+        key=key,
+    )
     assert status == EXIT_OK, env
     assert env["data"]["confirmation_ref"]
     # Planning is allowed for review; reading runs is still the submitter's scope.
-    status, env = world.cli(monkeypatch, ["find", "--idempotency-key", "any-key-0001",
-                                          "--json"], key=key)
+    status, env = world.cli(
+        monkeypatch, ["find", "--idempotency-key", "any-key-0001", "--json"], key=key
+    )
     assert status == EXIT_SERVER_ERROR and env["error"]["code"] == "forbidden_scope"
     capsys.readouterr()

@@ -38,16 +38,29 @@ def test_follow_gives_up_after_the_documented_transport_failures() -> None:
 
 
 def test_follow_through_the_cli_exits_transport_after_the_limit(
-        monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
     monkeypatch.setenv("ITO_API_KEY", "itok_x_y")
-    status, env = run_cli(["status", "--run", "run_x", "--follow", "--poll-interval", "0.01",
-                           "--api-url", f"http://127.0.0.1:{free_port()}", "--json"])
+    status, env = run_cli(
+        [
+            "status",
+            "--run",
+            "run_x",
+            "--follow",
+            "--poll-interval",
+            "0.01",
+            "--api-url",
+            f"http://127.0.0.1:{free_port()}",
+            "--json",
+        ]
+    )
     assert status == EXIT_TRANSPORT and env["error"]["code"] == "api_unreachable"
     assert json.loads(capsys.readouterr().out) == env
 
 
 def test_sigint_during_follow_exits_130_with_one_envelope(
-        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ref = world.confirm_train(monkeypatch)
     status, env = world.cli(monkeypatch, world.train_argv(ref, "sigint-key-01", "--json"))
     assert status == EXIT_OK, env
@@ -58,15 +71,31 @@ def test_sigint_during_follow_exits_130_with_one_envelope(
 
     before = polls()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.client.cli", "status", "--run", run_id,
-         "--follow", "--poll-interval", "0.2", "--json"],
-        env={**os.environ, "ITO_API_KEY": world.tenant.submitter,
-             "ITO_API_URL": world.backend.url},
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.client.cli",
+            "status",
+            "--run",
+            run_id,
+            "--follow",
+            "--poll-interval",
+            "0.2",
+            "--json",
+        ],
+        env={**os.environ, "ITO_API_KEY": world.tenant.submitter, "ITO_API_URL": world.backend.url},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         # SIGINT lands mid-follow: once the server has answered two of its polls.
-        wait_until(lambda: polls() >= before + 2 or proc.poll() is not None, WAIT_S,
-                   "two status polls of the follower")
+        wait_until(
+            lambda: polls() >= before + 2 or proc.poll() is not None,
+            WAIT_S,
+            "two status polls of the follower",
+        )
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=WAIT_S)

@@ -102,8 +102,9 @@ def test_connection_refused_is_unreachable_and_not_live() -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("raw_server", ["hang", "slow_loris"], indirect=True)
 def test_total_timeout_bounds_the_whole_request(raw_server: _RawServer) -> None:
-    settings = FAST.model_copy(update={"read_max_attempts": 1,
-                                       "total_timeout_s": SHORT_TOTAL_TIMEOUT_S})
+    settings = FAST.model_copy(
+        update={"read_max_attempts": 1, "total_timeout_s": SHORT_TOTAL_TIMEOUT_S}
+    )
     with ItoClient(f"http://127.0.0.1:{raw_server.port}", KEY, settings=settings) as c:
         env = c.run("r1")
     assert env["error"]["code"] == ErrorCode.api_timeout

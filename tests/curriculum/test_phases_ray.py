@@ -35,41 +35,78 @@ RUN_ID = "phases"
 def _data(path: Path) -> Path:
     with path.open("w") as f:
         for i in range(300):
-            f.write(json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 5 + 1)})
-                    + "\n")
+            f.write(
+                json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 5 + 1)}) + "\n"
+            )
     return path
 
 
-CURRICULUM = CurriculumConfig.model_validate({"phases": [
-    {"name": "pretrain", "kind": "pretrain", "token_fraction": 0.1, "seq_len": 32,
-     "gates": [{"metric": "heldout_loss", "max": 100.0}]},
-    {"name": "mid", "kind": "mid_train", "token_fraction": 0.8, "lr_scale": 0.5,
-     "warmup_steps": 2,
-     "gates": [{"metric": "heldout_loss", "max": 0.001},
-               {"metric": "heldout_bits_per_byte", "max_regression": 100.0}]},
-    {"name": "long", "kind": "long_context", "token_fraction": 0.1, "seq_len": 64},
-]}, strict=False)
+CURRICULUM = CurriculumConfig.model_validate(
+    {
+        "phases": [
+            {
+                "name": "pretrain",
+                "kind": "pretrain",
+                "token_fraction": 0.1,
+                "seq_len": 32,
+                "gates": [{"metric": "heldout_loss", "max": 100.0}],
+            },
+            {
+                "name": "mid",
+                "kind": "mid_train",
+                "token_fraction": 0.8,
+                "lr_scale": 0.5,
+                "warmup_steps": 2,
+                "gates": [
+                    {"metric": "heldout_loss", "max": 0.001},
+                    {"metric": "heldout_bits_per_byte", "max_regression": 100.0},
+                ],
+            },
+            {"name": "long", "kind": "long_context", "token_fraction": 0.1, "seq_len": 64},
+        ]
+    },
+    strict=False,
+)
 
 
 def _plan() -> CurriculumPlan:
-    return plan_curriculum(CURRICULUM, total_steps=100, base_seq_len=32,
-                           global_batch_tokens=256, learning_rate=1e-3, warmup_steps=3,
-                           rope_theta=10000.0, head_dim=16, max_positions=256)
+    return plan_curriculum(
+        CURRICULUM,
+        total_steps=100,
+        base_seq_len=32,
+        global_batch_tokens=256,
+        learning_rate=1e-3,
+        warmup_steps=3,
+        rope_theta=10000.0,
+        head_dim=16,
+        max_positions=256,
+    )
 
 
 def _config(tmp: Path) -> TrainStageConfig:
-    return TrainStageConfig.model_validate(dict(
-        model=ModelSpec(preset="llama-tiny", size="0.1M"),
-        target=TrainingTarget(max_steps=100, seq_len=32, global_batch_tokens=256,
-                              learning_rate=1e-3, warmup_steps=3),
-        # keep=1: the checkpoint that closed pretrain must survive it anyway.
-        checkpoint=CheckpointPolicy(interval_steps=5, keep=1,
-                                    storage_uri=f"file://{tmp}/ckpt"),
-        loss_spike=LossSpikeConfig(enabled=False),
-        train_files=[str(_data(tmp / "train.jsonl"))],
-        # A warm spare takes a killed group's place at once: a new process would need
-        # longer than phase 2 lasts on a loaded 2-core machine.
-        replica_groups=2, spare_groups=1, pace_step_s=0.3, curriculum=_plan()), strict=False)
+    return TrainStageConfig.model_validate(
+        dict(
+            model=ModelSpec(preset="llama-tiny", size="0.1M"),
+            target=TrainingTarget(
+                max_steps=100,
+                seq_len=32,
+                global_batch_tokens=256,
+                learning_rate=1e-3,
+                warmup_steps=3,
+            ),
+            # keep=1: the checkpoint that closed pretrain must survive it anyway.
+            checkpoint=CheckpointPolicy(interval_steps=5, keep=1, storage_uri=f"file://{tmp}/ckpt"),
+            loss_spike=LossSpikeConfig(enabled=False),
+            train_files=[str(_data(tmp / "train.jsonl"))],
+            # A warm spare takes a killed group's place at once: a new process would need
+            # longer than phase 2 lasts on a loaded 2-core machine.
+            replica_groups=2,
+            spare_groups=1,
+            pace_step_s=0.3,
+            curriculum=_plan(),
+        ),
+        strict=False,
+    )
 
 
 class Run(StageRun):
@@ -82,20 +119,31 @@ class Run(StageRun):
 
 
 @pytest.fixture(scope="module")
-def failed_run(ray_local: None, tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[tuple[Run, GateOutcome, TrainStageConfig, float]]:
+def failed_run(
+    ray_local: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Run, GateOutcome, TrainStageConfig, float]]:
     from stages.trainer import kill_replica_group
 
     tmp = tmp_path_factory.mktemp("phases")
     cfg = _config(tmp)
     with Run(cfg, tmp) as run:
-        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed
-                     and e.phase == "pretrain", "a phase 1 step")
+        run.wait_for(
+            lambda e: isinstance(e, StepEvent) and e.committed and e.phase == "pretrain",
+            "a phase 1 step",
+        )
         run.fleet_ids.append(_fleet_ids())
         run.fleet_seen_at = time.time()
         # SIGKILL group 1 early in phase 2 (steps 10..90), so it is back well before 90.
-        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.phase == "mid"
-                     and e.step >= 15 and e.quorum_size == 2, "phase 2 in the full quorum")
+        run.wait_for(
+            lambda e: (
+                isinstance(e, StepEvent)
+                and e.committed
+                and e.phase == "mid"
+                and e.step >= 15
+                and e.quorum_size == 2
+            ),
+            "phase 2 in the full quorum",
+        )
         run.fleet_ids.append(_fleet_ids())
         killed_at, pids = kill_replica_group(RUN_ID, 1)
         assert pids
@@ -114,7 +162,8 @@ def _fleet_ids() -> dict[str, str]:
 
 
 def test_the_fleet_stays_up_across_the_phase_boundary(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    failed_run: tuple[Run, GateOutcome, TrainStageConfig, float],
+) -> None:
     """Phases switch in place: the same lighthouse and trainer actors train phase 1
     and phase 2, started once (one start-up span per rank, none at the boundary)."""
     run, _, _, killed_at = failed_run
@@ -122,16 +171,23 @@ def test_the_fleet_stays_up_across_the_phase_boundary(
     first_mid = min(e.ts for e in run.events if isinstance(e, StepEvent) and e.phase == "mid")
     assert run.fleet_seen_at < first_mid  # the first look was in phase 1
     assert in_pretrain == in_mid
-    started = [e for e in run.events if isinstance(e, LogEvent)
-               and e.message.startswith("started lighthouse")]
+    started = [
+        e
+        for e in run.events
+        if isinstance(e, LogEvent) and e.message.startswith("started lighthouse")
+    ]
     assert len(started) == 1
-    startups = [e for e in run.events if isinstance(e, PhaseEvent) and e.phase == "startup"
-                and e.ts < killed_at]
+    startups = [
+        e
+        for e in run.events
+        if isinstance(e, PhaseEvent) and e.phase == "startup" and e.ts < killed_at
+    ]
     assert len(startups) == 2  # one per group's rank 0, before the kill
 
 
 def test_second_gate_fails_the_run_and_phase_three_never_runs(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    failed_run: tuple[Run, GateOutcome, TrainStageConfig, float],
+) -> None:
     run, out, _, _ = failed_run
     assert out.status == "failed", out.reason
     assert out.error_code == ErrorCode.eval_gate_failed
@@ -147,17 +203,26 @@ def test_second_gate_fails_the_run_and_phase_three_never_runs(
     assert all(e.passed for e in evals if e.phase == "pretrain")
     # Every check of the battery ran and scored, in both phases.
     assert {e.check for e in evals if e.phase == "mid" and e.score is not None} >= {
-        "heldout_loss", "heldout_bits_per_byte", "gsm8k_exact_match", "arith_mc_acc"}
-    regression = [e for e in evals if e.check == "heldout_bits_per_byte" and e.phase == "mid"
-                  and e.max_regression is not None]
+        "heldout_loss",
+        "heldout_bits_per_byte",
+        "gsm8k_exact_match",
+        "arith_mc_acc",
+    }
+    regression = [
+        e
+        for e in evals
+        if e.check == "heldout_bits_per_byte" and e.phase == "mid" and e.max_regression is not None
+    ]
     assert regression and regression[0].previous is not None  # compared with pretrain
     assert [e for e in run.events if isinstance(e, PhaseEvent) and e.phase == "evaluation"]
-    assert any(isinstance(e, LogEvent) and e.level == "error" and "failed" in e.message
-               for e in run.events)
+    assert any(
+        isinstance(e, LogEvent) and e.level == "error" and "failed" in e.message for e in run.events
+    )
 
 
 def test_phases_train_with_their_own_seq_len_and_lr_schedule(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    failed_run: tuple[Run, GateOutcome, TrainStageConfig, float],
+) -> None:
     run, _, _, _ = failed_run
     plan = _plan()
     pre, mid = plan.phases[0], plan.phases[1]
@@ -179,7 +244,8 @@ def test_phases_train_with_their_own_seq_len_and_lr_schedule(
 
 
 def test_group_killed_in_phase_two_recovers_in_phase_two(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    failed_run: tuple[Run, GateOutcome, TrainStageConfig, float],
+) -> None:
     run, out, _, killed_at = failed_run
     after = [e for e in run.events if isinstance(e, StepEvent) and e.ts > killed_at]
     assert after and all(e.phase == "mid" and e.seq_len == 32 for e in after)
@@ -191,7 +257,8 @@ def test_group_killed_in_phase_two_recovers_in_phase_two(
 
 
 def test_phase_closing_checkpoints_are_kept_and_exported(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    failed_run: tuple[Run, GateOutcome, TrainStageConfig, float],
+) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stages.trainer.phase_eval import load_phase_model
@@ -216,8 +283,9 @@ def test_phase_closing_checkpoints_are_kept_and_exported(
 
 
 def test_a_relaunched_stage_keeps_the_decided_gate(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float],
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+    failed_run: tuple[Run, GateOutcome, TrainStageConfig, float],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     """A driver relaunch runs the stage again: decided gates are read back, nothing
     trains and nothing is re-scored; a failed gate stays failed."""
     run, out, cfg, _ = failed_run
@@ -229,7 +297,8 @@ def test_a_relaunched_stage_keeps_the_decided_gate(
 
 
 def test_the_same_checkpoint_scores_identically_again(
-        failed_run: tuple[Run, GateOutcome, TrainStageConfig, float]) -> None:
+    failed_run: tuple[Run, GateOutcome, TrainStageConfig, float],
+) -> None:
     """Re-scoring the checkpoint that closed pretrain, in a fresh model, gives exactly
     the scores its gate recorded."""
     from stages.evals import run_battery
@@ -242,17 +311,24 @@ def test_the_same_checkpoint_scores_identically_again(
     rec = read_gate(Path(out.artifacts["checkpoint_dir"]), pre)
     assert rec is not None
     work = Path(run.ctx.workdir)
-    heldout = [json.loads(line)["text"] for line in
-               (work / "phase_data" / "heldout.jsonl").read_text().splitlines()]
+    heldout = [
+        json.loads(line)["text"]
+        for line in (work / "phase_data" / "heldout.jsonl").read_text().splitlines()
+    ]
     model = load_phase_model(cfg, pre, rec["checkpoint"])
-    again = run_battery(model, load_tokenizer(work / "tokenizer"), "smoke", heldout,
-                        seq_len=pre.seq_len, phase=pre.name)
+    again = run_battery(
+        model,
+        load_tokenizer(work / "tokenizer"),
+        "smoke",
+        heldout,
+        seq_len=pre.seq_len,
+        phase=pre.name,
+    )
     assert again.scores() == {c["name"]: c["score"] for c in rec["result"]["checks"]}
     assert again.task_files == rec["result"]["task_files"]
 
 
-def test_a_driver_relaunched_mid_phase_resumes_there(
-        ray_local: None, tmp_path: Path) -> None:
+def test_a_driver_relaunched_mid_phase_resumes_there(ray_local: None, tmp_path: Path) -> None:
     """The driver stops in phase 2 (every actor killed); a relaunched one reads phase
     1's decided gate back (no re-scoring) and resumes phase 2 at its newest checkpoint."""
     import ray
@@ -260,8 +336,12 @@ def test_a_driver_relaunched_mid_phase_resumes_there(
     cfg, plan = _config(tmp_path), _plan()
     mid = plan.phases[1]
     first = Run(cfg, tmp_path, "relaunch")
-    first.wait_for(lambda e: isinstance(e, CheckpointEvent) and e.phase == "mid"
-                   and e.step >= mid.start_step + 10, "a phase 2 checkpoint")
+    first.wait_for(
+        lambda e: (
+            isinstance(e, CheckpointEvent) and e.phase == "mid" and e.step >= mid.start_step + 10
+        ),
+        "a phase 2 checkpoint",
+    )
     first.ctx.cancel_event.set()
     assert first.join().reason == "cancelled"
     deadline = time.time() + WAIT_S
@@ -272,15 +352,17 @@ def test_a_driver_relaunched_mid_phase_resumes_there(
     assert mid.start_step < newest < mid.end_step
 
     again = Run(cfg, tmp_path, "relaunch")
-    resumed = again.wait_for(lambda e: isinstance(e, LogEvent)
-                             and "resumed from checkpoint" in e.message, "the resume")
+    resumed = again.wait_for(
+        lambda e: isinstance(e, LogEvent) and "resumed from checkpoint" in e.message, "the resume"
+    )
     assert resumed.message.endswith(f"step {newest}")
     step = again.wait_for(lambda e: isinstance(e, StepEvent) and e.committed, "a step")
     assert isinstance(step, StepEvent)
     assert step.phase == "mid" and step.step == newest + 1 and step.seq_len == mid.seq_len
     again.ctx.cancel_event.set()
     again.join()
-    assert any(isinstance(e, LogEvent) and "pretrain: gate already decided" in e.message
-               for e in again.events)
+    assert any(
+        isinstance(e, LogEvent) and "pretrain: gate already decided" in e.message
+        for e in again.events
+    )
     assert not [e for e in again.events if isinstance(e, EvalEvent) and e.phase == "pretrain"]
-

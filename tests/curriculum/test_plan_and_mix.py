@@ -21,18 +21,34 @@ def _cur(*phases: dict[str, object]) -> CurriculumConfig:
 
 
 def _plan(cur: CurriculumConfig, steps: int = 100):  # type: ignore[no-untyped-def]
-    return plan_curriculum(cur, total_steps=steps, base_seq_len=64, global_batch_tokens=1024,
-                           learning_rate=1e-3, warmup_steps=10, rope_theta=10000.0,
-                           head_dim=16, max_positions=512)
+    return plan_curriculum(
+        cur,
+        total_steps=steps,
+        base_seq_len=64,
+        global_batch_tokens=1024,
+        learning_rate=1e-3,
+        warmup_steps=10,
+        rope_theta=10000.0,
+        head_dim=16,
+        max_positions=512,
+    )
 
 
 def test_budgets_seq_lens_schedules_and_rope() -> None:
-    plan = _plan(_cur(
-        {"name": "pre", "kind": "pretrain", "token_fraction": 0.6},
-        {"name": "mid", "kind": "mid_train", "token_fraction": 0.2,
-         "data_weights": {"custom": 4.0}, "lr_scale": 0.3},
-        {"name": "long", "kind": "long_context", "token_fraction": 0.1, "seq_len": 256},
-        {"name": "sft", "kind": "post_training", "token_fraction": 0.1}))
+    plan = _plan(
+        _cur(
+            {"name": "pre", "kind": "pretrain", "token_fraction": 0.6},
+            {
+                "name": "mid",
+                "kind": "mid_train",
+                "token_fraction": 0.2,
+                "data_weights": {"custom": 4.0},
+                "lr_scale": 0.3,
+            },
+            {"name": "long", "kind": "long_context", "token_fraction": 0.1, "seq_len": 256},
+            {"name": "sft", "kind": "post_training", "token_fraction": 0.1},
+        )
+    )
     pre, mid, long = plan.phases
     assert plan.post_training == ["sft"]
     # Trainer phases share the trainer's steps in proportion to their fractions.
@@ -53,14 +69,23 @@ def test_budgets_seq_lens_schedules_and_rope() -> None:
     assert plan.phase_of(66) is pre and plan.phase_of(67) is mid and plan.phase_of(99) is long
 
 
-@pytest.mark.parametrize("phases", [
-    [{"name": "pre", "kind": "pretrain", "token_fraction": 0.5},
-     {"name": "long", "kind": "long_context", "token_fraction": 0.5}],  # same seq_len
-    [{"name": "pre", "kind": "pretrain", "token_fraction": 0.5, "seq_len": 128},
-     {"name": "long", "kind": "long_context", "token_fraction": 0.5, "seq_len": 64}],
-    [{"name": "pre", "kind": "pretrain", "token_fraction": 0.5},
-     {"name": "long", "kind": "long_context", "token_fraction": 0.5, "seq_len": 1024}],
-])
+@pytest.mark.parametrize(
+    "phases",
+    [
+        [
+            {"name": "pre", "kind": "pretrain", "token_fraction": 0.5},
+            {"name": "long", "kind": "long_context", "token_fraction": 0.5},
+        ],  # same seq_len
+        [
+            {"name": "pre", "kind": "pretrain", "token_fraction": 0.5, "seq_len": 128},
+            {"name": "long", "kind": "long_context", "token_fraction": 0.5, "seq_len": 64},
+        ],
+        [
+            {"name": "pre", "kind": "pretrain", "token_fraction": 0.5},
+            {"name": "long", "kind": "long_context", "token_fraction": 0.5, "seq_len": 1024},
+        ],
+    ],
+)
 def test_invalid_curricula(phases: list[dict[str, object]]) -> None:
     with pytest.raises(ItoError) as e:
         _plan(_cur(*phases))
@@ -69,8 +94,13 @@ def test_invalid_curricula(phases: list[dict[str, object]]) -> None:
 
 def test_too_few_steps_for_the_phases() -> None:
     with pytest.raises(ItoError) as e:
-        _plan(_cur({"name": "a", "kind": "pretrain", "token_fraction": 0.5},
-                   {"name": "b", "kind": "mid_train", "token_fraction": 0.5}), steps=1)
+        _plan(
+            _cur(
+                {"name": "a", "kind": "pretrain", "token_fraction": 0.5},
+                {"name": "b", "kind": "mid_train", "token_fraction": 0.5},
+            ),
+            steps=1,
+        )
     assert e.value.code == ErrorCode.curriculum_invalid
 
 
@@ -81,10 +111,13 @@ def _shards(tmp: Path, role: str, byte: int, n: int = 400) -> list[Path]:
 
 
 def test_mix_follows_the_weights_and_seeks_exactly(tmp_path: Path) -> None:
-    shards = {"baseline": _shards(tmp_path, "baseline", ord("b")),
-              "custom": _shards(tmp_path, "custom", ord("c"))}
-    mix = MixedLoader(shards, {"baseline": 1.0, "custom": 3.0}, seq_len=64, micro_batch=4,
-                      seed=0, phase="mid")
+    shards = {
+        "baseline": _shards(tmp_path, "baseline", ord("b")),
+        "custom": _shards(tmp_path, "custom", ord("c")),
+    }
+    mix = MixedLoader(
+        shards, {"baseline": 1.0, "custom": 3.0}, seq_len=64, micro_batch=4, seed=0, phase="mid"
+    )
     batches = [mix.next_batch() for _ in range(50)]
     customs = sum(int((b[:, 1] == ord("c")).sum()) for b in batches)
     # Every row is one role's window (each 64-token doc is one role), 3:1 by weight.
@@ -92,8 +125,9 @@ def test_mix_follows_the_weights_and_seeks_exactly(tmp_path: Path) -> None:
     counts = mix.role_counts(200)
     assert counts["custom"] == customs and counts["baseline"] == 200 - customs
     # A fresh loader seeking to batch 37 serves what the first served at 37..49.
-    again = MixedLoader(shards, {"baseline": 1.0, "custom": 3.0}, seq_len=64,
-                        micro_batch=4, seed=0, phase="mid")
+    again = MixedLoader(
+        shards, {"baseline": 1.0, "custom": 3.0}, seq_len=64, micro_batch=4, seed=0, phase="mid"
+    )
     again.seek(37)
     for b in batches[37:]:
         assert again.next_batch().equal(b)
@@ -103,8 +137,13 @@ def test_mix_follows_the_weights_and_seeks_exactly(tmp_path: Path) -> None:
     again.load_state_dict({"phase": "mid", "batch": 3})
     assert again.batches_served == 3 and again.next_batch().equal(batches[3])
     # A role with no data in the run is skipped; none at all is data_empty.
-    only = MixedLoader({"custom": shards["custom"]}, {"baseline": 1.0, "custom": 1.0},
-                       seq_len=64, micro_batch=2, seed=0)
+    only = MixedLoader(
+        {"custom": shards["custom"]},
+        {"baseline": 1.0, "custom": 1.0},
+        seq_len=64,
+        micro_batch=2,
+        seed=0,
+    )
     assert int((only.next_batch()[:, 1] == ord("c")).sum()) == 2
     with pytest.raises(ItoError) as e:
         MixedLoader({}, {"custom": 1.0}, seq_len=64, micro_batch=2, seed=0)
@@ -113,8 +152,9 @@ def test_mix_follows_the_weights_and_seeks_exactly(tmp_path: Path) -> None:
 
 def test_heldout_split_is_deterministic_disjoint_and_bounded(tmp_path: Path) -> None:
     src = tmp_path / "d.jsonl"
-    src.write_text("".join(json.dumps({"text": f"document number {i}"}) + "\n"
-                           for i in range(1000)))
+    src.write_text(
+        "".join(json.dumps({"text": f"document number {i}"}) + "\n" for i in range(1000))
+    )
     train, held = split_heldout({"baseline": [src]}, "text", permille=20, min_docs=8)
     assert 8 <= len(held) < 60 and len(held) + len(train["baseline"]) == 1000
     assert not set(held) & set(train["baseline"])

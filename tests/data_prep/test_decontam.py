@@ -48,13 +48,13 @@ def perturb(text: str, rng: random.Random) -> str:
     return "".join(out)
 
 
-def test_planted_gsm8k_test_questions_are_found(gsm8k_test: list[EvalItem],
-                                                filler: list[str]) -> None:
+def test_planted_gsm8k_test_questions_are_found(
+    gsm8k_test: list[EvalItem], filler: list[str]
+) -> None:
     rng = random.Random(0)
     questions = [it.text for it in gsm8k_test]
     verbatim = list(questions)
-    embedded = [" ".join([*rng.sample(filler, 3), q, *rng.sample(filler, 3)])
-                for q in questions]
+    embedded = [" ".join([*rng.sample(filler, 3), q, *rng.sample(filler, 3)]) for q in questions]
     changed = [perturb(q, rng) for q in questions]
     assert sum(c != q for c, q in zip(changed, questions, strict=True)) > 1300
     clean = rng.sample(filler, 500)
@@ -80,15 +80,18 @@ def test_gsm8k_train_questions_rarely_flagged(gsm8k_test: list[EvalItem], mode: 
     result = decontaminate(train, EvalIndex(gsm8k_test, DecontaminationConfig(mode=mode)))
     assert result.contaminated.mean() <= 0.005
     if mode == "overlap":  # the overlap mode also catches the verbatim items
-        hits = decontaminate([it.text for it in gsm8k_test[:200]],
-                             EvalIndex(gsm8k_test, DecontaminationConfig(mode=mode)))
+        hits = decontaminate(
+            [it.text for it in gsm8k_test[:200]],
+            EvalIndex(gsm8k_test, DecontaminationConfig(mode=mode)),
+        )
         assert hits.contaminated.all()
 
 
 def test_overlap_ratio_threshold() -> None:
     item = EvalItem("s", "f", 0, " ".join(f"w{i}" for i in range(30)))  # 23 8-grams
-    index = EvalIndex([item], DecontaminationConfig(mode="overlap", overlap_ngram=8,
-                                                    overlap_threshold=0.5))
+    index = EvalIndex(
+        [item], DecontaminationConfig(mode="overlap", overlap_ngram=8, overlap_threshold=0.5)
+    )
     half = " ".join(f"w{i}" for i in range(19))  # 12 of 23 8-grams
     less = " ".join(f"w{i}" for i in range(17))  # 10 of 23
     result = decontaminate([half, less], index)
@@ -100,8 +103,12 @@ def test_short_items_fall_back_to_exact_match() -> None:
     items = [EvalItem("s", "f", 0, "What is two plus two?"), EvalItem("s", "f", 1, "Hi")]
     index = EvalIndex(items, DecontaminationConfig(ngram=13))
     assert index.short_items == 2
-    docs = ["Quiz: WHAT is two, plus two. Answer four", "what is two plus three", "Hill",
-            "hi there"]
+    docs = [
+        "Quiz: WHAT is two, plus two. Answer four",
+        "what is two plus three",
+        "Hill",
+        "hi there",
+    ]
     result = decontaminate(docs, index)
     assert result.contaminated.tolist() == [True, False, False, True]
     assert {m.method for m in result.matches} == {"exact"}
@@ -121,8 +128,12 @@ def test_suite_registry() -> None:
 def test_extra_eval_files_jsonl_and_text(tmp_path: Path) -> None:
     (tmp_path / "mine.jsonl").write_text('{"q": "alpha beta gamma"}\n', encoding="utf-8")
     (tmp_path / "lines.txt").write_text("delta epsilon\n\nzeta eta\n", encoding="utf-8")
-    items, infos = load_eval_items([], [f"file://{tmp_path / 'mine.jsonl'}",
-                                        str(tmp_path / "lines.txt")], field="q")
+    items, infos = load_eval_items(
+        [], [f"file://{tmp_path / 'mine.jsonl'}", str(tmp_path / "lines.txt")], field="q"
+    )
     assert [(i.suite, i.text) for i in items] == [
-        ("mine", "alpha beta gamma"), ("lines", "delta epsilon"), ("lines", "zeta eta")]
+        ("mine", "alpha beta gamma"),
+        ("lines", "delta epsilon"),
+        ("lines", "zeta eta"),
+    ]
     assert [i.items for i in infos] == [1, 2]

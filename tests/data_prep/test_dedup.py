@@ -32,8 +32,12 @@ from stages.errors import ErrorCode
 
 
 def test_signatures_match_datasketch_minhash() -> None:
-    texts = ["the cat sat on the mat and then it sat again", "short", "",
-             "Janet\u2019s ducks lay 16 eggs per day; she eats three for breakfast."]
+    texts = [
+        "the cat sat on the mat and then it sat again",
+        "short",
+        "",
+        "Janet\u2019s ducks lay 16 eggs per day; she eats three for breakfast.",
+    ]
     grams = ngram_hashes(word_batch(texts), 3)
     sig = signatures(grams, num_perm=64, seed=7)
     values = shingle_values32(grams)
@@ -123,9 +127,13 @@ print(json.dumps({"code": code, "ray_up": ray.is_initialized()}))
 
 def test_forcing_ray_without_a_cluster_is_refused() -> None:
     # A process of its own: the session's shared local Ray may be up in this one.
-    proc = subprocess.run([sys.executable, "-c", RAY_DOWN_CHECK], capture_output=True,
-                          text=True, timeout=RAY_DOWN_TIMEOUT_S,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", RAY_DOWN_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=RAY_DOWN_TIMEOUT_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"code": ErrorCode.ray_unavailable, "ray_up": False}  # none started
@@ -143,7 +151,8 @@ def test_banding_finds_the_same_candidates_as_datasketch_minhashlsh() -> None:
     sketches = [MinHash(num_perm=128, seed=1, hashvalues=s, scheme="affine32") for s in sig]
     for i, m in enumerate(sketches):
         lsh.insert(i, m)
-    expected = {(min(i, j), max(i, j)) for i, m in enumerate(sketches)
-                for j in lsh.query(m) if j != i}
+    expected = {
+        (min(i, j), max(i, j)) for i, m in enumerate(sketches) for j in lsh.query(m) if j != i
+    }
     ours = {(int(i), int(j)) for i, j in candidate_pairs(sig, Banding(bands, rows))}
     assert ours == expected and len(ours) >= 50

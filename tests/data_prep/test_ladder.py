@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 # ~60 steps of 8 x 128 bytes per run, 6 runs (baseline shared): seconds on an idle
 # 2-core machine. Measured margins: adopt d = -0.154 bpb vs margin 0.027; reject
 # d = +0.272 vs 0.093 (deterministic on CPU for fixed seeds).
-PROBE = LadderProbeConfig(rung_preset="llama-probe-xs", seeds=2, token_budget=60_000,
-                          eval_bytes=8_192)
+PROBE = LadderProbeConfig(
+    rung_preset="llama-probe-xs", seeds=2, token_budget=60_000, eval_bytes=8_192
+)
 
 
 def _jsonl(path: Path, field: str) -> list[str]:
@@ -44,9 +45,13 @@ def test_probe_adopts_in_domain_data_and_rejects_noise() -> None:
     in_domain = _jsonl(REPO / "data" / "gsm8k" / "train.jsonl", "question")[:2000]
     eval_text = _jsonl(REPO / "configs" / "evals" / "gsm8k" / "test.jsonl", "question")
     rng = random.Random(0)
-    noise = [" ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
-                              for _ in range(rng.randint(1, 9))) for _ in range(60))
-             for _ in range(2000)]
+    noise = [
+        " ".join(
+            "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9)))
+            for _ in range(60)
+        )
+        for _ in range(2000)
+    ]
     adopt = ladder_probe(baseline, in_domain, eval_text, PROBE)
     assert adopt.decision == "adopt", adopt.stats
     assert adopt.tokens_per_run == adopt.steps * 8 * 128 and adopt.seeds == [0, 1]
@@ -64,8 +69,9 @@ def test_reuse_refused_when_the_baseline_differs() -> None:
     tiny = LadderProbeConfig(seeds=2, token_budget=2_048, eval_bytes=1_024)
     first = ladder_probe(baseline, baseline[:50], eval_text, tiny)
     logs: list[str] = []
-    second = ladder_probe(baseline[1:], baseline[:50], eval_text, tiny, reuse=first,
-                          log=logs.append)
+    second = ladder_probe(
+        baseline[1:], baseline[:50], eval_text, tiny, reuse=first, log=logs.append
+    )
     assert second.baseline_sha256 != first.baseline_sha256
     assert not any("reused" in m for m in logs)
     assert sum("baseline seed" in m for m in logs) == 2  # retrained, both seeds

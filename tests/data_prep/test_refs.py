@@ -38,8 +38,10 @@ def test_file_and_folder_digests_follow_the_dataref_rule(tmp_path: Path) -> None
     root = _folder(tmp_path)
     a = root / "a.jsonl"
     assert file_sha256(a) == hashlib.sha256(a.read_bytes()).hexdigest()
-    lines = sorted(f"{rel}\t{hashlib.sha256((root / rel).read_bytes()).hexdigest()}\n"
-                   for rel in ("a.jsonl", "sub/b.txt", "sub/c.parquet"))
+    lines = sorted(
+        f"{rel}\t{hashlib.sha256((root / rel).read_bytes()).hexdigest()}\n"
+        for rel in ("a.jsonl", "sub/b.txt", "sub/c.parquet")
+    )
     expected = hashlib.sha256("".join(lines).encode()).hexdigest()
     assert folder_sha256(root) == expected
     (root / "LICENSE").write_text("changed", encoding="utf-8")  # not a data file
@@ -60,8 +62,15 @@ def test_resolve_folder_ref_reads_every_format(tmp_path: Path) -> None:
     assert not resolve_ref(wrong).digest_ok
 
 
-@pytest.mark.parametrize("uri", ["hf://datasets/openai/gsm8k", "s3://bucket/x.jsonl",
-                                 "gs://bucket/x", "https://example.com/x.jsonl"])
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "hf://datasets/openai/gsm8k",
+        "s3://bucket/x.jsonl",
+        "gs://bucket/x",
+        "https://example.com/x.jsonl",
+    ],
+)
 def test_remote_refs_refused_unless_cached(tmp_path: Path, uri: str) -> None:
     cache = tmp_path / "cache"
     with pytest.raises(ItoError) as e:
@@ -75,10 +84,12 @@ def test_remote_refs_refused_unless_cached(tmp_path: Path, uri: str) -> None:
 
 
 def test_bad_uris(tmp_path: Path) -> None:
-    for uri, code in [("ftp://host/x", ErrorCode.data_scheme_not_allowed),
-                      (f"file://{tmp_path}/missing.jsonl", ErrorCode.data_not_found),
-                      ("file://relative/x.jsonl", ErrorCode.data_scheme_not_allowed),
-                      ("hf://../../etc/passwd", ErrorCode.data_remote_not_cached)]:
+    for uri, code in [
+        ("ftp://host/x", ErrorCode.data_scheme_not_allowed),
+        (f"file://{tmp_path}/missing.jsonl", ErrorCode.data_not_found),
+        ("file://relative/x.jsonl", ErrorCode.data_scheme_not_allowed),
+        ("hf://../../etc/passwd", ErrorCode.data_remote_not_cached),
+    ]:
         with pytest.raises(ItoError) as e:
             local_path(uri, tmp_path)
         assert e.value.code == code, uri

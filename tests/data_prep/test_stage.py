@@ -41,16 +41,19 @@ def _write(path: Path, texts: list[str]) -> Path:
 
 def _ctx(tmp_path: Path) -> tuple[StageContext, list[Event]]:
     events: list[Event] = []
-    return StageContext(run_id="run-1", booking_id="bk-1", workdir=tmp_path / "work",
-                        emit=events.append), events
+    return StageContext(
+        run_id="run-1", booking_id="bk-1", workdir=tmp_path / "work", emit=events.append
+    ), events
 
 
 @pytest.fixture
 def corpus(tmp_path: Path) -> dict[str, object]:
     """Baseline file + custom folder (jsonl and parquet) with 3 exact duplicates, 2
     near duplicates and 4 GSM8K test questions planted."""
-    base = _write(tmp_path / "in" / "baseline.jsonl",
-                  _jsonl(REPO / "data" / "python_docs" / "train.jsonl", "text")[:300])
+    base = _write(
+        tmp_path / "in" / "baseline.jsonl",
+        _jsonl(REPO / "data" / "python_docs" / "train.jsonl", "text")[:300],
+    )
     # Train items 21..220 share no 13-gram with the test split (item 20 does: a real
     # near-copy of test item 632, which decontamination rightly flags).
     train = _jsonl(REPO / "data" / "gsm8k" / "train.jsonl", "question")[21:221]
@@ -62,10 +65,12 @@ def corpus(tmp_path: Path) -> dict[str, object]:
     folder = tmp_path / "in" / "custom"
     _write(folder / "part0.jsonl", custom[:150])
     pq.write_table(pa.table({"text": custom[150:]}), folder / "part1.parquet")
-    refs = [DataRef(uri=f"file://{base}", sha256=file_sha256(base), role="baseline",
-                    provenance=PROV),
-            DataRef(uri=f"file://{folder}", sha256=folder_sha256(folder), role="custom",
-                    provenance=PROV)]
+    refs = [
+        DataRef(uri=f"file://{base}", sha256=file_sha256(base), role="baseline", provenance=PROV),
+        DataRef(
+            uri=f"file://{folder}", sha256=folder_sha256(folder), role="custom", provenance=PROV
+        ),
+    ]
     # The python docs hold 3 near-duplicate paragraph pairs of their own.
     return {"refs": refs, "docs": 300 + len(custom), "near_in_baseline": 3}
 
@@ -88,8 +93,11 @@ def test_stage_end_to_end(tmp_path: Path, corpus: dict) -> None:
     # Cleaned training text, by role, with a "text" field.
     files = out.artifacts["train_files"]
     assert len(files["baseline"]) == 1 and len(files["custom"]) == 1
-    rows = [json.loads(x) for f in files["baseline"] + files["custom"]
-            for x in Path(f).read_text(encoding="utf-8").splitlines()]
+    rows = [
+        json.loads(x)
+        for f in files["baseline"] + files["custom"]
+        for x in Path(f).read_text(encoding="utf-8").splitlines()
+    ]
     assert len(rows) == m["docs_out"] and all(isinstance(r["text"], str) for r in rows)
     texts = {r["text"] for r in rows}
     test_q = _jsonl(REPO / "configs" / "evals" / "gsm8k" / "test.jsonl", "question")[:4]
@@ -98,13 +106,17 @@ def test_stage_end_to_end(tmp_path: Path, corpus: dict) -> None:
     prov = json.loads(Path(out.artifacts["provenance_path"]).read_text(encoding="utf-8"))
     dec = prov["decontamination"]
     assert dec["documents_contaminated"] == 4
-    matched = {(row["doc"].split(":")[0], row["matches"][0]["item"])
-               for row in dec["contaminated_documents"]}
+    matched = {
+        (row["doc"].split(":")[0], row["matches"][0]["item"])
+        for row in dec["contaminated_documents"]
+    }
     assert matched == {("1", 0), ("1", 1), ("1", 2), ("1", 3)}
     assert dec["eval_files"][0]["sha256"] == file_sha256(
-        REPO / "configs" / "evals" / "gsm8k" / "test.jsonl")
-    assert [o["sha256"] for o in prov["outputs"]] == [file_sha256(f) for f in
-                                                      files["baseline"] + files["custom"]]
+        REPO / "configs" / "evals" / "gsm8k" / "test.jsonl"
+    )
+    assert [o["sha256"] for o in prov["outputs"]] == [
+        file_sha256(f) for f in files["baseline"] + files["custom"]
+    ]
     assert prov["inputs"][1]["sha256"] == corpus["refs"][1].sha256
     assert prov["dedup"]["parameters"]["bands"] == 21
     manifest = json.loads(Path(out.artifacts["data_manifest_path"]).read_text("utf-8"))
@@ -113,8 +125,12 @@ def test_stage_end_to_end(tmp_path: Path, corpus: dict) -> None:
     # decision rule gives on the recorded per-seed scores, and the stage's status with it.
     ladder = out.artifacts["ladder"]
     assert len(ladder["baseline_bpb"]) == len(ladder["custom_bpb"]) == 2
-    decision, stats = decide(ladder["baseline_bpb"], ladder["custom_bpb"],
-                             QUICK_PROBE.confidence, QUICK_PROBE.min_effect_bpb)
+    decision, stats = decide(
+        ladder["baseline_bpb"],
+        ladder["custom_bpb"],
+        QUICK_PROBE.confidence,
+        QUICK_PROBE.min_effect_bpb,
+    )
     assert ladder["decision"] == decision
     assert m["ladder_delta_bpb"] == pytest.approx(stats["delta_bpb"])
     assert out.status == ("no_decision" if decision == "no_decision" else "passed")
@@ -128,13 +144,17 @@ def test_stage_end_to_end(tmp_path: Path, corpus: dict) -> None:
 
 
 def test_flag_instead_of_remove(tmp_path: Path, corpus: dict) -> None:
-    cfg = DataPrepConfig(refs=corpus["refs"],
-                         decontamination=DecontaminationConfig(action="flag"),
-                         ladder_probe=LadderProbeConfig(enabled=False))
+    cfg = DataPrepConfig(
+        refs=corpus["refs"],
+        decontamination=DecontaminationConfig(action="flag"),
+        ladder_probe=LadderProbeConfig(enabled=False),
+    )
     out = DataPrepStage(cfg).run(_ctx(tmp_path)[0])
     assert out.status == "passed" and out.artifacts["ladder"]["decision"] == "skipped"
-    rows = [json.loads(x) for x in
-            Path(out.artifacts["train_files"]["custom"][0]).read_text("utf-8").splitlines()]
+    rows = [
+        json.loads(x)
+        for x in Path(out.artifacts["train_files"]["custom"][0]).read_text("utf-8").splitlines()
+    ]
     assert sum(bool(r.get("contaminated")) for r in rows) == 4
     # Only duplicates removed.
     assert out.metrics["docs_out"] == corpus["docs"] - 5 - corpus["near_in_baseline"]
@@ -165,17 +185,25 @@ def test_cancelled_before_work(tmp_path: Path, corpus: dict) -> None:
 
 
 def test_reject_can_fail_the_gate(tmp_path: Path) -> None:
-    base = _write(tmp_path / "in" / "b.jsonl",
-                  _jsonl(REPO / "data" / "python_docs" / "train.jsonl", "text")[:600])
+    base = _write(
+        tmp_path / "in" / "b.jsonl",
+        _jsonl(REPO / "data" / "python_docs" / "train.jsonl", "text")[:600],
+    )
     rng = random.Random(0)
-    noise = _write(tmp_path / "in" / "n.jsonl", [
-        " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
-                         for _ in range(rng.randint(1, 9))) for _ in range(60))
-        for _ in range(600)])
-    refs = [DataRef(uri=f"file://{base}", sha256=file_sha256(base), role="baseline",
-                    provenance=PROV),
-            DataRef(uri=f"file://{noise}", sha256=file_sha256(noise), role="custom",
-                    provenance=PROV)]
+    noise = _write(
+        tmp_path / "in" / "n.jsonl",
+        [
+            " ".join(
+                "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9)))
+                for _ in range(60)
+            )
+            for _ in range(600)
+        ],
+    )
+    refs = [
+        DataRef(uri=f"file://{base}", sha256=file_sha256(base), role="baseline", provenance=PROV),
+        DataRef(uri=f"file://{noise}", sha256=file_sha256(noise), role="custom", provenance=PROV),
+    ]
     probe = LadderProbeConfig(token_budget=48_000, eval_bytes=4_096, reject_fails_gate=True)
     out = DataPrepStage(DataPrepConfig(refs=refs, ladder_probe=probe)).run(_ctx(tmp_path)[0])
     assert out.artifacts["ladder"]["decision"] == "reject", out.artifacts["ladder"]["stats"]
@@ -186,10 +214,10 @@ def test_reject_can_fail_the_gate(tmp_path: Path) -> None:
 def test_probe_skipped_when_the_data_is_too_small(tmp_path: Path) -> None:
     base = _write(tmp_path / "b.jsonl", ["tiny baseline text"])
     custom = _write(tmp_path / "c.jsonl", ["tiny custom text"])
-    refs = [DataRef(uri=f"file://{base}", sha256=file_sha256(base), role="baseline",
-                    provenance=PROV),
-            DataRef(uri=f"file://{custom}", sha256=file_sha256(custom), provenance=PROV)]
-    out = DataPrepStage(DataPrepConfig(refs=refs, ladder_probe=QUICK_PROBE)).run(
-        _ctx(tmp_path)[0])
+    refs = [
+        DataRef(uri=f"file://{base}", sha256=file_sha256(base), role="baseline", provenance=PROV),
+        DataRef(uri=f"file://{custom}", sha256=file_sha256(custom), provenance=PROV),
+    ]
+    out = DataPrepStage(DataPrepConfig(refs=refs, ladder_probe=QUICK_PROBE)).run(_ctx(tmp_path)[0])
     assert out.status == "passed" and out.artifacts["ladder"]["decision"] == "skipped"
     assert "shorter than one window" in out.artifacts["ladder"]["reason"]

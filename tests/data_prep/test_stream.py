@@ -34,9 +34,17 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict:
             f.write(json.dumps({"doc_id": f"a{i}", "text": t, "meta": {"n": i, "src": "x"}}) + "\n")
             if i % 97 == 0:
                 f.write("\n")  # blank lines are not documents
-    pq.write_table(pa.table({"text": b, "doc_id": [f"b{i}" for i in range(len(b))],
-                             "score": np.arange(len(b), dtype=np.float64)}),
-                   folder / "b.parquet", row_group_size=128)
+    pq.write_table(
+        pa.table(
+            {
+                "text": b,
+                "doc_id": [f"b{i}" for i in range(len(b))],
+                "score": np.arange(len(b), dtype=np.float64),
+            }
+        ),
+        folder / "b.parquet",
+        row_group_size=128,
+    )
     (folder / "c.txt").write_text("\n".join(texts[1000:]) + "\n", encoding="utf-8")
     return {"folder": folder, "texts": texts}
 
@@ -56,13 +64,19 @@ def _rows(out: Path, fmt: str = "jsonl") -> list[dict]:
     return rows
 
 
-def test_same_survivors_as_in_memory_dedup_with_every_field_kept(tmp_path: Path,
-                                                                 corpus: dict) -> None:
+def test_same_survivors_as_in_memory_dedup_with_every_field_kept(
+    tmp_path: Path, corpus: dict
+) -> None:
     texts = corpus["texts"]
     ref = dedup(texts, DedupConfig(), use_ray=False)
     events: list[Progress] = []
-    res = run_stream(_files(corpus["folder"]), tmp_path / "out", dedup_cfg=DedupConfig(),
-                     cfg=StreamConfig(block_docs=137), progress=events.append)
+    res = run_stream(
+        _files(corpus["folder"]),
+        tmp_path / "out",
+        dedup_cfg=DedupConfig(),
+        cfg=StreamConfig(block_docs=137),
+        progress=events.append,
+    )
     assert len(res.plan.blocks) > 8 and res.executor == "local"
     rows = _rows(tmp_path / "out")
     assert [r["text"] for r in rows] == [texts[i] for i in np.flatnonzero(ref.keep)]
@@ -79,11 +93,19 @@ def test_same_survivors_as_in_memory_dedup_with_every_field_kept(tmp_path: Path,
     assert {"doc_id", "text", "meta"} == set(rows[0])
     # Progress: every step reported, documents counted up to the total, nothing after.
     steps = [e.stage for e in events]
-    assert list(dict.fromkeys(steps)) == ["sketch", "exact", "candidates", "fetch", "verify",
-                                          "components", "filter"]
+    assert list(dict.fromkeys(steps)) == [
+        "sketch",
+        "exact",
+        "candidates",
+        "fetch",
+        "verify",
+        "components",
+        "filter",
+    ]
     final = [e for e in events if e.tasks_done == e.tasks_total]
-    assert all(e.docs_done == e.docs_total == len(texts) for e in final
-               if e.stage in ("sketch", "filter"))
+    assert all(
+        e.docs_done == e.docs_total == len(texts) for e in final if e.stage in ("sketch", "filter")
+    )
     assert all(e.bytes_total > 0 for e in events)
     assert not (tmp_path / "out.work").exists()  # removed after success
 
@@ -91,9 +113,13 @@ def test_same_survivors_as_in_memory_dedup_with_every_field_kept(tmp_path: Path,
 def test_parquet_output_and_decontamination_flag(tmp_path: Path, corpus: dict) -> None:
     texts = corpus["texts"]
     item = EvalItem(suite="t", index=0, file="t.jsonl", text=texts[3])
-    res = run_stream(_files(corpus["folder"]), tmp_path / "out", dedup_cfg=None,
-                     decon=(DecontaminationConfig(action="flag"), [item]),
-                     cfg=StreamConfig(block_docs=300, output_format="parquet"))
+    res = run_stream(
+        _files(corpus["folder"]),
+        tmp_path / "out",
+        dedup_cfg=None,
+        decon=(DecontaminationConfig(action="flag"), [item]),
+        cfg=StreamConfig(block_docs=300, output_format="parquet"),
+    )
     rows = _rows(tmp_path / "out", "parquet")
     assert len(rows) == len(texts) and res.counts["docs_out"] == len(texts)
     flagged = [r for r in rows if r.get("contaminated")]
@@ -108,14 +134,32 @@ def test_changed_input_never_reuses_an_attempt(tmp_path: Path, corpus: dict) -> 
     lines = (corpus["folder"] / "a.jsonl").read_text("utf-8").splitlines(keepends=True)
     (folder / "a.jsonl").write_text("".join(lines[:300]), encoding="utf-8")
     cfg = StreamConfig(block_docs=50)
-    first = run_stream(_files(folder), tmp_path / "o1", dedup_cfg=DedupConfig(), cfg=cfg,
-                       work_dir=tmp_path / "work", keep_work=True)
-    again = run_stream(_files(folder), tmp_path / "o1", dedup_cfg=DedupConfig(), cfg=cfg,
-                       work_dir=tmp_path / "work", keep_work=True)
+    first = run_stream(
+        _files(folder),
+        tmp_path / "o1",
+        dedup_cfg=DedupConfig(),
+        cfg=cfg,
+        work_dir=tmp_path / "work",
+        keep_work=True,
+    )
+    again = run_stream(
+        _files(folder),
+        tmp_path / "o1",
+        dedup_cfg=DedupConfig(),
+        cfg=cfg,
+        work_dir=tmp_path / "work",
+        keep_work=True,
+    )
     assert again.attempt == first.attempt and again.resumed_tasks > 0
     (folder / "a.jsonl").write_text("".join(lines[:299]) + lines[0], encoding="utf-8")
-    changed = run_stream(_files(folder), tmp_path / "o1", dedup_cfg=DedupConfig(), cfg=cfg,
-                         work_dir=tmp_path / "work", keep_work=True)
+    changed = run_stream(
+        _files(folder),
+        tmp_path / "o1",
+        dedup_cfg=DedupConfig(),
+        cfg=cfg,
+        work_dir=tmp_path / "work",
+        keep_work=True,
+    )
     assert changed.attempt != first.attempt and changed.resumed_tasks == 0
     assert changed.counts["exact_duplicates"] == first.counts["exact_duplicates"] + 1
     manifest = json.loads((tmp_path / "o1" / "manifest.json").read_text())

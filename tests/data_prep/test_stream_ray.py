@@ -22,12 +22,15 @@ def test_ray_data_gives_the_same_output_as_one_process(tmp_path: Path, ray_local
     texts, _ = planted_pair_corpus(3000, 1000, seed=7)
     texts += texts[100:130]
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)),
-                   encoding="utf-8")
+    src.write_text(
+        "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)),
+        encoding="utf-8",
+    )
     files = [(p, r, f, 0, "custom") for p, r, f in input_files(src)]
     cfg = StreamConfig(block_docs=450, min_partitions=3)
-    on_ray = run_stream(files, tmp_path / "ray", dedup_cfg=DedupConfig(), cfg=cfg,
-                        executor=RayDataExecutor(cfg))
+    on_ray = run_stream(
+        files, tmp_path / "ray", dedup_cfg=DedupConfig(), cfg=cfg, executor=RayDataExecutor(cfg)
+    )
     local = run_stream(files, tmp_path / "local", dedup_cfg=DedupConfig(), cfg=cfg)
     assert on_ray.executor == "ray" and local.executor == "local"
     assert len(on_ray.plan.blocks) == -(-len(texts) // 450) == 9
@@ -42,8 +45,11 @@ def test_ray_data_gives_the_same_output_as_one_process(tmp_path: Path, ray_local
     truth_pairs = np.array(sorted(similar_pairs_exact(texts, 5, 0.8)), dtype=np.int64)
     nodes, root = connected_components(truth_pairs[:, 0], truth_pairs[:, 1])
     truth = set(nodes[nodes != root].tolist())
-    kept = {json.loads(x)["id"] for s in on_ray.shards
-            for x in (tmp_path / "ray" / s["path"]).read_text("utf-8").splitlines()}
+    kept = {
+        json.loads(x)["id"]
+        for s in on_ray.shards
+        for x in (tmp_path / "ray" / s["path"]).read_text("utf-8").splitlines()
+    }
     dropped = set(range(len(texts))) - kept
     tp = len(dropped & truth)
     assert len(truth) > 200

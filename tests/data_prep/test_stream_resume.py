@@ -30,14 +30,21 @@ def _cmd(src: Path, out: Path) -> list[str]:
 def test_sigkill_midway_then_resume_gives_the_same_output(tmp_path: Path) -> None:
     texts, _ = planted_pair_corpus(2400, 800, seed=3)
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"n": i, "text": t}) + "\n" for i, t in enumerate(texts)),
-                   encoding="utf-8")
+    src.write_text(
+        "".join(json.dumps({"n": i, "text": t}) + "\n" for i, t in enumerate(texts)),
+        encoding="utf-8",
+    )
     assert cli_main(_cmd(src, tmp_path / "reference")) == 0
 
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "stages.data_prep", *_cmd(src, out)],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stages.data_prep", *_cmd(src, out)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     # Kill it once the first three stages are finished and the fourth is under way.
     deadline = time.time() + RUN_TIMEOUT_S
     killed_in = None
@@ -55,9 +62,14 @@ def test_sigkill_midway_then_resume_gives_the_same_output(tmp_path: Path) -> Non
     assert (work / "done" / "candidates.json").exists()
     assert not (work / "done" / "fetch.json").exists()
 
-    proc = subprocess.run([sys.executable, "-m", "stages.data_prep", *_cmd(src, out)],
-                          cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.data_prep", *_cmd(src, out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     blocks = summary["blocks"]
@@ -68,6 +80,7 @@ def test_sigkill_midway_then_resume_gives_the_same_output(tmp_path: Path) -> Non
     got = json.loads((out / "manifest.json").read_text())
     assert got == ref
     for shard in got["shards"]:
-        assert (out / shard["path"]).read_bytes() == \
-            (tmp_path / "reference" / shard["path"]).read_bytes()
+        assert (out / shard["path"]).read_bytes() == (
+            tmp_path / "reference" / shard["path"]
+        ).read_bytes()
     assert not list(out.glob("*.tmp")) and not (tmp_path / "out.work").exists()

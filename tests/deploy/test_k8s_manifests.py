@@ -28,8 +28,13 @@ KUBECTL_TIMEOUT_S = 60
 
 def _render(path: Path) -> list[dict[str, Any]]:
     kubectl = require("kubectl", "kubectl")["kubectl"]  # its built-in kustomize
-    out = subprocess.run([kubectl, "kustomize", str(path)], check=True, capture_output=True,
-                         text=True, timeout=KUBECTL_TIMEOUT_S).stdout
+    out = subprocess.run(
+        [kubectl, "kustomize", str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=KUBECTL_TIMEOUT_S,
+    ).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -40,8 +45,11 @@ def _strict(schema: dict[str, Any]) -> dict[str, Any]:
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
-            if ("properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+            if (
+                "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 node["additionalProperties"] = False
             for v in node.values():
                 walk(v)
@@ -130,8 +138,7 @@ def test_ha_overlay_runs_replicas_on_an_operator_managed_postgres() -> None:
     assert url.startswith(f"postgresql://ito@{cluster['metadata']['name']}-rw:")
     assert ":" not in url.split("@")[0].removeprefix("postgresql://")  # no password
     mounted = {v["name"]: v for v in pod["volumes"]}
-    assert mounted["db-password"]["secret"]["secretName"] == \
-        f"{cluster['metadata']['name']}-app"
+    assert mounted["db-password"]["secret"]["secretName"] == f"{cluster['metadata']['name']}-app"
     mount = next(m for m in container["volumeMounts"] if m["name"] == "db-password")
     assert config["data"]["ITO_DB_PASSWORD_FILE"].startswith(mount["mountPath"] + "/")
 
@@ -160,8 +167,10 @@ _REFERENCE_KEYS = {"secretName", "secretKeyRef", "secretRef", "name", "key"}
 _TEXT_PATTERNS = [
     re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
     re.compile(r"\bito_[A-Za-z0-9]{20,}"),
-    re.compile(r"(?im)^[ \t]*(?:export[ \t]+)?\w*(?:password|passwd|token|secret|api_?key)\w*"
-               r"=(?![\"']?[$<(])[\"']?[A-Za-z0-9+/=_.-]{8,}"),
+    re.compile(
+        r"(?im)^[ \t]*(?:export[ \t]+)?\w*(?:password|passwd|token|secret|api_?key)\w*"
+        r"=(?![\"']?[$<(])[\"']?[A-Za-z0-9+/=_.-]{8,}"
+    ),
 ]
 
 
@@ -171,14 +180,23 @@ def _yaml_secrets(node: Any, where: str) -> list[str]:
         if node.get("kind") == "Secret" and (node.get("data") or node.get("stringData")):
             found.append(f"{where}: inline Secret")
         env_name = node.get("name")
-        if isinstance(env_name, str) and _CREDENTIAL.search(env_name) and \
-                isinstance(node.get("value"), str) and not node["value"].startswith("$"):
+        if (
+            isinstance(env_name, str)
+            and _CREDENTIAL.search(env_name)
+            and isinstance(node.get("value"), str)
+            and not node["value"].startswith("$")
+        ):
             found.append(f"{where}: env {env_name} has a literal value")
         for k, v in node.items():
             # A *_FILE setting whose value is a path names where a secret is mounted.
             where_it_is = str(k).endswith("_FILE") and isinstance(v, str) and v.startswith("/")
-            if isinstance(v, str) and _CREDENTIAL.search(str(k)) and not where_it_is and \
-                    str(k) not in _REFERENCE_KEYS and not v.startswith("$"):
+            if (
+                isinstance(v, str)
+                and _CREDENTIAL.search(str(k))
+                and not where_it_is
+                and str(k) not in _REFERENCE_KEYS
+                and not v.startswith("$")
+            ):
                 found.append(f"{where}: {k} has a literal value")
             found += _yaml_secrets(v, where)
     elif isinstance(node, list):
@@ -206,7 +224,8 @@ def test_no_inline_secret_under_deploy() -> None:
 
 def test_secret_scan_finds_a_planted_secret(tmp_path: Path) -> None:
     (tmp_path / "leak.yaml").write_text(
-        "apiVersion: v1\nkind: Secret\nmetadata: {name: x}\nstringData: {k: v}\n")
+        "apiVersion: v1\nkind: Secret\nmetadata: {name: x}\nstringData: {k: v}\n"
+    )
     (tmp_path / "job.sh").write_text("export RAY_TOKEN=abcdef0123456789\n")
     (tmp_path / "pod.yaml").write_text("env:\n  - name: HF_TOKEN\n    value: hf_abcdefgh\n")
     (tmp_path / "ok.sh").write_text('export RAY_TOKEN="$(ray get-auth-token)"\n')
@@ -223,7 +242,7 @@ def _pods(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     pods: dict[str, dict[str, Any]] = {}
     for d in docs:
         name = f"{d['kind']}/{d['metadata']['name']}"
-        if d["kind"] == "StatefulSet":
+        if d["kind"] in ("StatefulSet", "Deployment"):
             pods[name] = d["spec"]["template"]["spec"]
         elif d["kind"] == "RayCluster":
             pods[f"{name}/head"] = d["spec"]["headGroupSpec"]["template"]["spec"]
@@ -267,23 +286,30 @@ def hardening_faults(docs: list[dict[str, Any]]) -> list[str]:
             for v in pod.get("volumes", []):
                 secret = (v.get("secret") or {}).get("secretName")
                 claim = (v.get("persistentVolumeClaim") or {}).get("claimName", "")
-                ok = (secret in SHARED_SECRETS or "emptyDir" in v
-                      or claim.startswith(f"ito-{booking}-"))
+                ok = (
+                    secret in SHARED_SECRETS
+                    or "emptyDir" in v
+                    or claim.startswith(f"ito-{booking}-")
+                )
                 if not ok:
                     faults.append(f"{where}: volume {v['name']} is not the booking's own")
-    api = next(d for d in docs if d["kind"] == "StatefulSet")
+    # The API server: a StatefulSet on SQLite, a Deployment of replicas on PostgreSQL.
+    api = next(d for d in docs if d["kind"] in ("StatefulSet", "Deployment"))
     env = {e["name"]: e for e in api["spec"]["template"]["spec"]["containers"][0].get("env", [])}
     ref = ((env.get("RAY_AUTH_TOKEN") or {}).get("valueFrom") or {}).get("secretKeyRef") or {}
     if ref.get("name") != auth.get("secretName"):
-        faults.append("StatefulSet/ito-api: the Ray token is not the cluster's Secret")
+        faults.append(f"{api['kind']}/ito-api: the Ray token is not the cluster's Secret")
     faults += _network_faults(docs, cluster)
     return faults
 
 
 def _network_faults(docs: list[dict[str, Any]], cluster: dict[str, Any]) -> list[str]:
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
-    head = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].get(
-        "ray.io/node-type") == "head"]
+    head = [
+        p
+        for p in policies
+        if p["spec"]["podSelector"]["matchLabels"].get("ray.io/node-type") == "head"
+    ]
     if not head:
         return ["no NetworkPolicy selects the Ray head"]
     faults = []
@@ -327,21 +353,33 @@ def test_hardening_check_catches_each_weakening() -> None:
         return spec["template"]["spec"]
 
     assert weakened(lambda ds: kind(ds, "RayCluster")["spec"].pop("authOptions"))
-    assert weakened(lambda ds: head(ds)["containers"][0]["securityContext"].update(
-        allowPrivilegeEscalation=True))
-    assert weakened(lambda ds: head(ds)["containers"][0]["securityContext"].update(
-        readOnlyRootFilesystem=False))
-    assert weakened(lambda ds: worker(ds)["containers"][0]["securityContext"].pop(
-        "capabilities"))
-    assert weakened(lambda ds: worker(ds)["volumes"].append(
-        {"name": "other", "persistentVolumeClaim": {"claimName": "ito-bk-other-data"}}))
-    assert weakened(lambda ds: worker(ds)["volumes"].append(
-        {"name": "host", "hostPath": {"path": "/"}}))
-    assert weakened(lambda ds: kind(ds, "StatefulSet")["spec"]["template"]["spec"][
-        "containers"][0]["env"].append({"name": "RAY_AUTH_TOKEN_X", "value": "x"}))
+    assert weakened(
+        lambda ds: head(ds)["containers"][0]["securityContext"].update(
+            allowPrivilegeEscalation=True
+        )
+    )
+    assert weakened(
+        lambda ds: head(ds)["containers"][0]["securityContext"].update(readOnlyRootFilesystem=False)
+    )
+    assert weakened(lambda ds: worker(ds)["containers"][0]["securityContext"].pop("capabilities"))
+    assert weakened(
+        lambda ds: worker(ds)["volumes"].append(
+            {"name": "other", "persistentVolumeClaim": {"claimName": "ito-bk-other-data"}}
+        )
+    )
+    assert weakened(
+        lambda ds: worker(ds)["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
+    )
+    assert weakened(
+        lambda ds: kind(ds, "StatefulSet")["spec"]["template"]["spec"]["containers"][0][
+            "env"
+        ].append({"name": "RAY_AUTH_TOKEN_X", "value": "x"})
+    )
+
     def head_policy(ds: list[dict[str, Any]]) -> dict[str, Any]:
         return next(d for d in ds if d["metadata"]["name"] == "ito-ray-head")
 
-    assert weakened(lambda ds: head_policy(ds)["spec"]["ingress"][0]["from"].append(
-        {"podSelector": {}}))
+    assert weakened(
+        lambda ds: head_policy(ds)["spec"]["ingress"][0]["from"].append({"podSelector": {}})
+    )
     assert weakened(lambda ds: ds.remove(head_policy(ds)))

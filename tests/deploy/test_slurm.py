@@ -46,14 +46,16 @@ if os.geteuid() != 0:
 
 
 def _run(*cmd: str, env: dict[str, str], timeout: float = 30.0) -> str:
-    return subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
-                          timeout=timeout).stdout.strip()
+    return subprocess.run(
+        cmd, env=env, check=True, capture_output=True, text=True, timeout=timeout
+    ).stdout.strip()
 
 
 def _queued(job: str, env: dict[str, str]) -> bool:
     """Whether the job is still known to squeue (an ended job id is an error there)."""
-    r = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True,
-                       timeout=30)
+    r = subprocess.run(
+        ["squeue", "-h", "-j", job], env=env, capture_output=True, text=True, timeout=30
+    )
     return r.returncode == 0 and bool(r.stdout.strip())
 
 
@@ -84,40 +86,79 @@ def slurm() -> Iterator[dict[str, Any]]:
     host = socket.gethostname().split(".")[0]
     mem_mb = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.8)
     conf = d / "slurm.conf"
-    conf.write_text("\n".join([
-        "ClusterName=ito-ci", f"SlurmctldHost={host}", "SlurmUser=root",
-        "AuthType=auth/munge", "CryptoType=crypto/munge", f"AuthInfo=socket={socket_path}",
-        "MpiDefault=none", "MailProg=/bin/true", "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none", "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core", "ReturnToService=2",
-        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
-        f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
-        f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid",
-        f"SlurmctldLogFile={d}/slurmctld.log", f"SlurmdLogFile={d}/slurmd.log",
-        f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 2} "
-        f"RealMemory={mem_mb} State=UNKNOWN",
-        f"PartitionName=ci Nodes={host} Default=YES MaxTime=INFINITE State=UP", ""]))
+    conf.write_text(
+        "\n".join(
+            [
+                "ClusterName=ito-ci",
+                f"SlurmctldHost={host}",
+                "SlurmUser=root",
+                "AuthType=auth/munge",
+                "CryptoType=crypto/munge",
+                f"AuthInfo=socket={socket_path}",
+                "MpiDefault=none",
+                "MailProg=/bin/true",
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "JobAcctGatherType=jobacct_gather/none",
+                "AccountingStorageType=accounting_storage/none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_Core",
+                "ReturnToService=2",
+                f"SlurmctldPort={free_port()}",
+                f"SlurmdPort={free_port()}",
+                f"StateSaveLocation={d}/state",
+                f"SlurmdSpoolDir={d}/spool",
+                f"SlurmctldPidFile={d}/slurmctld.pid",
+                f"SlurmdPidFile={d}/slurmd.pid",
+                f"SlurmctldLogFile={d}/slurmctld.log",
+                f"SlurmdLogFile={d}/slurmd.log",
+                f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 2} "
+                f"RealMemory={mem_mb} State=UNKNOWN",
+                f"PartitionName=ci Nodes={host} Default=YES MaxTime=INFINITE State=UP",
+                "",
+            ]
+        )
+    )
     for sub in ("state", "spool"):
         (d / sub).mkdir()
     env = {**os.environ, "SLURM_CONF": str(conf)}
 
     def spawn(*cmd: str) -> None:
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      env=env, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        )
 
     try:
-        spawn("runuser", "-u", "munge", "--", "/usr/sbin/munged", "-F",
-              f"--socket={socket_path}", f"--pid-file={munge_dir}/munged.pid",
-              f"--log-file={munge_dir}/munged.log", f"--seed-file={munge_dir}/munged.seed")
+        spawn(
+            "runuser",
+            "-u",
+            "munge",
+            "--",
+            "/usr/sbin/munged",
+            "-F",
+            f"--socket={socket_path}",
+            f"--pid-file={munge_dir}/munged.pid",
+            f"--log-file={munge_dir}/munged.log",
+            f"--seed-file={munge_dir}/munged.seed",
+        )
         deadline = time.monotonic() + DAEMON_TIMEOUT_S
         while not socket_path.exists():
             assert time.monotonic() < deadline, "munged did not start"
             time.sleep(0.2)
         spawn("slurmctld", "-D", "-f", str(conf))
         spawn("slurmd", "-D", "-f", str(conf))
-        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%t"], env=env,
-                                           capture_output=True, text=True).stdout:
+        while (
+            "idle"
+            not in subprocess.run(
+                ["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True
+            ).stdout
+        ):
             assert time.monotonic() < deadline, (d / "slurmctld.log").read_text()[-2000:]
             time.sleep(0.5)
         yield {"dir": d, "env": env}
@@ -144,42 +185,74 @@ def _manifest(tmp: Path) -> dict[str, Any]:
     corpus = tmp / "train.jsonl"
     lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:200]
     corpus.write_text("".join(json.dumps({"text": json.loads(x)["text"]}) + "\n" for x in lines))
-    return {"manifest_version": 1, "name": f"slurm-{uuid.uuid4().hex[:6]}",
-            "model": {"preset": "llama-tiny", "size": "124K"},
-            "data": {"refs": [{"uri": f"file://{corpus}", "sha256": file_sha256(corpus),
-                               "role": "baseline", "format": "jsonl", "text_field": "text",
-                               "provenance": {"source": "test", "license": "PSF"}}],
-                     "eval_suites": ["gsm8k"], "ladder_probe": {"enabled": False}},
-            "training": {"max_steps": 30, "seq_len": 64, "global_batch_tokens": 512,
-                         "learning_rate": 0.003, "warmup_steps": 2},
-            "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain",
-                                       "token_fraction": 1.0}]},
-            "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
-            "checkpoint": {"interval_steps": 10, "keep": 2,
-                           "storage_uri": f"file://{tmp / 'ckpt'}"}}
+    return {
+        "manifest_version": 1,
+        "name": f"slurm-{uuid.uuid4().hex[:6]}",
+        "model": {"preset": "llama-tiny", "size": "124K"},
+        "data": {
+            "refs": [
+                {
+                    "uri": f"file://{corpus}",
+                    "sha256": file_sha256(corpus),
+                    "role": "baseline",
+                    "format": "jsonl",
+                    "text_field": "text",
+                    "provenance": {"source": "test", "license": "PSF"},
+                }
+            ],
+            "eval_suites": ["gsm8k"],
+            "ladder_probe": {"enabled": False},
+        },
+        "training": {
+            "max_steps": 30,
+            "seq_len": 64,
+            "global_batch_tokens": 512,
+            "learning_rate": 0.003,
+            "warmup_steps": 2,
+        },
+        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain", "token_fraction": 1.0}]},
+        "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
+        "checkpoint": {"interval_steps": 10, "keep": 2, "storage_uri": f"file://{tmp / 'ckpt'}"},
+    }
 
 
-def test_sbatch_self_contained_run_and_scancel_teardown(slurm: dict[str, Any],
-                                                        tmp_path: Path) -> None:
+def test_sbatch_self_contained_run_and_scancel_teardown(
+    slurm: dict[str, Any], tmp_path: Path
+) -> None:
     var = tmp_path / "var"
     db = tmp_path / "ito.db"
     tenant: Tenant = make_tenant(db, "acme", booking=cpu_booking_doc("bk-slurm", "acme", gpus=1))
     base = _port_block()
     ray_tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     backend = tmp_path / "ito-backend"
-    backend.write_text(f"#!/bin/sh\nexec {sys.executable} -m orchestrator.admin \"$@\"\n")
+    backend.write_text(f'#!/bin/sh\nexec {sys.executable} -m orchestrator.admin "$@"\n')
     backend.chmod(0o755)
-    env = {**slurm["env"], "ITO_BOOKING": "bk-slurm", "ITO_DB": str(db),
-           "ITO_VAR_DIR": str(var), "ITO_BACKEND_BIN": str(backend),
-           "ITO_PORT_BASE": str(base), "ITO_NODE_IP": "127.0.0.1",
-           "ITO_RAY_BIN": str(Path(sys.executable).with_name("ray")),
-           "ITO_PYTHON": sys.executable, "ITO_SLURM_DIR": str(SLURM_DIR),
-           "ITO_RAY_TEMP_DIR": str(ray_tmp), "ITO_OBJECT_STORE_BYTES": "200000000",
-           "ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.2}),
-           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {
+        **slurm["env"],
+        "ITO_BOOKING": "bk-slurm",
+        "ITO_DB": str(db),
+        "ITO_VAR_DIR": str(var),
+        "ITO_BACKEND_BIN": str(backend),
+        "ITO_PORT_BASE": str(base),
+        "ITO_NODE_IP": "127.0.0.1",
+        "ITO_RAY_BIN": str(Path(sys.executable).with_name("ray")),
+        "ITO_PYTHON": sys.executable,
+        "ITO_SLURM_DIR": str(SLURM_DIR),
+        "ITO_RAY_TEMP_DIR": str(ray_tmp),
+        "ITO_OBJECT_STORE_BYTES": "200000000",
+        "ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.2}),
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+    }
     out = tmp_path / "job.out"
-    job = _run("sbatch", "--parsable", "--nodes=1", f"--output={out}",
-               str(SLURM_DIR / "ito-self-contained.sbatch"), env=env)
+    job = _run(
+        "sbatch",
+        "--parsable",
+        "--nodes=1",
+        f"--output={out}",
+        str(SLURM_DIR / "ito-self-contained.sbatch"),
+        env=env,
+    )
 
     def job_log() -> str:
         return out.read_text(errors="replace")[-4000:] if out.exists() else "(no output)"
@@ -208,9 +281,11 @@ def test_sbatch_self_contained_run_and_scancel_teardown(slurm: dict[str, Any],
         assert time.monotonic() < deadline, "the job did not end after scancel"
         time.sleep(1)
     # Clean teardown: no Ray process of this job and no API server are left.
-    while subprocess.run(["pgrep", "-f", "--", str(ray_tmp)], capture_output=True).returncode \
-            == 0 or subprocess.run(["pgrep", "-f", "--", f"--var-dir {var}"],
-                                   capture_output=True).returncode == 0:
+    while (
+        subprocess.run(["pgrep", "-f", "--", str(ray_tmp)], capture_output=True).returncode == 0
+        or subprocess.run(["pgrep", "-f", "--", f"--var-dir {var}"], capture_output=True).returncode
+        == 0
+    ):
         assert time.monotonic() < deadline, f"processes left after scancel:\n{job_log()}"
         time.sleep(1)
     with pytest.raises(httpx.HTTPError):
@@ -218,8 +293,9 @@ def test_sbatch_self_contained_run_and_scancel_teardown(slurm: dict[str, Any],
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def _watch_run(url: str, tenant: Tenant, run_id: str, dashboard: str,
-               job_log: Any) -> dict[str, str]:
+def _watch_run(
+    url: str, tenant: Tenant, run_id: str, dashboard: str, job_log: Any
+) -> dict[str, str]:
     """Follow the run to success; return actor name -> booking mark of its node."""
     from ray.util.state import list_actors, list_nodes
 
@@ -228,18 +304,21 @@ def _watch_run(url: str, tenant: Tenant, run_id: str, dashboard: str,
     deadline = time.monotonic() + RUN_TIMEOUT_S
     run: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        with httpx.Client(base_url=url, timeout=30,
-                          headers={"Authorization": f"Bearer {tenant.submitter}"}) as c:
+        with httpx.Client(
+            base_url=url, timeout=30, headers={"Authorization": f"Bearer {tenant.submitter}"}
+        ) as c:
             run = c.get(f"/v1/runs/{run_id}").json()["data"]
         if run["state"] in ("succeeded", "failed", "cancelled"):
             break
         if run["state"] == "running":
             try:
-                marks = {n.node_id: next((k for k in n.resources_total
-                                          if k.startswith("booking:")), "")
-                         for n in list_nodes(address=dashboard, detail=True)}
-                for a in list_actors(address=dashboard, filters=[("state", "=", "ALIVE")],
-                                     detail=True):
+                marks = {
+                    n.node_id: next((k for k in n.resources_total if k.startswith("booking:")), "")
+                    for n in list_nodes(address=dashboard, detail=True)
+                }
+                for a in list_actors(
+                    address=dashboard, filters=[("state", "=", "ALIVE")], detail=True
+                ):
                     if a.name and a.name.startswith(f"run-{run_id}"):
                         placed[a.name] = marks.get(a.node_id, "?")
             except Exception:  # the state API can lag under load; sample again

@@ -57,15 +57,24 @@ def test_smoke_battery_runs_every_check_through_lm_eval(first: BatteryResult) ->
     # Every file the numbers depend on is pinned by sha256.
     root = configs_dir() / "evals"
     assert set(first.task_files) == {
-        "smoke.json", "smoke/ito_smoke_gsm8k.yaml", "smoke/gsm8k_mini.jsonl",
-        "smoke/gsm8k_fewshot.jsonl", "smoke/ito_smoke_mc.yaml", "smoke/arith_mc.jsonl"}
+        "smoke.json",
+        "smoke/ito_smoke_gsm8k.yaml",
+        "smoke/gsm8k_mini.jsonl",
+        "smoke/gsm8k_fewshot.jsonl",
+        "smoke/ito_smoke_mc.yaml",
+        "smoke/arith_mc.jsonl",
+    }
     import hashlib
-    assert first.task_files["smoke/arith_mc.jsonl"] == hashlib.sha256(
-        (root / "smoke/arith_mc.jsonl").read_bytes()).hexdigest()
+
+    assert (
+        first.task_files["smoke/arith_mc.jsonl"]
+        == hashlib.sha256((root / "smoke/arith_mc.jsonl").read_bytes()).hexdigest()
+    )
 
 
-def test_the_same_checkpoint_scores_identically_twice(lm: tuple[Any, Any],
-                                                      first: BatteryResult) -> None:
+def test_the_same_checkpoint_scores_identically_twice(
+    lm: tuple[Any, Any], first: BatteryResult
+) -> None:
     model, tok = lm
     again = run_battery(model, tok, "smoke", HELDOUT, seq_len=64, phase="pretrain", step=10)
     assert again.scores() == first.scores()
@@ -74,8 +83,13 @@ def test_the_same_checkpoint_scores_identically_twice(lm: tuple[Any, Any],
 
 def test_gate_bounds_and_regression(first: BatteryResult) -> None:
     loss = first.scores()["heldout_loss"]
-    ok = evaluate_gates(first, [GateThreshold(metric="heldout_loss", max=loss + 1),
-                                GateThreshold(metric="arith_mc_acc", min=0.0)])
+    ok = evaluate_gates(
+        first,
+        [
+            GateThreshold(metric="heldout_loss", max=loss + 1),
+            GateThreshold(metric="arith_mc_acc", min=0.0),
+        ],
+    )
     assert ok.passed and not ok.failing
     bad = evaluate_gates(first, [GateThreshold(metric="heldout_loss", max=loss - 0.5)])
     assert not bad.passed
@@ -83,14 +97,20 @@ def test_gate_bounds_and_regression(first: BatteryResult) -> None:
     assert v.check == "heldout_loss" and v.score == loss and v.max == loss - 0.5
     assert "above max" in v.reason and v.phase == "pretrain"
     # Regression: loss is lower-is-better, so a previous loss 0.2 lower is a regression.
-    prev = first.model_copy(update={"checks": [
-        c.model_copy(update={"score": c.score - 0.2}) if c.name == "heldout_loss" else c
-        for c in first.checks]})
+    prev = first.model_copy(
+        update={
+            "checks": [
+                c.model_copy(update={"score": c.score - 0.2}) if c.name == "heldout_loss" else c
+                for c in first.checks
+            ]
+        }
+    )
     t = [GateThreshold(metric="heldout_loss", max_regression=0.1)]
     reg = evaluate_gates(first, t, previous=prev)
     assert not reg.passed and reg.failing[0].previous == pytest.approx(loss - 0.2)
-    assert evaluate_gates(first, [GateThreshold(metric="heldout_loss", max_regression=0.3)],
-                          previous=prev).passed
+    assert evaluate_gates(
+        first, [GateThreshold(metric="heldout_loss", max_regression=0.3)], previous=prev
+    ).passed
     # No previous result (first phase): the regression bound has nothing to compare.
     assert evaluate_gates(first, t).passed
     # A threshold on a check the battery does not have is a failure, never ignored.
@@ -102,8 +122,12 @@ def test_gate_bounds_and_regression(first: BatteryResult) -> None:
 
 def test_crash_timeout_or_no_number_fail_even_without_a_bound(first: BatteryResult) -> None:
     for status in ("error", "timeout", "no_number"):
-        checks = [c.model_copy(update={"status": status, "score": None, "error": "x"})
-                  if c.name == "gsm8k_exact_match" else c for c in first.checks]
+        checks = [
+            c.model_copy(update={"status": status, "score": None, "error": "x"})
+            if c.name == "gsm8k_exact_match"
+            else c
+            for c in first.checks
+        ]
         d = evaluate_gates(first.model_copy(update={"checks": checks}), [])
         assert not d.passed and [v.check for v in d.failing] == ["gsm8k_exact_match"]
         assert d.failing[0].reason.startswith(status)
@@ -112,14 +136,16 @@ def test_crash_timeout_or_no_number_fail_even_without_a_bound(first: BatteryResu
 
 def test_a_real_timeout_is_a_failed_gate(lm: tuple[Any, Any]) -> None:
     model, tok = lm
-    r = run_battery(model, tok, "smoke", HELDOUT, seq_len=64,
-                    settings=EvalSettings(check_timeout_s=1e-4))
+    r = run_battery(
+        model, tok, "smoke", HELDOUT, seq_len=64, settings=EvalSettings(check_timeout_s=1e-4)
+    )
     assert {c.status for c in r.checks} == {"timeout"} and not r.scores()
     assert not evaluate_gates(r, []).passed
 
 
-def test_an_eval_that_raises_is_a_failed_gate(lm: tuple[Any, Any], tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_eval_that_raises_is_a_failed_gate(
+    lm: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A battery whose multiple-choice data is not JSON: lm-eval (datasets) raises for
     real inside that check; the other checks still run and score."""
     cfg = tmp_path / "configs"

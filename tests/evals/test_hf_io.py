@@ -24,15 +24,19 @@ def test_byte_vocab_tokenizer_matches_the_byte_tokenizer_ids() -> None:
     assert isinstance(tok, PreTrainedTokenizerFast)
     assert len(tok) == 260
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (
-        256, 257, 258, 259)
+        256,
+        257,
+        258,
+        259,
+    )
     text = "Hello, wörld!\n  12 + 30 = 42 ✓"
     assert tok(text, add_special_tokens=False)["input_ids"] == ByteTokenizer().encode(
-        text, eos=False)
+        text, eos=False
+    )
     assert tok.decode(tok(text)["input_ids"]) == text
 
 
-def test_trained_bpe_learns_merges_keeps_the_byte_layout_and_round_trips(
-        tmp_path: Path) -> None:
+def test_trained_bpe_learns_merges_keeps_the_byte_layout_and_round_trips(tmp_path: Path) -> None:
     tok = train_tokenizer(TEXTS, vocab_size=320)
     assert len(tok) == 320
     text = "def function_7(x):\n    return x * 7 + the_answer  # café\n"
@@ -49,11 +53,12 @@ def test_trained_bpe_learns_merges_keeps_the_byte_layout_and_round_trips(
     assert again(text)["input_ids"] == tok(text)["input_ids"]
     assert again.pad_token == "<|pad|>" and again.eos_token == "<|eos|>"
     chat = again.apply_chat_template(
-        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
-        tokenize=False)
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}], tokenize=False
+    )
     assert chat == "<|bos|>user\n2+2?<|eos|><|bos|>assistant\n4<|eos|>"
-    prompt = again.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                       add_generation_prompt=True)
+    prompt = again.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt.endswith("<|bos|>assistant\n")
 
 

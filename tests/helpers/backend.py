@@ -63,13 +63,33 @@ class Backend:
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.admin", "serve", "--db", str(self.db),
-             "--host", "127.0.0.1", "--port", str(self.port), "--var-dir", str(self.var_dir),
-             # API tests need no Ray and isolate the other gates; a test that wants the
-             # Ray runtime or the planner gate says so in extra_args (the last one wins).
-             "--runtime", "none", "--no-planner-gate",
-             "--metrics-port", str(self.metrics_port), *self.extra_args],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.admin",
+                "serve",
+                "--db",
+                str(self.db),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--var-dir",
+                str(self.var_dir),
+                # API tests need no Ray and isolate the other gates; a test that wants the
+                # Ray runtime or the planner gate says so in extra_args (the last one wins).
+                "--runtime",
+                "none",
+                "--no-planner-gate",
+                "--metrics-port",
+                str(self.metrics_port),
+                *self.extra_args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
@@ -117,5 +137,6 @@ class Backend:
 def start_backend(tmp: Path, **kw: Any) -> Backend:
     """A started backend with its DB, var dir and log under ``tmp``."""
     tmp.mkdir(parents=True, exist_ok=True)
-    return Backend(db=tmp / "ito.db", var_dir=tmp / "var", log_path=tmp / "backend.log",
-                   **kw).start()
+    return Backend(
+        db=tmp / "ito.db", var_dir=tmp / "var", log_path=tmp / "backend.log", **kw
+    ).start()

@@ -10,32 +10,52 @@ import httpx
 from helpers.manifests import manifest_payload
 
 
-def confirm(client: httpx.Client, approver_key: str, action: str, booking_id: str,
-            cost_usd: float = 100.0, manifest: dict[str, Any] | bytes | None = None,
-            **extra: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"action": action, "booking_id": booking_id, "cost_usd": cost_usd,
-                            **extra}
+def confirm(
+    client: httpx.Client,
+    approver_key: str,
+    action: str,
+    booking_id: str,
+    cost_usd: float = 100.0,
+    manifest: dict[str, Any] | bytes | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "action": action,
+        "booking_id": booking_id,
+        "cost_usd": cost_usd,
+        **extra,
+    }
     if manifest is not None:
         body.update(manifest_payload(manifest))
-    r = client.post("/v1/confirmations", json=body,
-                    headers={"Authorization": f"Bearer {approver_key}"})
+    r = client.post(
+        "/v1/confirmations", json=body, headers={"Authorization": f"Bearer {approver_key}"}
+    )
     out: dict[str, Any] = r.json()
     return out
 
 
-def confirm_ref(client: httpx.Client, approver_key: str, action: str, booking_id: str,
-                **kw: Any) -> str:
+def confirm_ref(
+    client: httpx.Client, approver_key: str, action: str, booking_id: str, **kw: Any
+) -> str:
     env = confirm(client, approver_key, action, booking_id, **kw)
     assert env["ok"], env
     ref: str = env["data"]["confirmation_ref"]
     return ref
 
 
-def submit(client: httpx.Client, submitter_key: str, booking_id: str,
-           manifest: dict[str, Any] | bytes, ref: str,
-           idempotency_key: str | None = None) -> httpx.Response:
+def submit(
+    client: httpx.Client,
+    submitter_key: str,
+    booking_id: str,
+    manifest: dict[str, Any] | bytes,
+    ref: str,
+    idempotency_key: str | None = None,
+) -> httpx.Response:
     return client.post(
-        "/v1/runs", json={"booking_id": booking_id, "confirmation_ref": ref,
-                          **manifest_payload(manifest)},
-        headers={"Authorization": f"Bearer {submitter_key}",
-                 "Idempotency-Key": idempotency_key or f"key-{uuid.uuid4().hex}"})
+        "/v1/runs",
+        json={"booking_id": booking_id, "confirmation_ref": ref, **manifest_payload(manifest)},
+        headers={
+            "Authorization": f"Bearer {submitter_key}",
+            "Idempotency-Key": idempotency_key or f"key-{uuid.uuid4().hex}",
+        },
+    )

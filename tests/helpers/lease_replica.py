@@ -62,8 +62,12 @@ def main() -> None:
     ap.add_argument("--tick-s", type=float, default=0.0)
     args = ap.parse_args()
     store = Store(args.db)
-    rt = FakeLauncherRuntime(store, Path(args.var_dir), RaySettings(), SupervisorSettings(
-        supervisor_lease_s=args.lease_s, poll_interval_s=args.poll_s))
+    rt = FakeLauncherRuntime(
+        store,
+        Path(args.var_dir),
+        RaySettings(),
+        SupervisorSettings(supervisor_lease_s=args.lease_s, poll_interval_s=args.poll_s),
+    )
     rt.tick_s = args.tick_s
     var = Path(args.var_dir)
     var.mkdir(parents=True, exist_ok=True)

@@ -62,17 +62,29 @@ class PgServer:
         import psycopg
 
         name = f"t_{uuid.uuid4().hex[:12]}"
-        with psycopg.connect(self.url(), password=self.password_file.read_text().strip(),
-                             autocommit=True) as conn:
+        with psycopg.connect(
+            self.url(), password=self.password_file.read_text().strip(), autocommit=True
+        ) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
 
     def stop(self) -> None:
         bindir = pg_bin()
         assert bindir is not None
-        subprocess.run(self._as_user(str(bindir / "pg_ctl"), "-D", str(self.root / "data"),
-                                     "-m", "immediate", "-w", "stop"),
-                       capture_output=True, timeout=STOP_TIMEOUT_S, check=False)
+        subprocess.run(
+            self._as_user(
+                str(bindir / "pg_ctl"),
+                "-D",
+                str(self.root / "data"),
+                "-m",
+                "immediate",
+                "-w",
+                "stop",
+            ),
+            capture_output=True,
+            timeout=STOP_TIMEOUT_S,
+            check=False,
+        )
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -92,19 +104,49 @@ def start_postgres() -> PgServer:
         os.chown(pwfile, info.pw_uid, info.pw_gid)
     os.chmod(pwfile, 0o600)
     server = PgServer(root=root, port=free_port(), password_file=pwfile, os_user=user)
-    subprocess.run(server._as_user(
-        str(bindir / "initdb"), "-D", str(root / "data"), "-U", PG_USER,
-        f"--pwfile={pwfile}", "--auth-local=trust", "--auth-host=scram-sha-256",
-        "--no-sync", "-E", "UTF8"), check=True, capture_output=True, timeout=START_TIMEOUT_S)
+    subprocess.run(
+        server._as_user(
+            str(bindir / "initdb"),
+            "-D",
+            str(root / "data"),
+            "-U",
+            PG_USER,
+            f"--pwfile={pwfile}",
+            "--auth-local=trust",
+            "--auth-host=scram-sha-256",
+            "--no-sync",
+            "-E",
+            "UTF8",
+        ),
+        check=True,
+        capture_output=True,
+        timeout=START_TIMEOUT_S,
+    )
     # Small and quiet: a test server, not a benchmark of PostgreSQL's settings.
-    opts = (f"-c listen_addresses=127.0.0.1 -c port={server.port} "
-            f"-c unix_socket_directories={root} -c max_connections=200 "
-            "-c shared_buffers=32MB -c fsync=off -c synchronous_commit=off "
-            "-c full_page_writes=off")
-    subprocess.run(server._as_user(
-        str(bindir / "pg_ctl"), "-D", str(root / "data"), "-l", str(root / "server.log"),
-        "-o", opts, "-w", "-t", str(int(START_TIMEOUT_S)), "start"),
-        check=True, capture_output=True, timeout=START_TIMEOUT_S + 10)
+    opts = (
+        f"-c listen_addresses=127.0.0.1 -c port={server.port} "
+        f"-c unix_socket_directories={root} -c max_connections=200 "
+        "-c shared_buffers=32MB -c fsync=off -c synchronous_commit=off "
+        "-c full_page_writes=off"
+    )
+    subprocess.run(
+        server._as_user(
+            str(bindir / "pg_ctl"),
+            "-D",
+            str(root / "data"),
+            "-l",
+            str(root / "server.log"),
+            "-o",
+            opts,
+            "-w",
+            "-t",
+            str(int(START_TIMEOUT_S)),
+            "start",
+        ),
+        check=True,
+        capture_output=True,
+        timeout=START_TIMEOUT_S + 10,
+    )
     # The store and every backend subprocess read the password from this file.
     os.environ[PASSWORD_FILE_ENV] = str(pwfile)
     return server

@@ -30,31 +30,50 @@ def corpora(folder: Path, baseline_docs: int, custom_docs: int) -> tuple[Path, P
     """A baseline (the repo's python docs) and a custom (GSM8K Q&A) training file."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()
-    baseline = write_docs(folder / "baseline.jsonl",
-                          [json.loads(li)["text"] for li in lines[:baseline_docs]])
-    gsm = [json.loads(li) for li in
-           (REPO / "data" / "gsm8k" / "train.jsonl").read_text().splitlines()[:custom_docs]]
-    custom = write_docs(folder / "custom.jsonl",
-                        [f"{g['question']}\n{g['answer']}" for g in gsm])
+    baseline = write_docs(
+        folder / "baseline.jsonl", [json.loads(li)["text"] for li in lines[:baseline_docs]]
+    )
+    gsm = [
+        json.loads(li)
+        for li in (REPO / "data" / "gsm8k" / "train.jsonl").read_text().splitlines()[:custom_docs]
+    ]
+    custom = write_docs(folder / "custom.jsonl", [f"{g['question']}\n{g['answer']}" for g in gsm])
     return baseline, custom
 
 
 @contextmanager
-def ray_backend(tmp: Path, booking_id: str, *, gpus_per_node: int = 2,
-                planner_gate: bool = True, env: dict[str, str] | None = None
-                ) -> Iterator[dict[str, Any]]:
+def ray_backend(
+    tmp: Path,
+    booking_id: str,
+    *,
+    gpus_per_node: int = 2,
+    planner_gate: bool = True,
+    env: dict[str, str] | None = None,
+) -> Iterator[dict[str, Any]]:
     """A started Ray-backed server; yields ``{"backend", "tenant", "tmp", "dashboard"}``
     and stops the server and its embedded head at the end."""
     dash = free_port()
-    be = Backend(db=tmp / "ito.db", var_dir=tmp / "var", log_path=tmp / "backend.log",
-                 extra_args=["--runtime", "ray",
-                             *(["--planner-gate"] if planner_gate else []),
-                             "--ray-head-port", str(free_port()),
-                             "--ray-dashboard-port", str(dash),
-                             "--ray-num-cpus", str(RAY_NUM_CPUS)],
-                 env=dict(env or {}), startup_timeout_s=RAY_BACKEND_STARTUP_TIMEOUT_S)
-    tenant = make_tenant(be.db, "acme", booking=cpu_booking_doc(
-        booking_id, "acme", gpus=gpus_per_node))
+    be = Backend(
+        db=tmp / "ito.db",
+        var_dir=tmp / "var",
+        log_path=tmp / "backend.log",
+        extra_args=[
+            "--runtime",
+            "ray",
+            *(["--planner-gate"] if planner_gate else []),
+            "--ray-head-port",
+            str(free_port()),
+            "--ray-dashboard-port",
+            str(dash),
+            "--ray-num-cpus",
+            str(RAY_NUM_CPUS),
+        ],
+        env=dict(env or {}),
+        startup_timeout_s=RAY_BACKEND_STARTUP_TIMEOUT_S,
+    )
+    tenant = make_tenant(
+        be.db, "acme", booking=cpu_booking_doc(booking_id, "acme", gpus=gpus_per_node)
+    )
     try:
         be.start()
         note_start("embedded-head", str(tmp))

@@ -41,10 +41,16 @@ def start() -> str:
     for attempt in range(1, START_ATTEMPTS + 1):
         temp = tempfile.mkdtemp(prefix="ray-t-")  # short: Ray's socket paths < 107 bytes
         try:
-            ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False,
-                     _temp_dir=temp, log_to_driver=False, namespace=NAMESPACE,
-                     object_store_memory=OBJECT_STORE_BYTES,
-                     _system_config={"object_spilling_config": spilling_config(temp + "/spill")})
+            ray.init(
+                address="local",
+                num_cpus=NUM_CPUS,
+                include_dashboard=False,
+                _temp_dir=temp,
+                log_to_driver=False,
+                namespace=NAMESPACE,
+                object_store_memory=OBJECT_STORE_BYTES,
+                _system_config={"object_spilling_config": spilling_config(temp + "/spill")},
+            )
         except Exception:
             # Ray gives a new raylet a fixed 30 s to register with its GCS, which an
             # overloaded host can miss; the next attempt usually makes it.

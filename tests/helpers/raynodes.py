@@ -27,8 +27,13 @@ def _ray() -> str:
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
-            "OMP_NUM_THREADS": "1", **extra}
+    return {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 @dataclass
@@ -70,18 +75,35 @@ class LocalCluster:
 
     def _start(self, name: str, args: list[str], resources: dict[str, float]) -> Node:
         log = self.tmp / f"ray-{name}.log"
-        ports = [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-                 f"--metrics-export-port={free_port()}",
-                 f"--dashboard-agent-listen-port={free_port()}",
-                 f"--dashboard-agent-grpc-port={free_port()}",
-                 f"--runtime-env-agent-port={free_port()}"]
-        cmd = [_ray(), "start", "--block", "--node-ip-address=127.0.0.1",
-               "--disable-usage-stats", "--object-store-memory=200000000", *ports, *args]
+        ports = [
+            f"--node-manager-port={free_port()}",
+            f"--object-manager-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+        ]
+        cmd = [
+            _ray(),
+            "start",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            "--disable-usage-stats",
+            "--object-store-memory=200000000",
+            *ports,
+            *args,
+        ]
         if resources:
             cmd.append(f"--resources={json.dumps(resources)}")
         with open(log, "ab") as out:
-            proc = subprocess.Popen(cmd, env=_env(self.env), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                env=_env(self.env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         node = Node(name, proc, log, resources)
         self.nodes.append(node)
         deadline = time.monotonic() + NODE_START_TIMEOUT_S
@@ -101,22 +123,44 @@ class LocalCluster:
         return str(self.ray_tmp)
 
     def start_head(self) -> Node:
-        subprocess.run([_ray(), "get-auth-token", "--generate"], env=_env(self.env), check=True,
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            [_ray(), "get-auth-token", "--generate"],
+            env=_env(self.env),
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         self.head_port = free_port()
         self.dashboard_port = free_port()
         note_start("cluster", str(self.tmp))
         # The head runs no work (num-cpus 0), as in deploy/k8s: runs go to booked nodes.
-        return self._start("head", [
-            "--head", f"--port={self.head_port}", "--num-cpus=0",
-            f"--temp-dir={self._ray_tmp()}", f"--ray-client-server-port={free_port()}",
-            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.dashboard_port}"], {})
+        return self._start(
+            "head",
+            [
+                "--head",
+                f"--port={self.head_port}",
+                "--num-cpus=0",
+                f"--temp-dir={self._ray_tmp()}",
+                f"--ray-client-server-port={free_port()}",
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dashboard_port}",
+            ],
+            {},
+        )
 
     def add_node(self, name: str, *, num_cpus: int, resources: dict[str, float]) -> Node:
-        return self._start(name, [f"--address={self.address}", f"--num-cpus={num_cpus}",
-                                  # 0/0: workers bind random ports (raylets share a host)
-                                  "--min-worker-port=0", "--max-worker-port=0"], resources)
+        return self._start(
+            name,
+            [
+                f"--address={self.address}",
+                f"--num-cpus={num_cpus}",
+                # 0/0: workers bind random ports (raylets share a host)
+                "--min-worker-port=0",
+                "--max-worker-port=0",
+            ],
+            resources,
+        )
 
     def stop(self) -> None:
         for node in reversed(self.nodes):

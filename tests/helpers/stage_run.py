@@ -18,19 +18,18 @@ CANCEL_JOIN_TIMEOUT_S = 60.0
 
 
 class StageRun:
-    def __init__(self, cfg: Any, workdir: Path, run_id: str, *, wait_s: float,
-                 join_timeout_s: float):
+    def __init__(
+        self, cfg: Any, workdir: Path, run_id: str, *, wait_s: float, join_timeout_s: float
+    ):
         from stages.trainer import TrainingStage
 
         self.wait_s, self.join_timeout_s = wait_s, join_timeout_s
         self.events: list[Event] = []
         self.cond = threading.Condition()
         workdir.mkdir(parents=True, exist_ok=True)
-        self.ctx = StageContext(run_id=run_id, booking_id="bk", workdir=workdir,
-                                emit=self._emit)
+        self.ctx = StageContext(run_id=run_id, booking_id="bk", workdir=workdir, emit=self._emit)
         self.outcome: GateOutcome | None = None
-        self.thread = threading.Thread(target=self._run, args=(TrainingStage(cfg),),
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(TrainingStage(cfg),), daemon=True)
         self.thread.start()
 
     def __enter__(self) -> StageRun:
@@ -62,9 +61,12 @@ class StageRun:
 
     def logs(self) -> str:
         """The run's latest log lines (for assertion messages)."""
-        return "last logs:\n" + "\n".join(
-            f"{e.ts:.2f} {e.message}" for e in self.events[-400:]
-            if isinstance(e, LogEvent))[-3000:]
+        return (
+            "last logs:\n"
+            + "\n".join(
+                f"{e.ts:.2f} {e.message}" for e in self.events[-400:] if isinstance(e, LogEvent)
+            )[-3000:]
+        )
 
     def join(self) -> GateOutcome:
         self.thread.join(timeout=self.join_timeout_s)
@@ -72,5 +74,8 @@ class StageRun:
         return self.outcome
 
     def steps(self, group: int | None = None) -> list[StepEvent]:
-        return [e for e in self.events if isinstance(e, StepEvent)
-                and (group is None or e.replica_group == group)]
+        return [
+            e
+            for e in self.events
+            if isinstance(e, StepEvent) and (group is None or e.replica_group == group)
+        ]

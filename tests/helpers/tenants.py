@@ -29,19 +29,35 @@ def iso_in(hours: float) -> str:
 def booking_doc(booking_id: str, account: str, **over: Any) -> dict[str, Any]:
     """A complete, active booking: 1 node x 8 H100-SXM on ib-ndr, term now-1h..now+24h."""
     doc: dict[str, Any] = {
-        "booking_id": booking_id, "account": account, "gpu_sku": "H100-SXM",
-        "gpus_per_node": 8, "node_count": 1, "region": "eu-west", "fabric": "ib-ndr",
-        "term_start": iso_in(-1), "term_end": iso_in(24)}
+        "booking_id": booking_id,
+        "account": account,
+        "gpu_sku": "H100-SXM",
+        "gpus_per_node": 8,
+        "node_count": 1,
+        "region": "eu-west",
+        "fabric": "ib-ndr",
+        "term_start": iso_in(-1),
+        "term_end": iso_in(24),
+    }
     doc.update(over)
     return {k: v for k, v in doc.items() if v is not None}
 
 
-def cpu_booking_doc(booking_id: str, account: str, gpus: int = 2, nodes: int = 1,
-                    **over: Any) -> dict[str, Any]:
+def cpu_booking_doc(
+    booking_id: str, account: str, gpus: int = 2, nodes: int = 1, **over: Any
+) -> dict[str, Any]:
     """A booking of the CPU testbed (``cpu-testbed`` ranks over ``loopback``): what the
     demo and Ray tests actually run on; the planner accepts llama-tiny on it."""
-    return booking_doc(booking_id, account, gpu_sku="cpu-testbed", gpus_per_node=gpus,
-                       node_count=nodes, fabric="loopback", region="local", **over)
+    return booking_doc(
+        booking_id,
+        account,
+        gpu_sku="cpu-testbed",
+        gpus_per_node=gpus,
+        node_count=nodes,
+        fabric="loopback",
+        region="local",
+        **over,
+    )
 
 
 @dataclass
@@ -69,10 +85,15 @@ class Tenant:
 DEFAULT_ROOTS = (os.path.realpath(tempfile.gettempdir()),)
 
 
-def make_tenant(db: str | Path, name: str, roles: dict[str, tuple[str, ...]] | None = None,
-                booking: dict[str, Any] | None = None, with_booking: bool = True,
-                data_roots: tuple[str, ...] = DEFAULT_ROOTS,
-                checkpoint_roots: tuple[str, ...] = DEFAULT_ROOTS) -> Tenant:
+def make_tenant(
+    db: str | Path,
+    name: str,
+    roles: dict[str, tuple[str, ...]] | None = None,
+    booking: dict[str, Any] | None = None,
+    with_booking: bool = True,
+    data_roots: tuple[str, ...] = DEFAULT_ROOTS,
+    checkpoint_roots: tuple[str, ...] = DEFAULT_ROOTS,
+) -> Tenant:
     """Account + keys per role (default submitter and approver) + one booking, via Store."""
     store = Store(db)
     try:
@@ -101,8 +122,12 @@ def add_key(db: str | Path, account: str, scopes: tuple[str, ...]) -> tuple[str,
 
 def admin(db: str | Path, *args: str, check: bool = True) -> dict[str, Any]:
     """Run ``ito-backend <args> --db DB --json`` as a subprocess; returns the envelope."""
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.admin", *args, "--db", str(db),
-                           "--json"], capture_output=True, text=True, timeout=ADMIN_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.admin", *args, "--db", str(db), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=ADMIN_TIMEOUT_S,
+    )
     env: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     if check and (proc.returncode != 0 or not env["ok"]):
         raise AssertionError(f"admin {args} failed: {proc.stdout} {proc.stderr}")

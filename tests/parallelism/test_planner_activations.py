@@ -34,16 +34,23 @@ def _saved_bytes(preset: ModelPreset, dtype: torch.dtype, batch: int, seq: int) 
 
 
 def _preset(layers: int, h: int, heads: int, kv: int) -> ModelPreset:
-    return ModelPreset(name=f"act-{layers}-{h}-{heads}-{kv}", vocab_size=260, hidden_size=h,
-                       intermediate_size=h * 8 // 3, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv,
-                       max_position_embeddings=256)
+    return ModelPreset(
+        name=f"act-{layers}-{h}-{heads}-{kv}",
+        vocab_size=260,
+        hidden_size=h,
+        intermediate_size=h * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=256,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("h", "heads", "kv"), [(64, 4, 2), (128, 8, 2), (96, 4, 4)])
-def test_layer_activation_bytes_match_autograd_exactly(dtype: torch.dtype, h: int, heads: int,
-                                                       kv: int) -> None:
+def test_layer_activation_bytes_match_autograd_exactly(
+    dtype: torch.dtype, h: int, heads: int, kv: int
+) -> None:
     batch, seq = 3, 40
     one = _saved_bytes(_preset(1, h, heads, kv), dtype, batch, seq)
     two = _saved_bytes(_preset(2, h, heads, kv), dtype, batch, seq)

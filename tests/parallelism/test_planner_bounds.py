@@ -35,9 +35,15 @@ def test_divisors_of_a_huge_number_finish() -> None:
 
 
 def test_a_search_over_its_time_budget_is_refused_with_its_code() -> None:
-    request = PlanRequest(model="llama3-405b", gpu_sku="H100-SXM", gpus_per_node=8,
-                          node_count=64, fabric="ib-ndr", global_batch_tokens=16 * 2**20,
-                          seq_len=8192)
+    request = PlanRequest(
+        model="llama3-405b",
+        gpu_sku="H100-SXM",
+        gpus_per_node=8,
+        node_count=64,
+        fabric="ib-ndr",
+        global_batch_tokens=16 * 2**20,
+        seq_len=8192,
+    )
     with pytest.raises(ItoError) as e:
         plan(request, time_budget_s=1e-9)
     assert e.value.code == ErrorCode.plan_time_budget_exceeded
@@ -48,6 +54,7 @@ def test_batch_and_steps_beyond_any_real_run_fail_the_schema() -> None:
     from pydantic import ValidationError
 
     from stages.trainer.config import TrainingTarget
+
     with pytest.raises(ValidationError):
         ParallelismConfig(model="llama3-8b", global_batch_tokens=int(6.4e29))
     with pytest.raises(ValidationError):

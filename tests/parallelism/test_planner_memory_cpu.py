@@ -20,10 +20,16 @@ TOLERANCE = 0.20
 
 
 def _preset(h: int, ffn: int, layers: int, heads: int, kv: int, vocab: int = 260) -> ModelPreset:
-    return ModelPreset(name=f"probe-h{h}-l{layers}-v{vocab}", vocab_size=vocab, hidden_size=h,
-                       intermediate_size=ffn, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv,
-                       max_position_embeddings=1024)
+    return ModelPreset(
+        name=f"probe-h{h}-l{layers}-v{vocab}",
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=1024,
+    )
 
 
 CASES = [
@@ -68,21 +74,37 @@ def test_measured_peak_counts_optimizer_state_and_gradients() -> None:
     assert measure_step_peak(step, [p], optimizer) == 3 * 4_000 + 1_000_000
 
 
-@pytest.mark.parametrize(("preset", "micro_batch", "seq_len", "recompute"), CASES,
-                         ids=[f"{c[0].name}-b{c[1]}-s{c[2]}-{c[3]}" for c in CASES])
-def test_predicted_peak_within_20_percent_of_measured(preset: ModelPreset, micro_batch: int,
-                                                      seq_len: int, recompute: str) -> None:
-    measured = measure_peak_memory(preset, micro_batch=micro_batch, seq_len=seq_len,
-                                   activation_checkpointing=recompute)  # type: ignore[arg-type]
+@pytest.mark.parametrize(
+    ("preset", "micro_batch", "seq_len", "recompute"),
+    CASES,
+    ids=[f"{c[0].name}-b{c[1]}-s{c[2]}-{c[3]}" for c in CASES],
+)
+def test_predicted_peak_within_20_percent_of_measured(
+    preset: ModelPreset, micro_batch: int, seq_len: int, recompute: str
+) -> None:
+    measured = measure_peak_memory(
+        preset, micro_batch=micro_batch, seq_len=seq_len, activation_checkpointing=recompute
+    )  # type: ignore[arg-type]
     predicted = estimate_memory(
-        preset, seq_len=seq_len, micro_batch=micro_batch, microbatches=1, tp=1, cp=1, fsdp=1,
-        dp_replicate=1, pp_stage_layers=[preset.num_hidden_layers], pp_schedule="1F1B",
-        pp_virtual_stages=1, activation_checkpointing=recompute,  # type: ignore[arg-type]
-        precision="fp32", foreach_optimizer=False).total
+        preset,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        microbatches=1,
+        tp=1,
+        cp=1,
+        fsdp=1,
+        dp_replicate=1,
+        pp_stage_layers=[preset.num_hidden_layers],
+        pp_schedule="1F1B",
+        pp_virtual_stages=1,
+        activation_checkpointing=recompute,  # type: ignore[arg-type]
+        precision="fp32",
+        foreach_optimizer=False,
+    ).total
     assert measured > 1e6, "configs must be big enough for the comparison to mean something"
     assert abs(predicted - measured) / measured <= TOLERANCE, (
-        f"predicted {predicted / 1e6:.1f} MB vs measured {measured / 1e6:.1f} MB")
-
+        f"predicted {predicted / 1e6:.1f} MB vs measured {measured / 1e6:.1f} MB"
+    )
 
 
 # --- TP and PP: each rank its own process on gloo ------------------------------------
@@ -99,28 +121,43 @@ def parallel_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[i
 
     out = tmp_path_factory.mktemp("mem")
     launch(2, list(MEM_CASES), out)
-    return {name: [int(torch.load(out / f"{name}-rank{r}.pt")["peak"]) for r in range(2)]
-            for name in MEM_CASES}
+    return {
+        name: [int(torch.load(out / f"{name}-rank{r}.pt")["peak"]) for r in range(2)]
+        for name in MEM_CASES
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["mem_tp2", "mem_pp2", "mem_pp2_gpipe"])
 def test_tp_and_pp_predicted_peak_within_20_percent_of_measured(
-        parallel_peaks: dict[str, list[int]], case: str) -> None:
+    parallel_peaks: dict[str, list[int]], case: str
+) -> None:
     from stages.trainer.layout import ParallelLayout
     from tests.trainer.parallel_cases import MEM_CASES, MEM_PRESET, MEM_SEQ_LEN, MEM_SEQS
 
     layout = ParallelLayout(**MEM_CASES[case]).resolved(2)
     mbs = layout.pp_microbatches
     predicted = estimate_memory(
-        MEM_PRESET, seq_len=MEM_SEQ_LEN, micro_batch=MEM_SEQS // mbs, microbatches=mbs,
-        tp=layout.tp, cp=1, fsdp=1, dp_replicate=1,
+        MEM_PRESET,
+        seq_len=MEM_SEQ_LEN,
+        micro_batch=MEM_SEQS // mbs,
+        microbatches=mbs,
+        tp=layout.tp,
+        cp=1,
+        fsdp=1,
+        dp_replicate=1,
         pp_stage_layers=layout.stage_layers(MEM_PRESET.num_hidden_layers),
-        pp_schedule=layout.pp_schedule, pp_virtual_stages=1, activation_checkpointing="none",
-        precision="fp32", foreach_optimizer=False, sequence_parallel=False,
-        loss_parallel=False).total
+        pp_schedule=layout.pp_schedule,
+        pp_virtual_stages=1,
+        activation_checkpointing="none",
+        precision="fp32",
+        foreach_optimizer=False,
+        sequence_parallel=False,
+        loss_parallel=False,
+    ).total
     # the planner predicts the busiest rank
     measured = max(parallel_peaks[case])
     assert measured > 1e7
     assert abs(predicted - measured) / measured <= TOLERANCE, (
-        f"predicted {predicted / 1e6:.1f} MB vs measured {measured / 1e6:.1f} MB")
+        f"predicted {predicted / 1e6:.1f} MB vs measured {measured / 1e6:.1f} MB"
+    )

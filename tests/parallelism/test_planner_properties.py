@@ -17,8 +17,15 @@ from stages.parallelism import (
 )
 from stages.presets import load_model_preset
 
-MODELS = ["llama-tiny", "llama-probe-s", "llama-150m", "llama-1b", "llama3-8b", "llama3-70b",
-          "mixtral-8x7b"]
+MODELS = [
+    "llama-tiny",
+    "llama-probe-s",
+    "llama-150m",
+    "llama-1b",
+    "llama3-8b",
+    "llama3-70b",
+    "mixtral-8x7b",
+]
 PLAN_CODES = {c for c in ErrorCode if c.value.startswith("plan_")}
 
 
@@ -29,13 +36,17 @@ def requests(draw: st.DrawFn) -> PlanRequest:
     seq = draw(st.sampled_from([s for s in (128, 256, 1024, 4096, 8192) if s <= context]))
     gpus, nodes = draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([1, 2, 3, 4, 16, 64]))
     # Half the batches divide over every GPU (so plans are possible), half are arbitrary.
-    seqs = draw(st.one_of(st.integers(1, 4096),
-                          st.integers(1, 16).map(lambda k: k * gpus * nodes)))
+    seqs = draw(st.one_of(st.integers(1, 4096), st.integers(1, 16).map(lambda k: k * gpus * nodes)))
     return PlanRequest(
-        model=model, gpu_sku=draw(st.sampled_from(list_gpu_skus())),
-        gpus_per_node=gpus, node_count=nodes, fabric=draw(st.sampled_from(list_fabrics())),
-        global_batch_tokens=seq * seqs, seq_len=seq,
-        precision=draw(st.sampled_from(["auto", "bf16", "fp8"])))
+        model=model,
+        gpu_sku=draw(st.sampled_from(list_gpu_skus())),
+        gpus_per_node=gpus,
+        node_count=nodes,
+        fabric=draw(st.sampled_from(list_fabrics())),
+        global_batch_tokens=seq * seqs,
+        seq_len=seq,
+        precision=draw(st.sampled_from(["auto", "bf16", "fp8"])),
+    )
 
 
 EXAMPLES = 60
@@ -44,8 +55,13 @@ EXAMPLES = 60
 def test_plans_honour_every_invariant_or_refuse_with_a_plan_code() -> None:
     outcomes: list[str] = []
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(requests())
     def check(request: PlanRequest) -> None:
         outcomes.append(_check(request))
@@ -67,8 +83,10 @@ def _check(request: PlanRequest) -> str:
     assert p.tp <= min(request.gpus_per_node, sku.nvlink_domain)
     assert preset.num_key_value_heads % p.tp == 0
     assert sum(p.pp_stage_layers) == preset.num_hidden_layers
-    assert (p.micro_batch * p.grad_accum * p.dp_shard * p.dp_replicate * p.seq_len
-            == request.global_batch_tokens)
+    assert (
+        p.micro_batch * p.grad_accum * p.dp_shard * p.dp_replicate * p.seq_len
+        == request.global_batch_tokens
+    )
     assert p.peak_memory_gib <= p.memory.capacity
     assert p.mfu >= sku.mfu_floor
     assert p.precision != "fp8" or sku.supports_fp8

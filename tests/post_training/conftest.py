@@ -23,8 +23,11 @@ def task_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def data_ref(path: Path) -> dict[str, object]:
-    return {"uri": f"file://{path}", "sha256": path_digest(path, include=is_data),
-            "provenance": {"source": "synthetic", "license": "MIT"}}
+    return {
+        "uri": f"file://{path}",
+        "sha256": path_digest(path, include=is_data),
+        "provenance": {"source": "synthetic", "license": "MIT"},
+    }
 
 
 def base_model(path: Path) -> dict[str, str]:

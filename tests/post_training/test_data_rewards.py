@@ -23,22 +23,35 @@ def _write(tmp: Path, rows: list[Any], name: str = "d.jsonl") -> str:
     return f"file://{p}"
 
 
-@pytest.mark.parametrize("kind,row,why", [
-    ("sft", {"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
-    ("sft", {"messages": [{"role": "robot", "content": "hi"}]}, "role must be"),
-    ("sft", {"text": "plain"}, "messages must be"),
-    ("dpo", {"prompt": "p", "chosen": "c"}, "missing rejected"),
-    ("dpo", {"prompt": [{"role": "user", "content": "p"}], "chosen": "c",
-             "rejected": [{"role": "assistant", "content": "r"}]}, "chosen must be"),
-    ("rlvr", {"prompt": "What is 2+2?", "answer": "four"}, "no number"),
-    ("rlvr", {"prompt": "", "answer": "4"}, "prompt is empty"),
-    ("rlvr", "not json", "not UTF-8 JSON"),
-])
+@pytest.mark.parametrize(
+    "kind,row,why",
+    [
+        ("sft", {"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+        ("sft", {"messages": [{"role": "robot", "content": "hi"}]}, "role must be"),
+        ("sft", {"text": "plain"}, "messages must be"),
+        ("dpo", {"prompt": "p", "chosen": "c"}, "missing rejected"),
+        (
+            "dpo",
+            {
+                "prompt": [{"role": "user", "content": "p"}],
+                "chosen": "c",
+                "rejected": [{"role": "assistant", "content": "r"}],
+            },
+            "chosen must be",
+        ),
+        ("rlvr", {"prompt": "What is 2+2?", "answer": "four"}, "no number"),
+        ("rlvr", {"prompt": "", "answer": "4"}, "prompt is empty"),
+        ("rlvr", "not json", "not UTF-8 JSON"),
+    ],
+)
 def test_bad_rows_fail_with_a_clear_code(tmp_path: Path, kind: Any, row: Any, why: str) -> None:
-    good = {"sft": {"messages": [{"role": "user", "content": "a"},
-                                 {"role": "assistant", "content": "b"}]},
-            "dpo": {"prompt": "p", "chosen": "c", "rejected": "r"},
-            "rlvr": {"question": "1+1?", "answer": "#### 2"}}[kind]
+    good = {
+        "sft": {
+            "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+        },
+        "dpo": {"prompt": "p", "chosen": "c", "rejected": "r"},
+        "rlvr": {"question": "1+1?", "answer": "#### 2"},
+    }[kind]
     with pytest.raises(ItoError) as e:
         load_rows(kind, _write(tmp_path, [good, row]))
     assert e.value.code == ErrorCode.post_training_data_invalid
@@ -61,10 +74,17 @@ def test_gsm8k_train_file_is_valid_rlvr_data() -> None:
     assert all(gsm8k_exact_match(r["answer"], r["answer"]) == 1.0 for r in rows[:200])
 
 
-@pytest.mark.parametrize("text,value", [
-    ("so the answer is #### 1,234", "1234"), ("\\boxed{-3.5}", "-3.5"),
-    ("first 3 then 7", "7"), ("12,34", "34"), ("no digits", None), ("x1 y", None),
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("so the answer is #### 1,234", "1234"),
+        ("\\boxed{-3.5}", "-3.5"),
+        ("first 3 then 7", "7"),
+        ("12,34", "34"),
+        ("no digits", None),
+        ("x1 y", None),
+    ],
+)
 def test_parse_number_is_strict(text: str, value: str | None) -> None:
     got = parse_number(text)
     assert (str(got) if got is not None else None) == value
@@ -87,34 +107,66 @@ def _stage(tmp: Path, policy: Path, task: dict[str, Path], **over: Any) -> Any:
     recipe: dict[str, Any] = {
         **base_model(policy),
         "sft": {"data": data_ref(task["sft"]), "steps": 4, "learning_rate": 5e-3},
-        "rlvr": {"data": data_ref(task["rlvr"]), "steps": 2, "reward": "first_number_match",
-                 "group_size": 4, "groups_per_step": 2, "max_completion_tokens": 4,
-                 "overlong_buffer_tokens": 1, "learning_rate": 1e-2}, **over}
-    return PostTrainingStage(PostTrainingStageConfig.model_validate(
-        {"recipe": recipe, "output_dir": str(tmp / "out"), "fleet": "local",
-         "data_roots": DEFAULT_ROOTS, "model_roots": DEFAULT_ROOTS}))
+        "rlvr": {
+            "data": data_ref(task["rlvr"]),
+            "steps": 2,
+            "reward": "first_number_match",
+            "group_size": 4,
+            "groups_per_step": 2,
+            "max_completion_tokens": 4,
+            "overlong_buffer_tokens": 1,
+            "learning_rate": 1e-2,
+        },
+        **over,
+    }
+    return PostTrainingStage(
+        PostTrainingStageConfig.model_validate(
+            {
+                "recipe": recipe,
+                "output_dir": str(tmp / "out"),
+                "fleet": "local",
+                "data_roots": DEFAULT_ROOTS,
+                "model_roots": DEFAULT_ROOTS,
+            }
+        )
+    )
 
 
-def test_a_failed_gate_stops_the_chain(tmp_path: Path, tiny_policy: Path,
-                                       task_files: dict[str, Path]) -> None:
-    stage = _stage(tmp_path, tiny_policy, task_files, sft={
-        "data": data_ref(task_files["sft"]), "steps": 2, "learning_rate": 5e-3,
-        "gate": {"metric": "nll_gain", "min": 1e9}})
+def test_a_failed_gate_stops_the_chain(
+    tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
+    stage = _stage(
+        tmp_path,
+        tiny_policy,
+        task_files,
+        sft={
+            "data": data_ref(task_files["sft"]),
+            "steps": 2,
+            "learning_rate": 5e-3,
+            "gate": {"metric": "nll_gain", "min": 1e9},
+        },
+    )
     events: list[Any] = []
     out = stage.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path, emit=events.append))
     assert out.status == "failed" and out.error_code == ErrorCode.eval_gate_failed
     assert "sft: nll_gain" in out.reason
-    assert (tmp_path / "out" / "sft" / "config.json").is_file()   # saved before its gate
-    assert not (tmp_path / "out" / "rlvr").exists()                # never started
+    assert (tmp_path / "out" / "sft" / "config.json").is_file()  # saved before its gate
+    assert not (tmp_path / "out" / "rlvr").exists()  # never started
 
 
-def test_prefix_chain_passes_and_reports_fleet_metrics(tmp_path: Path, tiny_policy: Path,
-                                                       task_files: dict[str, Path]) -> None:
+def test_prefix_chain_passes_and_reports_fleet_metrics(
+    tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
     stage = _stage(tmp_path, tiny_policy, task_files)
     events: list[Any] = []
     # No rlvr gate here: two steps cannot show a trend (the API test gates on it).
-    stage.config = stage.config.model_copy(update={"recipe": stage.config.recipe.model_copy(
-        update={"rlvr": stage.config.recipe.rlvr.model_copy(update={"gate": None})})})
+    stage.config = stage.config.model_copy(
+        update={
+            "recipe": stage.config.recipe.model_copy(
+                update={"rlvr": stage.config.recipe.rlvr.model_copy(update={"gate": None})}
+            )
+        }
+    )
     out = stage.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path, emit=events.append))
     assert out.status == "passed", out.reason
     assert set(out.artifacts["steps"]) == {"sft", "rlvr"}
@@ -123,17 +175,28 @@ def test_prefix_chain_passes_and_reports_fleet_metrics(tmp_path: Path, tiny_poli
     assert out.metrics["rlvr_steps"] == 2.0
 
 
-def test_bad_base_model_and_unknown_reward(tmp_path: Path, tiny_policy: Path,
-                                           task_files: dict[str, Path]) -> None:
+def test_bad_base_model_and_unknown_reward(
+    tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
     (not_a_model / "config.json").write_text("{}")
     out = _stage(tmp_path, not_a_model, task_files).run(
-        StageContext(run_id="r", booking_id="b", workdir=tmp_path / "w"))
+        StageContext(run_id="r", booking_id="b", workdir=tmp_path / "w")
+    )
     assert out.error_code == ErrorCode.post_training_model_invalid, out
-    bad = _stage(tmp_path, tiny_policy, task_files, rlvr={
-        "data": data_ref(task_files["rlvr"]), "steps": 1, "reward": "nope",
-        "max_completion_tokens": 4, "overlong_buffer_tokens": 1})
+    bad = _stage(
+        tmp_path,
+        tiny_policy,
+        task_files,
+        rlvr={
+            "data": data_ref(task_files["rlvr"]),
+            "steps": 1,
+            "reward": "nope",
+            "max_completion_tokens": 4,
+            "overlong_buffer_tokens": 1,
+        },
+    )
     out = bad.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path))
     assert out.error_code == ErrorCode.reward_unknown
 
@@ -142,8 +205,11 @@ def test_validation_time_check_names_the_bad_line(tmp_path: Path, tiny_policy: P
     from stages.post_training.config import PostTrainingConfig
     from stages.post_training.stage import validate_recipe
 
-    good = _write(tmp_path, [{"messages": [{"role": "user", "content": "a"},
-                                           {"role": "assistant", "content": "b"}]}], "s.jsonl")
+    good = _write(
+        tmp_path,
+        [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}],
+        "s.jsonl",
+    )
     bad = _write(tmp_path, [{"prompt": "p", "chosen": "c"}], "p.jsonl")
 
     def recipe(**kw: Any) -> PostTrainingConfig:
@@ -154,30 +220,52 @@ def test_validation_time_check_names_the_bad_line(tmp_path: Path, tiny_policy: P
 
     assert check(recipe(sft={"data": data_ref(Path(good[7:])), "steps": 1})) == {"sft": 1}
     with pytest.raises(ItoError) as e:
-        check(recipe(sft={"data": data_ref(Path(good[7:])), "steps": 1},
-                     dpo={"data": data_ref(Path(bad[7:])), "steps": 1}))
+        check(
+            recipe(
+                sft={"data": data_ref(Path(good[7:])), "steps": 1},
+                dpo={"data": data_ref(Path(bad[7:])), "steps": 1},
+            )
+        )
     assert e.value.code == ErrorCode.post_training_data_invalid and "p.jsonl:1" in str(e.value)
     with pytest.raises(ItoError) as e:  # bytes other than the digest names: refused at plan
-        check(recipe(sft={"data": {**data_ref(Path(good[7:])), "sha256": "1" * 64},
-                          "steps": 1}))
+        check(recipe(sft={"data": {**data_ref(Path(good[7:])), "sha256": "1" * 64}, "steps": 1}))
     assert e.value.code == ErrorCode.data_digest_mismatch
     with pytest.raises(ItoError) as e:
-        check(PostTrainingConfig.model_validate(
-            {"base_model": f"file://{tmp_path}", "base_model_sha256": "1" * 64,
-             "sft": {"data": data_ref(Path(good[7:])), "steps": 1}}))
+        check(
+            PostTrainingConfig.model_validate(
+                {
+                    "base_model": f"file://{tmp_path}",
+                    "base_model_sha256": "1" * 64,
+                    "sft": {"data": data_ref(Path(good[7:])), "steps": 1},
+                }
+            )
+        )
     assert e.value.code == ErrorCode.post_training_model_invalid
 
 
-def test_the_curriculum_battery_gates_a_step(tmp_path: Path, tiny_policy: Path,
-                                             task_files: dict[str, Path]) -> None:
+def test_the_curriculum_battery_gates_a_step(
+    tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
     """The curriculum's battery (held-out loss + lm-eval checks) and gates after SFT."""
-    stage = _stage(tmp_path, tiny_policy, task_files, sft={
-        "data": data_ref(task_files["sft"]), "steps": 2, "learning_rate": 5e-3,
-        "eval": {"battery": "smoke", "gates": [{"metric": "heldout_loss", "max": 1e9},
-                                               {"metric": "arith_mc_acc", "min": 1.01}]}})
+    stage = _stage(
+        tmp_path,
+        tiny_policy,
+        task_files,
+        sft={
+            "data": data_ref(task_files["sft"]),
+            "steps": 2,
+            "learning_rate": 5e-3,
+            "eval": {
+                "battery": "smoke",
+                "gates": [
+                    {"metric": "heldout_loss", "max": 1e9},
+                    {"metric": "arith_mc_acc", "min": 1.01},
+                ],
+            },
+        },
+    )
     events: list[Any] = []
-    out = stage.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path,
-                                 emit=events.append))
+    out = stage.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path, emit=events.append))
     assert out.status == "failed" and out.error_code == ErrorCode.eval_gate_failed
     assert "arith_mc_acc" in out.reason and "heldout_loss" not in out.reason
     scores = [e for e in events if getattr(e, "scope", "") == "sft.battery"]

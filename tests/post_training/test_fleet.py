@@ -27,8 +27,9 @@ class FakeWorker:
     """Generates instantly-known rewards after a random delay; keeps the real
     worker's admission check. ``uniform(id)`` says which requests come back uniform."""
 
-    def __init__(self, index: int, rng: random.Random, max_delay_s: float,
-                 uniform: Any = lambda k: False):
+    def __init__(
+        self, index: int, rng: random.Random, max_delay_s: float, uniform: Any = lambda k: False
+    ):
         self.index, self.rng, self.max_delay_s, self.uniform = index, rng, max_delay_s, uniform
         self.version = -1
         self.generated: list[int] = []
@@ -48,13 +49,24 @@ class FakeWorker:
         v = self.version
         time.sleep(self.rng.random() * self.max_delay_s)
         self.generated.append(req.id)
-        r = [1.0] * req.group_size if self.uniform(req.id) else \
-            [float(i % 2) for i in range(req.group_size)]
-        return RolloutGroup(id=req.id, version=v, worker=self.index, prompt_ids=[1],
-                            completion_ids=[[2]] * req.group_size,
-                            behav_logp=[[0.0]] * req.group_size, lengths=[1] * req.group_size,
-                            truncated=[False] * req.group_size, rewards=r, task_rewards=r,
-                            gen_s=0.0)
+        r = (
+            [1.0] * req.group_size
+            if self.uniform(req.id)
+            else [float(i % 2) for i in range(req.group_size)]
+        )
+        return RolloutGroup(
+            id=req.id,
+            version=v,
+            worker=self.index,
+            prompt_ids=[1],
+            completion_ids=[[2]] * req.group_size,
+            behav_logp=[[0.0]] * req.group_size,
+            lengths=[1] * req.group_size,
+            truncated=[False] * req.group_size,
+            rewards=r,
+            task_rewards=r,
+            gen_s=0.0,
+        )
 
 
 class IgnoresAdmission(FakeWorker):
@@ -77,12 +89,19 @@ class IgnoresAdmission(FakeWorker):
         self.lagged = self.lagged or lag
         self.generated.append(req.id)
         r = [float(i % 2) for i in range(req.group_size)]
-        return RolloutGroup(id=req.id, version=self.previous if lag else self.version,
-                            worker=self.index, prompt_ids=[1],
-                            completion_ids=[[2]] * req.group_size,
-                            behav_logp=[[0.0]] * req.group_size, lengths=[1] * req.group_size,
-                            truncated=[False] * req.group_size, rewards=r, task_rewards=r,
-                            gen_s=0.0)
+        return RolloutGroup(
+            id=req.id,
+            version=self.previous if lag else self.version,
+            worker=self.index,
+            prompt_ids=[1],
+            completion_ids=[[2]] * req.group_size,
+            behav_logp=[[0.0]] * req.group_size,
+            lengths=[1] * req.group_size,
+            truncated=[False] * req.group_size,
+            rewards=r,
+            task_rewards=r,
+            gen_s=0.0,
+        )
 
 
 class DiesMidRollout(FakeWorker):
@@ -115,26 +134,55 @@ class DiesMidRollout(FakeWorker):
 
 def _request(eta: int) -> Any:
     def make(k: int, s: int) -> RolloutRequest:
-        return RolloutRequest(id=k, prompt_ids=[1], answer="1", group_size=2, seed=k,
-                              consume_step=s, max_staleness=eta, max_new_tokens=1)
+        return RolloutRequest(
+            id=k,
+            prompt_ids=[1],
+            answer="1",
+            group_size=2,
+            seed=k,
+            consume_step=s,
+            max_staleness=eta,
+            max_new_tokens=1,
+        )
+
     return make
 
 
 def _controller(pool: LocalPool, eta: int, G: int, *, drops: int = 0) -> RolloutController:
-    return RolloutController(pool, _request(eta), groups_per_step=G, max_staleness=eta,
-                             sampler=DynamicSampler(True, drops), rollout_timeout_s=30,
-                             restart_timeout_s=30)
+    return RolloutController(
+        pool,
+        _request(eta),
+        groups_per_step=G,
+        max_staleness=eta,
+        sampler=DynamicSampler(True, drops),
+        rollout_timeout_s=30,
+        restart_timeout_s=30,
+    )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(eta=st.integers(0, 3), workers=st.integers(1, 4), G=st.integers(1, 3),
-       seed=st.integers(0, 10_000), uniform_every=st.integers(0, 4))
-def test_no_trained_sample_is_older_than_eta(eta: int, workers: int, G: int, seed: int,
-                                             uniform_every: int) -> None:
+@given(
+    eta=st.integers(0, 3),
+    workers=st.integers(1, 4),
+    G=st.integers(1, 3),
+    seed=st.integers(0, 10_000),
+    uniform_every=st.integers(0, 4),
+)
+def test_no_trained_sample_is_older_than_eta(
+    eta: int, workers: int, G: int, seed: int, uniform_every: int
+) -> None:
     rng = random.Random(seed)
-    pool = LocalPool([FakeWorker(i, random.Random(rng.random()), 0.004,
-                                 uniform=(lambda k, u=uniform_every: u > 0 and k % u == 0))
-                      for i in range(workers)])
+    pool = LocalPool(
+        [
+            FakeWorker(
+                i,
+                random.Random(rng.random()),
+                0.004,
+                uniform=(lambda k, u=uniform_every: u > 0 and k % u == 0),
+            )
+            for i in range(workers)
+        ]
+    )
     ctl = _controller(pool, eta, G, drops=2)
     try:
         ctl.publish(0, {})
@@ -175,7 +223,7 @@ def test_uniform_groups_are_dropped_and_refilled() -> None:
     try:
         ctl.publish(0, {})
         batch, walked = ctl.next_batch()
-        assert [g.id for g in batch] == [1, 4, 5]        # refilled by ids 4 and 5
+        assert [g.id for g in batch] == [1, 4, 5]  # refilled by ids 4 and 5
         assert [g.id for g in walked] == [0, 1, 2, 3, 4, 5]
         assert ctl.stats.groups_dropped == 3
         assert ctl.stats.summary(1)["drop_rate"] == pytest.approx(0.5)
@@ -218,15 +266,21 @@ def test_trainer_refuses_a_stale_group_and_regenerates_it() -> None:
         pool.close()
 
 
-def test_a_death_seen_by_several_failed_calls_is_one_loss_and_one_discarded_rollout(
-        ) -> None:
+def test_a_death_seen_by_several_failed_calls_is_one_loss_and_one_discarded_rollout() -> None:
     worker = DiesMidRollout(0, die_on=1, down_calls=6)
     pool = LocalPool([worker])
     # One loss allowed: the calls that fail while the worker is down are that one loss,
     # the weight publish that lands in the outage included.
-    ctl = RolloutController(pool, _request(1), groups_per_step=1, max_staleness=1,
-                            sampler=DynamicSampler(True, 0), rollout_timeout_s=60,
-                            restart_timeout_s=60, max_worker_losses=1)
+    ctl = RolloutController(
+        pool,
+        _request(1),
+        groups_per_step=1,
+        max_staleness=1,
+        sampler=DynamicSampler(True, 0),
+        rollout_timeout_s=60,
+        restart_timeout_s=60,
+        max_worker_losses=1,
+    )
     try:
         ctl.publish(0, {})
         ctl.next_batch()
@@ -263,22 +317,37 @@ def _rl_setup(tiny_policy: Path, task_files: dict[str, Path], eta: int) -> tuple
     from stages.post_training.rl import GRPOLearner, RequestMaker
     from stages.post_training.rollout import RolloutWorker, WorkerSpec
 
-    cfg = RLVRConfig.model_validate({
-        "data": data_ref(task_files["rlvr"]), "steps": 3, "reward": "first_number_match",
-        "group_size": 4, "groups_per_step": 2, "max_completion_tokens": 4,
-        "overlong_buffer_tokens": 2, "overlong_penalty_factor": 0.5, "learning_rate": 1e-2,
-        "max_staleness": eta})
+    cfg = RLVRConfig.model_validate(
+        {
+            "data": data_ref(task_files["rlvr"]),
+            "steps": 3,
+            "reward": "first_number_match",
+            "group_size": 4,
+            "groups_per_step": 2,
+            "max_completion_tokens": 4,
+            "overlong_buffer_tokens": 2,
+            "overlong_penalty_factor": 0.5,
+            "learning_rate": 1e-2,
+            "max_staleness": eta,
+        }
+    )
     tok = load_tokenizer(tiny_policy)
     learner = GRPOLearner(cfg, load_model(tiny_policy), tok.pad_token_id)
-    spec = WorkerSpec(index=0, model_dir=str(tiny_policy), reward=cfg.reward,
-                      max_completion_tokens=4, overlong_buffer_tokens=2,
-                      overlong_penalty_factor=0.5)
+    spec = WorkerSpec(
+        index=0,
+        model_dir=str(tiny_policy),
+        reward=cfg.reward,
+        max_completion_tokens=4,
+        overlong_buffer_tokens=2,
+        overlong_penalty_factor=0.5,
+    )
     maker = RequestMaker(cfg, tok, load_rows("rlvr", cfg.data.uri))
     return cfg, learner, maker, lambda i: RolloutWorker(spec.model_copy(update={"index": i}))
 
 
 def test_eta_zero_gives_the_same_updates_as_the_synchronous_loop(
-        tiny_policy: Path, task_files: dict[str, Path]) -> None:
+    tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
     from stages.post_training.rl import run_rlvr, run_synchronous
 
     cfg, sync_learner, maker, make_worker = _rl_setup(tiny_policy, task_files, 0)

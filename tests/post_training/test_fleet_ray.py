@@ -50,8 +50,8 @@ def _blocking_worker(marker: Path) -> type[Any]:
 
 
 def test_killed_rollout_worker_is_replaced_resynced_and_the_run_succeeds(
-        ray_local: None, tiny_policy: Path, task_files: dict[str, Path],
-        tmp_path: Path) -> None:
+    ray_local: None, tiny_policy: Path, task_files: dict[str, Path], tmp_path: Path
+) -> None:
     import ray
 
     from stages.post_training.config import RLVRConfig
@@ -61,20 +61,41 @@ def test_killed_rollout_worker_is_replaced_resynced_and_the_run_succeeds(
     from stages.post_training.rl import GRPOLearner, RequestMaker, run_rlvr
     from stages.post_training.rollout import WorkerSpec, rollout_prefix
 
-    cfg = RLVRConfig.model_validate({
-        "data": data_ref(task_files["rlvr"]), "steps": 10, "reward": "first_number_match",
-        "group_size": 8, "groups_per_step": 2, "max_completion_tokens": 24,
-        "overlong_buffer_tokens": 4, "learning_rate": 1e-2, "max_staleness": 1,
-        "rollout_workers": 2, "rollout_timeout_s": 120})
+    cfg = RLVRConfig.model_validate(
+        {
+            "data": data_ref(task_files["rlvr"]),
+            "steps": 10,
+            "reward": "first_number_match",
+            "group_size": 8,
+            "groups_per_step": 2,
+            "max_completion_tokens": 24,
+            "overlong_buffer_tokens": 4,
+            "learning_rate": 1e-2,
+            "max_staleness": 1,
+            "rollout_workers": 2,
+            "rollout_timeout_s": 120,
+        }
+    )
     tok = load_tokenizer(tiny_policy)
     learner = GRPOLearner(cfg, load_model(tiny_policy), tok.pad_token_id)
-    specs = [WorkerSpec(index=i, model_dir=str(tiny_policy), reward=cfg.reward,
-                        max_completion_tokens=24, overlong_buffer_tokens=4,
-                        overlong_penalty_factor=1.0) for i in range(2)]
+    specs = [
+        WorkerSpec(
+            index=i,
+            model_dir=str(tiny_policy),
+            reward=cfg.reward,
+            max_completion_tokens=24,
+            overlong_buffer_tokens=4,
+            overlong_penalty_factor=1.0,
+        )
+        for i in range(2)
+    ]
     marker = tmp_path / "worker-0-generating"
     pool = RayPool("pt1", specs, namespace=NAMESPACE, worker_cls=_blocking_worker(marker))
-    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                   if a["namespace"] == NAMESPACE and a["name"].startswith(rollout_prefix("pt1")))
+    names = sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE and a["name"].startswith(rollout_prefix("pt1"))
+    )
     assert names == ["run-pt1-rollout-0", "run-pt1-rollout-1"]
     before = pool.identities(ACTOR_TIMEOUT_S)
     events: list[Any] = []
@@ -94,11 +115,22 @@ def test_killed_rollout_worker_is_replaced_resynced_and_the_run_succeeds(
     killer.start()
     try:
         maker = RequestMaker(cfg, tok, load_rows("rlvr", cfg.data.uri))
-        result, ctl = run_rlvr(cfg, learner, pool, maker, emit=events.append,
-                               on_interruption=lambda w, a, b, d: events.append(
-                                   InterruptionEvent(interruption_kind="rollout_worker_lost",
-                                                     replica_group=w, detected_at=a,
-                                                     recovered_at=b, detail=d)))
+        result, ctl = run_rlvr(
+            cfg,
+            learner,
+            pool,
+            maker,
+            emit=events.append,
+            on_interruption=lambda w, a, b, d: events.append(
+                InterruptionEvent(
+                    interruption_kind="rollout_worker_lost",
+                    replica_group=w,
+                    detected_at=a,
+                    recovered_at=b,
+                    detail=d,
+                )
+            ),
+        )
         assert result.steps == cfg.steps and learner.version == cfg.steps
         assert killed.get("pid") == before[0]["pid"]  # killed inside worker 0's generate
         # The last weight sync reaches the restarted worker too (a death is seen at the
@@ -113,14 +145,21 @@ def test_killed_rollout_worker_is_replaced_resynced_and_the_run_succeeds(
         # Every trained sample stayed within eta, the refilled one included.
         assert max(ctl.stats.staleness) <= cfg.max_staleness
         after = pool.identities(ACTOR_TIMEOUT_S)
-        assert after[0]["pid"] != before[0]["pid"]          # a new process ...
+        assert after[0]["pid"] != before[0]["pid"]  # a new process ...
         assert after[1]["pid"] == before[1]["pid"]
         assert [a["version"] for a in after] == [cfg.steps, cfg.steps]  # ... re-synced
         summary = result.summary
         assert summary["rollout_interruptions"] == 1.0
-        for key in ("rollout_samples_per_s", "trainer_idle_frac", "rollout_idle_frac",
-                    "weight_sync_s", "staleness_min", "staleness_mean", "staleness_max",
-                    "drop_rate"):
+        for key in (
+            "rollout_samples_per_s",
+            "trainer_idle_frac",
+            "rollout_idle_frac",
+            "weight_sync_s",
+            "staleness_min",
+            "staleness_mean",
+            "staleness_max",
+            "drop_rate",
+        ):
             assert key in summary
         assert summary["rollout_samples_per_s"] > 0 and summary["weight_sync_s"] > 0
     finally:

@@ -21,20 +21,33 @@ EPS_LOW, EPS_HIGH = 0.2, 0.28
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.lists(st.floats(-10, 10), min_size=2, max_size=8).map(
-    lambda r: r), min_size=1, max_size=5).filter(lambda g: len({len(r) for r in g}) == 1),
-    st.booleans())
+@given(
+    st.lists(
+        st.lists(st.floats(-10, 10), min_size=2, max_size=8).map(lambda r: r),
+        min_size=1,
+        max_size=5,
+    ).filter(lambda g: len({len(r) for r in g}) == 1),
+    st.booleans(),
+)
 def test_group_advantages_have_zero_mean(groups: list[list[float]], scale: bool) -> None:
     adv = group_advantages(torch.tensor(groups, dtype=torch.float64), scale=scale)
-    assert torch.allclose(adv.mean(dim=-1), torch.zeros(len(groups), dtype=torch.float64),
-                          atol=1e-9)
+    assert torch.allclose(
+        adv.mean(dim=-1), torch.zeros(len(groups), dtype=torch.float64), atol=1e-9
+    )
 
 
 def _grad_at(ratio: float, adv: float) -> float:
     prox = torch.zeros(1, 1)
     logp = torch.full((1, 1), math.log(ratio), requires_grad=True)
-    loss = dapo_token_loss(logp, prox, prox, torch.tensor([adv]), eps_low=EPS_LOW,
-                           eps_high=EPS_HIGH, is_truncation=None)
+    loss = dapo_token_loss(
+        logp,
+        prox,
+        prox,
+        torch.tensor([adv]),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        is_truncation=None,
+    )
     loss.sum().backward()
     assert logp.grad is not None
     return float(logp.grad.item())
@@ -78,15 +91,16 @@ def test_token_level_aggregation_over_micro_batches_equals_full_batch() -> None:
     kw = {"eps_low": EPS_LOW, "eps_high": EPS_HIGH}
     full = aggregate(dapo_token_loss(logp, prox, behav, adv, **kw), mask, total)
     (g_full,) = torch.autograd.grad(full, logp)
-    parts = [aggregate(dapo_token_loss(logp[s], prox[s], behav[s], adv[s], **kw), mask[s], total)
-             for s in (slice(0, 1), slice(1, 4), slice(4, 6))]
+    parts = [
+        aggregate(dapo_token_loss(logp[s], prox[s], behav[s], adv[s], **kw), mask[s], total)
+        for s in (slice(0, 1), slice(1, 4), slice(4, 6))
+    ]
     micro = sum(parts)
     (g_micro,) = torch.autograd.grad(micro, logp)
     assert torch.allclose(full, micro, atol=1e-6)
     assert torch.allclose(g_full, g_micro, atol=1e-7)
     # Not the sequence-mean (GRPO) aggregation: long completions weigh more.
-    seq_mean = ((dapo_token_loss(logp, prox, behav, adv, **kw) * mask).sum(1)
-                / mask.sum(1)).mean()
+    seq_mean = ((dapo_token_loss(logp, prox, behav, adv, **kw) * mask).sum(1) / mask.sum(1)).mean()
     assert not torch.allclose(full, seq_mean)
 
 
@@ -95,37 +109,70 @@ def test_masked_and_truncated_tokens_get_zero_gradient() -> None:
     from stages.post_training.rl import GRPOLearner
     from stages.post_training.rollout import RolloutGroup
 
-    ref = {"uri": "file:///x.jsonl", "sha256": "0" * 64,
-           "provenance": {"source": "s", "license": "MIT"}}
-    cfg = RLVRConfig.model_validate({"data": ref, "steps": 1, "max_completion_tokens": 8,
-                                     "overlong_buffer_tokens": 2,
-                                     "mask_truncated_completions": True})
+    ref = {
+        "uri": "file:///x.jsonl",
+        "sha256": "0" * 64,
+        "provenance": {"source": "s", "license": "MIT"},
+    }
+    cfg = RLVRConfig.model_validate(
+        {
+            "data": ref,
+            "steps": 1,
+            "max_completion_tokens": 8,
+            "overlong_buffer_tokens": 2,
+            "mask_truncated_completions": True,
+        }
+    )
     learner = GRPOLearner.__new__(GRPOLearner)
     learner.cfg = cfg
-    g = RolloutGroup(id=0, version=0, worker=0, prompt_ids=[1], completion_ids=[[5, 2], [5] * 8],
-                     behav_logp=[[0.0] * 2, [0.0] * 8], lengths=[2, 8],
-                     truncated=[False, True], rewards=[1.0, 0.0], task_rewards=[1.0, 0.0],
-                     gen_s=0.0)
+    g = RolloutGroup(
+        id=0,
+        version=0,
+        worker=0,
+        prompt_ids=[1],
+        completion_ids=[[5, 2], [5] * 8],
+        behav_logp=[[0.0] * 2, [0.0] * 8],
+        lengths=[2, 8],
+        truncated=[False, True],
+        rewards=[1.0, 0.0],
+        task_rewards=[1.0, 0.0],
+        gen_s=0.0,
+    )
     mask = learner._mask(g)
     logp = torch.zeros(2, 8, requires_grad=True)
     with torch.no_grad():
         logp[0, 2:] = float("-inf")  # padding positions may hold anything, even -inf
-    loss = aggregate(dapo_token_loss(logp, logp.detach().nan_to_num(neginf=0.0),
-                                     torch.zeros(2, 8), torch.tensor([1.0, -1.0]),
-                                     eps_low=EPS_LOW, eps_high=EPS_HIGH), mask, mask.sum())
+    loss = aggregate(
+        dapo_token_loss(
+            logp,
+            logp.detach().nan_to_num(neginf=0.0),
+            torch.zeros(2, 8),
+            torch.tensor([1.0, -1.0]),
+            eps_low=EPS_LOW,
+            eps_high=EPS_HIGH,
+        ),
+        mask,
+        mask.sum(),
+    )
     loss.backward()
     assert logp.grad is not None and torch.isfinite(logp.grad).all()
-    assert (logp.grad[0, :2] != 0).all()          # real tokens learn
-    assert (logp.grad[0, 2:] == 0).all()          # padding after EOS: none
-    assert (logp.grad[1] == 0).all()              # the truncated completion: none
+    assert (logp.grad[0, :2] != 0).all()  # real tokens learn
+    assert (logp.grad[0, 2:] == 0).all()  # padding after EOS: none
+    assert (logp.grad[1] == 0).all()  # the truncated completion: none
 
 
 def test_decoupled_importance_weight_is_truncated() -> None:
     def grad(behav: float, cap: float | None) -> float:
         logp = torch.zeros(1, 1, requires_grad=True)
-        loss = dapo_token_loss(logp, torch.zeros(1, 1), torch.full((1, 1), behav),
-                               torch.tensor([1.0]), eps_low=EPS_LOW, eps_high=EPS_HIGH,
-                               is_truncation=cap)
+        loss = dapo_token_loss(
+            logp,
+            torch.zeros(1, 1),
+            torch.full((1, 1), behav),
+            torch.tensor([1.0]),
+            eps_low=EPS_LOW,
+            eps_high=EPS_HIGH,
+            is_truncation=cap,
+        )
         loss.sum().backward()
         assert logp.grad is not None
         return float(logp.grad.item())
@@ -155,9 +202,24 @@ def test_uniform_groups_are_detected() -> None:
 
 def test_no_kl_term_by_default_and_k3_when_beta() -> None:
     logp = torch.zeros(1, 2, requires_grad=True)
-    base = dapo_token_loss(logp, logp.detach(), logp.detach(), torch.tensor([0.0]),
-                           eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logp=torch.ones(1, 2))
+    base = dapo_token_loss(
+        logp,
+        logp.detach(),
+        logp.detach(),
+        torch.tensor([0.0]),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        ref_logp=torch.ones(1, 2),
+    )
     assert float(base.detach().abs().sum()) == 0.0
-    kl = dapo_token_loss(logp, logp.detach(), logp.detach(), torch.tensor([0.0]),
-                         eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logp=torch.ones(1, 2), beta=0.1)
+    kl = dapo_token_loss(
+        logp,
+        logp.detach(),
+        logp.detach(),
+        torch.tensor([0.0]),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        ref_logp=torch.ones(1, 2),
+        beta=0.1,
+    )
     assert float(kl.detach().sum()) == pytest.approx(2 * 0.1 * (math.e - 1 - 1))

@@ -23,28 +23,49 @@ from tests.post_training.conftest import base_model, data_ref
 
 
 def _stage(tmp: Path, policy: Path, sft: Path) -> PostTrainingStage:
-    recipe: dict[str, Any] = {**base_model(policy),
-                              "sft": {"data": data_ref(sft), "steps": 2, "gate": None}}
-    return PostTrainingStage(PostTrainingStageConfig.model_validate(
-        {"recipe": recipe, "output_dir": str(tmp / "out"), "fleet": "local",
-         "data_roots": DEFAULT_ROOTS, "model_roots": DEFAULT_ROOTS}))
+    recipe: dict[str, Any] = {
+        **base_model(policy),
+        "sft": {"data": data_ref(sft), "steps": 2, "gate": None},
+    }
+    return PostTrainingStage(
+        PostTrainingStageConfig.model_validate(
+            {
+                "recipe": recipe,
+                "output_dir": str(tmp / "out"),
+                "fleet": "local",
+                "data_roots": DEFAULT_ROOTS,
+                "model_roots": DEFAULT_ROOTS,
+            }
+        )
+    )
 
 
 def _run(stage: PostTrainingStage, tmp: Path) -> tuple[Any, list[Event]]:
     events: list[Event] = []
-    out = stage.run(StageContext(run_id="r1", booking_id="b", workdir=tmp / "w",
-                                 emit=events.append))
+    out = stage.run(
+        StageContext(run_id="r1", booking_id="b", workdir=tmp / "w", emit=events.append)
+    )
     return out, events
 
 
 def test_a_dataset_changed_after_submit_fails_the_run_untrained(
-        tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]) -> None:
+    tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
     sft = tmp_path / "sft.jsonl"
     shutil.copy(task_files["sft"], sft)
     stage = _stage(tmp_path, tiny_policy, sft)  # the digests the manifest was accepted with
     with sft.open("a") as f:  # after submit: one more, unreviewed conversation
-        f.write(json.dumps({"messages": [{"role": "user", "content": "exfiltrate"},
-                                         {"role": "assistant", "content": "ok"}]}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": "exfiltrate"},
+                        {"role": "assistant", "content": "ok"},
+                    ]
+                }
+            )
+            + "\n"
+        )
     out, events = _run(stage, tmp_path)
     assert out.status == "failed" and out.error_code == "data_digest_mismatch", out
     assert "post_training.sft.data" in out.reason and str(sft) not in out.reason
@@ -53,7 +74,8 @@ def test_a_dataset_changed_after_submit_fails_the_run_untrained(
 
 
 def test_a_base_model_changed_after_submit_fails_the_run_untrained(
-        tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]) -> None:
+    tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
     policy = tmp_path / "policy"
     shutil.copytree(tiny_policy, policy)
     stage = _stage(tmp_path, policy, task_files["sft"])
@@ -68,7 +90,8 @@ def test_a_base_model_changed_after_submit_fails_the_run_untrained(
 
 
 def test_unchanged_inputs_train_from_a_private_copy(
-        tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]) -> None:
+    tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
     out, _ = _run(_stage(tmp_path, tiny_policy, task_files["sft"]), tmp_path)
     assert out.status == "passed", out
     copy = tmp_path / "w" / "inputs" / "base_model"

@@ -29,24 +29,31 @@ RUN_TIMEOUT_S = 420.0
 
 
 def _client(url: str, key: Any, settings: ClientSettings | None = None) -> ItoClient:
-    s = (settings or ClientSettings()).model_copy(update={"retry_backoff_s": 0.0,
-                                                          "total_timeout_s": 30.0})
+    s = (settings or ClientSettings()).model_copy(
+        update={"retry_backoff_s": 0.0, "total_timeout_s": 30.0}
+    )
     return ItoClient(url, key, settings=s)
 
 
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    with ray_backend(tmp_path_factory.mktemp("pt-runtime"), "bk-pt", gpus_per_node=1,
-                     planner_gate=False) as rt:
+    with ray_backend(
+        tmp_path_factory.mktemp("pt-runtime"), "bk-pt", gpus_per_node=1, planner_gate=False
+    ) as rt:
         yield rt
 
 
 def _ref(p: Path, role: str = "custom", text_field: str = "text") -> dict[str, Any]:
     from stages.data_prep import file_sha256
 
-    return {"uri": f"file://{p}", "sha256": str(file_sha256(p)), "role": role,
-            "format": "jsonl", "text_field": text_field,
-            "provenance": {"source": "test", "license": "MIT"}}
+    return {
+        "uri": f"file://{p}",
+        "sha256": str(file_sha256(p)),
+        "role": role,
+        "format": "jsonl",
+        "text_field": text_field,
+        "provenance": {"source": "test", "license": "MIT"},
+    }
 
 
 def _manifest(tmp: Path, policy: Path, task: dict[str, Path]) -> dict[str, Any]:
@@ -54,14 +61,22 @@ def _manifest(tmp: Path, policy: Path, task: dict[str, Path]) -> dict[str, Any]:
     lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:200]
     docs.write_text("\n".join(lines) + "\n")
     return {
-        "manifest_version": 1, "name": "post-training-e2e",
+        "manifest_version": 1,
+        "name": "post-training-e2e",
         "model": {"preset": "llama-tiny", "size": "124K"},
-        "data": {"refs": [_ref(docs, "baseline")], "eval_suites": ["gsm8k"],
-                 "ladder_probe": {"enabled": False}},
-        "training": {"max_steps": 4, "seq_len": 64, "global_batch_tokens": 512,
-                     "learning_rate": 0.003, "warmup_steps": 1},
-        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain",
-                                   "token_fraction": 1.0}]},
+        "data": {
+            "refs": [_ref(docs, "baseline")],
+            "eval_suites": ["gsm8k"],
+            "ladder_probe": {"enabled": False},
+        },
+        "training": {
+            "max_steps": 4,
+            "seq_len": 64,
+            "global_batch_tokens": 512,
+            "learning_rate": 0.003,
+            "warmup_steps": 1,
+        },
+        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain", "token_fraction": 1.0}]},
         "post_training": {
             **base_model(policy),
             "sft": {"data": _ref(task["sft"]), "steps": 20, "learning_rate": 5e-3},
@@ -69,25 +84,36 @@ def _manifest(tmp: Path, policy: Path, task: dict[str, Path]) -> dict[str, Any]:
             # eta = 0 with fixed seeds: the same updates as the synchronous loop whatever
             # the timing (test_fleet.py), so the reward curve is reproducible; eta > 0 and
             # a worker kill are test_fleet_ray.py.
-            "rlvr": {"data": _ref(task["rlvr"]), "steps": 14, "reward": "first_number_match",
-                     "group_size": 8, "groups_per_step": 4, "max_completion_tokens": 4,
-                     "overlong_buffer_tokens": 1, "overlong_penalty_factor": 0.0,
-                     "learning_rate": 5e-2, "max_staleness": 0, "rollout_workers": 2,
-                     "gate": {"metric": "reward_gain", "min": 0.2}},
+            "rlvr": {
+                "data": _ref(task["rlvr"]),
+                "steps": 14,
+                "reward": "first_number_match",
+                "group_size": 8,
+                "groups_per_step": 4,
+                "max_completion_tokens": 4,
+                "overlong_buffer_tokens": 1,
+                "overlong_penalty_factor": 0.0,
+                "learning_rate": 5e-2,
+                "max_staleness": 0,
+                "rollout_workers": 2,
+                "gate": {"metric": "reward_gain", "min": 0.2},
+            },
         },
         "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
-        "checkpoint": {"interval_steps": 2, "keep": 1,
-                       "storage_uri": f"file://{tmp / 'ckpt'}"},
+        "checkpoint": {"interval_steps": 2, "keep": 1, "storage_uri": f"file://{tmp / 'ckpt'}"},
     }
 
 
 def test_ito_train_runs_sft_dpo_rlvr_and_the_reward_rises(
-        rt: dict[str, Any], tiny_policy: Path, task_files: dict[str, Path],
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rt: dict[str, Any],
+    tiny_policy: Path,
+    task_files: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     be: Backend = rt["backend"]
     t: Tenant = rt["tenant"]
-    manifest = write_manifest(tmp_path / "m.json", _manifest(rt["tmp"], tiny_policy,
-                                                            task_files))
+    manifest = write_manifest(tmp_path / "m.json", _manifest(rt["tmp"], tiny_policy, task_files))
     monkeypatch.setenv("ITO_API_URL", be.url)
 
     def cli(argv: list[str], key: str) -> dict[str, Any]:
@@ -96,11 +122,34 @@ def test_ito_train_runs_sft_dpo_rlvr_and_the_reward_rises(
         assert status == 0, env
         return dict(env)
 
-    ref = cli(["confirm", "--action", "train", "--booking", t.booking_id, "--manifest",
-               str(manifest), "--json"], t.approver)["data"]["confirmation_ref"]
-    run_id = cli(["train", "--booking", t.booking_id, "--manifest", str(manifest),
-                  "--confirmation-ref", ref, "--idempotency-key", "pt-e2e-0001", "--json"],
-                 t.submitter)["data"]["run_id"]
+    ref = cli(
+        [
+            "confirm",
+            "--action",
+            "train",
+            "--booking",
+            t.booking_id,
+            "--manifest",
+            str(manifest),
+            "--json",
+        ],
+        t.approver,
+    )["data"]["confirmation_ref"]
+    run_id = cli(
+        [
+            "train",
+            "--booking",
+            t.booking_id,
+            "--manifest",
+            str(manifest),
+            "--confirmation-ref",
+            ref,
+            "--idempotency-key",
+            "pt-e2e-0001",
+            "--json",
+        ],
+        t.submitter,
+    )["data"]["run_id"]
     deadline = time.monotonic() + RUN_TIMEOUT_S
     run: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -124,9 +173,17 @@ def test_ito_train_runs_sft_dpo_rlvr_and_the_reward_rises(
         assert (out / step / "tokenizer_config.json").is_file()
     metrics = cli(["metrics", "--run", run_id, "--json"], t.submitter)["data"]
     rl = metrics["post_training"]
-    for key in ("rollout_samples_per_s", "trainer_idle_frac", "rollout_idle_frac",
-                "weight_sync_s", "staleness_min", "staleness_mean", "staleness_max",
-                "drop_rate", "mean_reward"):
+    for key in (
+        "rollout_samples_per_s",
+        "trainer_idle_frac",
+        "rollout_idle_frac",
+        "weight_sync_s",
+        "staleness_min",
+        "staleness_mean",
+        "staleness_max",
+        "drop_rate",
+        "mean_reward",
+    ):
         assert key in rl, key
     assert rl["rollout_samples_per_s"] > 0
     import httpx

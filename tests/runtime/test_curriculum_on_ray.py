@@ -45,26 +45,57 @@ def _manifest(rt: dict[str, Any], second_gate_max: float) -> dict[str, Any]:
     from stages.data_prep import file_sha256
 
     def ref(p: Path, role: str) -> dict[str, Any]:
-        return {"uri": f"file://{p}", "sha256": str(file_sha256(p)), "role": role,
-                "format": "jsonl", "text_field": "text",
-                "provenance": {"source": "test", "license": "MIT"}}
+        return {
+            "uri": f"file://{p}",
+            "sha256": str(file_sha256(p)),
+            "role": role,
+            "format": "jsonl",
+            "text_field": "text",
+            "provenance": {"source": "test", "license": "MIT"},
+        }
 
     return {
-        "manifest_version": 1, "name": f"cur-{uuid.uuid4().hex[:6]}",
+        "manifest_version": 1,
+        "name": f"cur-{uuid.uuid4().hex[:6]}",
         "model": {"preset": "llama-tiny", "size": "124K"},
-        "data": {"refs": [ref(rt["baseline"], "baseline"), ref(rt["custom"], "custom")],
-                 "eval_suites": ["gsm8k"], "ladder_probe": {"enabled": False}},
-        "training": {"max_steps": 12, "seq_len": 64, "global_batch_tokens": 512,
-                     "learning_rate": 0.003, "warmup_steps": 2},
-        "curriculum": {"phases": [
-            {"name": "pretrain", "kind": "pretrain", "token_fraction": 0.5,
-             "eval_battery": "smoke", "gates": [{"metric": "heldout_loss", "max": 100.0}]},
-            {"name": "long", "kind": "long_context", "token_fraction": 0.5, "seq_len": 128,
-             "data_weights": {"custom": 3.0}, "eval_battery": "smoke",
-             "gates": [{"metric": "heldout_loss", "max": second_gate_max}]}]},
+        "data": {
+            "refs": [ref(rt["baseline"], "baseline"), ref(rt["custom"], "custom")],
+            "eval_suites": ["gsm8k"],
+            "ladder_probe": {"enabled": False},
+        },
+        "training": {
+            "max_steps": 12,
+            "seq_len": 64,
+            "global_batch_tokens": 512,
+            "learning_rate": 0.003,
+            "warmup_steps": 2,
+        },
+        "curriculum": {
+            "phases": [
+                {
+                    "name": "pretrain",
+                    "kind": "pretrain",
+                    "token_fraction": 0.5,
+                    "eval_battery": "smoke",
+                    "gates": [{"metric": "heldout_loss", "max": 100.0}],
+                },
+                {
+                    "name": "long",
+                    "kind": "long_context",
+                    "token_fraction": 0.5,
+                    "seq_len": 128,
+                    "data_weights": {"custom": 3.0},
+                    "eval_battery": "smoke",
+                    "gates": [{"metric": "heldout_loss", "max": second_gate_max}],
+                },
+            ]
+        },
         "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
-        "checkpoint": {"interval_steps": 4, "keep": 1,
-                       "storage_uri": f"file://{rt['tmp'] / 'ckpt'}"},
+        "checkpoint": {
+            "interval_steps": 4,
+            "keep": 1,
+            "storage_uri": f"file://{rt['tmp'] / 'ckpt'}",
+        },
     }
 
 
@@ -97,7 +128,8 @@ def failed(rt: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_second_gate_fails_the_run_with_its_check_everywhere(
-        rt: dict[str, Any], failed: dict[str, Any]) -> None:
+    rt: dict[str, Any], failed: dict[str, Any]
+) -> None:
     run, run_id = failed["run"], failed["run_id"]
     assert run["state"] == "failed", run
     assert "eval_gate_failed" in json.dumps(run["stage_gates"])
@@ -117,8 +149,10 @@ def test_second_gate_fails_the_run_with_its_check_everywhere(
     assert ("pretrain", "arith_mc_acc") in scored and ("long", "heldout_loss") in scored
     assert metrics["badput_s"]["evaluation"] > 0
     text = httpx.get(rt["backend"].metrics_url, timeout=30).text
-    assert f'ito_run_eval_score{{booking_id="bk-cur",check="heldout_loss",phase="long",' \
-           f'run_id="{run_id}"}}' in text
+    assert (
+        f'ito_run_eval_score{{booking_id="bk-cur",check="heldout_loss",phase="long",'
+        f'run_id="{run_id}"}}' in text
+    )
     # The checkpoint that closed pretrain is listed with its phase despite keep=1.
     ckpts = _get(rt, f"/v1/runs/{run_id}/checkpoints")["checkpoints"]
     closing = {c["step"]: c["phase"] for c in ckpts if c["closes_phase"]}
@@ -133,9 +167,11 @@ def test_no_override_path_exists(rt: dict[str, Any], failed: dict[str, Any]) -> 
         auth = {"Authorization": f"Bearer {t.submitter}"}
         # 1. approve/decline do not apply to gates: there is no proposal to approve.
         for gate_name in ("long", "eval_gate", "train"):
-            r = c.post(f"/v1/runs/{run_id}/proposals/{gate_name}/approve",
-                       json={"confirmation_ref": "cref_x"},
-                       headers={**auth, "Idempotency-Key": f"ap-{uuid.uuid4().hex}"})
+            r = c.post(
+                f"/v1/runs/{run_id}/proposals/{gate_name}/approve",
+                json={"confirmation_ref": "cref_x"},
+                headers={**auth, "Idempotency-Key": f"ap-{uuid.uuid4().hex}"},
+            )
             assert r.json()["error"]["code"] == "proposal_not_found"
         # 2. A new manifest (the gate loosened) under the same idempotency key.
         loose = _manifest(rt, second_gate_max=1000.0)
@@ -143,16 +179,22 @@ def test_no_override_path_exists(rt: dict[str, Any], failed: dict[str, Any]) -> 
         r = submit(c, t.submitter, t.booking_id, loose, ref, idempotency_key=failed["key"])
         assert r.json()["error"]["code"] == "idempotency_conflict"
         # 3. Resubmitting (after a cancel, or not) with the consumed confirmation.
-        cref = confirm_ref(c, t.approver, "cancel", t.booking_id, run_id=run_id,
-                           cost_usd=0.0)
-        r = c.post(f"/v1/runs/{run_id}/cancel", json={"confirmation_ref": cref},
-                   headers={**auth, "Idempotency-Key": f"cancel-{uuid.uuid4().hex}"})
+        cref = confirm_ref(c, t.approver, "cancel", t.booking_id, run_id=run_id, cost_usd=0.0)
+        r = c.post(
+            f"/v1/runs/{run_id}/cancel",
+            json={"confirmation_ref": cref},
+            headers={**auth, "Idempotency-Key": f"cancel-{uuid.uuid4().hex}"},
+        )
         assert r.json()["error"]["code"] == "invalid_state"  # failed is final
         r = submit(c, t.submitter, t.booking_id, failed["manifest"], failed["ref"])
         assert r.json()["error"]["code"] == "confirmation_consumed"
         # 4. No API route overrides a gate or a state.
-        for path in (f"/v1/runs/{run_id}/gates/long/override", f"/v1/runs/{run_id}/override",
-                     f"/v1/runs/{run_id}/resume", f"/v1/runs/{run_id}/retry"):
+        for path in (
+            f"/v1/runs/{run_id}/gates/long/override",
+            f"/v1/runs/{run_id}/override",
+            f"/v1/runs/{run_id}/resume",
+            f"/v1/runs/{run_id}/retry",
+        ):
             r = c.post(path, json={}, headers=auth)
             assert r.status_code in (404, 405) and not r.json()["ok"]
         # 5. The manifest has no override field: an unknown key is refused.
@@ -164,7 +206,11 @@ def test_no_override_path_exists(rt: dict[str, Any], failed: dict[str, Any]) -> 
         assert r.json()["error"]["code"] == "manifest_invalid"
     # 6. The operator CLI has no override either: no such command.
     for args in (["runs", "override", run_id], ["gates", "override", run_id]):
-        p = subprocess.run([sys.executable, "-m", "orchestrator.admin", *args],
-                           capture_output=True, text=True, timeout=60)
+        p = subprocess.run(
+            [sys.executable, "-m", "orchestrator.admin", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert p.returncode == 2 and "No such command" in p.stderr
     assert _get(rt, f"/v1/runs/{run_id}")["state"] == "failed"

@@ -38,8 +38,11 @@ class _CountingStage:
         if self.block is not None:
             while not ctx.cancelled:
                 time.sleep(0.01)
-        return GateOutcome(stage=self.name, status=self.status,  # type: ignore[arg-type]
-                           reason="test")
+        return GateOutcome(
+            stage=self.name,
+            status=self.status,  # type: ignore[arg-type]
+            reason="test",
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -51,9 +54,17 @@ def _launch_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _spec(tmp_path: Path, **kw: object) -> LaunchSpec:
-    base = LaunchSpec(run_id="run_1", booking_id="bk_1", account="acme", manifest_digest="d" * 64,
-                      manifest_json="{}", accepted_at=time.time(), workdir=str(tmp_path / "w"),
-                      checkpoint_dir=str(tmp_path / "c"), **kw)  # type: ignore[arg-type]
+    base = LaunchSpec(
+        run_id="run_1",
+        booking_id="bk_1",
+        account="acme",
+        manifest_digest="d" * 64,
+        manifest_json="{}",
+        accepted_at=time.time(),
+        workdir=str(tmp_path / "w"),
+        checkpoint_dir=str(tmp_path / "c"),
+        **kw,
+    )  # type: ignore[arg-type]
     return launch.sign(base)
 
 
@@ -76,8 +87,11 @@ def test_unsigned_or_tampered_launch_refuses_to_run(tmp_path: Path) -> None:
 
 def test_events_are_numbered_and_dropped_only_when_acknowledged(tmp_path: Path) -> None:
     spec = _spec(tmp_path, seq_start=41)
-    d = RunDriverImpl(spec.model_dump(), use_ray_metrics=False,
-                      pipeline=lambda s: [("count", lambda ctx: _CountingStage(5))])
+    d = RunDriverImpl(
+        spec.model_dump(),
+        use_ray_metrics=False,
+        pipeline=lambda s: [("count", lambda ctx: _CountingStage(5))],
+    )
     d.start()
     _wait_state(d, "succeeded")
     first = d.poll(after_seq=0)
@@ -98,7 +112,9 @@ def test_failed_gate_stops_the_pipeline(tmp_path: Path) -> None:
             def f(ctx: StageContext) -> _CountingStage:
                 ran.append(name)
                 return _CountingStage(1, status=status)
+
             return f
+
         return [("a", make("a", "failed")), ("b", make("b", "passed"))]
 
     d = RunDriverImpl(_spec(tmp_path).model_dump(), use_ray_metrics=False, pipeline=pipeline)
@@ -120,10 +136,14 @@ def test_cancel_stops_a_running_stage_and_completed_stages_are_skipped(tmp_path:
         def make_b(ctx: StageContext) -> _CountingStage:
             made.append("b")
             return _CountingStage(1, block=threading.Event())
+
         return [("a", make_a), ("b", make_b)]
 
-    d = RunDriverImpl(_spec(tmp_path, completed_stages={"a": done}, attempt=2).model_dump(),
-                      use_ray_metrics=False, pipeline=pipeline)
+    d = RunDriverImpl(
+        _spec(tmp_path, completed_stages={"a": done}, attempt=2).model_dump(),
+        use_ray_metrics=False,
+        pipeline=pipeline,
+    )
     d.start()
     deadline = time.time() + 5
     while "b" not in made and time.time() < deadline:

@@ -48,9 +48,16 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     # deploy/slurm does through the file system and deploy/k8s through a Secret).
     key = {"ITO_LAUNCH_KEY_FILE": str(tmp / "launch.key")}
     cluster = LocalCluster(tmp, env=key)
-    be = Backend(db=tmp / "ito.db", var_dir=tmp / "var", log_path=tmp / "backend.log",
-                 env={"ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.25}),
-                      "ITO_PLACEMENT_WAIT_S": str(PLACEMENT_WAIT_S), **key})
+    be = Backend(
+        db=tmp / "ito.db",
+        var_dir=tmp / "var",
+        log_path=tmp / "backend.log",
+        env={
+            "ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.25}),
+            "ITO_PLACEMENT_WAIT_S": str(PLACEMENT_WAIT_S),
+            **key,
+        },
+    )
     tenant = make_tenant(be.db, "acme", booking=cpu_booking_doc("bk-a", "acme", gpus=1))
     store = Store(be.db)
     for bid in ("bk-b", "bk-none"):
@@ -63,12 +70,20 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     corpus = _docs(data / "train.jsonl", [json.loads(line)["text"] for line in lines])
     try:
         cluster.start_head()
-        nodes = {"bk-a": cluster.add_node("a", num_cpus=2, resources={"booking:bk-a": 1}),
-                 "bk-b": cluster.add_node("b", num_cpus=2, resources={"booking:bk-b": 1})}
+        nodes = {
+            "bk-a": cluster.add_node("a", num_cpus=2, resources={"booking:bk-a": 1}),
+            "bk-b": cluster.add_node("b", num_cpus=2, resources={"booking:bk-b": 1}),
+        }
         be.extra_args = ["--runtime", "ray", "--ray-address", cluster.address]
         be.start()
-        yield {"backend": be, "tenant": tenant, "tmp": tmp, "cluster": cluster,
-               "nodes": nodes, "corpus": corpus}
+        yield {
+            "backend": be,
+            "tenant": tenant,
+            "tmp": tmp,
+            "cluster": cluster,
+            "nodes": nodes,
+            "corpus": corpus,
+        }
     finally:
         be.stop()
         cluster.stop()
@@ -80,19 +95,39 @@ def _submit(env: dict[str, Any], booking: str, steps: int) -> str:
     be: Backend = env["backend"]
     t: Tenant = env["tenant"]
     corpus: Path = env["corpus"]
-    m = {"manifest_version": 1, "name": f"p-{uuid.uuid4().hex[:6]}",
-         "model": {"preset": "llama-tiny", "size": "124K"},
-         "data": {"refs": [{"uri": f"file://{corpus}", "sha256": file_sha256(corpus),
-                            "role": "baseline", "format": "jsonl", "text_field": "text",
-                            "provenance": {"source": "test", "license": "PSF"}}],
-                  "eval_suites": ["gsm8k"], "ladder_probe": {"enabled": False}},
-         "training": {"max_steps": steps, "seq_len": 64, "global_batch_tokens": 512,
-                      "learning_rate": 0.003, "warmup_steps": 2},
-         "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain",
-                                    "token_fraction": 1.0}]},
-         "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
-         "checkpoint": {"interval_steps": 5, "keep": 2,
-                        "storage_uri": f"file://{env['tmp'] / 'ckpt'}"}}
+    m = {
+        "manifest_version": 1,
+        "name": f"p-{uuid.uuid4().hex[:6]}",
+        "model": {"preset": "llama-tiny", "size": "124K"},
+        "data": {
+            "refs": [
+                {
+                    "uri": f"file://{corpus}",
+                    "sha256": file_sha256(corpus),
+                    "role": "baseline",
+                    "format": "jsonl",
+                    "text_field": "text",
+                    "provenance": {"source": "test", "license": "PSF"},
+                }
+            ],
+            "eval_suites": ["gsm8k"],
+            "ladder_probe": {"enabled": False},
+        },
+        "training": {
+            "max_steps": steps,
+            "seq_len": 64,
+            "global_batch_tokens": 512,
+            "learning_rate": 0.003,
+            "warmup_steps": 2,
+        },
+        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain", "token_fraction": 1.0}]},
+        "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
+        "checkpoint": {
+            "interval_steps": 5,
+            "keep": 2,
+            "storage_uri": f"file://{env['tmp'] / 'ckpt'}",
+        },
+    }
     with be.client() as c:
         ref = confirm_ref(c, t.approver, "train", booking, manifest=m)
         body = submit(c, t.submitter, booking, m, ref).json()
@@ -109,8 +144,9 @@ def _run(env: dict[str, Any], run_id: str) -> dict[str, Any]:
     return data
 
 
-def _wait(env: dict[str, Any], run_id: str, pred: Any, what: str,
-          timeout_s: float = WAIT_S) -> dict[str, Any]:
+def _wait(
+    env: dict[str, Any], run_id: str, pred: Any, what: str, timeout_s: float = WAIT_S
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     run: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -118,8 +154,9 @@ def _wait(env: dict[str, Any], run_id: str, pred: Any, what: str,
         if pred(run):
             return run
         time.sleep(0.3)
-    raise AssertionError(f"run {run_id} never reached {what}; last {run}\n"
-                         f"{env['backend'].log_text()[-3000:]}")
+    raise AssertionError(
+        f"run {run_id} never reached {what}; last {run}\n{env['backend'].log_text()[-3000:]}"
+    )
 
 
 def _actors_by_node(env: dict[str, Any]) -> tuple[dict[str, str], list[Any]]:
@@ -128,10 +165,13 @@ def _actors_by_node(env: dict[str, Any]) -> tuple[dict[str, str], list[Any]]:
 
     os.environ["RAY_AUTH_MODE"] = "token"
     address = env["cluster"].dashboard
-    marks = {n.node_id: next((k for k in n.resources_total if k.startswith("booking:")), "")
-             for n in list_nodes(address=address, detail=True)}
-    actors = list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10_000,
-                         detail=True)
+    marks = {
+        n.node_id: next((k for k in n.resources_total if k.startswith("booking:")), "")
+        for n in list_nodes(address=address, detail=True)
+    }
+    actors = list_actors(
+        address=address, filters=[("state", "=", "ALIVE")], limit=10_000, detail=True
+    )
     return marks, actors
 
 
@@ -150,11 +190,14 @@ def test_two_runs_at_once_each_only_on_its_booking_node(env: dict[str, Any]) -> 
     # Sample until both runs have their driver, lighthouse and trainer live at once.
     while time.monotonic() < deadline:
         marks, actors = _actors_by_node(env)
-        seen = {b: {a.name for a in actors if a.name and a.name.startswith(f"run-{r}")}
-                for b, r in runs.items()}
-        if all(any("-trainer-" in n for n in names) and any(n.endswith("-lighthouse")
-                                                             for n in names)
-               for names in seen.values()):
+        seen = {
+            b: {a.name for a in actors if a.name and a.name.startswith(f"run-{r}")}
+            for b, r in runs.items()
+        }
+        if all(
+            any("-trainer-" in n for n in names) and any(n.endswith("-lighthouse") for n in names)
+            for names in seen.values()
+        ):
             break
         for r in runs.values():
             assert _run(env, r)["state"] in ("accepted", "starting", "running"), _run(env, r)
@@ -163,10 +206,12 @@ def test_two_runs_at_once_each_only_on_its_booking_node(env: dict[str, Any]) -> 
         from ray.util.state import list_actors
 
         every = list_actors(address=env["cluster"].dashboard, limit=10_000, detail=True)
-        raise AssertionError(f"the two runs were never live together: {seen}\n"
-                             f"{[(a.name, a.state, a.death_cause) for a in every]}\n"
-                             f"{[_run(env, r) for r in runs.values()]}\n"
-                             f"{env['backend'].log_text()[-3000:]}")
+        raise AssertionError(
+            f"the two runs were never live together: {seen}\n"
+            f"{[(a.name, a.state, a.death_cause) for a in every]}\n"
+            f"{[_run(env, r) for r in runs.values()]}\n"
+            f"{env['backend'].log_text()[-3000:]}"
+        )
     for booking, run_id in runs.items():
         mine = [a for a in actors if a.name and a.name.startswith(f"run-{run_id}")]
         assert {f"run-{run_id}", f"run-{run_id}-lighthouse"} <= {a.name for a in mine}
@@ -187,23 +232,36 @@ def test_two_runs_at_once_each_only_on_its_booking_node(env: dict[str, Any]) -> 
 
 def test_booking_without_a_node_waits_then_fails_with_its_code(env: dict[str, Any]) -> None:
     run_id = _submit(env, "bk-none", steps=5)
-    waiting = _wait(env, run_id, lambda r: r["state"] == "starting" and
-                    "no live node is marked booking:bk-none" in (r.get("state_reason") or ""),
-                    "starting with a reason", timeout_s=60)
+    waiting = _wait(
+        env,
+        run_id,
+        lambda r: (
+            r["state"] == "starting"
+            and "no live node is marked booking:bk-none" in (r.get("state_reason") or "")
+        ),
+        "starting with a reason",
+        timeout_s=60,
+    )
     assert waiting["state"] == "starting"
-    failed = _wait(env, run_id, lambda r: r["state"] == "failed", "failed",
-                   timeout_s=PLACEMENT_WAIT_S + 60)
+    failed = _wait(
+        env, run_id, lambda r: r["state"] == "failed", "failed", timeout_s=PLACEMENT_WAIT_S + 60
+    )
     assert failed["state_reason"].startswith("booking_nodes_unavailable:"), failed
     assert not _events(env, run_id, "step")  # nothing ran anywhere
 
 
 def test_a_booking_node_leaving_mid_run_is_an_interruption(env: dict[str, Any]) -> None:
     run_id = _submit(env, "bk-a", steps=400)
-    _wait(env, run_id, lambda r: r["state"] == "running" and _events(env, run_id, "step"),
-          "a committed step")
+    _wait(
+        env,
+        run_id,
+        lambda r: r["state"] == "running" and _events(env, run_id, "step"),
+        "a committed step",
+    )
     env["nodes"]["bk-a"].stop()
-    failed = _wait(env, run_id, lambda r: r["state"] == "failed", "failed",
-                   timeout_s=PLACEMENT_WAIT_S + 90)
+    failed = _wait(
+        env, run_id, lambda r: r["state"] == "failed", "failed", timeout_s=PLACEMENT_WAIT_S + 90
+    )
     lost = _events(env, run_id, "interruption")
     assert any(e["interruption_kind"] == "node_lost" for e in lost), lost
     # It waited for the node to come back, bounded, then said which code.

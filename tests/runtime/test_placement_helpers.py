@@ -11,9 +11,16 @@ from stages.placement import (
     bundle_for_rank,
 )
 
-FACTS = {"placement": PlacementFact(
-    booking_id="bk1", resource="booking:bk1", placement_group="run-r-pg",
-    placement_group_id="ab" * 18, bundles=2, bundle={"booking:bk1": 4.0}).model_dump()}
+FACTS = {
+    "placement": PlacementFact(
+        booking_id="bk1",
+        resource="booking:bk1",
+        placement_group="run-r-pg",
+        placement_group_id="ab" * 18,
+        bundles=2,
+        bundle={"booking:bk1": 4.0},
+    ).model_dump()
+}
 
 
 def test_without_placement_a_stage_schedules_freely() -> None:
@@ -38,8 +45,9 @@ def test_placed_actor_takes_a_token_of_the_booking_mark_in_the_group() -> None:
 
 
 def test_embedded_head_is_marked_with_each_booking_and_the_catch_all() -> None:
-    marks = embedded_marks([{"booking_id": "bk1", "gpus_per_node": 2},
-                            {"booking_id": "bk2", "gpus_per_node": None}])
+    marks = embedded_marks(
+        [{"booking_id": "bk1", "gpus_per_node": 2}, {"booking_id": "bk2", "gpus_per_node": None}]
+    )
     assert marks[booking_resource("bk1")] == 2.0
     assert marks[booking_resource("bk2")] == 1.0
     assert EMBEDDED_RESOURCE in marks

@@ -25,16 +25,21 @@ pytestmark = pytest.mark.slow
 
 
 def _session_pids(leader: int) -> set[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "-s", str(leader)], capture_output=True,
-                         text=True, check=False).stdout
+    out = subprocess.run(
+        ["ps", "-o", "pid=", "-s", str(leader)], capture_output=True, text=True, check=False
+    ).stdout
     return {int(p) for p in out.split()}
 
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
     var_dir = tmp_path_factory.mktemp("ray-head")
-    settings = ray_cluster.RaySettings(head_port=free_port(), dashboard_port=free_port(),
-                                       client_server_port=free_port(), num_cpus=1)
+    settings = ray_cluster.RaySettings(
+        head_port=free_port(),
+        dashboard_port=free_port(),
+        client_server_port=free_port(),
+        num_cpus=1,
+    )
     ray_cluster.start_local_head(var_dir, settings)
     note_start("embedded-head", str(var_dir))
     try:
@@ -50,8 +55,9 @@ def listeners(head: dict[str, object]) -> list[str]:
     var_dir = head["var_dir"]
     assert isinstance(var_dir, Path)
     pids = _session_pids(int(ray_cluster.head_pid_file(var_dir).read_text()))
-    lines = subprocess.run([ss, "-ltnpH"], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
+    lines = subprocess.run(
+        [ss, "-ltnpH"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     return [li for li in lines if any(f"pid={p}," in li for p in pids)]
 
 
@@ -61,8 +67,9 @@ def _local(line: str) -> tuple[str, int]:
     return host.strip("[]").removeprefix("::ffff:"), int(port)
 
 
-def test_dashboard_and_client_server_listen_on_loopback(head: dict[str, object],
-                                                        listeners: list[str]) -> None:
+def test_dashboard_and_client_server_listen_on_loopback(
+    head: dict[str, object], listeners: list[str]
+) -> None:
     settings = head["settings"]
     assert isinstance(settings, ray_cluster.RaySettings)
     bound = [_local(li) for li in listeners]
@@ -86,10 +93,13 @@ def test_temp_root_is_private(head: dict[str, object]) -> None:
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
 
 
-@pytest.mark.xfail(strict=True, reason="Ray 2.60's GCS, raylet, core-worker and dashboard "
-                   "agent gRPC servers bind all interfaces whatever --node-ip-address says "
-                   "(fixed upstream in ray-project/ray#59852); docs/runtime.md lists the "
-                   "ports to firewall")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Ray 2.60's GCS, raylet, core-worker and dashboard "
+    "agent gRPC servers bind all interfaces whatever --node-ip-address says "
+    "(fixed upstream in ray-project/ray#59852); docs/runtime.md lists the "
+    "ports to firewall",
+)
 def test_every_listener_is_loopback(listeners: list[str]) -> None:
     hosts = {_local(li)[0] for li in listeners}
     assert hosts <= {"127.0.0.1", "::1"}, hosts

@@ -55,35 +55,58 @@ def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     baseline, custom = corpora(tmp / "data", 400, 300)
     # Operator knob: pace steps so a tiny model's run lasts long enough to cancel it,
     # kill a group in it, or kill the API server under it.
-    with ray_backend(tmp, "bk-cpu", env={"ITO_TRAIN_OVERRIDES": json.dumps(
-            {"pace_step_s": 0.15})}) as rt:
+    with ray_backend(
+        tmp, "bk-cpu", env={"ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.15})}
+    ) as rt:
         yield {**rt, "baseline": baseline, "custom": custom}
 
 
-def _manifest(rt: dict[str, Any], *, steps: int, name: str,
-              **sections: Any) -> dict[str, Any]:
+def _manifest(rt: dict[str, Any], *, steps: int, name: str, **sections: Any) -> dict[str, Any]:
     def ref(p: Path, role: str) -> dict[str, Any]:
-        return {"uri": f"file://{p}", "sha256": _sha(p), "role": role, "format": "jsonl",
-                "text_field": "text", "provenance": {"source": "test", "license": "MIT"}}
+        return {
+            "uri": f"file://{p}",
+            "sha256": _sha(p),
+            "role": role,
+            "format": "jsonl",
+            "text_field": "text",
+            "provenance": {"source": "test", "license": "MIT"},
+        }
 
     return {
-        "manifest_version": 1, "name": name,
+        "manifest_version": 1,
+        "name": name,
         "model": {"preset": "llama-tiny", "size": "124K"},
-        "data": {"refs": [ref(rt["baseline"], "baseline"), ref(rt["custom"], "custom")],
-                 "eval_suites": ["gsm8k"], "ladder_probe": {"enabled": False}},
-        "training": {"max_steps": steps, "seq_len": 64, "global_batch_tokens": 512,
-                     "learning_rate": 0.003, "warmup_steps": 2},
-        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain",
-                                   "token_fraction": 1.0}]},
+        "data": {
+            "refs": [ref(rt["baseline"], "baseline"), ref(rt["custom"], "custom")],
+            "eval_suites": ["gsm8k"],
+            "ladder_probe": {"enabled": False},
+        },
+        "training": {
+            "max_steps": steps,
+            "seq_len": 64,
+            "global_batch_tokens": 512,
+            "learning_rate": 0.003,
+            "warmup_steps": 2,
+        },
+        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain", "token_fraction": 1.0}]},
         "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
-        "checkpoint": {"interval_steps": 5, "keep": 2,
-                       "storage_uri": f"file://{rt['tmp'] / 'ckpt'}"},
+        "checkpoint": {
+            "interval_steps": 5,
+            "keep": 2,
+            "storage_uri": f"file://{rt['tmp'] / 'ckpt'}",
+        },
         **sections,
     }
 
 
-def _submit(rt: dict[str, Any], *, steps: int, tenant: Tenant | None = None,
-            booking_id: str | None = None, **sections: Any) -> str:
+def _submit(
+    rt: dict[str, Any],
+    *,
+    steps: int,
+    tenant: Tenant | None = None,
+    booking_id: str | None = None,
+    **sections: Any,
+) -> str:
     be: Backend = rt["backend"]
     t: Tenant = tenant or rt["tenant"]
     booking = booking_id or t.booking_id
@@ -106,8 +129,14 @@ def _get(rt: dict[str, Any], path: str, tenant: Tenant | None = None) -> dict[st
     return data
 
 
-def _wait(rt: dict[str, Any], run_id: str, pred: Any, what: str,
-          timeout_s: float = RUN_TIMEOUT_S, tenant: Tenant | None = None) -> dict[str, Any]:
+def _wait(
+    rt: dict[str, Any],
+    run_id: str,
+    pred: Any,
+    what: str,
+    timeout_s: float = RUN_TIMEOUT_S,
+    tenant: Tenant | None = None,
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     run: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -123,8 +152,9 @@ def _wait(rt: dict[str, Any], run_id: str, pred: Any, what: str,
         time.sleep(0.5)
     logs = Store(rt["backend"].db).list_logs(run_id, 0, 1000)
     tail = "\n".join(f"{e['stage']}: {e['message']}" for e in logs[-40:])
-    raise AssertionError(f"run {run_id} never reached {what}; last {run}\n{tail}\n"
-                         f"{rt['backend'].log_text()[-3000:]}")
+    raise AssertionError(
+        f"run {run_id} never reached {what}; last {run}\n{tail}\n{rt['backend'].log_text()[-3000:]}"
+    )
 
 
 def _last_step(rt: dict[str, Any], run_id: str, tenant: Tenant | None = None) -> int:
@@ -136,8 +166,12 @@ def _run_actors(rt: dict[str, Any], run_id: str) -> list[Any]:
     from ray.util.state import list_actors
 
     os.environ["RAY_AUTH_MODE"] = "token"
-    actors = list_actors(address=f"http://127.0.0.1:{rt['dashboard']}",
-                         filters=[("state", "=", "ALIVE")], limit=10_000, detail=True)
+    actors = list_actors(
+        address=f"http://127.0.0.1:{rt['dashboard']}",
+        filters=[("state", "=", "ALIVE")],
+        limit=10_000,
+        detail=True,
+    )
     prefix = f"run-{run_id}"
     return [a for a in actors if a.name and (a.name == prefix or a.name.startswith(prefix + "-"))]
 
@@ -159,8 +193,11 @@ def test_submitted_run_succeeds_with_gates_checkpoints_and_goodput(rt: dict[str,
     assert metrics["goodput"] > 0
     assert metrics["tokens_per_s"] > 0
     # Nothing of a finished run stays alive (Ray reaps its actors shortly after).
-    wait_until(lambda: not _run_actors(rt, run_id), ACTORS_GONE_TIMEOUT_S,
-               "every actor of the finished run gone")
+    wait_until(
+        lambda: not _run_actors(rt, run_id),
+        ACTORS_GONE_TIMEOUT_S,
+        "every actor of the finished run gone",
+    )
 
 
 def test_ray_dashboard_keeps_token_auth(rt: dict[str, Any]) -> None:
@@ -172,32 +209,47 @@ def test_ray_dashboard_keeps_token_auth(rt: dict[str, Any]) -> None:
 
 
 def test_cancel_mid_run_stops_every_actor_within_30s_keeps_checkpoints_then_cleanup(
-        rt: dict[str, Any]) -> None:
+    rt: dict[str, Any],
+) -> None:
     run_id = _submit(rt, steps=2000)
-    _wait(rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 6,
-          "a few steps")
+    _wait(
+        rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 6, "a few steps"
+    )
     assert any("trainer" in a.name for a in _run_actors(rt, run_id))
     be: Backend = rt["backend"]
     t: Tenant = rt["tenant"]
     with be.client() as c:
         ref = confirm_ref(c, t.approver, "cancel", t.booking_id, run_id=run_id, cost_usd=0.0)
-        r = c.post(f"/v1/runs/{run_id}/cancel", json={"confirmation_ref": ref},
-                   headers={"Authorization": f"Bearer {t.submitter}",
-                            "Idempotency-Key": f"cancel-{run_id}"})
+        r = c.post(
+            f"/v1/runs/{run_id}/cancel",
+            json={"confirmation_ref": ref},
+            headers={
+                "Authorization": f"Bearer {t.submitter}",
+                "Idempotency-Key": f"cancel-{run_id}",
+            },
+        )
     assert r.json()["ok"], r.json()
     assert r.json()["data"]["state"] in ("cancelling", "cancelled")
     _wait(rt, run_id, lambda r: r["state"] == "cancelled", "cancelled")
-    wait_until(lambda: not _run_actors(rt, run_id), ACTORS_GONE_TIMEOUT_S,
-               "every actor of the cancelled run gone")
+    wait_until(
+        lambda: not _run_actors(rt, run_id),
+        ACTORS_GONE_TIMEOUT_S,
+        "every actor of the cancelled run gone",
+    )
     ckpts = _get(rt, f"/v1/runs/{run_id}/checkpoints")["checkpoints"]
     assert ckpts and all(Path(c["path"]).is_dir() for c in ckpts)
 
     # Cleanup (its own confirmation) removes scratch and checkpoints, never the booking.
     with be.client() as c:
         ref = confirm_ref(c, t.approver, "cleanup", t.booking_id, run_id=run_id, cost_usd=0.0)
-        r = c.post(f"/v1/runs/{run_id}/cleanup", json={"confirmation_ref": ref},
-                   headers={"Authorization": f"Bearer {t.submitter}",
-                            "Idempotency-Key": f"cleanup-{run_id}"})
+        r = c.post(
+            f"/v1/runs/{run_id}/cleanup",
+            json={"confirmation_ref": ref},
+            headers={
+                "Authorization": f"Bearer {t.submitter}",
+                "Idempotency-Key": f"cleanup-{run_id}",
+            },
+        )
     body = r.json()
     assert body["ok"], body
     ckpt_dir = rt["tmp"] / "ckpt" / run_id
@@ -208,15 +260,18 @@ def test_cancel_mid_run_stops_every_actor_within_30s_keeps_checkpoints_then_clea
 
 
 def test_replica_group_kill_is_an_interruption_and_the_run_still_succeeds(
-        rt: dict[str, Any]) -> None:
+    rt: dict[str, Any],
+) -> None:
     # Long enough that the killed rank is back (a warm standby) before training ends.
     run_id = _submit(rt, steps=120)
-    _wait(rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 3,
-          "a few steps")
+    _wait(
+        rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 3, "a few steps"
+    )
     # The dashboard's actor list can trail the run's events on a loaded machine.
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (victims := [a for a in _run_actors(rt, run_id)
-                           if a.name.endswith("-trainer-rg1-rank0")]):
+    while not (
+        victims := [a for a in _run_actors(rt, run_id) if a.name.endswith("-trainer-rg1-rank0")]
+    ):
         assert time.monotonic() < deadline, [a.name for a in _run_actors(rt, run_id)]
         time.sleep(0.5)
     os.kill(int(victims[0].pid), signal.SIGKILL)  # a real process kill
@@ -231,19 +286,27 @@ def test_replica_group_kill_is_an_interruption_and_the_run_still_succeeds(
     assert 0 <= lost[0]["detect_s"] <= lost[0]["recover_s"]
     assert metrics["detect_s"] and metrics["recover_s"]
     text = httpx.get(rt["backend"].metrics_url, timeout=10).text
-    line = next(li for li in text.splitlines()
-                if li.startswith("ito_run_interruptions_total{") and run_id in li)
+    line = next(
+        li
+        for li in text.splitlines()
+        if li.startswith("ito_run_interruptions_total{") and run_id in li
+    )
     assert float(line.rsplit(" ", 1)[1]) >= 1
     for family in ("detect", "recover"):
-        assert any(li.startswith(f"ito_run_interruption_{family}_seconds{{") and run_id in li
-                   and 'kind="replica_group_lost"' in li for li in text.splitlines()), family
+        assert any(
+            li.startswith(f"ito_run_interruption_{family}_seconds{{")
+            and run_id in li
+            and 'kind="replica_group_lost"' in li
+            for li in text.splitlines()
+        ), family
 
 
 def test_api_server_sigkill_mid_run_reattaches_and_loses_no_event(rt: dict[str, Any]) -> None:
     be: Backend = rt["backend"]
     run_id = _submit(rt, steps=60)
-    _wait(rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 5,
-          "a few steps")
+    _wait(
+        rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 5, "a few steps"
+    )
     before = _get(rt, f"/v1/runs/{run_id}/logs?limit=1000")["entries"]
     assert before
     be.kill()  # SIGKILL: no shutdown hook runs
@@ -259,10 +322,15 @@ def test_api_server_sigkill_mid_run_reattaches_and_loses_no_event(rt: dict[str, 
 
 
 def test_lost_driver_is_relaunched_and_training_resumes_from_its_checkpoint(
-        rt: dict[str, Any]) -> None:
+    rt: dict[str, Any],
+) -> None:
     run_id = _submit(rt, steps=40)
-    _wait(rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 12,
-          "a checkpoint")
+    _wait(
+        rt,
+        run_id,
+        lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 12,
+        "a checkpoint",
+    )
     assert _get(rt, f"/v1/runs/{run_id}/checkpoints")["checkpoints"]
     (driver,) = [a for a in _run_actors(rt, run_id) if a.name == f"run-{run_id}"]
     os.kill(int(driver.pid), signal.SIGKILL)  # the driver process dies (its trainers with it)
@@ -277,15 +345,25 @@ def test_lost_driver_is_relaunched_and_training_resumes_from_its_checkpoint(
 
 
 def test_a_driver_lost_on_every_allowed_launch_fails_the_run_with_driver_lost(
-        rt: dict[str, Any]) -> None:
+    rt: dict[str, Any],
+) -> None:
     """The relaunch limit: a run gets max_driver_attempts (2) launches; when the second
     driver dies too, the run fails with driver_lost instead of relaunching again."""
     run_id = _submit(rt, steps=400)
     pids: list[int] = []
     for attempt in (1, 2):
-        _wait(rt, run_id, lambda r: r["state"] == "running" and any(
-            a.name == f"run-{run_id}" and int(a.pid) not in pids
-            for a in _run_actors(rt, run_id)), f"driver of launch {attempt}")
+        _wait(
+            rt,
+            run_id,
+            lambda r: (
+                r["state"] == "running"
+                and any(
+                    a.name == f"run-{run_id}" and int(a.pid) not in pids
+                    for a in _run_actors(rt, run_id)
+                )
+            ),
+            f"driver of launch {attempt}",
+        )
         (driver,) = [a for a in _run_actors(rt, run_id) if a.name == f"run-{run_id}"]
         pids.append(int(driver.pid))
         os.kill(int(driver.pid), signal.SIGKILL)
@@ -293,8 +371,11 @@ def test_a_driver_lost_on_every_allowed_launch_fails_the_run_with_driver_lost(
     assert run["state_reason"].startswith("driver_lost"), run["state_reason"]
     logs = [e["message"] for e in _get(rt, f"/v1/runs/{run_id}/logs?limit=1000")["entries"]]
     assert sum("driver lost; relaunching" in m for m in logs) == 1, logs
-    wait_until(lambda: not _run_actors(rt, run_id), ACTORS_GONE_TIMEOUT_S,
-               "nothing of the failed run left running")
+    wait_until(
+        lambda: not _run_actors(rt, run_id),
+        ACTORS_GONE_TIMEOUT_S,
+        "nothing of the failed run left running",
+    )
 
 
 def test_canary_secret_reaches_no_driver_or_worker_log(rt: dict[str, Any]) -> None:
@@ -327,8 +408,12 @@ def test_canary_secret_reaches_no_driver_or_worker_log(rt: dict[str, Any]) -> No
     head_pid = (be.var_dir / "ray-head.pid").read_text().strip()
     sessions = list(ray_cluster.ray_temp_dir(be.var_dir).glob(f"session_*_{head_pid}"))
     assert sessions, "the embedded head's Ray session folder was not found"
-    files = [p for root in (be.var_dir, *sessions) for p in root.rglob("*")
-             if p.is_file() and not p.is_symlink() and p.stat().st_size < 64 << 20]
+    files = [
+        p
+        for root in (be.var_dir, *sessions)
+        for p in root.rglob("*")
+        if p.is_file() and not p.is_symlink() and p.stat().st_size < 64 << 20
+    ]
     assert any("worker" in p.name for p in files), "no Ray worker log was searched"
     assert [p for p in files if canary.encode() in p.read_bytes()] == []
     assert canary not in be.log_text()
@@ -342,12 +427,16 @@ def test_loss_spike_proposal_waits_for_approval_through_the_api(rt: dict[str, An
     be.stop()
     old_env = dict(be.env)
     be.env["ITO_TRAIN_OVERRIDES"] = json.dumps(
-        {"pace_step_s": 0.05, "inject_loss_spike": {"batches": [24], "scale": 50.0}})
+        {"pace_step_s": 0.05, "inject_loss_spike": {"batches": [24], "scale": 50.0}}
+    )
     be.proc = None
     be.start()
     try:
-        run_id = _submit(rt, steps=36, loss_spike={"window": 10, "z_threshold": 6.0,
-                                                   "min_steps": 10, "skip_window_steps": 4})
+        run_id = _submit(
+            rt,
+            steps=36,
+            loss_spike={"window": 10, "z_threshold": 6.0, "min_steps": 10, "skip_window_steps": 4},
+        )
         run = _wait(rt, run_id, lambda r: r["state"] == "awaiting_approval", "awaiting_approval")
         (proposal,) = run["proposals"]
         assert proposal["status"] == "pending"
@@ -358,12 +447,23 @@ def test_loss_spike_proposal_waits_for_approval_through_the_api(rt: dict[str, An
         assert _last_step(rt, run_id) == paused_at  # nothing restarts or moves on its own
         assert _get(rt, f"/v1/runs/{run_id}")["state"] == "awaiting_approval"
         with be.client() as c:
-            ref = confirm_ref(c, t.approver, "restart", t.booking_id, run_id=run_id,
-                              proposal_id=proposal["proposal_id"], cost_usd=0.0)
-            r = c.post(f"/v1/runs/{run_id}/proposals/{proposal['proposal_id']}/approve",
-                       json={"confirmation_ref": ref},
-                       headers={"Authorization": f"Bearer {t.submitter}",
-                                "Idempotency-Key": f"approve-{run_id}"})
+            ref = confirm_ref(
+                c,
+                t.approver,
+                "restart",
+                t.booking_id,
+                run_id=run_id,
+                proposal_id=proposal["proposal_id"],
+                cost_usd=0.0,
+            )
+            r = c.post(
+                f"/v1/runs/{run_id}/proposals/{proposal['proposal_id']}/approve",
+                json={"confirmation_ref": ref},
+                headers={
+                    "Authorization": f"Bearer {t.submitter}",
+                    "Idempotency-Key": f"approve-{run_id}",
+                },
+            )
         assert r.json()["ok"], r.json()
         run = _wait(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
         assert run["proposals"][0]["status"] == "approved"
@@ -389,18 +489,27 @@ scrape_configs:
     static_configs:
       - targets: ["127.0.0.1:{be.metrics_port}"]
 """)
-    prom = subprocess.Popen([prometheus, f"--config.file={cfg}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prom = subprocess.Popen(
+        [
+            prometheus,
+            f"--config.file={cfg}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         values: list[float] = []
         while time.monotonic() < deadline and not values:
             time.sleep(1)
             try:
-                r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query",
-                              params={"query": "ito_run_goodput_ratio"}, timeout=5).json()
+                r = httpx.get(
+                    f"http://127.0.0.1:{port}/api/v1/query",
+                    params={"query": "ito_run_goodput_ratio"},
+                    timeout=5,
+                ).json()
             except httpx.HTTPError:
                 continue
             values = [float(s["value"][1]) for s in r.get("data", {}).get("result", [])]
@@ -412,14 +521,18 @@ scrape_configs:
 
 
 # --- authority ends when it ends; the host stays private ----------------------------------
-def _wait_store(rt: dict[str, Any], run_id: str, state: str,
-                timeout_s: float = 120.0) -> dict[str, Any]:
+def _wait_store(
+    rt: dict[str, Any], run_id: str, state: str, timeout_s: float = 120.0
+) -> dict[str, Any]:
     """Wait on the store itself (a disabled account's keys no longer read the API)."""
     store = Store(rt["backend"].db)
     deadline = time.monotonic() + timeout_s
     while (run := store.get_run(run_id))["state"] != state:
-        assert time.monotonic() < deadline, (run["state"], run["state_reason"],
-                                             rt["backend"].log_text()[-3000:])
+        assert time.monotonic() < deadline, (
+            run["state"],
+            run["state_reason"],
+            rt["backend"].log_text()[-3000:],
+        )
         time.sleep(0.5)
     return run
 
@@ -431,13 +544,17 @@ def _assert_torn_down(rt: dict[str, Any], run_id: str) -> None:
         time.sleep(0.5)
 
 
-def test_a_running_run_stops_within_30s_of_its_booking_being_revoked(
-        rt: dict[str, Any]) -> None:
+def test_a_running_run_stops_within_30s_of_its_booking_being_revoked(rt: dict[str, Any]) -> None:
     be: Backend = rt["backend"]
     t = make_tenant(be.db, "revokee", booking=cpu_booking_doc("bk-revokee", "revokee"))
     run_id = _submit(rt, steps=2000, tenant=t)
-    _wait(rt, run_id, lambda r: r["state"] == "running" and
-          _last_step(rt, run_id, t) >= 3, "a few steps", tenant=t)
+    _wait(
+        rt,
+        run_id,
+        lambda r: r["state"] == "running" and _last_step(rt, run_id, t) >= 3,
+        "a few steps",
+        tenant=t,
+    )
     assert any("trainer" in a.name for a in _run_actors(rt, run_id))
     admin(be.db, "bookings", "revoke", t.booking_id)  # the upstream revocation (mocked)
     revoked_at = Store(be.db).booking(t.booking_id)["updated_at"]  # type: ignore[index]
@@ -450,7 +567,8 @@ def test_a_running_run_stops_within_30s_of_its_booking_being_revoked(
 
 
 def test_a_disabled_account_and_an_ended_term_stop_queued_and_running_runs(
-        rt: dict[str, Any]) -> None:
+    rt: dict[str, Any],
+) -> None:
     """One run trains; two more wait for the head it holds (queued in ``starting``).
     The term of one queued run's booking ends (the upstream registry shortens it,
     mocked by writing the store): that run is cancelled with booking_term_ended.
@@ -461,17 +579,28 @@ def test_a_disabled_account_and_an_ended_term_stop_queued_and_running_runs(
     store = Store(be.db)
     add_booking(store, BookingFile.model_validate(cpu_booking_doc("bk-lapse-2", "lapsing")))
     running = _submit(rt, steps=2000, tenant=t)
-    _wait(rt, running, lambda r: r["state"] == "running" and
-          _last_step(rt, running, t) >= 2, "a few steps", tenant=t)
+    _wait(
+        rt,
+        running,
+        lambda r: r["state"] == "running" and _last_step(rt, running, t) >= 2,
+        "a few steps",
+        tenant=t,
+    )
     term_ends = _submit(rt, steps=20, tenant=t, booking_id="bk-lapse-2")
     disabled = _submit(rt, steps=20, tenant=t)
     for run_id in (term_ends, disabled):
-        _wait(rt, run_id, lambda r: r["state"] == "starting" and
-              "waiting for booking" in r["state_reason"], "queued behind the running run",
-              timeout_s=60, tenant=t)
+        _wait(
+            rt,
+            run_id,
+            lambda r: r["state"] == "starting" and "waiting for booking" in r["state_reason"],
+            "queued behind the running run",
+            timeout_s=60,
+            tenant=t,
+        )
     with store.tx() as c:
-        c.execute("UPDATE bookings SET term_end = ? WHERE booking_id = 'bk-lapse-2'",
-                  (time.time(),))
+        c.execute(
+            "UPDATE bookings SET term_end = ? WHERE booking_id = 'bk-lapse-2'", (time.time(),)
+        )
     run = _wait_store(rt, term_ends, "cancelled")
     assert run["state_reason"].startswith("booking_term_ended: "), run["state_reason"]
     assert store.get_run(running)["state"] == "running"
@@ -488,11 +617,13 @@ def _private(path: Path) -> bool:
 
 
 def test_host_files_stay_private_while_a_run_executes_and_runs_stop_is_audited(
-        rt: dict[str, Any]) -> None:
+    rt: dict[str, Any],
+) -> None:
     be: Backend = rt["backend"]
     run_id = _submit(rt, steps=2000)
-    _wait(rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 4,
-          "a few steps")
+    _wait(
+        rt, run_id, lambda r: r["state"] == "running" and _last_step(rt, run_id) >= 4, "a few steps"
+    )
     # While it trains: Ray's temp root, its token and the run's scratch (which holds
     # the cleaned tenant data) are the backend user's alone.
     root = ray_cluster.ray_private_root(be.var_dir)
@@ -510,6 +641,7 @@ def test_host_files_stay_private_while_a_run_executes_and_runs_stop_is_audited(
     run = _wait(rt, run_id, lambda r: r["state"] == "cancelled", "cancelled")
     assert run["state_reason"].startswith("operator_stopped: operator test: abuse report")
     _assert_torn_down(rt, run_id)
-    rows = Store(be.db).read("SELECT * FROM audit_events WHERE action = 'admin:runs.stop' "
-                             "AND run_id = ?", (run_id,))
+    rows = Store(be.db).read(
+        "SELECT * FROM audit_events WHERE action = 'admin:runs.stop' AND run_id = ?", (run_id,)
+    )
     assert len(rows) == 1 and rows[0]["code"] == "operator_stopped"

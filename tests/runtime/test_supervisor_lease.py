@@ -36,11 +36,26 @@ class Replica:
         self.var = tmp / name
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "helpers.lease_replica", "--db", db,
-                 "--var-dir", str(tmp / name), "--lease-s", str(LEASE_S),
-                 "--poll-s", str(POLL_S), "--tick-s", str(tick_s)],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"})
+                [
+                    sys.executable,
+                    "-m",
+                    "helpers.lease_replica",
+                    "--db",
+                    db,
+                    "--var-dir",
+                    str(tmp / name),
+                    "--lease-s",
+                    str(LEASE_S),
+                    "--poll-s",
+                    str(POLL_S),
+                    "--tick-s",
+                    str(tick_s),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"},
+            )
 
     def ticks(self) -> int:
         """How many watch ticks it began (it is inside the newest one now)."""
@@ -66,6 +81,7 @@ class Replica:
                 self.proc.kill()
                 self.proc.wait(10)
 
+
 def _lease(store: Store) -> dict[str, Any]:
     row = store.lease("supervisor")
     assert row is not None
@@ -82,17 +98,34 @@ def _wait(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
 def _queue_run(store: Store, run_id: str) -> None:
     now = time.time()
     with store.tx() as c:
-        store.insert_run(c, {
-            "run_id": run_id, "account_id": "acct", "booking_id": "bk", "manifest_id": "mf",
-            "manifest_digest": "d", "manifest_json": "{}", "idempotency_key": run_id,
-            "request_sha256": "r", "state": "accepted", "state_reason": "",
-            "cost_estimate_usd": 0.0, "plan": None, "data_prep": None, "created_at": now,
-            "updated_at": now})
+        store.insert_run(
+            c,
+            {
+                "run_id": run_id,
+                "account_id": "acct",
+                "booking_id": "bk",
+                "manifest_id": "mf",
+                "manifest_digest": "d",
+                "manifest_json": "{}",
+                "idempotency_key": run_id,
+                "request_sha256": "r",
+                "state": "accepted",
+                "state_reason": "",
+                "cost_estimate_usd": 0.0,
+                "plan": None,
+                "data_prep": None,
+                "created_at": now,
+                "updated_at": now,
+            },
+        )
 
 
 def _messages(store: Store, run_id: str, word: str) -> list[str]:
-    return [e["payload"]["message"] for e in store.list_events(run_id, kinds=["log"])
-            if e["payload"]["message"].startswith(word)]
+    return [
+        e["payload"]["message"]
+        for e in store.list_events(run_id, kinds=["log"])
+        if e["payload"]["message"].startswith(word)
+    ]
 
 
 @pytest.fixture
@@ -109,7 +142,8 @@ def world(pg_server: PgServer, tmp_path: Path) -> Iterator[tuple[Store, str, lis
 
 
 def test_leader_killed_standby_takes_over_and_starts_the_queued_run(
-        world: tuple[Store, str, list[Replica]], tmp_path: Path) -> None:
+    world: tuple[Store, str, list[Replica]], tmp_path: Path
+) -> None:
     store, db, started = world
     a = Replica(db, tmp_path, "a")
     started.append(a)
@@ -122,19 +156,24 @@ def test_leader_killed_standby_takes_over_and_starts_the_queued_run(
     a.proc.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     _queue_run(store, "run_2")
-    _wait(lambda: store.get_run("run_2")["state"] == "running",
-          "the standby to take over and start run_2", timeout=LEASE_S + 5)
+    _wait(
+        lambda: store.get_run("run_2")["state"] == "running",
+        "the standby to take over and start run_2",
+        timeout=LEASE_S + 5,
+    )
     assert time.monotonic() - killed_at <= LEASE_S + 5
     assert b.holds(store) and _lease(store)["token"] == 2
     # The new leader watches the run the old one started, and launched nothing twice.
-    _wait(lambda: any("token=2" in m for m in _messages(store, "run_1", "watch")),
-          "b to watch run_1")
+    _wait(
+        lambda: any("token=2" in m for m in _messages(store, "run_1", "watch")), "b to watch run_1"
+    )
     assert _messages(store, "run_1", "launched") == ["launched token=1"]
     assert _messages(store, "run_2", "launched") == ["launched token=2"]
 
 
 def test_paused_leader_that_lost_its_lease_changes_nothing(
-        world: tuple[Store, str, list[Replica]], tmp_path: Path) -> None:
+    world: tuple[Store, str, list[Replica]], tmp_path: Path
+) -> None:
     store, db, started = world
     # Slow ticks (a slow driver RPC): the pause lands between a watch's read and write.
     a = Replica(db, tmp_path, "a", tick_s=1.0)
@@ -149,8 +188,10 @@ def test_paused_leader_that_lost_its_lease_changes_nothing(
     _wait(lambda: a.ticks() > begun, "a to begin a watch tick")
     os.killpg(a.proc.pid, signal.SIGSTOP)
     _wait(lambda: b.holds(store), "b to take the lease over")
-    _wait(lambda: sum("token=2" in m for m in _messages(store, "run_1", "watch")) >= 2,
-          "b to watch run_1")
+    _wait(
+        lambda: sum("token=2" in m for m in _messages(store, "run_1", "watch")) >= 2,
+        "b to watch run_1",
+    )
     os.killpg(a.proc.pid, signal.SIGCONT)
     # Give the woken leader many of its ticks to try its stale write.
     seen = len(_messages(store, "run_1", "watch"))

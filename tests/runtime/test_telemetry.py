@@ -9,27 +9,55 @@ from orchestrator.telemetry.goodput import aggregate, compute_run_metrics
 from orchestrator.telemetry.prometheus import RunSample, TelemetryCollector
 
 
-def _step(step: int, seconds: float, *, group: int = 0, committed: bool = True,
-          tokens: int = 100, loss: float = 2.0) -> dict:
-    return {"kind": "step", "step": step, "replica_group": group, "seconds": seconds,
-            "committed": committed, "tokens": tokens, "loss": loss, "quorum_size": 2}
+def _step(
+    step: int,
+    seconds: float,
+    *,
+    group: int = 0,
+    committed: bool = True,
+    tokens: int = 100,
+    loss: float = 2.0,
+) -> dict:
+    return {
+        "kind": "step",
+        "step": step,
+        "replica_group": group,
+        "seconds": seconds,
+        "committed": committed,
+        "tokens": tokens,
+        "loss": loss,
+        "quorum_size": 2,
+    }
 
 
 def test_goodput_counts_each_step_once_across_groups_and_redone_steps_once() -> None:
     events = [
         {"kind": "phase", "phase": "startup", "start": 0.0, "end": 10.0},
-        _step(1, 2.0, group=0), _step(1, 2.0, group=1),
-        _step(2, 2.0, group=0), _step(2, 2.0, group=1),
+        _step(1, 2.0, group=0),
+        _step(1, 2.0, group=1),
+        _step(2, 2.0, group=0),
+        _step(2, 2.0, group=1),
         _step(3, 9.0, committed=False),  # a failed step is not productive
         # an approved restart redid step 2: only the last execution counts
         _step(2, 3.0, group=0),
         {"kind": "phase", "phase": "checkpoint_blocking", "start": 14.0, "end": 15.0},
         {"kind": "phase", "phase": "recovery", "start": 20.0, "end": 24.0},
         {"kind": "phase", "phase": "recovery", "start": 22.0, "end": 25.0},  # overlapping
-        {"kind": "interruption", "interruption_kind": "replica_group_lost", "replica_group": 1,
-         "detected_at": 20.0, "recovered_at": 25.0},
-        {"kind": "checkpoint", "step": 2, "path": "/x", "bytes": 1000, "blocking_s": 0.5,
-         "total_s": 2.0},
+        {
+            "kind": "interruption",
+            "interruption_kind": "replica_group_lost",
+            "replica_group": 1,
+            "detected_at": 20.0,
+            "recovered_at": 25.0,
+        },
+        {
+            "kind": "checkpoint",
+            "step": 2,
+            "path": "/x",
+            "bytes": 1000,
+            "blocking_s": 0.5,
+            "total_s": 2.0,
+        },
     ]
     m = compute_run_metrics(events, started_at=0.0, now=40.0)
     assert m.productive_s == pytest.approx(2.0 + 3.0)
@@ -71,11 +99,20 @@ def test_stage_progress_reaches_metrics_prometheus_and_status_line() -> None:
     from stages.events import ProgressEvent
 
     def prog(step: str, i: int, done: int, eta: float | None) -> dict:
-        return ProgressEvent(stage="data_prep", step=step, step_index=i, steps=7,
-                             tasks_done=done, tasks_total=80, docs_done=done * 20_000,
-                             docs_total=1_600_000, bytes_done=done * 11_000_000,
-                             bytes_total=880_000_000, elapsed_s=30.0 * (i + 1),
-                             eta_s=eta).model_dump(mode="json")
+        return ProgressEvent(
+            stage="data_prep",
+            step=step,
+            step_index=i,
+            steps=7,
+            tasks_done=done,
+            tasks_total=80,
+            docs_done=done * 20_000,
+            docs_total=1_600_000,
+            bytes_done=done * 11_000_000,
+            bytes_total=880_000_000,
+            elapsed_s=30.0 * (i + 1),
+            eta_s=eta,
+        ).model_dump(mode="json")
 
     events = [prog("sketch", 0, 80, 0.0), prog("fetch", 3, 12, 95.4), _step(1, 5.0)]
     m = compute_run_metrics(events, started_at=0, now=10)
@@ -88,10 +125,10 @@ def test_stage_progress_reaches_metrics_prometheus_and_status_line() -> None:
     assert f"ito_run_stage_progress_documents{{{labels}}} 240000.0" in text
     assert f"ito_run_stage_progress_documents_total{{{labels}}} 1.6e+06" in text
     assert f"ito_run_stage_progress_eta_seconds{{{labels}}} 95.4" in text
-    line = render_run({"run_id": "run_a", "state": "running",
-                     "stage_progress": m.stage_progress})
-    assert ("data_prep fetch (4/7): 12/80 tasks, 240000/1600000 documents, "
-            "132.0/880.0 MB, eta 1m35s") in line
+    line = render_run({"run_id": "run_a", "state": "running", "stage_progress": m.stage_progress})
+    assert (
+        "data_prep fetch (4/7): 12/80 tasks, 240000/1600000 documents, 132.0/880.0 MB, eta 1m35s"
+    ) in line
     # No progress yet: no gauge, no line.
     quiet = compute_run_metrics([_step(1, 5.0)], started_at=0, now=10)
     assert quiet.stage_progress is None
@@ -99,17 +136,27 @@ def test_stage_progress_reaches_metrics_prometheus_and_status_line() -> None:
 
 
 def test_each_interruption_reports_detect_and_recover_seconds_from_the_failure() -> None:
-    lost = {"kind": "interruption", "interruption_kind": "replica_group_lost",
-            "replica_group": 1, "failed_at": 10.0, "detected_at": 10.5, "recovered_at": 13.0}
-    spike = {"kind": "interruption", "interruption_kind": "loss_spike",
-             "detected_at": 20.0, "recovered_at": 22.0}  # no failure time: from detection
+    lost = {
+        "kind": "interruption",
+        "interruption_kind": "replica_group_lost",
+        "replica_group": 1,
+        "failed_at": 10.0,
+        "detected_at": 10.5,
+        "recovered_at": 13.0,
+    }
+    spike = {
+        "kind": "interruption",
+        "interruption_kind": "loss_spike",
+        "detected_at": 20.0,
+        "recovered_at": 22.0,
+    }  # no failure time: from detection
     down = {**lost, "failed_at": 30.0, "detected_at": 31.0, "recovered_at": None}
     m = compute_run_metrics([lost, spike, down], started_at=0, now=40)
     assert m.detect_s == [0.5, 1.0]
     assert m.recover_s == [3.0, 2.0]
-    assert [(t.index, t.detect_s is not None, t.recover_s is not None)
-            for t in m.interruption_timings] == [(0, True, True), (1, False, True),
-                                                 (2, True, False)]
+    assert [
+        (t.index, t.detect_s is not None, t.recover_s is not None) for t in m.interruption_timings
+    ] == [(0, True, True), (1, False, True), (2, True, False)]
     registry = CollectorRegistry()
     registry.register(TelemetryCollector(lambda: [RunSample("run_a", "bk_1", "running", m)]))
     text = generate_latest(registry).decode()

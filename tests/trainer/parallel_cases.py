@@ -25,50 +25,73 @@ STEPS = 3
 LR = 1e-3
 SEQS, SEQ_LEN = 4, 16
 # 4 decoder layers: PP2 splits them unevenly (3 + 1, 1 + 3), or in 4 interleaved chunks.
-PRESET = ModelPreset(name="pp-probe", vocab_size=260, hidden_size=64, intermediate_size=172,
-                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                     max_position_embeddings=256)
+PRESET = ModelPreset(
+    name="pp-probe",
+    vocab_size=260,
+    hidden_size=64,
+    intermediate_size=172,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 # Memory probes: big enough that activations, weights and AdamW state all count.
-MEM_PRESET = ModelPreset(name="mem-probe", vocab_size=2048, hidden_size=128,
-                         intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=512)
+MEM_PRESET = ModelPreset(
+    name="mem-probe",
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=344,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 MEM_SEQS, MEM_SEQ_LEN = 4, 128
 MEM_CASES: dict[str, dict[str, Any]] = {
     "mem_tp2": {"tp": 2},
-    "mem_pp2": {"pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 4,
-                "pp_stage_layers": [2, 2]},
-    "mem_pp2_gpipe": {"pp": 2, "pp_schedule": "GPipe", "pp_microbatches": 4,
-                      "pp_stage_layers": [2, 2]},
+    "mem_pp2": {"pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 4, "pp_stage_layers": [2, 2]},
+    "mem_pp2_gpipe": {
+        "pp": 2,
+        "pp_schedule": "GPipe",
+        "pp_microbatches": 4,
+        "pp_stage_layers": [2, 2],
+    },
 }
 
 CASES: dict[str, dict[str, Any]] = {
     "tp2": {"tp": 2},
-    "pp2_gpipe": {"pp": 2, "pp_schedule": "GPipe", "pp_microbatches": 4,
-                  "pp_stage_layers": [3, 1]},
-    "pp2_1f1b": {"pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2,
-                 "pp_stage_layers": [3, 1]},
-    "pp2_interleaved": {"pp": 2, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2,
-                        "pp_microbatches": 4},
+    "pp2_gpipe": {"pp": 2, "pp_schedule": "GPipe", "pp_microbatches": 4, "pp_stage_layers": [3, 1]},
+    "pp2_1f1b": {"pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2, "pp_stage_layers": [3, 1]},
+    "pp2_interleaved": {
+        "pp": 2,
+        "pp_schedule": "Interleaved1F1B",
+        "pp_virtual_stages": 2,
+        "pp_microbatches": 4,
+    },
     "tp2_sp": {"tp": 2},  # with sequence parallel forced on (the GPU default)
     "tp2_fsdp2": {"tp": 2, "dp_shard": 2},
-    "pp2_fsdp2": {"pp": 2, "dp_shard": 2, "pp_schedule": "1F1B", "pp_microbatches": 2,
-                  "pp_stage_layers": [1, 3]},
+    "pp2_fsdp2": {
+        "pp": 2,
+        "dp_shard": 2,
+        "pp_schedule": "1F1B",
+        "pp_microbatches": 2,
+        "pp_stage_layers": [1, 3],
+    },
     # load the checkpoint the tp2 case saved, under PP2, and compute logits
-    "pp2_load": {"pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2,
-                 "pp_stage_layers": [3, 1]},
+    "pp2_load": {"pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2, "pp_stage_layers": [3, 1]},
 }
 
 
 def batches() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
-    return [torch.randint(0, PRESET.vocab_size, (SEQS, SEQ_LEN), generator=g)
-            for _ in range(STEPS)]
+    return [torch.randint(0, PRESET.vocab_size, (SEQS, SEQ_LEN), generator=g) for _ in range(STEPS)]
 
 
 def eval_ids() -> torch.Tensor:
-    return torch.randint(0, PRESET.vocab_size, (2, SEQ_LEN),
-                         generator=torch.Generator().manual_seed(99))
+    return torch.randint(
+        0, PRESET.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(99)
+    )
 
 
 def make_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -105,8 +128,13 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
     layout = ParallelLayout(**CASES[name]).resolved(world)
     mesh = build_mesh(layout, "cpu")
     seed = 7 if name.endswith("_load") else 0  # a load must overwrite other weights
-    pm = ParallelModel(build_model(PRESET, seed=seed), layout, mesh, torch.device("cpu"),
-                       sequence_parallel=name.endswith("_sp"))
+    pm = ParallelModel(
+        build_model(PRESET, seed=seed),
+        layout,
+        mesh,
+        torch.device("cpu"),
+        sequence_parallel=name.endswith("_sp"),
+    )
     opt = make_optimizer(pm.module.parameters())
     ckpt_pg = dist.new_group(backend="gloo")
     result: dict[str, Any] = {"layout": pm.built_layout()}
@@ -147,11 +175,16 @@ def measure_case(name: str, rank: int, world: int, out: Path) -> None:
     from stages.trainer.parallelize import ParallelModel
 
     layout = ParallelLayout(**MEM_CASES[name]).resolved(world)
-    pm = ParallelModel(build_model(MEM_PRESET, seed=0), layout, build_mesh(layout, "cpu"),
-                       torch.device("cpu"))
+    pm = ParallelModel(
+        build_model(MEM_PRESET, seed=0), layout, build_mesh(layout, "cpu"), torch.device("cpu")
+    )
     opt = torch.optim.AdamW(pm.module.parameters(), lr=1e-4, foreach=False)
-    ids = torch.randint(0, MEM_PRESET.vocab_size, (MEM_SEQS, MEM_SEQ_LEN),
-                        generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0,
+        MEM_PRESET.vocab_size,
+        (MEM_SEQS, MEM_SEQ_LEN),
+        generator=torch.Generator().manual_seed(0),
+    )
 
     def step() -> None:
         pm.forward_backward(ids)
@@ -164,11 +197,25 @@ def measure_case(name: str, rank: int, world: int, out: Path) -> None:
 def launch(world: int, cases: list[str], out: Path) -> None:
     """Run ``cases`` in ``world`` rank processes (gloo, file init); fail on any error."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "tests.trainer.parallel_cases", str(r), str(world),
-         str(out / f"init-{world}"), str(out), *cases],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.trainer.parallel_cases",
+                str(r),
+                str(world),
+                str(out / f"init-{world}"),
+                str(out),
+                *cases,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
     logs = []
     for p in procs:
         try:

@@ -27,8 +27,10 @@ TOK = ByteTokenizer()
 
 def _inputs(tmp: Path) -> list[Path]:
     jl = tmp / "a.jsonl"
-    jl.write_text("\n".join(json.dumps({"text": f"document number {i} " * (i % 5 + 1)})
-                            for i in range(40)) + "\n")
+    jl.write_text(
+        "\n".join(json.dumps({"text": f"document number {i} " * (i % 5 + 1)}) for i in range(40))
+        + "\n"
+    )
     pa_path = tmp / "b.parquet"
     pq.write_table(pa.table({"text": [f"parquet row {i}" for i in range(30)]}), pa_path)
     txt = tmp / "c.txt"
@@ -62,8 +64,7 @@ def test_shards_are_deterministic_and_lossless(tmp_path: Path) -> None:
 
 
 def test_index_detects_tampering_and_bad_inputs(tmp_path: Path) -> None:
-    shards = build_token_shards(_inputs(tmp_path), tmp_path / "s", tokenizer=TOK,
-                                shard_tokens=500)
+    shards = build_token_shards(_inputs(tmp_path), tmp_path / "s", tokenizer=TOK, shard_tokens=500)
     data = bytearray(shards[1].read_bytes())
     data[-1] ^= 1
     shards[1].write_bytes(bytes(data))
@@ -88,8 +89,9 @@ def test_index_detects_tampering_and_bad_inputs(tmp_path: Path) -> None:
 
 @pytest.fixture
 def shards(tmp_path: Path) -> list[Path]:
-    return build_token_shards(_inputs(tmp_path), tmp_path / "shards", tokenizer=TOK,
-                              shard_tokens=333)
+    return build_token_shards(
+        _inputs(tmp_path), tmp_path / "shards", tokenizer=TOK, shard_tokens=333
+    )
 
 
 def _take(loader: TokenLoader, n: int) -> list[torch.Tensor]:
@@ -138,8 +140,7 @@ def test_seed_changes_order(shards: list[Path]) -> None:
 def test_dp_ranks_are_disjoint(counting_shards: list[Path]) -> None:
     per_rank: list[set[int]] = []
     for r in range(3):
-        ld = TokenLoader(counting_shards, seq_len=16, micro_batch=2, seed=7, dp_rank=r,
-                         dp_world=3)
+        ld = TokenLoader(counting_shards, seq_len=16, micro_batch=2, seed=7, dp_rank=r, dp_world=3)
         got = [int(row[0]) // 16 for b in _take(ld, ld.batches_per_epoch) for row in b]
         assert len(set(got)) == len(got) == ld.batches_per_epoch * 2
         per_rank.append(set(got))
@@ -189,17 +190,36 @@ def test_too_little_data_is_refused(shards: list[Path]) -> None:
     assert e.value.code == ErrorCode.data_empty
 
 
-@settings(max_examples=30, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seq_len=st.integers(2, 40), micro_batch=st.integers(1, 6), dp_world=st.integers(1, 3),
-       seed=st.integers(0, 2**31), cut=st.integers(0, 60), skip=st.integers(0, 30))
-def test_resume_and_skip_property(counting_shards: list[Path], seq_len: int, micro_batch: int,
-                                  dp_world: int, seed: int, cut: int, skip: int) -> None:
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seq_len=st.integers(2, 40),
+    micro_batch=st.integers(1, 6),
+    dp_world=st.integers(1, 3),
+    seed=st.integers(0, 2**31),
+    cut=st.integers(0, 60),
+    skip=st.integers(0, 30),
+)
+def test_resume_and_skip_property(
+    counting_shards: list[Path],
+    seq_len: int,
+    micro_batch: int,
+    dp_world: int,
+    seed: int,
+    cut: int,
+    skip: int,
+) -> None:
     """For any shape: (read cut, save, load, skip) serves what reading straight through does."""
-    kw = {"seq_len": seq_len, "micro_batch": micro_batch, "seed": seed, "dp_world": dp_world,
-          "dp_rank": dp_world - 1}
+    kw = {
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+        "seed": seed,
+        "dp_world": dp_world,
+        "dp_rank": dp_world - 1,
+    }
     ref = TokenLoader(counting_shards, **kw)
-    expected = _take(ref, cut + skip + 3)[cut + skip:]
+    expected = _take(ref, cut + skip + 3)[cut + skip :]
     first = TokenLoader(counting_shards, **kw)
     _take(first, cut)
     resumed = TokenLoader(counting_shards, **kw)
@@ -210,7 +230,8 @@ def test_resume_and_skip_property(counting_shards: list[Path], seq_len: int, mic
 
 
 def test_a_one_role_mix_reads_exactly_what_a_plain_loader_reads(
-        counting_shards: list[Path]) -> None:
+    counting_shards: list[Path],
+) -> None:
     """A run without a curriculum trains through MixedLoader: with one role it serves
     the plain TokenLoader's batches, in order, through the first epoch and after a
     seek (later epochs wrap at the window, not the batch: no partial batch is lost)."""
@@ -218,8 +239,7 @@ def test_a_one_role_mix_reads_exactly_what_a_plain_loader_reads(
 
     kw = dict(seq_len=16, micro_batch=4, seed=3, dp_rank=1, dp_world=2)
     plain = TokenLoader(counting_shards, **kw)  # type: ignore[arg-type]
-    mix = MixedLoader({"baseline": counting_shards}, {"baseline": 1.0, "custom": 1.0},
-                      **kw)  # type: ignore[arg-type]
+    mix = MixedLoader({"baseline": counting_shards}, {"baseline": 1.0, "custom": 1.0}, **kw)  # type: ignore[arg-type]
     for _ in range(plain.batches_per_epoch):
         assert torch.equal(plain.next_batch(), mix.next_batch())
     again = MixedLoader({"baseline": counting_shards}, {"baseline": 1.0}, **kw)  # type: ignore[arg-type]

@@ -24,14 +24,22 @@ def _cfg(**kw: object) -> TrainStageConfig:
     base: dict[str, object] = dict(
         model={"preset": "llama-tiny", "size": "0.1M"},
         target={"max_steps": 10, "seq_len": 32, "global_batch_tokens": 256},
-        checkpoint={"interval_steps": 5, "storage_uri": "file:///tmp/x"})
+        checkpoint={"interval_steps": 5, "storage_uri": "file:///tmp/x"},
+    )
     base.update(kw)
     return TrainStageConfig.model_validate(base, strict=False)
 
 
 def test_a_run_without_a_curriculum_is_one_phase_warmup_then_cosine_to_the_floor() -> None:
-    cfg = _cfg(target={"max_steps": 20, "seq_len": 32, "global_batch_tokens": 256,
-                       "learning_rate": 1.0, "warmup_steps": 4})
+    cfg = _cfg(
+        target={
+            "max_steps": 20,
+            "seq_len": 32,
+            "global_batch_tokens": 256,
+            "learning_rate": 1.0,
+            "warmup_steps": 4,
+        }
+    )
     [phase] = cfg.plan.phases
     assert (phase.start_step, phase.end_step, phase.seq_len) == (0, 20, 32)
     assert phase.data_weights == {"baseline": 1.0, "custom": 1.0}
@@ -76,18 +84,28 @@ def test_train_files_come_from_config_or_data_prep(tmp_path: Path) -> None:
         resolve_train_files(_cfg(), ctx)
     assert e.value.code == "data_not_found"
     ctx.previous["data_prep"] = GateOutcome(
-        stage="data_prep", status="passed", reason="ok",
-        artifacts={"train_files": {"custom": ["/d/c.jsonl"], "baseline": ["/d/b.jsonl"]}})
+        stage="data_prep",
+        status="passed",
+        reason="ok",
+        artifacts={"train_files": {"custom": ["/d/c.jsonl"], "baseline": ["/d/b.jsonl"]}},
+    )
     assert resolve_train_files(_cfg(), ctx) == [Path("/d/b.jsonl"), Path("/d/c.jsonl")]
     own = _cfg(train_files=["file:///x/a.jsonl"])
     assert resolve_train_files(own, ctx) == [Path("/x/a.jsonl")]
 
 
 def test_importing_stages_trainer_pulls_in_neither_ray_nor_torchft() -> None:
-    code = ("import sys, stages.trainer as t; t.TrainStageConfig; "
-            "print(any(m == 'ray' or m.startswith('torchft') for m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import sys, stages.trainer as t; t.TrainStageConfig; "
+        "print(any(m == 'ray' or m.startswith('torchft') for m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -103,10 +121,17 @@ def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() ->
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     manager = ft.build_manager(
-        cfg, pg=ft.build_process_group(cfg, "cpu"), replica_group=0, rank=0,
-        ranks_per_group=1, store_addr="127.0.0.1", store_port=store.port,
-        lighthouse_addr=lighthouse.address(), load_state_dict=lambda _s: None,
-        state_dict=lambda: {})
+        cfg,
+        pg=ft.build_process_group(cfg, "cpu"),
+        replica_group=0,
+        rank=0,
+        ranks_per_group=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=lighthouse.address(),
+        load_state_dict=lambda _s: None,
+        state_dict=lambda: {},
+    )
     try:
         model(torch.randn(4, 8)).sum().backward()
         before = [p.grad.clone() for p in model.parameters() if p.grad is not None]

@@ -43,29 +43,30 @@ JOIN_TIMEOUT_S = 300.0
 def _data(path: Path) -> Path:
     with path.open("w") as f:
         for i in range(300):
-            f.write(json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 5 + 1)})
-                    + "\n")
+            f.write(
+                json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 5 + 1)}) + "\n"
+            )
     return path
 
 
-def _config(tmp: Path, *, standbys: int = STANDBYS_PER_NODE, **kw: object
-            ) -> TrainStageConfig:
+def _config(tmp: Path, *, standbys: int = STANDBYS_PER_NODE, **kw: object) -> TrainStageConfig:
     """The production recovery configuration of a one-node booking (``standbys`` warm
     standbys) around a paced llama-tiny run."""
     ranks = kw.get("ranks_per_group", 1)
     assert isinstance(ranks, int)
-    recovery = production_recovery({"node_count": 1}, ranks_per_group=ranks,
-                                   standbys_per_node=standbys)
+    recovery = production_recovery(
+        {"node_count": 1}, ranks_per_group=ranks, standbys_per_node=standbys
+    )
     base: dict[str, object] = dict(
         **recovery.train_fields(),
         model=ModelSpec(preset="llama-tiny", size="0.1M"),
-        target=TrainingTarget(max_steps=150, seq_len=32, global_batch_tokens=256,
-                              warmup_steps=5),
-        checkpoint=CheckpointPolicy(interval_steps=10, keep=3,
-                                    storage_uri=f"file://{tmp}/ckpt"),
+        target=TrainingTarget(max_steps=150, seq_len=32, global_batch_tokens=256, warmup_steps=5),
+        checkpoint=CheckpointPolicy(interval_steps=10, keep=3, storage_uri=f"file://{tmp}/ckpt"),
         loss_spike=LossSpikeConfig(enabled=False),
         train_files=[str(_data(tmp / "train.jsonl"))],
-        replica_groups=2, pace_step_s=0.1)
+        replica_groups=2,
+        pace_step_s=0.1,
+    )
     base.update(kw)
     return TrainStageConfig.model_validate(base, strict=False)
 
@@ -75,11 +76,15 @@ def Run(cfg: TrainStageConfig, tmp: Path, run_id: str) -> StageRun:
 
 
 def test_kill_a_group_survivor_continues_and_restarted_group_heals(
-        ray_local: None, tmp_path: Path) -> None:
+    ray_local: None, tmp_path: Path
+) -> None:
     # No standby left: every loss is Ray's restart of the actor (a new process: the
     # run is long enough for one to start on a loaded machine).
-    cfg = _config(tmp_path, standbys=0, target=TrainingTarget(
-        max_steps=300, seq_len=32, global_batch_tokens=256, warmup_steps=5))
+    cfg = _config(
+        tmp_path,
+        standbys=0,
+        target=TrainingTarget(max_steps=300, seq_len=32, global_batch_tokens=256, warmup_steps=5),
+    )
     with Run(cfg, tmp_path, "ftkill") as run:
         _kill_and_recover(run, cfg)
 
@@ -88,37 +93,65 @@ def _kill_and_recover(run: StageRun, cfg: TrainStageConfig) -> None:
     from stages.trainer import kill_replica_group, kill_replica_groups
 
     # Every group lost at once: the run restarts from the newest complete checkpoint.
-    run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 15
-                 and e.quorum_size == 2, "15 steps in the full quorum")
+    run.wait_for(
+        lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 15 and e.quorum_size == 2,
+        "15 steps in the full quorum",
+    )
     last_before = max(e.step for e in run.steps() if e.committed)
     kill_all_at, pids = kill_replica_groups("ftkill", [0, 1])
     assert len(pids) == 2
-    run.wait_for(lambda e: isinstance(e, InterruptionEvent)
-                 and e.interruption_kind == "all_groups_lost", "all-groups-lost recovery")
-    resumed = run.wait_for(lambda e: isinstance(e, LogEvent) and "resumed from checkpoint"
-                           in e.message and e.ts > kill_all_at, "checkpoint resume")
+    run.wait_for(
+        lambda e: isinstance(e, InterruptionEvent) and e.interruption_kind == "all_groups_lost",
+        "all-groups-lost recovery",
+    )
+    resumed = run.wait_for(
+        lambda e: (
+            isinstance(e, LogEvent)
+            and "resumed from checkpoint" in e.message
+            and e.ts > kill_all_at
+        ),
+        "checkpoint resume",
+    )
     resumed_step = int(resumed.message.rsplit(" ", 1)[1])
     assert 0 < resumed_step <= last_before
     # No peer was left: the storage recorded the restart's checkpoint reads.
-    assert [r for r in read_log(cfg.checkpoint.storage_path + "/ftkill")
-            if r.at > kill_all_at], "no checkpoint read recorded after every group died"
+    assert [r for r in read_log(cfg.checkpoint.storage_path + "/ftkill") if r.at > kill_all_at], (
+        "no checkpoint read recorded after every group died"
+    )
 
     # Then one group: the survivor keeps committing, the restarted one heals and rejoins.
-    run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.quorum_size == 2
-                 and e.ts > kill_all_at and e.step >= resumed_step + 5, "full quorum again")
+    run.wait_for(
+        lambda e: (
+            isinstance(e, StepEvent)
+            and e.committed
+            and e.quorum_size == 2
+            and e.ts > kill_all_at
+            and e.step >= resumed_step + 5
+        ),
+        "full quorum again",
+    )
     killed_at, pids = kill_replica_group("ftkill", 1)
     assert pids
-    run.wait_for(lambda e: isinstance(e, StepEvent) and e.replica_group == 0 and e.committed
-                 and e.quorum_size == 1 and e.ts > killed_at, "survivor commits alone")
-    rec = run.wait_for(lambda e: isinstance(e, InterruptionEvent)
-                       and e.interruption_kind == "replica_group_lost", "recovery")
+    run.wait_for(
+        lambda e: (
+            isinstance(e, StepEvent)
+            and e.replica_group == 0
+            and e.committed
+            and e.quorum_size == 1
+            and e.ts > killed_at
+        ),
+        "survivor commits alone",
+    )
+    rec = run.wait_for(
+        lambda e: isinstance(e, InterruptionEvent) and e.interruption_kind == "replica_group_lost",
+        "recovery",
+    )
     assert isinstance(rec, InterruptionEvent)
     assert rec.replica_group == 1
     assert rec.recovered_at is not None and rec.detected_at >= killed_at - 1.0, run.logs()
     assert rec.recovered_at > rec.detected_at  # recovered: healed from the live peer
     # Heal, don't reload: with a live peer the restarted group read no checkpoint.
-    assert not [r for r in read_log(cfg.checkpoint.storage_path + "/ftkill")
-                if r.at > killed_at]
+    assert not [r for r in read_log(cfg.checkpoint.storage_path + "/ftkill") if r.at > killed_at]
 
     out = run.join()
     assert out.status == "passed", out.reason
@@ -144,16 +177,17 @@ def _kill_and_recover(run: StageRun, cfg: TrainStageConfig) -> None:
 
 
 def test_loss_spike_waits_for_a_decision_declined_continues_approved_restarts(
-        ray_local: None, tmp_path: Path) -> None:
+    ray_local: None, tmp_path: Path
+) -> None:
     first, second = 24, 44  # poisoned data batches (steps 25 and 45)
     cfg = _config(
         tmp_path,
-        target=TrainingTarget(max_steps=60, seq_len=32, global_batch_tokens=256,
-                              warmup_steps=5),
-        loss_spike=LossSpikeConfig(window=10, z_threshold=6.0, min_steps=10,
-                                   skip_window_steps=4),
+        target=TrainingTarget(max_steps=60, seq_len=32, global_batch_tokens=256, warmup_steps=5),
+        loss_spike=LossSpikeConfig(window=10, z_threshold=6.0, min_steps=10, skip_window_steps=4),
         inject_loss_spike=LossSpikeInjection(batches=[first, second], scale=50.0),
-        pace_step_s=0.02, standbys=0)
+        pace_step_s=0.02,
+        standbys=0,
+    )
     with Run(cfg, tmp_path, "ftspike") as run:
         _decline_then_approve(run, cfg, first, second)
 
@@ -178,8 +212,10 @@ def _decline_then_approve(run: StageRun, cfg: TrainStageConfig, first: int, seco
     run.ctx.decide(p1.proposal_id, "declined")
 
     # Declined: training continues from where it paused, no restore.
-    p2 = run.wait_for(lambda e: isinstance(e, ProposalEvent)
-                      and e.proposal_id != p1.proposal_id, "the second proposal")
+    p2 = run.wait_for(
+        lambda e: isinstance(e, ProposalEvent) and e.proposal_id != p1.proposal_id,
+        "the second proposal",
+    )
     assert isinstance(p2, ProposalEvent)
     mid = [e for e in run.steps() if e.committed and declined_at < e.ts < p2.ts]
     assert min(e.step for e in mid) == first + 2
@@ -193,9 +229,12 @@ def _decline_then_approve(run: StageRun, cfg: TrainStageConfig, first: int, seco
     run.ctx.decide(p2.proposal_id, "approved")
     out = run.join()
     assert out.status == "passed", out.reason
-    restored = [e for e in run.events if isinstance(e, LogEvent) and
-                f"restored checkpoint step {ckpt}, skipping data batches [40, 45)"
-                in e.message]
+    restored = [
+        e
+        for e in run.events
+        if isinstance(e, LogEvent)
+        and f"restored checkpoint step {ckpt}, skipping data batches [40, 45)" in e.message
+    ]
     assert len(restored) == cfg.replica_groups
     assert all(e.ts > approved_at for e in restored)
     after = [e for e in run.steps() if e.committed and e.ts > approved_at]
@@ -205,8 +244,9 @@ def _decline_then_approve(run: StageRun, cfg: TrainStageConfig, first: int, seco
     assert out.artifacts["proposals"] == [p1.proposal_id, p2.proposal_id]
     assert max(e.loss for e in after) < 20
     assert out.metrics["steps"] == cfg.target.steps
-    assert any(isinstance(e, InterruptionEvent) and e.interruption_kind == "loss_spike"
-               for e in run.events)
+    assert any(
+        isinstance(e, InterruptionEvent) and e.interruption_kind == "loss_spike" for e in run.events
+    )
 
 
 def test_cancel_kills_every_actor_of_the_run(ray_local: None, tmp_path: Path) -> None:
@@ -216,8 +256,11 @@ def test_cancel_kills_every_actor_of_the_run(ray_local: None, tmp_path: Path) ->
     with Run(cfg, tmp_path, "ftcancel") as run:
         run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed, "a step")
         names = [n for n in ray.util.list_named_actors() if n.startswith("run-ftcancel-")]
-        assert {"run-ftcancel-lighthouse", "run-ftcancel-trainer-rg0-rank0",
-                "run-ftcancel-trainer-spare0-rank0"} <= set(names)
+        assert {
+            "run-ftcancel-lighthouse",
+            "run-ftcancel-trainer-rg0-rank0",
+            "run-ftcancel-trainer-spare0-rank0",
+        } <= set(names)
         run.ctx.cancel_event.set()
         out = run.join()
     assert out.status == "failed" and out.reason == "cancelled"
@@ -235,28 +278,50 @@ def test_a_warm_spare_takes_a_lost_groups_place(ray_local: None, tmp_path: Path)
     from stages.trainer import kill_replica_group
     from stages.trainer.replica import worker_name
 
-    cfg = _config(tmp_path, target=TrainingTarget(
-        max_steps=60, seq_len=32, global_batch_tokens=256, warmup_steps=5))
+    cfg = _config(
+        tmp_path,
+        target=TrainingTarget(max_steps=60, seq_len=32, global_batch_tokens=256, warmup_steps=5),
+    )
     with Run(cfg, tmp_path, "ftspare") as run:
-        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 10
-                     and e.quorum_size == 2, "10 steps in the full quorum")
+        run.wait_for(
+            lambda e: (
+                isinstance(e, StepEvent) and e.committed and e.step >= 10 and e.quorum_size == 2
+            ),
+            "10 steps in the full quorum",
+        )
         run.wait_for(lambda e: isinstance(e, CheckpointEvent), "a checkpoint to reload from")
-        run.wait_for(lambda e: isinstance(e, LogEvent) and e.message.endswith(" is warm"),
-                     "a warm standby")
+        run.wait_for(
+            lambda e: isinstance(e, LogEvent) and e.message.endswith(" is warm"), "a warm standby"
+        )
         # Each group runs on its own cores: a dead group's compute stays idle.
-        cores = [ray.get(ray.get_actor(worker_name("ftspare", g, 0)).cores.remote(),
-                         timeout=WAIT_S) for g in range(2)]
+        cores = [
+            ray.get(ray.get_actor(worker_name("ftspare", g, 0)).cores.remote(), timeout=WAIT_S)
+            for g in range(2)
+        ]
         assert cores[0] and cores[1]
         if len(os.sched_getaffinity(0)) >= 2:
             assert not set(cores[0]) & set(cores[1]), cores
         killed_at, pids = kill_replica_group("ftspare", 1)
         assert pids
-        took = run.wait_for(lambda e: isinstance(e, LogEvent) and "spare" in e.message
-                            and "takes the place of replica group 1" in e.message,
-                            "the spare takes group 1's place")
+        took = run.wait_for(
+            lambda e: (
+                isinstance(e, LogEvent)
+                and "spare" in e.message
+                and "takes the place of replica group 1" in e.message
+            ),
+            "the spare takes group 1's place",
+        )
         assert took.ts > killed_at
-        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.replica_group == 1
-                     and e.quorum_size == 2 and e.ts > took.ts, "group 1 back in the quorum")
+        run.wait_for(
+            lambda e: (
+                isinstance(e, StepEvent)
+                and e.committed
+                and e.replica_group == 1
+                and e.quorum_size == 2
+                and e.ts > took.ts
+            ),
+            "group 1 back in the quorum",
+        )
         out = run.join()
     assert out.status == "passed", out.reason
     # The standby took its weights and optimizer state from the peer: the storage
@@ -267,7 +332,8 @@ def test_a_warm_spare_takes_a_lost_groups_place(ray_local: None, tmp_path: Path)
 
 
 def test_a_non_finite_step_is_refused_on_every_group_before_the_update(
-        ray_local: None, tmp_path: Path) -> None:
+    ray_local: None, tmp_path: Path
+) -> None:
     """A poisoned batch makes step 21's loss infinite: no group commits it, so every
     group still holds exactly the weights of step 20 (its checkpoint's), and the
     spike proposal restarts from there, skipping the batch."""
@@ -282,11 +348,11 @@ def test_a_non_finite_step_is_refused_on_every_group_before_the_update(
     bad = 20  # the data batch of step 21
     cfg = _config(
         tmp_path,
-        target=TrainingTarget(max_steps=30, seq_len=32, global_batch_tokens=256,
-                              warmup_steps=5),
+        target=TrainingTarget(max_steps=30, seq_len=32, global_batch_tokens=256, warmup_steps=5),
         loss_spike=LossSpikeConfig(window=10, min_steps=5, skip_window_steps=2),
         inject_loss_spike=LossSpikeInjection(batches=[bad], scale=math.inf),
-        pace_step_s=0.02)
+        pace_step_s=0.02,
+    )
     with Run(cfg, tmp_path, "ftnan") as run:
         p = run.wait_for(lambda e: isinstance(e, ProposalEvent), "the proposal")
         assert isinstance(p, ProposalEvent)
@@ -295,8 +361,10 @@ def test_a_non_finite_step_is_refused_on_every_group_before_the_update(
         assert max(e.step for e in run.steps() if e.committed) == bad
         refused = [e for e in run.steps() if not e.committed and e.step == bad]
         assert {e.replica_group for e in refused} == {0, 1}
-        digests = [ray.get(ray.get_actor(worker_name("ftnan", g, 0)).param_digest.remote(),
-                           timeout=WAIT_S) for g in range(cfg.replica_groups)]
+        digests = [
+            ray.get(ray.get_actor(worker_name("ftnan", g, 0)).param_digest.remote(), timeout=WAIT_S)
+            for g in range(cfg.replica_groups)
+        ]
         from stages.checkpointing.storage import list_checkpoints
 
         [ckpt] = [r for r in list_checkpoints(tmp_path / "ckpt" / "ftnan") if r.step == bad]

@@ -69,8 +69,13 @@ def reference() -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
     with torch.no_grad():
         logits = model(input_ids=eval_ids()).logits
-    return {"losses": losses, "weights": dict(model.state_dict()), "initial": initial,
-            "logits": logits, "model": model}
+    return {
+        "losses": losses,
+        "weights": dict(model.state_dict()),
+        "initial": initial,
+        "logits": logits,
+        "model": model,
+    }
 
 
 def _results(out: Path, case: str) -> list[dict[str, Any]]:
@@ -79,10 +84,10 @@ def _results(out: Path, case: str) -> list[dict[str, Any]]:
     return [torch.load(f, weights_only=False) for f in files]
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved",
-                                  "tp2_fsdp2", "pp2_fsdp2"])
-def test_layout_trains_like_one_process(runs: Path, reference: dict[str, Any],
-                                        case: str) -> None:
+@pytest.mark.parametrize(
+    "case", ["tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "tp2_fsdp2", "pp2_fsdp2"]
+)
+def test_layout_trains_like_one_process(runs: Path, reference: dict[str, Any], case: str) -> None:
     ranks = _results(runs, case)
     for r in ranks:  # every rank reports the group's loss
         assert r["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL)
@@ -90,8 +95,9 @@ def test_layout_trains_like_one_process(runs: Path, reference: dict[str, Any],
     for r in ranks:
         weights.update(r["weights"])
     assert set(weights) == set(reference["weights"]), "a parameter is held by no rank"
-    moved = max((reference["weights"][k] - reference["initial"][k]).abs().max().item()
-                for k in weights)
+    moved = max(
+        (reference["weights"][k] - reference["initial"][k]).abs().max().item() for k in weights
+    )
     assert moved > 10 * WEIGHT_ATOL
     for name, w in weights.items():
         diff = (w - reference["weights"][name]).abs().max().item()
@@ -101,8 +107,15 @@ def test_layout_trains_like_one_process(runs: Path, reference: dict[str, Any],
 def test_built_layout_is_read_back_from_the_mesh_and_equals_the_plan(runs: Path) -> None:
     from stages.trainer.layout import ParallelLayout
 
-    for case, world in [("tp2", 2), ("tp2_sp", 2), ("pp2_gpipe", 2), ("pp2_1f1b", 2),
-                        ("pp2_interleaved", 2), ("tp2_fsdp2", 4), ("pp2_fsdp2", 4)]:
+    for case, world in [
+        ("tp2", 2),
+        ("tp2_sp", 2),
+        ("pp2_gpipe", 2),
+        ("pp2_1f1b", 2),
+        ("pp2_interleaved", 2),
+        ("tp2_fsdp2", 4),
+        ("pp2_fsdp2", 4),
+    ]:
         plan = ParallelLayout(**CASES[case]).resolved(world)
         for r in _results(runs, case):
             built = r["layout"]
@@ -110,14 +123,16 @@ def test_built_layout_is_read_back_from_the_mesh_and_equals_the_plan(runs: Path)
             if plan.pp > 1:
                 assert built["pp_schedule"] == plan.pp_schedule
                 assert built["pp_microbatches"] == plan.pp_microbatches
-                assert built["pp_stage_layers"] == (plan.pp_stage_layers or
-                                                    plan.stage_layers(PRESET.num_hidden_layers))
+                assert built["pp_stage_layers"] == (
+                    plan.pp_stage_layers or plan.stage_layers(PRESET.num_hidden_layers)
+                )
             assert built["precision"] == "fp32"
             assert built["sequence_parallel"] == case.endswith("_sp")
 
 
 def test_checkpoint_saved_under_tp2_loads_under_tp1_and_pp2_with_the_same_logits(
-        runs: Path, reference: dict[str, Any]) -> None:
+    runs: Path, reference: dict[str, Any]
+) -> None:
     from stages.checkpointing.checkpointer import Checkpointer
     from stages.trainer.model import build_model
     from stages.trainer.train_state import TrainState

@@ -20,23 +20,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
 def _train_config(tmp_path: Path, booking: dict[str, int], plan: dict[str, int]):
-    spec = LaunchSpec(run_id="run_1", booking_id="bk_1", account="acme",
-                      manifest_digest="d" * 64,
-                      manifest_json=json.dumps(example_manifest(tmp_path / "ckpt")),
-                      accepted_at=time.time(), workdir=str(tmp_path / "w"),
-                      checkpoint_dir=str(tmp_path / "c"), facts={"booking": booking})
+    spec = LaunchSpec(
+        run_id="run_1",
+        booking_id="bk_1",
+        account="acme",
+        manifest_digest="d" * 64,
+        manifest_json=json.dumps(example_manifest(tmp_path / "ckpt")),
+        accepted_at=time.time(),
+        workdir=str(tmp_path / "w"),
+        checkpoint_dir=str(tmp_path / "c"),
+        facts={"booking": booking},
+    )
     make = dict(build_pipeline(spec))["train"]
     ctx = StageContext(run_id="run_1", booking_id="bk_1", workdir=tmp_path)
-    ctx.previous["parallelism"] = GateOutcome(stage="parallelism", status="passed", reason="",
-                                              artifacts={"plan": plan})
+    ctx.previous["parallelism"] = GateOutcome(
+        stage="parallelism", status="passed", reason="", artifacts={"plan": plan}
+    )
     return make(ctx).config  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("nodes", [1, 3])
 def test_the_pipeline_launches_the_production_recovery(tmp_path: Path, nodes: int) -> None:
     booking = {"node_count": nodes, "gpus_per_node": 2}
-    cfg = _train_config(tmp_path, booking, {"dp_replicate": 2 * nodes, "dp_shard": 1,
-                                            "tp": 1, "pp": 1, "cp": 1})
+    cfg = _train_config(
+        tmp_path, booking, {"dp_replicate": 2 * nodes, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1}
+    )
     want = production_recovery(booking)
     # A warm standby on every node, by default.
     assert cfg.spare_groups == want.spare_groups == STANDBYS_PER_NODE * nodes > 0

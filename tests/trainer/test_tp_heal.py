@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_tp2_group_heals_from_a_tp2_peer_and_both_end_equal(
-        ray_local: None, tmp_path: Path) -> None:
+    ray_local: None, tmp_path: Path
+) -> None:
     from stages.trainer import kill_replica_group
     from stages.trainer.config import TrainingTarget
 
@@ -27,18 +28,31 @@ def test_tp2_group_heals_from_a_tp2_peer_and_both_end_equal(
     # back (Ray restart + imports + model build), or there is nobody to heal from.
 
     plan = ParallelLayout(tp=2, dp_shard=1)
-    cfg = _config(tmp_path, ranks_per_group=2, parallel=plan, worker_num_cpus=0.25,
-                  target=TrainingTarget(max_steps=150, seq_len=32, global_batch_tokens=256,
-                                        warmup_steps=5))
+    cfg = _config(
+        tmp_path,
+        ranks_per_group=2,
+        parallel=plan,
+        worker_num_cpus=0.25,
+        target=TrainingTarget(max_steps=150, seq_len=32, global_batch_tokens=256, warmup_steps=5),
+    )
     with Run(cfg, tmp_path, "tpheal") as run:
-        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 10
-                     and e.quorum_size == 2, "10 steps in the full quorum")
+        run.wait_for(
+            lambda e: (
+                isinstance(e, StepEvent) and e.committed and e.step >= 10 and e.quorum_size == 2
+            ),
+            "10 steps in the full quorum",
+        )
         killed_at, pids = kill_replica_group("tpheal", 1)
         assert len(pids) == 2  # both TP ranks of the group
         # Emitted once group 1 healed from its live peer and trains again.
-        healed = run.wait_for(lambda e: isinstance(e, InterruptionEvent)
-                              and e.interruption_kind == "replica_group_lost"
-                              and e.recovered_at is not None, "recovery")
+        healed = run.wait_for(
+            lambda e: (
+                isinstance(e, InterruptionEvent)
+                and e.interruption_kind == "replica_group_lost"
+                and e.recovered_at is not None
+            ),
+            "recovery",
+        )
         out = run.join()
     assert out.status == "passed", out.reason
     assert healed.replica_group == 1 and healed.detected_at >= killed_at - 1.0
@@ -51,7 +65,6 @@ def test_tp2_group_heals_from_a_tp2_peer_and_both_end_equal(
     assert digests["0/0"] != digests["0/1"]  # the two ranks hold different shards
     # stage_gates carry the layout read back from the workers' mesh: the plan's.
     built = out.artifacts["layout"]
-    assert {k: built[k] for k in ("pp", "dp_shard", "cp", "tp")} == \
-        plan.resolved(2).degrees()
+    assert {k: built[k] for k in ("pp", "dp_shard", "cp", "tp")} == plan.resolved(2).degrees()
     assert built["precision"] == "fp32" and built["activation_checkpointing"] == "none"
     assert out.metrics["layout_tp"] == 2.0 and out.metrics["layout_dp_shard"] == 1.0

@@ -32,10 +32,10 @@ def _deterministic() -> Iterator[None]:
 def shards(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     tmp = tmp_path_factory.mktemp("data")
     src = tmp / "corpus.txt"
-    src.write_text("".join(f"line {i}: the quick brown fox {i * 7 % 13} jumps\n"
-                           for i in range(400)))
-    return build_token_shards([src], tmp / "shards", tokenizer=ByteTokenizer(),
-                              shard_tokens=4096)
+    src.write_text(
+        "".join(f"line {i}: the quick brown fox {i * 7 % 13} jumps\n" for i in range(400))
+    )
+    return build_token_shards([src], tmp / "shards", tokenizer=ByteTokenizer(), shard_tokens=4096)
 
 
 def make_state(shards: list[Path], model_seed: int) -> TrainState:

@@ -19,13 +19,19 @@ router = APIRouter(tags=["bookings"])
 
 
 @router.get("/v1/bookings/{booking_id}/eligibility", response_model=Envelope)
-def eligibility(booking_id: str, creds: HTTPAuthorizationCredentials | None = Depends(bearer),
-                c: Ctx = Depends(ctx)) -> JSONResponse:
+def eligibility(
+    booking_id: str,
+    creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+    c: Ctx = Depends(ctx),
+) -> JSONResponse:
     with Gates(c.store, "eligibility", booking_id=booking_id) as g:
         p = g.auth(creds, "runs:read")
         result = booking_gate(g, c, p, booking_id)
         roots = account_roots(c.settings, c.store, p.account_id)
-    data = {**public(result), "roots": {"data": list(roots.data),
-                                        "checkpoint": list(roots.checkpoint)}}
-    return ok(data, notice=f"booking {safe_id(booking_id)} is eligible until "
-                                     f"{result['valid_until']}")
+    data = {
+        **public(result),
+        "roots": {"data": list(roots.data), "checkpoint": list(roots.checkpoint)},
+    }
+    return ok(
+        data, notice=f"booking {safe_id(booking_id)} is eligible until {result['valid_until']}"
+    )

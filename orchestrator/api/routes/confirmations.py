@@ -32,29 +32,34 @@ def _bound_run(store: Store, p: Principal, body: ConfirmationRequest) -> None:
         raise ItoError(ErrorCode.bad_request, f"a {body.action} confirmation needs run_id")
     run = store.get_run(body.run_id, p.account_id)
     if run["booking_id"] != body.booking_id:
-        raise ItoError(ErrorCode.confirmation_booking_mismatch,
-                       "the run belongs to another booking")
+        raise ItoError(
+            ErrorCode.confirmation_booking_mismatch, "the run belongs to another booking"
+        )
     if body.action == "restart":
         if not body.proposal_id:
             raise ItoError(ErrorCode.bad_request, "a restart confirmation needs proposal_id")
-        if not any(x["proposal_id"] == body.proposal_id
-                   for x in store.list_proposals(body.run_id)):
+        if not any(x["proposal_id"] == body.proposal_id for x in store.list_proposals(body.run_id)):
             raise ItoError(ErrorCode.proposal_not_found, f"no proposal {safe_id(body.proposal_id)}")
 
 
 @router.post("/v1/confirmations", response_model=Envelope)
-def create_confirmation(body: ConfirmationRequest,
-                        creds: HTTPAuthorizationCredentials | None = Depends(bearer),
-                        c: Ctx = Depends(ctx)) -> JSONResponse:
+def create_confirmation(
+    body: ConfirmationRequest,
+    creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+    c: Ctx = Depends(ctx),
+) -> JSONResponse:
     s = c.settings
-    with Gates(c.store, f"confirm:{body.action}", booking_id=body.booking_id,
-               run_id=body.run_id) as g:
+    with Gates(
+        c.store, f"confirm:{body.action}", booking_id=body.booking_id, run_id=body.run_id
+    ) as g:
         p = g.auth(creds, f"confirm:{body.action}")
         ttl = s.confirmation_ttl_default_s if body.ttl_s is None else body.ttl_s
         if not 0 < ttl <= s.confirmation_ttl_max_s:
             g.record("ttl", False, ErrorCode.confirmation_ttl_invalid)
-            raise ItoError(ErrorCode.confirmation_ttl_invalid,
-                           f"ttl_s must be in 1..{s.confirmation_ttl_max_s}")
+            raise ItoError(
+                ErrorCode.confirmation_ttl_invalid,
+                f"ttl_s must be in 1..{s.confirmation_ttl_max_s}",
+            )
         digest = None
         if body.action == "train":
             if not body.manifest_b64:
@@ -67,12 +72,27 @@ def create_confirmation(body: ConfirmationRequest,
             g.check("booking", _owned_booking, c.store, p, body.booking_id)
             g.check("run", _bound_run, c.store, p, body)
         ref, row = confirmations.create(
-            c.store, p, action=body.action, booking_id=body.booking_id, cost_usd=body.cost_usd,
-            ttl_s=ttl, manifest_digest=digest, run_id=body.run_id,
-            proposal_id=body.proposal_id if body.action == "restart" else None)
+            c.store,
+            p,
+            action=body.action,
+            booking_id=body.booking_id,
+            cost_usd=body.cost_usd,
+            ttl_s=ttl,
+            manifest_digest=digest,
+            run_id=body.run_id,
+            proposal_id=body.proposal_id if body.action == "restart" else None,
+        )
         g.record("confirmation_issued", True)
-    return ok({
-        "confirmation_ref": ref, "action": body.action, "booking_id": body.booking_id,
-        "manifest_digest": digest, "run_id": body.run_id, "proposal_id": row["proposal_id"],
-        "cost_usd": row["cost_usd"], "expires_at": iso(row["expires_at"]),
-    }, notice=f"one-time {body.action} confirmation; hand the reference to the submitter")
+    return ok(
+        {
+            "confirmation_ref": ref,
+            "action": body.action,
+            "booking_id": body.booking_id,
+            "manifest_digest": digest,
+            "run_id": body.run_id,
+            "proposal_id": row["proposal_id"],
+            "cost_usd": row["cost_usd"],
+            "expires_at": iso(row["expires_at"]),
+        },
+        notice=f"one-time {body.action} confirmation; hand the reference to the submitter",
+    )

@@ -16,8 +16,11 @@ router = APIRouter(tags=["plans"])
 
 
 @router.post("/v1/plans", response_model=Envelope)
-def plan(body: PlanRequest, creds: HTTPAuthorizationCredentials | None = Depends(bearer),
-         c: Ctx = Depends(ctx)) -> JSONResponse:
+def plan(
+    body: PlanRequest,
+    creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+    c: Ctx = Depends(ctx),
+) -> JSONResponse:
     with Gates(c.store, "plan", booking_id=body.booking_id) as g:
         # The approver reviews the plan and its cost before confirming: a confirm:train
         # key may plan too (it still cannot submit or read runs).
@@ -25,10 +28,18 @@ def plan(body: PlanRequest, creds: HTTPAuthorizationCredentials | None = Depends
         eligibility = booking_gate(g, c, p, body.booking_id)
         parsed = manifest_gate(g, c, body.manifest_b64, body.manifest_digest)
         report, cost, planned = validation_gate(g, c, parsed, eligibility)
-    return ok({
-        "booking_id": body.booking_id, "manifest_id": parsed.manifest_id,
-        "manifest_digest": parsed.digest, "eligibility": public(eligibility),
-        "validation": report, "cost_estimate_usd": cost.total_usd,
-        "incremental_cost_usd": cost.incremental_usd, "plan": planned.plan,
-        "plan_refusal": planned.refusal, "planner_gate": c.settings.planner_gate,
-    }, notice="plan only: no run was created, no key reserved, no confirmation consumed")
+    return ok(
+        {
+            "booking_id": body.booking_id,
+            "manifest_id": parsed.manifest_id,
+            "manifest_digest": parsed.digest,
+            "eligibility": public(eligibility),
+            "validation": report,
+            "cost_estimate_usd": cost.total_usd,
+            "incremental_cost_usd": cost.incremental_usd,
+            "plan": planned.plan,
+            "plan_refusal": planned.refusal,
+            "planner_gate": c.settings.planner_gate,
+        },
+        notice="plan only: no run was created, no key reserved, no confirmation consumed",
+    )

@@ -16,9 +16,17 @@ if TYPE_CHECKING:
     from stages.data_prep.stream.plan import Plan, input_files, make_plan
     from stages.data_prep.stream.run import Progress, StreamResult, run_stream
 
-_LAZY = {"Executor": "executor", "LocalExecutor": "executor", "RayDataExecutor": "executor",
-         "Plan": "plan", "input_files": "plan", "make_plan": "plan", "Progress": "run",
-         "StreamResult": "run", "run_stream": "run"}
+_LAZY = {
+    "Executor": "executor",
+    "LocalExecutor": "executor",
+    "RayDataExecutor": "executor",
+    "Plan": "plan",
+    "input_files": "plan",
+    "make_plan": "plan",
+    "Progress": "run",
+    "StreamResult": "run",
+    "run_stream": "run",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -27,5 +35,15 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Executor", "LocalExecutor", "Plan", "Progress", "RayDataExecutor", "StreamConfig",
-           "StreamResult", "input_files", "make_plan", "run_stream"]
+__all__ = [
+    "Executor",
+    "LocalExecutor",
+    "Plan",
+    "Progress",
+    "RayDataExecutor",
+    "StreamConfig",
+    "StreamResult",
+    "input_files",
+    "make_plan",
+    "run_stream",
+]

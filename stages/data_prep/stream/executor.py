@@ -61,13 +61,17 @@ class RayDataExecutor:
             return
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
-        items = ray.data.from_items([{"task": t} for t in tasks],
-                                    override_num_blocks=len(tasks))
+        items = ray.data.from_items([{"task": t} for t in tasks], override_num_blocks=len(tasks))
         fn: Any = _apply
         # A task lost with its worker or node is retried by Ray Data (its default for
         # tasks); ``stall_timeout_s`` bounds how long the driver waits for progress.
-        ds = items.map_batches(fn, fn_kwargs={"stage": stage, "root": root}, batch_size=1,
-                               batch_format="numpy", num_cpus=self.cfg.task_cpus)
+        ds = items.map_batches(
+            fn,
+            fn_kwargs={"stage": stage, "root": root},
+            batch_size=1,
+            batch_format="numpy",
+            num_cpus=self.cfg.task_cpus,
+        )
         results: queue.Queue[tuple[str, Any]] = queue.Queue()
 
         def consume() -> None:
@@ -83,9 +87,11 @@ class RayDataExecutor:
             try:
                 kind, value = results.get(timeout=self.cfg.stall_timeout_s)
             except queue.Empty as e:
-                raise ItoError(ErrorCode.stage_failed,
-                               f"data prep stage {stage}: no task finished for "
-                               f"{self.cfg.stall_timeout_s:.0f} s (stall_timeout_s)") from e
+                raise ItoError(
+                    ErrorCode.stage_failed,
+                    f"data prep stage {stage}: no task finished for "
+                    f"{self.cfg.stall_timeout_s:.0f} s (stall_timeout_s)",
+                ) from e
             if kind == "end":
                 return
             if kind == "error":
@@ -94,7 +100,9 @@ class RayDataExecutor:
                     cause = cause.cause
                 if isinstance(cause, ItoError):
                     raise cause
-                raise ItoError(ErrorCode.stage_failed,
-                               f"data prep stage {stage} failed on a worker: "
-                               f"{type(value).__name__}: {str(value)[:500]}") from value
+                raise ItoError(
+                    ErrorCode.stage_failed,
+                    f"data prep stage {stage} failed on a worker: "
+                    f"{type(value).__name__}: {str(value)[:500]}",
+                ) from value
             yield value

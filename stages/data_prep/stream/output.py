@@ -47,10 +47,15 @@ def executor_for(address: str | None, cfg: StreamConfig) -> Iterator[Executor]:
             # A short folder of our own: Ray's socket paths must stay under 107 bytes.
             temp = tempfile.mkdtemp(prefix="itodp")
             spill = cfg.spill_dir or os.path.join(temp, "spill")
-            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
-                     object_store_memory=cfg.object_store_memory_mb * 1024 * 1024,
-                     _temp_dir=temp, log_to_driver=False,
-                     _system_config={"object_spilling_config": spilling_config(spill)})
+            ray.init(
+                address="local",
+                num_cpus=os.cpu_count() or 1,
+                include_dashboard=False,
+                object_store_memory=cfg.object_store_memory_mb * 1024 * 1024,
+                _temp_dir=temp,
+                log_to_driver=False,
+                _system_config={"object_spilling_config": spilling_config(spill)},
+            )
         else:
             ray.init(address=address, log_to_driver=False)
     except ItoError:
@@ -58,8 +63,9 @@ def executor_for(address: str | None, cfg: StreamConfig) -> Iterator[Executor]:
     except Exception as e:  # ConnectionError, RuntimeError, ValueError from ray.init
         if temp:
             shutil.rmtree(temp, ignore_errors=True)
-        raise ItoError(ErrorCode.ray_unavailable,
-                       f"cannot reach Ray at {address}: {type(e).__name__}") from e
+        raise ItoError(
+            ErrorCode.ray_unavailable, f"cannot reach Ray at {address}: {type(e).__name__}"
+        ) from e
     try:
         yield RayDataExecutor(cfg)
     finally:
@@ -85,14 +91,19 @@ def concat_shards(folder: Path, shards: list[str], dest: Path, fmt: str) -> tupl
         import pyarrow.parquet as pq
 
         schemas = [pq.read_schema(folder / n) for n in shards]
-        nonempty = [s for s, n in zip(schemas, shards, strict=True)
-                    if pq.ParquetFile(folder / n).metadata.num_rows]
+        nonempty = [
+            s
+            for s, n in zip(schemas, shards, strict=True)
+            if pq.ParquetFile(folder / n).metadata.num_rows
+        ]
         try:
             schema = pa.unify_schemas(nonempty or schemas[:1])
         except pa.ArrowInvalid as e:
-            raise ItoError(ErrorCode.data_format_unsupported,
-                           "the records' fields differ between blocks; write a folder of "
-                           "shards (an --output without a .parquet suffix)") from e
+            raise ItoError(
+                ErrorCode.data_format_unsupported,
+                "the records' fields differ between blocks; write a folder of "
+                "shards (an --output without a .parquet suffix)",
+            ) from e
         with pq.ParquetWriter(tmp, schema) as writer:
             for name in shards:
                 pf = pq.ParquetFile(folder / name)

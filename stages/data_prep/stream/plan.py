@@ -62,8 +62,11 @@ class Plan:
         return sum(s.bytes for s in self.sources)
 
     def to_json(self) -> dict[str, Any]:
-        return {"sources": [asdict(s) for s in self.sources],
-                "blocks": [asdict(b) for b in self.blocks], "text_field": self.text_field}
+        return {
+            "sources": [asdict(s) for s in self.sources],
+            "blocks": [asdict(b) for b in self.blocks],
+            "text_field": self.text_field,
+        }
 
     def doc_id(self, index: int) -> str:
         """The provenance id "<ref>:<relpath>:<n>" of the document at a global index."""
@@ -88,8 +91,11 @@ class Plan:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Plan:
-        return cls([Source(**s) for s in obj["sources"]], [Block(**b) for b in obj["blocks"]],
-                   obj["text_field"])
+        return cls(
+            [Source(**s) for s in obj["sources"]],
+            [Block(**b) for b in obj["blocks"]],
+            obj["text_field"],
+        )
 
 
 def input_files(path: Path) -> list[tuple[Path, str, str]]:
@@ -99,8 +105,14 @@ def input_files(path: Path) -> list[tuple[Path, str, str]]:
     files = data_files(path) if path.is_dir() else [path]
     if not files:
         raise ItoError(ErrorCode.data_empty, f"no data files under {path}")
-    return [(f, f.relative_to(path).as_posix() if path.is_dir() else f.name,
-             DATA_SUFFIXES.get(f.suffix, "jsonl")) for f in files]
+    return [
+        (
+            f,
+            f.relative_to(path).as_posix() if path.is_dir() else f.name,
+            DATA_SUFFIXES.get(f.suffix, "jsonl"),
+        )
+        for f in files
+    ]
 
 
 def _scan_lines(path: Path, block_docs: int) -> tuple[str, list[tuple[int, int, int, int]]]:
@@ -124,8 +136,12 @@ def _scan_lines(path: Path, block_docs: int) -> tuple[str, list[tuple[int, int, 
     return h.hexdigest(), ranges
 
 
-def make_plan(files: list[tuple[Path, str, str, int, str]], text_field: str,
-              block_docs: int, fields: dict[int, str] | None = None) -> Plan:
+def make_plan(
+    files: list[tuple[Path, str, str, int, str]],
+    text_field: str,
+    block_docs: int,
+    fields: dict[int, str] | None = None,
+) -> Plan:
     """``files``: (path, relpath, format, ref index, role) in input order; ``fields``:
     a ref's own text field where it differs from ``text_field``."""
     import pyarrow.parquet as pq
@@ -140,14 +156,19 @@ def make_plan(files: list[tuple[Path, str, str, int, str]], text_field: str,
         if fmt == "parquet":
             digest = file_sha256(path)
             rows = pq.ParquetFile(path).metadata.num_rows
-            ranges = [(s, min(s + block_docs, rows), min(block_docs, rows - s), s)
-                      for s in range(0, rows, block_docs)]
+            ranges = [
+                (s, min(s + block_docs, rows), min(block_docs, rows - s), s)
+                for s in range(0, rows, block_docs)
+            ]
         elif fmt in ("jsonl", "text"):
             digest, ranges = _scan_lines(path, block_docs)
         else:
             raise ItoError(ErrorCode.data_format_unsupported, f"unknown format {fmt!r}")
-        sources.append(Source(str(path), rel, fmt, digest, path.stat().st_size, ref, role,
-                              (fields or {}).get(ref)))
+        sources.append(
+            Source(
+                str(path), rel, fmt, digest, path.stat().st_size, ref, role, (fields or {}).get(ref)
+            )
+        )
         for start, stop, n, first in ranges:
             blocks.append(Block(len(blocks), k, start, stop, doc, n, first))
             doc += n
@@ -180,13 +201,16 @@ def read_block(plan: Plan, block: Block) -> BlockData:
         try:
             value = json.loads(line)[field]
         except (ValueError, KeyError, TypeError) as e:
-            raise ItoError(ErrorCode.data_format_unsupported,
-                           f"{src.relpath}:{block.line_start + n + 1}: not a JSON object "
-                           f"with a {field!r} field ({type(e).__name__})") from e
+            raise ItoError(
+                ErrorCode.data_format_unsupported,
+                f"{src.relpath}:{block.line_start + n + 1}: not a JSON object "
+                f"with a {field!r} field ({type(e).__name__})",
+            ) from e
         if not isinstance(value, str):
-            raise ItoError(ErrorCode.data_format_unsupported,
-                           f"{src.relpath}:{block.line_start + n + 1}: {field!r} is not a "
-                           "string")
+            raise ItoError(
+                ErrorCode.data_format_unsupported,
+                f"{src.relpath}:{block.line_start + n + 1}: {field!r} is not a string",
+            )
         texts.append(value)
     return BlockData(texts, lines=lines)
 
@@ -200,14 +224,16 @@ def _read_parquet(src: Source, block: Block, field: str) -> BlockData:
         n = pf.metadata.row_group(g).num_rows
         if row + n > block.start and row < block.stop:
             t = pf.read_row_group(g)
-            parts.append(t.slice(max(block.start - row, 0),
-                                 min(block.stop, row + n) - max(block.start, row)))
+            parts.append(
+                t.slice(max(block.start - row, 0), min(block.stop, row + n) - max(block.start, row))
+            )
         row += n
     table = pa.concat_tables(parts) if parts else pa.table({})
     if field not in table.column_names:
         raise ItoError(ErrorCode.data_format_unsupported, f"{src.relpath}: no column {field!r}")
     texts = table.column(field).to_pylist()
     if not all(isinstance(t, str) for t in texts):
-        raise ItoError(ErrorCode.data_format_unsupported,
-                       f"{src.relpath}: column {field!r} holds a non-string")
+        raise ItoError(
+            ErrorCode.data_format_unsupported, f"{src.relpath}: column {field!r} holds a non-string"
+        )
     return BlockData(texts, table=table)

@@ -12,13 +12,26 @@ from stages.data_prep.stream.run import StreamResult
 
 def dedup_section(res: StreamResult) -> dict[str, Any]:
     d = res.dedup or {}
-    examples = [{"doc": res.plan.doc_id(a), "survivor": res.plan.doc_id(s)}
-                for a, s in d.get("examples", [])[:MAX_DUPLICATE_EXAMPLES]]
+    examples = [
+        {"doc": res.plan.doc_id(a), "survivor": res.plan.doc_id(s)}
+        for a, s in d.get("examples", [])[:MAX_DUPLICATE_EXAMPLES]
+    ]
     return {
         "method": "exact blake2b, then MinHash LSH verified by exact Jaccard, connected "
-                  "components (streaming, bucket-partitioned)",
-        "parameters": {k: d[k] for k in ("threshold", "num_perm", "shingle_size", "seed",
-                                          "bands", "rows", "recall_target", "partitions")}
+        "components (streaming, bucket-partitioned)",
+        "parameters": {
+            k: d[k]
+            for k in (
+                "threshold",
+                "num_perm",
+                "shingle_size",
+                "seed",
+                "bands",
+                "rows",
+                "recall_target",
+                "partitions",
+            )
+        }
         | {"survivor": "lowest input index in the cluster"},
         "backend": res.executor,
         "shards": len(res.plan.blocks),
@@ -42,11 +55,14 @@ def decontam_section(res: StreamResult, index: EvalIndex) -> dict[str, Any]:
         rows.append({k: row[k] for k in ("doc", "matches", "total_matches")})
     return {
         "method": cfg.mode,
-        "parameters": {"ngram": index.n, "mode": cfg.mode, "action": cfg.action,
-                       "overlap_threshold": cfg.overlap_threshold if cfg.mode == "overlap"
-                       else None,
-                       "normalisation": "NFKC, lower case, split on non-alphanumerics",
-                       "short_item_fallback": "exact word-sequence match"},
+        "parameters": {
+            "ngram": index.n,
+            "mode": cfg.mode,
+            "action": cfg.action,
+            "overlap_threshold": cfg.overlap_threshold if cfg.mode == "overlap" else None,
+            "normalisation": "NFKC, lower case, split on non-alphanumerics",
+            "short_item_fallback": "exact word-sequence match",
+        },
         "eval_items": len(index.items),
         "eval_items_short": index.short_items,
         "documents_contaminated": len(rows),

@@ -81,8 +81,9 @@ class StreamResult:
 
 
 def attempt_key(plan: Plan, params: dict[str, Any]) -> str:
-    blob = json.dumps({"version": STREAM_FORMAT_VERSION, "plan": plan.to_json(),
-                       "params": params}, sort_keys=True).encode("utf-8")
+    blob = json.dumps(
+        {"version": STREAM_FORMAT_VERSION, "plan": plan.to_json(), "params": params}, sort_keys=True
+    ).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()
 
 
@@ -90,15 +91,22 @@ def _partitions(docs: int, bands: int, cfg: StreamConfig) -> int:
     return max(cfg.min_partitions, math.ceil(docs * bands / cfg.rows_per_partition))
 
 
-def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *,
-               text_field: str = "text", dedup_cfg: DedupConfig | None = None,
-               decon: tuple[DecontaminationConfig, list[EvalItem]] | None = None,
-               cfg: StreamConfig | None = None, work_dir: Path | None = None,
-               executor: Executor | None = None,
-               progress: Callable[[Progress], None] = lambda _p: None,
-               cancelled: Callable[[], bool] = lambda: False,
-               keep_work: bool = False, fields: dict[int, str] | None = None,
-               flag_field: str = "contaminated") -> StreamResult:
+def run_stream(
+    files: list[tuple[Path, str, str, int, str]],
+    output_dir: Path,
+    *,
+    text_field: str = "text",
+    dedup_cfg: DedupConfig | None = None,
+    decon: tuple[DecontaminationConfig, list[EvalItem]] | None = None,
+    cfg: StreamConfig | None = None,
+    work_dir: Path | None = None,
+    executor: Executor | None = None,
+    progress: Callable[[Progress], None] = lambda _p: None,
+    cancelled: Callable[[], bool] = lambda: False,
+    keep_work: bool = False,
+    fields: dict[int, str] | None = None,
+    flag_field: str = "contaminated",
+) -> StreamResult:
     """Dedup (when ``dedup_cfg``), then filter + decontaminate (when ``decon``) the
     documents of ``files`` ((path, relpath, format, ref, role) in input order) into
     sharded ``output_dir``. See the module docstring."""
@@ -110,15 +118,22 @@ def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *
     plan = make_plan(files, text_field, cfg.block_docs, fields)
     if plan.docs == 0:
         raise ItoError(ErrorCode.data_empty, "the input holds no documents")
-    params: dict[str, Any] = {"output_format": cfg.output_format, "text_field": text_field,
-                              "flag_field": flag_field}
+    params: dict[str, Any] = {
+        "output_format": cfg.output_format,
+        "text_field": text_field,
+        "flag_field": flag_field,
+    }
     if dedup_cfg is not None:
-        bands, rows = lsh_params(dedup_cfg.threshold, dedup_cfg.num_perm,
-                                 dedup_cfg.recall_target)
-        params["dedup"] = {"threshold": dedup_cfg.threshold, "num_perm": dedup_cfg.num_perm,
-                           "shingle_size": dedup_cfg.shingle_size, "seed": dedup_cfg.seed,
-                           "recall_target": dedup_cfg.recall_target,
-                           "bands": bands, "rows": rows}
+        bands, rows = lsh_params(dedup_cfg.threshold, dedup_cfg.num_perm, dedup_cfg.recall_target)
+        params["dedup"] = {
+            "threshold": dedup_cfg.threshold,
+            "num_perm": dedup_cfg.num_perm,
+            "shingle_size": dedup_cfg.shingle_size,
+            "seed": dedup_cfg.seed,
+            "recall_target": dedup_cfg.recall_target,
+            "bands": bands,
+            "rows": rows,
+        }
         params["partitions"] = _partitions(plan.docs, bands, cfg)
     evals_obj = None
     if decon is not None:
@@ -126,7 +141,8 @@ def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *
         params["decontamination"] = dcfg.model_dump()
         evals_obj = {"config": dcfg.model_dump(), "items": [asdict(it) for it in items]}
         params["eval_items_sha256"] = hashlib.sha256(
-            json.dumps(evals_obj, sort_keys=True).encode()).hexdigest()
+            json.dumps(evals_obj, sort_keys=True).encode()
+        ).hexdigest()
     key = attempt_key(plan, params)
     wd = WorkDir(work_dir / key[:24])
     if not (wd.path("plan.json").exists() and wd.path("params.json").exists()):
@@ -139,8 +155,14 @@ def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *
     parts = list(range(params.get("partitions", 0)))
     stages: list[tuple[str, list[int]]] = []
     if dedup_cfg is not None:
-        stages += [("sketch", blocks), ("exact", parts), ("candidates", parts),
-                   ("fetch", blocks), ("verify", blocks), ("components", [0])]
+        stages += [
+            ("sketch", blocks),
+            ("exact", parts),
+            ("candidates", parts),
+            ("fetch", blocks),
+            ("verify", blocks),
+            ("components", [0]),
+        ]
     stages.append(("filter", blocks))
     records: dict[str, dict[int, dict[str, Any]]] = {}
     resumed = 0
@@ -150,47 +172,107 @@ def run_stream(files: list[tuple[Path, str, str, int, str]], output_dir: Path, *
             raise InterruptedError("data prep cancelled")
         ts = time.time()
 
-        def report(done: int, total: int, docs: int, nbytes: int, eta: float | None,
-                   r: int, s: str = stage, i: int = si) -> None:
-            progress(Progress(s, i, len(stages), done, total, docs, plan.docs, nbytes,
-                              plan.bytes, time.time() - t0, eta, r))
+        def report(
+            done: int,
+            total: int,
+            docs: int,
+            nbytes: int,
+            eta: float | None,
+            r: int,
+            s: str = stage,
+            i: int = si,
+        ) -> None:
+            progress(
+                Progress(
+                    s,
+                    i,
+                    len(stages),
+                    done,
+                    total,
+                    docs,
+                    plan.docs,
+                    nbytes,
+                    plan.bytes,
+                    time.time() - t0,
+                    eta,
+                    r,
+                )
+            )
 
-        records[stage], n_resumed = _run_stage(wd, stage, tasks, executor, cfg, plan, report,
-                                               cancelled)
+        records[stage], n_resumed = _run_stage(
+            wd, stage, tasks, executor, cfg, plan, report, cancelled
+        )
         resumed += n_resumed
         seconds[stage] = round(time.time() - ts, 3)
 
     filt = [records["filter"][b] for b in blocks]
-    shards = [{"path": r["stats"]["shard"], "sha256": r["stats"]["sha256"],
-               "bytes": r["stats"]["shard_bytes"], "docs": r["stats"]["docs_out"],
-               "block": b, "source": plan.blocks[b].source, "ids": r["stats"]["ids"]}
-              for b, r in zip(blocks, filt, strict=True)]
-    counts = {k: sum(int(r["stats"][k]) for r in filt)
-              for k in ("docs_in", "docs_out", "bytes_in", "bytes_out", "exact_duplicates",
-                        "near_duplicates", "contaminated")}
+    shards = [
+        {
+            "path": r["stats"]["shard"],
+            "sha256": r["stats"]["sha256"],
+            "bytes": r["stats"]["shard_bytes"],
+            "docs": r["stats"]["docs_out"],
+            "block": b,
+            "source": plan.blocks[b].source,
+            "ids": r["stats"]["ids"],
+        }
+        for b, r in zip(blocks, filt, strict=True)
+    ]
+    counts = {
+        k: sum(int(r["stats"][k]) for r in filt)
+        for k in (
+            "docs_in",
+            "docs_out",
+            "bytes_in",
+            "bytes_out",
+            "exact_duplicates",
+            "near_duplicates",
+            "contaminated",
+        )
+    }
     dedup_summary = None
     if dedup_cfg is not None:
         comp = records["components"][0]["stats"]
         dedup_summary = {
-            **params["dedup"], "partitions": params["partitions"],
+            **params["dedup"],
+            "partitions": params["partitions"],
             "candidate_pairs": sum(r["stats"]["pairs"] for r in records["fetch"].values()),
-            "verified_pairs": comp["verified_pairs"], "clusters": comp["clusters"],
+            "verified_pairs": comp["verified_pairs"],
+            "clusters": comp["clusters"],
             "near_duplicates": comp["near_duplicates"],
-            "exact_duplicates": counts["exact_duplicates"], "examples": comp["examples"]}
+            "exact_duplicates": counts["exact_duplicates"],
+            "examples": comp["examples"],
+        }
     contaminated = [d for r in filt for d in r["stats"]["contaminated_documents"]]
     _publish(wd, output_dir, key, shards)
     if not keep_work:
         shutil.rmtree(wd.root, ignore_errors=True)
         with contextlib.suppress(OSError):
             work_dir.rmdir()  # only if no other attempt is in it
-    return StreamResult(output_dir, key, executor.name, plan, shards, counts, dedup_summary,
-                        contaminated, resumed, seconds)
+    return StreamResult(
+        output_dir,
+        key,
+        executor.name,
+        plan,
+        shards,
+        counts,
+        dedup_summary,
+        contaminated,
+        resumed,
+        seconds,
+    )
 
 
-def _run_stage(wd: WorkDir, stage: str, tasks: list[int], executor: Executor,
-               cfg: StreamConfig, plan: Plan,
-               report: Callable[[int, int, int, int, float | None, int], None],
-               cancelled: Callable[[], bool]) -> tuple[dict[int, dict[str, Any]], int]:
+def _run_stage(
+    wd: WorkDir,
+    stage: str,
+    tasks: list[int],
+    executor: Executor,
+    cfg: StreamConfig,
+    plan: Plan,
+    report: Callable[[int, int, int, int, float | None, int], None],
+    cancelled: Callable[[], bool],
+) -> tuple[dict[int, dict[str, Any]], int]:
     summary = wd.stage_done(stage)
     if summary is not None:
         recs = {int(k): v for k, v in summary["tasks"].items()}
@@ -208,8 +290,11 @@ def _run_stage(wd: WorkDir, stage: str, tasks: list[int], executor: Executor,
     def amount() -> tuple[int, int]:
         if per_block:
             bl = [plan.blocks[t] for t in done]
-            nbytes = sum(plan.blocks[t].stop - plan.blocks[t].start for t in done
-                         if plan.sources[plan.blocks[t].source].format != "parquet")
+            nbytes = sum(
+                plan.blocks[t].stop - plan.blocks[t].start
+                for t in done
+                if plan.sources[plan.blocks[t].source].format != "parquet"
+            )
             return sum(b.docs for b in bl), nbytes
         frac = len(done) / max(len(tasks), 1)
         return int(plan.docs * frac), int(plan.bytes * frac)
@@ -225,8 +310,9 @@ def _run_stage(wd: WorkDir, stage: str, tasks: list[int], executor: Executor,
             raise InterruptedError("data prep cancelled")
     missing = [t for t in tasks if t not in done]
     if missing:
-        raise ItoError(ErrorCode.stage_failed,
-                       f"data prep stage {stage}: {len(missing)} tasks did not report")
+        raise ItoError(
+            ErrorCode.stage_failed, f"data prep stage {stage}: {len(missing)} tasks did not report"
+        )
     wd.mark_stage(stage, {"tasks": {str(t): done[t] for t in tasks}})
     return done, resumed
 

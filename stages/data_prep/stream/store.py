@@ -71,8 +71,9 @@ class WorkDir:
     def done_path(self, stage: str, task: str) -> Path:
         return self.root / "done" / stage / f"{task}.json"
 
-    def record(self, stage: str, task: str, outputs: dict[str, dict[str, Any]],
-               stats: dict[str, Any]) -> dict[str, Any]:
+    def record(
+        self, stage: str, task: str, outputs: dict[str, dict[str, Any]], stats: dict[str, Any]
+    ) -> dict[str, Any]:
         """Mark a task finished: its outputs (relative path -> digest) and counts."""
         rec = {"stage": stage, "task": task, "outputs": outputs, "stats": stats}
         write_json(self.done_path(stage, task), rec)

@@ -73,8 +73,9 @@ def _rel(wd: WorkDir, p: Path) -> str:
     return p.relative_to(wd.root).as_posix()
 
 
-def _scatter(wd: WorkDir, folder: str, dest: np.ndarray, n_dest: int,
-             **cols: np.ndarray) -> dict[str, dict[str, Any]]:
+def _scatter(
+    wd: WorkDir, folder: str, dest: np.ndarray, n_dest: int, **cols: np.ndarray
+) -> dict[str, dict[str, Any]]:
     """Write the rows of ``cols`` to ``<folder>/to-<d>.npz`` per destination ``d`` (only
     the non-empty ones); returns the outputs for the task's done record."""
     outputs: dict[str, dict[str, Any]] = {}
@@ -112,21 +113,34 @@ def sketch(root: str, b: int) -> dict[str, Any]:
     blk = plan.blocks[b]
     data = read_block(plan, blk)
     docs = blk.doc_start + np.arange(len(data.texts), dtype=np.int64)
-    digests = b"".join(hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest()
-                       for t in data.texts)
+    digests = b"".join(
+        hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest() for t in data.texts
+    )
     ex = np.frombuffer(digests, dtype=np.uint64).reshape(-1, 2)
     sk = sketch_texts(data.texts, d["shingle_size"], d["num_perm"], d["seed"])
     nonempty = np.diff(sk.offsets) > 0
     keys = band_keys(sk.sig[nonempty], Banding(d["bands"], d["rows"])).ravel()
     bands = d["bands"]
     n_parts = params["partitions"]
-    outputs = _scatter(wd, f"sketch/band/b{b:05d}",
-                       (fmix64(keys) % np.uint64(n_parts)).astype(np.int64), n_parts,
-                       key=keys, doc=np.repeat(docs[nonempty], bands),
-                       hi=np.repeat(ex[nonempty, 0], bands), lo=np.repeat(ex[nonempty, 1], bands))
-    outputs |= _scatter(wd, f"sketch/exact/b{b:05d}",
-                        (fmix64(ex[:, 0].copy()) % np.uint64(n_parts)).astype(np.int64),
-                        n_parts, hi=ex[:, 0].copy(), lo=ex[:, 1].copy(), doc=docs)
+    outputs = _scatter(
+        wd,
+        f"sketch/band/b{b:05d}",
+        (fmix64(keys) % np.uint64(n_parts)).astype(np.int64),
+        n_parts,
+        key=keys,
+        doc=np.repeat(docs[nonempty], bands),
+        hi=np.repeat(ex[nonempty, 0], bands),
+        lo=np.repeat(ex[nonempty, 1], bands),
+    )
+    outputs |= _scatter(
+        wd,
+        f"sketch/exact/b{b:05d}",
+        (fmix64(ex[:, 0].copy()) % np.uint64(n_parts)).astype(np.int64),
+        n_parts,
+        hi=ex[:, 0].copy(),
+        lo=ex[:, 1].copy(),
+        doc=docs,
+    )
     stats = {"docs": len(docs), "bytes": text_bytes(data.texts), "band_rows": len(keys)}
     return wd.record("sketch", str(b), outputs, stats)
 
@@ -139,13 +153,23 @@ def exact(root: str, p: int) -> dict[str, Any]:
     doc = _cat(parts, "doc", np.int64)
     order = np.lexsort((doc, lo, hi))
     hi, lo, doc = hi[order], lo[order], doc[order]
-    first = np.r_[True, (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])] if len(doc) else \
-        np.zeros(0, dtype=bool)
-    survivor = doc[np.maximum.accumulate(np.where(first, np.arange(len(doc)), 0))] \
-        if len(doc) else doc
+    first = (
+        np.r_[True, (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])]
+        if len(doc)
+        else np.zeros(0, dtype=bool)
+    )
+    survivor = (
+        doc[np.maximum.accumulate(np.where(first, np.arange(len(doc)), 0))] if len(doc) else doc
+    )
     dup = ~first
-    outputs = _scatter(wd, f"exact/p{p:05d}", block_of(starts, doc[dup]), len(starts),
-                       doc=doc[dup], survivor=survivor[dup])
+    outputs = _scatter(
+        wd,
+        f"exact/p{p:05d}",
+        block_of(starts, doc[dup]),
+        len(starts),
+        doc=doc[dup],
+        survivor=survivor[dup],
+    )
     return wd.record("exact", str(p), outputs, {"exact_duplicates": int(dup.sum())})
 
 
@@ -164,8 +188,14 @@ def candidates(root: str, p: int) -> dict[str, Any]:
         keep = np.r_[True, (key[1:] != key[:-1]) | (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])]
         key, doc = key[keep], doc[keep]
     pairs = unique_pairs(bucket_pairs(key, doc))
-    outputs = _scatter(wd, f"candidates/p{p:05d}", block_of(starts, pairs[:, 0]), len(starts),
-                       i=pairs[:, 0].copy(), j=pairs[:, 1].copy())
+    outputs = _scatter(
+        wd,
+        f"candidates/p{p:05d}",
+        block_of(starts, pairs[:, 0]),
+        len(starts),
+        i=pairs[:, 0].copy(),
+        j=pairs[:, 1].copy(),
+    )
     return wd.record("candidates", str(p), outputs, {"band_rows": rows, "pairs": len(pairs)})
 
 
@@ -173,11 +203,14 @@ def shingle_sets(texts: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, flat): the sorted unique shingle hashes of each document."""
     flats, lens = [], []
     for s in range(0, len(texts), _SHINGLE_BATCH):
-        g = ngram_hashes(word_batch(texts[s:s + _SHINGLE_BATCH]), k)
+        g = ngram_hashes(word_batch(texts[s : s + _SHINGLE_BATCH]), k)
         order = np.lexsort((g.hashes, g.doc))
         h, dd = g.hashes[order], g.doc[order]
-        first = np.r_[True, (h[1:] != h[:-1]) | (dd[1:] != dd[:-1])] if len(h) else \
-            np.zeros(0, dtype=bool)
+        first = (
+            np.r_[True, (h[1:] != h[:-1]) | (dd[1:] != dd[:-1])]
+            if len(h)
+            else np.zeros(0, dtype=bool)
+        )
         flats.append(h[first])
         lens.append(np.bincount(dd[first], minlength=g.num_docs))
     lengths = np.concatenate(lens) if lens else np.zeros(0, np.int64)
@@ -187,8 +220,9 @@ def shingle_sets(texts: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
     return offsets, flat
 
 
-def _block_shingles(plan: Plan, b: int, docs: np.ndarray, k: int,
-                    data: BlockData | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _block_shingles(
+    plan: Plan, b: int, docs: np.ndarray, k: int, data: BlockData | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     blk = plan.blocks[b]
     data = data or read_block(plan, blk)
     return shingle_sets([data.texts[int(i)] for i in docs - blk.doc_start], k)
@@ -198,8 +232,7 @@ def fetch(root: str, b: int) -> dict[str, Any]:
     plan, params, starts = _load(root)
     wd = WorkDir(Path(root))
     parts = _gather(wd, f"candidates/p*/to-{b:05d}.npz")
-    pairs = unique_pairs(np.stack([_cat(parts, "i", np.int64), _cat(parts, "j", np.int64)],
-                                  axis=1))
+    pairs = unique_pairs(np.stack([_cat(parts, "i", np.int64), _cat(parts, "j", np.int64)], axis=1))
     outputs: dict[str, dict[str, Any]] = {}
     if len(pairs):
         lows = np.unique(pairs[:, 0])
@@ -214,10 +247,16 @@ def fetch(root: str, b: int) -> dict[str, Any]:
             lens = offsets[pos + 1] - offsets[pos]
             sub_off = np.zeros(len(need) + 1, dtype=np.int64)
             np.cumsum(lens, out=sub_off[1:])
-            sub_flat = np.concatenate([flat[offsets[q]:offsets[q + 1]] for q in pos])
+            sub_flat = np.concatenate([flat[offsets[q] : offsets[q + 1]] for q in pos])
             path = wd.path(f"fetch/b{b:05d}", f"to-{int(dest[order[a]]):05d}.npz")
-            outputs[_rel(wd, path)] = write_arrays(path, i=sel[:, 0].copy(), j=sel[:, 1].copy(),
-                                                   docs=need, offsets=sub_off, flat=sub_flat)
+            outputs[_rel(wd, path)] = write_arrays(
+                path,
+                i=sel[:, 0].copy(),
+                j=sel[:, 1].copy(),
+                docs=need,
+                offsets=sub_off,
+                flat=sub_flat,
+            )
     return wd.record("fetch", str(b), outputs, {"pairs": len(pairs)})
 
 
@@ -236,16 +275,18 @@ def verify(root: str, b: int) -> dict[str, Any]:
             li = np.searchsorted(l_docs, part["i"])
             hj = np.searchsorted(highs, part["j"])
             n_pairs += len(li)
-            for x, y, i, j in zip(li.tolist(), hj.tolist(), part["i"].tolist(),
-                                  part["j"].tolist(), strict=True):
-                s = jaccard_sorted(l_flat[l_off[x]:l_off[x + 1]], h_flat[h_off[y]:h_off[y + 1]])
+            for x, y, i, j in zip(
+                li.tolist(), hj.tolist(), part["i"].tolist(), part["j"].tolist(), strict=True
+            ):
+                s = jaccard_sorted(l_flat[l_off[x] : l_off[x + 1]], h_flat[h_off[y] : h_off[y + 1]])
                 if s >= threshold:
                     edges.append((i, j))
     e = np.array(sorted(edges), dtype=np.int64).reshape(-1, 2)
     path = wd.path("verify", f"b{b:05d}.npz")
     outputs = {_rel(wd, path): write_arrays(path, i=e[:, 0].copy(), j=e[:, 1].copy())}
-    return wd.record("verify", str(b), outputs, {"candidate_pairs": n_pairs,
-                                                  "verified_pairs": len(e)})
+    return wd.record(
+        "verify", str(b), outputs, {"candidate_pairs": n_pairs, "verified_pairs": len(e)}
+    )
 
 
 def connected_components(i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -253,7 +294,7 @@ def connected_components(i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.n
     node's component. Vectorised min-label propagation with pointer jumping on the
     edges' own nodes (memory ~ edges, not the corpus)."""
     nodes, inv = np.unique(np.concatenate([i, j]), return_inverse=True)
-    u, v = inv[:len(i)], inv[len(i):]
+    u, v = inv[: len(i)], inv[len(i) :]
     label = np.arange(len(nodes), dtype=np.int64)  # nodes are sorted: min id = min index
     while True:
         m = np.minimum(label[u], label[v])
@@ -277,12 +318,24 @@ def components(root: str, _task: int = 0) -> dict[str, Any]:
     i, j = _cat(parts, "i", np.int64), _cat(parts, "j", np.int64)
     nodes, root_of = connected_components(i, j)
     dropped = nodes != root_of
-    outputs = _scatter(wd, "components", block_of(starts, nodes[dropped]), len(starts),
-                       doc=nodes[dropped], survivor=root_of[dropped])
-    examples = [[int(a), int(s)] for a, s in
-                zip(nodes[dropped][:MAX_EXAMPLES], root_of[dropped][:MAX_EXAMPLES], strict=True)]
-    stats = {"verified_pairs": len(i), "clusters": len(np.unique(root_of)),
-             "near_duplicates": int(dropped.sum()), "examples": examples}
+    outputs = _scatter(
+        wd,
+        "components",
+        block_of(starts, nodes[dropped]),
+        len(starts),
+        doc=nodes[dropped],
+        survivor=root_of[dropped],
+    )
+    examples = [
+        [int(a), int(s)]
+        for a, s in zip(nodes[dropped][:MAX_EXAMPLES], root_of[dropped][:MAX_EXAMPLES], strict=True)
+    ]
+    stats = {
+        "verified_pairs": len(i),
+        "clusters": len(np.unique(root_of)),
+        "near_duplicates": int(dropped.sum()),
+        "examples": examples,
+    }
     return wd.record("components", "0", outputs, stats)
 
 
@@ -294,8 +347,9 @@ def _eval_index(root: str) -> Any:
     from stages.data_prep.evals import EvalItem
 
     obj = json.loads((Path(root) / "evals.json").read_text())
-    return EvalIndex([EvalItem(**it) for it in obj["items"]],
-                     DecontaminationConfig(**obj["config"]))
+    return EvalIndex(
+        [EvalItem(**it) for it in obj["items"]], DecontaminationConfig(**obj["config"])
+    )
 
 
 def _drops(wd: WorkDir, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -304,32 +358,54 @@ def _drops(wd: WorkDir, b: int) -> tuple[np.ndarray, np.ndarray]:
     return ex, near
 
 
-def _records_out(plan: Plan, b: int, data: BlockData, keep: np.ndarray, flagged: np.ndarray,
-                 fmt: str, flag: str = FLAG_FIELD) -> bytes:
+def _records_out(
+    plan: Plan,
+    b: int,
+    data: BlockData,
+    keep: np.ndarray,
+    flagged: np.ndarray,
+    fmt: str,
+    flag: str = FLAG_FIELD,
+) -> bytes:
     src = plan.sources[plan.blocks[b].source]
     if flagged.any():
         taken = (data.table is not None and flag in data.table.column_names) or (
-            data.lines is not None and any(flag in json.loads(data.lines[i])
-                                           for i in np.flatnonzero(flagged)))
+            data.lines is not None
+            and any(flag in json.loads(data.lines[i]) for i in np.flatnonzero(flagged))
+        )
         if taken:
-            raise ItoError(ErrorCode.bad_request, f"flag field {flag!r} is already a field of "
-                           "the input records: name another")
+            raise ItoError(
+                ErrorCode.bad_request,
+                f"flag field {flag!r} is already a field of the input records: name another",
+            )
     idx = np.flatnonzero(keep)
     field = src.text_field or plan.text_field
     if fmt == "jsonl":
         if data.lines is not None:
-            rows = [data.lines[i] if not flagged[i] else
-                    json.dumps({**json.loads(data.lines[i]), flag: True},
-                               ensure_ascii=False).encode("utf-8") for i in idx]
+            rows = [
+                data.lines[i]
+                if not flagged[i]
+                else json.dumps(
+                    {**json.loads(data.lines[i]), flag: True}, ensure_ascii=False
+                ).encode("utf-8")
+                for i in idx
+            ]
         elif data.table is not None:
             recs = data.table.take(pa.array(idx, type=pa.int64())).to_pylist()
-            rows = [json.dumps({**r, **({flag: True} if flagged[i] else {})},
-                               ensure_ascii=False, default=str).encode("utf-8")
-                    for r, i in zip(recs, idx, strict=True)]
+            rows = [
+                json.dumps(
+                    {**r, **({flag: True} if flagged[i] else {})}, ensure_ascii=False, default=str
+                ).encode("utf-8")
+                for r, i in zip(recs, idx, strict=True)
+            ]
         else:
-            rows = [json.dumps({field: data.texts[i], **({flag: True} if flagged[i]
-                                                         else {})},
-                               ensure_ascii=False).encode("utf-8") for i in idx]
+            rows = [
+                json.dumps(
+                    {field: data.texts[i], **({flag: True} if flagged[i] else {})},
+                    ensure_ascii=False,
+                ).encode("utf-8")
+                for i in idx
+            ]
         return b"".join(r.rstrip(b"\r") + b"\n" for r in rows)
     import pyarrow.parquet as pq
 
@@ -376,14 +452,26 @@ def filter_block(root: str, b: int) -> dict[str, Any]:
         for d in sorted(by_doc):
             ms = sorted(by_doc[d], key=lambda m: (-m.ratio, -m.grams, m.item))
             items = index.items
-            contaminated.append({
-                "doc": doc_id(plan, b, d), "index": blk.doc_start + d,
-                "matches": [{"suite": items[m.item].suite, "item": items[m.item].index,
-                             "file": items[m.item].file, "method": m.method,
-                             "grams": m.grams, "ratio": round(m.ratio, 4)}
-                            for m in ms[:MAX_MATCHES_PER_DOC]],
-                "total_matches": len(ms), "items": sorted({m.item for m in ms}),
-                "suites": dict(Counter(items[m.item].suite for m in ms))})
+            contaminated.append(
+                {
+                    "doc": doc_id(plan, b, d),
+                    "index": blk.doc_start + d,
+                    "matches": [
+                        {
+                            "suite": items[m.item].suite,
+                            "item": items[m.item].index,
+                            "file": items[m.item].file,
+                            "method": m.method,
+                            "grams": m.grams,
+                            "ratio": round(m.ratio, 4),
+                        }
+                        for m in ms[:MAX_MATCHES_PER_DOC]
+                    ],
+                    "total_matches": len(ms),
+                    "items": sorted({m.item for m in ms}),
+                    "suites": dict(Counter(items[m.item].suite for m in ms)),
+                }
+            )
         hit = np.array(sorted(by_doc), dtype=np.int64)
         if decon["action"] == "remove":
             keep[hit] = False
@@ -391,20 +479,38 @@ def filter_block(root: str, b: int) -> dict[str, Any]:
             flagged[hit] = True
     fmt = params["output_format"]
     path = wd.path("out", f"part-{b:05d}.{fmt}")
-    meta = atomic_write(path, _records_out(plan, b, data, keep, flagged, fmt,
-                                           params.get("flag_field", FLAG_FIELD)))
+    meta = atomic_write(
+        path, _records_out(plan, b, data, keep, flagged, fmt, params.get("flag_field", FLAG_FIELD))
+    )
     ids_path = wd.path("out", f"part-{b:05d}.ids.txt")  # output row -> input document id
-    ids = atomic_write(ids_path, "".join(doc_id(plan, b, int(i)) + "\n"
-                                         for i in np.flatnonzero(keep)).encode("utf-8"))
+    ids = atomic_write(
+        ids_path,
+        "".join(doc_id(plan, b, int(i)) + "\n" for i in np.flatnonzero(keep)).encode("utf-8"),
+    )
     kept = [data.texts[i] for i in np.flatnonzero(keep)]
-    stats = {"docs_in": n, "docs_out": len(kept), "bytes_in": text_bytes(data.texts),
-             "bytes_out": text_bytes(kept), "exact_duplicates": len(ex),
-             "near_duplicates": len(near), "contaminated": len(contaminated),
-             "contaminated_documents": contaminated, "shard": path.name,
-             "sha256": meta["sha256"], "shard_bytes": meta["bytes"]}
+    stats = {
+        "docs_in": n,
+        "docs_out": len(kept),
+        "bytes_in": text_bytes(data.texts),
+        "bytes_out": text_bytes(kept),
+        "exact_duplicates": len(ex),
+        "near_duplicates": len(near),
+        "contaminated": len(contaminated),
+        "contaminated_documents": contaminated,
+        "shard": path.name,
+        "sha256": meta["sha256"],
+        "shard_bytes": meta["bytes"],
+    }
     stats["ids"] = ids_path.name
     return wd.record("filter", str(b), {_rel(wd, path): meta, _rel(wd, ids_path): ids}, stats)
 
 
-TASKS = {"sketch": sketch, "exact": exact, "candidates": candidates, "fetch": fetch,
-         "verify": verify, "components": components, "filter": filter_block}
+TASKS = {
+    "sketch": sketch,
+    "exact": exact,
+    "candidates": candidates,
+    "fetch": fetch,
+    "verify": verify,
+    "components": components,
+    "filter": filter_block,
+}
