@@ -50,6 +50,10 @@ require KUBECTL "kubectl" "kubectl|kubernetes-client" "the deploy/k8s render tes
 require SS "ss" "iproute2" "the Ray head listener test"
 require POSTGRES "initdb pg_ctl" "postgresql" "the PostgreSQL store tests"
 
+# Lint and format are part of the suite: a change that breaks either fails CI.
+.venv/bin/python -m ruff check .
+.venv/bin/python -m ruff format --check .
+
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?
