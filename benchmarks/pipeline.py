@@ -1,5 +1,6 @@
-"""Pipeline benchmark (not in CI): the embedded pipeline end to end, as the demo runs
-it (``orchestrator.demo``'s data, manifest, server and CLI), for two model presets
+"""Pipeline benchmark (CI: one short llama-tiny run only): the embedded pipeline end
+to end, as the demo runs it (``orchestrator.demo``'s data, manifest, server and CLI),
+for two model presets
 whose parameter counts differ ~25x (llama-tiny, llama-small).
 
 For each preset it submits the demo's two-phase run through ``ito train`` and, from
@@ -28,6 +29,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -102,7 +104,7 @@ def _figures(events: list[dict[str, Any]], accepted_at: float) -> dict[str, Any]
     }
 
 
-def run_preset(preset: str, var_dir: Path) -> dict[str, Any]:
+def run_preset(preset: str, var_dir: Path, max_steps: int | None = None) -> dict[str, Any]:
     if var_dir.exists():
         ray_cluster.stop_local_head(var_dir / "server")
         shutil.rmtree(var_dir)
@@ -110,6 +112,11 @@ def run_preset(preset: str, var_dir: Path) -> dict[str, Any]:
     setup = demo.prepare(var_dir, preset=preset)
     db, env, port, manifest = setup.db, setup.env, setup.port, setup.manifest
     booking_id, submitter, approver = setup.booking_id, setup.submitter, setup.approver
+    if max_steps is not None:  # a shorter run of the same pipeline (the CI smoke size)
+        doc = json.loads(manifest.read_text())
+        doc["training"]["max_steps"] = max_steps
+        doc["training"]["warmup_steps"] = min(doc["training"]["warmup_steps"], max_steps // 2)
+        manifest.write_text(json.dumps(doc, indent=2))
 
     server = demo._start_server(env, db, var_dir, port, demo._free_port(), demo._free_port())
     sampler = _RssSampler()
@@ -184,13 +191,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--presets", nargs=2, default=["llama-tiny", "llama-small"])
-    parser.add_argument("--var-dir", type=Path, default=Path(".bench-pipeline"))
+    parser.add_argument(
+        "--presets",
+        nargs="+",
+        default=["llama-tiny", "llama-small"],
+        help="model presets, smaller first (growth: last over first)",
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="override the demo's 60 steps (the CI smoke size)",
+    )
+    parser.add_argument(
+        "--var-dir", type=Path, default=Path(tempfile.gettempdir()) / "ito-bench-pipeline"
+    )
     args = parser.parse_args(argv)
     results: list[dict[str, Any]] = []
     for preset in args.presets:
         try:
-            results.append(run_preset(preset, args.var_dir.resolve() / preset))
+            results.append(run_preset(preset, args.var_dir.resolve() / preset, args.max_steps))
         except (Exception, SystemExit) as e:  # one preset's failure still reports the other
             results.append(
                 {
@@ -200,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                     "driver_peak_rss_mb": None,
                 }
             )
-    small, large = results
+    small, large = results[0], results[-1]
     growth = (
         large["driver_peak_rss_mb"] / small["driver_peak_rss_mb"]
         if small["driver_peak_rss_mb"] and large["driver_peak_rss_mb"]

@@ -104,6 +104,11 @@ CASES: dict[str, tuple[list[str], set[str], bool]] = {
         },
         True,
     ),
+    "pipeline.py": (
+        ["--presets", "llama-tiny", "--max-steps", "8"],
+        {"presets", "driver_rss_growth"},
+        True,
+    ),
     "quorum_stability.py": (
         ["--heartbeat-ms", "1000", "--duration", "2", "--burners", "0"],
         {"burners", "groups", "results"},

@@ -19,8 +19,10 @@ from typing import Any
 
 import pytest
 from helpers.postgres import PgServer
+from helpers.tenants import booking_doc
 
 from orchestrator.db.store import Store
+from orchestrator.gates.bookings import BookingFile, add_booking
 
 pytestmark = pytest.mark.slow
 
@@ -96,13 +98,17 @@ def _wait(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
 
 
 def _queue_run(store: Store, run_id: str) -> None:
+    """A run of the world's account and booking (the supervisor stops a run whose
+    booking or account lapsed, so both are real rows)."""
+    account = store.account_by_name("acct")
+    assert account is not None
     now = time.time()
     with store.tx() as c:
         store.insert_run(
             c,
             {
                 "run_id": run_id,
-                "account_id": "acct",
+                "account_id": account["account_id"],
                 "booking_id": "bk",
                 "manifest_id": "mf",
                 "manifest_digest": "d",
@@ -132,6 +138,8 @@ def _messages(store: Store, run_id: str, word: str) -> list[str]:
 def world(pg_server: PgServer, tmp_path: Path) -> Iterator[tuple[Store, str, list[Replica]]]:
     db = pg_server.new_database()
     store = Store(db)
+    store.create_account("acct")
+    add_booking(store, BookingFile.model_validate(booking_doc("bk", "acct")))
     started: list[Replica] = []
     try:
         yield store, db, started
