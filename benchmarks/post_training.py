@@ -60,7 +60,7 @@ def run_once(
             "group_size": args.group_size,
             "groups_per_step": args.groups,
             "max_completion_tokens": args.max_tokens,
-            "overlong_buffer_tokens": 4,
+            "overlong_buffer_tokens": min(4, args.max_tokens // 2),
             "learning_rate": 1e-3,
             "max_staleness": eta,
             "rollout_workers": args.workers,
