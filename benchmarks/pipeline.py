@@ -1,6 +1,6 @@
 """Pipeline benchmark (CI: one short llama-tiny run only): the embedded pipeline end
-to end, as the demo runs it (``orchestrator.demo``'s data, manifest, server and CLI),
-for two model presets
+to end, as the demo runs it (``orchestrator.demo``'s data, manifest, server, and its
+``confirm_and_train``; the demo's post-training recipe left out), for two model presets
 whose parameter counts differ ~25x (llama-tiny, llama-small).
 
 For each preset it submits the demo's two-phase run through ``ito train`` and, from
@@ -109,9 +109,10 @@ def run_preset(preset: str, var_dir: Path, max_steps: int | None = None) -> dict
         ray_cluster.stop_local_head(var_dir / "server")
         shutil.rmtree(var_dir)
     var_dir.mkdir(parents=True)
-    setup = demo.prepare(var_dir, preset=preset)
+    # Without the demo's post-training recipe: these figures are the pretraining
+    # pipeline's (phase switches, and a driver that must not grow with the model).
+    setup = demo.prepare(var_dir, preset=preset, post_training=False)
     db, env, port, manifest = setup.db, setup.env, setup.port, setup.manifest
-    booking_id, submitter, approver = setup.booking_id, setup.submitter, setup.approver
     if max_steps is not None:  # a shorter run of the same pipeline (the CI smoke size)
         doc = json.loads(manifest.read_text())
         doc["training"]["max_steps"] = max_steps
@@ -122,37 +123,8 @@ def run_preset(preset: str, var_dir: Path, max_steps: int | None = None) -> dict
     sampler = _RssSampler()
     sampler.start()
     try:
-        ref = demo._cli(
-            [
-                "ito",
-                "confirm",
-                "--action",
-                "train",
-                "--booking",
-                booking_id,
-                "--manifest",
-                str(manifest),
-                "--json",
-            ],
-            {**env, "ITO_API_KEY": approver},
-        )["data"]["confirmation_ref"]
-        sub_env = {**env, "ITO_API_KEY": submitter}
-        run_id = demo._cli(
-            [
-                "ito",
-                "train",
-                "--booking",
-                booking_id,
-                "--manifest",
-                str(manifest),
-                "--confirmation-ref",
-                ref,
-                "--idempotency-key",
-                f"bench-{uuid.uuid4().hex[:12]}",
-                "--json",
-            ],
-            sub_env,
-        )["data"]["run_id"]
+        sub_env = {**env, "ITO_API_KEY": setup.submitter}
+        run_id = demo.confirm_and_train(setup, f"bench-{uuid.uuid4().hex[:12]}")
         deadline = time.monotonic() + RUN_TIMEOUT_S
         state = "queued"
         while time.monotonic() < deadline:

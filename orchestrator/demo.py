@@ -4,7 +4,9 @@ It does what an operator and a tenant would do, through the same commands:
 creates an account, a submitter key and an approver key, registers a booking,
 writes data and a manifest for the tiny model, starts ``ito-backend serve``
 (which starts the embedded Ray head), confirms as the approver, runs the exact
-``ito train ... --json`` command, follows the run, and prints status, stage gates,
+``ito train ... --json`` command, follows the run (data prep, the plan, two curriculum
+phases, then post-training SFT -> DPO -> RLVR on the rollout fleet from pretraining's
+HF export), and prints status, every gate (each phase's and each post-training step's),
 checkpoints and goodput. Its last line is the run's final ``ito status --json``.
 
     python -m orchestrator.demo [--var-dir .demo] [--keep-running]
@@ -30,7 +32,15 @@ from typing import Any
 
 import httpx
 
+from orchestrator.demo_manifest import (
+    post_training_recipe,
+    write_data,
+    write_manifest,
+    write_post_training_data,
+)
+from orchestrator.gates.manifest import Manifest
 from orchestrator.runtime import ray_cluster
+from stages.post_training.config import PostTrainingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -62,109 +72,6 @@ def _cli(args: list[str], env: dict[str, str], *, check: bool = True) -> dict[st
     if check and not envelope.get("ok"):
         raise SystemExit(f"[demo] {' '.join(args[:2])} failed: {json.dumps(envelope)}")
     return envelope
-
-
-def _write_data(data_dir: Path, rng: random.Random) -> tuple[Path, Path]:
-    """Baseline: stdlib docstrings. Custom: GSM8K-train math text, with planted
-    near-duplicates and GSM8K-test questions so dedup and decontamination show work."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    baseline = data_dir / "baseline.jsonl"
-    shutil.copyfile(REPO / "data" / "python_docs" / "train.jsonl", baseline)
-    train = [
-        json.loads(line)
-        for line in (REPO / "data" / "gsm8k" / "train.jsonl").read_text().splitlines()[:3000]
-    ]
-    test = [
-        json.loads(line)
-        for line in (REPO / "configs" / "evals" / "gsm8k" / "test.jsonl").read_text().splitlines()
-    ]
-    docs = [f"{t['question']}\n{t['answer']}" for t in train]
-    for doc in rng.sample(docs, 40):  # near-duplicates: one word changed
-        words = doc.split()
-        words[rng.randrange(len(words))] = "indeed"
-        docs.append(" ".join(words))
-    for item in rng.sample(test, 25):  # leaked eval questions
-        docs.append(f"Practice problem. {item['question']} Show your work.")
-    rng.shuffle(docs)
-    custom = data_dir / "custom_math.jsonl"
-    custom.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return baseline, custom
-
-
-def _manifest(path: Path, baseline: Path, custom: Path, ckpt_dir: Path) -> None:
-    from stages.data_prep import file_sha256
-
-    def ref(p: Path, role: str, source: str, lic: str) -> dict[str, Any]:
-        return {
-            "uri": f"file://{p}",
-            "sha256": file_sha256(p),
-            "role": role,
-            "format": "jsonl",
-            "text_field": "text",
-            "provenance": {"source": source, "license": lic, "decontaminated_against": []},
-        }
-
-    manifest = {
-        "manifest_version": 1,
-        "name": "demo-llama-tiny",
-        "model": {
-            "preset": "llama-tiny",
-            "architecture": "llama",
-            "size": "124K",
-            "revision": "random-init",
-        },
-        "data": {
-            "refs": [
-                ref(baseline, "baseline", "CPython 3.11 stdlib docstrings", "PSF-2.0"),
-                ref(custom, "custom", "GSM8K train (demo extract)", "MIT"),
-            ],
-            "eval_suites": ["gsm8k"],
-            "ladder_probe": {"enabled": True, "seeds": 2, "token_budget": 60000},
-        },
-        "training": {
-            "max_steps": 60,
-            "seq_len": 64,
-            "global_batch_tokens": 2048,
-            "learning_rate": 0.003,
-            "warmup_steps": 5,
-            "seed": 0,
-        },
-        # Two phases, each closed by the smoke battery (held-out loss and bits per byte,
-        # GSM8K-style exact match and multiple choice through lm-eval) and its gate.
-        "curriculum": {
-            "phases": [
-                {
-                    "name": "pretrain",
-                    "kind": "pretrain",
-                    "token_fraction": 0.5,
-                    "seq_len": 64,
-                    "eval_battery": "smoke",
-                    "gates": [
-                        {"metric": "heldout_loss", "max": 6.0},
-                        {"metric": "heldout_bits_per_byte", "max": 9.0},
-                        {"metric": "arith_mc_acc", "min": 0.0},
-                    ],
-                },
-                {
-                    "name": "long_context",
-                    "kind": "long_context",
-                    "token_fraction": 0.5,
-                    "seq_len": 128,
-                    "eval_battery": "smoke",
-                    "gates": [
-                        {"metric": "heldout_loss", "max": 6.0, "max_regression": 0.5},
-                        {"metric": "heldout_bits_per_byte", "max": 9.0},
-                        {"metric": "gsm8k_exact_match", "min": 0.0},
-                    ],
-                },
-            ]
-        },
-        "budget": {"ceiling_usd": 5.0, "max_incremental_cost_usd": 5.0},
-        "checkpoint": {"interval_steps": 20, "keep": 2, "storage_uri": f"file://{ckpt_dir}"},
-    }
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(manifest, f, indent=2)
 
 
 def _start_server(
@@ -227,12 +134,17 @@ class DemoSetup:
 
 
 def prepare(
-    var_dir: Path, *, preset: str = "llama-tiny", say: Callable[[str], None] = lambda _: None
+    var_dir: Path,
+    *,
+    preset: str = "llama-tiny",
+    post_training: bool = True,
+    say: Callable[[str], None] = lambda _: None,
 ) -> DemoSetup:
     """The operator's steps (account, a submitter and an approver key, the booking,
-    the account's roots) and the tenant's (data and a manifest for ``preset``), all
-    through the real CLIs, in the empty folder ``var_dir``. The demo and
-    benchmarks/pipeline.py both start here."""
+    the account's roots) and the tenant's (data and a manifest for ``preset``, with
+    the post-training recipe unless ``post_training`` is False), all through the real
+    CLIs, in the empty folder ``var_dir``. The demo and benchmarks/pipeline.py both
+    start here."""
     db = var_dir / "ito.db"
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "ITO_API_KEY"}
@@ -294,7 +206,7 @@ def prepare(
     _cli(["ito-backend", "bookings", "add", str(booking_file), "--json"], env)
     say(f"booking {booking_id}: 1 node x 2 cpu-testbed ranks, fabric loopback")
 
-    baseline, custom = _write_data(var_dir / "data", random.Random(0))
+    baseline, custom = write_data(var_dir / "data", random.Random(0))
     (var_dir / "checkpoints").mkdir()
     # The operator confines the account: its data and checkpoints only under these roots.
     _cli(
@@ -311,13 +223,136 @@ def prepare(
         ],
         env,
     )
+    recipe = None
+    if post_training:
+        recipe = post_training_recipe(
+            write_post_training_data(var_dir / "data" / "post_training", random.Random(0))
+        )
     manifest = var_dir / "manifest.json"
-    _manifest(manifest, baseline, custom, var_dir / "checkpoints")
+    write_manifest(manifest, baseline, custom, var_dir / "checkpoints", recipe)
     if preset != "llama-tiny":
         doc = json.loads(manifest.read_text())
         doc["model"]["preset"] = preset
         manifest.write_text(json.dumps(doc, indent=2))
     return DemoSetup(db, port, env, submitter, approver, booking_id, manifest)
+
+
+def confirm_and_train(
+    setup: DemoSetup,
+    idempotency_key: str,
+    *,
+    say: Callable[[str], None] = lambda _: None,
+    echo: Callable[[str], None] = lambda _: None,
+) -> str:
+    """The approver's ``ito confirm`` and the submitter's canonical ``ito train`` for
+    the prepared manifest; returns the accepted run's id. The demo and
+    benchmarks/pipeline.py both submit this way."""
+    confirm = _cli(
+        [
+            "ito",
+            "confirm",
+            "--action",
+            "train",
+            "--booking",
+            setup.booking_id,
+            "--manifest",
+            str(setup.manifest),
+            "--json",
+        ],
+        {**setup.env, "ITO_API_KEY": setup.approver},
+    )
+    ref = confirm["data"]["confirmation_ref"]
+    say(f"approver confirmed: cost {confirm['data']['cost_usd']} USD, reference issued")
+    cmd = [
+        "ito",
+        "train",
+        "--booking",
+        setup.booking_id,
+        "--manifest",
+        str(setup.manifest),
+        "--confirmation-ref",
+        ref,
+        "--idempotency-key",
+        idempotency_key,
+        "--json",
+    ]
+    echo("$ " + " ".join(cmd).replace(ref, "<confirmation-ref>"))
+    accepted = _cli(cmd, {**setup.env, "ITO_API_KEY": setup.submitter})
+    echo(json.dumps(accepted))
+    return str(accepted["data"]["run_id"])
+
+
+def phase_gate_lines(run: dict[str, Any]) -> list[str]:
+    """Each curriculum phase's gate from a run's ``ito status --json`` data."""
+    lines = []
+    for gate in run.get("eval_gates") or []:
+        checks = ", ".join(
+            f"{c['check']}={c['score']:.4g}"
+            + "".join(
+                f" {k}={c[k]:g}" for k in ("min", "max", "max_regression") if c.get(k) is not None
+            )
+            for c in gate["checks"]
+            if c["score"] is not None
+        )
+        lines.append(
+            f"gate {gate['phase']} ({gate['battery']}, step {gate['step']}): "
+            f"{'PASSED' if gate['passed'] else 'FAILED'}: {checks}"
+        )
+    return lines
+
+
+# What each post-training step's line shows beside its gate metric.
+_STEP_CONTEXT = {
+    "sft": ("nll_before", "nll_after"),
+    "dpo": ("margin_before", "margin_after", "preference_accuracy"),
+    "rlvr": ("reward_first", "reward_last", "staleness_max"),
+}
+
+
+# The rollout fleet's figures (``ito metrics``) the demo's summary line shows.
+_FLEET_FIGURES = (
+    "rollout_samples_per_s",
+    "trainer_idle_frac",
+    "weight_sync_s",
+    "staleness_max",
+    "drop_rate",
+)
+
+
+def post_training_gate_lines(run: dict[str, Any], recipe: PostTrainingConfig) -> list[str]:
+    """Each post-training step's gate as the run decided it, from its ``ito status
+    --json`` data: the stage's metrics hold ``<step>_<metric>`` for every step that
+    ran, and the chain stops at the first failed gate, so in a failed stage the last
+    step that ran is the one that failed."""
+    gate = next((g for g in run.get("stage_gates") or [] if g["stage"] == "post_training"), None)
+    if gate is None:
+        return []
+    metrics: dict[str, float] = gate.get("metrics") or {}
+    steps = recipe.steps()
+    ran = [s for s in steps if any(k.startswith(f"{s}_") for k in metrics)]
+    lines = []
+    for n, step in enumerate(steps, 1):
+        head = f"gate post_training.{step} (step {n} of {len(steps)})"
+        if step not in ran:
+            lines.append(f"{head}: NOT RUN")
+            continue
+        failed = gate["status"] != "passed" and step == ran[-1]
+        verdict = "FAILED" if failed else "PASSED"
+        step_gate = getattr(recipe, step).gate
+        shown = (
+            f"{step_gate.metric}={metrics[f'{step}_{step_gate.metric}']:.4g} min={step_gate.min:g}"
+            if step_gate is not None and f"{step}_{step_gate.metric}" in metrics
+            else "no gate metric"
+        )
+        context = ", ".join(
+            f"{k}={metrics[f'{step}_{k}']:.4g}"
+            for k in _STEP_CONTEXT[step]
+            if f"{step}_{k}" in metrics
+        )
+        lines.append(f"{head}: {verdict}: {shown}" + (f" ({context})" if context else ""))
+    if gate["status"] != "passed":
+        lines.append(f"post_training failed: {gate.get('reason')}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,31 +374,15 @@ def main(argv: list[str] | None = None) -> int:
     var_dir.mkdir(parents=True)
     setup = prepare(var_dir, say=_say)
     db, port, env, manifest = setup.db, setup.port, setup.env, setup.manifest
-    booking_id, submitter, approver = setup.booking_id, setup.submitter, setup.approver
+    booking_id, submitter = setup.booking_id, setup.submitter
     _say(
         f"manifest {manifest} (llama-tiny, 60 steps, 2 replica groups, phases pretrain "
-        "@64 then long_context @128 tokens)"
+        "@64 then long_context @128 tokens; post-training sft -> dpo -> rlvr on one-digit sums)"
     )
 
     _say("starting ito-backend serve (SQLite + embedded Ray head)")
     server = _start_server(env, db, var_dir, port, _free_port(), _free_port())
     try:
-        confirm = _cli(
-            [
-                "ito",
-                "confirm",
-                "--action",
-                "train",
-                "--booking",
-                booking_id,
-                "--manifest",
-                str(manifest),
-                "--json",
-            ],
-            {**env, "ITO_API_KEY": approver},
-        )
-        ref = confirm["data"]["confirmation_ref"]
-        _say(f"approver confirmed: cost {confirm['data']['cost_usd']} USD, reference issued")
         plan = subprocess.run(
             [str(BIN / "ito"), "plan", "--booking", booking_id, "--manifest", str(manifest)],
             env={**env, "ITO_API_KEY": submitter},
@@ -375,25 +394,22 @@ def main(argv: list[str] | None = None) -> int:
             f"$ ito plan --booking {booking_id} --manifest {manifest}\n" + plan.stdout.strip(),
             flush=True,
         )
-        key = f"demo-{uuid.uuid4().hex[:12]}"
+        recipe = Manifest.model_validate_json(manifest.read_bytes()).post_training
+        _say(
+            "post-training from the last phase's HF export, each step gated: "
+            + " -> ".join(
+                f"{s} ({getattr(recipe, s).steps} steps"
+                + (f", gate {g.metric} >= {g.min:g})" if (g := getattr(recipe, s).gate) else ")")
+                for s in recipe.steps()
+            )
+        )
         sub_env = {**env, "ITO_API_KEY": submitter}
-        cmd = [
-            "ito",
-            "train",
-            "--booking",
-            booking_id,
-            "--manifest",
-            str(manifest),
-            "--confirmation-ref",
-            ref,
-            "--idempotency-key",
-            key,
-            "--json",
-        ]
-        print("$ " + " ".join(cmd).replace(ref, "<confirmation-ref>"), flush=True)
-        accepted = _cli(cmd, sub_env)
-        print(json.dumps(accepted), flush=True)
-        run_id = accepted["data"]["run_id"]
+        run_id = confirm_and_train(
+            setup,
+            f"demo-{uuid.uuid4().hex[:12]}",
+            say=_say,
+            echo=lambda line: print(line, flush=True),
+        )
         subprocess.run(
             [str(BIN / "ito"), "status", "--run", run_id, "--follow"],
             env=sub_env,
@@ -414,21 +430,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         data = json.loads(final.stdout)["data"]
         state = data["state"]
-        for gate in data.get("eval_gates") or []:
-            checks = ", ".join(
-                f"{c['check']}={c['score']:.4g}"
-                + "".join(
-                    f" {k}={c[k]:g}"
-                    for k in ("min", "max", "max_regression")
-                    if c.get(k) is not None
-                )
-                for c in gate["checks"]
-                if c["score"] is not None
-            )
-            _say(
-                f"gate {gate['phase']} ({gate['battery']}, step {gate['step']}): "
-                f"{'PASSED' if gate['passed'] else 'FAILED'}: {checks}"
-            )
+        for line in phase_gate_lines(data):
+            _say(line)
+        for line in post_training_gate_lines(data, recipe):
+            _say(line)
         metrics = subprocess.run(
             [str(BIN / "ito"), "metrics", "--run", run_id, "--json"],
             env=sub_env,
@@ -438,6 +443,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         m = json.loads(metrics.stdout)["data"]
         evaluation, elapsed = m["badput_s"]["evaluation"], m["elapsed_s"]
+        fleet = m.get("post_training") or {}
+        if fleet:
+            _say(
+                "rlvr rollout fleet: "
+                + ", ".join(
+                    f"{k}={fleet[k]:.4g}"
+                    for k in _FLEET_FIGURES
+                    if isinstance(fleet.get(k), int | float)
+                )
+            )
         _say(
             json.dumps(
                 {
