@@ -8,7 +8,9 @@ depend on which worker answered first. Staleness is bounded twice (AReaL):
   ``s = V + (len(batch) + k - walk_id) // G`` or earlier (earlier ids either fill
   batches first or are dropped), so it goes to worker ``w`` only if
   ``s - version(w) <= eta``; the worker checks the same bound itself;
-- the trainer refuses any walked group older than ``eta`` versions (regenerated).
+- the trainer refuses any walked group older than ``eta`` versions (regenerated),
+  and the learner re-checks every group of a batch before its update (dropped);
+  both count as ``stale_refused``.
 
 A worker that dies mid-rollout loses its request (regenerated under the same id, so
 never trained under a wrong version); Ray restarts it, the controller re-sends the
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.errors import ErrorCode, ItoError
-from stages.post_training.losses import is_uniform
+from stages.post_training.losses import is_stale, is_uniform
 from stages.post_training.pools import WorkerLost, WorkerPool
 from stages.post_training.rollout import Refusal, RolloutGroup, RolloutRequest
 
@@ -326,7 +328,7 @@ class RolloutController:
     def _walk(self) -> None:
         while len(self.batch) < self.G and self.walk_id in self.resolved:
             g = self.resolved.pop(self.walk_id)
-            if self.V - g.version > self.eta:
+            if is_stale(self.V, g.version, self.eta):
                 self.stats.stale_refused += 1
                 self._requeue(self.walk_id)
                 return

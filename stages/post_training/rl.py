@@ -12,7 +12,13 @@ from typing import Any
 from stages.events import Event, MetricsEvent
 from stages.post_training.config import RLVRConfig
 from stages.post_training.fleet import DynamicSampler, FleetStats, RolloutController
-from stages.post_training.losses import aggregate, dapo_token_loss, group_advantages, token_logprobs
+from stages.post_training.losses import (
+    aggregate,
+    dapo_token_loss,
+    group_advantages,
+    is_stale,
+    token_logprobs,
+)
 from stages.post_training.pools import WorkerPool
 from stages.post_training.rollout import RolloutGroup, RolloutRequest
 
@@ -55,6 +61,7 @@ class StepStats:
     tokens: int
     mean_reward: float
     staleness: list[int]
+    stale_refused: int = 0  # groups the learner itself refused as older than eta
 
 
 @dataclass
@@ -65,7 +72,13 @@ class RLResult:
 
 
 class GRPOLearner:
-    """One optimizer update per batch of groups; micro-batch = one group."""
+    """One optimizer update per batch of groups; micro-batch = one group.
+
+    The learner re-checks every group's version against eta before it trains on it,
+    whatever the fleet's admission said: a worker that ignores its own check (or a
+    sync that raced a rollout) cannot put an older sample into an update. Refused
+    groups are dropped and counted; ``trained`` records (version trained at, sample
+    version) for every group that reached the optimizer."""
 
     def __init__(self, cfg: RLVRConfig, model: Any, pad_id: int):
         import copy
@@ -80,6 +93,7 @@ class GRPOLearner:
         )
         self.ref = copy.deepcopy(model).eval() if cfg.beta > 0 else None
         self.version = 0
+        self.trained: list[tuple[int, int]] = []
 
     def state(self) -> dict[str, Any]:
         return dict(self.model.state_dict())
@@ -88,6 +102,14 @@ class GRPOLearner:
         import torch
 
         cfg = self.cfg
+        offered = len(batch)
+        batch = [g for g in batch if not is_stale(self.version, g.version, cfg.max_staleness)]
+        refused = offered - len(batch)
+        if not batch:  # nothing fresh: no update, the version still advances
+            self.version += 1
+            return StepStats(
+                loss=0.0, tokens=0, mean_reward=0.0, staleness=[], stale_refused=refused
+            )
         self.model.train()
         rewards = torch.tensor([g.rewards for g in batch], dtype=torch.float32)
         adv = group_advantages(rewards, scale=cfg.scale_rewards)
@@ -101,6 +123,7 @@ class GRPOLearner:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        self.trained += [(self.version, g.version) for g in batch]
         self.version += 1
         task = [r for g in batch for r in g.task_rewards]
         return StepStats(
@@ -108,6 +131,7 @@ class GRPOLearner:
             tokens=total,
             mean_reward=sum(task) / len(task),
             staleness=[self.version - 1 - g.version for g in batch],
+            stale_refused=refused,
         )
 
     def _mask(self, g: RolloutGroup) -> Any:
@@ -194,6 +218,7 @@ def run_rlvr(
             break
         batch, walked = ctl.next_batch()
         stats: StepStats = ctl.pump_while(partial(learner.step, batch))  # fleet keeps going
+        ctl.stats.stale_refused += stats.stale_refused
         ctl.publish(learner.version, learner.state())
         task = [r for g in walked for r in g.task_rewards]
         stats.mean_reward = sum(task) / len(task)

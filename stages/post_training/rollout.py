@@ -117,6 +117,10 @@ class RolloutWorker:
         refused = admission_refusal(self.version, req, self.spec.index)
         if refused is not None:
             return refused
+        return self.rollout(req)
+
+    def rollout(self, req: RolloutRequest) -> RolloutGroup:
+        """Generate and score one group with the current weights (admission checked)."""
         t0 = time.perf_counter()
         out = generate_group(self.model, self.tokenizer, req)
         from stages.post_training.losses import overlong_penalty
