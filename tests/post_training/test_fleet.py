@@ -395,12 +395,10 @@ def test_no_sample_a_worker_wrongly_offers_is_trained(
     tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
     from stages.post_training.rl import run_rlvr
-    from stages.post_training.rollout import RolloutWorker
 
     cfg, learner, maker, make_worker = _rl_setup(tiny_policy, task_files, 0)
     honest = make_worker(0)
     rogue = _keeps_old_weights(honest.spec.model_copy(update={"index": 1}))
-    assert isinstance(rogue, RolloutWorker)
     pool = LocalPool([honest, rogue])
     try:
         result, ctl = run_rlvr(cfg, learner, pool, maker)
