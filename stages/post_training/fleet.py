@@ -83,6 +83,7 @@ class FleetStats:
             "trainer_idle_frac": min(1.0, self.wait_s / wall),
             "rollout_idle_frac": max(0.0, 1.0 - self.gen_s / (workers * wall)),
             "weight_sync_s": statistics.median(self.sync_s) if self.sync_s else 0.0,
+            "sync_s_median": statistics.median(self.sync_s) if self.sync_s else 0.0,
             "staleness_min": float(min(st)),
             "staleness_mean": float(statistics.fmean(st)),
             "staleness_max": float(max(st)),
@@ -132,6 +133,18 @@ class RolloutController:
         self._losses = 0
         self._resend_at: dict[int, tuple[float, float]] = {}  # w -> (due, lost_at)
         self._training = False
+
+    # -- resume ----------------------------------------------------------------------
+    def resume_state(self) -> dict[str, int]:
+        """The admission state a resume needs: the version and the walk cursor (every
+        id below it went into a trained batch or was dropped)."""
+        return {"version": self.V, "walk_id": self.walk_id}
+
+    def restore(self, saved: dict[str, int]) -> None:
+        """Before the first publish: ids from the cursor on are generated again."""
+        self.V = int(saved["version"])
+        self.walk_id = self.next_id = int(saved["walk_id"])
+        self.retry, self.resolved = [], {}
 
     # -- weights ---------------------------------------------------------------------
     def publish(self, version: int, state: dict[str, Any]) -> None:
