@@ -90,3 +90,17 @@ def test_each_path_delivers_bit_identical_weights_to_thread_workers(
         assert len(ctl.stats.sync_s) == 2 and all(s > 0 for s in ctl.stats.sync_s)
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(("device", "backend"), [("cpu", "gloo"), ("cuda", "nccl")])
+def test_the_collective_backend_follows_the_device(device: str, backend: str) -> None:
+    """Chosen by device; no group is formed here (NCCL itself needs GPUs)."""
+    from stages.post_training.weight_sync import CollectiveSender
+
+    sender = CollectiveSender(
+        workers=1, host="127.0.0.1", device=device, bucket_bytes=1 << 20, timeout_s=5
+    )
+    try:
+        assert sender.backend == backend
+    finally:
+        sender.close()
