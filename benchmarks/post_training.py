@@ -17,29 +17,52 @@ What each number counts:
 - ``sync_s_median``: median seconds from putting a policy version into Ray's object
   store to every worker having loaded it (put time + the slowest worker's load time);
 - ``idle_ratio``: eta2 trainer idle fraction / eta0 trainer idle fraction (< 1: the
-  asynchronous fleet keeps the trainer busier).
+  asynchronous fleet keeps the trainer busier);
+- ``sync_s_median_object_store`` / ``sync_s_median_collective``: the same median for
+  each weight path side by side, the eta = 2 run repeated with
+  ``weight_sync="collective"`` (gloo broadcast of flat buckets; on this path a
+  worker's load time includes waiting for the other ranks to join the broadcast);
+- ``resume_s``: a run with a resume state every step is stopped after step 1 and
+  relaunched with the same workdir; seconds from the relaunch (learner built,
+  actors started, state restored) to its first trained step.
 
 Ends with one JSON line: eta0_idle_frac, eta2_idle_frac, idle_ratio,
-eta0_samples_per_s, eta2_samples_per_s, sync_s_median (over both runs).
+eta0_samples_per_s, eta2_samples_per_s, sync_s_median (object store, both eta runs),
+sync_s_median_object_store, sync_s_median_collective, resume_s.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+class Stop(Exception):
+    """Raised from the event sink after a step: the interruption resume_s recovers from."""
+
+
 def run_once(
-    eta: int, args: argparse.Namespace, policy: Path, task: dict[str, Path]
-) -> tuple[dict[str, float], list[float]]:
+    eta: int,
+    args: argparse.Namespace,
+    policy: Path,
+    task: dict[str, Path],
+    *,
+    weight_sync: str = "object_store",
+    workdir: Path | None = None,
+    stop_after: int | None = None,
+) -> tuple[dict[str, float], list[float], float]:
+    """(summary, sync seconds, time.perf_counter() of the first trained step)."""
+    from stages.events import MetricsEvent
     from stages.post_training.config import RLVRConfig
     from stages.post_training.data import load_rows
     from stages.post_training.hf_io import load_model, load_tokenizer
@@ -66,6 +89,8 @@ def run_once(
             "rollout_workers": args.workers,
             "dynamic_sampling": True,
             "seed": 0,
+            "weight_sync": weight_sync,
+            "checkpoint_every_steps": 1 if workdir is not None else 0,
         }
     )
     tok = load_tokenizer(policy)
@@ -81,15 +106,47 @@ def run_once(
         )
         for i in range(args.workers)
     ]
-    pool = RayPool(f"bench-eta{eta}", specs)
+    first: list[float] = []
+
+    def emit(e: Any) -> None:
+        if isinstance(e, MetricsEvent):
+            first.append(time.perf_counter())
+            if stop_after is not None and e.step == stop_after:
+                raise Stop
+
+    name = f"bench-eta{eta}-{weight_sync.replace('_', '-')}-{time.monotonic_ns()}"
+    pool = RayPool(name, specs, weight_sync=weight_sync)  # type: ignore[arg-type]
     try:
-        pool.identities(120)  # the actors are up before the clock starts
+        if workdir is None:
+            pool.identities(120)  # the actors are up before the clock starts
         result, ctl = run_rlvr(
-            cfg, learner, pool, RequestMaker(cfg, tok, load_rows("rlvr", ref["uri"]))
+            cfg,
+            learner,
+            pool,
+            RequestMaker(cfg, tok, load_rows("rlvr", cfg.data.uri)),
+            emit=emit,
+            workdir=workdir,
         )
     finally:
         pool.close()
-    return result.summary, list(ctl.stats.sync_s)
+    return result.summary, list(ctl.stats.sync_s), first[0] if first else float("nan")
+
+
+def measure_resume(args: argparse.Namespace, policy: Path, task: dict[str, Path]) -> float:
+    """Stop after step 1 (a resume state saved), relaunch: seconds to its first step."""
+    workdir = Path(tempfile.mkdtemp(prefix="bench-pt-resume-"))
+    try:
+        with contextlib.suppress(Stop):
+            run_once(2, args, policy, task, workdir=workdir, stop_after=1)
+        t0 = time.perf_counter()
+        _, _, first = run_once(2, args, policy, task, workdir=workdir)
+        return first - t0
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 5) if xs else None
 
 
 def main() -> None:
@@ -120,8 +177,12 @@ def main() -> None:
         out: dict[int, dict[str, float]] = {}
         syncs: list[float] = []
         for eta in (0, 2):
-            out[eta], s = run_once(eta, args, policy, task)
+            out[eta], s, _ = run_once(eta, args, policy, task)
             syncs += s
+            if eta == 2:
+                syncs_object_store = s
+        _, syncs_collective, _ = run_once(2, args, policy, task, weight_sync="collective")
+        resume_s = measure_resume(args, policy, task)
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -142,8 +203,15 @@ def main() -> None:
         "idle_ratio": round(e2["trainer_idle_frac"] / max(e0["trainer_idle_frac"], 1e-9), 4),
         "eta0_samples_per_s": round(e0["rollout_samples_per_s"], 2),
         "eta2_samples_per_s": round(e2["rollout_samples_per_s"], 2),
-        "sync_s_median": round(statistics.median(syncs), 5) if syncs else None,
+        "sync_s_median": _median(syncs),
+        "sync_s_median_object_store": _median(syncs_object_store),
+        "sync_s_median_collective": _median(syncs_collective),
+        "resume_s": round(resume_s, 3),
     }
+    print(
+        f"weight sync median (eta 2): object_store {line['sync_s_median_object_store']} s, "
+        f"collective {line['sync_s_median_collective']} s; resume {line['resume_s']} s"
+    )
     print(json.dumps(line))
 
 

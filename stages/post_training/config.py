@@ -98,6 +98,16 @@ class RLVRConfig(StrictModel):
         default=1, ge=0, le=1024, description="policy versions a rollout may lag"
     )
     seed: int = Field(default=0, ge=0, le=2**32 - 1)
+    # How versions reach the fleet (stages.post_training.weight_sync): Ray's object
+    # store, or a broadcast of flat buckets over a process group (gloo on CPU, NCCL on
+    # CUDA) between the learner and the workers. The collective path does not survive
+    # a worker restart (the group is short of a rank): the run fails after the timeout.
+    weight_sync: Literal["object_store", "collective"] = "object_store"
+    weight_sync_bucket_mb: int = Field(default=64, ge=1, le=16_384)
+    weight_sync_timeout_s: float = Field(default=300.0, gt=0, le=3600)
+    # Resume state (policy, optimizer, version, the fleet's request cursor) saved into
+    # the run's workdir every this many steps; 0: never. A rerun resumes from the newest.
+    checkpoint_every_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
     # Named timeouts of the fleet.
     worker_ready_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     worker_restart_timeout_s: float = Field(default=120.0, gt=0, le=3600)

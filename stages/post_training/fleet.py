@@ -8,7 +8,9 @@ depend on which worker answered first. Staleness is bounded twice (AReaL):
   ``s = V + (len(batch) + k - walk_id) // G`` or earlier (earlier ids either fill
   batches first or are dropped), so it goes to worker ``w`` only if
   ``s - version(w) <= eta``; the worker checks the same bound itself;
-- the trainer refuses any walked group older than ``eta`` versions (regenerated).
+- the trainer refuses any walked group older than ``eta`` versions (regenerated),
+  and the learner re-checks every group of a batch before its update (dropped);
+  both count as ``stale_refused``.
 
 A worker that dies mid-rollout loses its request (regenerated under the same id, so
 never trained under a wrong version); Ray restarts it, the controller re-sends the
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.errors import ErrorCode, ItoError
-from stages.post_training.losses import is_uniform
+from stages.post_training.losses import is_stale, is_uniform
 from stages.post_training.pools import WorkerLost, WorkerPool
 from stages.post_training.rollout import Refusal, RolloutGroup, RolloutRequest
 
@@ -81,6 +83,7 @@ class FleetStats:
             "trainer_idle_frac": min(1.0, self.wait_s / wall),
             "rollout_idle_frac": max(0.0, 1.0 - self.gen_s / (workers * wall)),
             "weight_sync_s": statistics.median(self.sync_s) if self.sync_s else 0.0,
+            "sync_s_median": statistics.median(self.sync_s) if self.sync_s else 0.0,
             "staleness_min": float(min(st)),
             "staleness_mean": float(statistics.fmean(st)),
             "staleness_max": float(max(st)),
@@ -130,6 +133,18 @@ class RolloutController:
         self._losses = 0
         self._resend_at: dict[int, tuple[float, float]] = {}  # w -> (due, lost_at)
         self._training = False
+
+    # -- resume ----------------------------------------------------------------------
+    def resume_state(self) -> dict[str, int]:
+        """The admission state a resume needs: the version and the walk cursor (every
+        id below it went into a trained batch or was dropped)."""
+        return {"version": self.V, "walk_id": self.walk_id}
+
+    def restore(self, saved: dict[str, int]) -> None:
+        """Before the first publish: ids from the cursor on are generated again."""
+        self.V = int(saved["version"])
+        self.walk_id = self.next_id = int(saved["walk_id"])
+        self.retry, self.resolved = [], {}
 
     # -- weights ---------------------------------------------------------------------
     def publish(self, version: int, state: dict[str, Any]) -> None:
@@ -326,7 +341,7 @@ class RolloutController:
     def _walk(self) -> None:
         while len(self.batch) < self.G and self.walk_id in self.resolved:
             g = self.resolved.pop(self.walk_id)
-            if self.V - g.version > self.eta:
+            if is_stale(self.V, g.version, self.eta):
                 self.stats.stale_refused += 1
                 self._requeue(self.walk_id)
                 return

@@ -18,6 +18,11 @@ from stages.post_training.rollout import (
     WorkerSpec,
     rollout_name,
 )
+from stages.post_training.weight_sync import CollectiveSender, WeightSync
+
+# Defaults of the collective path's named settings (RLVRConfig carries the run's).
+BUCKET_BYTES = 64 << 20
+SYNC_TIMEOUT_S = 300.0
 
 
 class WorkerLost(Exception):
@@ -46,11 +51,30 @@ class LocalPool:
     their rollouts run one at a time so a seed means the same samples as in a
     process of its own."""
 
-    def __init__(self, workers: list[Any]):
+    def __init__(
+        self,
+        workers: list[Any],
+        *,
+        weight_sync: WeightSync = "object_store",
+        bucket_bytes: int = BUCKET_BYTES,
+        sync_timeout_s: float = SYNC_TIMEOUT_S,
+    ):
         self.workers = workers
         self.size = len(workers)
         self._ex = [cf.ThreadPoolExecutor(max_workers=1) for _ in workers]
         self._rng_lock = threading.Lock()
+        self.weight_sync = weight_sync
+        self._sender = (
+            CollectiveSender(
+                workers=self.size,
+                host="127.0.0.1",
+                device="cpu",
+                bucket_bytes=bucket_bytes,
+                timeout_s=sync_timeout_s,
+            )
+            if weight_sync == "collective"
+            else None
+        )
 
     def _generate(self, w: int, req: RolloutRequest) -> Any:
         with self._rng_lock:
@@ -60,8 +84,14 @@ class LocalPool:
         return self._ex[w].submit(self._generate, w, req)
 
     def put_weights(self, state: dict[str, Any]) -> Any:
+        if self._sender is not None:
+            return self._sender.put(state)
         # The trainer changes its tensors in place on the next step: hand over a copy.
         return {k: v.detach().clone() for k, v in state.items()}
+
+    def digests(self, timeout_s: float) -> list[str]:
+        futs = [ex.submit(wk.weights_digest) for ex, wk in zip(self._ex, self.workers, strict=True)]
+        return [str(f.result(timeout=timeout_s)) for f in futs]
 
     def sync(self, w: int, version: int, weights: Any) -> Any:
         return self._ex[w].submit(self.workers[w].set_weights, version, weights)
@@ -81,6 +111,8 @@ class LocalPool:
         return [int(f.result(timeout=timeout_s)["version"]) for f in futs]
 
     def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
         for ex in self._ex:
             ex.shutdown(wait=True, cancel_futures=True)
 
@@ -102,10 +134,26 @@ class RayPool:
         namespace: str | None = None,
         placement: dict[str, Any] | None = None,
         worker_cls: type[RolloutWorker] | None = None,
+        weight_sync: WeightSync = "object_store",
+        bucket_bytes: int = BUCKET_BYTES,
+        sync_timeout_s: float = SYNC_TIMEOUT_S,
     ):
         import ray
 
         self.size = len(specs)
+        self.weight_sync = weight_sync
+        # The learner (this process) is rank 0; workers reach its store at this node's IP.
+        self._sender = (
+            CollectiveSender(
+                workers=self.size,
+                host=ray.util.get_node_ip_address(),
+                device=device,
+                bucket_bytes=bucket_bytes,
+                timeout_s=sync_timeout_s,
+            )
+            if weight_sync == "collective"
+            else None
+        )
         # worker_cls: a RolloutWorker subclass (another generation backend).
         cls: Any = ray.remote(worker_cls or RolloutWorker)
         self.actors: list[Any] = [
@@ -129,7 +177,15 @@ class RayPool:
     def put_weights(self, state: dict[str, Any]) -> Any:
         import ray
 
+        if self._sender is not None:
+            return self._sender.put(state)
         return ray.put({k: v.detach().cpu() for k, v in state.items()})
+
+    def digests(self, timeout_s: float) -> list[str]:
+        import ray
+
+        refs = [a.weights_digest.remote() for a in self.actors]
+        return [str(d) for d in ray.get(refs, timeout=timeout_s)]
 
     def sync(self, w: int, version: int, weights: Any) -> Any:
         # A top-level ObjectRef argument is fetched from the object store by the worker.
@@ -169,6 +225,8 @@ class RayPool:
     def close(self) -> None:
         import ray
 
+        if self._sender is not None:
+            self._sender.close()
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)

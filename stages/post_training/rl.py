@@ -7,13 +7,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from stages.events import Event, MetricsEvent
 from stages.post_training.config import RLVRConfig
 from stages.post_training.fleet import DynamicSampler, FleetStats, RolloutController
-from stages.post_training.losses import aggregate, dapo_token_loss, group_advantages, token_logprobs
+from stages.post_training.losses import (
+    aggregate,
+    dapo_token_loss,
+    group_advantages,
+    is_stale,
+    token_logprobs,
+)
 from stages.post_training.pools import WorkerPool
+from stages.post_training.resume import load_newest, save_resume
 from stages.post_training.rollout import RolloutGroup, RolloutRequest
 
 
@@ -55,6 +63,7 @@ class StepStats:
     tokens: int
     mean_reward: float
     staleness: list[int]
+    stale_refused: int = 0  # groups the learner itself refused as older than eta
 
 
 @dataclass
@@ -62,10 +71,17 @@ class RLResult:
     steps: int
     rewards: list[float] = field(default_factory=list)  # mean task reward per step
     summary: dict[str, float] = field(default_factory=dict)
+    resumed_from: int | None = None  # the step of the resume state this run started from
 
 
 class GRPOLearner:
-    """One optimizer update per batch of groups; micro-batch = one group."""
+    """One optimizer update per batch of groups; micro-batch = one group.
+
+    The learner re-checks every group's version against eta before it trains on it,
+    whatever the fleet's admission said: a worker that ignores its own check (or a
+    sync that raced a rollout) cannot put an older sample into an update. Refused
+    groups are dropped and counted; ``trained`` records (version trained at, sample
+    version) for every group that reached the optimizer."""
 
     def __init__(self, cfg: RLVRConfig, model: Any, pad_id: int):
         import copy
@@ -80,14 +96,35 @@ class GRPOLearner:
         )
         self.ref = copy.deepcopy(model).eval() if cfg.beta > 0 else None
         self.version = 0
+        self.trained: list[tuple[int, int]] = []
 
     def state(self) -> dict[str, Any]:
         return dict(self.model.state_dict())
+
+    def resume_state(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "model": self.state(),
+            "optimizer": self.opt.state_dict(),
+        }
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        self.model.load_state_dict(saved["model"])
+        self.opt.load_state_dict(saved["optimizer"])
+        self.version = int(saved["version"])
 
     def step(self, batch: list[RolloutGroup]) -> StepStats:
         import torch
 
         cfg = self.cfg
+        offered = len(batch)
+        batch = [g for g in batch if not is_stale(self.version, g.version, cfg.max_staleness)]
+        refused = offered - len(batch)
+        if not batch:  # nothing fresh: no update, the version still advances
+            self.version += 1
+            return StepStats(
+                loss=0.0, tokens=0, mean_reward=0.0, staleness=[], stale_refused=refused
+            )
         self.model.train()
         rewards = torch.tensor([g.rewards for g in batch], dtype=torch.float32)
         adv = group_advantages(rewards, scale=cfg.scale_rewards)
@@ -101,6 +138,7 @@ class GRPOLearner:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        self.trained += [(self.version, g.version) for g in batch]
         self.version += 1
         task = [r for g in batch for r in g.task_rewards]
         return StepStats(
@@ -108,6 +146,7 @@ class GRPOLearner:
             tokens=total,
             mean_reward=sum(task) / len(task),
             staleness=[self.version - 1 - g.version for g in batch],
+            stale_refused=refused,
         )
 
     def _mask(self, g: RolloutGroup) -> Any:
@@ -155,10 +194,14 @@ class GRPOLearner:
         return aggregate(tok, mask, total_tokens)
 
 
-def _metrics_event(step: int, stats: StepStats, summary: dict[str, float]) -> MetricsEvent:
+def _metrics_event(
+    step: int, stats: StepStats, summary: dict[str, float], sync_s: list[float]
+) -> MetricsEvent:
     st = stats.staleness or [0]
     values = {
         **summary,
+        # The newest completed sync (publish to the slowest worker's load), this path.
+        "sync_s": sync_s[-1] if sync_s else 0.0,
         "loss": stats.loss,
         "mean_reward": stats.mean_reward,
         "step_staleness_max": float(max(st)),
@@ -175,8 +218,12 @@ def run_rlvr(
     emit: Callable[[Event], None] = lambda _e: None,
     cancelled: Callable[[], bool] = lambda: False,
     on_interruption: Callable[[int, float, float, str], None] | None = None,
+    workdir: Path | None = None,
 ) -> tuple[RLResult, RolloutController]:
-    """The asynchronous loop: the fleet generates while the learner trains."""
+    """The asynchronous loop: the fleet generates while the learner trains.
+
+    With a ``workdir`` and ``checkpoint_every_steps``, the resume state is saved every
+    that many steps and a rerun with the same workdir resumes from the newest one."""
     ctl = RolloutController(
         pool,
         maker,
@@ -187,23 +234,40 @@ def run_rlvr(
         restart_timeout_s=cfg.worker_restart_timeout_s,
         on_interruption=on_interruption,
     )
-    ctl.publish(0, learner.state())
     result = RLResult(steps=0)
-    for step in range(cfg.steps):
+    every = cfg.checkpoint_every_steps if workdir is not None else 0
+    saved = load_newest(workdir) if every and workdir is not None else None
+    if saved is not None:
+        learner.restore(saved)
+        ctl.restore(saved["fleet"])
+        result.rewards, result.steps = list(saved["rewards"]), int(saved["step"])
+        result.resumed_from = result.steps
+    ctl.publish(learner.version, learner.state())
+    for step in range(result.steps, cfg.steps):
         if cancelled():
             break
         batch, walked = ctl.next_batch()
         stats: StepStats = ctl.pump_while(partial(learner.step, batch))  # fleet keeps going
+        ctl.stats.stale_refused += stats.stale_refused
         ctl.publish(learner.version, learner.state())
         task = [r for g in walked for r in g.task_rewards]
         stats.mean_reward = sum(task) / len(task)
         result.rewards.append(stats.mean_reward)
         result.steps = step + 1
-        emit(_metrics_event(step + 1, stats, ctl.stats.summary(pool.size)))
+        if every and (step + 1) % every == 0 and workdir is not None:
+            fleet = ctl.resume_state()
+            save_resume(
+                workdir,
+                step + 1,
+                {**learner.resume_state(), "fleet": fleet, "rewards": result.rewards},
+            )
+        emit(_metrics_event(step + 1, stats, ctl.stats.summary(pool.size), ctl.stats.sync_s))
     # Account for every worker before reporting: a death is seen by the last sync at
     # the latest, and its restart and re-sync are counted as an interruption.
     ctl.drain_syncs(cfg.worker_restart_timeout_s)
     result.summary = ctl.stats.summary(pool.size)
+    if result.resumed_from is not None:
+        result.summary["resumed_from_step"] = float(result.resumed_from)
     return result, ctl
 
 

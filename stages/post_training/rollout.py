@@ -2,7 +2,8 @@
 
 The same class is a Ray actor (``run-<id>-rollout-<n>``) or an in-process worker.
 It holds a policy version; weights arrive with their version through
-``set_weights`` (from Ray's object store when it is an actor). Admission is
+``set_weights``, from Ray's object store or by a collective broadcast
+(stages.post_training.weight_sync). Admission is
 checked here as well as in the controller (AReaL): a rollout that would be
 trained more than ``max_staleness`` versions after the policy it is generated
 with is refused before any token is generated, and a worker with no synced weights
@@ -100,14 +101,32 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(path)
         self.reward_fn = get_reward(spec.reward)
         self.version = -1  # no weights synced yet: refuse every rollout
+        self._receiver: Any = None  # the collective path's end, joined on first use
         self.started = time.time()
 
     # -- control ---------------------------------------------------------------------
-    def set_weights(self, version: int, state: dict[str, Any]) -> dict[str, float]:
+    def set_weights(self, version: int, weights: Any) -> dict[str, float]:
+        """``weights``: a state dict (object-store path) or a ``CollectiveWeights``
+        descriptor (collective path: the bytes arrive by broadcast). ``load_s`` covers
+        the transfer on the collective path, the load alone on the object-store path
+        (Ray fetched the object before the call)."""
+        from stages.post_training.weight_sync import CollectiveReceiver, CollectiveWeights
+
         t0 = time.perf_counter()
-        self.model.load_state_dict(state)
+        if isinstance(weights, CollectiveWeights):
+            if self._receiver is None:
+                device = "cuda" if weights.backend == "nccl" else "cpu"
+                self._receiver = CollectiveReceiver(self.spec.index + 1, device)
+            weights = self._receiver.receive(weights)
+        self.model.load_state_dict(weights)
         self.version = version
         return {"version": version, "load_s": time.perf_counter() - t0}
+
+    def weights_digest(self) -> str:
+        """sha256 of the loaded weights (stages.post_training.weight_sync.state_digest)."""
+        from stages.post_training.weight_sync import state_digest
+
+        return state_digest(dict(self.model.state_dict()))
 
     def identity(self) -> dict[str, int]:
         return {"pid": os.getpid(), "index": self.spec.index, "version": self.version}
@@ -117,6 +136,10 @@ class RolloutWorker:
         refused = admission_refusal(self.version, req, self.spec.index)
         if refused is not None:
             return refused
+        return self.rollout(req)
+
+    def rollout(self, req: RolloutRequest) -> RolloutGroup:
+        """Generate and score one group with the current weights (admission checked)."""
         t0 = time.perf_counter()
         out = generate_group(self.model, self.tokenizer, req)
         from stages.post_training.losses import overlong_penalty

@@ -355,6 +355,11 @@ class PostTrainingStage:
             )
             for n in range(cfg.rollout_workers)
         ]
+        sync: dict[str, Any] = {
+            "weight_sync": cfg.weight_sync,
+            "bucket_bytes": cfg.weight_sync_bucket_mb << 20,
+            "sync_timeout_s": cfg.weight_sync_timeout_s,
+        }
         pool: Any
         if self.config.fleet == "ray":
             import ray
@@ -368,9 +373,10 @@ class PostTrainingStage:
                 max_restarts=self.config.max_worker_restarts,
                 namespace=self.config.ray_namespace,
                 placement=actor_options(ctx.facts),
+                **sync,
             )
         else:
-            pool = LocalPool([RolloutWorker(s) for s in specs])
+            pool = LocalPool([RolloutWorker(s) for s in specs], **sync)
 
         def interrupted(w: int, lost: float, back: float, detail: str) -> None:
             ctx.emit(
@@ -393,6 +399,7 @@ class PostTrainingStage:
                 emit=ctx.emit,
                 cancelled=lambda: ctx.cancelled,
                 on_interruption=interrupted,
+                workdir=ctx.workdir,
             )
         finally:
             pool.close()

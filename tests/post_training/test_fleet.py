@@ -366,3 +366,68 @@ def test_eta_zero_gives_the_same_updates_as_the_synchronous_loop(
     assert any(not torch.equal(a[k], start[k]) for k in a)  # training did change weights
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def _keeps_old_weights(spec: Any) -> Any:
+    """A real RolloutWorker that skips its own admission check and keeps the weights of
+    its first sync while acknowledging every later one: from step eta + 1 on, every
+    group it offers is older than eta (the worker is wrong, the trainer must not be)."""
+    from stages.post_training.rollout import RolloutWorker
+
+    class KeepsOldWeights(RolloutWorker):
+        offered: list[int]
+
+        def set_weights(self, version: int, state: dict[str, Any]) -> dict[str, float]:
+            if self.version < 0:
+                self.offered = []
+                return super().set_weights(version, state)
+            return {"version": version, "load_s": 0.0}
+
+        def generate(self, req: RolloutRequest) -> RolloutGroup | Refusal:
+            g = self.rollout(req)  # no admission check
+            self.offered.append(g.version)
+            return g
+
+    return KeepsOldWeights(spec)
+
+
+def test_no_sample_a_worker_wrongly_offers_is_trained(
+    tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
+    from stages.post_training.rl import run_rlvr
+
+    cfg, learner, maker, make_worker = _rl_setup(tiny_policy, task_files, 0)
+    honest = make_worker(0)
+    rogue = _keeps_old_weights(honest.spec.model_copy(update={"index": 1}))
+    pool = LocalPool([honest, rogue])
+    try:
+        result, ctl = run_rlvr(cfg, learner, pool, maker)
+    finally:
+        pool.close()
+    assert result.steps == cfg.steps
+    assert any(cfg.steps - 1 - v > cfg.max_staleness for v in rogue.offered)  # it did offer
+    assert ctl.stats.stale_refused > 0 and result.summary["stale_refused"] > 0
+    assert learner.trained and all(step - v <= cfg.max_staleness for step, v in learner.trained), (
+        learner.trained
+    )
+    assert {step for step, _ in learner.trained} == set(range(cfg.steps))
+
+
+def test_the_learner_itself_refuses_a_group_older_than_eta(
+    tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
+    """Handed straight to the learner (no controller walk in between), a group older
+    than eta is dropped and counted; the fresh ones train."""
+    _cfg, learner, maker, make_worker = _rl_setup(tiny_policy, task_files, 0)
+    worker = make_worker(0)
+    worker.set_weights(0, learner.state())
+    old = worker.generate(maker(0, 0))
+    learner.step([old, worker.generate(maker(1, 0))])  # version 0 -> 1
+    worker.set_weights(1, learner.state())
+    fresh = worker.generate(maker(2, 1))
+    assert isinstance(old, RolloutGroup) and isinstance(fresh, RolloutGroup)
+    stats = learner.step([old, fresh])  # old is version 0, the learner is at 1, eta 0
+    assert stats.stale_refused == 1
+    assert learner.trained == [(0, 0), (0, 0), (1, 1)]
+    stats = learner.step([old])  # nothing fresh: no update
+    assert stats.stale_refused == 1 and stats.tokens == 0 and learner.trained[-1] == (1, 1)

@@ -164,3 +164,63 @@ def test_killed_rollout_worker_is_replaced_resynced_and_the_run_succeeds(
         assert summary["rollout_samples_per_s"] > 0 and summary["weight_sync_s"] > 0
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("path", ["object_store", "collective"])
+def test_each_weight_path_delivers_bit_identical_weights_to_ray_actors(
+    ray_local: None, tiny_policy: Path, path: str
+) -> None:
+    """Real Ray actors; the collective path is a gloo group between this process (the
+    learner, rank 0) and the two actors, in small buckets (several per version)."""
+    import torch
+
+    from stages.post_training.fleet import DynamicSampler, RolloutController
+    from stages.post_training.hf_io import load_model
+    from stages.post_training.pools import RayPool
+    from stages.post_training.rollout import WorkerSpec
+    from stages.post_training.weight_sync import state_digest
+
+    specs = [
+        WorkerSpec(
+            index=i,
+            model_dir=str(tiny_policy),
+            reward="first_number_match",
+            max_completion_tokens=4,
+            overlong_buffer_tokens=2,
+            overlong_penalty_factor=1.0,
+        )
+        for i in range(2)
+    ]
+    model = load_model(tiny_policy)
+    pool = RayPool(
+        f"ws-{path.replace('_', '-')}",
+        specs,
+        namespace=NAMESPACE,
+        weight_sync=path,  # type: ignore[arg-type]
+        bucket_bytes=16 << 10,
+        sync_timeout_s=ACTOR_TIMEOUT_S,
+    )
+    ctl = RolloutController(
+        pool,
+        lambda k, s: None,  # type: ignore[arg-type, return-value]
+        groups_per_step=1,
+        max_staleness=0,
+        sampler=DynamicSampler(False, 0),
+        rollout_timeout_s=ACTOR_TIMEOUT_S,
+        restart_timeout_s=ACTOR_TIMEOUT_S,
+    )
+    try:
+        pool.identities(ACTOR_TIMEOUT_S)
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p))
+            ctl.publish(version, dict(model.state_dict()))
+            ctl.drain_syncs(ACTOR_TIMEOUT_S)
+            want = state_digest(dict(model.state_dict()))
+            assert pool.digests(ACTOR_TIMEOUT_S) == [want, want]
+            assert pool.versions(ACTOR_TIMEOUT_S) == [version, version]
+        assert len(ctl.stats.sync_s) == 2
+        assert ctl.stats.summary(2)["sync_s_median"] > 0
+    finally:
+        pool.close()
