@@ -142,6 +142,8 @@ def value(key: str, v: Any) -> str:
         return rate(v)
     if key.endswith("tokens_per_s"):
         return count_rate(v, "tokens/s")
+    if key.endswith("_per_s"):  # samples_per_s -> "8.49 samples/s"
+        return count_rate(v, key.removesuffix("_per_s").rsplit("_", 1)[-1] + "/s")
     if key.endswith("_per_h"):
         return count_rate(v, "/h")
     if key == "bytes" or key.endswith("_bytes") or key.startswith("bytes_"):

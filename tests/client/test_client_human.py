@@ -63,6 +63,7 @@ METRICS = {
     "goodput": 0.81234567,
     "elapsed_s": 87.123456,
     "tokens_per_s": 9091.2345,
+    "rollout_samples_per_s": 8.4871,
     "checkpoint_bytes_per_s": 7961073.57,
     "badput_s": {"startup": 12.345678},
     "interruption_rate_per_h": 41.3793103,
@@ -112,6 +113,7 @@ def test_metrics_print_tables_with_units_and_no_raw_floats() -> None:
     assert scalars[0] == ["METRIC", "VALUE"]
     assert ["goodput", "81.2%"] in scalars and ["elapsed_s", "1 min 27 s"] in scalars
     assert ["tokens_per_s", "9,091 tokens/s"] in scalars
+    assert ["rollout_samples_per_s", "8.49 samples/s"] in scalars  # a rate, not a duration
     assert ["checkpoint_bytes_per_s", "7.59 MiB/s"] in scalars
     assert ["interruption_rate_per_h", "41.38 /h"] in scalars
     assert ["recover_s", "[2.50 s]"] in scalars
