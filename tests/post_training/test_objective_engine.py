@@ -118,7 +118,9 @@ def test_two_sft_learner_groups_make_the_update_of_one_with_the_whole_batch(
     # lr * m / sqrt(v) passes that on, so over STEPS steps the weights may differ by
     # ~STEPS * LR * 1e-5 = 4e-8 (a gradient entry near AdamW's eps amplifies it, hence
     # the bound relative to the update itself: 1e-3 of it). A per-rank mean instead of
-    # the global one reweights rows and moves the update by percents.
+    # the global one reweights rows and moves the update by percents. Measured: diff
+    # 1.0e-7 against an update of 2.9e-3 (3.6e-5 of it).
+    print(f"two vs one group: max weight diff {diff:.3g}, max update {update:.3g}")
     assert update > 0.5 * LR  # AdamW moves a weight by ~LR a step
     assert diff <= 1e-3 * update, (diff, update)
 
