@@ -93,8 +93,10 @@ def train(
     from stages.presets import load_model_preset
     from stages.trainer.layout import ParallelLayout
     from stages.trainer.model import build_model
+    from stages.trainer.objective import LanguageModelObjective
     from stages.trainer.parallelize import ParallelModel
 
+    LM = LanguageModelObjective(loader=None)  # batches are given, not read
     device = torch.device("cuda", 0)
     preset = load_model_preset(PRESET)
     torch.cuda.reset_peak_memory_stats(device)
@@ -117,7 +119,7 @@ def train(
         if step == warmup:
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-        loss = pm.forward_backward(ids)
+        loss = pm.forward_backward(LanguageModelObjective.batch_of(ids), LM)
         pm.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

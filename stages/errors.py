@@ -369,6 +369,12 @@ class ErrorCode(StrEnum):
         422,
         "Planner: the pipeline bubble is too large for the micro-batch count.",
     )
+    plan_objective_unsupported = (
+        "plan_objective_unsupported",
+        422,
+        "The training objective (sft, dpo) cannot run with this layout (pipeline or "
+        "context parallel): those stay language-model pretraining only.",
+    )
     plan_batch_not_divisible = (
         "plan_batch_not_divisible",
         422,

@@ -28,10 +28,18 @@ SPECIAL_TOKENS: dict[str, str] = {
     "unk_token": "<|unk|>",
 }
 BASE_VOCAB = BYTE_VOCAB + len(SPECIAL_TOKENS)  # 260
-# Turns are delimited by bos ... eos, each starting with its role on its own line.
+# Turns are delimited by bos ... eos, each starting with its role on its own line. An
+# assistant turn's content and closing eos sit inside ``{% generation %}`` markers (they
+# render nothing): ``return_assistant_tokens_mask`` then marks exactly what SFT trains,
+# the stop token included, and trl's ``assistant_only_loss`` uses the template as it is.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|bos|>assistant\n' }}{% generation %}{{ message['content'] + '<|eos|>' }}"
+    "{% endgeneration %}"
+    "{% else %}"
     "{{ '<|bos|>' + message['role'] + '\n' + message['content'] + '<|eos|>' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|bos|>assistant\n' }}{% endif %}"
 )

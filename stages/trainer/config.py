@@ -166,6 +166,29 @@ class LossSpikeInjection(StrictModel):
     scale: float = Field(default=50.0, gt=0)
 
 
+class ObjectiveConfig(StrictModel):
+    """What the engine trains for (``stages.trainer.objective``): ``lm`` pretraining on
+    the token shards, or a post-training objective on a JSONL file of rows."""
+
+    kind: Literal["lm", "sft", "dpo"] = "lm"
+    # sft: conversational rows ({"messages": [...]}); dpo: preference rows (prompt,
+    # chosen, rejected). A private snapshot the stage made and checked, never the
+    # tenant's file itself.
+    data_path: str | None = Field(default=None, max_length=4096)
+    # Rows (sft) or pairs (dpo) per optimizer step over the whole run, split evenly
+    # over every data-parallel rank of every replica group.
+    batch_size: int = Field(default=4, ge=1, le=1 << 20)
+    max_length: int = Field(default=256, ge=8, le=MAX_SEQ_LEN)
+    # dpo: the sigmoid loss's beta (trl's DPOConfig.beta).
+    beta: float = Field(default=0.1, gt=0, le=1e3, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _data(self) -> ObjectiveConfig:
+        if (self.kind == "lm") != (self.data_path is None):
+            raise ValueError("objective.data_path is set exactly for the sft and dpo objectives")
+        return self
+
+
 class TrainStageConfig(StrictModel):
     """The training stage: model, target, checkpoints, spikes, fault tolerance, layout."""
 
@@ -206,6 +229,8 @@ class TrainStageConfig(StrictModel):
     # The layout inside each replica group (the planner's tp, pp, cp, dp_shard,
     # schedule, recompute, precision); tp x pp x cp x dp_shard = ranks_per_group.
     parallel: ParallelLayout = Field(default_factory=ParallelLayout)
+    # The objective: lm pretraining unless a post-training stage names sft or dpo.
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
 
     @model_validator(mode="after")
     def _layout_fits(self) -> TrainStageConfig:
@@ -213,6 +238,19 @@ class TrainStageConfig(StrictModel):
             layout = self.parallel.resolved(self.ranks_per_group)
         except ItoError as e:
             raise ValueError(e.message) from e
+        kind = self.objective.kind
+        if kind != "lm" and (layout.pp > 1 or layout.cp > 1):
+            # Raised as is (pydantic passes non-ValueErrors through): a plan refusal.
+            raise ItoError(
+                ErrorCode.plan_objective_unsupported,
+                f"the {kind} objective runs without pipeline or context parallelism "
+                f"(pp={layout.pp}, cp={layout.cp}); use tp and dp_shard",
+            )
+        if kind != "lm" and self.objective.batch_size % self.dp_world:
+            raise ValueError(
+                f"objective.batch_size {self.objective.batch_size} does not split over "
+                f"{self.dp_world} data-parallel ranks"
+            )
         if self.micro_batch % layout.grad_accum:
             raise ValueError(
                 f"{self.micro_batch} sequences per data-parallel rank do not "
@@ -248,10 +286,16 @@ class TrainStageConfig(StrictModel):
     def micro_batch(self) -> int:
         return self.micro_batch_at(self.target.seq_len)
 
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel ranks of the run: replica groups x their dp_shard ranks."""
+        return self.replica_groups * self.parallel.resolved(self.ranks_per_group).dp_shard
+
     def micro_batch_at(self, seq_len: int) -> int:
-        """Sequences per data-parallel rank per step at ``seq_len`` (the global batch
-        split over the replica groups and their dp_shard ranks; TP, PP and CP ranks
-        share a batch)."""
+        """Sequences (sft) or pairs (dpo) per data-parallel rank per step at ``seq_len``
+        (the global batch split over the replica groups and their dp_shard ranks; TP,
+        PP and CP ranks share a batch)."""
+        if self.objective.kind != "lm":
+            return self.objective.batch_size // self.dp_world
         seqs = self.target.global_batch_tokens // seq_len
-        world = self.replica_groups * self.layout.dp_shard
-        return max(1, seqs // world)
+        return max(1, seqs // self.dp_world)

@@ -10,9 +10,11 @@ one-phase plan: there is one loader (``MixedLoader``) and one LR source
 (``PhasePlan.lr``). Every torchft touch point is tagged ``# torchft:``.
 
 Data is indexed by step, not by "what the loader happened to serve": the batch of
-step ``s`` is ``data_index(s - phase.start_step, skipped_windows)``. Retrying an
-uncommitted step, healing from a peer, restoring a checkpoint and skipping a
-poisoned window are then all the same operation (seek the loader).
+step ``s`` is ``objective.batch(data_index(s - phase.start_step, skipped_windows))``.
+Retrying an uncommitted step, healing from a peer, restoring a checkpoint and skipping
+a poisoned window are then all the same operation (ask for that index). The objective
+(``stages.trainer.objective``: lm, sft or dpo) gives the batches and the loss; the
+loop, the layout and torchft are the same for all of them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from stages.curriculum.plan import PhasePlan
 from stages.events import CheckpointEvent, Event, LogEvent, PhaseEvent, StepEvent
 from stages.trainer import ft
 from stages.trainer.control import Control, WorkerSpec
+from stages.trainer.objective import LanguageModelObjective, Objective
 from stages.trainer.shard_state import load_sharded_state, param_digest, sharded_state
 
 __all__ = ["Control", "StepResult", "TrainLoop", "WorkerSpec", "data_index", "param_digest"]
@@ -116,7 +119,8 @@ class TrainLoop:
         self.inner_optimizer: torch.optim.Optimizer
         self.optimizer: Any
         self.manager: Any
-        self.loader: Any
+        self.loader: Any = None  # the lm objective's MixedLoader (None for sft/dpo)
+        self.objective: Objective
         self.ckpt: Any = None
         self.detector: Any
         self.train_state: Any
@@ -170,7 +174,8 @@ class TrainLoop:
     # --- phases ---------------------------------------------------------------------
     def enter_phase(self, phase: PhasePlan) -> None:
         """Train ``phase`` from here on: its sequence length, data mix (a fresh
-        ``MixedLoader``), LR schedule and RoPE base. Model and optimizer stay."""
+        ``MixedLoader`` behind the lm objective), LR schedule and RoPE base. Model,
+        optimizer and a post-training objective (one phase) stay."""
         from stages.trainer.mix import MixedLoader
         from stages.trainer.model import set_rope_theta
 
@@ -180,27 +185,30 @@ class TrainLoop:
         if phase.rope_theta is not None and phase.rope_theta != self._rope_theta:
             set_rope_theta(self.model, phase.rope_theta)
             self._rope_theta = phase.rope_theta
-        spec, layout = self.spec, self.cfg.layout
-        # Ranks of a group that differ only in pp, cp or tp read the same batch.
-        dp_rank = spec.replica_group * layout.dp_shard + layout.coords(spec.rank)["dp_shard"]
+        self.status.update(phase_name=phase.name)
+        if self.cfg.objective.kind != "lm":
+            return
+        spec = self.spec
         self.loader = MixedLoader(
             {r: [Path(p) for p in ps] for r, ps in spec.role_shards.items()},
             dict(phase.data_weights),
             seq_len=phase.seq_len,
             micro_batch=self.cfg.micro_batch_at(phase.seq_len),
             seed=self.cfg.target.seed + phase.index,
-            dp_rank=dp_rank,
-            dp_world=self.cfg.replica_groups * layout.dp_shard,
+            dp_rank=self.dp_rank,
+            dp_world=self.cfg.dp_world,
             phase=phase.name,
         )
+        self.objective = LanguageModelObjective(self.loader)
         if getattr(self, "train_state", None) is not None:
             self.train_state.loader = self.loader
-        self.status.update(phase_name=phase.name)
 
-    def _seek_loader(self, step: int) -> None:
-        target = data_index(step - self.phase.start_step, self.windows)
-        if self.loader.batches_served != target:
-            self.loader.seek(target)
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index over the run; ranks of a group that differ
+        only in pp, cp or tp read the same batch."""
+        layout = self.cfg.layout
+        return self.spec.replica_group * layout.dp_shard + layout.coords(self.spec.rank)["dp_shard"]
 
     def _close_phase(self, step: int) -> bool:
         """At ``phase.end_step``: save the closing checkpoint (complete before the
@@ -273,12 +281,11 @@ class TrainLoop:
         lr = self.phase.lr(step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        self._seek_loader(step)
-        batch = self.loader.batches_served
-        input_ids = self.loader.next_batch().to(self.device)
+        batch = data_index(step - self.phase.start_step, self.windows)
+        data = self.objective.batch(batch).to(self.device)
         inj = self.cfg.inject_loss_spike  # test knob: a poisoned data batch
         scale = inj.scale if inj is not None and batch in inj.batches else 1.0
-        loss = self.parallel.forward_backward(input_ids, scale=scale)
+        loss = self.parallel.forward_backward(data, self.objective, scale=scale)
         ft.allreduce_gradients(self.manager, self.model.parameters())  # torchft
         global_loss = ft.allreduce_scalar(  # torchft: the same loss on every group
             self.manager, self.parallel.group_mean_loss(loss)
@@ -308,18 +315,17 @@ class TrainLoop:
             seconds=now - t0,
             ended_at=now,
         )
-        tokens = self.cfg.micro_batch_at(self.phase.seq_len) * self.phase.seq_len
         self.emit(
             StepEvent(
                 step=step + 1 if committed else step,
                 replica_group=self.spec.replica_group,
                 loss=global_loss if math.isfinite(global_loss) else 1e9,
-                tokens=tokens * quorum * self.cfg.layout.dp_shard if committed else 0,
+                tokens=data.tokens * quorum * self.cfg.layout.dp_shard if committed else 0,
                 seconds=result.seconds,
                 committed=committed,
                 quorum_size=quorum,
                 lr=lr,
-                seq_len=int(input_ids.shape[1]),
+                seq_len=data.seq_len,
                 phase=self.phase.name,
             )
         )

@@ -32,7 +32,11 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Random-init from the preset with a fixed seed, or load a local HF folder."""
     if checkpoint_path is not None:
-        return LlamaForCausalLM.from_pretrained(str(checkpoint_path), local_files_only=True)
+        # fp32 master weights whatever dtype the folder was saved in (the layout's
+        # precision decides what the compute runs in).
+        return LlamaForCausalLM.from_pretrained(
+            str(checkpoint_path), local_files_only=True, dtype=torch.float32
+        )
     if preset.num_experts:
         raise ValueError(f"preset {preset.name} is MoE; only dense Llama is buildable here")
     torch.manual_seed(seed)

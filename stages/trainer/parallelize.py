@@ -33,19 +33,13 @@ from stages.errors import ErrorCode, ItoError
 from stages.parallelism.measure import apply_activation_checkpointing
 from stages.trainer.layout import ParallelLayout, check_runnable
 from stages.trainer.mesh import FSDP_DIM, mesh_coords, mesh_layout
+from stages.trainer.objective import Batch, Objective, Tensors
 from stages.trainer.pipeline import LocalModel, StageModule, build_schedule, split_model
 
 
-def shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:
-    """Next-token targets aligned with the input positions (-100: no target), so that
-    a sequence can be cut into pipeline micro-batches or CP shards as it is."""
-    labels = torch.full_like(input_ids, -100)
-    labels[:, :-1] = input_ids[:, 1:]
-    return labels
-
-
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32 (equals ``model.causal_lm_loss``)."""
+    """Mean next-token cross-entropy in fp32 of a pipeline micro-batch (pre-shifted
+    labels; equals ``model.causal_lm_loss``)."""
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=-100
     )
@@ -268,25 +262,47 @@ class ParallelModel:
                 stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
             yield
 
-    def forward_backward(self, input_ids: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
-        """Forward and backward of this rank's batch; returns its mean token loss (0 on
-        pipeline ranks without the last stage)."""
-        labels = shifted_labels(input_ids)
+    @torch.no_grad()
+    def forward_logits(self, inputs: Tensors) -> torch.Tensor:
+        """Evaluation logits for an objective's ``model_inputs`` (no pipeline, no CP:
+        the objectives that need it, as DPO's reference pass, refuse both)."""
+        with self._context([]):
+            out = self.module(**inputs).logits
+        return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+    def forward_backward(
+        self, batch: Batch, objective: Objective, *, scale: float = 1.0
+    ) -> torch.Tensor:
+        """Forward and backward of this rank's batch under ``objective``; returns the
+        rank's loss, ``loss_sum / denominator`` (0 on pipeline ranks without the last
+        stage)."""
         self._scale = scale
         if self.schedule is None:
-            # The plan's micro-batches: equal slices, each loss scaled by 1/n so the
-            # gradients sum to the whole batch's mean.
-            n = self.layout.grad_accum
-            total = torch.zeros((), device=input_ids.device)
-            for ids, lab in zip(input_ids.chunk(n), labels.chunk(n), strict=True):
+            # The plan's micro-batches: equal dim-0 slices, each one's summed loss over
+            # the whole batch's denominator, so the gradients sum to the batch's mean.
+            total = torch.zeros((), device=self.device)
+            for part in batch.split(self.layout.grad_accum):
+                inputs = objective.model_inputs(part)
+                ids = inputs["input_ids"].contiguous()
                 pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()
-                ids, lab = ids.contiguous(), lab.contiguous()
-                with self._context([ids, lab, pos]):
-                    logits = self.module(input_ids=ids, position_ids=pos).logits
-                    loss = self._loss_fn(logits, lab) / n
+                part = {k: v.contiguous() for k, v in part.items()}
+                extra = {k: v.contiguous() for k, v in inputs.items() if k != "input_ids"}
+                # CP shards the sequence dim of every buffer in place (LM only: the
+                # config refuses cp > 1 for the other objectives).
+                buffers = [ids, pos, *[v for v in part.values() if v.dim() == 2]]
+                with self._context(buffers):
+                    logits = self.module(input_ids=ids, position_ids=pos, **extra).logits
+                    loss = objective.loss_sum(logits, part) * (scale / batch.denominator)
                     loss.backward()
                 total = total + loss.detach()
             return total
+        if objective.name != "lm":  # config validation refuses it; this says why
+            raise ItoError(
+                ErrorCode.plan_objective_unsupported,
+                f"the {objective.name} objective does not run through a pipeline schedule",
+            )
+        input_ids = batch.tensors["input_ids"]
+        labels = batch.tensors["labels"]
         losses: list[torch.Tensor] = []
         first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         args = (input_ids,) if first else ()

@@ -125,6 +125,13 @@ class RankSetup:
             self.store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False)
             store_port = self.store.port
         ckpt_pg = self._shard_in_group(store_addr, store_port) if loop.sharded else None
+        if cfg.objective.kind != "lm":
+            # Before any restore or heal: DPO's reference is these (base) weights.
+            from stages.post_training.objectives import build_objective
+
+            loop.objective = build_objective(
+                cfg, loop.parallel, dp_rank=loop.dp_rank, device=self.device
+            )
         loop.manager = ft.build_manager(  # torchft: this group's Manager
             cfg.fault_tolerance,
             pg=ft.build_process_group(cfg.fault_tolerance, cfg.device),

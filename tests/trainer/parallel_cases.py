@@ -18,6 +18,7 @@ import torch
 
 from stages.presets import ModelPreset
 from stages.trainer.layout import ParallelLayout
+from stages.trainer.objective import LanguageModelObjective
 
 REPO = Path(__file__).resolve().parents[2]
 RANK_TIMEOUT_S = 300
@@ -151,7 +152,9 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
     losses = []
     for ids in batches():
         local = ids.chunk(dp)[d]
-        loss = pm.forward_backward(local)
+        loss = pm.forward_backward(
+            LanguageModelObjective.batch_of(local), LanguageModelObjective(None)
+        )
         losses.append(float(pm.group_mean_loss(loss)))
         pm.clip_grad_norm_(1.0)
         opt.step()
@@ -187,7 +190,7 @@ def measure_case(name: str, rank: int, world: int, out: Path) -> None:
     )
 
     def step() -> None:
-        pm.forward_backward(ids)
+        pm.forward_backward(LanguageModelObjective.batch_of(ids), LanguageModelObjective(None))
         opt.step()
 
     peak = measure_step_peak(step, pm.module.parameters(), opt)

@@ -17,6 +17,7 @@ from stages.trainer.layout import (
     check_runnable_on_sku,
     layout_from_plan,
 )
+from stages.trainer.objective import LanguageModelObjective
 
 
 @pytest.mark.parametrize(
@@ -135,7 +136,7 @@ def test_one_rank_applies_recompute_and_bf16_and_reads_them_back(mode: str) -> N
         torch.device("cpu"),
     )
     assert pm.built_layout()["activation_checkpointing"] == mode
-    loss = pm.forward_backward(ids)
+    loss = pm.forward_backward(LanguageModelObjective.batch_of(ids), LanguageModelObjective(None))
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
     for (name, p), q in zip(pm.module.named_parameters(), ref.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
@@ -144,7 +145,9 @@ def test_one_rank_applies_recompute_and_bf16_and_reads_them_back(mode: str) -> N
     accum = ParallelModel(
         build_model(preset, seed=0), ParallelLayout(grad_accum=2), None, torch.device("cpu")
     )
-    assert float(accum.forward_backward(ids)) == pytest.approx(float(expected), rel=1e-6)
+    assert float(
+        accum.forward_backward(LanguageModelObjective.batch_of(ids), LanguageModelObjective(None))
+    ) == pytest.approx(float(expected), rel=1e-6)
     for p, q in zip(accum.module.parameters(), ref.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         assert torch.allclose(p.grad, q.grad, atol=1e-6)
@@ -153,7 +156,17 @@ def test_one_rank_applies_recompute_and_bf16_and_reads_them_back(mode: str) -> N
     )
     assert bf16.built_layout()["precision"] == "bf16"
     assert next(bf16.module.parameters()).dtype == torch.float32  # fp32 master weights
-    assert abs(float(bf16.forward_backward(ids)) - float(expected)) < 0.05
+    assert (
+        abs(
+            float(
+                bf16.forward_backward(
+                    LanguageModelObjective.batch_of(ids), LanguageModelObjective(None)
+                )
+            )
+            - float(expected)
+        )
+        < 0.05
+    )
 
 
 def test_the_planner_never_picks_fp8_where_the_trainer_would_refuse_it() -> None:
