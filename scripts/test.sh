@@ -54,8 +54,16 @@ require POSTGRES "initdb pg_ctl" "postgresql" "the PostgreSQL store tests"
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
 
+# Most of the suite's wall time is waiting (Ray start-ups, servers, paced runs), which
+# overlaps well even on 2 cores: several xdist workers, with the tests that share a Ray
+# cluster or a port kept together on one (tests/helpers/xdist_groups.py).
+# ITO_TEST_WORKERS=0 runs everything in this one process.
+pytest_args=(-n "${ITO_TEST_WORKERS:-3}" --dist loadgroup)
+# CI logs name the slowest tests, so a slow one is seen when it lands.
+if in_ci; then pytest_args+=(--durations=25); fi
+
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "${pytest_args[@]}" "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no tests: that is not a failure of the install.

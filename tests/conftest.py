@@ -39,6 +39,18 @@ settings.register_profile("ito", derandomize=True, database=None, print_blob=Tru
 settings.load_profile("ito")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test on the session's local Ray joins one xdist group (helpers.xdist_groups),
+    so under ``pytest -n N`` one worker starts that cluster, once."""
+    from helpers.xdist_groups import ray_local_group
+
+    for item in items:
+        uses_ray_local = "ray_local" in getattr(item, "fixturenames", ())
+        if uses_ray_local and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(ray_local_group)
+
+
 @pytest.fixture
 def repo_root() -> Path:
     return REPO
