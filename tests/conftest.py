@@ -21,6 +21,11 @@ pytest_plugins = ["helpers.fixtures"]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray reads its auth mode at import; every Ray in the tests keeps token auth on.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# A `ray start --block` node that gets SIGTERM first asks its GCS to drain it (for Ray
+# Serve's proxies, which nothing here runs) and waits up to 30 s for that before it
+# stops its processes: every embedded head and raylet a test stops would spend those
+# 30 s. 0 turns the drain off; the node's processes still get the SIGTERM and stop.
+os.environ.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
 # One launch key for the session (never ~/.ito): checkpoint seals derive their key from
 # it, so whatever process saves or loads a checkpoint in a test (this one, a Ray actor,
 # a backend subprocess) shares it. Tests that need their own key set it themselves.
