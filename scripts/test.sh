@@ -56,8 +56,8 @@ require POSTGRES "initdb pg_ctl" "postgresql" "the PostgreSQL store tests"
 
 # Most of the suite's wall time is waiting (Ray start-ups, servers, paced runs), which
 # would overlap on pytest-xdist workers (ITO_TEST_WORKERS=N: `-n N --dist loadgroup`).
-# Off by default: with pytest 9.2, xdist 3.8 ignores the xdist_group marks
-# (tests/helpers/xdist_groups.py) that keep embedded Ray heads from running at once.
+# Off by default until a whole run on workers has passed here; the tests that must
+# share a worker carry an xdist group (tests/helpers/xdist_groups.py).
 pytest_args=()
 if [ "${ITO_TEST_WORKERS:-0}" != 0 ]; then
   pytest_args+=(-n "$ITO_TEST_WORKERS" --dist loadgroup)

@@ -44,8 +44,8 @@ settings.register_profile("ito", derandomize=True, database=None, print_blob=Tru
 settings.load_profile("ito")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     """Every test on the session's local Ray joins one xdist group (helpers.xdist_groups),
     so under ``pytest -n N`` one worker starts that cluster, once."""
     from helpers.xdist_groups import ray_local_group
@@ -54,6 +54,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         uses_ray_local = "ray_local" in getattr(item, "fixturenames", ())
         if uses_ray_local and item.get_closest_marker("xdist_group") is None:
             item.add_marker(ray_local_group)
+    yield
+    # pytest-xdist 3.8 (--dist loadgroup) names a grouped test ``ID@group`` by setting
+    # ``item._nodeid``, which pytest 9 no longer reads (it keeps ``item._id``): without
+    # this the groups are ignored.
+    for item in items:
+        renamed = item.__dict__.pop("_nodeid", None)
+        if isinstance(renamed, str) and renamed != item.nodeid:
+            item._id = type(item._id).parse(renamed)  # type: ignore[attr-defined]
 
 
 @pytest.fixture
