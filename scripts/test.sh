@@ -54,8 +54,19 @@ require POSTGRES "initdb pg_ctl" "postgresql" "the PostgreSQL store tests"
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
 
+# Most of the suite's wall time is waiting (Ray start-ups, servers, paced runs), which
+# would overlap on pytest-xdist workers (ITO_TEST_WORKERS=N: `-n N --dist loadgroup`).
+# Off by default until a whole run on workers has passed here; the tests that must
+# share a worker carry an xdist group (tests/helpers/xdist_groups.py).
+pytest_args=()
+if [ "${ITO_TEST_WORKERS:-0}" != 0 ]; then
+  pytest_args+=(-n "$ITO_TEST_WORKERS" --dist loadgroup)
+fi
+# CI logs name the slowest tests, so a slow one is seen when it lands.
+if in_ci; then pytest_args+=(--durations=25); fi
+
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "${pytest_args[@]}" "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no tests: that is not a failure of the install.

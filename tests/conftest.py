@@ -21,6 +21,11 @@ pytest_plugins = ["helpers.fixtures"]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray reads its auth mode at import; every Ray in the tests keeps token auth on.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# A `ray start --block` node that gets SIGTERM first asks its GCS to drain it (for Ray
+# Serve's proxies, which nothing here runs) and waits up to 30 s for that before it
+# stops its processes: every embedded head and raylet a test stops would spend those
+# 30 s. 0 turns the drain off; the node's processes still get the SIGTERM and stop.
+os.environ.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
 # One launch key for the session (never ~/.ito): checkpoint seals derive their key from
 # it, so whatever process saves or loads a checkpoint in a test (this one, a Ray actor,
 # a backend subprocess) shares it. Tests that need their own key set it themselves.
@@ -37,6 +42,26 @@ if "ITO_LAUNCH_KEY_FILE" not in os.environ:
 # --hypothesis-profile picks another profile for a local hunt).
 settings.register_profile("ito", derandomize=True, database=None, print_blob=True)
 settings.load_profile("ito")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
+    """Every test on the session's local Ray joins one xdist group (helpers.xdist_groups),
+    so under ``pytest -n N`` one worker starts that cluster, once."""
+    from helpers.xdist_groups import ray_local_group
+
+    for item in items:
+        uses_ray_local = "ray_local" in getattr(item, "fixturenames", ())
+        if uses_ray_local and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(ray_local_group)
+    yield
+    # pytest-xdist 3.8 (--dist loadgroup) names a grouped test ``ID@group`` by setting
+    # ``item._nodeid``, which pytest 9 no longer reads (it keeps ``item._id``): without
+    # this the groups are ignored.
+    for item in items:
+        renamed = item.__dict__.pop("_nodeid", None)
+        if isinstance(renamed, str) and renamed != item.nodeid:
+            item._id = type(item._id).parse(renamed)  # type: ignore[attr-defined]
 
 
 @pytest.fixture

@@ -15,8 +15,11 @@ from helpers.backend import Backend, start_backend
 from helpers.flows import confirm_ref, submit
 from helpers.manifests import example_manifest
 from helpers.tenants import Tenant, make_tenant
+from helpers.xdist_groups import module_group
 
 from orchestrator.db.store import Store
+
+pytestmark = module_group(__name__)
 
 N = 50
 

@@ -20,10 +20,11 @@ from helpers.flows import confirm_ref, submit
 from helpers.manifests import example_manifest
 from helpers.postgres import PgServer
 from helpers.tenants import Tenant, admin, make_tenant
+from helpers.xdist_groups import module_group
 
 from orchestrator.db.store import Store
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, module_group(__name__)]
 N = 50
 
 

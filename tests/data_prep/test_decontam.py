@@ -10,11 +10,14 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers.xdist_groups import module_group
 
 from stages.data_prep.config import DecontaminationConfig
 from stages.data_prep.decontam import EvalIndex, decontaminate
 from stages.data_prep.evals import EvalItem, list_eval_suites, load_eval_items, load_eval_suite
 from stages.errors import ErrorCode, ItoError
+
+pytestmark = module_group(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 

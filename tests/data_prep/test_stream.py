@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers.xdist_groups import module_group
 
 from stages.data_prep.config import DecontaminationConfig, DedupConfig
 from stages.data_prep.dedup import dedup
@@ -19,6 +20,8 @@ from stages.data_prep.stream import StreamConfig, input_files, run_stream
 from stages.data_prep.stream.run import Progress
 from stages.data_prep.stream.tasks import connected_components
 from stages.data_prep.synth import planted_pair_corpus
+
+pytestmark = module_group(__name__)
 
 
 @pytest.fixture(scope="module")

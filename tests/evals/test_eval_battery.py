@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.xdist_groups import module_group
 
 from stages.data_prep.evals import load_eval_items
 from stages.errors import ErrorCode, ItoError
@@ -25,6 +26,8 @@ from stages.evals import (
 from stages.hf import train_tokenizer
 from stages.presets import configs_dir, load_model_preset
 from stages.trainer.model import build_model
+
+pytestmark = module_group(__name__)
 
 HELDOUT = [f"def f{i}(x):\n    return x + {i}  # add\n" for i in range(120)]
 

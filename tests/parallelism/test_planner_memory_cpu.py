@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.xdist_groups import module_group
 
 from stages.parallelism.measure import measure_peak_memory, measure_step_peak
 from stages.parallelism.memory import estimate_memory
 from stages.presets import ModelPreset, load_model_preset
+
+pytestmark = module_group(__name__)
 
 TOLERANCE = 0.20
 

@@ -17,13 +17,14 @@ from helpers.backend import Backend
 from helpers.manifests import write_manifest
 from helpers.ray_backend import ray_backend
 from helpers.tenants import Tenant
+from helpers.xdist_groups import embedded_ray_head_group
 
 from orchestrator.client.api import ClientSettings, ItoClient
 from orchestrator.client.cli import run_cli
 from tests.post_training.conftest import base_model
 
 # Above pytest's 300 s default: a run may take RUN_TIMEOUT_S once the server is up.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), embedded_ray_head_group]
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 420.0
 

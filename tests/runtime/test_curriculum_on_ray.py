@@ -26,9 +26,10 @@ from helpers.backend import Backend
 from helpers.flows import confirm, confirm_ref, submit
 from helpers.ray_backend import corpora, ray_backend
 from helpers.tenants import Tenant
+from helpers.xdist_groups import embedded_ray_head_group
 
 # Above pytest's 300 s default: a run may take RUN_TIMEOUT_S once the server is up.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), embedded_ray_head_group]
 RUN_TIMEOUT_S = 300.0
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,11 +24,12 @@ from helpers.backend import Backend
 from helpers.flows import confirm_ref, submit
 from helpers.raynodes import LocalCluster
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
+from helpers.xdist_groups import module_group
 
 from orchestrator.db.store import Store
 from orchestrator.gates.bookings import BookingFile, add_booking
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, module_group(__name__)]
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = float(os.environ.get("ITO_TEST_WAIT_S", "240"))

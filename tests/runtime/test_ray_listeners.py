@@ -18,10 +18,11 @@ import pytest
 from helpers.backend import free_port
 from helpers.ray_local import note_start
 from helpers.tools import require
+from helpers.xdist_groups import module_group
 
 from orchestrator.runtime import ray_cluster
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, module_group(__name__)]
 
 
 def _session_pids(leader: int) -> set[int]:

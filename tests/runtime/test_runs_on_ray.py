@@ -29,13 +29,14 @@ from helpers.ray_backend import corpora, ray_backend
 from helpers.tenants import Tenant, admin, cpu_booking_doc, make_tenant
 from helpers.tools import require
 from helpers.waiting import wait_until
+from helpers.xdist_groups import embedded_ray_head_group
 
 from orchestrator.db.store import Store
 from orchestrator.gates.bookings import BookingFile, add_booking, parse_iso
 from orchestrator.runtime import ray_cluster
 
 # Above pytest's 300 s default: a run may take RUN_TIMEOUT_S once the server is up.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), embedded_ray_head_group]
 
 RUN_TIMEOUT_S = 300.0
 # A run's actors are reaped by Ray after its state is final: a hang guard, not a bound.

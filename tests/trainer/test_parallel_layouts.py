@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.xdist_groups import module_group
 
 from tests.trainer.parallel_cases import (
     CASES,
@@ -36,7 +37,7 @@ from tests.trainer.parallel_cases import (
 )
 
 # Above pytest's 300 s default: ranks may take parallel_cases.RANK_TIMEOUT_S.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), module_group(__name__)]
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 0.05 * LR
