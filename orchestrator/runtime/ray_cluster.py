@@ -59,6 +59,10 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["RAY_AUTH_MODE"] = "token"
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # On SIGTERM a `ray start --block` node first waits up to 30 s for its GCS to drain
+    # it (for Ray Serve's proxies, which the backend never runs): stopping the head
+    # would cost those 30 s every time. Its processes still get the SIGTERM.
+    env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     return env
 
 
@@ -129,11 +133,22 @@ def _private_dir(path: Path, *, parents: bool = False) -> Path:
 
 
 def _alive(pid: int) -> bool:
+    """Running: not gone and not a zombie (a head this process started and that has
+    exited stays a zombie until reaped, and ``kill(pid, 0)`` still succeeds on it)."""
     try:
         os.kill(pid, 0)
     except OSError:
         return False
-    return True
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False  # our child, exited: reaped now
+    except ChildProcessError:
+        pass  # not our child
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 def start_local_head(var_dir: Path, settings: RaySettings) -> str:
