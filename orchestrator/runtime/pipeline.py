@@ -97,12 +97,16 @@ def _post_training(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
         from stages.post_training import PostTrainingStage, PostTrainingStageConfig
 
         out = f"{manifest.checkpoint.storage_path.rstrip('/')}/{ctx.run_id}/post_training"
+        # sft and dpo train on the engine with the run's replica groups, device and
+        # fault tolerance: the train stage's config, as pretraining ran it.
+        train = _train(manifest, spec)(ctx) if "parallelism" in ctx.previous else None
         return PostTrainingStage(
             PostTrainingStageConfig(
                 recipe=manifest.post_training,
                 output_dir=out,
                 device=spec.facts.get("device", "cpu"),
                 fleet="ray",
+                train=getattr(train, "config", None),
                 data_roots=tuple(spec.facts.get("data_roots") or ()),
                 model_roots=tuple(spec.facts.get("model_roots") or ()),
             )

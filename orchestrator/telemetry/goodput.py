@@ -115,7 +115,7 @@ def compute_run_metrics(
     finished run, or the current time for a live one.
     """
     m = RunMetrics()
-    last_by_step: dict[int, Mapping[str, Any]] = {}
+    last_by_step: dict[tuple[str, str, int], Mapping[str, Any]] = {}
     phase_spans: dict[str, list[tuple[float, float]]] = {k: [] for k in BADPUT_KINDS}
     ckpt_total_s = 0.0
     for ev in events:
@@ -126,8 +126,11 @@ def compute_run_metrics(
                 # whole quorum's tokens, and a step redone after a restart is reported
                 # again: the last report of each step is the one that counts.
                 # A lagging buffer may have merged a run of steps into one event.
+                # Post-training's sft and dpo steps count from 0 again, each its own
+                # phase: a step is keyed by its stage and phase too.
                 for one in expand_steps(dict(ev)):
-                    last_by_step[int(one["step"])] = one
+                    key = (str(one.get("stage", "")), str(one.get("phase", "")), int(one["step"]))
+                    last_by_step[key] = one
                 m.last_loss = float(ev["loss"])
                 m.last_step = int(ev["step"])
             else:

@@ -35,7 +35,8 @@ class StepBattery(StrictModel):
 
 
 class SFTConfig(StrictModel):
-    """trl ``SFTTrainer`` on conversational JSONL (``{"messages": [{role, content}...]}``)."""
+    """SFT on the engine (trl ``SFTTrainer``'s loss) on conversational JSONL
+    (``{"messages": [{role, content}...]}``)."""
 
     data: DataRef
     steps: int = Field(gt=0, le=MAX_STEPS)
@@ -48,7 +49,8 @@ class SFTConfig(StrictModel):
 
 
 class DPOConfig(StrictModel):
-    """trl ``DPOTrainer`` on preference JSONL (``prompt``/``chosen``/``rejected``)."""
+    """DPO on the engine (trl ``DPOTrainer``'s sigmoid loss) on preference JSONL
+    (``prompt``/``chosen``/``rejected``)."""
 
     data: DataRef
     steps: int = Field(gt=0, le=MAX_STEPS)

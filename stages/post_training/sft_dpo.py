@@ -1,4 +1,5 @@
-"""SFT and DPO with trl's ``SFTTrainer`` and ``DPOTrainer``, plus their small batteries.
+"""The small batteries of the SFT and DPO steps (the steps themselves train on the
+engine: ``stages.post_training.engine_step``).
 
 Batteries (before and after, on the step's own data; the curriculum's eval
 batteries replace them where a run names one):
@@ -11,32 +12,10 @@ batteries replace them where a run names one):
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
-
-from stages.post_training.config import DPOConfig, SFTConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-
-def _common_args(out: Path, steps: int, lr: float, batch: int) -> dict[str, Any]:
-    return {
-        "output_dir": str(out),
-        "max_steps": steps,
-        "learning_rate": lr,
-        "per_device_train_batch_size": batch,
-        "gradient_accumulation_steps": 1,
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "report_to": [],
-        "use_cpu": True,
-        "disable_tqdm": True,
-        "seed": 0,
-        "dataloader_num_workers": 0,
-        "lr_scheduler_type": "constant",
-        "warmup_steps": 0,
-    }
 
 
 def _seq_logp(
@@ -95,54 +74,29 @@ def dpo_margins(model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple
     return sum(margins) / len(margins), sum(m > 0 for m in margins) / len(margins)
 
 
-def run_sft(
-    cfg: SFTConfig, model: Any, tokenizer: Any, rows: list[dict[str, Any]], out: Path
+def step_battery(
+    kind: str, model: Any, tokenizer: Any, rows: list[dict[str, Any]]
 ) -> dict[str, float]:
-    from datasets import Dataset
-    from trl import SFTConfig as TrlSFTConfig
-    from trl import SFTTrainer
-
-    before = sft_nll(model, tokenizer, rows)
-    args = TrlSFTConfig(
-        **_common_args(out, cfg.steps, cfg.learning_rate, cfg.batch_size), max_length=cfg.max_length
-    )
-    trainer = SFTTrainer(
-        model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
-    )
-    result = trainer.train()
-    after = sft_nll(model, tokenizer, rows)
-    return {
-        "nll_before": before,
-        "nll_after": after,
-        "nll_gain": before - after,
-        "train_loss": float(result.training_loss),
-        "steps": float(cfg.steps),
-    }
+    """The step's battery on ``model``: {"nll"} for sft, {"margin", "accuracy"} for dpo."""
+    if kind == "sft":
+        return {"nll": sft_nll(model, tokenizer, rows)}
+    margin, accuracy = dpo_margins(model, tokenizer, rows)
+    return {"margin": margin, "accuracy": accuracy}
 
 
-def run_dpo(
-    cfg: DPOConfig, model: Any, tokenizer: Any, rows: list[dict[str, Any]], out: Path
+def step_gate_metrics(
+    kind: str, before: dict[str, float], after: dict[str, float]
 ) -> dict[str, float]:
-    from datasets import Dataset
-    from trl import DPOConfig as TrlDPOConfig
-    from trl import DPOTrainer
-
-    m0, _ = dpo_margins(model, tokenizer, rows)
-    args = TrlDPOConfig(
-        **_common_args(out, cfg.steps, cfg.learning_rate, cfg.batch_size),
-        beta=cfg.beta,
-        max_length=cfg.max_length,
-    )
-    trainer = DPOTrainer(
-        model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
-    )
-    result = trainer.train()
-    m1, acc = dpo_margins(model, tokenizer, rows)
+    """The gate's metrics of a step from its battery before and after training."""
+    if kind == "sft":
+        return {
+            "nll_before": before["nll"],
+            "nll_after": after["nll"],
+            "nll_gain": before["nll"] - after["nll"],
+        }
     return {
-        "margin_before": m0,
-        "margin_after": m1,
-        "margin_gain": m1 - m0,
-        "preference_accuracy": acc,
-        "train_loss": float(result.training_loss),
-        "steps": float(cfg.steps),
+        "margin_before": before["margin"],
+        "margin_after": after["margin"],
+        "margin_gain": after["margin"] - before["margin"],
+        "preference_accuracy": after["accuracy"],
     }

@@ -16,6 +16,7 @@ from stages.events import InterruptionEvent, MetricsEvent, PhaseEvent
 from stages.pathfields import field_spec, local_path
 from stages.placement import actor_options
 from stages.post_training.config import PostTrainingConfig, RLVRConfig, StepGate
+from stages.trainer.config import TrainStageConfig
 
 if TYPE_CHECKING:
     from stages.post_training.data import Kind
@@ -33,6 +34,9 @@ class PostTrainingStageConfig(StrictModel):
     # Where rollout workers live: Ray actors (the run's cluster) or in-process threads.
     fleet: Literal["ray", "local"] = "ray"
     device: Literal["cpu", "cuda"] = "cpu"
+    # The run's train config: sft and dpo train with its replica groups, device and
+    # fault tolerance; None: one replica group on ``device``.
+    train: TrainStageConfig | None = None
     ray_namespace: str | None = None
     max_worker_restarts: int = Field(default=3, ge=0)
     # The account's roots, from the supervisor (never the manifest): datasets are read
@@ -215,7 +219,8 @@ class PostTrainingStage:
 
     # -- the chain ---------------------------------------------------------------------
     def run(self, ctx: StageContext) -> GateOutcome:
-        from stages.post_training.hf_io import load_model, load_tokenizer, save
+        from stages.post_training.hf_io import load_model, load_tokenizer
+        from stages.trainer.engine import RunCancelled
 
         try:
             rows = self.load_data()
@@ -236,8 +241,7 @@ class PostTrainingStage:
                     )
                 t0 = time.time()
                 ctx.log(f"post_training {step}: started from {current.name}", stage=self.name)
-                m = self._run_step(step, ctx, model, tok, rows[step], out, current)
-                current = Path(save(model, tok, out / step, run_id=ctx.run_id, step=step))
+                m, model, current = self._run_step(step, ctx, model, tok, rows[step], out, current)
                 m["seconds"] = time.time() - t0
                 ctx.emit(MetricsEvent(stage=self.name, step=0, scope=step, values=m))
                 results[step] = {"metrics": m, "hf_model_dir": str(current)}
@@ -263,6 +267,13 @@ class PostTrainingStage:
                         artifacts={"steps": results},
                         error_code=ErrorCode.eval_gate_failed.value,
                     )
+        except RunCancelled:
+            return GateOutcome(
+                stage=self.name,
+                status="failed",
+                reason="cancelled",
+                error_code=ErrorCode.invalid_state.value,
+            )
         except ItoError as e:
             return GateOutcome(
                 stage=self.name, status="failed", reason=e.message, error_code=e.code.value
@@ -314,22 +325,38 @@ class PostTrainingStage:
         rows: list[dict[str, Any]],
         out: Path,
         current: Path,
-    ) -> dict[str, float]:
-        from stages.post_training.sft_dpo import run_dpo, run_sft
+    ) -> tuple[dict[str, float], Any, Path]:
+        """Train ``step`` from the HF folder ``current``: (gate metrics, the trained
+        policy, its HF export under ``out/<step>``)."""
+        from stages.post_training.hf_io import load_model, save
 
         recipe = self.config.recipe
-        if step == "sft":
-            assert recipe.sft is not None
-            return run_sft(recipe.sft, model, tok, rows, out / "sft-trainer")
-        if step == "dpo":
-            assert recipe.dpo is not None
-            return run_dpo(recipe.dpo, model, tok, rows, out / "dpo-trainer")
+        if step in ("sft", "dpo"):
+            from stages.post_training.engine_step import run_engine_step
+            from stages.post_training.sft_dpo import step_battery, step_gate_metrics
+
+            kind: Literal["sft", "dpo"] = "sft" if step == "sft" else "dpo"
+            before = step_battery(kind, model, tok, rows)
+            exported, figures = run_engine_step(
+                kind,
+                getattr(recipe, kind),
+                ctx,
+                stage=self.name,
+                base=current,
+                rows=rows,
+                export_dir=out / step,
+                train=self.config.train,
+                device=self.config.device,
+            )
+            # The driver's copy serves the battery and the next step (rlvr's learner).
+            model = load_model(exported)
+            after = step_battery(kind, model, tok, rows)
+            return {**step_gate_metrics(kind, before, after), **figures}, model, exported
         assert recipe.rlvr is not None
         # Workers build the architecture from this folder; the weights come as version 0.
-        from stages.post_training.hf_io import save
-
         init = Path(save(model, tok, out / "rlvr-init"))
-        return self._run_rlvr(recipe.rlvr, ctx, model, tok, rows, init)
+        m = self._run_rlvr(recipe.rlvr, ctx, model, tok, rows, init)
+        return m, model, Path(save(model, tok, out / step, run_id=ctx.run_id, step=step))
 
     def _run_rlvr(
         self,

@@ -40,7 +40,7 @@ class PhaseEvalRequest(BaseModel):
 
 
 class PhaseEvalReply(BaseModel):
-    result: dict[str, Any]  # a BatteryResult, as JSON
+    result: dict[str, Any]  # a BatteryResult, as JSON; empty: the phase has no battery
     export: str
     live_model: bool
 
@@ -79,35 +79,35 @@ def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -
 def evaluate_on_rank(
     req: PhaseEvalRequest, *, cfg: TrainStageConfig, live: torch.nn.Module | None
 ) -> PhaseEvalReply:
-    """Run the phase's battery and write its HF export; ``live`` is this rank's whole
+    """Run the phase's battery (a phase without one, e.g. a post-training step, is only
+    exported: ``result`` is empty) and write its HF export; ``live`` is this rank's whole
     model when it can serve (see the module docstring), else None."""
     from stages.evals import run_battery
     from stages.hf import export_hf, load_tokenizer
 
-    assert req.phase.eval_battery is not None
     model = live if live is not None else load_phase_model(cfg, req.phase, req.checkpoint)
     tokenizer = load_tokenizer(req.tokenizer_dir)
-    heldout = [
-        json.loads(line)["text"]
-        for line in Path(req.heldout_path).read_text(encoding="utf-8").splitlines()
-        if line.strip()
-    ]
     was_training = model.training
+    result: dict[str, Any] = {}
     try:
-        result = run_battery(
-            model,
-            tokenizer,
-            req.phase.eval_battery,
-            heldout,
-            seq_len=req.phase.seq_len,
-            phase=req.phase.name,
-            step=req.step,
-            settings=req.settings,
-            work_dir=Path(req.work_dir),
-        )
+        if req.phase.eval_battery is not None:
+            heldout = [
+                json.loads(line)["text"]
+                for line in Path(req.heldout_path).read_text(encoding="utf-8").splitlines()
+                if line.strip()
+            ]
+            result = run_battery(
+                model,
+                tokenizer,
+                req.phase.eval_battery,
+                heldout,
+                seq_len=req.phase.seq_len,
+                phase=req.phase.name,
+                step=req.step,
+                settings=req.settings,
+                work_dir=Path(req.work_dir),
+            ).model_dump(mode="json")
         export = export_hf(model, tokenizer, Path(req.export_dir), metadata=req.metadata)
     finally:
         model.train(was_training)
-    return PhaseEvalReply(
-        result=result.model_dump(mode="json"), export=str(export), live_model=live is not None
-    )
+    return PhaseEvalReply(result=result, export=str(export), live_model=live is not None)

@@ -133,7 +133,7 @@ def _stage(tmp: Path, policy: Path, task: dict[str, Path], **over: Any) -> Any:
 
 
 def test_a_failed_gate_stops_the_chain(
-    tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
+    ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
     stage = _stage(
         tmp_path,
@@ -155,7 +155,7 @@ def test_a_failed_gate_stops_the_chain(
 
 
 def test_prefix_chain_passes_and_reports_fleet_metrics(
-    tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
+    ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
     stage = _stage(tmp_path, tiny_policy, task_files)
     events: list[Any] = []
@@ -173,6 +173,16 @@ def test_prefix_chain_passes_and_reports_fleet_metrics(
     kinds = {(e.kind, getattr(e, "scope", "")) for e in events}
     assert ("metrics", "rlvr") in kinds and ("metrics", "sft") in kinds
     assert out.metrics["rlvr_steps"] == 2.0
+    # SFT trained on the engine's replica-group actors, not in this process: its
+    # committed steps come from rank 0 of group 0 and its closing checkpoint is DCP.
+    sft_steps = [
+        e for e in events if e.kind == "step" and e.committed and getattr(e, "phase", "") == "sft"
+    ]
+    assert [e.step for e in sft_steps] == [1, 2, 3, 4] and all(
+        e.stage == "post_training" for e in sft_steps
+    )
+    assert out.metrics["sft_steps"] == 4.0
+    assert any((tmp_path / "sft" / "checkpoints").iterdir())
 
 
 def test_bad_base_model_and_unknown_reward(
@@ -244,7 +254,7 @@ def test_validation_time_check_names_the_bad_line(tmp_path: Path, tiny_policy: P
 
 
 def test_the_curriculum_battery_gates_a_step(
-    tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
+    ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
     """The curriculum's battery (held-out loss + lm-eval checks) and gates after SFT."""
     stage = _stage(

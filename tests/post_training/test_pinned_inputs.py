@@ -90,7 +90,7 @@ def test_a_base_model_changed_after_submit_fails_the_run_untrained(
 
 
 def test_unchanged_inputs_train_from_a_private_copy(
-    tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
+    ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
     out, _ = _run(_stage(tmp_path, tiny_policy, task_files["sft"]), tmp_path)
     assert out.status == "passed", out

@@ -76,6 +76,17 @@ def test_goodput_counts_each_step_once_across_groups_and_redone_steps_once() -> 
     assert m.checkpoint_bytes_per_s == pytest.approx(500.0)
 
 
+def test_post_training_steps_are_productive_time_of_their_own() -> None:
+    """SFT and DPO count their steps from 1 again: each (stage, phase, step) is one step,
+    so they add to pretraining's productive time instead of replacing its steps."""
+    pretrain = [{**_step(s, 2.0), "stage": "train", "phase": "pretrain"} for s in (1, 2)]
+    sft = [{**_step(s, 3.0), "stage": "post_training", "phase": "sft"} for s in (1, 2)]
+    dpo = [{**_step(1, 4.0, group=g), "stage": "post_training", "phase": "dpo"} for g in (0, 1)]
+    m = compute_run_metrics(pretrain + sft + dpo, started_at=0.0, now=20.0)
+    assert m.steps_committed == 5
+    assert m.productive_s == pytest.approx(2 * 2.0 + 2 * 3.0 + 4.0)
+
+
 def test_booking_aggregate_pools_time_not_ratios() -> None:
     a = compute_run_metrics([_step(1, 10.0)], started_at=0, now=10)  # goodput 1.0
     b = compute_run_metrics([_step(1, 10.0)], started_at=0, now=90)  # goodput 0.111

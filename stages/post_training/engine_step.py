@@ -1,0 +1,210 @@
+"""An SFT or DPO step of the post-training chain on the training engine: replica-group
+actors (``TrainingEngine`` -> ``ReplicaWorker``) load the policy from the step's HF
+folder, train the step's objective (``stages.post_training.objectives``) with torchft
+and DCP checkpoints, and rank 0 of the lowest live group writes the HF export of the
+final weights at the step's end (``stages.trainer.phase_eval``). The driver only
+builds the config, forwards events and gets a path back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from stages.base import StageContext
+from stages.checkpointing.config import CheckpointPolicy
+from stages.curriculum.plan import CurriculumPlan, PhasePlan
+from stages.errors import ErrorCode, ItoError
+from stages.events import Event
+from stages.post_training.config import DPOConfig, SFTConfig
+from stages.trainer.config import (
+    LossSpikeConfig,
+    ModelSpec,
+    ObjectiveConfig,
+    TrainingTarget,
+    TrainStageConfig,
+)
+
+# A label only: a run with ``checkpoint_path`` builds the architecture from the folder.
+_PRESET = "llama-tiny"
+
+
+def step_train_config(
+    kind: Literal["sft", "dpo"],
+    cfg: SFTConfig | DPOConfig,
+    *,
+    base: Path,
+    data_path: Path,
+    checkpoint_dir: Path,
+    train: TrainStageConfig | None,
+    device: Literal["cpu", "cuda"],
+) -> TrainStageConfig:
+    """The engine config of one step: the recipe's steps, LR, batch, length and beta;
+    replica groups, device and fault tolerance from the run's train config when the
+    stage has one, else one group on ``device``. A constant LR without warmup, as the
+    recipe's steps always trained; no loss-spike pause (a step is too short for the
+    detector's window, and nobody is asked mid-chain)."""
+    steps = cfg.steps
+    plan = CurriculumPlan(
+        total_steps=steps,
+        global_batch_tokens=cfg.batch_size * cfg.max_length,
+        phases=[
+            PhasePlan(
+                index=0,
+                name=kind,
+                kind=kind,
+                start_step=0,
+                end_step=steps,
+                seq_len=cfg.max_length,
+                token_budget=steps * cfg.batch_size * cfg.max_length,
+                data_weights={},
+                eval_battery=None,
+                lr_schedule="constant",
+                peak_lr=cfg.learning_rate,
+                warmup_steps=0,
+                decay_steps=0,
+                min_lr_ratio=1.0,
+            )
+        ],
+    )
+    run: dict[str, Any] = {"replica_groups": 1, "device": device}
+    if train is not None:
+        run = {
+            "replica_groups": train.replica_groups,
+            "device": train.device,
+            "fault_tolerance": train.fault_tolerance,
+            "worker_num_cpus": train.worker_num_cpus,
+            "pin_group_cores": train.pin_group_cores,
+        }
+    try:
+        return TrainStageConfig(
+            model=ModelSpec(preset=_PRESET, size="base", checkpoint_path=str(base)),
+            target=TrainingTarget(
+                max_steps=steps,
+                seq_len=cfg.max_length,
+                global_batch_tokens=cfg.batch_size * cfg.max_length,
+                learning_rate=cfg.learning_rate,
+                warmup_steps=0,
+                weight_decay=0.0,
+            ),
+            # Only the step's closing checkpoint (the engine forces one at a phase end).
+            checkpoint=CheckpointPolicy(
+                interval_steps=steps, keep=1, storage_uri=f"file://{checkpoint_dir.resolve()}"
+            ),
+            loss_spike=LossSpikeConfig(enabled=False),
+            spare_groups=0,
+            curriculum=plan,
+            objective=ObjectiveConfig(
+                kind=kind,
+                data_path=str(data_path),
+                batch_size=cfg.batch_size,
+                max_length=cfg.max_length,
+                beta=cfg.beta if isinstance(cfg, DPOConfig) else 0.1,
+            ),
+            **run,
+        )
+    except ValueError as e:  # pydantic's ValidationError: e.g. a batch the groups cannot split
+        raise ItoError(ErrorCode.manifest_invalid, f"post_training.{kind}: {e}") from e
+
+
+def write_rows(rows: list[dict[str, Any]], path: Path) -> Path:
+    """The step's rows, parsed from the digest-checked bytes, as the private JSONL
+    every rank reads (never the tenant's file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def run_engine_step(
+    kind: Literal["sft", "dpo"],
+    cfg: SFTConfig | DPOConfig,
+    ctx: StageContext,
+    *,
+    stage: str,
+    base: Path,
+    rows: list[dict[str, Any]],
+    export_dir: Path,
+    train: TrainStageConfig | None,
+    device: Literal["cpu", "cuda"],
+) -> tuple[Path, dict[str, float]]:
+    """Train the step on the engine; returns the HF export of its final weights and
+    the engine's figures. Checkpoints go under ``ctx.workdir/<step>/checkpoints``."""
+    import ray
+
+    from stages.checkpointing.storage import list_checkpoints
+    from stages.trainer.engine import TrainingEngine
+    from stages.trainer.phase_eval import PhaseEvalReply, PhaseEvalRequest
+
+    if not ray.is_initialized():
+        raise ItoError(
+            ErrorCode.ray_unavailable, f"post_training.{kind}: Ray is not initialised here"
+        )
+    work = ctx.workdir / kind
+    ckpt_dir = work / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tcfg = step_train_config(
+        kind,
+        cfg,
+        base=base,
+        data_path=write_rows(rows, work / "data.jsonl"),
+        checkpoint_dir=ckpt_dir,
+        train=train,
+        device=device,
+    )
+    exported: list[str] = []
+    engine: TrainingEngine
+
+    def emit(event: Event) -> None:
+        # Every event of this engine is the step's (the engine labels its own "train"):
+        # steps carry this stage and the step's name as their phase, so goodput counts
+        # them as productive time of their own, apart from pretraining's steps.
+        event.stage = stage
+        ctx.emit(event)
+
+    def export(phase: PhasePlan) -> bool:
+        closing = next((r for r in list_checkpoints(ckpt_dir) if r.step == phase.end_step), None)
+        if closing is None:
+            raise ItoError(
+                ErrorCode.checkpoint_not_found,
+                f"post_training.{kind}: no checkpoint at its end step {phase.end_step}",
+            )
+        req = PhaseEvalRequest(
+            phase=phase,
+            checkpoint=closing.path,
+            step=closing.step,
+            heldout_path="",
+            tokenizer_dir=str(base),
+            work_dir=str(work),
+            export_dir=str(export_dir),
+            metadata={"run_id": ctx.run_id, "step": kind},
+            settings=tcfg.evals,
+        )
+        reply = PhaseEvalReply.model_validate(
+            engine.evaluate_on_rank(req.model_dump(mode="json"), tcfg.evals.rank_eval_timeout_s)
+        )
+        exported.append(reply.export)
+        return True
+
+    engine = TrainingEngine(
+        tcfg,
+        run_id=f"{ctx.run_id}-{kind}",
+        checkpoint_dir=ckpt_dir,
+        role_shards={},
+        emit=emit,
+        cancel_event=ctx.cancel_event,
+        wait_decision=ctx.wait_decision,
+        facts=ctx.facts,
+        on_phase_end=export,
+    )
+    result = engine.run()
+    if not exported or result.steps < cfg.steps:
+        raise ItoError(
+            ErrorCode.training_failed,
+            f"post_training.{kind}: the engine stopped at step {result.steps} of {cfg.steps}",
+        )
+    figures = {"steps": float(result.steps), "interruptions": float(result.interruptions)}
+    if result.final_loss is not None:
+        figures["final_loss"] = float(result.final_loss)
+    return Path(exported[-1]), figures
