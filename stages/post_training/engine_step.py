@@ -99,7 +99,7 @@ def step_train_config(
                 data_path=str(data_path),
                 batch_size=cfg.batch_size,
                 max_length=cfg.max_length,
-                beta=cfg.beta if isinstance(cfg, DPOConfig) else 0.1,
+                **({"beta": cfg.beta} if isinstance(cfg, DPOConfig) else {}),
             ),
             **run,
         )
