@@ -102,3 +102,14 @@ class Stage(Protocol):
     def config(self) -> BaseModel: ...
 
     def run(self, ctx: StageContext) -> GateOutcome: ...
+
+
+@runtime_checkable
+class PrestartableStage(Stage, Protocol):
+    """A stage that can prepare ahead of its turn (the trainer places and warms its
+    fleet while data prep runs). ``run`` must work whether or not ``prestart`` ran;
+    ``abandon`` releases what ``prestart`` took when the stage never runs."""
+
+    def prestart(self, ctx: StageContext) -> None: ...
+
+    def abandon(self) -> None: ...

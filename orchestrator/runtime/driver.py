@@ -15,18 +15,35 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from orchestrator.runtime import launch
 from orchestrator.runtime.launch import LaunchSpec
 from orchestrator.runtime.ray_cluster import PRIVATE_UMASK
-from stages.base import GateOutcome, Stage, StageContext
+from stages.base import GateOutcome, PrestartableStage, Stage, StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.event_buffer import EventBuffer
 from stages.events import Event, LogEvent, PhaseEvent, StageResultEvent, StepEvent
 
 StageFactory = Callable[[StageContext], Stage]
+
+
+@dataclass(frozen=True)
+class StartEarly:
+    """A stage factory whose stage is made as soon as stage ``after`` passed and whose
+    ``prestart(ctx)`` then runs, so it prepares (e.g. places and warms the trainer
+    fleet) while the stages between run; ``abandon()`` undoes it when the run ends
+    before the stage's turn. The stage's ``run`` is the same either way."""
+
+    make: StageFactory
+    after: str
+
+    def __call__(self, ctx: StageContext) -> Stage:
+        return self.make(ctx)
+
+
 DriverState = Literal["created", "running", "succeeded", "failed", "cancelled"]
 # Events a driver keeps unacknowledged before it aggregates them (stages.event_buffer).
 MAX_BUFFERED_EVENTS = 50_000
@@ -92,6 +109,8 @@ class RunDriverImpl:
             _RayGauges(self.spec.run_id, self.spec.booking_id) if use_ray_metrics else None
         )
         self._thread: threading.Thread | None = None
+        # Stages made and prestarted ahead of their turn (``StartEarly``), by name.
+        self._early: dict[str, PrestartableStage] = {}
 
     # -- event buffer -------------------------------------------------------------------
     def _emit(self, event: Event) -> None:
@@ -156,18 +175,22 @@ class RunDriverImpl:
                 from orchestrator.runtime.pipeline import build_pipeline
 
                 self._pipeline = build_pipeline
-            for name, make_stage in self._pipeline(self.spec):
+            pipeline = self._pipeline(self.spec)
+            for name, make_stage in pipeline:
                 done = self.spec.completed_stages.get(name)
                 if done is not None:
                     ctx.previous[name] = GateOutcome.model_validate(done)
                     ctx.log(
                         f"stage {name}: already {done['status']} in an earlier attempt", stage=name
                     )
+                    self._start_early(name, pipeline)
                     continue
                 if ctx.cancelled:
                     break
                 outcome = self._run_stage(name, make_stage)
                 ctx.previous[name] = outcome
+                if outcome.passed:
+                    self._start_early(name, pipeline)
                 self._emit(StageResultEvent(stage=name, outcome=outcome.model_dump(mode="json")))
                 if not outcome.passed:
                     self.error_code = outcome.error_code or ErrorCode.gate_failed
@@ -185,16 +208,54 @@ class RunDriverImpl:
             self.reason = f"driver error: {type(e).__name__}"
             self._emit(LogEvent(level="error", message=traceback.format_exc(limit=8)))
             self.state = "failed"
+        finally:
+            self._abandon_early()
         self._emit(
             LogEvent(message=f"run {self.state}" + (f": {self.reason}" if self.reason else ""))
         )
+
+    def _start_early(self, passed: str, pipeline: list[tuple[str, StageFactory]]) -> None:
+        """Make and prestart the later stages that wait only for stage ``passed``."""
+        for name, make in pipeline:
+            if (
+                not isinstance(make, StartEarly)
+                or make.after != passed
+                or name in self.spec.completed_stages
+                or name in self._early
+            ):
+                continue
+            try:
+                stage = make(self.ctx)
+                if not isinstance(stage, PrestartableStage):
+                    continue
+                stage.prestart(self.ctx)
+            except Exception:  # its own turn makes it again and reports the error
+                self.ctx.emit(
+                    LogEvent(level="warning", stage=name, message=traceback.format_exc(limit=4))
+                )
+                continue
+            self._early[name] = stage
+            self.ctx.log(f"stage {name}: prestarted while earlier stages run", stage=name)
+
+    def _abandon_early(self) -> None:
+        """Stages prestarted but never run (a failed gate, a cancel) release what they
+        hold: the warm trainer fleet is torn down."""
+        for name, stage in self._early.items():
+            if name in self.ctx.previous:
+                continue
+            try:
+                stage.abandon()
+            except Exception:
+                self.ctx.emit(
+                    LogEvent(level="error", stage=name, message=traceback.format_exc(limit=4))
+                )
 
     def _run_stage(self, name: str, make_stage: StageFactory) -> GateOutcome:
         ctx = self.ctx
         t0 = time.time()
         ctx.log(f"stage {name}: started", stage=name)
         try:
-            stage = make_stage(ctx)
+            stage = self._early.get(name) or make_stage(ctx)
             outcome: GateOutcome = stage.run(ctx)
         except ItoError as e:
             outcome = GateOutcome(

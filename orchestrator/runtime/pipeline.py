@@ -1,4 +1,4 @@
-"""The run's pipeline, built from its manifest: data prep → plan → train → post-training.
+"""The run's pipeline, built from its manifest: plan → data prep → train → post-training.
 
 Each entry is a stage name and a factory that builds the stage from the run
 context, so a later stage can use what an earlier one decided (the training stage
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator.gates.manifest import Manifest
+from orchestrator.runtime.driver import StartEarly
 from orchestrator.runtime.launch import LaunchSpec
 from stages.base import Stage, StageContext
 from stages.parallelism import ParallelismConfig
@@ -117,10 +118,13 @@ def _post_training(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
 
 def build_pipeline(spec: LaunchSpec) -> list[tuple[str, StageFactory]]:
     manifest = Manifest.model_validate_json(spec.manifest_json)
-    stages = [
-        ("data_prep", _data_prep(manifest, spec)),
+    # The plan needs only the manifest and the booking, so it comes first: the trainer
+    # fleet it lays out is then placed and warmed up (imports, model build, process
+    # groups) while data prep runs, and torn down if data prep's gate fails.
+    stages: list[tuple[str, StageFactory]] = [
         ("parallelism", _parallelism(manifest, spec)),
-        ("train", _train(manifest, spec)),
+        ("data_prep", _data_prep(manifest, spec)),
+        ("train", StartEarly(_train(manifest, spec), after="parallelism")),
     ]
     if manifest.post_training.steps():
         stages.append(("post_training", _post_training(manifest, spec)))

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from stages.evals.config import Battery, BatteryCheck, evals_dir, load_battery
 from stages.evals.config import EvalRunSettings as EvalSettings
 from stages.evals.harness import run_tasks, task_data_files
-from stages.evals.heldout import heldout_scores
+from stages.evals.heldout import HeldoutSums, heldout_scores
 
 CheckStatus = Literal["ok", "error", "timeout", "no_number"]
 
@@ -132,8 +132,11 @@ def run_battery(
     step: int | None = None,
     settings: EvalSettings | None = None,
     work_dir: Path | None = None,
+    heldout_sums: HeldoutSums | None = None,
 ) -> BatteryResult:
-    """Every check of the battery on ``model`` (left in the train/eval mode it was in)."""
+    """Every check of the battery on ``model`` (left in the train/eval mode it was in).
+    ``heldout_sums``: the held-out windows already scored over the data-parallel
+    ranks and reduced (``stages.evals.heldout``); None: ``model`` scores them all."""
     s = settings or EvalSettings()
     battery = load_battery(battery_name)
     started = time.time()
@@ -147,6 +150,8 @@ def run_battery(
     if held:
 
         def _held() -> dict[str, float | None]:
+            if heldout_sums is not None:
+                return {c.name: heldout_sums.scores().get(c.metric) for c in held}
             got = heldout_scores(
                 model,
                 tokenizer,

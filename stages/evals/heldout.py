@@ -1,13 +1,55 @@
-"""Held-out loss and bits per byte of a causal LM on texts (no lm-eval needed)."""
+"""Held-out loss and bits per byte of a causal LM on texts (no lm-eval needed).
+
+The held-out stream is cut into windows and the windows into batches; a
+data-parallel rank scores the batches ``b % parts == part`` and returns each batch's
+nats, its predicted tokens and their UTF-8 bytes. The reduced sums give exactly the
+score one rank gives for the same weights (``heldout_scores`` is that case): every
+batch is the same tensor whichever rank scores it, and nats are added with
+``math.fsum``, whose result does not depend on the order."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class HeldoutSums(BaseModel):
+    """What one rank's share of the held-out batches adds up to."""
+
+    model_config = ConfigDict(extra="forbid")
+    batch_nats: dict[int, float] = Field(default_factory=dict)
+    tokens: int = Field(default=0, ge=0)
+    bytes: float = Field(default=0.0, ge=0)
+
+    def __add__(self, other: HeldoutSums) -> HeldoutSums:
+        if self.batch_nats.keys() & other.batch_nats.keys():
+            raise ValueError("two ranks scored the same held-out batch")
+        return HeldoutSums(
+            batch_nats={**self.batch_nats, **other.batch_nats},
+            tokens=self.tokens + other.tokens,
+            bytes=self.bytes + other.bytes,
+        )
+
+    def scores(self) -> dict[str, float]:
+        if self.tokens == 0:
+            raise ValueError("no held-out window was scored")
+        nats = math.fsum(self.batch_nats.values())
+        return {
+            "loss": nats / self.tokens,
+            "bits_per_byte": nats / math.log(2) / max(self.bytes, 1.0),
+        }
+
+
+def reduce_sums(parts: Iterable[HeldoutSums]) -> HeldoutSums:
+    total = HeldoutSums()
+    for p in parts:
+        total = total + p
+    return total
 
 
 def _token_bytes(tokenizer: Any) -> torch.Tensor:
@@ -21,23 +63,11 @@ def _token_bytes(tokenizer: Any) -> torch.Tensor:
     return out
 
 
-@torch.no_grad()
-def heldout_scores(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    texts: Sequence[str],
-    *,
-    seq_len: int,
-    max_tokens: int = 16384,
-    batch_size: int = 8,
-) -> dict[str, float]:
-    """Mean next-token loss (nats) and bits per byte over ``texts``.
-
-    Each text is encoded as the trainer encodes documents (ids then EOS) and the
-    stream is cut into ``seq_len`` windows, at most ``max_tokens`` tokens in all.
-    Bits per byte = summed nats / ln 2 / UTF-8 bytes of the predicted tokens, which
-    compares models with different tokenizers.
-    """
+def heldout_windows(
+    tokenizer: Any, texts: Sequence[str], *, seq_len: int, max_tokens: int
+) -> torch.Tensor:
+    """Each text encoded as the trainer encodes documents (ids then EOS), the stream
+    cut into ``seq_len`` windows, at most ``max_tokens`` tokens in all."""
     ids: list[int] = []
     for text in texts:
         ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -47,23 +77,60 @@ def heldout_scores(
     n_win = len(ids) // seq_len
     if n_win == 0:
         raise ValueError(f"held-out split too small: {len(ids)} tokens < seq_len {seq_len}")
-    stream = torch.tensor(ids[: n_win * seq_len], dtype=torch.long).view(n_win, seq_len)
+    return torch.tensor(ids[: n_win * seq_len], dtype=torch.long).view(n_win, seq_len)
+
+
+@torch.no_grad()
+def heldout_sums(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    texts: Sequence[str],
+    *,
+    seq_len: int,
+    max_tokens: int = 16384,
+    batch_size: int = 8,
+    part: int = 0,
+    parts: int = 1,
+) -> HeldoutSums:
+    """Next-token nats of each of this rank's batches (every ``parts``-th from
+    ``part``), with their token and byte counts."""
+    if not 0 <= part < parts:
+        raise ValueError(f"part {part} of {parts}")
+    stream = heldout_windows(tokenizer, texts, seq_len=seq_len, max_tokens=max_tokens)
     tb = _token_bytes(tokenizer)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    nats, tokens, nbytes = 0.0, 0, 0.0
+    batch_nats: dict[int, float] = {}
+    tokens, nbytes = 0, 0.0
     try:
-        for i in range(0, n_win, batch_size):
-            x = stream[i : i + batch_size].to(device)
+        for b in range(part, math.ceil(len(stream) / batch_size), parts):
+            x = stream[b * batch_size : (b + 1) * batch_size].to(device)
             logits = model(input_ids=x).logits[:, :-1].float()
             target = x[:, 1:]
             ce = F.cross_entropy(
-                logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="sum"
+                logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="none"
             )
-            nats += float(ce)
+            batch_nats[b] = float(ce.double().sum())
             tokens += target.numel()
             nbytes += float(tb[target.reshape(-1).cpu()].sum())
     finally:
         model.train(was_training)
-    return {"loss": nats / tokens, "bits_per_byte": nats / math.log(2) / max(nbytes, 1.0)}
+    return HeldoutSums(batch_nats=batch_nats, tokens=tokens, bytes=nbytes)
+
+
+def heldout_scores(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    texts: Sequence[str],
+    *,
+    seq_len: int,
+    max_tokens: int = 16384,
+    batch_size: int = 8,
+) -> dict[str, float]:
+    """Mean next-token loss (nats) and bits per byte over ``texts`` (one rank scores
+    every window). Bits per byte = summed nats / ln 2 / UTF-8 bytes of the predicted
+    tokens, which compares models with different tokenizers."""
+    return heldout_sums(
+        model, tokenizer, texts, seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size
+    ).scores()

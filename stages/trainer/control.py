@@ -10,6 +10,8 @@ from typing import Any, Literal
 from stages.trainer.config import TrainStageConfig
 
 CommandKind = Literal["resume", "restore", "next_phase"]
+# Token shards by data role; each phase's mix reads the roles it names.
+RoleShards = dict[str, list[str]]
 
 
 @dataclass
@@ -22,8 +24,6 @@ class WorkerSpec:
     config: TrainStageConfig
     lighthouse_addr: str
     checkpoint_dir: str
-    # Token shards by data role; each phase's mix reads the roles it names.
-    role_shards: dict[str, list[str]] = field(default_factory=dict)
     # Rank 0 of a multi-rank group hosts the group's TCPStore; others get it here.
     store_addr: str = "127.0.0.1"
     store_port: int = 0
@@ -42,10 +42,13 @@ class Control:
     command: tuple[CommandKind, dict[str, Any]] | None = None
     # A spare is told which replica group to become.
     activate_group: int | None = None
+    # The run's token shards: a rank is started (model built, group joined) before
+    # the run's data exists, and waits for them before its first phase.
+    role_shards: RoleShards | None = None
 
     def send(
         self,
-        kind: Literal["resume", "restore", "next_phase", "stop", "pause", "go", "activate"],
+        kind: Literal["resume", "restore", "next_phase", "stop", "pause", "go", "activate", "data"],
         **params: Any,
     ) -> None:
         with self.cond:
@@ -56,6 +59,9 @@ class Control:
                 self.go.set()
             elif kind == "activate":
                 self.activate_group = int(params["group"])
+            elif kind == "data":
+                shards = params["role_shards"]
+                self.role_shards = {str(r): [str(p) for p in ps] for r, ps in shards.items()}
             elif kind == "pause":
                 self.pause = True
             else:
@@ -66,6 +72,11 @@ class Control:
         with self.cond:
             self.cond.wait_for(lambda: self.stop or self.activate_group is not None)
             return None if self.stop else self.activate_group
+
+    def wait_data(self) -> RoleShards | None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.stop or self.role_shards is not None)
+            return None if self.stop else self.role_shards
 
     def wait_command(self) -> tuple[str, dict[str, Any]]:
         with self.cond:

@@ -64,7 +64,7 @@ class TrainingEngine:
         *,
         run_id: str,
         checkpoint_dir: Path,
-        role_shards: dict[str, list[str]],
+        role_shards: dict[str, list[str]] | None,
         emit: Callable[[Event], None],
         cancel_event: threading.Event,
         wait_decision: Callable[[str, float], str | None],
@@ -74,7 +74,12 @@ class TrainingEngine:
     ):
         self.cfg = cfg
         self.plan = cfg.plan
-        self.role_shards = dict(role_shards)
+        # None: the run's data is not ready yet; the fleet starts and warms up anyway,
+        # and every rank gets the shards (``supply_data``) when they are.
+        self.role_shards = dict(role_shards) if role_shards is not None else None
+        self._data_sent: dict[tuple[int, int], int] = {}  # rank -> pid that got the data
+        self._starting: threading.Thread | None = None
+        self._start_error: BaseException | None = None
         self.ft = cfg.fault_tolerance
         self.run_id = run_id
         self.checkpoint_dir = checkpoint_dir
@@ -132,6 +137,33 @@ class TrainingEngine:
             event.stage = "train"
         self.emit_fn(event)
 
+    def start_in_background(self) -> None:
+        """Place and start the fleet while the caller goes on (data prep, tokenizing);
+        ``run`` waits for it."""
+        if self._starting is None:
+            self._starting = threading.Thread(
+                target=self._start_catching, name="fleet-start", daemon=True
+            )
+            self._starting.start()
+
+    def _start_catching(self) -> None:
+        try:
+            self.start()
+        except BaseException as e:  # re-raised by run() in the caller's thread
+            self._start_error = e
+
+    def _await_start(self) -> None:
+        self.start_in_background()
+        assert self._starting is not None
+        self._starting.join()
+        if self._start_error is not None:
+            raise self._start_error
+
+    def supply_data(self, role_shards: dict[str, list[str]]) -> None:
+        """The run's token shards: sent to every rank waiting for them (at its next
+        poll, and again to a process Ray restarted)."""
+        self.role_shards = dict(role_shards)
+
     def start(self) -> None:
         import ray
 
@@ -170,7 +202,6 @@ class TrainingEngine:
             config=self.cfg,
             lighthouse_addr=self._lh_addr,
             checkpoint_dir=str(self.checkpoint_dir),
-            role_shards=self.role_shards,
         )
         world = self.cfg.replica_groups * self.cfg.ranks_per_group
         index = (
@@ -220,8 +251,12 @@ class TrainingEngine:
         return True
 
     def shutdown(self) -> None:
-        """Kill every actor this engine made (cancel, finish or failure)."""
+        """Kill every actor this engine made (cancel, finish or failure; a fleet still
+        being placed is first let finish, so no actor outlives this)."""
         import ray
+
+        if self._starting is not None:
+            self._starting.join()
 
         for actor in [*self.actors.values(), *self.spares.values(), self.lighthouse]:
             if actor is None:
@@ -323,6 +358,13 @@ class TrainingEngine:
             self.actors[key].command.remote("activate", {"group": g})
         if status["phase"] == "ready":
             self._ready.add(key)
+        if (
+            status["phase"] == "awaiting_data"
+            and self.role_shards is not None
+            and self._data_sent.get(key) != status["pid"]
+        ):
+            self._data_sent[key] = status["pid"]
+            self.actors[key].command.remote("data", {"role_shards": self.role_shards})
         grp.last_ok = now
         grp.lost_since_poll_fail = None
         if grp.pid is not None and status["pid"] != grp.pid and rank == 0:
@@ -547,8 +589,10 @@ class TrainingEngine:
 
     # --- the supervision loop ---------------------------------------------------------
     def run(self) -> EngineResult:
-        self.start()
         try:
+            self._await_start()
+            if self.role_shards is None:
+                raise ItoError(ErrorCode.internal_error, "the engine ran before its data")
             while True:
                 if self.cancel_event.is_set():
                     raise RunCancelled()
@@ -595,10 +639,21 @@ class TrainingEngine:
 
     def evaluate_on_rank(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Run a phase's battery and export on rank 0 of the lowest live group (its
-        loop waits at the phase's end); returns ``PhaseEvalReply`` as JSON."""
+        loop waits at the phase's end), the held-out windows split over rank 0 of
+        every live group and their sums reduced here; returns ``PhaseEvalReply``."""
         import ray
 
+        from stages.evals.heldout import HeldoutSums, reduce_sums
+        from stages.trainer.phase_eval import PhaseEvalRequest
+
         live = [g.index for g in self.groups if g.lost_at is None] or [0]
+        if PhaseEvalRequest.model_validate(request).needs_heldout():
+            refs = [
+                self.actors[(g, 0)].heldout_share.remote(request, part, len(live))
+                for part, g in enumerate(sorted(live))
+            ]
+            shares = [HeldoutSums.model_validate(s) for s in ray.get(refs, timeout=timeout_s)]
+            request = {**request, "heldout_sums": reduce_sums(shares).model_dump(mode="json")}
         ref = self.actors[(min(live), 0)].evaluate_phase.remote(request)
         reply: dict[str, Any] = ray.get(ref, timeout=timeout_s)
         return reply

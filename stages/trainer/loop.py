@@ -107,6 +107,8 @@ class TrainLoop:
         self.status = status  # shared with the actor: read by the driver's polls
         self.is_reporter = spec.rank == 0  # each group's rank 0 reports events
         self.windows: list[Window] = []
+        # The run's token shards by data role, from the driver once its data is ready.
+        self.role_shards: dict[str, list[str]] = {}
         self.started_at = time.time()
         self.phase: PhasePlan = self.plan.phases[0]
         self.healed = False
@@ -177,20 +179,14 @@ class TrainLoop:
         ``MixedLoader`` behind the lm objective), LR schedule and RoPE base. Model,
         optimizer and a post-training objective (one phase) stay."""
         from stages.trainer.mix import MixedLoader
-        from stages.trainer.model import set_rope_theta
 
         self.phase = phase
-        # None keeps the base in use (a planned curriculum names one for every phase
-        # when the preset has one).
-        if phase.rope_theta is not None and phase.rope_theta != self._rope_theta:
-            set_rope_theta(self.model, phase.rope_theta)
-            self._rope_theta = phase.rope_theta
+        self.set_rope_base(phase)
         self.status.update(phase_name=phase.name)
         if self.cfg.objective.kind != "lm":
             return
-        spec = self.spec
         self.loader = MixedLoader(
-            {r: [Path(p) for p in ps] for r, ps in spec.role_shards.items()},
+            {r: [Path(p) for p in ps] for r, ps in self.role_shards.items()},
             dict(phase.data_weights),
             seq_len=phase.seq_len,
             micro_batch=self.cfg.micro_batch_at(phase.seq_len),
@@ -202,6 +198,15 @@ class TrainLoop:
         self.objective = LanguageModelObjective(self.loader)
         if getattr(self, "train_state", None) is not None:
             self.train_state.loader = self.loader
+
+    def set_rope_base(self, phase: PhasePlan) -> None:
+        """The phase's RoPE base. None keeps the base in use (a planned curriculum names
+        one for every phase when the preset has one)."""
+        from stages.trainer.model import set_rope_theta
+
+        if phase.rope_theta is not None and phase.rope_theta != self._rope_theta:
+            set_rope_theta(self.model, phase.rope_theta)
+            self._rope_theta = phase.rope_theta
 
     @property
     def dp_rank(self) -> int:
@@ -235,7 +240,8 @@ class TrainLoop:
             if not self.setup.wait_as_spare():
                 return
             restarted = True  # joins a running job: heal, no start barrier
-        self.setup.join()
+        if not self.setup.join():
+            return self._finish()  # stopped before the run's data was ready
         self.status.update(phase="ready")
         if not restarted:
             self.control.go.wait()

@@ -1,13 +1,17 @@
-"""A phase's eval battery and HF export, run on a trainer rank while the fleet waits
-at the phase's end (never in the driver).
+"""A phase's eval battery and HF export, run on trainer ranks while the fleet waits at
+the phase's end (never in the driver).
 
-Rank 0 of the lowest live replica group evaluates. A single-rank group holds the
-whole live model: the battery and ``save_pretrained`` run on it directly (it is
-bit-identical to the closing checkpoint: nothing updated it since the save). A rank
-whose model is laid out over several ranks (FSDP2, TP, PP), recomputes activations
-or runs fp8 linears loads the closing checkpoint into a fresh, plain model in its
-own process instead (``load_phase_model``). Either way the scores are those of the
-closing checkpoint, and the driver only sees numbers and paths.
+Held-out loss and bits per byte are split over the data-parallel ranks: rank 0 of
+every live replica group scores its share of the held-out windows
+(``heldout_share``) and the engine adds the sums up (``stages.evals.heldout``); the
+rest of the battery and the export run on rank 0 of the lowest live replica group.
+A single-rank group holds the whole live model: the battery and ``save_pretrained``
+run on it directly (it is bit-identical to the closing checkpoint: nothing updated
+it since the save). A rank whose model is laid out over several ranks (FSDP2, TP,
+PP), recomputes activations or runs fp8 linears loads the closing checkpoint into a
+fresh, plain model in its own process instead (``load_phase_model``). Either way the
+scores are those of the closing checkpoint, and the driver only sees numbers and
+paths.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pydantic import BaseModel
 from stages.curriculum.plan import PhasePlan
 from stages.errors import ErrorCode, ItoError
 from stages.evals.config import EvalRunSettings
+from stages.evals.heldout import HeldoutSums
 from stages.trainer.config import TrainStageConfig
 
 
@@ -37,6 +42,24 @@ class PhaseEvalRequest(BaseModel):
     export_dir: str
     metadata: dict[str, Any]
     settings: EvalRunSettings
+    # The held-out shares of every data-parallel rank, reduced; None: the battery has
+    # no held-out check (or the evaluating rank scores the whole split).
+    heldout_sums: HeldoutSums | None = None
+
+    def needs_heldout(self) -> bool:
+        from stages.evals.config import load_battery
+
+        battery = self.phase.eval_battery
+        return battery is not None and any(
+            c.kind == "heldout" for c in load_battery(battery).checks
+        )
+
+    def heldout_texts(self) -> list[str]:
+        return [
+            json.loads(line)["text"]
+            for line in Path(self.heldout_path).read_text(encoding="utf-8").splitlines()
+            if line.strip()
+        ]
 
 
 class PhaseEvalReply(BaseModel):
@@ -91,23 +114,46 @@ def evaluate_on_rank(
     result: dict[str, Any] = {}
     try:
         if req.phase.eval_battery is not None:
-            heldout = [
-                json.loads(line)["text"]
-                for line in Path(req.heldout_path).read_text(encoding="utf-8").splitlines()
-                if line.strip()
-            ]
             result = run_battery(
                 model,
                 tokenizer,
                 req.phase.eval_battery,
-                heldout,
+                req.heldout_texts() if req.heldout_sums is None else [],
                 seq_len=req.phase.seq_len,
                 phase=req.phase.name,
                 step=req.step,
                 settings=req.settings,
                 work_dir=Path(req.work_dir),
+                heldout_sums=req.heldout_sums,
             ).model_dump(mode="json")
         export = export_hf(model, tokenizer, Path(req.export_dir), metadata=req.metadata)
     finally:
         model.train(was_training)
     return PhaseEvalReply(result=result, export=str(export), live_model=live is not None)
+
+
+def heldout_share(
+    req: PhaseEvalRequest,
+    *,
+    cfg: TrainStageConfig,
+    live: torch.nn.Module | None,
+    part: int,
+    parts: int,
+) -> HeldoutSums:
+    """This data-parallel rank's share of the phase's held-out windows, scored on its
+    live model (or the closing checkpoint, as ``evaluate_on_rank`` chooses)."""
+    from stages.evals.heldout import heldout_sums
+    from stages.hf import load_tokenizer
+
+    model = live if live is not None else load_phase_model(cfg, req.phase, req.checkpoint)
+    s = req.settings
+    return heldout_sums(
+        model,
+        load_tokenizer(req.tokenizer_dir),
+        req.heldout_texts(),
+        seq_len=s.heldout_seq_len or req.phase.seq_len,
+        max_tokens=s.heldout_max_tokens,
+        batch_size=s.batch_size,
+        part=part,
+        parts=parts,
+    )

@@ -48,12 +48,12 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 class CurriculumRunner:
-    def __init__(self, cfg: TrainStageConfig, ctx: StageContext, ckpt_dir: Path, data: PhaseData):
+    def __init__(self, cfg: TrainStageConfig, ctx: StageContext, ckpt_dir: Path):
         self.cfg = cfg
         self.plan = cfg.plan
         self.ctx = ctx
         self.ckpt_dir = ckpt_dir
-        self.data = data
+        self.data: PhaseData | None = None  # the run's data, once it is prepared
         self.steps = 0
         self.tokens = 0
         self.interruptions = 0
@@ -67,11 +67,55 @@ class CurriculumRunner:
         self._failed: Any = None
         self.engine: Any = None
 
+    @property
+    def _tokenizer_dir(self) -> Path:
+        assert self.data is not None, "run() is given the data"
+        return self.data.tokenizer_dir
+
     def log(self, message: str, level: Any = "info") -> None:
         self.ctx.emit(LogEvent(stage=STAGE, level=level, message=message))
 
-    def run(self) -> GateOutcome:
+    def first_undecided(self) -> PhasePlan | None:
+        """The phase training resumes in: the first without a gate record, unless an
+        earlier decided gate failed (then nothing trains)."""
+        for phase in self.plan.phases:
+            rec = read_gate(self.ckpt_dir, phase)
+            if rec is None:
+                return phase
+            if not rec["decision"]["passed"]:
+                return None
+        return None
+
+    def start_fleet(self) -> None:
+        """Place and warm the fleet for the phases left (model built, groups joined)
+        while the run's data is still being prepared; ``run`` hands it the data."""
+        from stages.trainer.engine import TrainingEngine
+
+        first = self.first_undecided()
+        if first is None or self.engine is not None:
+            return
+        self.engine = TrainingEngine(
+            self.cfg,
+            run_id=self.ctx.run_id,
+            checkpoint_dir=self.ckpt_dir,
+            role_shards=None,
+            emit=self.ctx.emit,
+            cancel_event=self.ctx.cancel_event,
+            wait_decision=self.ctx.wait_decision,
+            facts=self.ctx.facts,
+            on_phase_end=self._phase_end,
+            decided={p.index for p in self.plan.phases[: first.index]},
+        )
+        self.engine.start_in_background()
+
+    def shutdown(self) -> None:
+        """Tear the fleet down (the engine's own run does it too; idempotent)."""
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    def run(self, data: PhaseData) -> GateOutcome:
         """Decided gates first (a relaunch), then one engine run for the rest."""
+        self.data = data
         todo = None
         for phase in self.plan.phases:
             if self.ctx.cancelled:
@@ -112,8 +156,7 @@ class CurriculumRunner:
 
     # --- training ---------------------------------------------------------------------
     def _train(self, first: PhasePlan) -> None:
-        from stages.trainer.engine import TrainingEngine
-
+        assert self.data is not None
         latest = list_checkpoints(self.ckpt_dir)
         at = max(latest[-1].step if latest else 0, first.start_step)
         self.log(
@@ -127,18 +170,9 @@ class CurriculumRunner:
                 f"peak lr {phase.peak_lr:g} ({phase.lr_schedule}), rope_theta "
                 f"{phase.rope_theta}"
             )
-        self.engine = TrainingEngine(
-            self.cfg,
-            run_id=self.ctx.run_id,
-            checkpoint_dir=self.ckpt_dir,
-            role_shards=self.data.role_shards,
-            emit=self.ctx.emit,
-            cancel_event=self.ctx.cancel_event,
-            wait_decision=self.ctx.wait_decision,
-            facts=self.ctx.facts,
-            on_phase_end=self._phase_end,
-            decided={p.index for p in self.plan.phases[: first.index]},
-        )
+        self.start_fleet()  # already placed and warming when the stage was prestarted
+        assert self.engine is not None
+        self.engine.supply_data(self.data.role_shards)
         result = self.engine.run()
         self.steps = max(self.steps, result.steps)
         self.tokens += result.tokens
@@ -220,7 +254,7 @@ class CurriculumRunner:
             checkpoint=closing.path,
             step=closing.step,
             heldout_path=str(self.ctx.workdir / "phase_data" / HELDOUT_NAME),
-            tokenizer_dir=str(self.data.tokenizer_dir),
+            tokenizer_dir=str(self._tokenizer_dir),
             work_dir=str(self.ctx.workdir),
             export_dir=str(self.ckpt_dir / "hf" / phase.name),
             metadata={"run_id": self.ctx.run_id, "phase": phase.name, "step": closing.step},
@@ -303,7 +337,7 @@ class CurriculumRunner:
         artifacts: dict[str, Any] = {
             "checkpoint_dir": str(self.ckpt_dir),
             "phases": self.phases,
-            "tokenizer_dir": str(self.data.tokenizer_dir),
+            "tokenizer_dir": str(self._tokenizer_dir),
             "proposals": self.proposals,
             "final_checkpoint": self.phases[-1]["checkpoint"] if self.phases else None,
             # The last phase's HF export: what post-training starts from.

@@ -238,23 +238,45 @@ class ReplicaWorker:
     def evaluate_phase(self, request: dict[str, Any]) -> dict[str, Any]:
         """The phase's battery and HF export on this rank, while its loop waits at the
         phase's end (stages.trainer.phase_eval)."""
+        from stages.trainer.phase_eval import evaluate_on_rank
+
+        req = self._at_phase_end(request)
+        return evaluate_on_rank(req, cfg=self.loop.cfg, live=self._live_model()).model_dump(
+            mode="json"
+        )
+
+    def heldout_share(self, request: dict[str, Any], part: int, parts: int) -> dict[str, Any]:
+        """This rank's share of the phase's held-out windows, as sums the driver adds up
+        over the data-parallel ranks (stages.trainer.phase_eval)."""
+        from stages.trainer.phase_eval import heldout_share
+
+        req = self._at_phase_end(request)
+        live = self._live_model()
+        sums = heldout_share(req, cfg=self.loop.cfg, live=live, part=part, parts=parts)
+        return sums.model_dump(mode="json")
+
+    def _at_phase_end(self, request: dict[str, Any]) -> Any:
         from stages.errors import ErrorCode, ItoError
-        from stages.trainer.phase_eval import PhaseEvalRequest, evaluate_on_rank
+        from stages.trainer.phase_eval import PhaseEvalRequest
 
         req = PhaseEvalRequest.model_validate(request)
         if self.status.get("boundary") != req.phase.index:
             raise ItoError(
                 ErrorCode.invalid_state, f"rank is not waiting at the end of phase {req.phase.name}"
             )
+        return req
+
+    def _live_model(self) -> Any:
+        """This rank's model when it can serve an evaluation as it is (one whole, plain
+        model), else None (phase_eval loads the closing checkpoint)."""
         loop = self.loop
-        live = (
-            None
-            if loop.sharded
+        if (
+            loop.sharded
             or loop.cfg.layout.activation_checkpointing != "none"
             or loop.parallel.fp8_linears
-            else loop.model
-        )
-        return evaluate_on_rank(req, cfg=loop.cfg, live=live).model_dump(mode="json")
+        ):
+            return None
+        return loop.model
 
     def _pin(self, group: int) -> None:
         cfg = self.spec.config

@@ -105,9 +105,11 @@ class RankSetup:
         loop.status.update(group=group, restarted=True)
         return True
 
-    def join(self) -> None:
-        """Join replica group ``spec.replica_group``: the first phase's data, torchft
-        Manager, checkpoints (and resume from the newest one, in its phase)."""
+    def join(self) -> bool:
+        """Join replica group ``spec.replica_group``: process groups, torchft Manager,
+        checkpoints; then wait for the run's data (the fleet is started while data
+        prep runs), enter the first phase and resume from the newest checkpoint, in
+        its phase. False: the run stopped before its data was ready."""
         from torchft.optim import OptimizerWrapper
 
         from stages.checkpointing.checkpointer import Checkpointer
@@ -115,7 +117,8 @@ class RankSetup:
         from stages.trainer.train_state import TrainState
 
         loop, spec, cfg = self.loop, self.loop.spec, self.loop.cfg
-        loop.enter_phase(loop.plan.phases[0])
+        # The first phase's RoPE base on the plain model, before any layout wraps it.
+        loop.set_rope_base(loop.plan.phases[0])
         store_addr, store_port = spec.store_addr, spec.store_port
         self.store = None
         if store_port == 0:
@@ -162,7 +165,14 @@ class RankSetup:
             update={"storage_uri": f"file://{Path(spec.checkpoint_dir).resolve()}"}
         )
         loop.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}", process_group=ckpt_pg)
+        loop.status.update(phase="awaiting_data")
+        shards = loop.control.wait_data()
+        if shards is None:
+            return False
+        loop.role_shards = shards
+        loop.enter_phase(loop.plan.phases[0])
         self._resume()
+        return True
 
     def _resume(self) -> None:
         from stages.errors import ItoError

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from stages.base import GateOutcome, StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.trainer.config import TrainStageConfig
+
+if TYPE_CHECKING:
+    from stages.trainer.phases import CurriculumRunner
 
 
 def resolve_train_files(cfg: TrainStageConfig, ctx: StageContext) -> list[Path]:
@@ -41,6 +44,9 @@ class TrainingStage:
         # The account's data and checkpoint roots, from the supervisor (never the
         # manifest): a named checkpoint or tokenizer folder must lie inside them.
         self.model_roots = tuple(model_roots)
+        self._prestarted = False
+        self._prestart_error: ItoError | None = None
+        self._runner: CurriculumRunner | None = None
 
     def pin_inputs(self, ctx: StageContext) -> TrainStageConfig:
         """The config with ``model.checkpoint_path`` and ``model.tokenizer_path`` pointing
@@ -80,26 +86,49 @@ class TrainingStage:
     def checkpoint_dir(self, ctx: StageContext) -> Path:
         return Path(self.config.checkpoint.storage_path) / ctx.run_id
 
-    def run(self, ctx: StageContext) -> GateOutcome:
-        """One path: the pinned inputs, data (held-out split, tokenizer, shards by role),
-        then the plan's phases in one fleet; a run without a curriculum is a one-phase
-        plan."""
+    def prestart(self, ctx: StageContext) -> None:
+        """Pin the inputs and place the fleet (lighthouse, ranks: imports, model build,
+        process groups, torchft Managers) without waiting for it, so it warms up while
+        data prep and tokenizing run. ``run`` calls it too (a no-op when the driver
+        already did); a failure here is reported by ``run``."""
+        if self._prestarted:
+            return
+        self._prestarted = True
         try:
-            cfg = self.pin_inputs(ctx)
-        except ItoError as e:
-            return GateOutcome(
-                stage=self.name, status="failed", reason=e.message, error_code=e.code.value
-            )
-        from stages.presets import load_model_preset
-        from stages.trainer.engine import RunCancelled
-        from stages.trainer.layout import check_runnable
-        from stages.trainer.phase_data import prepare_phase_data
-        from stages.trainer.phases import CurriculumRunner
+            from stages.trainer.layout import check_runnable
+            from stages.trainer.phases import CurriculumRunner
 
-        try:
+            cfg = self.pin_inputs(ctx)
             # What the device cannot run fails here, before any worker starts; each
             # worker checks again against its GPU's compute capability.
             check_runnable(cfg.layout, cfg.device)
+            ckpt_dir = self.checkpoint_dir(ctx)
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            self._runner = CurriculumRunner(cfg, ctx, ckpt_dir)
+            self._runner.start_fleet()
+        except ItoError as e:
+            self._prestart_error = e
+
+    def abandon(self) -> None:
+        """The run ends before this stage ran (a failed gate upstream, a cancel): tear
+        down the fleet ``prestart`` placed."""
+        if self._runner is not None:
+            self._runner.shutdown()
+
+    def run(self, ctx: StageContext) -> GateOutcome:
+        """One path: the pinned inputs and the fleet (placed by ``prestart``), the data
+        (held-out split, tokenizer, shards by role), then the plan's phases in that one
+        fleet; a run without a curriculum is a one-phase plan."""
+        from stages.presets import load_model_preset
+        from stages.trainer.engine import RunCancelled
+        from stages.trainer.phase_data import prepare_phase_data
+
+        try:
+            self.prestart(ctx)
+            if self._prestart_error is not None:
+                raise self._prestart_error
+            assert self._runner is not None
+            cfg = self._runner.cfg
             preset = load_model_preset(cfg.model.preset)
             data = prepare_phase_data(
                 resolve_files_by_role(cfg, ctx),
@@ -111,9 +140,7 @@ class TrainingStage:
                 tokenizer_path=cfg.model.tokenizer_path,
                 model_max_length=preset.max_position_embeddings,
             )
-            ckpt_dir = self.checkpoint_dir(ctx)
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            return CurriculumRunner(cfg, ctx, ckpt_dir, data).run()
+            return self._runner.run(data)
         except RunCancelled:
             return GateOutcome(
                 stage=self.name,
@@ -125,3 +152,5 @@ class TrainingStage:
             return GateOutcome(
                 stage=self.name, status="failed", reason=e.message, error_code=e.code.value
             )
+        finally:
+            self.abandon()  # a failure before the engine ran must not leave the fleet up

@@ -179,3 +179,35 @@ def test_battery_registry(tmp_path: Path) -> None:
     items, _infos = load_eval_items(["smoke"])
     assert len(items) == 8 + 12 and {i.suite for i in items} == {"smoke"}
     assert json.loads((configs_dir() / "evals" / "smoke.json").read_text())["checks"]
+
+
+def test_heldout_shares_of_the_data_parallel_ranks_reduce_to_the_one_rank_score(
+    lm: tuple[Any, Any],
+) -> None:
+    """Each rank scores every ``parts``-th batch; the reduced sums (after the JSON trip
+    they make from the ranks to the driver) give exactly the one-rank score."""
+    from stages.evals.heldout import HeldoutSums, heldout_scores, heldout_sums, reduce_sums
+
+    model, tok = lm
+    one = heldout_scores(model, tok, HELDOUT, seq_len=64, batch_size=2)
+    whole = heldout_sums(model, tok, HELDOUT, seq_len=64, batch_size=2)
+    assert len(whole.batch_nats) > 3
+    for parts in (2, 3):
+        shares = [
+            HeldoutSums.model_validate(
+                json.loads(
+                    heldout_sums(
+                        model, tok, HELDOUT, seq_len=64, batch_size=2, part=p, parts=parts
+                    ).model_dump_json()
+                )
+            )
+            for p in range(parts)
+        ]
+        assert all(0 < len(s.batch_nats) < len(whole.batch_nats) for s in shares)
+        total = reduce_sums(shares)
+        assert sorted(total.batch_nats) == sorted(whole.batch_nats)
+        assert total.tokens == whole.tokens and total.bytes == whole.bytes
+        assert total.scores() == one
+    # A batch counted twice (a rank's share added again) is refused, not averaged in.
+    with pytest.raises(ValueError):
+        reduce_sums([shares[0], shares[0]])
