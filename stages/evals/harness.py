@@ -45,6 +45,17 @@ def materialise(task_yaml: Path, include_dir: Path) -> str:
     return str(spec["task"])
 
 
+def preload() -> None:
+    """Import lm-evaluation-harness ahead of the first battery (seconds on a loaded
+    host: a trainer rank does it while it waits for the run's data, not at the first
+    phase's end, where the whole fleet would wait for it)."""
+    for k, v in _OFFLINE.items():
+        os.environ.setdefault(k, v)
+    import lm_eval  # noqa: F401
+    from lm_eval.models.huggingface import HFLM  # noqa: F401
+    from lm_eval.tasks import TaskManager  # noqa: F401
+
+
 def run_tasks(
     model: torch.nn.Module,
     tokenizer: Any,

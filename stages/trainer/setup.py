@@ -4,6 +4,7 @@ replica group (torchft Manager, checkpoints, resume from the newest one)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -166,6 +167,12 @@ class RankSetup:
         )
         loop.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}", process_group=ckpt_pg)
         loop.status.update(phase="awaiting_data")
+        if spec.rank == 0 and any(p.eval_battery for p in loop.plan.phases):
+            # Any group's rank 0 may evaluate a phase: its harness imports overlap the
+            # wait for data (and training) instead of stalling the first phase switch.
+            from stages.evals.harness import preload
+
+            threading.Thread(target=preload, name="eval-preload", daemon=True).start()
         shards = loop.control.wait_data()
         if shards is None:
             return False
