@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from orchestrator.runtime import launch
-from orchestrator.runtime.driver import RunDriverImpl
+from orchestrator.runtime.driver import RunDriverImpl, StageFactory, StartEarly
 from orchestrator.runtime.launch import LaunchSpec
 from stages.base import GateOutcome, StageContext
 from stages.errors import ErrorCode, ItoError
@@ -151,6 +151,44 @@ def test_cancel_stops_a_running_stage_and_completed_stages_are_skipped(tmp_path:
     d.cancel()
     _wait_state(d, "cancelled")
     assert made == ["b"]
+
+
+class _PrestartableStage(_CountingStage):
+    """Records when the driver prestarts, runs and abandons it."""
+
+    def __init__(self, calls: list[str]):
+        super().__init__(1)
+        self.calls = calls
+
+    def prestart(self, ctx: StageContext) -> None:
+        self.calls.append(f"prestart after {sorted(ctx.previous)}")
+
+    def abandon(self) -> None:
+        self.calls.append("abandon")
+
+    def run(self, ctx: StageContext) -> GateOutcome:
+        self.calls.append("run")
+        return super().run(ctx)
+
+
+@pytest.mark.parametrize("data_status", ["passed", "failed"])
+def test_a_stage_started_early_is_prestarted_after_its_dependency_and_abandoned_unrun(
+    tmp_path: Path, data_status: str
+) -> None:
+    calls: list[str] = []
+    pipeline: list[tuple[str, StageFactory]] = [
+        ("plan", lambda ctx: _CountingStage(0)),
+        ("data", lambda ctx: _CountingStage(0, status=data_status)),
+        ("train", StartEarly(lambda ctx: _PrestartableStage(calls), after="plan")),
+    ]
+    d = RunDriverImpl(
+        _spec(tmp_path).model_dump(), use_ray_metrics=False, pipeline=lambda _s: pipeline
+    )
+    d.start()
+    _wait_state(d, "succeeded", "failed")
+    # Prestarted once the plan passed, before data ran; the same stage object runs.
+    first = ["prestart after ['plan']"]
+    assert calls == ([*first, "run"] if data_status == "passed" else [*first, "abandon"])
 
 
 def test_operator_overrides_are_a_closed_set() -> None:
