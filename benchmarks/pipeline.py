@@ -119,7 +119,7 @@ def run_preset(preset: str, var_dir: Path, max_steps: int | None = None) -> dict
         doc["training"]["warmup_steps"] = min(doc["training"]["warmup_steps"], max_steps // 2)
         manifest.write_text(json.dumps(doc, indent=2))
 
-    server = demo._start_server(env, db, var_dir, port, demo._free_port(), demo._free_port())
+    server = demo._start_server(env, db, var_dir, port)
     sampler = _RssSampler()
     sampler.start()
     try:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.xdist_groups import embedded_ray_head_group
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -177,20 +176,13 @@ def test_every_benchmark_has_a_smoke_case() -> None:
     assert scripts == {*CASES, "gpu_check.py"}
 
 
-# The pipeline benchmark's server starts an embedded Ray head (helpers.xdist_groups).
-EMBEDDED_HEAD_SCRIPTS = {"pipeline.py"}
-
-
 def _cases() -> list[Any]:
     ray_marks = [pytest.mark.slow, pytest.mark.timeout(BENCH_TIMEOUT_S + 60)]
     return [
         pytest.param(
             script,
             id=script,
-            marks=[
-                *(ray_marks if ray else []),
-                *([embedded_ray_head_group] if script in EMBEDDED_HEAD_SCRIPTS else []),
-            ],
+            marks=ray_marks if ray else [],
         )
         for script, (_, _, ray) in CASES.items()
     ]

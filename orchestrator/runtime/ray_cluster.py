@@ -47,6 +47,9 @@ class RaySettings(BaseModel):
     node_resources: dict[str, float] = Field(default_factory=dict)
     # Ray Client's port on the embedded head (bound to loopback like every other).
     client_server_port: int = Field(default=10001, gt=0, lt=65536)
+    # The dashboard agent's HTTP port on the head's node; 0: any free port. Two heads on
+    # one host (two servers, or CI's test workers) need distinct ports here and above.
+    dashboard_agent_listen_port: int = Field(default=52365, ge=0, lt=65536)
     # Waiting for a freshly started head to accept connections.
     head_start_timeout_s: float = Field(default=90.0, gt=0)
 
@@ -176,6 +179,7 @@ def start_local_head(var_dir: Path, settings: RaySettings) -> str:
         f"--include-dashboard={str(settings.include_dashboard).lower()}",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={settings.dashboard_port}",
+        f"--dashboard-agent-listen-port={settings.dashboard_agent_listen_port}",
     ]
     if settings.num_cpus:
         cmd.append(f"--num-cpus={settings.num_cpus}")

@@ -65,6 +65,11 @@ def ray_backend(
             str(free_port()),
             "--ray-dashboard-port",
             str(dash),
+            # Every port of the head its own: heads of tests on other workers run beside it.
+            "--ray-client-server-port",
+            str(free_port()),
+            "--ray-dashboard-agent-port",
+            str(free_port()),
             "--ray-num-cpus",
             str(RAY_NUM_CPUS),
         ],

@@ -39,6 +39,7 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]
         head_port=free_port(),
         dashboard_port=free_port(),
         client_server_port=free_port(),
+        dashboard_agent_listen_port=free_port(),
         num_cpus=1,
     )
     ray_cluster.start_local_head(var_dir, settings)
@@ -78,6 +79,9 @@ def test_dashboard_and_client_server_listen_on_loopback(
     for port in (settings.dashboard_port,):
         hosts = {h for h, p in bound if p == port}
         assert hosts == {"127.0.0.1"}, (port, hosts)
+    # The head's own ports are the ones it was given, so two heads share a host.
+    for port in (settings.client_server_port, settings.dashboard_agent_listen_port):
+        assert any(p == port for _, p in bound), (port, sorted(p for _, p in bound))
 
 
 def test_temp_root_is_private(head: dict[str, object]) -> None:
