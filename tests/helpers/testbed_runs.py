@@ -19,6 +19,9 @@ from helpers.ray_backend import corpora, ray_backend
 from helpers.runs import api_data, wait_run
 from helpers.tenants import Tenant
 
+# Imported for its side effect: Ray's token auth is configured before ray is imported.
+from orchestrator.runtime import ray_cluster  # noqa: F401
+
 RUN_TIMEOUT_S = 300.0
 # A run's actors are reaped by Ray after its state is final: a hang guard, not a bound.
 ACTORS_GONE_TIMEOUT_S = 120.0
@@ -82,9 +85,9 @@ def last_step(rt: dict[str, Any], run_id: str, tenant: Tenant | None = None) -> 
 
 def run_actors(rt: dict[str, Any], run_id: str) -> list[Any]:
     """The run's live actors (its driver and fleet), from the head's state API."""
+    os.environ["RAY_AUTH_MODE"] = "token"
     from ray.util.state import list_actors
 
-    os.environ["RAY_AUTH_MODE"] = "token"
     actors = list_actors(
         address=f"http://127.0.0.1:{rt['dashboard']}",
         filters=[("state", "=", "ALIVE")],

@@ -122,6 +122,7 @@ def test_loss_spike_proposal_waits_for_approval_through_the_api(rt: dict[str, An
         time.sleep(3.0)
         assert last_step(rt, run_id) == paused_at  # nothing restarts or moves on its own
         assert api_get(rt, f"/v1/runs/{run_id}")["state"] == "awaiting_approval"
+        approved_at = time.time()
         with be.client() as c:
             ref = confirm_ref(
                 c,
@@ -143,8 +144,13 @@ def test_loss_spike_proposal_waits_for_approval_through_the_api(rt: dict[str, An
         assert r.json()["ok"], r.json()
         run = wait_for_run(rt, run_id, lambda r: r["state"] == "succeeded", "succeeded")
         assert run["proposals"][0]["status"] == "approved"
-        logs = api_get(rt, f"/v1/runs/{run_id}/logs?limit=1000")["entries"]
-        assert any("restored checkpoint step 20" in e["message"] for e in logs)
+        # Approved: training went back to the proposal's checkpoint and on from there.
+        after = [
+            e["payload"]["step"]
+            for e in Store(be.db).list_events(run_id, kinds=["step"])
+            if e["payload"]["ts"] > approved_at
+        ]
+        assert after and min(after) == 21 and max(after) == 36, sorted(after)
     finally:
         be.stop()
         be.env = old_env
