@@ -24,6 +24,7 @@ from helpers.backend import Backend, free_port
 from helpers.flows import submit_run
 from helpers.manifests import data_ref, testbed_manifest
 from helpers.postgres import PgServer
+from helpers.ray_local import note_start, start_turn
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
 from helpers.waiting import wait_until
 
@@ -94,7 +95,9 @@ def world(
 
     store = Store(db)
     try:
-        address = ray_cluster.start_local_head(head_dir, head)
+        with start_turn():
+            address = ray_cluster.start_local_head(head_dir, head)
+        note_start("embedded-head", str(head_dir))
         yield {
             "store": store,
             "tenant": tenant,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers.backend import free_port
-from helpers.ray_local import note_start
+from helpers.ray_local import note_start, start_turn
 from helpers.tools import require
 from helpers.xdist_groups import module_group
 
@@ -42,7 +42,8 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]
         dashboard_agent_listen_port=free_port(),
         num_cpus=1,
     )
-    ray_cluster.start_local_head(var_dir, settings)
+    with start_turn():
+        ray_cluster.start_local_head(var_dir, settings)
     note_start("embedded-head", str(var_dir))
     try:
         yield {"var_dir": var_dir, "settings": settings}
