@@ -27,7 +27,7 @@ import httpx
 import pytest
 from helpers.backend import free_port
 from helpers.flows import submit_run
-from helpers.manifests import data_ref, testbed_manifest
+from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
 from helpers.tools import missing, require
 
@@ -184,7 +184,7 @@ def _manifest(tmp: Path) -> dict[str, Any]:
     corpus = tmp / "train.jsonl"
     lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:200]
     corpus.write_text("".join(json.dumps({"text": json.loads(x)["text"]}) + "\n" for x in lines))
-    return testbed_manifest(
+    return cpu_testbed_manifest(
         [data_ref(corpus, license="PSF")],
         tmp / "ckpt",
         steps=30,

@@ -71,7 +71,7 @@ def data_ref(
     }
 
 
-def testbed_manifest(
+def cpu_testbed_manifest(
     refs: list[dict[str, Any]],
     checkpoint_dir: Path,
     *,

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from helpers.flows import submit_run
-from helpers.manifests import data_ref, testbed_manifest
+from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.ray_backend import corpora, ray_backend
 from helpers.runs import api_data, wait_run
 from helpers.tenants import Tenant
@@ -40,11 +39,12 @@ def paced_backend(tmp: Path, booking_id: str) -> Iterator[dict[str, Any]]:
         yield {**rt, "baseline": baseline, "custom": custom}
 
 
-def testbed_run_manifest(rt: dict[str, Any], *, steps: int, **sections: Any) -> dict[str, Any]:
+def run_manifest(
+    rt: dict[str, Any], *, steps: int, name: str | None = None, **sections: Any
+) -> dict[str, Any]:
     """The CPU-testbed manifest on ``rt``'s two corpora."""
     refs = [data_ref(rt["baseline"], "baseline"), data_ref(rt["custom"], "custom")]
-    name = f"run-{uuid.uuid4().hex[:6]}"
-    return testbed_manifest(refs, rt["tmp"] / "ckpt", steps=steps, name=name, **sections)
+    return cpu_testbed_manifest(refs, rt["tmp"] / "ckpt", steps=steps, name=name, **sections)
 
 
 def submit_testbed(
@@ -57,7 +57,7 @@ def submit_testbed(
 ) -> str:
     """Confirm and submit a ``steps``-step testbed run; its run id."""
     t: Tenant = tenant or rt["tenant"]
-    m = testbed_run_manifest(rt, steps=steps, **sections)
+    m = run_manifest(rt, steps=steps, **sections)
     with rt["backend"].client() as c:
         return submit_run(c, t, booking_id or t.booking_id, m)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from helpers.backend import Backend
-from helpers.manifests import data_ref, testbed_manifest, write_manifest
+from helpers.manifests import cpu_testbed_manifest, data_ref, write_manifest
 from helpers.ray_backend import ray_backend
 from helpers.tenants import Tenant
 from helpers.xdist_groups import module_group
@@ -52,7 +52,7 @@ def _manifest(tmp: Path, policy: Path, task: dict[str, Path]) -> dict[str, Any]:
     docs = tmp / "docs.jsonl"
     lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:200]
     docs.write_text("\n".join(lines) + "\n")
-    return testbed_manifest(
+    return cpu_testbed_manifest(
         [_ref(docs, "baseline")],
         tmp / "ckpt",
         steps=4,

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from helpers.backend import Backend
 from helpers.flows import confirm, confirm_ref, submit
-from helpers.manifests import data_ref, testbed_manifest
+from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.ray_backend import corpora, ray_backend
 from helpers.runs import api_data, wait_final
 from helpers.tenants import Tenant
@@ -63,7 +63,7 @@ def _manifest(rt: dict[str, Any], second_gate_max: float) -> dict[str, Any]:
             "gates": [{"metric": "heldout_loss", "max": second_gate_max}],
         },
     ]
-    return testbed_manifest(
+    return cpu_testbed_manifest(
         refs,
         rt["tmp"] / "ckpt",
         steps=12,

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from helpers.backend import Backend, free_port
 from helpers.flows import submit_run
-from helpers.manifests import data_ref, testbed_manifest
+from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.postgres import PgServer
 from helpers.ray_local import note_start, start_turn
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
@@ -116,7 +116,7 @@ def world(
 
 
 def _manifest(corpus: Path, ckpt: Path) -> dict[str, Any]:
-    return testbed_manifest(
+    return cpu_testbed_manifest(
         [data_ref(corpus, license="PSF")],
         ckpt,
         steps=STEPS,

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from helpers.backend import Backend
 from helpers.flows import submit_run
-from helpers.manifests import data_ref, testbed_manifest
+from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.raynodes import LocalCluster
 from helpers.runs import api_data, wait_run
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
@@ -94,7 +94,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 def _submit(env: dict[str, Any], booking: str, steps: int) -> str:
     be: Backend = env["backend"]
     t: Tenant = env["tenant"]
-    m = testbed_manifest([data_ref(env["corpus"], license="PSF")], env["tmp"] / "ckpt", steps=steps)
+    m = cpu_testbed_manifest(
+        [data_ref(env["corpus"], license="PSF")], env["tmp"] / "ckpt", steps=steps
+    )
     with be.client() as c:
         return submit_run(c, t, booking, m)
 

@@ -31,8 +31,8 @@ from helpers.testbed_runs import (
     last_step,
     paced_backend,
     run_actors,
+    run_manifest,
     submit_testbed,
-    testbed_run_manifest,
     wait_for_run,
 )
 from helpers.tools import require
@@ -66,7 +66,7 @@ def test_canary_secret_reaches_no_driver_or_worker_log(rt: dict[str, Any]) -> No
     be.proc = None
     be.start()
     try:
-        m = testbed_run_manifest(rt, steps=10, name=f"run-{uuid.uuid4().hex[:6]}")
+        m = run_manifest(rt, steps=10, name=f"run-{uuid.uuid4().hex[:6]}")
         with be.client() as c:
             ref = confirm_ref(c, t.approver, "train", t.booking_id, manifest=m)
             r = submit(c, t.submitter, t.booking_id, m, ref, canary)
