@@ -88,10 +88,14 @@ def step_train_config(
                 learning_rate=cfg.learning_rate,
                 warmup_steps=0,
                 weight_decay=0.0,
+                adam_betas=cfg.adam_betas,
             ),
-            # Only the step's closing checkpoint (the engine forces one at a phase end).
+            # The recipe's interval, else only the step's closing checkpoint (the engine
+            # forces one at a phase end); two kept: the newest may be mid-write at a kill.
             checkpoint=CheckpointPolicy(
-                interval_steps=steps, keep=1, storage_uri=f"file://{checkpoint_dir.resolve()}"
+                interval_steps=cfg.checkpoint_every_steps or steps,
+                keep=2,
+                storage_uri=f"file://{checkpoint_dir.resolve()}",
             ),
             loss_spike=LossSpikeConfig(enabled=False),
             spare_groups=0,

@@ -202,7 +202,9 @@ class PostTrainingStage:
 
     # -- the chain ---------------------------------------------------------------------
     def run(self, ctx: StageContext) -> GateOutcome:
+        from stages.evals import BatteryResult
         from stages.post_training.hf_io import load_tokenizer
+        from stages.post_training.passed import PassedStep, load_passed, save_passed
         from stages.trainer.engine import RunCancelled
 
         try:
@@ -222,6 +224,15 @@ class PostTrainingStage:
                         reason="cancelled",
                         error_code=ErrorCode.invalid_state.value,
                     )
+                done = load_passed(out, step)
+                if done is not None:  # an earlier attempt of this run passed it
+                    current = Path(done.hf_model_dir)
+                    results[step] = done.model_dump(mode="json", exclude_none=True)
+                    metrics.update({f"{step}_{k}": v for k, v in done.metrics.items()})
+                    if done.battery is not None:
+                        battery = BatteryResult.model_validate(done.battery)
+                    ctx.log(f"post_training {step}: already passed ({current})", stage=self.name)
+                    continue
                 t0 = time.time()
                 ctx.log(f"post_training {step}: started from {current.name}", stage=self.name)
                 m, current, scored = self._run_step(step, ctx, tok, rows[step], out, current)
@@ -240,6 +251,8 @@ class PostTrainingStage:
                     f"; saved {current}",
                     stage=self.name,
                 )
+                if not failed:
+                    save_passed(out, step, PassedStep.model_validate(results[step]))
                 if failed:
                     return GateOutcome(
                         stage=self.name,

@@ -81,3 +81,19 @@ def ray_backend(
     finally:
         be.stop()
         ray_cluster.stop_local_head(be.var_dir)
+
+
+def driver_pid(dashboard_port: int, run_id: str) -> int:
+    """The process id of the run's live RunDriver actor (``run-<run_id>``)."""
+    import os
+
+    from ray.util.state import list_actors
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    (driver,) = list_actors(
+        address=f"http://127.0.0.1:{dashboard_port}",
+        filters=[("state", "=", "ALIVE"), ("name", "=", f"run-{run_id}")],
+        detail=True,
+    )
+    assert driver.pid is not None
+    return int(driver.pid)

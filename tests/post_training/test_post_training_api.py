@@ -192,3 +192,69 @@ def test_ito_train_runs_sft_dpo_rlvr_and_the_reward_rises(
     text = httpx.get(be.metrics_url, timeout=30).text
     line = f'ito_run_rollout_samples_per_second{{booking_id="{t.booking_id}",run_id="{run_id}"}}'
     assert line in text
+
+
+def test_a_driver_killed_during_dpo_skips_sft_and_resumes_dpo_from_its_checkpoint(
+    rt: dict[str, Any], tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
+    import os
+    import signal
+
+    from helpers.flows import confirm_ref, submit
+    from helpers.ray_backend import driver_pid
+    from helpers.waiting import wait_until
+
+    from orchestrator.db.store import Store
+    from stages.event_buffer import expand_steps
+
+    be: Backend = rt["backend"]
+    t: Tenant = rt["tenant"]
+    m = _manifest(rt["tmp"], tiny_policy, task_files)
+    m["name"] = "post-training-driver-kill"
+    pt = m["post_training"]
+    del pt["rlvr"]
+    pt["sft"]["steps"] = 2
+    # Long enough that the kill lands inside DPO, checkpointed every 4 steps.
+    pt["dpo"].update(steps=60, checkpoint_every_steps=4, gate=None)
+    with be.client() as c:
+        ref = confirm_ref(c, t.approver, "train", t.booking_id, manifest=m)
+        body = submit(c, t.submitter, t.booking_id, m, ref).json()
+    assert body["ok"], body
+    run_id = body["data"]["run_id"]
+    store = Store(be.db)
+
+    def events(kind: str) -> list[dict[str, Any]]:
+        rows = store.list_events(run_id, kinds=[kind])
+        return [e for r in rows for e in expand_steps(r["payload"])]
+
+    def dpo_checkpoints() -> list[int]:
+        return [
+            int(e["step"])
+            for e in events("checkpoint")
+            if e.get("stage") == "post_training" and e.get("phase") == "dpo"
+        ]
+
+    wait_until(lambda: any(s >= 8 for s in dpo_checkpoints()), RUN_TIMEOUT_S, "a DPO checkpoint")
+    killed_at = time.time()
+    os.kill(driver_pid(rt["dashboard"], run_id), signal.SIGKILL)  # its trainers die with it
+
+    def final() -> dict[str, Any] | None:
+        with be.client(t.submitter) as c:
+            run: dict[str, Any] = c.get(f"/v1/runs/{run_id}").json()["data"]
+        return run if run["state"] in ("succeeded", "failed", "cancelled") else None
+
+    run = wait_until(final, RUN_TIMEOUT_S, "the relaunched run finished", poll_s=1.0)
+    assert run is not None and run["state"] == "succeeded", run
+    steps = [
+        e
+        for e in events("step")
+        if e.get("stage") == "post_training" and e["committed"] and e["ts"] > killed_at
+    ]
+    # Only the relaunched driver's trainers report after the kill: no SFT step (its
+    # export was kept), and DPO goes on from a checkpoint of the first attempt.
+    assert steps and {e["phase"] for e in steps} == {"dpo"}
+    resumed = min(int(e["step"]) for e in steps)
+    assert resumed - 1 in dpo_checkpoints() and resumed - 1 >= 8
+    assert max(int(e["step"]) for e in steps) == 60
+    gate = next(g for g in run["stage_gates"] if g["stage"] == "post_training")
+    assert gate["status"] == "passed" and gate["metrics"]["sft_steps"] == 2.0
