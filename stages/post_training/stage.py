@@ -251,8 +251,6 @@ class PostTrainingStage:
                     f"; saved {current}",
                     stage=self.name,
                 )
-                if not failed:
-                    save_passed(out, step, PassedStep.model_validate(results[step]))
                 if failed:
                     return GateOutcome(
                         stage=self.name,
@@ -262,6 +260,7 @@ class PostTrainingStage:
                         artifacts={"steps": results},
                         error_code=ErrorCode.eval_gate_failed.value,
                     )
+                save_passed(out, step, PassedStep.model_validate(results[step]))
         except RunCancelled:
             return GateOutcome(
                 stage=self.name,

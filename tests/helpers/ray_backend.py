@@ -81,30 +81,3 @@ def ray_backend(
     finally:
         be.stop()
         ray_cluster.stop_local_head(be.var_dir)
-
-
-def driver_pid(dashboard_port: int, run_id: str) -> int:
-    """The process id of the run's live RunDriver actor (``run-<run_id>``), as Ray's
-    state API lists it."""
-    import os
-
-    from ray.util.state import list_actors
-
-    from helpers.waiting import wait_until
-
-    os.environ["RAY_AUTH_MODE"] = "token"
-
-    def find() -> int | None:
-        for a in list_actors(
-            address=f"http://127.0.0.1:{dashboard_port}",
-            filters=[("state", "=", "ALIVE")],
-            limit=10_000,
-            detail=True,
-        ):
-            if a.name == f"run-{run_id}" and a.pid is not None:
-                return int(a.pid)
-        return None
-
-    pid = wait_until(find, RAY_BACKEND_STARTUP_TIMEOUT_S, f"the driver of run {run_id}", 0.5)
-    assert pid is not None
-    return pid
