@@ -2,8 +2,9 @@
 actors (``TrainingEngine`` -> ``ReplicaWorker``) load the policy from the step's HF
 folder, train the step's objective (``stages.post_training.objectives``) with torchft
 and DCP checkpoints, and rank 0 of the lowest live group writes the HF export of the
-final weights at the step's end (``stages.trainer.phase_eval``). The driver only
-builds the config, forwards events and gets a path back."""
+final weights at the step's end and scores the step's gate metrics and battery there
+(``stages.trainer.phase_eval``, ``stages.post_training.step_eval``). The driver only
+builds the config, forwards events and gets a path and numbers back."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from stages.curriculum.plan import CurriculumPlan, PhasePlan
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event
 from stages.post_training.config import DPOConfig, SFTConfig
+from stages.post_training.step_eval import StepEvalReply, StepEvalRequest
 from stages.trainer.config import (
     LossSpikeConfig,
     ModelSpec,
@@ -86,10 +88,14 @@ def step_train_config(
                 learning_rate=cfg.learning_rate,
                 warmup_steps=0,
                 weight_decay=0.0,
+                adam_betas=cfg.adam_betas,
             ),
-            # Only the step's closing checkpoint (the engine forces one at a phase end).
+            # The recipe's interval, else only the step's closing checkpoint (the engine
+            # forces one at a phase end); two kept: the newest may be mid-write at a kill.
             checkpoint=CheckpointPolicy(
-                interval_steps=steps, keep=1, storage_uri=f"file://{checkpoint_dir.resolve()}"
+                interval_steps=cfg.checkpoint_every_steps or steps,
+                keep=2,
+                storage_uri=f"file://{checkpoint_dir.resolve()}",
             ),
             loss_spike=LossSpikeConfig(enabled=False),
             spare_groups=0,
@@ -128,9 +134,10 @@ def run_engine_step(
     export_dir: Path,
     train: TrainStageConfig | None,
     device: Literal["cpu", "cuda"],
-) -> tuple[Path, dict[str, float]]:
-    """Train the step on the engine; returns the HF export of its final weights and
-    the engine's figures. Checkpoints go under ``ctx.workdir/<step>/checkpoints``."""
+) -> tuple[Path, dict[str, float], StepEvalReply]:
+    """Train the step on the engine; returns the HF export of its final weights, the
+    engine's figures and the step's scores from the evaluating rank. Checkpoints go
+    under ``ctx.workdir/<step>/checkpoints``."""
     import ray
 
     from stages.checkpointing.storage import list_checkpoints
@@ -144,16 +151,17 @@ def run_engine_step(
     work = ctx.workdir / kind
     ckpt_dir = work / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    data_path = write_rows(rows, work / "data.jsonl")
     tcfg = step_train_config(
         kind,
         cfg,
         base=base,
-        data_path=write_rows(rows, work / "data.jsonl"),
+        data_path=data_path,
         checkpoint_dir=ckpt_dir,
         train=train,
         device=device,
     )
-    exported: list[str] = []
+    exported: list[PhaseEvalReply] = []
     engine: TrainingEngine
 
     def emit(event: Event) -> None:
@@ -180,11 +188,18 @@ def run_engine_step(
             export_dir=str(export_dir),
             metadata={"run_id": ctx.run_id, "step": kind},
             settings=tcfg.evals,
+            post_training=StepEvalRequest(
+                kind=kind,
+                rows_path=str(data_path),
+                base_dir=str(base),
+                battery=cfg.eval.battery,
+                phase=f"{stage}.{kind}",
+            ),
         )
         reply = PhaseEvalReply.model_validate(
             engine.evaluate_on_rank(req.model_dump(mode="json"), tcfg.evals.rank_eval_timeout_s)
         )
-        exported.append(reply.export)
+        exported.append(reply)
         return True
 
     engine = TrainingEngine(
@@ -207,4 +222,6 @@ def run_engine_step(
     figures = {"steps": float(result.steps), "interruptions": float(result.interruptions)}
     if result.final_loss is not None:
         figures["final_loss"] = float(result.final_loss)
-    return Path(exported[-1]), figures
+    scores = exported[-1].post_training
+    assert scores is not None  # asked for in every request
+    return Path(exported[-1].export), figures, scores

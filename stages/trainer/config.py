@@ -54,6 +54,9 @@ MAX_BATCH_TOKENS = 1 << 30
 MAX_SEQ_LEN = 1 << 21
 
 
+AdamBeta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
+
+
 class TrainingTarget(StrictModel):
     max_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
     target_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)
@@ -63,6 +66,9 @@ class TrainingTarget(StrictModel):
     warmup_steps: int = Field(default=10, ge=0, le=MAX_STEPS)
     weight_decay: float = Field(default=0.1, ge=0, le=10, allow_inf_nan=False)
     grad_clip: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
+    # AdamW's (beta1, beta2): pretraining's usual 0.95; post-training steps pass the
+    # recipe's (trl's default 0.999).
+    adam_betas: tuple[AdamBeta, AdamBeta] = Field(default=(0.9, 0.95), max_length=2)
     seed: int = Field(default=0, ge=0, lt=2**63)
     deterministic: bool = True
 

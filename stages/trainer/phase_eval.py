@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from stages.curriculum.plan import PhasePlan
 from stages.errors import ErrorCode, ItoError
 from stages.evals.config import EvalRunSettings
+from stages.post_training.step_eval import StepEvalReply, StepEvalRequest, evaluate_step
 from stages.trainer.config import TrainStageConfig
 
 
@@ -37,12 +38,15 @@ class PhaseEvalRequest(BaseModel):
     export_dir: str
     metadata: dict[str, Any]
     settings: EvalRunSettings
+    # A post-training step: its gate metrics and battery, scored here too.
+    post_training: StepEvalRequest | None = None
 
 
 class PhaseEvalReply(BaseModel):
     result: dict[str, Any]  # a BatteryResult, as JSON; empty: the phase has no battery
     export: str
     live_model: bool
+    post_training: StepEvalReply | None = None
 
 
 def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -> Any:
@@ -80,8 +84,9 @@ def evaluate_on_rank(
     req: PhaseEvalRequest, *, cfg: TrainStageConfig, live: torch.nn.Module | None
 ) -> PhaseEvalReply:
     """Run the phase's battery (a phase without one, e.g. a post-training step, is only
-    exported: ``result`` is empty) and write its HF export; ``live`` is this rank's whole
-    model when it can serve (see the module docstring), else None."""
+    exported: ``result`` is empty), a post-training step's own scores, and write its HF
+    export; ``live`` is this rank's whole model when it can serve (see the module
+    docstring), else None."""
     from stages.evals import run_battery
     from stages.hf import export_hf, load_tokenizer
 
@@ -89,6 +94,7 @@ def evaluate_on_rank(
     tokenizer = load_tokenizer(req.tokenizer_dir)
     was_training = model.training
     result: dict[str, Any] = {}
+    step: StepEvalReply | None = None
     try:
         if req.phase.eval_battery is not None:
             heldout = [
@@ -108,6 +114,16 @@ def evaluate_on_rank(
                 work_dir=Path(req.work_dir),
             ).model_dump(mode="json")
         export = export_hf(model, tokenizer, Path(req.export_dir), metadata=req.metadata)
+        if req.post_training is not None:
+            step = evaluate_step(
+                req.post_training,
+                model,
+                tokenizer,
+                settings=req.settings,
+                work_dir=Path(req.work_dir),
+            )
     finally:
         model.train(was_training)
-    return PhaseEvalReply(result=result, export=str(export), live_model=live is not None)
+    return PhaseEvalReply(
+        result=result, export=str(export), live_model=live is not None, post_training=step
+    )
