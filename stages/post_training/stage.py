@@ -355,20 +355,23 @@ class PostTrainingStage:
         assert recipe.rlvr is not None
         # Workers build the architecture from this folder; the weights come as version 0.
         init = Path(save(model, tok, out / "rlvr-init"))
-        m = self._run_rlvr(recipe.rlvr, ctx, model, tok, rows, init)
-        return m, model, Path(save(model, tok, out / step, run_id=ctx.run_id, step=step))
+        m, exported = self._run_rlvr(recipe.rlvr, ctx, tok, rows, init, out / step)
+        return m, load_model(exported), exported
 
     def _run_rlvr(
         self,
         cfg: RLVRConfig,
         ctx: StageContext,
-        model: Any,
         tok: Any,
         rows: list[dict[str, Any]],
         init: Path,
-    ) -> dict[str, float]:
+        export_dir: Path,
+    ) -> tuple[dict[str, float], Path]:
+        """The rollout fleet on the driver's side, the learner on the engine's replica
+        groups (``stages.post_training.learner``): (gate metrics, the HF export)."""
+        from stages.post_training.learner import run_rlvr_on_engine
         from stages.post_training.pools import LocalPool, RayPool
-        from stages.post_training.rl import GRPOLearner, RequestMaker, run_rlvr
+        from stages.post_training.rl import RequestMaker
         from stages.post_training.rollout import RolloutWorker, WorkerSpec
 
         specs = [
@@ -417,17 +420,20 @@ class PostTrainingStage:
             )
 
         try:
-            learner = GRPOLearner(cfg, model, tok.pad_token_id)
-            result, _ = run_rlvr(
+            result, exported, _ = run_rlvr_on_engine(
                 cfg,
-                learner,
-                pool,
-                RequestMaker(cfg, tok, rows),
-                emit=ctx.emit,
-                cancelled=lambda: ctx.cancelled,
+                ctx,
+                stage=self.name,
+                base=init,
+                export_dir=export_dir,
+                train=self.config.train,
+                device=self.config.device,
+                pool=pool,
+                maker=RequestMaker(cfg, tok, rows),
+                pad_id=int(tok.pad_token_id),
                 on_interruption=interrupted,
-                workdir=ctx.workdir,
             )
         finally:
             pool.close()
-        return {**result.summary, **reward_gain(result.rewards), "steps": float(result.steps)}
+        m = {**result.summary, **reward_gain(result.rewards), "steps": float(result.steps)}
+        return m, exported
