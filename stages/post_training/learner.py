@@ -199,7 +199,7 @@ class EngineLearner:
         saved = self._wait_weights(k + 1)
         self.version, self._state = k + 1, saved["state"]
         self.losses[k + 1] = float(saved["loss"])
-        self._prune(k + 1)
+        self._prune()
         return StepStats(
             loss=self.losses[k + 1],
             tokens=int(tensors["mask"].sum()),
@@ -227,17 +227,19 @@ class EngineLearner:
         saved: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
         return saved
 
-    def _prune(self, version: int) -> None:
-        """Keep the batches a restore may re-read (from the oldest checkpoint on) and
-        the versions a resume publishes (checkpointed ones, and the newest)."""
-        kept = set(self._checkpoint_steps())
-        oldest = min(kept, default=0)
+    def _prune(self) -> None:
+        """Keep the batches a restore may re-read (from the oldest complete checkpoint
+        on) and the versions a resume may publish: every complete checkpoint's, and
+        all from the newest complete one on (a save in flight completes later)."""
+        kept = self._checkpoint_steps()
+        if not kept:
+            return
         for p in self.rollouts.glob("step-*.pt"):
-            if int(p.stem.removeprefix("step-")) < oldest:
+            if int(p.stem.removeprefix("step-")) < kept[0]:
                 p.unlink(missing_ok=True)
         for p in self.weights.glob("v*.pt"):
             v = int(p.stem.removeprefix("v"))
-            if v < version and v not in kept:
+            if v < kept[-1] and v not in kept:
                 p.unlink(missing_ok=True)
 
 

@@ -33,7 +33,11 @@ LR = 1e-3
 
 
 def _rlvr(**kw: Any) -> RLVRConfig:
-    ref = {"uri": "file:///x.jsonl", "sha256": "0" * 64, "provenance": {"source": "s", "license": "MIT"}}
+    ref = {
+        "uri": "file:///x.jsonl",
+        "sha256": "0" * 64,
+        "provenance": {"source": "s", "license": "MIT"},
+    }
     base = {
         "data": ref,
         "steps": STEPS,
@@ -83,9 +87,7 @@ def _write_batches(work: Path, cfg: RLVRConfig, steps: int, vocab: int, pad: int
         save_atomic({**batch, "step": torch.tensor(k)}, batch_path(work / "rollouts", k))
 
 
-def _config(
-    work: Path, policy: Path, cfg: RLVRConfig, groups: int, **kw: Any
-) -> TrainStageConfig:
+def _config(work: Path, policy: Path, cfg: RLVRConfig, groups: int, **kw: Any) -> TrainStageConfig:
     from stages.post_training.learner import rlvr_train_config
 
     tcfg = rlvr_train_config(
@@ -196,9 +198,7 @@ def test_a_killed_grpo_learner_group_heals_bit_identical(
     t.start()
 
     def committed() -> int:
-        return max(
-            (e.step for e in events if isinstance(e, StepEvent) and e.committed), default=0
-        )
+        return max((e.step for e in events if isinstance(e, StepEvent) and e.committed), default=0)
 
     wait_for(lambda: committed() >= 5, "5 committed steps")
     kill_replica_group(run_id, 1)
