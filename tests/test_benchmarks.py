@@ -94,6 +94,8 @@ CASES: dict[str, tuple[list[str], set[str], bool]] = {
             "4",
             "--hidden",
             "16",
+            "--learner-steps",
+            "3",
         ],
         {
             "eta0_idle_frac",
@@ -105,6 +107,8 @@ CASES: dict[str, tuple[list[str], set[str], bool]] = {
             "sync_s_median_object_store",
             "sync_s_median_collective",
             "resume_s",
+            "learner_groups",
+            "learner_tokens_per_s",
         },
         True,
     ),

@@ -300,15 +300,18 @@ class PostTrainingStage:
         return (None if decision.passed else decision.summary()), result
 
     def _driver_battery(
-        self, step: str, model: Any, tok: Any, rows: list[dict[str, Any]], ctx: StageContext
+        self, step: str, exported: Path, tok: Any, rows: list[dict[str, Any]], ctx: StageContext
     ) -> Any:
-        """The step's battery on the driver's policy (rlvr's learner lives here)."""
+        """The rlvr step's battery, when it names one, on its export loaded here (the
+        sft and dpo batteries run on the evaluating rank)."""
         from stages.evals import run_battery
+        from stages.post_training.hf_io import load_model
         from stages.post_training.step_eval import heldout_text
 
         battery = getattr(self.config.recipe, step).eval.battery
         if battery is None:
             return None
+        model = load_model(exported)
         return run_battery(
             model,
             tok,
@@ -331,7 +334,6 @@ class PostTrainingStage:
         """Train ``step`` from the HF folder ``current``: (gate metrics, its HF export
         under ``out/<step>``, its battery's ``BatteryResult`` or None). SFT and DPO are
         trained and scored on the engine's ranks: no model in this process."""
-        from stages.post_training.hf_io import load_model, save
 
         recipe = self.config.recipe
         if step in ("sft", "dpo"):
@@ -355,25 +357,25 @@ class PostTrainingStage:
             m = {**step_gate_metrics(kind, scores.before, scores.after), **figures}
             return m, exported, battery
         assert recipe.rlvr is not None
-        # The learner's policy, from the previous step's export (or the base).
-        model = load_model(current)
-        # Workers build the architecture from this folder; the weights come as version 0.
-        init = Path(save(model, tok, out / "rlvr-init"))
-        m = self._run_rlvr(recipe.rlvr, ctx, model, tok, rows, init)
-        battery = self._driver_battery(step, model, tok, rows, ctx)
-        return m, Path(save(model, tok, out / step, run_id=ctx.run_id, step=step)), battery
+        # The learner's ranks and the rollout workers start from the previous step's
+        # export (or the base): no model in this process.
+        m, exported = self._run_rlvr(recipe.rlvr, ctx, tok, rows, current, out / step)
+        return m, exported, self._driver_battery(step, exported, tok, rows, ctx)
 
     def _run_rlvr(
         self,
         cfg: RLVRConfig,
         ctx: StageContext,
-        model: Any,
         tok: Any,
         rows: list[dict[str, Any]],
         init: Path,
-    ) -> dict[str, float]:
+        export_dir: Path,
+    ) -> tuple[dict[str, float], Path]:
+        """The rollout fleet on the driver's side, the learner on the engine's replica
+        groups (``stages.post_training.learner``): (gate metrics, the HF export)."""
+        from stages.post_training.learner import run_rlvr_on_engine
         from stages.post_training.pools import LocalPool, RayPool
-        from stages.post_training.rl import GRPOLearner, RequestMaker, run_rlvr
+        from stages.post_training.rl import RequestMaker
         from stages.post_training.rollout import RolloutWorker, WorkerSpec
 
         specs = [
@@ -422,17 +424,20 @@ class PostTrainingStage:
             )
 
         try:
-            learner = GRPOLearner(cfg, model, tok.pad_token_id)
-            result, _ = run_rlvr(
+            result, exported, _ = run_rlvr_on_engine(
                 cfg,
-                learner,
-                pool,
-                RequestMaker(cfg, tok, rows),
-                emit=ctx.emit,
-                cancelled=lambda: ctx.cancelled,
+                ctx,
+                stage=self.name,
+                base=init,
+                export_dir=export_dir,
+                train=self.config.train,
+                device=self.config.device,
+                pool=pool,
+                maker=RequestMaker(cfg, tok, rows),
+                pad_id=int(tok.pad_token_id),
                 on_interruption=interrupted,
-                workdir=ctx.workdir,
             )
         finally:
             pool.close()
-        return {**result.summary, **reward_gain(result.rewards), "steps": float(result.steps)}
+        m = {**result.summary, **reward_gain(result.rewards), "steps": float(result.steps)}
+        return m, exported

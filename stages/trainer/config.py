@@ -172,17 +172,36 @@ class LossSpikeInjection(StrictModel):
     scale: float = Field(default=50.0, gt=0)
 
 
+class GRPOSettings(StrictModel):
+    """The GRPO/DAPO learner's loss settings (``stages.post_training.grpo_objective``),
+    from the recipe's rlvr step."""
+
+    epsilon: float = Field(default=0.2, gt=0, lt=1)
+    epsilon_high: float = Field(default=0.28, gt=0, le=10)
+    temperature: float = Field(default=1.0, gt=0, le=10)
+    # Decoupled importance sampling: the behaviour weight prox/behav truncated here;
+    # None: no correction (the ratio is to the proximal policy only).
+    is_truncation: float | None = Field(default=2.0, gt=0, le=1e3)
+    beta: float = Field(default=0.0, ge=0, le=1e3)
+    # How long a rank waits for the driver's batch file of its step, and where the
+    # weights of each committed step go (the driver publishes them to the fleet).
+    batch_wait_timeout_s: float = Field(default=600.0, gt=0, le=86_400)
+    weights_dir: str = Field(min_length=1, max_length=4096)
+
+
 class ObjectiveConfig(StrictModel):
     """What the engine trains for (``stages.trainer.objective``): ``lm`` pretraining on
-    the token shards, or a post-training objective on a JSONL file of rows."""
+    the token shards, or a post-training objective on a JSONL file of rows (sft, dpo)
+    or on the rollout batches the RLVR controller writes (grpo)."""
 
-    kind: Literal["lm", "sft", "dpo"] = "lm"
+    kind: Literal["lm", "sft", "dpo", "grpo"] = "lm"
     # sft: conversational rows ({"messages": [...]}); dpo: preference rows (prompt,
     # chosen, rejected). A private snapshot the stage made and checked, never the
-    # tenant's file itself.
+    # tenant's file itself. grpo: the folder of the controller's step batches.
     data_path: str | None = Field(default=None, max_length=4096)
-    # Rows (sft) or pairs (dpo) per optimizer step over the whole run, split evenly
-    # over every data-parallel rank of every replica group.
+    grpo: GRPOSettings | None = None
+    # Rows (sft), pairs (dpo) or completions (grpo) per optimizer step over the whole
+    # run, split evenly over every data-parallel rank of every replica group.
     batch_size: int = Field(default=4, ge=1, le=1 << 20)
     max_length: int = Field(default=256, ge=8, le=MAX_SEQ_LEN)
     # dpo: the sigmoid loss's beta (trl's DPOConfig.beta).
@@ -191,7 +210,9 @@ class ObjectiveConfig(StrictModel):
     @model_validator(mode="after")
     def _data(self) -> ObjectiveConfig:
         if (self.kind == "lm") != (self.data_path is None):
-            raise ValueError("objective.data_path is set exactly for the sft and dpo objectives")
+            raise ValueError("objective.data_path is set exactly for the post-training objectives")
+        if (self.kind == "grpo") != (self.grpo is not None):
+            raise ValueError("objective.grpo is set exactly for the grpo objective")
         return self
 
 

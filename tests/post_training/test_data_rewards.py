@@ -183,6 +183,15 @@ def test_prefix_chain_passes_and_reports_fleet_metrics(
     )
     assert out.metrics["sft_steps"] == 4.0
     assert any((tmp_path / "sft" / "checkpoints").iterdir())
+    # So did the rlvr learner: its steps come from the engine's ranks, its policy is
+    # checkpointed by DCP, each version went to the fleet through the weights folder.
+    rl_steps = [
+        e for e in events if e.kind == "step" and e.committed and getattr(e, "phase", "") == "rlvr"
+    ]
+    assert [e.step for e in rl_steps] == [1, 2]
+    assert any((tmp_path / "rlvr" / "checkpoints").iterdir())
+    assert (tmp_path / "rlvr" / "weights" / "v00000002.pt").is_file()
+    assert (tmp_path / "out" / "rlvr" / "config.json").is_file()
 
 
 def test_bad_base_model_and_unknown_reward(
