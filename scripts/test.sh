@@ -54,12 +54,13 @@ require POSTGRES "initdb pg_ctl" "postgresql" "the PostgreSQL store tests"
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
 
-# Most of the suite's wall time is waiting (Ray start-ups, servers, paced runs), which
-# overlaps on pytest-xdist workers, even on 2 cores (ITO_TEST_WORKERS=0: one process).
-# The tests that must share a worker carry an xdist group (tests/helpers/xdist_groups.py).
+# One process by default: on the 2-core testbed the suite is bound by its CPU work, and
+# 3 pytest-xdist workers took as long (42.8 min) with load failures (docs/testing.md).
+# ITO_TEST_WORKERS=N runs it on N workers (`-n N --dist loadgroup`); the tests that must
+# share a worker carry an xdist group (tests/helpers/xdist_groups.py).
 pytest_args=()
-if [ "${ITO_TEST_WORKERS:-3}" != 0 ]; then
-  pytest_args+=(-n "${ITO_TEST_WORKERS:-3}" --dist loadgroup)
+if [ "${ITO_TEST_WORKERS:-0}" != 0 ]; then
+  pytest_args+=(-n "$ITO_TEST_WORKERS" --dist loadgroup)
 fi
 # CI logs name the slowest tests, so a slow one is seen when it lands.
 if in_ci; then pytest_args+=(--durations=25); fi

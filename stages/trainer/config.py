@@ -55,6 +55,9 @@ MAX_SEQ_LEN = 1 << 21
 
 
 AdamBeta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
+# AdamW's (beta1, beta2). A manifest's JSON array is a list: this field takes it as the
+# pair (the models are strict, which would refuse a list for a tuple).
+AdamBetas = Annotated[tuple[AdamBeta, AdamBeta], Field(strict=False)]
 
 
 class TrainingTarget(StrictModel):
@@ -68,7 +71,7 @@ class TrainingTarget(StrictModel):
     grad_clip: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
     # AdamW's (beta1, beta2): pretraining's usual 0.95; post-training steps pass the
     # recipe's (trl's default 0.999).
-    adam_betas: tuple[AdamBeta, AdamBeta] = Field(default=(0.9, 0.95), max_length=2)
+    adam_betas: AdamBetas = Field(default=(0.9, 0.95), max_length=2)
     seed: int = Field(default=0, ge=0, lt=2**63)
     deterministic: bool = True
 
