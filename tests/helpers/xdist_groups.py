@@ -1,6 +1,6 @@
-"""The pytest-xdist groups of the suite. ``scripts/test.sh`` runs the tests on several
-workers with ``--dist loadgroup``: the tests of one group run on one worker, one after
-another, and every other test goes to whichever worker is free.
+"""The pytest-xdist groups of the suite. With ``ITO_TEST_WORKERS=N``, ``scripts/test.sh``
+runs the tests on N workers with ``--dist loadgroup``: the tests of one group run on
+one worker, one after another, and every other test goes to whichever worker is free.
 
 - ``ray-local:<module>``: a module's tests on the session's in-process Ray (the
   ``ray_local`` fixture; tests/conftest.py puts them there). Each worker's session
