@@ -132,6 +132,7 @@ def _stage(tmp: Path, policy: Path, task: dict[str, Path], **over: Any) -> Any:
     )
 
 
+@pytest.mark.timeout(600)  # a stage run on Ray: a hang bound for a loaded box
 def test_a_failed_gate_stops_the_chain(
     ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
@@ -154,6 +155,7 @@ def test_a_failed_gate_stops_the_chain(
     assert not (tmp_path / "out" / "rlvr").exists()  # never started
 
 
+@pytest.mark.timeout(600)  # a stage run on Ray: a hang bound for a loaded box
 def test_prefix_chain_passes_and_reports_fleet_metrics(
     ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:

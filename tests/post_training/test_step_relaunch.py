@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers.tenants import DEFAULT_ROOTS
 from helpers.waiting import wait_until
 
@@ -22,6 +23,9 @@ from tests.post_training.conftest import base_model, data_ref
 WAIT_S = 600.0  # a hang guard on a loaded 2-core machine, never a speed claim
 
 
+# Two engine runs of the stage (stopped, then resumed): past pytest's 300 s default when
+# the box is loaded; a hang bound, not a speed claim.
+@pytest.mark.timeout(600)
 def test_a_relaunch_during_dpo_skips_sft_and_resumes_dpo_from_its_checkpoint(
     ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
