@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -254,9 +255,15 @@ def main() -> None:
 
     import ray
 
+    from orchestrator.runtime.launch import ensure_launch_key
+    from stages.keys import LAUNCH_KEY_ENV
     from stages.post_training.synthetic import build_tiny_policy, write_task
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-pt-"))
+    if LAUNCH_KEY_ENV not in os.environ:
+        # The learner's engine signs its checkpoints with the launch key a server would
+        # hold; run by hand, the benchmark makes a throwaway one (its Ray inherits it).
+        os.environ[LAUNCH_KEY_ENV] = str(ensure_launch_key(tmp / "launch.key"))
     ray.init(
         address="local",
         num_cpus=2,
