@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,10 @@ from helpers.xdist_groups import module_group
 from orchestrator.runtime import ray_cluster
 
 pytestmark = [pytest.mark.slow, module_group(__name__)]
+
+# "Ray runtime started" comes once GCS and raylet serve; the head starts the Ray Client
+# server and the dashboard agent after it, so their ports are waited for.
+LATE_LISTENERS_TIMEOUT_S = 90.0
 
 
 def _session_pids(leader: int) -> set[int]:
@@ -57,11 +62,19 @@ def listeners(head: dict[str, object]) -> list[str]:
     ss = require("ss", "ss")["ss"]
     var_dir = head["var_dir"]
     assert isinstance(var_dir, Path)
-    pids = _session_pids(int(ray_cluster.head_pid_file(var_dir).read_text()))
-    lines = subprocess.run(
-        [ss, "-ltnpH"], capture_output=True, text=True, check=True
-    ).stdout.splitlines()
-    return [li for li in lines if any(f"pid={p}," in li for p in pids)]
+    settings = head["settings"]
+    assert isinstance(settings, ray_cluster.RaySettings)
+    late = {settings.client_server_port, settings.dashboard_agent_listen_port}
+    deadline = time.monotonic() + LATE_LISTENERS_TIMEOUT_S
+    while True:
+        pids = _session_pids(int(ray_cluster.head_pid_file(var_dir).read_text()))
+        lines = subprocess.run(
+            [ss, "-ltnpH"], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+        ours = [li for li in lines if any(f"pid={p}," in li for p in pids)]
+        if late <= {_local(li)[1] for li in ours} or time.monotonic() > deadline:
+            return ours
+        time.sleep(0.5)
 
 
 def _local(line: str) -> tuple[str, int]:
