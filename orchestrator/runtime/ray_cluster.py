@@ -86,6 +86,17 @@ def ensure_auth_token() -> Path:
     and whoever reads it may run code on every node of the cluster."""
     path = auth_token_path()
     _private_dir(path.parent, parents=True)
+    if not (path.is_file() and path.stat().st_size > 0):
+        _generate_auth_token()
+    st = path.lstat()
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise ItoError(ErrorCode.ray_unavailable, "the Ray token file is not ours")
+    os.chmod(path, 0o600)
+    return path
+
+
+def _generate_auth_token() -> None:
+    # A `ray` CLI process (seconds of imports): only when there is no token yet.
     subprocess.run(
         [_ray_bin(), "get-auth-token", "--generate"],
         env=_env(),
@@ -95,11 +106,6 @@ def ensure_auth_token() -> Path:
         timeout=60,
         umask=PRIVATE_UMASK,
     )
-    st = path.lstat()
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        raise ItoError(ErrorCode.ray_unavailable, "the Ray token file is not ours")
-    os.chmod(path, 0o600)
-    return path
 
 
 def head_pid_file(var_dir: Path) -> Path:
