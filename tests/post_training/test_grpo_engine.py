@@ -13,14 +13,14 @@ weights (what the driver publishes to the fleet): the test compares those files.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers.engine_heal import kill_one_group_and_heal
 
-from stages.events import Event, InterruptionEvent, StepEvent
+from stages.events import Event, StepEvent
 from stages.post_training.config import RLVRConfig
 from stages.post_training.grpo_objective import batch_path, save_atomic, weights_path
 from stages.post_training.rollout import RolloutGroup
@@ -167,74 +167,19 @@ def test_a_killed_grpo_learner_group_heals_bit_identical(
     """SIGKILL one of two GRPO learner groups mid-run: the survivor commits alone, Ray
     restarts the lost one, which heals from the live peer and rejoins; both groups end
     with bit-identical weights, and the last version reached the weights folder."""
-    from stages.trainer import kill_replica_group
-    from tests.post_training.test_objective_engine import _summary
-
     steps = 500  # paced: outlasts a restart (imports torch, trl) on 2 busy cores
     cfg = _rlvr(steps=steps)
     vocab, pad = _policy_facts(tiny_policy)
     work = tmp_path / "heal"
     _write_batches(work, cfg, steps, vocab, pad)
     tcfg = _config(work, tiny_policy, cfg, 2, pace_step_s=0.1)
-    events: list[Event] = []
-    cond = threading.Condition()
 
-    def emit(e: Event) -> None:
-        with cond:
-            events.append(e)
-            cond.notify_all()
+    def make_engine(emit: Any, cancel: threading.Event) -> Any:
+        engine = _engine(tcfg, work, "grpo-heal", emit)
+        engine.cancel_event = cancel
+        return engine
 
-    def wait_for(pred: Any, what: str, timeout_s: float = 240.0) -> Any:
-        deadline = time.monotonic() + timeout_s
-        with cond:
-            while True:
-                hit = next((e for e in events if pred(e)), None)
-                if hit is not None:
-                    return hit
-                left = deadline - time.monotonic()
-                assert left > 0, f"timed out waiting for {what}: {_summary(events)}"
-                cond.wait(min(left, 1.0))
-
-    run_id = "grpo-heal"
-    cancel = threading.Event()
-    engine = _engine(tcfg, work, run_id, emit)
-    engine.cancel_event = cancel
-    box: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: box.update(r=engine.run()), daemon=True)
-    t.start()
-    try:
-        wait_for(
-            lambda e: (
-                isinstance(e, StepEvent) and e.committed and e.step >= 5 and e.quorum_size == 2
-            ),
-            "5 steps in the full quorum",
-        )
-        killed_at, pids = kill_replica_group(run_id, 1)
-        assert pids
-        wait_for(
-            lambda e: (
-                isinstance(e, StepEvent)
-                and e.replica_group == 0
-                and e.committed
-                and e.quorum_size == 1
-                and e.ts > killed_at
-            ),
-            "the survivor commits alone",
-        )
-        rec = wait_for(
-            lambda e: (
-                isinstance(e, InterruptionEvent)
-                and e.interruption_kind == "replica_group_lost"
-                and e.recovered_at is not None
-            ),
-            "group 1 recovered",
-        )
-        assert rec.replica_group == 1
-        t.join(timeout=300)
-    finally:
-        cancel.set()
-        t.join(timeout=60)
-    r = box["r"]
+    r = kill_one_group_and_heal(make_engine, "grpo-heal").result
     assert r.steps == steps
     assert set(r.digests) == {0, 1} and r.digests[0] == r.digests[1], r.digests
     assert weights_path(work / "weights", steps).exists()
