@@ -16,8 +16,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-# A hang guard per script, never a speed claim: the slowest smoke (pipeline.py) takes
-# ~125 s on a quiet 2-core machine and over 240 s on a loaded one.
+# A hang guard per script, never a speed claim. Serial on a loaded 2-core machine the
+# Ray smokes took: post_training.py ~210 s, pipeline.py ~210 s, fault_tolerance.py
+# ~95 s, quorum_stability.py ~45 s, data_prep_scale.py ~35 s (a quiet machine: about half).
 BENCH_TIMEOUT_S = 480
 NO_GPU_EXIT = 2
 
