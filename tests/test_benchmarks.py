@@ -16,9 +16,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-# A hang guard per script, never a speed claim. Serial on a loaded 2-core machine the
-# Ray smokes took: post_training.py ~210 s, pipeline.py ~210 s, fault_tolerance.py
-# ~95 s, quorum_stability.py ~45 s, data_prep_scale.py ~35 s (a quiet machine: about half).
+# A hang guard per script, never a speed claim. Serial on a shared 2-core machine the
+# Ray smokes took: post_training.py ~120 s, pipeline.py ~110 s, fault_tolerance.py
+# ~90 s, quorum_stability.py ~45 s, data_prep_scale.py ~40 s (over 200 s each for the
+# first two under heavy load).
 BENCH_TIMEOUT_S = 480
 NO_GPU_EXIT = 2
 
