@@ -398,8 +398,7 @@ class Session:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import ray
 
-    from orchestrator.runtime.launch import ensure_launch_key
-    from stages.keys import LAUNCH_KEY_ENV
+    from orchestrator.runtime.launch import use_scratch_launch_key
 
     args = parse_args(argv)
     rng = random.Random(args.seed)
@@ -442,10 +441,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             strict=False,
         )
 
-    if LAUNCH_KEY_ENV not in os.environ:
-        # The engine signs its checkpoints with the launch key a server would hold; run
-        # by hand, the benchmark makes a throwaway one (its Ray inherits it).
-        os.environ[LAUNCH_KEY_ENV] = str(ensure_launch_key(tmp / "launch.key"))
+    use_scratch_launch_key(tmp)  # run by hand, no server holds one
     ray.init(
         address="local",
         num_cpus=args.num_cpus,

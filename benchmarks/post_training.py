@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -255,15 +254,11 @@ def main() -> None:
 
     import ray
 
-    from orchestrator.runtime.launch import ensure_launch_key
-    from stages.keys import LAUNCH_KEY_ENV
+    from orchestrator.runtime.launch import use_scratch_launch_key
     from stages.post_training.synthetic import build_tiny_policy, write_task
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-pt-"))
-    if LAUNCH_KEY_ENV not in os.environ:
-        # The learner's engine signs its checkpoints with the launch key a server would
-        # hold; run by hand, the benchmark makes a throwaway one (its Ray inherits it).
-        os.environ[LAUNCH_KEY_ENV] = str(ensure_launch_key(tmp / "launch.key"))
+    use_scratch_launch_key(tmp)  # run by hand, no server holds one
     ray.init(
         address="local",
         num_cpus=2,

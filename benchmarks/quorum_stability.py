@@ -159,8 +159,7 @@ def one_setting(hb_ms: int, args: argparse.Namespace, tmp: Path, data: Path) -> 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     import ray
 
-    from orchestrator.runtime.launch import ensure_launch_key
-    from stages.keys import LAUNCH_KEY_ENV
+    from orchestrator.runtime.launch import use_scratch_launch_key
 
     args = parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="ito-qstab-"))
@@ -168,10 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     with data.open("w") as f:
         for i in range(3000):
             f.write(json.dumps({"text": f"doc {i}: " + "lorem ipsum " * (i % 11 + 1)}) + "\n")
-    if LAUNCH_KEY_ENV not in os.environ:
-        # The engine signs its checkpoints with the launch key a server would hold; run
-        # by hand, the benchmark makes a throwaway one (its Ray inherits it).
-        os.environ[LAUNCH_KEY_ENV] = str(ensure_launch_key(tmp / "launch.key"))
+    use_scratch_launch_key(tmp)  # run by hand, no server holds one
     ray.init(
         address="local",
         num_cpus=4,
