@@ -71,13 +71,17 @@ def data_ref(
     }
 
 
+# The testbed manifest's checkpoint interval (steps) unless a test names another.
+TESTBED_CHECKPOINT_STEPS = 5
+
+
 def cpu_testbed_manifest(
     refs: list[dict[str, Any]],
     checkpoint_dir: Path,
     *,
     steps: int,
     name: str | None = None,
-    interval_steps: int = 5,
+    interval_steps: int = TESTBED_CHECKPOINT_STEPS,
     keep: int = 2,
     warmup_steps: int = 2,
     **sections: Any,

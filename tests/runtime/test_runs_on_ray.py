@@ -22,6 +22,7 @@ import httpx
 import pytest
 from helpers.backend import Backend
 from helpers.flows import confirm_ref
+from helpers.manifests import TESTBED_CHECKPOINT_STEPS
 from helpers.tenants import Tenant
 from helpers.testbed_runs import (
     ACTORS_GONE_TIMEOUT_S,
@@ -217,14 +218,16 @@ def test_lost_driver_is_relaunched_and_training_resumes_from_its_checkpoint(
     # The second driver skipped the passed stages (a stage's result is written once)...
     results = [e["payload"]["stage"] for e in store.list_events(run_id, kinds=["stage_result"])]
     assert results.count("data_prep") == 1 and results.count("parallelism") == 1, results
-    # ...and trained on from a checkpoint (every 5 steps): its first step follows one,
-    # not step 1. (The lost driver may not have forwarded its newest one's event.)
+    # ...and trained on from a checkpoint: its first step follows one, not step 1. (The
+    # lost driver may not have forwarded its newest one's event.)
     after = [
         e["payload"]["step"]
         for e in store.list_events(run_id, kinds=["step"])
         if e["payload"]["ts"] > lost["detected_at"]
     ]
-    assert after and min(after) > 1 and (min(after) - 1) % 5 == 0, sorted(after)[:5]
+    assert after and min(after) > 1 and (min(after) - 1) % TESTBED_CHECKPOINT_STEPS == 0, sorted(
+        after
+    )[:5]
     metrics = api_get(rt, f"/v1/runs/{run_id}/metrics")
     assert metrics["interruptions"] >= 1 and metrics["last_step"] == 40
     assert {g["stage"]: g["status"] for g in run["stage_gates"]}["train"] == "passed"
