@@ -6,7 +6,7 @@ replica group, gloo on CPU or NCCL with ``--device cuda``) on a tiny model, twic
 Tokens: every committed step is counted once, with the tokens of the quorum that
 committed it (each group's rank 0 reports the same step; a step redone after a
 restart is not counted again). The undisturbed rate ``R`` (tokens/s) is the median
-of full-quorum steps before the first kill.
+of the ``--warmup-steps`` full-quorum steps before the first kill.
 
 1. torchft, ``--kills`` times at a random step: SIGKILL the worker process(es) of a
    random replica group. Measured:
@@ -16,7 +16,7 @@ of full-quorum steps before the first kill.
      (a warm standby takes the group's place, or Ray restarts the actor; torchft
      heals it from a live peer, reading no checkpoint);
    - lost seconds by tokens (the headline): over the window from the last committed
-     step before the kill to ``SETTLE_STEPS`` full-quorum steps after the rejoin,
+     step before the kill to ``--settle-steps`` full-quorum steps after the rejoin,
      window seconds minus (new tokens committed in the window) / R. The dead
      group's share of every batch committed by the smaller quorum counts as lost;
    - lost seconds by steps (secondary): the survivor's stalls, each gap between its
@@ -27,7 +27,7 @@ of full-quorum steps before the first kill.
    times, SIGKILL every group at once at a step drawn uniformly within a checkpoint
    interval, after the first checkpoint: the job restarts from the newest complete
    DCP checkpoint and redoes the steps since. Lost seconds by tokens over the same
-   kind of window: the last committed step before the kill to ``SETTLE_STEPS`` steps
+   kind of window: the last committed step before the kill to ``--settle-steps`` steps
    beyond the step reached before the kill, window seconds minus (new tokens: steps
    beyond the one reached before the kill) / R. Redone steps add nothing.
 
@@ -124,6 +124,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_INTERVAL_STEPS,
         help="steps between saves (default: the production default)",
     )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=WARMUP_STEPS,
+        help="full-quorum steps before the first kill of each run, the last of which "
+        "time the undisturbed rate (>= 2)",
+    )
+    p.add_argument(
+        "--settle-steps",
+        type=int,
+        default=SETTLE_STEPS,
+        help="steps after a rejoin (or past the pre-kill step) counted in a failure's cost",
+    )
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-tokens", type=int, default=2048, help="global batch tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -145,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.groups < 2:
         p.error("--groups must be >= 2 (one must survive)")
+    if args.warmup_steps < 2 or args.settle_steps < 1:
+        p.error("--warmup-steps must be >= 2 (one step gap) and --settle-steps >= 1")
     if args.spares is None:
         args.spares = recovery(args).spare_groups
     if args.ranks_per_group > 1 and args.spares:
@@ -210,7 +225,7 @@ def committed_tokens(w: Watcher, after_ts: float, until_ts: float, beyond_step: 
     return sum(by_step.values())
 
 
-def full_rate(w: Watcher, groups: int) -> tuple[float, float]:
+def full_rate(w: Watcher, groups: int, warmup_steps: int) -> tuple[float, float]:
     """(seconds per step, tokens per second) of undisturbed full-quorum training,
     from consecutive committed full-quorum steps of group 0. A step's ``tokens`` is
     already the whole quorum's."""
@@ -219,8 +234,8 @@ def full_rate(w: Watcher, groups: int) -> tuple[float, float]:
         key=lambda e: e.step,
     )
     gaps = [b.ts - a.ts for a, b in itertools.pairwise(evs) if b.step == a.step + 1]
-    step_s = statistics.median(gaps[-WARMUP_STEPS:])
-    tokens_per_step = statistics.median(e.tokens for e in evs[-WARMUP_STEPS:])
+    step_s = statistics.median(gaps[-warmup_steps:])
+    tokens_per_step = statistics.median(e.tokens for e in evs[-warmup_steps:])
     return step_s, tokens_per_step / step_s
 
 
@@ -229,7 +244,13 @@ def last_before(w: Watcher, t: float) -> StepEvent:
 
 
 def ft_kill(
-    w: Watcher, run_id: str, group: int, groups: int, step_s: float, tok_rate: float
+    w: Watcher,
+    run_id: str,
+    group: int,
+    groups: int,
+    step_s: float,
+    tok_rate: float,
+    settle_steps: int,
 ) -> dict[str, float]:
     from stages.trainer import kill_replica_group
 
@@ -254,7 +275,7 @@ def ft_kill(
     survivor = (group + 1) % groups
     # Settle: a few full-quorum steps after the rejoin (healing stalls the sender too).
     end = w.wait(
-        lambda e: e.replica_group == survivor and e.step >= res.step + SETTLE_STEPS,
+        lambda e: e.replica_group == survivor and e.step >= res.step + settle_steps,
         "steps after the rejoin",
     )
     # Step basis: the survivor's stalls (waiting for the quorum to drop the dead group,
@@ -302,7 +323,9 @@ def churn(
     return {"churn_kills": kills, "churn_efficiency": round(tokens / (tok_rate * duration_s), 3)}
 
 
-def restart_kill(w: Watcher, run_id: str, groups: int, tok_rate: float) -> dict[str, float]:
+def restart_kill(
+    w: Watcher, run_id: str, groups: int, tok_rate: float, settle_steps: int
+) -> dict[str, float]:
     from stages.trainer import kill_replica_groups
 
     t_kill, _ = kill_replica_groups(run_id, list(range(groups)))
@@ -310,7 +333,7 @@ def restart_kill(w: Watcher, run_id: str, groups: int, tok_rate: float) -> dict[
     reached = w.max_step()
     back = w.wait(lambda e: e.ts > t_kill and e.step >= reached, "the pre-kill step again")
     end = w.wait(
-        lambda e: e.ts > t_kill and e.step >= reached + SETTLE_STEPS,
+        lambda e: e.ts > t_kill and e.step >= reached + settle_steps,
         "steps after the pre-kill step",
     )
     # Only steps beyond the one reached before the kill are new work.
@@ -363,9 +386,9 @@ class Session:
         self.ctx.cancel_event.set()
         self.thread.join(timeout=60)
 
-    def warm(self, groups: int) -> tuple[float, float]:
-        self.w.wait(lambda e: e.step >= WARMUP_STEPS and e.quorum_size == groups, "warm-up steps")
-        return full_rate(self.w, groups)
+    def warm(self, groups: int, steps: int) -> tuple[float, float]:
+        self.w.wait(lambda e: e.step >= steps and e.quorum_size == groups, "warm-up steps")
+        return full_rate(self.w, groups, steps)
 
     def reach(self, gap: int, groups: int) -> None:
         target = self.w.max_step() + gap
@@ -374,6 +397,8 @@ class Session:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import ray
+
+    from orchestrator.runtime.launch import use_scratch_launch_key
 
     args = parse_args(argv)
     rng = random.Random(args.seed)
@@ -416,6 +441,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             strict=False,
         )
 
+    use_scratch_launch_key(tmp)  # run by hand, no server holds one
     ray.init(
         address="local",
         num_cpus=args.num_cpus,
@@ -430,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         # 1. torchft live recovery (Ray restarts the actor, or a warm spare steps in).
         with Session(config(args.spares, "ckpt-ft"), tmp, f"ftb{os.getpid()}") as sess:
-            step_s, tok_rate = sess.warm(args.groups)
+            step_s, tok_rate = sess.warm(args.groups, args.warmup_steps)
             print(f"full quorum: {step_s * 1000:.0f} ms/step, {tok_rate:.0f} tokens/s", flush=True)
             if args.churn_s:
                 churned = churn(
@@ -440,7 +466,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for gap in gaps(args, 0 if args.churn_s else args.kills, rng):
                 sess.reach(gap, args.groups)
                 r = ft_kill(
-                    sess.w, sess.run_id, rng.randrange(args.groups), args.groups, step_s, tok_rate
+                    sess.w,
+                    sess.run_id,
+                    rng.randrange(args.groups),
+                    args.groups,
+                    step_s,
+                    tok_rate,
+                    args.settle_steps,
                 )
                 ft_results.append(r)
                 print(
@@ -451,10 +483,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
         # 2. The baseline: every group killed, the job restarts from its last checkpoint.
         with Session(config(0, "ckpt-restart"), tmp, f"rsb{os.getpid()}") as sess:
-            _, tok_rate_r = sess.warm(args.groups)  # each side valued at its own rate
+            # Each side is valued at its own rate.
+            _, tok_rate_r = sess.warm(args.groups, args.warmup_steps)
             for kill_at in restart_kill_steps(args.checkpoint_every, args.restart_kills, rng):
                 sess.w.wait(functools.partial(reached, kill_at), f"step {kill_at}")
-                r = restart_kill(sess.w, sess.run_id, args.groups, tok_rate_r)
+                r = restart_kill(sess.w, sess.run_id, args.groups, tok_rate_r, args.settle_steps)
                 restart_results.append(r)
                 print(
                     f"restart kill at step {r['reached']:.0f}: back at it after "

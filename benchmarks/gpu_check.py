@@ -23,6 +23,10 @@ tokens, each phase closed by the ``smoke`` battery on the trainer rank): it repo
 whether both gates ran, the phase switch (last step of phase 1 -> first step of
 phase 2, the gate included) and the eval seconds (``two_phase`` in the JSON line).
 
+Then one SFT step on the engine's CUDA rank (trained, exported and scored there) and
+one RLVR step with its rollout worker on the GPU, through the post-training stage
+(``post_training`` in the JSON line; ``--only post_training`` runs just that).
+
 Ends with one JSON line: ``bf16_mfu``, ``fp8_mfu``, ``predicted_mfu`` (bf16),
 ``predicted_fp8_mfu``, ``peak_gib`` and ``predicted_peak_gib`` (bf16), plus the GPU and
 the layout. Runs unattended in well under 5 minutes on an H100 (two runs of ~30
@@ -100,7 +104,7 @@ def train(
     device = torch.device("cuda", 0)
     preset = load_model_preset(PRESET)
     torch.cuda.reset_peak_memory_stats(device)
-    model = build_model(preset, seed=0).to(device)
+    model = build_model(preset, seed=0).to(device)  # type: ignore[arg-type]  # transformers stubs
     try:
         pm = ParallelModel(
             model,
@@ -250,12 +254,100 @@ def two_phase_run(work: Path) -> dict[str, Any]:
     }
 
 
+def post_training_run(work: Path) -> dict[str, Any]:
+    """One SFT step on the engine's CUDA rank, then one RLVR step with its rollout
+    worker on the GPU, through the post-training stage itself (tiny random policy,
+    synthetic verifiable task; a local Ray with the one GPU)."""
+    import tempfile
+
+    import ray
+
+    from stages.base import StageContext
+    from stages.data_prep.refs import is_data
+    from stages.events import Event, StepEvent
+    from stages.post_training import PostTrainingStage, PostTrainingStageConfig
+    from stages.post_training.synthetic import build_tiny_policy, write_task
+    from stages.snapshot import path_digest
+
+    policy = build_tiny_policy(work / "policy")
+    task = write_task(work / "task")
+
+    def ref(path: Path) -> dict[str, Any]:
+        return {
+            "uri": f"file://{path}",
+            "sha256": path_digest(path, include=is_data),
+            "provenance": {"source": "synthetic", "license": "MIT"},
+        }
+
+    recipe = {
+        "base_model": f"file://{policy}",
+        "base_model_sha256": path_digest(policy),
+        "sft": {"data": ref(task["sft"]), "steps": 1, "learning_rate": 5e-3, "gate": None},
+        "rlvr": {
+            "data": ref(task["rlvr"]),
+            "steps": 1,
+            "reward": "first_number_match",
+            "group_size": 4,
+            "groups_per_step": 1,
+            "max_completion_tokens": 4,
+            "overlong_buffer_tokens": 1,
+            "gate": None,
+        },
+    }
+    stage = PostTrainingStage(
+        PostTrainingStageConfig.model_validate(
+            {
+                "recipe": recipe,
+                "output_dir": str(work / "out"),
+                "fleet": "ray",
+                "device": "cuda",
+                "data_roots": [str(work)],
+                "model_roots": [str(work)],
+            }
+        )
+    )
+    events: list[Event] = []
+    ray.init(
+        address="local",
+        num_cpus=4,
+        num_gpus=1,
+        include_dashboard=False,
+        _temp_dir=tempfile.mkdtemp(prefix="ray-gpucheck-pt-"),
+        log_to_driver=False,
+    )
+    t0 = time.time()
+    try:
+        (work / "run").mkdir(exist_ok=True)
+        ctx = StageContext(
+            run_id="gpucheck-pt", booking_id="bk", workdir=work / "run", emit=events.append
+        )
+        out = stage.run(ctx)
+    finally:
+        ray.shutdown()
+    sft = [e for e in events if isinstance(e, StepEvent) and e.committed and e.phase == "sft"]
+    return {
+        "status": out.status,
+        "reason": out.reason,
+        "sft_steps": len({e.step for e in sft}),
+        "sft_nll_before": out.metrics.get("sft_nll_before"),
+        "sft_nll_after": out.metrics.get("sft_nll_after"),
+        "rlvr_steps": out.metrics.get("rlvr_steps"),
+        "seconds": round(time.time() - t0, 2),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument(
+        "--only",
+        choices=("post_training",),
+        default=None,
+        help="run only this part (the post-training steps); default: everything",
+    )
     args = ap.parse_args()
     import torch
 
@@ -266,6 +358,13 @@ def main() -> int:
             file=sys.stderr,
         )
         return NO_GPU_EXIT
+    import tempfile
+
+    if args.only == "post_training":
+        with tempfile.TemporaryDirectory(prefix="gpu-check-pt-") as tmp:
+            post = post_training_run(Path(tmp))
+        print(json.dumps({"post_training": post, "gpu": torch.cuda.get_device_name(0)}))
+        return 0 if post["status"] == "passed" else 1
     from stages.parallelism.hardware import load_gpu_sku
 
     name = torch.cuda.get_device_name(0)
@@ -288,16 +387,18 @@ def main() -> int:
         results[precision] = {"measured": measured, "predicted": predicted}
         print(f"{precision}: measured {json.dumps(measured, default=str)}")
         print(f"{precision}: predicted {json.dumps(predicted)}")
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="gpu-check-phases-") as tmp:
         two_phase = two_phase_run(Path(tmp))
     print(f"two-phase run: {json.dumps(two_phase)}")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-pt-") as tmp:
+        post = post_training_run(Path(tmp))
+    print(f"post-training: {json.dumps(post)}")
     b, f = results["bf16"], results["fp8"]
     print(
         json.dumps(
             {
                 "two_phase": two_phase,
+                "post_training": post,
                 "gpu": name,
                 "sku": sku_name,
                 "model": PRESET,

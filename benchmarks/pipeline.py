@@ -82,6 +82,13 @@ def _events(db: Path, run_id: str) -> list[dict[str, Any]]:
     return [json.loads(r[0]) for r in rows]
 
 
+def _state(db: Path, run_id: str) -> str:
+    # From the store, not `ito status`: a CLI process per poll (a second of imports)
+    # would take CPU from the run it measures.
+    with sqlite3.connect(db) as con:
+        return str(con.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()[0])
+
+
 def _accepted_at(db: Path, run_id: str) -> float:
     with sqlite3.connect(db) as con:
         return float(
@@ -119,7 +126,7 @@ def run_preset(preset: str, var_dir: Path, max_steps: int | None = None) -> dict
         doc["training"]["warmup_steps"] = min(doc["training"]["warmup_steps"], max_steps // 2)
         manifest.write_text(json.dumps(doc, indent=2))
 
-    server = demo._start_server(env, db, var_dir, port, demo._free_port(), demo._free_port())
+    server = demo._start_server(env, db, var_dir, port)
     sampler = _RssSampler()
     sampler.start()
     try:
@@ -128,9 +135,7 @@ def run_preset(preset: str, var_dir: Path, max_steps: int | None = None) -> dict
         deadline = time.monotonic() + RUN_TIMEOUT_S
         state = "queued"
         while time.monotonic() < deadline:
-            state = demo._cli(["ito", "status", "--run", run_id, "--json"], sub_env)["data"][
-                "state"
-            ]
+            state = _state(db, run_id)
             if state in ("succeeded", "failed", "cancelled"):
                 break
             time.sleep(POLL_S)

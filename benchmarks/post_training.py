@@ -26,9 +26,16 @@ What each number counts:
   relaunched with the same workdir; seconds from the relaunch (learner built,
   actors started, state restored) to its first trained step.
 
+- ``learner_tokens_per_s``: the GRPO learner on the training engine (objective
+  ``grpo``, torchft replica groups as actors) with 1 and with 2 learner replica groups
+  (``learner_groups``), each fed the same pre-written step batches of the same global
+  size: tokens of committed steps per second between the first and the last commit
+  (no fleet in the loop, so this is the learner's own rate).
+
 Ends with one JSON line: eta0_idle_frac, eta2_idle_frac, idle_ratio,
 eta0_samples_per_s, eta2_samples_per_s, sync_s_median (object store, both eta runs),
-sync_s_median_object_store, sync_s_median_collective, resume_s.
+sync_s_median_object_store, sync_s_median_collective, resume_s, learner_groups,
+learner_tokens_per_s (by group count).
 """
 
 from __future__ import annotations
@@ -145,6 +152,91 @@ def measure_resume(args: argparse.Namespace, policy: Path, task: dict[str, Path]
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def learner_rate(args: argparse.Namespace, policy: Path, groups: int, tmp: Path) -> float:
+    """Committed tokens per second of the engine's GRPO learner with ``groups`` groups."""
+    import threading
+
+    import torch
+
+    from stages.events import StepEvent
+    from stages.post_training.config import RLVRConfig
+    from stages.post_training.grpo_objective import batch_path, save_atomic
+    from stages.post_training.hf_io import load_tokenizer
+    from stages.post_training.learner import assemble, rlvr_train_config
+    from stages.post_training.rollout import RolloutGroup
+    from stages.trainer.config import TrainStageConfig
+    from stages.trainer.engine import TrainingEngine
+
+    cfg = RLVRConfig.model_validate(
+        {
+            "data": {
+                "uri": "file:///x",
+                "sha256": "0" * 64,
+                "provenance": {"source": "s", "license": "MIT"},
+            },
+            "steps": args.learner_steps,
+            "group_size": args.group_size,
+            "groups_per_step": max(2, args.groups),  # splits over 2 groups
+            "max_completion_tokens": args.max_tokens,
+            "overlong_buffer_tokens": min(4, args.max_tokens // 2),
+            "learning_rate": 1e-3,
+        }
+    )
+    tok = load_tokenizer(policy)
+    work = tmp / f"learner-g{groups}"
+    gen = torch.Generator().manual_seed(0)
+    for k in range(cfg.steps):
+        batch: list[RolloutGroup | None] = []
+        for g in range(cfg.groups_per_step):
+            comps = [
+                torch.randint(3, int(tok.vocab_size), (args.max_tokens,), generator=gen).tolist()
+                for _ in range(cfg.group_size)
+            ]
+            rewards = torch.rand(cfg.group_size, generator=gen).tolist()
+            batch.append(
+                RolloutGroup(
+                    id=k * cfg.groups_per_step + g,
+                    version=k,
+                    worker=0,
+                    prompt_ids=[3, 4, 5, 6],
+                    completion_ids=comps,
+                    behav_logp=[[-1.0] * args.max_tokens for _ in comps],
+                    lengths=[args.max_tokens] * cfg.group_size,
+                    truncated=[False] * cfg.group_size,
+                    rewards=rewards,
+                    task_rewards=rewards,
+                    gen_s=0.0,
+                )
+            )
+        save_atomic(
+            {**assemble(batch, cfg, int(tok.pad_token_id)), "step": torch.tensor(k)},
+            batch_path(work / "rollouts", k),
+        )
+    tcfg = rlvr_train_config(
+        cfg, base=policy, work=work, max_prompt_tokens=4, train=None, device="cpu"
+    )
+    tcfg = TrainStageConfig.model_validate(
+        {**tcfg.model_dump(), "replica_groups": groups}, strict=False
+    )
+    (work / "checkpoints").mkdir(parents=True, exist_ok=True)
+    steps: list[StepEvent] = []
+    TrainingEngine(
+        tcfg,
+        run_id=f"bench-learner-g{groups}-{time.monotonic_ns()}",
+        checkpoint_dir=work / "checkpoints",
+        role_shards={},
+        emit=lambda e: steps.append(e) if isinstance(e, StepEvent) and e.committed else None,
+        cancel_event=threading.Event(),
+        wait_decision=lambda _id, _t: None,
+    ).run()
+    by_step = {e.step: e for e in steps}  # every group's rank 0 reports each step
+    ordered = [by_step[s] for s in sorted(by_step)]
+    if len(ordered) < 2:
+        return float("nan")
+    span = ordered[-1].ts - ordered[0].ts
+    return sum(e.tokens for e in ordered[1:]) / max(span, 1e-9)
+
+
 def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 5) if xs else None
 
@@ -157,13 +249,16 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--learner-steps", type=int, default=8)
     args = ap.parse_args()
 
     import ray
 
+    from orchestrator.runtime.launch import use_scratch_launch_key
     from stages.post_training.synthetic import build_tiny_policy, write_task
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-pt-"))
+    use_scratch_launch_key(tmp)  # run by hand, no server holds one
     ray.init(
         address="local",
         num_cpus=2,
@@ -183,6 +278,7 @@ def main() -> None:
                 syncs_object_store = s
         _, syncs_collective, _ = run_once(2, args, policy, task, weight_sync="collective")
         resume_s = measure_resume(args, policy, task)
+        learner = {g: learner_rate(args, policy, g, tmp) for g in (1, 2)}
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -207,11 +303,14 @@ def main() -> None:
         "sync_s_median_object_store": _median(syncs_object_store),
         "sync_s_median_collective": _median(syncs_collective),
         "resume_s": round(resume_s, 3),
+        "learner_groups": sorted(learner),
+        "learner_tokens_per_s": {str(g): round(v, 1) for g, v in learner.items()},
     }
     print(
         f"weight sync median (eta 2): object_store {line['sync_s_median_object_store']} s, "
         f"collective {line['sync_s_median_collective']} s; resume {line['resume_s']} s"
     )
+    print(f"learner tokens/s on the engine by replica groups: {line['learner_tokens_per_s']}")
     print(json.dumps(line))
 
 

@@ -1,8 +1,9 @@
 """Quorum stability under full CPU load (CI: smallest size only): spurious quorum changes per run.
 
 Trains the real training stage (local Ray, torchft lighthouse, ``--groups`` replica
-groups) for ``--duration`` seconds per heartbeat setting while one busy-loop
-process per core keeps every core saturated, and kills nothing. Any step a group
+groups) for ``--duration`` seconds per heartbeat setting (after ``--settle-s`` of
+loaded training that is not counted) while one busy-loop process per core keeps
+every core saturated, and kills nothing. Any step a group
 takes in a quorum smaller than all groups, and any uncommitted step, is spurious:
 the lighthouse dropped a live group because its heartbeats arrived late.
 
@@ -63,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated lighthouse heartbeat timeouts to try",
     )
     p.add_argument("--duration", type=float, default=60.0, help="seconds counted per setting")
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=SETTLE_S,
+        help="seconds of loaded training after the first full quorum before counting starts",
+    )
     p.add_argument("--groups", type=int, default=2)
     p.add_argument(
         "--burners",
@@ -117,7 +124,7 @@ def one_setting(hb_ms: int, args: argparse.Namespace, tmp: Path, data: Path) -> 
     try:
         if not first_full.wait(START_TIMEOUT_S):
             raise TimeoutError("the run never reached a full quorum")
-        t0 = time.time() + SETTLE_S
+        t0 = time.time() + args.settle_s
         t1 = t0 + args.duration
         burners = [mp.Process(target=burn, args=(t1,), daemon=True) for _ in range(args.burners)]
         for b in burners:
@@ -152,12 +159,15 @@ def one_setting(hb_ms: int, args: argparse.Namespace, tmp: Path, data: Path) -> 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     import ray
 
+    from orchestrator.runtime.launch import use_scratch_launch_key
+
     args = parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="ito-qstab-"))
     data = tmp / "train.jsonl"
     with data.open("w") as f:
         for i in range(3000):
             f.write(json.dumps({"text": f"doc {i}: " + "lorem ipsum " * (i % 11 + 1)}) + "\n")
+    use_scratch_launch_key(tmp)  # run by hand, no server holds one
     ray.init(
         address="local",
         num_cpus=4,

@@ -138,6 +138,12 @@ def serve(
     ] = None,
     ray_head_port: Annotated[int, typer.Option(help="embedded Ray head's GCS port")] = 6390,
     ray_dashboard_port: Annotated[int, typer.Option(help="embedded Ray dashboard port")] = 8265,
+    ray_client_server_port: Annotated[
+        int, typer.Option(help="embedded Ray head's Ray Client port")
+    ] = 10001,
+    ray_dashboard_agent_port: Annotated[
+        int, typer.Option(help="embedded Ray head's dashboard agent HTTP port (0: any free)")
+    ] = 52365,
     ray_num_cpus: Annotated[int | None, typer.Option(help="embedded Ray logical CPUs")] = None,
     max_active_runs_per_account: Annotated[
         int,
@@ -217,6 +223,8 @@ def serve(
                 address=ray_address,
                 head_port=ray_head_port,
                 dashboard_port=ray_dashboard_port,
+                client_server_port=ray_client_server_port,
+                dashboard_agent_listen_port=ray_dashboard_agent_port,
                 num_cpus=ray_num_cpus,
             ),
             settings=supervisor,

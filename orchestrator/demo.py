@@ -75,8 +75,10 @@ def _cli(args: list[str], env: dict[str, str], *, check: bool = True) -> dict[st
 
 
 def _start_server(
-    env: dict[str, str], db: Path, var_dir: Path, port: int, ray_port: int, dashboard_port: int
+    env: dict[str, str], db: Path, var_dir: Path, port: int
 ) -> subprocess.Popen[bytes]:
+    """The embedded server on ``port``; its Ray head on free ports, so that the demo
+    runs beside another server on the host (or a test's)."""
     log = open(var_dir / "server.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [
@@ -93,9 +95,13 @@ def _start_server(
             "--var-dir",
             str(var_dir / "server"),
             "--ray-head-port",
-            str(ray_port),
+            str(_free_port()),
             "--ray-dashboard-port",
-            str(dashboard_port),
+            str(_free_port()),
+            "--ray-client-server-port",
+            str(_free_port()),
+            "--ray-dashboard-agent-port",
+            str(_free_port()),
             "--metrics-port",
             "0",
             "--log-level",
@@ -381,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     _say("starting ito-backend serve (SQLite + embedded Ray head)")
-    server = _start_server(env, db, var_dir, port, _free_port(), _free_port())
+    server = _start_server(env, db, var_dir, port)
     try:
         plan = subprocess.run(
             [str(BIN / "ito"), "plan", "--booking", booking_id, "--manifest", str(manifest)],

@@ -54,9 +54,9 @@ require POSTGRES "initdb pg_ctl" "postgresql" "the PostgreSQL store tests"
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
 
-# Most of the suite's wall time is waiting (Ray start-ups, servers, paced runs), which
-# would overlap on pytest-xdist workers (ITO_TEST_WORKERS=N: `-n N --dist loadgroup`).
-# Off by default until a whole run on workers has passed here; the tests that must
+# One process by default: on the 2-core testbed the suite is bound by its CPU work, and
+# 3 pytest-xdist workers took as long (42.8 min) with load failures (docs/testing.md).
+# ITO_TEST_WORKERS=N runs it on N workers (`-n N --dist loadgroup`); the tests that must
 # share a worker carry an xdist group (tests/helpers/xdist_groups.py).
 pytest_args=()
 if [ "${ITO_TEST_WORKERS:-0}" != 0 ]; then

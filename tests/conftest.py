@@ -46,14 +46,15 @@ settings.load_profile("ito")
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
-    """Every test on the session's local Ray joins one xdist group (helpers.xdist_groups),
-    so under ``pytest -n N`` one worker starts that cluster, once."""
+    """A module's tests on the session's local Ray share one xdist group
+    (helpers.xdist_groups): under ``pytest -n N`` they run on one worker, whose session
+    Ray starts once, and other such modules go to other workers."""
     from helpers.xdist_groups import ray_local_group
 
     for item in items:
         uses_ray_local = "ray_local" in getattr(item, "fixturenames", ())
         if uses_ray_local and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(ray_local_group)
+            item.add_marker(ray_local_group(item.module.__name__ if item.module else ""))
     yield
     # pytest-xdist 3.8 (--dist loadgroup) names a grouped test ``ID@group`` by setting
     # ``item._nodeid``, which pytest 9 no longer reads (it keeps ``item._id``): without

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from orchestrator.gates.manifest import Manifest
 from stages.errors import ErrorCode, ItoError
 from stages.parallelism import plan, request_from
+from stages.parallelism.spec import PlanRequest
 
 log = logging.getLogger("ito.api")
 
@@ -33,6 +34,28 @@ class PlanResult:
             raise ItoError(ErrorCode(self.refusal["code"]), self.refusal["message"])
 
 
+def check_post_training_steps(m: Manifest, request: PlanRequest, replica_groups: int) -> None:
+    """Each SFT / DPO step fits the booking's devices with the run's replica groups
+    (``stages.parallelism.post_training``; the model is the manifest's preset)."""
+    from stages.parallelism.hardware import load_gpu_sku
+    from stages.parallelism.post_training import check_step_memory
+
+    sku = load_gpu_sku(request.gpu_sku)
+    for kind in ("sft", "dpo"):
+        step = getattr(m.post_training, kind)
+        if step is not None:
+            check_step_memory(
+                request.preset(),
+                step=kind,
+                batch_size=step.batch_size,
+                max_length=step.max_length,
+                replica_groups=replica_groups,
+                device_memory_gib=sku.memory_gib,
+                memory_utilization=request.memory_utilization,
+                foreach_optimizer=sku.intra_node_link != "loopback",
+            )
+
+
 def plan_manifest(
     m: Manifest, booking: dict[str, Any], time_budget_s: float | None = None
 ) -> PlanResult:
@@ -42,7 +65,9 @@ def plan_manifest(
 
     config = parallelism_config(m, booking)
     try:
-        chosen = plan(request_from(config, booking), time_budget_s)
+        request = request_from(config, booking)
+        chosen = plan(request, time_budget_s)
+        check_post_training_steps(m, request, chosen.dp_replicate)
     except ItoError as e:
         return PlanResult(None, {"code": str(e.code), "message": e.message}, None)
     except ValidationError as e:

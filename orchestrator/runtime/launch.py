@@ -44,6 +44,15 @@ def ensure_launch_key(path: Path | None = None) -> Path:
     return path
 
 
+def use_scratch_launch_key(folder: Path) -> Path:
+    """For a process that runs the engine with no server (a benchmark run by hand): the
+    launch key named by the environment, else a throwaway one made in ``folder`` and
+    named there (the engine signs its checkpoints with it; Ray's workers inherit it)."""
+    if LAUNCH_KEY_ENV not in os.environ:
+        os.environ[LAUNCH_KEY_ENV] = str(ensure_launch_key(folder / "launch.key"))
+    return Path(os.environ[LAUNCH_KEY_ENV])
+
+
 def _read_key(path: Path | None = None) -> bytes:
     return read_launch_key(ErrorCode.driver_not_authorized, path)
 

@@ -47,6 +47,9 @@ class RaySettings(BaseModel):
     node_resources: dict[str, float] = Field(default_factory=dict)
     # Ray Client's port on the embedded head (bound to loopback like every other).
     client_server_port: int = Field(default=10001, gt=0, lt=65536)
+    # The dashboard agent's HTTP port on the head's node; 0: any free port. Two heads on
+    # one host (two servers, or CI's test workers) need distinct ports here and above.
+    dashboard_agent_listen_port: int = Field(default=52365, ge=0, lt=65536)
     # Waiting for a freshly started head to accept connections.
     head_start_timeout_s: float = Field(default=90.0, gt=0)
 
@@ -83,6 +86,17 @@ def ensure_auth_token() -> Path:
     and whoever reads it may run code on every node of the cluster."""
     path = auth_token_path()
     _private_dir(path.parent, parents=True)
+    if not (path.is_file() and path.stat().st_size > 0):
+        _generate_auth_token()
+    st = path.lstat()
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise ItoError(ErrorCode.ray_unavailable, "the Ray token file is not ours")
+    os.chmod(path, 0o600)
+    return path
+
+
+def _generate_auth_token() -> None:
+    # A `ray` CLI process (seconds of imports): only when there is no token yet.
     subprocess.run(
         [_ray_bin(), "get-auth-token", "--generate"],
         env=_env(),
@@ -92,11 +106,6 @@ def ensure_auth_token() -> Path:
         timeout=60,
         umask=PRIVATE_UMASK,
     )
-    st = path.lstat()
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        raise ItoError(ErrorCode.ray_unavailable, "the Ray token file is not ours")
-    os.chmod(path, 0o600)
-    return path
 
 
 def head_pid_file(var_dir: Path) -> Path:
@@ -176,6 +185,7 @@ def start_local_head(var_dir: Path, settings: RaySettings) -> str:
         f"--include-dashboard={str(settings.include_dashboard).lower()}",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={settings.dashboard_port}",
+        f"--dashboard-agent-listen-port={settings.dashboard_agent_listen_port}",
     ]
     if settings.num_cpus:
         cmd.append(f"--num-cpus={settings.num_cpus}")

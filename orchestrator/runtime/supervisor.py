@@ -534,13 +534,15 @@ class RayRuntime:
         attempts = self._driver_attempts(run_id)
         seq = self.store.max_seq(run_id) + 1
         node_gone = self._node_lost(run_id)
+        exhausted = attempts >= self.settings.max_driver_attempts
         lost = InterruptionEvent(
             interruption_kind="node_lost" if node_gone else "driver_lost",
             detected_at=now,
-            recovered_at=None if node_gone else now,
+            # Recovered by the relaunch below; never, when this loss ends the run.
+            recovered_at=None if node_gone or exhausted else now,
             detail=f"driver of attempt {attempts} gone" + (f"; {node_gone}" if node_gone else ""),
         )
-        if attempts >= self.settings.max_driver_attempts:
+        if exhausted:
             self.store.ingest_events(run_id, [{**lost.model_dump(mode="json"), "seq": seq}])
             self._finish(
                 run_id,

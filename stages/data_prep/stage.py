@@ -24,7 +24,6 @@ from stages.base import GateOutcome, StageContext
 from stages.data_prep.config import DataPrepConfig
 from stages.data_prep.decontam import EvalIndex
 from stages.data_prep.evals import load_eval_items
-from stages.data_prep.ladder import ladder_probe
 from stages.data_prep.records import write_json
 from stages.data_prep.refs import ResolvedRef, check_inside, resolve_ref
 from stages.data_prep.stream.config import StreamConfig
@@ -361,6 +360,10 @@ class DataPrepStage:
         if why:
             self._log(ctx, f"ladder probe skipped: {why}")
             return {"decision": "skipped", "reason": why}
+        # Imported here: the probe's torch and transformers cost the driver seconds of
+        # start-up that a run without the probe should not pay.
+        from stages.data_prep.ladder import ladder_probe
+
         try:
             result = ladder_probe(
                 base,

@@ -15,8 +15,11 @@ from stages.data_prep.config import DataRef
 from stages.errors import ErrorCode
 from stages.evals.config import GateThreshold
 from stages.pathfields import PathField
+from stages.trainer.config import AdamBetas
 
 MAX_STEPS = 100_000_000
+# trl's trainers inherit transformers' TrainingArguments defaults.
+TRL_ADAM_BETAS = (0.9, 0.999)
 
 
 class StepGate(StrictModel):
@@ -43,6 +46,11 @@ class SFTConfig(StrictModel):
     learning_rate: float = Field(default=2e-5, gt=0, le=10, allow_inf_nan=False)
     batch_size: int = Field(default=4, ge=1, le=4096)
     max_length: int = Field(default=256, ge=8, le=1 << 20)
+    # A checkpoint every this many steps during the step (a relaunched driver resumes
+    # the step from the newest); 0: only the step's closing one.
+    checkpoint_every_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
+    # AdamW's betas: trl's default (TrainingArguments adam_beta1/adam_beta2).
+    adam_betas: AdamBetas = Field(default=TRL_ADAM_BETAS, max_length=2)
     # Battery: mean assistant-token NLL on the data before and after; gain = before - after.
     gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="nll_gain", min=0.0))
     eval: StepBattery = Field(default_factory=StepBattery)
@@ -58,6 +66,11 @@ class DPOConfig(StrictModel):
     learning_rate: float = Field(default=5e-7, gt=0, le=10, allow_inf_nan=False)
     batch_size: int = Field(default=4, ge=1, le=4096)
     max_length: int = Field(default=256, ge=8, le=1 << 20)
+    # A checkpoint every this many steps during the step (a relaunched driver resumes
+    # the step from the newest); 0: only the step's closing one.
+    checkpoint_every_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
+    # AdamW's betas: trl's default (TrainingArguments adam_beta1/adam_beta2).
+    adam_betas: AdamBetas = Field(default=TRL_ADAM_BETAS, max_length=2)
     # Battery: mean log-prob margin (chosen - rejected) before and after.
     gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="margin_gain", min=0.0))
     eval: StepBattery = Field(default_factory=StepBattery)

@@ -2,12 +2,15 @@
 actors (``TrainingEngine`` -> ``ReplicaWorker``) load the policy from the step's HF
 folder, train the step's objective (``stages.post_training.objectives``) with torchft
 and DCP checkpoints, and rank 0 of the lowest live group writes the HF export of the
-final weights at the step's end (``stages.trainer.phase_eval``). The driver only
-builds the config, forwards events and gets a path back."""
+final weights at the step's end and scores the step's gate metrics and battery there
+(``stages.trainer.phase_eval``, ``stages.post_training.step_eval``). The driver only
+builds the config, forwards events and gets a path and numbers back. The rlvr step
+runs the same engine with the ``grpo`` objective (``stages.post_training.learner``)."""
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +20,7 @@ from stages.curriculum.plan import CurriculumPlan, PhasePlan
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event
 from stages.post_training.config import DPOConfig, SFTConfig
+from stages.post_training.step_eval import StepEvalReply, StepEvalRequest
 from stages.trainer.config import (
     LossSpikeConfig,
     ModelSpec,
@@ -39,15 +43,54 @@ def step_train_config(
     train: TrainStageConfig | None,
     device: Literal["cpu", "cuda"],
 ) -> TrainStageConfig:
-    """The engine config of one step: the recipe's steps, LR, batch, length and beta;
-    replica groups, device and fault tolerance from the run's train config when the
-    stage has one, else one group on ``device``. A constant LR without warmup, as the
-    recipe's steps always trained; no loss-spike pause (a step is too short for the
-    detector's window, and nobody is asked mid-chain)."""
-    steps = cfg.steps
+    """The engine config of an sft or dpo step (``engine_config``): the recipe's steps,
+    LR, AdamW betas, batch, length and beta; checkpoints every
+    ``checkpoint_every_steps`` (else only the step's closing one)."""
+    return engine_config(
+        ObjectiveConfig.model_validate(
+            {
+                "kind": kind,
+                "data_path": str(data_path),
+                "batch_size": cfg.batch_size,
+                "max_length": cfg.max_length,
+                **({"beta": cfg.beta} if isinstance(cfg, DPOConfig) else {}),
+            }
+        ),
+        steps=cfg.steps,
+        learning_rate=cfg.learning_rate,
+        adam_betas=cfg.adam_betas,
+        checkpoint_every=cfg.checkpoint_every_steps or cfg.steps,
+        base=base,
+        checkpoint_dir=checkpoint_dir,
+        train=train,
+        device=device,
+    )
+
+
+def engine_config(
+    objective: ObjectiveConfig,
+    *,
+    steps: int,
+    learning_rate: float,
+    adam_betas: tuple[float, float],
+    checkpoint_every: int,
+    base: Path,
+    checkpoint_dir: Path,
+    train: TrainStageConfig | None,
+    device: Literal["cpu", "cuda"],
+    name: str | None = None,
+) -> TrainStageConfig:
+    """The engine config of one post-training step: one phase (named ``name``, default
+    the objective's kind) of ``steps`` of the
+    objective; replica groups, device and fault tolerance from the run's train config
+    when the stage has one, else one group on ``device``. A constant LR without
+    warmup, as the recipe's steps always trained; no loss-spike pause (a step is too
+    short for the detector's window, and nobody is asked mid-chain)."""
+    kind = name or objective.kind
+    batch_size, max_length = objective.batch_size, objective.max_length
     plan = CurriculumPlan(
         total_steps=steps,
-        global_batch_tokens=cfg.batch_size * cfg.max_length,
+        global_batch_tokens=batch_size * max_length,
         phases=[
             PhasePlan(
                 index=0,
@@ -55,12 +98,12 @@ def step_train_config(
                 kind=kind,
                 start_step=0,
                 end_step=steps,
-                seq_len=cfg.max_length,
-                token_budget=steps * cfg.batch_size * cfg.max_length,
+                seq_len=max_length,
+                token_budget=steps * batch_size * max_length,
                 data_weights={},
                 eval_battery=None,
                 lr_schedule="constant",
-                peak_lr=cfg.learning_rate,
+                peak_lr=learning_rate,
                 warmup_steps=0,
                 decay_steps=0,
                 min_lr_ratio=1.0,
@@ -81,26 +124,24 @@ def step_train_config(
             model=ModelSpec(preset=_PRESET, size="base", checkpoint_path=str(base)),
             target=TrainingTarget(
                 max_steps=steps,
-                seq_len=cfg.max_length,
-                global_batch_tokens=cfg.batch_size * cfg.max_length,
-                learning_rate=cfg.learning_rate,
+                seq_len=max_length,
+                global_batch_tokens=batch_size * max_length,
+                learning_rate=learning_rate,
                 warmup_steps=0,
                 weight_decay=0.0,
+                adam_betas=adam_betas,
             ),
-            # Only the step's closing checkpoint (the engine forces one at a phase end).
+            # The engine also forces one at the phase's end (the step's closing one);
+            # two kept: the newest may be mid-write at a kill.
             checkpoint=CheckpointPolicy(
-                interval_steps=steps, keep=1, storage_uri=f"file://{checkpoint_dir.resolve()}"
+                interval_steps=checkpoint_every,
+                keep=2,
+                storage_uri=f"file://{checkpoint_dir.resolve()}",
             ),
             loss_spike=LossSpikeConfig(enabled=False),
             spare_groups=0,
             curriculum=plan,
-            objective=ObjectiveConfig(
-                kind=kind,
-                data_path=str(data_path),
-                batch_size=cfg.batch_size,
-                max_length=cfg.max_length,
-                **({"beta": cfg.beta} if isinstance(cfg, DPOConfig) else {}),
-            ),
+            objective=objective,
             **run,
         )
     except ValueError as e:  # pydantic's ValidationError: e.g. a batch the groups cannot split
@@ -128,32 +169,67 @@ def run_engine_step(
     export_dir: Path,
     train: TrainStageConfig | None,
     device: Literal["cpu", "cuda"],
-) -> tuple[Path, dict[str, float]]:
-    """Train the step on the engine; returns the HF export of its final weights and
-    the engine's figures. Checkpoints go under ``ctx.workdir/<step>/checkpoints``."""
+) -> tuple[Path, dict[str, float], StepEvalReply]:
+    """Train the step on the engine; returns the HF export of its final weights, the
+    engine's figures and the step's scores from the evaluating rank. Checkpoints go
+    under ``ctx.workdir/<step>/checkpoints``."""
+    work = ctx.workdir / kind
+    ckpt_dir = work / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    data_path = write_rows(rows, work / "data.jsonl")
+    tcfg = step_train_config(
+        kind,
+        cfg,
+        base=base,
+        data_path=data_path,
+        checkpoint_dir=ckpt_dir,
+        train=train,
+        device=device,
+    )
+    scoring = StepEvalRequest(
+        kind=kind,
+        rows_path=str(data_path),
+        base_dir=str(base),
+        battery=cfg.eval.battery,
+        phase=f"{stage}.{kind}",
+    )
+    exported, figures, scores = run_engine(
+        tcfg, ctx, stage=stage, base=base, work=work, export_dir=export_dir, scoring=scoring
+    )
+    assert scores is not None  # asked for in the request
+    return exported, figures, scores
+
+
+def run_engine(
+    tcfg: TrainStageConfig,
+    ctx: StageContext,
+    *,
+    stage: str,
+    base: Path,
+    work: Path,
+    export_dir: Path,
+    cancel_event: threading.Event | None = None,
+    scoring: StepEvalRequest | None = None,
+) -> tuple[Path, dict[str, float], StepEvalReply | None]:
+    """Run one post-training step's engine (checkpoints under ``work/checkpoints``) to
+    its end and export the final weights from a rank, which also scores ``scoring``
+    there; ``cancel_event`` (default: the run's) stops it. Returns the export, the
+    engine's figures and the scores."""
     import ray
 
     from stages.checkpointing.storage import list_checkpoints
     from stages.trainer.engine import TrainingEngine
     from stages.trainer.phase_eval import PhaseEvalReply, PhaseEvalRequest
 
+    kind = tcfg.plan.phases[0].name  # the step's name
+    steps = tcfg.plan.total_steps
     if not ray.is_initialized():
         raise ItoError(
             ErrorCode.ray_unavailable, f"post_training.{kind}: Ray is not initialised here"
         )
-    work = ctx.workdir / kind
     ckpt_dir = work / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tcfg = step_train_config(
-        kind,
-        cfg,
-        base=base,
-        data_path=write_rows(rows, work / "data.jsonl"),
-        checkpoint_dir=ckpt_dir,
-        train=train,
-        device=device,
-    )
-    exported: list[str] = []
+    exported: list[PhaseEvalReply] = []
     engine: TrainingEngine
 
     def emit(event: Event) -> None:
@@ -180,11 +256,12 @@ def run_engine_step(
             export_dir=str(export_dir),
             metadata={"run_id": ctx.run_id, "step": kind},
             settings=tcfg.evals,
+            post_training=scoring,
         )
         reply = PhaseEvalReply.model_validate(
             engine.evaluate_on_rank(req.model_dump(mode="json"), tcfg.evals.rank_eval_timeout_s)
         )
-        exported.append(reply.export)
+        exported.append(reply)
         return True
 
     engine = TrainingEngine(
@@ -193,18 +270,18 @@ def run_engine_step(
         checkpoint_dir=ckpt_dir,
         role_shards={},
         emit=emit,
-        cancel_event=ctx.cancel_event,
+        cancel_event=cancel_event or ctx.cancel_event,
         wait_decision=ctx.wait_decision,
         facts=ctx.facts,
         on_phase_end=export,
     )
     result = engine.run()
-    if not exported or result.steps < cfg.steps:
+    if not exported or result.steps < steps:
         raise ItoError(
             ErrorCode.training_failed,
-            f"post_training.{kind}: the engine stopped at step {result.steps} of {cfg.steps}",
+            f"post_training.{kind}: the engine stopped at step {result.steps} of {steps}",
         )
     figures = {"steps": float(result.steps), "interruptions": float(result.interruptions)}
     if result.final_loss is not None:
         figures["final_loss"] = float(result.final_loss)
-    return Path(exported[-1]), figures
+    return Path(exported[-1].export), figures, exported[-1].post_training

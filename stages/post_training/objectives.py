@@ -286,12 +286,16 @@ class DPOObjective:
 
 
 def build_objective(cfg: Any, parallel: Any, *, dp_rank: int, device: torch.device) -> Any:
-    """The run's sft or dpo objective (``cfg``: a ``TrainStageConfig``); the tokenizer
+    """The run's sft, dpo or grpo objective (``cfg``: a ``TrainStageConfig``); the tokenizer
     is the base folder's. DPO's reference log-probs are computed here, on ``parallel``
     (the freshly loaded base weights)."""
     from stages.hf import load_tokenizer
 
     obj = cfg.objective
+    if obj.kind == "grpo":
+        from stages.post_training.grpo_objective import build_grpo_objective
+
+        return build_grpo_objective(cfg, dp_rank=dp_rank, device=device)
     folder = cfg.model.tokenizer_path or cfg.model.checkpoint_path
     if folder is None:
         raise ItoError(

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from stages.events import Event, MetricsEvent
 from stages.post_training.config import RLVRConfig
@@ -113,6 +113,24 @@ class GRPOLearner:
         self.opt.load_state_dict(saved["optimizer"])
         self.version = int(saved["version"])
 
+    # -- the resume hooks of ``run_rlvr`` (the engine's learner: ``EngineLearner``) --
+    def load_resume(self, workdir: Path) -> dict[str, Any] | None:
+        """The newest saved state (restored here), with the fleet's and the rewards."""
+        if not self.cfg.checkpoint_every_steps:
+            return None
+        saved = load_newest(workdir)
+        if saved is not None:
+            self.restore(saved)
+        return saved
+
+    def prepare(self, step: int, progress: dict[str, Any]) -> None:
+        """Nothing: this learner saves its whole state after a step (``save``)."""
+
+    def save(self, workdir: Path, step: int, progress: dict[str, Any]) -> None:
+        every = self.cfg.checkpoint_every_steps
+        if every and step % every == 0:
+            save_resume(workdir, step, {**self.resume_state(), **progress})
+
     def step(self, batch: list[RolloutGroup]) -> StepStats:
         import torch
 
@@ -209,9 +227,23 @@ def _metrics_event(
     return MetricsEvent(stage="post_training", step=step, scope="rlvr", values=values)
 
 
+class Learner(Protocol):
+    """What ``run_rlvr`` trains with: ``GRPOLearner`` (in this process, one device) or
+    ``EngineLearner`` (the training engine's replica groups)."""
+
+    version: int
+    trained: list[tuple[int, int]]
+
+    def state(self) -> dict[str, Any]: ...
+    def step(self, batch: list[RolloutGroup]) -> StepStats: ...
+    def load_resume(self, workdir: Path) -> dict[str, Any] | None: ...
+    def prepare(self, step: int, progress: dict[str, Any]) -> None: ...
+    def save(self, workdir: Path, step: int, progress: dict[str, Any]) -> None: ...
+
+
 def run_rlvr(
     cfg: RLVRConfig,
-    learner: GRPOLearner,
+    learner: Learner,
     pool: WorkerPool,
     maker: RequestMaker,
     *,
@@ -222,8 +254,10 @@ def run_rlvr(
 ) -> tuple[RLResult, RolloutController]:
     """The asynchronous loop: the fleet generates while the learner trains.
 
-    With a ``workdir`` and ``checkpoint_every_steps``, the resume state is saved every
-    that many steps and a rerun with the same workdir resumes from the newest one."""
+    With a ``workdir`` the learner saves what a resume needs (``GRPOLearner``: every
+    ``checkpoint_every_steps``; ``EngineLearner``: the fleet's admission state of every
+    step, beside the engine's checkpoints) and a rerun with the same workdir resumes
+    from the newest state."""
     ctl = RolloutController(
         pool,
         maker,
@@ -235,10 +269,8 @@ def run_rlvr(
         on_interruption=on_interruption,
     )
     result = RLResult(steps=0)
-    every = cfg.checkpoint_every_steps if workdir is not None else 0
-    saved = load_newest(workdir) if every and workdir is not None else None
+    saved = learner.load_resume(workdir) if workdir is not None else None
     if saved is not None:
-        learner.restore(saved)
         ctl.restore(saved["fleet"])
         result.rewards, result.steps = list(saved["rewards"]), int(saved["step"])
         result.resumed_from = result.steps
@@ -247,20 +279,25 @@ def run_rlvr(
         if cancelled():
             break
         batch, walked = ctl.next_batch()
+        task = [r for g in walked for r in g.task_rewards]
+        mean_reward = sum(task) / len(task)
+        # What a resume at step + 1 needs, known before the step can be checkpointed.
+        learner.prepare(
+            step + 1,
+            {
+                "fleet": {**ctl.resume_state(), "version": step + 1},
+                "rewards": [*result.rewards, mean_reward],
+            },
+        )
         stats: StepStats = ctl.pump_while(partial(learner.step, batch))  # fleet keeps going
         ctl.stats.stale_refused += stats.stale_refused
         ctl.publish(learner.version, learner.state())
-        task = [r for g in walked for r in g.task_rewards]
-        stats.mean_reward = sum(task) / len(task)
+        stats.mean_reward = mean_reward
         result.rewards.append(stats.mean_reward)
         result.steps = step + 1
-        if every and (step + 1) % every == 0 and workdir is not None:
-            fleet = ctl.resume_state()
-            save_resume(
-                workdir,
-                step + 1,
-                {**learner.resume_state(), "fleet": fleet, "rewards": result.rewards},
-            )
+        if workdir is not None:
+            progress = {"fleet": ctl.resume_state(), "rewards": result.rewards}
+            learner.save(workdir, step + 1, progress)
         emit(_metrics_event(step + 1, stats, ctl.stats.summary(pool.size), ctl.stats.sync_s))
     # Account for every worker before reporting: a death is seen by the last sync at
     # the latest, and its restart and re-sync are counted as an interruption.
@@ -300,6 +337,7 @@ def run_synchronous(
 
 __all__ = [
     "GRPOLearner",
+    "Learner",
     "RLResult",
     "RequestMaker",
     "run_rlvr",

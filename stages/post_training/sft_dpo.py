@@ -1,5 +1,6 @@
 """The small batteries of the SFT and DPO steps (the steps themselves train on the
-engine: ``stages.post_training.engine_step``).
+engine: ``stages.post_training.engine_step``; these run on its evaluating rank,
+``stages.post_training.step_eval``).
 
 Batteries (before and after, on the step's own data; the curriculum's eval
 batteries replace them where a run names one):
@@ -28,7 +29,7 @@ def _seq_logp(
         prompt, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     full = tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=False)
-    ids = torch.tensor([list(full)])
+    ids = torch.tensor([list(full)], device=next(model.parameters()).device)
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
     tgt = ids[0, 1:]

@@ -132,23 +132,6 @@ def _check_digest(actual: str, expected: str, where: str) -> None:
         )
 
 
-def heldout_text(tok: Any, row: dict[str, Any]) -> str:
-    """A step's row as the text the held-out checks score (chat template applied)."""
-    if "messages" in row:
-        msgs = row["messages"]
-    elif "chosen" in row:
-        prompt, chosen = row["prompt"], row["chosen"]
-        msgs = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt) + (
-            [{"role": "assistant", "content": chosen}] if isinstance(chosen, str) else chosen
-        )
-    else:
-        prompt = row["prompt"]
-        msgs = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt) + [
-            {"role": "assistant", "content": row["answer"]}
-        ]
-    return str(tok.apply_chat_template(msgs, tokenize=False))
-
-
 class PostTrainingStage:
     name: ClassVar[str] = "post_training"
     config_model: ClassVar[type[PostTrainingStageConfig]] = PostTrainingStageConfig
@@ -219,13 +202,15 @@ class PostTrainingStage:
 
     # -- the chain ---------------------------------------------------------------------
     def run(self, ctx: StageContext) -> GateOutcome:
-        from stages.post_training.hf_io import load_model, load_tokenizer
+        from stages.evals import BatteryResult
+        from stages.post_training.hf_io import load_tokenizer
+        from stages.post_training.passed import PassedStep, load_passed, save_passed
         from stages.trainer.engine import RunCancelled
 
         try:
             rows = self.load_data()
             base = self.base_model(ctx)
-            model, tok = load_model(base), load_tokenizer(base)
+            tok = load_tokenizer(base)
             out = Path(self.config.output_dir)
             results: dict[str, Any] = {}
             metrics: dict[str, float] = {}
@@ -239,9 +224,18 @@ class PostTrainingStage:
                         reason="cancelled",
                         error_code=ErrorCode.invalid_state.value,
                     )
+                done = load_passed(out, step)
+                if done is not None:  # an earlier attempt of this run passed it
+                    current = Path(done.hf_model_dir)
+                    results[step] = done.model_dump(mode="json", exclude_none=True)
+                    metrics.update({f"{step}_{k}": v for k, v in done.metrics.items()})
+                    if done.battery is not None:
+                        battery = BatteryResult.model_validate(done.battery)
+                    ctx.log(f"post_training {step}: already passed ({current})", stage=self.name)
+                    continue
                 t0 = time.time()
                 ctx.log(f"post_training {step}: started from {current.name}", stage=self.name)
-                m, model, current = self._run_step(step, ctx, model, tok, rows[step], out, current)
+                m, current, scored = self._run_step(step, ctx, tok, rows[step], out, current)
                 m["seconds"] = time.time() - t0
                 ctx.emit(MetricsEvent(stage=self.name, step=0, scope=step, values=m))
                 results[step] = {"metrics": m, "hf_model_dir": str(current)}
@@ -249,9 +243,8 @@ class PostTrainingStage:
                 step_cfg = getattr(self.config.recipe, step)
                 failed = check_gate(step, step_cfg.gate, m)
                 if failed is None and step_cfg.eval.battery is not None:
-                    failed, battery = self._battery(
-                        step, step_cfg.eval, model, tok, rows[step], battery, ctx
-                    )
+                    assert scored is not None  # every step scores its battery when named
+                    failed, battery = self._battery(step, step_cfg.eval, scored, battery, ctx)
                     results[step]["battery"] = battery.model_dump(mode="json")
                 ctx.log(
                     f"post_training {step}: gate {'failed: ' + failed if failed else 'passed'}"
@@ -267,6 +260,7 @@ class PostTrainingStage:
                         artifacts={"steps": results},
                         error_code=ErrorCode.eval_gate_failed.value,
                     )
+                save_passed(out, step, PassedStep.model_validate(results[step]))
         except RunCancelled:
             return GateOutcome(
                 stage=self.name,
@@ -287,57 +281,68 @@ class PostTrainingStage:
         )
 
     def _battery(
-        self,
-        step: str,
-        spec: Any,
-        model: Any,
-        tok: Any,
-        rows: list[dict[str, Any]],
-        previous: Any,
-        ctx: StageContext,
+        self, step: str, spec: Any, result: Any, previous: Any, ctx: StageContext
     ) -> tuple[str | None, Any]:
-        """The curriculum's battery and gates after a step; (reason or None, result)."""
-        from stages.evals import evaluate_gates, run_battery
+        """The curriculum's gates on a step's battery ``result``; (reason or None, result)."""
+        from stages.evals import evaluate_gates
 
-        t0 = time.time()
-        texts = [heldout_text(tok, r) for r in rows]
-        result = run_battery(
+        decision = evaluate_gates(result, list(spec.gates), previous)
+        ctx.emit(
+            PhaseEvent(
+                stage=self.name,
+                phase="evaluation",
+                start=result.started_at,
+                end=result.started_at + result.seconds,
+            )
+        )
+        scores = {c.name: c.score for c in result.checks if c.score is not None}
+        ctx.emit(MetricsEvent(stage=self.name, step=0, scope=f"{step}.battery", values=scores))
+        return (None if decision.passed else decision.summary()), result
+
+    def _driver_battery(
+        self, step: str, exported: Path, tok: Any, rows: list[dict[str, Any]], ctx: StageContext
+    ) -> Any:
+        """The rlvr step's battery, when it names one, on its export loaded here (the
+        sft and dpo batteries run on the evaluating rank)."""
+        from stages.evals import run_battery
+        from stages.post_training.hf_io import load_model
+        from stages.post_training.step_eval import heldout_text
+
+        battery = getattr(self.config.recipe, step).eval.battery
+        if battery is None:
+            return None
+        model = load_model(exported)
+        return run_battery(
             model,
             tok,
-            spec.battery,
-            texts,
+            battery,
+            [heldout_text(tok, r) for r in rows],
             seq_len=int(model.config.max_position_embeddings),
             phase=f"post_training.{step}",
             work_dir=ctx.workdir,
         )
-        decision = evaluate_gates(result, list(spec.gates), previous)
-        ctx.emit(PhaseEvent(stage=self.name, phase="evaluation", start=t0, end=time.time()))
-        scores = {c.name: c.score for c in result.checks if c.score is not None}
-        ctx.emit(MetricsEvent(stage=self.name, step=0, scope=f"{step}.battery", values=scores))
-        return (None if decision.passed else decision.summary()), result
 
     def _run_step(
         self,
         step: str,
         ctx: StageContext,
-        model: Any,
         tok: Any,
         rows: list[dict[str, Any]],
         out: Path,
         current: Path,
-    ) -> tuple[dict[str, float], Any, Path]:
-        """Train ``step`` from the HF folder ``current``: (gate metrics, the trained
-        policy, its HF export under ``out/<step>``)."""
-        from stages.post_training.hf_io import load_model, save
+    ) -> tuple[dict[str, float], Path, Any]:
+        """Train ``step`` from the HF folder ``current``: (gate metrics, its HF export
+        under ``out/<step>``, its battery's ``BatteryResult`` or None). SFT and DPO are
+        trained and scored on the engine's ranks: no model in this process."""
 
         recipe = self.config.recipe
         if step in ("sft", "dpo"):
+            from stages.evals import BatteryResult
             from stages.post_training.engine_step import run_engine_step
-            from stages.post_training.sft_dpo import step_battery, step_gate_metrics
+            from stages.post_training.sft_dpo import step_gate_metrics
 
             kind: Literal["sft", "dpo"] = "sft" if step == "sft" else "dpo"
-            before = step_battery(kind, model, tok, rows)
-            exported, figures = run_engine_step(
+            exported, figures, scores = run_engine_step(
                 kind,
                 getattr(recipe, kind),
                 ctx,
@@ -348,27 +353,29 @@ class PostTrainingStage:
                 train=self.config.train,
                 device=self.config.device,
             )
-            # The driver's copy serves the battery and the next step (rlvr's learner).
-            model = load_model(exported)
-            after = step_battery(kind, model, tok, rows)
-            return {**step_gate_metrics(kind, before, after), **figures}, model, exported
+            battery = BatteryResult.model_validate(scores.battery) if scores.battery else None
+            m = {**step_gate_metrics(kind, scores.before, scores.after), **figures}
+            return m, exported, battery
         assert recipe.rlvr is not None
-        # Workers build the architecture from this folder; the weights come as version 0.
-        init = Path(save(model, tok, out / "rlvr-init"))
-        m = self._run_rlvr(recipe.rlvr, ctx, model, tok, rows, init)
-        return m, model, Path(save(model, tok, out / step, run_id=ctx.run_id, step=step))
+        # The learner's ranks and the rollout workers start from the previous step's
+        # export (or the base): no model in this process.
+        m, exported = self._run_rlvr(recipe.rlvr, ctx, tok, rows, current, out / step)
+        return m, exported, self._driver_battery(step, exported, tok, rows, ctx)
 
     def _run_rlvr(
         self,
         cfg: RLVRConfig,
         ctx: StageContext,
-        model: Any,
         tok: Any,
         rows: list[dict[str, Any]],
         init: Path,
-    ) -> dict[str, float]:
+        export_dir: Path,
+    ) -> tuple[dict[str, float], Path]:
+        """The rollout fleet on the driver's side, the learner on the engine's replica
+        groups (``stages.post_training.learner``): (gate metrics, the HF export)."""
+        from stages.post_training.learner import run_rlvr_on_engine
         from stages.post_training.pools import LocalPool, RayPool
-        from stages.post_training.rl import GRPOLearner, RequestMaker, run_rlvr
+        from stages.post_training.rl import RequestMaker
         from stages.post_training.rollout import RolloutWorker, WorkerSpec
 
         specs = [
@@ -417,17 +424,20 @@ class PostTrainingStage:
             )
 
         try:
-            learner = GRPOLearner(cfg, model, tok.pad_token_id)
-            result, _ = run_rlvr(
+            result, exported, _ = run_rlvr_on_engine(
                 cfg,
-                learner,
-                pool,
-                RequestMaker(cfg, tok, rows),
-                emit=ctx.emit,
-                cancelled=lambda: ctx.cancelled,
+                ctx,
+                stage=self.name,
+                base=init,
+                export_dir=export_dir,
+                train=self.config.train,
+                device=self.config.device,
+                pool=pool,
+                maker=RequestMaker(cfg, tok, rows),
+                pad_id=int(tok.pad_token_id),
                 on_interruption=interrupted,
-                workdir=ctx.workdir,
             )
         finally:
             pool.close()
-        return {**result.summary, **reward_gain(result.rewards), "steps": float(result.steps)}
+        m = {**result.summary, **reward_gain(result.rewards), "steps": float(result.steps)}
+        return m, exported

@@ -54,6 +54,12 @@ MAX_BATCH_TOKENS = 1 << 30
 MAX_SEQ_LEN = 1 << 21
 
 
+AdamBeta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
+# AdamW's (beta1, beta2). A manifest's JSON array is a list: this field takes it as the
+# pair (the models are strict, which would refuse a list for a tuple).
+AdamBetas = Annotated[tuple[AdamBeta, AdamBeta], Field(strict=False)]
+
+
 class TrainingTarget(StrictModel):
     max_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
     target_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)
@@ -63,6 +69,9 @@ class TrainingTarget(StrictModel):
     warmup_steps: int = Field(default=10, ge=0, le=MAX_STEPS)
     weight_decay: float = Field(default=0.1, ge=0, le=10, allow_inf_nan=False)
     grad_clip: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
+    # AdamW's (beta1, beta2): pretraining's usual 0.95; post-training steps pass the
+    # recipe's (trl's default 0.999).
+    adam_betas: AdamBetas = Field(default=(0.9, 0.95), max_length=2)
     seed: int = Field(default=0, ge=0, lt=2**63)
     deterministic: bool = True
 
@@ -166,17 +175,36 @@ class LossSpikeInjection(StrictModel):
     scale: float = Field(default=50.0, gt=0)
 
 
+class GRPOSettings(StrictModel):
+    """The GRPO/DAPO learner's loss settings (``stages.post_training.grpo_objective``),
+    from the recipe's rlvr step."""
+
+    epsilon: float = Field(default=0.2, gt=0, lt=1)
+    epsilon_high: float = Field(default=0.28, gt=0, le=10)
+    temperature: float = Field(default=1.0, gt=0, le=10)
+    # Decoupled importance sampling: the behaviour weight prox/behav truncated here;
+    # None: no correction (the ratio is to the proximal policy only).
+    is_truncation: float | None = Field(default=2.0, gt=0, le=1e3)
+    beta: float = Field(default=0.0, ge=0, le=1e3)
+    # How long a rank waits for the driver's batch file of its step, and where the
+    # weights of each committed step go (the driver publishes them to the fleet).
+    batch_wait_timeout_s: float = Field(default=600.0, gt=0, le=86_400)
+    weights_dir: str = Field(min_length=1, max_length=4096)
+
+
 class ObjectiveConfig(StrictModel):
     """What the engine trains for (``stages.trainer.objective``): ``lm`` pretraining on
-    the token shards, or a post-training objective on a JSONL file of rows."""
+    the token shards, or a post-training objective on a JSONL file of rows (sft, dpo)
+    or on the rollout batches the RLVR controller writes (grpo)."""
 
-    kind: Literal["lm", "sft", "dpo"] = "lm"
+    kind: Literal["lm", "sft", "dpo", "grpo"] = "lm"
     # sft: conversational rows ({"messages": [...]}); dpo: preference rows (prompt,
     # chosen, rejected). A private snapshot the stage made and checked, never the
-    # tenant's file itself.
+    # tenant's file itself. grpo: the folder of the controller's step batches.
     data_path: str | None = Field(default=None, max_length=4096)
-    # Rows (sft) or pairs (dpo) per optimizer step over the whole run, split evenly
-    # over every data-parallel rank of every replica group.
+    grpo: GRPOSettings | None = None
+    # Rows (sft), pairs (dpo) or completions (grpo) per optimizer step over the whole
+    # run, split evenly over every data-parallel rank of every replica group.
     batch_size: int = Field(default=4, ge=1, le=1 << 20)
     max_length: int = Field(default=256, ge=8, le=MAX_SEQ_LEN)
     # dpo: the sigmoid loss's beta (trl's DPOConfig.beta).
@@ -185,7 +213,9 @@ class ObjectiveConfig(StrictModel):
     @model_validator(mode="after")
     def _data(self) -> ObjectiveConfig:
         if (self.kind == "lm") != (self.data_path is None):
-            raise ValueError("objective.data_path is set exactly for the sft and dpo objectives")
+            raise ValueError("objective.data_path is set exactly for the post-training objectives")
+        if (self.kind == "grpo") != (self.grpo is not None):
+            raise ValueError("objective.grpo is set exactly for the grpo objective")
         return self
 
 

@@ -13,7 +13,7 @@ Data is indexed by step, not by "what the loader happened to serve": the batch o
 step ``s`` is ``objective.batch(data_index(s - phase.start_step, skipped_windows))``.
 Retrying an uncommitted step, healing from a peer, restoring a checkpoint and skipping
 a poisoned window are then all the same operation (ask for that index). The objective
-(``stages.trainer.objective``: lm, sft or dpo) gives the batches and the loss; the
+(``stages.trainer.objective``: lm, sft, dpo or grpo) gives the batches and the loss; the
 loop, the layout and torchft are the same for all of them.
 """
 
@@ -369,6 +369,10 @@ class TrainLoop:
         if self._spiked(done, result.loss, result.batch):
             self._pause(done)
             return
+        # An objective that hands each committed version on (grpo: to the rollout fleet).
+        publish = getattr(self.objective, "after_commit", None)
+        if publish is not None:
+            publish(done, result.loss, self)
         if done == self.phase.end_step:
             if not self._close_phase(done):
                 self.control.send("stop")

@@ -77,7 +77,8 @@ def prepare_phase_data(
     tokenizer_path: str | None = None,
     model_max_length: int = 2048,
 ) -> PhaseData:
-    from stages.hf import load_tokenizer, save_tokenizer, train_tokenizer
+    # The tokenizer only: stages.hf.export's model stack is seconds of imports this does not need.
+    from stages.hf.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
     train, heldout = split_heldout(files_by_role, text_field, permille=permille, min_docs=min_docs)
     if tokenizer_path:

@@ -27,6 +27,7 @@ from stages.curriculum.plan import PhasePlan
 from stages.errors import ErrorCode, ItoError
 from stages.evals.config import EvalRunSettings
 from stages.evals.heldout import HeldoutSums
+from stages.post_training.step_eval import StepEvalReply, StepEvalRequest, evaluate_step
 from stages.trainer.config import TrainStageConfig
 
 
@@ -42,6 +43,8 @@ class PhaseEvalRequest(BaseModel):
     export_dir: str
     metadata: dict[str, Any]
     settings: EvalRunSettings
+    # A post-training step: its gate metrics and battery, scored here too.
+    post_training: StepEvalRequest | None = None
     # The held-out shares of every data-parallel rank, reduced; None: the battery has
     # no held-out check (or the evaluating rank scores the whole split).
     heldout_sums: HeldoutSums | None = None
@@ -66,6 +69,7 @@ class PhaseEvalReply(BaseModel):
     result: dict[str, Any]  # a BatteryResult, as JSON; empty: the phase has no battery
     export: str
     live_model: bool
+    post_training: StepEvalReply | None = None
 
 
 def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -> Any:
@@ -103,8 +107,9 @@ def evaluate_on_rank(
     req: PhaseEvalRequest, *, cfg: TrainStageConfig, live: torch.nn.Module | None
 ) -> PhaseEvalReply:
     """Run the phase's battery (a phase without one, e.g. a post-training step, is only
-    exported: ``result`` is empty) and write its HF export; ``live`` is this rank's whole
-    model when it can serve (see the module docstring), else None."""
+    exported: ``result`` is empty), a post-training step's own scores, and write its HF
+    export; ``live`` is this rank's whole model when it can serve (see the module
+    docstring), else None."""
     from stages.evals import run_battery
     from stages.hf import export_hf, load_tokenizer
 
@@ -112,6 +117,7 @@ def evaluate_on_rank(
     tokenizer = load_tokenizer(req.tokenizer_dir)
     was_training = model.training
     result: dict[str, Any] = {}
+    step: StepEvalReply | None = None
     try:
         if req.phase.eval_battery is not None:
             result = run_battery(
@@ -127,9 +133,19 @@ def evaluate_on_rank(
                 heldout_sums=req.heldout_sums,
             ).model_dump(mode="json")
         export = export_hf(model, tokenizer, Path(req.export_dir), metadata=req.metadata)
+        if req.post_training is not None:
+            step = evaluate_step(
+                req.post_training,
+                model,
+                tokenizer,
+                settings=req.settings,
+                work_dir=Path(req.work_dir),
+            )
     finally:
         model.train(was_training)
-    return PhaseEvalReply(result=result, export=str(export), live_model=live is not None)
+    return PhaseEvalReply(
+        result=result, export=str(export), live_model=live is not None, post_training=step
+    )
 
 
 def heldout_share(

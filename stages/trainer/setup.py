@@ -54,7 +54,7 @@ class RankSetup:
             loop.model.parameters(),
             lr=target.learning_rate,
             weight_decay=target.weight_decay,
-            betas=(0.9, 0.95),
+            betas=target.adam_betas,
         )
         loop.status.update(layout=loop.parallel.built_layout())
 

@@ -14,6 +14,7 @@ import pytest
 from client_proxy import RecordingProxy
 from client_world import World
 from helpers.tenants import admin
+from helpers.waiting import wait_until
 
 from orchestrator.client.api import ClientSettings, ItoClient
 from orchestrator.client.cli import EXIT_AUTH, EXIT_OK, EXIT_TRANSPORT
@@ -108,10 +109,7 @@ def test_no_blind_retry_when_the_lookup_fails_too(
 
 
 def _wait(pred, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    wait_until(pred, WAIT_S, what)
 
 
 @pytest.mark.parametrize(

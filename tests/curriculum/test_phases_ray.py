@@ -24,7 +24,14 @@ from stages.checkpointing.storage import list_checkpoints, pinned_phase
 from stages.curriculum.config import CurriculumConfig
 from stages.curriculum.plan import CurriculumPlan, plan_curriculum
 from stages.errors import ErrorCode
-from stages.events import CheckpointEvent, EvalEvent, LogEvent, PhaseEvent, StepEvent
+from stages.events import (
+    CheckpointEvent,
+    EvalEvent,
+    InterruptionEvent,
+    LogEvent,
+    PhaseEvent,
+    StepEvent,
+)
 from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget, TrainStageConfig
 
 pytestmark = pytest.mark.slow
@@ -249,8 +256,15 @@ def test_group_killed_in_phase_two_recovers_in_phase_two(
     run, out, _, killed_at = failed_run
     after = [e for e in run.events if isinstance(e, StepEvent) and e.ts > killed_at]
     assert after and all(e.phase == "mid" and e.seq_len == 32 for e in after)
-    logs = [e.message for e in run.events if isinstance(e, LogEvent) and e.ts > killed_at]
-    assert any("rg1: healed" in m for m in logs), logs
+    healed = [
+        e
+        for e in run.events
+        if isinstance(e, InterruptionEvent)
+        and e.replica_group == 1
+        and e.detected_at > killed_at - 1.0
+        and e.recovered_at is not None
+    ]
+    assert healed, [e for e in run.events if isinstance(e, InterruptionEvent)]
     rejoined = [e for e in after if e.replica_group == 1 and e.committed]
     assert rejoined and any(e.quorum_size == 2 for e in rejoined)
     assert out.metrics["interruptions"] >= 1
@@ -352,17 +366,11 @@ def test_a_driver_relaunched_mid_phase_resumes_there(ray_local: None, tmp_path: 
     assert mid.start_step < newest < mid.end_step
 
     again = Run(cfg, tmp_path, "relaunch")
-    resumed = again.wait_for(
-        lambda e: isinstance(e, LogEvent) and "resumed from checkpoint" in e.message, "the resume"
-    )
-    assert resumed.message.endswith(f"step {newest}")
+    # Its first step follows the newest checkpoint, in phase 2 at phase 2's length.
     step = again.wait_for(lambda e: isinstance(e, StepEvent) and e.committed, "a step")
     assert isinstance(step, StepEvent)
     assert step.phase == "mid" and step.step == newest + 1 and step.seq_len == mid.seq_len
     again.ctx.cancel_event.set()
     again.join()
-    assert any(
-        isinstance(e, LogEvent) and "pretrain: gate already decided" in e.message
-        for e in again.events
-    )
+    # Phase 1's gate was decided by the first driver: not scored again.
     assert not [e for e in again.events if isinstance(e, EvalEvent) and e.phase == "pretrain"]

@@ -26,7 +26,8 @@ from typing import Any
 import httpx
 import pytest
 from helpers.backend import free_port
-from helpers.flows import confirm_ref, submit
+from helpers.flows import submit_run
+from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
 from helpers.tools import missing, require
 
@@ -180,40 +181,16 @@ def slurm() -> Iterator[dict[str, Any]]:
 
 
 def _manifest(tmp: Path) -> dict[str, Any]:
-    from stages.data_prep import file_sha256
-
     corpus = tmp / "train.jsonl"
     lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:200]
     corpus.write_text("".join(json.dumps({"text": json.loads(x)["text"]}) + "\n" for x in lines))
-    return {
-        "manifest_version": 1,
-        "name": f"slurm-{uuid.uuid4().hex[:6]}",
-        "model": {"preset": "llama-tiny", "size": "124K"},
-        "data": {
-            "refs": [
-                {
-                    "uri": f"file://{corpus}",
-                    "sha256": file_sha256(corpus),
-                    "role": "baseline",
-                    "format": "jsonl",
-                    "text_field": "text",
-                    "provenance": {"source": "test", "license": "PSF"},
-                }
-            ],
-            "eval_suites": ["gsm8k"],
-            "ladder_probe": {"enabled": False},
-        },
-        "training": {
-            "max_steps": 30,
-            "seq_len": 64,
-            "global_batch_tokens": 512,
-            "learning_rate": 0.003,
-            "warmup_steps": 2,
-        },
-        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain", "token_fraction": 1.0}]},
-        "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
-        "checkpoint": {"interval_steps": 10, "keep": 2, "storage_uri": f"file://{tmp / 'ckpt'}"},
-    }
+    return cpu_testbed_manifest(
+        [data_ref(corpus, license="PSF")],
+        tmp / "ckpt",
+        steps=30,
+        name=f"slurm-{uuid.uuid4().hex[:6]}",
+        interval_steps=10,
+    )
 
 
 def test_sbatch_self_contained_run_and_scancel_teardown(
@@ -267,10 +244,7 @@ def test_sbatch_self_contained_run_and_scancel_teardown(
         url = api_url_file.read_text().strip()
         m = _manifest(tmp_path)
         with httpx.Client(base_url=url, timeout=30) as c:
-            ref = confirm_ref(c, tenant.approver, "train", "bk-slurm", manifest=m)
-            body = submit(c, tenant.submitter, "bk-slurm", m, ref).json()
-        assert body["ok"], body
-        run_id = body["data"]["run_id"]
+            run_id = submit_run(c, tenant, "bk-slurm", m)
         placed = _watch_run(url, tenant, run_id, f"http://127.0.0.1:{base + 8}", job_log)
         assert placed and set(placed.values()) == {"booking:bk-slurm"}, placed
         assert f"run-{run_id}" in placed and f"run-{run_id}-lighthouse" in placed
@@ -320,7 +294,7 @@ def _watch_run(
                     address=dashboard, filters=[("state", "=", "ALIVE")], detail=True
                 ):
                     if a.name and a.name.startswith(f"run-{run_id}"):
-                        placed[a.name] = marks.get(a.node_id, "?")
+                        placed[a.name] = marks.get(a.node_id or "", "?")
             except Exception:  # the state API can lag under load; sample again
                 pass
         time.sleep(1)

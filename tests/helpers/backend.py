@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -17,6 +18,9 @@ import httpx
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.1
+# httpx loads the CA bundle into a new SSL context for every Client it builds (~50 ms of
+# CPU): the polls here build one per request, several a second, so they share one.
+TLS_CONTEXT = ssl.create_default_context()
 
 
 def free_port() -> int:
@@ -96,7 +100,10 @@ class Backend:
             if self.proc.poll() is not None:
                 return False
             try:
-                if httpx.get(self.url + "/healthz", timeout=1.0).status_code == 200:
+                if (
+                    httpx.get(self.url + "/healthz", timeout=1.0, verify=TLS_CONTEXT).status_code
+                    == 200
+                ):
                     return True
             except httpx.HTTPError:
                 pass
@@ -131,6 +138,7 @@ class Backend:
 
     def client(self, api_key: str | None = None, **kw: Any) -> httpx.Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        kw.setdefault("verify", TLS_CONTEXT)
         return httpx.Client(base_url=self.url, headers=headers, timeout=30.0, **kw)
 
 

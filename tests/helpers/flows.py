@@ -59,3 +59,19 @@ def submit(
             "Idempotency-Key": idempotency_key or f"key-{uuid.uuid4().hex}",
         },
     )
+
+
+def submit_run(
+    client: httpx.Client,
+    tenant: Any,
+    booking_id: str,
+    manifest: dict[str, Any],
+    idempotency_key: str | None = None,
+) -> str:
+    """Confirm ``manifest`` with the tenant's approver key, submit it with its
+    submitter key (``tenant``: a ``helpers.tenants.Tenant``), and return the run id."""
+    ref = confirm_ref(client, tenant.approver, "train", booking_id, manifest=manifest)
+    body = submit(client, tenant.submitter, booking_id, manifest, ref, idempotency_key).json()
+    assert body["ok"], body
+    run_id: str = body["data"]["run_id"]
+    return run_id

@@ -53,3 +53,64 @@ def write_manifest(path: Path, m: dict[str, Any] | bytes, mode: int = 0o600) -> 
         f.write(manifest_bytes(m))
     os.chmod(path, mode)
     return path
+
+
+def data_ref(
+    path: Path, role: str = "baseline", *, text_field: str = "text", license: str = "MIT"
+) -> dict[str, Any]:
+    """A manifest data reference to a local JSONL file, with its digest."""
+    from stages.data_prep import file_sha256
+
+    return {
+        "uri": f"file://{path}",
+        "sha256": str(file_sha256(path)),
+        "role": role,
+        "format": "jsonl",
+        "text_field": text_field,
+        "provenance": {"source": "test", "license": license},
+    }
+
+
+# The testbed manifest's checkpoint interval (steps) unless a test names another.
+TESTBED_CHECKPOINT_STEPS = 5
+
+
+def cpu_testbed_manifest(
+    refs: list[dict[str, Any]],
+    checkpoint_dir: Path,
+    *,
+    steps: int,
+    name: str | None = None,
+    interval_steps: int = TESTBED_CHECKPOINT_STEPS,
+    keep: int = 2,
+    warmup_steps: int = 2,
+    **sections: Any,
+) -> dict[str, Any]:
+    """The manifest the end-to-end tests submit to a CPU-testbed booking: ``llama-tiny``
+    on ``refs`` for ``steps`` steps of 512 tokens (sequences of 64), one pretrain phase,
+    checkpoints every ``interval_steps`` under ``checkpoint_dir``; keyword sections
+    replace top-level sections (``curriculum={...}``, ``post_training={...}``)."""
+    import uuid
+
+    m: dict[str, Any] = {
+        "manifest_version": 1,
+        "name": name or f"run-{uuid.uuid4().hex[:6]}",
+        "model": {"preset": "llama-tiny", "size": "124K"},
+        "data": {"refs": refs, "eval_suites": ["gsm8k"], "ladder_probe": {"enabled": False}},
+        "training": {
+            "max_steps": steps,
+            "seq_len": 64,
+            "global_batch_tokens": 512,
+            "learning_rate": 0.003,
+            "warmup_steps": warmup_steps,
+        },
+        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain", "token_fraction": 1.0}]},
+        "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
+        "checkpoint": {
+            "interval_steps": interval_steps,
+            "keep": keep,
+            "storage_uri": f"file://{Path(checkpoint_dir).resolve()}",
+        },
+    }
+    m.update(copy.deepcopy(sections))
+    return m

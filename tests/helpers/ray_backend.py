@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers.backend import Backend, free_port
-from helpers.ray_local import note_start
+from helpers.ray_local import note_start, start_turn
 from helpers.tenants import cpu_booking_doc, make_tenant
 from orchestrator.runtime import ray_cluster
 
@@ -65,6 +65,11 @@ def ray_backend(
             str(free_port()),
             "--ray-dashboard-port",
             str(dash),
+            # Every port of the head its own: heads of tests on other workers run beside it.
+            "--ray-client-server-port",
+            str(free_port()),
+            "--ray-dashboard-agent-port",
+            str(free_port()),
             "--ray-num-cpus",
             str(RAY_NUM_CPUS),
         ],
@@ -75,7 +80,8 @@ def ray_backend(
         be.db, "acme", booking=cpu_booking_doc(booking_id, "acme", gpus=gpus_per_node)
     )
     try:
-        be.start()
+        with start_turn():  # its embedded head starts with it
+            be.start()
         note_start("embedded-head", str(tmp))
         yield {"backend": be, "tenant": tenant, "tmp": tmp, "dashboard": dash}
     finally:

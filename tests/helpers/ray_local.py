@@ -9,10 +9,13 @@ appended to PATH per start-up, so a CI run can count them."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 RAY_LOG_ENV = "ITO_TEST_RAY_LOG"
 # Logical CPUs: the trainer tests schedule up to 4 single-CPU workers; Ray does not
@@ -22,6 +25,24 @@ NUM_CPUS = 4
 OBJECT_STORE_BYTES = 200 * 2**20
 NAMESPACE = "ito-tests"
 START_ATTEMPTS = 3
+
+
+# Ray gives a starting raylet a fixed 30 s to register with its GCS, which two
+# clusters starting at once on a loaded 2-core host can both miss: the tests' Ray
+# start-ups (on any pytest-xdist worker) take turns. Only the start-up: the clusters
+# then run side by side.
+START_LOCK = os.path.join(tempfile.gettempdir(), "ito-tests-ray-start.lock")
+
+
+@contextmanager
+def start_turn() -> Iterator[None]:
+    """Hold the host-wide turn for starting a Ray cluster (or a server that starts one)."""
+    with open(START_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def note_start(kind: str, where: str) -> None:
@@ -41,16 +62,17 @@ def start() -> str:
     for attempt in range(1, START_ATTEMPTS + 1):
         temp = tempfile.mkdtemp(prefix="ray-t-")  # short: Ray's socket paths < 107 bytes
         try:
-            ray.init(
-                address="local",
-                num_cpus=NUM_CPUS,
-                include_dashboard=False,
-                _temp_dir=temp,
-                log_to_driver=False,
-                namespace=NAMESPACE,
-                object_store_memory=OBJECT_STORE_BYTES,
-                _system_config={"object_spilling_config": spilling_config(temp + "/spill")},
-            )
+            with start_turn():
+                ray.init(
+                    address="local",
+                    num_cpus=NUM_CPUS,
+                    include_dashboard=False,
+                    _temp_dir=temp,
+                    log_to_driver=False,
+                    namespace=NAMESPACE,
+                    object_store_memory=OBJECT_STORE_BYTES,
+                    _system_config={"object_spilling_config": spilling_config(temp + "/spill")},
+                )
         except Exception:
             # Ray gives a new raylet a fixed 30 s to register with its GCS, which an
             # overloaded host can miss; the next attempt usually makes it.

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from helpers.backend import free_port
-from helpers.ray_local import note_start
+from helpers.ray_local import note_start, start_turn
 
 NODE_START_TIMEOUT_S = 120.0
 NODE_STOP_TIMEOUT_S = 30.0
@@ -95,25 +95,26 @@ class LocalCluster:
         ]
         if resources:
             cmd.append(f"--resources={json.dumps(resources)}")
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                cmd,
-                env=_env(self.env),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        node = Node(name, proc, log, resources)
-        self.nodes.append(node)
-        deadline = time.monotonic() + NODE_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"ray node {name} exited: {log.read_text()[-3000:]}")
-            if b"Ray runtime started" in log.read_bytes():
-                return node
-            time.sleep(0.25)
-        raise RuntimeError(f"ray node {name} did not start: {log.read_text()[-3000:]}")
+        with start_turn():  # one Ray start-up at a time on this host (helpers.ray_local)
+            with open(log, "ab") as out:
+                proc = subprocess.Popen(
+                    cmd,
+                    env=_env(self.env),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            node = Node(name, proc, log, resources)
+            self.nodes.append(node)
+            deadline = time.monotonic() + NODE_START_TIMEOUT_S
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"ray node {name} exited: {log.read_text()[-3000:]}")
+                if b"Ray runtime started" in log.read_bytes():
+                    return node
+                time.sleep(0.25)
+            raise RuntimeError(f"ray node {name} did not start: {log.read_text()[-3000:]}")
 
     def _ray_tmp(self) -> str:
         # Ray's unix sockets live under the temp dir, whose path must stay short

@@ -1,26 +1,27 @@
-"""The pytest-xdist groups of the suite. ``scripts/test.sh`` runs the tests on several
-workers with ``--dist loadgroup``: the tests of one group run on one worker, one after
-another, and every other test goes to whichever worker is free.
+"""The pytest-xdist groups of the suite. With ``ITO_TEST_WORKERS=N``, ``scripts/test.sh``
+runs the tests on N workers with ``--dist loadgroup``: the tests of one group run on
+one worker, one after another, and every other test goes to whichever worker is free.
 
-- ``ray-local``: every test on the session's in-process Ray (the ``ray_local``
-  fixture; tests/conftest.py puts them here), so the suite starts that cluster once.
-- ``embedded-ray-head``: every test whose ``ito-backend serve --runtime ray`` (or the
-  pipeline benchmark's server) starts an embedded Ray head. Its Ray Client server
-  listens on the default port 10001, which the server has no option for, so two
-  such heads at once would collide; this group never runs two.
+- ``ray-local:<module>``: a module's tests on the session's in-process Ray (the
+  ``ray_local`` fixture; tests/conftest.py puts them there). Each worker's session
+  starts that cluster at most once, and such modules spread over the workers: the
+  suite starts at most one in-process Ray per worker.
 
-A test module with an expensive module fixture (a Ray cluster, daemons) is a group of
-its own (``module_group``), so one worker builds that fixture once."""
+A test module with an expensive module fixture (a Ray cluster, daemons, a server with
+its embedded Ray head) is a group of its own (``module_group``), so one worker builds
+that fixture once. Servers with an embedded head may run on several workers at once:
+every port of their heads is a free one (``helpers.ray_backend``)."""
 
 from __future__ import annotations
 
 import pytest
 
 RAY_LOCAL = "ray-local"
-EMBEDDED_RAY_HEAD = "embedded-ray-head"
 
-ray_local_group = pytest.mark.xdist_group(RAY_LOCAL)
-embedded_ray_head_group = pytest.mark.xdist_group(EMBEDDED_RAY_HEAD)
+
+def ray_local_group(module_name: str) -> pytest.MarkDecorator:
+    """The group of one module's tests on the session's local Ray."""
+    return pytest.mark.xdist_group(f"{RAY_LOCAL}:{module_name}")
 
 
 def module_group(module_name: str) -> pytest.MarkDecorator:

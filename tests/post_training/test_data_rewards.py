@@ -132,6 +132,7 @@ def _stage(tmp: Path, policy: Path, task: dict[str, Path], **over: Any) -> Any:
     )
 
 
+@pytest.mark.timeout(600)  # a stage run on Ray: a hang bound for a loaded box
 def test_a_failed_gate_stops_the_chain(
     ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
@@ -154,6 +155,7 @@ def test_a_failed_gate_stops_the_chain(
     assert not (tmp_path / "out" / "rlvr").exists()  # never started
 
 
+@pytest.mark.timeout(600)  # a stage run on Ray: a hang bound for a loaded box
 def test_prefix_chain_passes_and_reports_fleet_metrics(
     ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
@@ -183,6 +185,15 @@ def test_prefix_chain_passes_and_reports_fleet_metrics(
     )
     assert out.metrics["sft_steps"] == 4.0
     assert any((tmp_path / "sft" / "checkpoints").iterdir())
+    # So did the rlvr learner: its steps come from the engine's ranks, its policy is
+    # checkpointed by DCP, each version went to the fleet through the weights folder.
+    rl_steps = [
+        e for e in events if e.kind == "step" and e.committed and getattr(e, "phase", "") == "rlvr"
+    ]
+    assert [e.step for e in rl_steps] == [1, 2]
+    assert any((tmp_path / "rlvr" / "checkpoints").iterdir())
+    assert (tmp_path / "rlvr" / "weights" / "v00000002.pt").is_file()
+    assert (tmp_path / "out" / "rlvr" / "config.json").is_file()
 
 
 def test_bad_base_model_and_unknown_reward(

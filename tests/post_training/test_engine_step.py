@@ -10,7 +10,7 @@ import pytest
 from stages.errors import ErrorCode, ItoError
 from stages.post_training.config import DPOConfig
 from stages.post_training.engine_step import step_train_config
-from stages.trainer.config import TrainStageConfig
+from stages.trainer.config import TrainingTarget, TrainStageConfig
 
 _DATA = {
     "uri": "file:///d/x.jsonl",
@@ -96,3 +96,38 @@ def test_a_batch_the_groups_cannot_split_is_a_manifest_error(tmp_path: Path) -> 
         )
     assert e.value.code is ErrorCode.manifest_invalid
     assert "does not split" in e.value.message
+
+
+def test_sft_and_dpo_steps_use_trls_adamw_betas_and_the_recipes_checkpoint_interval(
+    tmp_path: Path,
+) -> None:
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    trl_defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+
+    def config(dpo: DPOConfig) -> TrainStageConfig:
+        return step_train_config(
+            "dpo",
+            dpo,
+            base=tmp_path,
+            data_path=tmp_path / "d.jsonl",
+            checkpoint_dir=tmp_path,
+            train=None,
+            device="cpu",
+        )
+
+    cfg = config(_dpo(2))
+    assert cfg.target.adam_betas == (trl_defaults["adam_beta1"], trl_defaults["adam_beta2"])
+    assert cfg.target.weight_decay == trl_defaults["weight_decay"]
+    # Pretraining keeps its own betas; a recipe may set others.
+    assert TrainingTarget(max_steps=1, seq_len=8, global_batch_tokens=8).adam_betas == (0.9, 0.95)
+    tuned = _dpo(2).model_copy(update={"adam_betas": (0.8, 0.99), "checkpoint_every_steps": 2})
+    cfg = config(tuned)
+    assert cfg.target.adam_betas == (0.8, 0.99)
+    assert cfg.checkpoint.interval_steps == 2 and cfg.checkpoint.keep == 2
+    # Without an interval only the step's closing checkpoint is written.
+    assert config(_dpo(2)).checkpoint.interval_steps == 6
+    with pytest.raises(ValueError):
+        DPOConfig.model_validate({**_dpo(2).model_dump(), "adam_betas": (0.9, 1.0)})

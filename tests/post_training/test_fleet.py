@@ -431,3 +431,44 @@ def test_the_learner_itself_refuses_a_group_older_than_eta(
     assert learner.trained == [(0, 0), (0, 0), (1, 1)]
     stats = learner.step([old])  # nothing fresh: no update
     assert stats.stale_refused == 1 and stats.tokens == 0 and learner.trained[-1] == (1, 1)
+
+
+def test_the_engine_learner_keeps_a_group_older_than_eta_out_of_the_batch_file(
+    tiny_policy: Path, task_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """The engine's learner (driver side) refuses a stale group a worker wrongly
+    offers where the step's batch is assembled: its rows in the file the ranks train
+    are padding (mask 0, version -1) and it is not recorded as trained. The ranks'
+    committed version is stood in for by its weights file, written up front."""
+    import threading
+
+    import torch
+
+    from stages.post_training.grpo_objective import batch_path, save_atomic, weights_path
+    from stages.post_training.learner import EngineLearner
+
+    cfg, learner, maker, make_worker = _rl_setup(tiny_policy, task_files, 0)
+    worker = make_worker(0)
+    worker.set_weights(0, learner.state())
+    old = worker.generate(maker(0, 0))
+    worker.set_weights(1, learner.state())
+    fresh = worker.generate(maker(1, 1))
+    assert isinstance(old, RolloutGroup) and isinstance(fresh, RolloutGroup)
+    assert (old.version, fresh.version) == (0, 1)
+    engine = EngineLearner(
+        cfg,
+        tmp_path,
+        pad_id=0,
+        base=tiny_policy,
+        engine_done=threading.Event(),
+        step_timeout_s=30,
+    )
+    engine.version = 1  # the step this batch trains at
+    for v in (1, 2):
+        save_atomic({"state": {}, "loss": torch.tensor(0.5)}, weights_path(tmp_path / "weights", v))
+    stats = engine.step([old, fresh])
+    assert stats.stale_refused == 1 and engine.trained == [(1, 1)] and engine.version == 2
+    written = torch.load(batch_path(tmp_path / "rollouts", 1), weights_only=True)
+    g = cfg.group_size
+    assert written["versions"].tolist() == [-1] * g + [1] * g
+    assert float(written["mask"][:g].sum()) == 0.0 and float(written["mask"][g:].sum()) > 0

@@ -222,7 +222,63 @@ def test_learner_step_loss_equals_trl_dapo_with_importance_correction(trl_traine
         loss.backward()
         ours += float(loss.detach())
     ours_grads = _grads(trainer.model)
+    theirs, capped = _trl_dapo_truncated_is(trainer, groups, inputs, rewards, total)
+    assert capped > 0  # the truncation is exercised
+    _assert_same((ours, ours_grads), (theirs, _grads(trainer.model)))
 
+
+def test_the_engine_objectives_loss_equals_trl_dapo_with_importance_correction(
+    trl_trainer: Any,
+) -> None:
+    """The engine's grpo objective (``GRPOObjective.loss_sum`` over the batch the
+    driver's controller assembles, divided by its denominator, one rank) against the
+    same trl loss: the same completions padded into one batch, one forward."""
+    from stages.post_training.grpo_objective import GRPOObjective
+    from stages.post_training.learner import assemble
+    from stages.trainer.config import GRPOSettings
+
+    trainer, tok = trl_trainer, trl_trainer.processing_class
+    pad = int(tok.pad_token_id)
+    learner = _learner(trainer, pad)
+    groups = _groups(tok, seed=1)
+    inputs = [_trl_inputs(g, pad) for g in groups]
+    gen = torch.Generator().manual_seed(2)
+    for g, inp in zip(groups, inputs, strict=True):
+        cur = _trl_logps(trainer, inp)
+        behav = cur + 1.0 * torch.randn(cur.shape, generator=gen)
+        g.behav_logp = [behav[i, :n].tolist() for i, n in enumerate(g.lengths)]
+    rewards = torch.tensor([g.rewards for g in groups])
+    total = sum(sum(g.lengths) for g in groups)
+
+    settings = GRPOSettings(
+        epsilon=EPS_LOW,
+        epsilon_high=EPS_HIGH,
+        temperature=TEMPERATURE,
+        is_truncation=IS_CAP,
+        weights_dir="unused",
+    )
+    objective = GRPOObjective(settings, Path("unused"), dp_rank=0, dp_world=1)
+    batch = assemble(list(groups), learner.cfg, pad)
+    assert float(batch["mask"].sum()) == total
+    logits = trainer.model(input_ids=batch["input_ids"]).logits
+    loss = objective.loss_sum(logits, batch) / float(batch["mask"].sum())
+    loss.backward()
+    ours = (float(loss.detach()), _grads(trainer.model))
+    theirs, capped = _trl_dapo_truncated_is(trainer, groups, inputs, rewards, total)
+    assert capped > 0
+    _assert_same(ours, (theirs, _grads(trainer.model)))
+
+
+def _trl_dapo_truncated_is(
+    trainer: Any,
+    groups: list[RolloutGroup],
+    inputs: list[dict[str, torch.Tensor]],
+    rewards: torch.Tensor,
+    total: int,
+) -> tuple[float, int]:
+    """trl's dapo loss with the token-level truncated importance correction,
+    accumulated over one micro-batch per group (gradients left on the model); returns
+    (loss, tokens whose weight hit the cap)."""
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
     try:
         theirs = 0.0
@@ -250,8 +306,7 @@ def test_learner_step_loss_equals_trl_dapo_with_importance_correction(trl_traine
             theirs += float(loss.detach())
     finally:
         trainer.use_vllm, trainer.vllm_importance_sampling_correction = False, False
-    assert capped > 0  # the truncation is exercised
-    _assert_same((ours, ours_grads), (theirs, _grads(trainer.model)))
+    return theirs, capped
 
 
 def _moved_policy_losses(

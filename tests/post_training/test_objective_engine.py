@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.engine_heal import kill_one_group_and_heal
 
 from stages.checkpointing.config import CheckpointPolicy
 from stages.errors import ErrorCode, ItoError
@@ -151,19 +152,6 @@ def test_sft_and_dpo_refuse_a_pipeline_layout(tiny_policy: Path, tmp_path: Path)
     assert lm.objective.kind == "lm" and lm.layout.pp == 2
 
 
-def _summary(events: list[Event]) -> str:
-    """The run's log lines, interruptions and last steps (for assertion messages)."""
-    from stages.events import InterruptionEvent, LogEvent
-
-    lines = [
-        f"{e.ts:.1f} {e.message}" if isinstance(e, LogEvent) else f"{e.ts:.1f} {e!r}"
-        for e in events
-        if isinstance(e, LogEvent | InterruptionEvent)
-    ]
-    steps = [e for e in events if isinstance(e, StepEvent)][-4:]
-    return "\n".join(lines[-40:] + [repr(e) for e in steps])[-5000:]
-
-
 @pytest.mark.timeout(600)
 def test_a_killed_sft_learner_group_heals_bit_identical(
     ray_local: None, tiny_policy: Path, tmp_path: Path
@@ -171,10 +159,6 @@ def test_a_killed_sft_learner_group_heals_bit_identical(
     """SIGKILL one of two SFT learner groups mid-run: the survivor commits alone, Ray
     restarts the lost one, which rebuilds from the base folder and heals from the live
     peer (no checkpoint read); both groups end with bit-identical weights."""
-    import time
-
-    from stages.events import InterruptionEvent
-    from stages.trainer import kill_replica_group
     from stages.trainer.engine import TrainingEngine
 
     steps = 500  # >= 50 s paced: outlasts a restart (imports torch, trl) on 2 busy cores
@@ -188,82 +172,20 @@ def test_a_killed_sft_learner_group_heals_bit_identical(
         ),
         pace_step_s=0.1,  # a run that outlasts an actor restart on a loaded machine
     )
-    events: list[Event] = []
-    cond = threading.Condition()
-
-    def emit(e: Event) -> None:
-        with cond:
-            events.append(e)
-            cond.notify_all()
-
-    def wait_for(pred: Any, what: str, timeout_s: float = 240.0) -> Any:
-        deadline = time.monotonic() + timeout_s
-        with cond:
-            while True:
-                hit = next((e for e in events if pred(e)), None)
-                if hit is not None:
-                    return hit
-                left = deadline - time.monotonic()
-                assert left > 0, f"timed out waiting for {what}: {_summary(events)}"
-                cond.wait(min(left, 1.0))
-
     ckpt = tmp_path / "ckpt" / "sft-kill"
     ckpt.mkdir(parents=True)
-    cancel = threading.Event()
-    engine = TrainingEngine(
-        cfg,
-        run_id="sft-kill",
-        checkpoint_dir=ckpt,
-        role_shards={},
-        emit=emit,
-        cancel_event=cancel,
-        wait_decision=lambda _id, _t: None,
+    healed = kill_one_group_and_heal(
+        lambda emit, cancel: TrainingEngine(
+            cfg,
+            run_id="sft-kill",
+            checkpoint_dir=ckpt,
+            role_shards={},
+            emit=emit,
+            cancel_event=cancel,
+            wait_decision=lambda _id, _t: None,
+        ),
+        "sft-kill",
     )
-    result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(r=engine.run()), daemon=True)
-    thread.start()
-    try:
-        wait_for(
-            lambda e: (
-                isinstance(e, StepEvent) and e.committed and e.step >= 5 and e.quorum_size == 2
-            ),
-            "5 steps in the full quorum",
-        )
-        killed_at, pids = kill_replica_group("sft-kill", 1)
-        assert pids
-        wait_for(
-            lambda e: (
-                isinstance(e, StepEvent)
-                and e.replica_group == 0
-                and e.committed
-                and e.quorum_size == 1
-                and e.ts > killed_at
-            ),
-            "the survivor commits alone",
-        )
-        rec = wait_for(
-            lambda e: (
-                isinstance(e, InterruptionEvent)
-                and e.interruption_kind == "replica_group_lost"
-                and e.recovered_at is not None
-            ),
-            "group 1 recovered",
-        )
-        assert rec.replica_group == 1
-        thread.join(timeout=300)
-    finally:
-        cancel.set()
-        thread.join(timeout=60)
-    r = result["r"]
+    r = healed.result
     assert r.steps == steps
-    rejoined = [
-        e
-        for e in events
-        if isinstance(e, StepEvent)
-        and e.replica_group == 1
-        and e.committed
-        and e.quorum_size == 2
-        and e.ts > rec.recovered_at
-    ]
-    assert rejoined, "group 1 never rejoined the full quorum"
     assert set(r.digests) == {0, 1} and r.digests[0] == r.digests[1]

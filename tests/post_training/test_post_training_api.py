@@ -14,17 +14,17 @@ from typing import Any
 
 import pytest
 from helpers.backend import Backend
-from helpers.manifests import write_manifest
+from helpers.manifests import cpu_testbed_manifest, data_ref, write_manifest
 from helpers.ray_backend import ray_backend
 from helpers.tenants import Tenant
-from helpers.xdist_groups import embedded_ray_head_group
+from helpers.xdist_groups import module_group
 
 from orchestrator.client.api import ClientSettings, ItoClient
 from orchestrator.client.cli import run_cli
 from tests.post_training.conftest import base_model
 
 # Above pytest's 300 s default: a run may take RUN_TIMEOUT_S once the server is up.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), embedded_ray_head_group]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), module_group(__name__)]
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 420.0
 
@@ -45,40 +45,22 @@ def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 def _ref(p: Path, role: str = "custom", text_field: str = "text") -> dict[str, Any]:
-    from stages.data_prep import file_sha256
-
-    return {
-        "uri": f"file://{p}",
-        "sha256": str(file_sha256(p)),
-        "role": role,
-        "format": "jsonl",
-        "text_field": text_field,
-        "provenance": {"source": "test", "license": "MIT"},
-    }
+    return data_ref(p, role, text_field=text_field)
 
 
 def _manifest(tmp: Path, policy: Path, task: dict[str, Path]) -> dict[str, Any]:
     docs = tmp / "docs.jsonl"
     lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:200]
     docs.write_text("\n".join(lines) + "\n")
-    return {
-        "manifest_version": 1,
-        "name": "post-training-e2e",
-        "model": {"preset": "llama-tiny", "size": "124K"},
-        "data": {
-            "refs": [_ref(docs, "baseline")],
-            "eval_suites": ["gsm8k"],
-            "ladder_probe": {"enabled": False},
-        },
-        "training": {
-            "max_steps": 4,
-            "seq_len": 64,
-            "global_batch_tokens": 512,
-            "learning_rate": 0.003,
-            "warmup_steps": 1,
-        },
-        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain", "token_fraction": 1.0}]},
-        "post_training": {
+    return cpu_testbed_manifest(
+        [_ref(docs, "baseline")],
+        tmp / "ckpt",
+        steps=4,
+        name="post-training-e2e",
+        interval_steps=2,
+        keep=1,
+        warmup_steps=1,
+        post_training={
             **base_model(policy),
             "sft": {"data": _ref(task["sft"]), "steps": 20, "learning_rate": 5e-3},
             "dpo": {"data": _ref(task["dpo"]), "steps": 10, "learning_rate": 1e-3},
@@ -100,9 +82,7 @@ def _manifest(tmp: Path, policy: Path, task: dict[str, Path]) -> dict[str, Any]:
                 "gate": {"metric": "reward_gain", "min": 0.2},
             },
         },
-        "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
-        "checkpoint": {"interval_steps": 2, "keep": 1, "storage_uri": f"file://{tmp / 'ckpt'}"},
-    }
+    )
 
 
 def test_ito_train_runs_sft_dpo_rlvr_and_the_reward_rises(

@@ -80,3 +80,77 @@ def test_an_interrupted_run_resumes_at_the_newest_checkpoint_within_eta(
         _, _, clean = _run(tiny_policy, task_files, tmp_path / "clean", eta=0, steps=steps, every=0)
         a, b = clean.model.state_dict(), learner.model.state_dict()
         assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _engine_run(
+    tiny_policy: Path,
+    task_files: dict[str, Path],
+    workdir: Path,
+    *,
+    eta: int,
+    steps: int,
+    every: int,
+    stop_after: int | None = None,
+) -> tuple[Any, Any, Path]:
+    """The rlvr step as the stage runs it: the learner on the engine (one replica
+    group, real Ray actors, DCP checkpoints), the fleet on threads."""
+    from stages.base import StageContext
+    from stages.post_training.hf_io import load_tokenizer
+    from stages.post_training.learner import run_rlvr_on_engine
+
+    cfg, _, maker, make_worker = _rl_setup(tiny_policy, task_files, eta)
+    cfg = cfg.model_copy(update={"steps": steps, "checkpoint_every_steps": every})
+
+    def emit(e: Any) -> None:
+        if stop_after is not None and isinstance(e, MetricsEvent) and e.step == stop_after:
+            raise Interrupted(e.step)
+
+    ctx = StageContext(run_id="rlvr-relaunch", booking_id="b", workdir=workdir, emit=emit)
+    pool = LocalPool([make_worker(i) for i in range(2)])
+    try:
+        result, exported, learner = run_rlvr_on_engine(
+            cfg,
+            ctx,
+            stage="post_training",
+            base=tiny_policy,
+            export_dir=workdir / "export",
+            train=None,
+            device="cpu",
+            pool=pool,
+            maker=maker,
+            pad_id=int(load_tokenizer(tiny_policy).pad_token_id),
+        )
+    finally:
+        pool.close()
+    return result, learner, exported
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_relaunched_driver_resumes_rlvr_on_the_engine_within_eta(
+    ray_local: None, tiny_policy: Path, task_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """The driver dies after step 4 (its controller raises, the engine's actors are
+    killed); a relaunch with the same workdir resumes at the engine's newest complete
+    checkpoint, regenerates from the controller's state saved for it, and trains no
+    sample older than eta for its step (the batch files are all the ranks train)."""
+    from stages.checkpointing.storage import list_checkpoints
+
+    steps, every, eta = 6, 2, 1
+    with pytest.raises(Interrupted):
+        _engine_run(
+            tiny_policy, task_files, tmp_path, eta=eta, steps=steps, every=every, stop_after=4
+        )
+    ckpts = [r.step for r in list_checkpoints(tmp_path / "rlvr" / "checkpoints")]
+    assert ckpts and ckpts[-1] in (2, 4), ckpts
+    resumed = ckpts[-1]
+
+    result, learner, exported = _engine_run(
+        tiny_policy, task_files, tmp_path, eta=eta, steps=steps, every=every
+    )
+    assert result.resumed_from == resumed and result.steps == steps
+    assert len(result.rewards) == steps and learner.version == steps
+    assert sorted({s for s, _ in learner.trained}) == list(range(resumed, steps))
+    assert all(s - v <= eta for s, v in learner.trained), learner.trained
+    assert all(v >= resumed for _, v in learner.trained)  # nothing from before the resume
+    assert (exported / "config.json").exists()

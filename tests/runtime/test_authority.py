@@ -1,6 +1,6 @@
 """Authority re-checks of active runs, and the operator's ``runs stop``, on a real
 SQLite store. The supervisor applying them to live runs on Ray is in
-tests/runtime/test_runs_on_ray.py."""
+tests/runtime/test_run_controls_on_ray.py."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +23,14 @@ import httpx
 import pytest
 from helpers.backend import Backend
 from helpers.flows import confirm, confirm_ref, submit
+from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.ray_backend import corpora, ray_backend
+from helpers.runs import api_data, wait_final
 from helpers.tenants import Tenant
-from helpers.xdist_groups import embedded_ray_head_group
+from helpers.xdist_groups import module_group
 
 # Above pytest's 300 s default: a run may take RUN_TIMEOUT_S once the server is up.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), embedded_ray_head_group]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), module_group(__name__)]
 RUN_TIMEOUT_S = 300.0
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,68 +44,38 @@ def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 def _manifest(rt: dict[str, Any], second_gate_max: float) -> dict[str, Any]:
-    from stages.data_prep import file_sha256
-
-    def ref(p: Path, role: str) -> dict[str, Any]:
-        return {
-            "uri": f"file://{p}",
-            "sha256": str(file_sha256(p)),
-            "role": role,
-            "format": "jsonl",
-            "text_field": "text",
-            "provenance": {"source": "test", "license": "MIT"},
-        }
-
-    return {
-        "manifest_version": 1,
-        "name": f"cur-{uuid.uuid4().hex[:6]}",
-        "model": {"preset": "llama-tiny", "size": "124K"},
-        "data": {
-            "refs": [ref(rt["baseline"], "baseline"), ref(rt["custom"], "custom")],
-            "eval_suites": ["gsm8k"],
-            "ladder_probe": {"enabled": False},
+    refs = [data_ref(rt["baseline"], "baseline"), data_ref(rt["custom"], "custom")]
+    phases = [
+        {
+            "name": "pretrain",
+            "kind": "pretrain",
+            "token_fraction": 0.5,
+            "eval_battery": "smoke",
+            "gates": [{"metric": "heldout_loss", "max": 100.0}],
         },
-        "training": {
-            "max_steps": 12,
-            "seq_len": 64,
-            "global_batch_tokens": 512,
-            "learning_rate": 0.003,
-            "warmup_steps": 2,
+        {
+            "name": "long",
+            "kind": "long_context",
+            "token_fraction": 0.5,
+            "seq_len": 128,
+            "data_weights": {"custom": 3.0},
+            "eval_battery": "smoke",
+            "gates": [{"metric": "heldout_loss", "max": second_gate_max}],
         },
-        "curriculum": {
-            "phases": [
-                {
-                    "name": "pretrain",
-                    "kind": "pretrain",
-                    "token_fraction": 0.5,
-                    "eval_battery": "smoke",
-                    "gates": [{"metric": "heldout_loss", "max": 100.0}],
-                },
-                {
-                    "name": "long",
-                    "kind": "long_context",
-                    "token_fraction": 0.5,
-                    "seq_len": 128,
-                    "data_weights": {"custom": 3.0},
-                    "eval_battery": "smoke",
-                    "gates": [{"metric": "heldout_loss", "max": second_gate_max}],
-                },
-            ]
-        },
-        "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
-        "checkpoint": {
-            "interval_steps": 4,
-            "keep": 1,
-            "storage_uri": f"file://{rt['tmp'] / 'ckpt'}",
-        },
-    }
+    ]
+    return cpu_testbed_manifest(
+        refs,
+        rt["tmp"] / "ckpt",
+        steps=12,
+        name=f"cur-{uuid.uuid4().hex[:6]}",
+        interval_steps=4,
+        keep=1,
+        curriculum={"phases": phases},
+    )
 
 
 def _get(rt: dict[str, Any], path: str) -> dict[str, Any]:
-    with rt["backend"].client(rt["tenant"].submitter) as c:
-        body: dict[str, Any] = c.get(path).json()
-    assert body["ok"], body
-    return body["data"]  # type: ignore[no-any-return]
+    return api_data(rt["backend"], rt["tenant"].submitter, path)
 
 
 @pytest.fixture(scope="module")
@@ -118,13 +89,7 @@ def failed(rt: dict[str, Any]) -> dict[str, Any]:
         r = submit(c, t.submitter, t.booking_id, m, ref, idempotency_key=key)
     assert r.json()["ok"], r.json()
     run_id = r.json()["data"]["run_id"]
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    run: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        run = _get(rt, f"/v1/runs/{run_id}")
-        if run["state"] in ("failed", "succeeded", "cancelled"):
-            break
-        time.sleep(1.0)
+    run = wait_final(be, t.submitter, run_id, RUN_TIMEOUT_S)
     return {"run": run, "run_id": run_id, "manifest": m, "key": key, "ref": ref}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -199,3 +201,18 @@ def test_operator_overrides_are_a_closed_set() -> None:
     assert SupervisorSettings(train_overrides={"pace_step_s": 0.1}).train_overrides
     with pytest.raises(ValidationError):
         SupervisorSettings(train_overrides={"replica_groups": 64})
+
+
+def test_a_process_without_a_server_gets_a_private_throwaway_launch_key(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(launch.LAUNCH_KEY_ENV, raising=False)
+    key = launch.use_scratch_launch_key(tmp_path)
+    assert key == tmp_path / "launch.key"
+    assert os.environ[launch.LAUNCH_KEY_ENV] == str(key)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and len(key.read_text()) == 64
+    # A key the environment names is the one used; nothing new is made.
+    other = tmp_path / "other"
+    other.mkdir()
+    assert launch.use_scratch_launch_key(other) == key
+    assert not (other / "launch.key").exists()

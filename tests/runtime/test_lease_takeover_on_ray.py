@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +21,12 @@ from typing import Any
 
 import pytest
 from helpers.backend import Backend, free_port
-from helpers.flows import confirm_ref, submit
+from helpers.flows import submit_run
+from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.postgres import PgServer
+from helpers.ray_local import note_start, start_turn
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
+from helpers.waiting import wait_until
 
 from orchestrator.db.store import Fence, Store
 from orchestrator.runtime import ray_cluster
@@ -47,13 +49,6 @@ PACE_STEP_S = 0.2
 BOOKING = "bk-ha"
 
 
-def _wait(cond: Any, what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 @pytest.fixture
 def world(
     pg_server: PgServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -68,6 +63,7 @@ def world(
         head_port=free_port(),
         dashboard_port=free_port(),
         client_server_port=free_port(),
+        dashboard_agent_listen_port=free_port(),
         num_cpus=4,
         # The booking's node mark: one raylet is the whole cluster, as cheap as Ray gets.
         node_resources=embedded_marks([{"booking_id": BOOKING, "gpus_per_node": 1}]),
@@ -99,7 +95,9 @@ def world(
 
     store = Store(db)
     try:
-        address = ray_cluster.start_local_head(head_dir, head)
+        with start_turn():
+            address = ray_cluster.start_local_head(head_dir, head)
+        note_start("embedded-head", str(head_dir))
         yield {
             "store": store,
             "tenant": tenant,
@@ -118,37 +116,14 @@ def world(
 
 
 def _manifest(corpus: Path, ckpt: Path) -> dict[str, Any]:
-    from stages.data_prep import file_sha256
-
-    return {
-        "manifest_version": 1,
-        "name": f"ha-{uuid.uuid4().hex[:6]}",
-        "model": {"preset": "llama-tiny", "size": "124K"},
-        "data": {
-            "refs": [
-                {
-                    "uri": f"file://{corpus}",
-                    "sha256": file_sha256(corpus),
-                    "role": "baseline",
-                    "format": "jsonl",
-                    "text_field": "text",
-                    "provenance": {"source": "test", "license": "PSF"},
-                }
-            ],
-            "eval_suites": ["gsm8k"],
-            "ladder_probe": {"enabled": False},
-        },
-        "training": {
-            "max_steps": STEPS,
-            "seq_len": 64,
-            "global_batch_tokens": 512,
-            "learning_rate": 0.003,
-            "warmup_steps": 2,
-        },
-        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain", "token_fraction": 1.0}]},
-        "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
-        "checkpoint": {"interval_steps": 10, "keep": 1, "storage_uri": f"file://{ckpt}"},
-    }
+    return cpu_testbed_manifest(
+        [data_ref(corpus, license="PSF")],
+        ckpt,
+        steps=STEPS,
+        name=f"ha-{uuid.uuid4().hex[:6]}",
+        interval_steps=10,
+        keep=1,
+    )
 
 
 def _holder_pid(store: Store) -> int | None:
@@ -168,22 +143,20 @@ def test_leader_sigkilled_mid_run_standby_adopts_the_driver_and_fences_the_old_l
     t: Tenant = world["tenant"]
     a: Backend = world["replica"]("a")
     assert a.proc is not None
-    _wait(lambda: _holder_pid(store) == a.proc.pid, "replica a to lead")
+    a_pid = a.proc.pid
+    wait_until(lambda: _holder_pid(store) == a_pid, WAIT_S, "replica a to lead")
     b: Backend = world["replica"]("b")
     assert b.proc is not None
     with b.client() as c:  # any replica serves the API; only the leader supervises
         m = _manifest(world["corpus"], world["tmp"] / "ckpt")
-        ref = confirm_ref(c, t.approver, "train", BOOKING, manifest=m)
-        body = submit(c, t.submitter, BOOKING, m, ref).json()
-    assert body["ok"], body
-    run_id = body["data"]["run_id"]
+        run_id = submit_run(c, t, BOOKING, m)
 
     def stepping() -> bool:
         state = store.get_run(run_id)["state"]
         assert state not in ("failed", "cancelled"), f"{state}\n{world['logs']()}"
         return state == "running" and _last_step(store, run_id) >= 3
 
-    _wait(stepping, "the run to train a few steps")
+    wait_until(stepping, WAIT_S, "the run to train a few steps")
     # A leads first; under load its short lease may already have passed to B (a
     # takeover too): the leader now is the one killed, the other must take over.
     leader, standby = (a, b) if _holder_pid(store) == a.proc.pid else (b, a)
@@ -197,14 +170,17 @@ def test_leader_sigkilled_mid_run_standby_adopts_the_driver_and_fences_the_old_l
     leader.proc.wait(30)
     assert _last_step(store, run_id) < STEPS  # killed mid-run
 
-    _wait(lambda: _holder_pid(store) == standby.proc.pid, "the standby to take the lease over")
+    standby_pid = standby.proc.pid
+    wait_until(
+        lambda: _holder_pid(store) == standby_pid, WAIT_S, "the standby to take the lease over"
+    )
     lease_b = store.lease(LEASE_NAME)
     assert lease_b is not None and lease_b["token"] == lease_a["token"] + 1
 
     def finished() -> bool:
         return store.get_run(run_id)["state"] in ("succeeded", "failed", "cancelled")
 
-    _wait(finished, "the standby to drive the run to its end")
+    wait_until(finished, WAIT_S, "the standby to drive the run to its end")
     run = store.get_run(run_id)
     assert run["state"] == "succeeded", f"{run['state_reason']}\n{world['logs']()}"
     assert _last_step(store, run_id) == STEPS

@@ -14,15 +14,16 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.backend import Backend
-from helpers.flows import confirm_ref, submit
+from helpers.flows import submit_run
+from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.raynodes import LocalCluster
+from helpers.runs import api_data, wait_run
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
 from helpers.xdist_groups import module_group
 
@@ -91,73 +92,23 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 def _submit(env: dict[str, Any], booking: str, steps: int) -> str:
-    from stages.data_prep import file_sha256
-
     be: Backend = env["backend"]
     t: Tenant = env["tenant"]
-    corpus: Path = env["corpus"]
-    m = {
-        "manifest_version": 1,
-        "name": f"p-{uuid.uuid4().hex[:6]}",
-        "model": {"preset": "llama-tiny", "size": "124K"},
-        "data": {
-            "refs": [
-                {
-                    "uri": f"file://{corpus}",
-                    "sha256": file_sha256(corpus),
-                    "role": "baseline",
-                    "format": "jsonl",
-                    "text_field": "text",
-                    "provenance": {"source": "test", "license": "PSF"},
-                }
-            ],
-            "eval_suites": ["gsm8k"],
-            "ladder_probe": {"enabled": False},
-        },
-        "training": {
-            "max_steps": steps,
-            "seq_len": 64,
-            "global_batch_tokens": 512,
-            "learning_rate": 0.003,
-            "warmup_steps": 2,
-        },
-        "curriculum": {"phases": [{"name": "pretrain", "kind": "pretrain", "token_fraction": 1.0}]},
-        "budget": {"ceiling_usd": 50.0, "max_incremental_cost_usd": 50.0},
-        "checkpoint": {
-            "interval_steps": 5,
-            "keep": 2,
-            "storage_uri": f"file://{env['tmp'] / 'ckpt'}",
-        },
-    }
+    m = cpu_testbed_manifest(
+        [data_ref(env["corpus"], license="PSF")], env["tmp"] / "ckpt", steps=steps
+    )
     with be.client() as c:
-        ref = confirm_ref(c, t.approver, "train", booking, manifest=m)
-        body = submit(c, t.submitter, booking, m, ref).json()
-    assert body["ok"], body
-    run_id: str = body["data"]["run_id"]
-    return run_id
+        return submit_run(c, t, booking, m)
 
 
 def _run(env: dict[str, Any], run_id: str) -> dict[str, Any]:
-    with env["backend"].client(env["tenant"].submitter) as c:
-        body: dict[str, Any] = c.get(f"/v1/runs/{run_id}").json()
-    assert body["ok"], body
-    data: dict[str, Any] = body["data"]
-    return data
+    return api_data(env["backend"], env["tenant"].submitter, f"/v1/runs/{run_id}")
 
 
 def _wait(
     env: dict[str, Any], run_id: str, pred: Any, what: str, timeout_s: float = WAIT_S
 ) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    run: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        run = _run(env, run_id)
-        if pred(run):
-            return run
-        time.sleep(0.3)
-    raise AssertionError(
-        f"run {run_id} never reached {what}; last {run}\n{env['backend'].log_text()[-3000:]}"
-    )
+    return wait_run(env["backend"], env["tenant"].submitter, run_id, pred, what, timeout_s)
 
 
 def _actors_by_node(env: dict[str, Any]) -> tuple[dict[str, str], list[Any]]:

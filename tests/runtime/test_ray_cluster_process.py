@@ -1,14 +1,18 @@
-"""How the backend tells whether the embedded head it started is still running."""
+"""How the backend tells whether the embedded head it started is still running, and
+the cluster token it keeps."""
 
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from orchestrator.runtime.ray_cluster import _alive, _env
+from orchestrator.runtime.ray_cluster import _alive, _env, ensure_auth_token
+from stages.errors import ItoError
 
 
 def test_an_exited_child_is_not_alive_though_it_is_still_a_zombie() -> None:
@@ -32,3 +36,26 @@ def test_a_running_process_is_alive() -> None:
 def test_the_head_is_started_without_serves_drain_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", raising=False)
     assert _env()["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "0"
+
+
+def test_the_token_is_generated_once_and_kept_private(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = ensure_auth_token()  # none yet: `ray get-auth-token --generate` writes one
+    assert path == tmp_path / ".ray" / "auth_token"
+    token = path.read_bytes()
+    assert len(token.strip()) >= 32
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    # An existing token is the cluster's: kept as it is, its mode put back to private.
+    path.chmod(0o644)
+    assert ensure_auth_token().read_bytes() == token
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    # A link in its place is not ours to trust.
+    path.unlink()
+    other = tmp_path / "elsewhere"
+    other.write_text("x" * 64)
+    path.symlink_to(other)
+    with pytest.raises(ItoError, match="not ours"):
+        ensure_auth_token()

@@ -11,18 +11,23 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers.backend import free_port
-from helpers.ray_local import note_start
+from helpers.ray_local import note_start, start_turn
 from helpers.tools import require
 from helpers.xdist_groups import module_group
 
 from orchestrator.runtime import ray_cluster
 
 pytestmark = [pytest.mark.slow, module_group(__name__)]
+
+# "Ray runtime started" comes once GCS and raylet serve; the head starts the Ray Client
+# server and the dashboard agent after it, so their ports are waited for.
+LATE_LISTENERS_TIMEOUT_S = 90.0
 
 
 def _session_pids(leader: int) -> set[int]:
@@ -39,9 +44,11 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]
         head_port=free_port(),
         dashboard_port=free_port(),
         client_server_port=free_port(),
+        dashboard_agent_listen_port=free_port(),
         num_cpus=1,
     )
-    ray_cluster.start_local_head(var_dir, settings)
+    with start_turn():
+        ray_cluster.start_local_head(var_dir, settings)
     note_start("embedded-head", str(var_dir))
     try:
         yield {"var_dir": var_dir, "settings": settings}
@@ -55,11 +62,19 @@ def listeners(head: dict[str, object]) -> list[str]:
     ss = require("ss", "ss")["ss"]
     var_dir = head["var_dir"]
     assert isinstance(var_dir, Path)
-    pids = _session_pids(int(ray_cluster.head_pid_file(var_dir).read_text()))
-    lines = subprocess.run(
-        [ss, "-ltnpH"], capture_output=True, text=True, check=True
-    ).stdout.splitlines()
-    return [li for li in lines if any(f"pid={p}," in li for p in pids)]
+    settings = head["settings"]
+    assert isinstance(settings, ray_cluster.RaySettings)
+    late = {settings.client_server_port, settings.dashboard_agent_listen_port}
+    deadline = time.monotonic() + LATE_LISTENERS_TIMEOUT_S
+    while True:
+        pids = _session_pids(int(ray_cluster.head_pid_file(var_dir).read_text()))
+        lines = subprocess.run(
+            [ss, "-ltnpH"], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+        ours = [li for li in lines if any(f"pid={p}," in li for p in pids)]
+        if late <= {_local(li)[1] for li in ours} or time.monotonic() > deadline:
+            return ours
+        time.sleep(0.5)
 
 
 def _local(line: str) -> tuple[str, int]:
@@ -78,6 +93,9 @@ def test_dashboard_and_client_server_listen_on_loopback(
     for port in (settings.dashboard_port,):
         hosts = {h for h, p in bound if p == port}
         assert hosts == {"127.0.0.1"}, (port, hosts)
+    # The head's own ports are the ones it was given, so two heads share a host.
+    for port in (settings.client_server_port, settings.dashboard_agent_listen_port):
+        assert any(p == port for _, p in bound), (port, sorted(p for _, p in bound))
 
 
 def test_temp_root_is_private(head: dict[str, object]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from helpers.postgres import PgServer
 from helpers.tenants import booking_doc
+from helpers.waiting import wait_until
 
 from orchestrator.db.store import Store
 from orchestrator.gates.bookings import BookingFile, add_booking
@@ -91,10 +92,7 @@ def _lease(store: Store) -> dict[str, Any]:
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    wait_until(cond, timeout, what)
 
 
 def _queue_run(store: Store, run_id: str) -> None:

@@ -1,0 +1,121 @@
+"""Per-GPU peak memory of an SFT or DPO step, planned like a curriculum phase.
+
+A post-training step trains on the engine as its ``TrainStageConfig``
+(``stages.post_training.engine_step``) sets it up: one rank per replica group
+holding the whole policy in fp32, AdamW, no recompute, the recipe's ``batch_size``
+rows (sft) or pairs (dpo) split over the groups and trained in one forward at up to
+``max_length`` tokens. The model is ``stages.parallelism.memory``'s, with:
+
+- policy: fp32 weights, fp32 gradients and AdamW's two fp32 moments;
+- activations at ``max_length`` for every sequence of a rank's share of the batch; a
+  DPO pair is two sequences (chosen and rejected in one forward);
+- the DPO reference: none resident. Its log-probs are precomputed once at the rank's
+  start-up from the freshly loaded base weights, like trl's
+  ``precompute_ref_log_probs`` (two floats a pair, kept on the host), so no second
+  model lives beside the policy while it trains;
+- the step's end (``stages.post_training.step_eval``): while the policy and AdamW's
+  state are still resident, the evaluating rank loads the base folder in fp32 to
+  score the step's "before" numbers and runs forwards of one sequence; that is a
+  second moment, and the peak is the larger of the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from stages.errors import ErrorCode, ItoError
+from stages.parallelism.memory import (
+    GIB,
+    LOSS_BYTES_PER_LOGIT,
+    MASTER_BYTES,
+    MemoryEstimate,
+    estimate_memory,
+)
+from stages.presets import ModelPreset
+
+StepKind = Literal["sft", "dpo"]
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    training: MemoryEstimate  # the peak of a training step
+    scoring: float  # bytes at the step's end: resident state + the base copy + a forward
+
+    @property
+    def peak(self) -> float:
+        return max(self.training.total, self.scoring)
+
+
+def sequences_per_rank(kind: StepKind, batch_size: int, replica_groups: int) -> int:
+    """Sequences one rank forwards per step (a DPO pair is two)."""
+    rows = -(-batch_size // replica_groups)
+    return rows * (2 if kind == "dpo" else 1)
+
+
+def step_memory(
+    preset: ModelPreset,
+    *,
+    kind: StepKind,
+    batch_size: int,
+    max_length: int,
+    replica_groups: int,
+    foreach_optimizer: bool = True,
+) -> StepMemory:
+    training = estimate_memory(
+        preset,
+        seq_len=max_length,
+        micro_batch=sequences_per_rank(kind, batch_size, replica_groups),
+        microbatches=1,
+        tp=1,
+        cp=1,
+        fsdp=1,
+        dp_replicate=replica_groups,
+        pp_stage_layers=[preset.num_hidden_layers],
+        pp_schedule="1F1B",
+        pp_virtual_stages=1,
+        activation_checkpointing="none",
+        precision="fp32",
+        foreach_optimizer=foreach_optimizer,
+    )
+    params = preset.num_params
+    forward = LOSS_BYTES_PER_LOGIT * max_length * preset.vocab_size
+    scoring = training.weights + training.optimizer + params * MASTER_BYTES + forward
+    return StepMemory(training, scoring)
+
+
+def check_step_memory(
+    preset: ModelPreset,
+    *,
+    step: StepKind,
+    batch_size: int,
+    max_length: int,
+    replica_groups: int,
+    device_memory_gib: float,
+    memory_utilization: float,
+    foreach_optimizer: bool = True,
+) -> StepMemory:
+    """The step's memory, or ``plan_out_of_memory`` naming the step and its parts."""
+    mem = step_memory(
+        preset,
+        kind=step,
+        batch_size=batch_size,
+        max_length=max_length,
+        replica_groups=replica_groups,
+        foreach_optimizer=foreach_optimizer,
+    )
+    capacity = device_memory_gib * memory_utilization
+    peak = mem.peak / GIB
+    if peak > capacity:
+        t = mem.training
+        raise ItoError(
+            ErrorCode.plan_out_of_memory,
+            f"post_training.{step}: predicted peak {peak:.1f} GiB per GPU exceeds the "
+            f"usable {capacity:.1f} GiB (policy weights {t.weights / GIB:.1f}, gradients "
+            f"{t.gradients / GIB:.1f}, optimizer {t.optimizer / GIB:.1f}, activations at "
+            f"max_length {max_length} {t.activations / GIB:.1f}, step-end scoring "
+            f"{mem.scoring / GIB:.1f}; the DPO reference is precomputed log-probs); "
+            "lower batch_size or max_length, or book more replica groups",
+            details={"peak_memory_gib": round(peak, 2), "step": step},
+        )
+    return mem

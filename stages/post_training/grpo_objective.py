@@ -1,0 +1,186 @@
+"""The GRPO/DAPO learner as an objective of the training engine.
+
+The driver's rollout controller assembles step ``k``'s batch (every group already
+checked against eta for step ``k``) and writes it as ``<rollouts>/step-<k>.pt``
+(tmp + rename, so a rank never sees half a file); ``batch(k)`` waits for that file
+and takes the rank's data-parallel slice. The file is never rewritten while ranks
+may read it, so ``batch(k)`` stays a pure function of ``k``: a retried step, a
+healed group and a checkpoint restore re-read the same bytes.
+
+One file, one global batch of ``N`` completions, right-padded to one length ``L``
+(prompt + completion; causal attention, so the padding never reaches a real token):
+
+- ``input_ids`` [N, L]; ``targets`` [N, L]: position t's next token;
+- ``mask`` [N, L]: 1 where position t predicts a trained completion token;
+- ``behav_logp`` [N, L]: the behaviour policy's log-prob of that token;
+- ``advantages`` [N]; ``lengths`` [N]: real tokens of the row; ``versions`` [N]: the
+  policy version each sample came from (rows of a group refused as stale are all
+  padding: mask 0, length 0, version -1).
+
+The loss is ``losses.dapo_token_loss`` summed over the rank's masked tokens; the
+denominator is the global batch's mask count over the data-parallel ranks, so the
+update is DAPO's token-level mean over the whole batch whatever the number of
+groups. After a committed step the lowest live group's rank 0 writes the new
+weights as ``<weights>/v<step>.pt``; the driver publishes them to the fleet.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.errors import ErrorCode, ItoError
+from stages.post_training.losses import aggregate, dapo_token_loss, token_logprobs
+from stages.trainer.objective import Batch, Tensors
+
+# How often a rank looks for the file it waits for (the wait itself is bounded by
+# ``GRPOSettings.batch_wait_timeout_s``).
+POLL_S = 0.02
+BATCH_KEYS = (
+    "input_ids",
+    "targets",
+    "mask",
+    "behav_logp",
+    "advantages",
+    "lengths",
+    "versions",
+)
+
+
+def batch_path(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:08d}.pt"
+
+
+def weights_path(folder: Path, version: int) -> Path:
+    return folder / f"v{version:08d}.pt"
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """torch.save to a temp name, then rename: readers see the whole file or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def wait_for(path: Path, timeout_s: float, what: str) -> Any:
+    """The tensors of ``path`` once it exists (tensors only: ``weights_only``)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            raise ItoError(
+                ErrorCode.rollout_fleet_failed, f"{what} not written within {timeout_s:.0f}s"
+            )
+        time.sleep(POLL_S)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class GRPOObjective:
+    name = "grpo"
+
+    def __init__(
+        self,
+        settings: Any,
+        rollouts: Path,
+        *,
+        dp_rank: int,
+        dp_world: int,
+        reference: torch.nn.Module | None = None,
+        device: torch.device | None = None,
+    ):
+        self.s = settings
+        self.rollouts = rollouts
+        self.weights = Path(settings.weights_dir)
+        self.dp_rank, self.dp_world = dp_rank, dp_world
+        self.reference = reference  # frozen base weights, only when beta > 0
+        self.device = device or torch.device("cpu")
+        self._cached: tuple[int, Batch] | None = None
+
+    def batch(self, index: int) -> Batch:
+        if self._cached is not None and self._cached[0] == index:
+            return self._cached[1]
+        whole = wait_for(
+            batch_path(self.rollouts, index), self.s.batch_wait_timeout_s, f"rollout batch {index}"
+        )
+        n = int(whole["input_ids"].shape[0])
+        per = n // self.dp_world
+        mine = {k: whole[k][self.dp_rank * per : (self.dp_rank + 1) * per] for k in BATCH_KEYS}
+        mine["mask"] = mine["mask"].float()
+        if self.reference is not None:
+            with torch.no_grad():
+                ids = mine["input_ids"].to(self.device)
+                logits = self.reference(input_ids=ids).logits
+                ref = token_logprobs(logits, mine["targets"].to(self.device), self.s.temperature)
+                mine["ref_logp"] = ref.cpu()
+        out = Batch(
+            mine,
+            denominator=max(float(whole["mask"].sum()), 1.0) / self.dp_world,
+            tokens=int(mine["lengths"].sum()),
+        )
+        self._cached = (index, out)
+        return out
+
+    def model_inputs(self, part: Tensors) -> Tensors:
+        return {"input_ids": part["input_ids"]}
+
+    def loss_sum(self, logits: torch.Tensor, part: Tensors) -> torch.Tensor:
+        logp = token_logprobs(logits, part["targets"], self.s.temperature)
+        decoupled = self.s.is_truncation is not None
+        tok = dapo_token_loss(
+            logp,
+            logp.detach(),  # one update per batch: the proximal policy is this one
+            part["behav_logp"] if decoupled else logp.detach(),
+            part["advantages"],
+            eps_low=self.s.epsilon,
+            eps_high=self.s.epsilon_high,
+            is_truncation=self.s.is_truncation,
+            ref_logp=part.get("ref_logp"),
+            beta=self.s.beta,
+        )
+        return aggregate(tok, part["mask"], 1.0)
+
+    def after_commit(self, step: int, loss: float, loop: Any) -> None:
+        """Write the weights of committed step ``step`` (version ``step``) for the
+        fleet: rank 0 of the group that saves checkpoints (the lowest live one); the
+        other ranks of a sharded group take part in gathering the full tensors."""
+        if not loop._is_saver():
+            return
+        path = weights_path(self.weights, step)
+        state = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+            for k, v in loop.model.state_dict().items()
+        }
+        if loop.spec.rank == 0 and not path.exists():
+            save_atomic({"state": state, "loss": torch.tensor(loss)}, path)
+
+
+def build_grpo_objective(cfg: Any, *, dp_rank: int, device: torch.device) -> GRPOObjective:
+    """The rank's grpo objective (``cfg``: a ``TrainStageConfig``); with beta > 0 a
+    frozen copy of the base weights gives the KL term's reference log-probs."""
+    obj = cfg.objective
+    reference = None
+    if obj.grpo.beta > 0:
+        from stages.presets import load_model_preset
+        from stages.trainer.model import build_model
+
+        if cfg.model.checkpoint_path is None:
+            raise ItoError(
+                ErrorCode.post_training_model_invalid, "the grpo KL term needs a base folder"
+            )
+        reference = build_model(
+            load_model_preset(cfg.model.preset), checkpoint_path=cfg.model.checkpoint_path
+        )
+        reference = reference.to(device)  # type: ignore[arg-type]  # transformers' stub
+        reference.eval().requires_grad_(False)
+    return GRPOObjective(
+        obj.grpo,
+        Path(obj.data_path),
+        dp_rank=dp_rank,
+        dp_world=cfg.dp_world,
+        reference=reference,
+        device=device,
+    )

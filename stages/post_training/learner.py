@@ -1,0 +1,372 @@
+"""The RLVR step on the training engine: the driver coordinates, the ranks learn.
+
+The driver runs the rollout controller (``rl.run_rlvr`` with an ``EngineLearner``) on
+a thread and the training engine (``engine_step.run_engine``, objective ``grpo``) on
+its own: the replica-group actors train, checkpoint (DCP) and heal as in pretraining.
+Per step ``k``:
+
+1. the controller walks batch ``k``; the learner drops every group older than eta
+   for step ``k`` (``stale_refused``), saves the fleet's admission state for a resume
+   at ``k + 1`` and writes ``rollouts/step-<k>.pt`` (``grpo_objective``);
+2. the ranks train step ``k`` on it; rank 0 of the lowest live group writes the
+   committed weights as ``weights/v<k+1>.pt``;
+3. the learner reads them and the controller publishes them to the fleet as version
+   ``k + 1`` through the pool's ``set_weights`` seam, while the fleet keeps generating.
+
+A relaunched driver resumes at the engine's newest checkpoint ``c``: the batches and
+versions after ``c`` are discarded before any rank starts (nothing trained them into
+a checkpoint), the controller restarts from its state saved for ``c``, and the fleet
+gets version ``c`` back, so no sample older than eta for its step is ever trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from stages.base import StageContext
+from stages.errors import ErrorCode, ItoError
+from stages.post_training.config import TRL_ADAM_BETAS, RLVRConfig
+from stages.post_training.grpo_objective import batch_path, save_atomic, weights_path
+from stages.post_training.losses import group_advantages, is_stale
+from stages.post_training.rollout import RolloutGroup
+from stages.trainer.config import GRPOSettings, ObjectiveConfig, TrainStageConfig
+
+CONTROLLER_DIR = "controller"
+# How often the driver looks for the weights of the step the ranks train.
+POLL_S = 0.02
+
+
+def assemble(
+    groups: list[RolloutGroup | None], cfg: RLVRConfig, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """One step's global batch (``grpo_objective``'s layout); ``None``: a refused
+    group's rows, all padding."""
+    live = [g for g in groups if g is not None]
+    adv = (
+        group_advantages(torch.tensor([g.rewards for g in live]), scale=cfg.scale_rewards)
+        if live
+        else torch.zeros(0, cfg.group_size)
+    )
+    rows: list[tuple[list[int], int, list[int], list[float], float, bool, int]] = []
+    a_iter = iter(adv)
+    for g in groups:
+        if g is None:
+            rows += [([], 0, [], [], 0.0, True, -1)] * cfg.group_size
+            continue
+        a = next(a_iter)
+        for i, (ids, lp) in enumerate(zip(g.completion_ids, g.behav_logp, strict=True)):
+            masked = cfg.mask_truncated_completions and g.truncated[i]
+            rows.append((g.prompt_ids, len(g.prompt_ids), ids, lp, float(a[i]), masked, g.version))
+    width = max([len(p) + len(c) for p, _, c, _, _, _, _ in rows] + [2])
+    n = len(rows)
+    out = {
+        "input_ids": torch.full((n, width), pad_id, dtype=torch.long),
+        "targets": torch.full((n, width), pad_id, dtype=torch.long),
+        "mask": torch.zeros(n, width),
+        "behav_logp": torch.zeros(n, width),
+        "advantages": torch.zeros(n),
+        "lengths": torch.zeros(n, dtype=torch.long),
+        "versions": torch.full((n,), -1, dtype=torch.long),
+    }
+    for r, (prompt, p, comp, lp, a, masked, version) in enumerate(rows):
+        seq = torch.tensor(prompt + comp, dtype=torch.long)
+        m = len(seq)
+        out["input_ids"][r, :m] = seq
+        out["targets"][r, : max(m - 1, 0)] = seq[1:]
+        c = len(comp)
+        if c:  # position p - 1 + j predicts completion token j
+            out["behav_logp"][r, p - 1 : p - 1 + c] = torch.tensor(lp)
+            if not masked:
+                out["mask"][r, p - 1 : p - 1 + c] = 1.0
+        out["advantages"][r] = a
+        out["lengths"][r] = m
+        out["versions"][r] = version
+    return out
+
+
+class EngineLearner:
+    """``run_rlvr``'s learner when the engine's ranks train (see the module docstring).
+
+    ``trained`` records (step, sample version) of every group written into a batch;
+    the ranks train exactly those files."""
+
+    def __init__(
+        self,
+        cfg: RLVRConfig,
+        work: Path,
+        *,
+        pad_id: int,
+        base: Path,
+        engine_done: threading.Event,
+        step_timeout_s: float,
+    ):
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.base = base
+        self.rollouts = work / "rollouts"
+        self.weights = work / "weights"
+        self.controller = work / CONTROLLER_DIR
+        self.ckpt_dir = work / "checkpoints"
+        self.engine_done = engine_done
+        self.step_timeout_s = step_timeout_s
+        self.version = 0
+        self.trained: list[tuple[int, int]] = []
+        self.losses: dict[int, float] = {}
+        self._state: dict[str, Any] | None = None
+
+    def _checkpoint_steps(self) -> list[int]:
+        from stages.checkpointing.storage import list_checkpoints
+
+        return [r.step for r in list_checkpoints(self.ckpt_dir)]
+
+    def state(self) -> dict[str, Any]:
+        """The weights of ``version``: the base folder's at 0, else the ranks' file."""
+        if self._state is None:
+            if self.version == 0:
+                from stages.post_training.hf_io import load_model
+
+                self._state = dict(load_model(self.base).state_dict())
+            else:
+                saved = torch.load(
+                    weights_path(self.weights, self.version), map_location="cpu", weights_only=True
+                )
+                self._state = saved["state"]
+        return self._state
+
+    # -- resume ------------------------------------------------------------------------
+    def newest_checkpoint(self) -> int:
+        steps = self._checkpoint_steps()
+        return steps[-1] if steps else 0
+
+    def discard_after_checkpoint(self) -> int:
+        """Before any rank starts: drop every batch from the newest checkpoint's step on
+        and every version after it (nothing after it was checkpointed; the batches are
+        regenerated). Returns that step."""
+        c = self.newest_checkpoint()
+        for p in self.rollouts.glob("step-*.pt"):
+            if int(p.stem.removeprefix("step-")) >= c:
+                p.unlink()
+        for p in self.weights.glob("v*.pt"):
+            if int(p.stem.removeprefix("v")) > c:
+                p.unlink()
+        return c
+
+    def load_resume(self, workdir: Path) -> dict[str, Any] | None:
+        """The controller's state saved for the engine's newest checkpoint (the ranks
+        resume there), or None at step 0."""
+        c = self.newest_checkpoint()
+        if c == 0:
+            return None
+        path = self.controller / f"step-{c:08d}.json"
+        if not path.exists():
+            raise ItoError(
+                ErrorCode.checkpoint_not_found,
+                f"post_training.rlvr: no controller state beside checkpoint step {c}",
+            )
+        saved: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        self.version, self._state = c, None
+        return saved
+
+    def prepare(self, step: int, progress: dict[str, Any]) -> None:
+        """The fleet's state for a resume at ``step``, saved before any rank can train
+        (and so checkpoint) ``step``."""
+        self.controller.mkdir(parents=True, exist_ok=True)
+        path = self.controller / f"step-{step:08d}.json"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"step": step, **progress}), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def save(self, workdir: Path, step: int, progress: dict[str, Any]) -> None:
+        """Nothing: the engine checkpoints the policy; ``prepare`` saved the rest."""
+
+    # -- one step ----------------------------------------------------------------------
+    def step(self, batch: list[RolloutGroup]) -> Any:
+        from stages.post_training.rl import StepStats
+
+        k = self.version
+        fresh = [g if not is_stale(k, g.version, self.cfg.max_staleness) else None for g in batch]
+        kept = [g for g in fresh if g is not None]
+        tensors = assemble(fresh, self.cfg, self.pad_id)
+        save_atomic({**tensors, "step": torch.tensor(k)}, batch_path(self.rollouts, k))
+        self.trained += [(k, g.version) for g in kept]
+        saved = self._wait_weights(k + 1)
+        self.version, self._state = k + 1, saved["state"]
+        self.losses[k + 1] = float(saved["loss"])
+        self._prune()
+        return StepStats(
+            loss=self.losses[k + 1],
+            tokens=int(tensors["mask"].sum()),
+            mean_reward=0.0,
+            staleness=[k - g.version for g in kept],
+            stale_refused=len(batch) - len(kept),
+        )
+
+    def _wait_weights(self, version: int) -> dict[str, Any]:
+        path = weights_path(self.weights, version)
+        deadline = time.monotonic() + self.step_timeout_s
+        while not path.exists():
+            if self.engine_done.is_set():
+                raise ItoError(
+                    ErrorCode.training_failed,
+                    f"post_training.rlvr: the learner stopped before version {version}",
+                )
+            if time.monotonic() >= deadline:
+                raise ItoError(
+                    ErrorCode.training_failed,
+                    f"post_training.rlvr: version {version} not trained within "
+                    f"{self.step_timeout_s:.0f}s",
+                )
+            time.sleep(POLL_S)
+        saved: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+        return saved
+
+    def _prune(self) -> None:
+        """Keep the batches a restore may re-read (from the oldest complete checkpoint
+        on) and the versions a resume may publish: every complete checkpoint's, and
+        all from the newest complete one on (a save in flight completes later)."""
+        kept = self._checkpoint_steps()
+        if not kept:
+            return
+        for p in self.rollouts.glob("step-*.pt"):
+            if int(p.stem.removeprefix("step-")) < kept[0]:
+                p.unlink(missing_ok=True)
+        for p in self.weights.glob("v*.pt"):
+            v = int(p.stem.removeprefix("v"))
+            if v < kept[-1] and v not in kept:
+                p.unlink(missing_ok=True)
+
+
+def rlvr_train_config(
+    cfg: RLVRConfig,
+    *,
+    base: Path,
+    work: Path,
+    max_prompt_tokens: int,
+    train: TrainStageConfig | None,
+    device: Literal["cpu", "cuda"],
+) -> TrainStageConfig:
+    """The engine config of the rlvr step: ``groups_per_step x group_size``
+    completions per step, the recipe's loss settings, DCP checkpoints every
+    ``checkpoint_every_steps`` (and at the end)."""
+    from stages.post_training.engine_step import engine_config
+
+    settings = GRPOSettings(
+        epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high,
+        temperature=cfg.temperature,
+        is_truncation=cfg.is_truncation if cfg.is_correction == "decoupled" else None,
+        beta=cfg.beta,
+        batch_wait_timeout_s=cfg.rollout_timeout_s + cfg.worker_restart_timeout_s,
+        weights_dir=str(work / "weights"),
+    )
+    return engine_config(
+        ObjectiveConfig(
+            kind="grpo",
+            data_path=str(work / "rollouts"),
+            grpo=settings,
+            batch_size=cfg.groups_per_step * cfg.group_size,
+            max_length=max(8, max_prompt_tokens + cfg.max_completion_tokens),
+        ),
+        steps=cfg.steps,
+        learning_rate=cfg.learning_rate,
+        # AdamW's defaults, as the in-driver learner and trl's GRPOTrainer train.
+        adam_betas=TRL_ADAM_BETAS,
+        checkpoint_every=cfg.checkpoint_every_steps or cfg.steps,
+        base=base,
+        checkpoint_dir=work / "checkpoints",
+        train=train,
+        device=device,
+        name="rlvr",
+    )
+
+
+def run_rlvr_on_engine(
+    cfg: RLVRConfig,
+    ctx: StageContext,
+    *,
+    stage: str,
+    base: Path,
+    export_dir: Path,
+    train: TrainStageConfig | None,
+    device: Literal["cpu", "cuda"],
+    pool: Any,
+    maker: Any,
+    pad_id: int,
+    on_interruption: Any = None,
+) -> tuple[Any, Path, EngineLearner]:
+    """Train the rlvr step on the engine, fed by the fleet; returns (``RLResult``, the
+    HF export of the final weights, the learner)."""
+    from stages.post_training.engine_step import run_engine
+    from stages.post_training.rl import run_rlvr
+    from stages.trainer.engine import RunCancelled
+
+    work = ctx.workdir / "rlvr"
+    tcfg = rlvr_train_config(
+        cfg,
+        base=base,
+        work=work,
+        max_prompt_tokens=max((len(p) for p, _ in maker.prompts), default=0),
+        train=train,
+        device=device,
+    )
+    engine_done, stop = threading.Event(), threading.Event()
+    learner = EngineLearner(
+        cfg,
+        work,
+        pad_id=pad_id,
+        base=base,
+        engine_done=engine_done,
+        step_timeout_s=tcfg.objective.grpo.batch_wait_timeout_s,  # type: ignore[union-attr]
+    )
+    box: dict[str, Any] = {}
+
+    def drive() -> None:
+        try:
+            box["result"], _ = run_rlvr(
+                cfg,
+                learner,
+                pool,
+                maker,
+                emit=ctx.emit,
+                cancelled=lambda: ctx.cancelled or engine_done.is_set(),
+                on_interruption=on_interruption,
+                workdir=work,
+            )
+        except BaseException as e:  # surfaced by the engine's side below
+            box["error"] = e
+            stop.set()
+
+    learner.discard_after_checkpoint()  # before any rank can read a batch
+    thread = threading.Thread(target=drive, name="rlvr-controller", daemon=True)
+
+    def cancel_watch() -> None:
+        while not stop.is_set() and not engine_done.is_set():
+            if ctx.cancelled:
+                stop.set()
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=cancel_watch, name="rlvr-cancel", daemon=True)
+    thread.start()
+    watcher.start()
+    try:
+        exported, _, _ = run_engine(
+            tcfg, ctx, stage=stage, base=base, work=work, export_dir=export_dir, cancel_event=stop
+        )
+    except RunCancelled:
+        if "error" in box:
+            raise box["error"] from None
+        raise
+    finally:
+        engine_done.set()
+        thread.join()
+        watcher.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"], exported, learner

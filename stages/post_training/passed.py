@@ -1,0 +1,49 @@
+"""The record of a post-training step whose gate passed, beside its HF export.
+
+A relaunched driver runs the stage again from the top; a step with a record and an
+intact export is not trained again: its metrics, battery and export are read back
+and the chain goes on from that export. A step without one (the driver died during
+it) trains again, and the engine resumes it from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from stages.data_prep.stream.store import atomic_write
+from stages.errors import ItoError
+
+RECORD_DIR = "passed"
+
+
+class PassedStep(BaseModel):
+    metrics: dict[str, float]
+    hf_model_dir: str
+    battery: dict[str, Any] | None = None  # a BatteryResult as JSON
+
+
+def _path(out: Path, step: str) -> Path:
+    return out / RECORD_DIR / f"{step}.json"
+
+
+def save_passed(out: Path, step: str, record: PassedStep) -> None:
+    atomic_write(_path(out, step), record.model_dump_json().encode())
+
+
+def load_passed(out: Path, step: str) -> PassedStep | None:
+    """The step's record if it has one and its export is still a whole HF folder."""
+    from stages.post_training.hf_io import check_model_dir
+
+    path = _path(out, step)
+    if not path.is_file():
+        return None
+    record = PassedStep.model_validate_json(path.read_bytes())
+    export = Path(record.hf_model_dir)
+    try:
+        check_model_dir([p.relative_to(export).as_posix() for p in export.rglob("*")])
+    except ItoError:
+        return None
+    return record

@@ -1,0 +1,107 @@
+"""A post-training step is planned like a phase: the memory of an SFT or DPO step on
+the engine (policy, AdamW, activations at the recipe's max_length, no resident DPO
+reference, the step-end scoring copy) and its refusal at submit. GPUs are modelled
+from configs/; nothing here needs one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.manifests import example_manifest
+
+from orchestrator.gates.manifest import Manifest
+from orchestrator.gates.planning import plan_manifest
+from stages.errors import ErrorCode, ItoError
+from stages.parallelism.memory import GIB
+from stages.parallelism.post_training import check_step_memory, step_memory
+from stages.presets import load_model_preset
+
+_DATA = {
+    "uri": "file:///d/x.jsonl",
+    "sha256": "1" * 64,
+    "provenance": {"source": "t", "license": "MIT"},
+}
+
+
+def _mem(kind: Any = "dpo", batch: int = 8, length: int = 4096, groups: int = 8) -> Any:
+    return step_memory(
+        load_model_preset("llama-1b"),
+        kind=kind,
+        batch_size=batch,
+        max_length=length,
+        replica_groups=groups,
+    )
+
+
+def test_the_policy_and_adamw_are_fp32_and_the_dpo_reference_is_not_resident() -> None:
+    params = load_model_preset("llama-1b").num_params
+    dpo, sft = _mem("dpo").training, _mem("sft").training
+    # One model: no reference copy beside the policy.
+    assert dpo.weights == sft.weights == pytest.approx(params * 4, rel=1e-5)
+    assert dpo.optimizer == 2 * dpo.weights
+    # A DPO pair is two sequences in one forward: the memory of twice the SFT rows.
+    assert dpo.total == pytest.approx(_mem("sft", batch=16).training.total)
+    assert dpo.total > sft.total
+
+
+def test_activations_grow_with_max_length_and_shrink_with_more_groups() -> None:
+    short, long = _mem(length=2048).training, _mem(length=8192).training
+    assert long.activations > 3.5 * short.activations
+    assert _mem(length=2048, groups=8).peak < _mem(length=2048, groups=2).peak
+
+
+def test_the_step_end_scoring_holds_a_base_copy_beside_the_policy_and_adamw() -> None:
+    params = load_model_preset("llama-1b").num_params
+    m = _mem()
+    assert m.scoring > m.training.weights + m.training.optimizer + params * 4
+    assert m.peak == max(m.training.total, m.scoring)
+
+
+def test_an_infeasible_step_is_refused_with_the_planners_code() -> None:
+    with pytest.raises(ItoError) as e:
+        check_step_memory(
+            load_model_preset("llama3-8b"),  # 16 B/param of fp32 state: 120 GiB > 80
+            step="dpo",
+            batch_size=8,
+            max_length=1024,
+            replica_groups=8,
+            device_memory_gib=80,
+            memory_utilization=0.9,
+        )
+    assert e.value.code is ErrorCode.plan_out_of_memory
+    assert e.value.message.startswith("post_training.dpo: predicted peak")
+    peak = e.value.details["peak_memory_gib"]
+    assert e.value.details["step"] == "dpo" and isinstance(peak, float) and peak > 72
+    fits = check_step_memory(
+        load_model_preset("llama-1b"),
+        step="dpo",
+        batch_size=8,
+        max_length=1024,
+        replica_groups=8,
+        device_memory_gib=80,
+        memory_utilization=0.9,
+    )
+    assert fits.peak / GIB < 72
+
+
+def test_submit_planning_refuses_a_step_that_does_not_fit_the_booking(tmp_path: Path) -> None:
+    booking = {"gpu_sku": "cpu-testbed", "gpus_per_node": 2, "node_count": 1, "fabric": "loopback"}
+
+    def planned(max_length: int) -> Any:
+        m = example_manifest(
+            tmp_path,
+            post_training={
+                "sft": {"data": _DATA, "steps": 2, "batch_size": 4, "max_length": 64},
+                "dpo": {"data": _DATA, "steps": 2, "batch_size": 4, "max_length": max_length},
+            },
+        )
+        return plan_manifest(Manifest.model_validate(m), booking)
+
+    assert planned(64).refusal is None and planned(64).plan is not None
+    # The testbed's 8 GiB "GPU": llama-tiny's logits at 2^20 tokens alone exceed it.
+    refused = planned(1 << 20)
+    assert refused.plan is None and refused.refusal is not None
+    assert refused.refusal["code"] == "plan_out_of_memory"
+    assert "post_training.dpo" in refused.refusal["message"]

@@ -1,0 +1,185 @@
+"""The GRPO/DAPO learner on the training engine: real local Ray, torchft replica
+groups, gloo, DCP, fed with step batches written the way the driver's controller
+writes them (``learner.assemble`` of rollout groups; the groups are synthetic here,
+so the engine's side is tested without a fleet).
+
+Two learner replica groups must make the same update as one group with the whole
+batch: each rank's summed token loss is divided by the global batch's completion
+token count over the ranks (DAPO's token-level mean), and torchft averages the
+gradients over the groups. The rank that saves also writes each committed version's
+weights (what the driver publishes to the fleet): the test compares those files.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers.engine_heal import kill_one_group_and_heal
+
+from stages.events import Event, StepEvent
+from stages.post_training.config import RLVRConfig
+from stages.post_training.grpo_objective import batch_path, save_atomic, weights_path
+from stages.post_training.rollout import RolloutGroup
+from stages.trainer.config import TrainStageConfig
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+LR = 1e-3
+
+
+def _rlvr(**kw: Any) -> RLVRConfig:
+    ref = {
+        "uri": "file:///x.jsonl",
+        "sha256": "0" * 64,
+        "provenance": {"source": "s", "license": "MIT"},
+    }
+    base = {
+        "data": ref,
+        "steps": STEPS,
+        "group_size": 4,
+        "groups_per_step": 2,
+        "learning_rate": LR,
+        "max_completion_tokens": 8,
+        "overlong_buffer_tokens": 2,
+        "temperature": 0.7,
+    }
+    return RLVRConfig.model_validate({**base, **kw})
+
+
+def _groups(step: int, cfg: RLVRConfig, vocab: int) -> list[RolloutGroup]:
+    """Groups of different prompt and completion lengths, never uniform rewards, with
+    behaviour log-probs away from the policy's (the importance weight bites)."""
+    gen = torch.Generator().manual_seed(step)
+    out = []
+    for gi in range(cfg.groups_per_step):
+        prompt = torch.randint(3, vocab, (3 + gi + step % 2,), generator=gen).tolist()
+        lengths = [1 + int(x) for x in torch.randint(0, 8, (cfg.group_size,), generator=gen)]
+        comps = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+        rewards = torch.rand(cfg.group_size, generator=gen).tolist()
+        out.append(
+            RolloutGroup(
+                id=step * 10 + gi,
+                version=step,
+                worker=0,
+                prompt_ids=prompt,
+                completion_ids=comps,
+                behav_logp=[(-2.0 - torch.rand(n, generator=gen)).tolist() for n in lengths],
+                lengths=lengths,
+                truncated=[False] * cfg.group_size,
+                rewards=rewards,
+                task_rewards=rewards,
+                gen_s=0.0,
+            )
+        )
+    return out
+
+
+def _write_batches(work: Path, cfg: RLVRConfig, steps: int, vocab: int, pad: int) -> None:
+    from stages.post_training.learner import assemble
+
+    for k in range(steps):
+        batch = assemble(list(_groups(k, cfg, vocab)), cfg, pad)
+        save_atomic({**batch, "step": torch.tensor(k)}, batch_path(work / "rollouts", k))
+
+
+def _config(work: Path, policy: Path, cfg: RLVRConfig, groups: int, **kw: Any) -> TrainStageConfig:
+    from stages.post_training.learner import rlvr_train_config
+
+    tcfg = rlvr_train_config(
+        cfg, base=policy, work=work, max_prompt_tokens=8, train=None, device="cpu"
+    )
+    return TrainStageConfig.model_validate(
+        {**tcfg.model_dump(), "replica_groups": groups, **kw}, strict=False
+    )
+
+
+def _engine(cfg: TrainStageConfig, work: Path, run_id: str, emit: Any) -> Any:
+    from stages.trainer.engine import TrainingEngine
+
+    return TrainingEngine(
+        cfg,
+        run_id=run_id,
+        checkpoint_dir=work / "checkpoints",
+        role_shards={},
+        emit=emit,
+        cancel_event=threading.Event(),
+        wait_decision=lambda _id, _t: None,
+    )
+
+
+def _policy_facts(policy: Path) -> tuple[int, int]:
+    from stages.post_training.hf_io import load_tokenizer
+
+    tok = load_tokenizer(policy)
+    return int(tok.vocab_size), int(tok.pad_token_id)
+
+
+def test_two_grpo_learner_groups_make_the_update_of_one_with_the_whole_batch(
+    ray_local: None, tiny_policy: Path, tmp_path: Path
+) -> None:
+    from stages.post_training.hf_io import load_model
+
+    cfg = _rlvr()
+    vocab, pad = _policy_facts(tiny_policy)
+    runs: dict[int, tuple[Any, list[Event], Path]] = {}
+    for groups in (2, 1):
+        work = tmp_path / f"g{groups}"
+        _write_batches(work, cfg, STEPS, vocab, pad)
+        tcfg = _config(work, tiny_policy, cfg, groups)
+        assert tcfg.micro_batch == 8 // groups  # the same global batch
+        events: list[Event] = []
+        result = _engine(tcfg, work, f"grpo-g{groups}", events.append).run()
+        runs[groups] = (result, events, work)
+    (r2, ev2, w2dir), (r1, ev1, w1dir) = runs[2], runs[1]
+    assert r2.steps == r1.steps == STEPS
+    assert len(set(r2.digests.values())) == 1 and len(r2.digests) == 2  # groups agree
+    steps2 = [e for e in ev2 if isinstance(e, StepEvent) and e.committed and e.replica_group == 0]
+    steps1 = [e for e in ev1 if isinstance(e, StepEvent) and e.committed]
+    assert [e.quorum_size for e in steps2] == [2] * STEPS
+    for a, b in zip(steps2, steps1, strict=True):  # the global batch's token mean
+        assert a.loss == pytest.approx(b.loss, rel=1e-4, abs=1e-7)
+
+    # Every committed version was written for the fleet, the last one is the final.
+    for work in (w1dir, w2dir):
+        assert weights_path(work / "weights", STEPS).exists()
+    w2 = torch.load(weights_path(w2dir / "weights", STEPS), weights_only=True)["state"]
+    w1 = torch.load(weights_path(w1dir / "weights", STEPS), weights_only=True)["state"]
+    w0 = load_model(tiny_policy).state_dict()
+    update = max(float((w1[k] - w0[k]).abs().max()) for k in w1)
+    diff = max(float((w2[k] - w1[k]).abs().max()) for k in w1)
+    # Tolerance as for SFT (test_objective_engine.py): the same per-token terms summed
+    # in another order, passed on by AdamW; a per-rank token mean instead of the
+    # global one reweights the completions and moves the update by percents.
+    print(f"two vs one grpo group: max weight diff {diff:.3g}, max update {update:.3g}")
+    assert update > 0.5 * LR
+    assert diff <= 1e-3 * update, (diff, update)
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_grpo_learner_group_heals_bit_identical(
+    ray_local: None, tiny_policy: Path, tmp_path: Path
+) -> None:
+    """SIGKILL one of two GRPO learner groups mid-run: the survivor commits alone, Ray
+    restarts the lost one, which heals from the live peer and rejoins; both groups end
+    with bit-identical weights, and the last version reached the weights folder."""
+    steps = 500  # paced: outlasts a restart (imports torch, trl) on 2 busy cores
+    cfg = _rlvr(steps=steps)
+    vocab, pad = _policy_facts(tiny_policy)
+    work = tmp_path / "heal"
+    _write_batches(work, cfg, steps, vocab, pad)
+    tcfg = _config(work, tiny_policy, cfg, 2, pace_step_s=0.1)
+
+    def make_engine(emit: Any, cancel: threading.Event) -> Any:
+        engine = _engine(tcfg, work, "grpo-heal", emit)
+        engine.cancel_event = cancel
+        return engine
+
+    r = kill_one_group_and_heal(make_engine, "grpo-heal").result
+    assert r.steps == steps
+    assert set(r.digests) == {0, 1} and r.digests[0] == r.digests[1], r.digests
+    assert weights_path(work / "weights", steps).exists()
