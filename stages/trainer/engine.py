@@ -38,15 +38,10 @@ from stages.placement import actor_options, bundle_for_rank
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.control import WorkerSpec
 from stages.trainer.engine_state import EngineResult, GroupState
+from stages.trainer.lighthouse import LighthouseActor, lighthouse_name
 from stages.trainer.loss_spike import LossSpike, LossSpikeDetector
 from stages.trainer.recovery import failure_time, failure_times
-from stages.trainer.replica import (
-    LighthouseActor,
-    ReplicaWorker,
-    lighthouse_name,
-    spare_name,
-    worker_name,
-)
+from stages.trainer.replica import ReplicaWorker, spare_name, worker_name
 
 _EVENT = TypeAdapter(Event)
 # Called when every live group closed a phase; True: the gate passed, go on.

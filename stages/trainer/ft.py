@@ -23,21 +23,6 @@ from stages.trainer.config import FaultToleranceConfig
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def start_lighthouse(
-    cfg: FaultToleranceConfig, *, min_replicas: int = 1, bind: str = "[::]:0"
-) -> Any:
-    """torchft's own Rust lighthouse server, in this process."""
-    from torchft._torchft import LighthouseServer
-
-    return LighthouseServer(
-        bind=bind,
-        min_replicas=min_replicas,
-        join_timeout_ms=cfg.join_timeout_ms,
-        quorum_tick_ms=cfg.quorum_tick_ms,
-        heartbeat_timeout_ms=cfg.heartbeat_timeout_ms,
-    )
-
-
 def build_process_group(cfg: FaultToleranceConfig, device: str) -> Any:
     """The cross-replica-group process group torchft reconfigures on every quorum."""
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL

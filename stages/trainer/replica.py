@@ -1,6 +1,6 @@
-"""Ray actors of a run: the torchft lighthouse and one trainer actor per rank.
+"""The Ray actor of one trainer rank (the lighthouse's is ``stages.trainer.lighthouse``).
 
-Both are plain classes wrapped with ``ray.remote`` by the engine, so importing this
+A plain class wrapped with ``ray.remote`` by the engine, so importing this
 module never imports Ray. A trainer actor starts its loop in ``__init__``: when Ray
 restarts it after a crash (``max_restarts``), the new process rejoins on its own —
 it loads the newest complete checkpoint, and torchft heals it from a live peer if
@@ -17,15 +17,10 @@ import warnings
 from typing import Any
 
 from stages.event_buffer import EventBuffer
-from stages.trainer.config import FaultToleranceConfig
 from stages.trainer.loop import Control, TrainLoop, WorkerSpec, param_digest
 
 # Events buffered in an actor between two polls; beyond this they are aggregated.
 MAX_BUFFERED_EVENTS = 10_000
-
-
-def lighthouse_name(run_id: str) -> str:
-    return f"run-{run_id}-lighthouse"
 
 
 def worker_name(run_id: str, group: int, rank: int) -> str:
@@ -46,25 +41,6 @@ def group_cores(group: int, groups: int, cores: list[int]) -> list[int]:
     per = max(1, len(cores) // groups)
     start = (group * per) % len(cores)
     return cores[start : start + per]
-
-
-class LighthouseActor:
-    """torchft's Rust LighthouseServer, kept alive for the run by this actor."""
-
-    def __init__(self, cfg: FaultToleranceConfig, min_replicas: int = 1):
-        os.environ.setdefault("RUST_LOG", "warn")
-        from stages.trainer import ft
-
-        self.server = ft.start_lighthouse(cfg, min_replicas=min_replicas)
-
-    def address(self) -> str:
-        return str(self.server.address())
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def shutdown(self) -> None:
-        self.server.shutdown()
 
 
 class ReplicaWorker:

@@ -162,7 +162,8 @@ def _fleet_ids() -> dict[str, str]:
     """Ray actor id of the lighthouse and of every trainer actor of the run."""
     import ray
 
-    from stages.trainer.replica import lighthouse_name, worker_name
+    from stages.trainer.lighthouse import lighthouse_name
+    from stages.trainer.replica import worker_name
 
     names = [lighthouse_name(RUN_ID), worker_name(RUN_ID, 0, 0), worker_name(RUN_ID, 1, 0)]
     return {n: ray.get_actor(n)._actor_id.hex() for n in names}

@@ -5,6 +5,7 @@ the gradient allreduce against a real single-replica torchft Manager."""
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -109,15 +110,45 @@ def test_importing_stages_trainer_pulls_in_neither_ray_nor_torchft() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_the_lighthouse_actor_serves_without_importing_torch() -> None:
+    """The lighthouse process loads torchft's Rust extension alone (torchft's package
+    imports torch, seconds of CPU every trainer waits for); a later ``import torchft``
+    in the same process reuses that module."""
+    code = (
+        "import sys, json\n"
+        "from stages.trainer.config import FaultToleranceConfig\n"
+        "from stages.trainer.lighthouse import LighthouseActor\n"
+        "lh = LighthouseActor(FaultToleranceConfig())\n"
+        "addr = lh.address()\n"
+        "torch_before = 'torch' in sys.modules\n"
+        "import torchft._torchft, torchft.coordination\n"
+        "same = torchft.coordination.LighthouseServer is type(lh.server)\n"
+        "lh.shutdown()\n"
+        "print(json.dumps([addr, torch_before, same]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    addr, torch_before, same = json.loads(out.stdout.strip().splitlines()[-1])
+    assert addr.startswith("http://") and int(addr.rsplit(":", 1)[1]) > 0
+    assert torch_before is False
+    assert same is True
+
+
 def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() -> None:
     """One replica group against a real lighthouse: the averaged gradient of a
     quorum of one is the gradient itself, bucket boundaries included."""
     from torch.distributed import TCPStore
 
     from stages.trainer import ft
+    from stages.trainer.lighthouse import start_lighthouse
 
     cfg = FaultToleranceConfig()
-    lighthouse = ft.start_lighthouse(cfg)
+    lighthouse = start_lighthouse(cfg)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     manager = ft.build_manager(
