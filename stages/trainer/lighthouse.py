@@ -43,9 +43,7 @@ def rust_extension() -> ModuleType:
             loader.exec_module(module)
             sys.modules[EXTENSION] = module
             return module
-    import torchft._torchft as module  # an unusual install: the ordinary import
-
-    return module
+    return importlib.import_module(EXTENSION)  # an unusual install: the ordinary import
 
 
 def start_lighthouse(
