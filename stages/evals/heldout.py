@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:  # the sums are reduced in the driver, which never imports torch
+    import torch
 
 
 class HeldoutSums(BaseModel):
@@ -54,6 +55,8 @@ def reduce_sums(parts: Iterable[HeldoutSums]) -> HeldoutSums:
 
 def _token_bytes(tokenizer: Any) -> torch.Tensor:
     """UTF-8 bytes each token id stands for (0 for specials)."""
+    import torch
+
     specials = set(tokenizer.all_special_ids)
     n = len(tokenizer)
     out = torch.zeros(n, dtype=torch.float64)
@@ -73,6 +76,8 @@ def heldout_windows(
         ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         if len(ids) >= max_tokens:
             break
+    import torch
+
     ids = ids[:max_tokens]
     n_win = len(ids) // seq_len
     if n_win == 0:
@@ -80,7 +85,6 @@ def heldout_windows(
     return torch.tensor(ids[: n_win * seq_len], dtype=torch.long).view(n_win, seq_len)
 
 
-@torch.no_grad()
 def heldout_sums(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -94,6 +98,9 @@ def heldout_sums(
 ) -> HeldoutSums:
     """Next-token nats of each of this rank's batches (every ``parts``-th from
     ``part``), with their token and byte counts."""
+    import torch
+    import torch.nn.functional as F
+
     if not 0 <= part < parts:
         raise ValueError(f"part {part} of {parts}")
     stream = heldout_windows(tokenizer, texts, seq_len=seq_len, max_tokens=max_tokens)
@@ -104,16 +111,17 @@ def heldout_sums(
     batch_nats: dict[int, float] = {}
     tokens, nbytes = 0, 0.0
     try:
-        for b in range(part, math.ceil(len(stream) / batch_size), parts):
-            x = stream[b * batch_size : (b + 1) * batch_size].to(device)
-            logits = model(input_ids=x).logits[:, :-1].float()
-            target = x[:, 1:]
-            ce = F.cross_entropy(
-                logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="none"
-            )
-            batch_nats[b] = float(ce.double().sum())
-            tokens += target.numel()
-            nbytes += float(tb[target.reshape(-1).cpu()].sum())
+        with torch.no_grad():
+            for b in range(part, math.ceil(len(stream) / batch_size), parts):
+                x = stream[b * batch_size : (b + 1) * batch_size].to(device)
+                logits = model(input_ids=x).logits[:, :-1].float()
+                target = x[:, 1:]
+                ce = F.cross_entropy(
+                    logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="none"
+                )
+                batch_nats[b] = float(ce.double().sum())
+                tokens += target.numel()
+                nbytes += float(tb[target.reshape(-1).cpu()].sum())
     finally:
         model.train(was_training)
     return HeldoutSums(batch_nats=batch_nats, tokens=tokens, bytes=nbytes)

@@ -1,82 +1,17 @@
-"""The run's tokenizer: a byte-level BPE trained with ``tokenizers``, wrapped as a
-``PreTrainedTokenizerFast`` (pad/bos/eos/unk, chat template) and saved as a folder.
-
-Ids are laid out like ``stages.trainer.tokenizer.ByteTokenizer``: byte ``b`` is id
-``b`` (0..255), the specials are 256 pad, 257 bos, 258 eos, 259 unk, and learned
-merges take 260.. in merge order. So with ``vocab_size == 260`` (the tiny presets)
-the BPE has no merges and encodes exactly like the byte tokenizer the trainer's
-token shards were built with; a larger vocabulary adds merges on top.
-"""
+"""The run's tokenizer as a ``PreTrainedTokenizerFast`` (pad/bos/eos/unk, chat
+template): the BPE of ``stages.hf.bpe`` wrapped for the ranks, trl and lm-eval, saved
+and loaded in the ``save_pretrained`` layout."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from functools import cache
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from stages.errors import ErrorCode, ItoError
-
-BYTE_VOCAB = 256
-SPECIAL_TOKENS: dict[str, str] = {
-    "pad_token": "<|pad|>",
-    "bos_token": "<|bos|>",
-    "eos_token": "<|eos|>",
-    "unk_token": "<|unk|>",
-}
-BASE_VOCAB = BYTE_VOCAB + len(SPECIAL_TOKENS)  # 260
-# Turns are delimited by bos ... eos, each starting with its role on its own line. An
-# assistant turn's content and closing eos sit inside ``{% generation %}`` markers (they
-# render nothing): ``return_assistant_tokens_mask`` then marks exactly what SFT trains,
-# the stop token included, and trl's ``assistant_only_loss`` uses the template as it is.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|bos|>assistant\n' }}{% generation %}{{ message['content'] + '<|eos|>' }}"
-    "{% endgeneration %}"
-    "{% else %}"
-    "{{ '<|bos|>' + message['role'] + '\n' + message['content'] + '<|eos|>' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|bos|>assistant\n' }}{% endif %}"
-)
-
-
-@cache
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (what ByteLevel uses)."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
-def _assemble(merges: list[tuple[str, str]]) -> Tokenizer:
-    """A ByteLevel BPE with the fixed id layout above and the given merges."""
-    vocab: dict[str, int] = {ch: b for b, ch in bytes_to_unicode().items()}
-    for i, special in enumerate(SPECIAL_TOKENS.values()):
-        vocab[special] = BYTE_VOCAB + i
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
-    tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False)
-    )
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS.values()))
-    return tok
+from stages.hf.bpe import CHAT_TEMPLATE, SPECIAL_TOKENS, train_bpe
 
 
 def _wrap(tok: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
@@ -91,34 +26,10 @@ def _wrap(tok: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
 def train_tokenizer(
     texts: Iterable[str], *, vocab_size: int, min_frequency: int = 2, model_max_length: int = 2048
 ) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on ``texts`` to ``vocab_size`` ids (at least 260).
-
-    Deterministic for the same texts and settings. ``vocab_size == 260`` trains
-    nothing: the result is the pure byte tokenizer.
-    """
-    if vocab_size < BASE_VOCAB:
-        raise ItoError(
-            ErrorCode.tokenizer_invalid,
-            f"vocab_size {vocab_size} < {BASE_VOCAB} (256 bytes + 4 specials)",
-        )
-    merges: list[tuple[str, str]] = []
-    if vocab_size > BASE_VOCAB:
-        raw = Tokenizer(models.BPE())
-        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            min_frequency=min_frequency,
-            show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            special_tokens=list(SPECIAL_TOKENS.values()),
-        )
-        raw.train_from_iterator(texts, trainer=trainer)
-        spec = json.loads(raw.to_str())
-        for m in spec["model"]["merges"]:
-            a, b = m.split(" ", 1) if isinstance(m, str) else m
-            merges.append((a, b))
-        merges = merges[: vocab_size - BASE_VOCAB]
-    return _wrap(_assemble(merges), model_max_length)
+    """``stages.hf.bpe.train_bpe``'s tokenizer, wrapped (deterministic; ``vocab_size
+    == 260`` is the pure byte tokenizer)."""
+    bpe = train_bpe(texts, vocab_size=vocab_size, min_frequency=min_frequency)
+    return _wrap(bpe, model_max_length)
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
@@ -129,7 +40,8 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> P
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """A local tokenizer folder (``save_pretrained`` layout); never the hub."""
+    """A local tokenizer folder (``save_pretrained`` layout, or ``stages.hf.bpe``'s);
+    never the hub."""
     p = Path(path)
     if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
         raise ItoError(ErrorCode.tokenizer_invalid, f"no tokenizer files in {p}")

@@ -19,13 +19,15 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from stages.errors import ErrorCode, ItoError
 from stages.trainer.tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:  # the driver builds shards here and never imports torch
+    import torch
 
 INDEX_NAME = "index.json"
 INDEX_VERSION = 1
@@ -303,6 +305,8 @@ class TokenLoader:
         windows = order[b : b + self.micro_batch]
         batch = np.stack([self._window(int(w)) for w in windows]).astype(np.int64)
         self._seek(self.batches_served + 1)
+        import torch
+
         return torch.from_numpy(batch)
 
     def __iter__(self) -> Iterator[torch.Tensor]:

@@ -32,7 +32,6 @@ class HFEncoder:
 class PhaseData:
     role_shards: dict[str, list[str]]
     heldout_texts: list[str]
-    tokenizer: Any
     tokenizer_dir: Path
 
 
@@ -77,27 +76,31 @@ def prepare_phase_data(
     tokenizer_path: str | None = None,
     model_max_length: int = 2048,
 ) -> PhaseData:
-    # The tokenizer only: stages.hf.export's model stack is seconds of imports this does not need.
-    from stages.hf.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+    from stages.hf.bpe import BPEEncoder, save_bpe, train_bpe
 
     train, heldout = split_heldout(files_by_role, text_field, permille=permille, min_docs=min_docs)
+    encoder: Any
     if tokenizer_path:
+        # A tenant's own tokenizer folder may be any HF tokenizer: transformers reads it.
+        from stages.hf.tokenizer import load_tokenizer, save_tokenizer
+
         tokenizer = load_tokenizer(tokenizer_path.removeprefix("file://"))
         if len(tokenizer) > vocab_size:
             raise ItoError(
                 ErrorCode.tokenizer_invalid,
                 f"tokenizer has {len(tokenizer)} ids, the model {vocab_size}",
             )
+        tok_dir = save_tokenizer(tokenizer, workdir / "tokenizer")
+        encoder = HFEncoder(tokenizer)
     else:
+        # The run's own BPE: trained, saved and encoded without transformers or torch.
         texts = [t for role in sorted(train) for t in train[role]]
-        tokenizer = train_tokenizer(texts, vocab_size=vocab_size, model_max_length=model_max_length)
-    tok_dir = save_tokenizer(tokenizer, workdir / "tokenizer")
-    # The byte vocabulary encodes exactly like ByteTokenizer (and much faster).
-    encoder: Any = (
-        ByteTokenizer()
-        if len(tokenizer) == ByteTokenizer.vocab_size and not tokenizer_path
-        else HFEncoder(tokenizer)
-    )
+        bpe = train_bpe(texts, vocab_size=vocab_size)
+        tok_dir = save_bpe(bpe, workdir / "tokenizer", model_max_length=model_max_length)
+        # The byte vocabulary encodes exactly like ByteTokenizer (and much faster).
+        encoder = BPEEncoder(bpe)
+        if encoder.vocab_size == ByteTokenizer.vocab_size:
+            encoder = ByteTokenizer()
     role_shards: dict[str, list[str]] = {}
     for role, texts in sorted(train.items()):
         src = workdir / "phase_data" / f"{role}.jsonl"
@@ -112,4 +115,4 @@ def prepare_phase_data(
     with (workdir / "phase_data" / HELDOUT_NAME).open("w", encoding="utf-8") as f:
         for t in heldout:
             f.write(json.dumps({"text": t}) + "\n")
-    return PhaseData(role_shards, heldout, tokenizer, tok_dir)
+    return PhaseData(role_shards, heldout, tok_dir)

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import BaseModel
 
 from stages.curriculum.plan import PhasePlan
@@ -29,6 +28,9 @@ from stages.evals.config import EvalRunSettings
 from stages.evals.heldout import HeldoutSums
 from stages.post_training.step_eval import StepEvalReply, StepEvalRequest, evaluate_step
 from stages.trainer.config import TrainStageConfig
+
+if TYPE_CHECKING:  # the driver builds requests here; the ranks import torch
+    import torch
 
 
 class PhaseEvalRequest(BaseModel):

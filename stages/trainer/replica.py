@@ -17,7 +17,7 @@ import warnings
 from typing import Any
 
 from stages.event_buffer import EventBuffer
-from stages.trainer.loop import Control, TrainLoop, WorkerSpec, param_digest
+from stages.trainer.control import Control, WorkerSpec
 
 # Events buffered in an actor between two polls; beyond this they are aggregated.
 MAX_BUFFERED_EVENTS = 10_000
@@ -74,6 +74,8 @@ class ReplicaWorker:
         self._pin(spec.replica_group)
         if spec.config.ranks_per_group > 1:
             self._group_store(spec)
+        from stages.trainer.loop import TrainLoop  # torch: in the rank's process only
+
         self.loop = TrainLoop(spec, emit=self._emit, control=self.control, status=self.status)
         self.loop.checkpoint_needed = self._checkpoint_needed
         self._thread = threading.Thread(target=self._main, name="train-loop", daemon=True)
@@ -270,4 +272,6 @@ class ReplicaWorker:
 
     def param_digest(self) -> dict[str, Any]:
         """sha256 over every parameter's bytes, with the step it was taken at."""
+        from stages.trainer.shard_state import param_digest
+
         return {"digest": param_digest(self.loop.model), "step": self.loop.manager.current_step()}

@@ -62,6 +62,80 @@ def test_trained_bpe_learns_merges_keeps_the_byte_layout_and_round_trips(tmp_pat
     assert prompt.endswith("<|bos|>assistant\n")
 
 
+def test_the_drivers_bpe_folder_loads_like_save_pretrained_and_encodes_the_same(
+    tmp_path: Path,
+) -> None:
+    """The driver saves the run's BPE with ``tokenizers`` alone (``stages.hf.bpe``): the
+    folder loads as the same fast tokenizer as ``save_pretrained``'s (ids, specials,
+    length, chat template, the SFT assistant mask), and its encoder gives the ids the
+    wrapped tokenizer gives."""
+    from stages.hf.bpe import BPEEncoder, save_bpe, train_bpe
+
+    bpe = train_bpe(TEXTS, vocab_size=320)
+    save_bpe(bpe, tmp_path / "driver", model_max_length=256)
+    save_tokenizer(train_tokenizer(TEXTS, vocab_size=320, model_max_length=256), tmp_path / "hf")
+    ours, ref = load_tokenizer(tmp_path / "driver"), load_tokenizer(tmp_path / "hf")
+    assert ours.get_vocab() == ref.get_vocab() and len(ours) == 320
+    text = "def function_7(x):\n    return x * 7 + <|eos|> café\n"
+    for special in (True, False):
+        assert (
+            ours(text, add_special_tokens=special)["input_ids"]
+            == ref(text, add_special_tokens=special)["input_ids"]
+        )
+    assert [ours.pad_token_id, ours.bos_token_id, ours.eos_token_id, ours.unk_token_id] == [
+        ref.pad_token_id,
+        ref.bos_token_id,
+        ref.eos_token_id,
+        ref.unk_token_id,
+    ]
+    assert ours.model_max_length == ref.model_max_length == 256
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    assert ours.apply_chat_template(
+        chat, return_dict=True, return_assistant_tokens_mask=True
+    ) == ref.apply_chat_template(chat, return_dict=True, return_assistant_tokens_mask=True)
+    enc = BPEEncoder(bpe)
+    assert enc.vocab_size == 320
+    assert enc.encode(text) == [*ref(text, add_special_tokens=False)["input_ids"], ref.eos_token_id]
+
+
+def test_the_drivers_data_path_imports_neither_torch_nor_transformers(tmp_path: Path) -> None:
+    """What a run's driver runs for training (the pipeline, the engine that supervises
+    the fleet, the phase data: tokenizer training, token shards, the held-out split,
+    and the phase-end reduction) never imports torch or transformers: the driver
+    coordinates, the ranks compute."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS), encoding="utf-8")
+    code = (
+        "import sys, json\n"
+        "from pathlib import Path\n"
+        "import orchestrator.runtime.driver, orchestrator.runtime.pipeline\n"
+        "import stages.trainer.engine, stages.trainer.phases, stages.trainer.stage\n"
+        "from stages.trainer.phase_data import prepare_phase_data\n"
+        "from stages.trainer.phase_eval import PhaseEvalRequest\n"
+        "from stages.evals.heldout import HeldoutSums, reduce_sums\n"
+        f"src, out = Path({str(src)!r}), Path({str(tmp_path / 'work')!r})\n"
+        "for vocab in (260, 300):\n"
+        "    d = prepare_phase_data({'baseline': [src]}, out / str(vocab), text_field='text',\n"
+        "        vocab_size=vocab, permille=100, min_docs=4)\n"
+        "    assert d.role_shards['baseline'] and d.heldout_texts\n"
+        "reduce_sums([HeldoutSums(batch_nats={0: 1.0}, tokens=2, bytes=3.0)])\n"
+        "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    # The shards it wrote train: the BPE folder loads for the ranks.
+    assert len(load_tokenizer(tmp_path / "work" / "300" / "tokenizer")) == 300
+
+
 def test_vocab_below_bytes_and_specials_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ItoError) as e:
         train_tokenizer(TEXTS, vocab_size=100)
