@@ -19,23 +19,17 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-import torch
-from scipy.stats import t as student_t
 
 from stages.data_prep.config import LadderProbeConfig
-from stages.presets import ModelPreset, load_model_preset
-from stages.trainer.model import build_model, causal_lm_loss
+from stages.presets import load_model_preset
 from stages.trainer.tokenizer import ByteTokenizer
 
 Decision = Literal["adopt", "reject", "no_decision"]
-_WARMUP_FRACTION = 0.1
-_MIN_LR_FRACTION = 0.1
-_EVAL_BATCH = 32
 
 
 def token_stream(texts: Sequence[str], tok: ByteTokenizer | None = None) -> np.ndarray:
@@ -46,73 +40,49 @@ def token_stream(texts: Sequence[str], tok: ByteTokenizer | None = None) -> np.n
     return np.concatenate([x for p in parts for x in (p, eos)]) if parts else np.zeros(0, np.int64)
 
 
-def eval_windows(texts: Sequence[str], seq_len: int, max_bytes: int) -> torch.Tensor:
+def eval_ids(texts: Sequence[str], seq_len: int, max_bytes: int) -> np.ndarray:
     """Held-out text as (windows, seq_len) byte ids, only bytes (so every predicted
     token is one byte and mean cross-entropy / ln 2 is bits per byte)."""
-    data = "\n".join(texts).encode("utf-8")[:max_bytes]
-    ids = torch.tensor(list(data), dtype=torch.long)
-    n = len(ids) // seq_len
+    data = np.frombuffer("\n".join(texts).encode("utf-8")[:max_bytes], dtype=np.uint8)
+    n = len(data) // seq_len
     if n == 0:
-        raise ValueError(f"eval text has {len(ids)} bytes, fewer than seq_len={seq_len}")
-    return ids[: n * seq_len].view(n, seq_len)
+        raise ValueError(f"eval text has {len(data)} bytes, fewer than seq_len={seq_len}")
+    return data[: n * seq_len].astype(np.int64).reshape(n, seq_len)
 
 
-@torch.no_grad()
-def bits_per_byte(model: torch.nn.Module, windows: torch.Tensor, device: torch.device) -> float:
-    model.eval()
-    total, count = 0.0, 0
-    for s in range(0, len(windows), _EVAL_BATCH):
-        x = windows[s : s + _EVAL_BATCH].to(device)
-        loss = causal_lm_loss(model, x)  # mean over x.size(0) * (seq_len - 1) bytes
-        n = x.size(0) * (x.size(1) - 1)
-        total += float(loss) * n
-        count += n
-    model.train()
-    return total / count / math.log(2)
+@dataclass(frozen=True)
+class ArmJob:
+    """One proxy training: an arm ("baseline" or "custom") and a seed."""
+
+    arm: str
+    seed: int
+    steps: int
 
 
-def _lr_at(step: int, steps: int, lr: float) -> float:
-    warm = max(1, int(steps * _WARMUP_FRACTION))
-    if step < warm:
-        return lr * (step + 1) / warm
-    progress = (step - warm) / max(1, steps - warm)
-    cosine = 0.5 * (1 + math.cos(math.pi * progress))
-    return lr * (_MIN_LR_FRACTION + (1 - _MIN_LR_FRACTION) * cosine)
+# Runs the jobs (``score_arm`` of stages.data_prep.ladder_arm for each, on the given
+# training stream and eval windows) and yields (job, bits per byte, device) as each ends.
+ArmRunner = Callable[
+    [list[ArmJob], dict[str, np.ndarray], np.ndarray, LadderProbeConfig],
+    Iterator[tuple[ArmJob, float, str]],
+]
 
 
-def train_and_score(
-    preset: ModelPreset,
-    stream: np.ndarray,
-    windows: torch.Tensor,
-    *,
-    seed: int,
-    steps: int,
-    cfg: LadderProbeConfig,
-    device: torch.device,
-    cancelled: Callable[[], bool] = lambda: False,
-) -> float:
-    """Train one proxy from scratch on random windows of ``stream``; return its bpb."""
-    if len(stream) <= cfg.seq_len + 1:
-        raise ValueError(f"training stream of {len(stream)} tokens is shorter than one window")
-    model: torch.nn.Module = build_model(preset, seed=seed)
-    model = model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    data = torch.from_numpy(stream)
-    gen = torch.Generator().manual_seed(10_007 * seed + 1)
-    offsets = torch.arange(cfg.seq_len)
-    for step in range(steps):
-        if cancelled():
-            raise InterruptedError("ladder probe cancelled")
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, steps, cfg.lr)
-        starts = torch.randint(0, len(data) - cfg.seq_len, (cfg.batch_size,), generator=gen)
-        x = data[starts[:, None] + offsets].to(device)
-        loss = causal_lm_loss(model, x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    return bits_per_byte(model, windows, device)
+def local_runner(cancelled: Callable[[], bool] = lambda: False) -> ArmRunner:
+    """Every arm in this process, one after the other (a stage run alone, tests)."""
+
+    def run(
+        jobs: list[ArmJob],
+        streams: dict[str, np.ndarray],
+        windows: np.ndarray,
+        cfg: LadderProbeConfig,
+    ) -> Iterator[tuple[ArmJob, float, str]]:
+        from stages.data_prep.ladder_arm import score_arm
+
+        for job in jobs:
+            bpb, device = score_arm(job, streams[job.arm], windows, cfg, cancelled=cancelled)
+            yield job, bpb, device
+
+    return run
 
 
 def decide(
@@ -126,6 +96,8 @@ def decide(
     delta = float(c.mean() - b.mean())
     pooled = float(math.sqrt((b.var(ddof=1) + c.var(ddof=1)) / 2))
     se = pooled * math.sqrt(2 / n)
+    from scipy.stats import t as student_t
+
     t_crit = float(student_t.ppf(1 - (1 - confidence) / 2, df=2 * n - 2))
     margin = max(t_crit * se, min_effect)
     decision: Decision = (
@@ -168,12 +140,6 @@ class LadderResult:
         return asdict(self)
 
 
-def _device(choice: str) -> torch.device:
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
-
-
 def _reusable(
     prev: LadderResult | None,
     preset: str,
@@ -201,13 +167,16 @@ def ladder_probe(
     reuse: LadderResult | None = None,
     log: Callable[[str], None] = lambda _m: None,
     cancelled: Callable[[], bool] = lambda: False,
+    run_arms: ArmRunner | None = None,
 ) -> LadderResult:
     """Run both arms for ``cfg.seeds`` seeds and decide (see the module docstring).
 
     ``reuse``: an earlier result whose baseline arm (same baseline tokens, eval text,
     rung, steps and seeds, checked by digest) is taken instead of retrained; the
     baseline arm does not depend on the custom data, so probing several candidate
-    datasets against one baseline trains it once."""
+    datasets against one baseline trains it once. ``run_arms`` trains the proxies
+    (default: in this process; the stage passes one that runs them on the run's
+    booked nodes, ``stages.data_prep.ladder_ray``)."""
     cfg = cfg or LadderProbeConfig()
     t0 = time.time()
     preset = load_model_preset(cfg.rung_preset)
@@ -215,40 +184,35 @@ def ladder_probe(
     budget = cfg.token_budget or int(cfg.tokens_per_param * params)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     steps = max(1, math.ceil(budget / tokens_per_step))
-    device = _device(cfg.device)
     base = token_stream(baseline_texts)
     mixed = np.concatenate([base, token_stream(custom_texts)])
-    windows = eval_windows(eval_texts, cfg.seq_len, cfg.eval_bytes)
+    for stream in (base, mixed):
+        if len(stream) <= cfg.seq_len + 1:
+            raise ValueError(f"training stream of {len(stream)} tokens is shorter than one window")
+    windows = eval_ids(eval_texts, cfg.seq_len, cfg.eval_bytes)
     seeds = list(range(cfg.seeds))
     base_sha = hashlib.sha256(base.tobytes()).hexdigest()
-    eval_sha = hashlib.sha256(windows.numpy().tobytes()).hexdigest()
-    scores: dict[str, list[float]] = {"baseline": [], "custom": []}
-    arms: list[tuple[str, np.ndarray]] = [("custom", mixed)]
+    eval_sha = hashlib.sha256(windows.tobytes()).hexdigest()
+    scores: dict[str, dict[int, float]] = {"baseline": {}, "custom": {}}
+    arms = ["custom"]
     if reuse is not None and _reusable(reuse, preset.name, steps, seeds, base_sha, eval_sha):
-        scores["baseline"] = list(reuse.baseline_bpb)
+        scores["baseline"] = dict(zip(seeds, reuse.baseline_bpb, strict=True))
         log("ladder probe: baseline arm reused from an identical earlier probe")
     else:
-        arms.insert(0, ("baseline", base))
-    for seed in seeds:
-        for arm, stream in arms:
-            bpb = train_and_score(
-                preset,
-                stream,
-                windows,
-                seed=seed,
-                steps=steps,
-                cfg=cfg,
-                device=device,
-                cancelled=cancelled,
-            )
-            scores[arm].append(bpb)
-            log(
-                f"ladder probe: {arm} seed {seed}: {bpb:.4f} bits/byte "
-                f"({steps} steps, {steps * tokens_per_step} tokens, {preset.name})"
-            )
-    decision, stats = decide(
-        scores["baseline"], scores["custom"], cfg.confidence, cfg.min_effect_bpb
-    )
+        arms.insert(0, "baseline")
+    jobs = [ArmJob(arm, seed, steps) for seed in seeds for arm in arms]
+    runner = run_arms or local_runner(cancelled)
+    devices: set[str] = set()
+    for job, bpb, device in runner(jobs, {"baseline": base, "custom": mixed}, windows, cfg):
+        scores[job.arm][job.seed] = bpb
+        devices.add(device)
+        log(
+            f"ladder probe: {job.arm} seed {job.seed}: {bpb:.4f} bits/byte "
+            f"({steps} steps, {steps * tokens_per_step} tokens, {preset.name})"
+        )
+    baseline = [scores["baseline"][s] for s in seeds]
+    custom = [scores["custom"][s] for s in seeds]
+    decision, stats = decide(baseline, custom, cfg.confidence, cfg.min_effect_bpb)
     return LadderResult(
         decision=decision,
         preset=preset.name,
@@ -257,13 +221,13 @@ def ladder_probe(
         tokens_per_param=steps * tokens_per_step / params,
         steps=steps,
         seeds=seeds,
-        baseline_bpb=scores["baseline"],
-        custom_bpb=scores["custom"],
+        baseline_bpb=baseline,
+        custom_bpb=custom,
         stats=stats,
         custom_token_fraction=1 - len(base) / max(len(mixed), 1),
-        eval_bytes=int(windows.numel()),
+        eval_bytes=int(windows.size),
         seconds=time.time() - t0,
-        device=str(device),
+        device=",".join(sorted(devices)) or (reuse.device if reuse is not None else ""),
         baseline_sha256=base_sha,
         eval_sha256=eval_sha,
     )

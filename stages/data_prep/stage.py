@@ -360,10 +360,16 @@ class DataPrepStage:
         if why:
             self._log(ctx, f"ladder probe skipped: {why}")
             return {"decision": "skipped", "reason": why}
-        # Imported here: the probe's torch and transformers cost the driver seconds of
-        # start-up that a run without the probe should not pay.
         from stages.data_prep.ladder import ladder_probe
+        from stages.placement import placement_fact
 
+        # A run's proxies train on its booked nodes, never in the driver; a stage run
+        # alone (no placement) trains them in this process.
+        run_arms = None
+        if placement_fact(ctx.facts) is not None:
+            from stages.data_prep.ladder_ray import ray_runner
+
+            run_arms = ray_runner(ctx.facts, lambda: ctx.cancelled)
         try:
             result = ladder_probe(
                 base,
@@ -372,6 +378,7 @@ class DataPrepStage:
                 cfg,
                 log=lambda m: self._log(ctx, m),
                 cancelled=lambda: ctx.cancelled,
+                run_arms=run_arms,
             )
         except ValueError as e:  # too little text for one window: nothing to measure
             self._log(ctx, f"ladder probe skipped: {e}", "warning")

@@ -14,15 +14,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel
 
 from stages.evals.config import Battery, BatteryCheck, evals_dir, load_battery
 from stages.evals.config import EvalRunSettings as EvalSettings
 from stages.evals.harness import run_tasks, task_data_files
 from stages.evals.heldout import HeldoutSums, heldout_scores
+
+if TYPE_CHECKING:  # the driver decides gates here; the ranks run the model
+    import torch
 
 CheckStatus = Literal["ok", "error", "timeout", "no_number"]
 

@@ -99,10 +99,11 @@ def test_the_drivers_bpe_folder_loads_like_save_pretrained_and_encodes_the_same(
 
 
 def test_the_drivers_data_path_imports_neither_torch_nor_transformers(tmp_path: Path) -> None:
-    """What a run's driver runs for training (the pipeline, the engine that supervises
-    the fleet, the phase data: tokenizer training, token shards, the held-out split,
-    and the phase-end reduction) never imports torch or transformers: the driver
-    coordinates, the ranks compute."""
+    """What a run's driver runs (the pipeline, data prep with the ladder probe's
+    orchestration, the engine that supervises the fleet, the phase data: tokenizer
+    training, token shards, the held-out split, the phase-end reduction and the gate
+    decision) never imports torch or transformers: the driver coordinates, the ranks
+    and the probe's tasks compute."""
     import subprocess
     import sys
 
@@ -116,6 +117,8 @@ def test_the_drivers_data_path_imports_neither_torch_nor_transformers(tmp_path: 
         "from stages.trainer.phase_data import prepare_phase_data\n"
         "from stages.trainer.phase_eval import PhaseEvalRequest\n"
         "from stages.evals.heldout import HeldoutSums, reduce_sums\n"
+        "from stages.evals import BatteryResult, GateDecision, evaluate_gates\n"
+        "import stages.data_prep.stage, stages.data_prep.ladder, stages.data_prep.ladder_ray\n"
         f"src, out = Path({str(src)!r}), Path({str(tmp_path / 'work')!r})\n"
         "for vocab in (260, 300):\n"
         "    d = prepare_phase_data({'baseline': [src]}, out / str(vocab), text_field='text',\n"
