@@ -28,6 +28,16 @@ ARM_TIMEOUT_S = 1800.0
 WAIT_S = 0.5
 
 
+def _score_arm(
+    job: ArmJob, stream: np.ndarray, windows: np.ndarray, cfg: LadderProbeConfig
+) -> tuple[float, str]:
+    """The task: imports the proxy's torch side in the task's process only (a remote
+    function is pickled by reference, so the driver never imports it)."""
+    from stages.data_prep.ladder_arm import score_arm
+
+    return score_arm(job, stream, windows, cfg)
+
+
 def ray_runner(facts: Mapping[str, Any], cancelled: Callable[[], bool]) -> ArmRunner:
     def run(
         jobs: list[ArmJob],
@@ -37,9 +47,7 @@ def ray_runner(facts: Mapping[str, Any], cancelled: Callable[[], bool]) -> ArmRu
     ) -> Iterator[tuple[ArmJob, float, str]]:
         import ray
 
-        from stages.data_prep.ladder_arm import score_arm
-
-        task = ray.remote(score_arm).options(
+        task = ray.remote(_score_arm).options(
             num_cpus=0,
             num_gpus=1 if cfg.device == "cuda" else 0,
             max_retries=0,

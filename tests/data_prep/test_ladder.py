@@ -75,3 +75,52 @@ def test_reuse_refused_when_the_baseline_differs() -> None:
     assert second.baseline_sha256 != first.baseline_sha256
     assert not any("reused" in m for m in logs)
     assert sum("baseline seed" in m for m in logs) == 2  # retrained, both seeds
+
+
+def test_on_a_run_the_proxies_train_in_ray_tasks_and_score_as_in_process(
+    ray_local: None,
+) -> None:
+    """A run's probe (``ray_runner``: what the stage uses on a booking) trains every
+    proxy in a Ray task: the driver process, here a fresh one connected to the
+    session's cluster, never imports torch, and the scores equal the in-process
+    probe's for the same seeds."""
+    import subprocess
+    import sys
+
+    import ray
+
+    cfg = LadderProbeConfig(
+        rung_preset="llama-probe-xs", seeds=2, token_budget=4096, eval_bytes=2048
+    )
+    baseline = _jsonl(REPO / "data" / "python_docs" / "train.jsonl", "text")[:200]
+    custom = _jsonl(REPO / "data" / "gsm8k" / "train.jsonl", "question")[:200]
+    eval_text = _jsonl(REPO / "configs" / "evals" / "gsm8k" / "test.jsonl", "question")[:50]
+    code = (
+        "import json, sys, ray\n"
+        "from stages.data_prep.config import LadderProbeConfig\n"
+        "from stages.data_prep.ladder import ladder_probe\n"
+        "from stages.data_prep.ladder_ray import ray_runner\n"
+        f"ray.init(address={ray.get_runtime_context().gcs_address!r}, log_to_driver=False)\n"
+        "args = json.loads(sys.stdin.read())\n"
+        "cfg = LadderProbeConfig.model_validate(args['cfg'])\n"
+        "r = ladder_probe(args['b'], args['c'], args['e'], cfg,\n"
+        "    run_arms=ray_runner({}, lambda: False))\n"
+        "print(json.dumps([r.baseline_bpb, r.custom_bpb, 'torch' in sys.modules]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps(
+            {"cfg": cfg.model_dump(mode="json"), "b": baseline, "c": custom, "e": eval_text}
+        ),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    remote_base, remote_custom, driver_imported_torch = json.loads(out.stdout.splitlines()[-1])
+    assert driver_imported_torch is False
+    local = ladder_probe(baseline, custom, eval_text, cfg)
+    # The same seeds, data and CPU kernels; only the thread count may differ.
+    assert remote_base == pytest.approx(local.baseline_bpb, abs=1e-3)
+    assert remote_custom == pytest.approx(local.custom_bpb, abs=1e-3)
