@@ -44,8 +44,11 @@ RSS_SAMPLE_S = 0.5
 POLL_S = 2.0
 
 
-def _driver_rss_kb() -> int:
-    """Largest VmHWM among live RunDriver actor processes (Ray titles them ray::RunDriver)."""
+def _driver_rss_kb(ray_temp: str) -> int:
+    """Largest VmHWM among live RunDriver actor processes (Ray titles them
+    ray::RunDriver) of this benchmark's own Ray head: a worker's parent is its raylet,
+    whose command line names the head's temp dir (other clusters on the host are not
+    counted)."""
     peak = 0
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -53,6 +56,9 @@ def _driver_rss_kb() -> int:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             if not cmd.startswith(b"ray::RunDriver"):
+                continue
+            parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            if ray_temp.encode() not in Path(f"/proc/{parent}/cmdline").read_bytes():
                 continue
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
@@ -63,14 +69,15 @@ def _driver_rss_kb() -> int:
 
 
 class _RssSampler(threading.Thread):
-    def __init__(self) -> None:
+    def __init__(self, ray_temp: Path) -> None:
         super().__init__(daemon=True)
+        self.ray_temp = str(ray_temp)
         self.peak_kb = 0
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set():
-            self.peak_kb = max(self.peak_kb, _driver_rss_kb())
+            self.peak_kb = max(self.peak_kb, _driver_rss_kb(self.ray_temp))
             self.stop.wait(RSS_SAMPLE_S)
 
 
@@ -127,7 +134,7 @@ def run_preset(preset: str, var_dir: Path, max_steps: int | None = None) -> dict
         manifest.write_text(json.dumps(doc, indent=2))
 
     server = demo._start_server(env, db, var_dir, port)
-    sampler = _RssSampler()
+    sampler = _RssSampler(ray_cluster.ray_temp_dir(var_dir / "server"))
     sampler.start()
     try:
         sub_env = {**env, "ITO_API_KEY": setup.submitter}
