@@ -436,6 +436,7 @@ class PostTrainingStage:
                 maker=RequestMaker(cfg, tok, rows),
                 pad_id=int(tok.pad_token_id),
                 on_interruption=interrupted,
+                board_placement=actor_options(ctx.facts),
             )
         finally:
             pool.close()
