@@ -360,6 +360,9 @@ def run_rlvr_on_engine(
         except BaseException as e:  # surfaced by the engine's side below
             box["error"] = e
             stop.set()
+        finally:
+            # Nothing more will be delivered: a rank waiting at the last version goes on.
+            learner.board.release.remote(cfg.steps)
 
     resume = learner.discard_after_checkpoint()  # before any rank can read a batch
     # Version 0 is the base folder: the board wants the ranks' versions from 1 on, or

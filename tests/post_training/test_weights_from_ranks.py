@@ -120,6 +120,7 @@ def test_the_fleet_gets_each_version_from_the_learner_rank_not_the_driver(
     finally:
         pool.close()
     assert result.steps == steps and result.summary["weight_sync_missed"] == 0.0
+    print(f"engine rlvr, {path}: sync_s_median {result.summary['sync_s_median']:.4f} s")
 
     # (b) the driver never held the weights: descriptors only crossed the seam...
     by_version: dict[int, set[type]] = {}
