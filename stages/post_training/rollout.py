@@ -132,9 +132,7 @@ class RolloutWorker:
                     device = "cuda" if weights.backend == "nccl" else "cpu"
                     self._receiver = CollectiveReceiver(self.spec.index + 1, device)
                 weights = self._receiver.receive(weights)
-            elif isinstance(weights, BaseWeights):
-                weights = self._base_state(weights.model_dir)
-        except Exception as e:  # ray's ObjectLostError family, gloo errors
+        except _missed_errors() as e:
             if self._receiver is not None:
                 self._receiver.leave()
             return {
@@ -143,6 +141,8 @@ class RolloutWorker:
                 "load_s": time.perf_counter() - t0,
                 "error": f"{type(e).__name__}: {e}"[:200],
             }
+        if isinstance(weights, BaseWeights):
+            weights = self._base_state(weights.model_dir)
         if weights is not None:
             self.model.load_state_dict(weights)
         self.version = version
@@ -203,6 +203,15 @@ class RolloutWorker:
             task_rewards=task,
             gen_s=time.perf_counter() - t0,
         )
+
+
+def _missed_errors() -> tuple[type[BaseException], ...]:
+    """Why a version may not arrive: its object is gone (the owner died) or not
+    fetched in time; the broadcast failed (a dead or hung sender: gloo and NCCL raise
+    RuntimeError subclasses, a rendezvous TimeoutError)."""
+    from ray.exceptions import GetTimeoutError, ObjectLostError
+
+    return (ObjectLostError, GetTimeoutError, RuntimeError, TimeoutError)
 
 
 def generate_group(model: Any, tokenizer: Any, req: RolloutRequest) -> dict[str, Any]:

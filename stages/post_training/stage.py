@@ -386,6 +386,7 @@ class PostTrainingStage:
                 max_completion_tokens=cfg.max_completion_tokens,
                 overlong_buffer_tokens=cfg.overlong_buffer_tokens,
                 overlong_penalty_factor=cfg.overlong_penalty_factor,
+                fetch_timeout_s=cfg.weight_sync_timeout_s,
             )
             for n in range(cfg.rollout_workers)
         ]
