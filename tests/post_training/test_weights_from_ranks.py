@@ -1,13 +1,14 @@
 """Weights reach the fleet from the learner's ranks, never through the driver.
 
 A real RLVR step on a real local Ray: the learner on the engine (one torchft replica
-group as Ray actors, DCP), two rollout workers as Ray actors, each weight path. The
-test process plays the driver (``run_rlvr_on_engine``). What the controller hands
-each worker's ``set_weights`` is recorded at the real seam (``RayPool.sync``): only
-descriptors (an ``ObjectRef`` or a broadcast's rendezvous and layout) ever cross it,
-no tensor, and no weights file exists for the driver to read. Every worker ends
-bit-identical to the learner's final weights (the rank's own HF export of them).
-Nothing is mocked but the GPU.
+group as Ray actors, DCP), two rollout workers as Ray actors, each weight path; the
+test process plays the driver (``run_rlvr_on_engine``). Every worker loads every
+version with the same bytes as the other, the base folder's at 0 and the learner's
+final weights (the rank's own export) at the end. What the controller hands each
+worker's ``set_weights`` is recorded at the real seam (``RayPool.sync``): only
+descriptors (an ``ObjectRef``, or a broadcast's rendezvous and layout) ever cross it,
+never a tensor, and no weights file exists for the driver to read. Nothing is mocked
+but the GPU.
 """
 
 from __future__ import annotations
@@ -36,6 +37,27 @@ class RecordingPool(RayPool):
     def sync(self, w: int, version: int, weights: Any) -> Any:
         self.forwarded.append((version, weights))
         return super().sync(w, version, weights)
+
+
+def _recording_worker() -> type[Any]:
+    """A real RolloutWorker that also notes the digest of every version it loads."""
+    from stages.post_training.rollout import RolloutWorker
+
+    class RecordingWorker(RolloutWorker):
+        def __init__(self, spec: Any):
+            super().__init__(spec)
+            self.loaded: dict[int, str] = {}
+
+        def set_weights(self, version: int, weights: Any) -> dict[str, Any]:
+            ack = super().set_weights(version, weights)
+            if "missed" not in ack:
+                self.loaded[version] = self.weights_digest()
+            return ack
+
+        def loaded_digests(self) -> dict[int, str]:
+            return self.loaded
+
+    return RecordingWorker
 
 
 def _tensors_in(obj: Any, depth: int = 0) -> int:
@@ -96,6 +118,7 @@ def test_the_fleet_gets_each_version_from_the_learner_rank_not_the_driver(
         namespace=NAMESPACE,
         weight_sync=path,  # type: ignore[arg-type]
         sync_timeout_s=ACTOR_TIMEOUT_S,
+        worker_cls=_recording_worker(),
     )
     ctx = StageContext(
         run_id=f"wsync-{path}", booking_id="b", workdir=tmp_path, emit=lambda e: None
@@ -113,10 +136,17 @@ def test_the_fleet_gets_each_version_from_the_learner_rank_not_the_driver(
             maker=maker,
             pad_id=int(load_tokenizer(tiny_policy).pad_token_id),
         )
-        # (a) every worker holds the learner's final version, bit for bit.
+        # (a) every worker loaded every version, the same bytes as every other worker;
+        # the base folder's at 0, and the learner's final weights (the rank's own
+        # export of them) at the end; the versions differ (the policy trained).
         want = state_digest(dict(load_model(exported).state_dict()))
         assert pool.digests(ACTOR_TIMEOUT_S) == [want, want]
         assert pool.versions(ACTOR_TIMEOUT_S) == [steps, steps]
+        loaded = ray.get([a.loaded_digests.remote() for a in pool.actors], timeout=60)
+        assert loaded[0] == loaded[1] and sorted(loaded[0]) == list(range(steps + 1))
+        assert loaded[0][0] == state_digest(dict(load_model(tiny_policy).state_dict()))
+        assert loaded[0][steps] == want
+        assert len(set(loaded[0].values())) == steps + 1
     finally:
         pool.close()
     assert result.steps == steps and result.summary["weight_sync_missed"] == 0.0
