@@ -15,13 +15,16 @@ What each number counts:
 - ``idle_frac`` (trainer): fraction of the loop's wall time the trainer waited for a
   batch of rollouts;
 - ``sync_s_median``: median seconds from putting a policy version into Ray's object
-  store to every worker having loaded it (put time + the slowest worker's load time);
+  store to every worker having loaded it: the put in the learner's process + the
+  slowest worker's fetch and load (a worker fetches the ref itself; on the engine
+  the put runs on the learner's rank 0, here the in-process learner stands in for it);
 - ``idle_ratio``: eta2 trainer idle fraction / eta0 trainer idle fraction (< 1: the
   asynchronous fleet keeps the trainer busier);
 - ``sync_s_median_object_store`` / ``sync_s_median_collective``: the same median for
   each weight path side by side, the eta = 2 run repeated with
-  ``weight_sync="collective"`` (gloo broadcast of flat buckets; on this path a
-  worker's load time includes waiting for the other ranks to join the broadcast);
+  ``weight_sync="collective"`` (gloo broadcast of flat buckets from the learner's
+  process: packing the buckets + the slowest worker's receive and load, which
+  includes waiting for the other ranks to join the broadcast);
 - ``resume_s``: a run with a resume state every step is stopped after step 1 and
   relaunched with the same workdir; seconds from the relaunch (learner built,
   actors started, state restored) to its first trained step.

@@ -71,6 +71,7 @@ class FleetStats:
     worker_refused: int = 0
     interruptions: int = 0
     discarded_rollouts: int = 0
+    missed_versions: int = 0  # syncs a worker could not fetch (it kept its version)
     sync_s: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
 
@@ -90,6 +91,7 @@ class FleetStats:
             "drop_rate": self.groups_dropped / walked if walked else 0.0,
             "stale_refused": float(self.stale_refused),
             "rollout_interruptions": float(self.interruptions),
+            "weight_sync_missed": float(self.missed_versions),
         }
 
 
@@ -147,11 +149,21 @@ class RolloutController:
         self.retry, self.resolved = [], {}
 
     # -- weights ---------------------------------------------------------------------
-    def publish(self, version: int, state: dict[str, Any]) -> None:
-        """Send ``state`` as ``version`` to every worker (queued behind its rollout)."""
+    def publish(self, version: int, weights: Any) -> None:
+        """Send ``weights`` as ``version`` to every worker (queued behind its rollout):
+        what the learner's rank 0 published (a ``PublishedVersion``: only its
+        descriptor is forwarded), the base folder (``BaseWeights``), or an in-process
+        learner's state dict, which the pool puts first."""
+        from stages.post_training.weight_sync import BaseWeights, PublishedVersion
+
         t0 = time.perf_counter()
-        self._weights = self.pool.put_weights(state)
-        self._put_s = time.perf_counter() - t0
+        if isinstance(weights, PublishedVersion):
+            self._weights, self._put_s = weights.weights, weights.put_s  # put on the rank
+        elif isinstance(weights, BaseWeights):
+            self._weights, self._put_s = weights, 0.0
+        else:
+            self._weights = self.pool.put_weights(weights)
+            self._put_s = time.perf_counter() - t0
         self._sync_load = []
         self.V = version
         for w in range(self.pool.size):
@@ -276,6 +288,9 @@ class RolloutController:
             self._lost(w, e)
             return
         del self.syncing[w]
+        # A version the worker could not fetch leaves it at its own: admit against that.
+        self.known_version[w] = int(ack["version"])
+        self.stats.missed_versions += int("missed" in ack)
         self._sync_load.append(float(ack["load_s"]))
         if len(self._sync_load) == self.pool.size:
             self.stats.sync_s.append(self._put_s + max(self._sync_load))

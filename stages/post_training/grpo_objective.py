@@ -20,12 +20,17 @@ One file, one global batch of ``N`` completions, right-padded to one length ``L`
 The loss is ``losses.dapo_token_loss`` summed over the rank's masked tokens; the
 denominator is the global batch's mask count over the data-parallel ranks, so the
 update is DAPO's token-level mean over the whole batch whatever the number of
-groups. After a committed step the lowest live group's rank 0 writes the new
-weights as ``<weights>/v<step>.pt``; the driver publishes them to the fleet.
+groups. After a committed step the lowest live group's rank 0 publishes the new
+weights as version ``step`` for the rollout fleet from its own process
+(``stages.post_training.weight_board``); the driver only forwards a descriptor. A
+process also publishes the version it starts from at its first batch (a resume's
+fleet starts there). The grpo phase never skips data windows, so the data index of a
+batch is its step.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -53,10 +58,6 @@ BATCH_KEYS = (
 
 def batch_path(folder: Path, step: int) -> Path:
     return folder / f"step-{step:08d}.pt"
-
-
-def weights_path(folder: Path, version: int) -> Path:
-    return folder / f"v{version:08d}.pt"
 
 
 def save_atomic(obj: Any, path: Path) -> None:
@@ -91,18 +92,26 @@ class GRPOObjective:
         dp_world: int,
         reference: torch.nn.Module | None = None,
         device: torch.device | None = None,
+        parallel: Any = None,
     ):
+        from stages.post_training.weight_board import RankPublisher
+
         self.s = settings
         self.rollouts = rollouts
-        self.weights = Path(settings.weights_dir)
         self.dp_rank, self.dp_world = dp_rank, dp_world
         self.reference = reference  # frozen base weights, only when beta > 0
         self.device = device or torch.device("cpu")
+        self.parallel = parallel  # this rank's model (ParallelModel), for publishing
+        self.publisher = RankPublisher(settings, self.device.type)
+        self._started = False
         self._cached: tuple[int, Batch] | None = None
 
     def batch(self, index: int) -> Batch:
         if self._cached is not None and self._cached[0] == index:
             return self._cached[1]
+        if not self._started:  # before waiting: a resumed fleet needs this version first
+            self._started = True
+            self._publish_start(index)
         whole = wait_for(
             batch_path(self.rollouts, index), self.s.batch_wait_timeout_s, f"rollout batch {index}"
         )
@@ -144,21 +153,41 @@ class GRPOObjective:
         return aggregate(tok, part["mask"], 1.0)
 
     def after_commit(self, step: int, loss: float, loop: Any) -> None:
-        """Write the weights of committed step ``step`` (version ``step``) for the
+        """Publish the weights of committed step ``step`` (version ``step``) for the
         fleet: rank 0 of the group that saves checkpoints (the lowest live one); the
         other ranks of a sharded group take part in gathering the full tensors."""
-        if not loop._is_saver():
+        if not self.publisher.enabled or not loop._is_saver():
             return
-        path = weights_path(self.weights, step)
-        state = {
-            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-            for k, v in loop.model.state_dict().items()
-        }
-        if loop.spec.rank == 0 and not path.exists():
-            save_atomic({"state": state, "loss": torch.tensor(loss)}, path)
+        state = full_state(loop.model)
+        if loop.spec.rank == 0:
+            self.publisher.publish(step, state, loss, last=step == loop.plan.total_steps)
+
+    def _publish_start(self, version: int) -> None:
+        """The weights this process starts from (restored or healed), if the board
+        still wants them: every rank of a sharded group gathers, rank 0 offers."""
+        if not self.publisher.enabled or self.parallel is None:
+            return
+        rank0 = not any(self.parallel.coords.values())
+        sharded = any(hasattr(v, "full_tensor") for v in self.parallel.module.state_dict().values())
+        if not sharded and not (rank0 and self.publisher.wants(version)):
+            return
+        state = full_state(self.parallel.module)
+        if rank0:
+            self.publisher.publish(version, state, math.nan, last=False)
 
 
-def build_grpo_objective(cfg: Any, *, dp_rank: int, device: torch.device) -> GRPOObjective:
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full tensors on its device (a sharded parameter is gathered: a
+    collective over the group)."""
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+        for k, v in model.state_dict().items()
+    }
+
+
+def build_grpo_objective(
+    cfg: Any, *, dp_rank: int, device: torch.device, parallel: Any = None
+) -> GRPOObjective:
     """The rank's grpo objective (``cfg``: a ``TrainStageConfig``); with beta > 0 a
     frozen copy of the base weights gives the KL term's reference log-probs."""
     obj = cfg.objective
@@ -183,4 +212,5 @@ def build_grpo_objective(cfg: Any, *, dp_rank: int, device: torch.device) -> GRP
         dp_world=cfg.dp_world,
         reference=reference,
         device=device,
+        parallel=parallel,
     )

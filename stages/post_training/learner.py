@@ -8,15 +8,19 @@ Per step ``k``:
 1. the controller walks batch ``k``; the learner drops every group older than eta
    for step ``k`` (``stale_refused``), saves the fleet's admission state for a resume
    at ``k + 1`` and writes ``rollouts/step-<k>.pt`` (``grpo_objective``);
-2. the ranks train step ``k`` on it; rank 0 of the lowest live group writes the
-   committed weights as ``weights/v<k+1>.pt``;
-3. the learner reads them and the controller publishes them to the fleet as version
-   ``k + 1`` through the pool's ``set_weights`` seam, while the fleet keeps generating.
+2. the ranks train step ``k`` on it; rank 0 of the lowest live group publishes the
+   committed weights as version ``k + 1`` from its own process (``ray.put`` there, or
+   the collective broadcast it runs) and leaves a descriptor and the loss on the
+   run's weight board (``stages.post_training.weight_board``);
+3. the learner takes that descriptor and the controller forwards it to every worker's
+   ``set_weights`` while the fleet keeps generating. The driver never holds the
+   tensors: version 0 is the base folder, which every worker loads itself.
 
-A relaunched driver resumes at the engine's newest checkpoint ``c``: the batches and
-versions after ``c`` are discarded before any rank starts (nothing trained them into
-a checkpoint), the controller restarts from its state saved for ``c``, and the fleet
-gets version ``c`` back, so no sample older than eta for its step is ever trained.
+A relaunched driver resumes at the engine's newest checkpoint ``c``: the batches
+after ``c`` are discarded before any rank starts (nothing trained them into a
+checkpoint), the controller restarts from its state saved for ``c``, and the fleet
+gets version ``c`` back from the restored ranks (a process publishes the version it
+starts from), so no sample older than eta for its step is ever trained.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,14 +38,13 @@ import torch
 from stages.base import StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.post_training.config import TRL_ADAM_BETAS, RLVRConfig
-from stages.post_training.grpo_objective import batch_path, save_atomic, weights_path
+from stages.post_training.grpo_objective import batch_path, save_atomic
 from stages.post_training.losses import group_advantages, is_stale
 from stages.post_training.rollout import RolloutGroup
+from stages.post_training.weight_sync import BaseWeights, PublishedVersion
 from stages.trainer.config import GRPOSettings, ObjectiveConfig, TrainStageConfig
 
 CONTROLLER_DIR = "controller"
-# How often the driver looks for the weights of the step the ranks train.
-POLL_S = 0.02
 
 
 def assemble(
@@ -95,7 +99,8 @@ class EngineLearner:
     """``run_rlvr``'s learner when the engine's ranks train (see the module docstring).
 
     ``trained`` records (step, sample version) of every group written into a batch;
-    the ranks train exactly those files."""
+    the ranks train exactly those files. ``published`` records what the ranks handed
+    over per version: descriptors only (the driver never holds a policy tensor)."""
 
     def __init__(
         self,
@@ -106,39 +111,62 @@ class EngineLearner:
         base: Path,
         engine_done: threading.Event,
         step_timeout_s: float,
+        board: Any,
     ):
         self.cfg = cfg
         self.pad_id = pad_id
         self.base = base
         self.rollouts = work / "rollouts"
-        self.weights = work / "weights"
         self.controller = work / CONTROLLER_DIR
         self.ckpt_dir = work / "checkpoints"
         self.engine_done = engine_done
         self.step_timeout_s = step_timeout_s
+        self.board = board
         self.version = 0
         self.trained: list[tuple[int, int]] = []
         self.losses: dict[int, float] = {}
-        self._state: dict[str, Any] | None = None
+        self.published: dict[int, PublishedVersion] = {}
 
     def _checkpoint_steps(self) -> list[int]:
         from stages.checkpointing.storage import list_checkpoints
 
         return [r.step for r in list_checkpoints(self.ckpt_dir)]
 
-    def state(self) -> dict[str, Any]:
-        """The weights of ``version``: the base folder's at 0, else the ranks' file."""
-        if self._state is None:
-            if self.version == 0:
-                from stages.post_training.hf_io import load_model
+    def state(self) -> PublishedVersion | BaseWeights:
+        """What the fleet gets as ``version``: the base folder at 0 (each worker loads
+        it), else the descriptor the ranks published."""
+        if self.version == 0:
+            return BaseWeights(model_dir=str(self.base))
+        return self._take(self.version)
 
-                self._state = dict(load_model(self.base).state_dict())
-            else:
-                saved = torch.load(
-                    weights_path(self.weights, self.version), map_location="cpu", weights_only=True
+    def delivered(self, version: int) -> None:
+        """Every worker has ``version`` (its publisher may exit now)."""
+        import ray
+
+        ray.get(self.board.release.remote(version), timeout=self.step_timeout_s)
+
+    def _take(self, version: int) -> PublishedVersion:
+        from stages.post_training.weight_board import take
+
+        if version not in self.published:
+            try:
+                self.published[version] = take(
+                    self.board, version, self.step_timeout_s, self.engine_done.is_set
                 )
-                self._state = saved["state"]
-        return self._state
+            except InterruptedError:
+                raise ItoError(
+                    ErrorCode.training_failed,
+                    f"post_training.rlvr: the learner stopped before version {version}",
+                ) from None
+            except TimeoutError:
+                raise ItoError(
+                    ErrorCode.training_failed,
+                    f"post_training.rlvr: version {version} not trained within "
+                    f"{self.step_timeout_s:.0f}s",
+                ) from None
+            for old in [v for v in self.published if v < version]:
+                del self.published[old]  # refs the driver no longer forwards
+        return self.published[version]
 
     # -- resume ------------------------------------------------------------------------
     def newest_checkpoint(self) -> int:
@@ -147,14 +175,11 @@ class EngineLearner:
 
     def discard_after_checkpoint(self) -> int:
         """Before any rank starts: drop every batch from the newest checkpoint's step on
-        and every version after it (nothing after it was checkpointed; the batches are
-        regenerated). Returns that step."""
+        (nothing after it was checkpointed; the batches are regenerated). Returns that
+        step."""
         c = self.newest_checkpoint()
         for p in self.rollouts.glob("step-*.pt"):
             if int(p.stem.removeprefix("step-")) >= c:
-                p.unlink()
-        for p in self.weights.glob("v*.pt"):
-            if int(p.stem.removeprefix("v")) > c:
                 p.unlink()
         return c
 
@@ -171,7 +196,7 @@ class EngineLearner:
                 f"post_training.rlvr: no controller state beside checkpoint step {c}",
             )
         saved: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-        self.version, self._state = c, None
+        self.version = c
         return saved
 
     def prepare(self, step: int, progress: dict[str, Any]) -> None:
@@ -196,9 +221,9 @@ class EngineLearner:
         tensors = assemble(fresh, self.cfg, self.pad_id)
         save_atomic({**tensors, "step": torch.tensor(k)}, batch_path(self.rollouts, k))
         self.trained += [(k, g.version) for g in kept]
-        saved = self._wait_weights(k + 1)
-        self.version, self._state = k + 1, saved["state"]
-        self.losses[k + 1] = float(saved["loss"])
+        published = self._take(k + 1)
+        self.version = k + 1
+        self.losses[k + 1] = published.loss
         self._prune()
         return StepStats(
             loss=self.losses[k + 1],
@@ -208,38 +233,14 @@ class EngineLearner:
             stale_refused=len(batch) - len(kept),
         )
 
-    def _wait_weights(self, version: int) -> dict[str, Any]:
-        path = weights_path(self.weights, version)
-        deadline = time.monotonic() + self.step_timeout_s
-        while not path.exists():
-            if self.engine_done.is_set():
-                raise ItoError(
-                    ErrorCode.training_failed,
-                    f"post_training.rlvr: the learner stopped before version {version}",
-                )
-            if time.monotonic() >= deadline:
-                raise ItoError(
-                    ErrorCode.training_failed,
-                    f"post_training.rlvr: version {version} not trained within "
-                    f"{self.step_timeout_s:.0f}s",
-                )
-            time.sleep(POLL_S)
-        saved: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
-        return saved
-
     def _prune(self) -> None:
         """Keep the batches a restore may re-read (from the oldest complete checkpoint
-        on) and the versions a resume may publish: every complete checkpoint's, and
-        all from the newest complete one on (a save in flight completes later)."""
+        on)."""
         kept = self._checkpoint_steps()
         if not kept:
             return
         for p in self.rollouts.glob("step-*.pt"):
             if int(p.stem.removeprefix("step-")) < kept[0]:
-                p.unlink(missing_ok=True)
-        for p in self.weights.glob("v*.pt"):
-            v = int(p.stem.removeprefix("v"))
-            if v < kept[-1] and v not in kept:
                 p.unlink(missing_ok=True)
 
 
@@ -251,10 +252,14 @@ def rlvr_train_config(
     max_prompt_tokens: int,
     train: TrainStageConfig | None,
     device: Literal["cpu", "cuda"],
+    weights_board: str | None = None,
+    fleet_workers: int = 0,
 ) -> TrainStageConfig:
     """The engine config of the rlvr step: ``groups_per_step x group_size``
     completions per step, the recipe's loss settings, DCP checkpoints every
-    ``checkpoint_every_steps`` (and at the end)."""
+    ``checkpoint_every_steps`` (and at the end); rank 0 publishes each version to
+    ``weights_board`` for ``fleet_workers`` workers (None: no fleet, e.g. the learner
+    benchmark)."""
     from stages.post_training.engine_step import engine_config
 
     settings = GRPOSettings(
@@ -264,7 +269,11 @@ def rlvr_train_config(
         is_truncation=cfg.is_truncation if cfg.is_correction == "decoupled" else None,
         beta=cfg.beta,
         batch_wait_timeout_s=cfg.rollout_timeout_s + cfg.worker_restart_timeout_s,
-        weights_dir=str(work / "weights"),
+        weights_board=weights_board,
+        weight_sync=cfg.weight_sync,
+        fleet_workers=fleet_workers if weights_board is not None else 0,
+        weight_sync_bucket_bytes=cfg.weight_sync_bucket_mb << 20,
+        weight_sync_timeout_s=cfg.weight_sync_timeout_s,
     )
     return engine_config(
         ObjectiveConfig(
@@ -300,14 +309,20 @@ def run_rlvr_on_engine(
     maker: Any,
     pad_id: int,
     on_interruption: Any = None,
+    board_placement: dict[str, Any] | None = None,
 ) -> tuple[Any, Path, EngineLearner]:
     """Train the rlvr step on the engine, fed by the fleet; returns (``RLResult``, the
-    HF export of the final weights, the learner)."""
+    HF export of the final weights, the learner). ``board_placement``: the weight
+    board's actor options (the run's placement group; it reserves no CPU)."""
+    import ray
+
     from stages.post_training.engine_step import run_engine
     from stages.post_training.rl import run_rlvr
+    from stages.post_training.weight_board import board_name, start_board
     from stages.trainer.engine import RunCancelled
 
     work = ctx.workdir / "rlvr"
+    name = board_name(ctx.run_id, uuid.uuid4().hex[:8])
     tcfg = rlvr_train_config(
         cfg,
         base=base,
@@ -315,6 +330,8 @@ def run_rlvr_on_engine(
         max_prompt_tokens=max((len(p) for p, _ in maker.prompts), default=0),
         train=train,
         device=device,
+        weights_board=name,
+        fleet_workers=pool.size,
     )
     engine_done, stop = threading.Event(), threading.Event()
     learner = EngineLearner(
@@ -324,6 +341,7 @@ def run_rlvr_on_engine(
         base=base,
         engine_done=engine_done,
         step_timeout_s=tcfg.objective.grpo.batch_wait_timeout_s,  # type: ignore[union-attr]
+        board=None,
     )
     box: dict[str, Any] = {}
 
@@ -342,8 +360,14 @@ def run_rlvr_on_engine(
         except BaseException as e:  # surfaced by the engine's side below
             box["error"] = e
             stop.set()
+        finally:
+            # Nothing more will be delivered: a rank waiting at the last version goes on.
+            learner.board.release.remote(cfg.steps)
 
-    learner.discard_after_checkpoint()  # before any rank can read a batch
+    resume = learner.discard_after_checkpoint()  # before any rank can read a batch
+    # Version 0 is the base folder: the board wants the ranks' versions from 1 on, or
+    # from the checkpoint a relaunch resumes at.
+    learner.board = start_board(name, max(resume, 1), placement=board_placement)
     thread = threading.Thread(target=drive, name="rlvr-controller", daemon=True)
 
     def cancel_watch() -> None:
@@ -367,6 +391,7 @@ def run_rlvr_on_engine(
         engine_done.set()
         thread.join()
         watcher.join()
+        ray.kill(learner.board, no_restart=True)
     if "error" in box:
         raise box["error"]
     return box["result"], exported, learner

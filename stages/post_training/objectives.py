@@ -295,7 +295,7 @@ def build_objective(cfg: Any, parallel: Any, *, dp_rank: int, device: torch.devi
     if obj.kind == "grpo":
         from stages.post_training.grpo_objective import build_grpo_objective
 
-        return build_grpo_objective(cfg, dp_rank=dp_rank, device=device)
+        return build_grpo_objective(cfg, dp_rank=dp_rank, device=device, parallel=parallel)
     folder = cfg.model.tokenizer_path or cfg.model.checkpoint_path
     if folder is None:
         raise ItoError(

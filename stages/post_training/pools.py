@@ -18,7 +18,12 @@ from stages.post_training.rollout import (
     WorkerSpec,
     rollout_name,
 )
-from stages.post_training.weight_sync import CollectiveSender, WeightSync
+from stages.post_training.weight_sync import (
+    CollectiveSender,
+    ObjectStoreWeights,
+    WeightSync,
+    state_bytes,
+)
 
 # Defaults of the collective path's named settings (RLVRConfig carries the run's).
 BUCKET_BYTES = 64 << 20
@@ -64,17 +69,16 @@ class LocalPool:
         self._ex = [cf.ThreadPoolExecutor(max_workers=1) for _ in workers]
         self._rng_lock = threading.Lock()
         self.weight_sync = weight_sync
-        self._sender = (
-            CollectiveSender(
-                workers=self.size,
-                host="127.0.0.1",
-                device="cpu",
-                bucket_bytes=bucket_bytes,
-                timeout_s=sync_timeout_s,
-            )
-            if weight_sync == "collective"
-            else None
-        )
+        # This process's end of the collective, made on the first state dict it is
+        # given (an in-process learner); the engine's rank 0 runs its own.
+        self._sender: CollectiveSender | None = None
+        self._sender_args = {
+            "workers": self.size,
+            "host": "127.0.0.1",
+            "device": "cpu",
+            "bucket_bytes": bucket_bytes,
+            "timeout_s": sync_timeout_s,
+        }
 
     def _generate(self, w: int, req: RolloutRequest) -> Any:
         with self._rng_lock:
@@ -84,7 +88,9 @@ class LocalPool:
         return self._ex[w].submit(self._generate, w, req)
 
     def put_weights(self, state: dict[str, Any]) -> Any:
-        if self._sender is not None:
+        if self.weight_sync == "collective":
+            if self._sender is None:
+                self._sender = CollectiveSender(**self._sender_args)  # type: ignore[arg-type]
             return self._sender.put(state)
         # The trainer changes its tensors in place on the next step: hand over a copy.
         return {k: v.detach().clone() for k, v in state.items()}
@@ -142,18 +148,17 @@ class RayPool:
 
         self.size = len(specs)
         self.weight_sync = weight_sync
-        # The learner (this process) is rank 0; workers reach its store at this node's IP.
-        self._sender = (
-            CollectiveSender(
-                workers=self.size,
-                host=ray.util.get_node_ip_address(),
-                device=device,
-                bucket_bytes=bucket_bytes,
-                timeout_s=sync_timeout_s,
-            )
-            if weight_sync == "collective"
-            else None
-        )
+        # An in-process learner's end of the collective (rank 0, made on its first
+        # state dict; workers reach its store at this node's IP). The engine's
+        # publishing rank runs its own and this one is never made.
+        self._sender: CollectiveSender | None = None
+        self._sender_args = {
+            "workers": self.size,
+            "host": ray.util.get_node_ip_address(),
+            "device": device,
+            "bucket_bytes": bucket_bytes,
+            "timeout_s": sync_timeout_s,
+        }
         # worker_cls: a RolloutWorker subclass (another generation backend).
         cls: Any = ray.remote(worker_cls or RolloutWorker)
         self.actors: list[Any] = [
@@ -177,9 +182,12 @@ class RayPool:
     def put_weights(self, state: dict[str, Any]) -> Any:
         import ray
 
-        if self._sender is not None:
+        if self.weight_sync == "collective":
+            if self._sender is None:
+                self._sender = CollectiveSender(**self._sender_args)  # type: ignore[arg-type]
             return self._sender.put(state)
-        return ray.put({k: v.detach().cpu() for k, v in state.items()})
+        cpu = {k: v.detach().cpu() for k, v in state.items()}
+        return ObjectStoreWeights(ref=ray.put(cpu), bytes=state_bytes(cpu))
 
     def digests(self, timeout_s: float) -> list[str]:
         import ray
@@ -188,7 +196,8 @@ class RayPool:
         return [str(d) for d in ray.get(refs, timeout=timeout_s)]
 
     def sync(self, w: int, version: int, weights: Any) -> Any:
-        # A top-level ObjectRef argument is fetched from the object store by the worker.
+        # A descriptor, never a top-level ObjectRef: its nested ref reaches the worker
+        # unresolved and the worker fetches it itself (nothing passes through here).
         return self.actors[w].set_weights.remote(version, weights)
 
     def wait(self, handles: list[Any], timeout_s: float) -> list[Any]:

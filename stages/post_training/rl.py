@@ -101,6 +101,9 @@ class GRPOLearner:
     def state(self) -> dict[str, Any]:
         return dict(self.model.state_dict())
 
+    def delivered(self, version: int) -> None:
+        """Nothing: this process keeps its weights."""
+
     def resume_state(self) -> dict[str, Any]:
         return {
             "version": self.version,
@@ -234,7 +237,8 @@ class Learner(Protocol):
     version: int
     trained: list[tuple[int, int]]
 
-    def state(self) -> dict[str, Any]: ...
+    def state(self) -> Any: ...  # what the fleet gets: a state dict or a descriptor
+    def delivered(self, version: int) -> None: ...
     def step(self, batch: list[RolloutGroup]) -> StepStats: ...
     def load_resume(self, workdir: Path) -> dict[str, Any] | None: ...
     def prepare(self, step: int, progress: dict[str, Any]) -> None: ...
@@ -302,6 +306,7 @@ def run_rlvr(
     # Account for every worker before reporting: a death is seen by the last sync at
     # the latest, and its restart and re-sync are counted as an interruption.
     ctl.drain_syncs(cfg.worker_restart_timeout_s)
+    learner.delivered(learner.version)
     result.summary = ctl.stats.summary(pool.size)
     if result.resumed_from is not None:
         result.summary["resumed_from_step"] = float(result.resumed_from)

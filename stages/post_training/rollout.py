@@ -68,6 +68,8 @@ class WorkerSpec(BaseModel):
     max_completion_tokens: int
     overlong_buffer_tokens: int
     overlong_penalty_factor: float
+    # How long a worker waits to fetch a version from Ray's object store.
+    fetch_timeout_s: float = 300.0
 
 
 def rollout_name(run_id: str, n: int) -> str:
@@ -105,22 +107,55 @@ class RolloutWorker:
         self.started = time.time()
 
     # -- control ---------------------------------------------------------------------
-    def set_weights(self, version: int, weights: Any) -> dict[str, float]:
-        """``weights``: a state dict (object-store path) or a ``CollectiveWeights``
-        descriptor (collective path: the bytes arrive by broadcast). ``load_s`` covers
-        the transfer on the collective path, the load alone on the object-store path
-        (Ray fetched the object before the call)."""
-        from stages.post_training.weight_sync import CollectiveReceiver, CollectiveWeights
+    def set_weights(self, version: int, weights: Any) -> dict[str, Any]:
+        """``weights``: a descriptor (``stages.post_training.weight_sync``): an object
+        in Ray's object store, fetched here; a collective broadcast, received here; or
+        the base folder, loaded here; or a state dict (an in-process learner's copy).
+        ``load_s`` covers the fetch or transfer and the load. A version that cannot be
+        fetched (its owner died) or received leaves the worker at the one it has: the
+        reply's ``version`` is the worker's, ``missed`` the version it did not get."""
+        from stages.post_training.weight_sync import (
+            BaseWeights,
+            CollectiveReceiver,
+            CollectiveWeights,
+            ObjectStoreWeights,
+        )
 
         t0 = time.perf_counter()
-        if isinstance(weights, CollectiveWeights):
-            if self._receiver is None:
-                device = "cuda" if weights.backend == "nccl" else "cpu"
-                self._receiver = CollectiveReceiver(self.spec.index + 1, device)
-            weights = self._receiver.receive(weights)
-        self.model.load_state_dict(weights)
+        try:
+            if isinstance(weights, ObjectStoreWeights):
+                import ray
+
+                weights = ray.get(weights.ref, timeout=self.spec.fetch_timeout_s)
+            elif isinstance(weights, CollectiveWeights):
+                if self._receiver is None:
+                    device = "cuda" if weights.backend == "nccl" else "cpu"
+                    self._receiver = CollectiveReceiver(self.spec.index + 1, device)
+                weights = self._receiver.receive(weights)
+        except _missed_errors() as e:
+            if self._receiver is not None:
+                self._receiver.leave()
+            return {
+                "version": self.version,
+                "missed": version,
+                "load_s": time.perf_counter() - t0,
+                "error": f"{type(e).__name__}: {e}"[:200],
+            }
+        if isinstance(weights, BaseWeights):
+            weights = self._base_state(weights.model_dir)
+        if weights is not None:
+            self.model.load_state_dict(weights)
         self.version = version
         return {"version": version, "load_s": time.perf_counter() - t0}
+
+    def _base_state(self, folder: str) -> dict[str, Any] | None:
+        """The base folder's weights; None when this worker's model was just built
+        from that folder and never changed (nothing to load)."""
+        from stages.post_training.hf_io import load_model, model_dir
+
+        if self.version < 0 and folder == self.spec.model_dir:
+            return None
+        return dict(load_model(model_dir(folder)).state_dict())
 
     def weights_digest(self) -> str:
         """sha256 of the loaded weights (stages.post_training.weight_sync.state_digest)."""
@@ -168,6 +203,15 @@ class RolloutWorker:
             task_rewards=task,
             gen_s=time.perf_counter() - t0,
         )
+
+
+def _missed_errors() -> tuple[type[BaseException], ...]:
+    """Why a version may not arrive: its object is gone (the owner died) or not
+    fetched in time; the broadcast failed (a dead or hung sender: gloo and NCCL raise
+    RuntimeError subclasses, a rendezvous TimeoutError)."""
+    from ray.exceptions import GetTimeoutError, ObjectLostError
+
+    return (ObjectLostError, GetTimeoutError, RuntimeError, TimeoutError)
 
 
 def generate_group(model: Any, tokenizer: Any, req: RolloutRequest) -> dict[str, Any]:

@@ -386,6 +386,7 @@ class PostTrainingStage:
                 max_completion_tokens=cfg.max_completion_tokens,
                 overlong_buffer_tokens=cfg.overlong_buffer_tokens,
                 overlong_penalty_factor=cfg.overlong_penalty_factor,
+                fetch_timeout_s=cfg.weight_sync_timeout_s,
             )
             for n in range(cfg.rollout_workers)
         ]
@@ -436,6 +437,7 @@ class PostTrainingStage:
                 maker=RequestMaker(cfg, tok, rows),
                 pad_id=int(tok.pad_token_id),
                 on_interruption=interrupted,
+                board_placement=actor_options(ctx.facts),
             )
         finally:
             pool.close()

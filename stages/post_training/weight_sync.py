@@ -1,18 +1,27 @@
 """How a policy version reaches the rollout fleet: two paths behind one seam.
 
 Every worker receives a version through ``RolloutWorker.set_weights(version,
-weights)``; ``weights`` is what the pool's ``put_weights`` made of the learner's state:
+weights)``. On the engine, the learner's rank 0 publishes each version itself
+(``stages.post_training.weight_board``) and the driver forwards only a small
+descriptor, never the tensors:
 
-- ``object_store``: the state dict itself (a copy in-process; on Ray, one ``ray.put``
-  that every actor fetches from the object store);
-- ``collective``: a small :class:`CollectiveWeights` descriptor (where to join, how to
-  rebuild); the bytes go through a torch.distributed process group (gloo on CPU,
-  NCCL on CUDA) in which the learner is rank 0 and rollout worker ``n`` is rank
-  ``n + 1``. The state is packed per dtype into flat buckets of at most
-  ``bucket_bytes`` and each bucket is broadcast from rank 0; workers rebuild the state
-  dict from the descriptor's metadata.
+- ``object_store``: :class:`ObjectStoreWeights`, the ``ObjectRef`` of one ``ray.put``
+  made in rank 0's process, nested in the descriptor so that Ray does not resolve it
+  in transit: each worker fetches it itself (and keeps its version if the object is
+  gone, e.g. rank 0 died and took the object it owned with it);
+- ``collective``: :class:`CollectiveWeights` (where to join, how to rebuild); the
+  bytes go through a torch.distributed process group (gloo on CPU, NCCL on CUDA) in
+  which the publishing rank is rank 0 and rollout worker ``n`` is rank ``n + 1``. The
+  state is packed per dtype into flat buckets of at most ``bucket_bytes`` and each
+  bucket is broadcast from rank 0; workers rebuild the state dict from the
+  descriptor's metadata. A new publisher (a healed rank 0) has a new rendezvous
+  address, and workers join its group on their first version from it;
+- version 0 is :class:`BaseWeights`: every worker loads the base HF folder itself.
 
-A broadcast needs every rank, so the learner's side runs on its own thread, one
+The in-process learner (``rl.GRPOLearner``: tests, the fleet benchmark) hands the
+pool a state dict instead, which ``put_weights`` turns into the same descriptors.
+
+A broadcast needs every rank, so the sender's side runs on its own thread, one
 version at a time in publish order: a worker still generating joins when its rollout
 ends (its calls run in order) and the learner is not held up. The controller sends
 every version to every worker, so each worker consumes the same sequence of
@@ -42,6 +51,21 @@ class TensorMeta:
 
 
 @dataclass(frozen=True)
+class ObjectStoreWeights:
+    """The object-store path's descriptor: where the state dict is, and its size."""
+
+    ref: Any  # ray.ObjectRef of the state dict (owned by the process that put it)
+    bytes: int
+
+
+@dataclass(frozen=True)
+class BaseWeights:
+    """Version 0: the weights of the base HF folder, which each worker loads itself."""
+
+    model_dir: str
+
+
+@dataclass(frozen=True)
 class CollectiveWeights:
     """The descriptor a worker gets instead of the weights on the collective path."""
 
@@ -52,6 +76,29 @@ class CollectiveWeights:
     timeout_s: float
     tensors: tuple[TensorMeta, ...]
     buckets: tuple[tuple[str, int], ...]  # (dtype, elements) per bucket, in order
+
+    @property
+    def bytes(self) -> int:
+        return sum(n * _dtype(dt).itemsize for dt, n in self.buckets)
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    """What the learner's rank 0 reports for a committed version: a descriptor of
+    weights that stay in its process (or the object store), the step's loss and the
+    seconds it took to put or pack them there."""
+
+    version: int
+    weights: ObjectStoreWeights | CollectiveWeights
+    loss: float
+    put_s: float
+
+
+Descriptor = ObjectStoreWeights | CollectiveWeights | BaseWeights
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    return sum(int(t.numel()) * t.element_size() for t in state.values())
 
 
 def _dtype(name: str) -> Any:
@@ -155,9 +202,9 @@ class CollectiveSender:
         self._ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
         self._pending: list[cf.Future[None]] = []
 
-    def put(self, state: dict[str, Any]) -> CollectiveWeights:
+    def describe(self, state: dict[str, Any]) -> CollectiveWeights:
         tensors, buckets = plan_buckets(state, self.bucket_bytes)
-        desc = CollectiveWeights(
+        return CollectiveWeights(
             host=self.host,
             port=int(self.store.port),
             world=self.world,
@@ -166,10 +213,25 @@ class CollectiveSender:
             tensors=tensors,
             buckets=buckets,
         )
-        flats = pack(state, desc, self.device)
+
+    def pack(self, state: dict[str, Any], desc: CollectiveWeights) -> list[Any]:
+        """The flat buckets of ``state`` (copies: the learner trains on)."""
+        return pack(state, desc, self.device)
+
+    def send(self, flats: list[Any]) -> None:
+        """Queue one version's broadcast (every worker must receive it, in order)."""
         self._pending = [f for f in self._pending if not f.done()]
         self._pending.append(self._ex.submit(self._broadcast, flats))
+
+    def put(self, state: dict[str, Any]) -> CollectiveWeights:
+        desc = self.describe(state)
+        self.send(self.pack(state, desc))
         return desc
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until every queued broadcast has gone out (raises its error)."""
+        for f in self._pending:
+            f.result(timeout=timeout_s)
 
     def _broadcast(self, flats: list[Any]) -> None:
         if self._pg is None:  # the rendezvous waits for every worker's first receive
@@ -193,11 +255,18 @@ class CollectiveReceiver:
         self.device = device
         self._pg: Any = None
         self._store: Any = None
+        self._joined: tuple[str, int] | None = None  # the sender's rendezvous
+
+    def leave(self) -> None:
+        """Forget the group (after a failed broadcast): the next version rejoins."""
+        self._pg = self._store = self._joined = None
 
     def receive(self, desc: CollectiveWeights) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
 
+        if self._joined != (desc.host, desc.port):  # a new sender (a healed rank 0)
+            self.leave()
         if self._pg is None:
             self._store = dist.TCPStore(
                 desc.host,
@@ -207,6 +276,7 @@ class CollectiveReceiver:
                 timeout=datetime.timedelta(seconds=desc.timeout_s),
             )
             self._pg = _group(self._store, self.rank, desc.world, desc.backend, desc.timeout_s)
+            self._joined = (desc.host, desc.port)
         flats = [torch.empty(n, dtype=_dtype(dt), device=self.device) for dt, n in desc.buckets]
         for t in flats:
             self._pg.broadcast(t, 0).wait()
@@ -214,10 +284,15 @@ class CollectiveReceiver:
 
 
 __all__ = [
+    "BaseWeights",
     "CollectiveReceiver",
     "CollectiveSender",
     "CollectiveWeights",
+    "Descriptor",
+    "ObjectStoreWeights",
+    "PublishedVersion",
     "WeightSync",
     "plan_buckets",
+    "state_bytes",
     "state_digest",
 ]

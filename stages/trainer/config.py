@@ -186,10 +186,16 @@ class GRPOSettings(StrictModel):
     # None: no correction (the ratio is to the proximal policy only).
     is_truncation: float | None = Field(default=2.0, gt=0, le=1e3)
     beta: float = Field(default=0.0, ge=0, le=1e3)
-    # How long a rank waits for the driver's batch file of its step, and where the
-    # weights of each committed step go (the driver publishes them to the fleet).
+    # How long a rank waits for the driver's batch file of its step.
     batch_wait_timeout_s: float = Field(default=600.0, gt=0, le=86_400)
-    weights_dir: str = Field(min_length=1, max_length=4096)
+    # Where rank 0 leaves each committed version for the rollout fleet
+    # (stages.post_training.weight_board): the driver's board actor (None: no fleet,
+    # nothing published), the weight path, the fleet's size and the collective's settings.
+    weights_board: str | None = Field(default=None, min_length=1, max_length=256)
+    weight_sync: Literal["object_store", "collective"] = "object_store"
+    fleet_workers: int = Field(default=0, ge=0, le=4096)
+    weight_sync_bucket_bytes: int = Field(default=64 << 20, ge=1 << 10, le=16 << 30)
+    weight_sync_timeout_s: float = Field(default=300.0, gt=0, le=3600)
 
 
 class ObjectiveConfig(StrictModel):

@@ -434,18 +434,22 @@ def test_the_learner_itself_refuses_a_group_older_than_eta(
 
 
 def test_the_engine_learner_keeps_a_group_older_than_eta_out_of_the_batch_file(
-    tiny_policy: Path, task_files: dict[str, Path], tmp_path: Path
+    ray_local: None, tiny_policy: Path, task_files: dict[str, Path], tmp_path: Path
 ) -> None:
     """The engine's learner (driver side) refuses a stale group a worker wrongly
     offers where the step's batch is assembled: its rows in the file the ranks train
     are padding (mask 0, version -1) and it is not recorded as trained. The ranks'
-    committed version is stood in for by its weights file, written up front."""
+    committed versions are stood in for by offers on a real weight board, made up
+    front."""
     import threading
 
+    import ray
     import torch
 
-    from stages.post_training.grpo_objective import batch_path, save_atomic, weights_path
+    from stages.post_training.grpo_objective import batch_path
     from stages.post_training.learner import EngineLearner
+    from stages.post_training.weight_board import board_name, start_board
+    from stages.post_training.weight_sync import ObjectStoreWeights, PublishedVersion
 
     cfg, learner, maker, make_worker = _rl_setup(tiny_policy, task_files, 0)
     worker = make_worker(0)
@@ -455,6 +459,10 @@ def test_the_engine_learner_keeps_a_group_older_than_eta_out_of_the_batch_file(
     fresh = worker.generate(maker(1, 1))
     assert isinstance(old, RolloutGroup) and isinstance(fresh, RolloutGroup)
     assert (old.version, fresh.version) == (0, 1)
+    board = start_board(board_name("stale", "t"), 1)
+    for v in (1, 2):
+        weights = ObjectStoreWeights(ref=ray.put({}), bytes=0)
+        assert ray.get(board.offer.remote(PublishedVersion(v, weights, 0.5, 0.0)))
     engine = EngineLearner(
         cfg,
         tmp_path,
@@ -462,13 +470,14 @@ def test_the_engine_learner_keeps_a_group_older_than_eta_out_of_the_batch_file(
         base=tiny_policy,
         engine_done=threading.Event(),
         step_timeout_s=30,
+        board=board,
     )
     engine.version = 1  # the step this batch trains at
-    for v in (1, 2):
-        save_atomic({"state": {}, "loss": torch.tensor(0.5)}, weights_path(tmp_path / "weights", v))
     stats = engine.step([old, fresh])
     assert stats.stale_refused == 1 and engine.trained == [(1, 1)] and engine.version == 2
     written = torch.load(batch_path(tmp_path / "rollouts", 1), weights_only=True)
     g = cfg.group_size
     assert written["versions"].tolist() == [-1] * g + [1] * g
     assert float(written["mask"][:g].sum()) == 0.0 and float(written["mask"][g:].sum()) > 0
+    assert engine.losses[2] == 0.5
+    ray.kill(board, no_restart=True)

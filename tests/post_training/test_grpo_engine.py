@@ -6,8 +6,9 @@ so the engine's side is tested without a fleet).
 Two learner replica groups must make the same update as one group with the whole
 batch: each rank's summed token loss is divided by the global batch's completion
 token count over the ranks (DAPO's token-level mean), and torchft averages the
-gradients over the groups. The rank that saves also writes each committed version's
-weights (what the driver publishes to the fleet): the test compares those files.
+gradients over the groups. The rank that saves also publishes each committed
+version for the fleet to a real weight board (``helpers.weight_board`` takes them as
+the driver would): the test compares the last versions' tensors.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from typing import Any
 import pytest
 import torch
 from helpers.engine_heal import kill_one_group_and_heal
+from helpers.weight_board import BoardTaker
 
 from stages.events import Event, StepEvent
 from stages.post_training.config import RLVRConfig
-from stages.post_training.grpo_objective import batch_path, save_atomic, weights_path
+from stages.post_training.grpo_objective import batch_path, save_atomic
 from stages.post_training.rollout import RolloutGroup
 from stages.trainer.config import TrainStageConfig
 
@@ -87,11 +89,20 @@ def _write_batches(work: Path, cfg: RLVRConfig, steps: int, vocab: int, pad: int
         save_atomic({**batch, "step": torch.tensor(k)}, batch_path(work / "rollouts", k))
 
 
-def _config(work: Path, policy: Path, cfg: RLVRConfig, groups: int, **kw: Any) -> TrainStageConfig:
+def _config(
+    work: Path, policy: Path, cfg: RLVRConfig, groups: int, board: str, **kw: Any
+) -> TrainStageConfig:
     from stages.post_training.learner import rlvr_train_config
 
     tcfg = rlvr_train_config(
-        cfg, base=policy, work=work, max_prompt_tokens=8, train=None, device="cpu"
+        cfg,
+        base=policy,
+        work=work,
+        max_prompt_tokens=8,
+        train=None,
+        device="cpu",
+        weights_board=board,
+        fleet_workers=1,
     )
     return TrainStageConfig.model_validate(
         {**tcfg.model_dump(), "replica_groups": groups, **kw}, strict=False
@@ -126,16 +137,17 @@ def test_two_grpo_learner_groups_make_the_update_of_one_with_the_whole_batch(
 
     cfg = _rlvr()
     vocab, pad = _policy_facts(tiny_policy)
-    runs: dict[int, tuple[Any, list[Event], Path]] = {}
+    runs: dict[int, tuple[Any, list[Event], BoardTaker]] = {}
     for groups in (2, 1):
         work = tmp_path / f"g{groups}"
         _write_batches(work, cfg, STEPS, vocab, pad)
-        tcfg = _config(work, tiny_policy, cfg, groups)
+        taker = BoardTaker(STEPS)
+        tcfg = _config(work, tiny_policy, cfg, groups, taker.name)
         assert tcfg.micro_batch == 8 // groups  # the same global batch
         events: list[Event] = []
         result = _engine(tcfg, work, f"grpo-g{groups}", events.append).run()
-        runs[groups] = (result, events, work)
-    (r2, ev2, w2dir), (r1, ev1, w1dir) = runs[2], runs[1]
+        runs[groups] = (result, events, taker)
+    (r2, ev2, taker2), (r1, ev1, taker1) = runs[2], runs[1]
     assert r2.steps == r1.steps == STEPS
     assert len(set(r2.digests.values())) == 1 and len(r2.digests) == 2  # groups agree
     steps2 = [e for e in ev2 if isinstance(e, StepEvent) and e.committed and e.replica_group == 0]
@@ -144,11 +156,9 @@ def test_two_grpo_learner_groups_make_the_update_of_one_with_the_whole_batch(
     for a, b in zip(steps2, steps1, strict=True):  # the global batch's token mean
         assert a.loss == pytest.approx(b.loss, rel=1e-4, abs=1e-7)
 
-    # Every committed version was written for the fleet, the last one is the final.
-    for work in (w1dir, w2dir):
-        assert weights_path(work / "weights", STEPS).exists()
-    w2 = torch.load(weights_path(w2dir / "weights", STEPS), weights_only=True)["state"]
-    w1 = torch.load(weights_path(w1dir / "weights", STEPS), weights_only=True)["state"]
+    # Every committed version was published for the fleet, the last one is the final.
+    w2, w1 = taker2.join(), taker1.join()
+    assert taker2.taken == taker1.taken == list(range(1, STEPS + 1))
     w0 = load_model(tiny_policy).state_dict()
     update = max(float((w1[k] - w0[k]).abs().max()) for k in w1)
     diff = max(float((w2[k] - w1[k]).abs().max()) for k in w1)
@@ -166,13 +176,15 @@ def test_a_killed_grpo_learner_group_heals_bit_identical(
 ) -> None:
     """SIGKILL one of two GRPO learner groups mid-run: the survivor commits alone, Ray
     restarts the lost one, which heals from the live peer and rejoins; both groups end
-    with bit-identical weights, and the last version reached the weights folder."""
+    with bit-identical weights, and every version was published (the last by a
+    group that trained to the end)."""
     steps = 500  # paced: outlasts a restart (imports torch, trl) on 2 busy cores
     cfg = _rlvr(steps=steps)
     vocab, pad = _policy_facts(tiny_policy)
     work = tmp_path / "heal"
     _write_batches(work, cfg, steps, vocab, pad)
-    tcfg = _config(work, tiny_policy, cfg, 2, pace_step_s=0.1)
+    taker = BoardTaker(steps)
+    tcfg = _config(work, tiny_policy, cfg, 2, taker.name, pace_step_s=0.1)
 
     def make_engine(emit: Any, cancel: threading.Event) -> Any:
         engine = _engine(tcfg, work, "grpo-heal", emit)
@@ -182,4 +194,5 @@ def test_a_killed_grpo_learner_group_heals_bit_identical(
     r = kill_one_group_and_heal(make_engine, "grpo-heal").result
     assert r.steps == steps
     assert set(r.digests) == {0, 1} and r.digests[0] == r.digests[1], r.digests
-    assert weights_path(work / "weights", steps).exists()
+    taker.join()
+    assert taker.taken == list(range(1, steps + 1))

@@ -255,7 +255,6 @@ def test_the_engine_objectives_loss_equals_trl_dapo_with_importance_correction(
         epsilon_high=EPS_HIGH,
         temperature=TEMPERATURE,
         is_truncation=IS_CAP,
-        weights_dir="unused",
     )
     objective = GRPOObjective(settings, Path("unused"), dp_rank=0, dp_world=1)
     batch = assemble(list(groups), learner.cfg, pad)
