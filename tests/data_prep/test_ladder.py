@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from helpers.fresh_python import run_python
 
 from stages.data_prep.config import LadderProbeConfig
 from stages.data_prep.ladder import decide, ladder_probe
@@ -84,9 +85,6 @@ def test_on_a_run_the_proxies_train_in_ray_tasks_and_score_as_in_process(
     proxy in a Ray task: the driver process, here a fresh one connected to the
     session's cluster, never imports torch, and the scores equal the in-process
     probe's for the same seeds."""
-    import subprocess
-    import sys
-
     import ray
 
     cfg = LadderProbeConfig(
@@ -107,18 +105,12 @@ def test_on_a_run_the_proxies_train_in_ray_tasks_and_score_as_in_process(
         "    run_arms=ray_runner({}, lambda: False))\n"
         "print(json.dumps([r.baseline_bpb, r.custom_bpb, 'torch' in sys.modules]))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        input=json.dumps(
+    remote_base, remote_custom, driver_imported_torch = run_python(
+        code,
+        stdin=json.dumps(
             {"cfg": cfg.model_dump(mode="json"), "b": baseline, "c": custom, "e": eval_text}
         ),
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=600,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    remote_base, remote_custom, driver_imported_torch = json.loads(out.stdout.splitlines()[-1])
     assert driver_imported_torch is False
     local = ladder_probe(baseline, custom, eval_text, cfg)
     # The same seeds, data and CPU kernels; only the thread count may differ.

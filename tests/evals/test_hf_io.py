@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.fresh_python import run_python
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from stages.errors import ErrorCode, ItoError
@@ -104,9 +105,6 @@ def test_the_drivers_data_path_imports_neither_torch_nor_transformers(tmp_path: 
     training, token shards, the held-out split, the phase-end reduction and the gate
     decision) never imports torch or transformers: the driver coordinates, the ranks
     and the probe's tasks compute."""
-    import subprocess
-    import sys
-
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS), encoding="utf-8")
     code = (
@@ -127,14 +125,7 @@ def test_the_drivers_data_path_imports_neither_torch_nor_transformers(tmp_path: 
         "reduce_sums([HeldoutSums(batch_nats={0: 1.0}, tokens=2, bytes=3.0)])\n"
         "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    assert run_python(code) == []
     # The shards it wrote train: the BPE folder loads for the ranks.
     assert len(load_tokenizer(tmp_path / "work" / "300" / "tokenizer")) == 300
 

@@ -5,13 +5,11 @@ the gradient allreduce against a real single-replica torchft Manager."""
 from __future__ import annotations
 
 import itertools
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.fresh_python import run_python
 from pydantic import ValidationError
 
 from stages.base import GateOutcome, StageContext
@@ -97,17 +95,10 @@ def test_train_files_come_from_config_or_data_prep(tmp_path: Path) -> None:
 
 def test_importing_stages_trainer_pulls_in_neither_ray_nor_torchft() -> None:
     code = (
-        "import sys, stages.trainer as t; t.TrainStageConfig; "
-        "print(any(m == 'ray' or m.startswith('torchft') for m in sys.modules))"
+        "import json, sys, stages.trainer as t; t.TrainStageConfig; "
+        "print(json.dumps(any(m == 'ray' or m.startswith('torchft') for m in sys.modules)))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert out.stdout.strip() == "False"
+    assert run_python(code) is False
 
 
 def test_the_lighthouse_actor_serves_without_importing_torch() -> None:
@@ -126,14 +117,7 @@ def test_the_lighthouse_actor_serves_without_importing_torch() -> None:
         "lh.shutdown()\n"
         "print(json.dumps([addr, torch_before, same]))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    addr, torch_before, same = json.loads(out.stdout.strip().splitlines()[-1])
+    addr, torch_before, same = run_python(code)
     assert addr.startswith("http://") and int(addr.rsplit(":", 1)[1]) > 0
     assert torch_before is False
     assert same is True
