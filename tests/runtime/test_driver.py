@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from helpers.launch_specs import signed_spec
 from pydantic import BaseModel
 
 from orchestrator.runtime import launch
@@ -55,21 +56,6 @@ def _launch_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return key
 
 
-def _spec(tmp_path: Path, **kw: object) -> LaunchSpec:
-    base = LaunchSpec(
-        run_id="run_1",
-        booking_id="bk_1",
-        account="acme",
-        manifest_digest="d" * 64,
-        manifest_json="{}",
-        accepted_at=time.time(),
-        workdir=str(tmp_path / "w"),
-        checkpoint_dir=str(tmp_path / "c"),
-        **kw,
-    )  # type: ignore[arg-type]
-    return launch.sign(base)
-
-
 def _wait_state(d: RunDriverImpl, *states: str) -> None:
     deadline = time.time() + 10
     while d.state not in states and time.time() < deadline:
@@ -78,7 +64,7 @@ def _wait_state(d: RunDriverImpl, *states: str) -> None:
 
 
 def test_unsigned_or_tampered_launch_refuses_to_run(tmp_path: Path) -> None:
-    spec = _spec(tmp_path)
+    spec = signed_spec(tmp_path)
     with pytest.raises(ItoError) as e:
         RunDriverImpl(spec.model_copy(update={"ticket": ""}).model_dump(), use_ray_metrics=False)
     assert e.value.code == ErrorCode.driver_not_authorized
@@ -88,7 +74,7 @@ def test_unsigned_or_tampered_launch_refuses_to_run(tmp_path: Path) -> None:
 
 
 def test_events_are_numbered_and_dropped_only_when_acknowledged(tmp_path: Path) -> None:
-    spec = _spec(tmp_path, seq_start=41)
+    spec = signed_spec(tmp_path, seq_start=41)
     d = RunDriverImpl(
         spec.model_dump(),
         use_ray_metrics=False,
@@ -119,7 +105,7 @@ def test_failed_gate_stops_the_pipeline(tmp_path: Path) -> None:
 
         return [("a", make("a", "failed")), ("b", make("b", "passed"))]
 
-    d = RunDriverImpl(_spec(tmp_path).model_dump(), use_ray_metrics=False, pipeline=pipeline)
+    d = RunDriverImpl(signed_spec(tmp_path).model_dump(), use_ray_metrics=False, pipeline=pipeline)
     d.start()
     _wait_state(d, "failed")
     assert ran == ["a"]
@@ -142,7 +128,7 @@ def test_cancel_stops_a_running_stage_and_completed_stages_are_skipped(tmp_path:
         return [("a", make_a), ("b", make_b)]
 
     d = RunDriverImpl(
-        _spec(tmp_path, completed_stages={"a": done}, attempt=2).model_dump(),
+        signed_spec(tmp_path, completed_stages={"a": done}, attempt=2).model_dump(),
         use_ray_metrics=False,
         pipeline=pipeline,
     )
@@ -184,7 +170,7 @@ def test_a_stage_started_early_is_prestarted_after_its_dependency_and_abandoned_
         ("train", StartEarly(lambda ctx: _PrestartableStage(calls), after="plan")),
     ]
     d = RunDriverImpl(
-        _spec(tmp_path).model_dump(), use_ray_metrics=False, pipeline=lambda _s: pipeline
+        signed_spec(tmp_path).model_dump(), use_ray_metrics=False, pipeline=lambda _s: pipeline
     )
     d.start()
     _wait_state(d, "succeeded", "failed")

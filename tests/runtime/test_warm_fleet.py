@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from helpers.launch_specs import signed_spec
 from pydantic import BaseModel
 
 from orchestrator.runtime import launch
 from orchestrator.runtime.driver import RunDriverImpl, StageFactory, StartEarly
-from orchestrator.runtime.launch import LaunchSpec
 from stages.base import GateOutcome, StageContext
 from stages.errors import ErrorCode
 from stages.trainer.config import ModelSpec, TrainingTarget, TrainStageConfig
@@ -116,18 +116,7 @@ def test_a_failed_data_gate_tears_down_the_fleet_that_warmed_during_data_prep(
 
     run_id = f"warm{uuid.uuid4().hex[:8]}"
     cfg = _train_config(tmp_path)
-    spec = launch.sign(
-        LaunchSpec(
-            run_id=run_id,
-            booking_id="bk_1",
-            account="acme",
-            manifest_digest="d" * 64,
-            manifest_json="{}",
-            accepted_at=time.time(),
-            workdir=str(tmp_path / "w"),
-            checkpoint_dir=str(tmp_path / "ckpt"),
-        )
-    )
+    spec = signed_spec(tmp_path, run_id)
     pipeline: list[tuple[str, StageFactory]] = [
         ("parallelism", lambda ctx: _PlanStage()),
         ("data_prep", lambda ctx: _FailingDataStage()),
