@@ -35,25 +35,34 @@ class PlanResult:
 
 
 def check_post_training_steps(m: Manifest, request: PlanRequest, replica_groups: int) -> None:
-    """Each SFT / DPO step fits the booking's devices with the run's replica groups
-    (``stages.parallelism.post_training``; the model is the manifest's preset)."""
+    """Each SFT, DPO and RLVR step fits the booking's devices with the run's replica
+    groups (``stages.parallelism.post_training``; the model is the manifest's preset)."""
     from stages.parallelism.hardware import load_gpu_sku
-    from stages.parallelism.post_training import check_step_memory
+    from stages.parallelism.post_training import StepKind, check_step_memory
 
     sku = load_gpu_sku(request.gpu_sku)
-    for kind in ("sft", "dpo"):
-        step = getattr(m.post_training, kind)
-        if step is not None:
-            check_step_memory(
-                request.preset(),
-                step=kind,
-                batch_size=step.batch_size,
-                max_length=step.max_length,
-                replica_groups=replica_groups,
-                device_memory_gib=sku.memory_gib,
-                memory_utilization=request.memory_utilization,
-                foreach_optimizer=sku.intra_node_link != "loopback",
-            )
+    p = m.post_training
+    steps: list[tuple[StepKind, int, int, bool]] = []
+    if p.sft is not None:
+        steps.append(("sft", p.sft.batch_size, p.sft.max_length, False))
+    if p.dpo is not None:
+        steps.append(("dpo", p.dpo.batch_size, p.dpo.max_length, False))
+    if p.rlvr is not None:
+        r = p.rlvr
+        length = r.max_prompt_tokens + r.max_completion_tokens
+        steps.append(("rlvr", r.groups_per_step * r.group_size, length, r.beta > 0))
+    for kind, batch, length, reference in steps:
+        check_step_memory(
+            request.preset(),
+            step=kind,
+            batch_size=batch,
+            max_length=length,
+            replica_groups=replica_groups,
+            device_memory_gib=sku.memory_gib,
+            memory_utilization=request.memory_utilization,
+            foreach_optimizer=sku.intra_node_link != "loopback",
+            resident_reference=reference,
+        )
 
 
 def plan_manifest(

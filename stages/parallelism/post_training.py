@@ -1,4 +1,4 @@
-"""Per-GPU peak memory of an SFT or DPO step, planned like a curriculum phase.
+"""Per-GPU peak memory of an SFT, DPO or RLVR step, planned like a curriculum phase.
 
 A post-training step trains on the engine as its ``TrainStageConfig``
 (``stages.post_training.engine_step``) sets it up: one rank per replica group
@@ -13,6 +13,11 @@ rows (sft) or pairs (dpo) split over the groups and trained in one forward at up
   start-up from the freshly loaded base weights, like trl's
   ``precompute_ref_log_probs`` (two floats a pair, kept on the host), so no second
   model lives beside the policy while it trains;
+- an RLVR (GRPO) learner step: ``groups_per_step x group_size`` sequences of up to
+  ``max_prompt_tokens + max_completion_tokens`` tokens split over the groups (the
+  behaviour log-probs come with the rollouts: no extra forward model); with a KL term
+  (``beta > 0``) a frozen fp32 copy of the base is resident beside the policy
+  (``stages.post_training.grpo_objective``), at every moment of the step;
 - the step's end (``stages.post_training.step_eval``): while the policy and AdamW's
   state are still resident, the evaluating rank loads the base folder in fp32 to
   score the step's "before" numbers and runs forwards of one sequence; that is a
@@ -34,21 +39,23 @@ from stages.parallelism.memory import (
 )
 from stages.presets import ModelPreset
 
-StepKind = Literal["sft", "dpo"]
+StepKind = Literal["sft", "dpo", "rlvr"]
 
 
 @dataclass(frozen=True)
 class StepMemory:
     training: MemoryEstimate  # the peak of a training step
     scoring: float  # bytes at the step's end: resident state + the base copy + a forward
+    reference: float = 0.0  # a frozen reference resident for the whole step (RLVR's KL)
 
     @property
     def peak(self) -> float:
-        return max(self.training.total, self.scoring)
+        return max(self.training.total, self.scoring) + self.reference
 
 
 def sequences_per_rank(kind: StepKind, batch_size: int, replica_groups: int) -> int:
-    """Sequences one rank forwards per step (a DPO pair is two)."""
+    """Sequences one rank forwards per step (a DPO pair is two; an RLVR step's
+    ``batch_size`` counts sequences: groups x group size)."""
     rows = -(-batch_size // replica_groups)
     return rows * (2 if kind == "dpo" else 1)
 
@@ -61,6 +68,7 @@ def step_memory(
     max_length: int,
     replica_groups: int,
     foreach_optimizer: bool = True,
+    resident_reference: bool = False,
 ) -> StepMemory:
     training = estimate_memory(
         preset,
@@ -81,7 +89,7 @@ def step_memory(
     params = preset.num_params
     forward = LOSS_BYTES_PER_LOGIT * max_length * preset.vocab_size
     scoring = training.weights + training.optimizer + params * MASTER_BYTES + forward
-    return StepMemory(training, scoring)
+    return StepMemory(training, scoring, params * MASTER_BYTES if resident_reference else 0.0)
 
 
 def check_step_memory(
@@ -94,6 +102,7 @@ def check_step_memory(
     device_memory_gib: float,
     memory_utilization: float,
     foreach_optimizer: bool = True,
+    resident_reference: bool = False,
 ) -> StepMemory:
     """The step's memory, or ``plan_out_of_memory`` naming the step and its parts."""
     mem = step_memory(
@@ -103,6 +112,7 @@ def check_step_memory(
         max_length=max_length,
         replica_groups=replica_groups,
         foreach_optimizer=foreach_optimizer,
+        resident_reference=resident_reference,
     )
     capacity = device_memory_gib * memory_utilization
     peak = mem.peak / GIB
@@ -114,8 +124,10 @@ def check_step_memory(
             f"usable {capacity:.1f} GiB (policy weights {t.weights / GIB:.1f}, gradients "
             f"{t.gradients / GIB:.1f}, optimizer {t.optimizer / GIB:.1f}, activations at "
             f"max_length {max_length} {t.activations / GIB:.1f}, step-end scoring "
-            f"{mem.scoring / GIB:.1f}; the DPO reference is precomputed log-probs); "
-            "lower batch_size or max_length, or book more replica groups",
+            f"{mem.scoring / GIB:.1f}, resident reference {mem.reference / GIB:.1f}; "
+            "the DPO reference is precomputed log-probs); lower the batch (rlvr: "
+            "groups_per_step x group_size) or the sequence length (rlvr: "
+            "max_prompt_tokens + max_completion_tokens), or book more replica groups",
             details={"peak_memory_gib": round(peak, 2), "step": step},
         )
     return mem

@@ -101,6 +101,10 @@ class RLVRConfig(StrictModel):
     # trains on what it has (the extra uniform groups then carry zero advantage).
     max_dropped_groups_per_step: int = Field(default=16, ge=0, le=4096)
     max_completion_tokens: int = Field(default=256, gt=0, le=1 << 20)
+    # Prompts longer than this (chat template included) are left out, as SFT and DPO
+    # leave out examples over max_length; the planner sizes the learner's step at
+    # max_prompt_tokens + max_completion_tokens.
+    max_prompt_tokens: int = Field(default=512, gt=0, le=1 << 20)
     overlong_buffer_tokens: int = Field(default=64, ge=0, le=1 << 20)
     overlong_penalty_factor: float = Field(default=1.0, ge=0, le=1e3)
     mask_truncated_completions: bool = False

@@ -10,6 +10,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+from stages.errors import ErrorCode, ItoError
 from stages.events import Event, MetricsEvent
 from stages.post_training.config import RLVRConfig
 from stages.post_training.fleet import DynamicSampler, FleetStats, RolloutController
@@ -38,8 +39,15 @@ class RequestMaker:
 
     def __init__(self, cfg: RLVRConfig, tokenizer: Any, rows: list[dict[str, Any]]):
         self.cfg = cfg
-        self.prompts = [(prompt_ids(tokenizer, r["prompt"]), r["answer"]) for r in rows]
-        self.order = list(range(len(rows)))
+        encoded = [(prompt_ids(tokenizer, r["prompt"]), r["answer"]) for r in rows]
+        self.prompts = [(ids, a) for ids, a in encoded if len(ids) <= cfg.max_prompt_tokens]
+        if not self.prompts:
+            raise ItoError(
+                ErrorCode.data_empty,
+                f"post_training.rlvr: all {len(rows)} prompts are longer than "
+                f"max_prompt_tokens {cfg.max_prompt_tokens}",
+            )
+        self.order = list(range(len(self.prompts)))
         random.Random(cfg.seed).shuffle(self.order)
 
     def __call__(self, k: int, consume_step: int) -> RolloutRequest:

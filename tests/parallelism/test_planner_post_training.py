@@ -105,3 +105,54 @@ def test_submit_planning_refuses_a_step_that_does_not_fit_the_booking(tmp_path: 
     assert refused.plan is None and refused.refusal is not None
     assert refused.refusal["code"] == "plan_out_of_memory"
     assert "post_training.dpo" in refused.refusal["message"]
+
+
+def test_an_rlvr_step_is_sized_by_its_groups_and_lengths_and_a_kl_reference() -> None:
+    """The learner's step: groups x group size sequences at prompt + completion
+    length over the replica groups; with a KL term the frozen reference's fp32 copy
+    is resident the whole step."""
+    preset = load_model_preset("llama-1b")
+
+    def rlvr(batch: int, length: int, reference: bool = False) -> Any:
+        return step_memory(
+            preset,
+            kind="rlvr",
+            batch_size=batch,
+            max_length=length,
+            replica_groups=4,
+            resident_reference=reference,
+        )
+
+    base = rlvr(32, 768)
+    # The same sequences as an SFT batch of that many rows: one model, no pairs.
+    assert base.peak == _mem("sft", batch=32, length=768, groups=4).peak
+    assert rlvr(64, 768).training.activations > 1.9 * base.training.activations
+    assert rlvr(32, 1536).training.activations > 1.9 * base.training.activations
+    with_kl = rlvr(32, 768, reference=True)
+    assert with_kl.reference == pytest.approx(preset.num_params * 4, rel=1e-5)
+    assert with_kl.peak == pytest.approx(base.peak + with_kl.reference)
+
+
+def test_submit_planning_refuses_an_rlvr_step_that_does_not_fit(tmp_path: Path) -> None:
+    booking = {"gpu_sku": "cpu-testbed", "gpus_per_node": 2, "node_count": 1, "fabric": "loopback"}
+
+    def planned(max_completion_tokens: int, beta: float = 0.0) -> Any:
+        rlvr = {
+            "data": _DATA,
+            "steps": 2,
+            "group_size": 4,
+            "groups_per_step": 2,
+            "max_completion_tokens": max_completion_tokens,
+            "overlong_buffer_tokens": 8,
+            "beta": beta,
+        }
+        m = example_manifest(tmp_path, post_training={"rlvr": rlvr})
+        return plan_manifest(Manifest.model_validate(m), booking)
+
+    assert planned(64).refusal is None and planned(64, beta=0.1).plan is not None
+    # 8 sequences of 2^20 tokens on the testbed's 8 GiB "GPU": the logits alone exceed it.
+    refused = planned(1 << 20, beta=0.1)
+    assert refused.plan is None and refused.refusal is not None
+    assert refused.refusal["code"] == "plan_out_of_memory"
+    assert refused.refusal["message"].startswith("post_training.rlvr: predicted peak")
+    assert "resident reference" in refused.refusal["message"]

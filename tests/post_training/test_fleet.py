@@ -481,3 +481,27 @@ def test_the_engine_learner_keeps_a_group_older_than_eta_out_of_the_batch_file(
     assert float(written["mask"][:g].sum()) == 0.0 and float(written["mask"][g:].sum()) > 0
     assert engine.losses[2] == 0.5
     ray.kill(board, no_restart=True)
+
+
+def test_prompts_over_max_prompt_tokens_are_left_out_and_none_left_is_refused(
+    tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
+    """The planner sizes the learner's step at max_prompt_tokens + completion: a longer
+    prompt is never requested, and a dataset with no prompt short enough is refused."""
+    from stages.errors import ErrorCode, ItoError
+    from stages.post_training.config import RLVRConfig
+    from stages.post_training.hf_io import load_tokenizer
+    from stages.post_training.rl import RequestMaker, prompt_ids
+
+    tok = load_tokenizer(tiny_policy)
+    rows = [{"prompt": "1+1?", "answer": "2"}, {"prompt": "x" * 400, "answer": "3"}]
+    short = len(prompt_ids(tok, rows[0]["prompt"]))
+    assert short < len(prompt_ids(tok, rows[1]["prompt"]))
+    cfg = RLVRConfig.model_validate(
+        {"data": data_ref(task_files["rlvr"]), "steps": 1, "max_prompt_tokens": short}
+    )
+    maker = RequestMaker(cfg, tok, rows)
+    assert {maker(k, 0).answer for k in range(6)} == {"2"}
+    with pytest.raises(ItoError) as e:
+        RequestMaker(cfg.model_copy(update={"max_prompt_tokens": short - 1}), tok, rows)
+    assert e.value.code is ErrorCode.data_empty
