@@ -186,13 +186,22 @@ def test_prefix_chain_passes_and_reports_fleet_metrics(
     assert out.metrics["sft_steps"] == 4.0
     assert any((tmp_path / "sft" / "checkpoints").iterdir())
     # So did the rlvr learner: its steps come from the engine's ranks, its policy is
-    # checkpointed by DCP, each version went to the fleet through the weights folder.
+    # checkpointed by DCP, and each version went from the learner's rank 0 to the fleet
+    # (no weights file for the driver to read; no worker missed one).
     rl_steps = [
         e for e in events if e.kind == "step" and e.committed and getattr(e, "phase", "") == "rlvr"
     ]
     assert [e.step for e in rl_steps] == [1, 2]
     assert any((tmp_path / "rlvr" / "checkpoints").iterdir())
-    assert (tmp_path / "rlvr" / "weights" / "v00000002.pt").is_file()
+    assert not (tmp_path / "rlvr" / "weights").exists()
+    # The fleet's metrics of each trained step (step 0 is the whole step's summary).
+    per_step = {
+        e.step: e.values
+        for e in events
+        if e.kind == "metrics" and getattr(e, "scope", "") == "rlvr" and e.step > 0
+    }
+    assert sorted(per_step) == [1, 2]
+    assert per_step[2]["weight_sync_missed"] == 0.0 and per_step[2]["sync_s"] > 0.0
     assert (tmp_path / "out" / "rlvr" / "config.json").is_file()
 
 
