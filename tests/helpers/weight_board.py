@@ -52,3 +52,19 @@ class BoardTaker:
             raise self.error
         assert self.state is not None, f"versions taken: {self.taken[-3:]}"
         return self.state
+
+
+def sync_only_controller(pool: Any, timeout_s: float) -> Any:
+    """A ``RolloutController`` that only moves weights: no requests are made (its
+    maker is never called), one group a step, no staleness, no dynamic sampling."""
+    from stages.post_training.fleet import DynamicSampler, RolloutController
+
+    return RolloutController(
+        pool,
+        lambda k, s: None,  # type: ignore[arg-type, return-value]
+        groups_per_step=1,
+        max_staleness=0,
+        sampler=DynamicSampler(False, 0),
+        rollout_timeout_s=timeout_s,
+        restart_timeout_s=timeout_s,
+    )

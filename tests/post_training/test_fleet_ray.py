@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.weight_board import sync_only_controller
 
 from stages.events import InterruptionEvent
 from tests.post_training.conftest import data_ref
@@ -174,7 +175,6 @@ def test_each_weight_path_delivers_bit_identical_weights_to_ray_actors(
     learner, rank 0) and the two actors, in small buckets (several per version)."""
     import torch
 
-    from stages.post_training.fleet import DynamicSampler, RolloutController
     from stages.post_training.hf_io import load_model
     from stages.post_training.pools import RayPool
     from stages.post_training.rollout import WorkerSpec
@@ -200,15 +200,7 @@ def test_each_weight_path_delivers_bit_identical_weights_to_ray_actors(
         bucket_bytes=16 << 10,
         sync_timeout_s=ACTOR_TIMEOUT_S,
     )
-    ctl = RolloutController(
-        pool,
-        lambda k, s: None,  # type: ignore[arg-type, return-value]
-        groups_per_step=1,
-        max_staleness=0,
-        sampler=DynamicSampler(False, 0),
-        rollout_timeout_s=ACTOR_TIMEOUT_S,
-        restart_timeout_s=ACTOR_TIMEOUT_S,
-    )
+    ctl = sync_only_controller(pool, ACTOR_TIMEOUT_S)
     try:
         pool.identities(ACTOR_TIMEOUT_S)
         for version in (1, 2):

@@ -11,6 +11,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from helpers.weight_board import sync_only_controller
 
 from stages.post_training.weight_board import BOARD_KEEP, WeightBoard
 from stages.post_training.weight_sync import ObjectStoreWeights, PublishedVersion
@@ -67,7 +68,6 @@ def test_a_worker_that_cannot_fetch_a_version_keeps_its_own(
     import ray
     import torch
 
-    from stages.post_training.fleet import DynamicSampler, RolloutController
     from stages.post_training.hf_io import load_model
     from stages.post_training.pools import LocalPool
     from stages.post_training.rollout import RolloutWorker, WorkerSpec
@@ -102,15 +102,7 @@ def test_a_worker_that_cannot_fetch_a_version_keeps_its_own(
     lost = ObjectStoreWeights(ref=ref, bytes=0)
 
     pool = LocalPool([worker])
-    ctl = RolloutController(
-        pool,
-        lambda k, s: None,  # type: ignore[arg-type, return-value]
-        groups_per_step=1,
-        max_staleness=0,
-        sampler=DynamicSampler(False, 0),
-        rollout_timeout_s=120,
-        restart_timeout_s=120,
-    )
+    ctl = sync_only_controller(pool, 120)
     try:
         ctl.publish(0, BaseWeights(model_dir=str(tiny_policy)))
         ctl.drain_syncs(120)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.weight_board import sync_only_controller
 
 from stages.post_training.weight_sync import (
     CollectiveWeights,
@@ -59,7 +60,6 @@ def _workers(policy: Path, n: int) -> list[Any]:
 def test_each_path_delivers_bit_identical_weights_to_thread_workers(
     tiny_policy: Path, path: str
 ) -> None:
-    from stages.post_training.fleet import DynamicSampler, RolloutController
     from stages.post_training.hf_io import load_model
     from stages.post_training.pools import LocalPool
 
@@ -67,15 +67,7 @@ def test_each_path_delivers_bit_identical_weights_to_thread_workers(
     start = state_digest(dict(model.state_dict()))
     # A small bucket size: the tiny policy goes in several buckets per version.
     pool = LocalPool(_workers(tiny_policy, 2), weight_sync=path, bucket_bytes=16 << 10)  # type: ignore[arg-type]
-    ctl = RolloutController(
-        pool,
-        lambda k, s: None,  # type: ignore[arg-type, return-value]
-        groups_per_step=1,
-        max_staleness=0,
-        sampler=DynamicSampler(False, 0),
-        rollout_timeout_s=60,
-        restart_timeout_s=60,
-    )
+    ctl = sync_only_controller(pool, 60)
     try:
         for version in (1, 2):
             with torch.no_grad():
