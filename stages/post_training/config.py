@@ -50,7 +50,7 @@ class SFTConfig(StrictModel):
     # the step from the newest); 0: only the step's closing one.
     checkpoint_every_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
     # AdamW's betas: trl's default (TrainingArguments adam_beta1/adam_beta2).
-    adam_betas: AdamBetas = TRL_ADAM_BETAS
+    adam_betas: AdamBetas = Field(default=TRL_ADAM_BETAS, max_length=2)
     # Battery: mean assistant-token NLL on the data before and after; gain = before - after.
     gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="nll_gain", min=0.0))
     eval: StepBattery = Field(default_factory=StepBattery)
@@ -70,7 +70,7 @@ class DPOConfig(StrictModel):
     # the step from the newest); 0: only the step's closing one.
     checkpoint_every_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
     # AdamW's betas: trl's default (TrainingArguments adam_beta1/adam_beta2).
-    adam_betas: AdamBetas = TRL_ADAM_BETAS
+    adam_betas: AdamBetas = Field(default=TRL_ADAM_BETAS, max_length=2)
     # Battery: mean log-prob margin (chosen - rejected) before and after.
     gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="margin_gain", min=0.0))
     eval: StepBattery = Field(default_factory=StepBattery)

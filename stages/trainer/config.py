@@ -71,7 +71,7 @@ class TrainingTarget(StrictModel):
     grad_clip: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
     # AdamW's (beta1, beta2): pretraining's usual 0.95; post-training steps pass the
     # recipe's (trl's default 0.999).
-    adam_betas: AdamBetas = (0.9, 0.95)
+    adam_betas: AdamBetas = Field(default=(0.9, 0.95), max_length=2)
     seed: int = Field(default=0, ge=0, lt=2**63)
     deterministic: bool = True
 
