@@ -71,6 +71,19 @@ class WorkerSpec(BaseModel):
     # How long a worker waits to fetch a version from Ray's object store.
     fetch_timeout_s: float = 300.0
 
+    @classmethod
+    def for_recipe(cls, cfg: Any, index: int, model_dir: str) -> WorkerSpec:
+        """Worker ``index`` of an RLVR recipe (``RLVRConfig``) on ``model_dir``."""
+        return cls(
+            index=index,
+            model_dir=model_dir,
+            reward=cfg.reward,
+            max_completion_tokens=cfg.max_completion_tokens,
+            overlong_buffer_tokens=cfg.overlong_buffer_tokens,
+            overlong_penalty_factor=cfg.overlong_penalty_factor,
+            fetch_timeout_s=cfg.weight_sync_timeout_s,
+        )
+
 
 def rollout_name(run_id: str, n: int) -> str:
     return f"run-{run_id}-rollout-{n}"

@@ -378,18 +378,7 @@ class PostTrainingStage:
         from stages.post_training.rl import RequestMaker
         from stages.post_training.rollout import RolloutWorker, WorkerSpec
 
-        specs = [
-            WorkerSpec(
-                index=n,
-                model_dir=str(init),
-                reward=cfg.reward,
-                max_completion_tokens=cfg.max_completion_tokens,
-                overlong_buffer_tokens=cfg.overlong_buffer_tokens,
-                overlong_penalty_factor=cfg.overlong_penalty_factor,
-                fetch_timeout_s=cfg.weight_sync_timeout_s,
-            )
-            for n in range(cfg.rollout_workers)
-        ]
+        specs = [WorkerSpec.for_recipe(cfg, n, str(init)) for n in range(cfg.rollout_workers)]
         sync: dict[str, Any] = {
             "weight_sync": cfg.weight_sync,
             "bucket_bytes": cfg.weight_sync_bucket_mb << 20,

@@ -101,17 +101,7 @@ def test_the_fleet_gets_each_version_from_the_learner_rank_not_the_driver(
     cfg = cfg.model_copy(
         update={"steps": steps, "weight_sync": path, "weight_sync_timeout_s": ACTOR_TIMEOUT_S}
     )
-    specs = [
-        WorkerSpec(
-            index=i,
-            model_dir=str(tiny_policy),
-            reward=cfg.reward,
-            max_completion_tokens=cfg.max_completion_tokens,
-            overlong_buffer_tokens=cfg.overlong_buffer_tokens,
-            overlong_penalty_factor=cfg.overlong_penalty_factor,
-        )
-        for i in range(2)
-    ]
+    specs = [WorkerSpec.for_recipe(cfg, i, str(tiny_policy)) for i in range(2)]
     pool = RecordingPool(
         f"wsync-{path.replace('_', '-')}",
         specs,
