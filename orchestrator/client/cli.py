@@ -11,6 +11,7 @@ credentials file, and is scrubbed from anything printed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -31,6 +32,7 @@ from orchestrator.client.api import (
     ok_envelope,
 )
 from orchestrator.client.credentials import REDACTED, ApiKey, load_api_key, redact
+from orchestrator.client.interrupt import stop_on_sigint
 from orchestrator.client.manifest_reader import ManifestBytes, read_manifest
 from orchestrator.redact import looks_secret
 from stages.errors import ErrorCode, ItoError
@@ -444,7 +446,11 @@ def run_cli(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    status, _ = run_cli(sys.argv[1:] if argv is None else argv)
+    with stop_on_sigint() as stop:
+        status, _ = run_cli(
+            sys.argv[1:] if argv is None else argv,
+            client_factory=functools.partial(ItoClient, sleep=stop.sleep),
+        )
     return status
 
 

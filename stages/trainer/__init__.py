@@ -18,7 +18,7 @@ from stages.trainer.config import (
 
 if TYPE_CHECKING:
     from stages.trainer.engine import TrainingEngine
-    from stages.trainer.kill import kill_replica_group, kill_replica_groups
+    from stages.trainer.kill import kill_replica_group, kill_replica_groups, replica_group_pids
     from stages.trainer.stage import TrainingStage
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "TrainingTarget",
     "kill_replica_group",
     "kill_replica_groups",
+    "replica_group_pids",
 ]
 
 
@@ -44,7 +45,7 @@ def __getattr__(name: str) -> Any:
         from stages.trainer.engine import TrainingEngine
 
         return TrainingEngine
-    if name in ("kill_replica_group", "kill_replica_groups"):
+    if name in ("kill_replica_group", "kill_replica_groups", "replica_group_pids"):
         from stages.trainer import kill
 
         return getattr(kill, name)

@@ -88,6 +88,10 @@ class TrainingEngine:
         self._released: dict[tuple[int, int], tuple[int, int]] = {}
         self._rank_pid: dict[tuple[int, int], int] = {}
         self._rank_boundary: dict[tuple[int, int], int | None] = {}
+        # Ranks whose last reply said finished (with their final shard digest), and when
+        # every group's rank 0 first did.
+        self._finished_ranks: set[tuple[int, int]] = set()
+        self._groups_finished_at: float | None = None
         self.emit_fn = emit
         self.cancel_event = cancel_event
         self.wait_decision = wait_decision
@@ -381,6 +385,10 @@ class TrainingEngine:
             grp.boundary = status.get("boundary")
         self._rank_boundary[key] = status.get("boundary")
         self._rank_pid[key] = status["pid"]
+        if status["phase"] == "finished":
+            self._finished_ranks.add(key)
+        else:
+            self._finished_ranks.discard(key)
         b = status.get("boundary")
         if b is not None and b in self.passed and self._released.get(key) != (b, status["pid"]):
             # Resumed (or restarted) at a boundary whose gate already passed.
@@ -601,7 +609,7 @@ class TrainingEngine:
                     continue
                 if self._phase_closed() and self.stopped_at_phase is not None:
                     break
-                if all(g.finished for g in self.groups):
+                if self._every_rank_finished():
                     break
                 if self._stragglers_done():
                     break
@@ -671,6 +679,20 @@ class TrainingEngine:
             self._released[k] = (b, self._rank_pid.get(k, 0))
         self.command_all("next_phase")
         return True
+
+    def _every_rank_finished(self) -> bool:
+        # Rank 0 speaks for its group's progress, but every other rank's final shard
+        # digest comes on its own reply: wait for those too, bounded in case a rank
+        # died after its last step.
+        if not all(g.finished for g in self.groups):
+            return False
+        now = time.time()
+        if self._groups_finished_at is None:
+            self._groups_finished_at = now
+        return (
+            self._finished_ranks >= set(self.actors)
+            or now - self._groups_finished_at > self.ft.stop_timeout_s
+        )
 
     def _stragglers_done(self) -> bool:
         # A group still down when its peers finished has nothing left to heal from.

@@ -27,6 +27,17 @@ def kill_replica_groups(
     run_id: str, groups: list[int], *, namespace: str | None = None
 ) -> tuple[float, list[int]]:
     """``kill_replica_group`` for several groups at the same instant."""
+    pids = replica_group_pids(run_id, groups, namespace=namespace)
+    t = time.time()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return t, pids
+
+
+def replica_group_pids(
+    run_id: str, groups: list[int] | None = None, *, namespace: str | None = None
+) -> list[int]:
+    """The worker pids of the run's live trainer actors in ``groups`` (all if None)."""
     import ray
 
     names = [
@@ -46,9 +57,6 @@ def kill_replica_groups(
             ident = ray.get(ref, timeout=0)
         except Exception:
             continue
-        if ident["group"] in groups:
+        if groups is None or ident["group"] in groups:
             pids.append(int(ident["pid"]))
-    t = time.time()
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    return t, pids
+    return pids

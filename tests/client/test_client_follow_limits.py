@@ -106,3 +106,16 @@ def test_sigint_during_follow_exits_130_with_one_envelope(
     lines = out.splitlines()
     assert len(lines) == 1, out
     assert json.loads(lines[0])["ok"] is False
+
+
+def test_the_first_sigint_stops_the_next_wait_and_a_second_raises_at_once() -> None:
+    from orchestrator.client.interrupt import StopRequest
+
+    stop = StopRequest()
+    stop.sleep(0.0)  # nothing asked yet: an ordinary wait
+    stop.on_sigint(signal.SIGINT, None)  # a request in flight is not interrupted
+    assert stop.requested
+    with pytest.raises(KeyboardInterrupt):
+        stop.sleep(3600.0)  # the follower's next poll interval ends at once
+    with pytest.raises(KeyboardInterrupt):
+        stop.on_sigint(signal.SIGINT, None)

@@ -7,15 +7,18 @@ from the run's event sink after step k, as a driver crash between steps would be
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers.waiting import wait_until
 
 from stages.events import MetricsEvent
 from stages.post_training.pools import LocalPool
 from stages.post_training.resume import RESUME_DIR
+from stages.trainer import replica_group_pids
 from tests.post_training.test_fleet import _rl_setup
 
 
@@ -91,6 +94,7 @@ def _engine_run(
     steps: int,
     every: int,
     stop_after: int | None = None,
+    fleet_pids: list[int] | None = None,
 ) -> tuple[Any, Any, Path]:
     """The rlvr step as the stage runs it: the learner on the engine (one replica
     group, real Ray actors, DCP checkpoints), the fleet on threads."""
@@ -103,6 +107,8 @@ def _engine_run(
 
     def emit(e: Any) -> None:
         if stop_after is not None and isinstance(e, MetricsEvent) and e.step == stop_after:
+            if fleet_pids is not None:
+                fleet_pids.extend(replica_group_pids("rlvr-relaunch-rlvr"))
             raise Interrupted(e.step)
 
     ctx = StageContext(run_id="rlvr-relaunch", booking_id="b", workdir=workdir, emit=emit)
@@ -125,6 +131,14 @@ def _engine_run(
     return result, learner, exported
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_relaunched_driver_resumes_rlvr_on_the_engine_within_eta(
@@ -137,10 +151,22 @@ def test_a_relaunched_driver_resumes_rlvr_on_the_engine_within_eta(
     from stages.checkpointing.storage import list_checkpoints
 
     steps, every, eta = 6, 2, 1
+    pids: list[int] = []
     with pytest.raises(Interrupted):
         _engine_run(
-            tiny_policy, task_files, tmp_path, eta=eta, steps=steps, every=every, stop_after=4
+            tiny_policy,
+            task_files,
+            tmp_path,
+            eta=eta,
+            steps=steps,
+            every=every,
+            stop_after=4,
+            fleet_pids=pids,
         )
+    # Killed actors may finish an async save in the moment before they exit: list the
+    # checkpoints once no rank of the first launch is left to write one (one host).
+    assert pids
+    wait_until(lambda: not any(map(_pid_alive, pids)), 60, "the first launch's ranks exit")
     ckpts = [r.step for r in list_checkpoints(tmp_path / "rlvr" / "checkpoints")]
     assert ckpts and ckpts[-1] in (2, 4), ckpts
     resumed = ckpts[-1]
