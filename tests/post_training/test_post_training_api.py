@@ -7,6 +7,8 @@ reach ``ito metrics`` and ``/metrics``. Only the GPUs are absent."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,3 +174,70 @@ def test_ito_train_runs_sft_dpo_rlvr_and_the_reward_rises(
     text = httpx.get(be.metrics_url, timeout=30).text
     line = f'ito_run_rollout_samples_per_second{{booking_id="{t.booking_id}",run_id="{run_id}"}}'
     assert line in text
+
+
+def test_a_driver_sigkilled_during_dpo_is_relaunched_skips_sft_and_resumes_dpo(
+    rt: dict[str, Any], tiny_policy: Path, task_files: dict[str, Path]
+) -> None:
+    """The run's RunDriver process is SIGKILLed once DPO has saved a checkpoint; the
+    supervisor relaunches it, the new driver takes SFT's passed result as it is (no SFT
+    step after the kill) and DPO's engine resumes from its newest checkpoint, not from
+    step 1, and the run succeeds with every DPO step trained."""
+    from helpers.flows import submit_run
+    from helpers.testbed_runs import run_actors, wait_for_run
+    from helpers.waiting import wait_until
+
+    from orchestrator.db.store import Store
+
+    dpo_steps, every = 60, 4
+    m = _manifest(rt["tmp"], tiny_policy, task_files)
+    m["name"] = "post-training-driver-kill"
+    pt = m["post_training"]
+    del pt["rlvr"]
+    pt["sft"]["steps"] = 2
+    pt["dpo"].update(steps=dpo_steps, checkpoint_every_steps=every, gate=None)
+    with rt["backend"].client() as c:
+        run_id = submit_run(c, rt["tenant"], rt["tenant"].booking_id, m)
+    store = Store(rt["backend"].db)
+
+    def dpo_checkpoints() -> list[int]:
+        return [
+            e["payload"]["step"]
+            for e in store.list_events(run_id, kinds=["checkpoint"])
+            if e["payload"].get("stage") == "post_training" and e["payload"]["phase"] == "dpo"
+        ]
+
+    wait_until(lambda: any(s >= 2 * every for s in dpo_checkpoints()), RUN_TIMEOUT_S, "DPO saved")
+    (driver,) = [a for a in run_actors(rt, run_id) if a.name == f"run-{run_id}"]
+    os.kill(int(driver.pid), signal.SIGKILL)  # the driver dies, its engine's ranks with it
+
+    run = wait_for_run(
+        rt, run_id, lambda r: r["state"] in ("succeeded", "failed"), "its end", RUN_TIMEOUT_S
+    )
+    assert run["state"] == "succeeded", run["state_reason"]
+    (lost,) = [
+        e["payload"]
+        for e in store.list_events(run_id, kinds=["interruption"])
+        if e["payload"]["interruption_kind"] == "driver_lost"
+    ]
+    assert lost["recovered_at"] is not None  # relaunched, not failed
+    steps = [e["payload"] for e in store.list_events(run_id, kinds=["step"])]
+
+    def after_loss(phase: str) -> list[int]:
+        return sorted(
+            s["step"]
+            for s in steps
+            if s.get("stage") == "post_training"
+            and s["phase"] == phase
+            and s["ts"] > lost["detected_at"]
+        )
+
+    assert not after_loss("sft"), after_loss("sft")  # SFT's gate had passed: not re-run
+    dpo = after_loss("dpo")
+    assert dpo, "no DPO step after the driver was lost"
+    # The relaunch trained on from a checkpoint (the lost driver may not have forwarded
+    # its newest one's event), and to the end.
+    assert dpo[0] > 1 and (dpo[0] - 1) % every == 0, dpo[:5]
+    assert dpo[-1] == dpo_steps
+    gates = {g["stage"]: g["status"] for g in run["stage_gates"]}
+    assert gates["post_training"] == "passed", gates
