@@ -696,6 +696,10 @@ class TrainingEngine:
 
     def _stragglers_done(self) -> bool:
         # A group still down when its peers finished has nothing left to heal from.
-        return any(g.finished for g in self.groups) and all(
-            g.finished or g.lost_at is not None for g in self.groups
+        # Every group finished is ``_every_rank_finished``'s case: it waits for digests.
+        finished = [g.finished for g in self.groups]
+        return (
+            any(finished)
+            and not all(finished)
+            and all(g.finished or g.lost_at is not None for g in self.groups)
         )

@@ -16,13 +16,17 @@ from typing import Any
 
 import pytest
 from helpers.backend import Backend
+from helpers.flows import submit_run
 from helpers.manifests import cpu_testbed_manifest, data_ref, write_manifest
 from helpers.ray_backend import ray_backend
 from helpers.tenants import Tenant
+from helpers.testbed_runs import run_actors, wait_for_run
+from helpers.waiting import wait_until
 from helpers.xdist_groups import module_group
 
 from orchestrator.client.api import ClientSettings, ItoClient
 from orchestrator.client.cli import run_cli
+from orchestrator.db.store import Store
 from tests.post_training.conftest import base_model
 
 # Above pytest's 300 s default: a run may take RUN_TIMEOUT_S once the server is up.
@@ -183,12 +187,6 @@ def test_a_driver_sigkilled_during_dpo_is_relaunched_skips_sft_and_resumes_dpo(
     supervisor relaunches it, the new driver takes SFT's passed result as it is (no SFT
     step after the kill) and DPO's engine resumes from its newest checkpoint, not from
     step 1, and the run succeeds with every DPO step trained."""
-    from helpers.flows import submit_run
-    from helpers.testbed_runs import run_actors, wait_for_run
-    from helpers.waiting import wait_until
-
-    from orchestrator.db.store import Store
-
     dpo_steps, every = 60, 4
     m = _manifest(rt["tmp"], tiny_policy, task_files)
     m["name"] = "post-training-driver-kill"

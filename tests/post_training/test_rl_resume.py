@@ -7,7 +7,6 @@ from the run's event sink after step k, as a driver crash between steps would be
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from helpers.waiting import wait_until
 
+from orchestrator.runtime.ray_cluster import _alive
 from stages.events import MetricsEvent
 from stages.post_training.pools import LocalPool
 from stages.post_training.resume import RESUME_DIR
@@ -107,8 +107,8 @@ def _engine_run(
 
     def emit(e: Any) -> None:
         if stop_after is not None and isinstance(e, MetricsEvent) and e.step == stop_after:
-            if fleet_pids is not None:
-                fleet_pids.extend(replica_group_pids("rlvr-relaunch-rlvr"))
+            if fleet_pids is not None:  # the engine's run id is the step's
+                fleet_pids.extend(replica_group_pids(f"{ctx.run_id}-rlvr"))
             raise Interrupted(e.step)
 
     ctx = StageContext(run_id="rlvr-relaunch", booking_id="b", workdir=workdir, emit=emit)
@@ -129,14 +129,6 @@ def _engine_run(
     finally:
         pool.close()
     return result, learner, exported
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.slow
@@ -166,7 +158,7 @@ def test_a_relaunched_driver_resumes_rlvr_on_the_engine_within_eta(
     # Killed actors may finish an async save in the moment before they exit: list the
     # checkpoints once no rank of the first launch is left to write one (one host).
     assert pids
-    wait_until(lambda: not any(map(_pid_alive, pids)), 60, "the first launch's ranks exit")
+    wait_until(lambda: not any(map(_alive, pids)), 60, "the first launch's ranks exit")
     ckpts = [r.step for r in list_checkpoints(tmp_path / "rlvr" / "checkpoints")]
     assert ckpts and ckpts[-1] in (2, 4), ckpts
     resumed = ckpts[-1]

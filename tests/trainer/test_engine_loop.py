@@ -5,6 +5,7 @@ the gradient allreduce against a real single-replica torchft Manager."""
 from __future__ import annotations
 
 import itertools
+import threading
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,40 @@ def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() ->
     finally:
         manager.shutdown(wait=False)
         lighthouse.shutdown()
+
+
+def test_the_engine_ends_once_every_ranks_final_digest_came_or_the_stop_timeout_passed() -> None:
+    """Rank 0 of each group reports ``finished`` first; a TP peer's final shard digest
+    comes on its own later reply, and the run's ``rank_digests`` must hold it."""
+    from stages.trainer.engine import TrainingEngine
+
+    engine = TrainingEngine(
+        _cfg(replica_groups=2, ranks_per_group=2, fault_tolerance={"stop_timeout_s": 60.0}),
+        run_id="digests",
+        checkpoint_dir=Path("/nonexistent"),
+        role_shards={},
+        emit=lambda e: None,
+        cancel_event=threading.Event(),
+        wait_decision=lambda pid, t: None,
+    )
+    keys = [(g, r) for g in range(2) for r in range(2)]
+    engine.actors = dict.fromkeys(keys)  # only their keys are read here
+
+    def finished(key: tuple[int, int]) -> None:
+        status = {"phase": "finished", "pid": 100 + 2 * key[0] + key[1], "step": 8}
+        engine._on_reply(key, {"status": {**status, "digest": f"d{key}"}, "events": []}, 0.0)
+
+    for key in [(0, 0), (1, 0), (1, 1)]:
+        finished(key)
+    # Every group's rank 0 is done, rank 1 of group 0 not yet: neither exit may fire.
+    assert not engine._every_rank_finished()
+    assert not engine._stragglers_done()
+    finished((0, 1))
+    assert engine._every_rank_finished()
+    assert set(engine.rank_digests) == {"0/0", "0/1", "1/0", "1/1"}
+
+    # A rank that died after its last step does not hold the run past the stop timeout.
+    engine._finished_ranks.discard((0, 1))
+    assert engine._groups_finished_at is not None
+    engine._groups_finished_at -= 61.0
+    assert engine._every_rank_finished()
