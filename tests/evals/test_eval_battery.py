@@ -211,3 +211,44 @@ def test_heldout_shares_of_the_data_parallel_ranks_reduce_to_the_one_rank_score(
     # A batch counted twice (a rank's share added again) is refused, not averaged in.
     with pytest.raises(ValueError):
         reduce_sums([shares[0], shares[0]])
+
+
+def test_run_tasks_scores_what_lm_evals_simple_evaluate_scores(
+    lm: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """``run_tasks`` calls lm-eval's ``evaluate`` with ``simple_evaluate``'s seeding and
+    task set-up (without its host report): every metric must come out the same."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from stages.evals.config import evals_dir
+    from stages.evals.harness import materialise, run_tasks
+
+    model, tok = lm
+    yamls = [evals_dir() / "smoke/ito_smoke_mc.yaml", evals_dir() / "smoke/ito_smoke_gsm8k.yaml"]
+    ours = run_tasks(
+        model, tok, yamls, include_dir=tmp_path / "ours", max_length=64, limit=6, seed=3
+    )
+    names = [materialise(t, tmp_path / "ref") for t in yamls]
+    model.eval()
+    ref = lm_eval.simple_evaluate(
+        model=HFLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=8, max_length=64),
+        tasks=names,
+        limit=6,
+        log_samples=False,
+        bootstrap_iters=0,
+        task_manager=TaskManager(include_path=str(tmp_path / "ref"), include_defaults=False),
+        random_seed=3,
+        numpy_random_seed=3,
+        torch_random_seed=3,
+        fewshot_random_seed=3,
+    )
+    model.train()
+    assert ref is not None
+    expected = {
+        task: {k: float(v) for k, v in m.items() if isinstance(v, int | float) and k != "samples"}
+        for task, m in ref["results"].items()
+    }
+    assert set(ours) == set(names)
+    assert ours == expected, (ours, expected)
