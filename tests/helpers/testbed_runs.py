@@ -30,11 +30,13 @@ PACE_STEP_S = 0.15
 
 
 @contextmanager
-def paced_backend(tmp: Path, booking_id: str) -> Iterator[dict[str, Any]]:
+def paced_backend(
+    tmp: Path, booking_id: str, env: dict[str, str] | None = None
+) -> Iterator[dict[str, Any]]:
     """A Ray-backed server whose runs are paced, with two corpora (``baseline``,
-    ``custom``) beside it."""
+    ``custom``) beside it; ``env`` adds to the server's environment."""
     baseline, custom = corpora(tmp / "data", 400, 300)
-    env = {"ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": PACE_STEP_S})}
+    env = {**(env or {}), "ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": PACE_STEP_S})}
     with ray_backend(tmp, booking_id, env=env) as rt:
         yield {**rt, "baseline": baseline, "custom": custom}
 
