@@ -21,6 +21,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -253,6 +254,10 @@ def connect(var_dir: Path, settings: RaySettings) -> str:
         )
     address = settings.address or start_local_head(var_dir, settings)
     if not ray.is_initialized():
+        # ray.init (on the main thread) replaces SIGTERM's handler with a bare
+        # ``sys.exit``: the server's own one (stop accepting, let requests finish within
+        # the grace) must stay.
+        on_sigterm = signal.getsignal(signal.SIGTERM)
         try:
             ray.init(
                 address=address,
@@ -262,4 +267,7 @@ def connect(var_dir: Path, settings: RaySettings) -> str:
             )
         except ConnectionError as e:
             raise ItoError(ErrorCode.ray_unavailable, f"cannot reach Ray at {address}") from e
+        finally:
+            if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, on_sigterm)
     return address

@@ -1,7 +1,8 @@
 """Runs through the canonical API on a real local Ray: the supervisor, the per-run
-driver, the stages, cancel, a replica-group kill, an API-server SIGKILL and a lost
-driver. Secrets, proposals, telemetry and authority are test_run_controls_on_ray.py
-(a module of its own, so the two share no server and run on two test workers).
+driver, the stages, cancel, a replica-group kill, an API-server SIGKILL, a lost
+driver and the server's graceful SIGTERM. Secrets, proposals, telemetry and authority
+are test_run_controls_on_ray.py (a module of its own, so the two share no server and
+run on two test workers).
 
 One backend (``ito-backend serve --runtime ray``, which starts its own embedded Ray
 head on free ports) serves the whole module; runs use a tiny model on the
@@ -270,3 +271,21 @@ def test_a_driver_lost_on_every_allowed_launch_fails_the_run_with_driver_lost(
         ACTORS_GONE_TIMEOUT_S,
         "nothing of the failed run left running",
     )
+
+
+def test_sigterm_shuts_the_ray_backed_server_down_gracefully(rt: dict[str, Any]) -> None:
+    """``ray.init`` in the server replaces SIGTERM's handler with a bare ``sys.exit``;
+    the server's own must stay: uvicorn's graceful shutdown, then its re-raised SIGTERM.
+    Last in the module: the server stays down (the fixture's stop is then a no-op)."""
+    be: Backend = rt["backend"]
+    assert be.proc is not None
+    sent_at = time.time()
+    be.proc.send_signal(signal.SIGTERM)
+    assert be.proc.wait(timeout=40) == -signal.SIGTERM
+    log = be.log_text()
+    assert "Application shutdown complete" in log
+    assert "sigterm_handler" not in log, log[-3000:]
+    # The shutdown released the supervisor lease: a standby need not wait it out.
+    lease = Store(be.db).lease("supervisor")
+    assert lease is not None and lease["expires_at"] <= time.time() + 1.0
+    assert lease["expires_at"] >= sent_at - 1.0
