@@ -26,7 +26,6 @@ an agreed ``now`` (e.g. rank 0's clock, broadcast by the loop).
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import pickle
 import shutil
@@ -40,16 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
@@ -57,6 +52,7 @@ from torch.utils.hooks import RemovableHandle
 
 from stages.checkpointing import seal
 from stages.checkpointing.config import CheckpointPolicy
+from stages.checkpointing.sealed import describe_failure, load_sealed
 from stages.checkpointing.storage import (
     CheckpointRecord,
     commit,
@@ -85,18 +81,6 @@ WRITER_THREADS = 1
 StateLike = Stateful | dict[str, Any]
 
 
-def _describe(e: BaseException) -> str:
-    """A short, path-free reason for a failed save or load (no tracebacks)."""
-    if isinstance(e, CheckpointException):
-        inner = [exc for exc, _trace in e.failures.values()]
-        return "; ".join(
-            f"rank {r}: {_describe(x)}" for r, x in zip(e.failures, inner, strict=True)
-        )
-    if isinstance(e, OSError):
-        return f"{type(e).__name__}: {e.strerror}"
-    return f"{type(e).__name__}: {e}"
-
-
 def _as_state_dict(state: StateLike) -> dict[str, Any]:
     """DCP wants a dict at the top level; a bare Stateful is saved under "train"."""
     return state if isinstance(state, dict) else {"train": state}
@@ -112,76 +96,6 @@ class _SealingWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
         self.metadata_sha256 = hashlib.sha256(pickle.dumps(metadata)).hexdigest()
-
-
-class _SealedReader(FileSystemReader):
-    """Unpickles ``.metadata`` from the bytes the seal check read, never from a
-    second read of the file (which could have been swapped since)."""
-
-    def __init__(self, path: Path, metadata: bytes):
-        super().__init__(path)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = pickle.loads(self._metadata)  # the bytes the seal check hashed
-        if not isinstance(metadata, Metadata):
-            raise ItoError(ErrorCode.checkpoint_corrupt, "DCP metadata has the wrong type")
-        meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-        meta.load_id = self.load_id
-        metadata.storage_meta = meta
-        return metadata
-
-
-# numpy arrays of numbers (the RNG state of a TrainState), rebuilt from their buffers:
-# data only (no object dtype).
-_SAFE_GLOBALS: list[Any] = [
-    np._core.multiarray._reconstruct,  # type: ignore[attr-defined]
-    np.ndarray,
-    np.dtype,
-    *(type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFD"),
-]
-
-
-class _TensorsOnlyPlanner(DefaultLoadPlanner):
-    """DCP's planner, except that non-tensor items are unpickled with
-    ``weights_only=True`` (tensors, numpy arrays and plain containers only: no code)."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            item = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], item)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = item
-
-
-def load_sealed(
-    state_dict: dict[str, Any],
-    path: Path,
-    seal_key: bytes,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    no_dist: bool = True,
-) -> None:
-    """``dcp.load`` of a checkpoint this backend sealed, into ``state_dict`` in place:
-    the one way a DCP checkpoint is read (``checkpoint_untrusted`` before anything is
-    unpickled when the seal does not hold; ``checkpoint_corrupt`` when DCP fails)."""
-    metadata = seal.verify_seal(path, seal_key)
-    try:
-        dcp.load(
-            state_dict,
-            storage_reader=_SealedReader(path, metadata),
-            planner=_TensorsOnlyPlanner(),
-            process_group=process_group,
-            no_dist=no_dist,
-        )
-    except ItoError:
-        raise
-    except (Exception, CheckpointException) as e:
-        raise ItoError(
-            ErrorCode.checkpoint_corrupt,
-            f"checkpoint {path.name} could not be loaded: {_describe(e)}",
-        ) from e
 
 
 @dataclass
@@ -314,7 +228,7 @@ class Checkpointer:
         except (OSError, CheckpointException) as e:
             raise ItoError(
                 ErrorCode.checkpoint_storage_unwritable,
-                f"checkpoint save at step {step} failed: {_describe(e)}",
+                f"checkpoint save at step {step} failed: {describe_failure(e)}",
             ) from e
         if isinstance(result, Future):
             upload, staging = result, None
@@ -444,7 +358,7 @@ class Checkpointer:
             raise e
         raise ItoError(
             ErrorCode.checkpoint_storage_unwritable,
-            f"checkpoint save at step {pending.step} failed: {_describe(e)}",
+            f"checkpoint save at step {pending.step} failed: {describe_failure(e)}",
         ) from e
 
     def poll(self) -> list[CheckpointRecord]:

@@ -58,13 +58,27 @@ def causal_lm_loss(
     )
 
 
+def set_config_rope_theta(config: Any, theta: float) -> None:
+    """Set the RoPE base a model of ``config`` is built with (and exported with)."""
+    params = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default"})
+    params["rope_theta"] = float(theta)
+    config.rope_parameters = params
+
+
+def model_config(preset: ModelPreset, *, checkpoint_path: str | Path | None = None) -> Any:
+    """The config ``build_model`` builds from, without building anything."""
+    if checkpoint_path is None:
+        return llama_config(preset)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(checkpoint_path), local_files_only=True)
+
+
 def set_rope_theta(model: torch.nn.Module, theta: float) -> None:
     """Set the RoPE base of a built Llama (config and the cached inverse frequencies),
     so a longer-context phase trains with a scaled base and an HF export keeps it."""
     config: Any = model.config
-    params = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default"})
-    params["rope_theta"] = float(theta)
-    config.rope_parameters = params
+    set_config_rope_theta(config, theta)
     inner: Any = getattr(model, "model", model)
     rotary = inner.rotary_emb
     inner.rotary_emb = type(rotary)(config=config).to(next(model.parameters()).device)

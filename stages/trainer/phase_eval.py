@@ -5,13 +5,16 @@ Held-out loss and bits per byte are split over the data-parallel ranks: rank 0 o
 every live replica group scores its share of the held-out windows
 (``heldout_share``) and the engine adds the sums up (``stages.evals.heldout``); the
 rest of the battery and the export run on rank 0 of the lowest live replica group.
-A single-rank group holds the whole live model: the battery and ``save_pretrained``
-run on it directly (it is bit-identical to the closing checkpoint: nothing updated
-it since the save). A rank whose model is laid out over several ranks (FSDP2, TP,
-PP), recomputes activations or runs fp8 linears loads the closing checkpoint into a
-fresh, plain model in its own process instead (``load_phase_model``). Either way the
-scores are those of the closing checkpoint, and the driver only sees numbers and
-paths.
+A single-rank group holds the whole live model: the battery runs on it directly (it
+is bit-identical to the closing checkpoint: nothing updated it since the save). A
+rank whose model is laid out over several ranks (FSDP2, TP, PP), recomputes
+activations or runs fp8 linears loads the closing checkpoint into a fresh, plain
+model in its own process instead (``load_phase_model``). Either way the scores are
+those of the closing checkpoint, and the driver only sees numbers and paths.
+
+The HF export is always streamed from the closing checkpoint, a safetensors shard at
+a time (``stages.hf.export_hf_from_checkpoint``): a phase without a battery (a
+post-training step with no scoring) builds no model at all.
 """
 
 from __future__ import annotations
@@ -76,8 +79,8 @@ class PhaseEvalReply(BaseModel):
 
 def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -> Any:
     """The weights of a complete checkpoint in a fresh model of the phase's shape."""
-    from stages.checkpointing.checkpointer import load_sealed
     from stages.checkpointing.seal import seal_key
+    from stages.checkpointing.sealed import load_sealed
     from stages.presets import load_model_preset
     from stages.trainer.model import build_model, set_rope_theta
 
@@ -105,6 +108,29 @@ def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -
     return model
 
 
+def export_phase(req: PhaseEvalRequest, cfg: TrainStageConfig, tokenizer: Any) -> Path:
+    """The phase's HF export, streamed from its closing checkpoint (the same weights
+    whether this rank's model is live or laid out over several ranks)."""
+    from stages.checkpointing.seal import seal_key
+    from stages.checkpointing.sealed import SealedCheckpoint
+    from stages.hf.export import export_hf_from_checkpoint
+    from stages.presets import load_model_preset
+    from stages.trainer.model import model_config, set_config_rope_theta
+
+    config = model_config(
+        load_model_preset(cfg.model.preset), checkpoint_path=cfg.model.checkpoint_path
+    )
+    if req.phase.rope_theta is not None:
+        set_config_rope_theta(config, req.phase.rope_theta)
+    return export_hf_from_checkpoint(
+        SealedCheckpoint(Path(req.checkpoint), seal_key()),
+        config,
+        tokenizer,
+        Path(req.export_dir),
+        metadata=req.metadata,
+    )
+
+
 def evaluate_on_rank(
     req: PhaseEvalRequest, *, cfg: TrainStageConfig, live: torch.nn.Module | None
 ) -> PhaseEvalReply:
@@ -113,13 +139,17 @@ def evaluate_on_rank(
     export; ``live`` is this rank's whole model when it can serve (see the module
     docstring), else None."""
     from stages.evals import run_battery
-    from stages.hf import export_hf, load_tokenizer
+    from stages.hf import load_tokenizer
 
-    model = live if live is not None else load_phase_model(cfg, req.phase, req.checkpoint)
     tokenizer = load_tokenizer(req.tokenizer_dir)
-    was_training = model.training
     result: dict[str, Any] = {}
     step: StepEvalReply | None = None
+    if req.phase.eval_battery is None and req.post_training is None:
+        return PhaseEvalReply(
+            result=result, export=str(export_phase(req, cfg, tokenizer)), live_model=False
+        )
+    model = live if live is not None else load_phase_model(cfg, req.phase, req.checkpoint)
+    was_training = model.training
     try:
         if req.phase.eval_battery is not None:
             result = run_battery(
@@ -134,7 +164,7 @@ def evaluate_on_rank(
                 work_dir=Path(req.work_dir),
                 heldout_sums=req.heldout_sums,
             ).model_dump(mode="json")
-        export = export_hf(model, tokenizer, Path(req.export_dir), metadata=req.metadata)
+        export = export_phase(req, cfg, tokenizer)
         if req.post_training is not None:
             step = evaluate_step(
                 req.post_training,

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from stages.checkpointing import COMMIT_NAME, Checkpointer, CheckpointPolicy, list_checkpoints
-from stages.checkpointing.checkpointer import _TensorsOnlyPlanner
 from stages.checkpointing.seal import SEAL_NAME, FileDigest, Seal
+from stages.checkpointing.sealed import _TensorsOnlyPlanner
 from stages.checkpointing.storage import CheckpointRecord, commit, final_name
 from stages.errors import ErrorCode, ItoError
 

@@ -173,3 +173,78 @@ def test_export_reloads_with_from_pretrained_and_gives_the_same_logits(tmp_path:
     # Exporting again replaces the folder atomically.
     export_hf(model, tok, out, metadata={"phase": "long_context", "step": 9})
     assert json.loads((out / "ito_export.json").read_text())["phase"] == "long_context"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_export_streamed_from_a_sealed_checkpoint_is_what_save_pretrained_writes(
+    tmp_path: Path, tied: bool
+) -> None:
+    """A phase's export comes from its closing DCP checkpoint a shard at a time: it
+    reloads with ``from_pretrained`` to the same logits, with the config, generation
+    config and tensors ``save_pretrained`` writes, and no load reads more than a shard."""
+    from safetensors.torch import load_file
+
+    from stages.checkpointing import Checkpointer, CheckpointPolicy
+    from stages.checkpointing.seal import seal_key
+    from stages.checkpointing.sealed import SealedCheckpoint
+    from stages.hf.export import export_hf_from_checkpoint
+    from stages.trainer.model import llama_config, set_config_rope_theta, set_rope_theta
+
+    # Tied: the post-training policies' embeddings, which save_pretrained writes once.
+    preset = load_model_preset("llama-tiny").model_copy(update={"tie_word_embeddings": tied})
+    model = build_model(preset, seed=3)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    set_rope_theta(model, 22081.79)  # a long-context phase's base travels with it
+    tok = train_tokenizer(TEXTS, vocab_size=260)
+    policy = CheckpointPolicy(interval_steps=1, storage_uri=f"file://{tmp_path / 'ckpt'}")
+    with Checkpointer(policy, async_staging=False) as ck:
+        ck.save(5, {"train": {"model": model.state_dict(), "step": 5}})
+        record = ck.wait()
+    assert record is not None
+    ref = export_hf(model, tok, tmp_path / "ref")
+
+    class Counted(SealedCheckpoint):
+        loads: list[int] = []
+
+        def load(self, state_dict: dict[str, object], **kw: object) -> None:
+            self.loads.append(sum(t.nbytes for t in state_dict.values()))  # type: ignore[attr-defined]
+            super().load(state_dict)
+
+    config = llama_config(preset)
+    set_config_rope_theta(config, 22081.79)
+    shard_bytes = 40_000  # llama-tiny's 20-21 tensors in several shards
+    ckpt = Counted(Path(record.path), seal_key())
+    out = export_hf_from_checkpoint(
+        ckpt, config, tok, tmp_path / "export", metadata={"step": 5}, shard_bytes=shard_bytes
+    )
+    assert not list(tmp_path.glob(".export.tmp-*"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) == len(ckpt.loads) > 2
+    biggest = max(p.numel() * 4 for p in model.parameters())
+    assert max(ckpt.loads) <= max(shard_bytes, biggest)
+    streamed = {k: v for f in files for k, v in load_file(str(out / f)).items()}
+    saved = load_file(str(ref / "model.safetensors"))
+    assert streamed.keys() == saved.keys()
+    assert all(torch.equal(streamed[k], saved[k]) for k in saved)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in saved.values())
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((out / name).read_text()) == json.loads((ref / name).read_text())
+    meta = json.loads((out / "ito_export.json").read_text())
+    assert meta["step"] == 5 and "tokenizer.json" in meta["files"]
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+    ids = torch.tensor([tok("return x * 7 + the_answer")["input_ids"]])
+    model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
+    # A checkpoint of another shape is refused with its code, and nothing is left behind.
+    config.num_hidden_layers += 1
+    with pytest.raises(ItoError) as e:
+        export_hf_from_checkpoint(ckpt, config, tok, tmp_path / "other")
+    assert e.value.code == ErrorCode.checkpoint_corrupt
+    assert not (tmp_path / "other").exists() and not list(tmp_path.glob(".other.tmp-*"))

@@ -15,9 +15,11 @@ import pytest
 from helpers.tenants import DEFAULT_ROOTS
 from helpers.waiting import wait_until
 
+from orchestrator.runtime.ray_cluster import _alive
 from stages.base import StageContext
 from stages.checkpointing.storage import list_checkpoints
 from stages.events import CheckpointEvent, StepEvent
+from stages.trainer import replica_group_pids
 from tests.post_training.conftest import base_model, data_ref
 
 WAIT_S = 600.0  # a hang guard on a loaded 2-core machine, never a speed claim
@@ -70,9 +72,14 @@ def test_a_relaunch_during_dpo_skips_sft_and_resumes_dpo_from_its_checkpoint(
         "a DPO checkpoint mid-step",
         poll_s=0.2,
     )
+    pids = replica_group_pids("rl-dpo")  # the engine's run id is the step's
     ctx.cancel_event.set()
     runner.join(WAIT_S)
     assert outcome["first"].reason == "cancelled"
+    # Killed ranks may finish an async save in the moment before they exit: list the
+    # checkpoints once none of the first launch's is left to write one (one host).
+    assert pids
+    wait_until(lambda: not any(map(_alive, pids)), WAIT_S, "the first launch's ranks exit")
     newest = list_checkpoints(tmp_path / "w" / "dpo" / "checkpoints")[-1].step
     assert 8 <= newest < 40
 
