@@ -116,3 +116,16 @@ def test_on_a_run_the_proxies_train_in_ray_tasks_and_score_as_in_process(
     # The same seeds, data and CPU kernels; only the thread count may differ.
     assert remote_base == pytest.approx(local.baseline_bpb, abs=1e-3)
     assert remote_custom == pytest.approx(local.custom_bpb, abs=1e-3)
+
+
+def test_on_cpu_one_task_trains_every_proxy_and_on_cuda_each_has_its_own() -> None:
+    """A CPU host is one device: one task process pays the proxies' imports once. On
+    CUDA every proxy is a task of its own, each asking a GPU, all at once."""
+    from stages.data_prep.ladder import ArmJob
+    from stages.data_prep.ladder_ray import task_buckets
+
+    jobs = [ArmJob(arm=a, seed=s, steps=4) for a in ("baseline", "custom") for s in (0, 1)]
+    assert task_buckets(jobs, LadderProbeConfig(device="cpu")) == [jobs]
+    assert task_buckets(jobs, LadderProbeConfig(device="auto")) == [jobs]
+    assert task_buckets(jobs, LadderProbeConfig(device="cuda")) == [[j] for j in jobs]
+    assert task_buckets([], LadderProbeConfig()) == []
