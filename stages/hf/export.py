@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -125,7 +125,9 @@ def export_hf_from_checkpoint(
             f"checkpoint {checkpoint.path.name} lacks {len(missing)} weights of the "
             f"model, e.g. {missing[0]}",
         )
-    shards = _shards(names, lambda n: _nbytes(*stored[CHECKPOINT_MODEL_PREFIX + n]), shard_bytes)
+    meta = {n: stored[CHECKPOINT_MODEL_PREFIX + n] for n in names}  # (size, dtype)
+    nbytes = {n: size.numel() * dtype.itemsize for n, (size, dtype) in meta.items()}
+    shards = _shards(names, nbytes, shard_bytes)
     files = (
         ["model.safetensors"]
         if len(shards) == 1
@@ -133,25 +135,13 @@ def export_hf_from_checkpoint(
     )
     with _published(out_dir, metadata) as tmp:
         for shard, file in zip(shards, files, strict=True):
-            tensors = {
-                CHECKPOINT_MODEL_PREFIX + n: torch.empty(
-                    stored[CHECKPOINT_MODEL_PREFIX + n][0],
-                    dtype=stored[CHECKPOINT_MODEL_PREFIX + n][1],
-                )
-                for n in shard
-            }
-            checkpoint.load(tensors)
-            save_file(
-                {n: tensors[CHECKPOINT_MODEL_PREFIX + n] for n in shard},
-                str(tmp / file),
-                metadata={"format": "pt"},
-            )
+            tensors = {n: torch.empty(meta[n][0], dtype=meta[n][1]) for n in shard}
+            checkpoint.load({CHECKPOINT_MODEL_PREFIX + n: t for n, t in tensors.items()})
+            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
             del tensors
         if len(shards) > 1:
             index = {
-                "metadata": {
-                    "total_size": sum(_nbytes(*stored[CHECKPOINT_MODEL_PREFIX + n]) for n in names)
-                },
+                "metadata": {"total_size": sum(nbytes.values())},
                 "weight_map": {n: f for shard, f in zip(shards, files, strict=True) for n in shard},
             }
             (tmp / "model.safetensors.index.json").write_text(
@@ -159,7 +149,7 @@ def export_hf_from_checkpoint(
             )
         saved = copy.deepcopy(config)
         saved.architectures = [type(shape).__name__]
-        saved.dtype = stored[CHECKPOINT_MODEL_PREFIX + names[0]][1]
+        saved.dtype = meta[names[0]][1]
         saved.save_pretrained(str(tmp))
         if shape.can_generate() and shape.generation_config is not None:
             shape.generation_config.save_pretrained(str(tmp))
@@ -167,21 +157,17 @@ def export_hf_from_checkpoint(
     return Path(out_dir)
 
 
-def _nbytes(size: torch.Size, dtype: torch.dtype) -> int:
-    return size.numel() * torch.empty((), dtype=dtype).element_size()
-
-
-def _shards(names: list[str], nbytes: Callable[[str], int], limit: int) -> list[list[str]]:
+def _shards(names: list[str], nbytes: dict[str, int], limit: int) -> list[list[str]]:
     """``names`` in order, cut into runs of at most ``limit`` bytes (a larger tensor
     is a shard of its own)."""
     shards: list[list[str]] = [[]]
     size = 0
     for n in names:
-        if shards[-1] and size + nbytes(n) > limit:
+        if shards[-1] and size + nbytes[n] > limit:
             shards.append([])
             size = 0
         shards[-1].append(n)
-        size += nbytes(n)
+        size += nbytes[n]
     return shards
 
 
