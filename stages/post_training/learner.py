@@ -41,6 +41,7 @@ from stages.post_training.config import TRL_ADAM_BETAS, RLVRConfig
 from stages.post_training.grpo_objective import batch_path, save_atomic
 from stages.post_training.losses import group_advantages, is_stale
 from stages.post_training.rollout import RolloutGroup
+from stages.post_training.step_eval import StepEvalReply, StepEvalRequest
 from stages.post_training.weight_sync import BaseWeights, PublishedVersion
 from stages.trainer.config import GRPOSettings, ObjectiveConfig, TrainStageConfig
 
@@ -310,10 +311,12 @@ def run_rlvr_on_engine(
     pad_id: int,
     on_interruption: Any = None,
     board_placement: dict[str, Any] | None = None,
-) -> tuple[Any, Path, EngineLearner]:
+    scoring: StepEvalRequest | None = None,
+) -> tuple[Any, Path, EngineLearner, StepEvalReply | None]:
     """Train the rlvr step on the engine, fed by the fleet; returns (``RLResult``, the
-    HF export of the final weights, the learner). ``board_placement``: the weight
-    board's actor options (the run's placement group; it reserves no CPU)."""
+    HF export of the final weights, the learner, ``scoring``'s scores from the
+    evaluating rank). ``board_placement``: the weight board's actor options (the run's
+    placement group; it reserves no CPU)."""
     import ray
 
     from stages.post_training.engine_step import run_engine
@@ -380,8 +383,15 @@ def run_rlvr_on_engine(
     thread.start()
     watcher.start()
     try:
-        exported, _, _ = run_engine(
-            tcfg, ctx, stage=stage, base=base, work=work, export_dir=export_dir, cancel_event=stop
+        exported, _, scores = run_engine(
+            tcfg,
+            ctx,
+            stage=stage,
+            base=base,
+            work=work,
+            export_dir=export_dir,
+            cancel_event=stop,
+            scoring=scoring,
         )
     except RunCancelled:
         if "error" in box:
@@ -394,4 +404,4 @@ def run_rlvr_on_engine(
         ray.kill(learner.board, no_restart=True)
     if "error" in box:
         raise box["error"]
-    return box["result"], exported, learner
+    return box["result"], exported, learner, scores

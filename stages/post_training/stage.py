@@ -299,29 +299,6 @@ class PostTrainingStage:
         ctx.emit(MetricsEvent(stage=self.name, step=0, scope=f"{step}.battery", values=scores))
         return (None if decision.passed else decision.summary()), result
 
-    def _driver_battery(
-        self, step: str, exported: Path, tok: Any, rows: list[dict[str, Any]], ctx: StageContext
-    ) -> Any:
-        """The rlvr step's battery, when it names one, on its export loaded here (the
-        sft and dpo batteries run on the evaluating rank)."""
-        from stages.evals import run_battery
-        from stages.post_training.hf_io import load_model
-        from stages.post_training.step_eval import heldout_text
-
-        battery = getattr(self.config.recipe, step).eval.battery
-        if battery is None:
-            return None
-        model = load_model(exported)
-        return run_battery(
-            model,
-            tok,
-            battery,
-            [heldout_text(tok, r) for r in rows],
-            seq_len=int(model.config.max_position_embeddings),
-            phase=f"post_training.{step}",
-            work_dir=ctx.workdir,
-        )
-
     def _run_step(
         self,
         step: str,
@@ -358,9 +335,9 @@ class PostTrainingStage:
             return m, exported, battery
         assert recipe.rlvr is not None
         # The learner's ranks and the rollout workers start from the previous step's
-        # export (or the base): no model in this process.
-        m, exported = self._run_rlvr(recipe.rlvr, ctx, tok, rows, current, out / step)
-        return m, exported, self._driver_battery(step, exported, tok, rows, ctx)
+        # export (or the base), and its battery runs on the evaluating rank: no model
+        # in this process.
+        return self._run_rlvr(recipe.rlvr, ctx, tok, rows, current, out / step)
 
     def _run_rlvr(
         self,
@@ -370,13 +347,17 @@ class PostTrainingStage:
         rows: list[dict[str, Any]],
         init: Path,
         export_dir: Path,
-    ) -> tuple[dict[str, float], Path]:
+    ) -> tuple[dict[str, float], Path, Any]:
         """The rollout fleet on the driver's side, the learner on the engine's replica
-        groups (``stages.post_training.learner``): (gate metrics, the HF export)."""
+        groups (``stages.post_training.learner``): (gate metrics, the HF export, its
+        battery's ``BatteryResult`` or None, scored on the evaluating rank)."""
+        from stages.evals import BatteryResult
+        from stages.post_training.engine_step import write_rows
         from stages.post_training.learner import run_rlvr_on_engine
         from stages.post_training.pools import LocalPool, RayPool
         from stages.post_training.rl import RequestMaker
         from stages.post_training.rollout import RolloutWorker, WorkerSpec
+        from stages.post_training.step_eval import StepEvalRequest
 
         specs = [WorkerSpec.for_recipe(cfg, n, str(init)) for n in range(cfg.rollout_workers)]
         sync: dict[str, Any] = {
@@ -413,8 +394,17 @@ class PostTrainingStage:
                 )
             )
 
+        scoring = None
+        if cfg.eval.battery is not None:
+            scoring = StepEvalRequest(
+                kind="rlvr",
+                rows_path=str(write_rows(rows, ctx.workdir / "rlvr" / "data.jsonl")),
+                base_dir=str(init),
+                battery=cfg.eval.battery,
+                phase=f"{self.name}.rlvr",
+            )
         try:
-            result, exported, _ = run_rlvr_on_engine(
+            result, exported, _, scores = run_rlvr_on_engine(
                 cfg,
                 ctx,
                 stage=self.name,
@@ -427,8 +417,12 @@ class PostTrainingStage:
                 pad_id=int(tok.pad_token_id),
                 on_interruption=interrupted,
                 board_placement=actor_options(ctx.facts),
+                scoring=scoring,
             )
         finally:
             pool.close()
         m = {**result.summary, **reward_gain(result.rewards), "steps": float(result.steps)}
-        return m, exported
+        battery = (
+            BatteryResult.model_validate(scores.battery) if scores and scores.battery else None
+        )
+        return m, exported, battery

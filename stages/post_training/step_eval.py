@@ -23,9 +23,11 @@ from stages.evals.config import EvalRunSettings
 
 
 class StepEvalRequest(BaseModel):
-    """What the evaluating rank scores for a post-training step."""
+    """What the evaluating rank scores for a post-training step. An rlvr step has no
+    before/after scores here (its gate metrics are the rollouts' rewards), only its
+    battery."""
 
-    kind: Literal["sft", "dpo"]
+    kind: Literal["sft", "dpo", "rlvr"]
     rows_path: str  # the step's digest-checked rows, as the private JSONL every rank reads
     base_dir: str  # the HF folder the step started from
     battery: str | None  # the curriculum battery after the step, if the recipe names one
@@ -72,15 +74,18 @@ def evaluate_step(
     from stages.post_training.sft_dpo import step_battery
 
     rows = read_rows(req.rows_path)
-    device = next(model.parameters()).device
-    base = load_model(Path(req.base_dir)).to(device)
-    try:
-        before = step_battery(req.kind, base, tokenizer, rows)
-    finally:
-        del base
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    after = step_battery(req.kind, model, tokenizer, rows)
+    before: dict[str, float] = {}
+    after: dict[str, float] = {}
+    if req.kind != "rlvr":
+        device = next(model.parameters()).device
+        base = load_model(Path(req.base_dir)).to(device)
+        try:
+            before = step_battery(req.kind, base, tokenizer, rows)
+        finally:
+            del base
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        after = step_battery(req.kind, model, tokenizer, rows)
     battery: dict[str, Any] = {}
     if req.battery is not None:
         battery = run_battery(

@@ -157,20 +157,43 @@ def test_a_failed_gate_stops_the_chain(
 
 @pytest.mark.timeout(600)  # a stage run on Ray: a hang bound for a loaded box
 def test_prefix_chain_passes_and_reports_fleet_metrics(
-    ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
+    ray_local: None,
+    tmp_path: Path,
+    tiny_policy: Path,
+    task_files: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import stages.evals
+    from stages.data_prep.config import DataRef
+    from stages.post_training.config import StepBattery
+    from stages.post_training.synthetic import write_task
+
     stage = _stage(tmp_path, tiny_policy, task_files)
     events: list[Any] = []
-    # No rlvr gate here: two steps cannot show a trend (the API test gates on it).
-    stage.config = stage.config.model_copy(
+    # No rlvr gate here: two steps cannot show a trend (the API test gates on it). Its
+    # battery runs on the evaluating rank: this process (the driver) scores nothing. Ten
+    # prompts, so its held-out split fills a window of the policy's context.
+    rl_rows = write_task(tmp_path / "rl-task", rl_numbers=tuple(range(10)))["rlvr"]
+    rlvr = stage.config.recipe.rlvr.model_copy(
         update={
-            "recipe": stage.config.recipe.model_copy(
-                update={"rlvr": stage.config.recipe.rlvr.model_copy(update={"gate": None})}
-            )
+            "gate": None,
+            "eval": StepBattery(battery="smoke"),
+            "data": DataRef.model_validate(data_ref(rl_rows)),
         }
     )
+    stage.config = stage.config.model_copy(
+        update={"recipe": stage.config.recipe.model_copy(update={"rlvr": rlvr})}
+    )
+
+    def no_battery_here(*a: Any, **kw: Any) -> None:
+        raise AssertionError("a battery ran in the driver")
+
+    monkeypatch.setattr(stages.evals, "run_battery", no_battery_here)
     out = stage.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path, emit=events.append))
     assert out.status == "passed", out.reason
+    rl_battery = [e for e in events if getattr(e, "scope", "") == "rlvr.battery"]
+    assert rl_battery and {"heldout_loss", "arith_mc_acc"} <= set(rl_battery[0].values)
+    assert out.artifacts["steps"]["rlvr"]["battery"]["phase"] == "post_training.rlvr"
     assert set(out.artifacts["steps"]) == {"sft", "rlvr"}
     kinds = {(e.kind, getattr(e, "scope", "")) for e in events}
     assert ("metrics", "rlvr") in kinds and ("metrics", "sft") in kinds

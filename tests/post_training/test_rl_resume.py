@@ -114,7 +114,7 @@ def _engine_run(
     ctx = StageContext(run_id="rlvr-relaunch", booking_id="b", workdir=workdir, emit=emit)
     pool = LocalPool([make_worker(i) for i in range(2)])
     try:
-        result, exported, learner = run_rlvr_on_engine(
+        result, exported, learner, _ = run_rlvr_on_engine(
             cfg,
             ctx,
             stage="post_training",

@@ -114,7 +114,7 @@ def test_the_fleet_gets_each_version_from_the_learner_rank_not_the_driver(
         run_id=f"wsync-{path}", booking_id="b", workdir=tmp_path, emit=lambda e: None
     )
     try:
-        result, exported, learner = run_rlvr_on_engine(
+        result, exported, learner, _ = run_rlvr_on_engine(
             cfg,
             ctx,
             stage="post_training",
