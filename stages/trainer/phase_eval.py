@@ -35,6 +35,8 @@ from stages.trainer.config import TrainStageConfig
 if TYPE_CHECKING:  # the driver builds requests here; the ranks import torch
     import torch
 
+    from stages.checkpointing.sealed import SealedCheckpoint
+
 
 class PhaseEvalRequest(BaseModel):
     """What the driver asks the evaluating rank to do at a phase's end."""
@@ -77,13 +79,22 @@ class PhaseEvalReply(BaseModel):
     post_training: StepEvalReply | None = None
 
 
-def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -> Any:
-    """The weights of a complete checkpoint in a fresh model of the phase's shape."""
+def load_phase_model(
+    cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str | SealedCheckpoint
+) -> Any:
+    """The weights of a complete checkpoint (a path, or one whose seal was checked) in
+    a fresh model of the phase's shape."""
     from stages.checkpointing.seal import seal_key
-    from stages.checkpointing.sealed import load_sealed
+    from stages.checkpointing.sealed import SealedCheckpoint
     from stages.presets import load_model_preset
     from stages.trainer.model import build_model, set_rope_theta
 
+    # Only a checkpoint this backend sealed is unpickled (docs/checkpointing.md).
+    sealed = (
+        checkpoint
+        if isinstance(checkpoint, SealedCheckpoint)
+        else SealedCheckpoint(Path(checkpoint), seal_key())
+    )
     model = build_model(
         load_model_preset(cfg.model.preset),
         seed=cfg.target.seed,
@@ -93,14 +104,13 @@ def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -
         set_rope_theta(model, phase.rope_theta)
     sd = model.state_dict()
     try:
-        # Only a checkpoint this backend sealed is unpickled (docs/checkpointing.md).
-        load_sealed({"train": {"model": sd}}, Path(checkpoint), seal_key())
+        sealed.load({"train": {"model": sd}})
     except ItoError:
         raise
     except Exception as e:
         raise ItoError(
             ErrorCode.checkpoint_corrupt,
-            f"phase {phase.name}: checkpoint {Path(checkpoint).name} could not "
+            f"phase {phase.name}: checkpoint {sealed.path.name} could not "
             f"be loaded for evaluation: {type(e).__name__}",
         ) from e
     model.load_state_dict(sd)
@@ -108,11 +118,11 @@ def load_phase_model(cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str) -
     return model
 
 
-def export_phase(req: PhaseEvalRequest, cfg: TrainStageConfig, tokenizer: Any) -> Path:
+def export_phase(
+    req: PhaseEvalRequest, cfg: TrainStageConfig, tokenizer: Any, sealed: SealedCheckpoint
+) -> Path:
     """The phase's HF export, streamed from its closing checkpoint (the same weights
     whether this rank's model is live or laid out over several ranks)."""
-    from stages.checkpointing.seal import seal_key
-    from stages.checkpointing.sealed import SealedCheckpoint
     from stages.hf.export import export_hf_from_checkpoint
     from stages.presets import load_model_preset
     from stages.trainer.model import model_config, set_config_rope_theta
@@ -123,11 +133,7 @@ def export_phase(req: PhaseEvalRequest, cfg: TrainStageConfig, tokenizer: Any) -
     if req.phase.rope_theta is not None:
         set_config_rope_theta(config, req.phase.rope_theta)
     return export_hf_from_checkpoint(
-        SealedCheckpoint(Path(req.checkpoint), seal_key()),
-        config,
-        tokenizer,
-        Path(req.export_dir),
-        metadata=req.metadata,
+        sealed, config, tokenizer, Path(req.export_dir), metadata=req.metadata
     )
 
 
@@ -138,17 +144,21 @@ def evaluate_on_rank(
     exported: ``result`` is empty), a post-training step's own scores, and write its HF
     export; ``live`` is this rank's whole model when it can serve (see the module
     docstring), else None."""
+    from stages.checkpointing.seal import seal_key
+    from stages.checkpointing.sealed import SealedCheckpoint
     from stages.evals import run_battery
     from stages.hf import load_tokenizer
 
     tokenizer = load_tokenizer(req.tokenizer_dir)
+    # The seal is checked once (it reads every file): for the export and, on a rank
+    # without a whole live model, for the model the battery scores.
+    sealed = SealedCheckpoint(Path(req.checkpoint), seal_key())
     result: dict[str, Any] = {}
     step: StepEvalReply | None = None
     if req.phase.eval_battery is None and req.post_training is None:
-        return PhaseEvalReply(
-            result=result, export=str(export_phase(req, cfg, tokenizer)), live_model=False
-        )
-    model = live if live is not None else load_phase_model(cfg, req.phase, req.checkpoint)
+        export = export_phase(req, cfg, tokenizer, sealed)
+        return PhaseEvalReply(result=result, export=str(export), live_model=False)
+    model = live if live is not None else load_phase_model(cfg, req.phase, sealed)
     was_training = model.training
     try:
         if req.phase.eval_battery is not None:
@@ -164,7 +174,7 @@ def evaluate_on_rank(
                 work_dir=Path(req.work_dir),
                 heldout_sums=req.heldout_sums,
             ).model_dump(mode="json")
-        export = export_phase(req, cfg, tokenizer)
+        export = export_phase(req, cfg, tokenizer, sealed)
         if req.post_training is not None:
             step = evaluate_step(
                 req.post_training,
