@@ -48,7 +48,9 @@ def task_buckets(jobs: list[ArmJob], cfg: LadderProbeConfig) -> list[list[ArmJob
     """The proxies each task trains in turn. A CUDA probe gives every proxy a task and a
     GPU of its own, all at once; on CPU the host is one device, and one process trains
     them all (imports and model build paid once, not per proxy)."""
-    return [[j] for j in jobs] if cfg.device == "cuda" else [list(jobs)] if jobs else []
+    if not jobs:
+        return []
+    return [[j] for j in jobs] if cfg.device == "cuda" else [list(jobs)]
 
 
 def ray_runner(facts: Mapping[str, Any], cancelled: Callable[[], bool]) -> ArmRunner:
