@@ -79,6 +79,9 @@ def run_tasks(
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    from stages.hf.view import as_hf
+
+    model = as_hf(model)  # HFLM needs transformers' class; the view shares the weights
     names = [materialise(t, include_dir) for t in task_yamls]
     for name in ("lm-eval", "lm_eval"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -78,17 +78,19 @@ def export_hf(
     *,
     metadata: dict[str, Any] | None = None,
 ) -> Path:
-    """``save_pretrained`` the model (safetensors) and the tokenizer into ``out_dir``."""
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError("export_hf needs a transformers PreTrainedModel")
+    """``save_pretrained`` the model (safetensors) and the tokenizer into ``out_dir``
+    (the repo's Llama through its HF view, ``stages.hf.view``)."""
+    from stages.hf.view import as_hf
+
+    hf: PreTrainedModel = as_hf(model)
     with _published(out_dir, metadata) as tmp:
-        was_training = model.training
-        model.eval()
+        was_training = hf.training
+        hf.eval()
         try:
-            model.save_pretrained(str(tmp), safe_serialization=True)
+            hf.save_pretrained(str(tmp), safe_serialization=True)
             tokenizer.save_pretrained(str(tmp))
         finally:
-            model.train(was_training)
+            hf.train(was_training)
     return Path(out_dir)
 
 

@@ -10,7 +10,7 @@ predicts (tensor bytes), not RSS: no allocator caching, library or interpreter
 noise, and it is exact to the byte, so a 20% tolerance tests the model, not noise.
 
 ``apply_activation_checkpointing`` is also the one way this repo turns recompute on
-for the Hugging Face Llama that ``stages.trainer.model.build_model`` returns.
+for the Llama that ``stages.trainer.model.build_model`` returns.
 """
 
 from __future__ import annotations
@@ -50,10 +50,14 @@ def apply_activation_checkpointing(model: Any, mode: ActivationCheckpointing) ->
     layer in the backward; ``selective`` keeps matmul and attention outputs too."""
     if mode == "none":
         return
+    from torch.utils.checkpoint import checkpoint
+
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if mode == "selective":
         kwargs["context_fn"] = _selective_context
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    for layer in model.model.layers:  # stages.trainer.llama.DecoderLayer's recompute hook
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = functools.partial(checkpoint, **kwargs)
 
 
 def _live_bytes(tensors: Any) -> int:

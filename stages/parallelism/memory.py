@@ -6,8 +6,8 @@ moments (8 B), all sharded over ``dp_shard x cp`` (torchtitan folds CP into the 
 mesh); TP and PP split the layers first.
 
 Activations are counted the way Korthikanti et al. count them (the tensors autograd
-saves), but for the model this repo trains (``stages.trainer.model``: Hugging Face
-Llama with SDPA/flash attention, SwiGLU MLP, RMSNorm, GQA), so there is no s^2
+saves), but for the model this repo trains (``stages.trainer.llama``: Hugging Face's
+Llama op for op, with SDPA/flash attention, SwiGLU MLP, RMSNorm, GQA), so there is no s^2
 attention term. Per decoder layer and token, with compute dtype of ``b`` bytes:
 
 * each RMSNorm saves its fp32 input and the normalised tensor in ``b``: (4 + b) h;

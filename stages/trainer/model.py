@@ -1,4 +1,5 @@
-"""Decoder-only LMs from presets (random init) or a local HF checkpoint folder."""
+"""Decoder-only LMs from presets (random init) or a local HF checkpoint folder: the
+repo's own Llama (``stages.trainer.llama``), with HF's names and numerics."""
 
 from __future__ import annotations
 
@@ -7,42 +8,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from stages.presets import ModelPreset
-
-
-def llama_config(preset: ModelPreset) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=preset.vocab_size,
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        num_hidden_layers=preset.num_hidden_layers,
-        num_attention_heads=preset.num_attention_heads,
-        num_key_value_heads=preset.num_key_value_heads,
-        max_position_embeddings=preset.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta},
-        tie_word_embeddings=preset.tie_word_embeddings,
-        use_cache=False,
-    )
+from stages.trainer.llama import Llama, LlamaArgs, RotaryEmbedding, load_hf_folder
 
 
 def build_model(
     preset: ModelPreset, *, seed: int = 0, checkpoint_path: str | Path | None = None
-) -> LlamaForCausalLM:
+) -> Llama:
     """Random-init from the preset with a fixed seed, or load a local HF folder."""
     if checkpoint_path is not None:
-        # fp32 master weights whatever dtype the folder was saved in (the layout's
-        # precision decides what the compute runs in).
-        return LlamaForCausalLM.from_pretrained(
-            str(checkpoint_path), local_files_only=True, dtype=torch.float32
-        )
-    if preset.num_experts:
-        raise ValueError(f"preset {preset.name} is MoE; only dense Llama is buildable here")
+        return load_hf_folder(checkpoint_path)
     torch.manual_seed(seed)
-    config = llama_config(preset)
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
+    return Llama(LlamaArgs.from_preset(preset))
 
 
 def causal_lm_loss(
@@ -58,15 +36,26 @@ def causal_lm_loss(
     )
 
 
+def llama_config(preset: ModelPreset) -> Any:
+    """The transformers ``LlamaConfig`` of the preset (imports transformers)."""
+    return hf_config(LlamaArgs.from_preset(preset))
+
+
+def hf_config(args: LlamaArgs) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**args.hf_dict(), use_cache=False)
+
+
 def set_config_rope_theta(config: Any, theta: float) -> None:
-    """Set the RoPE base a model of ``config`` is built with (and exported with)."""
+    """Set the RoPE base of a transformers config (the one an export is written with)."""
     params = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default"})
     params["rope_theta"] = float(theta)
     config.rope_parameters = params
 
 
 def model_config(preset: ModelPreset, *, checkpoint_path: str | Path | None = None) -> Any:
-    """The config ``build_model`` builds from, without building anything."""
+    """The transformers config of what ``build_model`` builds, without building it."""
     if checkpoint_path is None:
         return llama_config(preset)
     from transformers import AutoConfig
@@ -75,10 +64,11 @@ def model_config(preset: ModelPreset, *, checkpoint_path: str | Path | None = No
 
 
 def set_rope_theta(model: torch.nn.Module, theta: float) -> None:
-    """Set the RoPE base of a built Llama (config and the cached inverse frequencies),
-    so a longer-context phase trains with a scaled base and an HF export keeps it."""
-    config: Any = model.config
-    set_config_rope_theta(config, theta)
-    inner: Any = getattr(model, "model", model)
-    rotary = inner.rotary_emb
-    inner.rotary_emb = type(rotary)(config=config).to(next(model.parameters()).device)
+    """Set the RoPE base of a built model (its config and inverse frequencies), so a
+    longer-context phase trains with a scaled base and its export keeps it."""
+    config = getattr(model, "config", None)
+    if isinstance(config, LlamaArgs):
+        config.rope_theta = float(theta)
+    for m in model.modules():  # a pipeline chunk holds the rotary module, not the config
+        if isinstance(m, RotaryEmbedding):
+            m.set_theta(theta)

@@ -217,13 +217,16 @@ def test_run_tasks_scores_what_lm_evals_simple_evaluate_scores(
     lm: tuple[Any, Any], tmp_path: Path
 ) -> None:
     """``run_tasks`` calls lm-eval's ``evaluate`` with ``simple_evaluate``'s seeding and
-    task set-up (without its host report): every metric must come out the same."""
+    task set-up (without its host report) on the repo's Llama: every metric must come
+    out as ``simple_evaluate`` scores transformers' own model of the same weights."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM
 
     from stages.evals.config import evals_dir
     from stages.evals.harness import materialise, run_tasks
+    from stages.hf import export_hf
 
     model, tok = lm
     yamls = [evals_dir() / "smoke/ito_smoke_mc.yaml", evals_dir() / "smoke/ito_smoke_gsm8k.yaml"]
@@ -231,9 +234,11 @@ def test_run_tasks_scores_what_lm_evals_simple_evaluate_scores(
         model, tok, yamls, include_dir=tmp_path / "ours", max_length=64, limit=6, seed=3
     )
     names = [materialise(t, tmp_path / "ref") for t in yamls]
-    model.eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(export_hf(model, tok, tmp_path / "hf")), local_files_only=True
+    ).eval()
     ref = lm_eval.simple_evaluate(
-        model=HFLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=8, max_length=64),
+        model=HFLM(pretrained=hf, tokenizer=tok, device="cpu", batch_size=8, max_length=64),
         tasks=names,
         limit=6,
         log_samples=False,
