@@ -118,7 +118,9 @@ def _figures(events: list[dict[str, Any]], accepted_at: float) -> dict[str, Any]
     }
 
 
-def run_preset(preset: str, var_dir: Path, max_steps: int | None = None) -> dict[str, Any]:
+def run_preset(
+    preset: str, var_dir: Path, max_steps: int | None = None, ladder_tokens: int | None = None
+) -> dict[str, Any]:
     if var_dir.exists():
         ray_cluster.stop_local_head(var_dir / "server")
         shutil.rmtree(var_dir)
@@ -127,11 +129,15 @@ def run_preset(preset: str, var_dir: Path, max_steps: int | None = None) -> dict
     # pipeline's (phase switches, and a driver that must not grow with the model).
     setup = demo.prepare(var_dir, preset=preset, post_training=False)
     db, env, port, manifest = setup.db, setup.env, setup.port, setup.manifest
-    if max_steps is not None:  # a shorter run of the same pipeline (the CI smoke size)
-        doc = json.loads(manifest.read_text())
+    # A shorter run of the same pipeline (the CI smoke size).
+    doc = json.loads(manifest.read_text())
+    if max_steps is not None:
         doc["training"]["max_steps"] = max_steps
         doc["training"]["warmup_steps"] = min(doc["training"]["warmup_steps"], max_steps // 2)
-        manifest.write_text(json.dumps(doc, indent=2))
+    if ladder_tokens is not None:
+        probe = doc["data"]["ladder_probe"]
+        probe.update({"enabled": False} if ladder_tokens == 0 else {"token_budget": ladder_tokens})
+    manifest.write_text(json.dumps(doc, indent=2))
 
     server = demo._start_server(env, db, var_dir, port)
     sampler = _RssSampler(ray_cluster.ray_temp_dir(var_dir / "server"))
@@ -188,13 +194,24 @@ def main(argv: list[str] | None = None) -> int:
         help="override the demo's 60 steps (the CI smoke size)",
     )
     parser.add_argument(
+        "--ladder-tokens",
+        type=int,
+        default=None,
+        help="override the demo's ladder-probe token budget per proxy; 0 turns the "
+        "probe off (the CI smoke size)",
+    )
+    parser.add_argument(
         "--var-dir", type=Path, default=Path(tempfile.gettempdir()) / "ito-bench-pipeline"
     )
     args = parser.parse_args(argv)
     results: list[dict[str, Any]] = []
     for preset in args.presets:
         try:
-            results.append(run_preset(preset, args.var_dir.resolve() / preset, args.max_steps))
+            results.append(
+                run_preset(
+                    preset, args.var_dir.resolve() / preset, args.max_steps, args.ladder_tokens
+                )
+            )
         except (Exception, SystemExit) as e:  # one preset's failure still reports the other
             results.append(
                 {

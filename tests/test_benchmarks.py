@@ -115,7 +115,7 @@ CASES: dict[str, tuple[list[str], set[str], bool]] = {
         True,
     ),
     "pipeline.py": (
-        ["--presets", "llama-tiny", "--max-steps", "8"],
+        ["--presets", "llama-tiny", "--max-steps", "8", "--ladder-tokens", "0"],
         {"presets", "driver_rss_growth"},
         True,
     ),

@@ -21,9 +21,9 @@ from stages.trainer.layout import ParallelLayout
 
 
 class StageModule(nn.Module):
-    """Decoder layers ``[start, end)`` of the Llama (``stages.trainer.llama``), with the embedding if
-    first and the final norm and head if last. Forward: token ids (first) or hidden
-    states in, hidden states or logits out."""
+    """Decoder layers ``[start, end)`` of the Llama (``stages.trainer.llama``), with
+    the embedding if first and the final norm and head if last. Forward: token ids
+    (first) or hidden states in, hidden states or logits out."""
 
     def __init__(self, full: nn.Module, start: int, end: int, *, first: bool, last: bool):
         super().__init__()
