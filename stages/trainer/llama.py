@@ -14,7 +14,7 @@ this backend are. A Hugging Face folder with anything else is refused with a cod
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -56,17 +56,8 @@ class LlamaArgs:
     def from_preset(cls, preset: ModelPreset) -> LlamaArgs:
         if preset.num_experts:
             raise ValueError(f"preset {preset.name} is MoE; only dense Llama is buildable here")
-        return cls(
-            vocab_size=preset.vocab_size,
-            hidden_size=preset.hidden_size,
-            intermediate_size=preset.intermediate_size,
-            num_hidden_layers=preset.num_hidden_layers,
-            num_attention_heads=preset.num_attention_heads,
-            num_key_value_heads=preset.num_key_value_heads,
-            max_position_embeddings=preset.max_position_embeddings,
-            rope_theta=preset.rope_theta,
-            tie_word_embeddings=preset.tie_word_embeddings,
-        )
+        shape = {f.name for f in fields(cls)} & set(type(preset).model_fields)
+        return cls(**preset.model_dump(include=shape))
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> LlamaArgs:
