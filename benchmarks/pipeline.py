@@ -16,7 +16,8 @@ the run's stored events and ``ito metrics``, reports:
 ``driver_rss_growth`` is the larger preset's driver peak over the smaller's: a driver
 that materialises the model grows with it. One JSON line on stdout.
 
-    python -m benchmarks.pipeline [--presets llama-tiny llama-small] [--var-dir DIR]
+    python -m benchmarks.pipeline [--presets llama-tiny llama-small] [--max-steps N]
+        [--ladder-tokens N] [--var-dir DIR]
 """
 
 from __future__ import annotations
