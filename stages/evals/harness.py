@@ -49,9 +49,10 @@ def materialise(task_yaml: Path, include_dir: Path) -> str:
 
 
 def preload(*, tasks: bool = True) -> None:
-    """Import the run's tokenizer and (``tasks``) lm-evaluation-harness ahead of the
-    first battery (seconds on a loaded host: a trainer rank does it while it waits for
-    the run's data, not at the first phase's end, where the whole fleet would wait)."""
+    """Import the run's tokenizer and (``tasks``) lm-evaluation-harness and the HF
+    model class its ``HFLM`` is handed (``stages.hf.view``) ahead of the first battery
+    (seconds on a loaded host: a trainer rank does it while it waits for the run's
+    data, not at the first phase's end, where the whole fleet would wait)."""
     import stages.hf.tokenizer  # noqa: F401
 
     if not tasks:
@@ -61,6 +62,7 @@ def preload(*, tasks: bool = True) -> None:
     import lm_eval  # noqa: F401
     from lm_eval.models.huggingface import HFLM  # noqa: F401
     from lm_eval.tasks import TaskManager  # noqa: F401
+    from transformers import LlamaForCausalLM  # noqa: F401
 
 
 def run_tasks(
