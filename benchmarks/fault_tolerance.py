@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ranks-per-group",
         type=int,
         default=1,
-        help="ranks per replica group (> 1: FSDP2 inside the group, no spares)",
+        help="ranks per replica group (> 1: FSDP2 inside the group; a standby group has as many)",
     )
     p.add_argument(
         "--restart-kills",
@@ -162,16 +162,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--warmup-steps must be >= 2 (one step gap) and --settle-steps >= 1")
     if args.spares is None:
         args.spares = recovery(args).spare_groups
-    if args.ranks_per_group > 1 and args.spares:
-        p.error("spares replace single-rank groups only: use --spares 0")
     return args
 
 
 def recovery(args: argparse.Namespace) -> RecoveryConfig:
     """The production recovery configuration of a one-node booking of this shape."""
     return production_recovery(
-        {"node_count": 1, "gpus_per_node": args.groups * args.ranks_per_group},
-        ranks_per_group=args.ranks_per_group,
+        {"node_count": 1, "gpus_per_node": args.groups * args.ranks_per_group}
     )
 
 

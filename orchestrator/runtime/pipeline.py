@@ -76,9 +76,7 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
             "parallel": layout_from_plan(plan).model_dump(mode="json"),
             "device": spec.facts.get("device", "cpu"),
             # Warm standbys and FT timeouts: the configuration the benchmark measures.
-            **production_recovery(
-                spec.facts.get("booking") or {}, ranks_per_group=ranks
-            ).train_fields(),
+            **production_recovery(spec.facts.get("booking") or {}).train_fields(),
         }
         from orchestrator.gates.curriculum import curriculum_plan
 

@@ -235,8 +235,8 @@ class TrainStageConfig(StrictModel):
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     replica_groups: int = Field(default=2, ge=1, le=64)
     ranks_per_group: int = Field(default=1, ge=1, le=64)
-    # Pre-started, warmed-up spare groups: one takes a lost group's place at once
-    # (process start-up is most of the resume time). Single-rank groups only.
+    # Pre-started, warmed-up standby groups (each of ``ranks_per_group`` ranks): one
+    # takes a lost group's place at once (process start-up is most of the resume time).
     spare_groups: int = Field(default=0, ge=0, le=8)
     device: Literal["cpu", "cuda"] = "cpu"
     # jsonl files with a "text" field; empty: ctx.previous["data_prep"] artifacts.

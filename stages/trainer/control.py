@@ -27,6 +27,9 @@ class WorkerSpec:
     # Rank 0 of a multi-rank group hosts the group's TCPStore; others get it here.
     store_addr: str = "127.0.0.1"
     store_port: int = 0
+    # A standby's group of standbys (``replica_group`` is -1 until it is activated):
+    # its ranks form one group, around the store its rank 0 hosts.
+    standby_index: int | None = None
 
 
 @dataclass

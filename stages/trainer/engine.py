@@ -105,6 +105,8 @@ class TrainingEngine:
         self.spares: dict[str, Any] = {}
         self._spare_pending: dict[str, Any] = {}
         self._spares_ready: set[str] = set()
+        # Standby group index -> its ranks' actor names, while it is a standby.
+        self._standby_groups: dict[int, list[str]] = {}
         self._spares_made = 0
         self._lh_addr = ""
         # step -> tokens of its last committed report: every group's rank 0 reports the
@@ -191,7 +193,9 @@ class TrainingEngine:
             )
         )
 
-    def _make_worker(self, name: str, group: int, rank: int) -> Any:
+    def _make_worker(
+        self, name: str, group: int, rank: int, standby_index: int | None = None
+    ) -> Any:
         import ray
 
         spec = WorkerSpec(
@@ -201,6 +205,7 @@ class TrainingEngine:
             config=self.cfg,
             lighthouse_addr=self._lh_addr,
             checkpoint_dir=str(self.checkpoint_dir),
+            standby_index=standby_index,
         )
         world = self.cfg.replica_groups * self.cfg.ranks_per_group
         index = (
@@ -225,27 +230,42 @@ class TrainingEngine:
         )
 
     def _start_spare(self) -> None:
-        name = spare_name(self.run_id, self._spares_made)
+        """Start one standby group: as many standby ranks as a replica group has."""
+        index = self._spares_made
         self._spares_made += 1
-        self.spares[name] = self._make_worker(name, -1, 0)
+        names = [spare_name(self.run_id, index, r) for r in range(self.cfg.ranks_per_group)]
+        self._standby_groups[index] = names
+        for r, name in enumerate(names):
+            self.spares[name] = self._make_worker(name, -1, r, standby_index=index)
 
     def _promote_spare(self, key: tuple[int, int]) -> bool:
-        """Put a warm spare in the place of lost group ``key[0]`` (single-rank groups)."""
+        """Put a warm standby group in the place of lost group ``key[0]``: every rank of
+        the lost group is replaced (a multi-rank group is one failure unit, so its
+        survivors go too), and the standby's ranks form the group's process group
+        around their own store. False: no standby group is warm."""
         import ray
 
-        if self.cfg.ranks_per_group != 1 or not self._spares_ready:
+        warm = [i for i, names in self._standby_groups.items() if self._spares_ready >= set(names)]
+        if not warm:
             return False
-        name = sorted(self._spares_ready)[0]
-        self._spares_ready.discard(name)
-        self._spare_pending.pop(name, None)
-        spare = self.spares.pop(name)
-        # The dead actor would be restarted by Ray as a second copy of the group.
-        with contextlib.suppress(Exception):
-            ray.kill(self.actors[key], no_restart=True)
-        self._pending.pop(key, None)
-        self.actors[key] = spare
-        spare.command.remote("activate", {"group": key[0]})
-        self.emit(LogEvent(message=f"spare {name} takes the place of replica group {key[0]}"))
+        index = min(warm)
+        names = self._standby_groups.pop(index)
+        group = key[0]
+        for rank, name in enumerate(names):
+            self._spares_ready.discard(name)
+            self._spare_pending.pop(name, None)
+            spare = self.spares.pop(name)
+            # The lost group's actors would be restarted by Ray as a second copy of it.
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors[(group, rank)], no_restart=True)
+            self._pending.pop((group, rank), None)
+            # The dead processes' pids must not be found dead again once it recovered.
+            self._pids.pop((group, rank), None)
+            self.actors[(group, rank)] = spare
+            spare.command.remote("activate", {"group": group})
+        self.emit(
+            LogEvent(message=f"spare {', '.join(names)} takes the place of replica group {group}")
+        )
         self._start_spare()
         return True
 
@@ -339,12 +359,15 @@ class TrainingEngine:
             )
             if all(g.lost_at is not None and not g.finished for g in self.groups):
                 self._all_lost_at = min(g.lost_at or now for g in self.groups)
-            if self.cfg.ranks_per_group > 1:
-                self._restart_group(key)
             if self._promote_spare(key):
                 grp.pid = None
                 grp.restarts += 1
                 grp.lost_since_poll_fail = None
+            elif self.cfg.ranks_per_group > 1:
+                self._restart_group(key)
+            # A survivor rank of the lost group may have reported its failed collective:
+            # that error died with the processes being replaced.
+            grp.error = None
 
     def _on_reply(self, key: tuple[int, int], reply: dict[str, Any], now: float) -> None:
         g, rank = key

@@ -15,19 +15,24 @@ KILL_LOOKUP_TIMEOUT_S = 10.0
 
 
 def kill_replica_group(
-    run_id: str, group: int, *, namespace: str | None = None
+    run_id: str, group: int, *, ranks: list[int] | None = None, namespace: str | None = None
 ) -> tuple[float, list[int]]:
     """SIGKILL every worker process that is now replica group ``group`` of the run
-    (a real crash, for tests and benchmarks; the actors must run on this host).
-    Spares that took a group's place are found too. Returns (kill time, pids)."""
-    return kill_replica_groups(run_id, [group], namespace=namespace)
+    (only its ``ranks`` when given), a real crash, for tests and benchmarks; the actors
+    must run on this host. Spares that took a group's place are found too. Returns
+    (kill time, pids)."""
+    return kill_replica_groups(run_id, [group], ranks=ranks, namespace=namespace)
 
 
 def kill_replica_groups(
-    run_id: str, groups: list[int], *, namespace: str | None = None
+    run_id: str,
+    groups: list[int],
+    *,
+    ranks: list[int] | None = None,
+    namespace: str | None = None,
 ) -> tuple[float, list[int]]:
     """``kill_replica_group`` for several groups at the same instant."""
-    pids = replica_group_pids(run_id, groups, namespace=namespace)
+    pids = replica_group_pids(run_id, groups, ranks=ranks, namespace=namespace)
     t = time.time()
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
@@ -35,9 +40,14 @@ def kill_replica_groups(
 
 
 def replica_group_pids(
-    run_id: str, groups: list[int] | None = None, *, namespace: str | None = None
+    run_id: str,
+    groups: list[int] | None = None,
+    *,
+    ranks: list[int] | None = None,
+    namespace: str | None = None,
 ) -> list[int]:
-    """The worker pids of the run's live trainer actors in ``groups`` (all if None)."""
+    """The worker pids of the run's live trainer actors in ``groups`` (all if None),
+    only their ``ranks`` when given."""
     import ray
 
     names = [
@@ -57,6 +67,8 @@ def replica_group_pids(
             ident = ray.get(ref, timeout=0)
         except Exception:
             continue
-        if groups is None or ident["group"] in groups:
+        if (groups is None or ident["group"] in groups) and (
+            ranks is None or ident["rank"] in ranks
+        ):
             pids.append(int(ident["pid"]))
     return pids

@@ -21,9 +21,10 @@ from pydantic import Field
 from stages.base import StrictModel
 from stages.trainer.config import FaultToleranceConfig
 
-# Warm standby processes each node of a booking keeps ready (imports done, model
-# built, optimizer constructed, one warm-up step run): a lost rank's place is taken
-# at once instead of waiting for Ray to start, import and build a new process.
+# Warm standby groups each node of a booking keeps ready (imports done, model built,
+# one warm-up step run; a standby group has as many ranks as a replica group): a lost
+# group's place is taken at once instead of waiting for Ray to start, import and
+# build new processes.
 STANDBYS_PER_NODE = 1
 
 
@@ -47,20 +48,15 @@ class RecoveryConfig(StrictModel):
 
 
 def production_recovery(
-    booking: Mapping[str, Any],
-    *,
-    ranks_per_group: int = 1,
-    standbys_per_node: int = STANDBYS_PER_NODE,
+    booking: Mapping[str, Any], *, standbys_per_node: int = STANDBYS_PER_NODE
 ) -> RecoveryConfig:
-    """The recovery configuration of a run on ``booking`` (its ``node_count``) whose
-    replica groups have ``ranks_per_group`` ranks.
+    """The recovery configuration of a run on ``booking`` (its ``node_count``).
 
-    A standby replaces a single-rank group only: a multi-rank group's lost rank is
-    restarted by Ray with the rest of its group, so no standby is kept for it."""
+    A multi-rank group is one failure unit: when one of its ranks dies, a standby
+    group (as many ranks as the replica group) takes the whole group's place, or,
+    with none warm, Ray restarts the group's ranks."""
     nodes = max(1, int(booking.get("node_count") or 1))
-    return RecoveryConfig(
-        standbys_per_node=standbys_per_node if ranks_per_group == 1 else 0, nodes=nodes
-    )
+    return RecoveryConfig(standbys_per_node=standbys_per_node, nodes=nodes)
 
 
 def failure_times(pids: list[int]) -> dict[int, float]:

@@ -27,8 +27,9 @@ def worker_name(run_id: str, group: int, rank: int) -> str:
     return f"run-{run_id}-trainer-rg{group}-rank{rank}"
 
 
-def spare_name(run_id: str, index: int) -> str:
-    return f"run-{run_id}-trainer-spare{index}-rank0"
+def spare_name(run_id: str, index: int, rank: int = 0) -> str:
+    """Rank ``rank`` of standby group ``index`` (as many ranks as a replica group)."""
+    return f"run-{run_id}-trainer-spare{index}-rank{rank}"
 
 
 def trainer_prefix(run_id: str) -> str:
@@ -93,7 +94,13 @@ class ReplicaWorker:
             self.store = TCPStore(spec.store_addr, 0, is_master=True, wait_for_workers=False)
             spec.store_port = self.store.port
             return
-        rank0 = ray.get_actor(worker_name(spec.run_id, spec.replica_group, 0))
+        # A standby's rank 0 is its standby group's (Ray restarts a standby that took a
+        # group's place as the standby it was created as).
+        rank0 = ray.get_actor(
+            worker_name(spec.run_id, spec.replica_group, 0)
+            if spec.standby_index is None
+            else spare_name(spec.run_id, spec.standby_index, 0)
+        )
         ref: Any = rank0.store_address.remote()
         addr, port = ray.get(ref, timeout=spec.config.fault_tolerance.actor_ready_timeout_s)
         spec.store_addr, spec.store_port = str(addr), int(port)

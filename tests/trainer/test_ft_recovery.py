@@ -52,11 +52,7 @@ def _data(path: Path) -> Path:
 def _config(tmp: Path, *, standbys: int = STANDBYS_PER_NODE, **kw: object) -> TrainStageConfig:
     """The production recovery configuration of a one-node booking (``standbys`` warm
     standbys) around a paced llama-tiny run."""
-    ranks = kw.get("ranks_per_group", 1)
-    assert isinstance(ranks, int)
-    recovery = production_recovery(
-        {"node_count": 1}, ranks_per_group=ranks, standbys_per_node=standbys
-    )
+    recovery = production_recovery({"node_count": 1}, standbys_per_node=standbys)
     base: dict[str, object] = dict(
         **recovery.train_fields(),
         model=ModelSpec(preset="llama-tiny", size="0.1M"),

@@ -1,8 +1,9 @@
-"""torchft heals a tensor-parallel replica group from a peer group with the same
-layout, and the stage reports the layout the workers built.
+"""A warm standby group takes the place of a tensor-parallel replica group that lost
+a rank, torchft heals it from the peer group with the same layout (no checkpoint
+read), and the stage reports the layout the workers built.
 
-Real Ray actors (2 replica groups x 2 TP ranks), torchft's lighthouse and Managers,
-gloo, DTensor TP, and a SIGKILL of group 1's processes.
+Real Ray actors (2 replica groups x 2 TP ranks, a standby group of 2 ranks), torchft's
+lighthouse and Managers, gloo, DTensor TP, and a SIGKILL of one rank of group 1.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.events import InterruptionEvent, StepEvent
+from stages.checkpointing.storage import read_log
+from stages.events import CheckpointEvent, InterruptionEvent, LogEvent, StepEvent
 from stages.trainer.layout import ParallelLayout
 from tests.trainer.test_ft_recovery import Run, _config
 
@@ -19,15 +21,14 @@ from tests.trainer.test_ft_recovery import Run, _config
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_tp2_group_heals_from_a_tp2_peer_and_both_end_equal(
+def test_a_standby_group_takes_a_tp2_groups_place_and_both_end_equal(
     ray_local: None, tmp_path: Path
 ) -> None:
     from stages.trainer import kill_replica_group
     from stages.trainer.config import TrainingTarget
 
-    # 150 paced steps: the survivor must still be training when the killed group is
-    # back (Ray restart + imports + model build), or there is nobody to heal from.
-
+    # 150 paced steps: the survivor must still be training when the standby group
+    # joins, or there is nobody to heal from.
     plan = ParallelLayout(tp=2, dp_shard=1)
     cfg = _config(
         tmp_path,
@@ -36,6 +37,7 @@ def test_tp2_group_heals_from_a_tp2_peer_and_both_end_equal(
         worker_num_cpus=0.25,
         target=TrainingTarget(max_steps=150, seq_len=32, global_batch_tokens=256, warmup_steps=5),
     )
+    assert cfg.spare_groups == 1  # the production default: one standby group per node
     with Run(cfg, tmp_path, "tpheal") as run:
         run.wait_for(
             lambda e: (
@@ -43,22 +45,44 @@ def test_tp2_group_heals_from_a_tp2_peer_and_both_end_equal(
             ),
             "10 steps in the full quorum",
         )
-        killed_at, pids = kill_replica_group("tpheal", 1)
-        assert len(pids) == 2  # both TP ranks of the group
+        run.wait_for(lambda e: isinstance(e, CheckpointEvent), "a checkpoint to reload from")
+        warm = [
+            run.wait_for(
+                lambda e, r=r: (
+                    isinstance(e, LogEvent) and e.message == f"standby {_standby(r)} is warm"
+                ),
+                f"standby rank {r} warm",
+            )
+            for r in range(2)
+        ]
+        assert len(warm) == 2
+        # One rank dies; its group is one failure unit.
+        killed_at, pids = kill_replica_group("tpheal", 1, ranks=[1])
+        assert len(pids) == 1
+        took = run.wait_for(
+            lambda e: (
+                isinstance(e, LogEvent) and e.message.endswith("takes the place of replica group 1")
+            ),
+            "the standby group takes group 1's place",
+        )
+        assert took.ts > killed_at and all(_standby(r) in took.message for r in range(2))
         # Emitted once group 1 healed from its live peer and trains again.
         healed = run.wait_for(
             lambda e: (
                 isinstance(e, InterruptionEvent)
                 and e.interruption_kind == "replica_group_lost"
+                and e.replica_group == 1
                 and e.recovered_at is not None
             ),
             "recovery",
         )
         out = run.join()
     assert out.status == "passed", out.reason
-    assert healed.replica_group == 1 and healed.detected_at >= killed_at - 1.0
+    assert healed.detected_at >= killed_at - 1.0
     after = [e for e in run.steps(1) if e.committed and e.ts > healed.recovered_at]
     assert any(e.quorum_size == 2 for e in after), "group 1 never rejoined the full quorum"
+    # Healed from the peer: the storage recorded no checkpoint read after the kill.
+    assert not [r for r in read_log(out.artifacts["checkpoint_dir"]) if r.at > killed_at]
     # Each TP rank's shard is identical across the two groups after the heal.
     digests = out.artifacts["rank_digests"]
     assert set(digests) == {"0/0", "0/1", "1/0", "1/1"}
@@ -69,3 +93,9 @@ def test_tp2_group_heals_from_a_tp2_peer_and_both_end_equal(
     assert {k: built[k] for k in ("pp", "dp_shard", "cp", "tp")} == plan.resolved(2).degrees()
     assert built["precision"] == "fp32" and built["activation_checkpointing"] == "none"
     assert out.metrics["layout_tp"] == 2.0 and out.metrics["layout_dp_shard"] == 1.0
+
+
+def _standby(rank: int) -> str:
+    from stages.trainer.replica import spare_name
+
+    return spare_name("tpheal", 0, rank)
