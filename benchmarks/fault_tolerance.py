@@ -71,6 +71,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from benchmarks import ray_train_baseline
 from stages.base import GateOutcome, StageContext
 from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS, CheckpointPolicy
 from stages.events import Event, InterruptionEvent, StepEvent
@@ -136,6 +137,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=SETTLE_STEPS,
         help="steps after a rejoin (or past the pre-kill step) counted in a failure's cost",
+    )
+    p.add_argument(
+        "--ray-train-kills",
+        type=int,
+        default=2,
+        help="worker SIGKILLs of the Ray Train V2 baseline (0: not run)",
     )
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-tokens", type=int, default=2048, help="global batch tokens")
@@ -449,6 +456,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_start = time.time()
     churned: dict[str, float] = {}
     ft_results: list[dict[str, float]] = []
+    ray_train: dict[str, Any] = {}
     restart_results: list[dict[str, float]] = []
     try:
         # 1. torchft live recovery (Ray restarts the actor, or a warm spare steps in).
@@ -491,6 +499,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{r['back_s']:.2f}s, lost {r['lost_token_s']:.2f}s (tokens)",
                     flush=True,
                 )
+        # 3. The peer: Ray Train V2 restarting its worker group from a checkpoint.
+        if args.ray_train_kills:
+            ray_train = ray_train_baseline.measure(
+                preset=args.preset,
+                workers=args.groups * args.ranks_per_group,
+                seq_len=args.seq_len,
+                batch_tokens=args.batch_tokens,
+                lr=config(0, "ckpt-ray-train").target.learning_rate,
+                checkpoint_every=args.checkpoint_every,
+                kill_steps=restart_kill_steps(args.checkpoint_every, args.ray_train_kills, rng),
+                warmup_steps=args.warmup_steps,
+                settle_steps=args.settle_steps,
+                device=args.device,
+            )
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -511,6 +533,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ft_lost_token_s_median": ft_lost_tok,
         "restart_lost_token_s_median": restart_lost_tok,
         "lost_ratio_tokens": round(restart_lost_tok / ft_lost_tok, 2) if ft_lost_tok > 0 else None,
+        **ray_train,
+        "lost_ratio_tokens_ray_train": round(
+            ray_train["ray_train_lost_token_s_median"] / ft_lost_tok, 2
+        )
+        if ray_train and ft_lost_tok > 0
+        else None,
         "ft_lost_step_s_median": ft_lost,
         "checkpoint_every": args.checkpoint_every,
         "restart_kills": len(restart_results),
