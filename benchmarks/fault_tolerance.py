@@ -31,6 +31,13 @@ of the ``--warmup-steps`` full-quorum steps before the first kill.
    beyond the step reached before the kill, window seconds minus (new tokens: steps
    beyond the one reached before the kill) / R. Redone steps add nothing.
 
+3. The peer, Ray Train V2 (``benchmarks/ray_train_baseline.py``): ``TorchTrainer``
+   with ``FailureConfig``, DDP, the same model, batch and optimizer, a checkpoint
+   every ``--checkpoint-every`` steps (async upload), ``--ray-train-kills`` SIGKILLs of
+   worker rank 1 drawn like the restart baseline's; Ray Train restarts the worker
+   group from its newest checkpoint. Same token accounting, at its own undisturbed
+   rate; ``lost_ratio_tokens_ray_train`` is its median over torchft's.
+
 With ``--churn-s T --duration-s D`` the torchft run instead SIGKILLs a random group
 every T seconds for D seconds (a kill may land before the standby is refilled) and
 reports ``churn_efficiency``: tokens committed in those D seconds over the
