@@ -1,12 +1,14 @@
 """RLVR resume: a run interrupted after step k resumes from the newest saved state
 (policy, optimizer, version, the fleet's request cursor), trains nothing older than
-eta, and at eta = 0 ends with the same weights as a run that was never interrupted.
+eta, and at eta = 0 ends with the same weights as a run that was never interrupted;
+on the engine, a learner group killed mid-step heals from its live peer.
 
 Real RolloutWorkers on threads (LocalPool); the interruption is an exception raised
 from the run's event sink after step k, as a driver crash between steps would be."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +17,11 @@ import torch
 from helpers.waiting import wait_until
 
 from orchestrator.runtime.ray_cluster import _alive
-from stages.events import MetricsEvent
+from stages.events import Event, InterruptionEvent, MetricsEvent, StepEvent
 from stages.post_training.pools import LocalPool
 from stages.post_training.resume import RESUME_DIR
 from stages.trainer import replica_group_pids
+from stages.trainer.config import TrainStageConfig
 from tests.post_training.test_fleet import _rl_setup
 
 
@@ -95,9 +98,13 @@ def _engine_run(
     every: int,
     stop_after: int | None = None,
     fleet_pids: list[int] | None = None,
+    train: TrainStageConfig | None = None,
+    on_event: Callable[[Event], None] = lambda _e: None,
+    run_id: str = "rlvr-relaunch",
 ) -> tuple[Any, Any, Path]:
-    """The rlvr step as the stage runs it: the learner on the engine (one replica
-    group, real Ray actors, DCP checkpoints), the fleet on threads."""
+    """The rlvr step as the stage runs it: the learner on the engine (``train``'s
+    replica groups, else one; real Ray actors, DCP checkpoints), the fleet on
+    threads. ``on_event`` sees every event of the step."""
     from stages.base import StageContext
     from stages.post_training.hf_io import load_tokenizer
     from stages.post_training.learner import run_rlvr_on_engine
@@ -106,12 +113,13 @@ def _engine_run(
     cfg = cfg.model_copy(update={"steps": steps, "checkpoint_every_steps": every})
 
     def emit(e: Any) -> None:
+        on_event(e)
         if stop_after is not None and isinstance(e, MetricsEvent) and e.step == stop_after:
             if fleet_pids is not None:  # the engine's run id is the step's
                 fleet_pids.extend(replica_group_pids(f"{ctx.run_id}-rlvr"))
             raise Interrupted(e.step)
 
-    ctx = StageContext(run_id="rlvr-relaunch", booking_id="b", workdir=workdir, emit=emit)
+    ctx = StageContext(run_id=run_id, booking_id="b", workdir=workdir, emit=emit)
     pool = LocalPool([make_worker(i) for i in range(2)])
     try:
         result, exported, learner, _ = run_rlvr_on_engine(
@@ -120,7 +128,7 @@ def _engine_run(
             stage="post_training",
             base=tiny_policy,
             export_dir=workdir / "export",
-            train=None,
+            train=train,
             device="cpu",
             pool=pool,
             maker=maker,
@@ -172,3 +180,72 @@ def test_a_relaunched_driver_resumes_rlvr_on_the_engine_within_eta(
     assert all(s - v <= eta for s, v in learner.trained), learner.trained
     assert all(v >= resumed for _, v in learner.trained)  # nothing from before the resume
     assert (exported / "config.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_learner_group_killed_mid_rlvr_heals_from_its_peer_within_eta(
+    ray_local: None, tiny_policy: Path, task_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """SIGKILL learner replica group 1 while the fleet feeds the engine: the survivor
+    trains on, Ray restarts group 1, which heals from the live peer (reading no
+    checkpoint) and rejoins the full quorum; the step ends with every step trained
+    once and no sample older than eta."""
+    from stages.checkpointing.config import CheckpointPolicy
+    from stages.checkpointing.storage import read_log
+    from stages.trainer import kill_replica_group
+    from stages.trainer.config import ModelSpec, TrainingTarget
+
+    # The learner's run layout only (groups, device, timeouts): the step builds the rest.
+    train = TrainStageConfig(
+        model=ModelSpec(preset="llama-tiny", size="tiny"),
+        target=TrainingTarget(max_steps=1, seq_len=32, global_batch_tokens=256),
+        checkpoint=CheckpointPolicy(interval_steps=100, storage_uri=f"file://{tmp_path}/unused"),
+        replica_groups=2,
+    )
+    # Long enough that the survivor still trains when Ray has restarted group 1.
+    steps, eta, kill_after = 150, 1, 5
+    events: list[Event] = []
+    killed: dict[str, Any] = {}
+
+    def on_event(e: Event) -> None:
+        events.append(e)
+        if isinstance(e, MetricsEvent) and e.step == kill_after and not killed:
+            killed["at"], killed["pids"] = kill_replica_group("rlvr-heal-rlvr", 1)
+
+    result, learner, _ = _engine_run(
+        tiny_policy,
+        task_files,
+        tmp_path,
+        eta=eta,
+        steps=steps,
+        every=20,
+        train=train,
+        on_event=on_event,
+        run_id="rlvr-heal",
+    )
+    assert killed["pids"], "group 1 had no live process to kill"
+    healed = [
+        e
+        for e in events
+        if isinstance(e, InterruptionEvent)
+        and e.interruption_kind == "replica_group_lost"
+        and e.replica_group == 1
+        and e.detected_at >= killed["at"] - 1.0
+    ]
+    assert healed and healed[0].recovered_at is not None, healed
+    back = [
+        e
+        for e in events
+        if isinstance(e, StepEvent)
+        and e.committed
+        and e.replica_group == 1
+        and e.quorum_size == 2
+        and e.ts > healed[0].recovered_at
+    ]
+    assert back, "group 1 never trained in the full quorum again"
+    # Healed from the live peer: the storage recorded no checkpoint read at all.
+    assert read_log(tmp_path / "rlvr" / "checkpoints") == []
+    assert result.steps == steps and learner.version == steps
+    assert sorted({s for s, _ in learner.trained}) == list(range(steps))
+    assert all(s - v <= eta for s, v in learner.trained), learner.trained
