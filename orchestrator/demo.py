@@ -45,6 +45,7 @@ from stages.post_training.config import PostTrainingConfig
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SERVER_START_TIMEOUT_S = 180.0
+SERVER_START_ATTEMPTS = 2
 RUN_TIMEOUT_S = 900.0
 
 
@@ -78,7 +79,26 @@ def _start_server(
     env: dict[str, str], db: Path, var_dir: Path, port: int
 ) -> subprocess.Popen[bytes]:
     """The embedded server on ``port``; its Ray head on free ports, so that the demo
-    runs beside another server on the host (or a test's)."""
+    runs beside another server on the host (or a test's). A free port can be taken by
+    another process before the head binds it: a server that exits while starting is
+    started once more on fresh ports."""
+    for attempt in range(SERVER_START_ATTEMPTS):
+        try:
+            return _start_server_once(env, db, var_dir, port)
+        except ServerExited as e:
+            if attempt + 1 == SERVER_START_ATTEMPTS:
+                raise SystemExit(str(e)) from None
+            print(f"{e}; starting it again on fresh ports", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+class ServerExited(Exception):
+    """The server process ended before it answered /healthz."""
+
+
+def _start_server_once(
+    env: dict[str, str], db: Path, var_dir: Path, port: int
+) -> subprocess.Popen[bytes]:
     log = open(var_dir / "server.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [
@@ -114,7 +134,11 @@ def _start_server(
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"[demo] server exited; see {var_dir / 'server.log'}")
+            tail = (var_dir / "server.log").read_text(errors="replace").strip().splitlines()
+            raise ServerExited(
+                f"[demo] server exited ({proc.returncode}); see {var_dir / 'server.log'}: "
+                + " | ".join(tail[-3:])[-600:]
+            )
         try:
             if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
                 return proc

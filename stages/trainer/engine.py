@@ -183,13 +183,10 @@ class TrainingEngine:
         for g in range(self.cfg.replica_groups):
             for r in range(self.cfg.ranks_per_group):
                 self.actors[(g, r)] = self._make_worker(worker_name(self.run_id, g, r), g, r)
-        for _ in range(self.cfg.spare_groups):
-            self._start_spare()
         self.emit(
             LogEvent(
-                message=f"started lighthouse {lh_addr}, {len(self.actors)} trainer "
-                f"and {len(self.spares)} spare actors in "
-                f"{time.time() - t0:.1f}s"
+                message=f"started lighthouse {lh_addr} and {len(self.actors)} trainer "
+                f"actors in {time.time() - t0:.1f}s"
             )
         )
 
@@ -627,6 +624,10 @@ class TrainingEngine:
                     # Every rank built its model: release them into one first quorum.
                     self.command_all("go")
                     self._started = True
+                    # Standbys warm up once the fleet trains: their start-up never
+                    # takes CPU from the fleet's own on the way to its first step.
+                    for _ in range(self.cfg.spare_groups):
+                        self._start_spare()
                 if self._spike_pending is not None:
                     self._handle_spike()
                     continue

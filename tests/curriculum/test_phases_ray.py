@@ -152,6 +152,10 @@ def failed_run(
             "phase 2 in the full quorum",
         )
         run.fleet_ids.append(_fleet_ids())
+        # The standby warms up once the fleet trains: the kill must find it warm.
+        run.wait_for(
+            lambda e: isinstance(e, LogEvent) and e.message.endswith(" is warm"), "a warm standby"
+        )
         killed_at, pids = kill_replica_group(RUN_ID, 1)
         assert pids
         out = run.join()

@@ -141,6 +141,15 @@ def test_replica_group_kill_is_an_interruption_and_the_run_still_succeeds(
     wait_for_run(
         rt, run_id, lambda r: r["state"] == "running" and last_step(rt, run_id) >= 3, "a few steps"
     )
+    # The standby warms up once the fleet trains: the kill must find it warm.
+    wait_until(
+        lambda: any(
+            e["message"].endswith(" is warm")
+            for e in api_get(rt, f"/v1/runs/{run_id}/logs?limit=1000")["entries"]
+        ),
+        RUN_TIMEOUT_S,
+        "a warm standby",
+    )
     # The dashboard's actor list can trail the run's events on a loaded machine.
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (
