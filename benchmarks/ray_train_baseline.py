@@ -14,6 +14,8 @@ Each kill SIGKILLs worker rank 1 at a step drawn uniformly within a checkpoint
 interval, after the first checkpoint (``fault_tolerance.restart_kill_steps``).
 Measured per kill, from worker rank 0's step log (one line per step: step, time):
 
+- ``detect_s``: kill -> the Train controller's ``UserCallback.after_exception`` (it
+  learned that the worker group failed);
 - ``restart_s``: kill -> the new worker group's training function started;
 - ``back_s``: kill -> the step reached before the kill committed again;
 - ``lost_token_s``: over the window from the last step before the kill to
@@ -114,6 +116,31 @@ def _inner(model: Any) -> Any:
     return getattr(model, "module", model)
 
 
+class DetectionLog:
+    """A Ray Train callback (it runs in the Train controller): the time at which the
+    controller learned that a worker failed, one line per failure."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def callback(self) -> Any:
+        from ray.train import UserCallback
+
+        path = self.path
+
+        class _Detected(UserCallback):  # type: ignore[misc]
+            def after_exception(self, run_context: Any, worker_exceptions: Any) -> None:
+                with path.open("a") as f:
+                    f.write(f"{time.time()}\n")
+
+        return _Detected()
+
+    def times(self) -> list[float]:
+        if not self.path.exists():
+            return []
+        return [float(x) for x in self.path.read_text().splitlines() if x.strip()]
+
+
 class StepLog:
     """Worker rank 0's step log, read back as (step, time) rows."""
 
@@ -164,6 +191,7 @@ def measure(
     tmp = Path(tempfile.mkdtemp(prefix="ito-raytrain-"))
     logs = tmp / "logs"
     logs.mkdir()
+    detected = DetectionLog(logs / "detected.log")
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={
@@ -185,6 +213,7 @@ def measure(
             storage_path=str(tmp / "storage"),
             failure_config=FailureConfig(max_failures=len(kill_steps) + 1),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
+            callbacks=[detected.callback()],
         ),
     )
     errors: list[BaseException] = []
@@ -208,6 +237,7 @@ def measure(
         for kill_at in kill_steps:
             log.wait(lambda r, k=kill_at: r[0] >= k, f"step {kill_at}")
             starts_before = len((logs / "starts.log").read_text().splitlines())
+            detected_before = len(detected.times())
             t_kill = time.time()
             os.kill(int((logs / f"pid{min(1, workers - 1)}").read_text()), signal.SIGKILL)
             done = [r for r in log.rows() if r[1] <= t_kill]
@@ -221,9 +251,13 @@ def measure(
             starts = [float(x) for x in (logs / "starts.log").read_text().splitlines()]
             new = {r[0] for r in log.rows() if start_ts < r[1] <= end[1] and r[0] > reached}
             lost = (end[1] - start_ts) - len(new) * batch_tokens / tok_rate
+            seen = detected.times()
             results.append(
                 {
                     "reached": reached,
+                    "detect_s": seen[detected_before] - t_kill
+                    if len(seen) > detected_before
+                    else float("nan"),
                     "restart_s": starts[starts_before] - t_kill
                     if len(starts) > starts_before
                     else float("nan"),
@@ -233,7 +267,8 @@ def measure(
             )
             r = results[-1]
             print(
-                f"ray train kill at step {reached}: restarted after {r['restart_s']:.2f}s, "
+                f"ray train kill at step {reached}: detect {r['detect_s']:.2f}s, "
+                f"restarted after {r['restart_s']:.2f}s, "
                 f"back at it after {r['back_s']:.2f}s, lost {r['lost_token_s']:.2f}s (tokens)",
                 flush=True,
             )
@@ -246,6 +281,7 @@ def measure(
 
     return {
         "ray_train_kills": len(results),
+        "ray_train_detect_s_median": med("detect_s"),
         "ray_train_restart_s_median": med("restart_s"),
         "ray_train_back_s_median": med("back_s"),
         "ray_train_lost_token_s_median": med("lost_token_s"),
