@@ -163,10 +163,10 @@ def learner_rate(args: argparse.Namespace, policy: Path, groups: int, tmp: Path)
 
     from stages.events import StepEvent
     from stages.post_training.config import RLVRConfig
-    from stages.post_training.grpo_objective import batch_path, save_atomic
     from stages.post_training.hf_io import load_tokenizer
-    from stages.post_training.learner import assemble, rlvr_train_config
+    from stages.post_training.learner import rlvr_train_config
     from stages.post_training.rollout import RolloutGroup
+    from stages.post_training.step_groups import step_groups, write_step_groups
     from stages.trainer.config import TrainStageConfig
     from stages.trainer.engine import TrainingEngine
 
@@ -211,10 +211,7 @@ def learner_rate(args: argparse.Namespace, policy: Path, groups: int, tmp: Path)
                     gen_s=0.0,
                 )
             )
-        save_atomic(
-            {**assemble(batch, cfg, int(tok.pad_token_id)), "step": torch.tensor(k)},
-            batch_path(work / "rollouts", k),
-        )
+        write_step_groups(step_groups(k, batch, cfg, int(tok.pad_token_id)), work / "rollouts")
     tcfg = rlvr_train_config(
         cfg, base=policy, work=work, max_prompt_tokens=4, train=None, device="cpu"
     )

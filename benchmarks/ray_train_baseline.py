@@ -116,6 +116,17 @@ def _inner(model: Any) -> Any:
     return getattr(model, "module", model)
 
 
+def _wait_line(path: Path, index: int, what: str) -> float:
+    """The time written on line ``index`` of ``path``, once it is there."""
+    deadline = time.time() + STEP_TIMEOUT_S
+    while time.time() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) > index:
+            return float(lines[index])
+        time.sleep(POLL_S)
+    raise TimeoutError(f"ray train: no {what} within {STEP_TIMEOUT_S:.0f}s")
+
+
 class DetectionLog:
     """A Ray Train callback (it runs in the Train controller): the time at which the
     controller learned that a worker failed, one line per failure."""
@@ -243,13 +254,18 @@ def measure(
             done = [r for r in log.rows() if r[1] <= t_kill]
             reached = max(r[0] for r in done)
             start_ts = max(r[1] for r in done)
-            back = log.wait(lambda r, s=reached, t=t_kill: r[1] > t and r[0] >= s, "pre-kill step")
+            # Only the restarted worker group's steps count: the old rank 0 may still log
+            # a step it finished as the kill landed (lost with it: not checkpointed).
+            restarted = _wait_line(logs / "starts.log", starts_before, "the restarted group")
+            back = log.wait(
+                lambda r, s=reached, t=restarted: r[1] > t and r[0] >= s, "pre-kill step"
+            )
             end = log.wait(
-                lambda r, s=reached, t=t_kill: r[1] > t and r[0] >= s + settle_steps,
+                lambda r, s=reached, t=restarted: r[1] > t and r[0] >= s + settle_steps,
                 "steps after the pre-kill step",
             )
             starts = [float(x) for x in (logs / "starts.log").read_text().splitlines()]
-            new = {r[0] for r in log.rows() if start_ts < r[1] <= end[1] and r[0] > reached}
+            new = {r[0] for r in log.rows() if restarted < r[1] <= end[1] and r[0] > reached}
             lost = (end[1] - start_ts) - len(new) * batch_tokens / tok_rate
             seen = detected.times()
             results.append(

@@ -4,11 +4,12 @@ and loaded in the ``save_pretrained`` layout."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from stages.errors import ErrorCode, ItoError
 from stages.hf.bpe import CHAT_TEMPLATE, SPECIAL_TOKENS, train_bpe
@@ -39,13 +40,34 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> P
     return out
 
 
+# tokenizer_config.json classes that are the tokenizers-library backend itself.
+FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _declared_class(folder: Path) -> str | None:
+    try:
+        doc = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc.get("tokenizer_class") if isinstance(doc, dict) else None
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """A local tokenizer folder (``save_pretrained`` layout, or ``stages.hf.bpe``'s);
     never the hub."""
     p = Path(path)
     if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
         raise ItoError(ErrorCode.tokenizer_invalid, f"no tokenizer files in {p}")
-    tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    tok: PreTrainedTokenizerBase
+    if _declared_class(p) in FAST_CLASSES and (p / "tokenizer.json").is_file():
+        # The class AutoTokenizer would pick, without reading the model's config: that
+        # imports transformers' model utilities, and torch with them (the driver,
+        # which tokenizes RLVR prompts, never loads torch).
+        tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
+    else:
+        from transformers import AutoTokenizer  # its module imports the model config's
+
+        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if tok.chat_template is None:

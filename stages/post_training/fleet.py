@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.errors import ErrorCode, ItoError
-from stages.post_training.losses import is_stale, is_uniform
+from stages.post_training.admission import is_stale, is_uniform
 from stages.post_training.pools import WorkerLost, WorkerPool
 from stages.post_training.rollout import Refusal, RolloutGroup, RolloutRequest
 

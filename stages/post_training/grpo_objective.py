@@ -1,13 +1,14 @@
 """The GRPO/DAPO learner as an objective of the training engine.
 
-The driver's rollout controller assembles step ``k``'s batch (every group already
-checked against eta for step ``k``) and writes it as ``<rollouts>/step-<k>.pt``
-(tmp + rename, so a rank never sees half a file); ``batch(k)`` waits for that file
-and takes the rank's data-parallel slice. The file is never rewritten while ranks
-may read it, so ``batch(k)`` stays a pure function of ``k``: a retried step, a
-healed group and a checkpoint restore re-read the same bytes.
+The driver's rollout controller hands over step ``k``'s groups (every group already
+checked against eta for step ``k``) as ``<rollouts>/step-<k>.json``
+(``stages.post_training.step_groups``); ``batch(k)`` waits for that file, turns it
+into tensors (``assemble``: advantages, padding, masks, here on the rank, so the
+driver builds no tensor) and takes the rank's data-parallel slice. The file is never
+rewritten while ranks may read it, so ``batch(k)`` stays a pure function of ``k``: a
+retried step, a healed group and a checkpoint restore re-read the same bytes.
 
-One file, one global batch of ``N`` completions, right-padded to one length ``L``
+One step, one global batch of ``N`` completions, right-padded to one length ``L``
 (prompt + completion; causal attention, so the padding never reaches a real token):
 
 - ``input_ids`` [N, L]; ``targets`` [N, L]: position t's next token;
@@ -31,7 +32,6 @@ batch is its step.
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,13 @@ from typing import Any
 import torch
 
 from stages.errors import ErrorCode, ItoError
-from stages.post_training.losses import aggregate, dapo_token_loss, token_logprobs
+from stages.post_training.losses import (
+    aggregate,
+    dapo_token_loss,
+    group_advantages,
+    token_logprobs,
+)
+from stages.post_training.step_groups import StepGroups, step_groups_path
 from stages.trainer.objective import Batch, Tensors
 
 # How often a rank looks for the file it waits for (the wait itself is bounded by
@@ -56,20 +62,8 @@ BATCH_KEYS = (
 )
 
 
-def batch_path(folder: Path, step: int) -> Path:
-    return folder / f"step-{step:08d}.pt"
-
-
-def save_atomic(obj: Any, path: Path) -> None:
-    """torch.save to a temp name, then rename: readers see the whole file or none."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def wait_for(path: Path, timeout_s: float, what: str) -> Any:
-    """The tensors of ``path`` once it exists (tensors only: ``weights_only``)."""
+def wait_for(path: Path, timeout_s: float, what: str) -> StepGroups:
+    """The step's groups once the driver wrote them."""
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if time.monotonic() >= deadline:
@@ -77,7 +71,52 @@ def wait_for(path: Path, timeout_s: float, what: str) -> Any:
                 ErrorCode.rollout_fleet_failed, f"{what} not written within {timeout_s:.0f}s"
             )
         time.sleep(POLL_S)
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return StepGroups.model_validate_json(path.read_text(encoding="utf-8"))
+
+
+def assemble(doc: StepGroups) -> dict[str, torch.Tensor]:
+    """One step's global batch in the layout above, from its groups."""
+    live = [g for g in doc.groups if g is not None]
+    adv = (
+        group_advantages(torch.tensor([g.rewards for g in live]), scale=doc.scale_rewards)
+        if live
+        else torch.zeros(0, doc.group_size)
+    )
+    rows: list[tuple[list[int], int, list[int], list[float], float, bool, int]] = []
+    a_iter = iter(adv)
+    for g in doc.groups:
+        if g is None:
+            rows += [([], 0, [], [], 0.0, True, -1)] * doc.group_size
+            continue
+        a = next(a_iter)
+        for i, (ids, lp) in enumerate(zip(g.completion_ids, g.behav_logp, strict=True)):
+            masked = doc.mask_truncated_completions and g.truncated[i]
+            rows.append((g.prompt_ids, len(g.prompt_ids), ids, lp, float(a[i]), masked, g.version))
+    width = max([len(p) + len(c) for p, _, c, _, _, _, _ in rows] + [2])
+    n = len(rows)
+    out = {
+        "input_ids": torch.full((n, width), doc.pad_id, dtype=torch.long),
+        "targets": torch.full((n, width), doc.pad_id, dtype=torch.long),
+        "mask": torch.zeros(n, width),
+        "behav_logp": torch.zeros(n, width),
+        "advantages": torch.zeros(n),
+        "lengths": torch.zeros(n, dtype=torch.long),
+        "versions": torch.full((n,), -1, dtype=torch.long),
+    }
+    for r, (prompt, p, comp, lp, a, masked, version) in enumerate(rows):
+        seq = torch.tensor(prompt + comp, dtype=torch.long)
+        m = len(seq)
+        out["input_ids"][r, :m] = seq
+        out["targets"][r, : max(m - 1, 0)] = seq[1:]
+        c = len(comp)
+        if c:  # position p - 1 + j predicts completion token j
+            out["behav_logp"][r, p - 1 : p - 1 + c] = torch.tensor(lp)
+            if not masked:
+                out["mask"][r, p - 1 : p - 1 + c] = 1.0
+        out["advantages"][r] = a
+        out["lengths"][r] = m
+        out["versions"][r] = version
+    return out
 
 
 class GRPOObjective:
@@ -112,8 +151,12 @@ class GRPOObjective:
         if not self._started:  # before waiting: a resumed fleet needs this version first
             self._started = True
             self._publish_start(index)
-        whole = wait_for(
-            batch_path(self.rollouts, index), self.s.batch_wait_timeout_s, f"rollout batch {index}"
+        whole = assemble(
+            wait_for(
+                step_groups_path(self.rollouts, index),
+                self.s.batch_wait_timeout_s,
+                f"rollout batch {index}",
+            )
         )
         n = int(whole["input_ids"].shape[0])
         per = n // self.dp_world

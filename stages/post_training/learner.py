@@ -7,7 +7,8 @@ Per step ``k``:
 
 1. the controller walks batch ``k``; the learner drops every group older than eta
    for step ``k`` (``stale_refused``), saves the fleet's admission state for a resume
-   at ``k + 1`` and writes ``rollouts/step-<k>.pt`` (``grpo_objective``);
+   at ``k + 1`` and writes the step's groups as ``rollouts/step-<k>.json``
+   (``step_groups``; the ranks make the tensors, ``grpo_objective``);
 2. the ranks train step ``k`` on it; rank 0 of the lowest live group publishes the
    committed weights as version ``k + 1`` from its own process (``ray.put`` there, or
    the collective broadcast it runs) and leaves a descriptor and the loss on the
@@ -33,67 +34,17 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 from stages.base import StageContext
 from stages.errors import ErrorCode, ItoError
+from stages.post_training.admission import is_stale
 from stages.post_training.config import TRL_ADAM_BETAS, RLVRConfig
-from stages.post_training.grpo_objective import batch_path, save_atomic
-from stages.post_training.losses import group_advantages, is_stale
 from stages.post_training.rollout import RolloutGroup
 from stages.post_training.step_eval import StepEvalReply, StepEvalRequest
+from stages.post_training.step_groups import step_groups, write_step_groups
 from stages.post_training.weight_sync import BaseWeights, PublishedVersion
 from stages.trainer.config import GRPOSettings, ObjectiveConfig, TrainStageConfig
 
 CONTROLLER_DIR = "controller"
-
-
-def assemble(
-    groups: list[RolloutGroup | None], cfg: RLVRConfig, pad_id: int
-) -> dict[str, torch.Tensor]:
-    """One step's global batch (``grpo_objective``'s layout); ``None``: a refused
-    group's rows, all padding."""
-    live = [g for g in groups if g is not None]
-    adv = (
-        group_advantages(torch.tensor([g.rewards for g in live]), scale=cfg.scale_rewards)
-        if live
-        else torch.zeros(0, cfg.group_size)
-    )
-    rows: list[tuple[list[int], int, list[int], list[float], float, bool, int]] = []
-    a_iter = iter(adv)
-    for g in groups:
-        if g is None:
-            rows += [([], 0, [], [], 0.0, True, -1)] * cfg.group_size
-            continue
-        a = next(a_iter)
-        for i, (ids, lp) in enumerate(zip(g.completion_ids, g.behav_logp, strict=True)):
-            masked = cfg.mask_truncated_completions and g.truncated[i]
-            rows.append((g.prompt_ids, len(g.prompt_ids), ids, lp, float(a[i]), masked, g.version))
-    width = max([len(p) + len(c) for p, _, c, _, _, _, _ in rows] + [2])
-    n = len(rows)
-    out = {
-        "input_ids": torch.full((n, width), pad_id, dtype=torch.long),
-        "targets": torch.full((n, width), pad_id, dtype=torch.long),
-        "mask": torch.zeros(n, width),
-        "behav_logp": torch.zeros(n, width),
-        "advantages": torch.zeros(n),
-        "lengths": torch.zeros(n, dtype=torch.long),
-        "versions": torch.full((n,), -1, dtype=torch.long),
-    }
-    for r, (prompt, p, comp, lp, a, masked, version) in enumerate(rows):
-        seq = torch.tensor(prompt + comp, dtype=torch.long)
-        m = len(seq)
-        out["input_ids"][r, :m] = seq
-        out["targets"][r, : max(m - 1, 0)] = seq[1:]
-        c = len(comp)
-        if c:  # position p - 1 + j predicts completion token j
-            out["behav_logp"][r, p - 1 : p - 1 + c] = torch.tensor(lp)
-            if not masked:
-                out["mask"][r, p - 1 : p - 1 + c] = 1.0
-        out["advantages"][r] = a
-        out["lengths"][r] = m
-        out["versions"][r] = version
-    return out
 
 
 class EngineLearner:
@@ -179,7 +130,7 @@ class EngineLearner:
         (nothing after it was checkpointed; the batches are regenerated). Returns that
         step."""
         c = self.newest_checkpoint()
-        for p in self.rollouts.glob("step-*.pt"):
+        for p in self.rollouts.glob("step-*.json"):
             if int(p.stem.removeprefix("step-")) >= c:
                 p.unlink()
         return c
@@ -219,8 +170,8 @@ class EngineLearner:
         k = self.version
         fresh = [g if not is_stale(k, g.version, self.cfg.max_staleness) else None for g in batch]
         kept = [g for g in fresh if g is not None]
-        tensors = assemble(fresh, self.cfg, self.pad_id)
-        save_atomic({**tensors, "step": torch.tensor(k)}, batch_path(self.rollouts, k))
+        doc = step_groups(k, fresh, self.cfg, self.pad_id)
+        write_step_groups(doc, self.rollouts)
         self.trained += [(k, g.version) for g in kept]
         published = self._take(k + 1)
         self.version = k + 1
@@ -228,7 +179,7 @@ class EngineLearner:
         self._prune()
         return StepStats(
             loss=self.losses[k + 1],
-            tokens=int(tensors["mask"].sum()),
+            tokens=doc.trained_tokens(),
             mean_reward=0.0,
             staleness=[k - g.version for g in kept],
             stale_refused=len(batch) - len(kept),
@@ -240,7 +191,7 @@ class EngineLearner:
         kept = self._checkpoint_steps()
         if not kept:
             return
-        for p in self.rollouts.glob("step-*.pt"):
+        for p in self.rollouts.glob("step-*.json"):
             if int(p.stem.removeprefix("step-")) < kept[0]:
                 p.unlink(missing_ok=True)
 

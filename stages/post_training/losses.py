@@ -26,17 +26,6 @@ def group_advantages(
     return centred / (rewards.std(dim=-1, keepdim=True) + eps)
 
 
-def is_uniform(rewards: torch.Tensor | list[float]) -> bool:
-    """A group whose rewards are all equal carries no signal (DAPO drops it)."""
-    r = torch.as_tensor(rewards, dtype=torch.float64)
-    return bool((r.max() - r.min()).abs() <= 1e-12)
-
-
-def is_stale(trainer_version: int, sample_version: int, max_staleness: int) -> bool:
-    """The staleness bound: a sample trains only within ``eta`` versions of its policy."""
-    return trainer_version - sample_version > max_staleness
-
-
 def overlong_penalty(length: int, *, max_tokens: int, buffer_tokens: int, factor: float) -> float:
     """DAPO's soft overlong punishment (trl's ``get_soft_overlong_punishment``) times
     ``factor``: 0 up to max - buffer, linear to -factor at max, -factor beyond."""

@@ -12,15 +12,9 @@ from typing import Any, Protocol
 
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event, MetricsEvent
+from stages.post_training.admission import is_stale
 from stages.post_training.config import RLVRConfig
 from stages.post_training.fleet import DynamicSampler, FleetStats, RolloutController
-from stages.post_training.losses import (
-    aggregate,
-    dapo_token_loss,
-    group_advantages,
-    is_stale,
-    token_logprobs,
-)
 from stages.post_training.pools import WorkerPool
 from stages.post_training.resume import load_newest, save_resume
 from stages.post_training.rollout import RolloutGroup, RolloutRequest
@@ -145,6 +139,8 @@ class GRPOLearner:
     def step(self, batch: list[RolloutGroup]) -> StepStats:
         import torch
 
+        from stages.post_training.losses import group_advantages
+
         cfg = self.cfg
         offered = len(batch)
         batch = [g for g in batch if not is_stale(self.version, g.version, cfg.max_staleness)]
@@ -190,6 +186,8 @@ class GRPOLearner:
 
     def group_loss(self, g: RolloutGroup, adv: Any, mask: Any, total_tokens: int) -> Any:
         import torch
+
+        from stages.post_training.losses import aggregate, dapo_token_loss, token_logprobs
 
         width = mask.shape[1]
         comp = torch.full((len(g.lengths), width), self.pad_id, dtype=torch.long)

@@ -444,10 +444,10 @@ def test_the_engine_learner_keeps_a_group_older_than_eta_out_of_the_batch_file(
     import threading
 
     import ray
-    import torch
 
-    from stages.post_training.grpo_objective import batch_path
+    from stages.post_training.grpo_objective import assemble, wait_for
     from stages.post_training.learner import EngineLearner
+    from stages.post_training.step_groups import step_groups_path
     from stages.post_training.weight_board import board_name, start_board
     from stages.post_training.weight_sync import ObjectStoreWeights, PublishedVersion
 
@@ -475,7 +475,8 @@ def test_the_engine_learner_keeps_a_group_older_than_eta_out_of_the_batch_file(
     engine.version = 1  # the step this batch trains at
     stats = engine.step([old, fresh])
     assert stats.stale_refused == 1 and engine.trained == [(1, 1)] and engine.version == 2
-    written = torch.load(batch_path(tmp_path / "rollouts", 1), weights_only=True)
+    # What the ranks train: the step's groups as written, made into tensors on a rank.
+    written = assemble(wait_for(step_groups_path(tmp_path / "rollouts", 1), 0, "step 1"))
     g = cfg.group_size
     assert written["versions"].tolist() == [-1] * g + [1] * g
     assert float(written["mask"][:g].sum()) == 0.0 and float(written["mask"][g:].sum()) > 0
@@ -505,3 +506,55 @@ def test_prompts_over_max_prompt_tokens_are_left_out_and_none_left_is_refused(
     with pytest.raises(ItoError) as e:
         RequestMaker(cfg.model_copy(update={"max_prompt_tokens": short - 1}), tok, rows)
     assert e.value.code is ErrorCode.data_empty
+
+
+def test_the_rlvr_driver_side_builds_no_tensor_and_imports_no_torch(
+    tiny_policy: Path, task_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """The driver's part of an RLVR step on the engine, in a fresh process: the run's
+    tokenizer and the request maker, the controller, and a step's groups written for
+    the ranks as the engine learner writes them; torch never loads (the ranks make the
+    tensors)."""
+    from helpers.fresh_python import run_python
+
+    from stages.post_training.grpo_objective import assemble, wait_for
+    from stages.post_training.step_groups import step_groups_path
+
+    loaded = run_python(
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "import stages.post_training.stage, stages.post_training.learner\n"
+        "import stages.post_training.rl, stages.post_training.fleet\n"
+        "from stages.post_training.config import RLVRConfig\n"
+        "from stages.post_training.data import load_rows\n"
+        "from stages.post_training.hf_io import load_tokenizer\n"
+        "from stages.post_training.rl import RequestMaker\n"
+        "from stages.post_training.rollout import RolloutGroup\n"
+        "from stages.post_training.step_groups import step_groups, write_step_groups\n"
+        "cfg = RLVRConfig.model_validate_json(sys.stdin.readline())\n"
+        "policy, out = Path(sys.stdin.readline().strip()), Path(sys.stdin.readline().strip())\n"
+        "tok = load_tokenizer(policy)\n"
+        "maker = RequestMaker(cfg, tok, load_rows('rlvr', cfg.data.uri))\n"
+        "req = maker(0, 0)\n"
+        "n = cfg.group_size\n"
+        "g = RolloutGroup(id=0, version=0, worker=0, prompt_ids=req.prompt_ids,\n"
+        "    completion_ids=[[5, 6]] * n, behav_logp=[[-1.0, -1.0]] * n, lengths=[2] * n,\n"
+        "    truncated=[False] * n, rewards=[float(i) for i in range(n)],\n"
+        "    task_rewards=[0.0] * n, gen_s=0.0)\n"
+        "write_step_groups(step_groups(0, [g, None], cfg, int(tok.pad_token_id)), out)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))",
+        stdin="\n".join(
+            [
+                _rl_setup(tiny_policy, task_files, 0)[0].model_dump_json(),
+                str(tiny_policy),
+                str(tmp_path),
+            ]
+        )
+        + "\n",
+    )
+    assert loaded == []
+    # The ranks' side of the same file: the refused group is padding, the other trains.
+    batch = assemble(wait_for(step_groups_path(tmp_path, 0), 0, "step 0"))
+    cfg = _rl_setup(tiny_policy, task_files, 0)[0]
+    assert batch["versions"].tolist() == [0] * cfg.group_size + [-1] * cfg.group_size
+    assert float(batch["mask"].sum()) == 2 * cfg.group_size

@@ -24,8 +24,8 @@ from helpers.weight_board import BoardTaker
 
 from stages.events import Event, StepEvent
 from stages.post_training.config import RLVRConfig
-from stages.post_training.grpo_objective import batch_path, save_atomic
 from stages.post_training.rollout import RolloutGroup
+from stages.post_training.step_groups import step_groups, write_step_groups
 from stages.trainer.config import TrainStageConfig
 
 pytestmark = pytest.mark.slow
@@ -82,11 +82,8 @@ def _groups(step: int, cfg: RLVRConfig, vocab: int) -> list[RolloutGroup]:
 
 
 def _write_batches(work: Path, cfg: RLVRConfig, steps: int, vocab: int, pad: int) -> None:
-    from stages.post_training.learner import assemble
-
     for k in range(steps):
-        batch = assemble(list(_groups(k, cfg, vocab)), cfg, pad)
-        save_atomic({**batch, "step": torch.tensor(k)}, batch_path(work / "rollouts", k))
+        write_step_groups(step_groups(k, list(_groups(k, cfg, vocab)), cfg, pad), work / "rollouts")
 
 
 def _config(

@@ -233,8 +233,8 @@ def test_the_engine_objectives_loss_equals_trl_dapo_with_importance_correction(
     """The engine's grpo objective (``GRPOObjective.loss_sum`` over the batch the
     driver's controller assembles, divided by its denominator, one rank) against the
     same trl loss: the same completions padded into one batch, one forward."""
-    from stages.post_training.grpo_objective import GRPOObjective
-    from stages.post_training.learner import assemble
+    from stages.post_training.grpo_objective import GRPOObjective, assemble
+    from stages.post_training.step_groups import step_groups
     from stages.trainer.config import GRPOSettings
 
     trainer, tok = trl_trainer, trl_trainer.processing_class
@@ -257,7 +257,7 @@ def test_the_engine_objectives_loss_equals_trl_dapo_with_importance_correction(
         is_truncation=IS_CAP,
     )
     objective = GRPOObjective(settings, Path("unused"), dp_rank=0, dp_world=1)
-    batch = assemble(list(groups), learner.cfg, pad)
+    batch = assemble(step_groups(0, list(groups), learner.cfg, pad))
     assert float(batch["mask"].sum()) == total
     logits = trainer.model(input_ids=batch["input_ids"]).logits
     loss = objective.loss_sum(logits, batch) / float(batch["mask"].sum())

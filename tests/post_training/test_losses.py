@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stages.post_training.admission import is_uniform
 from stages.post_training.losses import (
     aggregate,
     dapo_token_loss,
     group_advantages,
-    is_uniform,
     overlong_penalty,
 )
 
