@@ -142,3 +142,6 @@ class EvalRunSettings(BaseModel):
     seed: int = 0
     # The driver's wait for the evaluating rank: every check group plus the export.
     rank_eval_timeout_s: float = Field(default=3600.0, gt=0)
+    # The most bytes of weights in one safetensors file of a phase's HF export (and so
+    # in one writing rank at a time; the live ranks write the files between them).
+    export_shard_bytes: int = Field(default=2 << 30, gt=0)

@@ -49,19 +49,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-@contextmanager
-def _published(out_dir: str | Path, metadata: dict[str, Any] | None) -> Iterator[Path]:
-    """A temp folder to fill; on success its sha256 list is written and it replaces
-    ``out_dir`` (one rename)."""
+def staging_dir(out_dir: str | Path, token: str) -> Path:
+    """Where an export of ``out_dir`` is assembled before its rename: one folder every
+    writer of the export agrees on by ``token``."""
     out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return out.with_name(f".{out.name}.tmp-{token}")
+
+
+def _publish(tmp: Path, out_dir: str | Path, metadata: dict[str, Any] | None) -> Path:
+    """Write the sha256 list of ``tmp``'s files and put it in place of ``out_dir``
+    (one rename)."""
+    out = Path(out_dir)
     files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / EXPORT_META).write_text(
         json.dumps({"files": files, **(metadata or {})}, indent=2, sort_keys=True)
@@ -69,6 +67,21 @@ def _published(out_dir: str | Path, metadata: dict[str, Any] | None) -> Iterator
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
+    return out
+
+
+@contextmanager
+def _published(out_dir: str | Path, metadata: dict[str, Any] | None) -> Iterator[Path]:
+    """A temp folder to fill; on success it replaces ``out_dir`` (``_publish``)."""
+    tmp = staging_dir(out_dir, str(os.getpid()))
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _publish(tmp, out_dir, metadata)
 
 
 def export_hf(
@@ -94,6 +107,125 @@ def export_hf(
     return Path(out_dir)
 
 
+class ExportPlan:
+    """The files of a checkpoint's HF export: which tensors go into which shard."""
+
+    def __init__(self, checkpoint: SealedCheckpoint, config: PretrainedConfig, shard_bytes: int):
+        with torch.device("meta"):  # the names, ties and configs; no weights
+            self.shape = AutoModelForCausalLM.from_config(config)
+        tied = (
+            set(getattr(self.shape, "_tied_weights_keys", None) or ())
+            if getattr(config, "tie_word_embeddings", False)
+            else set()
+        )
+        stored = checkpoint.tensors()
+        self.names = [n for n in self.shape.state_dict() if n not in tied]
+        missing = [n for n in self.names if CHECKPOINT_MODEL_PREFIX + n not in stored]
+        if missing:
+            raise ItoError(
+                ErrorCode.checkpoint_corrupt,
+                f"checkpoint {checkpoint.path.name} lacks {len(missing)} weights of the "
+                f"model, e.g. {missing[0]}",
+            )
+        self.meta = {n: stored[CHECKPOINT_MODEL_PREFIX + n] for n in self.names}  # size, dtype
+        self.nbytes = {n: size.numel() * dtype.itemsize for n, (size, dtype) in self.meta.items()}
+        self.shards = _shards(self.names, self.nbytes, shard_bytes)
+        n = len(self.shards)
+        self.files = (
+            ["model.safetensors"]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+
+
+def export_shards(
+    checkpoint: SealedCheckpoint,
+    config: PretrainedConfig,
+    tmp: Path,
+    *,
+    part: int = 0,
+    parts: int = 1,
+    shard_bytes: int = SHARD_BYTES,
+) -> list[str]:
+    """Write part ``part`` of ``parts`` of the export's safetensors shards (every
+    ``parts``-th shard from the ``part``-th) into the staging folder ``tmp``, reading
+    from the checkpoint only the tensors they hold; returns the files written. Each
+    writer holds at most ``shard_bytes`` of weights at a time, whatever layout saved
+    them (FSDP2, TP or PP shards are read back in their global shape)."""
+    plan = ExportPlan(checkpoint, config, shard_bytes)
+    tmp.mkdir(parents=True, exist_ok=True)
+    written = []
+    for i in range(part, len(plan.shards), parts):
+        shard, file = plan.shards[i], plan.files[i]
+        tensors = {n: torch.empty(plan.meta[n][0], dtype=plan.meta[n][1]) for n in shard}
+        checkpoint.load({CHECKPOINT_MODEL_PREFIX + n: t for n, t in tensors.items()})
+        # A temp name, then a rename: a half-written shard never has the file's name.
+        part_tmp = tmp / f".{file}.{os.getpid()}"
+        save_file(tensors, str(part_tmp), metadata={"format": "pt"})
+        os.replace(part_tmp, tmp / file)
+        written.append(file)
+        del tensors
+    return written
+
+
+def finish_export(
+    checkpoint: SealedCheckpoint,
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    tmp: Path,
+    out_dir: str | Path,
+    *,
+    metadata: dict[str, Any] | None = None,
+    shard_bytes: int = SHARD_BYTES,
+) -> Path:
+    """Complete the export staged in ``tmp`` (every shard written, ``export_shards``):
+    the shard index, config, generation config and tokenizer, the sha256 list, then
+    one rename into ``out_dir``. Refused if a shard is missing; on any failure the
+    staging folder is removed."""
+    try:
+        return _finish(checkpoint, config, tokenizer, tmp, out_dir, metadata, shard_bytes)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _finish(
+    checkpoint: SealedCheckpoint,
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    tmp: Path,
+    out_dir: str | Path,
+    metadata: dict[str, Any] | None,
+    shard_bytes: int,
+) -> Path:
+    plan = ExportPlan(checkpoint, config, shard_bytes)
+    missing = [f for f in plan.files if not (tmp / f).is_file()]
+    if missing:
+        raise ItoError(
+            ErrorCode.checkpoint_corrupt,
+            f"export of {checkpoint.path.name}: {len(missing)} shard(s) not written, "
+            f"e.g. {missing[0]}",
+        )
+    if len(plan.shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(plan.nbytes.values())},
+            "weight_map": {
+                n: f for shard, f in zip(plan.shards, plan.files, strict=True) for n in shard
+            },
+        }
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps(index, indent=2, sort_keys=True) + "\n"
+        )
+    saved = copy.deepcopy(config)
+    saved.architectures = [type(plan.shape).__name__]
+    saved.dtype = plan.meta[plan.names[0]][1]
+    saved.save_pretrained(str(tmp))
+    if plan.shape.can_generate() and plan.shape.generation_config is not None:
+        plan.shape.generation_config.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    return _publish(tmp, out_dir, metadata)
+
+
 def export_hf_from_checkpoint(
     checkpoint: SealedCheckpoint,
     config: PretrainedConfig,
@@ -105,58 +237,19 @@ def export_hf_from_checkpoint(
 ) -> Path:
     """The model a sealed training checkpoint holds, as the folder ``save_pretrained``
     writes for ``config``'s model (the same tensor names, config and generation config,
-    safetensors shards with their index), the tokenizer beside it.
-
-    The checkpoint's tensors are read a shard at a time into plain tensors of their
-    global shape, whatever layout saved them (FSDP2, TP or PP shards): the exporting
-    process holds at most ``shard_bytes`` of weights (torchtitan's HF-format last save
-    does the same from the ranks' shards)."""
-    with torch.device("meta"):  # the names, ties and configs; no weights
-        shape = AutoModelForCausalLM.from_config(config)
-    tied = (
-        set(getattr(shape, "_tied_weights_keys", None) or ())
-        if getattr(config, "tie_word_embeddings", False)
-        else set()
+    safetensors shards with their index), the tokenizer beside it, written by this
+    process alone (``export_shards`` for every shard, then ``finish_export``; a phase
+    end splits the shards over the ranks instead, torchtitan's HF-format last save)."""
+    tmp = staging_dir(out_dir, str(os.getpid()))
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        export_shards(checkpoint, config, tmp, shard_bytes=shard_bytes)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return finish_export(
+        checkpoint, config, tokenizer, tmp, out_dir, metadata=metadata, shard_bytes=shard_bytes
     )
-    stored = checkpoint.tensors()
-    names = [n for n in shape.state_dict() if n not in tied]
-    missing = [n for n in names if CHECKPOINT_MODEL_PREFIX + n not in stored]
-    if missing:
-        raise ItoError(
-            ErrorCode.checkpoint_corrupt,
-            f"checkpoint {checkpoint.path.name} lacks {len(missing)} weights of the "
-            f"model, e.g. {missing[0]}",
-        )
-    meta = {n: stored[CHECKPOINT_MODEL_PREFIX + n] for n in names}  # (size, dtype)
-    nbytes = {n: size.numel() * dtype.itemsize for n, (size, dtype) in meta.items()}
-    shards = _shards(names, nbytes, shard_bytes)
-    files = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    with _published(out_dir, metadata) as tmp:
-        for shard, file in zip(shards, files, strict=True):
-            tensors = {n: torch.empty(meta[n][0], dtype=meta[n][1]) for n in shard}
-            checkpoint.load({CHECKPOINT_MODEL_PREFIX + n: t for n, t in tensors.items()})
-            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
-            del tensors
-        if len(shards) > 1:
-            index = {
-                "metadata": {"total_size": sum(nbytes.values())},
-                "weight_map": {n: f for shard, f in zip(shards, files, strict=True) for n in shard},
-            }
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps(index, indent=2, sort_keys=True) + "\n"
-            )
-        saved = copy.deepcopy(config)
-        saved.architectures = [type(shape).__name__]
-        saved.dtype = meta[names[0]][1]
-        saved.save_pretrained(str(tmp))
-        if shape.can_generate() and shape.generation_config is not None:
-            shape.generation_config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-    return Path(out_dir)
 
 
 def _shards(names: list[str], nbytes: dict[str, int], limit: int) -> list[list[str]]:

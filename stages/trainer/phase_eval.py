@@ -13,8 +13,11 @@ model in its own process instead (``load_phase_model``). Either way the scores a
 those of the closing checkpoint, and the driver only sees numbers and paths.
 
 The HF export is always streamed from the closing checkpoint, a safetensors shard at
-a time (``stages.hf.export_hf_from_checkpoint``): a phase without a battery (a
-post-training step with no scoring) builds no model at all.
+a time: every live rank writes its share of the shards into the export's staging
+folder (``export_share``, every n-th shard), and the evaluating rank completes and
+renames it (``export_phase``: index, config, tokenizer, each file's writer in
+``ito_export.json``). A phase without a battery (a post-training step with no
+scoring) builds no model at all.
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ class PhaseEvalRequest(BaseModel):
     # The held-out shares of every data-parallel rank, reduced; None: the battery has
     # no held-out check (or the evaluating rank scores the whole split).
     heldout_sums: HeldoutSums | None = None
+    # The export's staging folder, agreed by every rank that writes shards into it
+    # (``export_share``), and which rank wrote each file; None: the evaluating rank
+    # writes every shard itself.
+    export_token: str | None = None
+    export_writers: dict[str, str] | None = None
 
     def needs_heldout(self) -> bool:
         from stages.evals.config import load_battery
@@ -118,12 +126,8 @@ def load_phase_model(
     return model
 
 
-def export_phase(
-    req: PhaseEvalRequest, cfg: TrainStageConfig, tokenizer: Any, sealed: SealedCheckpoint
-) -> Path:
-    """The phase's HF export, streamed from its closing checkpoint (the same weights
-    whether this rank's model is live or laid out over several ranks)."""
-    from stages.hf.export import export_hf_from_checkpoint
+def _export_config(req: PhaseEvalRequest, cfg: TrainStageConfig) -> Any:
+    """The transformers config the phase's export is written with (its RoPE base)."""
     from stages.presets import load_model_preset
     from stages.trainer.model import model_config, set_config_rope_theta
 
@@ -132,8 +136,60 @@ def export_phase(
     )
     if req.phase.rope_theta is not None:
         set_config_rope_theta(config, req.phase.rope_theta)
-    return export_hf_from_checkpoint(
-        sealed, config, tokenizer, Path(req.export_dir), metadata=req.metadata
+    return config
+
+
+def export_share(
+    req: PhaseEvalRequest, cfg: TrainStageConfig, *, part: int, parts: int, writer: str
+) -> dict[str, str]:
+    """This rank's share of the phase's HF export: every ``parts``-th safetensors shard
+    from the ``part``-th, streamed from the closing checkpoint into the export's
+    staging folder; returns {file: ``writer``}."""
+    from stages.checkpointing.seal import seal_key
+    from stages.checkpointing.sealed import SealedCheckpoint
+    from stages.hf.export import export_shards, staging_dir
+
+    if req.export_token is None:
+        raise ItoError(ErrorCode.invalid_state, "an export share needs the export's token")
+    files = export_shards(
+        SealedCheckpoint(Path(req.checkpoint), seal_key()),
+        _export_config(req, cfg),
+        staging_dir(req.export_dir, req.export_token),
+        part=part,
+        parts=parts,
+        shard_bytes=req.settings.export_shard_bytes,
+    )
+    return dict.fromkeys(files, writer)
+
+
+def export_phase(
+    req: PhaseEvalRequest, cfg: TrainStageConfig, tokenizer: Any, sealed: SealedCheckpoint
+) -> Path:
+    """The phase's HF export, from its closing checkpoint (the same weights whether this
+    rank's model is live or laid out over several ranks): the shards the live ranks
+    staged (``export_share``), completed here, or, without a token, every shard
+    written here."""
+    from stages.hf.export import export_hf_from_checkpoint, finish_export, staging_dir
+
+    config = _export_config(req, cfg)
+    shard_bytes = req.settings.export_shard_bytes
+    if req.export_token is None:
+        return export_hf_from_checkpoint(
+            sealed,
+            config,
+            tokenizer,
+            Path(req.export_dir),
+            metadata=req.metadata,
+            shard_bytes=shard_bytes,
+        )
+    return finish_export(
+        sealed,
+        config,
+        tokenizer,
+        staging_dir(req.export_dir, req.export_token),
+        Path(req.export_dir),
+        metadata={**req.metadata, "written_by": req.export_writers or {}},
+        shard_bytes=shard_bytes,
     )
 
 

@@ -230,6 +230,15 @@ class ReplicaWorker:
             mode="json"
         )
 
+    def export_share(self, request: dict[str, Any], part: int, parts: int) -> dict[str, str]:
+        """This rank's share of the phase's HF export shards, while its loop waits at
+        the phase's end (stages.trainer.phase_eval)."""
+        from stages.trainer.phase_eval import export_share
+
+        req = self._at_phase_end(request)
+        writer = f"rg{self.loop.spec.replica_group}/rank{self.spec.rank}"
+        return export_share(req, self.loop.cfg, part=part, parts=parts, writer=writer)
+
     def heldout_share(self, request: dict[str, Any], part: int, parts: int) -> dict[str, Any]:
         """This rank's share of the phase's held-out windows, as sums the driver adds up
         over the data-parallel ranks (stages.trainer.phase_eval)."""

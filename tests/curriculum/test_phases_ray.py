@@ -37,6 +37,7 @@ from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget, Tr
 pytestmark = pytest.mark.slow
 WAIT_S = 180.0
 RUN_ID = "phases"
+EXPORT_SHARD_BYTES = 64 << 10
 
 
 def _data(path: Path) -> Path:
@@ -111,6 +112,8 @@ def _config(tmp: Path) -> TrainStageConfig:
             spare_groups=1,
             pace_step_s=0.3,
             curriculum=_plan(),
+            # Small shard files: each phase's export has several, split over the ranks.
+            evals={"export_shard_bytes": EXPORT_SHARD_BYTES},
         ),
         strict=False,
     )
@@ -293,6 +296,12 @@ def test_phase_closing_checkpoints_are_kept_and_exported(
     plan = _plan()
     for ph, summary in zip(plan.phases[:2], out.artifacts["phases"], strict=True):
         export = Path(summary["export"])
+        # Written by the ranks: both groups' ranks wrote safetensors shards of it.
+        meta = json.loads((export / "ito_export.json").read_text())
+        shards = sorted(p.name for p in export.glob("model-*.safetensors"))
+        assert len(shards) >= 4 and sorted(meta["written_by"]) == shards
+        assert set(meta["written_by"].values()) == {"rg0/rank0", "rg1/rank0"}, meta
+        assert not list(export.parent.glob(f".{export.name}.tmp-*"))  # staging renamed
         model = AutoModelForCausalLM.from_pretrained(str(export), local_files_only=True)
         tok = AutoTokenizer.from_pretrained(str(export), local_files_only=True)
         ids = torch.tensor([tok("doc 7: the quick brown fox")["input_ids"]])
