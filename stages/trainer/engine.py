@@ -106,6 +106,8 @@ class TrainingEngine:
         self.spares: dict[str, Any] = {}
         self._spare_pending: dict[str, Any] = {}
         self._spares_ready: set[str] = set()
+        # Each rank's devices as Ray assigned them (cuda): what a standby binds.
+        self._gpu_ids: dict[tuple[int, int], list[str]] = {}
         # Standby group index -> its ranks' actor names, while it is a standby.
         self._standby_groups: dict[int, list[str]] = {}
         self._spares_made = 0
@@ -218,7 +220,8 @@ class TrainingEngine:
                 num_cpus=self.cfg.worker_num_cpus,
                 **actor_options(self.facts, bundle_index=index),
                 # One GPU per rank on cuda: Ray sets CUDA_VISIBLE_DEVICES, so it is cuda:0.
-                num_gpus=1 if self.cfg.device == "cuda" else 0,
+                # A standby holds none: it binds the freed one of the rank it replaces.
+                num_gpus=1 if self.cfg.device == "cuda" and group >= 0 else 0,
                 # No runtime_env: a restart can then use one of Ray's prestarted idle
                 # workers instead of spawning a new Python process.
                 max_restarts=self.ft.max_restarts,
@@ -260,12 +263,17 @@ class TrainingEngine:
             # The dead processes' pids must not be found dead again once it recovered.
             self._pids.pop((group, rank), None)
             self.actors[(group, rank)] = spare
-            spare.command.remote("activate", {"group": group})
+            spare.command.remote("activate", self._activation(group, rank))
         self.emit(
             LogEvent(message=f"spare {', '.join(names)} takes the place of replica group {group}")
         )
         self._start_spare()
         return True
+
+    def _activation(self, group: int, rank: int) -> dict[str, Any]:
+        """What a standby is told when it becomes rank ``rank`` of ``group``: the group,
+        and on cuda the device of the rank it replaces (the standby holds none)."""
+        return {"group": group, "gpu_ids": self._gpu_ids.get((group, rank), [])}
 
     def shutdown(self) -> None:
         """Kill every actor this engine made (cancel, finish or failure; a fleet still
@@ -375,7 +383,7 @@ class TrainingEngine:
             # A standby that had taken this group's place died and Ray restarted it:
             # it came back as a standby; it is this group's rank again.
             self._reactivated.add(status["pid"])
-            self.actors[key].command.remote("activate", {"group": g})
+            self.actors[key].command.remote("activate", self._activation(g, rank))
         if status["phase"] == "ready":
             self._ready.add(key)
         if (
@@ -394,6 +402,8 @@ class TrainingEngine:
                 grp.failed_at = self._failed_at(key, grp.pid, grp.lost_at)
         self._pids[key] = int(status["pid"])
         self._last_seen[key] = now
+        if status.get("gpu_ids"):
+            self._gpu_ids[key] = list(status["gpu_ids"])
         if rank == 0:
             grp.pid = status["pid"]
             grp.phase = status["phase"]

@@ -63,6 +63,8 @@ class ReplicaWorker:
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self.status: dict[str, Any] = {
             "pid": os.getpid(),
+            # The devices Ray gave this rank (none on cpu, none for a standby).
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "phase": "starting",
             "step": 0,
             "restarted": restarted,
@@ -218,6 +220,11 @@ class ReplicaWorker:
     def command(self, kind: str, params: dict[str, Any] | None = None) -> None:
         if kind == "activate":  # a standby becomes a group: its cores from now on
             self._pin(int((params or {})["group"]))
+            gpus = (params or {}).get("gpu_ids")
+            if gpus and self.spec.config.device == "cuda":
+                # The freed device of the rank it replaces, as cuda:0 (the standby
+                # never initialised CUDA: it warmed up on the CPU).
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         self.control.send(kind, **(params or {}))  # type: ignore[arg-type]
 
     def evaluate_phase(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,11 @@ class RankSetup:
 
         loop, cfg = self.loop, self.loop.cfg
         set_determinism(cfg.target.seed, deterministic=cfg.target.deterministic)
-        self.device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+        # A standby holds no device: it builds and warms up on the CPU, and binds the
+        # device of the rank whose place it takes when it is activated.
+        standby = loop.spec.replica_group < 0
+        on_cuda = cfg.device == "cuda" and not standby
+        self.device = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
         model: torch.nn.Module = build_model(
             load_model_preset(cfg.model.preset),
             seed=cfg.target.seed,
@@ -39,7 +43,9 @@ class RankSetup:
         )
         loop.model = model.to(self.device)
         loop.model.train()
-        if not loop.sharded:  # FSDP2 must wrap the model before the optimizer sees it
+        # FSDP2 must wrap the model before the optimizer sees it; a standby for cuda
+        # lays it out once it is on its device.
+        if not loop.sharded and not (standby and cfg.device == "cuda"):
             self._parallelize(None)
 
     def _parallelize(self, mesh: Any) -> None:
@@ -92,14 +98,21 @@ class RankSetup:
         torch.optim.AdamW([p]).step()
 
     def wait_as_spare(self) -> bool:
-        """A pre-started spare: warm up, then wait to take a lost group's place.
-        False: the run stopped first."""
+        """A pre-started spare: warm up (on the CPU), then wait to take a lost group's
+        place, on the lost rank's device. False: the run stopped first."""
         loop = self.loop
         self.warm_up()
         loop.status.update(phase="standby")
         group = loop.control.wait_activation()
         if group is None:
             return False
+        if loop.cfg.device == "cuda":
+            # The actor set CUDA_VISIBLE_DEVICES to the freed device before this
+            # process ever touched CUDA (ReplicaWorker.command): it is cuda:0.
+            self.device = torch.device("cuda", 0)
+            loop.model = loop.model.to(self.device)
+            if not loop.sharded:
+                self._parallelize(None)
         loop.spec.replica_group = group
         loop.is_reporter = loop.spec.rank == 0
         loop.started_at = time.time()
