@@ -183,47 +183,35 @@ def finish_export(
     one rename into ``out_dir``. Refused if a shard is missing; on any failure the
     staging folder is removed."""
     try:
-        return _finish(checkpoint, config, tokenizer, tmp, out_dir, metadata, shard_bytes)
+        plan = ExportPlan(checkpoint, config, shard_bytes)
+        missing = [f for f in plan.files if not (tmp / f).is_file()]
+        if missing:
+            raise ItoError(
+                ErrorCode.checkpoint_corrupt,
+                f"export of {checkpoint.path.name}: {len(missing)} shard(s) not written, "
+                f"e.g. {missing[0]}",
+            )
+        if len(plan.shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(plan.nbytes.values())},
+                "weight_map": {
+                    n: f for shard, f in zip(plan.shards, plan.files, strict=True) for n in shard
+                },
+            }
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps(index, indent=2, sort_keys=True) + "\n"
+            )
+        saved = copy.deepcopy(config)
+        saved.architectures = [type(plan.shape).__name__]
+        saved.dtype = plan.meta[plan.names[0]][1]
+        saved.save_pretrained(str(tmp))
+        if plan.shape.can_generate() and plan.shape.generation_config is not None:
+            plan.shape.generation_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        return _publish(tmp, out_dir, metadata)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _finish(
-    checkpoint: SealedCheckpoint,
-    config: PretrainedConfig,
-    tokenizer: PreTrainedTokenizerBase,
-    tmp: Path,
-    out_dir: str | Path,
-    metadata: dict[str, Any] | None,
-    shard_bytes: int,
-) -> Path:
-    plan = ExportPlan(checkpoint, config, shard_bytes)
-    missing = [f for f in plan.files if not (tmp / f).is_file()]
-    if missing:
-        raise ItoError(
-            ErrorCode.checkpoint_corrupt,
-            f"export of {checkpoint.path.name}: {len(missing)} shard(s) not written, "
-            f"e.g. {missing[0]}",
-        )
-    if len(plan.shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(plan.nbytes.values())},
-            "weight_map": {
-                n: f for shard, f in zip(plan.shards, plan.files, strict=True) for n in shard
-            },
-        }
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps(index, indent=2, sort_keys=True) + "\n"
-        )
-    saved = copy.deepcopy(config)
-    saved.architectures = [type(plan.shape).__name__]
-    saved.dtype = plan.meta[plan.names[0]][1]
-    saved.save_pretrained(str(tmp))
-    if plan.shape.can_generate() and plan.shape.generation_config is not None:
-        plan.shape.generation_config.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    return _publish(tmp, out_dir, metadata)
 
 
 def export_hf_from_checkpoint(
