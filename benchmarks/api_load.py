@@ -45,7 +45,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,15 +58,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from orchestrator.runtime.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 90.0
 REQUEST_TIMEOUT_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _iso(hours: float) -> str:
@@ -81,7 +76,7 @@ def start_server(
     db: str | None = None,
     name: str = "server",
 ) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [

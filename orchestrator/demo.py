@@ -19,7 +19,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from orchestrator.demo_manifest import (
 )
 from orchestrator.gates.manifest import Manifest
 from orchestrator.runtime import ray_cluster
+from orchestrator.runtime.ports import free_port
 from stages.post_training.config import PostTrainingConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,12 +47,6 @@ BIN = Path(sys.executable).parent
 SERVER_START_TIMEOUT_S = 180.0
 SERVER_START_ATTEMPTS = 2
 RUN_TIMEOUT_S = 900.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _say(msg: str) -> None:
@@ -115,13 +109,13 @@ def _start_server_once(
             "--var-dir",
             str(var_dir / "server"),
             "--ray-head-port",
-            str(_free_port()),
+            str(free_port()),
             "--ray-dashboard-port",
-            str(_free_port()),
+            str(free_port()),
             "--ray-client-server-port",
-            str(_free_port()),
+            str(free_port()),
             "--ray-dashboard-agent-port",
-            str(_free_port()),
+            str(free_port()),
             "--metrics-port",
             "0",
             "--log-level",
@@ -176,7 +170,7 @@ def prepare(
     CLIs, in the empty folder ``var_dir``. The demo and benchmarks/pipeline.py both
     start here."""
     db = var_dir / "ito.db"
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "ITO_API_KEY"}
     env.update(
         {

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -15,19 +14,14 @@ from typing import Any
 
 import httpx
 
+from orchestrator.runtime.ports import free_port
+
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.1
 # httpx loads the CA bundle into a new SSL context for every Client it builds (~50 ms of
 # CPU): the polls here build one per request, several a second, so they share one.
 TLS_CONTEXT = ssl.create_default_context()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
