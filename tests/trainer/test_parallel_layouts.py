@@ -30,6 +30,7 @@ from tests.trainer.parallel_cases import (
     CASES,
     LR,
     PRESET,
+    STEPS,
     batches,
     eval_ids,
     launch,
@@ -101,8 +102,15 @@ def test_layout_trains_like_one_process(runs: Path, reference: dict[str, Any], c
     )
     assert moved > 10 * WEIGHT_ATOL
     for name, w in weights.items():
-        diff = (w - reference["weights"][name]).abs().max().item()
-        assert diff <= WEIGHT_ATOL, f"{case}: {name} differs by {diff:.2e}"
+        diff = (w - reference["weights"][name]).abs().flatten()
+        # AdamW normalises each element's update, so an element whose gradient is at
+        # rounding level (seen: 6e-10 against a median of 5e-3) can move up to a whole
+        # step either way under another summation order. A layout bug (a wrong shard,
+        # a missing reduction) moves most elements: all but 0.1% must agree closely,
+        # and none by more than the steps could move it.
+        bulk = diff.quantile(0.999).item() if diff.numel() > 1 else diff.max().item()
+        assert bulk <= WEIGHT_ATOL, f"{case}: {name} differs by {bulk:.2e} (99.9th pct)"
+        assert diff.max().item() <= STEPS * LR, f"{case}: {name} differs by {diff.max():.2e}"
 
 
 def test_built_layout_is_read_back_from_the_mesh_and_equals_the_plan(runs: Path) -> None:
