@@ -23,9 +23,10 @@ tokens, each phase closed by the ``smoke`` battery on the trainer rank): it repo
 whether both gates ran, the phase switch (last step of phase 1 -> first step of
 phase 2, the gate included) and the eval seconds (``two_phase`` in the JSON line).
 
-Then one SFT step on the engine's CUDA rank (trained, exported and scored there) and
-one RLVR step with its rollout worker on the GPU, through the post-training stage
-(``post_training`` in the JSON line; ``--only post_training`` runs just that).
+Then the SFT objective (one step) on the engine's CUDA rank (trained, exported and
+scored there) and the RLVR objective (one step) with its rollout worker on the GPU,
+through the post-training stage (``post_training`` in the JSON line; ``--only
+post_training`` runs just that).
 
 Ends with one JSON line: ``bf16_mfu``, ``fp8_mfu``, ``predicted_mfu`` (bf16),
 ``predicted_fp8_mfu``, ``peak_gib`` and ``predicted_peak_gib`` (bf16), plus the GPU and
@@ -154,7 +155,7 @@ def two_phase_run(work: Path) -> dict[str, Any]:
 
     from stages.base import StageContext
     from stages.curriculum.config import CurriculumConfig
-    from stages.curriculum.plan import plan_curriculum
+    from stages.curriculum.schedule import schedule_curriculum
     from stages.events import EvalEvent, Event, PhaseEvent, StepEvent
     from stages.trainer import TrainingStage
     from stages.trainer.config import TrainStageConfig
@@ -186,7 +187,7 @@ def two_phase_run(work: Path) -> dict[str, Any]:
             ]
         }
     )
-    plan = plan_curriculum(
+    schedule = schedule_curriculum(
         curriculum,
         total_steps=40,
         base_seq_len=64,
@@ -206,7 +207,7 @@ def two_phase_run(work: Path) -> dict[str, Any]:
             "replica_groups": 1,
             "device": "cuda",
             "worker_num_cpus": 1,
-            "curriculum": plan.model_dump(mode="json"),
+            "curriculum": schedule.model_dump(mode="json"),
         }
     )
     events: list[Event] = []
@@ -228,12 +229,14 @@ def two_phase_run(work: Path) -> dict[str, Any]:
         ray.shutdown()
     steps = [e for e in events if isinstance(e, StepEvent) and e.committed]
     ends = {
-        p.name: max((e.ts for e in steps if e.phase == p.name), default=None) for p in plan.phases
+        p.name: max((e.ts for e in steps if e.phase == p.name), default=None)
+        for p in schedule.phases
     }
     starts = {
-        p.name: min((e.ts for e in steps if e.phase == p.name), default=None) for p in plan.phases
+        p.name: min((e.ts for e in steps if e.phase == p.name), default=None)
+        for p in schedule.phases
     }
-    first, second = (p.name for p in plan.phases)
+    first, second = (p.name for p in schedule.phases)
     a, b = ends[first], starts[second]
     switch = b - a if a is not None and b is not None else None
     evals = [e for e in events if isinstance(e, EvalEvent)]
@@ -255,9 +258,10 @@ def two_phase_run(work: Path) -> dict[str, Any]:
 
 
 def post_training_run(work: Path) -> dict[str, Any]:
-    """One SFT step on the engine's CUDA rank, then one RLVR step with its rollout
-    worker on the GPU, through the post-training stage itself (tiny random policy,
-    synthetic verifiable task; a local Ray with the one GPU)."""
+    """The SFT objective (one step) on the engine's CUDA rank, then the RLVR objective
+    (one step) with its rollout worker on the GPU, through the post-training stage
+    itself (tiny random policy, synthetic verifiable task; a local Ray with the one
+    GPU)."""
     import tempfile
 
     import ray
@@ -346,7 +350,7 @@ def main() -> int:
         "--only",
         choices=("post_training",),
         default=None,
-        help="run only this part (the post-training steps); default: everything",
+        help="run only this part (the post-training objectives); default: everything",
     )
     args = ap.parse_args()
     import torch

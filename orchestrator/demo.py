@@ -6,7 +6,7 @@ writes data and a manifest for the tiny model, starts ``ito-backend serve``
 (which starts the embedded Ray head), confirms as the approver, runs the exact
 ``ito train ... --json`` command, follows the run (data prep, the plan, two curriculum
 phases, then post-training SFT -> DPO -> RLVR on the rollout fleet from pretraining's
-HF export), and prints status, every gate (each phase's and each post-training step's),
+HF export), and prints status, every gate (each phase's and each post-training objective's),
 checkpoints and goodput. Its last line is the run's final ``ito status --json``.
 
     python -m orchestrator.demo [--var-dir .demo] [--keep-running]
@@ -325,8 +325,8 @@ def phase_gate_lines(run: dict[str, Any]) -> list[str]:
     return lines
 
 
-# What each post-training step's line shows beside its gate metric.
-_STEP_CONTEXT = {
+# What each post-training objective's line shows beside its gate metric.
+_OBJECTIVE_CONTEXT = {
     "sft": ("nll_before", "nll_after"),
     "dpo": ("margin_before", "margin_after", "preference_accuracy"),
     "rlvr": ("reward_first", "reward_last", "staleness_max"),
@@ -344,34 +344,35 @@ _FLEET_FIGURES = (
 
 
 def post_training_gate_lines(run: dict[str, Any], recipe: PostTrainingConfig) -> list[str]:
-    """Each post-training step's gate as the run decided it, from its ``ito status
-    --json`` data: the stage's metrics hold ``<step>_<metric>`` for every step that
-    ran, and the chain stops at the first failed gate, so in a failed stage the last
-    step that ran is the one that failed."""
+    """Each post-training objective's gate as the run decided it, from its ``ito status
+    --json`` data: the stage's metrics hold ``<objective>_<metric>`` for every objective
+    that ran, and the chain stops at the first failed gate, so in a failed stage the
+    last objective that ran is the one that failed."""
     gate = next((g for g in run.get("stage_gates") or [] if g["stage"] == "post_training"), None)
     if gate is None:
         return []
     metrics: dict[str, float] = gate.get("metrics") or {}
-    steps = recipe.steps()
-    ran = [s for s in steps if any(k.startswith(f"{s}_") for k in metrics)]
+    objectives = recipe.objectives()
+    ran = [s for s in objectives if any(k.startswith(f"{s}_") for k in metrics)]
     lines = []
-    for n, step in enumerate(steps, 1):
-        head = f"gate post_training.{step} (step {n} of {len(steps)})"
-        if step not in ran:
+    for n, objective in enumerate(objectives, 1):
+        head = f"gate post_training.{objective} (objective {n} of {len(objectives)})"
+        if objective not in ran:
             lines.append(f"{head}: NOT RUN")
             continue
-        failed = gate["status"] != "passed" and step == ran[-1]
+        failed = gate["status"] != "passed" and objective == ran[-1]
         verdict = "FAILED" if failed else "PASSED"
-        step_gate = getattr(recipe, step).gate
+        objective_gate = getattr(recipe, objective).gate
         shown = (
-            f"{step_gate.metric}={metrics[f'{step}_{step_gate.metric}']:.4g} min={step_gate.min:g}"
-            if step_gate is not None and f"{step}_{step_gate.metric}" in metrics
+            f"{objective_gate.metric}={metrics[f'{objective}_{objective_gate.metric}']:.4g} "
+            f"min={objective_gate.min:g}"
+            if objective_gate is not None and f"{objective}_{objective_gate.metric}" in metrics
             else "no gate metric"
         )
         context = ", ".join(
-            f"{k}={metrics[f'{step}_{k}']:.4g}"
-            for k in _STEP_CONTEXT[step]
-            if f"{step}_{k}" in metrics
+            f"{k}={metrics[f'{objective}_{k}']:.4g}"
+            for k in _OBJECTIVE_CONTEXT[objective]
+            if f"{objective}_{k}" in metrics
         )
         lines.append(f"{head}: {verdict}: {shown}" + (f" ({context})" if context else ""))
     if gate["status"] != "passed":
@@ -420,11 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         recipe = Manifest.model_validate_json(manifest.read_bytes()).post_training
         _say(
-            "post-training from the last phase's HF export, each step gated: "
+            "post-training from the last phase's HF export, each objective gated: "
             + " -> ".join(
                 f"{s} ({getattr(recipe, s).steps} steps"
                 + (f", gate {g.metric} >= {g.min:g})" if (g := getattr(recipe, s).gate) else ")")
-                for s in recipe.steps()
+                for s in recipe.objectives()
             )
         )
         sub_env = {**env, "ITO_API_KEY": submitter}

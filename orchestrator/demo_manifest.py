@@ -78,22 +78,22 @@ def write_post_training_data(folder: Path, rng: random.Random) -> dict[str, Path
         "rlvr": [{"prompt": question(a, b), "answer": str(a + b)} for a, b in RLVR_SUMS],
     }
     paths = {}
-    for step, lines in rows.items():
-        paths[step] = folder / f"{step}.jsonl"
-        paths[step].write_text("".join(json.dumps(r) + "\n" for r in lines))
+    for objective, lines in rows.items():
+        paths[objective] = folder / f"{objective}.jsonl"
+        paths[objective].write_text("".join(json.dumps(r) + "\n" for r in lines))
     return paths
 
 
 def post_training_recipe(data: dict[str, Path]) -> dict[str, Any]:
     """The recipe: no ``base_model``, so SFT starts from pretraining's HF export. Each
-    step is gated on its own battery: SFT on the held-out NLL gain, DPO on the margin
+    objective is gated on its own battery: SFT on the held-out NLL gain, DPO on the margin
     gain, RLVR on the reward gain (last quarter of its steps over the first)."""
     from stages.data_prep import file_sha256
 
-    def ref(step: str) -> dict[str, Any]:
+    def ref(objective: str) -> dict[str, Any]:
         return {
-            "uri": f"file://{data[step]}",
-            "sha256": file_sha256(data[step]),
+            "uri": f"file://{data[objective]}",
+            "sha256": file_sha256(data[objective]),
             "provenance": {"source": "synthetic one-digit sums (the demo)", "license": "CC0-1.0"},
         }
 

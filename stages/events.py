@@ -85,6 +85,24 @@ class InterruptionEvent(_Event):
     detail: str = ""
 
 
+class FleetEvent(_Event):
+    """A change in a run's trainer fleet, as structure: SREs' tools and tests read these
+    (a log line beside each is for people). ``checkpoint_restored``: a replica group
+    loaded checkpoint ``step`` (at start-up, after every group was lost, or on an
+    approved restart that skips the data batches ``skipped_batches`` = [first, end))."""
+
+    kind: Literal["fleet"] = "fleet"
+    action: Literal[
+        "lighthouse_started", "standby_warm", "standby_activated", "checkpoint_restored"
+    ]
+    replica_group: int | None = None
+    # The Ray actors concerned (a standby's ranks, the fleet's trainer actors).
+    actors: list[str] = Field(default_factory=list)
+    step: int | None = None
+    skipped_batches: tuple[int, int] | None = None
+    address: str = ""
+
+
 class ProposalEvent(_Event):
     """A human-gated action, e.g. restart from a checkpoint skipping a data window."""
 
@@ -158,6 +176,7 @@ Event = Annotated[
     | StepEvent
     | CheckpointEvent
     | InterruptionEvent
+    | FleetEvent
     | ProposalEvent
     | PhaseEvent
     | ProgressEvent

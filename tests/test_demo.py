@@ -40,9 +40,9 @@ def test_the_demo_recipe_is_sft_dpo_rlvr_from_pretrainings_export(
 ) -> None:
     m, data = demo_manifest
     pt = m.post_training
-    assert pt.steps() == ["sft", "dpo", "rlvr"]
+    assert pt.objectives() == ["sft", "dpo", "rlvr"]
     assert pt.base_model is None  # SFT starts from the last phase's HF export
-    assert all(getattr(pt, s).gate is not None for s in pt.steps())
+    assert all(getattr(pt, s).gate is not None for s in pt.objectives())
     rows = validate_recipe(pt, data_roots=[str(data)], model_roots=[])
     assert rows["sft"] == rows["dpo"] > rows["rlvr"] > 0
 
@@ -67,7 +67,7 @@ def _run(status: str, metrics: dict[str, float], reason: str = "") -> dict[str, 
     }
 
 
-def test_gate_lines_show_each_steps_metric_and_bound(
+def test_gate_lines_show_each_objectives_metric_and_bound(
     demo_manifest: tuple[Manifest, Path],
 ) -> None:
     recipe = demo_manifest[0].post_training
@@ -82,15 +82,15 @@ def test_gate_lines_show_each_steps_metric_and_bound(
     }
     lines = post_training_gate_lines(_run("passed", metrics), recipe)
     assert lines == [
-        "gate post_training.sft (step 1 of 3): PASSED: nll_gain=2.28 min=0.5"
+        "gate post_training.sft (objective 1 of 3): PASSED: nll_gain=2.28 min=0.5"
         " (nll_before=3.44, nll_after=1.16)",
-        "gate post_training.dpo (step 2 of 3): PASSED: margin_gain=4.17 min=0.5",
-        "gate post_training.rlvr (step 3 of 3): PASSED: reward_gain=0.22 min=0.1"
+        "gate post_training.dpo (objective 2 of 3): PASSED: margin_gain=4.17 min=0.5",
+        "gate post_training.rlvr (objective 3 of 3): PASSED: reward_gain=0.22 min=0.1"
         " (reward_first=0.14, reward_last=0.36)",
     ]
 
 
-def test_a_failed_step_is_the_last_that_ran_and_later_steps_did_not_run(
+def test_a_failed_objective_is_the_last_that_ran_and_later_ones_did_not_run(
     demo_manifest: tuple[Manifest, Path],
 ) -> None:
     recipe = demo_manifest[0].post_training

@@ -6,13 +6,12 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import pytest
+import setuptools
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_pyproject_has_an_spdx_license_and_no_deprecation_warning() -> None:
-    setuptools = pytest.importorskip("setuptools")
     from setuptools.config.pyprojecttoml import read_configuration
 
     with warnings.catch_warnings():

@@ -37,7 +37,8 @@ MAX_SIZE_FACTOR = 2.0
 CAPABILITY_SUITES = {"math": ["gsm8k"], "grade-school-math": ["gsm8k"]}
 # Rewards of RLVR per eval suite (verifiable answers).
 SUITE_REWARDS = {"gsm8k": "gsm8k_exact_match"}
-# Post-training steps written by default (reviewed and edited like everything else).
+# Optimizer steps of each post-training objective written by default (reviewed and
+# edited like everything else).
 DEFAULT_POST_STEPS = {"sft": 1000, "dpo": 500, "rlvr": 200}
 MAX_SEQ_LEN = 4096
 DEFAULT_BATTERY = "smoke"

@@ -1,4 +1,4 @@
-"""Server-side validation of the manifest's curriculum, and the phase plan that
+"""Server-side validation of the manifest's curriculum, and the phases' schedule that
 ``ito plan`` shows and the training stage executes (one function for both)."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.gates.manifest import Manifest
-from stages.curriculum.plan import CurriculumPlan, plan_curriculum
+from stages.curriculum.schedule import CurriculumSchedule, schedule_curriculum
 from stages.errors import ErrorCode, ItoError
 from stages.evals.config import load_battery
 from stages.presets import load_model_preset
 
 
-def curriculum_plan(m: Manifest) -> CurriculumPlan:
-    """The phase plan of ``m``; raises ``eval_battery_unknown`` (a phase names no
+def curriculum_schedule(m: Manifest) -> CurriculumSchedule:
+    """The curriculum schedule of ``m``; raises ``eval_battery_unknown`` (a phase names no
     battery), ``eval_metric_unknown`` (a threshold on a check its battery does not
     produce) or ``curriculum_invalid`` (e.g. long_context not raising seq_len)."""
     for phase in m.curriculum.phases:
@@ -27,7 +27,7 @@ def curriculum_plan(m: Manifest) -> CurriculumPlan:
                 )
     preset = load_model_preset(m.model.preset)
     t = m.training
-    return plan_curriculum(
+    return schedule_curriculum(
         m.curriculum,
         total_steps=t.steps,
         base_seq_len=t.seq_len,
@@ -40,7 +40,7 @@ def curriculum_plan(m: Manifest) -> CurriculumPlan:
     )
 
 
-def curriculum_report(plan: CurriculumPlan) -> dict[str, Any]:
+def curriculum_report(schedule: CurriculumSchedule) -> dict[str, Any]:
     """What ``ito plan`` shows per phase."""
     return {
         "phases": [
@@ -60,7 +60,7 @@ def curriculum_report(plan: CurriculumPlan) -> dict[str, Any]:
                 "decay_steps": p.decay_steps,
                 "rope_theta": p.rope_theta,
             }
-            for p in plan.phases
+            for p in schedule.phases
         ],
-        "post_training": plan.post_training,
+        "post_training": schedule.post_training,
     }

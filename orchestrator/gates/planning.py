@@ -34,27 +34,27 @@ class PlanResult:
             raise ItoError(ErrorCode(self.refusal["code"]), self.refusal["message"])
 
 
-def check_post_training_steps(m: Manifest, request: PlanRequest, replica_groups: int) -> None:
-    """Each SFT, DPO and RLVR step fits the booking's devices with the run's replica
+def check_post_training_objectives(m: Manifest, request: PlanRequest, replica_groups: int) -> None:
+    """Each SFT, DPO and RLVR objective fits the booking's devices with the run's replica
     groups (``stages.parallelism.post_training``; the model is the manifest's preset)."""
     from stages.parallelism.hardware import load_gpu_sku
-    from stages.parallelism.post_training import StepKind, check_step_memory
+    from stages.parallelism.post_training import ObjectiveKind, check_objective_memory
 
     sku = load_gpu_sku(request.gpu_sku)
     p = m.post_training
-    steps: list[tuple[StepKind, int, int, bool]] = []
+    objectives: list[tuple[ObjectiveKind, int, int, bool]] = []
     if p.sft is not None:
-        steps.append(("sft", p.sft.batch_size, p.sft.max_length, False))
+        objectives.append(("sft", p.sft.batch_size, p.sft.max_length, False))
     if p.dpo is not None:
-        steps.append(("dpo", p.dpo.batch_size, p.dpo.max_length, False))
+        objectives.append(("dpo", p.dpo.batch_size, p.dpo.max_length, False))
     if p.rlvr is not None:
         r = p.rlvr
         length = r.max_prompt_tokens + r.max_completion_tokens
-        steps.append(("rlvr", r.groups_per_step * r.group_size, length, r.beta > 0))
-    for kind, batch, length, reference in steps:
-        check_step_memory(
+        objectives.append(("rlvr", r.groups_per_step * r.group_size, length, r.beta > 0))
+    for kind, batch, length, reference in objectives:
+        check_objective_memory(
             request.preset(),
-            step=kind,
+            objective=kind,
             batch_size=batch,
             max_length=length,
             replica_groups=replica_groups,
@@ -76,7 +76,7 @@ def plan_manifest(
     try:
         request = request_from(config, booking)
         chosen = plan(request, time_budget_s)
-        check_post_training_steps(m, request, chosen.dp_replicate)
+        check_post_training_objectives(m, request, chosen.dp_replicate)
     except ItoError as e:
         return PlanResult(None, {"code": str(e.code), "message": e.message}, None)
     except ValidationError as e:

@@ -23,7 +23,7 @@ from orchestrator.gates.costing import (
     gpu_profile,
     price_per_gpu_hour,
 )
-from orchestrator.gates.curriculum import curriculum_plan, curriculum_report
+from orchestrator.gates.curriculum import curriculum_report, curriculum_schedule
 from orchestrator.gates.manifest import Manifest
 from orchestrator.gates.roots import (
     Roots,
@@ -245,7 +245,7 @@ def validate(
     n_refs = check_data_policy(settings, m)
     check_manifest_paths(m, roots)
     storage = m.checkpoint.storage_path
-    if m.post_training.steps():
+    if m.post_training.objectives():
         from stages.pathfields import field_spec
         from stages.post_training.config import PostTrainingConfig
         from stages.post_training.stage import validate_recipe
@@ -269,7 +269,7 @@ def validate(
             f"${m.budget.max_incremental_cost_usd:,.2f}",
         )
     # After the budget: an absurd training target is refused there first.
-    curriculum = curriculum_report(curriculum_plan(m))
+    curriculum = curriculum_report(curriculum_schedule(m))
     report = {
         "model_preset": "ok",
         "gpu_sku": "ok",

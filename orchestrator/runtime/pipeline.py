@@ -78,9 +78,9 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
             # Warm standbys and FT timeouts: the configuration the benchmark measures.
             **production_recovery(spec.facts.get("booking") or {}).train_fields(),
         }
-        from orchestrator.gates.curriculum import curriculum_plan
+        from orchestrator.gates.curriculum import curriculum_schedule
 
-        config["curriculum"] = curriculum_plan(manifest).model_dump(mode="json")
+        config["curriculum"] = curriculum_schedule(manifest).model_dump(mode="json")
         # Operator-level knobs (never from the tenant's manifest): test pacing, FT timeouts.
         config.update(spec.facts.get("train_overrides") or {})
         return TrainingStage(
@@ -124,6 +124,6 @@ def build_pipeline(spec: LaunchSpec) -> list[tuple[str, StageFactory]]:
         ("data_prep", _data_prep(manifest, spec)),
         ("train", StartEarly(_train(manifest, spec), after="parallelism")),
     ]
-    if manifest.post_training.steps():
+    if manifest.post_training.objectives():
         stages.append(("post_training", _post_training(manifest, spec)))
     return stages

@@ -53,7 +53,13 @@ log = logging.getLogger(__name__)
 # TrainStageConfig fields an operator may set for every run; a tenant's manifest
 # never reaches them (it has no such section).
 OPERATOR_TRAIN_OVERRIDES = frozenset(
-    {"pace_step_s", "fault_tolerance", "worker_num_cpus", "inject_loss_spike"}
+    {
+        "pace_step_s",
+        "degraded_pace_step_s",
+        "fault_tolerance",
+        "worker_num_cpus",
+        "inject_loss_spike",
+    }
 )
 
 

@@ -1,7 +1,7 @@
-"""Per-GPU peak memory of an SFT, DPO or RLVR step, planned like a curriculum phase.
+"""Per-GPU peak memory of an SFT, DPO or RLVR objective, planned like a curriculum phase.
 
-A post-training step trains on the engine as its ``TrainStageConfig``
-(``stages.post_training.engine_step``) sets it up: one rank per replica group
+A post-training objective trains on the engine as its ``TrainStageConfig``
+(``stages.post_training.on_engine``) sets it up: one rank per replica group
 holding the whole policy in fp32, AdamW, no recompute, the recipe's ``batch_size``
 rows (sft) or pairs (dpo) split over the groups and trained in one forward at up to
 ``max_length`` tokens. The model is ``stages.parallelism.memory``'s, with:
@@ -17,10 +17,10 @@ rows (sft) or pairs (dpo) split over the groups and trained in one forward at up
   ``max_prompt_tokens + max_completion_tokens`` tokens split over the groups (the
   behaviour log-probs come with the rollouts: no extra forward model); with a KL term
   (``beta > 0``) a frozen fp32 copy of the base is resident beside the policy
-  (``stages.post_training.grpo_objective``), at every moment of the step;
-- the step's end (``stages.post_training.step_eval``): while the policy and AdamW's
+  (``stages.post_training.grpo_objective``), at every moment of the objective;
+- the objective's end (``stages.post_training.objective_eval``): while the policy and AdamW's
   state are still resident, the evaluating rank loads the base folder in fp32 to
-  score the step's "before" numbers and runs forwards of one sequence; that is a
+  score the objective's "before" numbers and runs forwards of one sequence; that is a
   second moment, and the peak is the larger of the two.
 """
 
@@ -39,37 +39,37 @@ from stages.parallelism.memory import (
 )
 from stages.presets import ModelPreset
 
-StepKind = Literal["sft", "dpo", "rlvr"]
+ObjectiveKind = Literal["sft", "dpo", "rlvr"]
 
 
 @dataclass(frozen=True)
-class StepMemory:
+class ObjectiveMemory:
     training: MemoryEstimate  # the peak of a training step
-    scoring: float  # bytes at the step's end: resident state + the base copy + a forward
-    reference: float = 0.0  # a frozen reference resident for the whole step (RLVR's KL)
+    scoring: float  # bytes at the objective's end: resident state, the base copy, a forward
+    reference: float = 0.0  # a frozen reference resident for the whole objective (RLVR's KL)
 
     @property
     def peak(self) -> float:
         return max(self.training.total, self.scoring) + self.reference
 
 
-def sequences_per_rank(kind: StepKind, batch_size: int, replica_groups: int) -> int:
+def sequences_per_rank(kind: ObjectiveKind, batch_size: int, replica_groups: int) -> int:
     """Sequences one rank forwards per step (a DPO pair is two; an RLVR step's
     ``batch_size`` counts sequences: groups x group size)."""
     rows = -(-batch_size // replica_groups)
     return rows * (2 if kind == "dpo" else 1)
 
 
-def step_memory(
+def objective_memory(
     preset: ModelPreset,
     *,
-    kind: StepKind,
+    kind: ObjectiveKind,
     batch_size: int,
     max_length: int,
     replica_groups: int,
     foreach_optimizer: bool = True,
     resident_reference: bool = False,
-) -> StepMemory:
+) -> ObjectiveMemory:
     training = estimate_memory(
         preset,
         seq_len=max_length,
@@ -89,13 +89,13 @@ def step_memory(
     params = preset.num_params
     forward = LOSS_BYTES_PER_LOGIT * max_length * preset.vocab_size
     scoring = training.weights + training.optimizer + params * MASTER_BYTES + forward
-    return StepMemory(training, scoring, params * MASTER_BYTES if resident_reference else 0.0)
+    return ObjectiveMemory(training, scoring, params * MASTER_BYTES if resident_reference else 0.0)
 
 
-def check_step_memory(
+def check_objective_memory(
     preset: ModelPreset,
     *,
-    step: StepKind,
+    objective: ObjectiveKind,
     batch_size: int,
     max_length: int,
     replica_groups: int,
@@ -103,11 +103,11 @@ def check_step_memory(
     memory_utilization: float,
     foreach_optimizer: bool = True,
     resident_reference: bool = False,
-) -> StepMemory:
-    """The step's memory, or ``plan_out_of_memory`` naming the step and its parts."""
-    mem = step_memory(
+) -> ObjectiveMemory:
+    """The objective's memory, or ``plan_out_of_memory`` naming it and its parts."""
+    mem = objective_memory(
         preset,
-        kind=step,
+        kind=objective,
         batch_size=batch_size,
         max_length=max_length,
         replica_groups=replica_groups,
@@ -120,14 +120,14 @@ def check_step_memory(
         t = mem.training
         raise ItoError(
             ErrorCode.plan_out_of_memory,
-            f"post_training.{step}: predicted peak {peak:.1f} GiB per GPU exceeds the "
+            f"post_training.{objective}: predicted peak {peak:.1f} GiB per GPU exceeds the "
             f"usable {capacity:.1f} GiB (policy weights {t.weights / GIB:.1f}, gradients "
             f"{t.gradients / GIB:.1f}, optimizer {t.optimizer / GIB:.1f}, activations at "
-            f"max_length {max_length} {t.activations / GIB:.1f}, step-end scoring "
+            f"max_length {max_length} {t.activations / GIB:.1f}, objective-end scoring "
             f"{mem.scoring / GIB:.1f}, resident reference {mem.reference / GIB:.1f}; "
             "the DPO reference is precomputed log-probs); lower the batch (rlvr: "
             "groups_per_step x group_size) or the sequence length (rlvr: "
             "max_prompt_tokens + max_completion_tokens), or book more replica groups",
-            details={"peak_memory_gib": round(peak, 2), "step": step},
+            details={"peak_memory_gib": round(peak, 2), "objective": objective},
         )
     return mem

@@ -1,6 +1,6 @@
 """Post-training recipe: SFT -> DPO -> RLVR (GRPO with the DAPO fixes).
 
-The manifest names any prefix of the chain; each step ends with its gate. Every
+The manifest names any prefix of the chain; each objective ends with its gate. Every
 timeout of the rollout fleet is a named setting here.
 """
 
@@ -22,16 +22,16 @@ MAX_STEPS = 100_000_000
 TRL_ADAM_BETAS = (0.9, 0.999)
 
 
-class StepGate(StrictModel):
-    """A step passes when ``metric`` (from its eval battery) is ``>= min``."""
+class ObjectiveGate(StrictModel):
+    """An objective passes when ``metric`` (from its eval battery) is ``>= min``."""
 
     metric: str = Field(min_length=1, max_length=64)
     min: float = Field(ge=-1e12, le=1e12, allow_inf_nan=False)
 
 
-class StepBattery(StrictModel):
-    """The curriculum's eval battery after a step (``configs/evals/<battery>.json``),
-    gated like a curriculum phase (min / max / max_regression vs the previous step)."""
+class ObjectiveBattery(StrictModel):
+    """The curriculum's eval battery after an objective (``configs/evals/<battery>.json``),
+    gated like a curriculum phase (min / max / max_regression vs the previous objective)."""
 
     battery: str | None = Field(default=None, max_length=64)
     gates: list[GateThreshold] = Field(default_factory=list, max_length=32)
@@ -46,14 +46,16 @@ class SFTConfig(StrictModel):
     learning_rate: float = Field(default=2e-5, gt=0, le=10, allow_inf_nan=False)
     batch_size: int = Field(default=4, ge=1, le=4096)
     max_length: int = Field(default=256, ge=8, le=1 << 20)
-    # A checkpoint every this many steps during the step (a relaunched driver resumes
-    # the step from the newest); 0: only the step's closing one.
+    # A checkpoint every this many steps during the objective (a relaunched driver
+    # resumes the objective from the newest); 0: only the objective's closing one.
     checkpoint_every_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
     # AdamW's betas: trl's default (TrainingArguments adam_beta1/adam_beta2).
     adam_betas: AdamBetas = Field(default=TRL_ADAM_BETAS, max_length=2)
     # Battery: mean assistant-token NLL on the data before and after; gain = before - after.
-    gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="nll_gain", min=0.0))
-    eval: StepBattery = Field(default_factory=StepBattery)
+    gate: ObjectiveGate | None = Field(
+        default_factory=lambda: ObjectiveGate(metric="nll_gain", min=0.0)
+    )
+    eval: ObjectiveBattery = Field(default_factory=ObjectiveBattery)
 
 
 class DPOConfig(StrictModel):
@@ -66,14 +68,16 @@ class DPOConfig(StrictModel):
     learning_rate: float = Field(default=5e-7, gt=0, le=10, allow_inf_nan=False)
     batch_size: int = Field(default=4, ge=1, le=4096)
     max_length: int = Field(default=256, ge=8, le=1 << 20)
-    # A checkpoint every this many steps during the step (a relaunched driver resumes
-    # the step from the newest); 0: only the step's closing one.
+    # A checkpoint every this many steps during the objective (a relaunched driver
+    # resumes the objective from the newest); 0: only the objective's closing one.
     checkpoint_every_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
     # AdamW's betas: trl's default (TrainingArguments adam_beta1/adam_beta2).
     adam_betas: AdamBetas = Field(default=TRL_ADAM_BETAS, max_length=2)
     # Battery: mean log-prob margin (chosen - rejected) before and after.
-    gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="margin_gain", min=0.0))
-    eval: StepBattery = Field(default_factory=StepBattery)
+    gate: ObjectiveGate | None = Field(
+        default_factory=lambda: ObjectiveGate(metric="margin_gain", min=0.0)
+    )
+    eval: ObjectiveBattery = Field(default_factory=ObjectiveBattery)
 
 
 class RLVRConfig(StrictModel):
@@ -131,8 +135,10 @@ class RLVRConfig(StrictModel):
     worker_ready_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     worker_restart_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     rollout_timeout_s: float = Field(default=300.0, gt=0, le=86_400)
-    gate: StepGate | None = Field(default_factory=lambda: StepGate(metric="reward_gain", min=0.0))
-    eval: StepBattery = Field(default_factory=StepBattery)
+    gate: ObjectiveGate | None = Field(
+        default_factory=lambda: ObjectiveGate(metric="reward_gain", min=0.0)
+    )
+    eval: ObjectiveBattery = Field(default_factory=ObjectiveBattery)
 
     @model_validator(mode="after")
     def _check(self) -> RLVRConfig:
@@ -168,5 +174,5 @@ class PostTrainingConfig(StrictModel):
             raise ValueError("base_model and base_model_sha256 go together")
         return self
 
-    def steps(self) -> list[str]:
+    def objectives(self) -> list[str]:
         return [s for s in ("sft", "dpo", "rlvr") if getattr(self, s) is not None]

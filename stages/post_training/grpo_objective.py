@@ -203,7 +203,7 @@ class GRPOObjective:
             return
         state = full_state(loop.model)
         if loop.spec.rank == 0:
-            self.publisher.publish(step, state, loss, last=step == loop.plan.total_steps)
+            self.publisher.publish(step, state, loss, last=step == loop.schedule.total_steps)
 
     def _publish_start(self, version: int) -> None:
         """The weights this process starts from (restored or healed), if the board

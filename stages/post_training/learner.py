@@ -1,7 +1,7 @@
-"""The RLVR step on the training engine: the driver coordinates, the ranks learn.
+"""The RLVR objective on the training engine: the driver coordinates, the ranks learn.
 
 The driver runs the rollout controller (``rl.run_rlvr`` with an ``EngineLearner``) on
-a thread and the training engine (``engine_step.run_engine``, objective ``grpo``) on
+a thread and the training engine (``on_engine.run_engine``, objective ``grpo``) on
 its own: the replica-group actors train, checkpoint (DCP) and heal as in pretraining.
 Per step ``k``:
 
@@ -38,8 +38,8 @@ from stages.base import StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.post_training.admission import is_stale
 from stages.post_training.config import TRL_ADAM_BETAS, RLVRConfig
+from stages.post_training.objective_eval import ObjectiveEvalReply, ObjectiveEvalRequest
 from stages.post_training.rollout import RolloutGroup
-from stages.post_training.step_eval import StepEvalReply, StepEvalRequest
 from stages.post_training.step_groups import step_groups, write_step_groups
 from stages.post_training.weight_sync import BaseWeights, PublishedVersion
 from stages.trainer.config import GRPOSettings, ObjectiveConfig, TrainStageConfig
@@ -207,12 +207,12 @@ def rlvr_train_config(
     weights_board: str | None = None,
     fleet_workers: int = 0,
 ) -> TrainStageConfig:
-    """The engine config of the rlvr step: ``groups_per_step x group_size``
+    """The engine config of the rlvr objective: ``groups_per_step x group_size``
     completions per step, the recipe's loss settings, DCP checkpoints every
     ``checkpoint_every_steps`` (and at the end); rank 0 publishes each version to
     ``weights_board`` for ``fleet_workers`` workers (None: no fleet, e.g. the learner
     benchmark)."""
-    from stages.post_training.engine_step import engine_config
+    from stages.post_training.on_engine import engine_config
 
     settings = GRPOSettings(
         epsilon=cfg.epsilon,
@@ -262,15 +262,15 @@ def run_rlvr_on_engine(
     pad_id: int,
     on_interruption: Any = None,
     board_placement: dict[str, Any] | None = None,
-    scoring: StepEvalRequest | None = None,
-) -> tuple[Any, Path, EngineLearner, StepEvalReply | None]:
-    """Train the rlvr step on the engine, fed by the fleet; returns (``RLResult``, the
+    scoring: ObjectiveEvalRequest | None = None,
+) -> tuple[Any, Path, EngineLearner, ObjectiveEvalReply | None]:
+    """Train the rlvr objective on the engine, fed by the fleet; returns (``RLResult``, the
     HF export of the final weights, the learner, ``scoring``'s scores from the
     evaluating rank). ``board_placement``: the weight board's actor options (the run's
     placement group; it reserves no CPU)."""
     import ray
 
-    from stages.post_training.engine_step import run_engine
+    from stages.post_training.on_engine import run_engine
     from stages.post_training.rl import run_rlvr
     from stages.post_training.weight_board import board_name, start_board
     from stages.trainer.engine import RunCancelled

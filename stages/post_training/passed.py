@@ -1,9 +1,9 @@
-"""The record of a post-training step whose gate passed, beside its HF export.
+"""The record of a post-training objective whose gate passed, beside its HF export.
 
-A relaunched driver runs the stage again from the top; a step with a record and an
-intact export is not trained again: its metrics, battery and export are read back
-and the chain goes on from that export. A step without one (the driver died during
-it) trains again, and the engine resumes it from its newest checkpoint.
+A relaunched driver runs the stage again from the top; an objective with a record and
+an intact export is not trained again: its metrics, battery and export are read back
+and the chain goes on from that export. An objective without one (the driver died
+during it) trains again, and the engine resumes it from its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -19,28 +19,28 @@ from stages.errors import ItoError
 RECORD_DIR = "passed"
 
 
-class PassedStep(BaseModel):
+class PassedObjective(BaseModel):
     metrics: dict[str, float]
     hf_model_dir: str
     battery: dict[str, Any] | None = None  # a BatteryResult as JSON
 
 
-def _path(out: Path, step: str) -> Path:
-    return out / RECORD_DIR / f"{step}.json"
+def _path(out: Path, objective: str) -> Path:
+    return out / RECORD_DIR / f"{objective}.json"
 
 
-def save_passed(out: Path, step: str, record: PassedStep) -> None:
-    atomic_write(_path(out, step), record.model_dump_json().encode())
+def save_passed(out: Path, objective: str, record: PassedObjective) -> None:
+    atomic_write(_path(out, objective), record.model_dump_json().encode())
 
 
-def load_passed(out: Path, step: str) -> PassedStep | None:
-    """The step's record if it has one and its export is still a whole HF folder."""
+def load_passed(out: Path, objective: str) -> PassedObjective | None:
+    """The objective's record if it has one and its export is still a whole HF folder."""
     from stages.post_training.hf_io import check_model_dir
 
-    path = _path(out, step)
+    path = _path(out, objective)
     if not path.is_file():
         return None
-    record = PassedStep.model_validate_json(path.read_bytes())
+    record = PassedObjective.model_validate_json(path.read_bytes())
     export = Path(record.hf_model_dir)
     try:
         check_model_dir([p.relative_to(export).as_posix() for p in export.rglob("*")])

@@ -9,8 +9,8 @@ trained more than ``max_staleness`` versions after the policy it is generated
 with is refused before any token is generated, and a worker with no synced weights
 (a fresh or restarted one) refuses everything.
 
-Engines: HF ``generate`` on CPU (and on GPU where vLLM does not install); a vLLM
-engine plugs in behind ``generate_group`` with the same inputs and outputs.
+The one engine is HF ``generate`` (on CPU, or the worker's GPU on cuda); another
+engine would plug in behind ``generate_group`` with the same inputs and outputs.
 """
 
 from __future__ import annotations

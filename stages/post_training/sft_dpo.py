@@ -1,8 +1,8 @@
-"""The small batteries of the SFT and DPO steps (the steps themselves train on the
-engine: ``stages.post_training.engine_step``; these run on its evaluating rank,
-``stages.post_training.step_eval``).
+"""The small batteries of the SFT and DPO objectives (the objectives themselves train
+on the engine: ``stages.post_training.on_engine``; these run on its evaluating rank,
+``stages.post_training.objective_eval``).
 
-Batteries (before and after, on the step's own data; the curriculum's eval
+Batteries (before and after, on the objective's own data; the curriculum's eval
 batteries replace them where a run names one):
 - SFT: mean next-token NLL of the conversations -> ``nll_before``, ``nll_after``,
   ``nll_gain`` = before - after;
@@ -75,20 +75,20 @@ def dpo_margins(model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple
     return sum(margins) / len(margins), sum(m > 0 for m in margins) / len(margins)
 
 
-def step_battery(
+def objective_battery(
     kind: str, model: Any, tokenizer: Any, rows: list[dict[str, Any]]
 ) -> dict[str, float]:
-    """The step's battery on ``model``: {"nll"} for sft, {"margin", "accuracy"} for dpo."""
+    """The objective's battery on ``model``: {"nll"} for sft, {"margin", "accuracy"} for dpo."""
     if kind == "sft":
         return {"nll": sft_nll(model, tokenizer, rows)}
     margin, accuracy = dpo_margins(model, tokenizer, rows)
     return {"margin": margin, "accuracy": accuracy}
 
 
-def step_gate_metrics(
+def objective_gate_metrics(
     kind: str, before: dict[str, float], after: dict[str, float]
 ) -> dict[str, float]:
-    """The gate's metrics of a step from its battery before and after training."""
+    """The gate's metrics of an objective from its battery before and after training."""
     if kind == "sft":
         return {
             "nll_before": before["nll"],

@@ -1,5 +1,5 @@
-"""``PostTrainingStage``: the recipe's steps in order (any prefix of sft -> dpo -> rlvr),
-each saved in HF format and followed by its gate; a failed gate stops the run."""
+"""``PostTrainingStage``: the recipe's objectives in order (any prefix of sft -> dpo ->
+rlvr), each saved in HF format and followed by its gate; a failed gate stops the run."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from stages.errors import ErrorCode, ItoError
 from stages.events import InterruptionEvent, MetricsEvent, PhaseEvent
 from stages.pathfields import field_spec, local_path
 from stages.placement import actor_options
-from stages.post_training.config import PostTrainingConfig, RLVRConfig, StepGate
+from stages.post_training.config import ObjectiveGate, PostTrainingConfig, RLVRConfig
 from stages.trainer.config import TrainStageConfig
 
 if TYPE_CHECKING:
@@ -45,15 +45,15 @@ class PostTrainingStageConfig(StrictModel):
     model_roots: tuple[str, ...] = ()
 
 
-def check_gate(step: str, gate: StepGate | None, metrics: dict[str, float]) -> str | None:
+def check_gate(objective: str, gate: ObjectiveGate | None, metrics: dict[str, float]) -> str | None:
     """None if the gate passes, else the reason."""
     if gate is None:
         return None
     if gate.metric not in metrics:
-        return f"{step}: gate metric {gate.metric!r} is not in the battery ({sorted(metrics)})"
+        return f"{objective}: gate metric {gate.metric!r} is not in the battery ({sorted(metrics)})"
     value = metrics[gate.metric]
     if not value >= gate.min:
-        return f"{step}: {gate.metric} = {value:.4g} < {gate.min:.4g}"
+        return f"{objective}: {gate.metric} = {value:.4g} < {gate.min:.4g}"
     return None
 
 
@@ -80,22 +80,22 @@ def validate_recipe(
     in its format (streamed by the safe walk, no row kept) and, when that was the whole
     dataset, match its digest; the reward and batteries are registered and a named base
     model is an HF folder (its digest is checked by the run, which reads the weights).
-    Returns the rows seen per step."""
+    Returns the rows seen per objective."""
     from stages.post_training.data import read_dataset
     from stages.post_training.hf_io import check_model_dir
     from stages.snapshot import read_inside
 
     rows: dict[str, int] = {}
-    for step in _KINDS:
-        cfg = getattr(recipe, step)
+    for objective in _KINDS:
+        cfg = getattr(recipe, objective)
         if cfg is not None:
-            where = f"post_training.{step}.data"
+            where = f"post_training.{objective}.data"
             data = read_dataset(
-                step, cfg.data.uri, data_roots, where, max_bytes=scan_bytes, keep_rows=False
+                objective, cfg.data.uri, data_roots, where, max_bytes=scan_bytes, keep_rows=False
             )
             if data.sha256 is not None:
                 _check_digest(data.sha256, cfg.data.sha256, where)
-            rows[step] = data.count
+            rows[objective] = data.count
     check_recipe(recipe)
     if recipe.base_model is not None:
         where = "post_training.base_model"
@@ -116,7 +116,7 @@ def check_recipe(recipe: PostTrainingConfig) -> None:
     from stages.evals.config import load_battery
     from stages.post_training.rewards import get_reward
 
-    for name in recipe.steps():
+    for name in recipe.objectives():
         battery = getattr(recipe, name).eval.battery
         if battery is not None:
             load_battery(battery)  # eval_battery_unknown before anything runs
@@ -184,19 +184,19 @@ class PostTrainingStage:
 
     def load_data(self) -> dict[str, list[dict[str, Any]]]:
         """Every dataset's rows, parsed from the bytes its digest was computed over;
-        a dataset changed since submit is ``data_digest_mismatch`` before any step."""
+        a dataset changed since submit is ``data_digest_mismatch`` before any objective."""
         from stages.post_training.data import read_dataset
 
         recipe = self.config.recipe
         rows: dict[str, list[dict[str, Any]]] = {}
-        for step in _KINDS:
-            cfg = getattr(recipe, step)
+        for objective in _KINDS:
+            cfg = getattr(recipe, objective)
             if cfg is not None:
-                where = f"post_training.{step}.data"
-                data = read_dataset(step, cfg.data.uri, self.config.data_roots, where)
+                where = f"post_training.{objective}.data"
+                data = read_dataset(objective, cfg.data.uri, self.config.data_roots, where)
                 assert data.sha256 is not None  # read whole
                 _check_digest(data.sha256, cfg.data.sha256, where)
-                rows[step] = data.rows
+                rows[objective] = data.rows
         check_recipe(recipe)
         return rows
 
@@ -204,7 +204,7 @@ class PostTrainingStage:
     def run(self, ctx: StageContext) -> GateOutcome:
         from stages.evals import BatteryResult
         from stages.post_training.hf_io import load_tokenizer
-        from stages.post_training.passed import PassedStep, load_passed, save_passed
+        from stages.post_training.passed import PassedObjective, load_passed, save_passed
         from stages.trainer.engine import RunCancelled
 
         try:
@@ -216,7 +216,7 @@ class PostTrainingStage:
             metrics: dict[str, float] = {}
             current = base
             battery: Any = None
-            for step in self.config.recipe.steps():
+            for objective in self.config.recipe.objectives():
                 if ctx.cancelled:
                     return GateOutcome(
                         stage=self.name,
@@ -224,30 +224,36 @@ class PostTrainingStage:
                         reason="cancelled",
                         error_code=ErrorCode.invalid_state.value,
                     )
-                done = load_passed(out, step)
+                done = load_passed(out, objective)
                 if done is not None:  # an earlier attempt of this run passed it
                     current = Path(done.hf_model_dir)
-                    results[step] = done.model_dump(mode="json", exclude_none=True)
-                    metrics.update({f"{step}_{k}": v for k, v in done.metrics.items()})
+                    results[objective] = done.model_dump(mode="json", exclude_none=True)
+                    metrics.update({f"{objective}_{k}": v for k, v in done.metrics.items()})
                     if done.battery is not None:
                         battery = BatteryResult.model_validate(done.battery)
-                    ctx.log(f"post_training {step}: already passed ({current})", stage=self.name)
+                    ctx.log(
+                        f"post_training {objective}: already passed ({current})", stage=self.name
+                    )
                     continue
                 t0 = time.time()
-                ctx.log(f"post_training {step}: started from {current.name}", stage=self.name)
-                m, current, scored = self._run_step(step, ctx, tok, rows[step], out, current)
+                ctx.log(f"post_training {objective}: started from {current.name}", stage=self.name)
+                m, current, scored = self._run_objective(
+                    objective, ctx, tok, rows[objective], out, current
+                )
                 m["seconds"] = time.time() - t0
-                ctx.emit(MetricsEvent(stage=self.name, step=0, scope=step, values=m))
-                results[step] = {"metrics": m, "hf_model_dir": str(current)}
-                metrics.update({f"{step}_{k}": v for k, v in m.items()})
-                step_cfg = getattr(self.config.recipe, step)
-                failed = check_gate(step, step_cfg.gate, m)
-                if failed is None and step_cfg.eval.battery is not None:
-                    assert scored is not None  # every step scores its battery when named
-                    failed, battery = self._battery(step, step_cfg.eval, scored, battery, ctx)
-                    results[step]["battery"] = battery.model_dump(mode="json")
+                ctx.emit(MetricsEvent(stage=self.name, step=0, scope=objective, values=m))
+                results[objective] = {"metrics": m, "hf_model_dir": str(current)}
+                metrics.update({f"{objective}_{k}": v for k, v in m.items()})
+                objective_cfg = getattr(self.config.recipe, objective)
+                failed = check_gate(objective, objective_cfg.gate, m)
+                if failed is None and objective_cfg.eval.battery is not None:
+                    assert scored is not None  # every objective scores its battery when named
+                    failed, battery = self._battery(
+                        objective, objective_cfg.eval, scored, battery, ctx
+                    )
+                    results[objective]["battery"] = battery.model_dump(mode="json")
                 ctx.log(
-                    f"post_training {step}: gate {'failed: ' + failed if failed else 'passed'}"
+                    f"post_training {objective}: gate {'failed: ' + failed if failed else 'passed'}"
                     f"; saved {current}",
                     stage=self.name,
                 )
@@ -257,10 +263,11 @@ class PostTrainingStage:
                         status="failed",
                         reason=failed,
                         metrics=metrics,
+                        # Per objective, under a kept wire name (docs/architecture.md).
                         artifacts={"steps": results},
                         error_code=ErrorCode.eval_gate_failed.value,
                     )
-                save_passed(out, step, PassedStep.model_validate(results[step]))
+                save_passed(out, objective, PassedObjective.model_validate(results[objective]))
         except RunCancelled:
             return GateOutcome(
                 stage=self.name,
@@ -281,9 +288,10 @@ class PostTrainingStage:
         )
 
     def _battery(
-        self, step: str, spec: Any, result: Any, previous: Any, ctx: StageContext
+        self, objective: str, spec: Any, result: Any, previous: Any, ctx: StageContext
     ) -> tuple[str | None, Any]:
-        """The curriculum's gates on a step's battery ``result``; (reason or None, result)."""
+        """The curriculum's gates on an objective's battery ``result``; (reason or None,
+        result)."""
         from stages.evals import evaluate_gates
 
         decision = evaluate_gates(result, list(spec.gates), previous)
@@ -296,48 +304,48 @@ class PostTrainingStage:
             )
         )
         scores = {c.name: c.score for c in result.checks if c.score is not None}
-        ctx.emit(MetricsEvent(stage=self.name, step=0, scope=f"{step}.battery", values=scores))
+        ctx.emit(MetricsEvent(stage=self.name, step=0, scope=f"{objective}.battery", values=scores))
         return (None if decision.passed else decision.summary()), result
 
-    def _run_step(
+    def _run_objective(
         self,
-        step: str,
+        objective: str,
         ctx: StageContext,
         tok: Any,
         rows: list[dict[str, Any]],
         out: Path,
         current: Path,
     ) -> tuple[dict[str, float], Path, Any]:
-        """Train ``step`` from the HF folder ``current``: (gate metrics, its HF export
-        under ``out/<step>``, its battery's ``BatteryResult`` or None). SFT and DPO are
-        trained and scored on the engine's ranks: no model in this process."""
+        """Train ``objective`` from the HF folder ``current``: (gate metrics, its HF
+        export under ``out/<objective>``, its battery's ``BatteryResult`` or None). SFT and
+        DPO are trained and scored on the engine's ranks: no model in this process."""
 
         recipe = self.config.recipe
-        if step in ("sft", "dpo"):
+        if objective in ("sft", "dpo"):
             from stages.evals import BatteryResult
-            from stages.post_training.engine_step import run_engine_step
-            from stages.post_training.sft_dpo import step_gate_metrics
+            from stages.post_training.on_engine import run_on_engine
+            from stages.post_training.sft_dpo import objective_gate_metrics
 
-            kind: Literal["sft", "dpo"] = "sft" if step == "sft" else "dpo"
-            exported, figures, scores = run_engine_step(
+            kind: Literal["sft", "dpo"] = "sft" if objective == "sft" else "dpo"
+            exported, figures, scores = run_on_engine(
                 kind,
                 getattr(recipe, kind),
                 ctx,
                 stage=self.name,
                 base=current,
                 rows=rows,
-                export_dir=out / step,
+                export_dir=out / objective,
                 train=self.config.train,
                 device=self.config.device,
             )
             battery = BatteryResult.model_validate(scores.battery) if scores.battery else None
-            m = {**step_gate_metrics(kind, scores.before, scores.after), **figures}
+            m = {**objective_gate_metrics(kind, scores.before, scores.after), **figures}
             return m, exported, battery
         assert recipe.rlvr is not None
-        # The learner's ranks and the rollout workers start from the previous step's
-        # export (or the base), and its battery runs on the evaluating rank: no model
-        # in this process.
-        return self._run_rlvr(recipe.rlvr, ctx, tok, rows, current, out / step)
+        # The learner's ranks and the rollout workers start from the previous
+        # objective's export (or the base), and its battery runs on the evaluating rank:
+        # no model in this process.
+        return self._run_rlvr(recipe.rlvr, ctx, tok, rows, current, out / objective)
 
     def _run_rlvr(
         self,
@@ -352,12 +360,12 @@ class PostTrainingStage:
         groups (``stages.post_training.learner``): (gate metrics, the HF export, its
         battery's ``BatteryResult`` or None, scored on the evaluating rank)."""
         from stages.evals import BatteryResult
-        from stages.post_training.engine_step import write_rows
         from stages.post_training.learner import run_rlvr_on_engine
+        from stages.post_training.objective_eval import ObjectiveEvalRequest
+        from stages.post_training.on_engine import write_rows
         from stages.post_training.pools import LocalPool, RayPool
         from stages.post_training.rl import RequestMaker
         from stages.post_training.rollout import RolloutWorker, WorkerSpec
-        from stages.post_training.step_eval import StepEvalRequest
 
         specs = [WorkerSpec.for_recipe(cfg, n, str(init)) for n in range(cfg.rollout_workers)]
         sync: dict[str, Any] = {
@@ -396,7 +404,7 @@ class PostTrainingStage:
 
         scoring = None
         if cfg.eval.battery is not None:
-            scoring = StepEvalRequest(
+            scoring = ObjectiveEvalRequest(
                 kind="rlvr",
                 rows_path=str(write_rows(rows, ctx.workdir / "rlvr" / "data.jsonl")),
                 base_dir=str(init),

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from stages.base import StrictModel
 from stages.checkpointing.config import CheckpointPolicy
-from stages.curriculum.plan import CurriculumPlan, one_phase_plan
+from stages.curriculum.schedule import CurriculumSchedule, one_phase_schedule
 from stages.errors import ErrorCode, ItoError
 from stages.evals.config import EvalRunSettings
 from stages.pathfields import PathField
@@ -69,8 +69,8 @@ class TrainingTarget(StrictModel):
     warmup_steps: int = Field(default=10, ge=0, le=MAX_STEPS)
     weight_decay: float = Field(default=0.1, ge=0, le=10, allow_inf_nan=False)
     grad_clip: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
-    # AdamW's (beta1, beta2): pretraining's usual 0.95; post-training steps pass the
-    # recipe's (trl's default 0.999).
+    # AdamW's (beta1, beta2): pretraining's usual 0.95; post-training objectives pass
+    # the recipe's (trl's default 0.999).
     adam_betas: AdamBetas = Field(default=(0.9, 0.95), max_length=2)
     seed: int = Field(default=0, ge=0, lt=2**63)
     deterministic: bool = True
@@ -177,7 +177,7 @@ class LossSpikeInjection(StrictModel):
 
 class GRPOSettings(StrictModel):
     """The GRPO/DAPO learner's loss settings (``stages.post_training.grpo_objective``),
-    from the recipe's rlvr step."""
+    from the recipe's rlvr objective."""
 
     epsilon: float = Field(default=0.2, gt=0, lt=1)
     epsilon_high: float = Field(default=0.28, gt=0, le=10)
@@ -251,11 +251,15 @@ class TrainStageConfig(StrictModel):
     # Test/benchmark pacing: minimum seconds per step, so that a tiny CPU model's run
     # lasts long enough to kill and restart a group in it. 0 in real runs.
     pace_step_s: float = Field(default=0.0, ge=0, le=10)
+    # Test/benchmark pacing while a replica group is missing from the quorum: a run
+    # then outlasts a lost group's restart (however slow the host) and, once the group
+    # rejoined, goes on at ``pace_step_s``. 0 in real runs.
+    degraded_pace_step_s: float = Field(default=0.0, ge=0, le=10)
     # Test-only fault injection; never set by a tenant manifest.
     inject_loss_spike: LossSpikeInjection | None = None
-    # Curriculum: the phase plan (None: the whole target as one phase, cosine LR, no
-    # gate; see ``plan``).
-    curriculum: CurriculumPlan | None = None
+    # Curriculum: the phases' schedule (None: the whole target as one phase, cosine LR,
+    # no gate; see ``schedule``).
+    curriculum: CurriculumSchedule | None = None
     # How eval batteries run at phase ends (timeouts, sizes); the checks are fixed.
     evals: EvalRunSettings = Field(default_factory=EvalRunSettings)
     # Documents of each role held out from training for the held-out checks.
@@ -305,12 +309,12 @@ class TrainStageConfig(StrictModel):
         return self.parallel.resolved(self.ranks_per_group)
 
     @property
-    def plan(self) -> CurriculumPlan:
+    def schedule(self) -> CurriculumSchedule:
         """The phases the loop follows: the curriculum, or the whole target as one."""
         if self.curriculum is not None:
             return self.curriculum
         t = self.target
-        return one_phase_plan(
+        return one_phase_schedule(
             total_steps=t.steps,
             global_batch_tokens=t.global_batch_tokens,
             seq_len=t.seq_len,

@@ -25,11 +25,12 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from stages.checkpointing.storage import list_checkpoints
-from stages.curriculum.plan import PhasePlan
+from stages.curriculum.schedule import PhaseSpan
 from stages.errors import ErrorCode, ItoError
 from stages.event_buffer import expand_steps
 from stages.events import (
     Event,
+    FleetEvent,
     InterruptionEvent,
     LogEvent,
     PhaseEvent,
@@ -46,7 +47,7 @@ from stages.trainer.replica import ReplicaWorker, spare_name, worker_name
 
 _EVENT = TypeAdapter(Event)
 # Called when every live group closed a phase; True: the gate passed, go on.
-PhaseEndHook = Callable[[PhasePlan], bool]
+PhaseEndHook = Callable[[PhaseSpan], bool]
 
 
 class RunCancelled(Exception):
@@ -69,7 +70,7 @@ class TrainingEngine:
         decided: set[int] | None = None,
     ):
         self.cfg = cfg
-        self.plan = cfg.plan
+        self.schedule = cfg.schedule
         # None: the run's data is not ready yet; the fleet starts and warms up anyway,
         # and every rank gets the shards (``supply_data``) when they are.
         self.role_shards = dict(role_shards) if role_shards is not None else None
@@ -186,12 +187,20 @@ class TrainingEngine:
         for g in range(self.cfg.replica_groups):
             for r in range(self.cfg.ranks_per_group):
                 self.actors[(g, r)] = self._make_worker(worker_name(self.run_id, g, r), g, r)
-        self.emit(
-            LogEvent(
-                message=f"started lighthouse {lh_addr} and {len(self.actors)} trainer "
-                f"actors in {time.time() - t0:.1f}s"
-            )
+        self._fleet_changed(
+            FleetEvent(
+                action="lighthouse_started",
+                address=lh_addr,
+                actors=[worker_name(self.run_id, g, r) for g, r in self.actors],
+            ),
+            f"started lighthouse {lh_addr} and {len(self.actors)} trainer "
+            f"actors in {time.time() - t0:.1f}s",
         )
+
+    def _fleet_changed(self, event: FleetEvent, message: str) -> None:
+        """The fleet change as structure, and its line for people."""
+        self.emit(event)
+        self.emit(LogEvent(message=message))
 
     def _make_worker(
         self, name: str, group: int, rank: int, standby_index: int | None = None
@@ -264,8 +273,9 @@ class TrainingEngine:
             self._pids.pop((group, rank), None)
             self.actors[(group, rank)] = spare
             spare.command.remote("activate", self._activation(group, rank))
-        self.emit(
-            LogEvent(message=f"spare {', '.join(names)} takes the place of replica group {group}")
+        self._fleet_changed(
+            FleetEvent(action="standby_activated", replica_group=group, actors=names),
+            f"spare {', '.join(names)} takes the place of replica group {group}",
         )
         self._start_spare()
         return True
@@ -347,7 +357,9 @@ class TrainingEngine:
                 continue
             if status["phase"] == "standby" and name not in self._spares_ready:
                 self._spares_ready.add(name)
-                self.emit(LogEvent(message=f"standby {name} is warm"))
+                self._fleet_changed(
+                    FleetEvent(action="standby_warm", actors=[name]), f"standby {name} is warm"
+                )
 
     def _on_actor_down(self, key: tuple[int, int], now: float, err: Exception) -> None:
         grp = self.groups[key[0]]
@@ -719,7 +731,7 @@ class TrainingEngine:
         b = marks.pop()
         if b is None or b in self.passed:
             return False
-        if not self.on_phase_end(self.plan.phases[b]):
+        if not self.on_phase_end(self.schedule.phases[b]):
             self.stopped_at_phase = b
             return True
         self.passed.add(b)

@@ -1,13 +1,13 @@
 """The training loop of one rank of one replica group (torchtitan style, torchft inside).
 
 ``run`` is the recipe: build the model, join the replica group (torchft Manager,
-checkpoints, resume), then ``train_step`` and ``_after_commit`` until the plan's last
-step. The plan's phases are a schedule the loop follows in place: at a phase's end
+checkpoints, resume), then ``train_step`` and ``_after_commit`` until the schedule's last
+step. The loop follows the curriculum's schedule of phases in place: at a phase's end
 step it saves and keeps the closing checkpoint, waits for the driver's gate, then
 changes sequence length, data mix, LR schedule and RoPE base and goes on; the
 model, optimizer, process groups and Manager stay. A run without a curriculum is a
-one-phase plan: there is one loader (``MixedLoader``) and one LR source
-(``PhasePlan.lr``). Every torchft touch point is tagged ``# torchft:``.
+one-phase schedule: there is one loader (``MixedLoader``) and one LR source
+(``PhaseSpan.lr``). Every torchft touch point is tagged ``# torchft:``.
 
 Data is indexed by step, not by "what the loader happened to serve": the batch of
 step ``s`` is ``objective.batch(data_index(s - phase.start_step, skipped_windows))``.
@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 import torch
 
-from stages.curriculum.plan import PhasePlan
-from stages.events import CheckpointEvent, Event, LogEvent, PhaseEvent, StepEvent
+from stages.curriculum.schedule import PhaseSpan
+from stages.events import CheckpointEvent, Event, FleetEvent, LogEvent, PhaseEvent, StepEvent
 from stages.trainer import ft
 from stages.trainer.control import Control, WorkerSpec
 from stages.trainer.objective import LanguageModelObjective, Objective
@@ -101,7 +101,7 @@ class TrainLoop:
 
         self.spec = spec
         self.cfg = spec.config
-        self.plan = spec.config.plan
+        self.schedule = spec.config.schedule
         self.emit_fn = emit
         self.control = control
         self.status = status  # shared with the actor: read by the driver's polls
@@ -110,7 +110,7 @@ class TrainLoop:
         # The run's token shards by data role, from the driver once its data is ready.
         self.role_shards: dict[str, list[str]] = {}
         self.started_at = time.time()
-        self.phase: PhasePlan = self.plan.phases[0]
+        self.phase: PhaseSpan = self.schedule.phases[0]
         self.healed = False
         self._rope_theta: float | None = None  # None: the preset's
         self.recovering_since: float | None = None
@@ -145,6 +145,24 @@ class TrainLoop:
     ) -> None:
         self.emit(LogEvent(message=f"rg{self.spec.replica_group}: {message}", level=level))
 
+    def restored(self, step: int, skipped: tuple[int, int] | None = None) -> None:
+        """This group loaded checkpoint ``step`` (and skips the data batches ``skipped``)."""
+        self.emit(
+            FleetEvent(
+                action="checkpoint_restored",
+                replica_group=self.spec.replica_group,
+                step=step,
+                skipped_batches=skipped,
+            )
+        )
+        if skipped is None:
+            self.log(f"resumed from checkpoint step {step}")
+        else:
+            self.log(
+                f"restored checkpoint step {step}, skipping data batches [{skipped[0]}, "
+                f"{skipped[1]})"
+            )
+
     # --- state (torchft: what a healing peer fetches and loads) ---------------------
     def heal_state(self) -> dict[str, Any]:
         """With FSDP2 each rank sends its local shards: rank r of the peer holds rank
@@ -174,7 +192,7 @@ class TrainLoop:
         self.healed = True
 
     # --- phases ---------------------------------------------------------------------
-    def enter_phase(self, phase: PhasePlan) -> None:
+    def enter_phase(self, phase: PhaseSpan) -> None:
         """Train ``phase`` from here on: its sequence length, data mix (a fresh
         ``MixedLoader`` behind the lm objective), LR schedule and RoPE base. Model,
         optimizer and a post-training objective (one phase) stay."""
@@ -199,8 +217,8 @@ class TrainLoop:
         if getattr(self, "train_state", None) is not None:
             self.train_state.loader = self.loader
 
-    def set_rope_base(self, phase: PhasePlan) -> None:
-        """The phase's RoPE base. None keeps the base in use (a planned curriculum names
+    def set_rope_base(self, phase: PhaseSpan) -> None:
+        """The phase's RoPE base. None keeps the base in use (a scheduled curriculum names
         one for every phase when the preset has one)."""
         from stages.trainer.model import set_rope_theta
 
@@ -222,14 +240,14 @@ class TrainLoop:
         self.ckpt.wait()
         self._report_checkpoints()
         # The driver may now evaluate this rank's model (ReplicaWorker.evaluate_phase).
-        self.status.update(boundary=self.plan.phase_of(step - 1).index, phase="phase_end")
+        self.status.update(boundary=self.schedule.phase_of(step - 1).index, phase="phase_end")
         kind, _ = self.control.wait_command()
         self.status.update(boundary=None, phase="training")
         if kind != "next_phase":
             return False
-        if step < self.plan.total_steps:
+        if step < self.schedule.total_steps:
             self.windows = []  # skipped windows index the previous phase's data
-            self.enter_phase(self.plan.phase_of(step))
+            self.enter_phase(self.schedule.phase_of(step))
         return True
 
     # --- the loop -------------------------------------------------------------------
@@ -252,13 +270,13 @@ class TrainLoop:
         # A group resumed from a phase-closing checkpoint waits for that phase's gate.
         if (
             step > 0
-            and step == self.plan.phase_of(step - 1).end_step
+            and step == self.schedule.phase_of(step - 1).end_step
             and not self._close_phase(step)
         ):
             return self._finish()
         while not self.control.stop:
             step = self.manager.current_step()
-            if step >= self.plan.total_steps:
+            if step >= self.schedule.total_steps:
                 break
             if self.control.pause:
                 self._pause(step)
@@ -271,7 +289,7 @@ class TrainLoop:
 
     def train_step(self, step: int) -> StepResult | None:
         """zero_grad (quorum, maybe heal), forward/backward, gradient allreduce, clip,
-        the finiteness check, ``optimizer.step`` and the commit. None: the plan is
+        the finiteness check, ``optimizer.step`` and the commit. None: the schedule is
         done (a heal jumped past its end)."""
         t0 = time.time()
         self.optimizer.zero_grad()  # torchft: quorum; heals here if we are behind
@@ -280,10 +298,10 @@ class TrainLoop:
             step = self.manager.current_step()  # torchft: a heal jumps to the peers' step
             if step:  # at step 0 it is torchft's initial weight sync, not a recovery
                 self.log(f"healed from a live peer at step {step}")
-            if step >= self.plan.total_steps:
+            if step >= self.schedule.total_steps:
                 return None
             if not self.phase.start_step <= step < self.phase.end_step:
-                self.enter_phase(self.plan.phase_of(step))
+                self.enter_phase(self.schedule.phase_of(step))
         lr = self.phase.lr(step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -337,6 +355,8 @@ class TrainLoop:
         )
         self.status.update(step=self.manager.current_step(), quorum=quorum)  # torchft
         pace = self.cfg.pace_step_s
+        if quorum < self.cfg.replica_groups:
+            pace = max(pace, self.cfg.degraded_pace_step_s)
         if pace and now - t0 < pace:
             time.sleep(pace - (now - t0))
         return result
@@ -386,7 +406,7 @@ class TrainLoop:
         if not records:
             raise ItoError(ErrorCode.checkpoint_not_found, f"no complete checkpoint {step}")
         self.ckpt.load(records[0], self.train_state)
-        phase = self.plan.phase_of(step)
+        phase = self.schedule.phase_of(step)
         if phase.index != self.phase.index:
             self.enter_phase(phase)
         if step <= phase.start_step:
@@ -412,7 +432,7 @@ class TrainLoop:
                     bytes=rec.bytes,
                     blocking_s=rec.blocking_s,
                     total_s=rec.total_s,
-                    phase=self.plan.phase_of(max(0, rec.step - 1)).name,
+                    phase=self.schedule.phase_of(max(0, rec.step - 1)).name,
                 )
             )
             # Blocking includes any wait for the state copy in the next optimizer
@@ -475,9 +495,7 @@ class TrainLoop:
             self.windows = sorted({*self.windows, window})
             if self._is_saver_at_end():
                 self.ckpt.discard_after(step)  # the abandoned timeline is never resumed
-            self.log(
-                f"restored checkpoint step {step}, skipping data batches [{window[0]}, {window[1]})"
-            )
+            self.restored(step, window)
         elif kind == "resume" and refused_batch is not None:
             self.windows = sorted({*self.windows, (refused_batch, refused_batch + 1)})
             self.log(f"skipping data batch {refused_batch}: its step was not finite")

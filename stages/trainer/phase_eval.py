@@ -16,8 +16,8 @@ The HF export is always streamed from the closing checkpoint, a safetensors shar
 a time: every live rank writes its share of the shards into the export's staging
 folder (``export_share``, every n-th shard), and the evaluating rank completes and
 renames it (``export_phase``: index, config, tokenizer, each file's writer in
-``ito_export.json``). A phase without a battery (a post-training step with no
-scoring) builds no model at all.
+``ito_export.json``). A phase without a battery (a post-training objective with
+no scoring) builds no model at all.
 """
 
 from __future__ import annotations
@@ -28,11 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from stages.curriculum.plan import PhasePlan
+from stages.curriculum.schedule import PhaseSpan
 from stages.errors import ErrorCode, ItoError
 from stages.evals.config import EvalRunSettings
 from stages.evals.heldout import HeldoutSums
-from stages.post_training.step_eval import StepEvalReply, StepEvalRequest, evaluate_step
+from stages.post_training.objective_eval import (
+    ObjectiveEvalReply,
+    ObjectiveEvalRequest,
+    evaluate_objective,
+)
 from stages.trainer.config import TrainStageConfig
 
 if TYPE_CHECKING:  # the driver builds requests here; the ranks import torch
@@ -44,7 +48,7 @@ if TYPE_CHECKING:  # the driver builds requests here; the ranks import torch
 class PhaseEvalRequest(BaseModel):
     """What the driver asks the evaluating rank to do at a phase's end."""
 
-    phase: PhasePlan
+    phase: PhaseSpan
     checkpoint: str
     step: int
     heldout_path: str
@@ -53,8 +57,8 @@ class PhaseEvalRequest(BaseModel):
     export_dir: str
     metadata: dict[str, Any]
     settings: EvalRunSettings
-    # A post-training step: its gate metrics and battery, scored here too.
-    post_training: StepEvalRequest | None = None
+    # A post-training objective: its gate metrics and battery, scored here too.
+    post_training: ObjectiveEvalRequest | None = None
     # The held-out shares of every data-parallel rank, reduced; None: the battery has
     # no held-out check (or the evaluating rank scores the whole split).
     heldout_sums: HeldoutSums | None = None
@@ -84,11 +88,11 @@ class PhaseEvalReply(BaseModel):
     result: dict[str, Any]  # a BatteryResult, as JSON; empty: the phase has no battery
     export: str
     live_model: bool
-    post_training: StepEvalReply | None = None
+    post_training: ObjectiveEvalReply | None = None
 
 
 def load_phase_model(
-    cfg: TrainStageConfig, phase: PhasePlan, checkpoint: str | SealedCheckpoint
+    cfg: TrainStageConfig, phase: PhaseSpan, checkpoint: str | SealedCheckpoint
 ) -> Any:
     """The weights of a complete checkpoint (a path, or one whose seal was checked) in
     a fresh model of the phase's shape."""
@@ -196,9 +200,9 @@ def export_phase(
 def evaluate_on_rank(
     req: PhaseEvalRequest, *, cfg: TrainStageConfig, live: torch.nn.Module | None
 ) -> PhaseEvalReply:
-    """Run the phase's battery (a phase without one, e.g. a post-training step, is only
-    exported: ``result`` is empty), a post-training step's own scores, and write its HF
-    export; ``live`` is this rank's whole model when it can serve (see the module
+    """Run the phase's battery (a phase without one, e.g. a post-training objective, is
+    only exported: ``result`` is empty), a post-training objective's own scores, and
+    write its HF export; ``live`` is this rank's whole model when it can serve (see the module
     docstring), else None."""
     from stages.checkpointing.seal import seal_key
     from stages.checkpointing.sealed import SealedCheckpoint
@@ -210,7 +214,7 @@ def evaluate_on_rank(
     # without a whole live model, for the model the battery scores.
     sealed = SealedCheckpoint(Path(req.checkpoint), seal_key())
     result: dict[str, Any] = {}
-    step: StepEvalReply | None = None
+    scored: ObjectiveEvalReply | None = None
     if req.phase.eval_battery is None and req.post_training is None:
         export = export_phase(req, cfg, tokenizer, sealed)
         return PhaseEvalReply(result=result, export=str(export), live_model=False)
@@ -232,7 +236,7 @@ def evaluate_on_rank(
             ).model_dump(mode="json")
         export = export_phase(req, cfg, tokenizer, sealed)
         if req.post_training is not None:
-            step = evaluate_step(
+            scored = evaluate_objective(
                 req.post_training,
                 model,
                 tokenizer,
@@ -242,7 +246,7 @@ def evaluate_on_rank(
     finally:
         model.train(was_training)
     return PhaseEvalReply(
-        result=result, export=str(export), live_model=live is not None, post_training=step
+        result=result, export=str(export), live_model=live is not None, post_training=scored
     )
 
 

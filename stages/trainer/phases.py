@@ -1,4 +1,4 @@
-"""Curriculum phases, executed: one engine run follows the whole plan; at each
+"""Curriculum phases, executed: one engine run follows the whole schedule; at each
 phase's end the fleet waits while the phase's closing checkpoint is kept, its eval
 battery runs, it is exported in HF format, and its gate decides.
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from stages.base import GateOutcome, StageContext
 from stages.checkpointing.storage import list_checkpoints, pin_phase, pinned_phase
-from stages.curriculum.plan import PhasePlan
+from stages.curriculum.schedule import PhaseSpan
 from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent, EvalEvent, LogEvent, PhaseEvent
 from stages.trainer.config import TrainStageConfig
@@ -29,11 +29,11 @@ from stages.trainer.phase_data import PhaseData
 STAGE = "train"
 
 
-def gate_path(ckpt_dir: Path, phase: PhasePlan) -> Path:
+def gate_path(ckpt_dir: Path, phase: PhaseSpan) -> Path:
     return ckpt_dir / "phases" / f"{phase.index:02d}-{phase.name}.json"
 
 
-def read_gate(ckpt_dir: Path, phase: PhasePlan) -> dict[str, Any] | None:
+def read_gate(ckpt_dir: Path, phase: PhaseSpan) -> dict[str, Any] | None:
     p = gate_path(ckpt_dir, phase)
     return json.loads(p.read_text()) if p.is_file() else None
 
@@ -50,7 +50,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 class CurriculumRunner:
     def __init__(self, cfg: TrainStageConfig, ctx: StageContext, ckpt_dir: Path):
         self.cfg = cfg
-        self.plan = cfg.plan
+        self.schedule = cfg.schedule
         self.ctx = ctx
         self.ckpt_dir = ckpt_dir
         self.data: PhaseData | None = None  # the run's data, once it is prepared
@@ -75,10 +75,10 @@ class CurriculumRunner:
     def log(self, message: str, level: Any = "info") -> None:
         self.ctx.emit(LogEvent(stage=STAGE, level=level, message=message))
 
-    def first_undecided(self) -> PhasePlan | None:
+    def first_undecided(self) -> PhaseSpan | None:
         """The phase training resumes in: the first without a gate record, unless an
         earlier decided gate failed (then nothing trains)."""
-        for phase in self.plan.phases:
+        for phase in self.schedule.phases:
             rec = read_gate(self.ckpt_dir, phase)
             if rec is None:
                 return phase
@@ -104,7 +104,7 @@ class CurriculumRunner:
             wait_decision=self.ctx.wait_decision,
             facts=self.ctx.facts,
             on_phase_end=self._phase_end,
-            decided={p.index for p in self.plan.phases[: first.index]},
+            decided={p.index for p in self.schedule.phases[: first.index]},
         )
         self.engine.start_in_background()
 
@@ -117,7 +117,7 @@ class CurriculumRunner:
         """Decided gates first (a relaunch), then one engine run for the rest."""
         self.data = data
         todo = None
-        for phase in self.plan.phases:
+        for phase in self.schedule.phases:
             if self.ctx.cancelled:
                 from stages.trainer.engine import RunCancelled
 
@@ -141,7 +141,7 @@ class CurriculumRunner:
                 return self._outcome(failed=self._failed)
         return self._outcome()
 
-    def _decided(self, phase: PhasePlan, rec: dict[str, Any]) -> bool:
+    def _decided(self, phase: PhaseSpan, rec: dict[str, Any]) -> bool:
         from stages.evals import BatteryResult, GateDecision
 
         decision = GateDecision.model_validate(rec["decision"])
@@ -151,19 +151,19 @@ class CurriculumRunner:
             self._failed = decision
         return decision.passed
 
-    def _closing(self, phase: PhasePlan) -> Any:
+    def _closing(self, phase: PhaseSpan) -> Any:
         return next((r for r in list_checkpoints(self.ckpt_dir) if r.step == phase.end_step), None)
 
     # --- training ---------------------------------------------------------------------
-    def _train(self, first: PhasePlan) -> None:
+    def _train(self, first: PhaseSpan) -> None:
         assert self.data is not None
         latest = list_checkpoints(self.ckpt_dir)
         at = max(latest[-1].step if latest else 0, first.start_step)
         self.log(
-            f"training phases {', '.join(p.name for p in self.plan.phases[first.index :])}"
+            f"training phases {', '.join(p.name for p in self.schedule.phases[first.index :])}"
             f" from step {at} in one fleet"
         )
-        for phase in self.plan.phases[first.index :]:
+        for phase in self.schedule.phases[first.index :]:
             self.log(
                 f"phase {phase.name} ({phase.kind}): steps {phase.start_step}.."
                 f"{phase.end_step}, seq_len {phase.seq_len}, mix {phase.data_weights}, "
@@ -182,18 +182,18 @@ class CurriculumRunner:
         self.digests = result.digests
         self.rank_digests = result.rank_digests
         self.layout = result.layout
-        if self._failed is None and len(self.phases) < len(self.plan.phases):
+        if self._failed is None and len(self.phases) < len(self.schedule.phases):
             raise ItoError(
                 ErrorCode.training_failed,
-                f"training stopped at step {result.steps} of {self.plan.total_steps}",
+                f"training stopped at step {result.steps} of {self.schedule.total_steps}",
             )
 
-    def _phase_end(self, phase: PhasePlan) -> bool:
+    def _phase_end(self, phase: PhaseSpan) -> bool:
         """The engine's hook: every live group closed ``phase``; its gate decides."""
         return self._decided(phase, self._evaluate(phase))
 
     # --- the gate ---------------------------------------------------------------------
-    def _evaluate(self, phase: PhasePlan) -> dict[str, Any]:
+    def _evaluate(self, phase: PhaseSpan) -> dict[str, Any]:
         from stages.evals import BatteryResult, GateDecision, evaluate_gates
 
         closing = self._closing(phase)
@@ -304,7 +304,7 @@ class CurriculumRunner:
         return rec
 
     # --- reporting --------------------------------------------------------------------
-    def _summary(self, phase: PhasePlan, rec: dict[str, Any]) -> dict[str, Any]:
+    def _summary(self, phase: PhaseSpan, rec: dict[str, Any]) -> dict[str, Any]:
         return {
             "phase": phase.name,
             "kind": phase.kind,

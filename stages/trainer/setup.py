@@ -90,7 +90,7 @@ class RankSetup:
         from stages.trainer.model import causal_lm_loss
 
         loop = self.loop
-        ids = torch.zeros(1, loop.plan.phases[0].seq_len, dtype=torch.long, device=self.device)
+        ids = torch.zeros(1, loop.schedule.phases[0].seq_len, dtype=torch.long, device=self.device)
         causal_lm_loss(loop.model, ids).backward()
         loop.model.zero_grad(set_to_none=True)
         p = torch.zeros(1, requires_grad=True, device=self.device)
@@ -132,7 +132,7 @@ class RankSetup:
 
         loop, spec, cfg = self.loop, self.loop.spec, self.loop.cfg
         # The first phase's RoPE base on the plain model, before any layout wraps it.
-        loop.set_rope_base(loop.plan.phases[0])
+        loop.set_rope_base(loop.schedule.phases[0])
         store_addr, store_port = spec.store_addr, spec.store_port
         self.store = None
         if store_port == 0:
@@ -180,7 +180,7 @@ class RankSetup:
         )
         loop.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}", process_group=ckpt_pg)
         loop.status.update(phase="awaiting_data")
-        if spec.rank == 0 and any(p.eval_battery for p in loop.plan.phases):
+        if spec.rank == 0 and any(p.eval_battery for p in loop.schedule.phases):
             # Every group's rank 0 scores held-out windows at a phase end (the run's
             # tokenizer), and the lowest live group's (group 0's unless it was lost) runs
             # the tasks: the imports overlap the wait for data and training instead of
@@ -198,7 +198,7 @@ class RankSetup:
         if shards is None:
             return False
         loop.role_shards = shards
-        loop.enter_phase(loop.plan.phases[0])
+        loop.enter_phase(loop.schedule.phases[0])
         self._resume()
         return True
 
@@ -222,7 +222,7 @@ class RankSetup:
                 if Path(latest.path).exists():
                     raise
                 continue
-            loop.log(f"resumed from checkpoint step {latest.step}")
+            loop.restored(latest.step)
             return
 
 

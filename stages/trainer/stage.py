@@ -117,8 +117,8 @@ class TrainingStage:
 
     def run(self, ctx: StageContext) -> GateOutcome:
         """One path: the pinned inputs and the fleet (placed by ``prestart``), the data
-        (held-out split, tokenizer, shards by role), then the plan's phases in that one
-        fleet; a run without a curriculum is a one-phase plan."""
+        (held-out split, tokenizer, shards by role), then the schedule's phases in that one
+        fleet; a run without a curriculum is a one-phase schedule."""
         from stages.presets import load_model_preset
         from stages.trainer.engine import RunCancelled
         from stages.trainer.phase_data import prepare_phase_data

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from helpers import flows
 from helpers.fixtures import backend, tenant  # noqa: F401  (re-exported fixtures)
-from helpers.manifests import example_manifest, manifest_payload
+from helpers.manifests import example_manifest
 from helpers.tenants import Tenant, make_tenant
 
 from orchestrator.api import create_app
@@ -44,18 +45,17 @@ class Api:
         cost_usd: float = 100.0,
         **extra: Any,
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "action": action,
-            "booking_id": booking_id or self.t.booking_id,
-            "cost_usd": cost_usd,
+        if action == "train" and manifest is None:
+            manifest = self.manifest()
+        return flows.confirm(
+            self.client,
+            key or self.t.approver,
+            action,
+            booking_id or self.t.booking_id,
+            cost_usd=cost_usd,
+            manifest=manifest if action == "train" else None,
             **extra,
-        }
-        if action == "train":
-            body.update(manifest_payload(manifest if manifest is not None else self.manifest()))
-        out: dict[str, Any] = self.client.post(
-            "/v1/confirmations", json=body, headers=self.h(key or self.t.approver)
-        ).json()
-        return out
+        )
 
     def ref(self, action: str = "train", **kw: Any) -> str:
         env = self.confirm(action, **kw)
@@ -75,11 +75,7 @@ class Api:
         bid = booking_id or self.t.booking_id
         if ref is None:
             ref = self.ref(manifest=m, booking_id=bid)
-        return self.client.post(
-            "/v1/runs",
-            json={"booking_id": bid, "confirmation_ref": ref, **manifest_payload(m)},
-            headers=self.h(key or self.t.submitter, idem),
-        )
+        return flows.submit(self.client, key or self.t.submitter, bid, m, ref, idem)
 
     def run(self, **kw: Any) -> dict[str, Any]:
         r = self.submit(**kw)

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from helpers.flows import confirm_ref, submit
 from helpers.manifests import example_manifest, manifest_payload
 from helpers.tenants import Tenant, make_tenant
 
@@ -292,29 +293,12 @@ def test_metrics_have_their_own_listener_with_a_token(world: World) -> None:
 
 def _confirm(w: World, approver: str) -> str:
     m = w.manifest(f"file://{w.data_root}/train.jsonl")
-    env = w.client.post(
-        "/v1/confirmations",
-        json={
-            "action": "train",
-            "booking_id": w.t.booking_id,
-            "cost_usd": 100.0,
-            **manifest_payload(m),
-        },
-        headers=w.h(approver),
-    ).json()
-    assert env["ok"], env
-    ref: str = env["data"]["confirmation_ref"]
-    return ref
+    return confirm_ref(w.client, approver, "train", w.t.booking_id, manifest=m)
 
 
 def _submit(w: World, ref: str, idem: str) -> httpx.Response:
     m = w.manifest(f"file://{w.data_root}/train.jsonl")
-    r: httpx.Response = w.client.post(
-        "/v1/runs",
-        json={"booking_id": w.t.booking_id, "confirmation_ref": ref, **manifest_payload(m)},
-        headers={**w.h(), "Idempotency-Key": idem},
-    )
-    return r
+    return submit(w.client, w.t.submitter, w.t.booking_id, m, ref, idem)
 
 
 def test_a_revoked_approvers_confirmation_is_refused(world: World) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers.waiting import wait_until
 
 from stages.base import StageContext
 from stages.checkpointing import Checkpointer, CheckpointPolicy
@@ -51,13 +52,27 @@ def test_planted_spike_restarts_only_after_approval_and_skips_the_window(
         assert spike_event.params["from_step"] == 8
         assert spike_event.params["skip_batches"] == 3  # steps 9..11
 
-        # Nothing restarts by itself: with no decision the wait times out, and a decision
-        # on another proposal does not release this one.
+        # Nothing restarts by itself: with no decision the wait times out.
         assert ctx.wait_decision(spike_event.proposal_id, timeout_s=0.05) is None
-        threading.Timer(0.01, ctx.decide, ("some-other-proposal", "approved")).start()
-        assert ctx.wait_decision(spike_event.proposal_id, timeout_s=0.2) is None
-        threading.Timer(0.05, ctx.decide, (spike_event.proposal_id, "approved")).start()
-        assert ctx.wait_decision(spike_event.proposal_id, DECISION_TIMEOUT_S) == "approved"
+        # A decision on another proposal, made while the loop waits on this one, does
+        # not release it; this proposal's own decision does.
+        answers: list[str | None] = []
+        waiter = threading.Thread(
+            target=lambda: answers.append(
+                ctx.wait_decision(spike_event.proposal_id, DECISION_TIMEOUT_S)
+            )
+        )
+        waiter.start()
+        waiting = ctx._decided._waiters  # type: ignore[attr-defined]
+        wait_until(lambda: waiting, DECISION_TIMEOUT_S, "the loop waits")
+        ctx.decide("some-other-proposal", "approved")  # wakes the waiter (notify_all)
+        wait_until(
+            lambda: waiting or not waiter.is_alive(), DECISION_TIMEOUT_S, "the waiter settles"
+        )
+        assert waiter.is_alive() and answers == []  # it went back to waiting
+        ctx.decide(spike_event.proposal_id, "approved")
+        waiter.join(DECISION_TIMEOUT_S)
+        assert answers == ["approved"]
 
         record = next(r for r in ck.records() if r.step == spike_event.params["from_step"])
         ck.load(record, state)

@@ -17,6 +17,16 @@ from stages.events import Event, LogEvent, StepEvent
 CANCEL_JOIN_TIMEOUT_S = 60.0
 
 
+def _ray_state() -> str:
+    """What Ray had free and which named actors lived (for a timeout's message)."""
+    import ray
+
+    if not ray.is_initialized():
+        return "ray is not initialised"
+    actors = sorted(a for a in ray.util.list_named_actors())
+    return f"ray free: {ray.available_resources()}\nnamed actors: {actors}"
+
+
 class StageRun:
     def __init__(
         self, cfg: Any, workdir: Path, run_id: str, *, wait_s: float, join_timeout_s: float
@@ -56,7 +66,7 @@ class StageRun:
                     if pred(e):
                         return e
                 left = deadline - time.monotonic()
-                assert left > 0, f"timed out waiting for {what}"
+                assert left > 0, f"timed out waiting for {what}\n{self.logs()}\n{_ray_state()}"
                 self.cond.wait(min(left, 1.0))
 
     def logs(self) -> str:

@@ -1,6 +1,6 @@
-"""A post-training step is planned like a phase: the memory of an SFT or DPO step on
-the engine (policy, AdamW, activations at the recipe's max_length, no resident DPO
-reference, the step-end scoring copy) and its refusal at submit. GPUs are modelled
+"""A post-training objective is planned like a phase: the memory of an SFT or DPO
+objective on the engine (policy, AdamW, activations at the recipe's max_length, no
+resident DPO reference, the objective-end scoring copy) and its refusal at submit. GPUs are modelled
 from configs/; nothing here needs one."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from orchestrator.gates.manifest import Manifest
 from orchestrator.gates.planning import plan_manifest
 from stages.errors import ErrorCode, ItoError
 from stages.parallelism.memory import GIB
-from stages.parallelism.post_training import check_step_memory, step_memory
+from stages.parallelism.post_training import check_objective_memory, objective_memory
 from stages.presets import load_model_preset
 
 _DATA = {
@@ -26,7 +26,7 @@ _DATA = {
 
 
 def _mem(kind: Any = "dpo", batch: int = 8, length: int = 4096, groups: int = 8) -> Any:
-    return step_memory(
+    return objective_memory(
         load_model_preset("llama-1b"),
         kind=kind,
         batch_size=batch,
@@ -52,18 +52,18 @@ def test_activations_grow_with_max_length_and_shrink_with_more_groups() -> None:
     assert _mem(length=2048, groups=8).peak < _mem(length=2048, groups=2).peak
 
 
-def test_the_step_end_scoring_holds_a_base_copy_beside_the_policy_and_adamw() -> None:
+def test_the_objective_end_scoring_holds_a_base_copy_beside_the_policy_and_adamw() -> None:
     params = load_model_preset("llama-1b").num_params
     m = _mem()
     assert m.scoring > m.training.weights + m.training.optimizer + params * 4
     assert m.peak == max(m.training.total, m.scoring)
 
 
-def test_an_infeasible_step_is_refused_with_the_planners_code() -> None:
+def test_an_infeasible_objective_is_refused_with_the_planners_code() -> None:
     with pytest.raises(ItoError) as e:
-        check_step_memory(
+        check_objective_memory(
             load_model_preset("llama3-8b"),  # 16 B/param of fp32 state: 120 GiB > 80
-            step="dpo",
+            objective="dpo",
             batch_size=8,
             max_length=1024,
             replica_groups=8,
@@ -73,10 +73,10 @@ def test_an_infeasible_step_is_refused_with_the_planners_code() -> None:
     assert e.value.code is ErrorCode.plan_out_of_memory
     assert e.value.message.startswith("post_training.dpo: predicted peak")
     peak = e.value.details["peak_memory_gib"]
-    assert e.value.details["step"] == "dpo" and isinstance(peak, float) and peak > 72
-    fits = check_step_memory(
+    assert e.value.details["objective"] == "dpo" and isinstance(peak, float) and peak > 72
+    fits = check_objective_memory(
         load_model_preset("llama-1b"),
-        step="dpo",
+        objective="dpo",
         batch_size=8,
         max_length=1024,
         replica_groups=8,
@@ -86,7 +86,7 @@ def test_an_infeasible_step_is_refused_with_the_planners_code() -> None:
     assert fits.peak / GIB < 72
 
 
-def test_submit_planning_refuses_a_step_that_does_not_fit_the_booking(tmp_path: Path) -> None:
+def test_submit_planning_refuses_an_objective_that_does_not_fit_the_booking(tmp_path: Path) -> None:
     booking = {"gpu_sku": "cpu-testbed", "gpus_per_node": 2, "node_count": 1, "fabric": "loopback"}
 
     def planned(max_length: int) -> Any:
@@ -107,14 +107,14 @@ def test_submit_planning_refuses_a_step_that_does_not_fit_the_booking(tmp_path: 
     assert "post_training.dpo" in refused.refusal["message"]
 
 
-def test_an_rlvr_step_is_sized_by_its_groups_and_lengths_and_a_kl_reference() -> None:
-    """The learner's step: groups x group size sequences at prompt + completion
-    length over the replica groups; with a KL term the frozen reference's fp32 copy
-    is resident the whole step."""
+def test_the_rlvr_objective_is_sized_by_its_groups_and_lengths_and_a_kl_reference() -> None:
+    """The learner's optimizer step: groups x group size sequences at prompt +
+    completion length over the replica groups; with a KL term the frozen reference's
+    fp32 copy is resident the whole objective."""
     preset = load_model_preset("llama-1b")
 
     def rlvr(batch: int, length: int, reference: bool = False) -> Any:
-        return step_memory(
+        return objective_memory(
             preset,
             kind="rlvr",
             batch_size=batch,
@@ -133,7 +133,7 @@ def test_an_rlvr_step_is_sized_by_its_groups_and_lengths_and_a_kl_reference() ->
     assert with_kl.peak == pytest.approx(base.peak + with_kl.reference)
 
 
-def test_submit_planning_refuses_an_rlvr_step_that_does_not_fit(tmp_path: Path) -> None:
+def test_submit_planning_refuses_an_rlvr_objective_that_does_not_fit(tmp_path: Path) -> None:
     booking = {"gpu_sku": "cpu-testbed", "gpus_per_node": 2, "node_count": 1, "fabric": "loopback"}
 
     def planned(max_completion_tokens: int, beta: float = 0.0) -> Any:

@@ -165,7 +165,7 @@ def test_prefix_chain_passes_and_reports_fleet_metrics(
 ) -> None:
     import stages.evals
     from stages.data_prep.config import DataRef
-    from stages.post_training.config import StepBattery
+    from stages.post_training.config import ObjectiveBattery
     from stages.post_training.synthetic import write_task
 
     stage = _stage(tmp_path, tiny_policy, task_files)
@@ -177,7 +177,7 @@ def test_prefix_chain_passes_and_reports_fleet_metrics(
     rlvr = stage.config.recipe.rlvr.model_copy(
         update={
             "gate": None,
-            "eval": StepBattery(battery="smoke"),
+            "eval": ObjectiveBattery(battery="smoke"),
             "data": DataRef.model_validate(data_ref(rl_rows)),
         }
     )
@@ -217,7 +217,7 @@ def test_prefix_chain_passes_and_reports_fleet_metrics(
     assert [e.step for e in rl_steps] == [1, 2]
     assert any((tmp_path / "rlvr" / "checkpoints").iterdir())
     assert not (tmp_path / "rlvr" / "weights").exists()
-    # The fleet's metrics of each trained step (step 0 is the whole step's summary).
+    # The fleet's metrics of each trained step (step 0 is the whole objective's summary).
     per_step = {
         e.step: e.values
         for e in events
@@ -296,7 +296,7 @@ def test_validation_time_check_names_the_bad_line(tmp_path: Path, tiny_policy: P
     assert e.value.code == ErrorCode.post_training_model_invalid
 
 
-def test_the_curriculum_battery_gates_a_step(
+def test_the_curriculum_battery_gates_an_objective(
     ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
     """The curriculum's battery (held-out loss + lm-eval checks) and gates after SFT."""

@@ -511,7 +511,7 @@ def test_prompts_over_max_prompt_tokens_are_left_out_and_none_left_is_refused(
 def test_the_rlvr_driver_side_builds_no_tensor_and_imports_no_torch(
     tiny_policy: Path, task_files: dict[str, Path], tmp_path: Path
 ) -> None:
-    """The driver's part of an RLVR step on the engine, in a fresh process: the run's
+    """The driver's part of the RLVR objective on the engine, in a fresh process: the run's
     tokenizer and the request maker, the controller, and a step's groups written for
     the ranks as the engine learner writes them; torch never loads (the ranks make the
     tensors)."""

@@ -175,13 +175,17 @@ def test_a_killed_grpo_learner_group_heals_bit_identical(
     restarts the lost one, which heals from the live peer and rejoins; both groups end
     with bit-identical weights, and every version was published (the last by a
     group that trained to the end)."""
-    steps = 500  # paced: outlasts a restart (imports torch, trl) on 2 busy cores
+    # While group 1 is lost the survivor steps at 0.5 s: the run outlasts its restart
+    # however slow the host, and ends soon after the group rejoined.
+    steps = 150
     cfg = _rlvr(steps=steps)
     vocab, pad = _policy_facts(tiny_policy)
     work = tmp_path / "heal"
     _write_batches(work, cfg, steps, vocab, pad)
     taker = BoardTaker(steps)
-    tcfg = _config(work, tiny_policy, cfg, 2, taker.name, pace_step_s=0.1)
+    tcfg = _config(
+        work, tiny_policy, cfg, 2, taker.name, pace_step_s=0.05, degraded_pace_step_s=0.5
+    )
 
     def make_engine(emit: Any, cancel: threading.Event) -> Any:
         engine = _engine(tcfg, work, "grpo-heal", emit)

@@ -2,7 +2,7 @@
 
 The attack: a dataset or the base model is changed after submit (the manifest, and
 its digests, were reviewed and accepted). The run reads each input once, by the safe
-walk, hashes what it read and compares before any step: a change is
+walk, hashes what it read and compares before any objective trains: a change is
 ``data_digest_mismatch`` and nothing of it is trained on. Real files, the real stage
 (local rollout fleet), a tiny random-init policy.
 """
@@ -69,7 +69,7 @@ def test_a_dataset_changed_after_submit_fails_the_run_untrained(
     out, events = _run(stage, tmp_path)
     assert out.status == "failed" and out.error_code == "data_digest_mismatch", out
     assert "post_training.sft.data" in out.reason and str(sft) not in out.reason
-    assert not any(isinstance(e, MetricsEvent) for e in events)  # no step ran
+    assert not any(isinstance(e, MetricsEvent) for e in events)  # no objective ran
     assert not (tmp_path / "out").exists()  # nothing trained, nothing saved
 
 

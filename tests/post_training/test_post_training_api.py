@@ -1,7 +1,7 @@
 """Post-training through the canonical API on a real local Ray: ``ito confirm`` and
 ``ito train`` with a manifest whose recipe is sft -> dpo -> rlvr, after a short
 pretraining; the tiny policy's mean reward on a synthetic verifiable task rises
-within the step budget; each step is saved in HF format; the rollout fleet's gauges
+within the step budget; each objective is saved in HF format; the rollout fleet's gauges
 reach ``ito metrics`` and ``/metrics``. Only the GPUs are absent."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -137,13 +136,14 @@ def test_ito_train_runs_sft_dpo_rlvr_and_the_reward_rises(
         ],
         t.submitter,
     )["data"]["run_id"]
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    run: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        run = cli(["status", "--run", run_id, "--json"], t.submitter)["data"]
-        if run["state"] in ("succeeded", "failed", "cancelled"):
-            break
-        time.sleep(1.0)
+
+    def finished() -> dict[str, Any] | None:
+        # Through the CLI, as the tenant polls (the run-state poller of the other
+        # end-to-end tests, helpers.runs, reads the API directly).
+        run: dict[str, Any] = cli(["status", "--run", run_id, "--json"], t.submitter)["data"]
+        return run if run["state"] in ("succeeded", "failed", "cancelled") else None
+
+    run = wait_until(finished, RUN_TIMEOUT_S, f"run {run_id} to finish", poll_s=1.0)
     gates = {g["stage"]: g for g in run.get("stage_gates", [])}
     if run.get("state") != "succeeded":
         logs = cli(["logs", "--run", run_id, "--json"], t.submitter)["data"]
@@ -155,9 +155,9 @@ def test_ito_train_runs_sft_dpo_rlvr_and_the_reward_rises(
     assert m["rlvr_reward_last"] > m["rlvr_reward_first"] + 0.2, m
     assert m["rlvr_staleness_max"] == 0
     out = rt["tmp"] / "ckpt" / run_id / "post_training"
-    for step in ("sft", "dpo", "rlvr"):
-        assert (out / step / "config.json").is_file()
-        assert (out / step / "tokenizer_config.json").is_file()
+    for objective in ("sft", "dpo", "rlvr"):
+        assert (out / objective / "config.json").is_file()
+        assert (out / objective / "tokenizer_config.json").is_file()
     metrics = cli(["metrics", "--run", run_id, "--json"], t.submitter)["data"]
     rl = metrics["post_training"]
     for key in (

@@ -102,9 +102,9 @@ def _engine_run(
     on_event: Callable[[Event], None] = lambda _e: None,
     run_id: str = "rlvr-relaunch",
 ) -> tuple[Any, Any, Path]:
-    """The rlvr step as the stage runs it: the learner on the engine (``train``'s
+    """The rlvr objective as the stage runs it: the learner on the engine (``train``'s
     replica groups, else one; real Ray actors, DCP checkpoints), the fleet on
-    threads. ``on_event`` sees every event of the step."""
+    threads. ``on_event`` sees every event of the objective."""
     from stages.base import StageContext
     from stages.post_training.hf_io import load_tokenizer
     from stages.post_training.learner import run_rlvr_on_engine
@@ -115,7 +115,7 @@ def _engine_run(
     def emit(e: Any) -> None:
         on_event(e)
         if stop_after is not None and isinstance(e, MetricsEvent) and e.step == stop_after:
-            if fleet_pids is not None:  # the engine's run id is the step's
+            if fleet_pids is not None:  # the engine's run id is the objective's
                 fleet_pids.extend(replica_group_pids(f"{ctx.run_id}-rlvr"))
             raise Interrupted(e.step)
 
@@ -189,14 +189,15 @@ def test_a_learner_group_killed_mid_rlvr_heals_from_its_peer_within_eta(
 ) -> None:
     """SIGKILL learner replica group 1 while the fleet feeds the engine: the survivor
     trains on, Ray restarts group 1, which heals from the live peer (reading no
-    checkpoint) and rejoins the full quorum; the step ends with every step trained
+    checkpoint) and rejoins the full quorum; the objective ends with every step trained
     once and no sample older than eta."""
     from stages.checkpointing.config import CheckpointPolicy
     from stages.checkpointing.storage import read_log
     from stages.trainer import kill_replica_group
     from stages.trainer.config import ModelSpec, TrainingTarget
 
-    # The learner's run layout only (groups, device, timeouts): the step builds the rest.
+    # The learner's run layout only (groups, device, timeouts): the objective builds the
+    # rest.
     train = TrainStageConfig(
         model=ModelSpec(preset="llama-tiny", size="tiny"),
         target=TrainingTarget(max_steps=1, seq_len=32, global_batch_tokens=256),

@@ -1,6 +1,6 @@
 """Weights reach the fleet from the learner's ranks, never through the driver.
 
-A real RLVR step on a real local Ray: the learner on the engine (one torchft replica
+A real RLVR objective on a real local Ray: the learner on the engine (one torchft replica
 group as Ray actors, DCP), two rollout workers as Ray actors, each weight path; the
 test process plays the driver (``run_rlvr_on_engine``). Every worker loads every
 version with the same bytes as the other, the base folder's at 0 and the learner's

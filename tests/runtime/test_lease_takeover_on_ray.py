@@ -187,7 +187,6 @@ def test_leader_sigkilled_mid_run_standby_adopts_the_driver_and_fences_the_old_l
     # Adopted, not relaunched: the driver A launched lived on; the standby pulled its events.
     lost = store.list_events(run_id, kinds=["interruption"])
     assert not [e for e in lost if e["payload"].get("interruption_kind") == "driver_lost"]
-    assert not any("driver lost" in e["message"] for e in store.list_logs(run_id, 0, 10_000))
     seqs = [e["seq"] for e in store.list_events(run_id, limit=100_000)]
     assert seqs == sorted(set(seqs)) and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
 

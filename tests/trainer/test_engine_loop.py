@@ -40,7 +40,7 @@ def test_a_run_without_a_curriculum_is_one_phase_warmup_then_cosine_to_the_floor
             "warmup_steps": 4,
         }
     )
-    [phase] = cfg.plan.phases
+    [phase] = cfg.schedule.phases
     assert (phase.start_step, phase.end_step, phase.seq_len) == (0, 20, 32)
     assert phase.data_weights == {"baseline": 1.0, "custom": 1.0}
     assert phase.eval_battery is None

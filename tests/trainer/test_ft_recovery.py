@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 from helpers.stage_run import StageRun
+from helpers.waiting import wait_until
 
 from stages.checkpointing.config import CheckpointPolicy
 from stages.checkpointing.storage import read_log
 from stages.events import (
     CheckpointEvent,
+    FleetEvent,
     InterruptionEvent,
-    LogEvent,
     ProposalEvent,
     StepEvent,
 )
@@ -33,11 +34,11 @@ from stages.trainer.config import (
 )
 from stages.trainer.recovery import STANDBYS_PER_NODE, production_recovery
 
-pytestmark = pytest.mark.slow
-
 # Generous bounds on waiting for things that take seconds; never asserted as speed.
 WAIT_S = 120.0
 JOIN_TIMEOUT_S = 300.0
+# A test waits on several events, then joins: its bounds add up past pytest's 300 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _data(path: Path) -> Path:
@@ -74,12 +75,15 @@ def Run(cfg: TrainStageConfig, tmp: Path, run_id: str) -> StageRun:
 def test_kill_a_group_survivor_continues_and_restarted_group_heals(
     ray_local: None, tmp_path: Path
 ) -> None:
-    # No standby left: every loss is Ray's restart of the actor (a new process: the
-    # run is long enough for one to start on a loaded machine).
+    # No standby left: every loss is Ray's restart of the actor (a new process). While
+    # a group is missing the other steps at 0.5 s, so the run outlasts a restart however
+    # slow the host, and ends soon after the group rejoined.
     cfg = _config(
         tmp_path,
         standbys=0,
-        target=TrainingTarget(max_steps=300, seq_len=32, global_batch_tokens=256, warmup_steps=5),
+        target=TrainingTarget(max_steps=150, seq_len=32, global_batch_tokens=256, warmup_steps=5),
+        pace_step_s=0.05,
+        degraded_pace_step_s=0.5,
     )
     with Run(cfg, tmp_path, "ftkill") as run:
         _kill_and_recover(run, cfg)
@@ -102,14 +106,12 @@ def _kill_and_recover(run: StageRun, cfg: TrainStageConfig) -> None:
     )
     resumed = run.wait_for(
         lambda e: (
-            isinstance(e, LogEvent)
-            and "resumed from checkpoint" in e.message
-            and e.ts > kill_all_at
+            isinstance(e, FleetEvent) and e.action == "checkpoint_restored" and e.ts > kill_all_at
         ),
         "checkpoint resume",
     )
-    resumed_step = int(resumed.message.rsplit(" ", 1)[1])
-    assert 0 < resumed_step <= last_before
+    resumed_step = resumed.step
+    assert 0 < resumed_step <= last_before and resumed.skipped_batches is None
     # No peer was left: the storage recorded the restart's checkpoint reads.
     assert [r for r in read_log(cfg.checkpoint.storage_path + "/ftkill") if r.at > kill_all_at], (
         "no checkpoint read recorded after every group died"
@@ -194,23 +196,28 @@ def test_loss_spike_waits_for_a_decision_declined_continues_approved_restarts(
         _decline_then_approve(run, cfg, first, second)
 
 
-def _paused_at(run: StageRun, step: int) -> None:
-    """Nothing moves while nobody decided: no step beyond the spike, no restart."""
-    time.sleep(2.0)
-    seen = len(run.events)
-    assert max(e.step for e in run.steps() if e.committed) == step
-    assert not any(isinstance(e, LogEvent) and "restored" in e.message for e in run.events)
-    time.sleep(1.0)
-    late = [e for e in run.events[seen:] if isinstance(e, StepEvent)]
-    assert not late, late
+# How long the test's "person" takes to decide on a proposal: the window in which
+# nothing may move (an observation window, not a wait for anything to happen).
+DECISION_DELAY_S = 3.0
+
+
+def _paused_at(run: StageRun, step: int, proposed: ProposalEvent) -> float:
+    """Decide only after DECISION_DELAY_S; returns the time of the decision, once the
+    events show nothing moved in between: no step past the spike, no restore."""
+    time.sleep(DECISION_DELAY_S)
+    decided_at = time.time()
+    held = [e for e in run.events if proposed.ts < e.ts < decided_at]
+    assert max(e.step for e in run.steps() if e.committed and e.ts < decided_at) == step
+    assert not [e for e in held if isinstance(e, StepEvent) and e.step > step], held
+    assert not [e for e in held if isinstance(e, FleetEvent)], held
+    return decided_at
 
 
 def _decline_then_approve(run: StageRun, cfg: TrainStageConfig, first: int, second: int) -> None:
     p1 = run.wait_for(lambda e: isinstance(e, ProposalEvent), "the first proposal")
     assert isinstance(p1, ProposalEvent)
     assert p1.params["spike_step"] == first + 1 and p1.params["from_step"] == 20
-    _paused_at(run, first + 1)
-    declined_at = time.time()
+    declined_at = _paused_at(run, first + 1, p1)
     run.ctx.decide(p1.proposal_id, "declined")
 
     # Declined: training continues from where it paused, no restore.
@@ -225,18 +232,19 @@ def _decline_then_approve(run: StageRun, cfg: TrainStageConfig, first: int, seco
     assert p2.params["spike_step"] == second + 1 and ckpt == 40 and p2.params["from_checkpoint"]
     # Steps 41..45 (batches 40..44, the poisoned one included) are skipped.
     assert p2.params["skip_batches"] == second + 1 - ckpt
-    _paused_at(run, second + 1)
-
-    approved_at = time.time()
+    approved_at = _paused_at(run, second + 1, p2)
     run.ctx.decide(p2.proposal_id, "approved")
     out = run.join()
     assert out.status == "passed", out.reason
     restored = [
         e
         for e in run.events
-        if isinstance(e, LogEvent)
-        and f"restored checkpoint step {ckpt}, skipping data batches [40, 45)" in e.message
+        if isinstance(e, FleetEvent)
+        and e.action == "checkpoint_restored"
+        and e.step == ckpt
+        and e.skipped_batches == (40, 45)
     ]
+    assert {e.replica_group for e in restored} == set(range(cfg.replica_groups))
     assert len(restored) == cfg.replica_groups
     assert all(e.ts > approved_at for e in restored)
     after = [e for e in run.steps() if e.committed and e.ts > approved_at]
@@ -266,10 +274,11 @@ def test_cancel_kills_every_actor_of_the_run(ray_local: None, tmp_path: Path) ->
         run.ctx.cancel_event.set()
         out = run.join()
     assert out.status == "failed" and out.reason == "cancelled"
-    deadline = time.time() + 30
-    while any(n.startswith("run-ftcancel-") for n in ray.util.list_named_actors()):
-        assert time.time() < deadline, "actors outlived the cancelled run"
-        time.sleep(0.5)
+    wait_until(
+        lambda: not any(n.startswith("run-ftcancel-") for n in ray.util.list_named_actors()),
+        WAIT_S,
+        "every actor of the cancelled run gone",
+    )
 
 
 def test_a_warm_spare_takes_a_lost_groups_place(ray_local: None, tmp_path: Path) -> None:
@@ -280,9 +289,13 @@ def test_a_warm_spare_takes_a_lost_groups_place(ray_local: None, tmp_path: Path)
     from stages.trainer import kill_replica_group
     from stages.trainer.replica import worker_name
 
+    # The standby warms up once the fleet trains (~10 s on 2 busy cores): 200 steps of
+    # 0.1 s leave it time; once group 1 is lost the survivor steps at 0.5 s, so the run
+    # outlasts the standby's activation and heal however slow the host.
     cfg = _config(
         tmp_path,
-        target=TrainingTarget(max_steps=60, seq_len=32, global_batch_tokens=256, warmup_steps=5),
+        target=TrainingTarget(max_steps=200, seq_len=32, global_batch_tokens=256, warmup_steps=5),
+        degraded_pace_step_s=0.5,
     )
     with Run(cfg, tmp_path, "ftspare") as run:
         run.wait_for(
@@ -293,7 +306,7 @@ def test_a_warm_spare_takes_a_lost_groups_place(ray_local: None, tmp_path: Path)
         )
         run.wait_for(lambda e: isinstance(e, CheckpointEvent), "a checkpoint to reload from")
         run.wait_for(
-            lambda e: isinstance(e, LogEvent) and e.message.endswith(" is warm"), "a warm standby"
+            lambda e: isinstance(e, FleetEvent) and e.action == "standby_warm", "a warm standby"
         )
         # Each group runs on its own cores: a dead group's compute stays idle.
         cores = [
@@ -307,9 +320,9 @@ def test_a_warm_spare_takes_a_lost_groups_place(ray_local: None, tmp_path: Path)
         assert pids
         took = run.wait_for(
             lambda e: (
-                isinstance(e, LogEvent)
-                and "spare" in e.message
-                and "takes the place of replica group 1" in e.message
+                isinstance(e, FleetEvent)
+                and e.action == "standby_activated"
+                and e.replica_group == 1
             ),
             "the spare takes group 1's place",
         )
@@ -370,7 +383,7 @@ def test_a_non_finite_step_is_refused_on_every_group_before_the_update(
         from stages.checkpointing.storage import list_checkpoints
 
         [ckpt] = [r for r in list_checkpoints(tmp_path / "ckpt" / "ftnan") if r.step == bad]
-        ref = param_digest(load_phase_model(cfg, cfg.plan.phases[0], ckpt.path))
+        ref = param_digest(load_phase_model(cfg, cfg.schedule.phases[0], ckpt.path))
         assert [d["step"] for d in digests] == [bad, bad]
         assert [d["digest"] for d in digests] == [ref, ref]
         run.ctx.decide(p.proposal_id, "approved")

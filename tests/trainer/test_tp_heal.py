@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stages.checkpointing.storage import read_log
-from stages.events import CheckpointEvent, InterruptionEvent, LogEvent, StepEvent
+from stages.events import CheckpointEvent, FleetEvent, InterruptionEvent, StepEvent
 from stages.trainer.layout import ParallelLayout
 from tests.trainer.test_ft_recovery import Run, _config
 
@@ -49,7 +49,9 @@ def test_a_standby_group_takes_a_tp2_groups_place_and_both_end_equal(
         warm = [
             run.wait_for(
                 lambda e, r=r: (
-                    isinstance(e, LogEvent) and e.message == f"standby {_standby(r)} is warm"
+                    isinstance(e, FleetEvent)
+                    and e.action == "standby_warm"
+                    and e.actors == [_standby(r)]
                 ),
                 f"standby rank {r} warm",
             )
@@ -61,11 +63,13 @@ def test_a_standby_group_takes_a_tp2_groups_place_and_both_end_equal(
         assert len(pids) == 1
         took = run.wait_for(
             lambda e: (
-                isinstance(e, LogEvent) and e.message.endswith("takes the place of replica group 1")
+                isinstance(e, FleetEvent)
+                and e.action == "standby_activated"
+                and e.replica_group == 1
             ),
             "the standby group takes group 1's place",
         )
-        assert took.ts > killed_at and all(_standby(r) in took.message for r in range(2))
+        assert took.ts > killed_at and took.actors == [_standby(r) for r in range(2)]
         # Emitted once group 1 healed from its live peer and trains again.
         healed = run.wait_for(
             lambda e: (

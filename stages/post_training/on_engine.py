@@ -1,11 +1,12 @@
-"""An SFT or DPO step of the post-training chain on the training engine: replica-group
-actors (``TrainingEngine`` -> ``ReplicaWorker``) load the policy from the step's HF
-folder, train the step's objective (``stages.post_training.objectives``) with torchft
+"""An SFT or DPO objective of the post-training chain on the training engine:
+replica-group actors (``TrainingEngine`` -> ``ReplicaWorker``) load the policy from the
+objective's HF folder, train its loss (``stages.post_training.objectives``) with torchft
 and DCP checkpoints, and rank 0 of the lowest live group writes the HF export of the
-final weights at the step's end and scores the step's gate metrics and battery there
-(``stages.trainer.phase_eval``, ``stages.post_training.step_eval``). The driver only
-builds the config, forwards events and gets a path and numbers back. The rlvr step
-runs the same engine with the ``grpo`` objective (``stages.post_training.learner``)."""
+final weights at the objective's end and scores the objective's gate metrics and
+battery there (``stages.trainer.phase_eval``, ``stages.post_training.objective_eval``).
+The driver only builds the config, forwards events and gets a path and numbers back.
+The rlvr objective runs the same engine with the ``grpo`` loss
+(``stages.post_training.learner``)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from typing import Any, Literal
 
 from stages.base import StageContext
 from stages.checkpointing.config import CheckpointPolicy
-from stages.curriculum.plan import CurriculumPlan, PhasePlan
+from stages.curriculum.schedule import CurriculumSchedule, PhaseSpan
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event
 from stages.post_training.config import DPOConfig, SFTConfig
-from stages.post_training.step_eval import StepEvalReply, StepEvalRequest
+from stages.post_training.objective_eval import ObjectiveEvalReply, ObjectiveEvalRequest
 from stages.trainer.config import (
     LossSpikeConfig,
     ModelSpec,
@@ -33,7 +34,7 @@ from stages.trainer.config import (
 _PRESET = "llama-tiny"
 
 
-def step_train_config(
+def objective_train_config(
     kind: Literal["sft", "dpo"],
     cfg: SFTConfig | DPOConfig,
     *,
@@ -43,9 +44,9 @@ def step_train_config(
     train: TrainStageConfig | None,
     device: Literal["cpu", "cuda"],
 ) -> TrainStageConfig:
-    """The engine config of an sft or dpo step (``engine_config``): the recipe's steps,
-    LR, AdamW betas, batch, length and beta; checkpoints every
-    ``checkpoint_every_steps`` (else only the step's closing one)."""
+    """The engine config of an sft or dpo objective (``engine_config``): the recipe's
+    steps, LR, AdamW betas, batch, length and beta; checkpoints every
+    ``checkpoint_every_steps`` (else only the objective's closing one)."""
     return engine_config(
         ObjectiveConfig.model_validate(
             {
@@ -80,19 +81,19 @@ def engine_config(
     device: Literal["cpu", "cuda"],
     name: str | None = None,
 ) -> TrainStageConfig:
-    """The engine config of one post-training step: one phase (named ``name``, default
-    the objective's kind) of ``steps`` of the
-    objective; replica groups, device and fault tolerance from the run's train config
-    when the stage has one, else one group on ``device``. A constant LR without
-    warmup, as the recipe's steps always trained; no loss-spike pause (a step is too
-    short for the detector's window, and nobody is asked mid-chain)."""
+    """The engine config of one post-training objective: one phase (named ``name``,
+    default the objective's kind) of ``steps`` optimizer steps of ``objective``;
+    replica groups, device and fault tolerance from the run's train config when the
+    stage has one, else one group on ``device``. A constant LR without warmup, as the
+    recipe's objectives always trained; no loss-spike pause (an objective is too short
+    for the detector's window, and nobody is asked mid-chain)."""
     kind = name or objective.kind
     batch_size, max_length = objective.batch_size, objective.max_length
-    plan = CurriculumPlan(
+    schedule = CurriculumSchedule(
         total_steps=steps,
         global_batch_tokens=batch_size * max_length,
         phases=[
-            PhasePlan(
+            PhaseSpan(
                 index=0,
                 name=kind,
                 kind=kind,
@@ -131,7 +132,7 @@ def engine_config(
                 weight_decay=0.0,
                 adam_betas=adam_betas,
             ),
-            # The engine also forces one at the phase's end (the step's closing one);
+            # The engine also forces one at the phase's end (the objective's closing one);
             # two kept: the newest may be mid-write at a kill.
             checkpoint=CheckpointPolicy(
                 interval_steps=checkpoint_every,
@@ -140,7 +141,7 @@ def engine_config(
             ),
             loss_spike=LossSpikeConfig(enabled=False),
             spare_groups=0,
-            curriculum=plan,
+            curriculum=schedule,
             objective=objective,
             **run,
         )
@@ -149,7 +150,7 @@ def engine_config(
 
 
 def write_rows(rows: list[dict[str, Any]], path: Path) -> Path:
-    """The step's rows, parsed from the digest-checked bytes, as the private JSONL
+    """The objective's rows, parsed from the digest-checked bytes, as the private JSONL
     every rank reads (never the tenant's file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
@@ -158,7 +159,7 @@ def write_rows(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def run_engine_step(
+def run_on_engine(
     kind: Literal["sft", "dpo"],
     cfg: SFTConfig | DPOConfig,
     ctx: StageContext,
@@ -169,15 +170,15 @@ def run_engine_step(
     export_dir: Path,
     train: TrainStageConfig | None,
     device: Literal["cpu", "cuda"],
-) -> tuple[Path, dict[str, float], StepEvalReply]:
-    """Train the step on the engine; returns the HF export of its final weights, the
-    engine's figures and the step's scores from the evaluating rank. Checkpoints go
-    under ``ctx.workdir/<step>/checkpoints``."""
+) -> tuple[Path, dict[str, float], ObjectiveEvalReply]:
+    """Train the objective on the engine; returns the HF export of its final weights,
+    the engine's figures and the objective's scores from the evaluating rank.
+    Checkpoints go under ``ctx.workdir/<objective>/checkpoints``."""
     work = ctx.workdir / kind
     ckpt_dir = work / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     data_path = write_rows(rows, work / "data.jsonl")
-    tcfg = step_train_config(
+    tcfg = objective_train_config(
         kind,
         cfg,
         base=base,
@@ -186,7 +187,7 @@ def run_engine_step(
         train=train,
         device=device,
     )
-    scoring = StepEvalRequest(
+    scoring = ObjectiveEvalRequest(
         kind=kind,
         rows_path=str(data_path),
         base_dir=str(base),
@@ -209,20 +210,20 @@ def run_engine(
     work: Path,
     export_dir: Path,
     cancel_event: threading.Event | None = None,
-    scoring: StepEvalRequest | None = None,
-) -> tuple[Path, dict[str, float], StepEvalReply | None]:
-    """Run one post-training step's engine (checkpoints under ``work/checkpoints``) to
-    its end and export the final weights from a rank, which also scores ``scoring``
-    there; ``cancel_event`` (default: the run's) stops it. Returns the export, the
-    engine's figures and the scores."""
+    scoring: ObjectiveEvalRequest | None = None,
+) -> tuple[Path, dict[str, float], ObjectiveEvalReply | None]:
+    """Run one post-training objective's engine (checkpoints under
+    ``work/checkpoints``) to its end and export the final weights from a rank, which
+    also scores ``scoring`` there; ``cancel_event`` (default: the run's) stops it.
+    Returns the export, the engine's figures and the scores."""
     import ray
 
     from stages.checkpointing.storage import list_checkpoints
     from stages.trainer.engine import TrainingEngine
     from stages.trainer.phase_eval import PhaseEvalReply, PhaseEvalRequest
 
-    kind = tcfg.plan.phases[0].name  # the step's name
-    steps = tcfg.plan.total_steps
+    kind = tcfg.schedule.phases[0].name  # the objective's name
+    steps = tcfg.schedule.total_steps
     if not ray.is_initialized():
         raise ItoError(
             ErrorCode.ray_unavailable, f"post_training.{kind}: Ray is not initialised here"
@@ -233,13 +234,14 @@ def run_engine(
     engine: TrainingEngine
 
     def emit(event: Event) -> None:
-        # Every event of this engine is the step's (the engine labels its own "train"):
-        # steps carry this stage and the step's name as their phase, so goodput counts
-        # them as productive time of their own, apart from pretraining's steps.
+        # Every event of this engine is the objective's (the engine labels its own
+        # "train"): steps carry this stage and the objective's name as their phase, so
+        # goodput counts them as productive time of their own, apart from pretraining's
+        # steps.
         event.stage = stage
         ctx.emit(event)
 
-    def export(phase: PhasePlan) -> bool:
+    def export(phase: PhaseSpan) -> bool:
         closing = next((r for r in list_checkpoints(ckpt_dir) if r.step == phase.end_step), None)
         if closing is None:
             raise ItoError(
@@ -254,6 +256,7 @@ def run_engine(
             tokenizer_dir=str(base),
             work_dir=str(work),
             export_dir=str(export_dir),
+            # "step" names the objective here: a kept wire name (docs/architecture.md).
             metadata={"run_id": ctx.run_id, "step": kind},
             settings=tcfg.evals,
             post_training=scoring,

@@ -1,12 +1,13 @@
-"""An SFT or DPO step's gate metrics and eval battery, scored on the evaluating trainer
-rank at the step's end (``stages.trainer.phase_eval``), never in the driver.
+"""An SFT or DPO objective's gate metrics and eval battery, scored on the evaluating
+trainer rank at the objective's end (``stages.trainer.phase_eval``), never in the driver.
 
-- before: the step's battery (``sft_dpo.step_battery``) on the base folder's weights,
-  loaded on that rank for the scoring and freed after it (the policy there has been
-  trained: the base folder is what the step started from, and it never changes);
-- after: the same battery on the model the step's HF export is written from;
+- before: the objective's battery (``sft_dpo.objective_battery``) on the base folder's
+  weights, loaded on that rank for the scoring and freed after it (the policy there has
+  been trained: the base folder is what the objective started from, and it never
+  changes);
+- after: the same battery on the model the objective's HF export is written from;
 - the curriculum battery (``run_battery``) on that model, when the recipe names one,
-  over the step's rows as chat-template text.
+  over the objective's rows as chat-template text.
 
 The numbers are those the driver computed from its own copies before (same functions,
 same fp32 weights); the driver now only gets them back in ``PhaseEvalReply``.
@@ -22,26 +23,28 @@ from pydantic import BaseModel
 from stages.evals.config import EvalRunSettings
 
 
-class StepEvalRequest(BaseModel):
-    """What the evaluating rank scores for a post-training step. An rlvr step has no
-    before/after scores here (its gate metrics are the rollouts' rewards), only its
-    battery."""
+class ObjectiveEvalRequest(BaseModel):
+    """What the evaluating rank scores for a post-training objective. The rlvr objective
+    has no before/after scores here (its gate metrics are the rollouts' rewards), only
+    its battery."""
 
     kind: Literal["sft", "dpo", "rlvr"]
-    rows_path: str  # the step's digest-checked rows, as the private JSONL every rank reads
-    base_dir: str  # the HF folder the step started from
-    battery: str | None  # the curriculum battery after the step, if the recipe names one
+    # The objective's digest-checked rows, as the private JSONL every rank reads.
+    rows_path: str
+    base_dir: str  # the HF folder the objective started from
+    # The curriculum battery after the objective, if the recipe names one.
+    battery: str | None
     phase: str  # the battery result's label, e.g. "post_training.sft"
 
 
-class StepEvalReply(BaseModel):
+class ObjectiveEvalReply(BaseModel):
     before: dict[str, float]
     after: dict[str, float]
     battery: dict[str, Any]  # a BatteryResult as JSON; empty: no battery
 
 
 def heldout_text(tok: Any, row: dict[str, Any]) -> str:
-    """A step's row as the text the held-out checks score (chat template applied)."""
+    """An objective's row as the text the held-out checks score (chat template applied)."""
     if "messages" in row:
         msgs = row["messages"]
     elif "chosen" in row:
@@ -57,21 +60,21 @@ def heldout_text(tok: Any, row: dict[str, Any]) -> str:
     return str(tok.apply_chat_template(msgs, tokenize=False))
 
 
-def evaluate_step(
-    req: StepEvalRequest,
+def evaluate_objective(
+    req: ObjectiveEvalRequest,
     model: Any,
     tokenizer: Any,
     *,
     settings: EvalRunSettings,
     work_dir: Path,
-) -> StepEvalReply:
-    """Score ``req`` on this rank; ``model`` holds the step's final weights."""
+) -> ObjectiveEvalReply:
+    """Score ``req`` on this rank; ``model`` holds the objective's final weights."""
     import torch
 
     from stages.evals import run_battery
     from stages.post_training.hf_io import load_model
     from stages.post_training.objectives import read_rows
-    from stages.post_training.sft_dpo import step_battery
+    from stages.post_training.sft_dpo import objective_battery
 
     rows = read_rows(req.rows_path)
     before: dict[str, float] = {}
@@ -80,12 +83,12 @@ def evaluate_step(
         device = next(model.parameters()).device
         base = load_model(Path(req.base_dir)).to(device)
         try:
-            before = step_battery(req.kind, base, tokenizer, rows)
+            before = objective_battery(req.kind, base, tokenizer, rows)
         finally:
             del base
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        after = step_battery(req.kind, model, tokenizer, rows)
+        after = objective_battery(req.kind, model, tokenizer, rows)
     battery: dict[str, Any] = {}
     if req.battery is not None:
         battery = run_battery(
@@ -98,4 +101,4 @@ def evaluate_step(
             settings=settings,
             work_dir=work_dir,
         ).model_dump(mode="json")
-    return StepEvalReply(before=before, after=after, battery=battery)
+    return ObjectiveEvalReply(before=before, after=after, battery=battery)

@@ -1,4 +1,4 @@
-"""The phase plan (pure) and the phase data mix (real token shards, no Ray)."""
+"""The curriculum schedule (pure) and the phase data mix (real token shards, no Ray)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stages.curriculum.config import CurriculumConfig
-from stages.curriculum.plan import ntk_rope_theta, plan_curriculum
+from stages.curriculum.schedule import ntk_rope_theta, schedule_curriculum
 from stages.errors import ErrorCode, ItoError
 from stages.trainer.data import build_token_shards
 from stages.trainer.mix import MixedLoader
@@ -20,8 +20,8 @@ def _cur(*phases: dict[str, object]) -> CurriculumConfig:
     return CurriculumConfig.model_validate({"phases": list(phases)}, strict=False)
 
 
-def _plan(cur: CurriculumConfig, steps: int = 100):  # type: ignore[no-untyped-def]
-    return plan_curriculum(
+def _schedule(cur: CurriculumConfig, steps: int = 100):  # type: ignore[no-untyped-def]
+    return schedule_curriculum(
         cur,
         total_steps=steps,
         base_seq_len=64,
@@ -35,7 +35,7 @@ def _plan(cur: CurriculumConfig, steps: int = 100):  # type: ignore[no-untyped-d
 
 
 def test_budgets_seq_lens_schedules_and_rope() -> None:
-    plan = _plan(
+    schedule = _schedule(
         _cur(
             {"name": "pre", "kind": "pretrain", "token_fraction": 0.6},
             {
@@ -49,11 +49,11 @@ def test_budgets_seq_lens_schedules_and_rope() -> None:
             {"name": "sft", "kind": "post_training", "token_fraction": 0.1},
         )
     )
-    pre, mid, long = plan.phases
-    assert plan.post_training == ["sft"]
+    pre, mid, long = schedule.phases
+    assert schedule.post_training == ["sft"]
     # Trainer phases share the trainer's steps in proportion to their fractions.
-    assert [(p.start_step, p.end_step) for p in plan.phases] == [(0, 67), (67, 89), (89, 100)]
-    assert sum(p.token_budget for p in plan.phases) == 100 * 1024
+    assert [(p.start_step, p.end_step) for p in schedule.phases] == [(0, 67), (67, 89), (89, 100)]
+    assert sum(p.token_budget for p in schedule.phases) == 100 * 1024
     assert (pre.seq_len, mid.seq_len, long.seq_len) == (64, 64, 256)
     assert mid.data_weights == {"baseline": 1.0, "custom": 4.0}
     assert long.rope_theta == pytest.approx(ntk_rope_theta(10000.0, 16, 4.0))
@@ -66,7 +66,11 @@ def test_budgets_seq_lens_schedules_and_rope() -> None:
     assert decay == sorted(decay, reverse=True) and len(set(decay)) == len(decay)
     assert mid.warmup_steps == 0 and mid.lr(67) == pytest.approx(3e-4)
     assert mid.lr(88) == pytest.approx(3e-5)
-    assert plan.phase_of(66) is pre and plan.phase_of(67) is mid and plan.phase_of(99) is long
+    assert (
+        schedule.phase_of(66) is pre
+        and schedule.phase_of(67) is mid
+        and schedule.phase_of(99) is long
+    )
 
 
 @pytest.mark.parametrize(
@@ -88,13 +92,13 @@ def test_budgets_seq_lens_schedules_and_rope() -> None:
 )
 def test_invalid_curricula(phases: list[dict[str, object]]) -> None:
     with pytest.raises(ItoError) as e:
-        _plan(_cur(*phases))
+        _schedule(_cur(*phases))
     assert e.value.code == ErrorCode.curriculum_invalid
 
 
 def test_too_few_steps_for_the_phases() -> None:
     with pytest.raises(ItoError) as e:
-        _plan(
+        _schedule(
             _cur(
                 {"name": "a", "kind": "pretrain", "token_fraction": 0.5},
                 {"name": "b", "kind": "mid_train", "token_fraction": 0.5},

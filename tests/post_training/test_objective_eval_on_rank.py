@@ -45,9 +45,9 @@ def test_sft_then_dpo_are_scored_on_the_rank_with_the_drivers_old_numbers(
     from stages.evals import run_battery
     from stages.post_training import PostTrainingStage, PostTrainingStageConfig
     from stages.post_training.hf_io import load_model, load_tokenizer
+    from stages.post_training.objective_eval import heldout_text
     from stages.post_training.objectives import read_rows
-    from stages.post_training.sft_dpo import step_battery, step_gate_metrics
-    from stages.post_training.step_eval import heldout_text
+    from stages.post_training.sft_dpo import objective_battery, objective_gate_metrics
 
     recipe = {
         **base_model(tiny_policy),
@@ -80,7 +80,7 @@ def test_sft_then_dpo_are_scored_on_the_rank_with_the_drivers_old_numbers(
     assert out.status == "passed", out.reason
 
     # The old in-driver scoring, on the same folders: the base (copied into the run's
-    # inputs) before each step, each step's export after it.
+    # inputs) before each objective, each objective's export after it.
     tok = load_tokenizer(tiny_policy)
     sft_rows, dpo_rows = read_rows(task_files["sft"]), read_rows(task_files["dpo"])
     base, sft_out = load_model(tiny_policy), load_model(tmp_path / "out" / "sft")
@@ -88,18 +88,18 @@ def test_sft_then_dpo_are_scored_on_the_rank_with_the_drivers_old_numbers(
     want = {
         **{
             f"sft_{k}": v
-            for k, v in step_gate_metrics(
+            for k, v in objective_gate_metrics(
                 "sft",
-                step_battery("sft", base, tok, sft_rows),
-                step_battery("sft", sft_out, tok, sft_rows),
+                objective_battery("sft", base, tok, sft_rows),
+                objective_battery("sft", sft_out, tok, sft_rows),
             ).items()
         },
         **{
             f"dpo_{k}": v
-            for k, v in step_gate_metrics(
+            for k, v in objective_gate_metrics(
                 "dpo",
-                step_battery("dpo", sft_out, tok, dpo_rows),
-                step_battery("dpo", dpo_out, tok, dpo_rows),
+                objective_battery("dpo", sft_out, tok, dpo_rows),
+                objective_battery("dpo", dpo_out, tok, dpo_rows),
             ).items()
         },
     }

@@ -1,5 +1,6 @@
-"""The phase plan: each trainer phase's steps, sequence length, data mix, LR
-schedule and RoPE base, computed once from the manifest (pure, no torch).
+"""The curriculum's schedule: the phases in order, each trainer phase with its steps,
+sequence length, data mix, LR schedule and RoPE base, computed once from the manifest
+(pure, no torch).
 
 The global batch stays ``global_batch_tokens``; a phase with a longer sequence
 length trains fewer, longer sequences per step. A phase's token budget is its
@@ -19,7 +20,7 @@ from stages.curriculum.config import TRAINER_KINDS, CurriculumConfig, DataRole, 
 from stages.errors import ErrorCode, ItoError
 
 
-class PhasePlan(BaseModel):
+class PhaseSpan(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     index: int
     name: str
@@ -65,14 +66,14 @@ class PhasePlan(BaseModel):
         return peak + (floor - peak) * p
 
 
-class CurriculumPlan(BaseModel):
+class CurriculumSchedule(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     total_steps: int
     global_batch_tokens: int
-    phases: list[PhasePlan]
+    phases: list[PhaseSpan]
     post_training: list[str] = Field(default_factory=list)
 
-    def phase_of(self, step: int) -> PhasePlan:
+    def phase_of(self, step: int) -> PhaseSpan:
         """The phase that trains ``step`` (a phase's end step belongs to the next)."""
         for p in self.phases:
             if p.start_step <= step < p.end_step:
@@ -80,21 +81,21 @@ class CurriculumPlan(BaseModel):
         return self.phases[-1]
 
 
-def one_phase_plan(
+def one_phase_schedule(
     *,
     total_steps: int,
     global_batch_tokens: int,
     seq_len: int,
     learning_rate: float,
     warmup_steps: int,
-) -> CurriculumPlan:
+) -> CurriculumSchedule:
     """A run without a curriculum: one pretrain phase over every step, warmup then
     cosine decay to 10% of the peak, no eval battery and no gate."""
-    return CurriculumPlan(
+    return CurriculumSchedule(
         total_steps=total_steps,
         global_batch_tokens=global_batch_tokens,
         phases=[
-            PhasePlan(
+            PhaseSpan(
                 index=0,
                 name="train",
                 kind="pretrain",
@@ -122,7 +123,7 @@ def ntk_rope_theta(theta: float, head_dim: int, scale: float) -> float:
     return theta * scale ** (head_dim / (head_dim - 2))
 
 
-def plan_curriculum(
+def schedule_curriculum(
     curriculum: CurriculumConfig,
     *,
     total_steps: int,
@@ -133,7 +134,7 @@ def plan_curriculum(
     rope_theta: float | None = None,
     head_dim: int | None = None,
     max_positions: int | None = None,
-) -> CurriculumPlan:
+) -> CurriculumSchedule:
     """Steps and settings of every trainer phase; raises ``curriculum_invalid``."""
     trainer = [p for p in curriculum.phases if p.kind in TRAINER_KINDS]
     post = [p.name for p in curriculum.phases if p.kind not in TRAINER_KINDS]
@@ -142,7 +143,7 @@ def plan_curriculum(
     frac_total = sum(p.token_fraction for p in trainer)
     first_seq = trainer[0].seq_len or base_seq_len
     prev_seq = first_seq
-    out: list[PhasePlan] = []
+    out: list[PhaseSpan] = []
     start = 0
     for i, p in enumerate(trainer):
         seq = p.seq_len or (prev_seq if i else base_seq_len)
@@ -180,7 +181,7 @@ def plan_curriculum(
             theta = ntk_rope_theta(rope_theta, head_dim, seq / first_seq)
         weights = {r: float(p.data_weights.get(r, 1.0)) for r in p.data_roles}
         out.append(
-            PhasePlan(
+            PhaseSpan(
                 index=i,
                 name=p.name,
                 kind=p.kind,
@@ -200,7 +201,7 @@ def plan_curriculum(
             )
         )
         start, prev_seq = end, seq
-    return CurriculumPlan(
+    return CurriculumSchedule(
         total_steps=total_steps,
         global_batch_tokens=global_batch_tokens,
         phases=out,

@@ -69,10 +69,10 @@ def test_a_relaunch_during_dpo_skips_sft_and_resumes_dpo_from_its_checkpoint(
             or not runner.is_alive()
         ),
         WAIT_S,
-        "a DPO checkpoint mid-step",
+        "a DPO checkpoint mid-objective",
         poll_s=0.2,
     )
-    pids = replica_group_pids("rl-dpo")  # the engine's run id is the step's
+    pids = replica_group_pids("rl-dpo")  # the engine's run id is the objective's
     ctx.cancel_event.set()
     runner.join(WAIT_S)
     assert outcome["first"].reason == "cancelled"

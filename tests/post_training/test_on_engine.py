@@ -1,4 +1,4 @@
-"""The engine config of an SFT or DPO step, built from the recipe and the run's train
+"""The engine config of an SFT or DPO objective, built from the recipe and the run's train
 config (the engine run itself: test_data_rewards.py, test_post_training_api.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from stages.errors import ErrorCode, ItoError
 from stages.post_training.config import DPOConfig
-from stages.post_training.engine_step import step_train_config
+from stages.post_training.on_engine import objective_train_config
 from stages.trainer.config import TrainingTarget, TrainStageConfig
 
 _DATA = {
@@ -45,8 +45,8 @@ def _train(groups: int) -> TrainStageConfig:
     )
 
 
-def test_a_dpo_step_trains_the_recipe_on_the_runs_replica_groups(tmp_path: Path) -> None:
-    cfg = step_train_config(
+def test_a_dpo_objective_trains_the_recipe_on_the_runs_replica_groups(tmp_path: Path) -> None:
+    cfg = objective_train_config(
         "dpo",
         _dpo(4),
         base=tmp_path / "base",
@@ -62,7 +62,7 @@ def test_a_dpo_step_trains_the_recipe_on_the_runs_replica_groups(tmp_path: Path)
     assert cfg.replica_groups == 2 and cfg.device == "cuda"
     assert cfg.fault_tolerance.heartbeat_timeout_ms == 2000
     assert cfg.micro_batch == 2  # 4 pairs over 2 groups
-    (phase,) = cfg.plan.phases
+    (phase,) = cfg.schedule.phases
     assert (phase.name, phase.end_step, phase.seq_len) == ("dpo", 6, 48)
     # The recipe's LR, constant from the first step to the last (no warmup, no decay).
     assert {phase.lr(s) for s in range(6)} == {1e-4}
@@ -71,7 +71,7 @@ def test_a_dpo_step_trains_the_recipe_on_the_runs_replica_groups(tmp_path: Path)
 
 
 def test_without_a_train_config_one_group_on_the_stage_device(tmp_path: Path) -> None:
-    cfg = step_train_config(
+    cfg = objective_train_config(
         "dpo",
         _dpo(3),
         base=tmp_path,
@@ -85,7 +85,7 @@ def test_without_a_train_config_one_group_on_the_stage_device(tmp_path: Path) ->
 
 def test_a_batch_the_groups_cannot_split_is_a_manifest_error(tmp_path: Path) -> None:
     with pytest.raises(ItoError) as e:
-        step_train_config(
+        objective_train_config(
             "dpo",
             _dpo(3),
             base=tmp_path,
@@ -98,7 +98,7 @@ def test_a_batch_the_groups_cannot_split_is_a_manifest_error(tmp_path: Path) -> 
     assert "does not split" in e.value.message
 
 
-def test_sft_and_dpo_steps_use_trls_adamw_betas_and_the_recipes_checkpoint_interval(
+def test_sft_and_dpo_objectives_use_trls_adamw_betas_and_the_recipes_checkpoint_interval(
     tmp_path: Path,
 ) -> None:
     import dataclasses
@@ -108,7 +108,7 @@ def test_sft_and_dpo_steps_use_trls_adamw_betas_and_the_recipes_checkpoint_inter
     trl_defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
 
     def config(dpo: DPOConfig) -> TrainStageConfig:
-        return step_train_config(
+        return objective_train_config(
             "dpo",
             dpo,
             base=tmp_path,
@@ -127,7 +127,7 @@ def test_sft_and_dpo_steps_use_trls_adamw_betas_and_the_recipes_checkpoint_inter
     cfg = config(tuned)
     assert cfg.target.adam_betas == (0.8, 0.99)
     assert cfg.checkpoint.interval_steps == 2 and cfg.checkpoint.keep == 2
-    # Without an interval only the step's closing checkpoint is written.
+    # Without an interval only the objective's closing checkpoint is written.
     assert config(_dpo(2)).checkpoint.interval_steps == 6
     with pytest.raises(ValueError):
         DPOConfig.model_validate({**_dpo(2).model_dump(), "adam_betas": (0.9, 1.0)})
