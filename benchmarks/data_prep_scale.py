@@ -12,7 +12,7 @@ Jaccard of 5-word shingles from ~0.6 to ~0.9, so both sides of the 0.8 threshold
 and 1% exact copies.
 
 What each number counts:
-- ``docs_per_s``: input documents / wall seconds of ``run_stream`` (plan, sketch,
+- ``docs_per_s``: input documents / wall seconds of ``run_stream`` (index, sketch,
   exact, candidates, fetch, verify, components, filter, publish), the Ray cluster
   already started (its start-up, ~8 s, is not counted), in a fresh process per size;
 - ``peak_rss_mb``: the largest sum, sampled every 0.25 s, of the resident memory of

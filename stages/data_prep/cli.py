@@ -41,9 +41,9 @@ from stages.data_prep.config import DecontaminationConfig, DedupConfig
 from stages.data_prep.decontam import EvalIndex
 from stages.data_prep.evals import load_eval_items
 from stages.data_prep.records import write_json
+from stages.data_prep.stream.blocks import input_files
 from stages.data_prep.stream.config import StreamConfig
 from stages.data_prep.stream.output import concat_shards, executor_for
-from stages.data_prep.stream.plan import input_files
 from stages.data_prep.stream.provenance import decontam_section, dedup_section
 from stages.data_prep.stream.run import Progress, StreamResult, run_stream
 from stages.errors import ErrorCode, ItoError
@@ -179,17 +179,17 @@ def _run(
         **rows,
         "input": {
             "path": str(args.input.resolve()),
-            "sha256": res.plan.input_sha256(args.input.is_dir()),
+            "sha256": res.blocks_index.input_sha256(args.input.is_dir()),
             "files": [
                 {"relpath": s.relpath, "sha256": s.sha256, "bytes": s.bytes}
-                for s in res.plan.sources
+                for s in res.blocks_index.sources
             ],
         },
         "output": out,
         "execution": {
             "executor": res.executor,
             "attempt": res.attempt,
-            "blocks": len(res.plan.blocks),
+            "blocks": len(res.blocks_index.blocks),
             "resumed_tasks": res.resumed_tasks,
             "stage_seconds": res.stage_seconds,
         },
@@ -221,7 +221,7 @@ def _summary(res: StreamResult, args: argparse.Namespace, prov: Path) -> dict[st
         "output": str(args.output),
         "provenance_path": str(prov),
         "executor": res.executor,
-        "blocks": len(res.plan.blocks),
+        "blocks": len(res.blocks_index.blocks),
         "resumed_tasks": res.resumed_tasks,
     }
 

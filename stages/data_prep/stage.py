@@ -203,8 +203,8 @@ class DataPrepStage:
                 cancelled=lambda: ctx.cancelled,
             )
         docs_of: dict[str, int] = {}
-        for blk in res.plan.blocks:
-            src = res.plan.sources[blk.source]
+        for blk in res.blocks_index.blocks:
+            src = res.blocks_index.sources[blk.source]
             docs_of[src.path] = docs_of.get(src.path, 0) + blk.docs
         for m in manifest_refs:
             for f in m["files"]:
@@ -224,7 +224,7 @@ class DataPrepStage:
             self._log(
                 ctx,
                 f"dedup: {c['exact_duplicates']} exact and {c['near_duplicates']} "
-                f"near duplicates removed ({res.executor}, {len(res.plan.blocks)} "
+                f"near duplicates removed ({res.executor}, {len(res.blocks_index.blocks)} "
                 f"blocks, b={dedup_rec['parameters']['bands']} "
                 f"r={dedup_rec['parameters']['rows']})",
             )
@@ -250,7 +250,7 @@ class DataPrepStage:
         outputs = []
         fmt = cfg.stream.output_format
         for k, r in enumerate(resolved):
-            shards = [sh for sh in res.shards if res.plan.sources[sh["source"]].ref == k]
+            shards = [sh for sh in res.shards if res.blocks_index.sources[sh["source"]].ref == k]
             path = out / "clean" / r.ref.role / f"ref{k:02d}.{fmt}"
             digest, size = concat_shards(res.output_dir, [sh["path"] for sh in shards], path, fmt)
             count = sum(sh["docs"] for sh in shards)

@@ -119,6 +119,9 @@ def engine_config(
             "fault_tolerance": train.fault_tolerance,
             "worker_num_cpus": train.worker_num_cpus,
             "pin_group_cores": train.pin_group_cores,
+            # The operator's pacing knobs hold for every step of the run (0 in real runs).
+            "pace_step_s": train.pace_step_s,
+            "degraded_pace_step_s": train.degraded_pace_step_s,
         }
     try:
         return TrainStageConfig(

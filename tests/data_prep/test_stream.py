@@ -80,7 +80,7 @@ def test_same_survivors_as_in_memory_dedup_with_every_field_kept(
         cfg=StreamConfig(block_docs=137),
         progress=events.append,
     )
-    assert len(res.plan.blocks) > 8 and res.executor == "local"
+    assert len(res.blocks_index.blocks) > 8 and res.executor == "local"
     rows = _rows(tmp_path / "out")
     assert [r["text"] for r in rows] == [texts[i] for i in np.flatnonzero(ref.keep)]
     assert res.counts["exact_duplicates"] == ref.exact_duplicates == 40

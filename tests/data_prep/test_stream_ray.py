@@ -33,7 +33,7 @@ def test_ray_data_gives_the_same_output_as_one_process(tmp_path: Path, ray_local
     )
     local = run_stream(files, tmp_path / "local", dedup_cfg=DedupConfig(), cfg=cfg)
     assert on_ray.executor == "ray" and local.executor == "local"
-    assert len(on_ray.plan.blocks) == -(-len(texts) // 450) == 9
+    assert len(on_ray.blocks_index.blocks) == -(-len(texts) // 450) == 9
     assert on_ray.attempt == local.attempt
     assert [s["sha256"] for s in on_ray.shards] == [s["sha256"] for s in local.shards]
     assert on_ray.counts == local.counts and on_ray.dedup == local.dedup

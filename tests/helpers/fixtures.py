@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 from helpers.backend import Backend, start_backend
 from helpers.postgres import PgServer, pg_bin, start_postgres
 from helpers.tenants import Tenant, make_tenant
+from helpers.tools import missing
 
 ENGINES = ("sqlite", "postgresql")
 # A contract test module runs on both engines: ``pytestmark = both_engines``.
@@ -22,9 +22,7 @@ def pg_server() -> Iterator[PgServer]:
     """One real PostgreSQL server for the session; each test makes its own database.
     CI installs postgresql and fails without it (ITO_REQUIRE_POSTGRES=1)."""
     if pg_bin() is None:
-        if os.environ.get("ITO_REQUIRE_POSTGRES") == "1":
-            pytest.fail("PostgreSQL is required here (apt-get install postgresql)")
-        pytest.skip("PostgreSQL is not installed")
+        missing("postgres", "PostgreSQL is not installed (apt-get install postgresql)")
     server = start_postgres()
     try:
         yield server

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import pytest
 from helpers.launch_specs import signed_spec
+from helpers.waiting import wait_until
 from pydantic import BaseModel
 
 from orchestrator.runtime import launch
@@ -48,6 +49,10 @@ class _CountingStage:
         )
 
 
+# A hang guard for the driver thread's progress, never a speed claim.
+WAIT_S = 60.0
+
+
 @pytest.fixture(autouse=True)
 def _launch_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     key = tmp_path / "launch.key"
@@ -57,10 +62,7 @@ def _launch_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _wait_state(d: RunDriverImpl, *states: str) -> None:
-    deadline = time.time() + 10
-    while d.state not in states and time.time() < deadline:
-        time.sleep(0.01)
-    assert d.state in states
+    wait_until(lambda: d.state in states, WAIT_S, f"the driver in {states} (it is {d.state})")
 
 
 def test_unsigned_or_tampered_launch_refuses_to_run(tmp_path: Path) -> None:
@@ -133,9 +135,7 @@ def test_cancel_stops_a_running_stage_and_completed_stages_are_skipped(tmp_path:
         pipeline=pipeline,
     )
     d.start()
-    deadline = time.time() + 5
-    while "b" not in made and time.time() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: "b" in made, WAIT_S, "stage b made")
     d.cancel()
     _wait_state(d, "cancelled")
     assert made == ["b"]

@@ -82,7 +82,7 @@ def test_ray_dashboard_keeps_token_auth(rt: dict[str, Any]) -> None:
     assert ok.status_code == 200
 
 
-def test_cancel_mid_run_stops_every_actor_within_30s_keeps_checkpoints_then_cleanup(
+def test_cancel_mid_run_stops_every_actor_keeps_checkpoints_then_cleanup(
     rt: dict[str, Any],
 ) -> None:
     run_id = submit_testbed(rt, steps=2000)

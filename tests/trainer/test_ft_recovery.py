@@ -209,7 +209,9 @@ def _paused_at(run: StageRun, step: int, proposed: ProposalEvent) -> float:
     held = [e for e in run.events if proposed.ts < e.ts < decided_at]
     assert max(e.step for e in run.steps() if e.committed and e.ts < decided_at) == step
     assert not [e for e in held if isinstance(e, StepEvent) and e.step > step], held
-    assert not [e for e in held if isinstance(e, FleetEvent)], held
+    assert not [
+        e for e in held if isinstance(e, FleetEvent) and e.action == "checkpoint_restored"
+    ], held
     return decided_at
 
 

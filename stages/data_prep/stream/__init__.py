@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING, Any
 from stages.data_prep.stream.config import StreamConfig
 
 if TYPE_CHECKING:
+    from stages.data_prep.stream.blocks import BlockIndex, index_blocks, input_files
     from stages.data_prep.stream.executor import Executor, LocalExecutor, RayDataExecutor
-    from stages.data_prep.stream.plan import Plan, input_files, make_plan
     from stages.data_prep.stream.run import Progress, StreamResult, run_stream
 
 _LAZY = {
+    "BlockIndex": "blocks",
+    "index_blocks": "blocks",
+    "input_files": "blocks",
     "Executor": "executor",
     "LocalExecutor": "executor",
     "RayDataExecutor": "executor",
-    "Plan": "plan",
-    "input_files": "plan",
-    "make_plan": "plan",
     "Progress": "run",
     "StreamResult": "run",
     "run_stream": "run",
@@ -36,14 +36,14 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BlockIndex",
     "Executor",
     "LocalExecutor",
-    "Plan",
     "Progress",
     "RayDataExecutor",
     "StreamConfig",
     "StreamResult",
+    "index_blocks",
     "input_files",
-    "make_plan",
     "run_stream",
 ]

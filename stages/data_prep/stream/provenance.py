@@ -13,7 +13,7 @@ from stages.data_prep.stream.run import StreamResult
 def dedup_section(res: StreamResult) -> dict[str, Any]:
     d = res.dedup or {}
     examples = [
-        {"doc": res.plan.doc_id(a), "survivor": res.plan.doc_id(s)}
+        {"doc": res.blocks_index.doc_id(a), "survivor": res.blocks_index.doc_id(s)}
         for a, s in d.get("examples", [])[:MAX_DUPLICATE_EXAMPLES]
     ]
     return {
@@ -34,7 +34,7 @@ def dedup_section(res: StreamResult) -> dict[str, Any]:
         }
         | {"survivor": "lowest input index in the cluster"},
         "backend": res.executor,
-        "shards": len(res.plan.blocks),
+        "shards": len(res.blocks_index.blocks),
         "exact_duplicates": d.get("exact_duplicates", 0),
         "near_duplicates": d.get("near_duplicates", 0),
         "clusters": d.get("clusters", 0),

@@ -1,14 +1,14 @@
-"""The driver of streaming data prep: plan, run the stages with resume, publish.
+"""The driver of streaming data prep: index the input, run the stages with resume, publish.
 
 ``run_stream`` is what the command line and the data-prep stage call. The driver
-holds only the plan (one entry per block) and the tasks' small done records; every
+holds only the block index (one entry per block) and the tasks' small done records; every
 document is read and written by tasks (``tasks.py``), in this process or on Ray Data
 (``executor.py``). Memory: the driver's is proportional to the number of blocks; a
 task's to one block (``block_docs``) or one bucket partition (``rows_per_partition``
 band rows) or, for fetch/verify/components, to the candidate pairs it handles.
 
 Resume: the attempt folder is ``<work>/<key>`` where ``key`` digests the inputs'
-bytes, the block plan and every parameter. A rerun with the same inputs and settings
+bytes, the block index and every parameter. A rerun with the same inputs and settings
 finds it, skips every finished stage and task whose outputs still match their
 recorded sha256, and re-runs the rest; anything else gets a new folder, so two
 attempts never mix. The output folder is published whole at the end (renamed into
@@ -33,9 +33,9 @@ from typing import Any
 from stages.data_prep.config import DecontaminationConfig, DedupConfig
 from stages.data_prep.evals import EvalItem
 from stages.data_prep.minhash import lsh_params
+from stages.data_prep.stream.blocks import BlockIndex, index_blocks
 from stages.data_prep.stream.config import StreamConfig
 from stages.data_prep.stream.executor import Executor, LocalExecutor
-from stages.data_prep.stream.plan import Plan, make_plan
 from stages.data_prep.stream.store import WorkDir, write_json
 from stages.errors import ErrorCode, ItoError
 
@@ -71,7 +71,7 @@ class StreamResult:
     output_dir: Path
     attempt: str
     executor: str
-    plan: Plan
+    blocks_index: BlockIndex
     shards: list[dict[str, Any]]
     counts: dict[str, int]
     dedup: dict[str, Any] | None
@@ -80,9 +80,11 @@ class StreamResult:
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
-def attempt_key(plan: Plan, params: dict[str, Any]) -> str:
+def attempt_key(index: BlockIndex, params: dict[str, Any]) -> str:
+    # "plan": a stored name (hashed into existing attempt keys), kept for compatibility.
     blob = json.dumps(
-        {"version": STREAM_FORMAT_VERSION, "plan": plan.to_json(), "params": params}, sort_keys=True
+        {"version": STREAM_FORMAT_VERSION, "plan": index.to_json(), "params": params},
+        sort_keys=True,
     ).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()
 
@@ -115,8 +117,8 @@ def run_stream(
     output_dir = Path(output_dir)
     work_dir = Path(work_dir) if work_dir else output_dir.with_name(output_dir.name + ".work")
     t0 = time.time()
-    plan = make_plan(files, text_field, cfg.block_docs, fields)
-    if plan.docs == 0:
+    index = index_blocks(files, text_field, cfg.block_docs, fields)
+    if index.docs == 0:
         raise ItoError(ErrorCode.data_empty, "the input holds no documents")
     params: dict[str, Any] = {
         "output_format": cfg.output_format,
@@ -134,7 +136,7 @@ def run_stream(
             "bands": bands,
             "rows": rows,
         }
-        params["partitions"] = _partitions(plan.docs, bands, cfg)
+        params["partitions"] = _partitions(index.docs, bands, cfg)
     evals_obj = None
     if decon is not None:
         dcfg, items = decon
@@ -143,15 +145,16 @@ def run_stream(
         params["eval_items_sha256"] = hashlib.sha256(
             json.dumps(evals_obj, sort_keys=True).encode()
         ).hexdigest()
-    key = attempt_key(plan, params)
+    key = attempt_key(index, params)
     wd = WorkDir(work_dir / key[:24])
+    # "plan.json": a stored file name (read by tasks.py), kept for compatibility.
     if not (wd.path("plan.json").exists() and wd.path("params.json").exists()):
-        write_json(wd.path("plan.json"), plan.to_json())
+        write_json(wd.path("plan.json"), index.to_json())
         if evals_obj is not None:
             write_json(wd.path("evals.json"), evals_obj)
         write_json(wd.path("params.json"), params)  # last: marks the folder complete
 
-    blocks = list(range(len(plan.blocks)))
+    blocks = list(range(len(index.blocks)))
     parts = list(range(params.get("partitions", 0)))
     stages: list[tuple[str, list[int]]] = []
     if dedup_cfg is not None:
@@ -190,9 +193,9 @@ def run_stream(
                     done,
                     total,
                     docs,
-                    plan.docs,
+                    index.docs,
                     nbytes,
-                    plan.bytes,
+                    index.bytes,
                     time.time() - t0,
                     eta,
                     r,
@@ -200,7 +203,7 @@ def run_stream(
             )
 
         records[stage], n_resumed = _run_stage(
-            wd, stage, tasks, executor, cfg, plan, report, cancelled
+            wd, stage, tasks, executor, cfg, index, report, cancelled
         )
         resumed += n_resumed
         seconds[stage] = round(time.time() - ts, 3)
@@ -213,7 +216,7 @@ def run_stream(
             "bytes": r["stats"]["shard_bytes"],
             "docs": r["stats"]["docs_out"],
             "block": b,
-            "source": plan.blocks[b].source,
+            "source": index.blocks[b].source,
             "ids": r["stats"]["ids"],
         }
         for b, r in zip(blocks, filt, strict=True)
@@ -253,7 +256,7 @@ def run_stream(
         output_dir,
         key,
         executor.name,
-        plan,
+        index,
         shards,
         counts,
         dedup_summary,
@@ -269,14 +272,14 @@ def _run_stage(
     tasks: list[int],
     executor: Executor,
     cfg: StreamConfig,
-    plan: Plan,
+    index: BlockIndex,
     report: Callable[[int, int, int, int, float | None, int], None],
     cancelled: Callable[[], bool],
 ) -> tuple[dict[int, dict[str, Any]], int]:
     summary = wd.stage_done(stage)
     if summary is not None:
         recs = {int(k): v for k, v in summary["tasks"].items()}
-        report(len(tasks), len(tasks), plan.docs, plan.bytes, 0.0, len(tasks))
+        report(len(tasks), len(tasks), index.docs, index.bytes, 0.0, len(tasks))
         return recs, len(tasks)
     done: dict[int, dict[str, Any]] = {}
     for t in tasks:
@@ -289,15 +292,15 @@ def _run_stage(
 
     def amount() -> tuple[int, int]:
         if per_block:
-            bl = [plan.blocks[t] for t in done]
+            bl = [index.blocks[t] for t in done]
             nbytes = sum(
-                plan.blocks[t].stop - plan.blocks[t].start
+                index.blocks[t].stop - index.blocks[t].start
                 for t in done
-                if plan.sources[plan.blocks[t].source].format != "parquet"
+                if index.sources[index.blocks[t].source].format != "parquet"
             )
             return sum(b.docs for b in bl), nbytes
         frac = len(done) / max(len(tasks), 1)
-        return int(plan.docs * frac), int(plan.bytes * frac)
+        return int(index.docs * frac), int(index.bytes * frac)
 
     t0 = time.time()
     report(len(done), len(tasks), *amount(), None, resumed)

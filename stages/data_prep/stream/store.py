@@ -1,10 +1,11 @@
 """The work folder of one streaming data-prep attempt: atomic files with digests.
 
 Layout, all under ``<work>/<attempt key>/`` (the key is a digest of the inputs' bytes,
-the block plan and every parameter, so two different attempts never share a folder
+the block index and every parameter, so two different attempts never share a folder
 and a resumed attempt only ever sees its own files):
 
-- ``plan.json``: the blocks (file, byte/row range, first document index);
+- ``plan.json``: the block index (file, byte/row range, first document index of each
+  block); the file name is a stored name, kept for compatibility;
 - ``<stage>/...``: each task's outputs, written to ``*.tmp`` then renamed;
 - ``done/<stage>/<task>.json``: written by the task itself after its outputs, with the
   sha256 and size of each; a task is finished iff this record exists and its files

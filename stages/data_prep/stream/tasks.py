@@ -43,7 +43,7 @@ import pyarrow as pa
 
 from stages.data_prep.dedup import jaccard_sorted, sketch_texts
 from stages.data_prep.minhash import Banding, band_keys, bucket_pairs, unique_pairs
-from stages.data_prep.stream.plan import BlockData, Plan, read_block
+from stages.data_prep.stream.blocks import BlockData, BlockIndex, read_block
 from stages.data_prep.stream.store import WorkDir, atomic_write, read_arrays, write_arrays
 from stages.data_prep.text import fmix64, ngram_hashes, word_batch
 from stages.errors import ErrorCode, ItoError
@@ -57,12 +57,13 @@ _SHINGLE_BATCH = 8_192
 
 
 @lru_cache(maxsize=4)
-def _load(root: str) -> tuple[Plan, dict[str, Any], np.ndarray]:
+def _load(root: str) -> tuple[BlockIndex, dict[str, Any], np.ndarray]:
     r = Path(root)
-    plan = Plan.from_json(json.loads((r / "plan.json").read_text()))
+    # "plan.json": a stored file name (written by run.py), kept for compatibility.
+    blocks_index = BlockIndex.from_json(json.loads((r / "plan.json").read_text()))
     params = json.loads((r / "params.json").read_text())
-    starts = np.array([b.doc_start for b in plan.blocks], dtype=np.int64)
-    return plan, params, starts
+    starts = np.array([b.doc_start for b in blocks_index.blocks], dtype=np.int64)
+    return blocks_index, params, starts
 
 
 def block_of(starts: np.ndarray, docs: np.ndarray) -> np.ndarray:
@@ -108,10 +109,10 @@ def text_bytes(texts: list[str]) -> int:
 
 # --------------------------------------------------------------------------- dedup
 def sketch(root: str, b: int) -> dict[str, Any]:
-    plan, params, _ = _load(root)
+    blocks_index, params, _ = _load(root)
     wd, d = WorkDir(Path(root)), params["dedup"]
-    blk = plan.blocks[b]
-    data = read_block(plan, blk)
+    blk = blocks_index.blocks[b]
+    data = read_block(blocks_index, blk)
     docs = blk.doc_start + np.arange(len(data.texts), dtype=np.int64)
     digests = b"".join(
         hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest() for t in data.texts
@@ -221,22 +222,22 @@ def shingle_sets(texts: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _block_shingles(
-    plan: Plan, b: int, docs: np.ndarray, k: int, data: BlockData | None = None
+    blocks_index: BlockIndex, b: int, docs: np.ndarray, k: int, data: BlockData | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    blk = plan.blocks[b]
-    data = data or read_block(plan, blk)
+    blk = blocks_index.blocks[b]
+    data = data or read_block(blocks_index, blk)
     return shingle_sets([data.texts[int(i)] for i in docs - blk.doc_start], k)
 
 
 def fetch(root: str, b: int) -> dict[str, Any]:
-    plan, params, starts = _load(root)
+    blocks_index, params, starts = _load(root)
     wd = WorkDir(Path(root))
     parts = _gather(wd, f"candidates/p*/to-{b:05d}.npz")
     pairs = unique_pairs(np.stack([_cat(parts, "i", np.int64), _cat(parts, "j", np.int64)], axis=1))
     outputs: dict[str, dict[str, Any]] = {}
     if len(pairs):
         lows = np.unique(pairs[:, 0])
-        offsets, flat = _block_shingles(plan, b, lows, params["dedup"]["shingle_size"])
+        offsets, flat = _block_shingles(blocks_index, b, lows, params["dedup"]["shingle_size"])
         dest = block_of(starts, pairs[:, 1])
         order = np.argsort(dest, kind="stable")
         cuts = np.flatnonzero(np.r_[True, dest[order][1:] != dest[order][:-1], True])
@@ -261,7 +262,7 @@ def fetch(root: str, b: int) -> dict[str, Any]:
 
 
 def verify(root: str, b: int) -> dict[str, Any]:
-    plan, params, _ = _load(root)
+    blocks_index, params, _ = _load(root)
     wd = WorkDir(Path(root))
     threshold = params["dedup"]["threshold"]
     edges: list[tuple[int, int]] = []
@@ -269,7 +270,7 @@ def verify(root: str, b: int) -> dict[str, Any]:
     parts = _gather(wd, f"fetch/b*/to-{b:05d}.npz")
     highs = np.unique(np.concatenate([p["j"] for p in parts])) if parts else np.zeros(0, np.int64)
     if len(highs):
-        h_off, h_flat = _block_shingles(plan, b, highs, params["dedup"]["shingle_size"])
+        h_off, h_flat = _block_shingles(blocks_index, b, highs, params["dedup"]["shingle_size"])
         for part in parts:
             l_off, l_flat, l_docs = part["offsets"], part["flat"], part["docs"]
             li = np.searchsorted(l_docs, part["i"])
@@ -359,7 +360,7 @@ def _drops(wd: WorkDir, b: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _records_out(
-    plan: Plan,
+    blocks_index: BlockIndex,
     b: int,
     data: BlockData,
     keep: np.ndarray,
@@ -367,7 +368,7 @@ def _records_out(
     fmt: str,
     flag: str = FLAG_FIELD,
 ) -> bytes:
-    src = plan.sources[plan.blocks[b].source]
+    src = blocks_index.sources[blocks_index.blocks[b].source]
     if flagged.any():
         taken = (data.table is not None and flag in data.table.column_names) or (
             data.lines is not None
@@ -379,7 +380,7 @@ def _records_out(
                 f"flag field {flag!r} is already a field of the input records: name another",
             )
     idx = np.flatnonzero(keep)
-    field = src.text_field or plan.text_field
+    field = src.text_field or blocks_index.text_field
     if fmt == "jsonl":
         if data.lines is not None:
             rows = [
@@ -422,17 +423,17 @@ def _records_out(
     return bytes(sink.getvalue().to_pybytes())
 
 
-def doc_id(plan: Plan, b: int, local: int) -> str:
-    blk = plan.blocks[b]
-    src = plan.sources[blk.source]
+def doc_id(blocks_index: BlockIndex, b: int, local: int) -> str:
+    blk = blocks_index.blocks[b]
+    src = blocks_index.sources[blk.source]
     return f"{src.ref}:{src.relpath}:{blk.line_start + local}"
 
 
 def filter_block(root: str, b: int) -> dict[str, Any]:
-    plan, params, _ = _load(root)
+    blocks_index, params, _ = _load(root)
     wd = WorkDir(Path(root))
-    blk = plan.blocks[b]
-    data = read_block(plan, blk)
+    blk = blocks_index.blocks[b]
+    data = read_block(blocks_index, blk)
     n = len(data.texts)
     keep = np.ones(n, dtype=bool)
     ex, near = _drops(wd, b)
@@ -454,7 +455,7 @@ def filter_block(root: str, b: int) -> dict[str, Any]:
             items = index.items
             contaminated.append(
                 {
-                    "doc": doc_id(plan, b, d),
+                    "doc": doc_id(blocks_index, b, d),
                     "index": blk.doc_start + d,
                     "matches": [
                         {
@@ -480,13 +481,14 @@ def filter_block(root: str, b: int) -> dict[str, Any]:
     fmt = params["output_format"]
     path = wd.path("out", f"part-{b:05d}.{fmt}")
     meta = atomic_write(
-        path, _records_out(plan, b, data, keep, flagged, fmt, params.get("flag_field", FLAG_FIELD))
+        path,
+        _records_out(
+            blocks_index, b, data, keep, flagged, fmt, params.get("flag_field", FLAG_FIELD)
+        ),
     )
     ids_path = wd.path("out", f"part-{b:05d}.ids.txt")  # output row -> input document id
-    ids = atomic_write(
-        ids_path,
-        "".join(doc_id(plan, b, int(i)) + "\n" for i in np.flatnonzero(keep)).encode("utf-8"),
-    )
+    ids_text = "".join(doc_id(blocks_index, b, int(i)) + "\n" for i in np.flatnonzero(keep))
+    ids = atomic_write(ids_path, ids_text.encode("utf-8"))
     kept = [data.texts[i] for i in np.flatnonzero(keep)]
     stats = {
         "docs_in": n,

@@ -1,11 +1,11 @@
-"""Input planning: files -> blocks of documents, and reading one block.
+"""Input indexing: files -> blocks of documents, and reading one block.
 
-The plan is one streaming pass over every input file (sha256 of its bytes and, for
-jsonl/text, the byte offset of every ``block_docs``-th document); nothing of the
-corpus stays in memory. A block is a byte range of a jsonl/text file or a row range of
-a parquet file, with the global index of its first document; documents are numbered
-in input order (sources in the order given, files by relative path, then lines), the
-order whose lowest member survives a duplicate cluster.
+The block index is built in one streaming pass over every input file (sha256 of its
+bytes and, for jsonl/text, the byte offset of every ``block_docs``-th document);
+nothing of the corpus stays in memory. A block is a byte range of a jsonl/text file or
+a row range of a parquet file, with the global index of its first document; documents
+are numbered in input order (sources in the order given, files by relative path, then
+lines), the order whose lowest member survives a duplicate cluster.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Source:
     bytes: int
     ref: int = 0  # index of the manifest ref (or 0 for the command line)
     role: str = "custom"
-    text_field: str | None = None  # None: the plan's
+    text_field: str | None = None  # None: the block index's
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class Block:
 
 
 @dataclass
-class Plan:
+class BlockIndex:
+    """The input's files and their blocks, in document order."""
+
     sources: list[Source]
     blocks: list[Block]
     text_field: str
@@ -90,7 +92,7 @@ class Plan:
         return hashlib.sha256("".join(lines).encode("utf-8")).hexdigest()
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> Plan:
+    def from_json(cls, obj: dict[str, Any]) -> BlockIndex:
         return cls(
             [Source(**s) for s in obj["sources"]],
             [Block(**b) for b in obj["blocks"]],
@@ -136,12 +138,12 @@ def _scan_lines(path: Path, block_docs: int) -> tuple[str, list[tuple[int, int, 
     return h.hexdigest(), ranges
 
 
-def make_plan(
+def index_blocks(
     files: list[tuple[Path, str, str, int, str]],
     text_field: str,
     block_docs: int,
     fields: dict[int, str] | None = None,
-) -> Plan:
+) -> BlockIndex:
     """``files``: (path, relpath, format, ref index, role) in input order; ``fields``:
     a ref's own text field where it differs from ``text_field``."""
     import pyarrow.parquet as pq
@@ -172,7 +174,7 @@ def make_plan(
         for start, stop, n, first in ranges:
             blocks.append(Block(len(blocks), k, start, stop, doc, n, first))
             doc += n
-    return Plan(sources, blocks, text_field)
+    return BlockIndex(sources, blocks, text_field)
 
 
 @dataclass
@@ -184,9 +186,9 @@ class BlockData:
     table: pa.Table | None = None  # parquet: the rows
 
 
-def read_block(plan: Plan, block: Block) -> BlockData:
-    src = plan.sources[block.source]
-    field = src.text_field or plan.text_field
+def read_block(index: BlockIndex, block: Block) -> BlockData:
+    src = index.sources[block.source]
+    field = src.text_field or index.text_field
     if src.format == "parquet":
         return _read_parquet(src, block, field)
     with open(src.path, "rb") as f:
