@@ -25,7 +25,9 @@ A broadcast needs every rank, so the sender's side runs on its own thread, one
 version at a time in publish order: a worker still generating joins when its rollout
 ends (its calls run in order) and the learner is not held up. The controller sends
 every version to every worker, so each worker consumes the same sequence of
-broadcasts. Not handled here: a worker that dies leaves the group short of a rank;
+broadcasts. A sender that dies mid-broadcast fails the workers' receive (the peer's
+connection closes, or ``timeout_s``): each keeps its version and joins the next
+sender's rendezvous. Not handled here: a worker that dies leaves the group short of a rank;
 the collective then times out (``timeout_s``) and the run fails (the object-store
 path survives worker restarts).
 """

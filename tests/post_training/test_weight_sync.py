@@ -2,10 +2,17 @@
 to in-process rollout workers; the bucket plan round-trips any state dict.
 
 Real RolloutWorkers on threads and a real gloo process group; the Ray actor version
-is in tests/post_training/test_fleet_ray.py."""
+is in tests/post_training/test_fleet_ray.py. A sender killed mid-broadcast is a real
+process (tests/helpers/collective_sender.py) and a real SIGKILL."""
 
 from __future__ import annotations
 
+import base64
+import os
+import pickle
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +27,10 @@ from stages.post_training.weight_sync import (
     state_digest,
     unpack,
 )
+
+REPO = Path(__file__).resolve().parents[2]
+# A hang guard on a sender process's exit, never a speed claim.
+SENDER_EXIT_TIMEOUT_S = 60.0
 
 
 def test_buckets_round_trip_and_respect_the_bucket_size() -> None:
@@ -96,3 +107,62 @@ def test_the_collective_backend_follows_the_device(device: str, backend: str) ->
         assert sender.backend == backend
     finally:
         sender.close()
+
+
+def _start_sender(policy: Path, seed: int, die_after: int | None = None) -> tuple[Any, Any, str]:
+    """A learner's rank 0 in its own process (``helpers.collective_sender``): (its
+    process, the version's descriptor, the digest of the state it sends)."""
+    args = [sys.executable, "-m", "helpers.collective_sender", "--policy", str(policy)]
+    args += ["--seed", str(seed)]
+    if die_after is not None:
+        args += ["--die-after", str(die_after)]
+    proc = subprocess.Popen(
+        args,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    desc, digest = pickle.loads(base64.b64decode(proc.stdout.readline()))
+    return proc, desc, digest
+
+
+def test_a_sender_killed_mid_broadcast_leaves_the_worker_at_its_version_until_a_new_one(
+    tiny_policy: Path,
+) -> None:
+    """The collective path's sender (the learner's rank 0) is SIGKILLed after the first
+    bucket of version 2: the worker's receive fails within its timeout instead of
+    hanging, the worker keeps version 1's weights and reports version 2 missed; then a
+    new sender (a healed rank 0, a new rendezvous) delivers version 3 bit-identical."""
+    from stages.post_training.weight_sync import state_digest
+
+    (worker,) = _workers(tiny_policy, 1)
+
+    def digest() -> str:
+        return state_digest(dict(worker.model.state_dict()))
+
+    first, desc, want = _start_sender(tiny_policy, seed=1)
+    try:
+        reply = worker.set_weights(1, desc)
+        assert reply["version"] == 1 and "missed" not in reply, reply
+        assert digest() == want
+    finally:
+        first.communicate("done\n", timeout=SENDER_EXIT_TIMEOUT_S)
+
+    dying, desc, _ = _start_sender(tiny_policy, seed=2, die_after=1)
+    assert len(desc.buckets) > 1  # the death falls between two buckets
+    reply = worker.set_weights(2, desc)
+    dying.wait(timeout=SENDER_EXIT_TIMEOUT_S)
+    assert dying.returncode == -signal.SIGKILL
+    assert reply["version"] == 1 and reply["missed"] == 2, reply
+    assert reply["error"]
+    assert worker.version == 1 and digest() == want  # nothing of version 2 was loaded
+
+    healed, desc, want = _start_sender(tiny_policy, seed=3)
+    try:
+        assert worker.set_weights(3, desc)["version"] == 3
+        assert digest() == want
+    finally:
+        healed.communicate("done\n", timeout=SENDER_EXIT_TIMEOUT_S)
