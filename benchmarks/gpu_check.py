@@ -25,14 +25,17 @@ phase 2, the gate included) and the eval seconds (``two_phase`` in the JSON line
 
 Then the SFT objective (one step) on the engine's CUDA rank (trained, exported and
 scored there) and the RLVR objective (one step) with its rollout worker on the GPU,
-through the post-training stage (``post_training`` in the JSON line; ``--only
-post_training`` runs just that).
+through the post-training stage.
 
-Ends with one JSON line: ``bf16_mfu``, ``fp8_mfu``, ``predicted_mfu`` (bf16),
-``predicted_fp8_mfu``, ``peak_gib`` and ``predicted_peak_gib`` (bf16), plus the GPU and
-the layout. Runs unattended in well under 5 minutes on an H100 (two runs of ~30
-steps of a 1.2B model). Where no CUDA GPU exists it prints why and exits with
-status 2; where fp8 cannot run (no torchao, below SM 9.0) the fp8 figures are null.
+The three parts (``layout``, ``two_phase``, ``post_training``) run on their own
+(``--only PART``, repeatable): a part that raises is reported as that part's
+``error`` and the others still run. Ends with one JSON line keyed by part:
+``layout`` holds ``bf16_mfu``, ``fp8_mfu``, ``predicted_mfu`` (bf16),
+``predicted_fp8_mfu``, ``peak_gib`` and ``predicted_peak_gib`` (bf16) and the layout;
+``ok`` is false (and the exit status 1) when any part failed. Runs unattended in well
+under 5 minutes on an H100 (two runs of ~30 steps of a 1.2B model). Where no CUDA GPU
+exists it prints why and exits with status 2; where fp8 cannot run (no torchao, below
+SM 9.0) the fp8 figures are null.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -48,6 +52,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 NO_GPU_EXIT = 2
+# The check's local Ray advertises this many GPU slots over the one physical device and
+# is told not to set CUDA_VISIBLE_DEVICES, so every actor's cuda:0 is that device: the
+# RLVR learner rank and its rollout worker share it, as a colocated one-GPU deployment
+# does (on a booking each gets a GPU of its own).
+GPU_SLOTS = 4
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 PRESET = "llama-1b"
 # Name fragments of torch.cuda.get_device_name() -> configs/gpus SKU.
 SKUS = (
@@ -214,7 +224,7 @@ def two_phase_run(work: Path) -> dict[str, Any]:
     ray.init(
         address="local",
         num_cpus=4,
-        num_gpus=1,
+        num_gpus=GPU_SLOTS,
         include_dashboard=False,
         _temp_dir=tempfile.mkdtemp(prefix="ray-gpucheck-"),
         log_to_driver=False,
@@ -305,8 +315,8 @@ def post_training_run(work: Path) -> dict[str, Any]:
                 "output_dir": str(work / "out"),
                 "fleet": "ray",
                 "device": "cuda",
-                "data_roots": [str(work)],
-                "model_roots": [str(work)],
+                "data_roots": (str(work),),
+                "model_roots": (str(work),),
             }
         )
     )
@@ -314,7 +324,7 @@ def post_training_run(work: Path) -> dict[str, Any]:
     ray.init(
         address="local",
         num_cpus=4,
-        num_gpus=1,
+        num_gpus=GPU_SLOTS,
         include_dashboard=False,
         _temp_dir=tempfile.mkdtemp(prefix="ray-gpucheck-pt-"),
         log_to_driver=False,
@@ -340,35 +350,10 @@ def post_training_run(work: Path) -> dict[str, Any]:
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument(
-        "--only",
-        choices=("post_training",),
-        default=None,
-        help="run only this part (the post-training objectives); default: everything",
-    )
-    args = ap.parse_args()
+def layout_run(args: argparse.Namespace) -> dict[str, Any]:
+    """bf16 and fp8 training of ``PRESET`` beside the planner's prediction."""
     import torch
 
-    if not torch.cuda.is_available():
-        print(
-            "gpu_check: no CUDA GPU on this machine (torch.cuda.is_available() is False); "
-            "nothing measured. Run it on a GPU node of a booking.",
-            file=sys.stderr,
-        )
-        return NO_GPU_EXIT
-    import tempfile
-
-    if args.only == "post_training":
-        with tempfile.TemporaryDirectory(prefix="gpu-check-pt-") as tmp:
-            post = post_training_run(Path(tmp))
-        print(json.dumps({"post_training": post, "gpu": torch.cuda.get_device_name(0)}))
-        return 0 if post["status"] == "passed" else 1
     from stages.parallelism.hardware import load_gpu_sku
 
     name = torch.cuda.get_device_name(0)
@@ -389,37 +374,92 @@ def main() -> int:
         )
         predicted = predict(sku_name, precision, **shape)
         results[precision] = {"measured": measured, "predicted": predicted}
-        print(f"{precision}: measured {json.dumps(measured, default=str)}")
-        print(f"{precision}: predicted {json.dumps(predicted)}")
-    with tempfile.TemporaryDirectory(prefix="gpu-check-phases-") as tmp:
-        two_phase = two_phase_run(Path(tmp))
-    print(f"two-phase run: {json.dumps(two_phase)}")
-    with tempfile.TemporaryDirectory(prefix="gpu-check-pt-") as tmp:
-        post = post_training_run(Path(tmp))
-    print(f"post-training: {json.dumps(post)}")
+        print(f"{precision}: measured {json.dumps(measured, default=str)}", flush=True)
+        print(f"{precision}: predicted {json.dumps(predicted)}", flush=True)
     b, f = results["bf16"], results["fp8"]
-    print(
-        json.dumps(
-            {
-                "two_phase": two_phase,
-                "post_training": post,
-                "gpu": name,
-                "sku": sku_name,
-                "model": PRESET,
-                **shape,
-                "bf16_mfu": b["measured"].get("mfu"),
-                "fp8_mfu": f["measured"].get("mfu"),
-                "predicted_mfu": b["predicted"].get("mfu"),
-                "predicted_fp8_mfu": f["predicted"].get("mfu"),
-                "peak_gib": b["measured"].get("peak_gib"),
-                "predicted_peak_gib": b["predicted"].get("peak_gib"),
-                "bf16_tokens_per_s": b["measured"].get("tokens_per_s"),
-                "predicted_tokens_per_s": b["predicted"].get("tokens_per_s"),
-                "fp8_tokens_per_s": f["measured"].get("tokens_per_s"),
-            }
-        )
+    return {
+        "sku": sku_name,
+        "model": PRESET,
+        **shape,
+        "bf16_mfu": b["measured"].get("mfu"),
+        "fp8_mfu": f["measured"].get("mfu"),
+        "predicted_mfu": b["predicted"].get("mfu"),
+        "predicted_fp8_mfu": f["predicted"].get("mfu"),
+        "peak_gib": b["measured"].get("peak_gib"),
+        "predicted_peak_gib": b["predicted"].get("peak_gib"),
+        "bf16_tokens_per_s": b["measured"].get("tokens_per_s"),
+        "predicted_tokens_per_s": b["predicted"].get("tokens_per_s"),
+        "fp8_tokens_per_s": f["measured"].get("tokens_per_s"),
+        "fp8_skipped": f["measured"].get("skipped"),
+    }
+
+
+PARTS = ("layout", "two_phase", "post_training")
+
+
+def run_part(name: str, fn: Any, *fn_args: Any) -> dict[str, Any]:
+    """One part's result; an exception is reported as the part's ``error`` (the
+    check runs unattended, so one broken part must not hide the others' figures)."""
+    import traceback
+
+    t0 = time.time()
+    try:
+        out = dict(fn(*fn_args))
+    except Exception as e:  # reported, and the exit status says so
+        out = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+    out["part_s"] = round(time.time() - t0, 2)
+    print(f"{name}: {json.dumps(out, default=str)}", flush=True)
+    return out
+
+
+def part_ok(name: str, out: dict[str, Any]) -> bool:
+    if "error" in out:
+        return False
+    return name == "layout" or out.get("status") == "passed"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument(
+        "--only",
+        choices=PARTS,
+        action="append",
+        default=None,
+        help="run only this part (repeatable); default: every part",
     )
-    return 0
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "gpu_check: no CUDA GPU on this machine (torch.cuda.is_available() is False); "
+            "nothing measured. Run it on a GPU node of a booking.",
+            file=sys.stderr,
+        )
+        return NO_GPU_EXIT
+    import tempfile
+
+    from orchestrator.runtime.launch import use_scratch_launch_key
+
+    os.environ.setdefault(NOSET_CUDA_VISIBLE_DEVICES, "1")
+    parts = args.only or list(PARTS)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        root = Path(tmp)
+        use_scratch_launch_key(root)  # run by hand, no server holds one
+        if "layout" in parts:
+            results["layout"] = run_part("layout", layout_run, args)
+        for name, fn in (("two_phase", two_phase_run), ("post_training", post_training_run)):
+            if name in parts:
+                (root / name).mkdir()
+                results[name] = run_part(name, fn, root / name)
+    ok = all(part_ok(n, results[n]) for n in parts)
+    print(json.dumps({**results, "gpu": torch.cuda.get_device_name(0), "ok": ok}, default=str))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -25,9 +25,7 @@ an agreed ``now`` (e.g. rank 0's clock, broadcast by the loop).
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import pickle
 import shutil
 import threading
 import time
@@ -42,17 +40,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils.hooks import RemovableHandle
 
 from stages.checkpointing import seal
 from stages.checkpointing.config import CheckpointPolicy
 from stages.checkpointing.sealed import describe_failure, load_sealed
+from stages.checkpointing.sealing_writer import SealingWriter
 from stages.checkpointing.storage import (
     CheckpointRecord,
     commit,
@@ -86,18 +82,6 @@ def _as_state_dict(state: StateLike) -> dict[str, Any]:
     return state if isinstance(state, dict) else {"train": state}
 
 
-class _SealingWriter(FileSystemWriter):
-    """DCP's writer, remembering the digest of the metadata it pickled: the seal is
-    then over DCP's own bytes, not over whatever sits in the (tenant-writable)
-    folder by the time the seal is written."""
-
-    metadata_sha256: str | None = None
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        super().finish(metadata, results)
-        self.metadata_sha256 = hashlib.sha256(pickle.dumps(metadata)).hexdigest()
-
-
 @dataclass
 class _Pending:
     step: int
@@ -112,7 +96,7 @@ class _Pending:
     record: CheckpointRecord | None = None
     error: BaseException | None = None
     hook: RemovableHandle | None = None
-    writer: _SealingWriter | None = None
+    writer: SealingWriter | None = None
 
 
 class Checkpointer:
@@ -217,7 +201,7 @@ class Checkpointer:
         if self.is_coordinator and tmp_dir.exists():
             shutil.rmtree(tmp_dir)
         try:
-            writer = _SealingWriter(tmp_dir, sync_files=True, thread_count=self._writer_threads)
+            writer = SealingWriter(tmp_dir, sync_files=True, thread_count=self._writer_threads)
             result = dcp.async_save(
                 _as_state_dict(state),
                 storage_writer=writer,

@@ -10,7 +10,8 @@ order (``parallelize_llama`` / ``pipeline_llama``):
    the norms on GPU;
 4. context parallel: a ``context_parallel`` context around forward and backward
    that shards the sequence and swaps SDPA for ring attention (CUDA only);
-5. activation checkpointing per decoder layer (none, selective, full);
+5. activation checkpointing per decoder layer (none, selective, full), and with fp8
+   each decoder layer's forward compiled (torchao's float8 needs the fusion);
 6. FSDP2 over ``dp_shard x cp`` with bf16 parameters and fp32 reductions (bf16
    mixed precision); without FSDP, bf16 runs under autocast (fp32 master weights).
 
@@ -71,6 +72,18 @@ def apply_fp8(model: nn.Module) -> int:
 
     convert_to_float8_training(model, module_filter_fn=keep)
     return sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
+
+
+def compile_decoder_layers(model: nn.Module) -> int:
+    """``torch.compile`` each decoder layer's forward (torchtitan's per-block
+    ``apply_compile``): torchao's float8 casts and scales are only fast fused, and
+    uncompiled fp8 trains slower than bf16 (half the tokens/s on an H200). The
+    forward is compiled in place, so module hooks (FSDP's) stay outside the compiled
+    region and parameter names stay as they are. Returns the layers compiled."""
+    layers = _decoder_layers(model)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
+    return len(layers)
 
 
 def apply_tp(chunk: nn.Module, tp_mesh: Any, *, sequence_parallel: bool, fp8: bool) -> None:
@@ -199,6 +212,8 @@ class ParallelModel:
         self.sequence_parallel = sequence_parallel and layout.tp > 1
         self.fp8_linears = apply_fp8(full) if layout.precision == "fp8" else 0
         apply_activation_checkpointing(full, layout.activation_checkpointing)
+        # fp8 is a CUDA-only layout (check_runnable), so CPU never compiles.
+        self.compiled_layers = compile_decoder_layers(full) if self.fp8_linears else 0
         self.schedule: Any = None
         self._scale = 1.0
         if layout.pp > 1:

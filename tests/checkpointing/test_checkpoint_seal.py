@@ -157,3 +157,26 @@ def test_a_metadata_swapped_during_the_save_is_never_sealed(
         commit(tmp, final, record, secrets.token_bytes(32), written)
     assert e.value.code == ErrorCode.checkpoint_untrusted
     assert not final.exists() and not (tmp / SEAL_NAME).exists()
+
+
+def test_the_seal_covers_the_metadata_bytes_dcp_wrote_even_from_a_copy(
+    policy: Callable[..., CheckpointPolicy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch 2.11's FileSystemWriter.finish pickles dataclasses.replace(metadata, ...):
+    # the object the caller holds is not what was written. The seal must still match
+    # the file (a digest of a re-pickled object refused every checkpoint there).
+    import dataclasses
+
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    finish = _FileSystemWriter.finish
+
+    def finish_a_copy(self: Any, metadata: Any, results: Any) -> None:
+        finish(self, dataclasses.replace(metadata), results)
+
+    monkeypatch.setattr(_FileSystemWriter, "finish", finish_a_copy)
+    _pol, record = _saved(policy)
+    folder = Path(record.path)
+    sealed = Seal.model_validate_json((folder / SEAL_NAME).read_text())
+    written = hashlib.sha256((folder / ".metadata").read_bytes()).hexdigest()
+    assert sealed.files[".metadata"].sha256 == written
