@@ -149,17 +149,31 @@ class Checkpointer:
         if self.is_coordinator:
             for p in sweep_incomplete(self.storage_dir, label=run_label):
                 log.info("swept incomplete checkpoint %s", p.name)
-        gpu = torch.cuda.is_available()
+        self._async_staging = async_staging
+        self._stager = self._new_stager()
+
+    def _new_stager(self) -> DefaultStager:
         # Staging buffers are cached across saves (keyed by the source storage), so
         # only the first save pays for allocating them; they cost 1x the state in RAM.
-        self._stager = DefaultStager(
+        gpu = torch.cuda.is_available()
+        return DefaultStager(
             StagingOptions(
                 use_pinned_memory=gpu,
                 use_shared_memory=False,
-                use_async_staging=async_staging,
-                use_non_blocking_copy=gpu and async_staging,
+                use_async_staging=self._async_staging,
+                use_non_blocking_copy=gpu and self._async_staging,
             )
         )
+
+    def _stager_for_next_save(self) -> DefaultStager:
+        """The stager, or a new one where the last save closed it: torch before 2.12
+        closes the StateDictStager after every stage (emptying its copy dispatch and
+        its buffer cache), so reusing it fails the next save."""
+        inner = getattr(self._stager, "_state_dict_stager", None)
+        if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
+            self._stager.close()
+            self._stager = self._new_stager()
+        return self._stager
 
     # --- policy ---------------------------------------------------------------------
     def due(self, step: int, now: float | None = None) -> bool:
@@ -205,7 +219,7 @@ class Checkpointer:
             result = dcp.async_save(
                 _as_state_dict(state),
                 storage_writer=writer,
-                async_stager=self._stager,
+                async_stager=self._stager_for_next_save(),
                 process_group=self._pg,
                 no_dist=not self._dist,
             )

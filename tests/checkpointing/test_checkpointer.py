@@ -162,6 +162,25 @@ def test_keep_last_k(policy: Callable[..., CheckpointPolicy]) -> None:
     assert [r.step for r in read_log(storage)] == [6]
 
 
+@pytest.mark.parametrize("async_staging", [False, True])
+def test_a_stager_closed_by_its_last_save_is_replaced(
+    policy: Callable[..., CheckpointPolicy], async_staging: bool
+) -> None:
+    # torch before 2.12 closes the StateDictStager after every stage (its copy
+    # dispatch emptied): a reused stager then failed the next save with
+    # "KeyError: <class 'type'>". Close it as those versions do, and save again.
+    state = {"w": torch.zeros(16), "step": 0}
+    with Checkpointer(policy(), async_staging=async_staging) as ck:
+        for step in (1, 2, 3):
+            state["w"].fill_(step)
+            ck.save(step, state)
+            assert ck.wait() is not None
+            ck._stager._state_dict_stager.close()  # what torch 2.11's _stage does
+        loaded = {"w": torch.zeros(16), "step": 0}
+        ck.load(ck.records()[-1], loaded)
+    assert torch.equal(loaded["w"], torch.full((16,), 3.0))
+
+
 def test_an_older_checkpoint_survives_until_the_newer_one_is_complete(
     policy: Callable[..., CheckpointPolicy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
