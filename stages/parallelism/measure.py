@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from stages.parallelism.hardware import Precision
 from stages.parallelism.spec import ActivationCheckpointing
 from stages.presets import ModelPreset
 
@@ -70,24 +71,34 @@ def measure_peak_memory(
     micro_batch: int,
     seq_len: int,
     activation_checkpointing: ActivationCheckpointing = "none",
+    precision: Precision = "fp32",
     seed: int = 0,
 ) -> int:
-    """Peak bytes of live tensors during one fp32 forward + backward + AdamW step of
-    ``preset`` on CPU (steady state: the optimizer state already exists)."""
-    from stages.trainer.model import build_model, causal_lm_loss
+    """Peak bytes of live tensors during one training step of ``preset`` on CPU as the
+    trainer runs it on one rank (steady state: the optimizer state already exists):
+    ``ParallelModel`` (bf16 under ``torch.autocast`` over fp32 weights), the LM
+    objective's forward and backward, gradient clipping and a single-tensor AdamW."""
+    from stages.trainer.layout import ParallelLayout
+    from stages.trainer.model import build_model
+    from stages.trainer.objective import LanguageModelObjective
+    from stages.trainer.parallelize import ParallelModel
 
     model = build_model(preset, seed=seed)
     model.train()
-    apply_activation_checkpointing(model, activation_checkpointing)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    layout = ParallelLayout(precision=precision, activation_checkpointing=activation_checkpointing)
+    pm = ParallelModel(model, layout, None, torch.device("cpu"))
+    optimizer = torch.optim.AdamW(pm.module.parameters(), lr=1e-4, foreach=False)
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, preset.vocab_size, (micro_batch, seq_len), generator=generator)
+    batch = LanguageModelObjective.batch_of(ids)
+    objective = LanguageModelObjective(loader=None)
 
     def step() -> None:
-        causal_lm_loss(model, ids).backward()
+        pm.forward_backward(batch, objective)
+        pm.clip_grad_norm_(1.0)
         optimizer.step()
 
-    return measure_step_peak(step, model.parameters(), optimizer)
+    return measure_step_peak(step, pm.module.parameters(), optimizer)
 
 
 def _local(t: Any) -> Any:

@@ -23,16 +23,34 @@ with saved-tensor hooks. With TP and sequence parallelism everything is divided 
 (op-level, torchtitan style) recompute keeps the layer input and the matmul and
 attention outputs, ``b (5h + 2 kv + 2 ffn) + 4 heads``; full recompute keeps only
 the layer input, ``b h / tp``. During the backward one layer is recomputed, so its
-activations are live once more. Pipeline ranks hold several micro-batches in flight
-(1F1B: ``pp - rank``; interleaved: Megatron's warm-up count; GPipe: all). The loss
-holds logits, a contiguous shifted copy, the fp32 copy and fp32 log-probs at once:
-12 bytes per vocab entry (``V / tp`` with loss parallelism) per token.
+activations are live once more, and a layer's backward adds its working set (the
+gradients of the SwiGLU product and of one factor, ``2 b ffn``). Pipeline ranks hold
+several micro-batches in flight (1F1B: ``pp - rank``; interleaved: Megatron's warm-up
+count; GPipe: all). The last rank also holds the final norm's saved tensors and the
+head's input. The loss, per vocab entry (``V / tp`` with loss parallelism) and token,
+at the start of its backward: the logits in ``b`` (the step keeps them until its
+backward is done), the fp32 log-probs and the fp32 gradients of nll_loss and
+log_softmax, ``b + 12``.
 
-The peak is the largest of three moments: the end of the forward (activations and
-the loss live; gradients only if they persist across micro-batches), the end of the
-backward with recompute (all gradients, one recomputed layer), and the optimizer
-step (gradients plus AdamW's fp32 temporaries: one per local parameter with the
-foreach implementation used on GPUs, one per tensor with the CPU loop).
+bf16 without FSDP runs eagerly under ``torch.autocast`` over the fp32 master weights
+(``stages.trainer.parallelize.ParallelModel``), measured on CPU's autocast (the same
+weight-cast cache as CUDA's). The residual stream is fp32 (the embedding's output is
+fp32 and each residual add promotes the bf16 block output), so each norm saves
+``(4 + 4) h`` and full recompute keeps ``4 h``; each projection casts its input
+itself (autocast caches only the casts of weights), so q, k, v and gate, up save
+five bf16 copies of the norms' outputs instead of two: ``30h + 4 kv + 8 ffn +
+4 (heads + 2)`` per layer in all. And the bf16 copy of every linear's weight (2 B
+per parameter) is cached by autocast and saved by its matmul from the forward to
+the end of the backward. fp8 runs its decoder layers compiled (torchao float8): only
+its head and loss get the autocast terms.
+
+The peak is the largest of four moments: the end of the forward (activations and
+the loss live; gradients only if they persist across micro-batches), the backward
+of the last layer (activations, the logits, that layer recomputed, its working
+set), the end of the backward (all gradients, one recomputed layer, the logits),
+and the optimizer step (gradients plus AdamW's fp32 temporaries: one per local
+parameter with the foreach implementation used on GPUs, one per tensor with the
+CPU loop).
 """
 
 from __future__ import annotations
@@ -48,8 +66,33 @@ GIB = float(2**30)
 MASTER_BYTES = 4  # fp32 sharded master weights
 GRAD_BYTES = 4  # fp32 sharded gradients
 OPTIMIZER_BYTES = 8  # AdamW exp_avg + exp_avg_sq in fp32
+# The loss per logit besides the logits themselves: fp32 log-probs (saved by
+# log_softmax) and, as its backward starts, the fp32 gradients of nll_loss and of
+# log_softmax over the vocabulary.
 LOSS_BYTES_PER_LOGIT = 12
+# Under autocast each projection casts its input itself (autocast caches only the
+# casts of leaf weights): q, k and v save three bf16 copies of the first norm's
+# output, gate and up two of the second's.
+AUTOCAST_PROJECTION_INPUTS = 5
+# Under autocast the bf16 copy of each fp32 linear weight: cached by autocast and
+# saved by its matmul, live from the forward until the backward is done.
+WEIGHT_CAST_BYTES = 2
+# A layer's backward peaks in the SwiGLU product's backward: the product's gradient
+# and one factor's (b x ffn each) are live on top of what the layer saved.
+BACKWARD_FFN_GRADS = 2
 DDP_BUCKET_BYTES = 2 * 25 * 2**20  # two in-flight all-reduce buckets of torchft/DDP
+
+
+def runs_autocast(precision: Precision, fsdp: int) -> bool:
+    """bf16 and fp8 without FSDP run under ``torch.autocast`` over fp32 weights
+    (``ParallelModel.autocast``); with FSDP, its mixed-precision policy casts them."""
+    return precision != "fp32" and fsdp == 1
+
+
+def residual_bytes(b: int, autocast: bool) -> int:
+    """Bytes of a residual-stream element: under autocast the embedding's output is
+    fp32 and each residual add promotes the bf16 block output back to fp32."""
+    return 4 if autocast else b
 
 
 def compute_bytes(precision: Precision) -> int:
@@ -68,20 +111,27 @@ def layer_activation_bytes(
     b: int,
     mode: ActivationCheckpointing,
     sequence_parallel: bool = True,
+    autocast: bool = False,
 ) -> float:
     """Saved activation bytes of one decoder layer per token (per GPU). Without
-    sequence parallel (TP on CPU) the norms and the layer input are replicated."""
+    sequence parallel (TP on CPU) the norms and the layer input are replicated.
+    ``autocast``: the layer runs eagerly under autocast (fp32 residual stream, one
+    bf16 cast of its input per projection)."""
     h = preset.hidden_size
     kv = preset.num_key_value_heads * preset.head_dim
     ffn = preset.intermediate_size * max(1, preset.experts_per_token)
     heads = preset.num_attention_heads
     sp = tp if sequence_parallel else 1
+    r = residual_bytes(b, autocast)
     if mode == "full":
-        return b * h / sp
+        return r * h / sp
     if mode == "selective":
         # layer input (SP-sharded), q/k/v/o and attention outputs, gate and up outputs.
-        return b * h / sp + b * (4 * h + 2 * kv + 2 * ffn) / tp + 4 * heads / tp
-    norms = 2 * ((4 + b) * h / sp + b * h)
+        return r * h / sp + b * (4 * h + 2 * kv + 2 * ffn) / tp + 4 * heads / tp
+    # Each RMSNorm saves its fp32 input and the normalised tensor in the residual's
+    # dtype; the projections save the norms' outputs in b (gathered under TP).
+    inputs = AUTOCAST_PROJECTION_INPUTS if autocast else 2
+    norms = 2 * (4 + r) * h / sp + inputs * b * h
     attention = b * (2 * h + 2 * kv) / tp + 4 * heads / tp
     mlp = 4 * b * ffn / tp
     return norms + attention + mlp + 8 / tp
@@ -157,9 +207,20 @@ def estimate_memory(
     pp = len(pp_stage_layers)
     b = compute_bytes(precision)
     tokens = micro_batch * seq_len / cp
-    per_layer = layer_activation_bytes(preset, tp, b, activation_checkpointing, sequence_parallel)
-    full_layer = layer_activation_bytes(preset, tp, b, "none", sequence_parallel)
+    autocast = runs_autocast(precision, fsdp)
+    # fp8's decoder layers are compiled torchao float8 linears: inductor chooses what
+    # they save and autocast does not cast their weights, so only bf16 layers get the
+    # eager-autocast terms (the head and the loss run eagerly under autocast in both).
+    layer_autocast = autocast and precision == "bf16"
+    r = residual_bytes(b, autocast)
+    sp = tp if sequence_parallel else 1
+    per_layer = layer_activation_bytes(
+        preset, tp, b, activation_checkpointing, sequence_parallel, layer_autocast
+    )
+    full_layer = layer_activation_bytes(preset, tp, b, "none", sequence_parallel, layer_autocast)
     attn, mlp = layer_params(preset)
+    ffn = preset.intermediate_size * max(1, preset.experts_per_token)
+    working = BACKWARD_FFN_GRADS * b * ffn / tp  # per token, during a layer's backward
     gather_unit = max(attn + mlp, preset.vocab_size * preset.hidden_size) / tp
     h = preset.hidden_size
     max_tensor = max(preset.vocab_size * h, h * preset.intermediate_size, h * h) / tp
@@ -184,17 +245,28 @@ def estimate_memory(
             * tokens
         )
         if pp > 1 and not first:
-            saved += tokens * b * preset.hidden_size / tp  # received activation buffer
+            saved += tokens * r * h / tp  # received activation buffer (the residual)
         recompute = 0.0
         if activation_checkpointing != "none" and layers:
             recompute = (
                 full_layer - per_layer if activation_checkpointing == "selective" else full_layer
             ) * tokens
         vocab = preset.vocab_size / (tp if loss_parallel else 1)
-        loss = LOSS_BYTES_PER_LOGIT * tokens * vocab if last else 0.0
+        # The step keeps the logits (in b) until its backward is done.
+        logits = b * tokens * vocab if last else 0.0
+        loss = LOSS_BYTES_PER_LOGIT * tokens * vocab + logits if last else 0.0
+        if last:
+            # the final norm's fp32 input and normalised tensor, and the head's input
+            saved += tokens * ((4 + r) * h / sp + b * h)
+        # autocast's bf16 weight copies: the decoder's linears (bf16 only; not the
+        # norms' weights) and the head
+        cast_params = layers * (attn + mlp - 2 * h) / tp if layer_autocast else 0.0
+        if autocast and last:
+            cast_params += preset.vocab_size * h / tp
+        casts = WEIGHT_CAST_BYTES * cast_params
         if last and not loss_parallel and tp > 1:
-            # the head's local shard and the all-gather's staging copy of the logits
-            loss += b * tokens * preset.vocab_size * (1 + 1 / tp)
+            # the head's local shard of the logits besides the gathered ones (``logits``)
+            loss += b * tokens * preset.vocab_size / tp
         if last and pp > 1 and pp_schedule == "GPipe":
             # GPipe runs every forward first: each micro-batch's loss keeps its fp32
             # log-probs until its backward (1F1B schedules run a loss's backward next)
@@ -212,14 +284,20 @@ def estimate_memory(
             buffers += gather_unit * (2 * param_gather_bytes(precision) + b + 4)
         if dp_replicate > 1:
             buffers += DDP_BUCKET_BYTES
-        # Three candidate moments; the breakdown reports the one with the peak.
+        # Four candidate moments; the breakdown reports the one with the peak.
         # Gradients live through the forward only when they persist across micro-batches.
         resident_grads = grads if microbatches > 1 else 0.0
+        # autocast's weight casts live through the forward and the backward, not the step.
         phases = [
-            (saved + max(loss, recompute), resident_grads, 0.0),  # end of forward
+            # end of forward: the loss's backward starts on top of every saved tensor
+            (saved + loss, resident_grads, casts),
+            # the last layer's backward: still every saved tensor and the logits, the
+            # layer recomputed and its backward's working set
+            (saved + recompute + working * tokens + logits, resident_grads, casts),
             # last layers of the backward: nearly all gradients exist while the
-            # first layer is recomputed on top of its saved input
-            (recompute + per_layer * tokens, grads, 0.0),
+            # first layer is recomputed on top of its saved input and runs its
+            # backward; the logits are still held
+            (recompute + (per_layer + working) * tokens + logits, grads, casts),
             # optimizer step: foreach AdamW holds one fp32 temporary per local
             # parameter; the single-tensor loop (CPU) one per largest tensor.
             (0.0, grads, (params if foreach_optimizer else max_tensor / fsdp) * MASTER_BYTES),

@@ -1,21 +1,27 @@
 """The per-layer activation term of the memory model equals, byte for byte, what
-autograd saves for the Hugging Face Llama this repo trains, in fp32 and in bf16
-(bf16 is where the RMSNorm's fp32 upcast matters). Counted with saved-tensor hooks:
-one decoder layer is the difference between a 2-layer and a 1-layer model."""
+autograd saves for the Hugging Face Llama this repo trains, in fp32, in bf16
+(bf16 is where the RMSNorm's fp32 upcast matters) and in bf16 autocast over fp32
+weights (the trainer's bf16 without FSDP). Counted with saved-tensor hooks: one
+decoder layer is the difference between a 2-layer and a 1-layer model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from stages.parallelism.memory import layer_activation_bytes
+from stages.parallelism.memory import WEIGHT_CAST_BYTES, layer_activation_bytes
 from stages.presets import ModelPreset
 from stages.trainer.model import build_model, causal_lm_loss
 
 
-def _saved_bytes(preset: ModelPreset, dtype: torch.dtype, batch: int, seq: int) -> int:
+def _saved_bytes(
+    preset: ModelPreset, dtype: torch.dtype, batch: int, seq: int, autocast: bool = False
+) -> int:
+    """Bytes autograd saves in the forward; ``autocast``: fp32 weights under
+    ``torch.autocast`` to ``dtype`` (its bf16 weight casts are saved too)."""
     model = build_model(preset)
-    torch.nn.Module.to(model, dtype)  # the nn.Module method: HF wraps .to oddly for mypy
+    if not autocast:
+        torch.nn.Module.to(model, dtype)  # the nn.Module method: HF wraps .to oddly for mypy
     model.train()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, preset.vocab_size, (batch, seq), generator=generator)
@@ -28,7 +34,10 @@ def _saved_bytes(preset: ModelPreset, dtype: torch.dtype, batch: int, seq: int) 
             seen[key] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with (
+        torch.autocast("cpu", dtype=dtype, enabled=autocast),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
         causal_lm_loss(model, ids)
     return sum(seen.values())
 
@@ -57,3 +66,18 @@ def test_layer_activation_bytes_match_autograd_exactly(
     b = torch.tensor([], dtype=dtype).element_size()
     predicted = layer_activation_bytes(_preset(1, h, heads, kv), 1, b, "none")
     assert (two - one) / (batch * seq) == pytest.approx(predicted, abs=1e-9)
+
+
+@pytest.mark.parametrize(("h", "heads", "kv"), [(64, 4, 2), (128, 8, 2), (96, 4, 4)])
+def test_autocast_layer_activation_and_weight_cast_bytes_match_autograd_exactly(
+    h: int, heads: int, kv: int
+) -> None:
+    """Under autocast a layer also saves the bf16 casts of its linears' weights."""
+    batch, seq = 3, 40
+    one = _saved_bytes(_preset(1, h, heads, kv), torch.bfloat16, batch, seq, autocast=True)
+    two = _saved_bytes(_preset(2, h, heads, kv), torch.bfloat16, batch, seq, autocast=True)
+    preset = _preset(1, h, heads, kv)
+    attn, mlp = preset.layer_params()
+    casts = WEIGHT_CAST_BYTES * (attn + mlp - 2 * h)  # every weight but the two norms'
+    predicted = layer_activation_bytes(preset, 1, 2, "none", autocast=True)
+    assert (two - one - casts) / (batch * seq) == pytest.approx(predicted, abs=1e-9)

@@ -1,9 +1,11 @@
 """Predicted versus measured peak memory of real training steps on this CPU.
 
 The measurement (stages.parallelism.measure) sums the CPU allocator's allocation
-events from torch.profiler into a running peak: exact tensor bytes, no RSS noise.
-The prediction is the planner's memory model with fp32 (4-byte) activations and
-the CPU's single-tensor AdamW. Configurations vary batch, sequence, recompute,
+events from torch.profiler into a running peak of the trainer's own step: exact
+tensor bytes, no RSS noise. The prediction is the planner's memory model with the
+CPU's single-tensor AdamW, in fp32 and in bf16 (which the trainer runs under
+``torch.autocast`` over fp32 weights when there is no FSDP; CPU's autocast has the
+same weight-cast cache as CUDA's). Configurations vary batch, sequence, recompute,
 vocabulary and whether activations or optimizer state dominate.
 """
 
@@ -13,13 +15,21 @@ import pytest
 import torch
 from helpers.xdist_groups import module_group
 
+from stages.parallelism.hardware import Precision
 from stages.parallelism.measure import measure_peak_memory, measure_step_peak
 from stages.parallelism.memory import estimate_memory
+from stages.parallelism.spec import ActivationCheckpointing
 from stages.presets import ModelPreset, load_model_preset
 
 pytestmark = module_group(__name__)
 
 TOLERANCE = 0.20
+# bf16 autocast: the rows land within -1.1%..+2.0% (exact byte counts; what is left
+# is small unmodelled tensors). Without the autocast terms (the weight casts, the
+# fp32 residual stream, one input cast per projection, the bf16 logits kept through
+# the backward) they erred -8% to -22%, so 10% catches a lost term while leaving
+# room for what a torch release changes in the ops' saved tensors.
+BF16_TOLERANCE = 0.10
 
 
 def _preset(h: int, ffn: int, layers: int, heads: int, kv: int, vocab: int = 260) -> ModelPreset:
@@ -77,18 +87,14 @@ def test_measured_peak_counts_optimizer_state_and_gradients() -> None:
     assert measure_step_peak(step, [p], optimizer) == 3 * 4_000 + 1_000_000
 
 
-@pytest.mark.parametrize(
-    ("preset", "micro_batch", "seq_len", "recompute"),
-    CASES,
-    ids=[f"{c[0].name}-b{c[1]}-s{c[2]}-{c[3]}" for c in CASES],
-)
-def test_predicted_peak_within_20_percent_of_measured(
-    preset: ModelPreset, micro_batch: int, seq_len: int, recompute: str
-) -> None:
-    measured = measure_peak_memory(
-        preset, micro_batch=micro_batch, seq_len=seq_len, activation_checkpointing=recompute
-    )  # type: ignore[arg-type]
-    predicted = estimate_memory(
+def _predicted(
+    preset: ModelPreset,
+    micro_batch: int,
+    seq_len: int,
+    recompute: ActivationCheckpointing,
+    precision: Precision,
+) -> float:
+    return estimate_memory(
         preset,
         seq_len=seq_len,
         micro_batch=micro_batch,
@@ -100,12 +106,44 @@ def test_predicted_peak_within_20_percent_of_measured(
         pp_stage_layers=[preset.num_hidden_layers],
         pp_schedule="1F1B",
         pp_virtual_stages=1,
-        activation_checkpointing=recompute,  # type: ignore[arg-type]
-        precision="fp32",
+        activation_checkpointing=recompute,
+        precision=precision,
         foreach_optimizer=False,
     ).total
+
+
+_IDS = [f"{c[0].name}-b{c[1]}-s{c[2]}-{c[3]}" for c in CASES]
+
+
+@pytest.mark.parametrize(("preset", "micro_batch", "seq_len", "recompute"), CASES, ids=_IDS)
+def test_predicted_peak_within_20_percent_of_measured(
+    preset: ModelPreset, micro_batch: int, seq_len: int, recompute: ActivationCheckpointing
+) -> None:
+    measured = measure_peak_memory(
+        preset, micro_batch=micro_batch, seq_len=seq_len, activation_checkpointing=recompute
+    )
+    predicted = _predicted(preset, micro_batch, seq_len, recompute, "fp32")
     assert measured > 1e6, "configs must be big enough for the comparison to mean something"
     assert abs(predicted - measured) / measured <= TOLERANCE, (
+        f"predicted {predicted / 1e6:.1f} MB vs measured {measured / 1e6:.1f} MB"
+    )
+
+
+@pytest.mark.parametrize(("preset", "micro_batch", "seq_len", "recompute"), CASES, ids=_IDS)
+def test_bf16_autocast_predicted_peak_within_10_percent_of_measured(
+    preset: ModelPreset, micro_batch: int, seq_len: int, recompute: ActivationCheckpointing
+) -> None:
+    """The trainer's bf16 step without FSDP: ``ParallelModel`` under ``torch.autocast``."""
+    measured = measure_peak_memory(
+        preset,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        activation_checkpointing=recompute,
+        precision="bf16",
+    )
+    predicted = _predicted(preset, micro_batch, seq_len, recompute, "bf16")
+    assert measured > 1e6
+    assert abs(predicted - measured) / measured <= BF16_TOLERANCE, (
         f"predicted {predicted / 1e6:.1f} MB vs measured {measured / 1e6:.1f} MB"
     )
 
