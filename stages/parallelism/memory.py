@@ -28,9 +28,10 @@ gradients of the SwiGLU product and of one factor, ``2 b ffn``). Pipeline ranks 
 several micro-batches in flight (1F1B: ``pp - rank``; interleaved: Megatron's warm-up
 count; GPipe: all). The last rank also holds the final norm's saved tensors and the
 head's input. The loss, per vocab entry (``V / tp`` with loss parallelism) and token,
-at the start of its backward: the logits in ``b`` (the step keeps them until its
-backward is done), the fp32 log-probs and the fp32 gradients of nll_loss and
-log_softmax, ``b + 12``.
+at the start of its backward (the step drops the logits first, as torchtitan does):
+the fp32 log-probs and the fp32 gradients of nll_loss and log_softmax, 12 bytes
+(the forward's logits, fp32 copy and log-probs, ``b + 8``, are fewer); a pipeline
+schedule keeps the last stage's output, the logits, until its backward: ``b`` more.
 
 bf16 without FSDP runs eagerly under ``torch.autocast`` over the fp32 master weights
 (``stages.trainer.parallelize.ParallelModel``), measured on CPU's autocast (the same
@@ -46,8 +47,8 @@ its head and loss get the autocast terms.
 
 The peak is the largest of four moments: the end of the forward (activations and
 the loss live; gradients only if they persist across micro-batches), the backward
-of the last layer (activations, the logits, that layer recomputed, its working
-set), the end of the backward (all gradients, one recomputed layer, the logits),
+of the last layer (activations, that layer recomputed, its working set), the end
+of the backward (all gradients, one recomputed layer),
 and the optimizer step (gradients plus AdamW's fp32 temporaries: one per local
 parameter with the foreach implementation used on GPUs, one per tensor with the
 CPU loop).
@@ -66,8 +67,8 @@ GIB = float(2**30)
 MASTER_BYTES = 4  # fp32 sharded master weights
 GRAD_BYTES = 4  # fp32 sharded gradients
 OPTIMIZER_BYTES = 8  # AdamW exp_avg + exp_avg_sq in fp32
-# The loss per logit besides the logits themselves: fp32 log-probs (saved by
-# log_softmax) and, as its backward starts, the fp32 gradients of nll_loss and of
+# The loss per logit as its backward starts (the step has dropped the logits): fp32
+# log-probs (saved by log_softmax) and the fp32 gradients of nll_loss and of
 # log_softmax over the vocabulary.
 LOSS_BYTES_PER_LOGIT = 12
 # Under autocast each projection casts its input itself (autocast caches only the
@@ -252,8 +253,10 @@ def estimate_memory(
                 full_layer - per_layer if activation_checkpointing == "selective" else full_layer
             ) * tokens
         vocab = preset.vocab_size / (tp if loss_parallel else 1)
-        # The step keeps the logits (in b) until its backward is done.
-        logits = b * tokens * vocab if last else 0.0
+        # The step drops its logits before the backward, so the loss's peak is as its
+        # backward starts (the forward's b + 8 bytes a logit is below it). A pipeline
+        # schedule keeps the last stage's output, the logits, until its backward.
+        logits = b * tokens * vocab if last and pp > 1 else 0.0
         loss = LOSS_BYTES_PER_LOGIT * tokens * vocab + logits if last else 0.0
         if last:
             # the final norm's fp32 input and normalised tensor, and the head's input
@@ -265,7 +268,7 @@ def estimate_memory(
             cast_params += preset.vocab_size * h / tp
         casts = WEIGHT_CAST_BYTES * cast_params
         if last and not loss_parallel and tp > 1:
-            # the head's local shard of the logits besides the gathered ones (``logits``)
+            # the head's local shard of the logits besides the gathered ones
             loss += b * tokens * preset.vocab_size / tp
         if last and pp > 1 and pp_schedule == "GPipe":
             # GPipe runs every forward first: each micro-batch's loss keeps its fp32
@@ -291,12 +294,12 @@ def estimate_memory(
         phases = [
             # end of forward: the loss's backward starts on top of every saved tensor
             (saved + loss, resident_grads, casts),
-            # the last layer's backward: still every saved tensor and the logits, the
-            # layer recomputed and its backward's working set
+            # the last layer's backward: still every saved tensor, the layer
+            # recomputed and its backward's working set
             (saved + recompute + working * tokens + logits, resident_grads, casts),
             # last layers of the backward: nearly all gradients exist while the
             # first layer is recomputed on top of its saved input and runs its
-            # backward; the logits are still held
+            # backward
             (recompute + (per_layer + working) * tokens + logits, grads, casts),
             # optimizer step: foreach AdamW holds one fp32 temporary per local
             # parameter; the single-tensor loop (CPU) one per largest tensor.

@@ -308,6 +308,10 @@ class ParallelModel:
                 with self._context(buffers):
                     logits = self.module(input_ids=ids, position_ids=pos, **extra).logits
                     loss = objective.loss_sum(logits, part) * (scale / batch.denominator)
+                    # Nothing the backward needs is the logits themselves (the loss saved
+                    # its log-probs): dropping them first keeps b x V bytes a token off
+                    # the backward's peak, as torchtitan's ``del pred``.
+                    del logits
                     loss.backward()
                 total = total + loss.detach()
             return total

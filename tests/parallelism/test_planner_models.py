@@ -79,8 +79,11 @@ def test_sharding_tp_and_pp_cut_memory_per_gpu() -> None:
     assert peak(Layout(tp=8, dp_shard=8, activation_checkpointing="none")) < peak(
         Layout(tp=2, dp_shard=32, activation_checkpointing="none")
     )
-    assert peak(Layout(tp=8, pp=2, dp_shard=4, activation_checkpointing="full")) < peak(
-        Layout(tp=8, pp=1, dp_shard=4, dp_replicate=2, activation_checkpointing="full")
+    # PP halves the layers a rank holds. Not under full recompute: there the loss over
+    # the vocabulary dominates, and a pipeline keeps the last stage's logits until its
+    # backward (a plain step drops them), which outweighs the halved layers.
+    assert peak(Layout(tp=8, pp=2, dp_shard=4, activation_checkpointing="selective")) < peak(
+        Layout(tp=8, pp=1, dp_shard=4, dp_replicate=2, activation_checkpointing="selective")
     )
 
 
