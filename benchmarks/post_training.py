@@ -2,32 +2,56 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/post_training.py [--steps N] [--workers W]
 
-One run of a real local Ray with W rollout actors (HF generate on CPU) and the GRPO
-learner in this process, on the synthetic verifiable task with a tiny random-init
-policy; first eta = 0 (every rollout is generated with the trainer's current
-version, so trainer and rollouts take turns: the synchronous baseline veRL and trl's
-GRPOTrainer use), then eta = 2 (AReaL-style bounded staleness: rollouts for the next
-steps are generated while the trainer trains), same seeds, same step count.
+RLVR as the post-training stage launches it (``learner.run_rlvr_on_engine``): the
+learner on the training engine (objective ``grpo``: a lighthouse and one torchft
+replica group of one rank as Ray actors, DCP checkpoints, the HF export at the end),
+fed by W rollout actors (``RayPool``, HF generate on CPU) whose controller runs on a
+thread of this process, on a real local Ray with the synthetic verifiable task and a
+tiny random-init policy. First eta = 0 (every rollout is generated with the
+learner's current version, so learner and rollouts take turns: the synchronous
+baseline veRL and trl's GRPOTrainer use), then eta = 2 (AReaL-style bounded
+staleness: rollouts for the next steps are generated while the ranks train), same
+seeds, same step count. Each launch starts its own engine and rollout actors under a
+run id of its own, in a workdir of its own (the resume's relaunch reuses its
+stopped run's).
 
 What each number counts:
 - ``samples_per_s``: completions generated (accepted and dropped groups) per second
-  of the RLVR loop's wall time;
-- ``idle_frac`` (trainer): fraction of the loop's wall time the trainer waited for a
-  batch of rollouts;
-- ``sync_s_median``: median seconds from putting a policy version into Ray's object
-  store to every worker having loaded it: the put in the learner's process + the
-  slowest worker's fetch and load (a worker fetches the ref itself; on the engine
-  the put runs on the learner's rank 0, here the in-process learner stands in for it);
+  of the controller's wall time, from ``RLResult.summary`` as the stage reports it
+  (``rollout_samples_per_s``). The rollout actors are up before the clock starts;
+  the clock starts with the controller, which is when the engine starts its actors
+  (lighthouse, one rank), so the wall time includes the engine's start-up (the rank
+  builds the model and joins its torchft quorum while the fleet generates the first
+  batches) and ends once the last version reached every worker (before the
+  engine's HF export);
+- ``idle_frac`` (trainer): ``trainer_idle_frac`` of the same summary, the fraction of
+  that wall time the controller waited for a batch of rollouts (the ranks wait for
+  the batch's file meanwhile); its waits for the ranks to train and publish a step,
+  the first of which includes the engine's start-up, are not idle;
 - ``idle_ratio``: eta2 trainer idle fraction / eta0 trainer idle fraction (< 1: the
-  asynchronous fleet keeps the trainer busier);
+  asynchronous fleet keeps the learner busier);
+- ``sync_s_median``: median over the steps of the object-store runs (eta 0 and 2) of
+  the ``sync_s`` the controller puts in each step's ``metrics`` event: the newest
+  completed sync: the put seconds the learner's rank 0 reports with the version
+  (copying the committed weights to CPU and ``ray.put`` in the rank's process) +
+  the slowest worker's fetch of the ref and load. The step-1 event carries version
+  0, the base folder each worker loads from disk (no put), and is left out; a step
+  whose event repeats the previous step's value (no newer sync completed yet) is
+  not counted again;
 - ``sync_s_median_object_store`` / ``sync_s_median_collective``: the same median for
   each weight path side by side, the eta = 2 run repeated with
-  ``weight_sync="collective"`` (gloo broadcast of flat buckets from the learner's
-  process: packing the buckets + the slowest worker's receive and load, which
-  includes waiting for the other ranks to join the broadcast);
-- ``resume_s``: a run with a resume state every step is stopped after step 1 and
-  relaunched with the same workdir; seconds from the relaunch (learner built,
-  actors started, state restored) to its first trained step.
+  ``weight_sync="collective"`` (gloo broadcast from the learner's rank 0: describing
+  and packing the flat buckets on the rank, its first publish also opening the
+  rank's store, + the slowest worker's receive and load, which includes waiting for
+  the rank and the other workers to join the broadcast);
+- ``resume_s``: a run with an engine checkpoint every step is stopped after step 1:
+  the driver dies (the controller raises from its event sink, the engine's actors
+  are killed) once the engine's step-1 checkpoint is complete on disk; a relaunch
+  with the same workdir (and new actors) resumes from it. Seconds from the relaunch
+  (rollout and engine actors started, the checkpoint restored, version 1
+  republished by the restored rank and sent to the workers, step 2's batch
+  generated) to its first trained step: the ``metrics`` event of step 2, sent once
+  the rank committed step 2 and published its version.
 
 - ``learner_tokens_per_s``: the GRPO learner on the training engine (objective
   ``grpo``, torchft replica groups as actors) with 1 and with 2 learner replica groups
@@ -45,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import shutil
 import statistics
@@ -56,6 +81,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# Bounds on waiting (actors importing torch, a checkpoint written, on a loaded 2-core
+# host), never speed.
+ACTOR_TIMEOUT_S = 120.0
+CHECKPOINT_WAIT_S = 120.0
+
 
 class Stop(Exception):
     """Raised from the event sink after a step: the interruption resume_s recovers from."""
@@ -66,18 +96,25 @@ def run_once(
     args: argparse.Namespace,
     policy: Path,
     task: dict[str, Path],
+    workdir: Path,
     *,
     weight_sync: str = "object_store",
-    workdir: Path | None = None,
+    checkpoint_every: int = 0,
     stop_after: int | None = None,
+    warm: bool = True,
 ) -> tuple[dict[str, float], list[float], float]:
-    """(summary, sync seconds, time.perf_counter() of the first trained step)."""
-    from stages.events import MetricsEvent
+    """One RLVR objective on the engine, fed by a ``RayPool``: (the run's summary, the
+    sync seconds of its steps' metrics events from step 2 on, time.perf_counter() of
+    its first metrics event, i.e. its first trained step)."""
+    from stages.base import StageContext
+    from stages.checkpointing.storage import list_checkpoints
+    from stages.events import Event, MetricsEvent
     from stages.post_training.config import RLVRConfig
     from stages.post_training.data import load_rows
-    from stages.post_training.hf_io import load_model, load_tokenizer
+    from stages.post_training.hf_io import load_tokenizer
+    from stages.post_training.learner import run_rlvr_on_engine
     from stages.post_training.pools import RayPool
-    from stages.post_training.rl import GRPOLearner, RequestMaker, run_rlvr
+    from stages.post_training.rl import RequestMaker
     from stages.post_training.rollout import WorkerSpec
 
     ref = {
@@ -100,59 +137,74 @@ def run_once(
             "dynamic_sampling": True,
             "seed": 0,
             "weight_sync": weight_sync,
-            "checkpoint_every_steps": 1 if workdir is not None else 0,
+            "checkpoint_every_steps": checkpoint_every,
         }
     )
     tok = load_tokenizer(policy)
-    learner = GRPOLearner(cfg, load_model(policy), tok.pad_token_id)
-    specs = [
-        WorkerSpec(
-            index=i,
-            model_dir=str(policy),
-            reward=cfg.reward,
-            max_completion_tokens=cfg.max_completion_tokens,
-            overlong_buffer_tokens=4,
-            overlong_penalty_factor=1.0,
-        )
-        for i in range(args.workers)
-    ]
-    first: list[float] = []
+    ckpts = workdir / "rlvr" / "checkpoints"  # run_rlvr_on_engine's layout
+    events: list[tuple[int, float, float]] = []  # (step, sync_s, perf_counter)
 
-    def emit(e: Any) -> None:
-        if isinstance(e, MetricsEvent):
-            first.append(time.perf_counter())
-            if stop_after is not None and e.step == stop_after:
-                raise Stop
+    def emit(e: Event) -> None:
+        if not isinstance(e, MetricsEvent) or e.scope != "rlvr":
+            return  # the engine's own events
+        events.append((e.step, float(e.values["sync_s"]), time.perf_counter()))
+        if stop_after is not None and e.step == stop_after:
+            # The driver dies once the engine holds this step's checkpoint (the ranks
+            # wait for the next batch meanwhile, which this controller never writes).
+            deadline = time.monotonic() + CHECKPOINT_WAIT_S
+            while not any(r.step >= stop_after for r in list_checkpoints(ckpts)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no engine checkpoint of step {stop_after}")
+                time.sleep(0.05)
+            raise Stop
 
-    name = f"bench-eta{eta}-{weight_sync.replace('_', '-')}-{time.monotonic_ns()}"
-    pool = RayPool(name, specs, weight_sync=weight_sync)  # type: ignore[arg-type]
+    # A fresh run id per launch: a killed launch's named actors may still be exiting.
+    run_id = f"bench-eta{eta}-{weight_sync.replace('_', '-')}-{time.monotonic_ns()}"
+    ctx = StageContext(run_id=run_id, booking_id="bench", workdir=workdir, emit=emit)
+    # The pool as the stage makes it (stage.py ``_run_rlvr``).
+    pool = RayPool(
+        run_id,
+        [WorkerSpec.for_recipe(cfg, n, str(policy)) for n in range(cfg.rollout_workers)],
+        weight_sync=cfg.weight_sync,
+        bucket_bytes=cfg.weight_sync_bucket_mb << 20,
+        sync_timeout_s=cfg.weight_sync_timeout_s,
+    )
     try:
-        if workdir is None:
-            pool.identities(120)  # the actors are up before the clock starts
-        result, ctl = run_rlvr(
+        if warm:  # the rollout actors are up before the clock starts
+            pool.identities(ACTOR_TIMEOUT_S)
+        result, _, _, _ = run_rlvr_on_engine(
             cfg,
-            learner,
-            pool,
-            RequestMaker(cfg, tok, load_rows("rlvr", cfg.data.uri)),
-            emit=emit,
-            workdir=workdir,
+            ctx,
+            stage="post_training",
+            base=policy,
+            export_dir=workdir / "export",
+            train=None,  # one replica group, as a stage without a train config runs it
+            device="cpu",
+            pool=pool,
+            maker=RequestMaker(cfg, tok, load_rows("rlvr", cfg.data.uri)),
+            pad_id=int(tok.pad_token_id),
         )
     finally:
         pool.close()
-    return result.summary, list(ctl.stats.sync_s), first[0] if first else float("nan")
+    # The first event carries the sync of version 0 (the base folder: no put); an event
+    # that repeats the one before it reports no newer sync.
+    syncs = [s for (_, prev, _), (_, s, _) in itertools.pairwise(events) if s != prev]
+    return result.summary, syncs, events[0][2] if events else float("nan")
 
 
-def measure_resume(args: argparse.Namespace, policy: Path, task: dict[str, Path]) -> float:
-    """Stop after step 1 (a resume state saved), relaunch: seconds to its first step."""
-    workdir = Path(tempfile.mkdtemp(prefix="bench-pt-resume-"))
-    try:
-        with contextlib.suppress(Stop):
-            run_once(2, args, policy, task, workdir=workdir, stop_after=1)
-        t0 = time.perf_counter()
-        _, _, first = run_once(2, args, policy, task, workdir=workdir)
-        return first - t0
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+def measure_resume(
+    args: argparse.Namespace, policy: Path, task: dict[str, Path], tmp: Path
+) -> float:
+    """Stop after step 1 (its engine checkpoint complete), relaunch with the same
+    workdir: seconds to the relaunch's first trained step."""
+    workdir = tmp / "resume"
+    with contextlib.suppress(Stop):
+        run_once(2, args, policy, task, workdir, checkpoint_every=1, stop_after=1, warm=False)
+    t0 = time.perf_counter()
+    summary, _, first = run_once(2, args, policy, task, workdir, checkpoint_every=1, warm=False)
+    if summary.get("resumed_from_step") != 1.0:  # else it measured a fresh start
+        raise RuntimeError(f"the relaunch did not resume at step 1: {summary}")
+    return first - t0
 
 
 def learner_rate(args: argparse.Namespace, policy: Path, groups: int, tmp: Path) -> float:
@@ -272,12 +324,14 @@ def main() -> None:
         out: dict[int, dict[str, float]] = {}
         syncs: list[float] = []
         for eta in (0, 2):
-            out[eta], s, _ = run_once(eta, args, policy, task)
+            out[eta], s, _ = run_once(eta, args, policy, task, tmp / f"eta{eta}")
             syncs += s
             if eta == 2:
                 syncs_object_store = s
-        _, syncs_collective, _ = run_once(2, args, policy, task, weight_sync="collective")
-        resume_s = measure_resume(args, policy, task)
+        _, syncs_collective, _ = run_once(
+            2, args, policy, task, tmp / "collective", weight_sync="collective"
+        )
+        resume_s = measure_resume(args, policy, task, tmp)
         learner = {g: learner_rate(args, policy, g, tmp) for g in (1, 2)}
     finally:
         ray.shutdown()

@@ -18,7 +18,7 @@ descriptor, never the tensors:
   address, and workers join its group on their first version from it;
 - version 0 is :class:`BaseWeights`: every worker loads the base HF folder itself.
 
-The in-process learner (``rl.GRPOLearner``: tests, the fleet benchmark) hands the
+The in-process learner (``rl.GRPOLearner``: tests) hands the
 pool a state dict instead, which ``put_weights`` turns into the same descriptors.
 
 A broadcast needs every rank, so the sender's side runs on its own thread, one
