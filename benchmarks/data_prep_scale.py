@@ -160,7 +160,7 @@ def child(args: argparse.Namespace) -> None:
         files = [(p, r, f, 0, "custom") for p, r, f in input_files(corpus)]
         with RssMonitor() as mon:
             t0 = time.perf_counter()
-            res = run_stream(
+            streamed = run_stream(
                 files,
                 out,
                 dedup_cfg=DedupConfig(),
@@ -172,11 +172,11 @@ def child(args: argparse.Namespace) -> None:
         print(
             json.dumps(
                 {
-                    "docs": res.counts["docs_in"],
+                    "docs": streamed.counts["docs_in"],
                     "seconds": seconds,
                     "peak_rss_mb": mon.peak / 2**20,
-                    "docs_out": res.counts["docs_out"],
-                    "stage_seconds": res.stage_seconds,
+                    "docs_out": streamed.counts["docs_out"],
+                    "stage_seconds": streamed.stage_seconds,
                 }
             )
         )

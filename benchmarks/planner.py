@@ -41,8 +41,8 @@ def _request(model: str, nodes: int, precision: str = "auto") -> PlanRequest:
         fabric="ib-ndr",
         global_batch_tokens=MODELS[model],
         seq_len=SEQ_LEN,
-        precision=precision,
-    )  # type: ignore[arg-type]
+        precision=precision,  # type: ignore[arg-type]
+    )
 
 
 def _timed(request: PlanRequest) -> tuple[float, Plan | ItoError]:
