@@ -78,7 +78,7 @@ def train_loop(config: dict[str, Any]) -> None:
     per_rank = config["batch_tokens"] // config["seq_len"] // world
     step_log = (logs / "steps.log").open("a") if rank == 0 else None
     for step in range(start, config["max_steps"]):
-        if (logs / "stop").exists():
+        if _stop_requested(logs, world):
             break
         gen = torch.Generator().manual_seed(step * world + rank)
         ids = torch.randint(0, preset.vocab_size, (per_rank, config["seq_len"]), generator=gen)
@@ -109,6 +109,20 @@ def train_loop(config: dict[str, Any]) -> None:
                 checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
                 delete_local_checkpoint_after_upload=True,
             )
+
+
+def _stop_requested(logs: Path, world: int) -> bool:
+    """Whether every rank stops before this step: the stop file as rank 0 sees it,
+    broadcast. Each rank reading the file itself let one leave while its peer went on
+    into the step's gradient all-reduce and waited there (gloo's 30 min timeout), so
+    ``fit`` hung until the caller's join gave up."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([float((logs / "stop").exists())])
+    if world > 1:
+        dist.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 def _inner(model: Any) -> Any:
