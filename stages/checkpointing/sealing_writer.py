@@ -64,9 +64,9 @@ class SealingWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs = _MetadataHashingFileSystem()
+        self._hashing_fs = _MetadataHashingFileSystem()
+        self.fs = self._hashing_fs
 
     @property
     def metadata_sha256(self) -> str | None:
-        fs = self.fs
-        return fs.metadata_sha256 if isinstance(fs, _MetadataHashingFileSystem) else None
+        return self._hashing_fs.metadata_sha256
