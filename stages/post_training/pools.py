@@ -103,6 +103,9 @@ class LocalPool:
         return self._ex[w].submit(self.workers[w].set_weights, version, weights)
 
     def wait(self, handles: list[Any], timeout_s: float) -> list[Any]:
+        if not handles:  # cf.wait([]) returns at once: a caller's loop would spin
+            time.sleep(min(timeout_s, 0.01))
+            return []
         done, _ = cf.wait(handles, timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
         return list(done)
 

@@ -27,15 +27,17 @@ def test_a_standby_group_takes_a_tp2_groups_place_and_both_end_equal(
     from stages.trainer import kill_replica_group
     from stages.trainer.config import TrainingTarget
 
-    # 150 paced steps: the survivor must still be training when the standby group
-    # joins, or there is nobody to heal from.
+    # The survivor must still be training when the standby group joins, or there is
+    # nobody to heal from: while group 1 is missing the survivor steps at 0.5 s, so the
+    # run outlasts the heal however slow the host, and ends soon after the rejoin.
     plan = ParallelLayout(tp=2, dp_shard=1)
     cfg = _config(
         tmp_path,
         ranks_per_group=2,
         parallel=plan,
         worker_num_cpus=0.25,
-        target=TrainingTarget(max_steps=150, seq_len=32, global_batch_tokens=256, warmup_steps=5),
+        target=TrainingTarget(max_steps=80, seq_len=32, global_batch_tokens=256, warmup_steps=5),
+        degraded_pace_step_s=0.5,
     )
     assert cfg.spare_groups == 1  # the production default: one standby group per node
     with Run(cfg, tmp_path, "tpheal") as run:
