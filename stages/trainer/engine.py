@@ -106,6 +106,9 @@ class TrainingEngine:
         # Pre-started spares by actor name, and which of them are warm and waiting.
         self.spares: dict[str, Any] = {}
         self._spare_pending: dict[str, Any] = {}
+        # When each rank or spare (by key or name) is next polled: an actor is asked at
+        # most once per ``poll_interval_s``, however fast it answers.
+        self._poll_due: dict[Any, float] = {}
         self._spares_ready: set[str] = set()
         # Each rank's devices as Ray assigned them (cuda): what a standby binds.
         self._gpu_ids: dict[tuple[int, int], list[str]] = {}
@@ -307,12 +310,19 @@ class TrainingEngine:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
+        started = time.monotonic()
         for key, actor in self.actors.items():
-            if key not in self._pending:
+            if key not in self._pending and self._due(key, started):
                 self._pending[key] = actor.poll.remote()
         self._poll_spares()
         refs = {ref: key for key, ref in self._pending.items()}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        if refs:
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        else:  # every rank answered its last poll: wait for the next one's turn
+            ready = []
+            live = [*self.actors, *self.spares]
+            next_due = min((self._poll_due.get(k, started) for k in live), default=started)
+            time.sleep(max(0.0, min(timeout_s, next_due - started)))
         now = time.time()
         for ref in ready:
             key = refs[ref]
@@ -337,11 +347,19 @@ class TrainingEngine:
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=False)
 
+    def _due(self, key: Any, now: float) -> bool:
+        """Whether ``key``'s next poll is due (and, if so, when the one after is)."""
+        if now < self._poll_due.get(key, 0.0):
+            return False
+        self._poll_due[key] = now + self.ft.poll_interval_s
+        return True
+
     def _poll_spares(self) -> None:
         import ray
 
+        now = time.monotonic()
         for name, actor in self.spares.items():
-            if name not in self._spare_pending:
+            if name not in self._spare_pending and self._due(name, now):
                 self._spare_pending[name] = actor.poll.remote()
         refs = {ref: name for name, ref in self._spare_pending.items()}
         if not refs:
