@@ -322,7 +322,7 @@ class RayRuntime:
             return
         except ray.exceptions.RayActorError:
             self._handles.pop(run_id, None)
-            self._on_driver_gone(run, state)
+            self._on_driver_gone(run, state, seen_dead=True)
             return
         self._advance(run, reply)
 
@@ -527,10 +527,16 @@ class RayRuntime:
             1 for e in lost if e["payload"].get("interruption_kind") in ("driver_lost", "node_lost")
         )
 
-    def _on_driver_gone(self, run: Row, state: RunState) -> None:
+    def _on_driver_gone(self, run: Row, state: RunState, *, seen_dead: bool = False) -> None:
+        """The run's driver is not there: relaunch it, or end the run. ``seen_dead``: a
+        call to it failed (Ray knows it died), rather than its name not resolving."""
         run_id = run["run_id"]
         launched = self._launched_at.get(run_id)
-        if launched is not None and time.monotonic() - launched < self.settings.rpc_timeout_s:
+        if (
+            not seen_dead
+            and launched is not None
+            and time.monotonic() - launched < self.settings.rpc_timeout_s
+        ):
             return  # just created; get_actor can lag the creation call
         if state == RunState.cancelling:
             self.kill_run_actors(run_id)
