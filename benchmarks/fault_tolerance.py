@@ -398,7 +398,12 @@ class Session:
         self.thread.join(timeout=60)
 
     def warm(self, groups: int, steps: int) -> tuple[float, float]:
-        self.w.wait(lambda e: e.step >= steps and e.quorum_size == groups, "warm-up steps")
+        # full_rate measures group 0's steps: wait for its own (the engine forwards each
+        # group's events at its own poll).
+        self.w.wait(
+            lambda e: e.replica_group == 0 and e.step >= steps and e.quorum_size == groups,
+            "warm-up steps",
+        )
         return full_rate(self.w, groups, steps)
 
     def reach(self, gap: int, groups: int) -> None:

@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.slow, module_group(__name__)]
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = float(os.environ.get("ITO_TEST_WAIT_S", "240"))
 # Operator setting under test: how long a run waits for its booking's nodes.
-PLACEMENT_WAIT_S = 12.0
+PLACEMENT_WAIT_S = 6.0
 
 
 def _docs(path: Path, texts: list[str]) -> Path:
