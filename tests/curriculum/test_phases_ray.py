@@ -109,10 +109,12 @@ def _config(tmp: Path) -> TrainStageConfig:
             loss_spike=LossSpikeConfig(enabled=False),
             train_files=[str(_data(tmp / "train.jsonl"))],
             # A warm spare takes a killed group's place at once: a new process would need
-            # longer than phase 2 lasts on a loaded 2-core machine.
+            # longer than phase 2 lasts on a loaded 2-core machine. While a group is
+            # missing the survivor steps at 0.75 s, so phase 2 outlasts the heal.
             replica_groups=2,
             spare_groups=1,
-            pace_step_s=0.3,
+            pace_step_s=0.25,
+            degraded_pace_step_s=0.75,
             curriculum=_schedule(),
             # Small shard files: each phase's export has several, split over the ranks.
             evals={"export_shard_bytes": EXPORT_SHARD_BYTES},
