@@ -296,6 +296,21 @@ def test_a_death_seen_by_several_failed_calls_is_one_loss_and_one_discarded_roll
         pool.close()
 
 
+def test_an_empty_wait_waits_its_timeout_instead_of_returning_at_once() -> None:
+    """The RLVR pump loops on ``pool.wait`` while the learner trains; with nothing in
+    flight a wait that returned at once made it spin and starve the in-process rollout
+    threads of the GIL. A rate bound, not a speed claim: a slower host meets it too."""
+    pool = LocalPool([FakeWorker(0, random.Random(0), 0.0)])
+    timeout_s = 0.005
+    try:
+        calls, started = 50, time.monotonic()
+        for _ in range(calls):
+            assert pool.wait([], timeout_s) == []
+        assert calls <= (time.monotonic() - started) / timeout_s + 1
+    finally:
+        pool.close()
+
+
 def test_after_a_sync_every_worker_reports_the_trainer_version() -> None:
     pool = LocalPool([FakeWorker(i, random.Random(i), 0.002) for i in range(3)])
     ctl = _controller(pool, 1, 2)
