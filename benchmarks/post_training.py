@@ -55,9 +55,10 @@ What each number counts:
 
 - ``learner_tokens_per_s``: the GRPO learner on the training engine (objective
   ``grpo``, torchft replica groups as actors) with 1 and with 2 learner replica groups
-  (``learner_groups``), each fed the same pre-written step batches of the same global
-  size: tokens of committed steps per second between the first and the last commit
-  (no fleet in the loop, so this is the learner's own rate).
+  (``learner_groups``; ``--learner-groups`` names others), each fed the same
+  pre-written step batches of the same global size: tokens of committed steps per
+  second between the first and the last commit (no fleet in the loop, so this is the
+  learner's own rate).
 
 Ends with one JSON line: eta0_idle_frac, eta2_idle_frac, idle_ratio,
 eta0_samples_per_s, eta2_samples_per_s, sync_s_median (object store, both eta runs),
@@ -302,6 +303,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--learner-steps", type=int, default=8)
+    # The replica-group counts whose learner rates are compared.
+    ap.add_argument("--learner-groups", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
 
     import ray
@@ -332,7 +335,7 @@ def main() -> None:
             2, args, policy, task, tmp / "collective", weight_sync="collective"
         )
         resume_s = measure_resume(args, policy, task, tmp)
-        learner = {g: learner_rate(args, policy, g, tmp) for g in (1, 2)}
+        learner = {g: learner_rate(args, policy, g, tmp) for g in args.learner_groups}
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)

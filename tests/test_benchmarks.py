@@ -98,6 +98,8 @@ CASES: dict[str, tuple[list[str], set[str], bool]] = {
             "16",
             "--learner-steps",
             "3",
+            "--learner-groups",
+            "2",
         ],
         {
             "eta0_idle_frac",

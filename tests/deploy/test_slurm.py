@@ -217,7 +217,7 @@ def test_sbatch_self_contained_run_and_scancel_teardown(
         "ITO_SLURM_DIR": str(SLURM_DIR),
         "ITO_RAY_TEMP_DIR": str(ray_tmp),
         "ITO_OBJECT_STORE_BYTES": "200000000",
-        "ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.2}),
+        "ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.1}),
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
     }
@@ -240,7 +240,7 @@ def test_sbatch_self_contained_run_and_scancel_teardown(
         while not api_url_file.exists():
             assert _queued(job, env), f"job ended early:\n{job_log()}"
             assert time.monotonic() < deadline, f"the job did not come up:\n{job_log()}"
-            time.sleep(1)
+            time.sleep(0.25)
         url = api_url_file.read_text().strip()
         m = _manifest(tmp_path)
         with httpx.Client(base_url=url, timeout=30) as c:
@@ -253,7 +253,7 @@ def test_sbatch_self_contained_run_and_scancel_teardown(
     deadline = time.monotonic() + TEARDOWN_TIMEOUT_S
     while _queued(job, env):
         assert time.monotonic() < deadline, "the job did not end after scancel"
-        time.sleep(1)
+        time.sleep(0.25)
     # Clean teardown: no Ray process of this job and no API server are left.
     while (
         subprocess.run(["pgrep", "-f", "--", str(ray_tmp)], capture_output=True).returncode == 0
@@ -261,7 +261,7 @@ def test_sbatch_self_contained_run_and_scancel_teardown(
         == 0
     ):
         assert time.monotonic() < deadline, f"processes left after scancel:\n{job_log()}"
-        time.sleep(1)
+        time.sleep(0.25)
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/healthz", timeout=2)
     shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -297,6 +297,6 @@ def _watch_run(
                         placed[a.name] = marks.get(a.node_id or "", "?")
             except Exception:  # the state API can lag under load; sample again
                 pass
-        time.sleep(1)
+        time.sleep(0.25)
     assert run.get("state") == "succeeded", f"{run}\n{job_log()}"
     return placed
