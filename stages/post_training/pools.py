@@ -49,6 +49,17 @@ class WorkerPool(Protocol):
     def close(self) -> None: ...
 
 
+# The longest a wait on nothing in flight blocks: the pump re-checks admission this often.
+IDLE_WAIT_S = 0.01
+
+
+def _nothing_in_flight(timeout_s: float) -> list[Any]:
+    """A wait with no handle still waits (``cf.wait([])`` returns at once): the pump
+    that loops on it would otherwise spin and starve in-process workers of the GIL."""
+    time.sleep(min(timeout_s, IDLE_WAIT_S))
+    return []
+
+
 class LocalPool:
     """In-process workers, one single-thread executor each (FIFO per worker).
 
@@ -103,9 +114,8 @@ class LocalPool:
         return self._ex[w].submit(self.workers[w].set_weights, version, weights)
 
     def wait(self, handles: list[Any], timeout_s: float) -> list[Any]:
-        if not handles:  # cf.wait([]) returns at once: a caller's loop would spin
-            time.sleep(min(timeout_s, 0.01))
-            return []
+        if not handles:
+            return _nothing_in_flight(timeout_s)
         done, _ = cf.wait(handles, timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
         return list(done)
 
@@ -207,8 +217,7 @@ class RayPool:
         import ray
 
         if not handles:
-            time.sleep(min(timeout_s, 0.01))
-            return []
+            return _nothing_in_flight(timeout_s)
         ready, _ = ray.wait(handles, num_returns=1, timeout=timeout_s)
         return list(ready)
 
