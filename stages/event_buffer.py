@@ -77,20 +77,21 @@ def coalesce(events: Iterable[dict[str, Any]], folded: int = 0) -> tuple[list[di
 
 def expand_steps(ev: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """The per-step events a merged step event stands for (tokens and seconds split
-    evenly); an unmerged one as is."""
+    evenly, each step ending ``seconds / n`` before the next, the last at the merged
+    event's ``ts``); an unmerged one as is."""
     first = ev.get("first_step")
     if first is None or int(first) == int(ev["step"]):
         yield ev
         return
-    n = int(ev["step"]) - int(first) + 1
-    for s in range(int(first), int(ev["step"]) + 1):
-        yield {
-            **ev,
-            "step": s,
-            "first_step": None,
-            "tokens": int(ev["tokens"]) // n,
-            "seconds": float(ev["seconds"]) / n,
-        }
+    last = int(ev["step"])
+    n = last - int(first) + 1
+    each = float(ev["seconds"]) / n
+    for s in range(int(first), last + 1):
+        one = {**ev, "step": s, "first_step": None, "tokens": int(ev["tokens"]) // n}
+        one["seconds"] = each
+        if "ts" in ev:
+            one["ts"] = float(ev["ts"]) - (last - s) * each
+        yield one
 
 
 class EventBuffer:

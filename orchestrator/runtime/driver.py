@@ -270,7 +270,8 @@ class RunDriverImpl:
                 reason=f"{type(e).__name__}: {str(e)[:300]}",
             )
         if name != "train":
-            # Everything before the first productive step is start-up badput.
+            # A stage's time outside its steps and finer spans (data prep before the
+            # first step; fleet starts and hand-overs in post-training) is start-up.
             ctx.emit(PhaseEvent(stage=name, phase="startup", start=t0, end=time.time()))
         ctx.log(
             f"stage {name}: {outcome.status} ({time.time() - t0:.1f}s) {outcome.reason}", stage=name

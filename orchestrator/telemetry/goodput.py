@@ -7,6 +7,11 @@ when a step is redone after an approved restart, only its last execution counts,
 since the first one's work was thrown away. Badput is attributed from the
 ``PhaseEvent`` spans stages emit (start-up, checkpoint blocking, failure recovery,
 evaluation); whatever elapsed time is neither productive nor attributed is idle.
+Each second is attributed once: a step's own time (the ``seconds`` before its event's
+``ts``) is productive whatever span covers it, and where spans of different causes
+overlap the narrower cause wins (``ATTRIBUTION_ORDER``): the driver's stage-long
+start-up span of a post-training stage holds that stage's steps and evaluations, which
+count as such. Productive time plus every cause of badput is then the elapsed time.
 
 Each interruption reports two durations from the failure (``failed_at``: the lost
 process's end as Ray recorded it, else the last poll it answered): ``detect_s`` until
@@ -28,6 +33,9 @@ from pydantic import BaseModel, Field
 from stages.event_buffer import expand_steps
 
 BADPUT_KINDS = ("startup", "checkpoint_blocking", "recovery", "evaluation", "idle")
+# Which cause an instant covered by spans of several causes counts as: the narrowest
+# first, start-up (the catch-all around a whole stage) last.
+ATTRIBUTION_ORDER = ("recovery", "checkpoint_blocking", "evaluation", "idle", "startup")
 # What a stage's latest ``ProgressEvent`` contributes (e.g. data prep over a corpus).
 PROGRESS_FIELDS = (
     "stage",
@@ -94,8 +102,11 @@ class RunMetrics(BaseModel):
     post_training: dict[str, float] = Field(default_factory=dict)
 
 
-def _merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
+Spans = list[tuple[float, float]]
+
+
+def _merge_spans(spans: Iterable[tuple[float, float]]) -> Spans:
+    merged: Spans = []
     for start, end in sorted(spans):
         if end <= start:
             continue
@@ -104,6 +115,24 @@ def _merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, floa
         else:
             merged.append((start, end))
     return merged
+
+
+def _uncovered_s(spans: Spans, cover: Spans) -> float:
+    """Seconds of the merged ``spans`` outside the merged ``cover``."""
+    total = 0.0
+    i = 0
+    for start, end in spans:
+        t = start
+        while i < len(cover) and cover[i][1] <= t:
+            i += 1
+        j = i
+        while j < len(cover) and cover[j][0] < end:
+            if cover[j][0] > t:
+                total += cover[j][0] - t
+            t = max(t, cover[j][1])
+            j += 1
+        total += max(0.0, end - t)
+    return total
 
 
 def compute_run_metrics(
@@ -181,11 +210,20 @@ def compute_run_metrics(
     m.tokens = sum(int(ev.get("tokens", 0)) for ev in last_by_step.values())
     m.elapsed_s = max(0.0, now - started_at)
     m.productive_s = sum(float(ev["seconds"]) for ev in last_by_step.values())
+    # A step's own time: the ``seconds`` before its event was made.
+    cover = _merge_spans(
+        (float(ev["ts"]) - float(ev["seconds"]), float(ev["ts"]))
+        for ev in last_by_step.values()
+        if "ts" in ev
+    )
     attributed = 0.0
-    for kind, spans in phase_spans.items():
-        total = sum(end - start for start, end in _merge_spans(spans))
-        m.badput_s[kind] = total
-        attributed += total
+    for kind in ATTRIBUTION_ORDER:
+        spans = _merge_spans(
+            (max(start, started_at), min(end, now)) for start, end in phase_spans[kind]
+        )
+        m.badput_s[kind] = _uncovered_s(spans, cover)
+        attributed += m.badput_s[kind]
+        cover = _merge_spans([*cover, *spans])
     m.badput_s["idle"] += max(0.0, m.elapsed_s - m.productive_s - attributed)
     if m.elapsed_s > 0:
         m.goodput = min(1.0, m.productive_s / m.elapsed_s)

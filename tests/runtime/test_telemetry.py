@@ -87,6 +87,60 @@ def test_post_training_steps_are_productive_time_of_their_own() -> None:
     assert m.productive_s == pytest.approx(2 * 2.0 + 2 * 3.0 + 4.0)
 
 
+def test_each_second_is_attributed_once_and_the_breakdown_adds_up_to_elapsed() -> None:
+    """A post-training stage under the driver's stage-long start-up span: its steps'
+    own time is productive and its battery's span is evaluation, not start-up too."""
+    events = [
+        {"kind": "phase", "phase": "startup", "start": 0.0, "end": 10.0},  # data prep
+        *({**_step(s, 1.0), "ts": 10.0 + s} for s in (1, 2, 3)),  # 10..13
+        {"kind": "phase", "phase": "evaluation", "start": 13.0, "end": 14.0},
+        {"kind": "phase", "phase": "startup", "start": 14.0, "end": 30.0},  # post-training
+        *({**_step(s, 2.0), "stage": "post_training", "ts": 18.0 + 2 * s} for s in (1, 2)),
+        {"kind": "phase", "phase": "evaluation", "start": 22.0, "end": 24.0},
+        {"kind": "phase", "phase": "checkpoint_blocking", "start": 21.5, "end": 22.5},
+    ]
+    m = compute_run_metrics(events, started_at=0.0, now=32.0)
+    assert m.productive_s == pytest.approx(3.0 + 4.0)
+    assert m.badput_s["checkpoint_blocking"] == pytest.approx(0.5)  # 21.5..22 is a step's
+    assert m.badput_s["evaluation"] == pytest.approx(1.0 + 1.5)
+    assert m.badput_s["startup"] == pytest.approx(10.0 + (16.0 - 4.0 - 2.0))
+    assert m.badput_s["idle"] == pytest.approx(2.0)  # 30..32
+    assert m.productive_s + sum(m.badput_s.values()) == pytest.approx(m.elapsed_s)
+
+
+def test_merged_step_events_cover_the_time_of_the_steps_they_stand_for() -> None:
+    merged = {**_step(4, 3.0, tokens=300), "first_step": 2, "ts": 13.0}  # steps 2..4
+    events = [{"kind": "phase", "phase": "startup", "start": 0.0, "end": 13.0}, merged]
+    m = compute_run_metrics(events, started_at=0.0, now=13.0)
+    assert m.steps_committed == 3 and m.productive_s == pytest.approx(3.0)
+    assert m.badput_s["startup"] == pytest.approx(10.0) and m.badput_s["idle"] == 0.0
+
+
+def test_uncovered_seconds_match_a_fine_grid() -> None:
+    import random
+
+    from orchestrator.telemetry.goodput import _merge_spans, _uncovered_s
+
+    rng = random.Random(0)
+    for _ in range(200):
+
+        def spans() -> list[tuple[float, float]]:
+            out = []
+            for _ in range(rng.randint(0, 6)):
+                a = rng.randint(0, 40) / 2
+                out.append((a, a + rng.randint(1, 12) / 2))
+            return _merge_spans(out)
+
+        s, cover = spans(), spans()
+        grid = [i / 4 + 1 / 8 for i in range(4 * 30)]  # quarter-second cells, by centre
+        expected = sum(
+            0.25
+            for t in grid
+            if any(a <= t < b for a, b in s) and not any(a <= t < b for a, b in cover)
+        )
+        assert _uncovered_s(s, cover) == pytest.approx(expected), (s, cover)
+
+
 def test_booking_aggregate_pools_time_not_ratios() -> None:
     a = compute_run_metrics([_step(1, 10.0)], started_at=0, now=10)  # goodput 1.0
     b = compute_run_metrics([_step(1, 10.0)], started_at=0, now=90)  # goodput 0.111
