@@ -237,7 +237,7 @@ def rlvr_train_config(
         ),
         steps=cfg.steps,
         learning_rate=cfg.learning_rate,
-        # AdamW's defaults, as the in-driver learner and trl's GRPOTrainer train.
+        # AdamW's defaults, as trl's GRPOTrainer trains.
         adam_betas=TRL_ADAM_BETAS,
         checkpoint_every=cfg.checkpoint_every_steps or cfg.steps,
         base=base,

@@ -1,4 +1,4 @@
-"""RLVR: the GRPO/DAPO trainer fed by the rollout controller."""
+"""RLVR's loop: the rollout controller feeds the learner (``run_rlvr``)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,9 @@ from typing import Any, Protocol
 
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event, MetricsEvent
-from stages.post_training.admission import is_stale
 from stages.post_training.config import RLVRConfig
-from stages.post_training.fleet import DynamicSampler, FleetStats, RolloutController
+from stages.post_training.fleet import DynamicSampler, RolloutController
 from stages.post_training.pools import WorkerPool
-from stages.post_training.resume import load_newest, save_resume
 from stages.post_training.rollout import RolloutGroup, RolloutRequest
 
 
@@ -76,151 +74,6 @@ class RLResult:
     resumed_from: int | None = None  # the step of the resume state this run started from
 
 
-class GRPOLearner:
-    """One optimizer update per batch of groups; micro-batch = one group.
-
-    The learner re-checks every group's version against eta before it trains on it,
-    whatever the fleet's admission said: a worker that ignores its own check (or a
-    sync that raced a rollout) cannot put an older sample into an update. Refused
-    groups are dropped and counted; ``trained`` records (version trained at, sample
-    version) for every group that reached the optimizer."""
-
-    def __init__(self, cfg: RLVRConfig, model: Any, pad_id: int):
-        import copy
-
-        import torch
-
-        self.cfg = cfg
-        self.model = model
-        self.pad_id = pad_id
-        self.opt = torch.optim.AdamW(
-            model.parameters(), lr=cfg.learning_rate, weight_decay=0.0, foreach=False
-        )
-        self.ref = copy.deepcopy(model).eval() if cfg.beta > 0 else None
-        self.version = 0
-        self.trained: list[tuple[int, int]] = []
-
-    def state(self) -> dict[str, Any]:
-        return dict(self.model.state_dict())
-
-    def delivered(self, version: int) -> None:
-        """Nothing: this process keeps its weights."""
-
-    def resume_state(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "model": self.state(),
-            "optimizer": self.opt.state_dict(),
-        }
-
-    def restore(self, saved: dict[str, Any]) -> None:
-        self.model.load_state_dict(saved["model"])
-        self.opt.load_state_dict(saved["optimizer"])
-        self.version = int(saved["version"])
-
-    # -- the resume hooks of ``run_rlvr`` (the engine's learner: ``EngineLearner``) --
-    def load_resume(self, workdir: Path) -> dict[str, Any] | None:
-        """The newest saved state (restored here), with the fleet's and the rewards."""
-        if not self.cfg.checkpoint_every_steps:
-            return None
-        saved = load_newest(workdir)
-        if saved is not None:
-            self.restore(saved)
-        return saved
-
-    def prepare(self, step: int, progress: dict[str, Any]) -> None:
-        """Nothing: this learner saves its whole state after a step (``save``)."""
-
-    def save(self, workdir: Path, step: int, progress: dict[str, Any]) -> None:
-        every = self.cfg.checkpoint_every_steps
-        if every and step % every == 0:
-            save_resume(workdir, step, {**self.resume_state(), **progress})
-
-    def step(self, batch: list[RolloutGroup]) -> StepStats:
-        import torch
-
-        from stages.post_training.losses import group_advantages
-
-        cfg = self.cfg
-        offered = len(batch)
-        batch = [g for g in batch if not is_stale(self.version, g.version, cfg.max_staleness)]
-        refused = offered - len(batch)
-        if not batch:  # nothing fresh: no update, the version still advances
-            self.version += 1
-            return StepStats(
-                loss=0.0, tokens=0, mean_reward=0.0, staleness=[], stale_refused=refused
-            )
-        self.model.train()
-        rewards = torch.tensor([g.rewards for g in batch], dtype=torch.float32)
-        adv = group_advantages(rewards, scale=cfg.scale_rewards)
-        masks = [self._mask(g) for g in batch]
-        total = int(sum(int(m.sum()) for m in masks))
-        loss_sum = 0.0
-        for g, a, mask in zip(batch, adv, masks, strict=True):
-            loss = self.group_loss(g, a, mask, total)
-            loss.backward()
-            loss_sum += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.trained += [(self.version, g.version) for g in batch]
-        self.version += 1
-        task = [r for g in batch for r in g.task_rewards]
-        return StepStats(
-            loss=loss_sum,
-            tokens=total,
-            mean_reward=sum(task) / len(task),
-            staleness=[self.version - 1 - g.version for g in batch],
-            stale_refused=refused,
-        )
-
-    def _mask(self, g: RolloutGroup) -> Any:
-        import torch
-
-        width = max(g.lengths)
-        mask = torch.zeros(len(g.lengths), width)
-        for i, n in enumerate(g.lengths):
-            if not (self.cfg.mask_truncated_completions and g.truncated[i]):
-                mask[i, :n] = 1.0
-        return mask
-
-    def group_loss(self, g: RolloutGroup, adv: Any, mask: Any, total_tokens: int) -> Any:
-        import torch
-
-        from stages.post_training.losses import aggregate, dapo_token_loss, token_logprobs
-
-        width = mask.shape[1]
-        comp = torch.full((len(g.lengths), width), self.pad_id, dtype=torch.long)
-        behav = torch.zeros(len(g.lengths), width)
-        for i, (ids, lp) in enumerate(zip(g.completion_ids, g.behav_logp, strict=True)):
-            comp[i, : len(ids)] = torch.tensor(ids)
-            behav[i, : len(lp)] = torch.tensor(lp)
-        prompt = torch.tensor([g.prompt_ids] * len(g.lengths), dtype=torch.long)
-        seq = torch.cat([prompt, comp], dim=1)
-        p = prompt.shape[1]
-        logits = self.model(input_ids=seq).logits[:, p - 1 : -1]
-        logp = token_logprobs(logits, comp, self.cfg.temperature)
-        ref_logp = None
-        if self.ref is not None:
-            with torch.no_grad():
-                ref_logp = token_logprobs(
-                    self.ref(input_ids=seq).logits[:, p - 1 : -1], comp, self.cfg.temperature
-                )
-        decoupled = self.cfg.is_correction == "decoupled"
-        tok = dapo_token_loss(
-            logp,
-            logp.detach(),
-            behav if decoupled else logp.detach(),
-            adv,
-            eps_low=self.cfg.epsilon,
-            eps_high=self.cfg.epsilon_high,
-            is_truncation=self.cfg.is_truncation if decoupled else None,
-            ref_logp=ref_logp,
-            beta=self.cfg.beta,
-        )
-        return aggregate(tok, mask, total_tokens)
-
-
 def _metrics_event(
     step: int, stats: StepStats, summary: dict[str, float], sync_s: list[float]
 ) -> MetricsEvent:
@@ -237,8 +90,9 @@ def _metrics_event(
 
 
 class Learner(Protocol):
-    """What ``run_rlvr`` trains with: ``GRPOLearner`` (in this process, one device) or
-    ``EngineLearner`` (the training engine's replica groups)."""
+    """What ``run_rlvr`` trains with: ``stages.post_training.learner.EngineLearner``
+    (the training engine's replica groups); the controller's tests give it a small
+    in-process one (``tests/helpers/in_process_learner.py``)."""
 
     version: int
     trained: list[tuple[int, int]]
@@ -264,10 +118,9 @@ def run_rlvr(
 ) -> tuple[RLResult, RolloutController]:
     """The asynchronous loop: the fleet generates while the learner trains.
 
-    With a ``workdir`` the learner saves what a resume needs (``GRPOLearner``: every
-    ``checkpoint_every_steps``; ``EngineLearner``: the fleet's admission state of every
-    step, beside the engine's checkpoints) and a rerun with the same workdir resumes
-    from the newest state."""
+    With a ``workdir`` the learner saves what a resume needs (``EngineLearner``: the
+    fleet's admission state of every step, beside the engine's checkpoints) and a rerun
+    with the same workdir resumes from the newest state."""
     ctl = RolloutController(
         pool,
         maker,
@@ -319,39 +172,10 @@ def run_rlvr(
     return result, ctl
 
 
-def run_synchronous(
-    cfg: RLVRConfig, learner: GRPOLearner, worker: Any, maker: RequestMaker
-) -> RLResult:
-    """The reference loop: one in-process worker, generate in id order, then train."""
-    sampler = DynamicSampler(cfg.dynamic_sampling, cfg.max_dropped_groups_per_step)
-    stats = FleetStats()
-    worker.set_weights(0, {k: v.detach().clone() for k, v in learner.state().items()})
-    k = 0
-    result = RLResult(steps=0)
-    for step in range(cfg.steps):
-        batch: list[RolloutGroup] = []
-        sampler.reset()
-        while len(batch) < cfg.groups_per_step:
-            g = worker.generate(maker(k, step))
-            k += 1
-            if sampler.offer(g.rewards):
-                batch.append(g)
-            else:
-                stats.groups_dropped += 1
-        learner.step(batch)
-        worker.set_weights(
-            learner.version, {k2: v.detach().clone() for k2, v in learner.state().items()}
-        )
-        result.steps = step + 1
-    return result
-
-
 __all__ = [
-    "GRPOLearner",
     "Learner",
     "RLResult",
     "RequestMaker",
     "run_rlvr",
-    "run_synchronous",
     "time",
 ]

@@ -18,8 +18,8 @@ descriptor, never the tensors:
   address, and workers join its group on their first version from it;
 - version 0 is :class:`BaseWeights`: every worker loads the base HF folder itself.
 
-The in-process learner (``rl.GRPOLearner``: tests) hands the
-pool a state dict instead, which ``put_weights`` turns into the same descriptors.
+The controller tests' in-process learner hands the pool a state dict instead, which
+``put_weights`` turns into the same descriptors.
 
 A broadcast needs every rank, so the sender's side runs on its own thread, one
 version at a time in publish order: a worker still generating joins when its rollout

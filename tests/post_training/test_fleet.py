@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.in_process_learner import GRPOLearner, run_synchronous
 from helpers.waiting import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -329,7 +330,7 @@ def _rl_setup(tiny_policy: Path, task_files: dict[str, Path], eta: int) -> tuple
     from stages.post_training.config import RLVRConfig
     from stages.post_training.data import load_rows
     from stages.post_training.hf_io import load_model, load_tokenizer
-    from stages.post_training.rl import GRPOLearner, RequestMaker
+    from stages.post_training.rl import RequestMaker
     from stages.post_training.rollout import RolloutWorker, WorkerSpec
 
     cfg = RLVRConfig.model_validate(
@@ -363,7 +364,7 @@ def _rl_setup(tiny_policy: Path, task_files: dict[str, Path], eta: int) -> tuple
 def test_eta_zero_gives_the_same_updates_as_the_synchronous_loop(
     tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
-    from stages.post_training.rl import run_rlvr, run_synchronous
+    from stages.post_training.rl import run_rlvr
 
     cfg, sync_learner, maker, make_worker = _rl_setup(tiny_policy, task_files, 0)
     run_synchronous(cfg, sync_learner, make_worker(0), maker)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.in_process_learner import GRPOLearner
 from helpers.weight_board import sync_only_controller
 
 from stages.events import InterruptionEvent
@@ -59,7 +60,7 @@ def test_killed_rollout_worker_is_replaced_resynced_and_the_run_succeeds(
     from stages.post_training.data import load_rows
     from stages.post_training.hf_io import load_model, load_tokenizer
     from stages.post_training.pools import RayPool
-    from stages.post_training.rl import GRPOLearner, RequestMaker, run_rlvr
+    from stages.post_training.rl import RequestMaker, run_rlvr
     from stages.post_training.rollout import WorkerSpec, rollout_prefix
 
     cfg = RLVRConfig.model_validate(

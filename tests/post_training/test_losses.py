@@ -105,9 +105,15 @@ def test_token_level_aggregation_over_micro_batches_equals_full_batch() -> None:
 
 
 def test_masked_and_truncated_tokens_get_zero_gradient() -> None:
+    """The engine's loss on the batch its ranks train (``assemble``): the padding after a
+    completion and a truncated completion (``mask_truncated_completions``) get none."""
+    from pathlib import Path
+
     from stages.post_training.config import RLVRConfig
-    from stages.post_training.rl import GRPOLearner
+    from stages.post_training.grpo_objective import GRPOObjective, assemble
     from stages.post_training.rollout import RolloutGroup
+    from stages.post_training.step_groups import step_groups
+    from stages.trainer.config import GRPOSettings
 
     ref = {
         "uri": "file:///x.jsonl",
@@ -118,13 +124,12 @@ def test_masked_and_truncated_tokens_get_zero_gradient() -> None:
         {
             "data": ref,
             "steps": 1,
+            "group_size": 2,
             "max_completion_tokens": 8,
             "overlong_buffer_tokens": 2,
             "mask_truncated_completions": True,
         }
     )
-    learner = GRPOLearner.__new__(GRPOLearner)
-    learner.cfg = cfg
     g = RolloutGroup(
         id=0,
         version=0,
@@ -138,27 +143,21 @@ def test_masked_and_truncated_tokens_get_zero_gradient() -> None:
         task_rewards=[1.0, 0.0],
         gen_s=0.0,
     )
-    mask = learner._mask(g)
-    logp = torch.zeros(2, 8, requires_grad=True)
-    with torch.no_grad():
-        logp[0, 2:] = float("-inf")  # padding positions may hold anything, even -inf
-    loss = aggregate(
-        dapo_token_loss(
-            logp,
-            logp.detach().nan_to_num(neginf=0.0),
-            torch.zeros(2, 8),
-            torch.tensor([1.0, -1.0]),
-            eps_low=EPS_LOW,
-            eps_high=EPS_HIGH,
-        ),
-        mask,
-        mask.sum(),
+    batch = assemble(step_groups(0, [g], cfg, pad_id=0))
+    # Row r, position t predicts completion token t (a one-token prompt): the rows are
+    # 9 wide (prompt + the longest completion).
+    logits = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(0))
+    logits.requires_grad_(True)
+    objective = GRPOObjective(
+        GRPOSettings(epsilon=EPS_LOW, epsilon_high=EPS_HIGH), Path("unused"), dp_rank=0, dp_world=1
     )
+    loss = objective.loss_sum(logits, batch) / batch["mask"].sum()
     loss.backward()
-    assert logp.grad is not None and torch.isfinite(logp.grad).all()
-    assert (logp.grad[0, :2] != 0).all()  # real tokens learn
-    assert (logp.grad[0, 2:] == 0).all()  # padding after EOS: none
-    assert (logp.grad[1] == 0).all()  # the truncated completion: none
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    learns = (logits.grad != 0).any(dim=-1)  # [row, position]
+    assert learns[0, :2].all()  # real tokens learn
+    assert not learns[0, 2:].any()  # padding after EOS: none
+    assert not learns[1].any()  # the truncated completion: none
 
 
 def test_decoupled_importance_weight_is_truncated() -> None:
