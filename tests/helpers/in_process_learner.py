@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from helpers.rlvr_resume import load_newest, save_resume
 from stages.post_training.admission import is_stale
 from stages.post_training.config import RLVRConfig
 from stages.post_training.fleet import DynamicSampler
-from stages.post_training.resume import load_newest, save_resume
 from stages.post_training.rl import RequestMaker, RLResult, StepStats
 from stages.post_training.rollout import RolloutGroup
 

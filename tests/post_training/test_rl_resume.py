@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.rlvr_resume import RESUME_DIR
 from helpers.waiting import wait_until
 
 from orchestrator.runtime.ray_cluster import _alive
 from stages.events import Event, InterruptionEvent, MetricsEvent, StepEvent
 from stages.post_training.pools import LocalPool
-from stages.post_training.resume import RESUME_DIR
 from stages.trainer import replica_group_pids
 from stages.trainer.config import TrainStageConfig
 from tests.post_training.test_fleet import _rl_setup

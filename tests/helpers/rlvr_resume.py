@@ -1,4 +1,5 @@
-"""The RLVR learner's resume state, saved into the run's workdir.
+"""The tests' in-process RLVR learner's resume state, saved into the run's workdir
+(``in_process_learner``; the engine's learner resumes from its DCP checkpoints).
 
 One file per saved step (``rlvr-resume/step-<n>.pt``, torch.save written to a temp
 name, fsynced, renamed, the folder fsynced): the policy, the optimizer, the policy
