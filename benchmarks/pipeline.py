@@ -1,6 +1,7 @@
 """Pipeline benchmark (CI: one short llama-tiny run only): the embedded pipeline end
 to end, as the demo runs it (``orchestrator.demo``'s data, manifest, server, and its
-``confirm_and_train``; the demo's post-training recipe left out), for two model presets
+``confirm_and_train``; the demo's post-training recipe left out unless
+``--post-training``, which measures the demo's whole run), for two model presets
 whose parameter counts differ ~25x (llama-tiny, llama-small).
 
 For each preset it submits the demo's two-phase run through ``ito train`` and, from
@@ -11,13 +12,15 @@ the run's stored events and ``ito metrics``, reports:
 - ``phase_switch_s_max``: last committed step of a phase -> first committed step of
   the next (the gate included), the largest over the boundaries;
 - ``eval_share``: evaluation badput / elapsed;
+- ``badput_share``: each cause's badput / elapsed (each second counted once, so these
+  and ``goodput`` add up to 1);
 - ``driver_peak_rss_mb``: peak resident memory (VmHWM) of the RunDriver actor process.
 
 ``driver_rss_growth`` is the larger preset's driver peak over the smaller's: a driver
 that materialises the model grows with it. One JSON line on stdout.
 
     python -m benchmarks.pipeline [--presets llama-tiny llama-small] [--max-steps N]
-        [--ladder-tokens N] [--var-dir DIR]
+        [--ladder-tokens N] [--post-training] [--var-dir DIR]
 """
 
 from __future__ import annotations
@@ -120,15 +123,20 @@ def _figures(events: list[dict[str, Any]], accepted_at: float) -> dict[str, Any]
 
 
 def run_preset(
-    preset: str, var_dir: Path, max_steps: int | None = None, ladder_tokens: int | None = None
+    preset: str,
+    var_dir: Path,
+    max_steps: int | None = None,
+    ladder_tokens: int | None = None,
+    post_training: bool = False,
 ) -> dict[str, Any]:
     if var_dir.exists():
         ray_cluster.stop_local_head(var_dir / "server")
         shutil.rmtree(var_dir)
     var_dir.mkdir(parents=True)
-    # Without the demo's post-training recipe: these figures are the pretraining
-    # pipeline's (phase switches, and a driver that must not grow with the model).
-    setup = demo.prepare(var_dir, preset=preset, post_training=False)
+    # By default without the demo's post-training recipe: these figures are the
+    # pretraining pipeline's (phase switches, and a driver that must not grow with the
+    # model).
+    setup = demo.prepare(var_dir, preset=preset, post_training=post_training)
     db, env, port, manifest = setup.db, setup.env, setup.port, setup.manifest
     # A shorter run of the same pipeline (the CI smoke size).
     doc = json.loads(manifest.read_text())
@@ -161,6 +169,11 @@ def run_preset(
             "goodput": m.get("goodput"),
             **_figures(events, _accepted_at(db, run_id)),
             "eval_share": round(m["badput_s"].get("evaluation", 0.0) / m["elapsed_s"], 4)
+            if m.get("elapsed_s")
+            else None,
+            "badput_share": {
+                cause: round(s / m["elapsed_s"], 4) for cause, s in m["badput_s"].items()
+            }
             if m.get("elapsed_s")
             else None,
             "elapsed_s": round(m.get("elapsed_s", 0.0), 1),
@@ -202,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         "probe off (the CI smoke size)",
     )
     parser.add_argument(
+        "--post-training",
+        action="store_true",
+        help="keep the demo's post-training recipe (SFT -> DPO -> RLVR): the demo's whole run",
+    )
+    parser.add_argument(
         "--var-dir", type=Path, default=Path(tempfile.gettempdir()) / "ito-bench-pipeline"
     )
     args = parser.parse_args(argv)
@@ -210,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results.append(
                 run_preset(
-                    preset, args.var_dir.resolve() / preset, args.max_steps, args.ladder_tokens
+                    preset,
+                    args.var_dir.resolve() / preset,
+                    args.max_steps,
+                    args.ladder_tokens,
+                    args.post_training,
                 )
             )
         except (Exception, SystemExit) as e:  # one preset's failure still reports the other
