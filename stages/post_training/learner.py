@@ -263,11 +263,13 @@ def run_rlvr_on_engine(
     on_interruption: Any = None,
     board_placement: dict[str, Any] | None = None,
     scoring: ObjectiveEvalRequest | None = None,
+    fleet: Any = None,
 ) -> tuple[Any, Path, EngineLearner, ObjectiveEvalReply | None]:
     """Train the rlvr objective on the engine, fed by the fleet; returns (``RLResult``, the
     HF export of the final weights, the learner, ``scoring``'s scores from the
     evaluating rank). ``board_placement``: the weight board's actor options (the run's
-    placement group; it reserves no CPU)."""
+    placement group; it reserves no CPU); ``fleet``: the learner ranks the previous
+    objective left (``stages.trainer.handoff``)."""
     import ray
 
     from stages.post_training.on_engine import run_engine
@@ -343,6 +345,7 @@ def run_rlvr_on_engine(
             export_dir=export_dir,
             cancel_event=stop,
             scoring=scoring,
+            fleet=fleet,
         )
     except RunCancelled:
         if "error" in box:

@@ -29,6 +29,7 @@ from stages.trainer.config import (
     TrainingTarget,
     TrainStageConfig,
 )
+from stages.trainer.handoff import Fleet
 
 # A label only: a run with ``checkpoint_path`` builds the architecture from the folder.
 _PRESET = "llama-tiny"
@@ -173,10 +174,12 @@ def run_on_engine(
     export_dir: Path,
     train: TrainStageConfig | None,
     device: Literal["cpu", "cuda"],
+    fleet: Fleet | None = None,
 ) -> tuple[Path, dict[str, float], ObjectiveEvalReply]:
-    """Train the objective on the engine; returns the HF export of its final weights,
-    the engine's figures and the objective's scores from the evaluating rank.
-    Checkpoints go under ``ctx.workdir/<objective>/checkpoints``."""
+    """Train the objective on the engine (on ``fleet``'s ranks when it holds some);
+    returns the HF export of its final weights, the engine's figures and the
+    objective's scores from the evaluating rank. Checkpoints go under
+    ``ctx.workdir/<objective>/checkpoints``."""
     work = ctx.workdir / kind
     ckpt_dir = work / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -198,7 +201,14 @@ def run_on_engine(
         phase=f"{stage}.{kind}",
     )
     exported, figures, scores = run_engine(
-        tcfg, ctx, stage=stage, base=base, work=work, export_dir=export_dir, scoring=scoring
+        tcfg,
+        ctx,
+        stage=stage,
+        base=base,
+        work=work,
+        export_dir=export_dir,
+        scoring=scoring,
+        fleet=fleet,
     )
     assert scores is not None  # asked for in the request
     return exported, figures, scores
@@ -214,11 +224,13 @@ def run_engine(
     export_dir: Path,
     cancel_event: threading.Event | None = None,
     scoring: ObjectiveEvalRequest | None = None,
+    fleet: Fleet | None = None,
 ) -> tuple[Path, dict[str, float], ObjectiveEvalReply | None]:
     """Run one post-training objective's engine (checkpoints under
     ``work/checkpoints``) to its end and export the final weights from a rank, which
     also scores ``scoring`` there; ``cancel_event`` (default: the run's) stops it.
-    Returns the export, the engine's figures and the scores."""
+    With a ``fleet`` the engine starts on the ranks the previous objective left there
+    and leaves its own. Returns the export, the engine's figures and the scores."""
     import ray
 
     from stages.checkpointing.storage import list_checkpoints
@@ -280,6 +292,7 @@ def run_engine(
         wait_decision=ctx.wait_decision,
         facts=ctx.facts,
         on_phase_end=export,
+        fleet=fleet,
     )
     result = engine.run()
     if not exported or result.steps < steps:

@@ -138,6 +138,7 @@ class PostTrainingStage:
 
     def __init__(self, config: PostTrainingStageConfig):
         self.config = config
+        self._fleet: Any = None  # the learner's ranks, handed from objective to objective
 
     # -- inputs ------------------------------------------------------------------------
     def base_model(self, ctx: StageContext) -> Path:
@@ -202,6 +203,17 @@ class PostTrainingStage:
 
     # -- the chain ---------------------------------------------------------------------
     def run(self, ctx: StageContext) -> GateOutcome:
+        """The objectives in order, each on the learner fleet the previous one left
+        (``stages.trainer.handoff``): its processes start once per stage."""
+        from stages.trainer.handoff import Fleet
+
+        self._fleet = Fleet(ctx.workdir / "fleet")
+        try:
+            return self._run_chain(ctx)
+        finally:
+            self._fleet.shutdown()
+
+    def _run_chain(self, ctx: StageContext) -> GateOutcome:
         from stages.evals import BatteryResult
         from stages.post_training.hf_io import load_tokenizer
         from stages.post_training.passed import PassedObjective, load_passed, save_passed
@@ -337,6 +349,7 @@ class PostTrainingStage:
                 export_dir=out / objective,
                 train=self.config.train,
                 device=self.config.device,
+                fleet=self._fleet,
             )
             battery = BatteryResult.model_validate(scores.battery) if scores.battery else None
             m = {**objective_gate_metrics(kind, scores.before, scores.after), **figures}
@@ -426,6 +439,7 @@ class PostTrainingStage:
                 on_interruption=interrupted,
                 board_placement=actor_options(ctx.facts),
                 scoring=scoring,
+                fleet=self._fleet,
             )
         finally:
             pool.close()

@@ -30,6 +30,17 @@ class WorkerSpec:
     # A standby's group of standbys (``replica_group`` is -1 until it is activated):
     # its ranks form one group, around the store its rank 0 hosts.
     standby_index: int | None = None
+    # A fleet handed from one engine run to the next keeps its actors, named after the
+    # run that made them (``fleet_id``; "" is ``run_id``); each rank's current spec is
+    # kept in ``assignment_path``, which a process Ray restarts reads instead of the
+    # spec it was made with ("" for a fleet that is not handed on).
+    fleet_id: str = ""
+    assignment_path: str = ""
+
+    @property
+    def names_id(self) -> str:
+        """The run id the fleet's actor names carry."""
+        return self.fleet_id or self.run_id
 
 
 @dataclass

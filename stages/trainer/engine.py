@@ -5,6 +5,8 @@ driver). It creates ``run-<id>-lighthouse`` and one ``run-<id>-trainer-rg<N>-ran
 actor per rank, then loops: poll every actor, forward events to ``emit``, turn actor
 deaths and restarts into ``InterruptionEvent``s, relay the loss-spike proposal to a
 human and the decision back to every group, and stop when every group finished.
+Given a ``Fleet`` (``stages.trainer.handoff``), it takes over the ranks the previous
+run left there and, when every rank finished, leaves its own for the next run.
 
 Recovery itself is not driven from here: Ray restarts a dead actor (``max_restarts``)
 and the new process heals from a live peer through torchft, or, when no group is
@@ -40,6 +42,7 @@ from stages.placement import actor_options, bundle_for_rank
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.control import WorkerSpec
 from stages.trainer.engine_state import EngineResult, GroupState
+from stages.trainer.handoff import Fleet, write_assignment
 from stages.trainer.lighthouse import LighthouseActor, lighthouse_name
 from stages.trainer.loss_spike import LossSpike, LossSpikeDetector
 from stages.trainer.recovery import failure_time, failure_times
@@ -68,6 +71,7 @@ class TrainingEngine:
         facts: dict[str, Any] | None = None,
         on_phase_end: PhaseEndHook | None = None,
         decided: set[int] | None = None,
+        fleet: Fleet | None = None,
     ):
         self.cfg = cfg
         self.schedule = cfg.schedule
@@ -79,6 +83,11 @@ class TrainingEngine:
         self._start_error: BaseException | None = None
         self.ft = cfg.fault_tolerance
         self.run_id = run_id
+        # Ranks handed over by the previous run and left to the next; the run id the
+        # actors' names carry (the run that made them).
+        self.fleet = fleet
+        self._names_id = run_id
+        self._handing_on = False
         self.checkpoint_dir = checkpoint_dir
         # Phase ends: the gate hook, and the phases whose gate already passed (a
         # group that resumes at such a boundary goes on at once).
@@ -187,17 +196,66 @@ class TrainingEngine:
         ).remote(self.ft, 1)
         lh_addr = ray.get(self.lighthouse.address.remote(), timeout=self.ft.actor_ready_timeout_s)
         self._lh_addr = lh_addr
-        for g in range(self.cfg.replica_groups):
-            for r in range(self.cfg.ranks_per_group):
-                self.actors[(g, r)] = self._make_worker(worker_name(self.run_id, g, r), g, r)
+        handed = self._take_fleet()
+        if not handed:
+            for g in range(self.cfg.replica_groups):
+                for r in range(self.cfg.ranks_per_group):
+                    self.actors[(g, r)] = self._make_worker(worker_name(self._names_id, g, r), g, r)
+        how = f"{len(self.actors)} trainer actors" + (
+            f" handed on from run {self._names_id}" if handed else ""
+        )
         self._fleet_changed(
             FleetEvent(
                 action="lighthouse_started",
                 address=lh_addr,
-                actors=[worker_name(self.run_id, g, r) for g, r in self.actors],
+                actors=[worker_name(self._names_id, g, r) for g, r in self.actors],
             ),
-            f"started lighthouse {lh_addr} and {len(self.actors)} trainer "
-            f"actors in {time.time() - t0:.1f}s",
+            f"started lighthouse {lh_addr} and {how} in {time.time() - t0:.1f}s",
+        )
+
+    def _take_fleet(self) -> bool:
+        """Start this run on the ranks the fleet holds when it has this run's shape;
+        False: there are none (or they cannot serve: their previous loop did not end,
+        or the shape differs) and this run makes its own, which it leaves there."""
+        import ray
+
+        fleet = self.fleet
+        if fleet is None:
+            return False
+        shape = (self.cfg.replica_groups, self.cfg.ranks_per_group, self.cfg.device)
+        # A multi-rank group's in-group process group is its processes' default one,
+        # made once per process: such a fleet is made anew for each run.
+        if fleet.actors and fleet.shape == shape and self.cfg.ranks_per_group == 1:
+            self._names_id = fleet.fleet_id
+            replies = []
+            for key, actor in fleet.actors.items():
+                spec = self._spec(worker_name(self._names_id, *key), *key)
+                write_assignment(spec)  # first: a restart from here on joins this run
+                replies.append(actor.reassign.remote(spec))
+            try:
+                ray.get(replies, timeout=self.ft.actor_ready_timeout_s)
+                self.actors = dict(fleet.actors)
+                return True
+            except Exception as e:  # a rank died between the runs, or never finished
+                self.emit(LogEvent(level="warning", message=f"fleet not handed on: {e}"))
+        fleet.shutdown()
+        fleet.fleet_id, fleet.shape = self.run_id, shape
+        self._names_id = self.run_id
+        return False
+
+    def _spec(
+        self, name: str, group: int, rank: int, standby_index: int | None = None
+    ) -> WorkerSpec:
+        return WorkerSpec(
+            run_id=self.run_id,
+            replica_group=group,
+            rank=rank,
+            config=self.cfg,
+            lighthouse_addr=self._lh_addr,
+            checkpoint_dir=str(self.checkpoint_dir),
+            standby_index=standby_index,
+            fleet_id=self._names_id,
+            assignment_path=self.fleet.assignment_path(name) if self.fleet else "",
         )
 
     def _fleet_changed(self, event: FleetEvent, message: str) -> None:
@@ -210,15 +268,9 @@ class TrainingEngine:
     ) -> Any:
         import ray
 
-        spec = WorkerSpec(
-            run_id=self.run_id,
-            replica_group=group,
-            rank=rank,
-            config=self.cfg,
-            lighthouse_addr=self._lh_addr,
-            checkpoint_dir=str(self.checkpoint_dir),
-            standby_index=standby_index,
-        )
+        spec = self._spec(name, group, rank, standby_index)
+        if spec.assignment_path:
+            write_assignment(spec)  # replaces one an earlier driver of the run left
         world = self.cfg.replica_groups * self.cfg.ranks_per_group
         index = (
             bundle_for_rank(self.facts, max(group, 0) * self.cfg.ranks_per_group + rank, world)
@@ -246,7 +298,7 @@ class TrainingEngine:
         """Start one standby group: as many standby ranks as a replica group has."""
         index = self._spares_made
         self._spares_made += 1
-        names = [spare_name(self.run_id, index, r) for r in range(self.cfg.ranks_per_group)]
+        names = [spare_name(self._names_id, index, r) for r in range(self.cfg.ranks_per_group)]
         self._standby_groups[index] = names
         for r, name in enumerate(names):
             self.spares[name] = self._make_worker(name, -1, r, standby_index=index)
@@ -289,14 +341,18 @@ class TrainingEngine:
         return {"group": group, "gpu_ids": self._gpu_ids.get((group, rank), [])}
 
     def shutdown(self) -> None:
-        """Kill every actor this engine made (cancel, finish or failure; a fleet still
-        being placed is first let finish, so no actor outlives this)."""
+        """Kill every actor this engine made or took over (cancel, finish or failure; a
+        fleet still being placed is first let finish, so no actor outlives this), but
+        leave the ranks to the fleet when every one of them finished this run."""
         import ray
 
         if self._starting is not None:
             self._starting.join()
 
-        for actor in [*self.actors.values(), *self.spares.values(), self.lighthouse]:
+        ranks = [] if self._handing_on else list(self.actors.values())
+        if self.fleet is not None:
+            self.fleet.actors = dict(self.actors) if self._handing_on else {}
+        for actor in [*ranks, *self.spares.values(), self.lighthouse]:
             if actor is None:
                 continue
             with contextlib.suppress(Exception):  # already gone
@@ -675,6 +731,7 @@ class TrainingEngine:
                 if self._phase_closed() and self.stopped_at_phase is not None:
                     break
                 if self._every_rank_finished():
+                    self._handing_on = self.fleet is not None
                     break
                 if self._stragglers_done():
                     break

@@ -8,7 +8,7 @@ import signal
 import time
 from typing import Any
 
-from stages.trainer.replica import trainer_prefix
+from stages.trainer.replica import TRAINER_INFIX, TRAINER_PREFIX
 
 # Seconds to wait for an actor's pid when killing it on purpose.
 KILL_LOOKUP_TIMEOUT_S = 10.0
@@ -47,13 +47,14 @@ def replica_group_pids(
     namespace: str | None = None,
 ) -> list[int]:
     """The worker pids of the run's live trainer actors in ``groups`` (all if None),
-    only their ``ranks`` when given."""
+    only their ``ranks`` when given. A fleet handed on keeps the names of the run that
+    made it: every trainer actor is asked which run it now serves."""
     import ray
 
     names = [
         n
         for n in ray.util.list_named_actors()
-        if isinstance(n, str) and n.startswith(trainer_prefix(run_id))
+        if isinstance(n, str) and n.startswith(TRAINER_PREFIX) and TRAINER_INFIX in n
     ]
     refs: dict[Any, str] = {}
     for name in names:
@@ -67,8 +68,10 @@ def replica_group_pids(
             ident = ray.get(ref, timeout=0)
         except Exception:
             continue
-        if (groups is None or ident["group"] in groups) and (
-            ranks is None or ident["rank"] in ranks
+        if (
+            ident["run_id"] == run_id
+            and (groups is None or ident["group"] in groups)
+            and (ranks is None or ident["rank"] in ranks)
         ):
             pids.append(int(ident["pid"]))
     return pids

@@ -4,11 +4,14 @@ A plain class wrapped with ``ray.remote`` by the engine, so importing this
 module never imports Ray. A trainer actor starts its loop in ``__init__``: when Ray
 restarts it after a crash (``max_restarts``), the new process rejoins on its own —
 it loads the newest complete checkpoint, and torchft heals it from a live peer if
-one is ahead. The driver only pulls events (``poll``) and relays commands.
+one is ahead. The driver only pulls events (``poll``) and relays commands. A fleet
+handed on to the next engine run (``stages.trainer.handoff``) starts that run's loop
+in the same process (``reassign``).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -23,17 +26,21 @@ from stages.trainer.control import Control, WorkerSpec
 MAX_BUFFERED_EVENTS = 10_000
 
 
+# Every trainer actor's name: run-<run id>-trainer-...
+TRAINER_PREFIX, TRAINER_INFIX = "run-", "-trainer-"
+
+
+def trainer_prefix(run_id: str) -> str:
+    return f"{TRAINER_PREFIX}{run_id}{TRAINER_INFIX}"
+
+
 def worker_name(run_id: str, group: int, rank: int) -> str:
-    return f"run-{run_id}-trainer-rg{group}-rank{rank}"
+    return f"{trainer_prefix(run_id)}rg{group}-rank{rank}"
 
 
 def spare_name(run_id: str, index: int, rank: int = 0) -> str:
     """Rank ``rank`` of standby group ``index`` (as many ranks as a replica group)."""
-    return f"run-{run_id}-trainer-spare{index}-rank{rank}"
-
-
-def trainer_prefix(run_id: str) -> str:
-    return f"run-{run_id}-trainer-"
+    return f"{trainer_prefix(run_id)}spare{index}-rank{rank}"
 
 
 def group_cores(group: int, groups: int, cores: list[int]) -> list[int]:
@@ -51,38 +58,77 @@ class ReplicaWorker:
         import ray
         import torch
 
+        from stages.trainer.handoff import current_spec
+
+        spec = current_spec(spec)  # a restart after a hand-off rejoins the newest run
         # Threads follow the actor's CPU share (env vars would need a runtime_env,
         # which rules out Ray's prestarted workers on restart).
         torch.set_num_threads(max(1, round(spec.config.worker_num_cpus)))
         self.spec = spec
         self._lock = threading.Lock()
         self._events = EventBuffer(MAX_BUFFERED_EVENTS)
-        self.control = Control()
         with warnings.catch_warnings():  # Ray marks the property deprecated, no successor
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        self.status: dict[str, Any] = {
-            "pid": os.getpid(),
-            # The devices Ray gave this rank (none on cpu, none for a standby).
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "phase": "starting",
-            "step": 0,
-            "restarted": restarted,
-            "started_at": time.time(),
-            "error": None,
-            "paused_at": None,
-            "spike": None,
-        }
+        self.status: dict[str, Any] = {}
         self.store: Any = None
         self._pin(spec.replica_group)
         if spec.config.ranks_per_group > 1:
             self._group_store(spec)
+        self._start_loop(restarted=restarted)
+
+    def _start_loop(self, *, restarted: bool) -> None:
+        """This rank's loop of ``self.spec``'s run, in its thread."""
+        import ray
+
         from stages.trainer.loop import TrainLoop  # torch: in the rank's process only
 
-        self.loop = TrainLoop(spec, emit=self._emit, control=self.control, status=self.status)
+        self.control = Control()
+        self.status.clear()
+        self.status.update(
+            {
+                "pid": os.getpid(),
+                # The devices Ray gave this rank (none on cpu, none for a standby).
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "phase": "starting",
+                "step": 0,
+                "restarted": restarted,
+                "started_at": time.time(),
+                "error": None,
+                "paused_at": None,
+                "spike": None,
+            }
+        )
+        self.loop = TrainLoop(self.spec, emit=self._emit, control=self.control, status=self.status)
         self.loop.checkpoint_needed = self._checkpoint_needed
         self._thread = threading.Thread(target=self._main, name="train-loop", daemon=True)
         self._thread.start()
+
+    def reassign(self, spec: WorkerSpec) -> int:
+        """Start the next engine run's loop here (a fleet handed on): the previous
+        run's loop has finished (its Manager shut down, its checkpoints closed) and is
+        let go; the process, its imports, cores and device stay. Returns the pid."""
+        from stages.errors import ErrorCode, ItoError
+
+        self._thread.join(timeout=spec.config.fault_tolerance.actor_ready_timeout_s)
+        if self._thread.is_alive():
+            raise ItoError(ErrorCode.invalid_state, "the rank's previous loop has not finished")
+        # A multi-rank group's store lives in its rank 0's process, which stays.
+        spec.store_addr, spec.store_port = self.spec.store_addr, self.spec.store_port
+        with self._lock:
+            self._events.drain()  # the previous run's engine polled what it wanted
+        self.spec = spec
+        # The old model and optimizer go before the next run builds its own: one copy
+        # on the device at a time.
+        device = self.loop.cfg.device
+        del self.loop
+        gc.collect()
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        self._start_loop(restarted=False)
+        return os.getpid()
 
     def _group_store(self, spec: WorkerSpec) -> None:
         """Multi-rank group: rank 0 hosts the group's TCPStore (it dies with rank 0, so
@@ -99,9 +145,9 @@ class ReplicaWorker:
         # A standby's rank 0 is its standby group's (Ray restarts a standby that took a
         # group's place as the standby it was created as).
         rank0 = ray.get_actor(
-            worker_name(spec.run_id, spec.replica_group, 0)
+            worker_name(spec.names_id, spec.replica_group, 0)
             if spec.standby_index is None
-            else spare_name(spec.run_id, spec.standby_index, 0)
+            else spare_name(spec.names_id, spec.standby_index, 0)
         )
         ref: Any = rank0.store_address.remote()
         addr, port = ray.get(ref, timeout=spec.config.fault_tolerance.actor_ready_timeout_s)
@@ -155,7 +201,7 @@ class ReplicaWorker:
             if (
                 isinstance(name, str)
                 and name != mine
-                and name.startswith(trainer_prefix(self.spec.run_id))
+                and name.startswith(trainer_prefix(self.spec.names_id))
             ):
                 try:
                     pending.append(ray.get_actor(name).progress.remote())
@@ -171,7 +217,8 @@ class ReplicaWorker:
                 except Exception:  # a dead or restarting peer is no heal source
                     continue
                 if (
-                    p["group"] >= 0
+                    p["run_id"] == self.spec.run_id  # not a peer still in an earlier run
+                    and p["group"] >= 0
                     and p["group"] != me
                     and p["rank"] == 0
                     and p["phase"] == "training"
@@ -181,8 +228,9 @@ class ReplicaWorker:
         return False
 
     def progress(self) -> dict[str, Any]:
-        """Which group and rank this is, its loop's phase and committed step."""
+        """Which run, group and rank this is, its loop's phase and committed step."""
         return {
+            "run_id": self.spec.run_id,
             "group": self.loop.spec.replica_group,
             "rank": self.spec.rank,
             "phase": self.status.get("phase"),
@@ -213,9 +261,15 @@ class ReplicaWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def identity(self) -> dict[str, int]:
-        """Which group and rank this process is now (a spare changes group once)."""
-        return {"group": self.loop.spec.replica_group, "rank": self.spec.rank, "pid": os.getpid()}
+    def identity(self) -> dict[str, Any]:
+        """Which run, group and rank this process is now (a spare changes group once, a
+        fleet handed on changes run)."""
+        return {
+            "run_id": self.spec.run_id,
+            "group": self.loop.spec.replica_group,
+            "rank": self.spec.rank,
+            "pid": os.getpid(),
+        }
 
     def command(self, kind: str, params: dict[str, Any] | None = None) -> None:
         if kind == "activate":  # a standby becomes a group: its cores from now on

@@ -1,0 +1,78 @@
+"""A trainer fleet handed from one engine run to the next.
+
+Post-training's objectives (SFT -> DPO -> RLVR) are engine runs one after another on
+the same replica groups. Starting each one's fleet anew spawns every rank's process,
+imports torch, torchft and transformers, and (on GPUs) initialises CUDA and binds the
+device again. A ``Fleet`` keeps the ranks' actors between the runs instead: the next
+engine starts its own lighthouse and tells each rank its new spec
+(``ReplicaWorker.reassign``); the rank builds the next run's loop (model from the
+previous objective's export, optimizer, Manager, checkpoints) in the same process.
+
+Ray restarts a crashed actor with the arguments it was made with, which name the
+first run. Each rank's current spec is therefore also kept in a file of its own
+(``assignment_path``), written before the rank is told: a restarted process reads it
+(``current_spec``) and rejoins the run it belonged to when it died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages.trainer.control import WorkerSpec
+
+Shape = tuple[int, int, str]  # replica groups, ranks per group, device
+
+
+def _adapter() -> Any:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(WorkerSpec)
+
+
+def write_assignment(spec: WorkerSpec) -> None:
+    """Keep ``spec`` as its rank's current one (atomically: a restart never reads half)."""
+    path = Path(spec.assignment_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(_adapter().dump_json(spec))
+    os.replace(tmp, path)
+
+
+def current_spec(spec: WorkerSpec) -> WorkerSpec:
+    """The spec a rank's process runs: the newest assignment when it has one (a process
+    Ray restarted after its fleet was handed on), else the one it was made with."""
+    if not spec.assignment_path or not os.path.exists(spec.assignment_path):
+        return spec
+    kept: WorkerSpec = _adapter().validate_json(Path(spec.assignment_path).read_bytes())
+    return kept
+
+
+@dataclass
+class Fleet:
+    """The ranks one engine run leaves to the next (``TrainingEngine(fleet=...)``).
+
+    Empty until a run made its actors; a run whose shape differs (replica groups,
+    ranks per group, device) replaces them, and so does a run of multi-rank groups
+    (their in-group process group is each process's default one, made once).
+    Whoever made the ``Fleet`` ends it (``shutdown``) after the last run; a run that
+    fails kills its ranks itself."""
+
+    folder: Path  # each rank's current spec, one file per actor (private to the run)
+    fleet_id: str = ""  # the run id the actors' names carry
+    shape: Shape | None = None
+    actors: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+    def assignment_path(self, actor_name: str) -> str:
+        return str(self.folder / f"{actor_name}.json")
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in self.actors.values():
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(actor, no_restart=True)
+        self.actors.clear()
