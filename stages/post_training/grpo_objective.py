@@ -31,6 +31,7 @@ batch is its step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -147,17 +148,18 @@ class GRPOObjective:
 
     def batch(self, index: int) -> Batch:
         if self._cached is not None and self._cached[0] == index:
-            return self._cached[1]
+            return dataclasses.replace(self._cached[1], waited_s=0.0)  # a retry waits not
         if not self._started:  # before waiting: a resumed fleet needs this version first
             self._started = True
             self._publish_start(index)
-        whole = assemble(
-            wait_for(
-                step_groups_path(self.rollouts, index),
-                self.s.batch_wait_timeout_s,
-                f"rollout batch {index}",
-            )
+        t0 = time.monotonic()
+        doc = wait_for(
+            step_groups_path(self.rollouts, index),
+            self.s.batch_wait_timeout_s,
+            f"rollout batch {index}",
         )
+        waited = time.monotonic() - t0
+        whole = assemble(doc)
         n = int(whole["input_ids"].shape[0])
         per = n // self.dp_world
         mine = {k: whole[k][self.dp_rank * per : (self.dp_rank + 1) * per] for k in BATCH_KEYS}
@@ -172,6 +174,7 @@ class GRPOObjective:
             mine,
             denominator=max(float(whole["mask"].sum()), 1.0) / self.dp_world,
             tokens=int(mine["lengths"].sum()),
+            waited_s=waited,
         )
         self._cached = (index, out)
         return out

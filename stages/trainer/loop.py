@@ -38,6 +38,9 @@ from stages.trainer.shard_state import load_sharded_state, param_digest, sharded
 __all__ = ["Control", "StepResult", "TrainLoop", "WorkerSpec", "data_index", "param_digest"]
 
 Window = tuple[int, int]
+# A wait for a batch's data this long is reported as an idle span of its own (shorter
+# ones are left out of the step's time all the same).
+IDLE_SPAN_MIN_S = 0.05
 
 
 def data_index(step: int, windows: list[Window]) -> int:
@@ -307,6 +310,9 @@ class TrainLoop:
             g["lr"] = lr
         batch = data_index(step - self.phase.start_step, self.windows)
         data = self.objective.batch(batch).to(self.device)
+        if data.waited_s >= IDLE_SPAN_MIN_S:  # the batch's data did not exist yet
+            waited_from = time.time() - data.waited_s
+            self.emit(PhaseEvent(phase="idle", start=waited_from, end=waited_from + data.waited_s))
         inj = self.cfg.inject_loss_spike  # test knob: a poisoned data batch
         scale = inj.scale if inj is not None and batch in inj.batches else 1.0
         loss = self.parallel.forward_backward(data, self.objective, scale=scale)
@@ -336,7 +342,7 @@ class TrainLoop:
             lr=lr,
             batch=batch,
             quorum=quorum,
-            seconds=now - t0,
+            seconds=now - t0 - data.waited_s,
             ended_at=now,
         )
         self.emit(

@@ -42,6 +42,9 @@ class Batch:
     denominator: float
     # Tokens this rank trains on (throughput accounting).
     tokens: int
+    # Seconds the rank waited for this batch's data to exist (the rollout fleet's
+    # groups): idle time, not the step's own.
+    waited_s: float = 0.0
 
     @property
     def seq_len(self) -> int:
@@ -49,7 +52,7 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         moved = {k: v.to(device) for k, v in self.tensors.items()}
-        return Batch(moved, self.denominator, self.tokens)
+        return Batch(moved, self.denominator, self.tokens, self.waited_s)
 
     def split(self, n: int) -> list[Tensors]:
         """``n`` equal dim-0 micro-batches (the config guarantees divisibility)."""

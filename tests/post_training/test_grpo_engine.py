@@ -197,3 +197,31 @@ def test_a_killed_grpo_learner_group_heals_bit_identical(
     assert set(r.digests) == {0, 1} and r.digests[0] == r.digests[1], r.digests
     taker.join()
     assert taker.taken == list(range(1, steps + 1))
+
+
+def test_the_wait_for_a_rollout_batch_is_the_batchs_idle_time_not_its_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank that asks for a batch the fleet has not written yet reports how long it
+    waited (the loop leaves it out of the step's productive seconds and reports it as
+    an idle span); a retry of the same batch did not wait again. Pure: no Ray; the
+    wait for the file is a stub on a fake clock."""
+    from types import SimpleNamespace
+
+    from stages.post_training import grpo_objective
+    from stages.post_training.grpo_objective import GRPOObjective
+    from stages.trainer.config import GRPOSettings
+
+    cfg = _rlvr()
+    clock = [100.0]
+    doc = step_groups(0, list(_groups(0, cfg, vocab=50)), cfg, 0)
+
+    def written_after_7_5_s(path: Path, timeout_s: float, what: str) -> Any:
+        clock[0] += 7.5
+        return doc
+
+    monkeypatch.setattr(grpo_objective, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(grpo_objective, "wait_for", written_after_7_5_s)
+    objective = GRPOObjective(GRPOSettings(), tmp_path / "rollouts", dp_rank=0, dp_world=1)
+    assert objective.batch(0).waited_s == 7.5
+    assert objective.batch(0).waited_s == 0.0  # the retry's batch was there
