@@ -54,6 +54,11 @@ class StageContext:
     previous: dict[str, GateOutcome] = field(default_factory=dict)
     # Run-scoped facts the orchestrator resolved (booking topology, plan, etc.).
     facts: dict[str, Any] = field(default_factory=dict)
+    # The run's trainer ranks, handed from one engine run to the next across stages
+    # (pretraining's fleet trains post-training's objectives): a
+    # ``stages.trainer.handoff.Fleet`` the orchestrator makes and ends; None: each
+    # stage keeps its own.
+    fleet: Any = None
 
     # Human decisions on proposals (``ProposalEvent``), filled by the orchestrator.
     _decisions: dict[str, str] = field(default_factory=dict)

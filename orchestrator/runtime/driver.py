@@ -26,6 +26,7 @@ from stages.base import GateOutcome, PrestartableStage, Stage, StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.event_buffer import EventBuffer
 from stages.events import Event, LogEvent, PhaseEvent, StageResultEvent, StepEvent
+from stages.trainer.handoff import Fleet
 
 StageFactory = Callable[[StageContext], Stage]
 
@@ -104,6 +105,8 @@ class RunDriverImpl:
             workdir=workdir,
             emit=self._emit,
             facts=dict(self.spec.facts),
+            # One trainer fleet for the run: pretraining's ranks go on to post-training.
+            fleet=Fleet(workdir / "fleet"),
         )
         self._gauges = (
             _RayGauges(self.spec.run_id, self.spec.booking_id) if use_ray_metrics else None
@@ -210,6 +213,7 @@ class RunDriverImpl:
             self.state = "failed"
         finally:
             self._abandon_early()
+            ctx.fleet.shutdown()  # the ranks the last engine run left
         self._emit(
             LogEvent(message=f"run {self.state}" + (f": {self.reason}" if self.reason else ""))
         )

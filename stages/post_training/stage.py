@@ -203,15 +203,18 @@ class PostTrainingStage:
 
     # -- the chain ---------------------------------------------------------------------
     def run(self, ctx: StageContext) -> GateOutcome:
-        """The objectives in order, each on the learner fleet the previous one left
-        (``stages.trainer.handoff``): its processes start once per stage."""
+        """The objectives in order, each on the trainer fleet the previous engine run
+        left (``stages.trainer.handoff``): the run's (pretraining's ranks), else the
+        stage's own, which it ends."""
         from stages.trainer.handoff import Fleet
 
-        self._fleet = Fleet(ctx.workdir / "fleet")
+        own = ctx.fleet is None
+        self._fleet = Fleet(ctx.workdir / "fleet") if own else ctx.fleet
         try:
             return self._run_chain(ctx)
         finally:
-            self._fleet.shutdown()
+            if own:
+                self._fleet.shutdown()
 
     def _run_chain(self, ctx: StageContext) -> GateOutcome:
         from stages.evals import BatteryResult

@@ -350,7 +350,7 @@ class TrainingEngine:
             self._starting.join()
 
         ranks = [] if self._handing_on else list(self.actors.values())
-        if self.fleet is not None:
+        if self.fleet is not None and self.actors:  # not yet shut down
             self.fleet.actors = dict(self.actors) if self._handing_on else {}
         for actor in [*ranks, *self.spares.values(), self.lighthouse]:
             if actor is None:
@@ -731,7 +731,8 @@ class TrainingEngine:
                 if self._phase_closed() and self.stopped_at_phase is not None:
                     break
                 if self._every_rank_finished():
-                    self._handing_on = self.fleet is not None
+                    # Multi-rank groups are not handed on (``_take_fleet``).
+                    self._handing_on = self.fleet is not None and self.cfg.ranks_per_group == 1
                     break
                 if self._stragglers_done():
                     break

@@ -105,6 +105,7 @@ class CurriculumRunner:
             facts=self.ctx.facts,
             on_phase_end=self._phase_end,
             decided={p.index for p in self.schedule.phases[: first.index]},
+            fleet=self.ctx.fleet,  # its ranks go on to the run's next engine run
         )
         self.engine.start_in_background()
 
