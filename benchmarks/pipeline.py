@@ -10,7 +10,8 @@ the run's stored events and ``ito metrics``, reports:
 - ``goodput``: productive step time / elapsed time (the API's goodput);
 - ``accept_to_first_step_s``: run accepted -> its first committed step;
 - ``phase_switch_s_max``: last committed step of a phase -> first committed step of
-  the next (the gate included), the largest over the boundaries;
+  the next (the gate included), the largest over the boundaries (with
+  ``--post-training`` each objective is a phase too: the hand-over to it counts);
 - ``eval_share``: evaluation badput / elapsed;
 - ``badput_share``: each cause's badput / elapsed (each second counted once, so these
   and ``goodput`` add up to 1);
