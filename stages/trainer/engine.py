@@ -223,9 +223,7 @@ class TrainingEngine:
         if fleet is None:
             return False
         shape = (self.cfg.replica_groups, self.cfg.ranks_per_group, self.cfg.device)
-        # A multi-rank group's in-group process group is its processes' default one,
-        # made once per process: such a fleet is made anew for each run.
-        if fleet.actors and fleet.shape == shape and self.cfg.ranks_per_group == 1:
+        if fleet.actors and fleet.shape == shape and self._fleet_can_carry:
             self._names_id = fleet.fleet_id
             replies = []
             for key, actor in fleet.actors.items():
@@ -242,6 +240,13 @@ class TrainingEngine:
         fleet.fleet_id, fleet.shape = self.run_id, shape
         self._names_id = self.run_id
         return False
+
+    @property
+    def _fleet_can_carry(self) -> bool:
+        """Whether this run's ranks can go from one run to the next: not a multi-rank
+        group's, whose in-group process group is its processes' default one, made once
+        per process."""
+        return self.cfg.ranks_per_group == 1
 
     def _spec(
         self, name: str, group: int, rank: int, standby_index: int | None = None
@@ -731,8 +736,7 @@ class TrainingEngine:
                 if self._phase_closed() and self.stopped_at_phase is not None:
                     break
                 if self._every_rank_finished():
-                    # Multi-rank groups are not handed on (``_take_fleet``).
-                    self._handing_on = self.fleet is not None and self.cfg.ranks_per_group == 1
+                    self._handing_on = self.fleet is not None and self._fleet_can_carry
                     break
                 if self._stragglers_done():
                     break

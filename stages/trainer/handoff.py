@@ -1,12 +1,13 @@
 """A trainer fleet handed from one engine run to the next.
 
-Post-training's objectives (SFT -> DPO -> RLVR) are engine runs one after another on
-the same replica groups. Starting each one's fleet anew spawns every rank's process,
-imports torch, torchft and transformers, and (on GPUs) initialises CUDA and binds the
-device again. A ``Fleet`` keeps the ranks' actors between the runs instead: the next
-engine starts its own lighthouse and tells each rank its new spec
+A run's engine runs (pretraining's phases, then each post-training objective: SFT,
+DPO, RLVR's learner) follow one another on the same replica groups. Starting each
+one's fleet anew spawns every rank's process, imports torch, torchft and
+transformers, and (on GPUs) initialises CUDA and binds the device again. A ``Fleet``
+(the run driver's, ``StageContext.fleet``) keeps the ranks' actors between the runs
+instead: the next engine starts its own lighthouse and tells each rank its new spec
 (``ReplicaWorker.reassign``); the rank builds the next run's loop (model from the
-previous objective's export, optimizer, Manager, checkpoints) in the same process.
+previous run's export, optimizer, Manager, checkpoints) in the same process.
 
 Ray restarts a crashed actor with the arguments it was made with, which name the
 first run. Each rank's current spec is therefore also kept in a file of its own

@@ -311,8 +311,8 @@ class TrainLoop:
         batch = data_index(step - self.phase.start_step, self.windows)
         data = self.objective.batch(batch).to(self.device)
         if data.waited_s >= IDLE_SPAN_MIN_S:  # the batch's data did not exist yet
-            waited_from = time.time() - data.waited_s
-            self.emit(PhaseEvent(phase="idle", start=waited_from, end=waited_from + data.waited_s))
+            got_at = time.time()
+            self.emit(PhaseEvent(phase="idle", start=got_at - data.waited_s, end=got_at))
         inj = self.cfg.inject_loss_spike  # test knob: a poisoned data batch
         scale = inj.scale if inj is not None and batch in inj.batches else 1.0
         loss = self.parallel.forward_backward(data, self.objective, scale=scale)

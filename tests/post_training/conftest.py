@@ -4,6 +4,7 @@ verifiable task (no hub: nothing can be downloaded here)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,3 +34,18 @@ def data_ref(path: Path) -> dict[str, object]:
 def base_model(path: Path) -> dict[str, str]:
     """A recipe's ``base_model`` and the digest that pins it."""
     return {"base_model": f"file://{path}", "base_model_sha256": path_digest(path)}
+
+
+def learner_layout(tmp_path: Path, *, replica_groups: int, **pacing: Any) -> Any:
+    """A run's train config for post-training's learners: only its layout counts
+    (replica groups, device, timeouts, ``pacing``); each objective builds the rest."""
+    from stages.checkpointing.config import CheckpointPolicy
+    from stages.trainer.config import ModelSpec, TrainingTarget, TrainStageConfig
+
+    return TrainStageConfig(
+        model=ModelSpec(preset="llama-tiny", size="tiny"),
+        target=TrainingTarget(max_steps=1, seq_len=32, global_batch_tokens=256),
+        checkpoint=CheckpointPolicy(interval_steps=100, storage_uri=f"file://{tmp_path}/unused"),
+        replica_groups=replica_groups,
+        **pacing,
+    )

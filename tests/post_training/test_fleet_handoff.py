@@ -16,7 +16,7 @@ from orchestrator.runtime.ray_cluster import _alive
 from stages.base import StageContext
 from stages.events import CheckpointEvent, FleetEvent, StepEvent
 from stages.trainer import kill_replica_group, replica_group_pids
-from tests.post_training.conftest import base_model, data_ref
+from tests.post_training.conftest import base_model, data_ref, learner_layout
 
 WAIT_S = 120.0  # a hang guard on a loaded 2-core machine, never a speed claim
 
@@ -25,19 +25,10 @@ WAIT_S = 120.0  # a hang guard on a loaded 2-core machine, never a speed claim
 def test_dpo_trains_in_sfts_processes_and_a_rank_killed_in_dpo_rejoins_dpo(
     ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
-    from stages.checkpointing.config import CheckpointPolicy
     from stages.post_training import PostTrainingStage, PostTrainingStageConfig
-    from stages.trainer.config import ModelSpec, TrainingTarget, TrainStageConfig
 
-    # The learners' layout only (one group, device, pace): each objective builds the
-    # rest. Paced so that DPO outlasts the kill and the restart.
-    train = TrainStageConfig(
-        model=ModelSpec(preset="llama-tiny", size="tiny"),
-        target=TrainingTarget(max_steps=1, seq_len=32, global_batch_tokens=256),
-        checkpoint=CheckpointPolicy(interval_steps=100, storage_uri=f"file://{tmp_path}/unused"),
-        replica_groups=1,
-        pace_step_s=0.1,
-    )
+    # One learner group, paced so that DPO outlasts the kill and the restart.
+    train = learner_layout(tmp_path, replica_groups=1, pace_step_s=0.1)
     dpo_steps = 40
     recipe = {
         **base_model(tiny_policy),

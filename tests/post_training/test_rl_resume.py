@@ -22,6 +22,7 @@ from stages.events import Event, InterruptionEvent, MetricsEvent, StepEvent
 from stages.post_training.pools import LocalPool
 from stages.trainer import replica_group_pids
 from stages.trainer.config import TrainStageConfig
+from tests.post_training.conftest import learner_layout
 from tests.post_training.test_fleet import _rl_setup
 
 
@@ -191,23 +192,12 @@ def test_a_learner_group_killed_mid_rlvr_heals_from_its_peer_within_eta(
     trains on, Ray restarts group 1, which heals from the live peer (reading no
     checkpoint) and rejoins the full quorum; the objective ends with every step trained
     once and no sample older than eta."""
-    from stages.checkpointing.config import CheckpointPolicy
     from stages.checkpointing.storage import read_log
     from stages.trainer import kill_replica_group
-    from stages.trainer.config import ModelSpec, TrainingTarget
 
-    # The learner's run layout only (groups, device, timeouts): the objective builds the
-    # rest.
-    train = TrainStageConfig(
-        model=ModelSpec(preset="llama-tiny", size="tiny"),
-        target=TrainingTarget(max_steps=1, seq_len=32, global_batch_tokens=256),
-        checkpoint=CheckpointPolicy(interval_steps=100, storage_uri=f"file://{tmp_path}/unused"),
-        replica_groups=2,
-        # While group 1 is lost the survivor's steps take 1 s: the objective outlasts
-        # Ray's restart of the group however slow the host, and ends soon after it
-        # rejoined.
-        degraded_pace_step_s=1.0,
-    )
+    # While group 1 is lost the survivor's steps take 1 s: the objective outlasts Ray's
+    # restart of the group however slow the host, and ends soon after it rejoined.
+    train = learner_layout(tmp_path, replica_groups=2, degraded_pace_step_s=1.0)
     steps, eta, kill_after = 60, 1, 5
     events: list[Event] = []
     killed: dict[str, Any] = {}
