@@ -88,6 +88,7 @@ class TrainingEngine:
         self.fleet = fleet
         self._names_id = run_id
         self._handing_on = False
+        self._standby_took_over = False
         self.checkpoint_dir = checkpoint_dir
         # Phase ends: the gate hook, and the phases whose gate already passed (a
         # group that resumes at such a boundary goes on at once).
@@ -245,8 +246,9 @@ class TrainingEngine:
     def _fleet_can_carry(self) -> bool:
         """Whether this run's ranks can go from one run to the next: not a multi-rank
         group's, whose in-group process group is its processes' default one, made once
-        per process."""
-        return self.cfg.ranks_per_group == 1
+        per process; not after a standby took a group's place (Ray would restart it as
+        the standby it was made as, with that standby's assignment file)."""
+        return self.cfg.ranks_per_group == 1 and not self._standby_took_over
 
     def _spec(
         self, name: str, group: int, rank: int, standby_index: int | None = None
@@ -320,6 +322,7 @@ class TrainingEngine:
             return False
         index = min(warm)
         names = self._standby_groups.pop(index)
+        self._standby_took_over = True
         group = key[0]
         for rank, name in enumerate(names):
             self._spares_ready.discard(name)

@@ -197,3 +197,42 @@ def test_the_engine_ends_once_every_ranks_final_digest_came_or_the_stop_timeout_
     assert engine._groups_finished_at is not None
     engine._groups_finished_at -= 61.0
     assert engine._every_rank_finished()
+
+
+def test_a_fleet_a_standby_took_over_is_not_handed_on(tmp_path: Path) -> None:
+    """A standby promoted into a group would, restarted by Ray, come back as the
+    standby it was made as (its own assignment file): the run's ranks are then not
+    left to the next run, which makes its own."""
+    from stages.trainer.engine import TrainingEngine
+    from stages.trainer.handoff import Fleet
+
+    class Actor:
+        """Stands in for a Ray actor handle: records the commands it is sent."""
+
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+            self.command = self
+
+        def remote(self, what: str, *args: object) -> None:
+            self.sent.append(what)
+
+    engine = TrainingEngine(
+        _cfg(replica_groups=2, spare_groups=1),
+        run_id="standby",
+        checkpoint_dir=Path("/nonexistent"),
+        role_shards={},
+        emit=lambda e: None,
+        cancel_event=threading.Event(),
+        wait_decision=lambda pid, t: None,
+        fleet=Fleet(tmp_path / "fleet"),
+    )
+    engine.actors = {(0, 0): Actor(), (1, 0): Actor()}
+    assert engine._fleet_can_carry
+    spare = Actor()
+    engine._standby_groups = {0: ["spare0"]}
+    engine._spares_ready = {"spare0"}
+    engine.spares = {"spare0": spare}
+    engine._start_spare = lambda: None  # type: ignore[method-assign]  # no Ray here
+    assert engine._promote_spare((1, 0))
+    assert engine.actors[(1, 0)] is spare and spare.sent == ["activate"]
+    assert not engine._fleet_can_carry
