@@ -139,6 +139,7 @@ class PostTrainingStage:
     def __init__(self, config: PostTrainingStageConfig):
         self.config = config
         self._fleet: Any = None  # the learner's ranks, handed from objective to objective
+        self._rollouts: Any = None  # RLVR's rollout workers, started with the stage
 
     # -- inputs ------------------------------------------------------------------------
     def base_model(self, ctx: StageContext) -> Path:
@@ -213,6 +214,9 @@ class PostTrainingStage:
         try:
             return self._run_chain(ctx)
         finally:
+            if self._rollouts is not None:  # RLVR never ran (a gate, a cancel, an error)
+                self._rollouts.close()
+                self._rollouts = None
             if own:
                 self._fleet.shutdown()
 
@@ -227,6 +231,13 @@ class PostTrainingStage:
             base = self.base_model(ctx)
             tok = load_tokenizer(base)
             out = Path(self.config.output_dir)
+            rlvr = self.config.recipe.rlvr
+            if rlvr is not None and load_passed(out, "rlvr") is None:
+                # The rollout workers start (process, imports, model) while the
+                # objectives before RLVR train; at RLVR's start they load the policy it
+                # starts from as version 0 (BaseWeights), so its first rollouts wait for
+                # no process start.
+                self._rollouts = self._rollout_pool(rlvr, ctx, base)
             results: dict[str, Any] = {}
             metrics: dict[str, float] = {}
             current = base
@@ -363,6 +374,34 @@ class PostTrainingStage:
         # no model in this process.
         return self._run_rlvr(recipe.rlvr, ctx, tok, rows, current, out / objective)
 
+    def _rollout_pool(self, cfg: RLVRConfig, ctx: StageContext, model_dir: Path) -> Any:
+        """RLVR's rollout workers, built on ``model_dir`` (they refuse rollouts until
+        the learner's version 0 tells them which policy to load)."""
+        from stages.post_training.pools import LocalPool, RayPool
+        from stages.post_training.rollout import RolloutWorker, WorkerSpec
+
+        specs = [WorkerSpec.for_recipe(cfg, n, str(model_dir)) for n in range(cfg.rollout_workers)]
+        sync: dict[str, Any] = {
+            "weight_sync": cfg.weight_sync,
+            "bucket_bytes": cfg.weight_sync_bucket_mb << 20,
+            "sync_timeout_s": cfg.weight_sync_timeout_s,
+        }
+        if self.config.fleet == "local":
+            return LocalPool([RolloutWorker(s) for s in specs], **sync)
+        import ray
+
+        if not ray.is_initialized():
+            raise ItoError(ErrorCode.ray_unavailable, "Ray is not initialised here")
+        return RayPool(
+            ctx.run_id,
+            specs,
+            device=self.config.device,
+            max_restarts=self.config.max_worker_restarts,
+            namespace=self.config.ray_namespace,
+            placement=actor_options(ctx.facts),
+            **sync,
+        )
+
     def _run_rlvr(
         self,
         cfg: RLVRConfig,
@@ -379,33 +418,9 @@ class PostTrainingStage:
         from stages.post_training.learner import run_rlvr_on_engine
         from stages.post_training.objective_eval import ObjectiveEvalRequest
         from stages.post_training.on_engine import write_rows
-        from stages.post_training.pools import LocalPool, RayPool
         from stages.post_training.rl import RequestMaker
-        from stages.post_training.rollout import RolloutWorker, WorkerSpec
 
-        specs = [WorkerSpec.for_recipe(cfg, n, str(init)) for n in range(cfg.rollout_workers)]
-        sync: dict[str, Any] = {
-            "weight_sync": cfg.weight_sync,
-            "bucket_bytes": cfg.weight_sync_bucket_mb << 20,
-            "sync_timeout_s": cfg.weight_sync_timeout_s,
-        }
-        pool: Any
-        if self.config.fleet == "ray":
-            import ray
-
-            if not ray.is_initialized():
-                raise ItoError(ErrorCode.ray_unavailable, "Ray is not initialised here")
-            pool = RayPool(
-                ctx.run_id,
-                specs,
-                device=self.config.device,
-                max_restarts=self.config.max_worker_restarts,
-                namespace=self.config.ray_namespace,
-                placement=actor_options(ctx.facts),
-                **sync,
-            )
-        else:
-            pool = LocalPool([RolloutWorker(s) for s in specs], **sync)
+        pool, self._rollouts = self._rollouts or self._rollout_pool(cfg, ctx, init), None
 
         def interrupted(w: int, lost: float, back: float, detail: str) -> None:
             ctx.emit(

@@ -188,14 +188,7 @@ class TrainingEngine:
         if not ray.is_initialized():
             raise ItoError(ErrorCode.ray_unavailable, "Ray is not initialised in this process")
         t0 = time.time()
-        lh_cls = ray.remote(LighthouseActor)
-        self.lighthouse = lh_cls.options(  # type: ignore[attr-defined]
-            name=lighthouse_name(self.run_id),
-            num_cpus=0.1,
-            max_restarts=-1,
-            **actor_options(self.facts, bundle_index=0),
-        ).remote(self.ft, 1)
-        lh_addr = ray.get(self.lighthouse.address.remote(), timeout=self.ft.actor_ready_timeout_s)
+        lh_addr, kept = self._start_lighthouse()
         self._lh_addr = lh_addr
         handed = self._take_fleet()
         if not handed:
@@ -211,8 +204,40 @@ class TrainingEngine:
                 address=lh_addr,
                 actors=[worker_name(self._names_id, g, r) for g, r in self.actors],
             ),
-            f"started lighthouse {lh_addr} and {how} in {time.time() - t0:.1f}s",
+            f"{'kept' if kept else 'started'} lighthouse {lh_addr} and {how} "
+            f"in {time.time() - t0:.1f}s",
         )
+
+    def _start_lighthouse(self) -> tuple[str, bool]:
+        """The run's torchft lighthouse (its address, and whether it was kept): the
+        fleet's, when the previous run left one with this run's settings, else a new
+        actor. A lighthouse goes on
+        safely: the previous run's Managers shut down with their loops, and it stops
+        counting them at their heartbeat timeout (torchft's quorum waits for healthy
+        replicas only), so this run's first quorum waits at most that long."""
+        import ray
+
+        fleet = self.fleet
+        if fleet is not None and fleet.lighthouse is not None:
+            kept, fleet.lighthouse = fleet.lighthouse, None
+            if fleet.lighthouse_settings == self.ft:
+                try:
+                    addr = ray.get(kept.address.remote(), timeout=self.ft.actor_ready_timeout_s)
+                    self.lighthouse = kept
+                    return str(addr), True
+                except Exception as e:  # it died between the runs: a new one
+                    self.emit(LogEvent(level="warning", message=f"lighthouse not kept: {e}"))
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(kept, no_restart=True)
+        lh_cls = ray.remote(LighthouseActor)
+        self.lighthouse = lh_cls.options(  # type: ignore[attr-defined]
+            name=lighthouse_name(self.run_id),
+            num_cpus=0.1,
+            max_restarts=-1,
+            **actor_options(self.facts, bundle_index=0),
+        ).remote(self.ft, 1)
+        addr = ray.get(self.lighthouse.address.remote(), timeout=self.ft.actor_ready_timeout_s)
+        return str(addr), False
 
     def _take_fleet(self) -> bool:
         """Start this run on the ranks the fleet holds when it has this run's shape;
@@ -237,7 +262,7 @@ class TrainingEngine:
                 return True
             except Exception as e:  # a rank died between the runs, or never finished
                 self.emit(LogEvent(level="warning", message=f"fleet not handed on: {e}"))
-        fleet.shutdown()
+        fleet.kill_ranks()
         fleet.fleet_id, fleet.shape = self.run_id, shape
         self._names_id = self.run_id
         return False
@@ -357,10 +382,12 @@ class TrainingEngine:
         if self._starting is not None:
             self._starting.join()
 
-        ranks = [] if self._handing_on else list(self.actors.values())
+        kept = [] if self._handing_on else [*self.actors.values(), self.lighthouse]
         if self.fleet is not None and self.actors:  # not yet shut down
             self.fleet.actors = dict(self.actors) if self._handing_on else {}
-        for actor in [*ranks, *self.spares.values(), self.lighthouse]:
+            if self._handing_on:  # the lighthouse goes on with the ranks
+                self.fleet.lighthouse, self.fleet.lighthouse_settings = self.lighthouse, self.ft
+        for actor in [*kept, *self.spares.values()]:
             if actor is None:
                 continue
             with contextlib.suppress(Exception):  # already gone

@@ -5,7 +5,7 @@ DPO, RLVR's learner) follow one another on the same replica groups. Starting eac
 one's fleet anew spawns every rank's process, imports torch, torchft and
 transformers, and (on GPUs) initialises CUDA and binds the device again. A ``Fleet``
 (the run driver's, ``StageContext.fleet``) keeps the ranks' actors between the runs
-instead: the next engine starts its own lighthouse and tells each rank its new spec
+instead, with their torchft lighthouse: the next engine tells each rank its new spec
 (``ReplicaWorker.reassign``); the rank builds the next run's loop (model from the
 previous run's export, optimizer, Manager, checkpoints) in the same process.
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.trainer.config import FaultToleranceConfig
 from stages.trainer.control import WorkerSpec
 
 Shape = tuple[int, int, str]  # replica groups, ranks per group, device
@@ -58,22 +59,36 @@ class Fleet:
 
     Empty until a run made its actors; a run whose shape differs (replica groups,
     ranks per group, device) replaces them, and so does a run of multi-rank groups
-    (their in-group process group is each process's default one, made once).
-    Whoever made the ``Fleet`` ends it (``shutdown``) after the last run; a run that
-    fails kills its ranks itself."""
+    (their in-group process group is each process's default one, made once). The
+    lighthouse goes on with the ranks; a run whose fault-tolerance settings differ
+    starts its own. Whoever made the ``Fleet`` ends it (``shutdown``) after the last
+    run; a run that fails kills its ranks and lighthouse itself."""
 
     folder: Path  # each rank's current spec, one file per actor (private to the run)
     fleet_id: str = ""  # the run id the actors' names carry
     shape: Shape | None = None
     actors: dict[tuple[int, int], Any] = field(default_factory=dict)
+    # The torchft lighthouse the ranks' last run used, and its settings (the next run
+    # keeps it when its own are the same).
+    lighthouse: Any = None
+    lighthouse_settings: FaultToleranceConfig | None = None
 
     def assignment_path(self, actor_name: str) -> str:
         return str(self.folder / f"{actor_name}.json")
 
-    def shutdown(self) -> None:
+    def kill_ranks(self) -> None:
         import ray
 
         for actor in self.actors.values():
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(actor, no_restart=True)
         self.actors.clear()
+
+    def shutdown(self) -> None:
+        import ray
+
+        self.kill_ranks()
+        if self.lighthouse is not None:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(self.lighthouse, no_restart=True)
+            self.lighthouse = None

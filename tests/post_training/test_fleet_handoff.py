@@ -1,7 +1,8 @@
 """The learner fleet is handed from objective to objective: SFT and DPO train in the
-same trainer processes (real Ray actors), and a rank SIGKILLed during DPO is
-restarted by Ray as a DPO rank (it reads its assignment, not the SFT spec it was made
-with) that resumes DPO from its newest checkpoint; the stage's end kills the fleet."""
+same trainer processes (real Ray actors) under the same torchft lighthouse, and a
+rank SIGKILLed during DPO is restarted by Ray as a DPO rank (it reads its assignment,
+not the SFT spec it was made with) that resumes DPO from its newest checkpoint; the
+stage's end kills the fleet and its lighthouse."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 from helpers.tenants import DEFAULT_ROOTS
 from helpers.waiting import wait_until
 
@@ -16,6 +18,7 @@ from orchestrator.runtime.ray_cluster import _alive
 from stages.base import StageContext
 from stages.events import CheckpointEvent, FleetEvent, StepEvent
 from stages.trainer import kill_replica_group, replica_group_pids
+from stages.trainer.lighthouse import lighthouse_name
 from tests.post_training.conftest import base_model, data_ref, learner_layout
 
 WAIT_S = 120.0  # a hang guard on a loaded 2-core machine, never a speed claim
@@ -60,6 +63,8 @@ def test_dpo_trains_in_sfts_processes_and_a_rank_killed_in_dpo_rejoins_dpo(
         events.append(e)
         if isinstance(e, StepEvent) and e.phase == "sft" and "sft" not in seen:
             seen["sft"] = replica_group_pids("h-sft")
+        if isinstance(e, StepEvent) and e.phase == "dpo" and "named" not in seen:
+            seen["named"] = ray.util.list_named_actors()
         if (
             isinstance(e, CheckpointEvent)
             and e.phase == "dpo"
@@ -74,6 +79,7 @@ def test_dpo_trains_in_sfts_processes_and_a_rank_killed_in_dpo_rejoins_dpo(
     # DPO started on the processes SFT trained in: the same actors, the same pids.
     started = [e for e in events if isinstance(e, FleetEvent) and e.action == "lighthouse_started"]
     assert len(started) == 2 and started[0].actors == started[1].actors
+    assert started[0].address == started[1].address  # SFT's lighthouse went on too
     assert started[0].actors == ["run-h-sft-trainer-rg0-rank0"]
     killed_at, killed_pids = seen["killed"]
     assert seen["sft"] and killed_pids == seen["sft"]
@@ -88,6 +94,12 @@ def test_dpo_trains_in_sfts_processes_and_a_rank_killed_in_dpo_rejoins_dpo(
     dpo = [e.step for e in events if isinstance(e, StepEvent) and e.phase == "dpo" and e.committed]
     assert max(dpo) == dpo_steps
     assert any(e.ts > killed_at for e in events if isinstance(e, StepEvent) and e.phase == "dpo")
-    # The stage's end kills the fleet it handed on.
+    # The stage's end kills the fleet it handed on, and its lighthouse.
     wait_until(lambda: not replica_group_pids("h-dpo"), WAIT_S, "the fleet is killed")
     assert not any(map(_alive, killed_pids))
+    assert lighthouse_name("h-sft") in seen["named"]  # SFT's, alive in DPO
+    wait_until(
+        lambda: lighthouse_name("h-sft") not in ray.util.list_named_actors(),
+        WAIT_S,
+        "the lighthouse is killed",
+    )

@@ -154,7 +154,8 @@ def test_ito_train_runs_sft_dpo_rlvr_and_the_reward_rises(
     assert m["sft_nll_gain"] > 0 and m["dpo_margin_gain"] > 0
     assert m["rlvr_reward_last"] > m["rlvr_reward_first"] + 0.2, m
     assert m["rlvr_staleness_max"] == 0
-    # One trainer fleet for the run: every objective trained on pretraining's actors.
+    # One trainer fleet for the run: every objective trained on pretraining's actors,
+    # under pretraining's lighthouse.
     started = [
         e["payload"]
         for e in Store(be.db).list_events(run_id, kinds=["fleet"])
@@ -162,6 +163,7 @@ def test_ito_train_runs_sft_dpo_rlvr_and_the_reward_rises(
     ]
     assert [e["stage"] for e in started] == ["train"] + ["post_training"] * 3
     assert all(e["actors"] == started[0]["actors"] for e in started), started
+    assert all(e["address"] == started[0]["address"] for e in started), started
     out = rt["tmp"] / "ckpt" / run_id / "post_training"
     for objective in ("sft", "dpo", "rlvr"):
         assert (out / objective / "config.json").is_file()
