@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +29,22 @@ def _cfg(**kw: object) -> TrainStageConfig:
     )
     base.update(kw)
     return TrainStageConfig.model_validate(base, strict=False)
+
+
+def _engine(cfg: TrainStageConfig, run_id: str, fleet: object = None) -> Any:
+    """An engine that never starts: its bookkeeping is driven by hand."""
+    from stages.trainer.engine import TrainingEngine
+
+    return TrainingEngine(
+        cfg,
+        run_id=run_id,
+        checkpoint_dir=Path("/nonexistent"),
+        role_shards={},
+        emit=lambda e: None,
+        cancel_event=threading.Event(),
+        wait_decision=lambda pid, t: None,
+        fleet=fleet,
+    )
 
 
 def test_a_run_without_a_curriculum_is_one_phase_warmup_then_cosine_to_the_floor() -> None:
@@ -165,16 +182,10 @@ def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() ->
 def test_the_engine_ends_once_every_ranks_final_digest_came_or_the_stop_timeout_passed() -> None:
     """Rank 0 of each group reports ``finished`` first; a TP peer's final shard digest
     comes on its own later reply, and the run's ``rank_digests`` must hold it."""
-    from stages.trainer.engine import TrainingEngine
 
-    engine = TrainingEngine(
+    engine = _engine(
         _cfg(replica_groups=2, ranks_per_group=2, fault_tolerance={"stop_timeout_s": 60.0}),
-        run_id="digests",
-        checkpoint_dir=Path("/nonexistent"),
-        role_shards={},
-        emit=lambda e: None,
-        cancel_event=threading.Event(),
-        wait_decision=lambda pid, t: None,
+        "digests",
     )
     keys = [(g, r) for g in range(2) for r in range(2)]
     engine.actors = dict.fromkeys(keys)  # only their keys are read here
@@ -203,7 +214,6 @@ def test_a_fleet_a_standby_took_over_is_not_handed_on(tmp_path: Path) -> None:
     """A standby promoted into a group would, restarted by Ray, come back as the
     standby it was made as (its own assignment file): the run's ranks are then not
     left to the next run, which makes its own."""
-    from stages.trainer.engine import TrainingEngine
     from stages.trainer.handoff import Fleet
 
     class Actor:
@@ -216,16 +226,7 @@ def test_a_fleet_a_standby_took_over_is_not_handed_on(tmp_path: Path) -> None:
         def remote(self, what: str, *args: object) -> None:
             self.sent.append(what)
 
-    engine = TrainingEngine(
-        _cfg(replica_groups=2, spare_groups=1),
-        run_id="standby",
-        checkpoint_dir=Path("/nonexistent"),
-        role_shards={},
-        emit=lambda e: None,
-        cancel_event=threading.Event(),
-        wait_decision=lambda pid, t: None,
-        fleet=Fleet(tmp_path / "fleet"),
-    )
+    engine = _engine(_cfg(replica_groups=2, spare_groups=1), "standby", Fleet(tmp_path / "fleet"))
     engine.actors = {(0, 0): Actor(), (1, 0): Actor()}
     assert engine._fleet_can_carry
     spare = Actor()
