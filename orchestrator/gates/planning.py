@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from orchestrator.gates.manifest import Manifest
 from stages.errors import ErrorCode, ItoError
 from stages.parallelism import plan, request_from
-from stages.parallelism.spec import PlanRequest
+from stages.parallelism.spec import Plan, PlanRequest
 
 log = logging.getLogger("ito.api")
 
@@ -34,13 +34,18 @@ class PlanResult:
             raise ItoError(ErrorCode(self.refusal["code"]), self.refusal["message"])
 
 
-def check_post_training_objectives(m: Manifest, request: PlanRequest, replica_groups: int) -> None:
-    """Each SFT, DPO and RLVR objective fits the booking's devices with the run's replica
-    groups (``stages.parallelism.post_training``; the model is the manifest's preset)."""
+def check_post_training_objectives(m: Manifest, request: PlanRequest, chosen: Plan) -> None:
+    """Each SFT, DPO and RLVR objective fits the booking's devices on the ``chosen``
+    plan's replica groups and their ranks (``ParallelLayout.for_post_training``,
+    ``stages.parallelism.post_training``; the model is the manifest's preset)."""
     from stages.parallelism.hardware import load_gpu_sku
     from stages.parallelism.post_training import ObjectiveKind, check_objective_memory
+    from stages.trainer.layout import ParallelLayout
 
     sku = load_gpu_sku(request.gpu_sku)
+    layout = ParallelLayout(
+        tp=chosen.tp, pp=chosen.pp, cp=chosen.cp, dp_shard=chosen.dp_shard
+    ).for_post_training()
     p = m.post_training
     objectives: list[tuple[ObjectiveKind, int, int, bool]] = []
     if p.sft is not None:
@@ -57,7 +62,9 @@ def check_post_training_objectives(m: Manifest, request: PlanRequest, replica_gr
             objective=kind,
             batch_size=batch,
             max_length=length,
-            replica_groups=replica_groups,
+            replica_groups=chosen.dp_replicate,
+            tp=layout.tp,
+            fsdp=layout.dp_shard,
             device_memory_gib=sku.memory_gib,
             memory_utilization=request.memory_utilization,
             foreach_optimizer=sku.intra_node_link != "loopback",
@@ -76,7 +83,7 @@ def plan_manifest(
     try:
         request = request_from(config, booking)
         chosen = plan(request, time_budget_s)
-        check_post_training_objectives(m, request, chosen.dp_replicate)
+        check_post_training_objectives(m, request, chosen)
     except ItoError as e:
         return PlanResult(None, {"code": str(e.code), "message": e.message}, None)
     except ValidationError as e:

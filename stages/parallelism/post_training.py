@@ -1,9 +1,12 @@
 """Per-GPU peak memory of an SFT, DPO or RLVR objective, planned like a curriculum phase.
 
 A post-training objective trains on the engine as its ``TrainStageConfig``
-(``stages.post_training.on_engine``) sets it up: one rank per replica group
-holding the whole policy in fp32, AdamW, no recompute, the recipe's ``batch_size``
-rows (sft) or pairs (dpo) split over the groups and trained in one forward at up to
+(``stages.post_training.on_engine``) sets it up: the run's replica groups and their
+ranks, tensor parallel as the run's plan and FSDP over the group's other ranks (the
+plan's pipeline and context ranks folded in:
+``stages.trainer.layout.ParallelLayout.for_post_training``), the policy in
+fp32, AdamW, no recompute, the recipe's ``batch_size`` rows (sft) or pairs (dpo)
+split over every data-parallel rank and trained in one forward at up to
 ``max_length`` tokens. The model is ``stages.parallelism.memory``'s, with:
 
 - policy: fp32 weights, fp32 gradients and AdamW's two fp32 moments;
@@ -53,10 +56,11 @@ class ObjectiveMemory:
         return max(self.training.total, self.scoring) + self.reference
 
 
-def sequences_per_rank(kind: ObjectiveKind, batch_size: int, replica_groups: int) -> int:
-    """Sequences one rank forwards per step (a DPO pair is two; an RLVR step's
-    ``batch_size`` counts sequences: groups x group size)."""
-    rows = -(-batch_size // replica_groups)
+def sequences_per_rank(kind: ObjectiveKind, batch_size: int, dp_ranks: int) -> int:
+    """Sequences one rank forwards per step, the batch split over the run's
+    ``dp_ranks`` data-parallel ranks (a DPO pair is two; an RLVR step's ``batch_size``
+    counts sequences: groups x group size)."""
+    rows = -(-batch_size // dp_ranks)
     return rows * (2 if kind == "dpo" else 1)
 
 
@@ -67,17 +71,19 @@ def objective_memory(
     batch_size: int,
     max_length: int,
     replica_groups: int,
+    tp: int = 1,
+    fsdp: int = 1,
     foreach_optimizer: bool = True,
     resident_reference: bool = False,
 ) -> ObjectiveMemory:
     training = estimate_memory(
         preset,
         seq_len=max_length,
-        micro_batch=sequences_per_rank(kind, batch_size, replica_groups),
+        micro_batch=sequences_per_rank(kind, batch_size, replica_groups * fsdp),
         microbatches=1,
-        tp=1,
+        tp=tp,
         cp=1,
-        fsdp=1,
+        fsdp=fsdp,
         dp_replicate=replica_groups,
         pp_stage_layers=[preset.num_hidden_layers],
         pp_schedule="1F1B",
@@ -101,16 +107,31 @@ def check_objective_memory(
     replica_groups: int,
     device_memory_gib: float,
     memory_utilization: float,
+    tp: int = 1,
+    fsdp: int = 1,
     foreach_optimizer: bool = True,
     resident_reference: bool = False,
 ) -> ObjectiveMemory:
-    """The objective's memory, or ``plan_out_of_memory`` naming it and its parts."""
+    """The objective's memory, or ``plan_out_of_memory`` naming it and its parts;
+    ``plan_objective_unsupported`` when its batch does not split over the run's
+    data-parallel ranks (replica groups x ``fsdp``)."""
+    dp_ranks = replica_groups * fsdp
+    if batch_size % dp_ranks:
+        raise ItoError(
+            ErrorCode.plan_objective_unsupported,
+            f"post_training.{objective}: a batch of {batch_size} does not split over the "
+            f"run's {dp_ranks} data-parallel ranks ({replica_groups} replica groups x "
+            f"{fsdp} FSDP ranks); use a multiple of {dp_ranks}",
+            details={"objective": objective, "dp_ranks": dp_ranks},
+        )
     mem = objective_memory(
         preset,
         kind=objective,
         batch_size=batch_size,
         max_length=max_length,
         replica_groups=replica_groups,
+        tp=tp,
+        fsdp=fsdp,
         foreach_optimizer=foreach_optimizer,
         resident_reference=resident_reference,
     )
@@ -127,7 +148,8 @@ def check_objective_memory(
             f"{mem.scoring / GIB:.1f}, resident reference {mem.reference / GIB:.1f}; "
             "the DPO reference is precomputed log-probs); lower the batch (rlvr: "
             "groups_per_step x group_size) or the sequence length (rlvr: "
-            "max_prompt_tokens + max_completion_tokens), or book more replica groups",
+            "max_prompt_tokens + max_completion_tokens), or book more GPUs (an objective "
+            "shards over every rank of the run's replica groups)",
             details={"peak_memory_gib": round(peak, 2), "objective": objective},
         )
     return mem

@@ -85,7 +85,8 @@ def engine_config(
     """The engine config of one post-training objective: one phase (named ``name``,
     default the objective's kind) of ``steps`` optimizer steps of ``objective``;
     replica groups, device and fault tolerance from the run's train config when the
-    stage has one, else one group on ``device``. A constant LR without warmup, as the
+    stage has one (and its groups' ranks: ``ParallelLayout.for_post_training``), else one group on
+    ``device``. A constant LR without warmup, as the
     recipe's objectives always trained; no loss-spike pause (an objective is too short
     for the detector's window, and nobody is asked mid-chain)."""
     kind = name or objective.kind
@@ -116,6 +117,8 @@ def engine_config(
     if train is not None:
         run = {
             "replica_groups": train.replica_groups,
+            "ranks_per_group": train.ranks_per_group,
+            "parallel": train.layout.for_post_training(),
             "device": train.device,
             "fault_tolerance": train.fault_tolerance,
             "worker_num_cpus": train.worker_num_cpus,

@@ -249,15 +249,19 @@ class TrainingEngine:
         if fleet is None:
             return False
         shape = (self.cfg.replica_groups, self.cfg.ranks_per_group, self.cfg.device)
-        if fleet.actors and fleet.shape == shape and self._fleet_can_carry:
+        if fleet.actors and fleet.shape == shape:
             self._names_id = fleet.fleet_id
-            replies = []
-            for key, actor in fleet.actors.items():
-                spec = self._spec(worker_name(self._names_id, *key), *key)
-                write_assignment(spec)  # first: a restart from here on joins this run
-                replies.append(actor.reassign.remote(spec))
             try:
-                ray.get(replies, timeout=self.ft.actor_ready_timeout_s)
+                # Every group's rank 0 first: it makes the store its group's other ranks
+                # then ask it for (ReplicaWorker.reassign).
+                for rank0 in (True, False):
+                    replies = []
+                    for key, actor in fleet.actors.items():
+                        if (key[1] == 0) == rank0:
+                            spec = self._spec(worker_name(self._names_id, *key), *key)
+                            write_assignment(spec)  # first: a restart from here joins this run
+                            replies.append(actor.reassign.remote(spec))
+                    ray.get(replies, timeout=self.ft.actor_ready_timeout_s)
                 self.actors = dict(fleet.actors)
                 return True
             except Exception as e:  # a rank died between the runs, or never finished
@@ -269,11 +273,11 @@ class TrainingEngine:
 
     @property
     def _fleet_can_carry(self) -> bool:
-        """Whether this run's ranks can go from one run to the next: not a multi-rank
-        group's, whose in-group process group is its processes' default one, made once
-        per process; not after a standby took a group's place (Ray would restart it as
-        the standby it was made as, with that standby's assignment file)."""
-        return self.cfg.ranks_per_group == 1 and not self._standby_took_over
+        """Whether this run's ranks can go on to the next run: not after a standby took a
+        group's place (Ray would restart it as the standby it was made as, with that
+        standby's assignment file, and a multi-rank group's ranks find their rank 0 by
+        the group's name)."""
+        return not self._standby_took_over
 
     def _spec(
         self, name: str, group: int, rank: int, standby_index: int | None = None

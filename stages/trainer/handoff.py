@@ -58,11 +58,12 @@ class Fleet:
     """The ranks one engine run leaves to the next (``TrainingEngine(fleet=...)``).
 
     Empty until a run made its actors; a run whose shape differs (replica groups,
-    ranks per group, device) replaces them, and so does a run of multi-rank groups
-    (their in-group process group is each process's default one, made once). The
-    lighthouse goes on with the ranks; a run whose fault-tolerance settings differ
-    starts its own. Whoever made the ``Fleet`` ends it (``shutdown``) after the last
-    run; a run that fails kills its ranks and lighthouse itself."""
+    ranks per group, device) replaces them. A multi-rank group's in-group process
+    group is each process's default one, made once: it goes on with the ranks, and
+    only torchft's store is made anew for each run. The lighthouse goes on with the
+    ranks; a run whose fault-tolerance settings differ starts its own. Whoever made
+    the ``Fleet`` ends it (``shutdown``) after the last run; a run that fails kills
+    its ranks and lighthouse itself."""
 
     folder: Path  # each rank's current spec, one file per actor (private to the run)
     fleet_id: str = ""  # the run id the actors' names carry

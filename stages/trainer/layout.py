@@ -67,6 +67,13 @@ class ParallelLayout(StrictModel):
         mbs = self.pp_microbatches or (self.pp * self.pp_virtual_stages if self.pp > 1 else 1)
         return self.model_copy(update={"dp_shard": dp, "pp_microbatches": mbs})
 
+    def for_post_training(self) -> ParallelLayout:
+        """The layout a post-training objective runs on a group of these ranks: the
+        same tensor parallelism, the pipeline and context ranks folded into FSDP (the
+        objectives run neither), fp32 without recompute, as the planner sizes them
+        (``stages.parallelism.post_training``)."""
+        return ParallelLayout(tp=self.tp, dp_shard=self.dp_shard * self.pp * self.cp)
+
     def degrees(self) -> dict[str, int]:
         return {"pp": self.pp, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
 

@@ -161,13 +161,22 @@ def apply_fsdp(
     cfg: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp}
     reshard = not pp_enabled
     inner: Any = chunk.model
-    if hasattr(inner, "embed_tokens"):
-        fully_shard(inner.embed_tokens, **cfg, reshard_after_forward=reshard)
+    head: Any = getattr(chunk, "lm_head", None)
+    embed: Any = getattr(inner, "embed_tokens", None)
+    # A head tied to the embedding (tie_word_embeddings) shares one parameter, which
+    # FSDP2 manages in one unit only: embedding, norm and head go together, unsharded
+    # from the forward's start to its end (torchtitan's weight-tying models do so).
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    if embed is not None and not tied:
+        fully_shard(embed, **cfg, reshard_after_forward=reshard)
     for layer in _decoder_layers(chunk):
         fully_shard(layer, **cfg, reshard_after_forward=reshard)
     if hasattr(inner, "norm"):
-        head: Any = chunk.lm_head
-        fully_shard([inner.norm, head], **cfg, reshard_after_forward=False)
+        fully_shard(
+            [embed, inner.norm, head] if tied else [inner.norm, head],
+            **cfg,
+            reshard_after_forward=False,
+        )
     fully_shard(chunk, **cfg)
 
 

@@ -71,7 +71,8 @@ class ReplicaWorker:
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self.status: dict[str, Any] = {}
-        self.store: Any = None
+        self.store: Any = None  # a multi-rank group's store for the run (rank 0 hosts it)
+        self._pg_store: Any = None  # the one its process group was made with, once replaced
         self._pin(spec.replica_group)
         if spec.config.ranks_per_group > 1:
             self._group_store(spec)
@@ -113,8 +114,14 @@ class ReplicaWorker:
         self._thread.join(timeout=spec.config.fault_tolerance.actor_ready_timeout_s)
         if self._thread.is_alive():
             raise ItoError(ErrorCode.invalid_state, "the rank's previous loop has not finished")
-        # A multi-rank group's store lives in its rank 0's process, which stays.
-        spec.store_addr, spec.store_port = self.spec.store_addr, self.spec.store_port
+        if spec.config.ranks_per_group > 1:
+            # torchft's Manager keeps its keys (its address, each quorum's rendezvous) in
+            # the group's store: every run gets a fresh one from rank 0 (the engine
+            # reassigns every rank 0 first). The group's process group stays on the
+            # store it was made with, which rank 0 keeps for the process's life.
+            if spec.rank == 0 and self._pg_store is None:
+                self._pg_store = self.store
+            self._group_store(spec)
         with self._lock:
             self._events.drain()  # the previous run's engine polled what it wanted
         self.spec = spec

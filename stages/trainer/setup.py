@@ -73,14 +73,26 @@ class RankSetup:
         from stages.trainer.mesh import build_mesh
 
         spec, cfg = self.loop.spec, self.loop.cfg
-        client = dist.TCPStore(store_addr, store_port, is_master=False, wait_for_workers=False)
-        dist.init_process_group(
-            "nccl" if cfg.device == "cuda" else "gloo",
-            store=dist.PrefixStore(f"ito/intra/rg{spec.replica_group}", client),
-            rank=spec.rank,
-            world_size=cfg.ranks_per_group,
-            timeout=timedelta(seconds=cfg.fault_tolerance.collective_timeout_s),
-        )
+        if dist.is_initialized():
+            # A rank handed on from the fleet's previous run (stages.trainer.handoff):
+            # the same processes in the same ranks, so their process group goes on.
+            if (dist.get_rank(), dist.get_world_size()) != (spec.rank, cfg.ranks_per_group):
+                from stages.errors import ErrorCode, ItoError
+
+                raise ItoError(
+                    ErrorCode.invalid_state,
+                    f"rank {dist.get_rank()} of {dist.get_world_size()} in this process's "
+                    f"group, not rank {spec.rank} of {cfg.ranks_per_group}",
+                )
+        else:
+            client = dist.TCPStore(store_addr, store_port, is_master=False, wait_for_workers=False)
+            dist.init_process_group(
+                "nccl" if cfg.device == "cuda" else "gloo",
+                store=dist.PrefixStore(f"ito/intra/rg{spec.replica_group}", client),
+                rank=spec.rank,
+                world_size=cfg.ranks_per_group,
+                timeout=timedelta(seconds=cfg.fault_tolerance.collective_timeout_s),
+            )
         self._parallelize(build_mesh(cfg.layout, self.device.type))
         return dist.new_group(backend="gloo")
 

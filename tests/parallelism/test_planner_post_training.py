@@ -156,3 +156,69 @@ def test_submit_planning_refuses_an_rlvr_objective_that_does_not_fit(tmp_path: P
     assert refused.refusal["code"] == "plan_out_of_memory"
     assert refused.refusal["message"].startswith("post_training.rlvr: predicted peak")
     assert "resident reference" in refused.refusal["message"]
+
+
+def test_an_objective_shards_over_its_groups_ranks_and_its_batch_must_split_over_them() -> None:
+    """The objectives train on the run's groups with their ranks: the plan's TP, and
+    FSDP over the rest (its pipeline and context ranks folded in). An 8B policy whose
+    fp32 state does not fit one rank fits one group of 8 FSDP ranks; a batch the
+    data-parallel ranks cannot split is refused at plan time, not at the objective."""
+    from stages.trainer.layout import ParallelLayout
+
+    folded = ParallelLayout(tp=2, pp=2, cp=2, dp_shard=2).for_post_training()
+    assert (folded.tp, folded.pp, folded.cp, folded.dp_shard) == (2, 1, 1, 8)
+    assert (folded.precision, folded.activation_checkpointing) == ("fp32", "none")
+
+    def dpo(groups: int, fsdp: int, batch: int = 8) -> Any:
+        return check_objective_memory(
+            load_model_preset("llama3-8b"),
+            objective="dpo",
+            batch_size=batch,
+            max_length=1024,
+            replica_groups=groups,
+            fsdp=fsdp,
+            device_memory_gib=80,
+            memory_utilization=0.9,
+        )
+
+    with pytest.raises(ItoError) as e:
+        dpo(groups=8, fsdp=1)
+    assert e.value.code is ErrorCode.plan_out_of_memory
+    sharded = dpo(groups=1, fsdp=8)
+    assert sharded.peak / GIB < 72
+    # AdamW's two fp32 moments, 8 bytes a parameter, an eighth of them on each rank.
+    params = load_model_preset("llama3-8b").num_params
+    assert sharded.training.optimizer == pytest.approx(params * 8 / 8, rel=1e-3)
+    with pytest.raises(ItoError) as e:
+        dpo(groups=1, fsdp=8, batch=4)
+    assert e.value.code is ErrorCode.plan_objective_unsupported
+    assert e.value.details == {"objective": "dpo", "dp_ranks": 8}
+
+
+def test_an_objectives_engine_runs_on_the_runs_groups_and_ranks(tmp_path: Path) -> None:
+    from stages.post_training.config import SFTConfig
+    from stages.post_training.on_engine import objective_train_config
+    from stages.trainer.config import TrainStageConfig
+
+    run = TrainStageConfig.model_validate(
+        {
+            "model": {"preset": "llama-tiny", "size": "tiny"},
+            "target": {"max_steps": 2, "seq_len": 32, "global_batch_tokens": 256},
+            "checkpoint": {"interval_steps": 10, "storage_uri": f"file://{tmp_path}/c"},
+            "replica_groups": 2,
+            "ranks_per_group": 4,
+            "parallel": {"tp": 2, "pp": 2, "pp_microbatches": 2},
+        }
+    )
+    sft = objective_train_config(
+        "sft",
+        SFTConfig.model_validate({"data": _DATA, "steps": 3, "batch_size": 4}),
+        base=tmp_path / "base",
+        data_path=tmp_path / "sft.jsonl",
+        checkpoint_dir=tmp_path / "ckpt",
+        train=run,
+        device="cpu",
+    )
+    assert (sft.replica_groups, sft.ranks_per_group) == (2, 4)
+    assert sft.layout.degrees() == {"pp": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert sft.dp_world == 4
