@@ -211,10 +211,10 @@ class TrainingEngine:
     def _start_lighthouse(self) -> tuple[str, bool]:
         """The run's torchft lighthouse (its address, and whether it was kept): the
         fleet's, when the previous run left one with this run's settings, else a new
-        actor. A lighthouse goes on
-        safely: the previous run's Managers shut down with their loops, and it stops
-        counting them at their heartbeat timeout (torchft's quorum waits for healthy
-        replicas only), so this run's first quorum waits at most that long."""
+        actor. A lighthouse goes on safely: the previous run's Managers shut down with
+        their loops, and it stops counting them at their heartbeat timeout (torchft's
+        quorum waits for healthy replicas only), so this run's first quorum waits at
+        most that long."""
         import ray
 
         fleet = self.fleet
