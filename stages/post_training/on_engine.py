@@ -84,11 +84,11 @@ def engine_config(
 ) -> TrainStageConfig:
     """The engine config of one post-training objective: one phase (named ``name``,
     default the objective's kind) of ``steps`` optimizer steps of ``objective``;
-    replica groups, device and fault tolerance from the run's train config when the
-    stage has one (and its groups' ranks: ``ParallelLayout.for_post_training``), else one group on
-    ``device``. A constant LR without warmup, as the
-    recipe's objectives always trained; no loss-spike pause (an objective is too short
-    for the detector's window, and nobody is asked mid-chain)."""
+    replica groups, their ranks (``ParallelLayout.for_post_training``), device and
+    fault tolerance from the run's train config when the stage has one, else one
+    group on ``device``. A constant LR without warmup, as the recipe's objectives
+    always trained; no loss-spike pause (an objective is too short for the detector's
+    window, and nobody is asked mid-chain)."""
     kind = name or objective.kind
     batch_size, max_length = objective.batch_size, objective.max_length
     schedule = CurriculumSchedule(
