@@ -3,12 +3,13 @@ groups, gloo, DCP, fed with step batches written the way the driver's controller
 writes them (``learner.assemble`` of rollout groups; the groups are synthetic here,
 so the engine's side is tested without a fleet).
 
-Two learner replica groups must make the same update as one group with the whole
-batch: each rank's summed token loss is divided by the global batch's completion
-token count over the ranks (DAPO's token-level mean), and torchft averages the
-gradients over the groups. The rank that saves also publishes each committed
-version for the fleet to a real weight board (``helpers.weight_board`` takes them as
-the driver would): the test compares the last versions' tensors.
+Two learner replica groups, and one group of two FSDP ranks, must make the same
+update as one rank with the whole batch: each rank's summed token loss is divided by
+the global batch's completion token count over the ranks (DAPO's token-level mean),
+and torchft averages the gradients over the groups. The rank that saves also
+publishes each committed version for the fleet to a real weight board
+(``helpers.weight_board`` takes them as the driver would): the test compares the
+last versions' tensors.
 """
 
 from __future__ import annotations
@@ -127,25 +128,32 @@ def _policy_facts(policy: Path) -> tuple[int, int]:
     return int(tok.vocab_size), int(tok.pad_token_id)
 
 
-def test_two_grpo_learner_groups_make_the_update_of_one_with_the_whole_batch(
+def test_two_grpo_learner_groups_or_two_fsdp_ranks_make_the_update_of_one_rank(
     ray_local: None, tiny_policy: Path, tmp_path: Path
 ) -> None:
+    """The same global batch on two replica groups, on one group of two FSDP ranks
+    (whose rank 0 publishes the gathered full tensors), and on one rank."""
     from stages.post_training.hf_io import load_model
 
     cfg = _rlvr()
     vocab, pad = _policy_facts(tiny_policy)
-    runs: dict[int, tuple[Any, list[Event], BoardTaker]] = {}
-    for groups in (2, 1):
-        work = tmp_path / f"g{groups}"
+    layouts: dict[str, dict[str, Any]] = {
+        "g2": {"replica_groups": 2},
+        "fsdp2": {"ranks_per_group": 2, "parallel": {"dp_shard": 2}, "worker_num_cpus": 0.5},
+        "g1": {},
+    }
+    runs: dict[str, tuple[Any, list[Event], BoardTaker]] = {}
+    for name, layout in layouts.items():
+        work = tmp_path / name
         _write_batches(work, cfg, STEPS, vocab, pad)
         taker = BoardTaker(STEPS)
-        tcfg = _config(work, tiny_policy, cfg, groups, taker.name)
-        assert tcfg.micro_batch == 8 // groups  # the same global batch
+        tcfg = _config(work, tiny_policy, cfg, 1, taker.name, **layout)
+        assert tcfg.micro_batch == 8 // tcfg.dp_world  # the same global batch
         events: list[Event] = []
-        result = _engine(tcfg, work, f"grpo-g{groups}", events.append).run()
-        runs[groups] = (result, events, taker)
-    (r2, ev2, taker2), (r1, ev1, taker1) = runs[2], runs[1]
-    assert r2.steps == r1.steps == STEPS
+        result = _engine(tcfg, work, f"grpo-{name}", events.append).run()
+        runs[name] = (result, events, taker)
+    (r2, ev2, _), (r1, ev1, taker1) = runs["g2"], runs["g1"]
+    assert r2.steps == r1.steps == runs["fsdp2"][0].steps == STEPS
     assert len(set(r2.digests.values())) == 1 and len(r2.digests) == 2  # groups agree
     steps2 = [e for e in ev2 if isinstance(e, StepEvent) and e.committed and e.replica_group == 0]
     steps1 = [e for e in ev1 if isinstance(e, StepEvent) and e.committed]
@@ -154,17 +162,21 @@ def test_two_grpo_learner_groups_make_the_update_of_one_with_the_whole_batch(
         assert a.loss == pytest.approx(b.loss, rel=1e-4, abs=1e-7)
 
     # Every committed version was published for the fleet, the last one is the final.
-    w2, w1 = taker2.join(), taker1.join()
-    assert taker2.taken == taker1.taken == list(range(1, STEPS + 1))
+    w1 = taker1.join()
     w0 = load_model(tiny_policy).state_dict()
     update = max(float((w1[k] - w0[k]).abs().max()) for k in w1)
-    diff = max(float((w2[k] - w1[k]).abs().max()) for k in w1)
-    # Tolerance as for SFT (test_objective_engine.py): the same per-token terms summed
-    # in another order, passed on by AdamW; a per-rank token mean instead of the
-    # global one reweights the completions and moves the update by percents.
-    print(f"two vs one grpo group: max weight diff {diff:.3g}, max update {update:.3g}")
-    assert update > 0.5 * LR
-    assert diff <= 1e-3 * update, (diff, update)
+    assert update > 0.5 * LR  # AdamW moves a weight by ~LR a step
+    for name in ("g2", "fsdp2"):
+        taker = runs[name][2]
+        w = taker.join()
+        assert taker.taken == taker1.taken == list(range(1, STEPS + 1))
+        assert set(w) == set(w1)  # full tensors, whatever the ranks hold
+        diff = max(float((w[k] - w1[k]).abs().max()) for k in w1)
+        # Tolerance as for SFT (test_objective_engine.py): the same per-token terms
+        # summed in another order, passed on by AdamW; a per-rank token mean instead of
+        # the global one reweights the completions and moves the update by percents.
+        print(f"{name} vs one grpo rank: max weight diff {diff:.3g}, max update {update:.3g}")
+        assert diff <= 1e-3 * update, (name, diff, update)
 
 
 @pytest.mark.timeout(600)
