@@ -420,7 +420,8 @@ class PostTrainingStage:
         from stages.post_training.on_engine import write_rows
         from stages.post_training.rl import RequestMaker
 
-        pool, self._rollouts = self._rollouts or self._rollout_pool(cfg, ctx, init), None
+        pool = self._rollouts or self._rollout_pool(cfg, ctx, init)
+        self._rollouts = None  # closed below, whatever happens
 
         def interrupted(w: int, lost: float, back: float, detail: str) -> None:
             ctx.emit(

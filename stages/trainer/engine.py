@@ -42,7 +42,7 @@ from stages.placement import actor_options, bundle_for_rank
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.control import WorkerSpec
 from stages.trainer.engine_state import EngineResult, GroupState
-from stages.trainer.handoff import Fleet, write_assignment
+from stages.trainer.handoff import Fleet, kill_actors, write_assignment
 from stages.trainer.lighthouse import LighthouseActor, lighthouse_name
 from stages.trainer.loss_spike import LossSpike, LossSpikeDetector
 from stages.trainer.recovery import failure_time, failure_times
@@ -219,16 +219,15 @@ class TrainingEngine:
 
         fleet = self.fleet
         if fleet is not None and fleet.lighthouse is not None:
-            kept, fleet.lighthouse = fleet.lighthouse, None
+            previous, fleet.lighthouse = fleet.lighthouse, None
             if fleet.lighthouse_settings == self.ft:
                 try:
-                    addr = ray.get(kept.address.remote(), timeout=self.ft.actor_ready_timeout_s)
-                    self.lighthouse = kept
+                    addr = ray.get(previous.address.remote(), timeout=self.ft.actor_ready_timeout_s)
+                    self.lighthouse = previous
                     return str(addr), True
                 except Exception as e:  # it died between the runs: a new one
                     self.emit(LogEvent(level="warning", message=f"lighthouse not kept: {e}"))
-            with contextlib.suppress(Exception):  # already gone
-                ray.kill(kept, no_restart=True)
+            kill_actors(previous)
         lh_cls = ray.remote(LighthouseActor)
         self.lighthouse = lh_cls.options(  # type: ignore[attr-defined]
             name=lighthouse_name(self.run_id),
@@ -344,7 +343,6 @@ class TrainingEngine:
         the lost group is replaced (a multi-rank group is one failure unit, so its
         survivors go too), and the standby's ranks form the group's process group
         around their own store. False: no standby group is warm."""
-        import ray
 
         warm = [i for i, names in self._standby_groups.items() if self._spares_ready >= set(names)]
         if not warm:
@@ -358,8 +356,7 @@ class TrainingEngine:
             self._spare_pending.pop(name, None)
             spare = self.spares.pop(name)
             # The lost group's actors would be restarted by Ray as a second copy of it.
-            with contextlib.suppress(Exception):
-                ray.kill(self.actors[(group, rank)], no_restart=True)
+            kill_actors(self.actors[(group, rank)])
             self._pending.pop((group, rank), None)
             # The dead processes' pids must not be found dead again once it recovered.
             self._pids.pop((group, rank), None)
@@ -381,21 +378,15 @@ class TrainingEngine:
         """Kill every actor this engine made or took over (cancel, finish or failure; a
         fleet still being placed is first let finish, so no actor outlives this), but
         leave the ranks to the fleet when every one of them finished this run."""
-        import ray
-
         if self._starting is not None:
             self._starting.join()
 
-        kept = [] if self._handing_on else [*self.actors.values(), self.lighthouse]
+        ending = [] if self._handing_on else [*self.actors.values(), self.lighthouse]
         if self.fleet is not None and self.actors:  # not yet shut down
             self.fleet.actors = dict(self.actors) if self._handing_on else {}
             if self._handing_on:  # the lighthouse goes on with the ranks
                 self.fleet.lighthouse, self.fleet.lighthouse_settings = self.lighthouse, self.ft
-        for actor in [*kept, *self.spares.values()]:
-            if actor is None:
-                continue
-            with contextlib.suppress(Exception):  # already gone
-                ray.kill(actor, no_restart=True)
+        kill_actors(*ending, *self.spares.values())
         self.actors.clear()
         self.spares.clear()
         self.lighthouse = None

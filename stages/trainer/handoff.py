@@ -78,18 +78,20 @@ class Fleet:
         return str(self.folder / f"{actor_name}.json")
 
     def kill_ranks(self) -> None:
-        import ray
-
-        for actor in self.actors.values():
-            with contextlib.suppress(Exception):  # already gone
-                ray.kill(actor, no_restart=True)
+        kill_actors(*self.actors.values())
         self.actors.clear()
 
     def shutdown(self) -> None:
-        import ray
-
         self.kill_ranks()
-        if self.lighthouse is not None:
+        kill_actors(self.lighthouse)
+        self.lighthouse = None
+
+
+def kill_actors(*actors: Any) -> None:
+    """Kill each actor for good (no restart); None and actors already gone are skipped."""
+    import ray
+
+    for actor in actors:
+        if actor is not None:
             with contextlib.suppress(Exception):  # already gone
-                ray.kill(self.lighthouse, no_restart=True)
-            self.lighthouse = None
+                ray.kill(actor, no_restart=True)
