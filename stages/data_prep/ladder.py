@@ -60,11 +60,14 @@ class ArmJob:
 
 
 # Runs the jobs (``score_arm`` of stages.data_prep.ladder_arm for each, on the given
-# training stream and eval windows) and yields (job, bits per byte, device) as each ends.
+# training stream and eval windows) and yields (job, bits per byte, device, where it
+# trained) as each ends.
 ArmRunner = Callable[
     [list[ArmJob], dict[str, np.ndarray], np.ndarray, LadderProbeConfig],
-    Iterator[tuple[ArmJob, float, str]],
+    Iterator[tuple[ArmJob, float, str, str]],
 ]
+
+IN_PROCESS = "in-process"
 
 
 def local_runner(cancelled: Callable[[], bool] = lambda: False) -> ArmRunner:
@@ -75,12 +78,12 @@ def local_runner(cancelled: Callable[[], bool] = lambda: False) -> ArmRunner:
         streams: dict[str, np.ndarray],
         windows: np.ndarray,
         cfg: LadderProbeConfig,
-    ) -> Iterator[tuple[ArmJob, float, str]]:
+    ) -> Iterator[tuple[ArmJob, float, str, str]]:
         from stages.data_prep.ladder_arm import score_arm
 
         for job in jobs:
             bpb, device = score_arm(job, streams[job.arm], windows, cfg, cancelled=cancelled)
-            yield job, bpb, device
+            yield job, bpb, device, IN_PROCESS
 
     return run
 
@@ -130,6 +133,8 @@ class LadderResult:
     eval_bytes: int
     seconds: float
     device: str
+    # Where the proxies trained: trainer ranks ("rg0/rank0") or "in-process".
+    trained_on: list[str] = field(default_factory=list)
     # sha256 of the baseline token stream and of the eval windows: a later probe with
     # the same baseline, eval text and schedule may reuse baseline_bpb (``reuse``).
     baseline_sha256: str = ""
@@ -175,8 +180,8 @@ def ladder_probe(
     rung, steps and seeds, checked by digest) is taken instead of retrained; the
     baseline arm does not depend on the custom data, so probing several candidate
     datasets against one baseline trains it once. ``run_arms`` trains the proxies
-    (default: in this process; the stage passes one that runs them on the run's
-    booked nodes, ``stages.data_prep.ladder_ray``)."""
+    (default: in this process; in a run the stage passes one that trains them on the
+    run's trainer ranks, ``stages.data_prep.ladder_ranks``)."""
     cfg = cfg or LadderProbeConfig()
     t0 = time.time()
     preset = load_model_preset(cfg.rung_preset)
@@ -203,12 +208,15 @@ def ladder_probe(
     jobs = [ArmJob(arm, seed, steps) for seed in seeds for arm in arms]
     runner = run_arms or local_runner(cancelled)
     devices: set[str] = set()
-    for job, bpb, device in runner(jobs, {"baseline": base, "custom": mixed}, windows, cfg):
+    places: set[str] = set()
+    streams = {"baseline": base, "custom": mixed}
+    for job, bpb, device, where in runner(jobs, streams, windows, cfg):
         scores[job.arm][job.seed] = bpb
         devices.add(device)
+        places.add(where)
         log(
             f"ladder probe: {job.arm} seed {job.seed}: {bpb:.4f} bits/byte "
-            f"({steps} steps, {steps * tokens_per_step} tokens, {preset.name})"
+            f"({steps} steps, {steps * tokens_per_step} tokens, {preset.name}, {where})"
         )
     baseline = [scores["baseline"][s] for s in seeds]
     custom = [scores["custom"][s] for s in seeds]
@@ -228,6 +236,7 @@ def ladder_probe(
         eval_bytes=int(windows.size),
         seconds=time.time() - t0,
         device=",".join(sorted(devices)) or (reuse.device if reuse is not None else ""),
+        trained_on=sorted(places),
         baseline_sha256=base_sha,
         eval_sha256=eval_sha,
     )

@@ -361,15 +361,11 @@ class DataPrepStage:
             self._log(ctx, f"ladder probe skipped: {why}")
             return {"decision": "skipped", "reason": why}
         from stages.data_prep.ladder import ladder_probe
-        from stages.placement import placement_fact
+        from stages.data_prep.ladder_ranks import NoRanks, rank_runner
 
-        # A run's proxies train on its booked nodes, never in the driver; a stage run
-        # alone (no placement) trains them in this process.
-        run_arms = None
-        if placement_fact(ctx.facts) is not None:
-            from stages.data_prep.ladder_ray import ray_runner
-
-            run_arms = ray_runner(ctx.facts, lambda: ctx.cancelled)
+        # A run's proxies train on its trainer ranks, warming up meanwhile, never in the
+        # driver; a stage run alone (no fleet) trains them in this process.
+        run_arms = None if ctx.fleet is None else rank_runner(ctx.fleet, lambda: ctx.cancelled)
         try:
             result = ladder_probe(
                 base,
@@ -380,7 +376,9 @@ class DataPrepStage:
                 cancelled=lambda: ctx.cancelled,
                 run_arms=run_arms,
             )
-        except ValueError as e:  # too little text for one window: nothing to measure
+        # Too little text for one window: nothing to measure. No ranks: the train stage
+        # could not place its fleet, and says why in its turn.
+        except (ValueError, NoRanks) as e:
             self._log(ctx, f"ladder probe skipped: {e}", "warning")
             return {"decision": "skipped", "reason": str(e)}
         self._log(

@@ -46,7 +46,7 @@ from stages.trainer.handoff import Fleet, kill_actors, write_assignment
 from stages.trainer.lighthouse import LighthouseActor, lighthouse_name
 from stages.trainer.loss_spike import LossSpike, LossSpikeDetector
 from stages.trainer.recovery import failure_time, failure_times
-from stages.trainer.replica import ReplicaWorker, spare_name, worker_name
+from stages.trainer.replica import BORROWED_GROUP, ReplicaWorker, spare_name, worker_name
 
 _EVENT = TypeAdapter(Event)
 # Called when every live group closed a phase; True: the gate passed, go on.
@@ -159,6 +159,8 @@ class TrainingEngine:
         """Place and start the fleet while the caller goes on (data prep, tokenizing);
         ``run`` waits for it."""
         if self._starting is None:
+            if self.fleet is not None:
+                self.fleet.placing()
             self._starting = threading.Thread(
                 target=self._start_catching, name="fleet-start", daemon=True
             )
@@ -169,6 +171,9 @@ class TrainingEngine:
             self.start()
         except BaseException as e:  # re-raised by run() in the caller's thread
             self._start_error = e
+        finally:
+            if self.fleet is not None:  # the ranks the probe may borrow while they warm
+                self.fleet.place_done({} if self._start_error else self.actors)
 
     def _await_start(self) -> None:
         self.start_in_background()
@@ -313,8 +318,12 @@ class TrainingEngine:
             else -1
         )
         return (
-            ray.remote(ReplicaWorker)
-            .options(  # type: ignore[attr-defined]
+            # Work that borrows the rank before its run trains (the ladder probe) runs
+            # in a concurrency group of its own, beside the driver's calls.
+            ray.remote(concurrency_groups={BORROWED_GROUP: 1})(  # type: ignore[call-overload]
+                ReplicaWorker
+            )
+            .options(
                 name=name,
                 num_cpus=self.cfg.worker_num_cpus,
                 **actor_options(self.facts, bundle_index=index),
@@ -384,6 +393,7 @@ class TrainingEngine:
         ending = [] if self._handing_on else [*self.actors.values(), self.lighthouse]
         if self.fleet is not None and self.actors:  # not yet shut down
             self.fleet.actors = dict(self.actors) if self._handing_on else {}
+            self.fleet.placed = {}  # the run is over: nothing borrows its ranks now
             if self._handing_on:  # the lighthouse goes on with the ranks
                 self.fleet.lighthouse, self.fleet.lighthouse_settings = self.lighthouse, self.ft
         kill_actors(*ending, *self.spares.values())

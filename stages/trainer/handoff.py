@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,12 @@ def current_spec(spec: WorkerSpec) -> WorkerSpec:
     return kept
 
 
+def _set_event() -> threading.Event:
+    done = threading.Event()
+    done.set()  # no placement under way
+    return done
+
+
 @dataclass
 class Fleet:
     """The ranks one engine run leaves to the next (``TrainingEngine(fleet=...)``).
@@ -73,6 +80,26 @@ class Fleet:
     # keeps it when its own are the same).
     lighthouse: Any = None
     lighthouse_settings: FaultToleranceConfig | None = None
+    # The ranks of the engine run placed last, for work that borrows their devices
+    # before that run trains (the ladder probe's proxies, while the fleet warms up).
+    placed: dict[tuple[int, int], Any] = field(default_factory=dict)
+    _placement_done: threading.Event = field(default_factory=_set_event, repr=False)
+
+    def placing(self) -> None:
+        """An engine run starts placing its ranks: ``placed_ranks`` waits for them."""
+        self.placed = {}
+        self._placement_done.clear()
+
+    def place_done(self, actors: dict[tuple[int, int], Any]) -> None:
+        """The run's ranks are made or taken over (none when its placement failed)."""
+        self.placed = dict(actors)
+        self._placement_done.set()
+
+    def placed_ranks(self, timeout_s: float) -> dict[tuple[int, int], Any]:
+        """The last placed run's ranks, waiting at most ``timeout_s`` while a placement
+        is under way; empty when none was placed (or it failed, or timed out)."""
+        self._placement_done.wait(timeout_s)
+        return dict(self.placed)
 
     def assignment_path(self, actor_name: str) -> str:
         return str(self.folder / f"{actor_name}.json")
@@ -80,6 +107,7 @@ class Fleet:
     def kill_ranks(self) -> None:
         kill_actors(*self.actors.values())
         self.actors.clear()
+        self.placed = {}
 
     def shutdown(self) -> None:
         self.kill_ranks()

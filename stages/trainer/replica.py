@@ -26,6 +26,10 @@ from stages.trainer.control import Control, WorkerSpec
 MAX_BUFFERED_EVENTS = 10_000
 
 
+# The concurrency group of work that borrows a rank's device before its run trains
+# (``train_proxy``): one call at a time, beside the default group's (poll, commands).
+BORROWED_GROUP = "borrowed"
+
 # Every trainer actor's name: run-<run id>-trainer-...
 TRAINER_PREFIX, TRAINER_INFIX = "run-", "-trainer-"
 
@@ -316,6 +320,21 @@ class ReplicaWorker:
         live = self._live_model()
         sums = heldout_share(req, cfg=self.loop.cfg, live=live, part=part, parts=parts)
         return sums.model_dump(mode="json")
+
+    def train_proxy(self, job: Any, stream: Any, windows: Any, cfg: Any) -> tuple[float, str]:
+        """One ladder-probe proxy trained and scored on this rank's device while its loop
+        warms up and waits for the run's data (stages.data_prep.ladder_arm): (bits per
+        byte, device). The proxy is let go before the call returns."""
+        from stages.data_prep.ladder_arm import score_arm
+
+        try:
+            return score_arm(job, stream, windows, cfg)
+        finally:
+            gc.collect()
+            if self.spec.config.device == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()
 
     def _at_phase_end(self, request: dict[str, Any]) -> Any:
         from stages.errors import ErrorCode, ItoError

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
-from helpers.fresh_python import run_python
 
 from stages.data_prep.config import LadderProbeConfig
 from stages.data_prep.ladder import decide, ladder_probe
@@ -78,14 +80,47 @@ def test_reuse_refused_when_the_baseline_differs() -> None:
     assert sum("baseline seed" in m for m in logs) == 2  # retrained, both seeds
 
 
-def test_on_a_run_the_proxies_train_in_ray_tasks_and_score_as_in_process(
-    ray_local: None,
+def _fleet_engine(tmp: Path) -> Any:
+    """A real engine of two replica groups on llama-tiny, its fleet placed and warming
+    (as the train stage's prestart leaves it while data prep runs), never given data."""
+    from stages.trainer.config import TrainStageConfig
+    from stages.trainer.engine import TrainingEngine
+    from stages.trainer.handoff import Fleet
+
+    cfg = TrainStageConfig.model_validate(
+        dict(
+            model={"preset": "llama-tiny", "size": "0.1M"},
+            target={"max_steps": 4, "seq_len": 32, "global_batch_tokens": 256},
+            checkpoint={"interval_steps": 2, "storage_uri": f"file://{tmp}/ckpt"},
+            replica_groups=2,
+        ),
+        strict=False,
+    )
+    engine = TrainingEngine(
+        cfg,
+        run_id="probe-ranks",
+        checkpoint_dir=tmp / "ckpt",
+        role_shards=None,
+        emit=lambda _e: None,
+        cancel_event=threading.Event(),
+        wait_decision=lambda _p, _t: None,
+        fleet=Fleet(tmp / "fleet"),
+    )
+    engine.start_in_background()
+    return engine
+
+
+def test_a_runs_proxies_train_on_its_warm_ranks_and_score_as_in_process(
+    ray_local: None, tmp_path: Path
 ) -> None:
-    """A run's probe (``ray_runner``: what the stage uses on a booking) trains every
-    proxy in a Ray task: the driver process, here a fresh one connected to the
-    session's cluster, never imports torch, and the scores equal the in-process
-    probe's for the same seeds."""
+    """A run's probe borrows the trainer ranks placed while data prep runs (their
+    devices are the booking's): the proxies are dealt over both replica groups' ranks,
+    a proxy in training holds up none of the driver's calls to its rank, and the
+    scores equal the in-process probe's for the same seeds."""
     import ray
+
+    from stages.data_prep.ladder_ranks import rank_runner
+    from stages.trainer.replica import BORROWED_GROUP
 
     cfg = LadderProbeConfig(
         rung_preset="llama-probe-xs", seeds=2, token_budget=4096, eval_bytes=2048
@@ -93,39 +128,42 @@ def test_on_a_run_the_proxies_train_in_ray_tasks_and_score_as_in_process(
     baseline = _jsonl(REPO / "data" / "python_docs" / "train.jsonl", "text")[:200]
     custom = _jsonl(REPO / "data" / "gsm8k" / "train.jsonl", "question")[:200]
     eval_text = _jsonl(REPO / "configs" / "evals" / "gsm8k" / "test.jsonl", "question")[:50]
-    code = (
-        "import json, sys, ray\n"
-        "from stages.data_prep.config import LadderProbeConfig\n"
-        "from stages.data_prep.ladder import ladder_probe\n"
-        "from stages.data_prep.ladder_ray import ray_runner\n"
-        f"ray.init(address={ray.get_runtime_context().gcs_address!r}, log_to_driver=False)\n"
-        "args = json.loads(sys.stdin.read())\n"
-        "cfg = LadderProbeConfig.model_validate(args['cfg'])\n"
-        "r = ladder_probe(args['b'], args['c'], args['e'], cfg,\n"
-        "    run_arms=ray_runner({}, lambda: False))\n"
-        "print(json.dumps([r.baseline_bpb, r.custom_bpb, 'torch' in sys.modules]))\n"
-    )
-    remote_base, remote_custom, driver_imported_torch = run_python(
-        code,
-        stdin=json.dumps(
-            {"cfg": cfg.model_dump(mode="json"), "b": baseline, "c": custom, "e": eval_text}
-        ),
-    )
-    assert driver_imported_torch is False
+    engine = _fleet_engine(tmp_path)
+    try:
+        ranks = engine.fleet.placed_ranks(120.0)
+        assert sorted(ranks) == [(0, 0), (1, 0)], engine._start_error
+        remote = ladder_probe(
+            baseline, custom, eval_text, cfg, run_arms=rank_runner(engine.fleet, lambda: False)
+        )
+        assert remote.trained_on == ["rg0/rank0", "rg1/rank0"]
+        # A long proxy in training: the rank still answers the driver's poll first.
+        from stages.data_prep.ladder import ArmJob
+
+        rank = ranks[(0, 0)]
+        stream = ray.put(np.arange(20_000, dtype=np.int64) % 200)
+        windows = ray.put(np.zeros((4, 128), dtype=np.int64))
+        long = rank.train_proxy.options(concurrency_group=BORROWED_GROUP).remote(
+            ArmJob("baseline", 0, 400), stream, windows, cfg
+        )
+        poll = rank.poll.remote()
+        first, _ = ray.wait([long, poll], num_returns=1, timeout=300)
+        assert first == [poll], "the proxy held up the driver's poll"
+        ray.get(long, timeout=300)
+    finally:
+        engine.shutdown()
     local = ladder_probe(baseline, custom, eval_text, cfg)
+    assert local.trained_on == ["in-process"]
     # The same seeds, data and CPU kernels; only the thread count may differ.
-    assert remote_base == pytest.approx(local.baseline_bpb, abs=1e-3)
-    assert remote_custom == pytest.approx(local.custom_bpb, abs=1e-3)
+    assert remote.baseline_bpb == pytest.approx(local.baseline_bpb, abs=1e-3)
+    assert remote.custom_bpb == pytest.approx(local.custom_bpb, abs=1e-3)
 
 
-def test_on_cpu_one_task_trains_every_proxy_and_on_cuda_each_has_its_own() -> None:
-    """A CPU host is one device: one task process pays the proxies' imports once. On
-    CUDA every proxy is a task of its own, each asking a GPU, all at once."""
+def test_proxies_are_dealt_round_robin_over_the_ranks() -> None:
     from stages.data_prep.ladder import ArmJob
-    from stages.data_prep.ladder_ray import task_buckets
+    from stages.data_prep.ladder_ranks import rank_shares
 
-    jobs = [ArmJob(arm=a, seed=s, steps=4) for a in ("baseline", "custom") for s in (0, 1)]
-    assert task_buckets(jobs, LadderProbeConfig(device="cpu")) == [jobs]
-    assert task_buckets(jobs, LadderProbeConfig(device="auto")) == [jobs]
-    assert task_buckets(jobs, LadderProbeConfig(device="cuda")) == [[j] for j in jobs]
-    assert task_buckets([], LadderProbeConfig()) == []
+    jobs = [ArmJob(arm=a, seed=s, steps=4) for s in (0, 1) for a in ("baseline", "custom")]
+    assert rank_shares(jobs, 1) == [jobs]
+    assert rank_shares(jobs, 2) == [jobs[0::2], jobs[1::2]]
+    assert rank_shares(jobs, 8) == [[j] for j in jobs]  # a rank per proxy, the rest idle
+    assert rank_shares([], 2) == []

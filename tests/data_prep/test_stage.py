@@ -221,3 +221,19 @@ def test_probe_skipped_when_the_data_is_too_small(tmp_path: Path) -> None:
     out = DataPrepStage(DataPrepConfig(refs=refs, ladder_probe=QUICK_PROBE)).run(_ctx(tmp_path)[0])
     assert out.status == "passed" and out.artifacts["ladder"]["decision"] == "skipped"
     assert "shorter than one window" in out.artifacts["ladder"]["reason"]
+
+
+def test_a_run_whose_fleet_was_never_placed_skips_the_probe(
+    corpus: dict[str, object], tmp_path: Path
+) -> None:
+    """A run's probe borrows its trainer ranks; when the train stage could not place
+    them (it reports why in its own turn), the probe is skipped at once, never waiting
+    out the placement timeout, and the gate still decides on dedup and decontamination."""
+    from stages.trainer.handoff import Fleet
+
+    ctx, _ = _ctx(tmp_path)
+    ctx.fleet = Fleet(tmp_path / "fleet")
+    out = DataPrepStage(DataPrepConfig(refs=corpus["refs"], ladder_probe=QUICK_PROBE)).run(ctx)
+    assert out.status == "passed", out.reason
+    assert out.artifacts["ladder"]["decision"] == "skipped"
+    assert "trainer ranks were not placed" in out.artifacts["ladder"]["reason"]

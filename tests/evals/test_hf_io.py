@@ -104,7 +104,7 @@ def test_the_drivers_data_path_imports_neither_torch_nor_transformers(tmp_path: 
     orchestration, the engine that supervises the fleet, the phase data: tokenizer
     training, token shards, the held-out split, the phase-end reduction and the gate
     decision) never imports torch or transformers: the driver coordinates, the ranks
-    and the probe's tasks compute."""
+    compute (the probe's proxies too)."""
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS), encoding="utf-8")
     code = (
@@ -116,7 +116,7 @@ def test_the_drivers_data_path_imports_neither_torch_nor_transformers(tmp_path: 
         "from stages.trainer.phase_eval import PhaseEvalRequest\n"
         "from stages.evals.heldout import HeldoutSums, reduce_sums\n"
         "from stages.evals import BatteryResult, GateDecision, evaluate_gates\n"
-        "import stages.data_prep.stage, stages.data_prep.ladder, stages.data_prep.ladder_ray\n"
+        "import stages.data_prep.stage, stages.data_prep.ladder, stages.data_prep.ladder_ranks\n"
         f"src, out = Path({str(src)!r}), Path({str(tmp_path / 'work')!r})\n"
         "for vocab in (260, 300):\n"
         "    d = prepare_phase_data({'baseline': [src]}, out / str(vocab), text_field='text',\n"

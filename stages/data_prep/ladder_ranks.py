@@ -1,0 +1,102 @@
+"""The ladder probe's proxies on the run's own trainer ranks, so the driver (which
+only coordinates) never builds or trains a model, and the probe computes on the
+devices the run booked.
+
+The trainer fleet is placed and warming while data prep runs (``StartEarly``), and
+it holds the booking's devices: a GPU a rank on CUDA, a replica group's own cores on
+CPU. A probe that asked for devices of its own would wait behind the fleet it comes
+before, so it borrows the fleet's ranks instead: the proxies are dealt round robin
+over the replica groups' ranks (a standby holds no device and trains none), and each
+rank trains its share one after another (``ReplicaWorker.train_proxy``, in a
+concurrency group beside the driver's calls) while its loop waits for the data. The
+streams and eval windows go to the object store once; the stage logs each proxy's
+score as it comes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from stages.data_prep.config import LadderProbeConfig
+from stages.data_prep.ladder import ArmJob, ArmRunner
+from stages.errors import ErrorCode, ItoError
+from stages.trainer.replica import BORROWED_GROUP  # light: no torch, no Ray
+
+# How long the probe waits for the fleet's ranks to be placed (actor handles made,
+# not warmed up: that goes on while they train proxies).
+PLACEMENT_TIMEOUT_S = 600.0
+# One proxy's bound (the testbed's take seconds; a GPU rung minutes).
+ARM_TIMEOUT_S = 1800.0
+# How often the driver checks for a cancel between finished proxies.
+WAIT_S = 0.5
+
+
+class NoRanks(Exception):
+    """The run placed no trainer ranks (its train stage could not start): the probe is
+    skipped, and the train stage reports why."""
+
+
+def rank_shares(jobs: list[ArmJob], ranks: int) -> list[list[ArmJob]]:
+    """Each rank's proxies, dealt round robin (arms alternate, so each rank's share
+    holds both arms when it can)."""
+    return [jobs[i::ranks] for i in range(min(ranks, len(jobs)))]
+
+
+def rank_runner(fleet: Any, cancelled: Callable[[], bool]) -> ArmRunner:
+    """Train the proxies on ``fleet``'s placed ranks (a ``stages.trainer.handoff.Fleet``)."""
+
+    def run(
+        jobs: list[ArmJob],
+        streams: dict[str, np.ndarray],
+        windows: np.ndarray,
+        cfg: LadderProbeConfig,
+    ) -> Iterator[tuple[ArmJob, float, str, str]]:
+        import ray
+        from ray.exceptions import RayError
+
+        placed = fleet.placed_ranks(PLACEMENT_TIMEOUT_S)
+        ranks = [(f"rg{g}/rank{r}", a) for (g, r), a in sorted(placed.items()) if g >= 0]
+        if not ranks:
+            raise NoRanks("the run's trainer ranks were not placed")
+        stream_refs = {arm: ray.put(s) for arm, s in streams.items()}
+        windows_ref = ray.put(windows)
+        pending: dict[Any, tuple[ArmJob, str]] = {}
+        shares = rank_shares(jobs, len(ranks))
+        for (where, actor), share in zip(ranks, shares, strict=False):
+            for job in share:
+                call = actor.train_proxy.options(concurrency_group=BORROWED_GROUP)
+                pending[call.remote(job, stream_refs[job.arm], windows_ref, cfg)] = (job, where)
+        bound = ARM_TIMEOUT_S * max(len(s) for s in shares)
+        deadline = time.monotonic() + bound
+        try:
+            while pending:
+                if cancelled():
+                    raise InterruptedError("ladder probe cancelled")
+                if time.monotonic() > deadline:
+                    raise ItoError(
+                        ErrorCode.stage_failed,
+                        f"ladder probe: {len(pending)} proxies unfinished after {bound:.0f}s",
+                    )
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=WAIT_S)
+                for ref in done:
+                    job, where = pending.pop(ref)
+                    try:
+                        bpb, device = ray.get(ref)
+                    except RayError as e:  # the rank was lost, or the proxy failed
+                        raise ItoError(
+                            ErrorCode.stage_failed,
+                            f"ladder probe: the {job.arm} proxy of seed {job.seed} failed on "
+                            f"{where}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                        ) from None
+                    yield job, float(bpb), str(device), where
+        finally:
+            for ref in pending:  # queued ones never start; a running one ends with its rank
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref)
+
+    return run
