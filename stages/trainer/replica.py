@@ -274,12 +274,16 @@ class ReplicaWorker:
 
     def identity(self) -> dict[str, Any]:
         """Which run, group and rank this process is now (a spare changes group once, a
-        fleet handed on changes run)."""
+        fleet handed on changes run), and the process groups it holds (a fleet handed
+        on keeps its group's, never piles up new ones)."""
+        from stages.trainer.setup import process_groups
+
         return {
             "run_id": self.spec.run_id,
             "group": self.loop.spec.replica_group,
             "rank": self.spec.rank,
             "pid": os.getpid(),
+            "process_groups": process_groups(),
         }
 
     def command(self, kind: str, params: dict[str, Any] | None = None) -> None:

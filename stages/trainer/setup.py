@@ -16,7 +16,52 @@ from stages.presets import load_model_preset
 from stages.trainer import ft
 
 if TYPE_CHECKING:
+    from stages.trainer.layout import ParallelLayout
     from stages.trainer.loop import TrainLoop
+
+
+# The mesh and DCP group this process built over its replica group's process group,
+# with the (mesh shape, device type) they were built for. A rank handed on to the next
+# engine run (stages.trainer.handoff) reuses them when the shape is the same and
+# destroys them when it differs: every process group holds communicators (on NCCL,
+# buffers on the device), so a new set per run would pile up over a run's objectives.
+_GROUP_MESH: dict[str, Any] = {}
+
+
+def _mesh_groups(mesh: Any) -> list[Any]:
+    from stages.trainer.mesh import FSDP_DIM
+
+    return [mesh[name].get_group() for name in [*(mesh.mesh_dim_names or ()), FSDP_DIM]]
+
+
+def process_groups() -> int:
+    """How many process groups this process holds (the default one included)."""
+    import torch.distributed as dist
+
+    return len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
+
+
+def group_mesh(layout: ParallelLayout, device_type: str) -> tuple[Any, Any]:
+    """This process's (mesh, DCP gloo group) for ``layout``: the ones built for its
+    shape before, else new ones (those of another shape destroyed first)."""
+    import torch.distributed as dist
+
+    from stages.trainer.layout import MESH_DIMS
+    from stages.trainer.mesh import build_mesh
+
+    key = (tuple(layout.degrees()[name] for name in MESH_DIMS), device_type)
+    if _GROUP_MESH.get("key") == key:
+        return _GROUP_MESH["mesh"], _GROUP_MESH["ckpt_pg"]
+    if _GROUP_MESH:
+        old = [*_mesh_groups(_GROUP_MESH["mesh"]), _GROUP_MESH["ckpt_pg"]]
+        for group in {id(g): g for g in old}.values():  # a size-1 dim may share a group
+            if group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
+        _GROUP_MESH.clear()
+    mesh = build_mesh(layout, device_type)
+    ckpt_pg = dist.new_group(backend="gloo")  # DCP's save-thread collectives
+    _GROUP_MESH.update(key=key, mesh=mesh, ckpt_pg=ckpt_pg)
+    return mesh, ckpt_pg
 
 
 class RankSetup:
@@ -67,10 +112,9 @@ class RankSetup:
     def _shard_in_group(self, store_addr: str, store_port: int) -> Any:
         """Multi-rank group: a gloo/NCCL process group over the group's ranks, the
         plan's (pp, dp_shard, cp, tp) mesh over it with TP/PP/FSDP2 applied, and a
-        separate gloo group for DCP's save-thread collectives. Returns that group."""
+        separate gloo group for DCP's save-thread collectives (both kept for the
+        process's next run, ``group_mesh``). Returns that group."""
         import torch.distributed as dist
-
-        from stages.trainer.mesh import build_mesh
 
         spec, cfg = self.loop.spec, self.loop.cfg
         if dist.is_initialized():
@@ -93,8 +137,9 @@ class RankSetup:
                 world_size=cfg.ranks_per_group,
                 timeout=timedelta(seconds=cfg.fault_tolerance.collective_timeout_s),
             )
-        self._parallelize(build_mesh(cfg.layout, self.device.type))
-        return dist.new_group(backend="gloo")
+        mesh, ckpt_pg = group_mesh(cfg.layout, self.device.type)
+        self._parallelize(mesh)
+        return ckpt_pg
 
     def warm_up(self) -> None:
         """Pay the one-off costs (autograd kernels, the optimizer's lazy imports) before

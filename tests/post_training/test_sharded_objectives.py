@@ -27,6 +27,8 @@ WAIT_S = 120.0  # a hang guard on a loaded 2-core machine, never a speed claim
 def test_sft_then_dpo_on_a_group_of_two_fsdp_ranks_in_the_same_processes(
     ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
+    import ray
+
     from stages.post_training import PostTrainingStage, PostTrainingStageConfig
 
     train = learner_layout(
@@ -54,11 +56,15 @@ def test_sft_then_dpo_on_a_group_of_two_fsdp_ranks_in_the_same_processes(
     )
     events: list[Any] = []
     pids: dict[str, list[int]] = {}
+    groups: dict[str, list[int]] = {}
 
     def emit(e: Any) -> None:
         events.append(e)
         if isinstance(e, StepEvent) and e.phase not in pids:
             pids[e.phase] = sorted(replica_group_pids(f"s-{e.phase}"))
+            ranks = [ray.get_actor(f"run-s-sft-trainer-rg0-rank{r}") for r in (0, 1)]
+            who = ray.get([a.identity.remote() for a in ranks], timeout=WAIT_S)
+            groups[e.phase] = [w["process_groups"] for w in who]
 
     ctx = StageContext(run_id="s", booking_id="b", workdir=tmp_path / "w", emit=emit)
     out = stage.run(ctx)
@@ -75,4 +81,6 @@ def test_sft_then_dpo_on_a_group_of_two_fsdp_ranks_in_the_same_processes(
     ] * 2
     assert started[0].address == started[1].address
     assert len(pids["sft"]) == 2 and pids["dpo"] == pids["sft"]
+    # DPO's layout is SFT's: its ranks train on SFT's mesh and DCP group, not new ones.
+    assert groups["sft"][0] > 1 and groups["dpo"] == groups["sft"], groups
     wait_until(lambda: not any(map(_alive, pids["dpo"])), WAIT_S, "the fleet is killed")

@@ -114,6 +114,29 @@ def ckpt_policy(directory: Path) -> Any:
     return CheckpointPolicy(interval_steps=1, keep=2, storage_uri=f"file://{directory}")
 
 
+def mesh_handoff_case(rank: int, world: int, out: Path) -> None:
+    """A rank handed on from a pp=2 run to a dp_shard=2 run (pretraining's layout, then
+    post-training's): the same shape reuses its mesh and DCP group, another destroys
+    them before it builds its own, and the new ones carry collectives."""
+    import torch.distributed as dist
+
+    from stages.trainer.mesh import FSDP_DIM
+    from stages.trainer.setup import group_mesh, process_groups
+
+    pp2 = ParallelLayout(**CASES["pp2_1f1b"]).resolved(world)
+    mesh, ckpt_pg = group_mesh(pp2, "cpu")
+    counts = [process_groups()]
+    again = group_mesh(pp2, "cpu")
+    counts.append(process_groups())
+    fsdp, fsdp_ckpt_pg = group_mesh(ParallelLayout(dp_shard=2).resolved(world), "cpu")
+    counts.append(process_groups())
+    total = torch.ones(1)
+    dist.all_reduce(total, group=fsdp[FSDP_DIM].get_group())
+    dist.barrier(group=fsdp_ckpt_pg)
+    result = {"counts": counts, "reused": again == (mesh, ckpt_pg), "sum": float(total)}
+    torch.save(result, out / f"mesh_handoff-rank{rank}.pt")
+
+
 def run_case(name: str, rank: int, world: int, out: Path) -> None:
     import torch.distributed as dist
 
@@ -125,6 +148,9 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
 
     if name in MEM_CASES:
         measure_case(name, rank, world, out)
+        return
+    if name == "mesh_handoff":
+        mesh_handoff_case(rank, world, out)
         return
     layout = ParallelLayout(**CASES[name]).resolved(world)
     mesh = build_mesh(layout, "cpu")

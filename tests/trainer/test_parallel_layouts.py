@@ -48,7 +48,8 @@ LOGIT_ATOL = 1e-4
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    launch(2, ["tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "pp2_load"], out)
+    two = ["tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "pp2_load", "mesh_handoff"]
+    launch(2, two, out)
     launch(4, ["tp2_fsdp2", "pp2_fsdp2"], out)
     return out
 
@@ -163,3 +164,17 @@ def test_checkpoint_saved_under_tp2_loads_under_tp1_and_pp2_with_the_same_logits
     fresh = build_model(PRESET, seed=7)
     with torch.no_grad():  # the load really replaced the weights
         assert (fresh(input_ids=eval_ids()).logits - saved).abs().max() > 0.01
+
+
+def test_a_handed_on_rank_keeps_its_mesh_or_replaces_it_never_piles_them_up(
+    runs: Path,
+) -> None:
+    """pp=2 then dp_shard=2 on the same two processes (pretraining's layout, then
+    post-training's, stages.trainer.setup.group_mesh): the same layout again reuses the
+    mesh and DCP group; a new one destroys them first (no more process groups than
+    before), and its groups carry collectives."""
+    for rank in (0, 1):
+        got = torch.load(runs / f"mesh_handoff-rank{rank}.pt")
+        assert got["reused"] is True
+        assert got["counts"][0] == got["counts"][1] >= got["counts"][2], got
+        assert got["sum"] == 2.0
