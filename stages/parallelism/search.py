@@ -153,7 +153,8 @@ def _groups(ctx: Context) -> Iterator[_Group]:
         if world % (tp * cp):
             continue
         for pp in _divisors(world // (tp * cp)):
-            if pp > preset.num_hidden_layers:
+            # A tied head is the embedding's parameter: it cannot go on another stage.
+            if pp > preset.num_hidden_layers or (pp > 1 and preset.tie_word_embeddings):
                 break
             dp = world // (tp * cp * pp)
             schedules: list[tuple[PipelineSchedule, int]] = [("1F1B", 1)]

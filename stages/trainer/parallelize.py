@@ -115,6 +115,9 @@ def apply_tp(chunk: nn.Module, tp_mesh: Any, *, sequence_parallel: bool, fp8: bo
     seq = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, Any] = {}
     inner: Any = chunk.model
+    head = getattr(chunk, "lm_head", None)
+    embed = getattr(inner, "embed_tokens", None)
+    tied = head is not None and embed is not None and head.weight is embed.weight
     if hasattr(inner, "embed_tokens"):
         top["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if hasattr(inner, "norm"):
@@ -125,6 +128,12 @@ def apply_tp(chunk: nn.Module, tp_mesh: Any, *, sequence_parallel: bool, fp8: bo
         )
     if top:
         parallelize_module(chunk, tp_mesh, top)
+    if tied:
+        # Each style made its own DTensor of the one weight, which would then train as
+        # two: tie them again (both are sharded over the vocabulary, Shard(0)), as
+        # torchtitan does after its TP plan.
+        assert embed is not None and head is not None
+        head.weight = embed.weight
     for layer in _decoder_layers(chunk):
         plan: dict[str, Any] = {
             "self_attn.q_proj": colwise(),

@@ -301,3 +301,27 @@ def test_long_context_405b_uses_context_parallelism_like_llama3() -> None:
     )
     assert p.tp == 8 and p.cp >= 8
     assert p.peak_memory_gib <= p.memory.capacity
+
+
+def test_a_tied_head_is_never_pipelined() -> None:
+    """With tie_word_embeddings the head is the embedding's parameter, which the first
+    and the last pipeline stage cannot share: the booking the untied 405B pipelines
+    (above) gets a plan without PP, and no alternative it weighed had PP either."""
+    from stages.presets import load_model_preset
+
+    tied = load_model_preset("llama3-405b").model_copy(
+        update={"name": "llama3-405b-tied", "tie_word_embeddings": True}
+    )
+    p = plan(
+        PlanRequest(
+            model=tied,
+            gpu_sku="H100-SXM",
+            gpus_per_node=8,
+            node_count=1024,
+            fabric="ib-ndr",
+            global_batch_tokens=16 * 2**20,
+            seq_len=8192,
+        )
+    )
+    assert p.pp == 1 and p.peak_memory_gib <= p.memory.capacity
+    assert p.rejected and all(r.degrees.pp == 1 for r in p.rejected)

@@ -37,6 +37,9 @@ PRESET = ModelPreset(
     max_position_embeddings=256,
 )
 
+# PRESET with its head tied to the embedding (tie_word_embeddings, as Llama 3.2 1B/3B).
+TIED_PRESET = PRESET.model_copy(update={"name": "pp-probe-tied", "tie_word_embeddings": True})
+
 # Memory probes: big enough that activations, weights and AdamW state all count.
 MEM_PRESET = ModelPreset(
     name="mem-probe",
@@ -71,6 +74,7 @@ CASES: dict[str, dict[str, Any]] = {
         "pp_microbatches": 4,
     },
     "tp2_sp": {"tp": 2},  # with sequence parallel forced on (the GPU default)
+    "tp2_tied": {"tp": 2},  # on TIED_PRESET: the head is the embedding's parameter
     "tp2_fsdp2": {"tp": 2, "dp_shard": 2},
     "pp2_fsdp2": {
         "pp": 2,
@@ -156,7 +160,7 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
     mesh = build_mesh(layout, "cpu")
     seed = 7 if name.endswith("_load") else 0  # a load must overwrite other weights
     pm = ParallelModel(
-        build_model(PRESET, seed=seed),
+        build_model(TIED_PRESET if name.endswith("_tied") else PRESET, seed=seed),
         layout,
         mesh,
         torch.device("cpu"),

@@ -187,3 +187,18 @@ def test_the_planner_never_picks_fp8_where_the_trainer_would_refuse_it() -> None
     with pytest.raises(ItoError) as e:
         validate_layout(req, Layout(tp=1, precision="fp8"))
     assert e.value.code == ErrorCode.plan_fp8_unsupported
+
+
+def test_a_tied_head_is_refused_a_pipeline() -> None:
+    """The first stage would hold the embedding and the last the head, one parameter:
+    a pipelined layout of a tied model is refused before any split (the planner never
+    plans one)."""
+    from stages.trainer.model import build_model
+    from stages.trainer.pipeline import split_model
+    from tests.trainer.parallel_cases import TIED_PRESET
+
+    layout = ParallelLayout(pp=2, pp_microbatches=2, dp_shard=1)
+    with pytest.raises(ItoError) as e:
+        split_model(build_model(TIED_PRESET, seed=0), layout, 0)
+    assert e.value.code == ErrorCode.layout_unsupported
+    assert "tied input and output embeddings" in e.value.message

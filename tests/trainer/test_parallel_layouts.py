@@ -31,6 +31,7 @@ from tests.trainer.parallel_cases import (
     LR,
     PRESET,
     STEPS,
+    TIED_PRESET,
     batches,
     eval_ids,
     launch,
@@ -48,8 +49,8 @@ LOGIT_ATOL = 1e-4
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    two = ["tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "pp2_load", "mesh_handoff"]
-    launch(2, two, out)
+    two = ["tp2", "tp2_sp", "tp2_tied", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "pp2_load"]
+    launch(2, [*two, "mesh_handoff"], out)
     launch(4, ["tp2_fsdp2", "pp2_fsdp2"], out)
     return out
 
@@ -57,9 +58,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Any]:
     """One process, the whole batch, the trainer's loss, clip and AdamW."""
+    return _one_process(PRESET)
+
+
+@pytest.fixture(scope="module")
+def tied_reference() -> dict[str, Any]:
+    return _one_process(TIED_PRESET)
+
+
+def _one_process(preset: Any) -> dict[str, Any]:
     from stages.trainer.model import build_model, causal_lm_loss
 
-    model = build_model(PRESET, seed=0)
+    model = build_model(preset, seed=0)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt = make_optimizer(model.parameters())
     losses = []
@@ -88,9 +98,23 @@ def _results(out: Path, case: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    "case", ["tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "tp2_fsdp2", "pp2_fsdp2"]
+    "case",
+    [
+        "tp2",
+        "tp2_sp",
+        "tp2_tied",
+        "pp2_gpipe",
+        "pp2_1f1b",
+        "pp2_interleaved",
+        "tp2_fsdp2",
+        "pp2_fsdp2",
+    ],
 )
-def test_layout_trains_like_one_process(runs: Path, reference: dict[str, Any], case: str) -> None:
+def test_layout_trains_like_one_process(
+    runs: Path, reference: dict[str, Any], tied_reference: dict[str, Any], case: str
+) -> None:
+    if case.endswith("_tied"):  # one parameter for embedding and head, on every rank too
+        reference = tied_reference
     ranks = _results(runs, case)
     for r in ranks:  # every rank reports the group's loss
         assert r["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL)
