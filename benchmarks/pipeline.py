@@ -15,7 +15,9 @@ the run's stored events and ``ito metrics``, reports:
 - ``eval_share``: evaluation badput / elapsed;
 - ``badput_share``: each cause's badput / elapsed (each second counted once, so these
   and ``goodput`` add up to 1);
-- ``driver_peak_rss_mb``: peak resident memory (VmHWM) of the RunDriver actor process.
+- ``driver_peak_rss_mb``: peak resident memory (VmHWM) of the RunDriver actor process;
+- ``ladder``: the ladder probe's decision and where its proxies trained (the run's
+  trainer ranks).
 
 ``driver_rss_growth`` is the larger preset's driver peak over the smaller's: a driver
 that materialises the model grows with it. One JSON line on stdout.
@@ -92,6 +94,15 @@ def _events(db: Path, run_id: str) -> list[dict[str, Any]]:
             "SELECT payload FROM run_events WHERE run_id = ? ORDER BY seq", (run_id,)
         ).fetchall()
     return [json.loads(r[0]) for r in rows]
+
+
+def _ladder(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ladder probe's decision and where its proxies trained (data prep's outcome)."""
+    for e in events:
+        if e.get("kind") == "stage_result" and e["outcome"].get("stage") == "data_prep":
+            probe = e["outcome"].get("artifacts", {}).get("ladder", {})
+            return {"decision": probe.get("decision"), "trained_on": probe.get("trained_on", [])}
+    return {}
 
 
 def _state(db: Path, run_id: str) -> str:
@@ -178,6 +189,7 @@ def run_preset(
             if m.get("elapsed_s")
             else None,
             "elapsed_s": round(m.get("elapsed_s", 0.0), 1),
+            "ladder": _ladder(events),
         }
     finally:
         sampler.stop.set()

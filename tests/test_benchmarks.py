@@ -117,7 +117,8 @@ CASES: dict[str, tuple[list[str], set[str], bool]] = {
         True,
     ),
     "pipeline.py": (
-        ["--presets", "llama-tiny", "--max-steps", "8", "--ladder-tokens", "0"],
+        # A probe of two steps a proxy: its proxies train on the warming ranks.
+        ["--presets", "llama-tiny", "--max-steps", "8", "--ladder-tokens", "2048"],
         {"presets", "driver_rss_growth"},
         True,
     ),
@@ -215,6 +216,9 @@ def test_benchmark_runs_at_its_smallest_size(script: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = _last_json(proc.stdout)
     assert keys <= set(out), sorted(keys - set(out))
+    if script == "pipeline.py":  # the run's probe trained on its own ranks
+        [run] = out["presets"]
+        assert run["ladder"]["trained_on"] == ["rg0/rank0", "rg1/rank0"], run["ladder"]
 
 
 def test_gpu_check_without_a_gpu_exits_2_and_says_why() -> None:
