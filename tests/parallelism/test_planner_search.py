@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,18 +132,21 @@ def test_plan_carries_the_documented_fields_and_is_json() -> None:
     assert again.tokens_per_s == p.tokens_per_s
 
 
-def test_405b_at_scale_keeps_tp_in_the_node_and_pipelines() -> None:
-    p = plan(
-        PlanRequest(
-            model="llama3-405b",
-            gpu_sku="H100-SXM",
-            gpus_per_node=8,
-            node_count=1024,
-            fabric="ib-ndr",
-            global_batch_tokens=16 * 2**20,
-            seq_len=8192,
-        )
+def _at_scale(model: Any) -> PlanRequest:
+    """1024 nodes of 8 H100s, 16M-token batches of 8k sequences."""
+    return PlanRequest(
+        model=model,
+        gpu_sku="H100-SXM",
+        gpus_per_node=8,
+        node_count=1024,
+        fabric="ib-ndr",
+        global_batch_tokens=16 * 2**20,
+        seq_len=8192,
     )
+
+
+def test_405b_at_scale_keeps_tp_in_the_node_and_pipelines() -> None:
+    p = plan(_at_scale("llama3-405b"))
     assert 1 < p.tp <= 8 and p.pp >= 8
     assert sum(p.pp_stage_layers) == 126
     assert p.peak_memory_gib <= p.memory.capacity
@@ -312,16 +316,6 @@ def test_a_tied_head_is_never_pipelined() -> None:
     tied = load_model_preset("llama3-405b").model_copy(
         update={"name": "llama3-405b-tied", "tie_word_embeddings": True}
     )
-    p = plan(
-        PlanRequest(
-            model=tied,
-            gpu_sku="H100-SXM",
-            gpus_per_node=8,
-            node_count=1024,
-            fabric="ib-ndr",
-            global_batch_tokens=16 * 2**20,
-            seq_len=8192,
-        )
-    )
+    p = plan(_at_scale(tied))
     assert p.pp == 1 and p.peak_memory_gib <= p.memory.capacity
     assert p.rejected and all(r.degrees.pp == 1 for r in p.rejected)
