@@ -352,7 +352,6 @@ class TrainingEngine:
         the lost group is replaced (a multi-rank group is one failure unit, so its
         survivors go too), and the standby's ranks form the group's process group
         around their own store. False: no standby group is warm."""
-
         warm = [i for i, names in self._standby_groups.items() if self._spares_ready >= set(names)]
         if not warm:
             return False

@@ -130,16 +130,20 @@ class ReplicaWorker:
             self._events.drain()  # the previous run's engine polled what it wanted
         self.spec = spec
         # The old model and optimizer go before the next run builds its own: one copy
-        # on the device at a time.
-        device = self.loop.cfg.device
+        # on the device at a time (a hand-over keeps the device: same shape).
         del self.loop
+        self._free_device_memory()
+        self._start_loop(restarted=False)
+        return os.getpid()
+
+    def _free_device_memory(self) -> None:
+        """Collect what was let go and, on CUDA, hand the cached blocks back, so the
+        next model built here (a run's, a probe proxy's) has the device to itself."""
         gc.collect()
-        if device == "cuda":
+        if self.spec.config.device == "cuda":
             import torch
 
             torch.cuda.empty_cache()
-        self._start_loop(restarted=False)
-        return os.getpid()
 
     def _group_store(self, spec: WorkerSpec) -> None:
         """Multi-rank group: rank 0 hosts the group's TCPStore (it dies with rank 0, so
@@ -334,11 +338,7 @@ class ReplicaWorker:
         try:
             return score_arm(job, stream, windows, cfg)
         finally:
-            gc.collect()
-            if self.spec.config.device == "cuda":
-                import torch
-
-                torch.cuda.empty_cache()
+            self._free_device_memory()
 
     def _at_phase_end(self, request: dict[str, Any]) -> Any:
         from stages.errors import ErrorCode, ItoError
