@@ -415,8 +415,14 @@ class TrainingEngine:
             ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         else:  # every rank answered its last poll: wait for the next one's turn
             ready = []
-            live = [*self.actors, *self.spares]
-            next_due = min((self._poll_due.get(k, started) for k in live), default=started)
+            # Only an actor with no poll in flight has a turn coming (one in flight is
+            # checked each pass): a standby still warming up, its poll unanswered for
+            # seconds, must not turn this into a busy loop beside the ranks.
+            idle = [k for k in self.actors if k not in self._pending]
+            idle += [n for n in self.spares if n not in self._spare_pending]
+            next_due = min(
+                (self._poll_due.get(k, started) for k in idle), default=started + timeout_s
+            )
             time.sleep(max(0.0, min(timeout_s, next_due - started)))
         now = time.time()
         for ref in ready:

@@ -57,6 +57,7 @@ def test_sft_then_dpo_on_a_group_of_two_fsdp_ranks_in_the_same_processes(
     events: list[Any] = []
     pids: dict[str, list[int]] = {}
     groups: dict[str, list[int]] = {}
+    loops: dict[str, list[int]] = {}
 
     def emit(e: Any) -> None:
         events.append(e)
@@ -65,6 +66,7 @@ def test_sft_then_dpo_on_a_group_of_two_fsdp_ranks_in_the_same_processes(
             ranks = [ray.get_actor(f"run-s-sft-trainer-rg0-rank{r}") for r in (0, 1)]
             who = ray.get([a.identity.remote() for a in ranks], timeout=WAIT_S)
             groups[e.phase] = [w["process_groups"] for w in who]
+            loops[e.phase] = [w["loops"] for w in who]
 
     ctx = StageContext(run_id="s", booking_id="b", workdir=tmp_path / "w", emit=emit)
     out = stage.run(ctx)
@@ -83,4 +85,6 @@ def test_sft_then_dpo_on_a_group_of_two_fsdp_ranks_in_the_same_processes(
     assert len(pids["sft"]) == 2 and pids["dpo"] == pids["sft"]
     # DPO's layout is SFT's: its ranks train on SFT's mesh and DCP group, not new ones.
     assert groups["sft"][0] > 1 and groups["dpo"] == groups["sft"], groups
+    # SFT's loop (its model and optimizer) went at the hand-over: one loop a rank.
+    assert loops == {"sft": [1, 1], "dpo": [1, 1]}, loops
     wait_until(lambda: not any(map(_alive, pids["dpo"])), WAIT_S, "the fleet is killed")

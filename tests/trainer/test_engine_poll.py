@@ -1,6 +1,8 @@
 """The engine asks each rank for its events at most once per ``poll_interval_s``,
 however fast the rank answers: a poll answered at once must not be re-sent at once
-(each poll costs the rank's training loop the GIL for the call).
+(each poll costs the rank's training loop the GIL for the call). Between polls it
+waits, also while a standby's poll goes unanswered (it is warming up): the driver
+must not spin beside the ranks.
 
 Real Ray actors stand in for the ranks: they answer every poll at once and count them.
 """
@@ -17,6 +19,7 @@ from stages.trainer.engine import TrainingEngine
 
 POLL_INTERVAL_S = 0.05
 POLL_CALLS = 40
+PASS_WINDOW_S = 1.0
 
 
 def _cfg(tmp: Path) -> TrainStageConfig:
@@ -32,25 +35,28 @@ def _cfg(tmp: Path) -> TrainStageConfig:
     )
 
 
-def test_each_rank_is_polled_at_most_once_per_poll_interval(
-    ray_local: None, tmp_path: Path
-) -> None:
+def _rank_class() -> Any:
     import ray
 
     @ray.remote(num_cpus=0)
     class Rank:
-        def __init__(self, pid: int) -> None:
-            self.pid, self.polls = pid, 0
+        def __init__(self, pid: int, answer_after_s: float = 0.0) -> None:
+            self.pid, self.polls, self.answer_after_s = pid, 0, answer_after_s
 
         def poll(self) -> dict[str, Any]:
             self.polls += 1
+            time.sleep(self.answer_after_s)
             status = {"phase": "training", "pid": self.pid, "step": 0, "started_at": 0.0}
             return {"events": [], "status": status}
 
         def count(self) -> int:
             return self.polls
 
-    engine = TrainingEngine(
+    return Rank
+
+
+def _engine(tmp_path: Path) -> TrainingEngine:
+    return TrainingEngine(
         _cfg(tmp_path),
         run_id="pollpace",
         checkpoint_dir=tmp_path / "ckpt",
@@ -59,7 +65,15 @@ def test_each_rank_is_polled_at_most_once_per_poll_interval(
         cancel_event=threading.Event(),
         wait_decision=lambda _p, _t: None,
     )
-    ranks = [Rank.remote(1000 + g) for g in range(2)]  # type: ignore[attr-defined]
+
+
+def test_each_rank_is_polled_at_most_once_per_poll_interval(
+    ray_local: None, tmp_path: Path
+) -> None:
+    import ray
+
+    engine = _engine(tmp_path)
+    ranks = [_rank_class().remote(1000 + g) for g in range(2)]
     engine.actors = {(g, 0): r for g, r in enumerate(ranks)}
     started = time.monotonic()
     for _ in range(POLL_CALLS):
@@ -71,3 +85,28 @@ def test_each_rank_is_polled_at_most_once_per_poll_interval(
     assert all(1 <= c <= bound for c in counts), (counts, bound)
     for r in ranks:
         ray.kill(r)
+
+
+def test_a_standby_that_does_not_answer_yet_makes_no_busy_loop(
+    ray_local: None, tmp_path: Path
+) -> None:
+    """Two ranks answer at once; a warming standby's poll stays unanswered. Each pass
+    either waits for the ranks' polls or sleeps until their next turn: about two
+    passes per interval, never a spin."""
+    import ray
+
+    engine = _engine(tmp_path)
+    rank = _rank_class()
+    engine.actors = {(g, 0): rank.remote(1000 + g) for g in range(2)}
+    standby = rank.remote(2000, answer_after_s=60.0)
+    engine.spares = {"spare0": standby}
+    passes, started = 0, time.monotonic()
+    while (elapsed := time.monotonic() - started) < PASS_WINDOW_S:
+        engine.poll_once(POLL_INTERVAL_S)
+        passes += 1
+    assert engine._spare_pending, "the standby's poll is still in flight"
+    # A rate bound, not a speed claim: a slower host only makes it easier to meet.
+    bound = 2 * (elapsed / POLL_INTERVAL_S + 1)
+    assert passes <= bound, (passes, bound)
+    for actor in [*engine.actors.values(), standby]:
+        ray.kill(actor)
