@@ -112,7 +112,6 @@ def run_once(
     from stages.events import Event, MetricsEvent
     from stages.post_training.config import RLVRConfig
     from stages.post_training.data import load_rows
-    from stages.post_training.hf_io import load_tokenizer
     from stages.post_training.learner import run_rlvr_on_engine
     from stages.post_training.pools import RayPool
     from stages.post_training.rl import RequestMaker
@@ -141,7 +140,6 @@ def run_once(
             "checkpoint_every_steps": checkpoint_every,
         }
     )
-    tok = load_tokenizer(policy)
     ckpts = workdir / "rlvr" / "checkpoints"  # run_rlvr_on_engine's layout
     events: list[tuple[int, float, float]] = []  # (step, sync_s, perf_counter)
 
@@ -173,6 +171,8 @@ def run_once(
     try:
         if warm:  # the rollout actors are up before the clock starts
             pool.identities(ACTOR_TIMEOUT_S)
+        rows = load_rows("rlvr", cfg.data.uri)
+        prompts = pool.encode_prompts(rows, cfg.worker_ready_timeout_s)
         result, _, _, _ = run_rlvr_on_engine(
             cfg,
             ctx,
@@ -182,8 +182,8 @@ def run_once(
             train=None,  # one replica group, as a stage without a train config runs it
             device="cpu",
             pool=pool,
-            maker=RequestMaker(cfg, tok, load_rows("rlvr", cfg.data.uri)),
-            pad_id=int(tok.pad_token_id),
+            maker=RequestMaker(cfg, prompts, rows),
+            pad_id=prompts.pad_id,
         )
     finally:
         pool.close()

@@ -11,6 +11,7 @@ import time
 from typing import Any, Protocol
 
 from stages.post_training.rollout import (
+    PromptEncoding,
     Refusal,
     RolloutGroup,
     RolloutRequest,
@@ -46,6 +47,7 @@ class WorkerPool(Protocol):
     def wait(self, handles: list[Any], timeout_s: float) -> list[Any]: ...
     def result(self, w: int, handle: Any) -> Any: ...
     def versions(self, timeout_s: float) -> list[int]: ...
+    def encode_prompts(self, rows: list[dict[str, Any]], timeout_s: float) -> PromptEncoding: ...
     def close(self) -> None: ...
 
 
@@ -128,6 +130,12 @@ class LocalPool:
     def versions(self, timeout_s: float) -> list[int]:
         futs = [ex.submit(wk.identity) for ex, wk in zip(self._ex, self.workers, strict=True)]
         return [int(f.result(timeout=timeout_s)["version"]) for f in futs]
+
+    def encode_prompts(self, rows: list[dict[str, Any]], timeout_s: float) -> PromptEncoding:
+        result: PromptEncoding = (
+            self._ex[0].submit(self.workers[0].encode_prompts, rows).result(timeout=timeout_s)
+        )
+        return result
 
     def close(self) -> None:
         if self._sender is not None:
@@ -237,6 +245,14 @@ class RayPool:
             int(i["version"])
             for i in ray.get([a.identity.remote() for a in self.actors], timeout=timeout_s)
         ]
+
+    def encode_prompts(self, rows: list[dict[str, Any]], timeout_s: float) -> PromptEncoding:
+        """Worker 0's encoding (it waits for the worker to have loaded the policy)."""
+        import ray
+
+        return PromptEncoding.model_validate(
+            ray.get(self.actors[0].encode_prompts.remote(rows), timeout=timeout_s)
+        )
 
     def identities(self, timeout_s: float) -> list[dict[str, int]]:
         import ray

@@ -15,23 +15,15 @@ from stages.events import Event, MetricsEvent
 from stages.post_training.config import RLVRConfig
 from stages.post_training.fleet import DynamicSampler, RolloutController
 from stages.post_training.pools import WorkerPool
-from stages.post_training.rollout import RolloutGroup, RolloutRequest
-
-
-def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[int]:
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return list(ids)
+from stages.post_training.rollout import PromptEncoding, RolloutGroup, RolloutRequest
 
 
 class RequestMaker:
     """Request ``k`` is always the same prompt with the same seed."""
 
-    def __init__(self, cfg: RLVRConfig, tokenizer: Any, rows: list[dict[str, Any]]):
+    def __init__(self, cfg: RLVRConfig, prompts: PromptEncoding, rows: list[dict[str, Any]]):
         self.cfg = cfg
-        encoded = [(prompt_ids(tokenizer, r["prompt"]), r["answer"]) for r in rows]
+        encoded = list(zip(prompts.ids, (r["answer"] for r in rows), strict=True))
         self.prompts = [(ids, a) for ids, a in encoded if len(ids) <= cfg.max_prompt_tokens]
         if not self.prompts:
             raise ItoError(

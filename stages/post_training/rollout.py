@@ -22,6 +22,29 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 
+class PromptEncoding(BaseModel):
+    """The RLVR rows' prompts as token ids (the chat template's generation prompt), and
+    the tokenizer's pad id: made where the tokenizer is loaded, never in the driver."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    ids: list[list[int]]
+    pad_id: int
+
+
+def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[int]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids)
+
+
+def encode_prompts(tokenizer: Any, rows: list[dict[str, Any]]) -> PromptEncoding:
+    return PromptEncoding(
+        ids=[prompt_ids(tokenizer, r["prompt"]) for r in rows], pad_id=int(tokenizer.pad_token_id)
+    )
+
+
 class RolloutRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     id: int
@@ -178,6 +201,11 @@ class RolloutWorker:
 
     def identity(self) -> dict[str, int]:
         return {"pid": os.getpid(), "index": self.spec.index, "version": self.version}
+
+    def encode_prompts(self, rows: list[dict[str, Any]]) -> PromptEncoding:
+        """The rows' prompts with this worker's tokenizer (the run's), for the driver's
+        request maker: the driver loads no tokenizer."""
+        return encode_prompts(self.tokenizer, rows)
 
     # -- rollouts --------------------------------------------------------------------
     def generate(self, req: RolloutRequest) -> RolloutGroup | Refusal:

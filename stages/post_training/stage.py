@@ -222,14 +222,12 @@ class PostTrainingStage:
 
     def _run_chain(self, ctx: StageContext) -> GateOutcome:
         from stages.evals import BatteryResult
-        from stages.post_training.hf_io import load_tokenizer
         from stages.post_training.passed import PassedObjective, load_passed, save_passed
         from stages.trainer.engine import RunCancelled
 
         try:
             rows = self.load_data()
             base = self.base_model(ctx)
-            tok = load_tokenizer(base)
             out = Path(self.config.output_dir)
             rlvr = self.config.recipe.rlvr
             if rlvr is not None and load_passed(out, "rlvr") is None:
@@ -264,7 +262,7 @@ class PostTrainingStage:
                 t0 = time.time()
                 ctx.log(f"post_training {objective}: started from {current.name}", stage=self.name)
                 m, current, scored = self._run_objective(
-                    objective, ctx, tok, rows[objective], out, current
+                    objective, ctx, rows[objective], out, current
                 )
                 m["seconds"] = time.time() - t0
                 ctx.emit(MetricsEvent(stage=self.name, step=0, scope=objective, values=m))
@@ -337,7 +335,6 @@ class PostTrainingStage:
         self,
         objective: str,
         ctx: StageContext,
-        tok: Any,
         rows: list[dict[str, Any]],
         out: Path,
         current: Path,
@@ -372,7 +369,7 @@ class PostTrainingStage:
         # The learner's ranks and the rollout workers start from the previous
         # objective's export (or the base), and its battery runs on the evaluating rank:
         # no model in this process.
-        return self._run_rlvr(recipe.rlvr, ctx, tok, rows, current, out / objective)
+        return self._run_rlvr(recipe.rlvr, ctx, rows, current, out / objective)
 
     def _rollout_pool(self, cfg: RLVRConfig, ctx: StageContext, model_dir: Path) -> Any:
         """RLVR's rollout workers, built on ``model_dir`` (they refuse rollouts until
@@ -406,7 +403,6 @@ class PostTrainingStage:
         self,
         cfg: RLVRConfig,
         ctx: StageContext,
-        tok: Any,
         rows: list[dict[str, Any]],
         init: Path,
         export_dir: Path,
@@ -444,6 +440,9 @@ class PostTrainingStage:
                 phase=f"{self.name}.rlvr",
             )
         try:
+            # The prompts are encoded where the run's tokenizer already is: this
+            # process never loads one (it waits for worker 0 to have loaded the policy).
+            prompts = pool.encode_prompts(rows, cfg.worker_ready_timeout_s)
             result, exported, _, scores = run_rlvr_on_engine(
                 cfg,
                 ctx,
@@ -453,8 +452,8 @@ class PostTrainingStage:
                 train=self.config.train,
                 device=self.config.device,
                 pool=pool,
-                maker=RequestMaker(cfg, tok, rows),
-                pad_id=int(tok.pad_token_id),
+                maker=RequestMaker(cfg, prompts, rows),
+                pad_id=prompts.pad_id,
                 on_interruption=interrupted,
                 board_placement=actor_options(ctx.facts),
                 scoring=scoring,

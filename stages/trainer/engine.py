@@ -418,7 +418,7 @@ class TrainingEngine:
             # Only an actor with no poll in flight has a turn coming (one in flight is
             # checked each pass): a standby still warming up, its poll unanswered for
             # seconds, must not turn this into a busy loop beside the ranks.
-            idle = [k for k in self.actors if k not in self._pending]
+            idle: list[Any] = [k for k in self.actors if k not in self._pending]
             idle += [n for n in self.spares if n not in self._spare_pending]
             next_due = min(
                 (self._poll_due.get(k, started) for k in idle), default=started + timeout_s

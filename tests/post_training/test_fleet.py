@@ -331,7 +331,7 @@ def _rl_setup(tiny_policy: Path, task_files: dict[str, Path], eta: int) -> tuple
     from stages.post_training.data import load_rows
     from stages.post_training.hf_io import load_model, load_tokenizer
     from stages.post_training.rl import RequestMaker
-    from stages.post_training.rollout import RolloutWorker, WorkerSpec
+    from stages.post_training.rollout import RolloutWorker, WorkerSpec, encode_prompts
 
     cfg = RLVRConfig.model_validate(
         {
@@ -357,7 +357,8 @@ def _rl_setup(tiny_policy: Path, task_files: dict[str, Path], eta: int) -> tuple
         overlong_buffer_tokens=2,
         overlong_penalty_factor=0.5,
     )
-    maker = RequestMaker(cfg, tok, load_rows("rlvr", cfg.data.uri))
+    rows = load_rows("rlvr", cfg.data.uri)
+    maker = RequestMaker(cfg, encode_prompts(tok, rows), rows)
     return cfg, learner, maker, lambda i: RolloutWorker(spec.model_copy(update={"index": i}))
 
 
@@ -508,7 +509,8 @@ def test_prompts_over_max_prompt_tokens_are_left_out_and_none_left_is_refused(
     from stages.errors import ErrorCode, ItoError
     from stages.post_training.config import RLVRConfig
     from stages.post_training.hf_io import load_tokenizer
-    from stages.post_training.rl import RequestMaker, prompt_ids
+    from stages.post_training.rl import RequestMaker
+    from stages.post_training.rollout import encode_prompts, prompt_ids
 
     tok = load_tokenizer(tiny_policy)
     rows = [{"prompt": "1+1?", "answer": "2"}, {"prompt": "x" * 400, "answer": "3"}]
@@ -517,25 +519,32 @@ def test_prompts_over_max_prompt_tokens_are_left_out_and_none_left_is_refused(
     cfg = RLVRConfig.model_validate(
         {"data": data_ref(task_files["rlvr"]), "steps": 1, "max_prompt_tokens": short}
     )
-    maker = RequestMaker(cfg, tok, rows)
+    maker = RequestMaker(cfg, encode_prompts(tok, rows), rows)
     assert {maker(k, 0).answer for k in range(6)} == {"2"}
     with pytest.raises(ItoError) as e:
-        RequestMaker(cfg.model_copy(update={"max_prompt_tokens": short - 1}), tok, rows)
+        RequestMaker(
+            cfg.model_copy(update={"max_prompt_tokens": short - 1}), encode_prompts(tok, rows), rows
+        )
     assert e.value.code is ErrorCode.data_empty
 
 
-def test_the_rlvr_driver_side_builds_no_tensor_and_imports_no_torch(
+def test_the_rlvr_driver_side_builds_no_tensor_and_loads_no_torch_or_tokenizer(
     tiny_policy: Path, task_files: dict[str, Path], tmp_path: Path
 ) -> None:
-    """The driver's part of the RLVR objective on the engine, in a fresh process: the run's
-    tokenizer and the request maker, the controller, and a step's groups written for
-    the ranks as the engine learner writes them; torch never loads (the ranks make the
-    tensors)."""
+    """The driver's part of the RLVR objective on the engine, in a fresh process: the
+    request maker on the prompts a rollout worker encoded, the controller, and a step's
+    groups written for the ranks as the engine learner writes them; neither torch (the
+    ranks make the tensors) nor transformers (the workers hold the tokenizer) loads."""
     from helpers.fresh_python import run_python
 
+    from stages.post_training.data import load_rows
     from stages.post_training.grpo_objective import assemble, wait_for
+    from stages.post_training.hf_io import load_tokenizer
+    from stages.post_training.rollout import encode_prompts
     from stages.post_training.step_groups import step_groups_path
 
+    cfg = _rl_setup(tiny_policy, task_files, 0)[0]
+    rows = load_rows("rlvr", cfg.data.uri)
     loaded = run_python(
         "import json, sys\n"
         "from pathlib import Path\n"
@@ -543,27 +552,28 @@ def test_the_rlvr_driver_side_builds_no_tensor_and_imports_no_torch(
         "import stages.post_training.rl, stages.post_training.fleet\n"
         "from stages.post_training.config import RLVRConfig\n"
         "from stages.post_training.data import load_rows\n"
-        "from stages.post_training.hf_io import load_tokenizer\n"
         "from stages.post_training.rl import RequestMaker\n"
-        "from stages.post_training.rollout import RolloutGroup\n"
+        "from stages.post_training.rollout import PromptEncoding, RolloutGroup\n"
         "from stages.post_training.step_groups import step_groups, write_step_groups\n"
         "cfg = RLVRConfig.model_validate_json(sys.stdin.readline())\n"
         "policy, out = Path(sys.stdin.readline().strip()), Path(sys.stdin.readline().strip())\n"
-        "tok = load_tokenizer(policy)\n"
-        "maker = RequestMaker(cfg, tok, load_rows('rlvr', cfg.data.uri))\n"
+        "prompts = PromptEncoding.model_validate_json(sys.stdin.readline())\n"
+        "maker = RequestMaker(cfg, prompts, load_rows('rlvr', cfg.data.uri))\n"
         "req = maker(0, 0)\n"
         "n = cfg.group_size\n"
         "g = RolloutGroup(id=0, version=0, worker=0, prompt_ids=req.prompt_ids,\n"
         "    completion_ids=[[5, 6]] * n, behav_logp=[[-1.0, -1.0]] * n, lengths=[2] * n,\n"
         "    truncated=[False] * n, rewards=[float(i) for i in range(n)],\n"
         "    task_rewards=[0.0] * n, gen_s=0.0)\n"
-        "write_step_groups(step_groups(0, [g, None], cfg, int(tok.pad_token_id)), out)\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))",
+        "write_step_groups(step_groups(0, [g, None], cfg, prompts.pad_id), out)\n"
+        "top = {m.split('.')[0] for m in sys.modules}\n"
+        "print(json.dumps(sorted(top & {'torch', 'transformers', 'tokenizers'})))",
         stdin="\n".join(
             [
-                _rl_setup(tiny_policy, task_files, 0)[0].model_dump_json(),
+                cfg.model_dump_json(),
                 str(tiny_policy),
                 str(tmp_path),
+                encode_prompts(load_tokenizer(tiny_policy), rows).model_dump_json(),
             ]
         )
         + "\n",
@@ -571,6 +581,5 @@ def test_the_rlvr_driver_side_builds_no_tensor_and_imports_no_torch(
     assert loaded == []
     # The ranks' side of the same file: the refused group is padding, the other trains.
     batch = assemble(wait_for(step_groups_path(tmp_path, 0), 0, "step 0"))
-    cfg = _rl_setup(tiny_policy, task_files, 0)[0]
     assert batch["versions"].tolist() == [0] * cfg.group_size + [-1] * cfg.group_size
     assert float(batch["mask"].sum()) == 2 * cfg.group_size

@@ -61,7 +61,7 @@ def test_killed_rollout_worker_is_replaced_resynced_and_the_run_succeeds(
     from stages.post_training.hf_io import load_model, load_tokenizer
     from stages.post_training.pools import RayPool
     from stages.post_training.rl import RequestMaker, run_rlvr
-    from stages.post_training.rollout import WorkerSpec, rollout_prefix
+    from stages.post_training.rollout import WorkerSpec, encode_prompts, rollout_prefix
 
     cfg = RLVRConfig.model_validate(
         {
@@ -116,7 +116,8 @@ def test_killed_rollout_worker_is_replaced_resynced_and_the_run_succeeds(
     killer = threading.Thread(target=kill, daemon=True)
     killer.start()
     try:
-        maker = RequestMaker(cfg, tok, load_rows("rlvr", cfg.data.uri))
+        rows = load_rows("rlvr", cfg.data.uri)
+        maker = RequestMaker(cfg, encode_prompts(tok, rows), rows)
         result, ctl = run_rlvr(
             cfg,
             learner,

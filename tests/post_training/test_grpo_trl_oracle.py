@@ -96,7 +96,7 @@ def trl_trainer(tiny_policy: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def _groups(tok: Any, seed: int) -> list[RolloutGroup]:
-    from stages.post_training.rl import prompt_ids
+    from stages.post_training.rollout import prompt_ids
 
     gen = torch.Generator().manual_seed(seed)
     vocab = int(tok.vocab_size)
