@@ -172,7 +172,7 @@ def run_once(
         if warm:  # the rollout actors are up before the clock starts
             pool.identities(ACTOR_TIMEOUT_S)
         rows = load_rows("rlvr", cfg.data.uri)
-        prompts = pool.encode_prompts(rows, cfg.worker_ready_timeout_s)
+        prompts = pool.encode_prompts(rows)(cfg.worker_ready_timeout_s)
         result, _, _, _ = run_rlvr_on_engine(
             cfg,
             ctx,

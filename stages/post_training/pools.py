@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from stages.post_training.rollout import (
@@ -47,7 +48,7 @@ class WorkerPool(Protocol):
     def wait(self, handles: list[Any], timeout_s: float) -> list[Any]: ...
     def result(self, w: int, handle: Any) -> Any: ...
     def versions(self, timeout_s: float) -> list[int]: ...
-    def encode_prompts(self, rows: list[dict[str, Any]], timeout_s: float) -> PromptEncoding: ...
+    def encode_prompts(self, rows: list[dict[str, Any]]) -> Callable[[float], PromptEncoding]: ...
     def close(self) -> None: ...
 
 
@@ -131,11 +132,9 @@ class LocalPool:
         futs = [ex.submit(wk.identity) for ex, wk in zip(self._ex, self.workers, strict=True)]
         return [int(f.result(timeout=timeout_s)["version"]) for f in futs]
 
-    def encode_prompts(self, rows: list[dict[str, Any]], timeout_s: float) -> PromptEncoding:
-        result: PromptEncoding = (
-            self._ex[0].submit(self.workers[0].encode_prompts, rows).result(timeout=timeout_s)
-        )
-        return result
+    def encode_prompts(self, rows: list[dict[str, Any]]) -> Callable[[float], PromptEncoding]:
+        done = self._ex[0].submit(self.workers[0].encode_prompts, rows)
+        return lambda timeout_s: done.result(timeout=timeout_s)
 
     def close(self) -> None:
         if self._sender is not None:
@@ -246,13 +245,22 @@ class RayPool:
             for i in ray.get([a.identity.remote() for a in self.actors], timeout=timeout_s)
         ]
 
-    def encode_prompts(self, rows: list[dict[str, Any]], timeout_s: float) -> PromptEncoding:
-        """Worker 0's encoding (it waits for the worker to have loaded the policy)."""
+    def encode_prompts(self, rows: list[dict[str, Any]]) -> Callable[[float], PromptEncoding]:
+        """Worker 0's encoding, asked for now (it answers once it is up); the returned
+        call collects it, waiting at most its timeout."""
         import ray
+        from ray.exceptions import RayActorError
 
-        return PromptEncoding.model_validate(
-            ray.get(self.actors[0].encode_prompts.remote(rows), timeout=timeout_s)
-        )
+        ref = self.actors[0].encode_prompts.remote(rows)
+
+        def collect(timeout_s: float) -> PromptEncoding:
+            try:
+                return PromptEncoding.model_validate(ray.get(ref, timeout=timeout_s))
+            except RayActorError:  # worker 0 died first: ask the one Ray restarted
+                again = self.actors[0].encode_prompts.remote(rows)
+                return PromptEncoding.model_validate(ray.get(again, timeout=timeout_s))
+
+        return collect
 
     def identities(self, timeout_s: float) -> list[dict[str, int]]:
         import ray

@@ -4,7 +4,7 @@ rlvr), each saved in HF format and followed by its gate; a failed gate stops the
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -20,6 +20,7 @@ from stages.trainer.config import TrainStageConfig
 
 if TYPE_CHECKING:
     from stages.post_training.data import Kind
+    from stages.post_training.rollout import PromptEncoding
 
 _spec = field_spec(PostTrainingConfig, "base_model")
 assert _spec is not None
@@ -140,6 +141,8 @@ class PostTrainingStage:
         self.config = config
         self._fleet: Any = None  # the learner's ranks, handed from objective to objective
         self._rollouts: Any = None  # RLVR's rollout workers, started with the stage
+        # Their encoding of RLVR's prompts, asked for as they start (collected at RLVR).
+        self._prompts: Callable[[float], PromptEncoding] | None = None
 
     # -- inputs ------------------------------------------------------------------------
     def base_model(self, ctx: StageContext) -> Path:
@@ -236,6 +239,9 @@ class PostTrainingStage:
                 # starts from as version 0 (BaseWeights), so its first rollouts wait for
                 # no process start.
                 self._rollouts = self._rollout_pool(rlvr, ctx, base)
+                # Worker 0 encodes the prompts as soon as it is up (it holds the run's
+                # tokenizer; this process loads none).
+                self._prompts = self._rollouts.encode_prompts(rows["rlvr"])
             results: dict[str, Any] = {}
             metrics: dict[str, float] = {}
             current = base
@@ -417,7 +423,8 @@ class PostTrainingStage:
         from stages.post_training.rl import RequestMaker
 
         pool = self._rollouts or self._rollout_pool(cfg, ctx, init)
-        self._rollouts = None  # closed below, whatever happens
+        encoded = self._prompts or pool.encode_prompts(rows)
+        self._rollouts, self._prompts = None, None  # closed below, whatever happens
 
         def interrupted(w: int, lost: float, back: float, detail: str) -> None:
             ctx.emit(
@@ -440,9 +447,7 @@ class PostTrainingStage:
                 phase=f"{self.name}.rlvr",
             )
         try:
-            # The prompts are encoded where the run's tokenizer already is: this
-            # process never loads one (it waits for worker 0 to have loaded the policy).
-            prompts = pool.encode_prompts(rows, cfg.worker_ready_timeout_s)
+            prompts = encoded(cfg.worker_ready_timeout_s)
             result, exported, _, scores = run_rlvr_on_engine(
                 cfg,
                 ctx,
