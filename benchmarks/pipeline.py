@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-steps",
         type=int,
         default=None,
-        help="override the demo's 60 steps (the CI smoke size)",
+        help="override the demo's 200 steps (the CI smoke size)",
     )
     parser.add_argument(
         "--ladder-tokens",

@@ -401,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     db, port, env, manifest = setup.db, setup.port, setup.env, setup.manifest
     booking_id, submitter = setup.booking_id, setup.submitter
     _say(
-        f"manifest {manifest} (llama-tiny, 60 steps, 2 replica groups, phases pretrain "
-        "@64 then long_context @128 tokens; post-training sft -> dpo -> rlvr on one-digit sums)"
+        f"manifest {manifest} (llama-tiny, 200 steps of 8192 tokens, 2 replica groups, "
+        "phases pretrain @64 then long_context @128 tokens; post-training sft -> dpo -> rlvr "
+        "on one-digit sums)"
     )
 
     _say("starting ito-backend serve (SQLite + embedded Ray head)")

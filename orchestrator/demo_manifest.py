@@ -108,7 +108,7 @@ def post_training_recipe(data: dict[str, Path]) -> dict[str, Any]:
         "dpo": {
             "data": ref("dpo"),
             "steps": 10,
-            "learning_rate": 0.001,
+            "learning_rate": 0.003,
             "gate": {"metric": "margin_gain", "min": 0.5},
         },
         "rlvr": {
@@ -167,10 +167,13 @@ def write_manifest(
             "eval_suites": ["gsm8k"],
             "ladder_probe": {"enabled": True, "seeds": 2, "token_budget": 60000},
         },
+        # ~1.6M tokens: the run's training outweighs what any run pays once (data prep
+        # with the probe's four 60k-token proxies, the actors' start-up, the gates and
+        # hand-overs), as a booked run's does.
         "training": {
-            "max_steps": 60,
+            "max_steps": 200,
             "seq_len": 64,
-            "global_batch_tokens": 2048,
+            "global_batch_tokens": 8192,
             "learning_rate": 0.003,
             "warmup_steps": 5,
             "seed": 0,

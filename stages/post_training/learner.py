@@ -264,21 +264,31 @@ def run_rlvr_on_engine(
     board_placement: dict[str, Any] | None = None,
     scoring: ObjectiveEvalRequest | None = None,
     fleet: Any = None,
+    board: tuple[str, Any] | None = None,
 ) -> tuple[Any, Path, EngineLearner, ObjectiveEvalReply | None]:
     """Train the rlvr objective on the engine, fed by the fleet; returns (``RLResult``, the
     HF export of the final weights, the learner, ``scoring``'s scores from the
     evaluating rank). ``board_placement``: the weight board's actor options (the run's
     placement group; it reserves no CPU); ``fleet``: the learner ranks the previous
-    objective left (``stages.trainer.handoff``)."""
+    objective left (``stages.trainer.handoff``); ``board``: a weight board (name,
+    actor) started ahead (its process spawn off RLVR's start), else one is started
+    here; it is killed at the end either way."""
     import ray
 
     from stages.post_training.on_engine import run_engine
     from stages.post_training.rl import run_rlvr
-    from stages.post_training.weight_board import board_name, start_board
+    from stages.post_training.weight_board import (
+        BOARD_CALL_TIMEOUT_S,
+        board_name,
+        start_board,
+    )
     from stages.trainer.engine import RunCancelled
 
     work = ctx.workdir / "rlvr"
-    name = board_name(ctx.run_id, uuid.uuid4().hex[:8])
+    if board is None:
+        name = board_name(ctx.run_id, uuid.uuid4().hex[:8])
+        board = (name, start_board(name, 1, placement=board_placement))
+    name = board[0]
     tcfg = rlvr_train_config(
         cfg,
         base=base,
@@ -323,7 +333,8 @@ def run_rlvr_on_engine(
     resume = learner.discard_after_checkpoint()  # before any rank can read a batch
     # Version 0 is the base folder: the board wants the ranks' versions from 1 on, or
     # from the checkpoint a relaunch resumes at.
-    learner.board = start_board(name, max(resume, 1), placement=board_placement)
+    ray.get(board[1].begin_at.remote(max(resume, 1)), timeout=BOARD_CALL_TIMEOUT_S)
+    learner.board = board[1]
     thread = threading.Thread(target=drive, name="rlvr-controller", daemon=True)
 
     def cancel_watch() -> None:

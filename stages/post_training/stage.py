@@ -3,8 +3,11 @@ rlvr), each saved in HF format and followed by its gate; a failed gate stops the
 
 from __future__ import annotations
 
+import contextlib
 import time
+import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -133,6 +136,24 @@ def _check_digest(actual: str, expected: str, where: str) -> None:
         )
 
 
+@dataclass
+class RLVRSide:
+    """RLVR's driver-side actors, started while the objectives before it train: the
+    rollout pool, worker 0's encoding of the prompts (collected at RLVR's start, with
+    its timeout), and the weight board (name, actor)."""
+
+    pool: Any
+    prompts: Callable[[float], PromptEncoding]
+    board: tuple[str, Any]
+
+    def close(self) -> None:
+        import ray
+
+        self.pool.close()
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(self.board[1], no_restart=True)
+
+
 class PostTrainingStage:
     name: ClassVar[str] = "post_training"
     config_model: ClassVar[type[PostTrainingStageConfig]] = PostTrainingStageConfig
@@ -140,9 +161,7 @@ class PostTrainingStage:
     def __init__(self, config: PostTrainingStageConfig):
         self.config = config
         self._fleet: Any = None  # the learner's ranks, handed from objective to objective
-        self._rollouts: Any = None  # RLVR's rollout workers, started with the stage
-        # Their encoding of RLVR's prompts, asked for as they start (collected at RLVR).
-        self._prompts: Callable[[float], PromptEncoding] | None = None
+        self._rlvr_side: RLVRSide | None = None  # started with the stage, used by RLVR
 
     # -- inputs ------------------------------------------------------------------------
     def base_model(self, ctx: StageContext) -> Path:
@@ -217,9 +236,9 @@ class PostTrainingStage:
         try:
             return self._run_chain(ctx)
         finally:
-            if self._rollouts is not None:  # RLVR never ran (a gate, a cancel, an error)
-                self._rollouts.close()
-                self._rollouts = None
+            if self._rlvr_side is not None:  # RLVR never ran (a gate, a cancel, an error)
+                self._rlvr_side.close()
+                self._rlvr_side = None
             if own:
                 self._fleet.shutdown()
 
@@ -234,14 +253,11 @@ class PostTrainingStage:
             out = Path(self.config.output_dir)
             rlvr = self.config.recipe.rlvr
             if rlvr is not None and load_passed(out, "rlvr") is None:
-                # The rollout workers start (process, imports, model) while the
-                # objectives before RLVR train; at RLVR's start they load the policy it
-                # starts from as version 0 (BaseWeights), so its first rollouts wait for
-                # no process start.
-                self._rollouts = self._rollout_pool(rlvr, ctx, base)
-                # Worker 0 encodes the prompts as soon as it is up (it holds the run's
-                # tokenizer; this process loads none).
-                self._prompts = self._rollouts.encode_prompts(rows["rlvr"])
+                # The rollout workers and the weight board start (processes, imports,
+                # model) while the objectives before RLVR train; at RLVR's start the
+                # workers load the policy it starts from as version 0 (BaseWeights), so
+                # its first rollouts wait for no process start.
+                self._rlvr_side = self._start_rlvr_side(rlvr, ctx, base, rows["rlvr"])
             results: dict[str, Any] = {}
             metrics: dict[str, float] = {}
             current = base
@@ -377,6 +393,21 @@ class PostTrainingStage:
         # no model in this process.
         return self._run_rlvr(recipe.rlvr, ctx, rows, current, out / objective)
 
+    def _start_rlvr_side(
+        self, cfg: RLVRConfig, ctx: StageContext, model_dir: Path, rows: list[dict[str, Any]]
+    ) -> RLVRSide:
+        from stages.post_training.weight_board import board_name, start_board
+
+        pool = self._rollout_pool(cfg, ctx, model_dir)
+        name = board_name(ctx.run_id, uuid.uuid4().hex[:8])
+        # Worker 0 encodes the prompts as soon as it is up (it holds the run's
+        # tokenizer; this process loads none).
+        return RLVRSide(
+            pool=pool,
+            prompts=pool.encode_prompts(rows),
+            board=(name, start_board(name, 1, placement=actor_options(ctx.facts))),
+        )
+
     def _rollout_pool(self, cfg: RLVRConfig, ctx: StageContext, model_dir: Path) -> Any:
         """RLVR's rollout workers, built on ``model_dir`` (they refuse rollouts until
         the learner's version 0 tells them which policy to load)."""
@@ -422,9 +453,8 @@ class PostTrainingStage:
         from stages.post_training.on_engine import write_rows
         from stages.post_training.rl import RequestMaker
 
-        pool = self._rollouts or self._rollout_pool(cfg, ctx, init)
-        encoded = self._prompts or pool.encode_prompts(rows)
-        self._rollouts, self._prompts = None, None  # closed below, whatever happens
+        side = self._rlvr_side or self._start_rlvr_side(cfg, ctx, init, rows)
+        self._rlvr_side = None  # closed below, whatever happens
 
         def interrupted(w: int, lost: float, back: float, detail: str) -> None:
             ctx.emit(
@@ -447,7 +477,7 @@ class PostTrainingStage:
                 phase=f"{self.name}.rlvr",
             )
         try:
-            prompts = encoded(cfg.worker_ready_timeout_s)
+            prompts = side.prompts(cfg.worker_ready_timeout_s)
             result, exported, _, scores = run_rlvr_on_engine(
                 cfg,
                 ctx,
@@ -456,16 +486,16 @@ class PostTrainingStage:
                 export_dir=export_dir,
                 train=self.config.train,
                 device=self.config.device,
-                pool=pool,
+                pool=side.pool,
                 maker=RequestMaker(cfg, prompts, rows),
                 pad_id=prompts.pad_id,
                 on_interruption=interrupted,
-                board_placement=actor_options(ctx.facts),
                 scoring=scoring,
                 fleet=self._fleet,
+                board=side.board,
             )
         finally:
-            pool.close()
+            side.close()
         m = {**result.summary, **reward_gain(result.rewards), "steps": float(result.steps)}
         battery = (
             BatteryResult.model_validate(scores.battery) if scores and scores.battery else None

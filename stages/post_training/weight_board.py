@@ -64,12 +64,22 @@ class WeightBoard:
     docstring for what it accepts)."""
 
     def __init__(self, first_wanted: int):
+        self._changed = asyncio.Condition()
+        self._begin(first_wanted)
+
+    def _begin(self, first_wanted: int) -> None:
         self.first_wanted = first_wanted
         self.taken = first_wanted - 1
         self.released = first_wanted - 1
         self.held: dict[int, PublishedVersion] = {}
         self.offers = 0  # accepted
-        self._changed = asyncio.Condition()
+
+    async def begin_at(self, first_wanted: int) -> None:
+        """Accept versions from ``first_wanted`` on (a board started ahead of its run,
+        told where the run resumes before any rank offers a version)."""
+        if self.offers:
+            raise RuntimeError("the board has accepted versions already")
+        self._begin(first_wanted)
 
     def _wants(self, version: int) -> bool:
         return version >= self.first_wanted and version > self.taken and version not in self.held

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from helpers.waiting import wait_until
 from helpers.weight_board import sync_only_controller
 
@@ -38,6 +39,23 @@ def test_the_board_takes_each_wanted_version_once_and_nothing_the_driver_passed(
         await board.release(7)
         assert await board.wait_released(7, timeout_s=1.0)
         assert (await board.stats())["taken"] == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_board_started_ahead_begins_where_its_run_resumes() -> None:
+    """The stage starts the board while the objectives before RLVR train and tells it
+    the resume step at RLVR's start, before any rank can offer."""
+
+    async def scenario() -> None:
+        board = WeightBoard(first_wanted=1)
+        await board.begin_at(3)
+        assert not await board.offer(_offer(2))
+        assert await board.offer(_offer(3))
+        assert (await board.stats())["taken"] == 2
+        with pytest.raises(RuntimeError):  # it has accepted a version: too late
+            await board.begin_at(1)
+        assert await board.take(3, timeout_s=1.0) is not None
 
     asyncio.run(scenario())
 
