@@ -26,11 +26,14 @@ starts from), so no sample older than eta for its step is ever trained.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,7 +42,7 @@ from stages.errors import ErrorCode, ItoError
 from stages.post_training.admission import is_stale
 from stages.post_training.config import TRL_ADAM_BETAS, RLVRConfig
 from stages.post_training.objective_eval import ObjectiveEvalReply, ObjectiveEvalRequest
-from stages.post_training.rollout import RolloutGroup
+from stages.post_training.rollout import PromptEncoding, RolloutGroup
 from stages.post_training.step_groups import step_groups, write_step_groups
 from stages.post_training.weight_sync import BaseWeights, PublishedVersion
 from stages.trainer.config import GRPOSettings, ObjectiveConfig, TrainStageConfig
@@ -246,6 +249,24 @@ def rlvr_train_config(
         device=device,
         name="rlvr",
     )
+
+
+@dataclass
+class RLVRSide:
+    """RLVR's driver-side actors, started while the objectives before it train: the
+    rollout pool, worker 0's encoding of the prompts (collected at RLVR's start, with
+    its timeout), and the weight board (name, actor)."""
+
+    pool: Any
+    prompts: Callable[[float], PromptEncoding]
+    board: tuple[str, Any]
+
+    def close(self) -> None:
+        import ray
+
+        self.pool.close()
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(self.board[1], no_restart=True)
 
 
 def run_rlvr_on_engine(

@@ -3,11 +3,9 @@ rlvr), each saved in HF format and followed by its gate; a failed gate stops the
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -23,7 +21,7 @@ from stages.trainer.config import TrainStageConfig
 
 if TYPE_CHECKING:
     from stages.post_training.data import Kind
-    from stages.post_training.rollout import PromptEncoding
+    from stages.post_training.learner import RLVRSide
 
 _spec = field_spec(PostTrainingConfig, "base_model")
 assert _spec is not None
@@ -136,24 +134,6 @@ def _check_digest(actual: str, expected: str, where: str) -> None:
         )
 
 
-@dataclass
-class RLVRSide:
-    """RLVR's driver-side actors, started while the objectives before it train: the
-    rollout pool, worker 0's encoding of the prompts (collected at RLVR's start, with
-    its timeout), and the weight board (name, actor)."""
-
-    pool: Any
-    prompts: Callable[[float], PromptEncoding]
-    board: tuple[str, Any]
-
-    def close(self) -> None:
-        import ray
-
-        self.pool.close()
-        with contextlib.suppress(Exception):  # already gone
-            ray.kill(self.board[1], no_restart=True)
-
-
 class PostTrainingStage:
     name: ClassVar[str] = "post_training"
     config_model: ClassVar[type[PostTrainingStageConfig]] = PostTrainingStageConfig
@@ -252,12 +232,16 @@ class PostTrainingStage:
             base = self.base_model(ctx)
             out = Path(self.config.output_dir)
             rlvr = self.config.recipe.rlvr
+            ahead: Callable[[], None] | None = None
             if rlvr is not None and load_passed(out, "rlvr") is None:
                 # The rollout workers and the weight board start (processes, imports,
-                # model) while the objectives before RLVR train; at RLVR's start the
-                # workers load the policy it starts from as version 0 (BaseWeights), so
-                # its first rollouts wait for no process start.
-                self._rlvr_side = self._start_rlvr_side(rlvr, ctx, base, rows["rlvr"])
+                # model) once the first objective before RLVR trains, never beside its
+                # start-up; at RLVR's start the workers load the policy it starts from
+                # as version 0 (BaseWeights), so its first rollouts wait for no process.
+                def ahead() -> None:
+                    if self._rlvr_side is None:
+                        self._rlvr_side = self._start_rlvr_side(rlvr, ctx, base, rows["rlvr"])
+
             results: dict[str, Any] = {}
             metrics: dict[str, float] = {}
             current = base
@@ -284,7 +268,7 @@ class PostTrainingStage:
                 t0 = time.time()
                 ctx.log(f"post_training {objective}: started from {current.name}", stage=self.name)
                 m, current, scored = self._run_objective(
-                    objective, ctx, rows[objective], out, current
+                    objective, ctx, rows[objective], out, current, ahead
                 )
                 m["seconds"] = time.time() - t0
                 ctx.emit(MetricsEvent(stage=self.name, step=0, scope=objective, values=m))
@@ -360,10 +344,12 @@ class PostTrainingStage:
         rows: list[dict[str, Any]],
         out: Path,
         current: Path,
+        ahead: Callable[[], None] | None,
     ) -> tuple[dict[str, float], Path, Any]:
         """Train ``objective`` from the HF folder ``current``: (gate metrics, its HF
         export under ``out/<objective>``, its battery's ``BatteryResult`` or None). SFT and
-        DPO are trained and scored on the engine's ranks: no model in this process."""
+        DPO are trained and scored on the engine's ranks: no model in this process;
+        ``ahead`` is called at their first step."""
 
         recipe = self.config.recipe
         if objective in ("sft", "dpo"):
@@ -383,6 +369,7 @@ class PostTrainingStage:
                 train=self.config.train,
                 device=self.config.device,
                 fleet=self._fleet,
+                on_first_step=ahead,
             )
             battery = BatteryResult.model_validate(scores.battery) if scores.battery else None
             m = {**objective_gate_metrics(kind, scores.before, scores.after), **figures}
@@ -396,6 +383,7 @@ class PostTrainingStage:
     def _start_rlvr_side(
         self, cfg: RLVRConfig, ctx: StageContext, model_dir: Path, rows: list[dict[str, Any]]
     ) -> RLVRSide:
+        from stages.post_training.learner import RLVRSide
         from stages.post_training.weight_board import board_name, start_board
 
         pool = self._rollout_pool(cfg, ctx, model_dir)
