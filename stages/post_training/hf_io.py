@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,20 @@ def load_tokenizer(path: Path) -> Any:
     return load(path)
 
 
+# transformers' model loading patches process-wide state (weight init): two loads at
+# once in one process (a rollout worker's background load beside another) can leave
+# weights unset. One at a time.
+_LOAD_LOCK = threading.Lock()
+
+
 def load_model(path: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), local_files_only=True, dtype=torch.float32
-    )
+    with _LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), local_files_only=True, dtype=torch.float32
+        )
     model.config.use_cache = True
     return model
 

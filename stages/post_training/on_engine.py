@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,7 +19,7 @@ from stages.base import StageContext
 from stages.checkpointing.config import CheckpointPolicy
 from stages.curriculum.schedule import CurriculumSchedule, PhaseSpan
 from stages.errors import ErrorCode, ItoError
-from stages.events import Event, StepEvent
+from stages.events import Event
 from stages.post_training.config import DPOConfig, SFTConfig
 from stages.post_training.objective_eval import ObjectiveEvalReply, ObjectiveEvalRequest
 from stages.trainer.config import (
@@ -179,7 +178,6 @@ def run_on_engine(
     train: TrainStageConfig | None,
     device: Literal["cpu", "cuda"],
     fleet: Fleet | None = None,
-    on_first_step: Callable[[], None] | None = None,
 ) -> tuple[Path, dict[str, float], ObjectiveEvalReply]:
     """Train the objective on the engine (on ``fleet``'s ranks when it holds some);
     returns the HF export of its final weights, the engine's figures and the
@@ -214,7 +212,6 @@ def run_on_engine(
         export_dir=export_dir,
         scoring=scoring,
         fleet=fleet,
-        on_first_step=on_first_step,
     )
     assert scores is not None  # asked for in the request
     return exported, figures, scores
@@ -231,15 +228,12 @@ def run_engine(
     cancel_event: threading.Event | None = None,
     scoring: ObjectiveEvalRequest | None = None,
     fleet: Fleet | None = None,
-    on_first_step: Callable[[], None] | None = None,
 ) -> tuple[Path, dict[str, float], ObjectiveEvalReply | None]:
     """Run one post-training objective's engine (checkpoints under
     ``work/checkpoints``) to its end and export the final weights from a rank, which
     also scores ``scoring`` there; ``cancel_event`` (default: the run's) stops it.
     With a ``fleet`` the engine starts on the ranks the previous objective left there
-    and leaves its own. ``on_first_step`` is called once, at the first step reported
-    (work that must not take CPU from the objective's start-up). Returns the export,
-    the engine's figures and the scores."""
+    and leaves its own. Returns the export, the engine's figures and the scores."""
     import ray
 
     from stages.checkpointing.storage import list_checkpoints
@@ -257,19 +251,13 @@ def run_engine(
     exported: list[PhaseEvalReply] = []
     engine: TrainingEngine
 
-    first_step = on_first_step
-
     def emit(event: Event) -> None:
-        nonlocal first_step
         # Every event of this engine is the objective's (the engine labels its own
         # "train"): steps carry this stage and the objective's name as their phase, so
         # goodput counts them as productive time of their own, apart from pretraining's
         # steps.
         event.stage = stage
         ctx.emit(event)
-        if first_step is not None and isinstance(event, StepEvent):
-            call, first_step = first_step, None
-            call()
 
     def export(phase: PhaseSpan) -> bool:
         closing = next((r for r in list_checkpoints(ckpt_dir) if r.step == phase.end_step), None)

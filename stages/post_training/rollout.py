@@ -16,6 +16,7 @@ engine would plug in behind ``generate_group`` with the same inputs and outputs.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -127,20 +128,43 @@ def admission_refusal(version: int, req: RolloutRequest, worker: int) -> Refusal
 
 class RolloutWorker:
     def __init__(self, spec: WorkerSpec):
-        import torch
-
-        from stages.post_training.hf_io import load_model, load_tokenizer, model_dir
+        from stages.post_training.hf_io import load_tokenizer, model_dir
         from stages.post_training.rewards import get_reward
 
-        torch.set_num_threads(1)
         self.spec = spec
         path = model_dir(spec.model_dir)
-        self.model = load_model(path).eval()
+        # The tokenizer first, so the driver's prompt encoding is answered as soon as
+        # the process is up; the model (torch and transformers' model side: most of the
+        # start-up) loads in a thread meanwhile, and what needs it waits for it.
         self.tokenizer = load_tokenizer(path)
+        self._model: Any = None
+        self._model_error: BaseException | None = None
+        self._loading = threading.Thread(
+            target=self._load_model, args=(path,), name="model-load", daemon=True
+        )
+        self._loading.start()
         self.reward_fn = get_reward(spec.reward)
         self.version = -1  # no weights synced yet: refuse every rollout
         self._receiver: Any = None  # the collective path's end, joined on first use
         self.started = time.time()
+
+    def _load_model(self, path: Any) -> None:
+        try:
+            import torch
+
+            from stages.post_training.hf_io import load_model
+
+            torch.set_num_threads(1)
+            self._model = load_model(path).eval()
+        except BaseException as e:  # raised where the model is first needed
+            self._model_error = e
+
+    @property
+    def model(self) -> Any:
+        self._loading.join()
+        if self._model_error is not None:
+            raise self._model_error
+        return self._model
 
     # -- control ---------------------------------------------------------------------
     def set_weights(self, version: int, weights: Any) -> dict[str, Any]:
@@ -158,6 +182,7 @@ class RolloutWorker:
         )
 
         t0 = time.perf_counter()
+        model = self.model  # the load under way first
         try:
             if isinstance(weights, ObjectStoreWeights):
                 import ray
@@ -180,7 +205,7 @@ class RolloutWorker:
         if isinstance(weights, BaseWeights):
             weights = self._base_state(weights.model_dir)
         if weights is not None:
-            self.model.load_state_dict(weights)
+            model.load_state_dict(weights)
         self.version = version
         return {"version": version, "load_s": time.perf_counter() - t0}
 
@@ -200,6 +225,8 @@ class RolloutWorker:
         return state_digest(dict(self.model.state_dict()))
 
     def identity(self) -> dict[str, int]:
+        """Who the worker is, once it is up with its model loaded."""
+        _ = self.model  # raises what the load raised
         return {"pid": os.getpid(), "index": self.spec.index, "version": self.version}
 
     def encode_prompts(self, rows: list[dict[str, Any]]) -> PromptEncoding:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -232,16 +232,12 @@ class PostTrainingStage:
             base = self.base_model(ctx)
             out = Path(self.config.output_dir)
             rlvr = self.config.recipe.rlvr
-            ahead: Callable[[], None] | None = None
             if rlvr is not None and load_passed(out, "rlvr") is None:
                 # The rollout workers and the weight board start (processes, imports,
-                # model) once the first objective before RLVR trains, never beside its
-                # start-up; at RLVR's start the workers load the policy it starts from
-                # as version 0 (BaseWeights), so its first rollouts wait for no process.
-                def ahead() -> None:
-                    if self._rlvr_side is None:
-                        self._rlvr_side = self._start_rlvr_side(rlvr, ctx, base, rows["rlvr"])
-
+                # model) while the objectives before RLVR train; at RLVR's start the
+                # workers load the policy it starts from as version 0 (BaseWeights), so
+                # its first rollouts wait for no process start.
+                self._rlvr_side = self._start_rlvr_side(rlvr, ctx, base, rows["rlvr"])
             results: dict[str, Any] = {}
             metrics: dict[str, float] = {}
             current = base
@@ -268,7 +264,7 @@ class PostTrainingStage:
                 t0 = time.time()
                 ctx.log(f"post_training {objective}: started from {current.name}", stage=self.name)
                 m, current, scored = self._run_objective(
-                    objective, ctx, rows[objective], out, current, ahead
+                    objective, ctx, rows[objective], out, current
                 )
                 m["seconds"] = time.time() - t0
                 ctx.emit(MetricsEvent(stage=self.name, step=0, scope=objective, values=m))
@@ -344,12 +340,10 @@ class PostTrainingStage:
         rows: list[dict[str, Any]],
         out: Path,
         current: Path,
-        ahead: Callable[[], None] | None,
     ) -> tuple[dict[str, float], Path, Any]:
         """Train ``objective`` from the HF folder ``current``: (gate metrics, its HF
         export under ``out/<objective>``, its battery's ``BatteryResult`` or None). SFT and
-        DPO are trained and scored on the engine's ranks: no model in this process;
-        ``ahead`` is called at their first step."""
+        DPO are trained and scored on the engine's ranks: no model in this process."""
 
         recipe = self.config.recipe
         if objective in ("sft", "dpo"):
@@ -369,7 +363,6 @@ class PostTrainingStage:
                 train=self.config.train,
                 device=self.config.device,
                 fleet=self._fleet,
-                on_first_step=ahead,
             )
             battery = BatteryResult.model_validate(scores.battery) if scores.battery else None
             m = {**objective_gate_metrics(kind, scores.before, scores.after), **figures}

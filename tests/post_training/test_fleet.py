@@ -501,6 +501,44 @@ def test_the_engine_learner_keeps_a_group_older_than_eta_out_of_the_batch_file(
     ray.kill(board, no_restart=True)
 
 
+def test_a_worker_encodes_prompts_before_its_model_has_loaded(
+    tiny_policy: Path, task_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RLVR's start waits for worker 0's encoding of the prompts: it is answered once
+    the tokenizer is loaded, while the model (most of the start-up) still loads; what
+    needs the model waits for it."""
+    import threading
+
+    from stages.post_training import hf_io
+    from stages.post_training.data import load_rows
+    from stages.post_training.rollout import RolloutWorker, WorkerSpec, encode_prompts
+
+    release = threading.Event()
+    load = hf_io.load_model
+
+    def slow_load(path: Path) -> object:
+        assert release.wait(60), "the test never released the model"
+        return load(path)
+
+    monkeypatch.setattr(hf_io, "load_model", slow_load)
+    spec = WorkerSpec(
+        index=0,
+        model_dir=str(tiny_policy),
+        reward="first_number_match",
+        max_completion_tokens=4,
+        overlong_buffer_tokens=2,
+        overlong_penalty_factor=0.0,
+    )
+    worker = RolloutWorker(spec)
+    rows = load_rows("rlvr", str(data_ref(task_files["rlvr"])["uri"]))
+    got = worker.encode_prompts(rows)  # the model is still held back
+    assert got == encode_prompts(hf_io.load_tokenizer(tiny_policy), rows)
+    assert worker._model is None
+    release.set()
+    assert worker.identity()["version"] == -1  # up: the model is loaded
+    assert worker._model is not None
+
+
 def test_prompts_over_max_prompt_tokens_are_left_out_and_none_left_is_refused(
     tiny_policy: Path, task_files: dict[str, Path]
 ) -> None:
