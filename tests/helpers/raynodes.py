@@ -4,6 +4,7 @@ to its session, as Slurm's or Kubernetes' teardown would) and leave the others."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,11 @@ from helpers.ray_local import note_start, start_turn
 
 NODE_START_TIMEOUT_S = 120.0
 NODE_STOP_TIMEOUT_S = 30.0
+# `ray start` gives its raylet a fixed 30 s to register with the GCS, which a loaded
+# 2-core host can miss (the GCS then "cannot find the node"), and a port picked by
+# free_port can be taken by another raylet's worker before this one binds it: a node
+# that fails to start is started once more, on fresh ports.
+NODE_START_ATTEMPTS = 2
 
 
 def _ray() -> str:
@@ -74,6 +80,17 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def _start(self, name: str, args: list[str], resources: dict[str, float]) -> Node:
+        failures: list[str] = []
+        for _ in range(NODE_START_ATTEMPTS):
+            node, failure = self._start_once(name, args, resources)
+            if node is not None:
+                return node
+            failures.append(failure)
+        raise RuntimeError(f"ray node {name} did not start: " + "\n---\n".join(failures))
+
+    def _start_once(
+        self, name: str, args: list[str], resources: dict[str, float]
+    ) -> tuple[Node | None, str]:
         log = self.tmp / f"ray-{name}.log"
         ports = [
             f"--node-manager-port={free_port()}",
@@ -96,6 +113,7 @@ class LocalCluster:
         if resources:
             cmd.append(f"--resources={json.dumps(resources)}")
         with start_turn():  # one Ray start-up at a time on this host (helpers.ray_local)
+            start_at = log.stat().st_size if log.exists() else 0
             with open(log, "ab") as out:
                 proc = subprocess.Popen(
                     cmd,
@@ -106,15 +124,20 @@ class LocalCluster:
                     start_new_session=True,
                 )
             node = Node(name, proc, log, resources)
-            self.nodes.append(node)
             deadline = time.monotonic() + NODE_START_TIMEOUT_S
             while time.monotonic() < deadline:
+                text = log.read_bytes()[start_at:]
+                if b"Ray runtime started" in text:
+                    self.nodes.append(node)
+                    return node, ""
                 if proc.poll() is not None:
-                    raise RuntimeError(f"ray node {name} exited: {log.read_text()[-3000:]}")
-                if b"Ray runtime started" in log.read_bytes():
-                    return node
+                    break
                 time.sleep(0.25)
-            raise RuntimeError(f"ray node {name} did not start: {log.read_text()[-3000:]}")
+            node.stop()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # what the failed start left running
+            tail = log.read_bytes()[start_at:][-3000:].decode(errors="replace")
+            return None, f"exit code {proc.returncode}: {tail}"
 
     def _ray_tmp(self) -> str:
         # Ray's unix sockets live under the temp dir, whose path must stay short
