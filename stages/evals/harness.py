@@ -48,15 +48,11 @@ def materialise(task_yaml: Path, include_dir: Path) -> str:
     return str(spec["task"])
 
 
-def preload(*, tasks: bool = True) -> None:
-    """Import the run's tokenizer and (``tasks``) lm-evaluation-harness and the HF
-    model class its ``HFLM`` is handed (``stages.hf.view``) ahead of the first battery
-    (seconds on a loaded host: a trainer rank does it while it waits for the run's
-    data, not at the first phase's end, where the whole fleet would wait)."""
-    import stages.hf.tokenizer  # noqa: F401
-
-    if not tasks:
-        return
+def preload() -> None:
+    """Import lm-evaluation-harness and the HF model class its ``HFLM`` is handed
+    (``stages.hf.view``) ahead of the first battery (seconds on a loaded host: a
+    trainer rank does it while it waits for the run's data, not at the first phase's
+    end, where the whole fleet would wait)."""
     for k, v in _OFFLINE.items():
         os.environ.setdefault(k, v)
     import lm_eval  # noqa: F401

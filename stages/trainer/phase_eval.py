@@ -91,6 +91,21 @@ class PhaseEvalReply(BaseModel):
     post_training: ObjectiveEvalReply | None = None
 
 
+def warm_phase_end(*, tasks: bool) -> None:
+    """Import what this rank runs at a phase's end ahead of the first one: the HF
+    export (transformers' model classes, safetensors, the tokenizer: every live rank
+    writes export shards, and each group's rank 0 scores held-out windows) and, with
+    ``tasks``, lm-evaluation-harness (``stages.evals.harness.preload``). Done in the
+    first phase's end, each import stalls the whole fleet (~0.7 s for the export's on a
+    loaded host)."""
+    import stages.hf.export  # noqa: F401
+
+    if tasks:
+        from stages.evals.harness import preload
+
+        preload()
+
+
 def load_phase_model(
     cfg: TrainStageConfig, phase: PhaseSpan, checkpoint: str | SealedCheckpoint
 ) -> Any:

@@ -237,20 +237,20 @@ class RankSetup:
         )
         loop.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}", process_group=ckpt_pg)
         loop.status.update(phase="awaiting_data")
-        if spec.rank == 0 and any(p.eval_battery for p in loop.schedule.phases):
-            # Every group's rank 0 scores held-out windows at a phase end (the run's
-            # tokenizer), and the lowest live group's (group 0's unless it was lost) runs
-            # the tasks: the imports overlap the wait for data and training instead of
-            # stalling the first phase switch. lm-eval only where it will run: elsewhere
-            # it is CPU on every group for an import a failover pays once.
-            from stages.evals.harness import preload
+        # Every phase ends in an HF export whose shards every live rank writes, and
+        # in a battery whose tasks group 0's rank 0 runs (the lowest live group's):
+        # the imports overlap the wait for data and training instead of stalling the
+        # first phase switch. lm-eval only where it will run: elsewhere it is CPU on
+        # every group for an import a failover pays once.
+        from stages.trainer.phase_eval import warm_phase_end
 
-            threading.Thread(
-                target=preload,
-                kwargs={"tasks": spec.replica_group == 0},
-                name="eval-preload",
-                daemon=True,
-            ).start()
+        tasks = spec.replica_group == 0 and spec.rank == 0
+        threading.Thread(
+            target=warm_phase_end,
+            kwargs={"tasks": tasks and any(p.eval_battery for p in loop.schedule.phases)},
+            name="phase-end-imports",
+            daemon=True,
+        ).start()
         shards = loop.control.wait_data()
         if shards is None:
             return False
