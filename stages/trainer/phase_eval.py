@@ -91,15 +91,20 @@ class PhaseEvalReply(BaseModel):
     post_training: ObjectiveEvalReply | None = None
 
 
-def warm_phase_end(*, tasks: bool) -> None:
+def warm_phase_end(cfg: TrainStageConfig, *, tasks: bool) -> None:
     """Import what this rank runs at a phase's end ahead of the first one: the HF
-    export (transformers' model classes, safetensors, the tokenizer: every live rank
+    export (safetensors, the tokenizer, the model's transformers class: every live rank
     writes export shards, and each group's rank 0 scores held-out windows) and, with
-    ``tasks``, lm-evaluation-harness (``stages.evals.harness.preload``). Done in the
-    first phase's end, each import stalls the whole fleet (~0.7 s for the export's on a
+    ``tasks``, lm-evaluation-harness (``stages.evals.harness.preload``). Done at the
+    first phase's end, each import stalls the whole fleet (~1 s for the export's on a
     loaded host)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
     import stages.hf.export  # noqa: F401
 
+    # Imports the class's module only: building a model would set process-wide state
+    # (torch's default dtype) under the rank's own model building (proxies, hand-overs).
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(_export_config(cfg, rope_theta=None))]
     if tasks:
         from stages.evals.harness import preload
 
@@ -145,16 +150,16 @@ def load_phase_model(
     return model
 
 
-def _export_config(req: PhaseEvalRequest, cfg: TrainStageConfig) -> Any:
-    """The transformers config the phase's export is written with (its RoPE base)."""
+def _export_config(cfg: TrainStageConfig, *, rope_theta: float | None) -> Any:
+    """The transformers config a phase's export is written with (its RoPE base)."""
     from stages.presets import load_model_preset
     from stages.trainer.model import model_config, set_config_rope_theta
 
     config = model_config(
         load_model_preset(cfg.model.preset), checkpoint_path=cfg.model.checkpoint_path
     )
-    if req.phase.rope_theta is not None:
-        set_config_rope_theta(config, req.phase.rope_theta)
+    if rope_theta is not None:
+        set_config_rope_theta(config, rope_theta)
     return config
 
 
@@ -172,7 +177,7 @@ def export_share(
         raise ItoError(ErrorCode.invalid_state, "an export share needs the export's token")
     files = export_shards(
         SealedCheckpoint(Path(req.checkpoint), seal_key()),
-        _export_config(req, cfg),
+        _export_config(cfg, rope_theta=req.phase.rope_theta),
         staging_dir(req.export_dir, req.export_token),
         part=part,
         parts=parts,
@@ -190,7 +195,7 @@ def export_phase(
     written here."""
     from stages.hf.export import export_hf_from_checkpoint, finish_export, staging_dir
 
-    config = _export_config(req, cfg)
+    config = _export_config(cfg, rope_theta=req.phase.rope_theta)
     shard_bytes = req.settings.export_shard_bytes
     if req.export_token is None:
         return export_hf_from_checkpoint(

@@ -247,6 +247,7 @@ class RankSetup:
         tasks = spec.replica_group == 0 and spec.rank == 0
         threading.Thread(
             target=warm_phase_end,
+            args=(cfg,),
             kwargs={"tasks": tasks and any(p.eval_battery for p in loop.schedule.phases)},
             name="phase-end-imports",
             daemon=True,
