@@ -148,6 +148,12 @@ class FaultToleranceConfig(StrictModel):
     peer_probe_timeout_s: float = Field(default=2.0, gt=0)
     # Driver: how often it pulls events from the actors.
     poll_interval_s: float = Field(default=0.2, gt=0)
+    # Driver: polls per second, over all its ranks, for ranks that committed a phase's
+    # last step and are saving its closing checkpoint, so the gate starts as the save
+    # completes (the whole fleet waits at the boundary meanwhile). Each such rank is
+    # polled every ranks / this seconds, at most poll_interval_s: every 20 ms with 2
+    # ranks, at the regular interval with 20 or more.
+    phase_end_polls_per_s: float = Field(default=100.0, gt=0)
     # Driver: cancel kills every actor; a graceful stop waits at most this long first.
     stop_timeout_s: float = Field(default=5.0, gt=0)
     # Driver: a paused run (loss-spike proposal) re-checks cancellation this often while

@@ -119,6 +119,8 @@ class TrainingEngine:
         # When each rank or spare (by key or name) is next polled: an actor is asked at
         # most once per ``poll_interval_s``, however fast it answers.
         self._poll_due: dict[Any, float] = {}
+        # The phase that a rank reporting this many committed steps is closing.
+        self._phase_ending_at = {p.end_step: p.index for p in self.schedule.phases}
         self._spares_ready: set[str] = set()
         # Each rank's devices as Ray assigned them (cuda): what a standby binds.
         self._gpu_ids: dict[tuple[int, int], list[str]] = {}
@@ -546,6 +548,18 @@ class TrainingEngine:
                 self.layout = status["layout"]
             grp.boundary = status.get("boundary")
         self._rank_boundary[key] = status.get("boundary")
+        closing = self._phase_ending_at.get(status.get("step", -1))
+        if (
+            status["phase"] == "training"
+            and status.get("boundary") is None
+            and closing is not None
+            and closing not in self.passed
+        ):
+            # Its closing save is in flight: the boundary (and so the gate) is polled
+            # for sooner than the next regular poll.
+            every = min(self.ft.poll_interval_s, len(self.actors) / self.ft.phase_end_polls_per_s)
+            due = time.monotonic() + every
+            self._poll_due[key] = min(self._poll_due.get(key, due), due)
         self._rank_pid[key] = status["pid"]
         if status["phase"] == "finished":
             self._finished_ranks.add(key)

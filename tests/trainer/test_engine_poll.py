@@ -2,7 +2,8 @@
 however fast the rank answers: a poll answered at once must not be re-sent at once
 (each poll costs the rank's training loop the GIL for the call). Between polls it
 waits, also while a standby's poll goes unanswered (it is warming up): the driver
-must not spin beside the ranks.
+must not spin beside the ranks. A rank saving a phase's closing checkpoint is polled
+sooner (the whole fleet waits for its boundary), within a bounded rate.
 
 Real Ray actors stand in for the ranks: they answer every poll at once and count them.
 """
@@ -22,14 +23,14 @@ POLL_CALLS = 40
 PASS_WINDOW_S = 1.0
 
 
-def _cfg(tmp: Path) -> TrainStageConfig:
+def _cfg(tmp: Path, poll_interval_s: float = POLL_INTERVAL_S) -> TrainStageConfig:
     return TrainStageConfig.model_validate(
         dict(
             model={"preset": "llama-tiny", "size": "0.1M"},
             target={"max_steps": 10, "seq_len": 32, "global_batch_tokens": 256},
             checkpoint={"interval_steps": 5, "storage_uri": f"file://{tmp}/ckpt"},
             replica_groups=2,
-            fault_tolerance={"poll_interval_s": POLL_INTERVAL_S},
+            fault_tolerance={"poll_interval_s": poll_interval_s},
         ),
         strict=False,
     )
@@ -55,9 +56,9 @@ def _rank_class() -> Any:
     return Rank
 
 
-def _engine(tmp_path: Path) -> TrainingEngine:
+def _engine(tmp_path: Path, poll_interval_s: float = POLL_INTERVAL_S) -> TrainingEngine:
     return TrainingEngine(
-        _cfg(tmp_path),
+        _cfg(tmp_path, poll_interval_s),
         run_id="pollpace",
         checkpoint_dir=tmp_path / "ckpt",
         role_shards=None,
@@ -110,3 +111,35 @@ def test_a_standby_that_does_not_answer_yet_makes_no_busy_loop(
     assert passes <= bound, (passes, bound)
     for actor in [*engine.actors.values(), standby]:
         ray.kill(actor)
+
+
+def _reply(step: int, boundary: int | None = None) -> dict[str, Any]:
+    phase = "training" if boundary is None else "phase_end"
+    status = {"phase": phase, "pid": 1000, "step": step, "started_at": 0.0}
+    return {"events": [], "status": {**status, "boundary": boundary}}
+
+
+def test_a_rank_saving_a_phase_closing_checkpoint_is_polled_sooner(tmp_path: Path) -> None:
+    """The run's one phase ends at step 10. A rank that committed step 10 and has not
+    reported the boundary yet (its closing save is in flight) is next polled within
+    ranks / phase_end_polls_per_s; a rank mid-phase, at the boundary already, or past
+    a passed gate waits its regular interval."""
+    interval = 5.0
+    engine = _engine(tmp_path, poll_interval_s=interval)
+    keys = [(g, 0) for g in range(2)]
+    engine.actors = dict.fromkeys(keys)
+    soon = len(keys) / engine.ft.phase_end_polls_per_s
+    assert soon < interval
+
+    def next_poll_in(reply: dict[str, Any], key: tuple[int, int] = keys[0]) -> float:
+        now = time.monotonic()
+        engine._poll_due.pop(key, None)
+        assert engine._due(key, now)  # polled now: the next is due a regular interval on
+        engine._on_reply(key, reply, time.time())
+        return engine._poll_due[key] - time.monotonic()
+
+    assert next_poll_in(_reply(9)) > interval - 1
+    assert next_poll_in(_reply(10)) <= soon
+    assert next_poll_in(_reply(10, boundary=0)) > interval - 1
+    engine.passed.add(0)
+    assert next_poll_in(_reply(10)) > interval - 1
