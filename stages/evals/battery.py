@@ -123,6 +123,57 @@ def _record(
     return out
 
 
+def lm_eval_tasks(battery: Battery) -> dict[str, list[BatteryCheck]]:
+    """The battery's lm-eval checks by task (a task's checks are scored by one run)."""
+    by_task: dict[str, list[BatteryCheck]] = {}
+    for c in battery.checks:
+        if c.kind == "lm_eval" and c.task:
+            by_task.setdefault(c.task, []).append(c)
+    return dict(sorted(by_task.items()))
+
+
+def _max_length(model: torch.nn.Module, s: EvalSettings) -> int:
+    return s.max_length or int(
+        getattr(getattr(model, "config", None), "max_position_embeddings", 2048)
+    )
+
+
+def run_task_checks(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: str,
+    checks: list[BatteryCheck],
+    *,
+    settings: EvalSettings,
+    work_dir: Path | None = None,
+) -> list[CheckResult]:
+    """One lm-eval task of a battery on ``model``: its checks, bounded in time."""
+    s = settings
+    # A timed-out check's thread may still write here: removal must not fail on it.
+    tmp = tempfile.TemporaryDirectory(
+        prefix="ito-lmeval-", dir=work_dir, ignore_cleanup_errors=True
+    )
+
+    def _task() -> dict[str, float | None]:
+        got = run_tasks(
+            model,
+            tokenizer,
+            [evals_dir() / task],
+            include_dir=Path(tmp.name),
+            max_length=_max_length(model, s),
+            batch_size=s.batch_size,
+            limit=s.limit,
+            seed=s.seed,
+        )
+        metrics = next(iter(got.values()), {})
+        return {c.name: metrics.get(f"{c.metric},{c.filter}") for c in checks}
+
+    try:
+        return _record(checks, _task, s.check_timeout_s)
+    finally:
+        tmp.cleanup()
+
+
 def run_battery(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -135,18 +186,18 @@ def run_battery(
     settings: EvalSettings | None = None,
     work_dir: Path | None = None,
     heldout_sums: HeldoutSums | None = None,
+    task_checks: Sequence[CheckResult] | None = None,
 ) -> BatteryResult:
     """Every check of the battery on ``model`` (left in the train/eval mode it was in).
     ``heldout_sums``: the held-out windows already scored over the data-parallel
-    ranks and reduced (``stages.evals.heldout``); None: ``model`` scores them all."""
+    ranks and reduced (``stages.evals.heldout``); None: ``model`` scores them all.
+    ``task_checks``: the lm-eval checks already run elsewhere (``run_task_checks`` on
+    other ranks); None: ``model`` runs them."""
     s = settings or EvalSettings()
     battery = load_battery(battery_name)
     started = time.time()
     files = battery_files(battery)
     results: list[CheckResult] = []
-    max_length = s.max_length or int(
-        getattr(getattr(model, "config", None), "max_position_embeddings", 2048)
-    )
 
     held = [c for c in battery.checks if c.kind == "heldout"]
     if held:
@@ -166,36 +217,17 @@ def run_battery(
 
         results += _record(held, _held, s.check_timeout_s)
 
-    # A timed-out check's thread may still write here: removal must not fail on it.
-    tmp = tempfile.TemporaryDirectory(
-        prefix="ito-lmeval-", dir=work_dir, ignore_cleanup_errors=True
-    )
-    try:
-        by_task: dict[str, list[BatteryCheck]] = {}
-        for c in battery.checks:
-            if c.kind == "lm_eval" and c.task:
-                by_task.setdefault(c.task, []).append(c)
-        for i, (task, checks) in enumerate(sorted(by_task.items())):
-
-            def _task(
-                task: str = task, checks: list[BatteryCheck] = checks, i: int = i
-            ) -> dict[str, float | None]:
-                got = run_tasks(
-                    model,
-                    tokenizer,
-                    [evals_dir() / task],
-                    include_dir=Path(tmp.name) / str(i),
-                    max_length=max_length,
-                    batch_size=s.batch_size,
-                    limit=s.limit,
-                    seed=s.seed,
-                )
-                metrics = next(iter(got.values()), {})
-                return {c.name: metrics.get(f"{c.metric},{c.filter}") for c in checks}
-
-            results += _record(checks, _task, s.check_timeout_s)
-    finally:
-        tmp.cleanup()
+    ran = {c.name: c for c in task_checks or ()}
+    for task, checks in lm_eval_tasks(battery).items():
+        if task_checks is not None:
+            missing = [c.name for c in checks if c.name not in ran]
+            if missing:
+                raise ValueError(f"battery {battery.name}: check {missing[0]} was not run")
+            results += [ran[c.name] for c in checks]
+        else:
+            results += run_task_checks(
+                model, tokenizer, task, checks, settings=s, work_dir=work_dir
+            )
 
     order = {c.name: i for i, c in enumerate(battery.checks)}
     results.sort(key=lambda r: order[r.name])

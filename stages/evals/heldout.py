@@ -53,16 +53,27 @@ def reduce_sums(parts: Iterable[HeldoutSums]) -> HeldoutSums:
     return total
 
 
+# Per process, by tokenizer folder and size: a rank scores several held-out shares
+# each phase end, and decoding a 128k vocabulary a token at a time takes seconds.
+_TOKEN_BYTES: dict[tuple[str, int], torch.Tensor] = {}
+
+
 def _token_bytes(tokenizer: Any) -> torch.Tensor:
     """UTF-8 bytes each token id stands for (0 for specials)."""
     import torch
 
-    specials = set(tokenizer.all_special_ids)
     n = len(tokenizer)
-    out = torch.zeros(n, dtype=torch.float64)
-    for i in range(n):
-        if i not in specials:
-            out[i] = len(tokenizer.decode([i]).encode("utf-8"))
+    key = (str(getattr(tokenizer, "name_or_path", "") or ""), n)
+    if key[0] and key in _TOKEN_BYTES:
+        return _TOKEN_BYTES[key]
+    specials = set(tokenizer.all_special_ids)
+    texts = tokenizer.batch_decode([[i] for i in range(n)])
+    out = torch.tensor(
+        [0 if i in specials else len(t.encode("utf-8")) for i, t in enumerate(texts)],
+        dtype=torch.float64,
+    )
+    if key[0]:
+        _TOKEN_BYTES[key] = out
     return out
 
 

@@ -19,7 +19,6 @@ import contextlib
 import math
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -822,38 +821,12 @@ class TrainingEngine:
         )
 
     def evaluate_on_rank(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Run a phase's battery and export on rank 0 of the lowest live group (its
-        loop waits at the phase's end), the held-out windows split over rank 0 of
-        every live group and their sums reduced here, the export's shards over every
-        live rank; returns ``PhaseEvalReply``."""
-        import ray
+        """A phase's battery and export on the ranks waiting at its end
+        (``phase_eval.evaluate_phase_end``); returns ``PhaseEvalReply``."""
+        from stages.trainer.phase_eval import evaluate_phase_end
 
-        from stages.evals.heldout import HeldoutSums, reduce_sums
-        from stages.trainer.phase_eval import PhaseEvalRequest
-
-        live = [g.index for g in self.groups if g.lost_at is None] or [0]
-        if PhaseEvalRequest.model_validate(request).needs_heldout():
-            refs = [
-                self.actors[(g, 0)].heldout_share.remote(request, part, len(live))
-                for part, g in enumerate(sorted(live))
-            ]
-            shares = [HeldoutSums.model_validate(s) for s in ray.get(refs, timeout=timeout_s)]
-            request = {**request, "heldout_sums": reduce_sums(shares).model_dump(mode="json")}
-        # The export: every live rank writes its share of the shards into one staging
-        # folder; the evaluating rank completes it.
-        ranks = sorted(k for k in self.actors if k[0] in live)
-        request = {**request, "export_token": uuid.uuid4().hex[:12]}
-        refs = [
-            self.actors[k].export_share.remote(request, part, len(ranks))
-            for part, k in enumerate(ranks)
-        ]
-        writers: dict[str, str] = {}
-        for files in ray.get(refs, timeout=timeout_s):
-            writers.update(files)
-        request = {**request, "export_writers": writers}
-        ref = self.actors[(min(live), 0)].evaluate_phase.remote(request)
-        reply: dict[str, Any] = ray.get(ref, timeout=timeout_s)
-        return reply
+        live = sorted(g.index for g in self.groups if g.lost_at is None) or [0]
+        return evaluate_phase_end(self.actors, live, request, timeout_s)
 
     def _phase_closed(self) -> bool:
         """Every live rank waits at the same phase end: run its gate, then let every

@@ -1,16 +1,19 @@
 """A phase's eval battery and HF export, run on trainer ranks while the fleet waits at
 the phase's end (never in the driver).
 
-Held-out loss and bits per byte are split over the data-parallel ranks: rank 0 of
-every live replica group scores its share of the held-out windows
-(``heldout_share``) and the engine adds the sums up (``stages.evals.heldout``); the
-rest of the battery and the export run on rank 0 of the lowest live replica group.
-A single-rank group holds the whole live model: the battery runs on it directly (it
-is bit-identical to the closing checkpoint: nothing updated it since the save). A
-rank whose model is laid out over several ranks (FSDP2, TP, PP), recomputes
-activations or runs fp8 linears loads the closing checkpoint into a fresh, plain
-model in its own process instead (``load_phase_model``). Either way the scores are
-those of the closing checkpoint, and the driver only sees numbers and paths.
+The battery is cut into units (``PhaseEvalRequest.units``): each lm-eval task, and
+the held-out windows in shares. The engine hands them to rank 0 of every live replica
+group, the next unit to whichever is free (``run_unit``), so a group done with a
+generation task scores held-out shares while another still generates; it adds the
+held-out sums up (``stages.evals.heldout``), and rank 0 of the lowest live group
+assembles the battery from the units' results and completes the export
+(``evaluate_on_rank``). A single-rank group holds the whole live model: the units run
+on it directly (it is bit-identical to the closing checkpoint: nothing updated it
+since the save). A rank whose model is laid out over several ranks (FSDP2, TP, PP),
+recomputes activations or runs fp8 linears loads the closing checkpoint into a fresh,
+plain model in its own process instead (``load_phase_model``, once a phase end).
+Either way the scores are those of the closing checkpoint, and the driver only sees
+numbers and paths.
 
 The HF export is always streamed from the closing checkpoint, a safetensors shard at
 a time: every live rank writes its share of the shards into the export's staging
@@ -23,6 +26,8 @@ no scoring) builds no model at all.
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +35,7 @@ from pydantic import BaseModel
 
 from stages.curriculum.schedule import PhaseSpan
 from stages.errors import ErrorCode, ItoError
+from stages.evals.battery import CheckResult
 from stages.evals.config import EvalRunSettings
 from stages.evals.heldout import HeldoutSums
 from stages.post_training.objective_eval import (
@@ -40,6 +46,8 @@ from stages.post_training.objective_eval import (
 from stages.trainer.config import TrainStageConfig
 
 if TYPE_CHECKING:  # the driver builds requests here; the ranks import torch
+    from collections.abc import Callable
+
     import torch
 
     from stages.checkpointing.sealed import SealedCheckpoint
@@ -59,22 +67,33 @@ class PhaseEvalRequest(BaseModel):
     settings: EvalRunSettings
     # A post-training objective: its gate metrics and battery, scored here too.
     post_training: ObjectiveEvalRequest | None = None
-    # The held-out shares of every data-parallel rank, reduced; None: the battery has
-    # no held-out check (or the evaluating rank scores the whole split).
+    # The held-out shares the live groups scored (``run_unit``), reduced; None: the
+    # battery has no held-out check (or the evaluating rank scores the whole split).
     heldout_sums: HeldoutSums | None = None
+    # The lm-eval checks the live groups ran (``run_unit``); None: the evaluating rank
+    # runs them.
+    task_checks: list[CheckResult] | None = None
     # The export's staging folder, agreed by every rank that writes shards into it
     # (``export_share``), and which rank wrote each file; None: the evaluating rank
     # writes every shard itself.
     export_token: str | None = None
     export_writers: dict[str, str] | None = None
 
-    def needs_heldout(self) -> bool:
+    def units(self, groups: int) -> list[EvalUnit]:
+        """The battery's units for ``groups`` live groups, the longest first: each
+        lm-eval task, then the held-out batches in ``HELDOUT_SHARES_PER_GROUP`` shares
+        a group (fine enough that the groups finish together)."""
+        from stages.evals.battery import lm_eval_tasks
         from stages.evals.config import load_battery
 
-        battery = self.phase.eval_battery
-        return battery is not None and any(
-            c.kind == "heldout" for c in load_battery(battery).checks
-        )
+        if self.phase.eval_battery is None:
+            return []
+        battery = load_battery(self.phase.eval_battery)
+        units = [EvalUnit(task=task) for task in lm_eval_tasks(battery)]
+        if any(c.kind == "heldout" for c in battery.checks):
+            parts = HELDOUT_SHARES_PER_GROUP * groups
+            units += [EvalUnit(part=part, parts=parts) for part in range(parts)]
+        return units
 
     def heldout_texts(self) -> list[str]:
         return [
@@ -82,6 +101,25 @@ class PhaseEvalRequest(BaseModel):
             for line in Path(self.heldout_path).read_text(encoding="utf-8").splitlines()
             if line.strip()
         ]
+
+
+# Held-out shares per live group: a group that finished its lm-eval task takes the
+# shares the others have not started, so the groups end within about one share.
+HELDOUT_SHARES_PER_GROUP = 4
+
+
+class EvalUnit(BaseModel):
+    """One unit of a phase's battery that any live group's rank 0 runs: an lm-eval
+    task (all its checks), or every ``parts``-th held-out batch from the ``part``-th."""
+
+    task: str | None = None
+    part: int = 0
+    parts: int = 1
+
+
+class EvalUnitReply(BaseModel):
+    checks: list[CheckResult] = []
+    heldout: HeldoutSums | None = None
 
 
 class PhaseEvalReply(BaseModel):
@@ -218,32 +256,35 @@ def export_phase(
 
 
 def evaluate_on_rank(
-    req: PhaseEvalRequest, *, cfg: TrainStageConfig, live: torch.nn.Module | None
+    req: PhaseEvalRequest,
+    *,
+    cfg: TrainStageConfig,
+    model: Callable[[], torch.nn.Module],
+    live: bool,
 ) -> PhaseEvalReply:
-    """Run the phase's battery (a phase without one, e.g. a post-training objective, is
-    only exported: ``result`` is empty), a post-training objective's own scores, and
-    write its HF export; ``live`` is this rank's whole model when it can serve (see the module
-    docstring), else None."""
+    """Assemble the phase's battery (a phase without one, e.g. a post-training
+    objective, is only exported: ``result`` is empty) from the units' results in
+    ``req`` (what they left out runs here), score a post-training objective, and write
+    the HF export; ``model`` gives the model the checks score (``live``: this rank's
+    own, see the module docstring)."""
     from stages.checkpointing.seal import seal_key
     from stages.checkpointing.sealed import SealedCheckpoint
     from stages.evals import run_battery
     from stages.hf import load_tokenizer
 
     tokenizer = load_tokenizer(req.tokenizer_dir)
-    # The seal is checked once (it reads every file): for the export and, on a rank
-    # without a whole live model, for the model the battery scores.
     sealed = SealedCheckpoint(Path(req.checkpoint), seal_key())
     result: dict[str, Any] = {}
     scored: ObjectiveEvalReply | None = None
     if req.phase.eval_battery is None and req.post_training is None:
         export = export_phase(req, cfg, tokenizer, sealed)
         return PhaseEvalReply(result=result, export=str(export), live_model=False)
-    model = live if live is not None else load_phase_model(cfg, req.phase, sealed)
-    was_training = model.training
+    scoring = model()
+    was_training = scoring.training
     try:
         if req.phase.eval_battery is not None:
             result = run_battery(
-                model,
+                scoring,
                 tokenizer,
                 req.phase.eval_battery,
                 req.heldout_texts() if req.heldout_sums is None else [],
@@ -253,45 +294,125 @@ def evaluate_on_rank(
                 settings=req.settings,
                 work_dir=Path(req.work_dir),
                 heldout_sums=req.heldout_sums,
+                task_checks=req.task_checks,
             ).model_dump(mode="json")
         export = export_phase(req, cfg, tokenizer, sealed)
         if req.post_training is not None:
             scored = evaluate_objective(
                 req.post_training,
-                model,
+                scoring,
                 tokenizer,
                 settings=req.settings,
                 work_dir=Path(req.work_dir),
             )
     finally:
-        model.train(was_training)
-    return PhaseEvalReply(
-        result=result, export=str(export), live_model=live is not None, post_training=scored
-    )
+        scoring.train(was_training)
+    return PhaseEvalReply(result=result, export=str(export), live_model=live, post_training=scored)
 
 
-def heldout_share(
-    req: PhaseEvalRequest,
-    *,
-    cfg: TrainStageConfig,
-    live: torch.nn.Module | None,
-    part: int,
-    parts: int,
-) -> HeldoutSums:
-    """This data-parallel rank's share of the phase's held-out windows, scored on its
-    live model (or the closing checkpoint, as ``evaluate_on_rank`` chooses)."""
+def run_unit(
+    req: PhaseEvalRequest, unit: EvalUnit, *, model: Callable[[], torch.nn.Module]
+) -> EvalUnitReply:
+    """One unit of the phase's battery on this rank (``PhaseEvalRequest.units``)."""
+    from stages.evals.battery import lm_eval_tasks, run_task_checks
+    from stages.evals.config import load_battery
     from stages.evals.heldout import heldout_sums
     from stages.hf import load_tokenizer
 
-    model = live if live is not None else load_phase_model(cfg, req.phase, req.checkpoint)
+    if req.phase.eval_battery is None:
+        raise ItoError(ErrorCode.invalid_state, f"phase {req.phase.name} has no battery")
+    tokenizer = load_tokenizer(req.tokenizer_dir)
     s = req.settings
-    return heldout_sums(
-        model,
-        load_tokenizer(req.tokenizer_dir),
-        req.heldout_texts(),
-        seq_len=s.heldout_seq_len or req.phase.seq_len,
-        max_tokens=s.heldout_max_tokens,
-        batch_size=s.batch_size,
-        part=part,
-        parts=parts,
+    if unit.task is not None:
+        checks = lm_eval_tasks(load_battery(req.phase.eval_battery)).get(unit.task)
+        if checks is None:
+            raise ItoError(ErrorCode.invalid_state, f"no task {unit.task} in the battery")
+        return EvalUnitReply(
+            checks=run_task_checks(
+                model(), tokenizer, unit.task, checks, settings=s, work_dir=Path(req.work_dir)
+            )
+        )
+    return EvalUnitReply(
+        heldout=heldout_sums(
+            model(),
+            tokenizer,
+            req.heldout_texts(),
+            seq_len=s.heldout_seq_len or req.phase.seq_len,
+            max_tokens=s.heldout_max_tokens,
+            batch_size=s.batch_size,
+            part=unit.part,
+            parts=unit.parts,
+        )
     )
+
+
+# --- the driver's side ----------------------------------------------------------------
+def evaluate_phase_end(
+    actors: dict[tuple[int, int], Any],
+    live: list[int],
+    request: dict[str, Any],
+    timeout_s: float,
+) -> dict[str, Any]:
+    """A phase's battery and export on the ranks (``actors`` by (group, rank)) waiting
+    at its end: the export's shards over every rank of the ``live`` groups, the
+    battery's units over rank 0 of each, the next unit to whichever is free, the
+    held-out sums reduced here; then rank 0 of the lowest live group assembles the
+    battery and completes the export. Returns ``PhaseEvalReply`` as JSON."""
+    import ray
+
+    from stages.evals.heldout import reduce_sums
+
+    deadline = time.monotonic() + timeout_s
+    req = PhaseEvalRequest.model_validate(request)
+    ranks = sorted(k for k in actors if k[0] in live)
+    request = {**request, "export_token": uuid.uuid4().hex[:12]}
+    # Each rank writes its export shares before it takes a unit (an actor runs its
+    # calls in order).
+    exports = [
+        actors[k].export_share.remote(request, part, len(ranks)) for part, k in enumerate(ranks)
+    ]
+    units = _run_units(actors, request, req.units(len(live)), [(g, 0) for g in live], deadline)
+    writers: dict[str, str] = {}
+    for files in ray.get(exports, timeout=_left(deadline)):
+        writers.update(files)
+    request = {**request, "export_writers": writers}
+    held = [u.heldout for u in units if u.heldout is not None]
+    if held:
+        request["heldout_sums"] = reduce_sums(held).model_dump(mode="json")
+    if any(u.checks for u in units):
+        request["task_checks"] = [c.model_dump(mode="json") for u in units for c in u.checks]
+    reply: dict[str, Any] = ray.get(
+        actors[(live[0], 0)].evaluate_phase.remote(request), timeout=_left(deadline)
+    )
+    return reply
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _run_units(
+    actors: dict[tuple[int, int], Any],
+    request: dict[str, Any],
+    units: list[EvalUnit],
+    workers: list[tuple[int, int]],
+    deadline: float,
+) -> list[EvalUnitReply]:
+    """Each unit on the next free worker, in the units' order (the longest first)."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    queue, free = list(units), list(workers)
+    running: dict[Any, tuple[int, int]] = {}
+    replies: list[EvalUnitReply] = []
+    while queue or running:
+        while queue and free:
+            key = free.pop(0)
+            unit = queue.pop(0).model_dump(mode="json")
+            running[actors[key].eval_unit.remote(request, unit)] = key
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=_left(deadline))
+        if not ready:
+            raise GetTimeoutError(f"{len(running) + len(queue)} battery units not done in time")
+        free.append(running.pop(ready[0]))
+        replies.append(EvalUnitReply.model_validate(ray.get(ready[0])))
+    return replies

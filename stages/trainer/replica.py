@@ -81,6 +81,9 @@ class ReplicaWorker:
         self.status: dict[str, Any] = {}
         self.store: Any = None  # a multi-rank group's store for the run (rank 0 hosts it)
         self._pg_store: Any = None  # the one its process group was made with, once replaced
+        # (checkpoint, plain model) a phase end's units score when this rank's own model
+        # cannot serve as it is; dropped when the fleet moves on.
+        self._phase_model: tuple[str, Any] | None = None
         self._pin(spec.replica_group)
         if spec.config.ranks_per_group > 1:
             self._group_store(spec)
@@ -307,6 +310,8 @@ class ReplicaWorker:
         }
 
     def command(self, kind: str, params: dict[str, Any] | None = None) -> None:
+        if kind in ("next_phase", "stop"):
+            self._phase_model = None
         if kind == "activate":  # a standby becomes a group: its cores from now on
             self._pin(int((params or {})["group"]))
             gpus = (params or {}).get("gpu_ids")
@@ -317,14 +322,18 @@ class ReplicaWorker:
         self.control.send(kind, **(params or {}))  # type: ignore[arg-type]
 
     def evaluate_phase(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The phase's battery and HF export on this rank, while its loop waits at the
-        phase's end (stages.trainer.phase_eval)."""
+        """The phase's battery, assembled from its units' results, and HF export on this
+        rank, while its loop waits at the phase's end (stages.trainer.phase_eval)."""
         from stages.trainer.phase_eval import evaluate_on_rank
 
         req = self._at_phase_end(request)
-        return evaluate_on_rank(req, cfg=self.loop.cfg, live=self._live_model()).model_dump(
-            mode="json"
+        reply = evaluate_on_rank(
+            req,
+            cfg=self.loop.cfg,
+            model=lambda: self._scored_model(req),
+            live=self._live_model() is not None,
         )
+        return reply.model_dump(mode="json")
 
     def export_share(self, request: dict[str, Any], part: int, parts: int) -> dict[str, str]:
         """This rank's share of the phase's HF export shards, while its loop waits at
@@ -335,15 +344,28 @@ class ReplicaWorker:
         writer = f"rg{self.loop.spec.replica_group}/rank{self.spec.rank}"
         return export_share(req, self.loop.cfg, part=part, parts=parts, writer=writer)
 
-    def heldout_share(self, request: dict[str, Any], part: int, parts: int) -> dict[str, Any]:
-        """This rank's share of the phase's held-out windows, as sums the driver adds up
-        over the data-parallel ranks (stages.trainer.phase_eval)."""
-        from stages.trainer.phase_eval import heldout_share
+    def eval_unit(self, request: dict[str, Any], unit: dict[str, Any]) -> dict[str, Any]:
+        """One unit of the phase's battery (an lm-eval task or a held-out share), while
+        its loop waits at the phase's end (stages.trainer.phase_eval)."""
+        from stages.trainer.phase_eval import EvalUnit, run_unit
 
         req = self._at_phase_end(request)
+        reply = run_unit(req, EvalUnit.model_validate(unit), model=lambda: self._scored_model(req))
+        return reply.model_dump(mode="json")
+
+    def _scored_model(self, req: Any) -> Any:
+        """What a phase end's checks score: this rank's own model when it can serve as
+        it is, else the closing checkpoint in a plain model, loaded once a phase end."""
+        from stages.trainer.phase_eval import load_phase_model
+
         live = self._live_model()
-        sums = heldout_share(req, cfg=self.loop.cfg, live=live, part=part, parts=parts)
-        return sums.model_dump(mode="json")
+        if live is not None:
+            return live
+        if self._phase_model is None or self._phase_model[0] != req.checkpoint:
+            self._phase_model = None  # the previous one goes before the next is built
+            model = load_phase_model(self.loop.cfg, req.phase, req.checkpoint)
+            self._phase_model = (req.checkpoint, model)
+        return self._phase_model[1]
 
     def train_proxy(self, job: Any, stream: Any, windows: Any, cfg: Any) -> tuple[float, str]:
         """One ladder-probe proxy trained and scored on this rank's device while its loop
