@@ -20,6 +20,7 @@ loop, the layout and torchft are the same for all of them.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,6 +132,10 @@ class TrainLoop:
         self.train_state: Any
         self.loop_state = _LoopState(self)
         self.sharded = spec.config.ranks_per_group > 1
+        # The imports of what a phase end runs, on a thread while the rank waits for
+        # data and trains (``phase_eval.warm_phase_end``); a phase end's work joins it
+        # first (transformers' lazy imports are not thread-safe).
+        self.phase_end_imports: threading.Thread | None = None
         self._last_saved = -1
         self._save_started: dict[int, float] = {}
         # Whether join restores the newest checkpoint (the actor decides: replica.py; a

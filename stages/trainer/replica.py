@@ -387,6 +387,8 @@ class ReplicaWorker:
             raise ItoError(
                 ErrorCode.invalid_state, f"rank is not waiting at the end of phase {req.phase.name}"
             )
+        if self.loop.phase_end_imports is not None:
+            self.loop.phase_end_imports.join()  # its imports and ours would race
         return req
 
     def _live_model(self) -> Any:

@@ -245,13 +245,14 @@ class RankSetup:
         from stages.trainer.phase_eval import warm_phase_end
 
         tasks = spec.replica_group == 0 and spec.rank == 0
-        threading.Thread(
+        loop.phase_end_imports = threading.Thread(
             target=warm_phase_end,
             args=(cfg,),
             kwargs={"tasks": tasks and any(p.eval_battery for p in loop.schedule.phases)},
             name="phase-end-imports",
             daemon=True,
-        ).start()
+        )
+        loop.phase_end_imports.start()
         shards = loop.control.wait_data()
         if shards is None:
             return False
