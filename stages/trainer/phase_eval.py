@@ -25,6 +25,7 @@ no scoring) builds no model at all.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -127,6 +128,14 @@ class PhaseEvalReply(BaseModel):
     export: str
     live_model: bool
     post_training: ObjectiveEvalReply | None = None
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str) -> Any:
+    """The run's tokenizer, loaded once per rank (each unit of a phase end needs it)."""
+    from stages.hf import load_tokenizer
+
+    return load_tokenizer(path)
 
 
 def warm_phase_end(cfg: TrainStageConfig, *, tasks: bool) -> None:
@@ -270,9 +279,8 @@ def evaluate_on_rank(
     from stages.checkpointing.seal import seal_key
     from stages.checkpointing.sealed import SealedCheckpoint
     from stages.evals import run_battery
-    from stages.hf import load_tokenizer
 
-    tokenizer = load_tokenizer(req.tokenizer_dir)
+    tokenizer = _tokenizer(req.tokenizer_dir)
     sealed = SealedCheckpoint(Path(req.checkpoint), seal_key())
     result: dict[str, Any] = {}
     scored: ObjectiveEvalReply | None = None
@@ -317,11 +325,10 @@ def run_unit(
     from stages.evals.battery import lm_eval_tasks, run_task_checks
     from stages.evals.config import load_battery
     from stages.evals.heldout import heldout_sums
-    from stages.hf import load_tokenizer
 
     if req.phase.eval_battery is None:
         raise ItoError(ErrorCode.invalid_state, f"phase {req.phase.name} has no battery")
-    tokenizer = load_tokenizer(req.tokenizer_dir)
+    tokenizer = _tokenizer(req.tokenizer_dir)
     s = req.settings
     if unit.task is not None:
         checks = lm_eval_tasks(load_battery(req.phase.eval_battery)).get(unit.task)

@@ -237,14 +237,12 @@ class RankSetup:
         )
         loop.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}", process_group=ckpt_pg)
         loop.status.update(phase="awaiting_data")
-        # Every phase ends in an HF export whose shards every live rank writes, and
-        # in a battery whose tasks group 0's rank 0 runs (the lowest live group's):
-        # the imports overlap the wait for data and training instead of stalling the
-        # first phase switch. lm-eval only where it will run: elsewhere it is CPU on
-        # every group for an import a failover pays once.
+        # Every phase ends in an HF export whose shards every live rank writes, and in
+        # a battery whose units each group's rank 0 runs: the imports overlap the wait
+        # for data and training instead of stalling the first phase switch.
         from stages.trainer.phase_eval import warm_phase_end
 
-        tasks = spec.replica_group == 0 and spec.rank == 0
+        tasks = spec.rank == 0
         loop.phase_end_imports = threading.Thread(
             target=warm_phase_end,
             args=(cfg,),
