@@ -242,11 +242,11 @@ class RankSetup:
         # for data and training instead of stalling the first phase switch.
         from stages.trainer.phase_eval import warm_phase_end
 
-        tasks = spec.rank == 0
+        tasks = spec.rank == 0 and any(p.eval_battery for p in loop.schedule.phases)
         loop.phase_end_imports = threading.Thread(
             target=warm_phase_end,
             args=(cfg,),
-            kwargs={"tasks": tasks and any(p.eval_battery for p in loop.schedule.phases)},
+            kwargs={"tasks": tasks},
             name="phase-end-imports",
             daemon=True,
         )
