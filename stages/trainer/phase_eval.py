@@ -83,7 +83,7 @@ class PhaseEvalRequest(BaseModel):
     def units(self, groups: int) -> list[EvalUnit]:
         """The battery's units for ``groups`` live groups, the longest first: each
         lm-eval task, then the held-out batches in ``HELDOUT_SHARES_PER_GROUP`` shares
-        a group (fine enough that the groups finish together)."""
+        a group (fine enough that the groups finish together), at most one a batch."""
         from stages.evals.battery import lm_eval_tasks
         from stages.evals.config import load_battery
 
@@ -92,7 +92,11 @@ class PhaseEvalRequest(BaseModel):
         battery = load_battery(self.phase.eval_battery)
         units = [EvalUnit(task=task) for task in lm_eval_tasks(battery)]
         if any(c.kind == "heldout" for c in battery.checks):
-            parts = HELDOUT_SHARES_PER_GROUP * groups
+            # Never more shares than the split can have batches (a long window may make
+            # it one batch, whatever the fleet's size).
+            s = self.settings
+            windows = s.heldout_max_tokens // (s.heldout_seq_len or self.phase.seq_len)
+            parts = min(HELDOUT_SHARES_PER_GROUP * groups, max(1, -(-windows // s.batch_size)))
             units += [EvalUnit(part=part, parts=parts) for part in range(parts)]
         return units
 

@@ -120,6 +120,11 @@ def test_units_go_to_whichever_group_is_free_and_the_lowest_group_assembles() ->
     tasks = lm_eval_tasks(load_battery("smoke"))
     assert [u.task for u in units[: len(tasks)]] == list(tasks)  # the tasks first
     assert len(units) == len(tasks) + HELDOUT_SHARES_PER_GROUP * 2
+    # No more shares than the held-out split can have batches: one window, one share.
+    one_window = req.model_copy(
+        update={"settings": EvalRunSettings(heldout_max_tokens=req.phase.seq_len)}
+    )
+    assert [(u.part, u.parts) for u in one_window.units(64) if u.task is None] == [(0, 1)]
 
     reply = evaluate_phase_end(actors, [0, 1], req.model_dump(mode="json"), TIMEOUT_S)
     assert reply["export"] == req.export_dir
