@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.events import Event, LogEvent
+from stages.run_secret import RunSecret
 
 GateStatus = Literal["passed", "failed", "no_decision", "skipped"]
 
@@ -59,6 +60,9 @@ class StageContext:
     # ``stages.trainer.handoff.Fleet`` the orchestrator makes and ends; None: each
     # stage keeps its own.
     fleet: Any = None
+    # The run's secret, proven by the run's processes on every listener they open
+    # (stages.netsec). Made with the context, so a relaunched driver's run has a new one.
+    secret: RunSecret = field(default_factory=RunSecret.new)
 
     # Human decisions on proposals (``ProposalEvent``), filled by the orchestrator.
     _decisions: dict[str, str] = field(default_factory=dict)

@@ -26,11 +26,13 @@ import hmac
 import os
 import secrets
 import socket
-from dataclasses import dataclass, field
 
 from pydantic import Field, model_validator
 
 from stages.base import StrictModel
+from stages.run_secret import RunSecret
+
+__all__ = ["RunSecret"]  # re-exported: a listener's users take both from here
 
 NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size
@@ -52,25 +54,6 @@ class ListenerConfig(StrictModel):
         if (self.port_min == 0) != (self.port_max == 0) or self.port_min > self.port_max:
             raise ValueError("port_min..port_max must be a range, or both 0 for ephemeral")
         return self
-
-
-@dataclass(frozen=True)
-class RunSecret:
-    """32 random bytes made once per run by its driver and handed to the run's actors
-    through Ray. Never logged, stored, put in an event or in an environment."""
-
-    value: bytes = field(repr=False)
-
-    @classmethod
-    def new(cls) -> RunSecret:
-        return cls(secrets.token_bytes(32))
-
-    def derive(self, purpose: str) -> bytes:
-        """A key for one purpose (``"weight-sync"``, ``"heal"``, ``"store"``...)."""
-        return hmac.new(self.value, b"ito-run-key:" + purpose.encode(), hashlib.sha256).digest()
-
-    def __repr__(self) -> str:
-        return "RunSecret(<hidden>)"
 
 
 class PeerRefused(ConnectionError):
