@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from helpers.fixtures import both_engines
+from helpers.waiting import wait_until
 
 from orchestrator.db.schema import SCHEMA_VERSION
 from orchestrator.db.store import Fence, Store
@@ -237,6 +238,39 @@ def test_lease_has_one_holder_and_fences_a_stale_one(db: str) -> None:
     store.fenced(b).transition("run_1", RunState.running, "by the new leader")
     store.release_lease(b)  # a clean shutdown hands over at once
     assert store.acquire_lease(a, lease_s=60) == 3
+
+
+@both_engines
+def test_a_leader_past_its_lease_is_fenced_before_any_takeover(db: str) -> None:
+    """A leader paused past its lease (a long GC, SIGSTOP) whose lease no standby has
+    taken yet still holds the row's holder and token: expiry alone must refuse its
+    fenced writes, or it writes while a standby may already be entitled to lead."""
+    store = Store(db)
+    _run(store)
+    a = Fence("supervisor", "replica-a")
+    assert store.acquire_lease(a, lease_s=0.1) == 1
+    paused = store.fenced(Fence("supervisor", "replica-a", token=1))
+    paused.transition("run_1", RunState.starting, "while the lease is live")
+    wait_until(
+        lambda: store.read(
+            f"SELECT expires_at <= {store.engine.now_sql} AS out FROM leases WHERE name = ?",
+            ("supervisor",),
+        )[0]["out"],
+        30,
+        "the lease to expire by the database's clock",
+    )
+    assert _lease(store)["holder"] == "replica-a" and _lease(store)["token"] == 1  # no takeover
+    with pytest.raises(ItoError) as e:
+        paused.transition("run_1", RunState.running, "after the lease ran out")
+    assert e.value.code == ErrorCode.lease_lost
+    with pytest.raises(ItoError) as e:
+        paused.ingest_events("run_1", [{**LogEvent(message="late").model_dump(), "seq": 0}])
+    assert e.value.code == ErrorCode.lease_lost
+    assert store.get_run("run_1")["state"] == "starting" and store.max_seq("run_1") == -1
+    # Waking, it takes the lease anew like any standby would: a new token.
+    assert store.acquire_lease(a, lease_s=60) == 2
+    store.fenced(a).transition("run_1", RunState.running, "under the new token")
+    store.close()
 
 
 def test_a_password_in_the_store_url_is_refused() -> None:
