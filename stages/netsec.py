@@ -56,6 +56,23 @@ class ListenerConfig(StrictModel):
         return self
 
 
+# Set on every node by the deployment (deploy/k8s, deploy/slurm) to the range its
+# NetworkPolicy or firewall rule opens between a booking's nodes: "MIN-MAX".
+PORTS_ENV = "ITO_LISTEN_PORTS"
+
+
+def listener_config() -> ListenerConfig:
+    """This node's ``ListenerConfig``: the range in ``ITO_LISTEN_PORTS`` ("MIN-MAX"),
+    ephemeral ports when it is unset (a single-node testbed)."""
+    raw = os.environ.get(PORTS_ENV, "").strip()
+    if not raw:
+        return ListenerConfig()
+    low, sep, high = raw.partition("-")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+        raise ValueError(f"{PORTS_ENV} must be MIN-MAX, e.g. 42000-42999, not {raw!r}")
+    return ListenerConfig(port_min=int(low), port_max=int(high))
+
+
 class PeerRefused(ConnectionError):
     """The other side of a connection did not prove the run's secret."""
 
