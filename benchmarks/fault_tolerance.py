@@ -186,6 +186,53 @@ def recovery(args: argparse.Namespace) -> RecoveryConfig:
     )
 
 
+def write_train_data(tmp: Path) -> Path:
+    """A small text corpus the benchmarks train on (the engine reads files)."""
+    data = tmp / "train.jsonl"
+    with data.open("w") as f:
+        for i in range(4000):
+            f.write(
+                json.dumps({"text": f"doc {i}: " + "lorem ipsum dolor sit amet " * (i % 9 + 1)})
+                + "\n"
+            )
+    return data
+
+
+def stage_config(
+    args: argparse.Namespace, *, spares: int, ckpt_root: Path, data: Path
+) -> TrainStageConfig:
+    """The training stage the benchmarks run: ``args``' preset, batch, groups and
+    checkpoint interval, with the production recovery configuration."""
+    ft_over = recovery(args).fault_tolerance.model_dump(mode="json")
+    if getattr(args, "heartbeat_ms", None) is not None:
+        ft_over["heartbeat_timeout_ms"] = args.heartbeat_ms
+    return TrainStageConfig.model_validate(
+        dict(
+            model=ModelSpec(preset=args.preset, size="bench"),
+            target=TrainingTarget(
+                max_steps=1_000_000,
+                seq_len=args.seq_len,
+                global_batch_tokens=args.batch_tokens,
+                warmup_steps=10,
+            ),
+            checkpoint=CheckpointPolicy(
+                interval_steps=args.checkpoint_every,
+                keep=2,
+                storage_uri=f"file://{ckpt_root}",
+            ),
+            loss_spike={"enabled": False},  # a proposal would pause the run for a human
+            fault_tolerance=ft_over,
+            replica_groups=args.groups,
+            spare_groups=spares,
+            ranks_per_group=args.ranks_per_group,
+            device=args.device,
+            train_files=[str(data)],
+            worker_num_cpus=0.5,
+        ),
+        strict=False,
+    )
+
+
 class Watcher:
     """Collects the stage's events; waits for the first one matching a predicate."""
 
@@ -331,7 +378,11 @@ def churn(
         print(f"churn kill {kills} at +{time.time() - t0:.1f}s: pids {pids}", flush=True)
     time.sleep(max(0.0, t0 + duration_s - time.time()))
     tokens = committed_tokens(w, t0, t0 + duration_s, last_before(w, t0).step)
-    return {"churn_kills": kills, "churn_efficiency": round(tokens / (tok_rate * duration_s), 3)}
+    return {
+        "churn_kills": kills,
+        "churn_efficiency": round(tokens / (tok_rate * duration_s), 3),
+        "churn_tokens_per_s": round(tokens / duration_s, 1),
+    }
 
 
 def restart_kill(
@@ -419,43 +470,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="ito-ftbench-"))
-    data = tmp / "train.jsonl"
-    with data.open("w") as f:
-        for i in range(4000):
-            f.write(
-                json.dumps({"text": f"doc {i}: " + "lorem ipsum dolor sit amet " * (i % 9 + 1)})
-                + "\n"
-            )
-    ft_over = recovery(args).fault_tolerance.model_dump(mode="json")
-    if args.heartbeat_ms is not None:
-        ft_over["heartbeat_timeout_ms"] = args.heartbeat_ms
+    data = write_train_data(tmp)
 
     def config(spares: int, ckpt_dir: str) -> TrainStageConfig:
-        return TrainStageConfig.model_validate(
-            dict(
-                model=ModelSpec(preset=args.preset, size="bench"),
-                target=TrainingTarget(
-                    max_steps=1_000_000,
-                    seq_len=args.seq_len,
-                    global_batch_tokens=args.batch_tokens,
-                    warmup_steps=10,
-                ),
-                checkpoint=CheckpointPolicy(
-                    interval_steps=args.checkpoint_every,
-                    keep=2,
-                    storage_uri=f"file://{tmp}/{ckpt_dir}",
-                ),
-                loss_spike={"enabled": False},  # a proposal would pause the run for a human
-                fault_tolerance=ft_over,
-                replica_groups=args.groups,
-                spare_groups=spares,
-                ranks_per_group=args.ranks_per_group,
-                device=args.device,
-                train_files=[str(data)],
-                worker_num_cpus=0.5,
-            ),
-            strict=False,
-        )
+        return stage_config(args, spares=spares, ckpt_root=tmp / ckpt_dir, data=data)
 
     use_scratch_launch_key(tmp)  # run by hand, no server holds one
     ray.init(

@@ -192,6 +192,114 @@ class StepLog:
         raise TimeoutError(f"ray train: no {what} within {STEP_TIMEOUT_S:.0f}s")
 
 
+class Run:
+    """One ``TorchTrainer.fit()`` of ``train_loop`` in a background thread of the caller's
+    Ray session, with its step log, its failure log and a stop switch."""
+
+    def __init__(self, logs: Path, detected: DetectionLog):
+        self.logs = logs
+        self.detected = detected
+        self.log = StepLog(logs / "steps.log")
+        self.errors: list[BaseException] = []
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        preset: str,
+        workers: int,
+        seq_len: int,
+        batch_tokens: int,
+        lr: float,
+        checkpoint_every: int,
+        max_failures: int,
+        device: str,
+    ) -> Run:
+        import ray
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        # Run as a script, this module is not importable on Ray's workers: ship its code.
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        tmp = Path(tempfile.mkdtemp(prefix="ito-raytrain-"))
+        logs = tmp / "logs"
+        logs.mkdir()
+        detected = DetectionLog(logs / "detected.log")
+        trainer = TorchTrainer(
+            train_loop,
+            train_loop_config={
+                "preset": preset,
+                "seed": 0,
+                "lr": lr,
+                "seq_len": seq_len,
+                "batch_tokens": batch_tokens,
+                "checkpoint_every": checkpoint_every,
+                "max_steps": 1_000_000,
+                "log_dir": str(logs),
+                "device": device,
+            },
+            scaling_config=ScalingConfig(
+                num_workers=workers, use_gpu=device == "cuda", resources_per_worker={"CPU": 1}
+            ),
+            run_config=RunConfig(
+                name="ray-train-baseline",
+                storage_path=str(tmp / "storage"),
+                failure_config=FailureConfig(max_failures=max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=2),
+                callbacks=[detected.callback()],
+            ),
+        )
+        run = cls(logs, detected)
+
+        def fit() -> None:
+            try:
+                trainer.fit()
+            except BaseException as e:  # reported with the figures
+                run.errors.append(e)
+
+        run._thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+        run._thread.start()
+        return run
+
+    def steady_rate(self, warmup_steps: int, measure_steps: int) -> tuple[float, float]:
+        """(seconds per step, global-batch steps per second) over ``measure_steps``
+        consecutive steps after ``warmup_steps``, checkpoint steps included (a plain
+        loop pays its saves too)."""
+        a = self.log.wait(lambda r: r[0] >= warmup_steps, "warm-up steps")
+        b = self.log.wait(lambda r: r[0] >= a[0] + measure_steps, "measured steps")
+        step_s = (b[1] - a[1]) / (b[0] - a[0])
+        return step_s, 1.0 / step_s
+
+    def kill_worker(self, rank: int) -> bool:
+        """SIGKILL the worker of ``rank`` (False: it was already gone, e.g. restarting)."""
+        try:
+            os.kill(int((self.logs / f"pid{rank}").read_text()), signal.SIGKILL)
+            return True
+        except (ProcessLookupError, FileNotFoundError, ValueError):
+            return False
+
+    def churn(self, every_s: float, duration_s: float, batch_tokens: int) -> dict[str, float]:
+        """SIGKILL worker rank 1 every ``every_s`` seconds for ``duration_s``; tokens of
+        the steps beyond the one reached at the start, each step number once (a step redone
+        after a restart adds nothing), committed within the window."""
+        t0 = time.time()
+        beyond = max((r[0] for r in self.log.rows() if r[1] <= t0), default=0)
+        kills = 0
+        while (t_next := t0 + (kills + 1) * every_s) < t0 + duration_s:
+            time.sleep(max(0.0, t_next - time.time()))
+            kills += self.kill_worker(1)
+        time.sleep(max(0.0, t0 + duration_s - time.time()))
+        end = t0 + duration_s
+        new = {r[0] for r in self.log.rows() if t0 < r[1] <= end and r[0] > beyond}
+        return {"kills": kills, "tokens_per_s": len(new) * batch_tokens / duration_s}
+
+    def stop(self) -> None:
+        (self.logs / "stop").write_text("")
+        if self._thread is not None:
+            self._thread.join(timeout=120)
+
+
 def measure(
     *,
     preset: str,
@@ -207,51 +315,17 @@ def measure(
 ) -> dict[str, Any]:
     """Ray Train V2's figures for a kill at each of ``kill_steps``, in the caller's Ray
     session."""
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    # Run as a script, this module is not importable on Ray's workers: ship its code.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    tmp = Path(tempfile.mkdtemp(prefix="ito-raytrain-"))
-    logs = tmp / "logs"
-    logs.mkdir()
-    detected = DetectionLog(logs / "detected.log")
-    trainer = TorchTrainer(
-        train_loop,
-        train_loop_config={
-            "preset": preset,
-            "seed": 0,
-            "lr": lr,
-            "seq_len": seq_len,
-            "batch_tokens": batch_tokens,
-            "checkpoint_every": checkpoint_every,
-            "max_steps": 1_000_000,
-            "log_dir": str(logs),
-            "device": device,
-        },
-        scaling_config=ScalingConfig(
-            num_workers=workers, use_gpu=device == "cuda", resources_per_worker={"CPU": 1}
-        ),
-        run_config=RunConfig(
-            name="ray-train-baseline",
-            storage_path=str(tmp / "storage"),
-            failure_config=FailureConfig(max_failures=len(kill_steps) + 1),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
-            callbacks=[detected.callback()],
-        ),
+    run = Run.start(
+        preset=preset,
+        workers=workers,
+        seq_len=seq_len,
+        batch_tokens=batch_tokens,
+        lr=lr,
+        checkpoint_every=checkpoint_every,
+        max_failures=len(kill_steps) + 1,
+        device=device,
     )
-    errors: list[BaseException] = []
-
-    def fit() -> None:
-        try:
-            trainer.fit()
-        except BaseException as e:  # reported with the figures
-            errors.append(e)
-
-    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
-    thread.start()
-    log = StepLog(logs / "steps.log")
+    logs, detected, log = run.logs, run.detected, run.log
     results: list[dict[str, float]] = []
     try:
         log.wait(lambda r: r[0] >= warmup_steps + 1, "warm-up steps")
@@ -303,8 +377,7 @@ def measure(
                 flush=True,
             )
     finally:
-        (logs / "stop").write_text("")
-        thread.join(timeout=120)
+        run.stop()
 
     def med(key: str) -> float:
         return round(statistics.median(r[key] for r in results), 3) if results else float("nan")
@@ -316,5 +389,5 @@ def measure(
         "ray_train_back_s_median": med("back_s"),
         "ray_train_lost_token_s_median": med("lost_token_s"),
         "ray_train_step_ms": round(step_s * 1000, 1),
-        "ray_train_error": repr(errors[0])[:200] if errors else None,
+        "ray_train_error": repr(run.errors[0])[:200] if run.errors else None,
     }

@@ -127,6 +127,25 @@ CASES: dict[str, tuple[list[str], set[str], bool]] = {
         {"burners", "groups", "results"},
         True,
     ),
+    "throughput.py": (
+        # One size, two steps measured, one 6 s window with a kill every 3 s.
+        [
+            "--presets",
+            "llama-tiny",
+            "--warmup-steps",
+            "2",
+            "--measure-steps",
+            "2",
+            "--checkpoint-every",
+            "2",
+            "--fail-every",
+            "3",
+            "--window-s",
+            "6",
+        ],
+        {"results", "groups", "batch_tokens", "checkpoint_every", "wall_s", "load_avg_1m"},
+        True,
+    ),
     "fault_tolerance.py": (
         [
             "--kills",
@@ -219,6 +238,15 @@ def test_benchmark_runs_at_its_smallest_size(script: str) -> None:
     if script == "pipeline.py":  # the run's probe trained on its own ranks
         [run] = out["presets"]
         assert run["ladder"]["trained_on"] == ["rg0/rank0", "rg1/rank0"], run["ladder"]
+    if script == "throughput.py":  # each side measured, each failure window on both
+        [size] = out["results"]
+        sides = {
+            f"{s}_{k}"
+            for s in ("engine", "ray_train", "plain")
+            for k in ("step_ms", "tokens_per_s")
+        }
+        assert sides | {"step_efficiency", "plain_efficiency"} <= set(size), sorted(size)
+        assert set(size["goodput_tokens_per_s"]["3"]) >= {"engine", "ray_train", "ratio"}
 
 
 def test_gpu_check_without_a_gpu_exits_2_and_says_why() -> None:

@@ -1,0 +1,289 @@
+"""Throughput benchmark (CI: smallest size only): tokens committed per second of booked
+time, the engine against Ray Train V2 and a plain loop, with no failure and with a
+replica group SIGKILLed every N seconds.
+
+Per model preset (default llama-small and llama-25m, where compute dominates a step),
+three sides run one after another on the same cores, each with the same model, global
+batch, sequence length, AdamW and checkpoint interval (``--checkpoint-every``, the
+production default):
+
+- ``engine``: the real training stage (``stages.trainer``) with the production recovery
+  configuration (warm standbys, torchft lighthouse and managers, async sealed DCP
+  checkpoints), ``--groups`` replica groups of one rank, each pinned to its own core;
+- ``ray_train``: Ray Train V2's ``TorchTrainer`` with DDP (``prepare_model``), one worker
+  per group pinned to its own core, a checkpoint reported every interval with the async
+  upload (``benchmarks/ray_train_baseline.py``);
+- ``plain``: one process pinned to one core, one group's share of the global batch per
+  step, the same model and optimizer, ``torch.save`` every interval: what one device
+  does per step with nothing added (no communication, no fault tolerance).
+
+What each number counts:
+- ``*_step_ms``: wall time per optimizer step over ``--measure-steps`` consecutive steps
+  after ``--warmup-steps``, checkpoint steps included (a mean, not a median: the saves
+  are part of the price);
+- ``*_tokens_per_s``: global-batch tokens per second over the same steps (plain: its
+  share times ``--groups``, i.e. ``--groups`` devices each running a plain loop);
+- ``step_efficiency``: engine tokens/s ÷ Ray Train tokens/s with no failure;
+- ``plain_efficiency``: engine tokens/s ÷ plain tokens/s;
+- ``goodput_tokens_per_s`` per failure period N (``--fail-every``): tokens of steps
+  committed for the first time within a ``--window-s`` wall window during which a
+  replica group (engine: a random group's processes; Ray Train: worker rank 1) is
+  SIGKILLed every N seconds; ``goodput_ratio_N`` is engine ÷ Ray Train.
+
+The machine's 1-minute load average is printed with the figures: on a shared machine
+the timings are noisy. Ends with one JSON line.
+
+    .venv/bin/python benchmarks/throughput.py --presets llama-small llama-25m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from benchmarks import fault_tolerance as ft_bench
+from benchmarks import ray_train_baseline
+from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--presets", nargs="+", default=["llama-small", "llama-25m"])
+    p.add_argument("--groups", type=int, default=2, help="replica groups / Ray Train workers")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-tokens", type=int, default=4096, help="global batch tokens")
+    p.add_argument("--checkpoint-every", type=int, default=DEFAULT_INTERVAL_STEPS)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--measure-steps", type=int, default=30)
+    p.add_argument(
+        "--fail-every",
+        type=float,
+        nargs="*",
+        default=[60.0, 20.0],
+        help="seconds between SIGKILLs, one window each (none: no failure windows)",
+    )
+    p.add_argument("--window-s", type=float, default=180.0, help="wall time of each window")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-cpus", type=int, default=4, help="Ray logical CPUs")
+    args = p.parse_args(argv)
+    if args.groups < 2:
+        p.error("--groups must be >= 2 (one must survive a kill)")
+    if args.batch_tokens % (args.seq_len * args.groups):
+        p.error("--batch-tokens must split into --groups shares of whole sequences")
+    # What fault_tolerance.stage_config reads.
+    args.ranks_per_group = 1
+    args.heartbeat_ms = None
+    return args
+
+
+def plain_loop(cfg: dict[str, Any], out: Any) -> None:
+    """One pinned process: forward, backward and AdamW on one group's share of the
+    batch, ``torch.save`` of model and optimizer every interval; puts seconds per step."""
+    import torch
+
+    from stages.presets import load_model_preset
+    from stages.trainer.model import build_model, causal_lm_loss
+
+    os.sched_setaffinity(0, [cfg["core"]])
+    torch.set_num_threads(1)
+    preset = load_model_preset(cfg["preset"])
+    model = build_model(preset, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    rows = cfg["tokens"] // cfg["seq_len"]
+    ckpt = Path(cfg["ckpt"])
+    t_start = 0.0
+    for step in range(cfg["warmup"] + cfg["measure"]):
+        if step == cfg["warmup"]:
+            t_start = time.perf_counter()
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, preset.vocab_size, (rows, cfg["seq_len"]), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        causal_lm_loss(model, ids).backward()
+        opt.step()
+        if (step + 1) % cfg["every"] == 0:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, ckpt)
+    out.put((time.perf_counter() - t_start) / cfg["measure"])
+
+
+def measure_plain(args: argparse.Namespace, preset: str, lr: float, tmp: Path) -> float:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    cfg = {
+        "core": sorted(os.sched_getaffinity(0))[0],
+        "preset": preset,
+        "lr": lr,
+        "seq_len": args.seq_len,
+        "tokens": args.batch_tokens // args.groups,
+        "warmup": args.warmup_steps,
+        "measure": args.measure_steps,
+        "every": args.checkpoint_every,
+        "ckpt": str(tmp / "plain.pt"),
+    }
+    proc = ctx.Process(target=plain_loop, args=(cfg, out), daemon=True)
+    proc.start()
+    step_s = float(out.get(timeout=ft_bench.EVENT_TIMEOUT_S))
+    proc.join(timeout=30)
+    return step_s
+
+
+def measure_engine(
+    args: argparse.Namespace, preset: str, tmp: Path, data: Path, rng: random.Random
+) -> dict[str, float]:
+    cfg = ft_bench.stage_config(
+        argparse.Namespace(**{**vars(args), "preset": preset}),
+        spares=ft_bench.recovery(args).spare_groups,
+        ckpt_root=tmp / f"ckpt-engine-{preset}",
+        data=data,
+    )
+    out: dict[str, float] = {}
+    run_id = f"thr{os.getpid()}{preset.replace('-', '')}"
+    with ft_bench.Session(cfg, tmp, run_id) as sess:
+        w = sess.w
+
+        def full(step: int) -> Any:
+            return w.wait(
+                lambda e: e.replica_group == 0 and e.step >= step and e.quorum_size == args.groups,
+                f"step {step} in the full quorum",
+            )
+
+        a = full(args.warmup_steps)
+        b = full(a.step + args.measure_steps)
+        step_s = (b.ts - a.ts) / (b.step - a.step)
+        tok_rate = b.tokens / step_s
+        out["engine_step_ms"] = step_s * 1000
+        out["engine_tokens_per_s"] = tok_rate
+        for every in args.fail_every:
+            full(w.max_step() + 1)  # each window starts in the full quorum
+            churned = ft_bench.churn(w, run_id, args.groups, every, args.window_s, tok_rate, rng)
+            out[f"engine_goodput_tokens_per_s_{every:g}"] = churned["churn_tokens_per_s"]
+            out[f"engine_kills_{every:g}"] = churned["churn_kills"]
+    return out
+
+
+def measure_ray_train(args: argparse.Namespace, preset: str, lr: float) -> dict[str, float]:
+    kills = sum(int(args.window_s // every) for every in args.fail_every)
+    run = ray_train_baseline.Run.start(
+        preset=preset,
+        workers=args.groups,
+        seq_len=args.seq_len,
+        batch_tokens=args.batch_tokens,
+        lr=lr,
+        checkpoint_every=args.checkpoint_every,
+        max_failures=kills + 1,
+        device=args.device,
+    )
+    out: dict[str, float] = {}
+    try:
+        step_s, _ = run.steady_rate(args.warmup_steps, args.measure_steps)
+        out["ray_train_step_ms"] = step_s * 1000
+        out["ray_train_tokens_per_s"] = args.batch_tokens / step_s
+        for every in args.fail_every:
+            reached = max(r[0] for r in run.log.rows())
+            # Each window starts with the worker group training (past its last restart).
+            run.log.wait(lambda r, s=reached: r[0] > s, "a step before the window")
+            churned = run.churn(every, args.window_s, args.batch_tokens)
+            out[f"ray_train_goodput_tokens_per_s_{every:g}"] = churned["tokens_per_s"]
+            out[f"ray_train_kills_{every:g}"] = churned["kills"]
+    finally:
+        run.stop()
+    if run.errors:
+        out["ray_train_error"] = repr(run.errors[0])[:200]  # type: ignore[assignment]
+    return out
+
+
+def summarize(args: argparse.Namespace, preset: str, m: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"preset": preset}
+    for side in ("engine", "ray_train"):
+        out[f"{side}_step_ms"] = round(m[f"{side}_step_ms"], 1)
+        out[f"{side}_tokens_per_s"] = round(m[f"{side}_tokens_per_s"], 1)
+    out["plain_step_ms"] = round(m["plain_step_s"] * 1000, 1)
+    out["plain_tokens_per_s"] = round(args.batch_tokens / m["plain_step_s"], 1)
+    out["step_efficiency"] = round(m["engine_tokens_per_s"] / m["ray_train_tokens_per_s"], 3)
+    out["plain_efficiency"] = round(m["engine_tokens_per_s"] / out["plain_tokens_per_s"], 3)
+    goodput: dict[str, dict[str, float | None]] = {}
+    for every in args.fail_every:
+        e = m[f"engine_goodput_tokens_per_s_{every:g}"]
+        r = m[f"ray_train_goodput_tokens_per_s_{every:g}"]
+        goodput[f"{every:g}"] = {
+            "engine": round(e, 1),
+            "ray_train": round(r, 1),
+            "ratio": round(e / r, 2) if r > 0 else None,
+            "engine_kills": m[f"engine_kills_{every:g}"],
+            "ray_train_kills": m[f"ray_train_kills_{every:g}"],
+        }
+    out["goodput_tokens_per_s"] = goodput
+    if "ray_train_error" in m:
+        out["ray_train_error"] = m["ray_train_error"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import ray
+
+    from orchestrator.runtime.launch import use_scratch_launch_key
+
+    args = parse_args(argv)
+    rng = random.Random(args.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="ito-throughput-"))
+    data = ft_bench.write_train_data(tmp)
+    use_scratch_launch_key(tmp)  # run by hand, no server holds one
+    t0 = time.time()
+    results: list[dict[str, Any]] = []
+    try:
+        ray.init(
+            address="local",
+            num_cpus=args.num_cpus,
+            include_dashboard=False,
+            _temp_dir=str(tmp / "ray"),
+            log_to_driver=False,
+        )
+        for preset in args.presets:
+            lr = ft_bench.stage_config(
+                argparse.Namespace(**{**vars(args), "preset": preset}),
+                spares=0,
+                ckpt_root=tmp / "unused",
+                data=data,
+            ).target.learning_rate
+            m: dict[str, Any] = {"plain_step_s": measure_plain(args, preset, lr, tmp)}
+            print(f"{preset} plain: {m['plain_step_s'] * 1000:.1f} ms/step", flush=True)
+            m.update(measure_engine(args, preset, tmp, data, rng))
+            print(f"{preset} engine: {json.dumps(m)}", flush=True)
+            m.update(measure_ray_train(args, preset, lr))
+            results.append(summarize(args, preset, m))
+            print(json.dumps(results[-1]), flush=True)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    summary = {
+        "results": results,
+        "groups": args.groups,
+        "seq_len": args.seq_len,
+        "batch_tokens": args.batch_tokens,
+        "checkpoint_every": args.checkpoint_every,
+        "window_s": args.window_s,
+        "fail_every": args.fail_every,
+        "device": args.device,
+        "wall_s": round(time.time() - t0, 1),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
