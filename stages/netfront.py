@@ -282,6 +282,8 @@ class Front:
         self._active += 1
         try:
             await self._admit_and_pipe(ip, reader, writer)
+        except asyncio.CancelledError:  # the front stops: end quietly (asyncio's stream
+            writer.transport.abort()  # callback reports a cancelled handler as an error)
         finally:
             self._active -= 1
 

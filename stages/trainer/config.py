@@ -11,6 +11,7 @@ from stages.checkpointing.config import CheckpointPolicy
 from stages.curriculum.schedule import CurriculumSchedule, one_phase_schedule
 from stages.errors import ErrorCode, ItoError
 from stages.evals.config import EvalRunSettings
+from stages.netfront import FrontConfig
 from stages.pathfields import PathField
 from stages.trainer.layout import ParallelLayout
 
@@ -138,6 +139,15 @@ class FaultToleranceConfig(StrictModel):
     collective_timeout_s: float = Field(default=30.0, gt=0)
     # Minimum replica groups for a step to commit (torchft min_replica_size).
     min_replica_groups: int = Field(default=1, ge=1)
+    # The fronts of the run's torchft servers (connection limit, preface deadline...):
+    # torchft's servers take no credential, the front admits the run's nodes only.
+    front: FrontConfig = Field(default_factory=FrontConfig)
+    # Reading the lighthouse's status page over loopback for an SRE (quorum_status): a
+    # local page, so a short bound; a lighthouse stuck that long is itself the answer.
+    lighthouse_status_timeout_s: float = Field(default=2.0, gt=0, le=60)
+    # The status page lists every replica's heartbeat (~100 bytes each): 1 MiB holds
+    # thousands of groups and bounds what one read holds in memory.
+    lighthouse_status_max_bytes: int = Field(default=2**20, ge=1024, le=64 * 2**20)
     # Ray restarts of one worker actor before the run gives up on it.
     max_restarts: int = Field(default=8, ge=0)
     # Driver: how long a worker may stay unreachable before its group counts as lost

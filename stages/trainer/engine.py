@@ -37,7 +37,7 @@ from stages.events import (
     PhaseEvent,
     StepEvent,
 )
-from stages.placement import actor_options, bundle_for_rank
+from stages.placement import PLACEMENT_FACT, actor_options, bundle_for_rank
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.control import WorkerSpec
 from stages.trainer.engine_state import EngineResult, GroupState
@@ -240,7 +240,7 @@ class TrainingEngine:
             num_cpus=0.1,
             max_restarts=-1,
             **actor_options(self.facts, bundle_index=0),
-        ).remote(self.ft, 1)
+        ).remote(self.ft, 1, self.facts.get(PLACEMENT_FACT))  # its front admits these nodes
         addr = ray.get(self.lighthouse.address.remote(), timeout=self.ft.actor_ready_timeout_s)
         return str(addr), False
 
