@@ -138,6 +138,14 @@ def test_units_go_to_whichever_group_is_free_and_the_lowest_group_assembles() ->
         (u.model_dump(mode="json") for u in units), key=lambda u: (u["task"] or "", u["part"])
     )
     assert ran[(1, 0)] and len(ran[(0, 0)]) > len(ran[(1, 0)])
+    # Dispatched in the units' order, the tasks first (a generation task is the
+    # longest unit: started last, it would keep every other group idle behind it).
+    # Each free worker took the next unit: the first two went out one a group, and no
+    # group ran a held-out share before a task.
+    assert [ran[(0, 0)][0]["task"], ran[(1, 0)][0]["task"]] == list(tasks)
+    for k in [(0, 0), (1, 0)]:
+        kinds = [u["task"] is None for u in ran[k]]
+        assert kinds == sorted(kinds), (k, ran[k])
     # Export shares before any unit, on every rank of the live groups.
     for k in [(0, 0), (0, 1), (1, 0)]:
         assert asked[k][0][0] == "export_share"
