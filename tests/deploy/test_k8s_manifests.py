@@ -325,6 +325,64 @@ def _network_faults(docs: list[dict[str, Any]], cluster: dict[str, Any]) -> list
     params = cluster["spec"]["headGroupSpec"]["rayStartParams"]
     if not {"node-manager-port", "object-manager-port", "min-worker-port"} <= set(params):
         faults.append("the head's ports are not fixed, so the policy cannot name them")
+    return faults + _run_port_faults(policies, cluster)
+
+
+def _run_port_faults(policies: list[dict[str, Any]], cluster: dict[str, Any]) -> list[str]:
+    """Each booking's runs take ports from its ITO_LISTEN_PORTS range, which answers
+    that booking's own pods and no one else (policies only add: any rule that opens
+    part of the range to another peer is a hole)."""
+    faults = []
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        template = group["template"]
+        labels = (template.get("metadata") or {}).get("labels") or {}
+        booking = labels.get("ito.dev/booking")
+        if not booking:
+            faults.append(f"{group['groupName']}: its pods carry no ito.dev/booking label")
+            continue
+        env = {
+            e["name"]: e.get("value")
+            for c in template["spec"]["containers"]
+            for e in c.get("env", [])
+        }
+        wanted = re.fullmatch(r"(\d+)-(\d+)", env.get("ITO_LISTEN_PORTS") or "")
+        if not wanted:
+            faults.append(f"{booking}: no ITO_LISTEN_PORTS range on its Ray workers")
+            continue
+        low, high = int(wanted[1]), int(wanted[2])
+        # The labels KubeRay puts on the group's pods, besides the template's own.
+        pod = {
+            **labels,
+            "ray.io/cluster": cluster["metadata"]["name"],
+            "ray.io/node-type": "worker",
+        }
+        opened = False
+        for policy in policies:
+            selector = policy["spec"]["podSelector"].get("matchLabels") or {}
+            if any(pod.get(k) != v for k, v in selector.items()):
+                continue
+            for rule in policy["spec"].get("ingress", []):
+                spans = [(p["port"], p.get("endPort", p["port"])) for p in rule.get("ports", [])]
+                hit = (
+                    [(a, b) for a, b in spans if a <= high and b >= low] if spans else [(1, 65535)]
+                )
+                if not hit:
+                    continue
+                peers = rule.get("from") or []
+                own = peers and all(
+                    set(f) == {"podSelector"}
+                    and f["podSelector"] == {"matchLabels": {"ito.dev/booking": booking}}
+                    for f in peers
+                )
+                if not own:
+                    faults.append(
+                        f"{policy['metadata']['name']}: the runs' ports of {booking} "
+                        "answer more than its own pods"
+                    )
+                elif any(a <= low and b >= high for a, b in hit):
+                    opened = True
+        if not opened:
+            faults.append(f"{booking}: no policy opens its runs' ports to its own pods")
     return faults
 
 
@@ -383,3 +441,23 @@ def test_hardening_check_catches_each_weakening() -> None:
         lambda ds: head_policy(ds)["spec"]["ingress"][0]["from"].append({"podSelector": {}})
     )
     assert weakened(lambda ds: ds.remove(head_policy(ds)))
+
+    def policy(ds: list[dict[str, Any]], name: str) -> dict[str, Any]:
+        return next(d for d in ds if d["metadata"]["name"] == name)
+
+    runs = "ito-runs-bk-example"
+    # Ray's rule on the booked nodes opens every port again (the runs' range included).
+    assert weakened(lambda ds: policy(ds, "ito-ray-workers")["spec"]["ingress"][0].pop("ports"))
+    # The runs' range answers the whole Ray cluster, or no one.
+    assert weakened(
+        lambda ds: policy(ds, runs)["spec"]["ingress"][0]["from"].append(
+            {"podSelector": {"matchLabels": {"ray.io/cluster": "ito-ray"}}}
+        )
+    )
+    assert weakened(lambda ds: ds.remove(policy(ds, runs)))
+    # The workers do not know the range, so the runs bind ephemeral ports.
+    assert weakened(
+        lambda ds: worker(ds)["containers"][0]["env"].remove(
+            {"name": "ITO_LISTEN_PORTS", "value": "20000-20999"}
+        )
+    )
