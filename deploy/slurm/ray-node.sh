@@ -6,7 +6,11 @@
 #           B+4 dashboard agent (grpc)  B+5 runtime-env agent  B+6 ray client  B+7 GCS
 #           B+8 dashboard  B+9 the API server (self-contained variant)
 #   worker: B+10 .. B+15 the same node ports as the head's B+0 .. B+5
-#           B+20 .. B+99 worker processes (actors)
+#           B+20 .. B+69 worker processes (actors)
+#           B+70 .. B+99 the runs' own listeners (ITO_LISTEN_PORTS: the torchft
+#                        lighthouse's front, the groups' ManagerServers and stores, heal
+#                        transfers, the weight sync), which the site firewall opens to
+#                        the job's own nodes only (run-ports-firewall.sh)
 # so a head and a worker on one host (the batch host) do not collide either.
 # Usage: ray-node.sh worker|head
 set -euo pipefail
@@ -19,7 +23,9 @@ role="${1:-worker}"
 case "$role" in head | worker) ;; *) echo "usage: ray-node.sh worker|head" >&2; exit 64 ;; esac
 ray="${ITO_RAY_BIN:-ray}"
 base="${ITO_PORT_BASE:?}"
-workers="--min-worker-port=$((base + 20)) --max-worker-port=$((base + 99))"
+workers="--min-worker-port=$((base + 20)) --max-worker-port=$((base + 69))"
+# Ray's workers inherit it from `ray start`: where a run's listeners take their ports.
+export ITO_LISTEN_PORTS="$((base + 70))-$((base + 99))"
 if [ "$role" = head ]; then
   workers="--min-worker-port=0 --max-worker-port=0"  # the head runs no actors
 else

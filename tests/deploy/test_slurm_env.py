@@ -121,7 +121,7 @@ def test_a_valid_environment_starts_the_node_with_well_formed_arguments(
     (argv,) = _calls(tmp_path)
     resources = next(a for a in argv if a.startswith("--resources="))
     assert json.loads(resources.removeprefix("--resources=")) == {"booking:bk-1": 8}
-    assert "--node-manager-port=30010" in argv and "--max-worker-port=30099" in argv
+    assert "--node-manager-port=30010" in argv and "--max-worker-port=30069" in argv
     assert _run("ray-node.sh", tmp_path, bin_dir, GOOD, "rm -rf").returncode == INVALID
 
 
@@ -135,3 +135,52 @@ def test_wait_joined_checks_its_arguments(tmp_path: Path, bin_dir: Path) -> None
         r = _run("wait-joined.sh", tmp_path, bin_dir, {}, *args)
         assert r.returncode == INVALID, (args, r.stderr)
         assert not marker.exists()
+
+
+def test_the_runs_listeners_get_the_blocks_last_ports(tmp_path: Path) -> None:
+    """Ray's workers inherit ITO_LISTEN_PORTS from ``ray start``: the block's last 30
+    ports, past Ray's own worker ports."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    ray = d / "ray"
+    ray.write_text(f'#!/bin/bash\necho "$ITO_LISTEN_PORTS" > {tmp_path}/ports\n')
+    ray.chmod(0o755)
+    r = _run("ray-node.sh", tmp_path, d, GOOD, "worker")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "ports").read_text().strip() == "30070-30099"
+
+
+def _firewall(tmp: Path, bin_dir: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return _run("run-ports-firewall.sh", tmp, bin_dir, {"SLURM_JOB_ID": "42", **env}, *args)
+
+
+def test_the_firewall_rule_opens_the_runs_ports_to_the_jobs_nodes_only(
+    tmp_path: Path, bin_dir: Path
+) -> None:
+    r = _firewall(tmp_path, bin_dir, "add", "10.0.0.2", "10.0.0.3", "fd00::3")
+    assert r.returncode == 0, r.stderr
+    rules = [line.strip() for line in r.stdout.splitlines()]
+    # Job 42's default block is 24200: its runs' listeners are 24270-24299.
+    assert "ip saddr { 10.0.0.2,10.0.0.3 } tcp dport 24270-24299 accept" in rules
+    assert "ip6 saddr { fd00::3 } tcp dport 24270-24299 accept" in rules
+    assert rules.index("tcp dport 24270-24299 drop") > rules.index(
+        "ip saddr { 10.0.0.2,10.0.0.3 } tcp dport 24270-24299 accept"
+    )
+    assert r.stdout.startswith("table inet ito_job_42 {")
+    custom = _firewall(tmp_path, bin_dir, "add", "10.0.0.2", ITO_PORT_BASE="30000")
+    assert "tcp dport 30070-30099 drop" in custom.stdout
+    gone = _firewall(tmp_path, bin_dir, "del")
+    assert gone.stdout.strip() == "delete table inet ito_job_42"
+
+
+def test_the_firewall_rule_refuses_a_malformed_address_or_none(
+    tmp_path: Path, bin_dir: Path
+) -> None:
+    for args in (("add", "10.0.0.2 } accept; #"), ("add", "$(touch x)"), ("add",), ("open",)):
+        r = _firewall(tmp_path, bin_dir, *args)
+        assert r.returncode == INVALID, (args, r.stdout)
+        assert "accept" not in r.stdout, args
+    assert (
+        _firewall(tmp_path, bin_dir, "add", "10.0.0.2", SLURM_JOB_ID="a[$(id)]").returncode
+        == INVALID
+    )
