@@ -116,6 +116,7 @@ def run_once(
     from stages.post_training.pools import RayPool
     from stages.post_training.rl import RequestMaker
     from stages.post_training.rollout import WorkerSpec
+    from stages.post_training.weight_sync import sync_key
 
     ref = {
         "uri": f"file://{task['rlvr']}",
@@ -167,6 +168,7 @@ def run_once(
         weight_sync=cfg.weight_sync,
         bucket_bytes=cfg.weight_sync_bucket_mb << 20,
         sync_timeout_s=cfg.weight_sync_timeout_s,
+        sync_key=sync_key(ctx.secret),
     )
     try:
         if warm:  # the rollout actors are up before the clock starts

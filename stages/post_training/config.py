@@ -122,9 +122,9 @@ class RLVRConfig(StrictModel):
     )
     seed: int = Field(default=0, ge=0, le=2**32 - 1)
     # How versions reach the fleet (stages.post_training.weight_sync): Ray's object
-    # store, or a broadcast of flat buckets over a process group (gloo on CPU, NCCL on
-    # CUDA) between the learner and the workers. The collective path does not survive
-    # a worker restart (the group is short of a rank): the run fails after the timeout.
+    # store, or flat buckets from the learner's own listener to every worker that
+    # proves the run's weight-sync key. The collective path does not survive a worker
+    # restart (a version sent is not sent again): the run fails after the timeout.
     weight_sync: Literal["object_store", "collective"] = "object_store"
     weight_sync_bucket_mb: int = Field(default=64, ge=1, le=16_384)
     weight_sync_timeout_s: float = Field(default=300.0, gt=0, le=3600)

@@ -303,12 +303,14 @@ def run_rlvr_on_engine(
         board_name,
         start_board,
     )
+    from stages.post_training.weight_sync import sync_key
     from stages.trainer.engine import RunCancelled
 
     work = ctx.workdir / "rlvr"
     if board is None:
         name = board_name(ctx.run_id, uuid.uuid4().hex[:8])
-        board = (name, start_board(name, 1, placement=board_placement))
+        key = sync_key(ctx.secret)
+        board = (name, start_board(name, 1, placement=board_placement, sync_key=key))
     name = board[0]
     tcfg = rlvr_train_config(
         cfg,

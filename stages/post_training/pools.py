@@ -32,6 +32,13 @@ BUCKET_BYTES = 64 << 20
 SYNC_TIMEOUT_S = 300.0
 
 
+def make_sender(args: dict[str, Any], sync_key: bytes | None) -> CollectiveSender:
+    """An in-process learner's end of the collective path (it needs the run's key)."""
+    if sync_key is None:
+        raise ValueError("the collective weight path needs the run's weight-sync key")
+    return CollectiveSender(key=sync_key, **args)
+
+
 class WorkerLost(Exception):
     def __init__(self, worker: int, detail: str):
         super().__init__(f"rollout worker {worker} lost: {detail}")
@@ -77,7 +84,10 @@ class LocalPool:
         weight_sync: WeightSync = "object_store",
         bucket_bytes: int = BUCKET_BYTES,
         sync_timeout_s: float = SYNC_TIMEOUT_S,
+        sync_key: bytes | None = None,
     ):
+        """``sync_key``: the run's weight-sync key, for this process's end of the
+        collective path (the workers were given it when they were made)."""
         self.workers = workers
         self.size = len(workers)
         self._ex = [cf.ThreadPoolExecutor(max_workers=1) for _ in workers]
@@ -86,9 +96,10 @@ class LocalPool:
         # This process's end of the collective, made on the first state dict it is
         # given (an in-process learner); the engine's rank 0 runs its own.
         self._sender: CollectiveSender | None = None
+        self._sync_key = sync_key
         self._sender_args = {
             "workers": self.size,
-            "host": "127.0.0.1",
+            "host": "127.0.0.1",  # in-process workers: loopback, never a wildcard
             "device": "cpu",
             "bucket_bytes": bucket_bytes,
             "timeout_s": sync_timeout_s,
@@ -103,11 +114,14 @@ class LocalPool:
 
     def put_weights(self, state: dict[str, Any]) -> Any:
         if self.weight_sync == "collective":
-            if self._sender is None:
-                self._sender = CollectiveSender(**self._sender_args)  # type: ignore[arg-type]
-            return self._sender.put(state)
+            return self._collective().put(state)
         # The trainer changes its tensors in place on the next step: hand over a copy.
         return {k: v.detach().clone() for k, v in state.items()}
+
+    def _collective(self) -> CollectiveSender:
+        if self._sender is None:
+            self._sender = make_sender(self._sender_args, self._sync_key)
+        return self._sender
 
     def digests(self, timeout_s: float) -> list[str]:
         futs = [ex.submit(wk.weights_digest) for ex, wk in zip(self._ex, self.workers, strict=True)]
@@ -163,18 +177,21 @@ class RayPool:
         weight_sync: WeightSync = "object_store",
         bucket_bytes: int = BUCKET_BYTES,
         sync_timeout_s: float = SYNC_TIMEOUT_S,
+        sync_key: bytes | None = None,
     ):
+        """``sync_key``: the run's weight-sync key; each worker gets it as an actor
+        argument (the only way it reaches them)."""
         import ray
 
         self.size = len(specs)
         self.weight_sync = weight_sync
         # An in-process learner's end of the collective (rank 0, made on its first
-        # state dict; workers reach its store at this node's IP). The engine's
-        # publishing rank runs its own and this one is never made.
+        # state dict; workers reach its listener at this node's cluster address). The
+        # engine's publishing rank runs its own and this one is never made.
         self._sender: CollectiveSender | None = None
+        self._sync_key = sync_key
         self._sender_args = {
             "workers": self.size,
-            "host": ray.util.get_node_ip_address(),
             "device": device,
             "bucket_bytes": bucket_bytes,
             "timeout_s": sync_timeout_s,
@@ -192,7 +209,7 @@ class RayPool:
                 max_concurrency=1,
                 # Inside the run's placement group on its booking's nodes (stages.placement).
                 **(placement or {}),
-            ).remote(s)
+            ).remote(s, sync_key)
             for s in specs
         ]
 
@@ -204,7 +221,7 @@ class RayPool:
 
         if self.weight_sync == "collective":
             if self._sender is None:
-                self._sender = CollectiveSender(**self._sender_args)  # type: ignore[arg-type]
+                self._sender = make_sender(self._sender_args, self._sync_key)
             return self._sender.put(state)
         cpu = {k: v.detach().cpu() for k, v in state.items()}
         return ObjectStoreWeights(ref=ray.put(cpu), bytes=state_bytes(cpu))

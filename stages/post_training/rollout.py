@@ -2,12 +2,12 @@
 
 The same class is a Ray actor (``run-<id>-rollout-<n>``) or an in-process worker.
 It holds a policy version; weights arrive with their version through
-``set_weights``, from Ray's object store or by a collective broadcast
-(stages.post_training.weight_sync). Admission is
-checked here as well as in the controller (AReaL): a rollout that would be
-trained more than ``max_staleness`` versions after the policy it is generated
-with is refused before any token is generated, and a worker with no synced weights
-(a fresh or restarted one) refuses everything.
+``set_weights``, from Ray's object store or over the collective path's authenticated
+socket (stages.post_training.weight_sync). Admission is checked here as well as in
+the controller (AReaL): a rollout that would be trained more than ``max_staleness``
+versions after the policy it is generated with is refused before any token is
+generated, and a worker with no synced weights (a fresh or restarted one) refuses
+everything.
 
 The one engine is HF ``generate`` (on CPU, or the worker's GPU on cuda); another
 engine would plug in behind ``generate_group`` with the same inputs and outputs.
@@ -127,7 +127,10 @@ def admission_refusal(version: int, req: RolloutRequest, worker: int) -> Refusal
 
 
 class RolloutWorker:
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, sync_key: bytes | None = None):
+        """``sync_key``: the run's weight-sync key (``RunSecret.derive``), handed over
+        as an actor argument; the collective path needs it (never logged or kept
+        anywhere else)."""
         from stages.post_training.hf_io import load_tokenizer, model_dir
         from stages.post_training.rewards import get_reward
 
@@ -146,6 +149,7 @@ class RolloutWorker:
         self.reward_fn = get_reward(spec.reward)
         self.version = -1  # no weights synced yet: refuse every rollout
         self._receiver: Any = None  # the collective path's end, joined on first use
+        self._sync_key = sync_key
         self.started = time.time()
 
     def _load_model(self, path: Any) -> None:
@@ -169,7 +173,7 @@ class RolloutWorker:
     # -- control ---------------------------------------------------------------------
     def set_weights(self, version: int, weights: Any) -> dict[str, Any]:
         """``weights``: a descriptor (``stages.post_training.weight_sync``): an object
-        in Ray's object store, fetched here; a collective broadcast, received here; or
+        in Ray's object store, fetched here; a collective path's frame, received here; or
         the base folder, loaded here; or a state dict (an in-process learner's copy).
         ``load_s`` covers the fetch or transfer and the load. A version that cannot be
         fetched (its owner died) or received leaves the worker at the one it has: the
@@ -190,8 +194,9 @@ class RolloutWorker:
                 weights = ray.get(weights.ref, timeout=self.spec.fetch_timeout_s)
             elif isinstance(weights, CollectiveWeights):
                 if self._receiver is None:
-                    device = "cuda" if weights.backend == "nccl" else "cpu"
-                    self._receiver = CollectiveReceiver(self.spec.index + 1, device)
+                    if self._sync_key is None:
+                        raise ConnectionError("no weight-sync key was given to this worker")
+                    self._receiver = CollectiveReceiver(self.spec.index + 1, self._sync_key)
                 weights = self._receiver.receive(weights)
         except _missed_errors() as e:
             if self._receiver is not None:
@@ -275,11 +280,12 @@ class RolloutWorker:
 
 def _missed_errors() -> tuple[type[BaseException], ...]:
     """Why a version may not arrive: its object is gone (the owner died) or not
-    fetched in time; the broadcast failed (a dead or hung sender: gloo and NCCL raise
-    RuntimeError subclasses, a rendezvous TimeoutError)."""
+    fetched in time (Ray raises some of those as RuntimeError); the collective sender is
+    dead, hung, or not the run's (its connection closed or refused, ``PeerRefused``
+    included, or a timeout)."""
     from ray.exceptions import GetTimeoutError, ObjectLostError
 
-    return (ObjectLostError, GetTimeoutError, RuntimeError, TimeoutError)
+    return (ObjectLostError, GetTimeoutError, RuntimeError, ConnectionError, TimeoutError)
 
 
 def generate_group(model: Any, tokenizer: Any, req: RolloutRequest) -> dict[str, Any]:

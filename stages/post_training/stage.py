@@ -378,6 +378,7 @@ class PostTrainingStage:
     ) -> RLVRSide:
         from stages.post_training.learner import RLVRSide
         from stages.post_training.weight_board import board_name, start_board
+        from stages.post_training.weight_sync import sync_key
 
         pool = self._rollout_pool(cfg, ctx, model_dir)
         name = board_name(ctx.run_id, uuid.uuid4().hex[:8])
@@ -386,7 +387,12 @@ class PostTrainingStage:
         return RLVRSide(
             pool=pool,
             prompts=pool.encode_prompts(rows),
-            board=(name, start_board(name, 1, placement=actor_options(ctx.facts))),
+            board=(
+                name,
+                start_board(
+                    name, 1, placement=actor_options(ctx.facts), sync_key=sync_key(ctx.secret)
+                ),
+            ),
         )
 
     def _rollout_pool(self, cfg: RLVRConfig, ctx: StageContext, model_dir: Path) -> Any:
@@ -394,15 +400,18 @@ class PostTrainingStage:
         the learner's version 0 tells them which policy to load)."""
         from stages.post_training.pools import LocalPool, RayPool
         from stages.post_training.rollout import RolloutWorker, WorkerSpec
+        from stages.post_training.weight_sync import sync_key
 
         specs = [WorkerSpec.for_recipe(cfg, n, str(model_dir)) for n in range(cfg.rollout_workers)]
+        key = sync_key(ctx.secret)  # to the workers as an actor argument, nowhere else
         sync: dict[str, Any] = {
             "weight_sync": cfg.weight_sync,
             "bucket_bytes": cfg.weight_sync_bucket_mb << 20,
             "sync_timeout_s": cfg.weight_sync_timeout_s,
+            "sync_key": key,
         }
         if self.config.fleet == "local":
-            return LocalPool([RolloutWorker(s) for s in specs], **sync)
+            return LocalPool([RolloutWorker(s, key) for s in specs], **sync)
         import ray
 
         if not ray.is_initialized():

@@ -28,6 +28,11 @@ driver has delivered it to the fleet (``release``), at most ``timeout_s``.
 A process also offers the version it starts from (its first batch): after a driver
 relaunch, the fleet's first version is the restored checkpoint's, and only the
 ranks have it.
+
+On the collective path the board also hands the publishing rank the run's weight-sync
+key (``sync_key``), which the driver gave it as an actor argument: the rank's
+listener admits only workers that prove it (``weight_sync``). It travels only through
+Ray (token-authenticated), never an environment or a file.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import contextlib
 import time
 from typing import Any
 
+from stages.errors import ErrorCode, ItoError
 from stages.post_training.weight_sync import (
     CollectiveSender,
     ObjectStoreWeights,
@@ -63,8 +69,9 @@ class WeightBoard:
     """The driver's mailbox of published versions (a Ray async actor; see the module
     docstring for what it accepts)."""
 
-    def __init__(self, first_wanted: int):
+    def __init__(self, first_wanted: int, sync_key: bytes | None = None):
         self._changed = asyncio.Condition()
+        self._sync_key = sync_key
         self._begin(first_wanted)
 
     def _begin(self, first_wanted: int) -> None:
@@ -130,16 +137,26 @@ class WeightBoard:
                 return False
         return True
 
+    async def sync_key(self) -> bytes | None:
+        """The run's weight-sync key, for the publishing rank's listener."""
+        return self._sync_key
+
     async def stats(self) -> dict[str, int]:
         return {"taken": self.taken, "released": self.released, "offers": self.offers}
 
 
-def start_board(name: str, first_wanted: int, placement: dict[str, Any] | None = None) -> Any:
+def start_board(
+    name: str,
+    first_wanted: int,
+    placement: dict[str, Any] | None = None,
+    sync_key: bytes | None = None,
+) -> Any:
+    """``sync_key``: the run's weight-sync key (the collective path needs it)."""
     import ray
 
     cls: Any = ray.remote(WeightBoard)
     return cls.options(name=name, num_cpus=0, max_restarts=0, **(placement or {})).remote(
-        first_wanted
+        first_wanted, sync_key
     )
 
 
@@ -201,7 +218,7 @@ class RankPublisher:
             offer = PublishedVersion(version, desc, loss, time.perf_counter() - t0)
             accepted = bool(ray.get(board.offer.remote(offer), timeout=BOARD_CALL_TIMEOUT_S))
             if accepted:
-                sender.send(flats)
+                sender.send(desc, flats)
         else:
             cpu = {k: v.detach().cpu() for k, v in state.items()}
             ref = ray.put(cpu)
@@ -222,9 +239,15 @@ class RankPublisher:
         if self._sender is None:
             import ray
 
+            key = ray.get(self.board().sync_key.remote(), timeout=BOARD_CALL_TIMEOUT_S)
+            if key is None:
+                raise ItoError(
+                    ErrorCode.training_failed,
+                    "post_training.rlvr: the weight board holds no weight-sync key",
+                )
             self._sender = CollectiveSender(
                 workers=self.s.fleet_workers,
-                host=ray.util.get_node_ip_address(),
+                key=key,
                 device=self.device,
                 bucket_bytes=self.s.weight_sync_bucket_bytes,
                 timeout_s=self.s.weight_sync_timeout_s,

@@ -173,14 +173,16 @@ def test_killed_rollout_worker_is_replaced_resynced_and_the_run_succeeds(
 def test_each_weight_path_delivers_bit_identical_weights_to_ray_actors(
     ray_local: None, tiny_policy: Path, path: str
 ) -> None:
-    """Real Ray actors; the collective path is a gloo group between this process (the
-    learner, rank 0) and the two actors, in small buckets (several per version)."""
+    """Real Ray actors; on the collective path this process (the learner, rank 0)
+    sends to the two actors over its listener, which they join with the run's key
+    (an actor argument), in small buckets (several per version)."""
     import torch
 
+    from stages.netsec import RunSecret
     from stages.post_training.hf_io import load_model
     from stages.post_training.pools import RayPool
     from stages.post_training.rollout import WorkerSpec
-    from stages.post_training.weight_sync import state_digest
+    from stages.post_training.weight_sync import state_digest, sync_key
 
     specs = [
         WorkerSpec(
@@ -201,6 +203,7 @@ def test_each_weight_path_delivers_bit_identical_weights_to_ray_actors(
         weight_sync=path,  # type: ignore[arg-type]
         bucket_bytes=16 << 10,
         sync_timeout_s=ACTOR_TIMEOUT_S,
+        sync_key=sync_key(RunSecret.new()),
     )
     ctl = sync_only_controller(pool, ACTOR_TIMEOUT_S)
     try:

@@ -6,7 +6,7 @@ test process plays the driver (``run_rlvr_on_engine``). Every worker loads every
 version with the same bytes as the other, the base folder's at 0 and the learner's
 final weights (the rank's own export) at the end. What the controller hands each
 worker's ``set_weights`` is recorded at the real seam (``RayPool.sync``): only
-descriptors (an ``ObjectRef``, or a broadcast's rendezvous and layout) ever cross it,
+descriptors (an ``ObjectRef``, or the sender's listener and the layout) ever cross it,
 never a tensor, and no weights file exists for the driver to read. Nothing is mocked
 but the GPU.
 """
@@ -44,8 +44,8 @@ def _recording_worker() -> type[Any]:
     from stages.post_training.rollout import RolloutWorker
 
     class RecordingWorker(RolloutWorker):
-        def __init__(self, spec: Any):
-            super().__init__(spec)
+        def __init__(self, spec: Any, sync_key: bytes | None = None):
+            super().__init__(spec, sync_key)
             self.loaded: dict[int, str] = {}
 
         def set_weights(self, version: int, weights: Any) -> dict[str, Any]:
@@ -93,6 +93,7 @@ def test_the_fleet_gets_each_version_from_the_learner_rank_not_the_driver(
         ObjectStoreWeights,
         PublishedVersion,
         state_digest,
+        sync_key,
     )
     from tests.post_training.test_fleet import _rl_setup
 
@@ -102,6 +103,9 @@ def test_the_fleet_gets_each_version_from_the_learner_rank_not_the_driver(
         update={"steps": steps, "weight_sync": path, "weight_sync_timeout_s": ACTOR_TIMEOUT_S}
     )
     specs = [WorkerSpec.for_recipe(cfg, i, str(tiny_policy)) for i in range(2)]
+    ctx = StageContext(
+        run_id=f"wsync-{path}", booking_id="b", workdir=tmp_path, emit=lambda e: None
+    )
     pool = RecordingPool(
         f"wsync-{path.replace('_', '-')}",
         specs,
@@ -109,9 +113,7 @@ def test_the_fleet_gets_each_version_from_the_learner_rank_not_the_driver(
         weight_sync=path,  # type: ignore[arg-type]
         sync_timeout_s=ACTOR_TIMEOUT_S,
         worker_cls=_recording_worker(),
-    )
-    ctx = StageContext(
-        run_id=f"wsync-{path}", booking_id="b", workdir=tmp_path, emit=lambda e: None
+        sync_key=sync_key(ctx.secret),  # as the stage hands the run's key to its workers
     )
     try:
         result, exported, learner, _ = run_rlvr_on_engine(
