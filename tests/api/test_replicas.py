@@ -20,6 +20,7 @@ from helpers.flows import confirm_ref, submit
 from helpers.manifests import example_manifest
 from helpers.postgres import PgServer
 from helpers.tenants import Tenant, admin, make_tenant
+from helpers.waiting import wait_until
 from helpers.xdist_groups import module_group
 
 from orchestrator.db.store import Store
@@ -221,3 +222,64 @@ def test_replica_killed_mid_submit_retry_through_the_other_finds_one_run(
     assert sorted(r["idempotency_key"] for r in rows) == sorted(keys)  # one run per key
     a.proc = None
     a.start()  # the module's pair stays whole for any later test
+
+
+def test_one_key_with_two_confirmations_through_both_replicas_makes_one_run(
+    replicas: list[Backend], pg_server: PgServer, tmp_path: Path
+) -> None:
+    """Two submits of one key, each with its own confirmation, one through each
+    replica, both past the key's replay lookup before either commits: they lose no
+    confirmation lock to each other, so the runs' UNIQUE (account, key) decides. The
+    loser's transaction is rolled back and run again (``Store.write``), finds the
+    winner's run and answers as for any other request under a used key: a different
+    confirmation is a different request, ``409 idempotency_conflict``, never a 500."""
+    import psycopg
+
+    t = make_tenant(replicas[0].db, "ha-key-race")
+    m = example_manifest(tmp_path / "ckpt")
+    with replicas[0].client() as c:
+        refs = [confirm_ref(c, t.approver, "train", t.booking_id, manifest=m) for _ in range(2)]
+    key = "one-key-two-confirmations"
+    password = pg_server.password_file.read_text().strip()
+    # The test holds the account's row lock, which each submit's transaction takes
+    # after its own key lookup (the active-run count), until both submits wait on it:
+    # the race is then lost for sure, not by chance. FOR NO KEY UPDATE lets the
+    # foreign-key checks of other rows (audit, confirmations) through.
+    with (
+        psycopg.connect(str(replicas[0].db), password=password) as holder,
+        # pg_stat_activity is read outside the holder's transaction (a transaction
+        # sees one snapshot of it).
+        psycopg.connect(str(replicas[0].db), password=password, autocommit=True) as watcher,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        holder.execute(
+            "SELECT 1 FROM accounts WHERE name = %s FOR NO KEY UPDATE", (t.account,)
+        ).fetchone()
+        sent = [
+            pool.submit(_fire, [(replicas[i], _submit_call(t, m, refs[i], key))]) for i in range(2)
+        ]
+
+        def waiting() -> bool:
+            row = watcher.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND query ILIKE '%FROM accounts%FOR UPDATE%'"
+            ).fetchone()
+            return row is not None and row[0] == 2
+
+        wait_until(waiting, 60, "both submits to wait on the account's row lock")
+        holder.rollback()
+        answers = [f.result()[0] for f in sent]
+    bodies = [a.json() if isinstance(a, httpx.Response) else repr(a) for a in answers]
+    assert all(isinstance(a, httpx.Response) for a in answers), bodies
+    by_status = {a.status_code: a.json() for a in answers if isinstance(a, httpx.Response)}
+    assert sorted(by_status) == [200, 409], bodies
+    won = by_status[200]["data"]
+    assert won["replayed"] is False
+    assert by_status[409]["error"]["code"] == "idempotency_conflict"
+    assert [r["run_id"] for r in _runs(str(replicas[0].db), t.account)] == [won["run_id"]]
+    # The loser's rolled-back attempt consumed nothing: its confirmation still
+    # authorises a run under a key of its own.
+    loser = next(i for i, a in enumerate(answers) if a.status_code == 409)  # type: ignore[union-attr]
+    with replicas[loser].client() as c:
+        again = submit(c, t.submitter, t.booking_id, m, refs[loser], "the-losers-own-key")
+    assert again.status_code == 200 and again.json()["data"]["replayed"] is False, again.json()
