@@ -27,3 +27,17 @@ def test_a_missing_tool_fails_where_ci_requires_it(monkeypatch: pytest.MonkeyPat
 def test_a_present_tool_gives_its_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ITO_REQUIRE_NOSUCH", "1")
     assert tools.require("nosuch", "sh") == {"sh": shutil.which("sh")}
+
+
+def test_a_root_only_test_skips_off_ci_and_fails_where_ci_requires_root(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tools.os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("ITO_REQUIRE_ROOT", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="needs root: chown"):
+        tools.require_root("chown to another uid")
+    monkeypatch.setenv("ITO_REQUIRE_ROOT", "1")
+    with pytest.raises(pytest.fail.Exception, match="required in CI"):
+        tools.require_root("chown to another uid")
+    monkeypatch.setattr(tools.os, "geteuid", lambda: 0)
+    tools.require_root("chown to another uid")  # root: the test goes on

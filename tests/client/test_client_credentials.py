@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers.tools import require_root
 
 from orchestrator.client.cli import EXIT_REFUSED, build_parser, run_cli
 from orchestrator.client.credentials import (
@@ -68,8 +69,8 @@ def test_0400_is_fine(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 def test_file_owned_by_someone_else(tmp_path: Path) -> None:
+    require_root("chown to another uid")
     p = _cred(tmp_path)
     os.chown(p, 4242, 4242)
     with pytest.raises(ItoError) as info:

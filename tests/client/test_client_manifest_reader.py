@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from client_proxy import RecordingProxy
+from helpers.tools import require_root
 
 from orchestrator.client.api import ItoClient
 from orchestrator.client.cli import EXIT_REFUSED, run_cli
@@ -128,8 +129,8 @@ def test_readable_by_others_is_fine(tmp_path: Path) -> None:
     assert read_manifest(str(f)).data == MANIFEST
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 def test_other_owner(good: Path) -> None:
+    require_root("chown to another uid")
     os.chown(good, 4242, 4242)
     assert _code(str(good)) == ErrorCode.manifest_not_owned
 
@@ -223,8 +224,8 @@ def _argvs(path: Path, url: str) -> list[list[str]]:
 def test_attacks_never_reach_the_server(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if kind == "other_owner" and os.geteuid() != 0:
-        pytest.skip("chown to another uid needs root")
+    if kind == "other_owner":
+        require_root("chown to another uid")
     monkeypatch.setenv("ITO_API_KEY", "itok_test_notasecret")
     path = _attack(kind, tmp_path)
     with RecordingProxy(upstream_port=None) as proxy:

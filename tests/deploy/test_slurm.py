@@ -29,7 +29,7 @@ from helpers.backend import free_port
 from helpers.flows import submit_run
 from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
-from helpers.tools import missing, require
+from helpers.tools import require, require_root
 
 # Above pytest's 300 s default: job start, run and teardown each have a deadline.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -42,8 +42,7 @@ RUN_TIMEOUT_S = 300.0
 TEARDOWN_TIMEOUT_S = 90.0
 
 require("slurm", "slurmctld", "slurmd", "munged", "sbatch", allow_module_level=True)
-if os.geteuid() != 0:
-    missing("slurm", "the Slurm and munge daemons need root", allow_module_level=True)
+require_root("the Slurm and munge daemons", allow_module_level=True)
 
 
 def _run(*cmd: str, env: dict[str, str], timeout: float = 30.0) -> str:

@@ -1,8 +1,10 @@
-"""System tools some tests drive for real (Slurm, kubectl, ss, Prometheus, PostgreSQL).
+"""System tools some tests drive for real (Slurm, kubectl, ss, Prometheus, PostgreSQL),
+and root, which some tests need (a file owned by another uid, Slurm's daemons).
 
 Off CI a missing tool skips its tests. In CI ``scripts/test.sh`` installs each tool and
-sets ``ITO_REQUIRE_<TOOL>=1``; there a missing tool fails the test instead, so nothing
-that CI is meant to cover skips silently."""
+sets ``ITO_REQUIRE_<TOOL>=1`` (``ITO_REQUIRE_ROOT=1`` always); there a missing tool, or
+a runner that is not root, fails the test instead, so nothing that CI is meant to cover
+skips silently."""
 
 from __future__ import annotations
 
@@ -47,3 +49,9 @@ def require(tool: str, *binaries: str, allow_module_level: bool = False) -> dict
             allow_module_level=allow_module_level,
         )
     return {b: p for b, p in paths.items() if p is not None}
+
+
+def require_root(reason: str, *, allow_module_level: bool = False) -> None:
+    """Go on as root; otherwise skip for ``reason``, or fail where CI requires root."""
+    if os.geteuid() != 0:
+        missing("root", f"needs root: {reason}", allow_module_level=allow_module_level)
