@@ -8,6 +8,14 @@ joins a cluster that deploy/slurm or KubeRay started instead.
 Token authentication stays on (``RAY_AUTH_MODE=token``). The token lives in
 ``~/.ray/auth_token`` of the user that runs the backend; an SRE gets it with
 ``ray get-auth-token`` on the head node and opens the dashboard with it.
+
+Secrets stay with the server. The head (GCS, raylet, dashboard) and through it every
+Ray worker (the drivers, the trainer ranks, the rollout workers and whatever they
+start) get only the environment variables named in ``RAY_ENV_NAMES`` and
+``RAY_ENV_PREFIXES`` (``ray_environment``): an allowlist, so the store's credentials
+(``PGPASSWORD``, ``PGPASSFILE``, ``ITO_DB``, ``ITO_DB_PASSWORD_FILE``), API keys and
+whatever secret an operator adds to the server's environment later never reach a
+Ray process.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -59,8 +68,64 @@ def _ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
+# The environment variables a Ray process gets from the server's, by name: what Ray,
+# Python, torch and the stages read. Nothing that carries a credential: the store's
+# URL and password (``ITO_DB``, ``ITO_DB_PASSWORD_FILE``, ``PGPASSWORD``, ``PGPASSFILE``
+# and every other ``PG*``), API keys, ``HF_TOKEN`` stay with the server. The launch key
+# is named by a path (``ITO_LAUNCH_KEY_FILE``): drivers verify their tickets and ranks
+# seal checkpoints with the file's key, which every Ray node reads anyway.
+RAY_ENV_NAMES: frozenset[str] = frozenset(
+    {
+        # the OS and Python a process runs in
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "LD_LIBRARY_PATH",
+        "VIRTUAL_ENV",
+        "PYTHONPATH",
+        "PYTHONUNBUFFERED",
+        # threads of torch, BLAS and tokenizers on a rank's CPU share
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "TOKENIZERS_PARALLELISM",
+        # accelerators
+        "NVIDIA_VISIBLE_DEVICES",
+        "NVIDIA_DRIVER_CAPABILITIES",
+        "CUBLAS_WORKSPACE_CONFIG",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        # model and data caches (runs are offline)
+        "HF_HOME",
+        "HF_HUB_CACHE",
+        "HF_DATASETS_CACHE",
+        "HF_HUB_OFFLINE",
+        "HF_DATASETS_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "XDG_CACHE_HOME",
+        # the backend's own settings that stages read on a node
+        "ITO_LAUNCH_KEY_FILE",  # a path; see above
+        "ITO_CONFIGS_DIR",
+        "ITO_DATA_CACHE",
+        "ITO_NODE_IP",
+        "ITO_LISTEN_PORTS",
+    }
+)
+# Families of settings Ray, the locale, CUDA, NCCL, gloo and torch read by prefix (an
+# interface, a timeout, Ray's own config and token: what a Ray process needs).
+RAY_ENV_PREFIXES: tuple[str, ...] = ("RAY_", "LC_", "CUDA_", "NCCL_", "GLOO_", "TORCH_")
+
+
+def ray_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a Ray process of the backend starts with: the allowlisted
+    names of ``environ`` (the server's), and Ray's settings below."""
+    source = os.environ if environ is None else environ
+    env = {k: v for k, v in source.items() if k in RAY_ENV_NAMES or k.startswith(RAY_ENV_PREFIXES)}
     env["RAY_AUTH_MODE"] = "token"
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # On SIGTERM a `ray start --block` node first waits up to 30 s for its GCS to drain
@@ -100,7 +165,7 @@ def _generate_auth_token() -> None:
     # A `ray` CLI process (seconds of imports): only when there is no token yet.
     subprocess.run(
         [_ray_bin(), "get-auth-token", "--generate"],
-        env=_env(),
+        env=ray_environment(),
         check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -195,7 +260,7 @@ def start_local_head(var_dir: Path, settings: RaySettings) -> str:
     log = open(var_dir / "ray-head.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         cmd,
-        env=_env(),
+        env=ray_environment(),
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,

@@ -49,12 +49,14 @@ def ray_backend(
     gpus_per_node: int = 2,
     planner_gate: bool = True,
     env: dict[str, str] | None = None,
+    db: str | None = None,
 ) -> Iterator[dict[str, Any]]:
     """A started Ray-backed server; yields ``{"backend", "tenant", "tmp", "dashboard"}``
-    and stops the server and its embedded head at the end."""
+    and stops the server and its embedded head at the end. ``db``: the store (a
+    PostgreSQL URL); a SQLite file in ``tmp`` by default."""
     dash = free_port()
     be = Backend(
-        db=tmp / "ito.db",
+        db=db or tmp / "ito.db",
         var_dir=tmp / "var",
         log_path=tmp / "backend.log",
         extra_args=[

@@ -31,13 +31,14 @@ PACE_STEP_S = 0.15
 
 @contextmanager
 def paced_backend(
-    tmp: Path, booking_id: str, env: dict[str, str] | None = None
+    tmp: Path, booking_id: str, env: dict[str, str] | None = None, db: str | None = None
 ) -> Iterator[dict[str, Any]]:
     """A Ray-backed server whose runs are paced, with two corpora (``baseline``,
-    ``custom``) beside it; ``env`` adds to the server's environment."""
+    ``custom``) beside it; ``env`` adds to the server's environment; ``db``: its store
+    (a PostgreSQL URL; SQLite by default)."""
     baseline, custom = corpora(tmp / "data", 400, 300)
     env = {**(env or {}), "ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": PACE_STEP_S})}
-    with ray_backend(tmp, booking_id, env=env) as rt:
+    with ray_backend(tmp, booking_id, env=env, db=db) as rt:
         yield {**rt, "baseline": baseline, "custom": custom}
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.runtime.ray_cluster import _alive, _env, ensure_auth_token
+from orchestrator.runtime.ray_cluster import _alive, ensure_auth_token, ray_environment
 from stages.errors import ItoError
 
 
@@ -35,7 +35,43 @@ def test_a_running_process_is_alive() -> None:
 
 def test_the_head_is_started_without_serves_drain_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", raising=False)
-    assert _env()["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "0"
+    assert ray_environment()["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "0"
+
+
+def test_a_ray_process_gets_the_allowlisted_names_and_no_credential() -> None:
+    """What the head (and through it every Ray worker) is started with, from a
+    server's environment that holds the store's credentials and API keys. The real
+    processes' environments are checked in test_ray_environment.py."""
+    server = {
+        "PATH": "/usr/bin",
+        "HOME": "/home/ito",
+        "OMP_NUM_THREADS": "1",
+        "ITO_LAUNCH_KEY_FILE": "/var/ito/launch.key",
+        "ITO_LISTEN_PORTS": "42000-42999",
+        "NCCL_SOCKET_IFNAME": "ib0",
+        "RAY_AUTH_MODE": "token",
+        "PGPASSWORD": "canary",
+        "PGPASSFILE": "/home/ito/.pgpass",
+        "PGUSER": "ito",
+        "ITO_DB": "postgresql://ito@db/ito",
+        "ITO_DB_PASSWORD_FILE": "/run/secrets/db",
+        "ITO_API_KEY": "ito_sk_canary",
+        "HF_TOKEN": "hf_canary",
+        "AWS_SECRET_ACCESS_KEY": "canary",
+    }
+    env = ray_environment(server)
+    assert set(env) == {
+        "PATH",
+        "HOME",
+        "OMP_NUM_THREADS",
+        "ITO_LAUNCH_KEY_FILE",
+        "ITO_LISTEN_PORTS",
+        "NCCL_SOCKET_IFNAME",
+        "RAY_AUTH_MODE",
+        "RAY_USAGE_STATS_ENABLED",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
+    }
+    assert not any("canary" in v or "/run/secrets" in v for v in env.values())
 
 
 def test_the_token_is_generated_once_and_kept_private(
