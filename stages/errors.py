@@ -449,6 +449,19 @@ class ErrorCode(StrEnum):
         "Runtime: a checkpoint's files do not match the seal this backend wrote at save "
         "(tampered, planted, or sealed with another key); nothing of it was unpickled.",
     )
+    checkpoint_foreign = (
+        "checkpoint_foreign",
+        422,
+        "Runtime: a checkpoint sealed by this backend for another run or account (or "
+        "another step or phase than its folder and records claim) sits in this run's "
+        "checkpoint root; it is refused, nothing of it was unpickled.",
+    )
+    checkpoint_seal_outdated = (
+        "checkpoint_seal_outdated",
+        422,
+        "Runtime: a checkpoint carries a seal of an older format, which does not bind it "
+        "to its run; it is refused (re-save it with this backend to keep it).",
+    )
     all_replica_groups_lost = (
         "all_replica_groups_lost",
         500,

@@ -23,6 +23,7 @@ from orchestrator.runtime import launch
 from orchestrator.runtime.launch import LaunchSpec
 from orchestrator.runtime.ray_cluster import PRIVATE_UMASK
 from stages.base import GateOutcome, PrestartableStage, Stage, StageContext
+from stages.checkpointing.seal import ACCOUNT_FACT
 from stages.errors import ErrorCode, ItoError
 from stages.event_buffer import EventBuffer
 from stages.events import Event, LogEvent, PhaseEvent, StageResultEvent, StepEvent
@@ -104,7 +105,8 @@ class RunDriverImpl:
             booking_id=self.spec.booking_id,
             workdir=workdir,
             emit=self._emit,
-            facts=dict(self.spec.facts),
+            # The account from the signed spec: checkpoints are sealed for it.
+            facts={**self.spec.facts, ACCOUNT_FACT: self.spec.account},
             # One trainer fleet for the run: pretraining's ranks go on to post-training.
             fleet=Fleet(workdir / "fleet"),
         )

@@ -97,6 +97,7 @@ class _Pending:
     error: BaseException | None = None
     hook: RemovableHandle | None = None
     writer: SealingWriter | None = None
+    phase: str = ""
 
 
 class Checkpointer:
@@ -113,8 +114,11 @@ class Checkpointer:
         save_timeout_s: float = SAVE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         seal_key: bytes | None = None,
+        binding: seal.CheckpointBinding | None = None,
     ):
         self.policy = policy
+        # The run every save is sealed for and every load must belong to.
+        self.binding = binding if binding is not None else seal.CheckpointBinding()
         self.storage_dir = Path(policy.storage_path)
         self.run_label = run_label
         self._pg = process_group
@@ -195,8 +199,10 @@ class Checkpointer:
         *,
         now: float | None = None,
         guard: torch.optim.Optimizer | None = None,
+        phase: str = "",
     ) -> None:
-        """Start an async save of ``state`` at ``step``.
+        """Start an async save of ``state`` at ``step`` (of curriculum ``phase``: the
+        seal binds the checkpoint to it, with the run and the step).
 
         Inline staging: returns once the state is copied. Background staging: returns
         at once, and the copy is guarded by a one-shot step pre-hook on ``guard`` (by
@@ -240,6 +246,7 @@ class Checkpointer:
             upload=upload,
             staging=staging,
             writer=writer,
+            phase=phase,
         )
         pending.blocking_s = time.perf_counter() - t0
         pending.staged_s = time.perf_counter() - t1
@@ -308,7 +315,10 @@ class Checkpointer:
                     pending.final_dir,
                     record,
                     self._seal_key,
-                    pending.writer.metadata_sha256,
+                    seal.SealBinding(
+                        **self.binding.model_dump(), phase=pending.phase, step=pending.step
+                    ),
+                    pending.writer.file_digests,
                 )
                 with self._lock:
                     self._completed.append(pending.record)
@@ -321,7 +331,9 @@ class Checkpointer:
 
     def _apply_keep(self) -> None:
         # Checkpoints that closed a curriculum phase are kept whatever keep-K says.
-        records = [r for r in list_checkpoints(self.storage_dir) if pinned_phase(r) is None]
+        records = [
+            r for r in list_checkpoints(self.storage_dir) if pinned_phase(r, self._seal_key) is None
+        ]
         for old in records[: -self.policy.keep]:
             try:
                 delete_checkpoint(old)
@@ -384,7 +396,8 @@ class Checkpointer:
         return records[-1] if records else None
 
     def load(self, record: CheckpointRecord, state: StateLike) -> None:
-        """Load ``record`` into ``state`` in place (the same shape ``save`` was given)."""
+        """Load ``record`` into ``state`` in place (the same shape ``save`` was given);
+        ``checkpoint_foreign`` when it was sealed for another run or account."""
         path = Path(record.path)
         if read_record(path) is None:
             raise ItoError(ErrorCode.checkpoint_not_found, f"no complete checkpoint at {path.name}")
@@ -393,6 +406,7 @@ class Checkpointer:
             _as_state_dict(state),
             path,
             self._seal_key,
+            self.binding,
             process_group=self._pg,
             no_dist=not self._dist,
         )

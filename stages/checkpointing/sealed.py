@@ -1,16 +1,25 @@
 """Reading a DCP checkpoint this backend sealed: the one way one is read.
 
-The seal is checked once, before anything is unpickled (``checkpoint_untrusted``
-when it does not hold); ``.metadata`` is then unpickled from the bytes the check
-hashed, non-tensor items with ``weights_only=True``. ``SealedCheckpoint`` reads the
-tensors in parts (an HF export streams a large model through it a shard at a time);
-``load_sealed`` reads a whole state dict.
+``SealedCheckpoint`` checks the seal, what it is bound to (``checkpoint_foreign``
+for another run's, account's, step's or phase's), the folder's listing and
+``.metadata`` once, before anything is unpickled (``checkpoint_untrusted`` when they
+do not hold); ``.metadata`` is then unpickled from the bytes the check hashed, never
+from a second read of the file. A data file is checked when DCP first opens it, on
+the very descriptor DCP then reads (so a rank hashes only the files it reads, once
+per ``SealedCheckpoint``); non-tensor items are unpickled with ``weights_only=True``.
+It reads the tensors in parts (an HF export streams a large model through it a shard
+at a time); ``load_sealed`` reads a whole state dict.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import re
+import threading
+from collections.abc import Generator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
@@ -41,13 +51,32 @@ def describe_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+class _CheckingFileSystem(FileSystem):
+    """Opens the checkpoint's data files for DCP's reader by name inside the folder
+    (never through a symlink) and checks each against the seal on its first opening,
+    on the descriptor DCP then reads."""
+
+    def __init__(self, checkpoint: SealedCheckpoint) -> None:
+        super().__init__()
+        self._ckpt = checkpoint
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "rb":
+            raise ItoError(ErrorCode.invalid_state, "a sealed checkpoint is read only")
+        with os.fdopen(self._ckpt.open_checked(Path(path)), "rb") as stream:
+            yield stream  # type: ignore[misc]
+
+
 class _SealedReader(FileSystemReader):
     """Unpickles ``.metadata`` from the bytes the seal check read, never from a
-    second read of the file (which could have been swapped since)."""
+    second read of the file (which could have been swapped since); data files are
+    opened through ``_CheckingFileSystem``."""
 
-    def __init__(self, path: Path, metadata: bytes):
-        super().__init__(path)
-        self._metadata = metadata
+    def __init__(self, checkpoint: SealedCheckpoint):
+        super().__init__(checkpoint.path)
+        self.fs = _CheckingFileSystem(checkpoint)
+        self._metadata = checkpoint.metadata_bytes
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = pickle.loads(self._metadata)  # the bytes the seal check hashed
@@ -82,16 +111,78 @@ class _TensorsOnlyPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = item
 
 
-class SealedCheckpoint:
-    """A sealed checkpoint folder, its seal checked once at construction."""
+_STEP_FOLDER = re.compile(r"^step_(\d{9,})$")
 
-    def __init__(self, path: Path, seal_key: bytes):
+
+class SealedCheckpoint:
+    """A sealed checkpoint folder of ``run``: its seal, binding, listing and metadata
+    checked at construction (``phase``: it must also have been saved in that phase);
+    its data files as they are read."""
+
+    def __init__(
+        self,
+        path: Path,
+        seal_key: bytes,
+        run: seal.CheckpointBinding,
+        *,
+        phase: str | None = None,
+    ):
         self.path = path
-        self._metadata = seal.verify_seal(path, seal_key)
+        dir_fd = seal.open_dir(path)
+        try:
+            self._seal = seal.read_seal(path, dir_fd, seal_key)
+            named = _STEP_FOLDER.match(path.name)
+            seal.check_binding(
+                path,
+                self._seal,
+                run,
+                step=int(named.group(1)) if named else None,
+                phase=phase,
+            )
+            seal.check_listing(path, dir_fd, self._seal)
+            self.metadata_bytes = seal.read_checked(
+                path, dir_fd, self._seal, seal.METADATA_NAME, seal.MAX_METADATA_BYTES
+            )
+            # The commit record is what listings show: sealed, and of the sealed step.
+            record = seal.read_checked(
+                path, dir_fd, self._seal, seal.COMMIT_NAME, seal.MAX_RECORD_BYTES
+            )
+            seal.check_record_step(path, self._seal, record)
+        finally:
+            os.close(dir_fd)
+        self._checked: set[str] = {seal.METADATA_NAME}
+        self._lock = threading.Lock()
+
+    @property
+    def binding(self) -> seal.SealBinding:
+        return self._seal.binding
+
+    def open_checked(self, path: Path) -> int:
+        """A sealed file of this checkpoint, opened by name inside the folder, checked
+        against the seal the first time (``checkpoint_untrusted``)."""
+        name = path.name
+        if path.parent != self.path or name not in self._seal.files:
+            raise seal.untrusted(self.path, "its metadata names a file it was not sealed with")
+        dir_fd = seal.open_dir(self.path)
+        try:
+            fd = seal.open_file(dir_fd, name)
+        except OSError:
+            raise seal.untrusted(self.path, "a sealed file is unreadable") from None
+        finally:
+            os.close(dir_fd)
+        try:
+            with self._lock:
+                if name not in self._checked:
+                    seal.check_open_file(self.path, fd, self._seal, name)
+                    self._checked.add(name)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def tensors(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """Every tensor's flattened name (``train.model.<param>``), global size and dtype."""
-        md = _SealedReader(self.path, self._metadata).read_metadata()
+        md = _SealedReader(self).read_metadata()
         return {
             fqn: (m.size, m.properties.dtype)
             for fqn, m in md.state_dict_metadata.items()
@@ -110,7 +201,7 @@ class SealedCheckpoint:
         try:
             dcp.load(
                 state_dict,
-                storage_reader=_SealedReader(self.path, self._metadata),
+                storage_reader=_SealedReader(self),
                 planner=_TensorsOnlyPlanner(),
                 process_group=process_group,
                 no_dist=no_dist,
@@ -118,6 +209,11 @@ class SealedCheckpoint:
         except ItoError:
             raise
         except (Exception, CheckpointException) as e:
+            # A file that failed its check while DCP read it: that refusal, as it is.
+            failures = e.failures.values() if isinstance(e, CheckpointException) else ()
+            refused = [x for x, _trace in failures if isinstance(x, ItoError)]
+            if refused:
+                raise refused[0] from e
             raise ItoError(
                 ErrorCode.checkpoint_corrupt,
                 f"checkpoint {self.path.name} could not be loaded: {describe_failure(e)}",
@@ -128,9 +224,12 @@ def load_sealed(
     state_dict: dict[str, Any],
     path: Path,
     seal_key: bytes,
+    run: seal.CheckpointBinding,
     *,
     process_group: dist.ProcessGroup | None = None,
     no_dist: bool = True,
 ) -> None:
-    """``dcp.load`` of a whole state dict from a sealed checkpoint, in place."""
-    SealedCheckpoint(path, seal_key).load(state_dict, process_group=process_group, no_dist=no_dist)
+    """``dcp.load`` of a whole state dict from a sealed checkpoint of ``run``, in place."""
+    SealedCheckpoint(path, seal_key, run).load(
+        state_dict, process_group=process_group, no_dist=no_dist
+    )

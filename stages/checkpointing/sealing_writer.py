@@ -1,10 +1,17 @@
-"""DCP's file writer, remembering the digest of the metadata bytes it wrote.
+"""DCP's file writer, digesting every file it writes from the bytes it writes.
 
-The seal (``seal.py``) must cover DCP's own ``.metadata``, not whatever sits in the
-(tenant-writable) folder by the time the seal is written. The digest is taken from
-the bytes as they go through DCP's stream, not by pickling the ``Metadata`` object
-again: DCP may write a copy of that object (torch 2.11 pickles a
-``dataclasses.replace`` of it with the version set), so a re-pickle is not the file.
+The seal (``seal.py``) must cover what DCP wrote, not whatever sits in the
+(tenant-writable) temp folder by the time the seal is written, and it must not cost
+a second pass over the checkpoint: every stream DCP writes (its data files and its
+``.metadata``) goes through a ``_DigestingStream``, which hands a copy of each write
+to a hashing thread of its own and writes the bytes on. SHA-256 runs in C without
+the GIL, so the hashing overlaps the serialization of the next tensors, the writes
+into the page cache and the final fsync: the writer's thread pays one memory copy
+per byte, never the hash. The file's digest is ready when its stream is closed.
+
+The ranks' digests reach the coordinator with DCP's own write results (one extra
+result per file, taken out again before DCP builds its metadata), so the coordinator
+seals files it never read.
 """
 
 from __future__ import annotations
@@ -12,61 +19,152 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import queue
+import threading
 from collections.abc import Generator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
-from stages.checkpointing.seal import METADATA_NAME
+from stages.checkpointing.seal import METADATA_NAME, FileDigest
 
 # DCP pickles the metadata into this temporary file (``__<rank>`` prefixed when ranks
 # write their own), then renames it to ``.metadata``.
 _METADATA_TMP_SUFFIX = f"{METADATA_NAME}.tmp"
+# Writes are copied for the hashing thread in pieces of at most this size, and at
+# most this many pieces wait for it: the memory a stream holds beyond DCP's own.
+HASH_PIECE_BYTES = 16 << 20
+HASH_PIECES_IN_FLIGHT = 4
+# Marks the extra write result that carries a file's digest to the coordinator.
+_DIGEST_FQN = "\x00ito-file-digest"
 
 
-class _HashingStream:
-    """A write-through stream that hashes what is written (pickle.dump only writes)."""
+class _DigestingStream:
+    """A write-through stream whose bytes are hashed, in order, on a thread of its own
+    (DCP and pickle only write, tell, flush and fsync through it)."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
-        self.sha256 = hashlib.sha256()
+        self._sha = hashlib.sha256()
+        self._bytes = 0
+        self._pieces: queue.Queue[bytes | None] = queue.Queue(maxsize=HASH_PIECES_IN_FLIGHT)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._hash, name="ckpt-digest", daemon=True)
+        self._thread.start()
 
-    def write(self, data: bytes) -> int:
-        self.sha256.update(data)
+    def _hash(self) -> None:
+        while (piece := self._pieces.get()) is not None:
+            try:
+                self._sha.update(piece)
+            except BaseException as e:  # surfaced by digest()
+                self._error = e
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        # A copy: the caller may reuse its buffer once write returns.
+        for off in range(0, len(view), HASH_PIECE_BYTES):
+            self._pieces.put(bytes(view[off : off + HASH_PIECE_BYTES]))
+        self._bytes += len(view)
         return int(self._stream.write(data))
 
-    def __getattr__(self, name: str) -> Any:  # fileno for fsync, flush, ...
+    def digest(self) -> FileDigest:
+        """Wait for the hashing thread; the digest of everything written."""
+        self._pieces.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return FileDigest(bytes=self._bytes, sha256=self._sha.hexdigest())
+
+    def __getattr__(self, name: str) -> Any:  # fileno for fsync, flush, tell, ...
         return getattr(self._stream, name)
 
 
-class _MetadataHashingFileSystem(FileSystem):
+class _DigestingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
-        self.metadata_sha256: str | None = None
+        self._lock = threading.Lock()
+        self.digests: dict[str, FileDigest] = {}
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        with super().create_stream(path, mode) as stream:
-            if not Path(path).name.endswith(_METADATA_TMP_SUFFIX):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
                 yield stream
-                return
-            hashing = _HashingStream(stream)
-            yield hashing  # type: ignore[misc]  # duck-typed: DCP only writes and fsyncs
-            self.metadata_sha256 = hashing.sha256.hexdigest()
+            return
+        name = Path(path).name
+        if name.endswith(_METADATA_TMP_SUFFIX):
+            name = name.removesuffix(".tmp")  # renamed into place by DCP
+        with super().create_stream(path, mode) as stream:
+            digesting = _DigestingStream(stream)
+            try:
+                yield digesting  # type: ignore[misc]  # duck-typed: DCP only writes
+            finally:
+                digest = digesting.digest()  # after DCP's fsync: the hash overlapped it
+        with self._lock:
+            self.digests[name] = digest
+
+
+@dataclass(frozen=True)
+class _Digest:
+    name: str
+    bytes: int
+    sha256: str
 
 
 class SealingWriter(FileSystemWriter):
-    """``FileSystemWriter`` whose ``metadata_sha256`` is the digest of the bytes of the
-    ``.metadata`` it wrote (None until ``finish`` has written it)."""
+    """``FileSystemWriter`` that knows the digest of every file of the checkpoint as
+    it was written: ``file_digests`` on the coordinator once ``finish`` has run
+    (the data files of every rank, and ``.metadata``)."""
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self._hashing_fs = _MetadataHashingFileSystem()
-        self.fs = self._hashing_fs
+        self._digesting_fs = _DigestingFileSystem()
+        self.fs = self._digesting_fs
+        self._ranks_digests: dict[str, FileDigest] = {}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        results = super().write_data(plan, planner).wait()  # DCP's writer is synchronous
+        with self._digesting_fs._lock:
+            mine = dict(self._digesting_fs.digests)
+        extra = [
+            WriteResult(
+                index=MetadataIndex(fqn=_DIGEST_FQN, index=i),
+                size_in_bytes=d.bytes,
+                storage_data=_Digest(name, d.bytes, d.sha256),
+            )
+            for i, (name, d) in enumerate(sorted(mine.items()))
+        ]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results + extra)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        kept: list[list[WriteResult]] = []
+        for rank_results in results:
+            kept.append([])
+            for r in rank_results:
+                if r.index.fqn == _DIGEST_FQN and isinstance(r.storage_data, _Digest):
+                    d = r.storage_data
+                    self._ranks_digests[d.name] = FileDigest(bytes=d.bytes, sha256=d.sha256)
+                else:
+                    kept[-1].append(r)
+        super().finish(metadata, kept)
 
     @property
-    def metadata_sha256(self) -> str | None:
-        return self._hashing_fs.metadata_sha256
+    def file_digests(self) -> dict[str, FileDigest]:
+        """Every file of the checkpoint and its digest (the coordinator's, after
+        ``finish``): what the seal may list, and nothing else."""
+        with self._digesting_fs._lock:
+            metadata = self._digesting_fs.digests.get(METADATA_NAME)
+        out = dict(self._ranks_digests)
+        if metadata is not None:
+            out[METADATA_NAME] = metadata
+        return out

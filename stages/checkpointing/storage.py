@@ -20,7 +20,6 @@ Everything here works without torch.distributed, so the API can list and clean u
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -31,13 +30,19 @@ from pathlib import Path
 from pydantic import Field
 
 from stages.base import StrictModel
-from stages.checkpointing.seal import write_seal
+from stages.checkpointing.seal import (
+    COMMIT_NAME,
+    FileDigest,
+    SealBinding,
+    digest_bytes,
+    mark_phase,
+    marked_phase,
+    seal_key,
+    write_seal,
+)
 from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent
 
-COMMIT_NAME = "ito_commit.json"
-# Written into a checkpoint that closes a curriculum phase: kept beyond keep-K.
-PHASE_MARK_NAME = "ito_phase.json"
 DCP_METADATA_NAME = ".metadata"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
@@ -106,21 +111,22 @@ def commit(
     final_dir: Path,
     record: CheckpointRecord,
     seal_key: bytes,
-    metadata_sha256: str | None,
+    binding: SealBinding,
+    written: dict[str, FileDigest],
 ) -> CheckpointRecord:
-    """Seal ``tmp_dir`` (``seal.py``; ``metadata_sha256`` is what DCP wrote), write
-    its commit record and publish it as ``final_dir``.
+    """Write ``tmp_dir``'s commit record, seal it (``seal.py``: bound to ``binding``;
+    ``written`` is every file's digest as its writer wrote it) and publish it as
+    ``final_dir``.
 
     ``record.path`` and ``record.bytes`` are filled in here. An existing checkpoint
     at ``final_dir`` (same step, an abandoned timeline) is replaced.
     """
-    if not (tmp_dir / DCP_METADATA_NAME).is_file():
+    if DCP_METADATA_NAME not in written or not (tmp_dir / DCP_METADATA_NAME).is_file():
         raise ItoError(
             ErrorCode.checkpoint_corrupt,
             f"{tmp_dir.name}: DCP metadata missing; refusing to commit",
         )
-    write_seal(tmp_dir, seal_key, metadata_sha256)
-    data_bytes = folder_bytes(tmp_dir)
+    data_bytes = sum(d.bytes for d in written.values())
     record = record.model_copy(
         update={
             "path": str(final_dir),
@@ -128,11 +134,20 @@ def commit(
             "bytes_per_s": data_bytes / max(record.total_s, 1e-9),
         }
     )
-    marker = tmp_dir / COMMIT_NAME
-    with marker.open("w") as f:
-        f.write(record.model_dump_json())
-        f.flush()
-        os.fsync(f.fileno())
+    raw = record.model_dump_json().encode()
+    # O_EXCL | O_NOFOLLOW: a file or symlink planted under this name in the temp
+    # folder fails the save instead of being written through.
+    fd = os.open(
+        tmp_dir / COMMIT_NAME,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o644,
+    )
+    try:
+        os.write(fd, raw)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    write_seal(tmp_dir, seal_key, binding, {**written, COMMIT_NAME: digest_bytes(raw)})
     fsync_dir(tmp_dir)
     if final_dir.exists():
         _trash(final_dir)
@@ -258,19 +273,13 @@ def storage_usage(storage_dir: str | Path) -> dict[str, int]:
     return {"complete_bytes": complete, "leftover_bytes": leftovers}
 
 
-def pin_phase(record: CheckpointRecord, phase: str) -> None:
-    """Mark ``record`` as the checkpoint that closed ``phase``: keep-K never deletes it."""
-    path = Path(record.path) / PHASE_MARK_NAME
-    tmp = path.with_name(f".{PHASE_MARK_NAME}.tmp")
-    tmp.write_text(json.dumps({"phase": phase, "step": record.step}))
-    os.replace(tmp, path)
-    fsync_dir(Path(record.path))
+def pin_phase(record: CheckpointRecord, phase: str, key: bytes | None = None) -> None:
+    """Mark ``record`` as the checkpoint that closed ``phase``: keep-K never deletes it.
+    The mark carries a MAC over the phase and the checkpoint's seal (``seal.py``)."""
+    mark_phase(Path(record.path), seal_key() if key is None else key, phase)
 
 
-def pinned_phase(record: CheckpointRecord) -> str | None:
-    """The phase ``record`` closes, or None."""
-    path = Path(record.path) / PHASE_MARK_NAME
-    try:
-        return str(json.loads(path.read_text())["phase"])
-    except (OSError, ValueError, KeyError):
-        return None
+def pinned_phase(record: CheckpointRecord, key: bytes | None = None) -> str | None:
+    """The phase ``record`` closes, or None (no mark, or one this backend did not write
+    for this very checkpoint)."""
+    return marked_phase(Path(record.path), seal_key() if key is None else key)

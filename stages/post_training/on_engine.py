@@ -236,6 +236,7 @@ def run_engine(
     and leaves its own. Returns the export, the engine's figures and the scores."""
     import ray
 
+    from stages.checkpointing.seal import run_binding
     from stages.checkpointing.storage import list_checkpoints
     from stages.trainer.engine import TrainingEngine
     from stages.trainer.phase_eval import PhaseEvalReply, PhaseEvalRequest
@@ -270,6 +271,7 @@ def run_engine(
             phase=phase,
             checkpoint=closing.path,
             step=closing.step,
+            run=run_binding(ctx.run_id, ctx.facts),
             heldout_path="",
             tokenizer_dir=str(base),
             work_dir=str(work),
@@ -296,6 +298,7 @@ def run_engine(
         facts=ctx.facts,
         on_phase_end=export,
         fleet=fleet,
+        secret=ctx.secret,
     )
     result = engine.run()
     if not exported or result.steps < steps:

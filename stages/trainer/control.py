@@ -36,6 +36,8 @@ class WorkerSpec:
     # spec it was made with ("" for a fleet that is not handed on).
     fleet_id: str = ""
     assignment_path: str = ""
+    # The run's account: its checkpoints are sealed for it and the run.
+    account: str = ""
 
     @property
     def names_id(self) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from stages.checkpointing.seal import run_binding
 from stages.checkpointing.storage import list_checkpoints
 from stages.curriculum.schedule import PhaseSpan
 from stages.errors import ErrorCode, ItoError
@@ -297,6 +298,7 @@ class TrainingEngine:
             standby_index=standby_index,
             fleet_id=self._names_id,
             assignment_path=self.fleet.assignment_path(name) if self.fleet else "",
+            account=run_binding(self.run_id, self.facts).account,
         )
 
     def _fleet_changed(self, event: FleetEvent, message: str) -> None:

@@ -472,7 +472,9 @@ class TrainLoop:
         self._last_saved = step
         self._save_started[step] = time.time()
         self.train_state.step = step
-        self.ckpt.save(step, self.train_state)  # async: blocks only for the state copy
+        # Async: blocks only for the state copy. Sealed with the phase its last step is in.
+        phase = self.schedule.phase_of(max(step - 1, 0)).name
+        self.ckpt.save(step, self.train_state, phase=phase)
 
     # --- loss spikes ----------------------------------------------------------------
     def _spiked(self, step: int, loss: float, batch_idx: int) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from stages.checkpointing.seal import CheckpointBinding
 from stages.curriculum.schedule import PhaseSpan
 from stages.errors import ErrorCode, ItoError
 from stages.evals.battery import CheckResult
@@ -60,6 +62,8 @@ class PhaseEvalRequest(BaseModel):
     phase: PhaseSpan
     checkpoint: str
     step: int
+    # The run the closing checkpoint must be sealed for (with ``phase`` and ``step``).
+    run: CheckpointBinding = CheckpointBinding()
     heldout_path: str
     tokenizer_dir: str
     work_dir: str
@@ -162,22 +166,44 @@ def warm_phase_end(cfg: TrainStageConfig, *, tasks: bool) -> None:
         preload()
 
 
-def load_phase_model(
-    cfg: TrainStageConfig, phase: PhaseSpan, checkpoint: str | SealedCheckpoint
-) -> Any:
-    """The weights of a complete checkpoint (a path, or one whose seal was checked) in
-    a fresh model of the phase's shape."""
+def sealed_checkpoint(path: str, run: CheckpointBinding, phase: str) -> SealedCheckpoint:
+    """The checkpoint at ``path``, its seal, binding (``run``, ``phase``, the step its
+    folder names) and metadata checked: one per checkpoint and process, so the export
+    share, the units and the battery of a phase end check its seal once and each data
+    file once, when first read. A checkpoint saved again under the same name (an
+    approved restart) has a new seal, and so is checked anew."""
+    from stages.checkpointing.seal import SEAL_NAME
+
+    try:
+        st = os.stat(Path(path) / SEAL_NAME, follow_symlinks=False)
+        version = (st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        version = (0, 0, 0)  # SealedCheckpoint refuses it with its code
+    return _sealed_checkpoint(path, run.run_id, run.account, phase, version)
+
+
+@functools.lru_cache(maxsize=2)
+def _sealed_checkpoint(
+    path: str, run_id: str, account: str, phase: str, _version: tuple[int, int, int]
+) -> SealedCheckpoint:
     from stages.checkpointing.seal import seal_key
     from stages.checkpointing.sealed import SealedCheckpoint
+
+    run = CheckpointBinding(run_id=run_id, account=account)
+    return SealedCheckpoint(Path(path), seal_key(), run, phase=phase)
+
+
+def closing_checkpoint(req: PhaseEvalRequest) -> SealedCheckpoint:
+    """The phase's closing checkpoint, as ``sealed_checkpoint`` checks it."""
+    return sealed_checkpoint(req.checkpoint, req.run, req.phase.name)
+
+
+def load_phase_model(cfg: TrainStageConfig, phase: PhaseSpan, sealed: SealedCheckpoint) -> Any:
+    """The weights of a sealed checkpoint (``sealed_checkpoint``) in a fresh model of the
+    phase's shape."""
     from stages.presets import load_model_preset
     from stages.trainer.model import build_model, set_rope_theta
 
-    # Only a checkpoint this backend sealed is unpickled (docs/checkpointing.md).
-    sealed = (
-        checkpoint
-        if isinstance(checkpoint, SealedCheckpoint)
-        else SealedCheckpoint(Path(checkpoint), seal_key())
-    )
     model = build_model(
         load_model_preset(cfg.model.preset),
         seed=cfg.target.seed,
@@ -220,14 +246,12 @@ def export_share(
     """This rank's share of the phase's HF export: every ``parts``-th safetensors shard
     from the ``part``-th, streamed from the closing checkpoint into the export's
     staging folder; returns {file: ``writer``}."""
-    from stages.checkpointing.seal import seal_key
-    from stages.checkpointing.sealed import SealedCheckpoint
     from stages.hf.export import export_shards, staging_dir
 
     if req.export_token is None:
         raise ItoError(ErrorCode.invalid_state, "an export share needs the export's token")
     files = export_shards(
-        SealedCheckpoint(Path(req.checkpoint), seal_key()),
+        closing_checkpoint(req),
         _export_config(cfg, rope_theta=req.phase.rope_theta),
         staging_dir(req.export_dir, req.export_token),
         part=part,
@@ -280,12 +304,10 @@ def evaluate_on_rank(
     ``req`` (what they left out runs here), score a post-training objective, and write
     the HF export; ``model`` gives the model the checks score (``live``: this rank's
     own, see the module docstring)."""
-    from stages.checkpointing.seal import seal_key
-    from stages.checkpointing.sealed import SealedCheckpoint
     from stages.evals import run_battery
 
     tokenizer = _tokenizer(req.tokenizer_dir)
-    sealed = SealedCheckpoint(Path(req.checkpoint), seal_key())
+    sealed = closing_checkpoint(req)
     result: dict[str, Any] = {}
     scored: ObjectiveEvalReply | None = None
     if req.phase.eval_battery is None and req.post_training is None:

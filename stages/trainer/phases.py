@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.base import GateOutcome, StageContext
+from stages.checkpointing.seal import run_binding
 from stages.checkpointing.storage import list_checkpoints, pin_phase, pinned_phase
 from stages.curriculum.schedule import PhaseSpan
 from stages.errors import ErrorCode, ItoError
@@ -106,6 +107,7 @@ class CurriculumRunner:
             on_phase_end=self._phase_end,
             decided={p.index for p in self.schedule.phases[: first.index]},
             fleet=self.ctx.fleet,  # its ranks go on to the run's next engine run
+            secret=self.ctx.secret,
         )
         self.engine.start_in_background()
 
@@ -254,6 +256,7 @@ class CurriculumRunner:
             phase=phase,
             checkpoint=closing.path,
             step=closing.step,
+            run=run_binding(self.ctx.run_id, self.ctx.facts),
             heldout_path=str(self.ctx.workdir / "phase_data" / HELDOUT_NAME),
             tokenizer_dir=str(self._tokenizer_dir),
             work_dir=str(self.ctx.workdir),

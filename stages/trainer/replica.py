@@ -356,14 +356,14 @@ class ReplicaWorker:
     def _scored_model(self, req: Any) -> Any:
         """What a phase end's checks score: this rank's own model when it can serve as
         it is, else the closing checkpoint in a plain model, loaded once a phase end."""
-        from stages.trainer.phase_eval import load_phase_model
+        from stages.trainer.phase_eval import closing_checkpoint, load_phase_model
 
         live = self._live_model()
         if live is not None:
             return live
         if self._phase_model is None or self._phase_model[0] != req.checkpoint:
             self._phase_model = None  # the previous one goes before the next is built
-            model = load_phase_model(self.loop.cfg, req.phase, req.checkpoint)
+            model = load_phase_model(self.loop.cfg, req.phase, closing_checkpoint(req))
             self._phase_model = (req.checkpoint, model)
         return self._phase_model[1]
 

@@ -184,6 +184,7 @@ class RankSetup:
         from torchft.optim import OptimizerWrapper
 
         from stages.checkpointing.checkpointer import Checkpointer
+        from stages.checkpointing.seal import CheckpointBinding
         from stages.trainer.loss_spike import LossSpikeDetector
         from stages.trainer.train_state import TrainState
 
@@ -235,7 +236,12 @@ class RankSetup:
         policy = cfg.checkpoint.model_copy(
             update={"storage_uri": f"file://{Path(spec.checkpoint_dir).resolve()}"}
         )
-        loop.ckpt = Checkpointer(policy, run_label=f"rg{spec.replica_group}", process_group=ckpt_pg)
+        loop.ckpt = Checkpointer(
+            policy,
+            run_label=f"rg{spec.replica_group}",
+            process_group=ckpt_pg,
+            binding=CheckpointBinding(run_id=spec.run_id, account=spec.account),
+        )
         loop.status.update(phase="awaiting_data")
         # Every phase ends in an HF export whose shards every live rank writes, and in
         # a battery whose units each group's rank 0 runs: the imports overlap the wait

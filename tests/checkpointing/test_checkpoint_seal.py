@@ -21,8 +21,15 @@ import pytest
 import torch
 
 from stages.checkpointing import COMMIT_NAME, Checkpointer, CheckpointPolicy, list_checkpoints
-from stages.checkpointing.seal import SEAL_NAME, FileDigest, Seal
-from stages.checkpointing.sealed import _TensorsOnlyPlanner
+from stages.checkpointing.seal import (
+    SEAL_NAME,
+    CheckpointBinding,
+    FileDigest,
+    Seal,
+    SealBinding,
+    seal_key,
+)
+from stages.checkpointing.sealed import SealedCheckpoint, _TensorsOnlyPlanner
 from stages.checkpointing.storage import CheckpointRecord, commit, final_name
 from stages.errors import ErrorCode, ItoError
 
@@ -92,7 +99,12 @@ def test_a_fabricated_checkpoint_runs_nothing(
     # A seal the tenant wrote itself: without the key its MAC cannot verify.
     digest = FileDigest(bytes=1, sha256="0" * 64)
     (fake / SEAL_NAME).write_text(
-        Seal(files={".metadata": digest}, mac=secrets.token_hex(32)).model_dump_json()
+        Seal(
+            version=2,
+            binding=SealBinding(step=99),
+            files={".metadata": digest},
+            mac=secrets.token_hex(32),
+        ).model_dump_json()
     )
     _refused(pol, record, marker)
 
@@ -147,14 +159,16 @@ def test_a_metadata_swapped_during_the_save_is_never_sealed(
     # DCP's write and the seal must not become a sealed (trusted) checkpoint.
     _pol, record = _saved(policy)
     folder = Path(record.path)
-    written = hashlib.sha256((folder / ".metadata").read_bytes()).hexdigest()
+    written = Seal.model_validate_json((folder / SEAL_NAME).read_text()).files
+    del written[COMMIT_NAME]
     tmp = folder.with_name(".tmp-x-" + folder.name)
     shutil.copytree(folder, tmp)
     (tmp / SEAL_NAME).unlink()
+    (tmp / COMMIT_NAME).unlink()
     (tmp / ".metadata").write_bytes(pickle.dumps(_Plant(tmp_path / "pwned")))
     final = folder.with_name(final_name(7))
     with pytest.raises(ItoError) as e:
-        commit(tmp, final, record, secrets.token_bytes(32), written)
+        commit(tmp, final, record, secrets.token_bytes(32), SealBinding(step=7), written)
     assert e.value.code == ErrorCode.checkpoint_untrusted
     assert not final.exists() and not (tmp / SEAL_NAME).exists()
 
@@ -180,3 +194,71 @@ def test_the_seal_covers_the_metadata_bytes_dcp_wrote_even_from_a_copy(
     sealed = Seal.model_validate_json((folder / SEAL_NAME).read_text())
     written = hashlib.sha256((folder / ".metadata").read_bytes()).hexdigest()
     assert sealed.files[".metadata"].sha256 == written
+
+
+def test_the_metadata_is_unpickled_from_the_checked_bytes_not_read_again(
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path
+) -> None:
+    # Swapped between the seal check and DCP's load: a loader that reads .metadata
+    # from disk again (DCP's own FileSystemReader.read_metadata) would unpickle it.
+    _pol, record = _saved(policy)
+    folder = Path(record.path)
+    sealed = SealedCheckpoint(folder, seal_key(), CheckpointBinding())
+    marker = tmp_path / "pwned"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
+    assert set(sealed.tensors()) == {"w"}
+    state = _state(0.0)
+    sealed.load(state)
+    assert not marker.exists(), "the swapped .metadata was unpickled"
+    assert torch.equal(state["w"], torch.ones(4)) and state["step"] == 3
+
+
+def test_a_rank_checks_only_the_files_it_reads(
+    policy: Callable[..., CheckpointPolicy], tmp_path: Path
+) -> None:
+    # Two writer threads: two data files. One of them is damaged after the save; a
+    # load that needs only the other one succeeds, one that reads it is refused.
+    pol = policy()
+    state = {"a": torch.full((1000,), 1.0), "b": torch.full((1000,), 2.0)}
+    with Checkpointer(pol, async_staging=False, writer_threads=2) as ck:
+        ck.save(3, state)
+        record = ck.wait()
+    assert record is not None
+    folder = Path(record.path)
+    sealed = SealedCheckpoint(folder, seal_key(), CheckpointBinding())
+    md = pickle.loads(sealed.metadata_bytes)
+    where = {idx.fqn: info.relative_path for idx, info in md.storage_data.items()}
+    assert where["a"] != where["b"]
+    data = folder / where["b"]
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 1
+    data.write_bytes(bytes(raw))
+    again = SealedCheckpoint(folder, seal_key(), CheckpointBinding())  # the seal holds
+    a = {"a": torch.zeros(1000)}
+    again.load(a)
+    assert torch.equal(a["a"], state["a"])
+    with pytest.raises(ItoError) as e:
+        again.load({"b": torch.zeros(1000)})
+    assert e.value.code == ErrorCode.checkpoint_untrusted
+
+
+def test_each_file_is_hashed_once_per_sealed_checkpoint(
+    policy: Callable[..., CheckpointPolicy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A phase end reads the closing checkpoint for the export share, the units and the
+    # battery: the seal and each file are checked once, not once per reader.
+    from stages.checkpointing import seal as seal_mod
+
+    _pol, record = _saved(policy)
+    checked: list[str] = []
+    check = seal_mod.check_open_file
+
+    def counted(folder: Path, fd: int, seal: Seal, name: str) -> None:
+        checked.append(name)
+        check(folder, fd, seal, name)
+
+    monkeypatch.setattr(seal_mod, "check_open_file", counted)
+    sealed = SealedCheckpoint(Path(record.path), seal_key(), CheckpointBinding())
+    for _ in range(3):
+        sealed.load(_state(0.0))
+    assert checked and len(checked) == len(set(checked))

@@ -21,6 +21,7 @@ from stages.checkpointing import (
     storage_usage,
     sweep_incomplete,
 )
+from stages.checkpointing.seal import SEAL_NAME
 from stages.checkpointing.storage import READ_LOG_NAME, read_log
 from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent
@@ -127,8 +128,9 @@ def test_records_are_complete_and_become_events(
     path = Path(record.path)
     assert path.name == "step_000000002" and (path / COMMIT_NAME).is_file()
     on_disk = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    # The record counts every byte but its own commit file, written after counting.
-    assert record.bytes == on_disk - (path / COMMIT_NAME).stat().st_size
+    # The record counts the bytes DCP wrote: not its own commit file, nor the seal.
+    records = (path / COMMIT_NAME).stat().st_size + (path / SEAL_NAME).stat().st_size
+    assert record.bytes == on_disk - records
     n_params = sum(p.numel() for p in state.model.parameters())
     assert record.bytes > 3 * 4 * n_params  # weights + two AdamW moments, fp32
     assert 0 < record.blocking_s <= record.total_s

@@ -21,6 +21,7 @@ from helpers.waiting import wait_until
 
 from stages.base import GateOutcome
 from stages.checkpointing.config import CheckpointPolicy
+from stages.checkpointing.seal import CheckpointBinding, run_binding
 from stages.checkpointing.storage import list_checkpoints, pinned_phase
 from stages.curriculum.config import CurriculumConfig
 from stages.curriculum.schedule import CurriculumSchedule, schedule_curriculum
@@ -77,6 +78,11 @@ CURRICULUM = CurriculumConfig.model_validate(
     },
     strict=False,
 )
+
+
+def run_binding_of(run: Run) -> CheckpointBinding:
+    """The binding the run's checkpoints are sealed for."""
+    return run_binding(run.ctx.run_id, run.ctx.facts)
 
 
 def _schedule() -> CurriculumSchedule:
@@ -287,7 +293,7 @@ def test_phase_closing_checkpoints_are_kept_and_exported(
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.trainer.phase_eval import load_phase_model
+    from stages.trainer.phase_eval import load_phase_model, sealed_checkpoint
 
     run, out, cfg, _ = failed_run
     records = list_checkpoints(out.artifacts["checkpoint_dir"])
@@ -309,7 +315,8 @@ def test_phase_closing_checkpoints_are_kept_and_exported(
         model = AutoModelForCausalLM.from_pretrained(str(export), local_files_only=True)
         tok = AutoTokenizer.from_pretrained(str(export), local_files_only=True)
         ids = torch.tensor([tok("doc 7: the quick brown fox")["input_ids"]])
-        ref = load_phase_model(cfg, ph, by_step[ph.end_step].path)
+        sealed = sealed_checkpoint(by_step[ph.end_step].path, run_binding_of(run), ph.name)
+        ref = load_phase_model(cfg, ph, sealed)
         with torch.no_grad():
             assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
 
@@ -335,7 +342,7 @@ def test_the_same_checkpoint_scores_identically_again(
     the scores its gate recorded."""
     from stages.evals import run_battery
     from stages.hf import load_tokenizer
-    from stages.trainer.phase_eval import load_phase_model
+    from stages.trainer.phase_eval import load_phase_model, sealed_checkpoint
     from stages.trainer.phases import read_gate
 
     run, out, cfg, _ = failed_run
@@ -347,7 +354,9 @@ def test_the_same_checkpoint_scores_identically_again(
         json.loads(line)["text"]
         for line in (work / "phase_data" / "heldout.jsonl").read_text().splitlines()
     ]
-    model = load_phase_model(cfg, pre, rec["checkpoint"])
+    model = load_phase_model(
+        cfg, pre, sealed_checkpoint(rec["checkpoint"], run_binding_of(run), pre.name)
+    )
     again = run_battery(
         model,
         load_tokenizer(work / "tokenizer"),

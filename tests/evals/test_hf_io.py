@@ -185,7 +185,7 @@ def test_the_export_streamed_from_a_sealed_checkpoint_is_what_save_pretrained_wr
     from safetensors.torch import load_file
 
     from stages.checkpointing import Checkpointer, CheckpointPolicy
-    from stages.checkpointing.seal import seal_key
+    from stages.checkpointing.seal import CheckpointBinding, seal_key
     from stages.checkpointing.sealed import SealedCheckpoint
     from stages.hf.export import export_hf_from_checkpoint
     from stages.trainer.model import llama_config, set_config_rope_theta, set_rope_theta
@@ -216,7 +216,7 @@ def test_the_export_streamed_from_a_sealed_checkpoint_is_what_save_pretrained_wr
     config = llama_config(preset)
     set_config_rope_theta(config, 22081.79)
     shard_bytes = 40_000  # llama-tiny's 20-21 tensors in several shards
-    ckpt = Counted(Path(record.path), seal_key())
+    ckpt = Counted(Path(record.path), seal_key(), CheckpointBinding())
     out = export_hf_from_checkpoint(
         ckpt, config, tok, tmp_path / "export", metadata={"step": 5}, shard_bytes=shard_bytes
     )

@@ -84,9 +84,12 @@ def _train(cfg: TrainStageConfig, tmp: Path, run_id: str) -> tuple[Any, list[Eve
 
 
 def _weights(cfg: TrainStageConfig, checkpoint: str) -> dict[str, torch.Tensor]:
-    from stages.trainer.phase_eval import load_phase_model
+    from stages.checkpointing.seal import CheckpointBinding
+    from stages.trainer.phase_eval import load_phase_model, sealed_checkpoint
 
-    return load_phase_model(cfg, cfg.schedule.phases[0], checkpoint).state_dict()
+    phase = cfg.schedule.phases[0]
+    run = CheckpointBinding(run_id=Path(checkpoint).parent.name)  # <ckpt>/<run id>/step_<n>
+    return load_phase_model(cfg, phase, sealed_checkpoint(checkpoint, run, phase.name)).state_dict()
 
 
 def test_two_sft_learner_groups_make_the_update_of_one_with_the_whole_batch(

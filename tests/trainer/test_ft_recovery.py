@@ -358,7 +358,8 @@ def test_a_non_finite_step_is_refused_on_every_group_before_the_update(
 
     import ray
 
-    from stages.trainer.phase_eval import load_phase_model
+    from stages.checkpointing.seal import CheckpointBinding
+    from stages.trainer.phase_eval import load_phase_model, sealed_checkpoint
     from stages.trainer.replica import worker_name
     from stages.trainer.shard_state import param_digest
 
@@ -385,7 +386,9 @@ def test_a_non_finite_step_is_refused_on_every_group_before_the_update(
         from stages.checkpointing.storage import list_checkpoints
 
         [ckpt] = [r for r in list_checkpoints(tmp_path / "ckpt" / "ftnan") if r.step == bad]
-        ref = param_digest(load_phase_model(cfg, cfg.schedule.phases[0], ckpt.path))
+        phase = cfg.schedule.phases[0]
+        sealed = sealed_checkpoint(ckpt.path, CheckpointBinding(run_id="ftnan"), phase.name)
+        ref = param_digest(load_phase_model(cfg, phase, sealed))
         assert [d["step"] for d in digests] == [bad, bad]
         assert [d["digest"] for d in digests] == [ref, ref]
         run.ctx.decide(p.proposal_id, "approved")
