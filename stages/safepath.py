@@ -17,6 +17,7 @@ and decides what its messages may say (the server's say nothing about paths).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -229,3 +230,31 @@ def check_tree(dir_fd: int, max_entries: int = 100_000) -> int:
         for fd in stack:
             os.close(fd)
     return seen
+
+
+def make_dirs(path: str, mode: int = 0o755) -> int:
+    """Open the folder ``path``, creating what is missing of it, by the safe walk from
+    ``/``: a symlink anywhere on the path (or one swapped in mid-walk) is refused
+    (``WalkError``), never followed or created through."""
+    dir_fd = os.open("/", DIR_FLAGS)
+    try:
+        for name in path_parts(path):
+            try:
+                fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+            except FileNotFoundError:
+                # Made meanwhile by another writer: opened (and judged) right below.
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, mode, dir_fd=dir_fd)
+                try:
+                    fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+                except OSError as exc:
+                    raise _classify(exc, name, dir_fd, last=False) from None
+            except OSError as exc:
+                raise _classify(exc, name, dir_fd, last=False) from None
+            os.close(dir_fd)
+            dir_fd = fd
+        fd_out, dir_fd = dir_fd, -1
+        return fd_out
+    finally:
+        if dir_fd >= 0:
+            os.close(dir_fd)

@@ -2,25 +2,25 @@
 (``export_hf``) or streamed from a sealed DCP checkpoint (``export_hf_from_checkpoint``,
 a phase's export: no rank ever holds more than one safetensors shard of it).
 
-Either is written into a temp folder beside the target and renamed into place, so a
-crash leaves no export or a complete one; ``ito_export.json`` lists each file's
-sha256 and the caller's ``metadata`` (run, phase, step).
+Either is written into a staging folder beside the target and renamed into place, so
+a crash leaves no export or a complete one; ``ito_export.json`` lists each file's
+sha256 and the caller's ``metadata`` (run, phase, step). The staging folder lies in
+the tenant-writable checkpoint root: it is reached, written and renamed without
+following a symlink (``stages/hf/staging.py``).
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
-import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     PretrainedConfig,
@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from stages.errors import ErrorCode, ItoError
+from stages.hf.staging import Staging
 from stages.hf.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -41,14 +42,6 @@ SHARD_BYTES = 2 << 30
 CHECKPOINT_MODEL_PREFIX = "train.model."
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def staging_dir(out_dir: str | Path, token: str) -> Path:
     """Where an export of ``out_dir`` is assembled before its rename: one folder every
     writer of the export agrees on by ``token``."""
@@ -56,32 +49,31 @@ def staging_dir(out_dir: str | Path, token: str) -> Path:
     return out.with_name(f".{out.name}.tmp-{token}")
 
 
-def _publish(tmp: Path, out_dir: str | Path, metadata: dict[str, Any] | None) -> Path:
-    """Write the sha256 list of ``tmp``'s files and put it in place of ``out_dir``
-    (one rename)."""
+def _publish(staging: Staging, out_dir: str | Path, metadata: dict[str, Any] | None) -> Path:
+    """Write the sha256 list of the staged files and put the folder in place of
+    ``out_dir`` (one rename)."""
     out = Path(out_dir)
-    files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-    (tmp / EXPORT_META).write_text(
-        json.dumps({"files": files, **(metadata or {})}, indent=2, sort_keys=True)
-    )
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    staging.discard(EXPORT_META)  # written below: a stale one is not a staged file
+    files = staging.sha256s()
+    meta = json.dumps({"files": files, **(metadata or {})}, indent=2, sort_keys=True)
+    staging.write_bytes(EXPORT_META, meta.encode())
+    staging.publish(out)
     return out
 
 
 @contextmanager
 def _published(out_dir: str | Path, metadata: dict[str, Any] | None) -> Iterator[Path]:
-    """A temp folder to fill; on success it replaces ``out_dir`` (``_publish``)."""
-    tmp = staging_dir(out_dir, str(os.getpid()))
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _publish(tmp, out_dir, metadata)
+    """A private temp folder to fill; on success its files are staged beside
+    ``out_dir`` and the staging folder replaces it (``_publish``)."""
+    with Staging(staging_dir(out_dir, str(os.getpid())), fresh=True) as staging:
+        try:
+            with tempfile.TemporaryDirectory(prefix="ito-export-") as private:
+                yield Path(private)
+                staging.copy_in(Path(private))
+            _publish(staging, out_dir, metadata)
+        except BaseException:
+            staging.remove()
+            raise
 
 
 def export_hf(
@@ -153,18 +145,16 @@ def export_shards(
     writer holds at most ``shard_bytes`` of weights at a time, whatever layout saved
     them (FSDP2, TP or PP shards are read back in their global shape)."""
     plan = ExportPlan(checkpoint, config, shard_bytes)
-    tmp.mkdir(parents=True, exist_ok=True)
     written = []
-    for i in range(part, len(plan.shards), parts):
-        shard, file = plan.shards[i], plan.files[i]
-        tensors = {n: torch.empty(plan.meta[n][0], dtype=plan.meta[n][1]) for n in shard}
-        checkpoint.load({CHECKPOINT_MODEL_PREFIX + n: t for n, t in tensors.items()})
-        # A temp name, then a rename: a half-written shard never has the file's name.
-        part_tmp = tmp / f".{file}.{os.getpid()}"
-        save_file(tensors, str(part_tmp), metadata={"format": "pt"})
-        os.replace(part_tmp, tmp / file)
-        written.append(file)
-        del tensors
+    with Staging(tmp) as staging:
+        for i in range(part, len(plan.shards), parts):
+            shard, file = plan.shards[i], plan.files[i]
+            tensors = {n: torch.empty(plan.meta[n][0], dtype=plan.meta[n][1]) for n in shard}
+            checkpoint.load({CHECKPOINT_MODEL_PREFIX + n: t for n, t in tensors.items()})
+            # A temp name, then a rename: a half-written shard never has the file's name.
+            staging.save_tensors(file, tensors)
+            written.append(file)
+            del tensors
     return written
 
 
@@ -182,36 +172,53 @@ def finish_export(
     the shard index, config, generation config and tokenizer, the sha256 list, then
     one rename into ``out_dir``. Refused if a shard is missing; on any failure the
     staging folder is removed."""
-    try:
-        plan = ExportPlan(checkpoint, config, shard_bytes)
-        missing = [f for f in plan.files if not (tmp / f).is_file()]
-        if missing:
-            raise ItoError(
-                ErrorCode.checkpoint_corrupt,
-                f"export of {checkpoint.path.name}: {len(missing)} shard(s) not written, "
-                f"e.g. {missing[0]}",
-            )
-        if len(plan.shards) > 1:
-            index = {
-                "metadata": {"total_size": sum(plan.nbytes.values())},
-                "weight_map": {
-                    n: f for shard, f in zip(plan.shards, plan.files, strict=True) for n in shard
-                },
-            }
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps(index, indent=2, sort_keys=True) + "\n"
-            )
-        saved = copy.deepcopy(config)
-        saved.architectures = [type(plan.shape).__name__]
-        saved.dtype = plan.meta[plan.names[0]][1]
-        saved.save_pretrained(str(tmp))
+    with Staging(tmp) as staging:
+        try:
+            return _finish(checkpoint, config, tokenizer, staging, out_dir, metadata, shard_bytes)
+        except BaseException:
+            staging.remove()
+            raise
+
+
+def _finish(
+    checkpoint: SealedCheckpoint,
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    staging: Staging,
+    out_dir: str | Path,
+    metadata: dict[str, Any] | None,
+    shard_bytes: int,
+) -> Path:
+    """``finish_export``'s work, in its open staging folder."""
+    plan = ExportPlan(checkpoint, config, shard_bytes)
+    missing = [f for f in plan.files if not staging.has_file(f)]
+    if missing:
+        raise ItoError(
+            ErrorCode.checkpoint_corrupt,
+            f"export of {checkpoint.path.name}: {len(missing)} shard(s) not written, "
+            f"e.g. {missing[0]}",
+        )
+    if len(plan.shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(plan.nbytes.values())},
+            "weight_map": {
+                n: f for shard, f in zip(plan.shards, plan.files, strict=True) for n in shard
+            },
+        }
+        staging.write_bytes(
+            "model.safetensors.index.json",
+            (json.dumps(index, indent=2, sort_keys=True) + "\n").encode(),
+        )
+    saved = copy.deepcopy(config)
+    saved.architectures = [type(plan.shape).__name__]
+    saved.dtype = plan.meta[plan.names[0]][1]
+    with tempfile.TemporaryDirectory(prefix="ito-export-") as private:
+        saved.save_pretrained(private)
         if plan.shape.can_generate() and plan.shape.generation_config is not None:
-            plan.shape.generation_config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        return _publish(tmp, out_dir, metadata)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            plan.shape.generation_config.save_pretrained(private)
+        tokenizer.save_pretrained(private)
+        staging.copy_in(Path(private))
+    return _publish(staging, out_dir, metadata)
 
 
 def export_hf_from_checkpoint(
@@ -229,12 +236,12 @@ def export_hf_from_checkpoint(
     process alone (``export_shards`` for every shard, then ``finish_export``; a phase
     end splits the shards over the ranks instead, torchtitan's HF-format last save)."""
     tmp = staging_dir(out_dir, str(os.getpid()))
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        export_shards(checkpoint, config, tmp, shard_bytes=shard_bytes)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with Staging(tmp, fresh=True) as staging:
+        try:
+            export_shards(checkpoint, config, tmp, shard_bytes=shard_bytes)
+        except BaseException:
+            staging.remove()
+            raise
     return finish_export(
         checkpoint, config, tokenizer, tmp, out_dir, metadata=metadata, shard_bytes=shard_bytes
     )
