@@ -49,6 +49,10 @@ require SLURM "slurmctld slurmd munged sbatch" "slurm-wlm munge" "the single-nod
 require KUBECTL "kubectl" "kubectl|kubernetes-client" "the deploy/k8s render tests"
 require SS "ss" "iproute2" "the Ray head listener test"
 require POSTGRES "initdb pg_ctl" "postgresql" "the PostgreSQL store tests"
+# The outsider test builds a network namespace and a veth pair: root only.
+if [ "$(id -u)" = 0 ]; then
+  require NETNS "ip" "iproute2" "the outsider network test (tests/runtime/test_outsider.py)"
+fi
 # Some tests need root (a file chowned to another uid, Slurm's daemons): CI runs them,
 # so a CI runner that is not root fails them instead of skipping them.
 if in_ci; then export ITO_REQUIRE_ROOT=1; fi

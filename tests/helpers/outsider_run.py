@@ -1,0 +1,155 @@
+"""A real training run on a local Ray of its own whose node address is the outsider
+network's host side (``tests/helpers/outsider.py``), for a test to attack from outside.
+
+Run as a script: ``python tests/helpers/outsider_run.py WORKDIR RUN_ID NODE_IP``. With
+``ITO_NODE_IP`` and Ray's node IP both ``NODE_IP``, every process of the run takes it
+as its cluster address. Written to WORKDIR for the test:
+
+- ``events.jsonl``: the run's events, one JSON object a line, as they come;
+- ``ray_ports.json``: this driver's pid and, per pid of the run's Ray actors and the
+  driver, the port of Ray's own core-worker server (Ray's, token-authenticated: not a
+  listener of the run), refreshed every second;
+- ``outcome.json``: the stage's outcome, once the run ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+HELPERS = Path(__file__).resolve().parent
+sys.path.insert(0, str(HELPERS.parent))  # tests/: ``helpers.*``
+
+# Ray's actor table refresh for the test (one GCS read a period).
+PORTS_REFRESH_S = 1.0
+OBJECT_STORE_BYTES = 200 * 2**20
+NUM_CPUS = 4
+START_ATTEMPTS = 3
+
+
+def _own_listening_ports() -> list[int]:
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=False).stdout
+    mine = f"pid={os.getpid()},"
+    return sorted({int(li.split()[3].rpartition(":")[2]) for li in out.splitlines() if mine in li})
+
+
+def _write_json(path: Path, data: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def _config(workdir: Path) -> object:
+    from stages.checkpointing.config import CheckpointPolicy
+    from stages.trainer.config import (
+        LossSpikeConfig,
+        ModelSpec,
+        TrainingTarget,
+        TrainStageConfig,
+    )
+    from stages.trainer.recovery import production_recovery
+
+    data = workdir / "train.jsonl"
+    with data.open("w") as f:
+        for i in range(300):
+            f.write(json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 5 + 1)}))
+            f.write("\n")
+    recovery = production_recovery({"node_count": 1}, standbys_per_node=0)
+    return TrainStageConfig.model_validate(
+        dict(
+            **recovery.train_fields(),
+            model=ModelSpec(preset="llama-tiny", size="0.1M"),
+            # Long enough that the run is still training when the probes are done (the
+            # test checks that it was); paced, so a fast host does not outrun them.
+            target=TrainingTarget(
+                max_steps=int(os.environ.get("ITO_OUTSIDER_STEPS", "300")),
+                seq_len=32,
+                global_batch_tokens=256,
+                warmup_steps=5,
+            ),
+            checkpoint=CheckpointPolicy(
+                interval_steps=50, keep=2, storage_uri=f"file://{workdir}/ckpt"
+            ),
+            loss_spike=LossSpikeConfig(enabled=False),
+            train_files=[str(data)],
+            replica_groups=2,
+            pace_step_s=0.1,
+        ),
+        strict=False,
+    )
+
+
+def main(workdir: Path, run_id: str, node_ip: str) -> None:
+    os.environ["ITO_NODE_IP"] = node_ip  # inherited by Ray's raylet and every worker
+    # The test stops a run it gave up on with SIGTERM: Ray is shut down on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    import ray
+
+    from helpers.ray_local import note_start, start_turn
+    from stages.base import StageContext
+    from stages.trainer import TrainingStage
+
+    for attempt in range(1, START_ATTEMPTS + 1):
+        temp = tempfile.mkdtemp(prefix="ray-o-")  # short: Ray's socket paths < 107 bytes
+        try:
+            with start_turn():
+                ray.init(
+                    address="local",
+                    num_cpus=NUM_CPUS,
+                    include_dashboard=False,
+                    _temp_dir=temp,
+                    _node_ip_address=node_ip,
+                    log_to_driver=False,
+                    namespace="ito-outsider",
+                    object_store_memory=OBJECT_STORE_BYTES,
+                )
+            break
+        except Exception:
+            # Ray gives a new raylet a fixed 30 s to register, which a loaded host can
+            # miss (as tests/helpers/ray_local.py): the next attempt usually makes it.
+            ray.shutdown()
+            shutil.rmtree(temp, ignore_errors=True)
+            if attempt == START_ATTEMPTS:
+                raise
+    note_start("local", "outsider run")
+    driver_ports = _own_listening_ports()  # Ray's own, before the run opened any
+    lock = threading.Lock()
+    events = (workdir / "events.jsonl").open("a", encoding="utf-8")
+
+    def emit(e: object) -> None:
+        with lock:
+            events.write(e.model_dump_json() + "\n")  # type: ignore[attr-defined]
+            events.flush()
+
+    done = threading.Event()
+
+    def ports() -> None:
+        from ray._private import state
+
+        while not done.wait(PORTS_REFRESH_S):
+            table = {os.getpid(): driver_ports}
+            for a in state.actors().values():
+                if a.get("State") == "ALIVE" and a.get("Pid"):
+                    table[int(a["Pid"])] = [int(a["Address"]["Port"])]
+            _write_json(workdir / "ray_ports.json", {"driver": os.getpid(), "ray_ports": table})
+
+    threading.Thread(target=ports, daemon=True).start()
+    ctx = StageContext(run_id=run_id, booking_id="bk", workdir=workdir, emit=emit)
+    try:
+        outcome = TrainingStage(_config(workdir)).run(ctx)  # type: ignore[arg-type]
+        _write_json(workdir / "outcome.json", outcome.model_dump(mode="json"))
+    finally:
+        done.set()
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
