@@ -148,6 +148,10 @@ class FaultToleranceConfig(StrictModel):
     # The status page lists every replica's heartbeat (~100 bytes each): 1 MiB holds
     # thousands of groups and bounds what one read holds in memory.
     lighthouse_status_max_bytes: int = Field(default=2**20, ge=1024, le=64 * 2**20)
+    # A rank's heal server: connections served at once. A heal takes one per healing
+    # rank; a stranger's holds a slot at most the handshake timeout, and a flood beyond
+    # this is closed unserved instead of spawning a thread per connection.
+    heal_max_connections: int = Field(default=16, ge=1, le=1024)
     # Ray restarts of one worker actor before the run gives up on it.
     max_restarts: int = Field(default=8, ge=0)
     # Driver: how long a worker may stay unreachable before its group counts as lost

@@ -38,6 +38,9 @@ class WorkerSpec:
     assignment_path: str = ""
     # The run's account: its checkpoints are sealed for it and the run.
     account: str = ""
+    # The run's placement (``stages.placement``'s fact, JSON): the fronts of the
+    # group's listeners admit its nodes only (None: every Ray node).
+    placement: dict[str, Any] | None = None
 
     @property
     def names_id(self) -> str:

@@ -39,6 +39,7 @@ from stages.events import (
     StepEvent,
 )
 from stages.placement import PLACEMENT_FACT, actor_options, bundle_for_rank
+from stages.run_secret import RunSecret
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.control import WorkerSpec
 from stages.trainer.engine_state import EngineResult, GroupState
@@ -51,6 +52,13 @@ from stages.trainer.replica import BORROWED_GROUP, ReplicaWorker, spare_name, wo
 _EVENT = TypeAdapter(Event)
 # Called when every live group closed a phase; True: the gate passed, go on.
 PhaseEndHook = Callable[[PhaseSpan], bool]
+
+
+def _json_fact(fact: Any) -> dict[str, Any] | None:
+    """A run fact as JSON (a rank's spec is written to its assignment file)."""
+    if not fact:
+        return None
+    return fact.model_dump(mode="json") if hasattr(fact, "model_dump") else dict(fact)
 
 
 class RunCancelled(Exception):
@@ -72,8 +80,12 @@ class TrainingEngine:
         on_phase_end: PhaseEndHook | None = None,
         decided: set[int] | None = None,
         fleet: Fleet | None = None,
+        secret: RunSecret | None = None,
     ):
         self.cfg = cfg
+        # The run's secret (StageContext.secret), handed to every rank as an actor
+        # argument; a fleet handed on keeps the one its ranks were made with.
+        self.secret = secret if secret is not None else RunSecret.new()
         self.schedule = cfg.schedule
         # None: the run's data is not ready yet; the fleet starts and warms up anyway,
         # and every rank gets the shards (``supply_data``) when they are.
@@ -255,8 +267,9 @@ class TrainingEngine:
         if fleet is None:
             return False
         shape = (self.cfg.replica_groups, self.cfg.ranks_per_group, self.cfg.device)
-        if fleet.actors and fleet.shape == shape:
+        if fleet.actors and fleet.shape == shape and fleet.secret is not None:
             self._names_id = fleet.fleet_id
+            self.secret = fleet.secret  # Ray restarts its ranks with the one they got
             try:
                 # Every group's rank 0 first: it makes the store its group's other ranks
                 # then ask it for (ReplicaWorker.reassign).
@@ -273,7 +286,7 @@ class TrainingEngine:
             except Exception as e:  # a rank died between the runs, or never finished
                 self.emit(LogEvent(level="warning", message=f"fleet not handed on: {e}"))
         fleet.kill_ranks()
-        fleet.fleet_id, fleet.shape = self.run_id, shape
+        fleet.fleet_id, fleet.shape, fleet.secret = self.run_id, shape, self.secret
         self._names_id = self.run_id
         return False
 
@@ -299,6 +312,7 @@ class TrainingEngine:
             fleet_id=self._names_id,
             assignment_path=self.fleet.assignment_path(name) if self.fleet else "",
             account=run_binding(self.run_id, self.facts).account,
+            placement=_json_fact(self.facts.get(PLACEMENT_FACT)),
         )
 
     def _fleet_changed(self, event: FleetEvent, message: str) -> None:
@@ -338,7 +352,7 @@ class TrainingEngine:
                 max_restarts=self.ft.max_restarts,
                 max_task_retries=0,
             )
-            .remote(spec)
+            .remote(spec, self.secret)
         )
 
     def _start_spare(self) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from stages.run_secret import RunSecret
 from stages.trainer.config import FaultToleranceConfig
 
 # Gradients are packed into flat buckets of about this many bytes (one allreduce each).
@@ -45,32 +46,54 @@ def build_manager(
     lighthouse_addr: str,
     load_state_dict: Callable[[Any], None],
     state_dict: Callable[[], Any],
+    secret: RunSecret,
+    placement: Any,
 ) -> Any:
-    """One torchft Manager per rank; rank 0 of the group runs the ManagerServer."""
+    """One torchft Manager per rank; rank 0 of the group runs the ManagerServer,
+    behind a front (``rank_listeners``), and every rank heals over ``HealTransport``
+    (the run's secret proven both ways, ``weights_only`` loads) instead of torchft's
+    HTTP transport (every interface, no check, pickles)."""
     from torchft.manager import Manager
 
-    return Manager(
-        pg=pg,
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=cfg.min_replica_groups,
-        # Synchronous quorum: a healing group loads the peer's state before its forward
-        # pass, so every committed step of every group uses the same weights.
-        use_async_quorum=False,
+    from stages.netsec import cluster_address, listener_config
+    from stages.trainer.heal_transport import HealTransport
+    from stages.trainer.rank_listeners import manager_listeners
+
+    transport = HealTransport(
+        secret,
+        listener_config(),
+        host=cluster_address(),
         timeout=timedelta(seconds=cfg.timeout_s),
-        quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
-        connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
-        rank=rank,
-        world_size=ranks_per_group,
-        store_addr=store_addr,
-        store_port=store_port,
-        lighthouse_addr=lighthouse_addr,
-        # The trailing digits give torchft a stable global rank; the lighthouse sorts
-        # participants by id, so the lowest live group is participating rank 0.
-        replica_id=f"rg{replica_group:03d}",
-        heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_interval_ms),
-        init_sync=True,
+        max_connections=cfg.heal_max_connections,
     )
+    try:
+        with manager_listeners(placement, cfg.front):
+            return Manager(
+                pg=pg,
+                load_state_dict=load_state_dict,
+                state_dict=state_dict,
+                min_replica_size=cfg.min_replica_groups,
+                # Synchronous quorum: a healing group loads the peer's state before its
+                # forward pass, so every committed step of every group uses the same weights.
+                use_async_quorum=False,
+                timeout=timedelta(seconds=cfg.timeout_s),
+                quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+                connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
+                rank=rank,
+                world_size=ranks_per_group,
+                store_addr=store_addr,
+                store_port=store_port,
+                lighthouse_addr=lighthouse_addr,
+                # The trailing digits give torchft a stable global rank; the lighthouse
+                # sorts participants by id, so the lowest live group is participating rank 0.
+                replica_id=f"rg{replica_group:03d}",
+                heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_interval_ms),
+                init_sync=True,
+                checkpoint_transport=transport,
+            )
+    except BaseException:
+        transport.shutdown(wait=False)
+        raise
 
 
 def _buckets(params: Iterable[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.Tensor]]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.run_secret import RunSecret
 from stages.trainer.config import FaultToleranceConfig
 from stages.trainer.control import WorkerSpec
 
@@ -76,6 +77,9 @@ class Fleet:
     fleet_id: str = ""  # the run id the actors' names carry
     shape: Shape | None = None
     actors: dict[tuple[int, int], Any] = field(default_factory=dict)
+    # The run secret the actors were made with (Ray restarts them with it): every
+    # engine run on them uses it.
+    secret: RunSecret | None = field(default=None, repr=False)
     # The torchft lighthouse the ranks' last run used, and its settings (the next run
     # keeps it when its own are the same).
     lighthouse: Any = None

@@ -31,6 +31,7 @@ import torch
 
 from stages.curriculum.schedule import PhaseSpan
 from stages.events import CheckpointEvent, Event, FleetEvent, LogEvent, PhaseEvent, StepEvent
+from stages.run_secret import RunSecret
 from stages.trainer import ft
 from stages.trainer.control import Control, WorkerSpec
 from stages.trainer.objective import LanguageModelObjective, Objective
@@ -100,10 +101,13 @@ class TrainLoop:
         emit: Callable[[Event], None],
         control: Control,
         status: dict[str, Any],
+        secret: RunSecret,
     ):
         from stages.trainer.setup import RankSetup
 
         self.spec = spec
+        # The run's secret (from the driver, through Ray): this rank's heals prove it.
+        self.secret = secret
         self.cfg = spec.config
         self.schedule = spec.config.schedule
         self.emit_fn = emit

@@ -21,6 +21,7 @@ import weakref
 from typing import Any
 
 from stages.event_buffer import EventBuffer
+from stages.run_secret import RunSecret
 from stages.trainer.control import Control, WorkerSpec
 
 # Events buffered in an actor between two polls; beyond this they are aggregated.
@@ -62,7 +63,10 @@ def group_cores(group: int, groups: int, cores: list[int]) -> list[int]:
 class ReplicaWorker:
     """One rank of one replica group: the training loop in a thread, events buffered."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, secret: RunSecret):
+        """``secret``: the run's, from the driver through Ray (an actor argument, so a
+        process Ray restarts gets it again); kept out of the spec, which is written
+        to the rank's assignment file."""
         import ray
         import torch
 
@@ -73,14 +77,19 @@ class ReplicaWorker:
         # which rules out Ray's prestarted workers on restart).
         torch.set_num_threads(max(1, round(spec.config.worker_num_cpus)))
         self.spec = spec
+        self._secret = secret
         self._lock = threading.Lock()
         self._events = EventBuffer(MAX_BUFFERED_EVENTS)
         with warnings.catch_warnings():  # Ray marks the property deprecated, no successor
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self.status: dict[str, Any] = {}
-        self.store: Any = None  # a multi-rank group's store for the run (rank 0 hosts it)
-        self._pg_store: Any = None  # the one its process group was made with, once replaced
+        # A multi-rank group's store for the run (rank 0 hosts it, behind a front:
+        # rank_listeners.GroupStore), and the one its process group was made with,
+        # once replaced.
+        self.store: Any = None
+        self._group: Any = None
+        self._pg_group: Any = None
         # (checkpoint, plain model) a phase end's units score when this rank's own model
         # cannot serve as it is; dropped when the fleet moves on.
         self._phase_model: tuple[str, Any] | None = None
@@ -111,7 +120,13 @@ class ReplicaWorker:
                 "spike": None,
             }
         )
-        self.loop = TrainLoop(self.spec, emit=self._emit, control=self.control, status=self.status)
+        self.loop = TrainLoop(
+            self.spec,
+            emit=self._emit,
+            control=self.control,
+            status=self.status,
+            secret=self._secret,
+        )
         _LOOPS.add(self.loop)
         self.loop.checkpoint_needed = self._checkpoint_needed
         self._thread = threading.Thread(target=self._main, name="train-loop", daemon=True)
@@ -131,12 +146,16 @@ class ReplicaWorker:
             # the group's store: every run gets a fresh one from rank 0 (the engine
             # reassigns every rank 0 first). The group's process group stays on the
             # store it was made with, which rank 0 keeps for the process's life.
-            if spec.rank == 0 and self._pg_store is None:
-                self._pg_store = self.store
+            if spec.rank == 0:
+                if self._pg_group is None:
+                    self._pg_group = self._group
+                elif self._group is not None:
+                    self._group.close()  # the previous run's, not the process group's
             self._group_store(spec)
         with self._lock:
             self._events.drain()  # the previous run's engine polled what it wanted
         self.spec = spec
+        self.loop.setup.close()  # a single-rank group's store front: the next run's own
         # The old model and optimizer go before the next run builds its own: one copy
         # on the device at a time (a hand-over keeps the device: same shape).
         del self.loop
@@ -167,12 +186,13 @@ class ReplicaWorker:
         every incarnation of the group gets a fresh one); the other ranks ask rank 0.
         If rank 0 is restarting, Ray holds the call until it is back."""
         import ray
-        from torch.distributed import TCPStore
+
+        from stages.trainer.rank_listeners import host_group_store
 
         if spec.rank == 0:
-            spec.store_addr = ray.util.get_node_ip_address()
-            self.store = TCPStore(spec.store_addr, 0, is_master=True, wait_for_workers=False)
-            spec.store_port = self.store.port
+            self._group = host_group_store(spec.placement, spec.config.fault_tolerance.front)
+            self.store = self._group.store
+            spec.store_addr, spec.store_port = self._group.address
             return
         # A standby's rank 0 is its standby group's (Ray restarts a standby that took a
         # group's place as the standby it was created as).

@@ -68,6 +68,15 @@ class RankSetup:
     def __init__(self, loop: TrainLoop):
         self.loop = loop
         self.device = torch.device("cpu")
+        # A single-rank group's store, which this rank hosts (rank_listeners.GroupStore).
+        self.group_store: Any = None
+
+    def close(self) -> None:
+        """Close the front of the store this rank hosted (a rank handed on to the next
+        run hosts a new one; its torchft Manager has shut down its own listeners)."""
+        if self.group_store is not None:
+            self.group_store.close()
+            self.group_store = None
 
     def build(self) -> None:
         """The group-independent part of start-up (what a spare group does ahead)."""
@@ -192,13 +201,14 @@ class RankSetup:
         # The first phase's RoPE base on the plain model, before any layout wraps it.
         loop.set_rope_base(loop.schedule.phases[0])
         store_addr, store_port = spec.store_addr, spec.store_port
-        self.store = None
         if store_port == 0:
-            # Single-rank group: this process hosts the group's store; it dies with it.
-            from torch.distributed import TCPStore
+            # Single-rank group: this process hosts the group's store, behind a front
+            # (rank_listeners); it dies with it, or is closed when the rank is handed
+            # on to the next run (``close``).
+            from stages.trainer.rank_listeners import host_group_store
 
-            self.store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False)
-            store_port = self.store.port
+            self.group_store = host_group_store(spec.placement, cfg.fault_tolerance.front)
+            store_addr, store_port = self.group_store.address
         ckpt_pg = self._shard_in_group(store_addr, store_port) if loop.sharded else None
         if cfg.objective.kind != "lm":
             # Before any restore or heal: DPO's reference is these (base) weights.
@@ -218,6 +228,8 @@ class RankSetup:
             lighthouse_addr=spec.lighthouse_addr,
             load_state_dict=loop.load_heal_state,
             state_dict=loop.heal_state,
+            secret=loop.secret,
+            placement=spec.placement,
         )
         # torchft: step() votes should_commit before the inner AdamW step.
         loop.optimizer = OptimizerWrapper(loop.manager, loop.inner_optimizer)
