@@ -51,6 +51,8 @@ DbOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON envelope")]
+# The server's own defaults (orchestrator/settings.py says why each is what it is).
+_DEFAULTS = Settings.model_fields
 
 
 def _emit(as_json: bool, data: dict[str, Any], notice: str) -> None:
@@ -176,14 +178,33 @@ def serve(
     shutdown_grace_s: Annotated[
         float, typer.Option(help="on SIGTERM, seconds in-flight requests may take before exit")
     ] = 10.0,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            help="open client connections at most (clamped to the descriptor limit); at "
+            "the cap the oldest one still waiting for a request is closed for a new one"
+        ),
+    ] = _DEFAULTS["max_connections"].default,
+    header_timeout: Annotated[
+        float, typer.Option(help="seconds a connection has to send a complete request head")
+    ] = _DEFAULTS["header_timeout_s"].default,
+    body_timeout: Annotated[
+        float, typer.Option(help="seconds a request has to send its whole body")
+    ] = _DEFAULTS["body_timeout_s"].default,
+    plans_per_account: Annotated[
+        int,
+        typer.Option(
+            help="plan validations one account may have in flight; beyond: 429 "
+            "too_many_concurrent_plans"
+        ),
+    ] = _DEFAULTS["plans_in_flight_per_account"].default,
     log_level: str = "info",
 ) -> None:
     """Run the API server (uvicorn) on the store at --db."""
     if runtime == "ray":
         import orchestrator.runtime.ray_cluster  # noqa: F401 - configures Ray's token auth first
-    import uvicorn
-
     from orchestrator.api import create_app
+    from orchestrator.api.serving import build_server
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -201,8 +222,12 @@ def serve(
         metrics_token=read_token(metrics_token_file),
         api_docs=api_docs,
         shutdown_grace_s=shutdown_grace_s,
+        max_connections=max_connections,
+        header_timeout_s=header_timeout,
+        body_timeout_s=body_timeout,
+        plans_in_flight_per_account=plans_per_account,
     )
-    store = Store(db, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+    store = Store.for_settings(settings)
     logging.getLogger("ito.api").info("store: %s (%s)", store.describe(), store.dialect)
     rt: RunRuntime
     if runtime == "none":
@@ -241,17 +266,10 @@ def serve(
         m_host, m_port = app.state.metrics_address
         # With --metrics-port 0 this is the only place the chosen port is told.
         print(f"metrics listener on http://{m_host}:{m_port}/metrics", file=sys.stderr, flush=True)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=True,
-        timeout_graceful_shutdown=int(max(1, settings.shutdown_grace_s)),
-    )
+    server = build_server(app, settings, host=host, port=port, log_level=log_level)
     # uvicorn configures its loggers in Config(); the filter goes on afterwards.
     logging.getLogger("uvicorn.access").addFilter(AccessLogRedactor())
-    uvicorn.Server(config).run()
+    server.run()
 
 
 @accounts_app.command("create")

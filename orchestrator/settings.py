@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from orchestrator.db.engines import StoreLimits
 from stages.presets import configs_dir
 
 
@@ -21,8 +22,9 @@ class Settings(BaseModel):
     # roots``); with neither, checkpoint storage is refused (there is no "any path").
     checkpoint_roots: tuple[Path, ...] = ()
     allowed_data_schemes: tuple[str, ...] = ("file",)
-    # SQLite waits this long for a write lock before ``database is locked``.
-    sqlite_busy_timeout_ms: int = Field(default=10_000, gt=0)
+    # How long a store call may wait (SQLite's lock, PostgreSQL's pool, connect and
+    # statements) before it answers 503 store_unavailable, and the Retry-After it gives.
+    store: StoreLimits = Field(default_factory=StoreLimits)
     confirmation_ttl_default_s: int = Field(default=600, gt=0)
     confirmation_ttl_max_s: int = Field(default=900, gt=0)
     # An eligibility answer is fresh for this long (and never past the term end).
@@ -67,6 +69,47 @@ class Settings(BaseModel):
     # Unauthenticated failures are audited as one counted row per (address class, code)
     # per window, written by one transaction, not one row per request.
     auth_fail_audit_window_s: float = Field(default=5.0, gt=0)
+    # --- the HTTP server under abuse (orchestrator/api/serving.py) --------------------
+    # Open client connections at most. Each is a file descriptor: without a cap a flood
+    # of idle sockets exhausts the process's descriptors, accept() fails for everyone
+    # and asyncio logs every failure. At the cap, the oldest connection that has not
+    # sent a complete request head (half-open, dribbling, idle keep-alive) is closed to
+    # admit the new one; with none such, the new one is closed at once. The server
+    # clamps this to its descriptor limit less ``fd_reserve``.
+    max_connections: int = Field(default=4096, ge=8, le=1_000_000)
+    # The kernel's queue of connections not yet accepted; asyncio also accepts up to
+    # this many at once before any is seen (and closed) by the connection cap, so the
+    # descriptor budget keeps room for it.
+    listen_backlog: int = Field(default=128, ge=16, le=65535)
+    # Descriptors kept for everything but client connections (store connections, log
+    # files, Ray, the metrics listener): the connection cap never eats into them.
+    fd_reserve: int = Field(default=256, ge=32)
+    # A connection must deliver a complete request head this soon after it opens (or
+    # after its previous response): a client that sends nothing, or dribbles a header
+    # a byte at a time, is closed after this (uvicorn has no such timeout).
+    header_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    # A request body must arrive whole this soon after its head (max_body_bytes in this
+    # long is ~70 KB/s at the defaults): a slow-body client cannot hold a handler.
+    body_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    # An idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive).
+    keep_alive_timeout_s: float = Field(default=5.0, gt=0, le=300)
+    # Protocol-level log lines (malformed requests, timeouts, refused connections,
+    # accept errors) are kept to this many per kind per window, then one line that
+    # counts the rest: a flood of bad connections grows the log boundedly.
+    protocol_log_burst: int = Field(default=10, ge=1)
+    protocol_log_window_s: float = Field(default=60.0, gt=0)
+    # Plan validations (POST /v1/plans, and the same work in POST /v1/runs) one account
+    # may have in flight on this replica. Below request_threads, so one account's
+    # manifests never hold every handler thread; beyond it: 429
+    # too_many_concurrent_plans with Retry-After.
+    plans_in_flight_per_account: int = Field(default=2, ge=1, le=64)
+    plan_retry_after_s: int = Field(default=1, ge=1, le=60)
     # On SIGTERM the server stops accepting, lets requests finish for at most this long,
     # then exits (uvicorn's timeout_graceful_shutdown).
     shutdown_grace_s: float = Field(default=10.0, gt=0, le=300)
+
+    @model_validator(mode="after")
+    def _one_account_never_holds_every_thread(self) -> Settings:
+        if self.plans_in_flight_per_account >= self.request_threads and self.request_threads > 1:
+            raise ValueError("plans_in_flight_per_account must be below request_threads")
+        return self

@@ -57,6 +57,12 @@ class ErrorCode(StrEnum):
         "An unexpected server error; the server logged it, the tenant gets only this code.",
     )
     rate_limited = "rate_limited", 429, "Too many requests; retry later."
+    too_many_concurrent_plans = (
+        "too_many_concurrent_plans",
+        429,
+        "The account already has as many plan validations (`POST /v1/plans`, `POST /v1/runs`) "
+        "in flight as the server allows; retry after the `Retry-After` seconds.",
+    )
     # --- client-side (live_api_contacted=false) ---------------------------------------
     api_unreachable = (
         "api_unreachable",
@@ -486,8 +492,9 @@ class ErrorCode(StrEnum):
     store_unavailable = (
         "store_unavailable",
         503,
-        "The store (SQLite file or PostgreSQL) cannot be reached; `/readyz` answers this "
-        "until it can.",
+        "The store (SQLite file or PostgreSQL) cannot be reached or did not answer within its "
+        "timeouts; any route may answer it, with `Retry-After`, and `/readyz` answers it until "
+        "the store is back (service resumes without a restart).",
     )
     # --- placement (runs on their booking's nodes) ------------------------------------
     booking_nodes_unavailable = (

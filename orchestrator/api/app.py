@@ -11,6 +11,8 @@ from fastapi import FastAPI
 from orchestrator.api.bodycap import BodyCap
 from orchestrator.api.deps import Ctx
 from orchestrator.api.errors import install_handlers
+from orchestrator.api.gating import PlanSlots
+from orchestrator.api.inputguard import InputGuard
 from orchestrator.api.ratelimit import RateLimit
 from orchestrator.api.routes import bookings, confirmations, health, mutations, plans, runs
 from orchestrator.db.store import Store
@@ -25,7 +27,7 @@ API_VERSION = "1.0.0"
 def create_app(
     settings: Settings, runtime: RunRuntime | None = None, store: Store | None = None
 ) -> FastAPI:
-    store = store or Store(settings.db_path, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+    store = store or Store.for_settings(settings)
     store.counted_window_s = settings.auth_fail_audit_window_s
     rt: RunRuntime = runtime if runtime is not None else NullRuntime(store, settings.var_dir)
     # Bound here, not at startup, so a taken port is refused (address_in_use) before the
@@ -67,10 +69,13 @@ def create_app(
         description="Canonical API of the ito-train backend. Every response is an "
         "envelope {ok, live_api_contacted, notice, data | error}.",
     )
-    app.state.ctx = Ctx(settings, store, rt)
+    slots = PlanSlots(settings.plans_in_flight_per_account, settings.plan_retry_after_s)
+    app.state.ctx = Ctx(settings, store, rt, slots)
     app.state.metrics_address = metrics.address if metrics is not None else None
     install_handlers(app)
 
+    # Inside the body cap: it scans the bounded body the cap has read.
+    app.add_middleware(InputGuard, store=store)
     app.add_middleware(BodyCap, max_bytes=settings.max_body_bytes)
     # Outermost: a refused flood costs neither a body read nor a handler thread.
     app.add_middleware(

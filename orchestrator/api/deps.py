@@ -30,6 +30,8 @@ class Ctx:
     settings: Settings
     store: Store
     runtime: RunRuntime
+    # Plan validations in flight per account (orchestrator/api/gating.py).
+    plan_slots: Any = None
 
 
 def ctx(request: Request) -> Ctx:
@@ -55,7 +57,9 @@ class Gates:
     def __enter__(self) -> Gates:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, _type: object, exc: object, _tb: object) -> None:
+        if isinstance(exc, ItoError) and exc.code == ErrorCode.store_unavailable:
+            return  # the rows cannot be written; the request answers 503 as it is
         self.store.audit(self.rows)
 
     def record(self, gate: str, ok: bool, code: str | None = None) -> None:

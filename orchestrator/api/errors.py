@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,10 +25,19 @@ def status_of(code: ErrorCode | str) -> int:
         return 500
 
 
-def error_response(code: ErrorCode | str, message: str, notice: str = "") -> JSONResponse:
+def error_response(
+    code: ErrorCode | str, message: str, notice: str = "", retry_after_s: object = None
+) -> JSONResponse:
     status = status_of(code)
-    headers = {"WWW-Authenticate": 'Bearer realm="ito"'} if status == 401 else None
+    headers = {"WWW-Authenticate": 'Bearer realm="ito"'} if status == 401 else {}
+    if isinstance(retry_after_s, int | float) and status in (429, 503):
+        # When to try again: a refusal for load or an outage is not the client's fault.
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
     return JSONResponse(fail_body(code, message, notice), status_code=status, headers=headers)
+
+
+def ito_response(exc: ItoError) -> JSONResponse:
+    return error_response(exc.code, exc.message, retry_after_s=exc.details.get("retry_after_s"))
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -42,7 +52,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ItoError)
     async def _ito(_: Request, exc: ItoError) -> JSONResponse:
-        return error_response(exc.code, exc.message)
+        return ito_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -68,6 +78,8 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, ItoError):  # raised in a middleware (outside the handler above)
+            return ito_response(exc)
         # Log the type and traceback for operators; the tenant gets a stable code only.
         log.error("unhandled %s", type(exc).__name__, exc_info=exc)
         return error_response(E.internal_error, "internal error")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from orchestrator.api.deps import Ctx, Gates
@@ -13,6 +16,50 @@ from orchestrator.gates.manifest import ParsedManifest, decode_b64, parse_manife
 from orchestrator.gates.planning import PlanResult, plan_manifest
 from orchestrator.gates.roots import account_roots
 from orchestrator.gates.validation import validate
+from stages.errors import ErrorCode, ItoError
+
+
+class PlanSlots:
+    """Plan validations in flight per account on this replica (manifest parsing, the
+    secret scan, validation and the planner: up to a 1 MiB manifest each)."""
+
+    def __init__(self, per_account: int, retry_after_s: int):
+        self.per_account, self.retry_after_s = per_account, retry_after_s
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, account_id: str) -> None:
+        with self._lock:
+            held = self._held.get(account_id, 0)
+            if held >= self.per_account:
+                raise ItoError(
+                    ErrorCode.too_many_concurrent_plans,
+                    f"the account has {held} plan validations in flight, the most "
+                    "allowed; retry after the Retry-After seconds",
+                    details={"retry_after_s": self.retry_after_s},
+                )
+            self._held[account_id] = held + 1
+
+    def release(self, account_id: str) -> None:
+        with self._lock:
+            left = self._held[account_id] - 1
+            if left:
+                self._held[account_id] = left
+            else:
+                del self._held[account_id]
+
+
+@contextmanager
+def plan_slot(g: Gates, c: Ctx) -> Iterator[None]:
+    """One of the account's plan slots for the manifest work inside (audited when
+    refused)."""
+    assert g.principal is not None
+    account_id = g.principal.account_id
+    g.check("plan_slots", c.plan_slots.acquire, account_id)
+    try:
+        yield
+    finally:
+        c.plan_slots.release(account_id)
 
 
 def booking_gate(g: Gates, c: Ctx, p: Principal, booking_id: str) -> dict[str, Any]:

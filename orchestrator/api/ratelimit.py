@@ -113,7 +113,9 @@ class RateLimit:
     def _authenticates(self, authorization: str | None) -> bool:
         try:
             authenticate(self.store, authorization)
-        except ItoError:
+        except ItoError as e:
+            if e.code == ErrorCode.store_unavailable:
+                raise  # a 503 (the app's handler), not a refusal of the key
             return False
         return True
 

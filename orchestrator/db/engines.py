@@ -13,6 +13,12 @@ Each engine opens one write transaction at a time per connection:
   serialisation race is rolled back and ``Store.write`` runs it again, once it
   can see the winner's committed row.
 
+A store that cannot be reached (PostgreSQL down or partitioned, the pool exhausted,
+SQLite's file locked past its busy timeout or unreadable) raises
+``ItoError(store_unavailable)`` within the limits of ``StoreLimits``, never a
+driver's exception after a long wait; after such a failure calls fail fast for
+``fail_fast_s`` (``Outage``), then try the store again, so service resumes by itself.
+
 The password never travels in argv: a ``postgresql://`` URL with a password is
 refused; libpq's own ``PGPASSWORD`` / ``PGPASSFILE`` work, and
 ``ITO_DB_PASSWORD_FILE`` names a file holding only the password (a mounted secret).
@@ -20,6 +26,7 @@ refused; libpq's own ``PGPASSWORD`` / ``PGPASSFILE`` work, and
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sqlite3
@@ -31,6 +38,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from stages.errors import ErrorCode, ItoError
 
 Row = dict[str, Any]
@@ -39,11 +48,81 @@ PASSWORD_FILE_ENV = "ITO_DB_PASSWORD_FILE"
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 # Serialises the first migration of a fresh PostgreSQL database across replicas.
 MIGRATION_LOCK_ID = 0x17_0_0_5
+# A server that starts waits this long at least for its store's first connection.
+START_WAIT_S = 30.0
 _LOCK_CLAUSE = re.compile(r"\s+FOR\s+(UPDATE|SHARE)\b")
 
 
 def is_postgres(db: str | Path) -> bool:
     return isinstance(db, str) and db.startswith(POSTGRES_SCHEMES)
+
+
+class StoreLimits(BaseModel):
+    """How long a store call may wait before it answers ``store_unavailable``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # SQLite waits this long for a write lock before ``database is locked``: a writer
+    # holding it longer is stuck, and each waiting request holds a handler thread.
+    sqlite_busy_timeout_ms: int = Field(default=5_000, gt=0)
+    # PostgreSQL: a new connection's connect (libpq counts whole seconds, at least 2),
+    # and a call's wait for a pooled connection. Short, so a database blip is a quick
+    # 503 the client retries, not a thread held for half a minute and then a 500 (the
+    # pool has more connections than the server has request threads: a healthy store
+    # never makes a call wait this long).
+    connect_timeout_s: float = Field(default=2.0, gt=0, le=60)
+    pool_wait_s: float = Field(default=1.5, gt=0, le=60)
+    # One statement at most this long (server side): a stuck lock or a runaway query
+    # ends as store_unavailable. Migrations lift it for their own transaction.
+    statement_timeout_ms: int = Field(default=5_000, gt=0)
+    # A process paused (SIGSTOP) or partitioned inside a transaction keeps its row
+    # locks (a lease row among them) until the server ends its session: this bounds
+    # it, well inside the supervisor lease.
+    idle_in_transaction_timeout_ms: int = Field(default=5_000, gt=0)
+    # Sent data unacknowledged this long drops the connection (libpq
+    # tcp_user_timeout): a partitioned server cannot hold a call the statement timeout
+    # (which the server itself enforces) never ends.
+    tcp_user_timeout_ms: int = Field(default=10_000, gt=0)
+    # The pool's connections; a failed reconnection is retried with backoff for at
+    # most this long before a new attempt starts from the first delay, so the pool
+    # reconnects within seconds of the server's return, not minutes.
+    pool_min_size: int = Field(default=1, ge=0)
+    pool_max_size: int = Field(default=16, ge=1)
+    reconnect_backoff_s: float = Field(default=4.0, gt=0, le=300)
+    # After a call found the store unreachable, calls fail at once for this long (no
+    # connect, no wait): a blip costs a request microseconds, and the store is tried
+    # again this soon after.
+    fail_fast_s: float = Field(default=1.0, ge=0, le=60)
+    # The Retry-After a client is given with store_unavailable (whole seconds).
+    retry_after_s: int = Field(default=2, ge=1, le=300)
+
+
+def unavailable(limits: StoreLimits, why: str) -> ItoError:
+    return ItoError(
+        ErrorCode.store_unavailable,
+        f"the store is unavailable ({why}); retry later",
+        details={"retry_after_s": limits.retry_after_s},
+    )
+
+
+class Outage:
+    """Fail fast while the store is known unreachable, try it again after a while."""
+
+    def __init__(self, limits: StoreLimits):
+        self.limits = limits
+        self._until = 0.0
+        self.why = ""
+
+    def check(self) -> None:
+        if self._until and time.monotonic() < self._until:
+            raise unavailable(self.limits, self.why)
+
+    def tripped(self, why: str) -> None:
+        self.why = why
+        self._until = time.monotonic() + self.limits.fail_fast_s
+
+    def cleared(self) -> None:
+        self._until = 0.0
 
 
 class Cursor(Protocol):
@@ -80,6 +159,10 @@ class Engine(Protocol):
 
 
 # --- SQLite ---------------------------------------------------------------------------
+# SQLite's result codes of a file that cannot be used at all (not of a bad statement).
+_SQLITE_OUTAGES = ("SQLITE_IOERR", "SQLITE_CANTOPEN", "SQLITE_FULL", "SQLITE_READONLY")
+
+
 def _sqlite_row(cur: sqlite3.Cursor, raw: tuple[Any, ...]) -> Row:
     return {d[0]: v for d, v in zip(cur.description, raw, strict=True)}
 
@@ -106,9 +189,11 @@ class SqliteEngine:
     dialect = "sqlite"
     now_sql = "((julianday('now') - 2440587.5) * 86400.0)"
 
-    def __init__(self, path: str | Path, busy_timeout_ms: int):
+    def __init__(self, path: str | Path, limits: StoreLimits):
         self.path = str(path)
-        self.busy_timeout_ms = busy_timeout_ms
+        self.limits = limits
+        self.busy_timeout_ms = limits.sqlite_busy_timeout_ms
+        self.outage = Outage(limits)
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
@@ -160,20 +245,39 @@ class SqliteEngine:
     @contextmanager
     def tx(self) -> Iterator[Conn]:
         """One write transaction; the write lock is taken at BEGIN, not at first write."""
-        conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield _SqliteConn(conn)
-            conn.execute("COMMIT")
-        except BaseException:
-            # Also after a failed COMMIT: never leave the thread's connection mid-transaction.
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
+        with self.guarded():
+            conn = self._conn()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield _SqliteConn(conn)
+                conn.execute("COMMIT")
+            except BaseException:
+                # Also after a failed COMMIT: never leave the thread's connection
+                # mid-transaction.
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
 
     def read(self, sql: str, params: Iterable[Any] = ()) -> list[Row]:
-        rows: list[Row] = self._conn().execute(_sqlite_sql(sql), tuple(params)).fetchall()
+        with self.guarded():
+            rows: list[Row] = self._conn().execute(_sqlite_sql(sql), tuple(params)).fetchall()
         return rows
+
+    @contextmanager
+    def guarded(self) -> Iterator[None]:
+        """A locked or unreadable file is store_unavailable; an unreadable one (the disk
+        gone, the file removed) also makes calls fail fast for a while."""
+        self.outage.check()
+        try:
+            yield
+        except sqlite3.OperationalError as e:
+            name = str(getattr(e, "sqlite_errorname", ""))
+            if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+                raise unavailable(self.limits, "the database is locked") from e
+            if name.startswith(_SQLITE_OUTAGES):
+                self.outage.tripped("the database file cannot be read or written")
+                raise unavailable(self.limits, self.outage.why) from e
+            raise
 
     def retryable(self, e: BaseException) -> bool:
         return False  # writers are serial: no transaction loses a race
@@ -211,29 +315,6 @@ class _PgConn:
             return cur
 
 
-class PostgresSettings:
-    """How the pool connects; every bound is named."""
-
-    def __init__(
-        self,
-        *,
-        min_size: int = 1,
-        max_size: int = 16,
-        connect_timeout_s: int = 10,
-        pool_timeout_s: float = 30.0,
-        statement_timeout_ms: int = 30_000,
-        idle_in_transaction_timeout_ms: int = 5_000,
-    ):
-        self.min_size, self.max_size = min_size, max_size
-        self.connect_timeout_s = connect_timeout_s
-        self.pool_timeout_s = pool_timeout_s
-        self.statement_timeout_ms = statement_timeout_ms
-        # A process paused (SIGSTOP) or partitioned inside a transaction keeps its row
-        # locks (a lease row among them) until the server ends its session: this bounds
-        # it, well inside the supervisor lease.
-        self.idle_in_transaction_timeout_ms = idle_in_transaction_timeout_ms
-
-
 def _password() -> str | None:
     path = os.environ.get(PASSWORD_FILE_ENV)
     if not path:
@@ -245,7 +326,7 @@ class PostgresEngine:
     dialect = "postgresql"
     now_sql = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)"
 
-    def __init__(self, url: str, settings: PostgresSettings | None = None):
+    def __init__(self, url: str, limits: StoreLimits):
         from psycopg.conninfo import conninfo_to_dict
         from psycopg.rows import dict_row
         from psycopg_pool import ConnectionPool
@@ -257,12 +338,14 @@ class PostgresEngine:
                 "the database password must not be in the URL (argv); use "
                 f"{PASSWORD_FILE_ENV}, PGPASSWORD or PGPASSFILE",
             )
-        s = settings or PostgresSettings()
+        self.limits = s = limits
+        self.outage = Outage(limits)
         password = _password()
         kwargs: dict[str, Any] = {
             "autocommit": True,
             "row_factory": dict_row,
-            "connect_timeout": s.connect_timeout_s,
+            "connect_timeout": max(2, math.ceil(s.connect_timeout_s)),
+            "tcp_user_timeout": s.tcp_user_timeout_ms,
             "options": f"-c statement_timeout={s.statement_timeout_ms} "
             f"-c idle_in_transaction_session_timeout="
             f"{s.idle_in_transaction_timeout_ms}",
@@ -275,27 +358,56 @@ class PostgresEngine:
         )
         self.pool = ConnectionPool(
             url,
-            min_size=s.min_size,
-            max_size=s.max_size,
+            min_size=s.pool_min_size,
+            max_size=s.pool_max_size,
             kwargs=kwargs,
-            timeout=s.pool_timeout_s,
+            timeout=s.pool_wait_s,
+            reconnect_timeout=s.reconnect_backoff_s,
+            # A connection is checked as a call takes it: after the server restarted,
+            # the pool's dead connections are replaced, not handed to a request.
+            check=ConnectionPool.check_connection,
             open=True,
             name="ito-store",
         )
-        self.pool.wait(timeout=s.pool_timeout_s)
+        try:
+            self.pool.wait(timeout=max(s.connect_timeout_s, START_WAIT_S))
+        except Exception as e:
+            self.pool.close()
+            raise unavailable(s, f"no connection to {self._where}") from e
 
     def describe(self) -> str:
         return self._where  # never the password
 
     @contextmanager
     def tx(self) -> Iterator[Conn]:
-        with self.pool.connection() as conn, conn.transaction():
+        with self.guarded(), self.pool.connection() as conn, conn.transaction():
             yield _PgConn(conn)
 
     def read(self, sql: str, params: Iterable[Any] = ()) -> list[Row]:
-        with self.pool.connection() as conn:
+        with self.guarded(), self.pool.connection() as conn:
             rows: list[Any] = conn.execute(_pg_sql(sql), tuple(params)).fetchall()
             return rows
+
+    @contextmanager
+    def guarded(self) -> Iterator[None]:
+        """A server that cannot be reached (or a statement past its timeout) is
+        store_unavailable; an unreachable one also makes calls fail fast for a while.
+        A value PostgreSQL cannot store (a NUL byte in text) is validation_error."""
+        import psycopg
+        from psycopg import errors
+
+        self.outage.check()
+        try:
+            yield
+        except (errors.QueryCanceled, errors.LockNotAvailable) as e:
+            raise unavailable(self.limits, "a statement ran past its timeout") from e
+        except psycopg.OperationalError as e:  # the pool's timeout among them
+            self.outage.tripped(f"{self._where} cannot be reached")
+            raise unavailable(self.limits, self.outage.why) from e
+        except psycopg.DataError as e:  # the API refuses such input first; never a 500
+            raise ItoError(ErrorCode.validation_error, "a value the store cannot hold") from e
+        else:
+            self.outage.cleared()
 
     def retryable(self, e: BaseException) -> bool:
         from psycopg import errors
@@ -305,6 +417,8 @@ class PostgresEngine:
         )
 
     def migration_lock(self, conn: Conn) -> None:
+        # A migration may rewrite a large table: no statement timeout in its transaction.
+        conn.execute("SET LOCAL statement_timeout = 0")
         conn.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK_ID,))
 
     def close(self) -> None:
@@ -312,7 +426,8 @@ class PostgresEngine:
             self.pool.close()
 
 
-def open_engine(db: str | Path, *, busy_timeout_ms: int = 10_000) -> SqliteEngine | PostgresEngine:
+def open_engine(db: str | Path, limits: StoreLimits | None = None) -> SqliteEngine | PostgresEngine:
+    limits = limits or StoreLimits()
     if is_postgres(db):
-        return PostgresEngine(str(db))
-    return SqliteEngine(db, busy_timeout_ms)
+        return PostgresEngine(str(db), limits)
+    return SqliteEngine(db, limits)

@@ -19,17 +19,27 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from orchestrator.db.engines import Conn, Row, SqliteEngine, is_postgres, open_engine
+from orchestrator.db.engines import (
+    Conn,
+    Row,
+    SqliteEngine,
+    StoreLimits,
+    is_postgres,
+    open_engine,
+)
 from orchestrator.db.lease import Fence, Leases
 from orchestrator.db.schema import MIGRATIONS, SCHEMA_VERSION, render
 from orchestrator.redact import safe_id
 from orchestrator.runs import ACTIVE, RunState, check_transition
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event
+
+if TYPE_CHECKING:
+    from orchestrator.settings import Settings
 
 __all__ = ["Conn", "Fence", "Row", "Store", "is_postgres", "new_id"]
 
@@ -44,17 +54,24 @@ def new_id(prefix: str, nbytes: int = 8) -> str:
 
 
 class Store(Leases):
-    def __init__(self, path: str | Path, *, busy_timeout_ms: int = 10_000):
+    def __init__(self, path: str | Path, limits: StoreLimits | None = None):
         self.path = str(path)
-        self.engine = open_engine(path, busy_timeout_ms=busy_timeout_ms)
+        self.engine = open_engine(path, limits)
         self.dialect = self.engine.dialect
         self._fence: Fence | None = None
-        # Counted audit rows waiting for their window: (action, code) -> count.
-        self._counted: dict[tuple[str, str], int] = {}
+        # Counted audit rows waiting for their window: (gate, action, code) -> count.
+        self._counted: dict[tuple[str, str, str], int] = {}
         self._counted_since = time.monotonic()
         self._counted_lock = threading.Lock()
         self.counted_window_s = 5.0  # the server sets Settings.auth_fail_audit_window_s
         self._migrate()
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> Store:
+        """The server's store, with its limits and audit window."""
+        store = cls(settings.db_path, settings.store)
+        store.counted_window_s = settings.auth_fail_audit_window_s
+        return store
 
     def describe(self) -> str:
         """Where the store is, safe to log (a URL never carries the password)."""
@@ -576,20 +593,38 @@ class Store(Leases):
             with self.tx() as c:
                 self.audit_rows(c, rows)
 
-    def audit_counted(self, action: str, code: str, window_s: float | None = None) -> None:
-        """Audit a cheap, frequent failure (bad key, rate limited) as one counted row per
-        (action, code) per window: a flood costs one write transaction per window."""
+    def audit_counted(
+        self, action: str, code: str, window_s: float | None = None, gate: str = "auth"
+    ) -> None:
+        """Audit a cheap, frequent failure (bad key, rate limited, malformed input) as one
+        counted row per (gate, action, code) per window: a flood costs one write
+        transaction per window."""
         with self._counted_lock:
-            self._counted[(action, code)] = self._counted.get((action, code), 0) + 1
+            key = (gate, action, code)
+            self._counted[key] = self._counted.get(key, 0) + 1
             window = self.counted_window_s if window_s is None else window_s
             due = time.monotonic() - self._counted_since >= window
         if due:
             self.flush_counted()
 
     def flush_counted(self) -> None:
+        """Write the counted rows; while the store is unavailable they wait (counted on)
+        for the next window: a refusal never fails for want of its audit row."""
         with self._counted_lock:
             pending, self._counted = self._counted, {}
             self._counted_since = time.monotonic()
+        if not pending:
+            return
+        try:
+            self._write_counted(pending)
+        except ItoError as e:
+            if e.code != ErrorCode.store_unavailable:
+                raise
+            with self._counted_lock:
+                for key, n in pending.items():
+                    self._counted[key] = self._counted.get(key, 0) + n
+
+    def _write_counted(self, pending: dict[tuple[str, str, str], int]) -> None:
         if pending:
             now = time.time()
             self.audit(
@@ -599,14 +634,14 @@ class Store(Leases):
                         "account_id": None,
                         "key_id": None,
                         "action": action,
-                        "gate": "auth",
+                        "gate": gate,
                         "outcome": "fail",
                         "code": code,
                         "booking_id": None,
                         "run_id": None,
                         "count": n,
                     }
-                    for (action, code), n in pending.items()
+                    for (gate, action, code), n in pending.items()
                 ]
             )
 

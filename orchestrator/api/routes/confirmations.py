@@ -8,7 +8,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 
 from orchestrator.api.deps import Ctx, Gates, bearer, ctx
 from orchestrator.api.envelope import Envelope, ok
-from orchestrator.api.gating import booking_gate, manifest_gate
+from orchestrator.api.gating import booking_gate, manifest_gate, plan_slot
 from orchestrator.api.models import ConfirmationRequest
 from orchestrator.db.store import Store
 from orchestrator.gates import confirmations
@@ -65,7 +65,8 @@ def create_confirmation(
             if not body.manifest_b64:
                 raise ItoError(ErrorCode.bad_request, "a train confirmation needs manifest_b64")
             booking_gate(g, c, p, body.booking_id)
-            digest = manifest_gate(g, c, body.manifest_b64, body.manifest_digest).digest
+            with plan_slot(g, c):
+                digest = manifest_gate(g, c, body.manifest_b64, body.manifest_digest).digest
         elif body.action == "release":
             g.check("booking", _owned_booking, c.store, p, body.booking_id)
         else:

@@ -9,7 +9,13 @@ from fastapi.security import HTTPAuthorizationCredentials
 
 from orchestrator.api.deps import Ctx, Gates, bearer, ctx
 from orchestrator.api.envelope import Envelope, ok
-from orchestrator.api.gating import booking_gate, manifest_gate, public, validation_gate
+from orchestrator.api.gating import (
+    booking_gate,
+    manifest_gate,
+    plan_slot,
+    public,
+    validation_gate,
+)
 from orchestrator.api.models import PlanRequest
 
 router = APIRouter(tags=["plans"])
@@ -26,8 +32,9 @@ def plan(
         # key may plan too (it still cannot submit or read runs).
         p = g.auth(creds, "runs:read", "confirm:train")
         eligibility = booking_gate(g, c, p, body.booking_id)
-        parsed = manifest_gate(g, c, body.manifest_b64, body.manifest_digest)
-        report, cost, planned = validation_gate(g, c, parsed, eligibility)
+        with plan_slot(g, c):
+            parsed = manifest_gate(g, c, body.manifest_b64, body.manifest_digest)
+            report, cost, planned = validation_gate(g, c, parsed, eligibility)
     return ok(
         {
             "booking_id": body.booking_id,

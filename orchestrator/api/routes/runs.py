@@ -23,7 +23,7 @@ from orchestrator.api.deps import (
     run_view,
 )
 from orchestrator.api.envelope import Envelope, ok
-from orchestrator.api.gating import booking_gate, manifest_gate, validation_gate
+from orchestrator.api.gating import booking_gate, manifest_gate, plan_slot, validation_gate
 from orchestrator.api.models import RunRequest
 from orchestrator.db.store import Conn, Row, Store, new_id
 from orchestrator.gates import confirmations
@@ -72,7 +72,8 @@ def submit_run(
             g.run_id = existing["run_id"]
             return g.check("idempotency", _replay, c, existing, request_sha)
         try:
-            row = _gated_create(c, g, p, body, key, request_sha)
+            with plan_slot(g, c):
+                row = _gated_create(c, g, p, body, key, request_sha)
         except ItoError as e:
             if e.code != ErrorCode.confirmation_consumed:
                 raise
