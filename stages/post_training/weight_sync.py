@@ -100,6 +100,11 @@ _RANK = struct.Struct("!I")
 TAG_BYTES = 16
 # Bytes per socket read or write (the kernel's buffers are smaller; more buys nothing).
 CHUNK_BYTES = 4 << 20
+# Handshakes under way at once on a sender's listener: a flood of strangers'
+# connections holds at most this many threads (each for at most the handshake
+# timeout); a connection beyond it is closed at once (a worker then misses a version
+# and connects again for the next).
+MAX_HANDSHAKES = 64
 
 
 @dataclass(frozen=True)
@@ -283,6 +288,7 @@ class CollectiveSender:
         self._ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
         self._fan = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weight-send")
         self._pending: list[cf.Future[None]] = []
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         threading.Thread(target=self._accept, name="weight-sync-accept", daemon=True).start()
 
     # -- who may receive ---------------------------------------------------------------
@@ -292,12 +298,23 @@ class CollectiveSender:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            if not self._handshakes.acquire(blocking=False):
+                with self._changed:
+                    self.refused += 1
+                conn.close()
+                continue
             # Each handshake on a thread of its own: a silent stranger holds no one up.
             threading.Thread(
                 target=self._admit, args=(conn,), name="weight-sync-admit", daemon=True
             ).start()
 
     def _admit(self, conn: socket.socket) -> None:
+        try:
+            self._handshake(conn)
+        finally:
+            self._handshakes.release()
+
+    def _handshake(self, conn: socket.socket) -> None:
         timeout = self._listener_cfg.handshake_timeout_s
         try:
             accept_peer(conn, self._key, timeout)

@@ -217,11 +217,15 @@ def test_a_stranger_process_gets_no_weights_and_the_worker_gets_them_exactly(
         assert report["attempts"]["wrong_key"].startswith("refused"), report
         assert sender.refused >= 3 and sender.proven() == [], report
 
+        # Strangers that connect and say nothing hold no one up while the worker joins.
+        silent = [socket.create_connection((desc.host, desc.port)) for _ in range(3)]
         (worker,) = _workers(tiny_policy, 1)
         reply = worker.set_weights(1, desc)
         assert reply["version"] == 1 and "missed" not in reply, reply
         assert state_digest(dict(worker.model.state_dict())) == state_digest(state)
         sender.flush(SYNC_TIMEOUT_S)
+        for conn in silent:
+            conn.close()
     finally:
         sender.close()
 
