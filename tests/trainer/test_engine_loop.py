@@ -146,6 +146,7 @@ def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() ->
     quorum of one is the gradient itself, bucket boundaries included."""
     from torch.distributed import TCPStore
 
+    from stages.run_secret import RunSecret
     from stages.trainer import ft
     from stages.trainer.lighthouse import start_lighthouse
 
@@ -164,6 +165,8 @@ def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() ->
         lighthouse_addr=lighthouse.address(),
         load_state_dict=lambda _s: None,
         state_dict=lambda: {},
+        secret=RunSecret.new(),
+        placement=None,
     )
     try:
         model(torch.randn(4, 8)).sum().backward()
