@@ -62,4 +62,26 @@ if [ "$role" = head ]; then
   # Token auth stays on; the token (~/.ray/auth_token, shared file system) is made once.
   "$ray" get-auth-token --generate >/dev/null
 fi
-exec "$ray" "${args[@]}"
+# Secrets stay with the server: this job's environment may be the API server's (the
+# self-contained variant), with the store's URL and password in it. `ray start`, and
+# so every Ray process on this node, gets only these names of it: the allowlist of
+# orchestrator/runtime/ray_cluster.py (RAY_ENV_NAMES, RAY_ENV_PREFIXES), which
+# tests/deploy/test_slurm_env.py keeps equal to this one.
+ray_env_names=(PATH HOME USER LOGNAME SHELL LANG LANGUAGE TZ TMPDIR LD_LIBRARY_PATH
+  VIRTUAL_ENV PYTHONPATH PYTHONUNBUFFERED OMP_NUM_THREADS MKL_NUM_THREADS
+  OPENBLAS_NUM_THREADS TOKENIZERS_PARALLELISM NVIDIA_VISIBLE_DEVICES
+  NVIDIA_DRIVER_CAPABILITIES CUBLAS_WORKSPACE_CONFIG PYTORCH_CUDA_ALLOC_CONF HF_HOME
+  HF_HUB_CACHE HF_DATASETS_CACHE HF_HUB_OFFLINE HF_DATASETS_OFFLINE TRANSFORMERS_OFFLINE
+  XDG_CACHE_HOME ITO_LAUNCH_KEY_FILE ITO_CONFIGS_DIR ITO_DATA_CACHE ITO_NODE_IP
+  ITO_LISTEN_PORTS)
+ray_env_prefixes=(RAY_ LC_ CUDA_ NCCL_ GLOO_ TORCH_)
+keep=()
+while read -r name; do
+  for allowed in "${ray_env_names[@]}"; do
+    if [ "$name" = "$allowed" ]; then keep+=("$name=${!name}"); continue 2; fi
+  done
+  for prefix in "${ray_env_prefixes[@]}"; do
+    if [[ $name == "$prefix"* ]]; then keep+=("$name=${!name}"); continue 2; fi
+  done
+done < <(compgen -e)
+exec env -i "${keep[@]}" "$ray" "${args[@]}"

@@ -11,6 +11,7 @@ real Slurm run is tests/deploy/test_slurm.py.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,50 @@ def test_the_firewall_rule_refuses_a_malformed_address_or_none(
         _firewall(tmp_path, bin_dir, "add", "10.0.0.2", SLURM_JOB_ID="a[$(id)]").returncode
         == INVALID
     )
+
+
+def test_the_node_starts_ray_with_only_the_allowlisted_environment(tmp_path: Path) -> None:
+    """The job's environment may be the API server's (the self-contained variant): the
+    store's URL and password, an API key and a token in it reach no Ray process; the
+    names Ray's processes need do."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    exe = d / "ray"
+    exe.write_text(
+        f"#!/bin/bash\n{sys.executable} -c 'import json, os; "
+        f"print(json.dumps(dict(os.environ)))' >> {tmp_path}/env.log\n"
+    )
+    exe.chmod(0o755)
+    server = {
+        "PGPASSWORD": "canary-pw",
+        "PGPASSFILE": "/home/ito/.pgpass",
+        "ITO_DB": "/shared/ito/ito.db",  # the script's checks take a path (SQLite)
+        "ITO_DB_PASSWORD_FILE": "/run/secrets/db",
+        "ITO_API_KEY": "ito_sk_canary",
+        "HF_TOKEN": "hf_canary",
+        "OMP_NUM_THREADS": "4",
+        "NCCL_SOCKET_IFNAME": "ib0",
+    }
+    r = _run("ray-node.sh", tmp_path, d, {**GOOD, **server}, "worker")
+    assert r.returncode == 0, r.stderr
+    (env,) = [json.loads(line) for line in (tmp_path / "env.log").read_text().splitlines()]
+    assert not {"PGPASSWORD", "PGPASSFILE", "ITO_DB", "ITO_DB_PASSWORD_FILE"} & set(env)
+    assert not {"ITO_API_KEY", "HF_TOKEN", "ITO_BOOKING", "SLURM_JOB_ID"} & set(env)
+    assert env["OMP_NUM_THREADS"] == "4" and env["NCCL_SOCKET_IFNAME"] == "ib0"
+    assert env["RAY_AUTH_MODE"] == "token" and env["ITO_LISTEN_PORTS"] == "30070-30099"
+    assert env["ITO_NODE_IP"] == "10.0.0.2" and env["HOME"] == str(tmp_path)
+
+
+def test_the_node_script_allows_the_names_the_backend_allows() -> None:
+    """One allowlist, spelled twice: ray-node.sh's equals ray_cluster's."""
+    from orchestrator.runtime.ray_cluster import RAY_ENV_NAMES, RAY_ENV_PREFIXES
+
+    text = (SLURM / "ray-node.sh").read_text()
+
+    def array(name: str) -> list[str]:
+        body = re.search(rf"^{name}=\(([^)]*)\)", text, re.MULTILINE)
+        assert body is not None, name
+        return body.group(1).split()
+
+    assert set(array("ray_env_names")) == RAY_ENV_NAMES
+    assert tuple(array("ray_env_prefixes")) == RAY_ENV_PREFIXES
