@@ -6,7 +6,7 @@ non-tensor item of the data files, so a tenant who can write into its checkpoint
 root could otherwise run code on the booking's nodes (which hold the launch key and
 the Ray token); and a checkpoint of another run or account copied into a root would
 otherwise be resumed as the newest. At save the coordinator writes ``ito_seal.json``:
-what the checkpoint belongs to (run, account, phase, step), the size and SHA-256 of
+what the checkpoint belongs to (run, account, phase, step), the size and BLAKE3 of
 every file of it (the commit record ``ito_commit.json`` included; the digests are
 taken from the bytes as the writers wrote them, ``sealing_writer.py``), and an
 HMAC-SHA256 over all of it. The phase mark ``ito_phase.json`` (written later, when a
@@ -39,8 +39,9 @@ import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+import blake3
 from pydantic import Field, ValidationError
 
 from stages.base import StrictModel
@@ -68,7 +69,14 @@ MAX_RECORD_BYTES = 1 << 20
 
 class FileDigest(StrictModel):
     bytes: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    blake3: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+def file_hasher(*, threads: bool = False) -> Any:
+    """A file digest in progress: BLAKE3-256 (its SIMD runs ~5x SHA-256's speed on one
+    core, and ``update`` releases the GIL); ``threads``: on every core (a load, where
+    the rank waits for it)."""
+    return blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
 
 
 class CheckpointBinding(StrictModel):
@@ -121,7 +129,7 @@ def _seal_mac(key: bytes, binding: SealBinding, files: dict[str, FileDigest]) ->
         {
             "version": SEAL_VERSION,
             "binding": binding.model_dump(mode="json"),
-            "files": {k: [v.bytes, v.sha256] for k, v in sorted(files.items())},
+            "files": {k: [v.bytes, v.blake3] for k, v in sorted(files.items())},
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -175,9 +183,9 @@ def open_file(dir_fd: int, name: str) -> int:
 
 
 def digest_fd(fd: int, *, keep_up_to: int = 0) -> tuple[FileDigest, bytes]:
-    """Size and SHA-256 of an open file from its start; its bytes too with
+    """Size and digest of an open file from its start; its bytes too with
     ``keep_up_to`` (``EFBIG`` beyond it)."""
-    h, size, kept = hashlib.sha256(), 0, bytearray()
+    h, size, kept = file_hasher(threads=True), 0, bytearray()
     os.lseek(fd, 0, os.SEEK_SET)
     while chunk := os.read(fd, _CHUNK):
         h.update(chunk)
@@ -186,7 +194,7 @@ def digest_fd(fd: int, *, keep_up_to: int = 0) -> tuple[FileDigest, bytes]:
             if size > keep_up_to:
                 raise OSError(errno.EFBIG, "file too large")
             kept += chunk
-    return FileDigest(bytes=size, sha256=h.hexdigest()), bytes(kept)
+    return FileDigest(bytes=size, blake3=h.hexdigest()), bytes(kept)
 
 
 def write_seal(
@@ -313,7 +321,7 @@ def check_open_file(folder: Path, fd: int, seal: Seal, name: str) -> None:
 
 
 def digest_bytes(data: bytes) -> FileDigest:
-    return FileDigest(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    return FileDigest(bytes=len(data), blake3=file_hasher().update(data).hexdigest())
 
 
 def mark_phase(folder: Path, key: bytes, phase: str) -> None:

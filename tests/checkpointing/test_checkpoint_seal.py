@@ -7,7 +7,6 @@ exists. The old loader unpickled ``.metadata`` as it found it.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import pickle
@@ -27,6 +26,7 @@ from stages.checkpointing.seal import (
     FileDigest,
     Seal,
     SealBinding,
+    digest_bytes,
     seal_key,
 )
 from stages.checkpointing.sealed import SealedCheckpoint, _TensorsOnlyPlanner
@@ -97,7 +97,7 @@ def test_a_fabricated_checkpoint_runs_nothing(
     assert [r.step for r in list_checkpoints(pol.storage_path)] == [99]  # it is listed
     _refused(pol, record, marker)
     # A seal the tenant wrote itself: without the key its MAC cannot verify.
-    digest = FileDigest(bytes=1, sha256="0" * 64)
+    digest = FileDigest(bytes=1, blake3="0" * 64)
     (fake / SEAL_NAME).write_text(
         Seal(
             version=2,
@@ -192,8 +192,8 @@ def test_the_seal_covers_the_metadata_bytes_dcp_wrote_even_from_a_copy(
     _pol, record = _saved(policy)
     folder = Path(record.path)
     sealed = Seal.model_validate_json((folder / SEAL_NAME).read_text())
-    written = hashlib.sha256((folder / ".metadata").read_bytes()).hexdigest()
-    assert sealed.files[".metadata"].sha256 == written
+    written = digest_bytes((folder / ".metadata").read_bytes())
+    assert sealed.files[".metadata"] == written
 
 
 def test_the_metadata_is_unpickled_from_the_checked_bytes_not_read_again(
