@@ -65,7 +65,7 @@ class LogRateLimit(logging.Filter):
                 if dropped:
                     record.msg = (
                         f"{record.msg} [{dropped} more like this in the last "
-                        f"{self.window_s:.0f} s not logged]"
+                        f"{self.window_s:g} s not logged]"
                     )
                 return True
             if seen[1] < self.burst:

@@ -14,6 +14,7 @@ from orchestrator.api.gating import (
     manifest_gate,
     plan_slot,
     public,
+    refuse_early,
     validation_gate,
 )
 from orchestrator.api.models import PlanRequest
@@ -21,7 +22,7 @@ from orchestrator.api.models import PlanRequest
 router = APIRouter(tags=["plans"])
 
 
-@router.post("/v1/plans", response_model=Envelope)
+@router.post("/v1/plans", response_model=Envelope, dependencies=[Depends(refuse_early)])
 def plan(
     body: PlanRequest,
     creds: HTTPAuthorizationCredentials | None = Depends(bearer),

@@ -23,7 +23,13 @@ from orchestrator.api.deps import (
     run_view,
 )
 from orchestrator.api.envelope import Envelope, ok
-from orchestrator.api.gating import booking_gate, manifest_gate, plan_slot, validation_gate
+from orchestrator.api.gating import (
+    booking_gate,
+    manifest_gate,
+    plan_slot,
+    refuse_early,
+    validation_gate,
+)
 from orchestrator.api.models import RunRequest
 from orchestrator.db.store import Conn, Row, Store, new_id
 from orchestrator.gates import confirmations
@@ -48,7 +54,7 @@ def _replay(c: Ctx, run: Row, request_sha: str) -> JSONResponse:
     )
 
 
-@router.post("/v1/runs", response_model=Envelope)
+@router.post("/v1/runs", response_model=Envelope, dependencies=[Depends(refuse_early)])
 def submit_run(
     body: RunRequest,
     creds: HTTPAuthorizationCredentials | None = Depends(bearer),
