@@ -27,7 +27,9 @@ N = 50
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     """One server for the two contention tests (each uses its own tenant)."""
-    b = start_backend(tmp_path_factory.mktemp("shared"))
+    # The races under test need every request to reach the store: the per-account
+    # plan bound (tests/api/test_server_abuse.py) is lifted to the server's thread count.
+    b = start_backend(tmp_path_factory.mktemp("shared"), extra_args=["--plans-per-account", "4"])
     try:
         yield b
     finally:

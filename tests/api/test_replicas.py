@@ -31,7 +31,14 @@ N = 50
 
 def _replica(tmp: Path, name: str, db: str) -> Backend:
     (tmp / name).mkdir(parents=True, exist_ok=True)
-    return Backend(db=db, var_dir=tmp / name / "var", log_path=tmp / name / "backend.log")
+    # The races under test need every request to reach the store: the per-account
+    # plan bound (tests/api/test_server_abuse.py) is lifted to the server's thread count.
+    return Backend(
+        db=db,
+        var_dir=tmp / name / "var",
+        log_path=tmp / name / "backend.log",
+        extra_args=["--plans-per-account", "4"],
+    )
 
 
 @pytest.fixture(scope="module")

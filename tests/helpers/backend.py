@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import ssl
 import subprocess
@@ -39,6 +40,8 @@ class Backend:
     proc: subprocess.Popen[bytes] | None = None
     # Until /healthz answers; a server that starts its own Ray head needs longer.
     startup_timeout_s: float = STARTUP_TIMEOUT_S
+    # The server's descriptor limit (soft and hard), where a test needs a fixed one.
+    nofile: int | None = None
 
     @property
     def url(self) -> str:
@@ -87,6 +90,7 @@ class Backend:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            preexec_fn=None if self.nofile is None else self._limit_descriptors,
         )
         log.close()
         deadline = time.monotonic() + self.startup_timeout_s
@@ -104,6 +108,10 @@ class Backend:
             time.sleep(POLL_S)
         self.kill()
         return False
+
+    def _limit_descriptors(self) -> None:
+        assert self.nofile is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

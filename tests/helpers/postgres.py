@@ -50,6 +50,8 @@ class PgServer:
     port: int
     password_file: Path
     os_user: str | None
+    # The server's command-line settings (a restart after ``halt`` reuses them).
+    options: str = ""
 
     def url(self, dbname: str = "postgres") -> str:
         return f"postgresql://{PG_USER}@127.0.0.1:{self.port}/{dbname}"
@@ -67,6 +69,33 @@ class PgServer:
         ) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
+
+    def halt(self) -> None:
+        """Stop the server (fast shutdown: sessions are ended), keeping its data."""
+        self._pg_ctl("-m", "fast", "-w", "-t", str(int(STOP_TIMEOUT_S)), "stop")
+
+    def resume(self) -> None:
+        """Start it again after ``halt``, on the same port with the same data."""
+        self._pg_ctl(
+            "-l",
+            str(self.root / "server.log"),
+            "-o",
+            self.options,
+            "-w",
+            "-t",
+            str(int(START_TIMEOUT_S)),
+            "start",
+        )
+
+    def _pg_ctl(self, *args: str) -> None:
+        bindir = pg_bin()
+        assert bindir is not None
+        subprocess.run(
+            self._as_user(str(bindir / "pg_ctl"), "-D", str(self.root / "data"), *args),
+            check=True,
+            capture_output=True,
+            timeout=START_TIMEOUT_S + 10,
+        )
 
     def stop(self) -> None:
         bindir = pg_bin()
@@ -129,24 +158,8 @@ def start_postgres() -> PgServer:
         "-c shared_buffers=32MB -c fsync=off -c synchronous_commit=off "
         "-c full_page_writes=off"
     )
-    subprocess.run(
-        server._as_user(
-            str(bindir / "pg_ctl"),
-            "-D",
-            str(root / "data"),
-            "-l",
-            str(root / "server.log"),
-            "-o",
-            opts,
-            "-w",
-            "-t",
-            str(int(START_TIMEOUT_S)),
-            "start",
-        ),
-        check=True,
-        capture_output=True,
-        timeout=START_TIMEOUT_S + 10,
-    )
+    server.options = opts
+    server.resume()
     # The store and every backend subprocess read the password from this file.
     os.environ[PASSWORD_FILE_ENV] = str(pwfile)
     return server
