@@ -18,12 +18,20 @@ A rank opens three kinds of listener (the lighthouse is ``stages.trainer.lightho
   a socket we bind on ``127.0.0.1:P`` and hand to torch (``master_listen_fd``).
 - every rank: its heal server (``stages.trainer.heal_transport``), which proves the
   run's secret both ways itself and binds the cluster address directly.
+- every rank: gloo's pair listeners (the in-group process group, torchft's
+  cross-group one per quorum). gloo binds the address of ``GLOO_SOCKET_IFNAME``'s
+  interface, else whatever the hostname resolves to (``127.0.0.1`` here, any address
+  elsewhere); ``gloo_on_cluster_address`` names the interface that holds the cluster
+  address. Their ports are gloo's own (ephemeral) and they take no credential.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import socket
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +46,34 @@ from stages.netfront import (
 )
 from stages.netsec import cluster_address, listener_config
 from stages.placement import PLACEMENT_FACT
+
+# Linux's ioctl for an interface's IPv4 address.
+_SIOCGIFADDR = 0x8915
+
+
+def _ipv4_of(interface: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(
+                s.fileno(), _SIOCGIFADDR, struct.pack("256s", interface[:15].encode())
+            )
+        except OSError:  # no IPv4 address on it
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def gloo_on_cluster_address() -> None:
+    """Make gloo's listeners in this process bind the node's cluster address: set
+    ``GLOO_SOCKET_IFNAME`` to the interface that holds it, before any process group
+    exists. A deployment's own setting is kept; an address on no interface (IPv6,
+    or none found) leaves gloo's default."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    host = normalize_ip(cluster_address())
+    for _index, name in socket.if_nameindex():
+        if _ipv4_of(name) == host:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return
 
 
 def _allowed(placement: Any) -> Any:

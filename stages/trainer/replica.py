@@ -94,6 +94,9 @@ class ReplicaWorker:
         # cannot serve as it is; dropped when the fleet moves on.
         self._phase_model: tuple[str, Any] | None = None
         self._pin(spec.replica_group)
+        from stages.trainer.rank_listeners import gloo_on_cluster_address
+
+        gloo_on_cluster_address()  # before this process makes any process group
         if spec.config.ranks_per_group > 1:
             self._group_store(spec)
         self._start_loop(restarted=restarted)
