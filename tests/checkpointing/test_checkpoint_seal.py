@@ -262,3 +262,18 @@ def test_each_file_is_hashed_once_per_sealed_checkpoint(
     for _ in range(3):
         sealed.load(_state(0.0))
     assert checked and len(checked) == len(set(checked))
+
+
+def test_the_zip_crc_is_off_only_while_a_checkpoint_is_written(
+    policy: Callable[..., CheckpointPolicy],
+) -> None:
+    # torch's setting is process-wide: the writer must give it back.
+    from torch.utils.serialization import config
+
+    assert config.save.compute_crc32
+    _pol, record = _saved(policy)
+    assert config.save.compute_crc32
+    state = _state(0.0)
+    with Checkpointer(_pol) as ck:
+        ck.load(record, state)  # written without the CRC, read as ever
+    assert torch.equal(state["w"], torch.ones(4))
