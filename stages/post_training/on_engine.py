@@ -260,6 +260,8 @@ def run_engine(
         event.stage = stage
         ctx.emit(event)
 
+    engine_run_id = f"{ctx.run_id}-{kind}"
+
     def export(phase: PhaseSpan) -> bool:
         closing = next((r for r in list_checkpoints(ckpt_dir) if r.step == phase.end_step), None)
         if closing is None:
@@ -271,7 +273,8 @@ def run_engine(
             phase=phase,
             checkpoint=closing.path,
             step=closing.step,
-            run=run_binding(ctx.run_id, ctx.facts),
+            # The engine's run (its checkpoints are sealed for it), not the stage's.
+            run=run_binding(engine_run_id, ctx.facts),
             heldout_path="",
             tokenizer_dir=str(base),
             work_dir=str(work),
@@ -289,7 +292,7 @@ def run_engine(
 
     engine = TrainingEngine(
         tcfg,
-        run_id=f"{ctx.run_id}-{kind}",
+        run_id=engine_run_id,
         checkpoint_dir=ckpt_dir,
         role_shards={},
         emit=emit,
