@@ -98,11 +98,14 @@ class Settings(BaseModel):
     # counts the rest: a flood of bad connections grows the log boundedly.
     protocol_log_burst: int = Field(default=10, ge=1)
     protocol_log_window_s: float = Field(default=60.0, gt=0)
-    # Plan validations (POST /v1/plans, and the same work in POST /v1/runs) one account
-    # may have in flight on this replica. Below request_threads, so one account's
-    # manifests never hold every handler thread (at request_threads or above the bound
-    # never bites); beyond it: 429 too_many_concurrent_plans with Retry-After.
-    plans_in_flight_per_account: int = Field(default=2, ge=1, le=64)
+    # Plan validations (POST /v1/plans, and the same work in a train confirmation and
+    # POST /v1/runs) one account may have in flight on this replica; beyond: 429
+    # too_many_concurrent_plans with Retry-After. The work holds the GIL (parsing and
+    # scanning up to a 1 MiB manifest): measured under a flood of one account's 1 MiB
+    # plans, another account's plan took ~1 s at a bound of 1, ~2-5 s at 2 and up to
+    # 7 s unbounded (tests/api/test_server_abuse.py). At request_threads or above the
+    # bound never bites.
+    plans_in_flight_per_account: int = Field(default=1, ge=1, le=64)
     plan_retry_after_s: int = Field(default=1, ge=1, le=60)
     # On SIGTERM the server stops accepting, lets requests finish for at most this long,
     # then exits (uvicorn's timeout_graceful_shutdown).

@@ -11,8 +11,8 @@ from fastapi import FastAPI
 from orchestrator.api.bodycap import BodyCap
 from orchestrator.api.deps import Ctx
 from orchestrator.api.errors import install_handlers
-from orchestrator.api.gating import PlanSlots
 from orchestrator.api.inputguard import InputGuard
+from orchestrator.api.planbound import PlanBoundGate, PlanSlots
 from orchestrator.api.ratelimit import RateLimit
 from orchestrator.api.routes import bookings, confirmations, health, mutations, plans, runs
 from orchestrator.db.store import Store
@@ -77,6 +77,8 @@ def create_app(
     # Inside the body cap: it scans the bounded body the cap has read.
     app.add_middleware(InputGuard, store=store)
     app.add_middleware(BodyCap, max_bytes=settings.max_body_bytes)
+    # Outside the body cap: a plan request beyond its account's bound is not even read.
+    app.add_middleware(PlanBoundGate, slots=slots, store=store)
     # Outermost: a refused flood costs neither a body read nor a handler thread.
     app.add_middleware(
         RateLimit,

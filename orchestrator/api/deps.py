@@ -23,6 +23,8 @@ from stages.errors import ErrorCode, ItoError
 T = TypeVar("T")
 bearer = HTTPBearer(auto_error=False, description="itok_<key_id>_<secret>")
 IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9._:-]{8,128}$")
+# Refusals audited as counted rows (Store.audit_counted), like the rate limits'.
+COUNTED_REFUSALS = (ErrorCode.too_many_concurrent_plans,)
 
 
 @dataclass
@@ -60,6 +62,11 @@ class Gates:
     def __exit__(self, _type: object, exc: object, _tb: object) -> None:
         if isinstance(exc, ItoError) and exc.code == ErrorCode.store_unavailable:
             return  # the rows cannot be written; the request answers 503 as it is
+        if isinstance(exc, ItoError) and exc.code in COUNTED_REFUSALS:
+            # A refusal for load comes in bursts: one counted row per window, not a
+            # write transaction (and an fsync) per refused request.
+            self.store.audit_counted(self.action, str(exc.code), gate="load")
+            return
         self.store.audit(self.rows)
 
     def record(self, gate: str, ok: bool, code: str | None = None) -> None:

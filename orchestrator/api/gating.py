@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from fastapi import Request
-
-from orchestrator.api.deps import Ctx, Gates, ctx
-from orchestrator.api.ratelimit import key_id_of
+from orchestrator.api.deps import Ctx, Gates
 from orchestrator.gates.auth import Principal
 from orchestrator.gates.bookings import check_eligibility
 from orchestrator.gates.costing import CostEstimate
@@ -20,71 +13,6 @@ from orchestrator.gates.manifest import ParsedManifest, decode_b64, parse_manife
 from orchestrator.gates.planning import PlanResult, plan_manifest
 from orchestrator.gates.roots import account_roots
 from orchestrator.gates.validation import validate
-from stages.errors import ErrorCode, ItoError
-
-# Key ids whose account the plan bound remembers (least recently seen dropped).
-MAX_KNOWN_KEYS = 10_000
-
-
-class PlanSlots:
-    """Plan validations in flight per account on this replica (manifest parsing, the
-    secret scan, validation and the planner: up to a 1 MiB manifest each)."""
-
-    def __init__(self, per_account: int, retry_after_s: int):
-        self.per_account, self.retry_after_s = per_account, retry_after_s
-        self._held: dict[str, int] = {}
-        # Key id -> account, learnt from authenticated plan work (key ids are not
-        # secret): the event loop refuses a known key's account at its bound before the
-        # request takes a handler thread (``refuse_early``).
-        self._accounts: OrderedDict[str, str] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def refusal(self) -> ItoError:
-        return ItoError(
-            ErrorCode.too_many_concurrent_plans,
-            f"the account has {self.per_account} plan validations in flight, the most "
-            "allowed; retry after the Retry-After seconds",
-            details={"retry_after_s": self.retry_after_s},
-        )
-
-    def acquire(self, account_id: str, key_id: str | None = None) -> None:
-        with self._lock:
-            if key_id is not None:
-                self._accounts[key_id] = account_id
-                self._accounts.move_to_end(key_id)
-                while len(self._accounts) > MAX_KNOWN_KEYS:
-                    self._accounts.popitem(last=False)
-            held = self._held.get(account_id, 0)
-            if held >= self.per_account:
-                raise self.refusal()
-            self._held[account_id] = held + 1
-
-    def full(self, key_id: str) -> bool:
-        """Whether the account this key was last seen with is at its bound."""
-        with self._lock:
-            account_id = self._accounts.get(key_id)
-            return account_id is not None and self._held.get(account_id, 0) >= self.per_account
-
-    def release(self, account_id: str) -> None:
-        with self._lock:
-            left = self._held[account_id] - 1
-            if left:
-                self._held[account_id] = left
-            else:
-                del self._held[account_id]
-
-
-@contextmanager
-def plan_slot(g: Gates, c: Ctx) -> Iterator[None]:
-    """One of the account's plan slots for the manifest work inside (audited when
-    refused)."""
-    assert g.principal is not None
-    account_id = g.principal.account_id
-    g.check("plan_slots", c.plan_slots.acquire, account_id, g.principal.key_id)
-    try:
-        yield
-    finally:
-        c.plan_slots.release(account_id)
 
 
 def booking_gate(g: Gates, c: Ctx, p: Principal, booking_id: str) -> dict[str, Any]:
@@ -137,15 +65,3 @@ def validation_gate(
 
 def public(eligibility: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in eligibility.items() if not k.startswith("_")}
-
-
-async def refuse_early(request: Request) -> None:
-    """A dependency of the plan routes, run in the event loop before the handler takes a
-    thread: a key whose account is at its plan bound is refused at once, so a burst of
-    one account's plans costs no handler thread beyond its bound. (The handler's
-    ``plan_slot`` is the bound itself; this only refuses sooner.)"""
-    c = ctx(request)
-    key_id = key_id_of(request.headers.get("authorization"))
-    if key_id is not None and c.plan_slots.full(key_id):
-        c.store.audit_counted("plan", str(ErrorCode.too_many_concurrent_plans), gate="plan_slots")
-        raise c.plan_slots.refusal()

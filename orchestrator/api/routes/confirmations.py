@@ -8,8 +8,9 @@ from fastapi.security import HTTPAuthorizationCredentials
 
 from orchestrator.api.deps import Ctx, Gates, bearer, ctx
 from orchestrator.api.envelope import Envelope, ok
-from orchestrator.api.gating import booking_gate, manifest_gate, plan_slot
+from orchestrator.api.gating import booking_gate, manifest_gate
 from orchestrator.api.models import ConfirmationRequest
+from orchestrator.api.planbound import plan_slot
 from orchestrator.db.store import Store
 from orchestrator.gates import confirmations
 from orchestrator.gates.auth import Principal

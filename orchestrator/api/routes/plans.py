@@ -12,17 +12,16 @@ from orchestrator.api.envelope import Envelope, ok
 from orchestrator.api.gating import (
     booking_gate,
     manifest_gate,
-    plan_slot,
     public,
-    refuse_early,
     validation_gate,
 )
 from orchestrator.api.models import PlanRequest
+from orchestrator.api.planbound import plan_slot
 
 router = APIRouter(tags=["plans"])
 
 
-@router.post("/v1/plans", response_model=Envelope, dependencies=[Depends(refuse_early)])
+@router.post("/v1/plans", response_model=Envelope)
 def plan(
     body: PlanRequest,
     creds: HTTPAuthorizationCredentials | None = Depends(bearer),
