@@ -100,6 +100,11 @@ def start_server(
             "none",
             "--metrics-port",
             "0",
+            # The clients are one account's: the per-account plan bound would refuse
+            # overlapping submits; lifted to the server's 4 request threads (this
+            # measures throughput; tests/api/test_server_abuse.py measures the bound).
+            "--plans-per-account",
+            "4",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -113,9 +113,17 @@ def test_50_keys_one_confirmation_make_one_run(shared: Backend, tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_sigkill_during_submits_loses_no_acknowledged_run(
-    backend: Backend, tenant: Tenant, tmp_path: Path
-) -> None:
+def test_sigkill_during_submits_loses_no_acknowledged_run(tmp_path: Path) -> None:
+    # Durability under concurrent submits of one account: its plan bound is lifted to
+    # the server's thread count (as for the races above).
+    backend = start_backend(tmp_path / "backend", extra_args=["--plans-per-account", "4"])
+    try:
+        _sigkill_during_submits(backend, make_tenant(backend.db, "acme"), tmp_path)
+    finally:
+        backend.stop()
+
+
+def _sigkill_during_submits(backend: Backend, tenant: Tenant, tmp_path: Path) -> None:
     m = example_manifest(tmp_path / "ckpt")
     with backend.client() as c:
         refs = [

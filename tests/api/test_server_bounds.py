@@ -52,7 +52,11 @@ def test_huge_batch_is_refused_while_others_are_served(
                 timeout=REQUEST_DEADLINE_S,
             )
             answers.append(r.status_code)
-            assert r.json()["error"]["code"] == "manifest_invalid"
+            # Refused by the model, or before any work by the account's plan bound.
+            assert (r.status_code, r.json()["error"]["code"]) in (
+                (422, "manifest_invalid"),
+                (429, "too_many_concurrent_plans"),
+            )
         except BaseException as e:
             errors.append(e)
 
@@ -70,7 +74,7 @@ def test_huge_batch_is_refused_while_others_are_served(
     for th in threads:
         th.join(REQUEST_DEADLINE_S * 2)
     assert not errors, errors
-    assert answers == [422] * 8
+    assert len(answers) == 8 and 422 in answers, answers
 
 
 @pytest.mark.slow
