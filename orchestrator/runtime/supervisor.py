@@ -221,6 +221,7 @@ class RayRuntime:
 
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
+        store_down = False  # an outage is logged when it starts and ends, not every turn
         while not self._stop.is_set():
             try:
                 if self._lead():
@@ -231,8 +232,15 @@ class RayRuntime:
                         if self._stop.is_set() or not self._lead():
                             break
                         self._tick(run)
+                if store_down:
+                    log.warning("supervisor: the store answers again")
+                    store_down = False
             except ItoError as e:
-                if e.code != ErrorCode.lease_lost:
+                if e.code == ErrorCode.store_unavailable:
+                    if not store_down:
+                        log.warning("supervisor waits for the store: %s", e.message)
+                    store_down = True
+                elif e.code != ErrorCode.lease_lost:
                     log.exception("supervisor tick failed")
                 else:  # another replica leads now; the next turn stands by
                     log.warning("supervisor write refused: %s", e.message)
