@@ -111,12 +111,13 @@ def _mac(key: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
     return hmac.new(key, role + nonce_s + nonce_c, hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from ``sock``; ``ConnectionError`` if the peer closes first."""
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise PeerRefused("connection closed during the handshake")
+            raise ConnectionError("the peer closed the connection")
         buf += chunk
     return bytes(buf)
 
@@ -129,7 +130,7 @@ def accept_peer(sock: socket.socket, key: bytes, timeout_s: float) -> None:
     try:
         nonce_s = secrets.token_bytes(NONCE_BYTES)
         sock.sendall(nonce_s)
-        reply = _recv_exact(sock, NONCE_BYTES + MAC_BYTES)
+        reply = recv_exact(sock, NONCE_BYTES + MAC_BYTES)
         nonce_c, proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
         if not hmac.compare_digest(proof, _mac(key, b"client", nonce_s, nonce_c)):
             raise PeerRefused("the peer did not prove the run's secret")
@@ -148,10 +149,10 @@ def prove_to_peer(sock: socket.socket, key: bytes, timeout_s: float) -> None:
     previous = sock.gettimeout()
     sock.settimeout(timeout_s)
     try:
-        nonce_s = _recv_exact(sock, NONCE_BYTES)
+        nonce_s = recv_exact(sock, NONCE_BYTES)
         nonce_c = secrets.token_bytes(NONCE_BYTES)
         sock.sendall(nonce_c + _mac(key, b"client", nonce_s, nonce_c))
-        answer = _recv_exact(sock, MAC_BYTES)
+        answer = recv_exact(sock, MAC_BYTES)
         if not hmac.compare_digest(answer, _mac(key, b"server", nonce_s, nonce_c)):
             raise PeerRefused("the server did not prove the run's secret")
     except (TimeoutError, OSError) as e:

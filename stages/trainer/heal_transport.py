@@ -41,7 +41,14 @@ from torchft.checkpointing._rwlock import RWLock
 from torchft.checkpointing.transport import CheckpointTransport
 
 from stages.netfront import host_port
-from stages.netsec import ListenerConfig, PeerRefused, accept_peer, bind_listener, prove_to_peer
+from stages.netsec import (
+    ListenerConfig,
+    PeerRefused,
+    accept_peer,
+    bind_listener,
+    prove_to_peer,
+    recv_exact,
+)
 from stages.run_secret import RunSecret
 
 log = logging.getLogger(__name__)
@@ -56,16 +63,6 @@ _REASON_BYTES = 512
 
 class HealRefused(ConnectionError):
     """The heal source answered but does not serve the step asked for."""
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the peer closed the connection")
-        buf += chunk
-    return bytes(buf)
 
 
 def _split_address(metadata: str) -> tuple[str, int]:
@@ -147,7 +144,7 @@ class HealTransport(CheckpointTransport[dict[str, Any]]):
                 except PeerRefused:
                     return  # a stranger: nothing read, nothing sent
                 conn.settimeout(self._timeout.total_seconds())
-                (step,) = _STEP.unpack(_recv_exact(conn, _STEP.size))
+                (step,) = _STEP.unpack(recv_exact(conn, _STEP.size))
                 # Blocks while torchft disallows sending (the state may be changing).
                 with self._lock.r_lock():
                     if step != self._step:
@@ -217,7 +214,7 @@ def fetch_heal_state(
         prove_to_peer(conn, key, handshake_timeout_s)
         conn.settimeout(timeout.total_seconds())
         conn.sendall(_STEP.pack(step))
-        status = _recv_exact(conn, len(OK))
+        status = recv_exact(conn, len(OK))
         if status != OK:
             reason = conn.recv(_REASON_BYTES).decode(errors="replace")
             raise HealRefused(f"heal source {metadata} refused step {step}: {reason}")
