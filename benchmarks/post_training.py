@@ -72,6 +72,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -103,10 +104,14 @@ def run_once(
     checkpoint_every: int = 0,
     stop_after: int | None = None,
     warm: bool = True,
+    run_id: str | None = None,
+    fleet_pids: list[int] | None = None,
 ) -> tuple[dict[str, float], list[float], float]:
     """One RLVR objective on the engine, fed by a ``RayPool``: (the run's summary, the
     sync seconds of its steps' metrics events from step 2 on, time.perf_counter() of
-    its first metrics event, i.e. its first trained step)."""
+    its first metrics event, i.e. its first trained step). ``run_id``: a relaunch of
+    that run (its checkpoints are sealed for it); ``fleet_pids`` gets the rank pids of
+    a launch stopped at ``stop_after``."""
     from stages.base import StageContext
     from stages.checkpointing.storage import list_checkpoints
     from stages.events import Event, MetricsEvent
@@ -117,6 +122,7 @@ def run_once(
     from stages.post_training.rl import RequestMaker
     from stages.post_training.rollout import WorkerSpec
     from stages.post_training.weight_sync import sync_key
+    from stages.trainer import replica_group_pids
 
     ref = {
         "uri": f"file://{task['rlvr']}",
@@ -156,10 +162,12 @@ def run_once(
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no engine checkpoint of step {stop_after}")
                 time.sleep(0.05)
+            if fleet_pids is not None:  # the engine's run id is the objective's
+                fleet_pids.extend(replica_group_pids(f"{run_id}-rlvr"))
             raise Stop
 
-    # A fresh run id per launch: a killed launch's named actors may still be exiting.
-    run_id = f"bench-eta{eta}-{weight_sync.replace('_', '-')}-{time.monotonic_ns()}"
+    # A fresh run id per run (a relaunch keeps its run's: its checkpoints are sealed for it).
+    run_id = run_id or f"bench-eta{eta}-{weight_sync.replace('_', '-')}-{time.monotonic_ns()}"
     ctx = StageContext(run_id=run_id, booking_id="bench", workdir=workdir, emit=emit)
     # The pool as the stage makes it (stage.py ``_run_rlvr``).
     pool = RayPool(
@@ -201,13 +209,42 @@ def measure_resume(
     """Stop after step 1 (its engine checkpoint complete), relaunch with the same
     workdir: seconds to the relaunch's first trained step."""
     workdir = tmp / "resume"
+    run_id = f"bench-resume-{time.monotonic_ns()}"
+    pids: list[int] = []
     with contextlib.suppress(Stop):
-        run_once(2, args, policy, task, workdir, checkpoint_every=1, stop_after=1, warm=False)
+        run_once(
+            2,
+            args,
+            policy,
+            task,
+            workdir,
+            checkpoint_every=1,
+            stop_after=1,
+            warm=False,
+            run_id=run_id,
+            fleet_pids=pids,
+        )
+    # The relaunch names its actors as the first launch did: its ranks must be gone.
+    deadline = time.monotonic() + ACTOR_TIMEOUT_S
+    while any(_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the first launch's ranks {pids} did not exit")
+        time.sleep(0.05)
     t0 = time.perf_counter()
-    summary, _, first = run_once(2, args, policy, task, workdir, checkpoint_every=1, warm=False)
+    summary, _, first = run_once(
+        2, args, policy, task, workdir, checkpoint_every=1, warm=False, run_id=run_id
+    )
     if summary.get("resumed_from_step") != 1.0:  # else it measured a fresh start
         raise RuntimeError(f"the relaunch did not resume at step 1: {summary}")
     return first - t0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def learner_rate(args: argparse.Namespace, policy: Path, groups: int, tmp: Path) -> float:
