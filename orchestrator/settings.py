@@ -103,8 +103,9 @@ class Settings(BaseModel):
     # too_many_concurrent_plans with Retry-After. The work holds the GIL (parsing and
     # scanning up to a 1 MiB manifest): measured under a flood of one account's 1 MiB
     # plans, another account's plan took ~1 s at a bound of 1, ~2-5 s at 2 and up to
-    # 7 s unbounded (tests/api/test_server_abuse.py). At request_threads or above the
-    # bound never bites.
+    # 7 s unbounded (tests/api/test_server_abuse.py). Above request_threads the bound
+    # never bites (at most request_threads handlers hold a slot); at request_threads a
+    # request that arrives while every handler works for the account is refused.
     plans_in_flight_per_account: int = Field(default=1, ge=1, le=64)
     plan_retry_after_s: int = Field(default=1, ge=1, le=60)
     # On SIGTERM the server stops accepting, lets requests finish for at most this long,

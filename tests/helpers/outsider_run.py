@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -29,9 +27,6 @@ sys.path.insert(0, str(HELPERS.parent))  # tests/: ``helpers.*``
 
 # Ray's actor table refresh for the test (one GCS read a period).
 PORTS_REFRESH_S = 1.0
-OBJECT_STORE_BYTES = 200 * 2**20
-NUM_CPUS = 4
-START_ATTEMPTS = 3
 
 
 def _own_listening_ports() -> list[int]:
@@ -90,35 +85,12 @@ def main(workdir: Path, run_id: str, node_ip: str) -> None:
     os.environ["ITO_NODE_IP"] = node_ip  # inherited by Ray's raylet and every worker
     # The test stops a run it gave up on with SIGTERM: Ray is shut down on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    import ray
 
-    from helpers.ray_local import note_start, start_turn
+    from helpers import ray_local
     from stages.base import StageContext
     from stages.trainer import TrainingStage
 
-    for attempt in range(1, START_ATTEMPTS + 1):
-        temp = tempfile.mkdtemp(prefix="ray-o-")  # short: Ray's socket paths < 107 bytes
-        try:
-            with start_turn():
-                ray.init(
-                    address="local",
-                    num_cpus=NUM_CPUS,
-                    include_dashboard=False,
-                    _temp_dir=temp,
-                    _node_ip_address=node_ip,
-                    log_to_driver=False,
-                    namespace="ito-outsider",
-                    object_store_memory=OBJECT_STORE_BYTES,
-                )
-            break
-        except Exception:
-            # Ray gives a new raylet a fixed 30 s to register, which a loaded host can
-            # miss (as tests/helpers/ray_local.py): the next attempt usually makes it.
-            ray.shutdown()
-            shutil.rmtree(temp, ignore_errors=True)
-            if attempt == START_ATTEMPTS:
-                raise
-    note_start("local", "outsider run")
+    temp = ray_local.start(node_ip=node_ip, namespace="ito-outsider", where="outsider run")
     driver_ports = _own_listening_ports()  # Ray's own, before the run opened any
     lock = threading.Lock()
     events = (workdir / "events.jsonl").open("a", encoding="utf-8")
@@ -147,8 +119,7 @@ def main(workdir: Path, run_id: str, node_ip: str) -> None:
         _write_json(workdir / "outcome.json", outcome.model_dump(mode="json"))
     finally:
         done.set()
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+        ray_local.stop(temp)
 
 
 if __name__ == "__main__":

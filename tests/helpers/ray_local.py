@@ -53,8 +53,11 @@ def note_start(kind: str, where: str) -> None:
             f.write(f"{time.time():.3f} {os.getpid()} {kind} {where}\n")
 
 
-def start() -> str:
-    """``ray.init`` a local cluster for this process; returns its temp folder."""
+def start(
+    *, node_ip: str | None = None, namespace: str = NAMESPACE, where: str = "tests session"
+) -> str:
+    """``ray.init`` a local cluster for this process; returns its temp folder.
+    ``node_ip``: the address Ray registers the node with (the outsider test's veth end)."""
     import ray
 
     from stages.data_prep.stream.output import spilling_config
@@ -68,8 +71,9 @@ def start() -> str:
                     num_cpus=NUM_CPUS,
                     include_dashboard=False,
                     _temp_dir=temp,
+                    _node_ip_address=node_ip,
                     log_to_driver=False,
-                    namespace=NAMESPACE,
+                    namespace=namespace,
                     object_store_memory=OBJECT_STORE_BYTES,
                     _system_config={"object_spilling_config": spilling_config(temp + "/spill")},
                 )
@@ -80,7 +84,7 @@ def start() -> str:
             if attempt == START_ATTEMPTS:
                 raise
             continue
-        note_start("local", f"tests session, attempt {attempt}")
+        note_start("local", f"{where}, attempt {attempt}")
         return temp
     raise AssertionError("unreachable")
 
