@@ -121,10 +121,18 @@ def _replica_ids(lighthouse_port: int) -> list[str]:
 
 
 def _answered(probe: dict[str, Any]) -> bool:
-    """Whether a server spoke HTTP back: an HTTP/1 status line, or an HTTP/2 frame
-    (a server's first frame is its SETTINGS: type 0x4 at byte 3)."""
+    """Whether a server spoke HTTP back: an HTTP/1 status line, or an HTTP/2 frame (a
+    server's first frame is its SETTINGS: a length that is a multiple of 6, type 0x4,
+    flags 0 or ACK, stream 0). A listener that proves the run's secret sends 32 random
+    bytes first (its challenge): one in 256 of them has 0x4 at byte 3, so the type alone
+    would call a challenge an answer."""
     answer = probe["answer"].encode("latin-1")
-    return answer.startswith(b"HTTP/") or (len(answer) >= 9 and answer[3] == 4)
+    if answer.startswith(b"HTTP/"):
+        return True
+    if len(answer) < 9:
+        return False
+    length = int.from_bytes(answer[:3], "big")
+    return answer[3] == 4 and answer[4] in (0, 1) and answer[5:9] == bytes(4) and length % 6 == 0
 
 
 def test_an_outsider_reaches_no_listener_of_the_run_and_no_group_is_lost(
