@@ -25,6 +25,8 @@ from helpers.tools import require, require_root
 
 HOST_IP = "198.51.100.1"
 OUTSIDER_IP = "198.51.100.2"
+# How `ss` shows a listener bound to every address (a run listener must never be one).
+WILDCARDS = frozenset({"0.0.0.0", "::", "*", ""})
 PREFIX_LEN = 30
 NAMESPACE_PREFIX = "ito-outsider-"
 LOCK = os.path.join(tempfile.gettempdir(), "ito-tests-outsider.lock")

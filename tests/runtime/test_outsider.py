@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.outsider import HOST_IP, Outsider, outsider_network
+from helpers.outsider import HOST_IP, WILDCARDS, Outsider, outsider_network
 from helpers.tools import require
 from pydantic import TypeAdapter
 
@@ -42,7 +42,6 @@ _EVENT = TypeAdapter(Event)
 START_TIMEOUT_S = 300.0
 FINISH_TIMEOUT_S = 480.0
 STEPS_BEFORE_PROBES = 10
-WILDCARDS = {"0.0.0.0", "::", "*"}
 
 
 class Run:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.outsider import Outsider, outsider_network
+from helpers.outsider import WILDCARDS, Outsider, outsider_network
 from helpers.tools import require
 
 from stages.events import StepEvent
@@ -32,7 +32,6 @@ from tests.trainer.test_ft_recovery import Run, _config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-WILDCARDS = {"0.0.0.0", "::", "*", ""}
 # A hang guard for the run's own store client, never a speed claim.
 PROBE_TIMEOUT = datetime.timedelta(seconds=60)
 # Run inside the outsider's namespace: what a torch TCPStore client gets from the store.
