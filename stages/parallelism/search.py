@@ -247,7 +247,13 @@ def plan(request: PlanRequest, time_budget_s: float | None = None) -> Plan:
     the code of the candidates that got furthest through the checks, with the
     ranked rejected alternatives in ``ItoError.details["rejected"]``. With
     ``time_budget_s`` a search that runs longer raises ``plan_time_budget_exceeded``."""
-    search = _Search(resolve(request), _Deadline(time_budget_s))
+    return plan_context(resolve(request), time_budget_s)
+
+
+def plan_context(ctx: Context, time_budget_s: float | None = None) -> Plan:
+    """``plan`` for a resolved request: hardware that has no profile in configs/
+    (a published run's) plans through a ``Context`` built around its ``GpuSku``."""
+    search = _Search(ctx, _Deadline(time_budget_s))
     for g in search.queue():
         search.deadline.check()
         if search.beaten(g):
