@@ -276,9 +276,13 @@ def estimate_memory(
             saved += (microbatches - 1) * 4 * tokens * vocab
         buffers = 0.0
         if fsdp > 1 and pp > 1:
-            # PP stages stay unsharded across micro-batches (no reshard after forward,
-            # gradient sync on the last micro-batch): the whole stage's unsharded
-            # weights and fp32 gradients are resident.
+            # PP stages stay unsharded across micro-batches: torch.distributed.pipelining
+            # runs every micro-batch's backward with FSDP's reshard-after-backward and
+            # gradient sync off (``PipelineStage.backward_maybe_with_nosync``) and
+            # reduce-scatters once after the last (``perform_reduce_grad``), and FSDP2
+            # accumulates the unsharded gradients in reduce_dtype (fp32). So the whole
+            # stage's gathered weights and fp32 gradients are resident: a stack that
+            # reduce-scatters each micro-batch does not hold the gradients.
             unsharded = params * fsdp
             buffers += unsharded * (param_gather_bytes(precision) + 4)
         elif fsdp > 1:
@@ -289,7 +293,12 @@ def estimate_memory(
             buffers += DDP_BUCKET_BYTES
         # Four candidate moments; the breakdown reports the one with the peak.
         # Gradients live through the forward only when they persist across micro-batches.
-        resident_grads = grads if microbatches > 1 else 0.0
+        # Under PP with FSDP they persist unsharded (the buffers above): the sharded
+        # gradients appear only at the last micro-batch's reduce-scatter, after every
+        # backward (torch.distributed.pipelining's REDUCE_GRAD), and at the step.
+        pp_fsdp = fsdp > 1 and pp > 1
+        resident_grads = grads if microbatches > 1 and not pp_fsdp else 0.0
+        backward_grads = 0.0 if pp_fsdp else grads
         # autocast's weight casts live through the forward and the backward, not the step.
         phases = [
             # end of forward: the loss's backward starts on top of every saved tensor
@@ -300,7 +309,7 @@ def estimate_memory(
             # last layers of the backward: nearly all gradients exist while the
             # first layer is recomputed on top of its saved input and runs its
             # backward
-            (recompute + (per_layer + working) * tokens + logits, grads, casts),
+            (recompute + (per_layer + working) * tokens + logits, backward_grads, casts),
             # optimizer step: foreach AdamW holds one fp32 temporary per local
             # parameter; the single-tensor loop (CPU) one per largest tensor.
             (0.0, grads, (params if foreach_optimizer else max_tensor / fsdp) * MASTER_BYTES),

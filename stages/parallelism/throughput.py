@@ -6,7 +6,8 @@ GEMMs are big: fp8 halves the GEMM time when compute-bound and adds the cost of
 casting its inputs. Attention (flash, causal) runs in bf16 at an efficiency that
 falls with the key-block length (``attention_efficiency``: CP's ring attention runs
 2 x cp blocks of seq / (2 cp) tokens, which is what makes CP cost something);
-pointwise ops (norms, RoPE, SiLU, residuals) are HBM-bound.
+pointwise ops (norms, RoPE, SiLU, residuals) are HBM-bound, eager in bf16 and fused
+(compiled decoder layers, ``COMPILED_POINTWISE_SHARE`` of the eager time) in fp8.
 
 Communication is bandwidth x volume plus latency, with the overlap torchtitan gets:
 TP/SP collectives (async TP hides TP_OVERLAP of them), FSDP all-gather and
@@ -44,6 +45,15 @@ NVLINK_LATENCY_S = 10e-6
 TP_OVERLAP = 0.3  # share of TP collectives async TP hides
 FSDP_OVERLAP = 0.9  # share of compute FSDP's prefetch can hide comm under
 SELECTIVE_RECOMPUTE_COST = 0.5  # of the pointwise time, recomputed in the backward
+# fp8 layouts run each decoder layer's forward compiled (the trainer's
+# ``compile_decoder_layers``: torchao's float8 casts are only fast fused), so inductor
+# fuses the norms, RoPE, SiLU gating and residual adds that bf16 runs as eager
+# kernels: this share of the eager pointwise time is left. Calibrated on one H200
+# (docs/training-engine.md, ``benchmarks/gpu_check.py``): llama-1b, micro-batch
+# 4 x 2048, one GPU, measured 64,225 tokens/s in fp8 and 44,296 in bf16; charging
+# fp8 the eager pointwise time predicted 52,659 (-18%) while bf16 came within
+# -1.3%, and the 18% is the eager pointwise time the compiled layers do not spend.
+COMPILED_POINTWISE_SHARE = 0.29
 # Launch and framework time per layer and micro-batch (~30 kernels x ~10 us, forward
 # and backward): what makes many small micro-batches slower than a few large ones.
 LAYER_OVERHEAD_S = 3e-4
@@ -140,6 +150,8 @@ def layer_compute_time(
     b = compute_bytes(precision)
     pointwise_bytes = POINTWISE_PASSES * 3 * b * tokens * (20 * h + 4 * kv + 5 * ffn * experts) / tp
     pointwise = pointwise_bytes / (sku.hbm_bandwidth_gb_s * 1e9 * HBM_EFFICIENCY)
+    if precision == "fp8":
+        pointwise *= COMPILED_POINTWISE_SHARE
     total = gemm + attention + pointwise + LAYER_OVERHEAD_S
     if ac == "full":
         total += gemm / 3 + attention / 3.5 + pointwise / 3
