@@ -214,7 +214,7 @@ RUNS: tuple[PublishedRun, ...] = (
         memory_gib=61.8,
     ),
     PublishedRun(
-        TITAN + " table 4",
+        TITAN + " table 4, async TP",
         "llama3-70b",
         GRAND_TETON_H100.name,
         32,
