@@ -102,8 +102,11 @@ def compute_bytes(precision: Precision) -> int:
 
 
 def param_gather_bytes(precision: Precision) -> int:
-    """Bytes per parameter of FSDP's unsharded (all-gathered) copy."""
-    return {"fp32": 4, "bf16": 2, "fp8": 1}[precision]
+    """Bytes per parameter of FSDP's unsharded (all-gathered) copy. fp8 gathers bf16:
+    the trainer converts its linears with torchao's default float8 config
+    (``enable_fsdp_float8_all_gather`` off), so FSDP's mixed-precision policy gathers
+    bf16 weights and float8 casts them at each use."""
+    return {"fp32": 4, "bf16": 2, "fp8": 2}[precision]
 
 
 def layer_activation_bytes(

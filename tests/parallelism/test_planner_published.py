@@ -76,3 +76,32 @@ def test_published_table_sees_meta_layout_accepted() -> None:
     assert verdict.prediction is not None
     usable = load_gpu_sku("H100-SXM").memory_gib * 0.9  # the request's default share
     assert verdict.prediction.peak_memory_gib <= usable
+
+
+def test_fp8_layouts_gather_bf16_weights_under_fsdp() -> None:
+    # The trainer converts its linears with torchao's default float8 config
+    # (enable_fsdp_float8_all_gather off): FSDP gathers bf16 weights for fp8 layouts,
+    # so the PP stage it keeps gathered weighs what bf16's does.
+    def buffers(precision: str) -> float:
+        request = PlanRequest(
+            model="llama3-405b",
+            gpu_sku="H100-SXM",
+            gpus_per_node=8,
+            node_count=2048,
+            fabric="roce",
+            global_batch_tokens=16 * 2**20,
+            seq_len=8192,
+            precision=precision,  # type: ignore[arg-type]
+        )
+        layout = Layout(
+            tp=8,
+            pp=16,
+            dp_shard=128,
+            pp_schedule="Interleaved1F1B",
+            pp_virtual_stages=4,
+            activation_checkpointing="full",
+            precision=precision,  # type: ignore[arg-type]
+        )
+        return validate_layout(request, layout).memory.buffers
+
+    assert buffers("fp8") == pytest.approx(buffers("bf16"), rel=1e-3)
