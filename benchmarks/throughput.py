@@ -19,8 +19,10 @@ production default):
 
 What each number counts:
 - ``*_step_ms``: wall time per optimizer step over ``--measure-steps`` consecutive steps
-  after ``--warmup-steps``, checkpoint steps included (a mean, not a median: the saves
-  are part of the price);
+  after ``--warmup-steps`` (the engine's also after its standby is warm: the standby's
+  start-up shares this machine's two cores with the ranks, where a GPU node gives it
+  cores of its own), checkpoint steps included (a mean, not a median: the saves are
+  part of the price);
 - ``*_tokens_per_s``: global-batch tokens per second over the same steps (plain: its
   share times ``--groups``, i.e. ``--groups`` devices each running a plain loop);
 - ``step_efficiency``: engine tokens/s ÷ Ray Train tokens/s with no failure;
@@ -56,6 +58,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from benchmarks import fault_tolerance as ft_bench
 from benchmarks import ray_train_baseline
 from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS
+from stages.events import FleetEvent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -161,7 +164,15 @@ def measure_engine(
                 f"step {step} in the full quorum",
             )
 
-        a = full(args.warmup_steps)
+        # Steady state: past the warm-up steps and with every process of the fleet
+        # started (a standby's start-up shares this machine's cores with the ranks; on
+        # a GPU node it has cores of its own).
+        if cfg.spare_groups:
+            w.wait_event(
+                lambda e: isinstance(e, FleetEvent) and e.action == "standby_warm",
+                "the standby warm",
+            )
+        a = full(max(args.warmup_steps, w.max_step() + 1))
         b = full(a.step + args.measure_steps)
         step_s = (b.ts - a.ts) / (b.step - a.step)
         tok_rate = b.tokens / step_s

@@ -11,6 +11,7 @@ returns completed work, and ``should_commit`` then refuses the step everywhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -73,9 +74,11 @@ def build_manager(
                 load_state_dict=load_state_dict,
                 state_dict=state_dict,
                 min_replica_size=cfg.min_replica_groups,
-                # Synchronous quorum: a healing group loads the peer's state before its
-                # forward pass, so every committed step of every group uses the same weights.
-                use_async_quorum=False,
+                # The quorum overlaps the forward pass. A group that must heal trains
+                # nothing that step (its gradients are zeroed in the allreduce) and loads
+                # the peer's state in should_commit, before the update: every committed
+                # step of every group still starts from the same weights.
+                use_async_quorum=True,
                 timeout=timedelta(seconds=cfg.timeout_s),
                 quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
                 connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
@@ -88,7 +91,10 @@ def build_manager(
                 # sorts participants by id, so the lowest live group is participating rank 0.
                 replica_id=f"rg{replica_group:03d}",
                 heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_interval_ms),
-                init_sync=True,
+                # Every group builds the same weights from the run's seed (or loads the
+                # same checkpoint), so step 0 needs no sync: with it, every group but
+                # the first would heal there and train nothing in the run's first step.
+                init_sync=False,
                 checkpoint_transport=transport,
             )
     except BaseException:
@@ -96,46 +102,109 @@ def build_manager(
         raise
 
 
-def _buckets(params: Iterable[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    buckets: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad
-        if size and size + g.numel() * g.element_size() > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(g)
-        size += g.numel() * g.element_size()
-    return [b for b in buckets if b]
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
-    # FSDP2 gradients are DTensors: reduce the local shard (same shard on every group).
+    # FSDP2 and TP gradients are DTensors: reduce the local shard (same shard on every group).
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 
 
-def allreduce_gradients(
-    manager: Any, params: Iterable[torch.nn.Parameter], *, bucket_bytes: int = BUCKET_BYTES
-) -> None:
-    """Average gradients over the participating replica groups, one flat bucket at a
-    time. Never raises on a peer failure: the manager swallows it and the step is not
-    committed (``should_commit`` returns False on every group)."""
-    for bucket in _buckets(params, bucket_bytes):
-        grads = [_local(g) for g in bucket]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        manager.allreduce(flat).wait()
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset : offset + n].view_as(g))
-            offset += n
+class GradientReducer:
+    """Averages gradients over the participating replica groups in flat buckets of about
+    ``bucket_bytes``, each launched as soon as the backward has produced all of it (torch
+    DDP's reducer over torchft's fault-tolerant ``manager.allreduce``), so the transfer
+    overlaps the rest of the backward instead of following it.
 
+    Buckets hold the parameters in reverse order (the backward's) and are launched in
+    index order, the same on every group (gloo and NCCL need one order of collectives).
+    The last bucket waits for ``finish`` and carries the loss: a step pays no round trip
+    of its own for it (gradients are fp32 in every layout the trainer builds, so the loss
+    keeps its precision). Buckets are launched during the backward only once ``arm``ed,
+    before the last micro-batch's backward (the gradients are then final), and only for
+    a group rank whose parameters are plain tensors; under FSDP2, TP or PP the whole
+    reduction happens in ``finish``, after the layout's own collectives.
 
-def allreduce_scalar(manager: Any, value: torch.Tensor) -> float:
-    """Average a scalar (the loss) over the participating groups."""
-    t = value.detach().reshape(1).clone().float()
-    manager.allreduce(t).wait()
-    return float(t.item())
+    Never raises on a peer failure: the manager swallows it and the step is not committed
+    (``should_commit`` returns False on every group)."""
+
+    def __init__(
+        self,
+        manager: Any,
+        params: Iterable[torch.nn.Parameter],
+        *,
+        bucket_bytes: int = BUCKET_BYTES,
+    ):
+        self.manager = manager
+        ordered = [p for p in params if p.requires_grad][::-1]
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        size = 0
+        for p in ordered:
+            n = _local(p).numel() * p.element_size()
+            if not self.buckets or (size and size + n > bucket_bytes):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += n
+        self.buckets = self.buckets or [[]]  # the loss alone, then
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._pending: list[int] = []
+        self._next = 0
+        self._armed = False
+        self._works: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
+
+    def arm(self) -> None:
+        """The next backward produces this step's final gradients: launch each bucket
+        as soon as it is complete."""
+        self._pending = [len(b) for b in self.buckets]
+        self._armed = True
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        self._pending[self._bucket_of[id(p)]] -= 1
+        # The last bucket is left for finish(), which adds the loss.
+        while self._next < len(self.buckets) - 1 and self._pending[self._next] == 0:
+            self._launch(self._next, None)
+            self._next += 1
+
+    def _launch(self, i: int, loss: torch.Tensor | None) -> None:
+        grads = [_local(p.grad) for p in self.buckets[i] if p.grad is not None]
+        parts = [g.reshape(-1) for g in grads]
+        if loss is not None:
+            dtype = grads[0].dtype if grads else torch.float32
+            parts.append(loss.detach().reshape(1).to(dtype=dtype))
+        if parts:
+            flat = torch.cat(parts)
+            self._works.append((self.manager.allreduce(flat), flat, grads))
+
+    @property
+    def in_flight(self) -> int:
+        """Buckets launched and not yet waited for by ``finish``."""
+        return len(self._works)
+
+    def finish(self, loss: torch.Tensor) -> float:
+        """Launch what the backward did not, wait for every bucket and write the means
+        back into the gradients. Returns the groups' mean loss."""
+        self._armed = False
+        last = len(self.buckets) - 1
+        for i in range(self._next, last + 1):
+            self._launch(i, loss if i == last else None)
+        mean_loss = math.nan
+        for work, flat, grads in self._works:
+            work.wait()
+            offset = 0
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[offset : offset + n].view_as(g))
+                offset += n
+            if offset < flat.numel():
+                mean_loss = float(flat[offset])
+        self._works = []
+        self._next = 0
+        return mean_loss
+
+    def close(self) -> None:
+        """Detach from the parameters (a model handed on to another run gets a new one)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

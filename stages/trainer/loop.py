@@ -129,6 +129,7 @@ class TrainLoop:
         self.inner_optimizer: torch.optim.Optimizer
         self.optimizer: Any
         self.manager: Any
+        self.reducer: ft.GradientReducer  # torchft: the gradient allreduce over the groups
         self.loader: Any = None  # the lm objective's MixedLoader (None for sft/dpo)
         self.objective: Objective
         self.ckpt: Any = None
@@ -265,11 +266,13 @@ class TrainLoop:
     # --- the loop -------------------------------------------------------------------
     def run(self) -> None:
         restarted = bool(self.status.get("restarted"))
-        self.setup.build()
         if self.spec.replica_group < 0:
+            self.setup.prepare_standby()
             if not self.setup.wait_as_spare():
                 return
             restarted = True  # joins a running job: heal, no start barrier
+        else:
+            self.setup.build()
         if not self.setup.join():
             return self._finish()  # stopped before the run's data was ready
         self.status.update(phase="ready")
@@ -293,30 +296,15 @@ class TrainLoop:
             if self.control.pause:
                 self._pause(step)
                 continue
-            result = self.train_step(step)
-            if result is None:
-                break
-            self._after_commit(result)
+            self._after_commit(self.train_step(step))
         self._finish()
 
-    def train_step(self, step: int) -> StepResult | None:
-        """zero_grad (quorum, maybe heal), forward/backward, gradient allreduce, clip,
-        the finiteness check, ``optimizer.step`` and the commit. None: the schedule is
-        done (a heal jumped past its end)."""
+    def train_step(self, step: int) -> StepResult:
+        """zero_grad (the quorum starts, overlapping the forward), forward/backward, the
+        gradient and loss allreduce, clip, the finiteness check, the commit vote (a
+        group behind its peers loads their state there) and the inner optimizer step."""
         t0 = time.time()
-        self.optimizer.zero_grad()  # torchft: quorum; heals here if we are behind
-        if self.healed:
-            self.healed = False
-            step = self.manager.current_step()  # torchft: a heal jumps to the peers' step
-            if step:  # at step 0 it is torchft's initial weight sync, not a recovery
-                self.log(f"healed from a live peer at step {step}")
-            if step >= self.schedule.total_steps:
-                return None
-            if not self.phase.start_step <= step < self.phase.end_step:
-                self.enter_phase(self.schedule.phase_of(step))
-        lr = self.phase.lr(step)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        self.optimizer.zero_grad()  # torchft: starts the quorum (async: overlaps forward)
         batch = data_index(step - self.phase.start_step, self.windows)
         data = self.objective.batch(batch).to(self.device)
         if data.waited_s >= IDLE_SPAN_MIN_S:  # the batch's data did not exist yet
@@ -324,27 +312,42 @@ class TrainLoop:
             self.emit(PhaseEvent(phase="idle", start=got_at - data.waited_s, end=got_at))
         inj = self.cfg.inject_loss_spike  # test knob: a poisoned data batch
         scale = inj.scale if inj is not None and batch in inj.batches else 1.0
-        loss = self.parallel.forward_backward(data, self.objective, scale=scale)
-        ft.allreduce_gradients(self.manager, self.model.parameters())  # torchft
-        global_loss = ft.allreduce_scalar(  # torchft: the same loss on every group
-            self.manager, self.parallel.group_mean_loss(loss)
+        # torchft: the gradient buckets are reduced over the groups as the backward
+        # produces them (the first waits for the quorum); a group that must heal
+        # contributes zeros (its batch is not trained): the mean is the participants'.
+        loss = self.parallel.forward_backward(
+            data, self.objective, scale=scale, reducer=self.reducer
         )
+        global_loss = self.reducer.finish(self.parallel.group_mean_loss(loss))  # torchft
         grad_norm = self.parallel.clip_grad_norm_(self.cfg.target.grad_clip)
         if not (math.isfinite(global_loss) and math.isfinite(grad_norm)):
             # torchft: an error reported before the vote makes should_commit false, so
-            # optimizer.step skips the update. Loss and norm are global (allreduced),
-            # so every group refuses the same step.
+            # the update is skipped. Loss and norm are global (allreduced), so every
+            # group refuses the same step.
             self.manager.report_error(
                 FloatingPointError(
                     f"non-finite loss {global_loss} or grad norm {grad_norm} at step {step}"
                 )
             )
-        self.optimizer.step()  # torchft: should_commit, then the inner step
-        committed = self.manager.current_step() > step  # torchft
+        # torchft: the vote. A group behind its peers loads their state first (async
+        # quorum), so the step it commits is theirs: its LR, phase and data position.
+        committed = self.manager.should_commit()
+        trained = self.manager.current_step() - 1 if committed else self.manager.current_step()
+        if self.healed:
+            self.healed = False
+            self.log(f"healed from a live peer at step {trained}")
+            if not self.phase.start_step <= trained < self.phase.end_step:
+                self.enter_phase(self.schedule.phase_of(trained))
+            batch = data_index(trained - self.phase.start_step, self.windows)
+        lr = self.phase.lr(trained)
+        if committed:
+            for g in self.inner_optimizer.param_groups:
+                g["lr"] = lr
+            self.inner_optimizer.step()
         quorum = self.manager.num_participants()  # torchft
         now = time.time()
         result = StepResult(
-            step=step,
+            step=trained,
             committed=committed,
             loss=global_loss,
             grad_norm=grad_norm,
@@ -356,7 +359,7 @@ class TrainLoop:
         )
         self.emit(
             StepEvent(
-                step=step + 1 if committed else step,
+                step=trained + 1 if committed else trained,
                 replica_group=self.spec.replica_group,
                 loss=global_loss if math.isfinite(global_loss) else 1e9,
                 tokens=data.tokens * quorum * self.cfg.layout.dp_shard if committed else 0,
@@ -523,6 +526,8 @@ class TrainLoop:
         if self.ckpt is not None:
             self.ckpt.close()
             self._report_checkpoints()
+        if getattr(self, "reducer", None) is not None:
+            self.reducer.close()
         self.status.update(
             phase="finished" if not self.control.stop else "stopped",
             step=self.manager.current_step(),

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,9 @@ from stages.trainer.layout import ParallelLayout, check_runnable
 from stages.trainer.mesh import FSDP_DIM, mesh_coords, mesh_layout
 from stages.trainer.objective import Batch, Objective, Tensors
 from stages.trainer.pipeline import LocalModel, StageModule, build_schedule, split_model
+
+if TYPE_CHECKING:
+    from stages.trainer.ft import GradientReducer
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -304,17 +307,24 @@ class ParallelModel:
         return out.full_tensor() if hasattr(out, "full_tensor") else out
 
     def forward_backward(
-        self, batch: Batch, objective: Objective, *, scale: float = 1.0
+        self,
+        batch: Batch,
+        objective: Objective,
+        *,
+        scale: float = 1.0,
+        reducer: GradientReducer | None = None,
     ) -> torch.Tensor:
         """Forward and backward of this rank's batch under ``objective``; returns the
         rank's loss, ``loss_sum / denominator`` (0 on pipeline ranks without the last
-        stage)."""
+        stage). ``reducer``: the replica groups' gradient reduction, started during the
+        last micro-batch's backward where the parameters are plain tensors."""
         self._scale = scale
         if self.schedule is None:
             # The plan's micro-batches: equal dim-0 slices, each one's summed loss over
             # the whole batch's denominator, so the gradients sum to the batch's mean.
             total = torch.zeros((), device=self.device)
-            for part in batch.split(self.layout.grad_accum):
+            parts = batch.split(self.layout.grad_accum)
+            for i, part in enumerate(parts):
                 inputs = objective.model_inputs(part)
                 ids = inputs["input_ids"].contiguous()
                 pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()
@@ -330,6 +340,8 @@ class ParallelModel:
                     # its log-probs): dropping them first keeps b x V bytes a token off
                     # the backward's peak, as torchtitan's ``del pred``.
                     del logits
+                    if reducer is not None and self.mesh is None and i == len(parts) - 1:
+                        reducer.arm()
                     loss.backward()
                 total = total + loss.detach()
             return total

@@ -4,7 +4,6 @@ replica group (torchft Manager, checkpoints, resume from the newest one)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 
 from stages.presets import load_model_preset
 from stages.trainer import ft
+from stages.trainer.idle import idle_thread, run_when_idle
 
 if TYPE_CHECKING:
     from stages.trainer.layout import ParallelLayout
@@ -163,11 +163,20 @@ class RankSetup:
         p.grad = torch.zeros_like(p)
         torch.optim.AdamW([p]).step()
 
+    def prepare_standby(self) -> None:
+        """A standby's build and warm-up, at idle priority (``stages.trainer.idle``): it
+        is started beside live ranks, often on their cores, and must not slow them."""
+
+        def prepare() -> None:
+            self.build()
+            self.warm_up()
+
+        run_when_idle(prepare, name="standby-warm-up")
+
     def wait_as_spare(self) -> bool:
-        """A pre-started spare: warm up (on the CPU), then wait to take a lost group's
-        place, on the lost rank's device. False: the run stopped first."""
+        """A pre-started spare (built and warmed up: ``prepare_standby``): wait to take a
+        lost group's place, on the lost rank's device. False: the run stopped first."""
         loop = self.loop
-        self.warm_up()
         loop.status.update(phase="standby")
         group = loop.control.wait_activation()
         if group is None:
@@ -231,8 +240,10 @@ class RankSetup:
             secret=loop.secret,
             placement=spec.placement,
         )
-        # torchft: step() votes should_commit before the inner AdamW step.
+        # torchft: zero_grad() starts the quorum; the loop votes should_commit itself
+        # before the inner AdamW step (a healed group's LR is its peers' step's).
         loop.optimizer = OptimizerWrapper(loop.manager, loop.inner_optimizer)
+        loop.reducer = ft.GradientReducer(loop.manager, loop.model.parameters())
         loop.detector = LossSpikeDetector(cfg.loss_spike)
         # The whole resumable state as one DCP Stateful; the loader position in it is
         # informational (the loop seeks by step), the skipped windows are not.
@@ -261,14 +272,9 @@ class RankSetup:
         from stages.trainer.phase_eval import warm_phase_end
 
         tasks = spec.rank == 0 and any(p.eval_battery for p in loop.schedule.phases)
-        loop.phase_end_imports = threading.Thread(
-            target=warm_phase_end,
-            args=(cfg,),
-            kwargs={"tasks": tasks},
-            name="phase-end-imports",
-            daemon=True,
+        loop.phase_end_imports = idle_thread(
+            lambda: warm_phase_end(cfg, tasks=tasks), name="phase-end-imports"
         )
-        loop.phase_end_imports.start()
         shards = loop.control.wait_data()
         if shards is None:
             return False

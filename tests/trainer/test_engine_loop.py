@@ -143,7 +143,8 @@ def test_the_lighthouse_actor_serves_without_importing_torch() -> None:
 
 def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() -> None:
     """One replica group against a real lighthouse: the averaged gradient of a
-    quorum of one is the gradient itself, bucket boundaries included."""
+    quorum of one is the gradient itself, bucket boundaries included, and the loss
+    carried in the last bucket comes back whole."""
     from torch.distributed import TCPStore
 
     from stages.run_secret import RunSecret
@@ -172,9 +173,13 @@ def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() ->
         model(torch.randn(4, 8)).sum().backward()
         before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         manager.start_quorum()
-        ft.allreduce_gradients(manager, model.parameters(), bucket_bytes=64)
+        loss = torch.tensor(2.5)
+        reducer = ft.GradientReducer(manager, model.parameters(), bucket_bytes=64)
+        assert len(reducer.buckets) > 1
+        mean = reducer.finish(loss)
         after = [p.grad for p in model.parameters() if p.grad is not None]
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        assert mean == 2.5  # the loss rode in the last bucket
         assert manager.should_commit()
         assert manager.current_step() == 1
     finally:

@@ -1,0 +1,96 @@
+"""The gradient reducer against real torchft: two replica groups (a Manager each, in
+threads of this process, over a real lighthouse and gloo) reduce their gradients in
+buckets launched during the backward, and end with the mean of both groups'
+gradients and losses."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.distributed import TCPStore
+
+from stages.run_secret import RunSecret
+from stages.trainer import ft
+from stages.trainer.config import FaultToleranceConfig
+from stages.trainer.lighthouse import start_lighthouse
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+    )
+
+
+def test_two_groups_reduce_buckets_during_the_backward_to_the_mean_of_both() -> None:
+    cfg = FaultToleranceConfig(min_replica_groups=2)
+    lighthouse = start_lighthouse(cfg)
+    secret = RunSecret.new()
+    results: dict[int, dict[str, Any]] = {}
+    errors: list[BaseException] = []
+
+    def group(g: int) -> None:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        model = _model()
+        manager = ft.build_manager(
+            cfg,
+            pg=ft.build_process_group(cfg, "cpu"),
+            replica_group=g,
+            rank=0,
+            ranks_per_group=1,
+            store_addr="127.0.0.1",
+            store_port=store.port,
+            lighthouse_addr=lighthouse.address(),
+            load_state_dict=lambda _s: None,
+            state_dict=lambda: {},
+            secret=secret,
+            placement=None,
+        )
+        reducer = ft.GradientReducer(manager, model.parameters(), bucket_bytes=16 * 16 * 4)
+        try:
+            for step in range(2):
+                model.zero_grad(set_to_none=True)
+                manager.start_quorum()
+                x = torch.full((8, 16), float(g + 1 + step))
+                loss = model(x).square().mean()
+                reducer.arm()
+                loss.backward()
+                local = [p.grad.clone() for p in model.parameters()]
+                in_flight = reducer.in_flight
+                mean_loss = reducer.finish(loss)
+                assert manager.should_commit()
+            results[g] = {
+                "local": local,
+                "reduced": [p.grad.clone() for p in model.parameters()],
+                "loss": float(loss),
+                "mean_loss": mean_loss,
+                "in_flight": in_flight,
+                "buckets": len(reducer.buckets),
+                "participants": manager.num_participants(),
+            }
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            reducer.close()
+            manager.shutdown(wait=False)
+
+    threads = [threading.Thread(target=group, args=(g,)) for g in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    lighthouse.shutdown()
+    assert not errors, errors
+    a, b = results[0], results[1]
+    assert a["participants"] == b["participants"] == 2
+    # Every bucket but the last (it carries the loss) went out while the backward ran.
+    assert a["buckets"] >= 3
+    assert a["in_flight"] == b["in_flight"] == a["buckets"] - 1
+    for ga, gb, ra, rb in zip(a["local"], b["local"], a["reduced"], b["reduced"], strict=True):
+        assert not torch.equal(ga, gb)  # the groups' own gradients differ ...
+        assert torch.equal(ra, rb)  # ... and both end with the same mean
+        torch.testing.assert_close(ra, (ga + gb) / 2)
+    assert a["mean_loss"] == b["mean_loss"]
+    assert abs(a["mean_loss"] - (a["loss"] + b["loss"]) / 2) < 1e-5 * a["mean_loss"]
