@@ -145,7 +145,7 @@ def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() ->
     """One replica group against a real lighthouse: the averaged gradient of a
     quorum of one is the gradient itself, bucket boundaries included, and the loss
     carried in the last bucket comes back whole."""
-    from torch.distributed import TCPStore
+    from helpers.ft_manager import one_rank_manager
 
     from stages.run_secret import RunSecret
     from stages.trainer import ft
@@ -153,22 +153,8 @@ def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() ->
 
     cfg = FaultToleranceConfig()
     lighthouse = start_lighthouse(cfg)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    manager = ft.build_manager(
-        cfg,
-        pg=ft.build_process_group(cfg, "cpu"),
-        replica_group=0,
-        rank=0,
-        ranks_per_group=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse.address(),
-        load_state_dict=lambda _s: None,
-        state_dict=lambda: {},
-        secret=RunSecret.new(),
-        placement=None,
-    )
+    manager, _store = one_rank_manager(cfg, lighthouse.address(), secret=RunSecret.new())
     try:
         model(torch.randn(4, 8)).sum().backward()
         before = [p.grad.clone() for p in model.parameters() if p.grad is not None]

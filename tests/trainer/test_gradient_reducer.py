@@ -9,7 +9,7 @@ import threading
 from typing import Any
 
 import torch
-from torch.distributed import TCPStore
+from helpers.ft_manager import one_rank_manager
 
 from stages.run_secret import RunSecret
 from stages.trainer import ft
@@ -30,24 +30,11 @@ def test_two_groups_reduce_buckets_during_the_backward_to_the_mean_of_both() -> 
     secret = RunSecret.new()
     results: dict[int, dict[str, Any]] = {}
     errors: list[BaseException] = []
+    models = [_model() for _ in range(2)]  # the same weights (seeded off the threads)
 
     def group(g: int) -> None:
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        model = _model()
-        manager = ft.build_manager(
-            cfg,
-            pg=ft.build_process_group(cfg, "cpu"),
-            replica_group=g,
-            rank=0,
-            ranks_per_group=1,
-            store_addr="127.0.0.1",
-            store_port=store.port,
-            lighthouse_addr=lighthouse.address(),
-            load_state_dict=lambda _s: None,
-            state_dict=lambda: {},
-            secret=secret,
-            placement=None,
-        )
+        manager, _store = one_rank_manager(cfg, lighthouse.address(), group=g, secret=secret)
+        model = models[g]
         reducer = ft.GradientReducer(manager, model.parameters(), bucket_bytes=16 * 16 * 4)
         try:
             for step in range(2):

@@ -1,0 +1,34 @@
+"""A real torchft Manager for a one-rank replica group in this process (its own
+store, no state to heal), as the trainer builds it: for tests of the gradient path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stages.run_secret import RunSecret
+from stages.trainer import ft
+from stages.trainer.config import FaultToleranceConfig
+
+
+def one_rank_manager(
+    cfg: FaultToleranceConfig, lighthouse_addr: str, *, group: int = 0, secret: RunSecret
+) -> tuple[Any, Any]:
+    """(manager, its group's TCPStore): keep the store alive as long as the manager."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = ft.build_manager(
+        cfg,
+        pg=ft.build_process_group(cfg, "cpu"),
+        replica_group=group,
+        rank=0,
+        ranks_per_group=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=lighthouse_addr,
+        load_state_dict=lambda _s: None,
+        state_dict=lambda: {},
+        secret=secret,
+        placement=None,
+    )
+    return manager, store
