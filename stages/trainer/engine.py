@@ -115,6 +115,7 @@ class TrainingEngine:
         # Ranks whose last reply said finished (with their final shard digest), and when
         # every group's rank 0 first did.
         self._finished_ranks: set[tuple[int, int]] = set()
+        self._rank_phase: dict[tuple[int, int], str] = {}  # each rank's last reported phase
         self._groups_finished_at: float | None = None
         self.emit_fn = emit
         self.cancel_event = cancel_event
@@ -576,6 +577,7 @@ class TrainingEngine:
             due = time.monotonic() + every
             self._poll_due[key] = min(self._poll_due.get(key, due), due)
         self._rank_pid[key] = status["pid"]
+        self._rank_phase[key] = status["phase"]
         if status["phase"] == "finished":
             self._finished_ranks.add(key)
         else:
@@ -768,6 +770,17 @@ class TrainingEngine:
         self.emit(LogEvent(message=detail))
         self._spike_pending = None
 
+    def _stop_gracefully(self) -> None:
+        """Cancel: every rank stops at its next step boundary and reports what it still
+        holds (a checkpoint committed since its last poll: it is on disk, so the run's
+        record must list it), for at most ``stop_timeout_s``; then every actor is killed."""
+        self.command_all("stop")
+        deadline = time.time() + self.ft.stop_timeout_s
+        while time.time() < deadline and any(
+            self._rank_phase.get(key) not in ("stopped", "finished", "error") for key in self.actors
+        ):
+            self.poll_once(self.ft.poll_interval_s)
+
     def _await_decision(self, proposal_id: str) -> str | None:
         waited = 0.0
         limit = self.ft.decision_timeout_s
@@ -789,6 +802,7 @@ class TrainingEngine:
                 raise ItoError(ErrorCode.internal_error, "the engine ran before its data")
             while True:
                 if self.cancel_event.is_set():
+                    self._stop_gracefully()
                     raise RunCancelled()
                 self.poll_once(self.ft.poll_interval_s)
                 if not self._started and len(self._ready) == len(self.actors):

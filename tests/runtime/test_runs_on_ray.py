@@ -39,6 +39,7 @@ from helpers.waiting import wait_until
 from helpers.xdist_groups import module_group
 
 from orchestrator.db.store import Store
+from stages.checkpointing.storage import list_checkpoints
 
 # Above pytest's 300 s default: a run may take RUN_TIMEOUT_S once the server is up.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), module_group(__name__)]
@@ -112,6 +113,10 @@ def test_cancel_mid_run_stops_every_actor_keeps_checkpoints_then_cleanup(
     )
     ckpts = api_get(rt, f"/v1/runs/{run_id}/checkpoints")["checkpoints"]
     assert ckpts and all(Path(c["path"]).is_dir() for c in ckpts)
+    # The ranks stopped and reported before they were killed: every checkpoint on
+    # disk is on the run's record, the one committed since the last poll included.
+    on_disk = {r.step for r in list_checkpoints(rt["tmp"] / "ckpt" / run_id)}
+    assert {c["step"] for c in ckpts} == on_disk
 
     # Cleanup (its own confirmation) removes scratch and checkpoints, never the booking.
     with be.client() as c:
