@@ -26,7 +26,8 @@ def _model() -> torch.nn.Module:
 
 def test_two_groups_reduce_buckets_during_the_backward_to_the_mean_of_both() -> None:
     cfg = FaultToleranceConfig(min_replica_groups=2)
-    lighthouse = start_lighthouse(cfg)
+    # Both groups in the first quorum (min_replicas 1 let the first to ask form one alone).
+    lighthouse = start_lighthouse(cfg, min_replicas=2)
     secret = RunSecret.new()
     results: dict[int, dict[str, Any]] = {}
     errors: list[BaseException] = []
