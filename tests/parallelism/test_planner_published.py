@@ -3,6 +3,8 @@ and this repo's one-H200 fp8 measurement (docs/training-engine.md)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from stages.parallelism import Layout, PlanRequest, load_gpu_sku, validate_layout
@@ -38,9 +40,9 @@ def test_fp8_prediction_matches_the_h200_measurement() -> None:
     assert _h200_prediction("bf16") == pytest.approx(H200_BF16_TOKENS_PER_S, rel=0.05)
 
 
-def test_llama3_405b_published_layout_is_accepted_at_16k_gpus() -> None:
-    # Llama 3 paper, table 4: TP8 CP1 PP16 DP128 on 16,384 H100 at 8k, 41% BF16 MFU.
-    request = PlanRequest(
+def _llama3_405b_at_16k(**overrides: Any) -> PlanRequest:
+    """The Llama 3 paper's 405B pre-training request: 16,384 H100 over RoCE, 8k, 16M tokens."""
+    return PlanRequest(
         model="llama3-405b",
         gpu_sku="H100-SXM",
         gpus_per_node=8,
@@ -48,7 +50,13 @@ def test_llama3_405b_published_layout_is_accepted_at_16k_gpus() -> None:
         fabric="roce",
         global_batch_tokens=16 * 2**20,
         seq_len=8192,
+        **overrides,
     )
+
+
+def test_llama3_405b_published_layout_is_accepted_at_16k_gpus() -> None:
+    # Llama 3 paper, table 4: TP8 CP1 PP16 DP128 on 16,384 H100 at 8k, 41% BF16 MFU.
+    request = _llama3_405b_at_16k()
     layout = Layout(
         tp=8,
         pp=16,
@@ -83,16 +91,7 @@ def test_fp8_layouts_gather_bf16_weights_under_fsdp() -> None:
     # (enable_fsdp_float8_all_gather off): FSDP gathers bf16 weights for fp8 layouts,
     # so the PP stage it keeps gathered weighs what bf16's does.
     def buffers(precision: str) -> float:
-        request = PlanRequest(
-            model="llama3-405b",
-            gpu_sku="H100-SXM",
-            gpus_per_node=8,
-            node_count=2048,
-            fabric="roce",
-            global_batch_tokens=16 * 2**20,
-            seq_len=8192,
-            precision=precision,  # type: ignore[arg-type]
-        )
+        request = _llama3_405b_at_16k(precision=precision)
         layout = Layout(
             tp=8,
             pp=16,
