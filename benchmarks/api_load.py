@@ -1,294 +1,136 @@
-"""API load benchmark (not in CI): N concurrent clients polling status and submitting.
+"""API load benchmark: status reads and submits against real servers, open or closed loop.
 
-Starts a real ``ito-backend serve`` subprocess on loopback with a temp DB, makes one
-tenant (one submitter key per client, so the per-key rate limit measures nothing
-here; an approver key; a live booking), one run to poll, and one
-confirmation per planned submit (made before the timed phase: confirming is the
-approver's step, not load). Then ``--clients`` asyncio clients, each with its own
-connection, run for ``--duration`` seconds: GET /v1/runs/{id} every ``--interval``
-seconds (0 = back to back, a closed loop), and ``--submits`` POST /v1/runs spread
-over the run. The load generator is a separate process from the server, but both
-share this machine's cores: the figures are what a co-located client sees.
+Starts real ``ito-backend serve`` subprocesses on loopback (``--runtime none``: runs
+stay ``accepted``; the planner gate is on, so a submit costs what it costs in
+production) and makes one tenant: a fresh account with submitter keys, an approver key
+and a live booking, one run to poll, and the train confirmations the submits consume
+(made by the approver before the timed load: confirming is its step, not load). The
+servers run with ``--max-active-runs-per-account`` at its maximum and
+``--plans-per-account`` above the request threads (the operator's own settings), so
+every submit the benchmark sends can be accepted: a refusal is an error, never timed.
+The load generator is one asyncio process beside the servers: on a small box they share
+the cores, and the figures are what a co-located client sees.
 
-    .venv/bin/python benchmarks/api_load.py --clients 50 --duration 20 --interval 0.25
+``--mode open`` (fixed rate): ``--clients`` clients, one key each, poll
+``GET /v1/runs/{id}`` every ``--interval`` s for ``--duration`` s, and ``--submits``
+``POST /v1/runs`` go out at random moments (each on a fresh connection). Latency counts
+from when the request was *due* (no coordinated omission); ``*_service_p99_ms`` times
+the same requests from their send. Numbers (ms, nearest-rank percentiles):
 
-Latency counts from when a request was due, not from when it was sent: a poll is due
-``--interval`` after the previous one was due (fixed rate), a submit at its planned
-moment, so time spent queued behind a slow request counts (no coordinated omission;
-with ``--interval 0``, a closed loop, due = sent). ``*_service_p99_ms`` are the same
-requests timed from their send, for comparison.
+- ``status_p50_ms``/``status_p99_ms``/``status_mean_ms``, ``submit_p50_ms``/
+  ``submit_p99_ms``: due-to-answer latency of the requests answered 200, only those.
+- ``status_requests``/``submit_requests``: requests answered 200; ``errors``: every
+  other answer or lost connection, ``{"<kind> <status> <error code>": count}``.
+- ``requests_per_s``: 200 answers (both kinds) per second of the timed phase.
+
+``--mode closed`` (saturation): ``c`` clients each send the next request as soon as the
+last answers, on one keep-alive connection, spread round-robin over the replicas; each
+request takes the next key of a pool of ``--keys`` (so the per-key rate limit, 50/s by
+default, never bites). ``c`` doubles from 1 up to ``--clients-max``: each step runs
+``--warmup-s`` then ``--step-s`` measured seconds, and the sweep stops once a step's
+throughput is not ``--plateau`` above the best so far (``--patience`` steps in a row),
+its p99 passes ``--p99-bound-ms``, or it saw an error. Two sweeps per store:
+
+- ``status``: only status reads.
+- ``mix``: every ``--submit-every``-th request of each client is a submit (the open
+  mode's default mix is 100 submits to 4000 reads, 1 in 41), the rest status reads.
+
+Per step: ``requests_per_s`` = 200 answers completed inside the measured window per
+second of it (status and submits alike; ``status_per_s``/``submit_per_s`` split it);
+``p50_ms``/``p99_ms`` (all kinds), ``status_p99_ms``/``submit_p99_ms``: send-to-answer
+latency of those answers; ``server_cpu_ms_per_request``/``client_cpu_ms_per_request``:
+CPU of the servers (all replicas) and of the load generator over the whole step per 200
+answer; ``machine_busy_pct``: the cores' busy share over the step (from /proc/stat).
+``saturation_rps`` (and ``status_saturation_rps``/``mix_saturation_rps``) = the highest
+``requests_per_s`` of a step within the p99 bound, ``saturation_clients`` its ``c``.
 
 Several replicas: ``--replicas N --db postgresql://...`` starts N servers on that
-(empty or shared) PostgreSQL database and spreads the clients over them round-robin,
-as a load balancer would; ``--sqlite-baseline`` first measures the single server on
-a temp SQLite file in the same run, so both lines come from the same machine state.
-The password comes from ``ITO_DB_PASSWORD_FILE`` / ``PGPASSWORD``, never argv.
+(empty or shared) PostgreSQL database; ``--sqlite-baseline`` first measures one server
+on a temp SQLite file in the same run. The password comes from ``ITO_DB_PASSWORD_FILE``
+/ ``PGPASSWORD``, never argv. In closed mode the last line then carries
+``saturation_ratio`` = replicas' status ``saturation_rps`` / SQLite's, and
+``mix_saturation_ratio`` the same for the mix.
 
-    .venv/bin/python benchmarks/api_load.py --replicas 2 --db postgresql://ito@127.0.0.1:5432/ito \
-        --sqlite-baseline
+    .venv/bin/python benchmarks/api_load.py --clients 50 --duration 20 --interval 0.25
+    .venv/bin/python benchmarks/api_load.py --mode closed --replicas 2 \\
+        --db postgresql://ito@127.0.0.1:5432/ito --sqlite-baseline
 
-Prints p50/p99 latency per kind and requests/s; the last line is one JSON object:
-clients, status_p50_ms, status_p99_ms, submit_p99_ms, the service-time p99s,
-requests_per_s (plus details); with ``--sqlite-baseline``, ``{"sqlite": {...},
-"replicas": {...}}``.
-``--profile PATH`` records the server with py-spy during the timed phase (raw
-collapsed stacks) and prints the hottest frames.
+Every line but the last is for people; the last is one JSON object (with
+``--sqlite-baseline``: ``{"sqlite": {...}, "replicas": {...}, ...}``). Neither mode
+expects any error: the exit status is 1, after the JSON line, when any request was
+refused or lost (the codes and counts go to stderr). ``--profile PATH`` records the
+first server with py-spy during the load (raw collapsed stacks) and prints the hottest
+frames.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import hashlib
+import itertools
 import json
+import math
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.runtime.ports import free_port
-
-REPO = Path(__file__).resolve().parents[1]
-STARTUP_TIMEOUT_S = 90.0
-REQUEST_TIMEOUT_S = 30.0
-
-
-def _iso(hours: float) -> str:
-    return (datetime.now(UTC) + timedelta(hours=hours)).isoformat().replace("+00:00", "Z")
-
-
-def start_server(
-    tmp: Path,
-    log_level: str,
-    module: str = "orchestrator.admin",
-    db: str | None = None,
-    name: str = "server",
-) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            module,
-            "serve",
-            "--db",
-            db or str(tmp / "ito.db"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--var-dir",
-            str(tmp / "var"),
-            "--log-level",
-            log_level,
-            # The API under load, not training: runs stay `accepted` (no Ray, no actors);
-            # the planner gate stays on, so a submit costs what it costs in production.
-            "--runtime",
-            "none",
-            "--metrics-port",
-            "0",
-            # The clients are one account's: the per-account plan bound would refuse
-            # overlapping submits; lifted to the server's 4 request threads (this
-            # measures throughput; tests/api/test_server_abuse.py measures the bound).
-            "--plans-per-account",
-            "4",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError((tmp / f"{name}.log").read_text()[-3000:])
-        try:
-            if httpx.get(url + "/healthz", timeout=1.0).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not start")
+from benchmarks.api_load_setup import (
+    confirmations,
+    connect,
+    cpu_seconds,
+    hottest,
+    make_tenant,
+    manifest_body,
+    pct,
+    send,
+    start_server,
+    submit_sync,
+)
 
 
-def make_tenant(db: str, clients: int) -> dict[str, Any]:
-    from orchestrator.db.store import Store
-    from orchestrator.gates.auth import SCOPES, issue_key
-    from orchestrator.gates.bookings import BookingFile, add_booking
+class Target:
+    """The servers of one store, its tenant, the polled run and the manifest to submit."""
 
-    store = Store(db)
-    # A fresh account per run: a shared PostgreSQL database may hold earlier ones.
-    name = f"bench-{os.urandom(4).hex()}"
-    try:
-        account = store.create_account(name)["account_id"]
-        # The manifest's data and checkpoint folders are under the temp folder.
-        root = os.path.realpath(tempfile.gettempdir())
-        store.set_roots(account, "data", [root])
-        store.set_roots(account, "checkpoint", [root])
-        submitters = [
-            issue_key(store, name, ["runs:read", "runs:write"])[1] for _ in range(clients)
-        ]
-        approver_scopes = [s for s in SCOPES if s.startswith("confirm:")] + ["runs:read"]
-        _, approver = issue_key(store, name, approver_scopes)
-        booking = f"bk-{name}"
-        add_booking(
-            store,
-            BookingFile.model_validate(
-                {
-                    "booking_id": booking,
-                    "account": name,
-                    # The CPU testbed: the planner gate accepts llama-tiny on it.
-                    "gpu_sku": "cpu-testbed",
-                    "gpus_per_node": 2,
-                    "node_count": 1,
-                    "region": "local",
-                    "fabric": "loopback",
-                    "term_start": _iso(-1),
-                    "term_end": _iso(24),
-                }
-            ),
-        )
-    finally:
-        store.close()
-    return {
-        "submitter": submitters[0],
-        "submitters": submitters,
-        "approver": approver,
-        "booking": booking,
-    }
+    def __init__(self, urls: list[str], pids: list[int], t: dict[str, Any], tmp: Path):
+        self.urls, self.pids, self.t = urls, pids, t
+        self.body = manifest_body(tmp)
+        first = confirmations(urls[0], t, self.body, 1)[0]
+        self.run_id = submit_sync(urls[0], t, self.body, first, "bench-poll-target")
+
+    def payload(self, ref: str) -> bytes:
+        return json.dumps(
+            {"booking_id": self.t["booking"], "confirmation_ref": ref, **self.body}
+        ).encode()
+
+    def server_cpu(self) -> float:
+        return sum(cpu_seconds(p) for p in self.pids)
 
 
-def manifest_body(tmp: Path) -> dict[str, str]:
-    m = json.loads((REPO / "configs" / "manifests" / "example.json").read_text())
-    m["checkpoint"]["storage_uri"] = "file://" + str(tmp / "ckpt")
-    raw = json.dumps(m, sort_keys=True).encode()
-    return {
-        "manifest_b64": base64.b64encode(raw).decode(),
-        "manifest_digest": hashlib.sha256(raw).hexdigest(),
-    }
+def busy_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot, from /proc/stat."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = vals[3] + vals[4]  # idle + iowait
+    return sum(vals) - idle, sum(vals)
 
 
-def confirmations(url: str, t: dict[str, str], body: dict[str, str], n: int) -> list[str]:
-    refs = []
-    with httpx.Client(
-        base_url=url,
-        timeout=REQUEST_TIMEOUT_S,
-        headers={"Authorization": f"Bearer {t['approver']}"},
-    ) as c:
-        for _ in range(n):
-            env = c.post(
-                "/v1/confirmations",
-                json={
-                    "action": "train",
-                    "booking_id": t["booking"],
-                    "cost_usd": 100.0,
-                    **body,
-                },
-            ).json()
-            if not env["ok"]:
-                raise RuntimeError(f"confirmation refused: {env}")
-            refs.append(env["data"]["confirmation_ref"])
-    return refs
+# --- open loop ----------------------------------------------------------------------
 
 
-def submit_sync(url: str, t: dict[str, str], body: dict[str, str], ref: str, key: str) -> str:
-    r = httpx.post(
-        url + "/v1/runs",
-        timeout=REQUEST_TIMEOUT_S,
-        json={"booking_id": t["booking"], "confirmation_ref": ref, **body},
-        headers={"Authorization": f"Bearer {t['submitter']}", "Idempotency-Key": key},
-    )
-    env = r.json()
-    if not env["ok"]:
-        raise RuntimeError(f"submit refused: {env}")
-    return str(env["data"]["run_id"])
-
-
-class RawHttp:
-    """A minimal HTTP/1.1 keep-alive connection on asyncio streams.
-
-    httpx costs the load generator more CPU per request than the server spends (measured:
-    ~2.5 ms vs ~1.6 ms); on a 2-core box that steals the server's CPU and inflates the
-    latencies. This client costs a fraction of it; ``--http httpx`` keeps the other."""
-
-    def __init__(self, url: str, headers: dict[str, str]):
-        parts = urlsplit(url)
-        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
-        self.base = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def request(
-        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
-    ) -> tuple[int, bytes]:
-        async with asyncio.timeout(REQUEST_TIMEOUT_S):
-            if self.writer is None:
-                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-            assert self.reader is not None
-            extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-            ctype = "Content-Type: application/json\r\n" if body else ""
-            head = (
-                f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self.base}"
-                f"{extra}{ctype}Content-Length: {len(body)}\r\n\r\n"
-            )
-            self.writer.write(head.encode() + body)
-            raw = await self.reader.readuntil(b"\r\n\r\n")
-            lines = raw.decode("latin-1").split("\r\n")
-            status = int(lines[0].split(" ", 2)[1])
-            fields = {
-                k.strip().lower(): v.strip()
-                for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)
-            }
-            data = await self.reader.readexactly(int(fields.get("content-length", "0")))
-            if fields.get("connection", "").lower() == "close":
-                await self.close()
-            return status, data
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-
-
-class HttpxConn:
-    def __init__(self, url: str, headers: dict[str, str]):
-        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        self.c = httpx.AsyncClient(
-            base_url=url, headers=headers, limits=limits, timeout=REQUEST_TIMEOUT_S
-        )
-
-    async def request(
-        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
-    ) -> tuple[int, bytes]:
-        hdrs = {**(headers or {}), **({"Content-Type": "application/json"} if body else {})}
-        r = await self.c.request(method, path, content=body or None, headers=hdrs)
-        return r.status_code, r.content
-
-    async def close(self) -> None:
-        await self.c.aclose()
-
-
-async def client_loop(
+async def open_client(
     i: int,
+    tg: Target,
     url: str,
-    t: dict[str, str],
-    body: dict[str, str],
-    run_id: str,
     refs: list[str],
     args: argparse.Namespace,
     t_end: float,
@@ -296,51 +138,45 @@ async def client_loop(
     errors: Counter[str],
 ) -> None:
     rng = random.Random(i)
-    headers = {"Authorization": f"Bearer {t['submitters'][i]}"}
-    conn: RawHttp | HttpxConn = (RawHttp if args.http == "raw" else HttpxConn)(url, headers)
+    headers = {"Authorization": f"Bearer {tg.t['submitters'][i]}"}
+    conn = connect(args.http, url, headers)
     try:
         # Submits at random moments of the run, so they meet polls from other clients.
         submit_at = sorted(rng.uniform(0, args.duration * 0.9) for _ in refs)
         start = time.monotonic()
         await asyncio.sleep(rng.uniform(0, max(args.interval, 0.01)))  # de-synchronise
-        # Each client keeps its own random phase: polls are due interval apart from
-        # the client's first poll (measuring from the common start re-aligned them all
-        # into bursts of 50 simultaneous requests).
+        # Each client keeps its own random phase: polls are due interval apart from the
+        # client's first poll (from the common start they re-align into bursts).
         phase = time.monotonic()
         n = 0
         # Submits go out on their own connection at their due moments, so a poll in
         # progress on this client's connection never delays them.
         submits = asyncio.create_task(
-            submit_loop(i, url, headers, t, body, refs, submit_at, start, args, lat, errors)
+            open_submits(i, tg, url, headers, refs, submit_at, start, args, lat, errors)
         )
-        status_path = f"/v1/runs/{run_id}"
+        path = f"/v1/runs/{tg.run_id}"
         while time.monotonic() < t_end:
-            # Latency counts from when the poll was due, not from when it could be sent:
-            # a poll delayed behind a slow one has been waiting (no coordinated omission).
             sent = time.monotonic()
             due = phase + n * args.interval if args.interval > 0 else sent
-            code, _ = await conn.request("GET", status_path)
+            ok = await send(conn, "status", "GET", path, errors)
             done = time.monotonic()
-            lat["status"].append(done - min(due, sent))
-            lat["status_service"].append(done - sent)
-            if code != 200:
-                errors[f"status {code}"] += 1
+            if ok:  # refusals are counted in errors, never timed
+                lat["status"].append(done - min(due, sent))
+                lat["status_service"].append(done - sent)
             n += 1
             if args.interval > 0:
-                # Fixed-rate polling: the next poll is due interval after the last was due.
-                next_due = phase + n * args.interval
-                await asyncio.sleep(max(0.0, next_due - time.monotonic()))
+                # Fixed rate: the next poll is due interval after the last was due.
+                await asyncio.sleep(max(0.0, phase + n * args.interval - time.monotonic()))
         await submits
     finally:
         await conn.close()
 
 
-async def submit_loop(
+async def open_submits(
     i: int,
+    tg: Target,
     url: str,
     headers: dict[str, str],
-    t: dict[str, str],
-    body: dict[str, str],
     refs: list[str],
     submit_at: list[float],
     start: float,
@@ -353,76 +189,23 @@ async def submit_loop(
     for at in submit_at:
         due = start + at
         await asyncio.sleep(max(0.0, due - time.monotonic()))
-        conn: RawHttp | HttpxConn = (RawHttp if args.http == "raw" else HttpxConn)(url, headers)
+        conn = connect(args.http, url, headers)
         try:
             ref = refs.pop()
-            payload = json.dumps(
-                {"booking_id": t["booking"], "confirmation_ref": ref, **body}
-            ).encode()
-            key = {"Idempotency-Key": f"bench-{i}-{len(refs)}-{ref[-8:]}"}
+            key = {"Idempotency-Key": f"bench-{i}-{os.urandom(6).hex()}"}
             sent = time.monotonic()
-            code, data = await conn.request("POST", "/v1/runs", payload, key)
+            ok = await send(conn, "submit", "POST", "/v1/runs", errors, tg.payload(ref), key)
             done = time.monotonic()
-            lat["submit"].append(done - due)
-            lat["submit_service"].append(done - sent)
-            if code != 200:
-                errors[f"submit {code} {json.loads(data)['error']['code']}"] += 1
+            if ok:
+                lat["submit"].append(done - due)
+                lat["submit_service"].append(done - sent)
         finally:
             await conn.close()
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), from /proc: robust to a busy machine."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s)) - 1))] * 1000
-
-
-def hottest(raw: Path, top: int = 15) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
-    """(self, inclusive) share of samples per frame from py-spy's raw (collapsed) output.
-
-    Inclusive counts a frame once per sample wherever it is on the stack, so
-    ``Store.audit`` or ``authenticate`` show their whole cost."""
-    own: Counter[str] = Counter()
-    incl: Counter[str] = Counter()
-    total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack:
-            continue
-        n = int(count)
-        total += n
-        frames = [f.split(" (")[0] for f in stack.split(";")]
-        own[frames[-1]] += n
-        for f in set(frames):
-            incl[f] += n
-    if not total:
-        return [], []
-    return (
-        [(f, 100.0 * c / total) for f, c in own.most_common(top)],
-        [(f, 100.0 * c / total) for f, c in incl.most_common(top * 4)],
-    )
-
-
-async def load(
-    urls: list[str],
-    t: dict[str, str],
-    body: dict[str, str],
-    run_id: str,
-    refs: list[str],
-    args: argparse.Namespace,
-) -> dict[str, Any]:
+async def open_load(tg: Target, refs: list[str], args: argparse.Namespace) -> dict[str, Any]:
     lat: dict[str, list[float]] = {
-        "status": [],
-        "submit": [],
-        "status_service": [],
-        "submit_service": [],
+        k: [] for k in ("status", "submit", "status_service", "submit_service")
     }
     errors: Counter[str] = Counter()
     per_client = [refs[i :: args.clients] for i in range(args.clients)]
@@ -430,23 +213,22 @@ async def load(
     t_end = t0 + args.duration
     await asyncio.gather(
         *(
-            client_loop(
-                i, urls[i % len(urls)], t, body, run_id, per_client[i], args, t_end, lat, errors
-            )
+            open_client(i, tg, tg.urls[i % len(tg.urls)], per_client[i], args, t_end, lat, errors)
             for i in range(args.clients)
         )
     )
     elapsed = time.monotonic() - t0
     total = len(lat["status"]) + len(lat["submit"])
     return {
+        "mode": "open",
         "clients": args.clients,
-        "replicas": len(urls),
-        "status_p50_ms": round(pct(lat["status"], 50), 2),
-        "status_p99_ms": round(pct(lat["status"], 99), 2),
-        "submit_p50_ms": round(pct(lat["submit"], 50), 2),
-        "submit_p99_ms": round(pct(lat["submit"], 99), 2),
-        "status_service_p99_ms": round(pct(lat["status_service"], 99), 2),
-        "submit_service_p99_ms": round(pct(lat["submit_service"], 99), 2),
+        "replicas": len(tg.urls),
+        "status_p50_ms": pct(lat["status"], 50),
+        "status_p99_ms": pct(lat["status"], 99),
+        "submit_p50_ms": pct(lat["submit"], 50),
+        "submit_p99_ms": pct(lat["submit"], 99),
+        "status_service_p99_ms": pct(lat["status_service"], 99),
+        "submit_service_p99_ms": pct(lat["submit_service"], 99),
         "requests_per_s": round(total / elapsed, 1),
         "status_requests": len(lat["status"]),
         "submit_requests": len(lat["submit"]),
@@ -454,62 +236,163 @@ async def load(
         if lat["status"]
         else None,
         "interval_s": args.interval,
-        "http": args.http,
         "duration_s": round(elapsed, 2),
         "errors": dict(errors),
-        "cpus": os.cpu_count(),
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--clients", type=int, default=50)
-    ap.add_argument("--duration", type=float, default=20.0, help="seconds of timed load")
-    ap.add_argument(
-        "--interval",
-        type=float,
-        default=0.25,
-        help="seconds between one client's polls; 0 = closed loop",
+def run_open(tg: Target, args: argparse.Namespace) -> dict[str, Any]:
+    refs = confirmations(tg.urls[0], tg.t, tg.body, args.submits)
+    cpu0, own0 = tg.server_cpu(), cpu_seconds(os.getpid())
+    result = asyncio.run(open_load(tg, refs, args))
+    n = max(1, result["status_requests"] + result["submit_requests"])
+    result["server_cpu_ms_per_request"] = round(1000 * (tg.server_cpu() - cpu0) / n, 2)
+    # The load generator shares the cores: its own cost per request, for context.
+    result["client_cpu_ms_per_request"] = round(1000 * (cpu_seconds(os.getpid()) - own0) / n, 2)
+    print(
+        f"status  p50 {result['status_p50_ms']} ms  p99 {result['status_p99_ms']} ms  "
+        f"(n={result['status_requests']})\n"
+        f"submit  p50 {result['submit_p50_ms']} ms  p99 {result['submit_p99_ms']} ms  "
+        f"(n={result['submit_requests']})\n"
+        f"requests/s {result['requests_per_s']}  errors {result['errors']}  server CPU "
+        f"{result['server_cpu_ms_per_request']} ms/request"
     )
-    ap.add_argument("--submits", type=int, default=100, help="submits in total")
-    ap.add_argument("--server-log-level", default="warning")
-    ap.add_argument(
-        "--http", choices=["raw", "httpx"], default="raw", help="load generator's HTTP client"
-    )
-    ap.add_argument("--profile", type=Path, default=None, help="py-spy raw output path")
-    ap.add_argument(
-        "--server-module",
-        default="orchestrator.admin",
-        help="module run as `python -m MODULE serve ...` (A/B a patched server)",
-    )
-    ap.add_argument("--replicas", type=int, default=1, help="API servers on one store")
-    ap.add_argument(
-        "--db",
-        default=None,
-        help="the store (default: a temp SQLite file); postgresql://... for "
-        "replicas, without a password",
-    )
-    ap.add_argument(
-        "--sqlite-baseline",
-        action="store_true",
-        help="first measure one server on a temp SQLite file, in the same run",
-    )
-    args = ap.parse_args()
-    if args.replicas > 1 and not (args.db or "").startswith("postgresql://"):
-        ap.error("--replicas > 1 needs --db postgresql://... (SQLite has one writer host)")
-    if args.sqlite_baseline:
-        results = {
-            "sqlite": measure(args, None, 1),
-            "replicas": measure(args, args.db, args.replicas),
+    return result
+
+
+# --- closed loop --------------------------------------------------------------------
+
+
+async def closed_step(
+    tg: Target, pool: list[str], c: int, submit_every: int, args: argparse.Namespace
+) -> tuple[dict[str, list[float]], Counter[str], int]:
+    """``c`` clients back to back for warm-up + step; (latencies of the 200 answers
+    completed in the measured window by kind, errors of the whole step, 200 answers of
+    the whole step)."""
+    lat: dict[str, list[float]] = {"status": [], "submit": []}
+    errors: Counter[str] = Counter()
+    answered = [0]
+    keys = itertools.cycle(tg.t["submitters"])  # shared: each request takes the next
+    path = f"/v1/runs/{tg.run_id}"
+    t_start = time.monotonic() + args.warmup_s
+    t_end = t_start + args.step_s
+
+    async def client(i: int) -> None:
+        conn = connect(args.http, tg.urls[i % len(tg.urls)], {})
+        # Each client's submits fall at its own offset in the cycle.
+        n = random.Random(i).randrange(submit_every) if submit_every else 0
+        try:
+            while time.monotonic() < t_end:
+                n += 1
+                auth = {"Authorization": f"Bearer {next(keys)}"}
+                sent = time.monotonic()
+                if submit_every and n % submit_every == 0:
+                    if not pool:
+                        errors["submit no confirmation left (raise the pool's margin)"] += 1
+                        return
+                    kind = "submit"
+                    hdrs = {**auth, "Idempotency-Key": f"bench-{os.urandom(8).hex()}"}
+                    payload = tg.payload(pool.pop())
+                    ok = await send(conn, kind, "POST", "/v1/runs", errors, payload, hdrs)
+                else:
+                    kind = "status"
+                    ok = await send(conn, kind, "GET", path, errors, headers=auth)
+                done = time.monotonic()
+                if ok:
+                    answered[0] += 1
+                    if t_start <= done <= t_end:
+                        lat[kind].append(done - sent)
+        finally:
+            await conn.close()
+
+    await asyncio.gather(*(client(i) for i in range(c)))
+    return lat, errors, answered[0]
+
+
+def closed_sweep(
+    tg: Target, name: str, submit_every: int, args: argparse.Namespace, est_rps: float
+) -> dict[str, Any]:
+    steps: list[dict[str, Any]] = []
+    errors: Counter[str] = Counter()
+    pool: list[str] = []
+    best_rps, flat, c = 0.0, 0, 1
+    while c <= args.clients_max:
+        if submit_every:
+            # Enough confirmations for the step at the status reads' saturation, twice
+            # over (a mix answers fewer requests per second than reads alone).
+            need = math.ceil(2 * est_rps * (args.warmup_s + args.step_s) / submit_every) + c
+            pool.extend(confirmations(tg.urls[0], tg.t, tg.body, max(0, need - len(pool))))
+        cpu0, own0, busy0 = tg.server_cpu(), cpu_seconds(os.getpid()), busy_ticks()
+        lat, errs, answered = asyncio.run(closed_step(tg, pool, c, submit_every, args))
+        busy1 = busy_ticks()
+        per = max(1, answered)
+        both = lat["status"] + lat["submit"]
+        step = {
+            "clients": c,
+            "requests_per_s": round(len(both) / args.step_s, 1),
+            "status_per_s": round(len(lat["status"]) / args.step_s, 1),
+            "submit_per_s": round(len(lat["submit"]) / args.step_s, 1),
+            "p50_ms": pct(both, 50),
+            "p99_ms": pct(both, 99),
+            "status_p99_ms": pct(lat["status"], 99),
+            "submit_p99_ms": pct(lat["submit"], 99),
+            "server_cpu_ms_per_request": round(1000 * (tg.server_cpu() - cpu0) / per, 2),
+            "client_cpu_ms_per_request": round(1000 * (cpu_seconds(os.getpid()) - own0) / per, 2),
+            "machine_busy_pct": round(100 * (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]), 1),
+            "errors": dict(errs),
         }
-        print(json.dumps(results))
-    else:
-        print(json.dumps(measure(args, args.db, args.replicas)))
+        steps.append(step)
+        errors.update(errs)
+        print(
+            f"  {name:6} c={c:<3} {step['requests_per_s']:8.1f} req/s  p50 {step['p50_ms']} "
+            f"ms  p99 {step['p99_ms']} ms  server {step['server_cpu_ms_per_request']} ms/req  "
+            f"client {step['client_cpu_ms_per_request']} ms/req  busy "
+            f"{step['machine_busy_pct']}%  errors {step['errors']}",
+            flush=True,
+        )
+        if errs or step["p99_ms"] is None or step["p99_ms"] > args.p99_bound_ms:
+            step["over_bound"] = True
+            break
+        if step["requests_per_s"] > best_rps * (1 + args.plateau):
+            flat = 0
+        else:
+            flat += 1
+        best_rps = max(best_rps, step["requests_per_s"])
+        if flat >= args.patience:
+            break
+        c *= 2
+    within = [s for s in steps if not s.get("over_bound")]
+    peak = max(within, key=lambda s: s["requests_per_s"]) if within else None
+    return {
+        "saturation_rps": peak["requests_per_s"] if peak else None,
+        "saturation_clients": peak["clients"] if peak else None,
+        "steps": steps,
+        "errors": dict(errors),
+    }
+
+
+def run_closed(tg: Target, args: argparse.Namespace) -> dict[str, Any]:
+    status = closed_sweep(tg, "status", 0, args, 0.0)
+    mix = closed_sweep(tg, "mix", args.submit_every, args, status["saturation_rps"] or 100.0)
+    return {
+        "mode": "closed",
+        "replicas": len(tg.urls),
+        "status_saturation_rps": status["saturation_rps"],
+        "mix_saturation_rps": mix["saturation_rps"],
+        "submit_every": args.submit_every,
+        "status": status,
+        "mix": mix,
+        "errors": dict(Counter(status["errors"]) + Counter(mix["errors"])),
+    }
+
+
+# --- one store ----------------------------------------------------------------------
 
 
 def measure(args: argparse.Namespace, db: str | None, replicas: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="ito-api-load-"))
     store = db or str(tmp / "ito.db")
+    kind = "postgresql" if store.startswith("postgresql://") else "sqlite"
     servers: list[tuple[subprocess.Popen[bytes], str]] = []
     spy: subprocess.Popen[bytes] | None = None
     try:
@@ -517,46 +400,27 @@ def measure(args: argparse.Namespace, db: str | None, replicas: int) -> dict[str
             servers.append(
                 start_server(tmp, args.server_log_level, args.server_module, store, f"server{i}")
             )
-        proc, url = servers[0]
-        urls = [u for _, u in servers]
-        t = make_tenant(store, args.clients)
-        body = manifest_body(tmp)
-        first = confirmations(url, t, body, 1)[0]
-        run_id = submit_sync(url, t, body, first, "bench-poll-target")
-        refs = confirmations(url, t, body, args.submits)
+        keys = args.clients if args.mode == "open" else args.keys
+        tg = Target(
+            [u for _, u in servers], [p.pid for p, _ in servers], make_tenant(store, keys), tmp
+        )
+        print(f"{kind} x{replicas}, {args.mode} loop", flush=True)
         if args.profile is not None:
             spy = subprocess.Popen(
                 [
                     shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
-                    "record",
-                    "--pid",
-                    str(proc.pid),
-                    "--format",
-                    "raw",
-                    "--nonblocking",
-                    "--rate",
-                    "200",
-                    "--duration",
-                    str(int(args.duration)),
-                    "--output",
-                    str(args.profile),
+                    *("record", "--pid", str(servers[0][0].pid), "--format", "raw"),
+                    *("--nonblocking", "--rate", "200", "--output", str(args.profile)),
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
             time.sleep(1.0)  # let py-spy attach
-        pids = [p.pid for p, _ in servers]
-        cpu0, own0 = sum(cpu_seconds(p) for p in pids), cpu_seconds(os.getpid())
-        result = asyncio.run(load(urls, t, body, run_id, refs, args))
-        n = result["status_requests"] + result["submit_requests"]
-        server_cpu = sum(cpu_seconds(p) for p in pids) - cpu0
-        result["store"] = "postgresql" if store.startswith("postgresql://") else "sqlite"
-        result["server_cpu_ms_per_request"] = round(1000 * server_cpu / n, 2)
-        # The load generator shares the cores: its own cost per request, for context.
-        result["client_cpu_ms_per_request"] = round(1000 * (cpu_seconds(os.getpid()) - own0) / n, 2)
-        result["load_avg_1m"] = os.getloadavg()[0]
+        result = (run_open if args.mode == "open" else run_closed)(tg, args)
+        result = {"store": kind, **result, "load_avg_1m": os.getloadavg()[0]}
         if spy is not None:
-            spy.wait(timeout=args.duration + 60)
+            spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+            spy.wait(timeout=60)
     finally:
         for p, _ in servers:
             p.terminate()
@@ -566,23 +430,6 @@ def measure(args: argparse.Namespace, db: str | None, replicas: int) -> dict[str
             except subprocess.TimeoutExpired:
                 p.kill()
         shutil.rmtree(tmp, ignore_errors=True)
-
-    print(
-        f"{result['store']} x{result['replicas']}: {result['clients']} clients, "
-        f"{result['duration_s']} s, interval {args.interval} s"
-    )
-    print(
-        f"status  p50 {result['status_p50_ms']} ms  p99 {result['status_p99_ms']} ms  "
-        f"(n={result['status_requests']})"
-    )
-    print(
-        f"submit  p50 {result['submit_p50_ms']} ms  p99 {result['submit_p99_ms']} ms  "
-        f"(n={result['submit_requests']})"
-    )
-    print(
-        f"requests/s {result['requests_per_s']}  errors {result['errors']}  server CPU "
-        f"{result['server_cpu_ms_per_request']} ms/request  load avg {result['load_avg_1m']}"
-    )
     if args.profile is not None and args.profile.exists():
         own, incl = hottest(args.profile)
         print("server self time (py-spy):")
@@ -592,6 +439,75 @@ def measure(args: argparse.Namespace, db: str | None, replicas: int) -> dict[str
         for frame, share in incl:
             print(f"  {share:5.1f}%  {frame}")
     return result
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add = ap.add_argument
+    add("--mode", choices=["open", "closed"], default="open", help="fixed rate or saturation")
+    add("--clients", type=int, default=50, help="open: clients, each with its own key")
+    add("--duration", type=float, default=20.0, help="open: seconds of timed load")
+    add("--interval", type=float, default=0.25, help="open: s between a client's polls")
+    add("--submits", type=int, default=100, help="open: submits in total")
+    add("--clients-max", type=int, default=64, help="closed: the sweep's last concurrency")
+    add("--step-s", type=float, default=5.0, help="closed: measured seconds per step")
+    add("--warmup-s", type=float, default=1.0, help="closed: unmeasured seconds per step")
+    add("--plateau", type=float, default=0.05, help="closed: a step must beat the best by")
+    add("--patience", type=int, default=1, help="closed: steps without that gain to stop")
+    add("--p99-bound-ms", type=float, default=1000.0, help="closed: a step's p99 at most")
+    add("--submit-every", type=int, default=40, help="closed mix: a submit every Nth request")
+    add("--keys", type=int, default=64, help="closed: submitter keys the requests rotate")
+    add("--server-log-level", default="warning")
+    add("--http", choices=["raw", "httpx"], default="raw", help="load generator's client")
+    add("--profile", type=Path, default=None, help="py-spy raw output path")
+    add(
+        "--server-module",
+        default="orchestrator.admin",
+        help="module run as `python -m MODULE serve ...` (A/B a patched server)",
+    )
+    add("--replicas", type=int, default=1, help="API servers on one store")
+    add(
+        "--db",
+        default=None,
+        help="the store (default: a temp SQLite file); postgresql://... for replicas, "
+        "without a password",
+    )
+    add(
+        "--sqlite-baseline",
+        action="store_true",
+        help="first measure one server on a temp SQLite file, in the same run",
+    )
+    args = ap.parse_args()
+    if args.replicas > 1 and not (args.db or "").startswith("postgresql://"):
+        ap.error("--replicas > 1 needs --db postgresql://... (SQLite has one writer host)")
+    runs: list[dict[str, Any]]
+    if args.sqlite_baseline:
+        base, rep = measure(args, None, 1), measure(args, args.db, args.replicas)
+        runs = [base, rep]
+        out: dict[str, Any] = {"mode": args.mode, "sqlite": base, "replicas": rep}
+        if args.mode == "closed":
+            out["saturation_ratio"] = ratio(
+                rep["status_saturation_rps"], base["status_saturation_rps"]
+            )
+            out["mix_saturation_ratio"] = ratio(
+                rep["mix_saturation_rps"], base["mix_saturation_rps"]
+            )
+            print(f"saturation_ratio {out['saturation_ratio']}  mix {out['mix_saturation_ratio']}")
+    else:
+        out = measure(args, args.db, args.replicas)
+        runs = [out]
+    out["cpus"] = os.cpu_count()
+    print(json.dumps(out))
+    unexpected = [(r["store"], r["replicas"], r["errors"]) for r in runs if r["errors"]]
+    if unexpected:
+        for store, n, errs in unexpected:
+            for what, count in sorted(errs.items()):
+                print(f"unexpected error: {store} x{n}: {what}: {count}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.postgres import PgServer
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -247,6 +248,41 @@ def test_benchmark_runs_at_its_smallest_size(script: str) -> None:
         }
         assert sides | {"step_efficiency", "plain_efficiency"} <= set(size), sorted(size)
         assert set(size["goodput_tokens_per_s"]["3"]) >= {"engine", "ray_train", "ratio"}
+
+
+def test_api_load_closed_mode_sweeps_both_stores_side_by_side(pg_server: PgServer) -> None:
+    # Two concurrency steps per sweep, a submit every other request in the mix: the
+    # smallest run that takes both sweeps, both stores and the ratio through.
+    proc = _run(
+        "api_load.py",
+        *("--mode", "closed", "--replicas", "2", "--db", pg_server.new_database()),
+        *("--sqlite-baseline", "--clients-max", "2", "--step-s", "0.3", "--warmup-s", "0.1"),
+        *("--patience", "2", "--p99-bound-ms", "60000", "--submit-every", "2"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = _last_json(proc.stdout)
+    assert {"saturation_ratio", "mix_saturation_ratio", "sqlite", "replicas"} <= set(out)
+    step_keys = {
+        "clients",
+        "requests_per_s",
+        "status_per_s",
+        "submit_per_s",
+        "p50_ms",
+        "p99_ms",
+        "server_cpu_ms_per_request",
+        "errors",
+    }
+    for name, replicas in (("sqlite", 1), ("replicas", 2)):
+        store = out[name]
+        assert store["replicas"] == replicas and store["errors"] == {}, store
+        assert {"status_saturation_rps", "mix_saturation_rps"} <= set(store)
+        for sweep in ("status", "mix"):
+            steps = store[sweep]["steps"]
+            assert [s["clients"] for s in steps] == [1, 2], steps
+            assert all(step_keys <= set(s) for s in steps), steps
+        # The mix submits; the reads-only sweep never does.
+        assert sum(s["submit_per_s"] for s in store["mix"]["steps"]) > 0, store["mix"]
+        assert sum(s["submit_per_s"] for s in store["status"]["steps"]) == 0
 
 
 def test_gpu_check_without_a_gpu_exits_2_and_says_why() -> None:

@@ -1,0 +1,320 @@
+"""The API load benchmark's fixtures: servers, the tenant, confirmations, a lean HTTP
+client, percentiles and the profile summary (``benchmarks/api_load.py`` runs them)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from orchestrator.runtime.ports import free_port
+from orchestrator.settings import Settings
+
+REPO = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 90.0
+REQUEST_TIMEOUT_S = 30.0
+# The benchmark's one account holds every run it submits (with --runtime none they
+# stay accepted): the most the server's setting allows, so no submit meets
+# too_many_active_runs (tests/api cover that bound).
+MAX_ACTIVE_RUNS = next(
+    int(m.le)
+    for m in Settings.model_fields["max_active_runs_per_account"].metadata
+    if getattr(m, "le", None) is not None
+)
+# Plan validations one account may have in flight: one above the server's request
+# threads, where the bound never bites (the clients are one account's; this measures
+# throughput, tests/api/test_server_abuse.py measures the bound).
+PLANS_PER_ACCOUNT = int(Settings.model_fields["request_threads"].default) + 1
+
+
+def _iso(hours: float) -> str:
+    return (datetime.now(UTC) + timedelta(hours=hours)).isoformat().replace("+00:00", "Z")
+
+
+def start_server(
+    tmp: Path,
+    log_level: str,
+    module: str = "orchestrator.admin",
+    db: str | None = None,
+    name: str = "server",
+) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            module,
+            "serve",
+            "--db",
+            db or str(tmp / "ito.db"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--var-dir",
+            str(tmp / "var"),
+            "--log-level",
+            log_level,
+            # The API under load, not training: runs stay `accepted` (no Ray, no actors);
+            # the planner gate stays on, so a submit costs what it costs in production.
+            "--runtime",
+            "none",
+            "--metrics-port",
+            "0",
+            "--plans-per-account",
+            str(PLANS_PER_ACCOUNT),
+            "--max-active-runs-per-account",
+            str(MAX_ACTIVE_RUNS),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError((tmp / f"{name}.log").read_text()[-3000:])
+        try:
+            if httpx.get(url + "/healthz", timeout=1.0).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def make_tenant(db: str, keys: int) -> dict[str, Any]:
+    """A fresh account with ``keys`` submitter keys, an approver key and a live booking."""
+    from orchestrator.db.store import Store
+    from orchestrator.gates.auth import SCOPES, issue_key
+    from orchestrator.gates.bookings import BookingFile, add_booking
+
+    store = Store(db)
+    # A fresh account per run: a shared PostgreSQL database may hold earlier ones.
+    name = f"bench-{os.urandom(4).hex()}"
+    try:
+        account = store.create_account(name)["account_id"]
+        # The manifest's data and checkpoint folders are under the temp folder.
+        root = os.path.realpath(tempfile.gettempdir())
+        store.set_roots(account, "data", [root])
+        store.set_roots(account, "checkpoint", [root])
+        submitters = [issue_key(store, name, ["runs:read", "runs:write"])[1] for _ in range(keys)]
+        approver_scopes = [s for s in SCOPES if s.startswith("confirm:")] + ["runs:read"]
+        _, approver = issue_key(store, name, approver_scopes)
+        booking = f"bk-{name}"
+        add_booking(
+            store,
+            BookingFile.model_validate(
+                {
+                    "booking_id": booking,
+                    "account": name,
+                    # The CPU testbed: the planner gate accepts llama-tiny on it.
+                    "gpu_sku": "cpu-testbed",
+                    "gpus_per_node": 2,
+                    "node_count": 1,
+                    "region": "local",
+                    "fabric": "loopback",
+                    "term_start": _iso(-1),
+                    "term_end": _iso(24),
+                }
+            ),
+        )
+    finally:
+        store.close()
+    return {"submitters": submitters, "approver": approver, "booking": booking}
+
+
+def manifest_body(tmp: Path) -> dict[str, str]:
+    m = json.loads((REPO / "configs" / "manifests" / "example.json").read_text())
+    m["checkpoint"]["storage_uri"] = "file://" + str(tmp / "ckpt")
+    raw = json.dumps(m, sort_keys=True).encode()
+    return {
+        "manifest_b64": base64.b64encode(raw).decode(),
+        "manifest_digest": hashlib.sha256(raw).hexdigest(),
+    }
+
+
+def confirmations(url: str, t: dict[str, Any], body: dict[str, str], n: int) -> list[str]:
+    """``n`` train confirmations by the approver (its step, made outside the timed load)."""
+    refs = []
+    with httpx.Client(
+        base_url=url,
+        timeout=REQUEST_TIMEOUT_S,
+        headers={"Authorization": f"Bearer {t['approver']}"},
+    ) as c:
+        for _ in range(n):
+            env = c.post(
+                "/v1/confirmations",
+                json={"action": "train", "booking_id": t["booking"], "cost_usd": 100.0, **body},
+            ).json()
+            if not env["ok"]:
+                raise RuntimeError(f"confirmation refused: {env}")
+            refs.append(env["data"]["confirmation_ref"])
+    return refs
+
+
+def submit_sync(url: str, t: dict[str, Any], body: dict[str, str], ref: str, key: str) -> str:
+    r = httpx.post(
+        url + "/v1/runs",
+        timeout=REQUEST_TIMEOUT_S,
+        json={"booking_id": t["booking"], "confirmation_ref": ref, **body},
+        headers={"Authorization": f"Bearer {t['submitters'][0]}", "Idempotency-Key": key},
+    )
+    env = r.json()
+    if not env["ok"]:
+        raise RuntimeError(f"submit refused: {env}")
+    return str(env["data"]["run_id"])
+
+
+class RawHttp:
+    """A minimal HTTP/1.1 keep-alive connection on asyncio streams.
+
+    httpx costs the load generator more CPU per request than the server spends (measured:
+    ~2.5 ms vs ~1.6 ms); on a 2-core box that steals the server's CPU and inflates the
+    latencies. This client costs a fraction of it; ``--http httpx`` keeps the other."""
+
+    def __init__(self, url: str, headers: dict[str, str]):
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.base = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def request(
+        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            assert self.reader is not None
+            extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+            ctype = "Content-Type: application/json\r\n" if body else ""
+            head = (
+                f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self.base}"
+                f"{extra}{ctype}Content-Length: {len(body)}\r\n\r\n"
+            )
+            self.writer.write(head.encode() + body)
+            raw = await self.reader.readuntil(b"\r\n\r\n")
+            lines = raw.decode("latin-1").split("\r\n")
+            status = int(lines[0].split(" ", 2)[1])
+            fields = {
+                k.strip().lower(): v.strip()
+                for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)
+            }
+            data = await self.reader.readexactly(int(fields.get("content-length", "0")))
+            if fields.get("connection", "").lower() == "close":
+                await self.close()
+            return status, data
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class HttpxConn:
+    def __init__(self, url: str, headers: dict[str, str]):
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        self.c = httpx.AsyncClient(
+            base_url=url, headers=headers, limits=limits, timeout=REQUEST_TIMEOUT_S
+        )
+
+    async def request(
+        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        hdrs = {**(headers or {}), **({"Content-Type": "application/json"} if body else {})}
+        r = await self.c.request(method, path, content=body or None, headers=hdrs)
+        return r.status_code, r.content
+
+    async def close(self) -> None:
+        await self.c.aclose()
+
+
+def connect(kind: str, url: str, headers: dict[str, str]) -> RawHttp | HttpxConn:
+    return (RawHttp if kind == "raw" else HttpxConn)(url, headers)
+
+
+async def send(
+    conn: RawHttp | HttpxConn,
+    kind: str,
+    method: str,
+    path: str,
+    errors: Counter[str],
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+) -> bool:
+    """One request; False (and the error counted under ``kind``) unless it answered 200.
+
+    A refusal's key is ``"<kind> <status> <error code>"``; a lost connection's
+    ``"<kind> <exception>"`` (the connection is dropped, the next request reconnects)."""
+    try:
+        code, data = await conn.request(method, path, body, headers)
+    except (OSError, TimeoutError, asyncio.IncompleteReadError) as e:
+        errors[f"{kind} {type(e).__name__}"] += 1
+        await conn.close()
+        return False
+    if code == 200:
+        return True
+    try:
+        what = json.loads(data)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        what = "?"
+    errors[f"{kind} {code} {what}"] += 1
+    return False
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc: robust to a busy machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (nearest rank) of seconds, in ms, rounded; None if empty."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return round(s[min(len(s) - 1, max(0, round(q / 100 * len(s)) - 1))] * 1000, 2)
+
+
+def hottest(raw: Path, top: int = 15) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """(self, inclusive) share of samples per frame from py-spy's raw (collapsed) output.
+
+    Inclusive counts a frame once per sample wherever it is on the stack, so
+    ``Store.audit`` or ``authenticate`` show their whole cost."""
+    own: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        frames = [f.split(" (")[0] for f in stack.split(";")]
+        own[frames[-1]] += n
+        for f in set(frames):
+            incl[f] += n
+    if not total:
+        return [], []
+    return (
+        [(f, 100.0 * c / total) for f, c in own.most_common(top)],
+        [(f, 100.0 * c / total) for f, c in incl.most_common(top * 4)],
+    )
