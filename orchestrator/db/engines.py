@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import select
 import sqlite3
 import threading
 import time
@@ -322,6 +323,24 @@ def _password() -> str | None:
     return Path(path).read_text().strip()
 
 
+def check_pooled(conn: Any) -> None:
+    """The pool's check as a call takes a connection: it raises for a dead one (the pool
+    replaces it). A round trip only where the idle connection's socket has something to
+    read: the server ends a session (restart, terminated backend) with a goodbye and
+    EOF, both readable at once, while a live idle session's socket is silent. Pinging
+    every connection taken cost one round trip per store call (a status read makes
+    eight). A peer gone without a word fails the call after ``tcp_user_timeout``, as
+    the ping would have."""
+    from psycopg_pool import ConnectionPool
+
+    if conn.closed or conn.broken:
+        raise ConnectionError("the pooled connection is closed")
+    poll = select.poll()  # not select(): descriptors past 1024 (max_connections)
+    poll.register(conn.fileno(), select.POLLIN | select.POLLPRI)
+    if poll.poll(0):
+        ConnectionPool.check_connection(conn)
+
+
 class PostgresEngine:
     dialect = "postgresql"
     now_sql = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)"
@@ -365,7 +384,7 @@ class PostgresEngine:
             reconnect_timeout=s.reconnect_backoff_s,
             # A connection is checked as a call takes it: after the server restarted,
             # the pool's dead connections are replaced, not handed to a request.
-            check=ConnectionPool.check_connection,
+            check=check_pooled,
             open=True,
             name="ito-store",
         )
