@@ -38,9 +38,12 @@ its p99 passes ``--p99-bound-ms``, or it saw an error. Two sweeps per store:
 Per step: ``requests_per_s`` = 200 answers completed inside the measured window per
 second of it (status and submits alike; ``status_per_s``/``submit_per_s`` split it);
 ``p50_ms``/``p99_ms`` (all kinds), ``status_p99_ms``/``submit_p99_ms``: send-to-answer
-latency of those answers; ``server_cpu_ms_per_request``/``client_cpu_ms_per_request``:
-CPU of the servers (all replicas) and of the load generator over the whole step per 200
-answer; ``machine_busy_pct``: the cores' busy share over the step (from /proc/stat).
+latency of those answers; ``server_cpu_ms_per_request``, ``db_cpu_ms_per_request``,
+``client_cpu_ms_per_request``: CPU of the servers (all replicas), of the PostgreSQL
+backends serving the database (a local server; None for SQLite) and of the load
+generator over the whole step (warm-up included) per 200 answer of the step;
+``machine_busy_pct``: the cores' busy share over the step, everyone's (/proc/stat).
+(The open mode reports the same CPU figures over its timed phase.)
 ``saturation_rps`` (and ``status_saturation_rps``/``mix_saturation_rps``) = the highest
 ``requests_per_s`` of a step within the p99 bound, ``saturation_clients`` its ``c``.
 
@@ -89,6 +92,7 @@ from benchmarks.api_load_setup import (
     confirmations,
     connect,
     cpu_seconds,
+    db_cpu_seconds,
     hottest,
     make_tenant,
     manifest_body,
@@ -102,8 +106,8 @@ from benchmarks.api_load_setup import (
 class Target:
     """The servers of one store, its tenant, the polled run and the manifest to submit."""
 
-    def __init__(self, urls: list[str], pids: list[int], t: dict[str, Any], tmp: Path):
-        self.urls, self.pids, self.t = urls, pids, t
+    def __init__(self, urls: list[str], pids: list[int], db: str, t: dict[str, Any], tmp: Path):
+        self.urls, self.pids, self.db, self.t = urls, pids, db, t
         self.body = manifest_body(tmp)
         first = confirmations(urls[0], t, self.body, 1)[0]
         self.run_id = submit_sync(urls[0], t, self.body, first, "bench-poll-target")
@@ -113,15 +117,29 @@ class Target:
             {"booking_id": self.t["booking"], "confirmation_ref": ref, **self.body}
         ).encode()
 
-    def server_cpu(self) -> float:
-        return sum(cpu_seconds(p) for p in self.pids)
+    def cpu(self) -> tuple[float, float | None, float, int, int]:
+        """CPU seconds so far of the servers, the database's backends and this load
+        generator, and the machine's (busy, total) jiffies."""
+        vals = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        busy = sum(vals) - vals[3] - vals[4]  # less idle and iowait
+        server = sum(cpu_seconds(p) for p in self.pids)
+        return server, db_cpu_seconds(self.db), cpu_seconds(os.getpid()), busy, sum(vals)
 
-
-def busy_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores since boot, from /proc/stat."""
-    vals = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    idle = vals[3] + vals[4]  # idle + iowait
-    return sum(vals) - idle, sum(vals)
+    def cpu_per_request(
+        self, before: tuple[float, float | None, float, int, int], n: int
+    ) -> dict[str, Any]:
+        after, n = self.cpu(), max(1, n)
+        b0, d0, c0, busy0, all0 = before
+        b1, d1, c1, busy1, all1 = after
+        return {
+            "server_cpu_ms_per_request": round(1000 * (b1 - b0) / n, 2),
+            "db_cpu_ms_per_request": None
+            if d0 is None or d1 is None
+            else round(1000 * (d1 - d0) / n, 2),
+            # The load generator shares the cores: its own cost per request, for context.
+            "client_cpu_ms_per_request": round(1000 * (c1 - c0) / n, 2),
+            "machine_busy_pct": round(100 * (busy1 - busy0) / max(1, all1 - all0), 1),
+        }
 
 
 # --- open loop ----------------------------------------------------------------------
@@ -243,12 +261,10 @@ async def open_load(tg: Target, refs: list[str], args: argparse.Namespace) -> di
 
 def run_open(tg: Target, args: argparse.Namespace) -> dict[str, Any]:
     refs = confirmations(tg.urls[0], tg.t, tg.body, args.submits)
-    cpu0, own0 = tg.server_cpu(), cpu_seconds(os.getpid())
+    before = tg.cpu()
     result = asyncio.run(open_load(tg, refs, args))
-    n = max(1, result["status_requests"] + result["submit_requests"])
-    result["server_cpu_ms_per_request"] = round(1000 * (tg.server_cpu() - cpu0) / n, 2)
-    # The load generator shares the cores: its own cost per request, for context.
-    result["client_cpu_ms_per_request"] = round(1000 * (cpu_seconds(os.getpid()) - own0) / n, 2)
+    n = result["status_requests"] + result["submit_requests"]
+    result.update(tg.cpu_per_request(before, n))
     print(
         f"status  p50 {result['status_p50_ms']} ms  p99 {result['status_p99_ms']} ms  "
         f"(n={result['status_requests']})\n"
@@ -322,10 +338,8 @@ def closed_sweep(
             # over (a mix answers fewer requests per second than reads alone).
             need = math.ceil(2 * est_rps * (args.warmup_s + args.step_s) / submit_every) + c
             pool.extend(confirmations(tg.urls[0], tg.t, tg.body, max(0, need - len(pool))))
-        cpu0, own0, busy0 = tg.server_cpu(), cpu_seconds(os.getpid()), busy_ticks()
+        before = tg.cpu()
         lat, errs, answered = asyncio.run(closed_step(tg, pool, c, submit_every, args))
-        busy1 = busy_ticks()
-        per = max(1, answered)
         both = lat["status"] + lat["submit"]
         step = {
             "clients": c,
@@ -336,17 +350,16 @@ def closed_sweep(
             "p99_ms": pct(both, 99),
             "status_p99_ms": pct(lat["status"], 99),
             "submit_p99_ms": pct(lat["submit"], 99),
-            "server_cpu_ms_per_request": round(1000 * (tg.server_cpu() - cpu0) / per, 2),
-            "client_cpu_ms_per_request": round(1000 * (cpu_seconds(os.getpid()) - own0) / per, 2),
-            "machine_busy_pct": round(100 * (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]), 1),
+            **tg.cpu_per_request(before, answered),
             "errors": dict(errs),
         }
         steps.append(step)
         errors.update(errs)
         print(
             f"  {name:6} c={c:<3} {step['requests_per_s']:8.1f} req/s  p50 {step['p50_ms']} "
-            f"ms  p99 {step['p99_ms']} ms  server {step['server_cpu_ms_per_request']} ms/req  "
-            f"client {step['client_cpu_ms_per_request']} ms/req  busy "
+            f"ms  p99 {step['p99_ms']} ms  CPU/req: server {step['server_cpu_ms_per_request']} "
+            f"db {step['db_cpu_ms_per_request']} client {step['client_cpu_ms_per_request']} ms  "
+            f"busy "
             f"{step['machine_busy_pct']}%  errors {step['errors']}",
             flush=True,
         )
@@ -401,9 +414,8 @@ def measure(args: argparse.Namespace, db: str | None, replicas: int) -> dict[str
                 start_server(tmp, args.server_log_level, args.server_module, store, f"server{i}")
             )
         keys = args.clients if args.mode == "open" else args.keys
-        tg = Target(
-            [u for _, u in servers], [p.pid for p, _ in servers], make_tenant(store, keys), tmp
-        )
+        urls, pids = [u for _, u in servers], [p.pid for p, _ in servers]
+        tg = Target(urls, pids, store, make_tenant(store, keys), tmp)
         print(f"{kind} x{replicas}, {args.mode} loop", flush=True)
         if args.profile is not None:
             spy = subprocess.Popen(

@@ -286,6 +286,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def db_cpu_seconds(db: str) -> float | None:
+    """CPU of the PostgreSQL backends serving ``db`` (a local server: their titles read
+    ``postgres: <user> <database> ...``); None for SQLite, whose work is the server's."""
+    if not db.startswith("postgresql://"):
+        return None
+    tag = f" {urlsplit(db).path.lstrip('/')} ".encode()
+    total = 0.0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if title.startswith(b"postgres: ") and tag in title:
+                total += cpu_seconds(int(pid))
+        except OSError:  # gone meanwhile
+            continue
+    return total
+
+
 def pct(xs: list[float], q: float) -> float | None:
     """The ``q``-th percentile (nearest rank) of seconds, in ms, rounded; None if empty."""
     if not xs:
