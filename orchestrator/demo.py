@@ -41,6 +41,7 @@ from orchestrator.gates.manifest import Manifest
 from orchestrator.runtime import ray_cluster
 from orchestrator.runtime.ports import free_port
 from stages.post_training.config import PostTrainingConfig
+from stages.post_training.gate_events import GATE_CONTEXT, gate_phase
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -307,9 +308,13 @@ def confirm_and_train(
 
 
 def phase_gate_lines(run: dict[str, Any]) -> list[str]:
-    """Each curriculum phase's gate from a run's ``ito status --json`` data."""
+    """Each curriculum phase's gate from a run's ``ito status --json`` data (the
+    post-training objectives' are there too: ``post_training_gate_lines`` shows them)."""
     lines = []
+    objectives = {gate_phase(o) for o in ("sft", "dpo", "rlvr")}
     for gate in run.get("eval_gates") or []:
+        if gate["phase"] in objectives:
+            continue
         checks = ", ".join(
             f"{c['check']}={c['score']:.4g}"
             + "".join(
@@ -323,14 +328,6 @@ def phase_gate_lines(run: dict[str, Any]) -> list[str]:
             f"{'PASSED' if gate['passed'] else 'FAILED'}: {checks}"
         )
     return lines
-
-
-# What each post-training objective's line shows beside its gate metric.
-_OBJECTIVE_CONTEXT = {
-    "sft": ("nll_before", "nll_after"),
-    "dpo": ("margin_before", "margin_after", "preference_accuracy"),
-    "rlvr": ("reward_first", "reward_last", "staleness_max"),
-}
 
 
 # The rollout fleet's figures (``ito metrics``) the demo's summary line shows.
@@ -371,7 +368,7 @@ def post_training_gate_lines(run: dict[str, Any], recipe: PostTrainingConfig) ->
         )
         context = ", ".join(
             f"{k}={metrics[f'{objective}_{k}']:.4g}"
-            for k in _OBJECTIVE_CONTEXT[objective]
+            for k in GATE_CONTEXT[objective]
             if f"{objective}_{k}" in metrics
         )
         lines.append(f"{head}: {verdict}: {shown}" + (f" ({context})" if context else ""))

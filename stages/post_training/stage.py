@@ -16,7 +16,8 @@ from stages.errors import ErrorCode, ItoError
 from stages.events import InterruptionEvent, MetricsEvent, PhaseEvent
 from stages.pathfields import field_spec, local_path
 from stages.placement import actor_options
-from stages.post_training.config import ObjectiveGate, PostTrainingConfig, RLVRConfig
+from stages.post_training.config import PostTrainingConfig, RLVRConfig
+from stages.post_training.gate_events import check_gate, objective_gate_events
 from stages.trainer.config import TrainStageConfig
 
 if TYPE_CHECKING:
@@ -45,18 +46,6 @@ class PostTrainingStageConfig(StrictModel):
     # inside the data roots, a named base model inside the data or checkpoint roots.
     data_roots: tuple[str, ...] = ()
     model_roots: tuple[str, ...] = ()
-
-
-def check_gate(objective: str, gate: ObjectiveGate | None, metrics: dict[str, float]) -> str | None:
-    """None if the gate passes, else the reason."""
-    if gate is None:
-        return None
-    if gate.metric not in metrics:
-        return f"{objective}: gate metric {gate.metric!r} is not in the battery ({sorted(metrics)})"
-    value = metrics[gate.metric]
-    if not value >= gate.min:
-        return f"{objective}: {gate.metric} = {value:.4g} < {gate.min:.4g}"
-    return None
 
 
 def reward_gain(rewards: list[float]) -> dict[str, float]:
@@ -272,12 +261,21 @@ class PostTrainingStage:
                 metrics.update({f"{objective}_{k}": v for k, v in m.items()})
                 objective_cfg = getattr(self.config.recipe, objective)
                 failed = check_gate(objective, objective_cfg.gate, m)
+                decision = None
                 if failed is None and objective_cfg.eval.battery is not None:
                     assert scored is not None  # every objective scores its battery when named
-                    failed, battery = self._battery(
+                    failed, battery, decision = self._battery(
                         objective, objective_cfg.eval, scored, battery, ctx
                     )
                     results[objective]["battery"] = battery.model_dump(mode="json")
+                for event in objective_gate_events(
+                    objective,
+                    objective_cfg.gate,
+                    m,
+                    steps=getattr(objective_cfg, "steps", None),
+                    battery=decision,
+                ):
+                    ctx.emit(event.model_copy(update={"stage": self.name}))
                 ctx.log(
                     f"post_training {objective}: gate {'failed: ' + failed if failed else 'passed'}"
                     f"; saved {current}",
@@ -315,9 +313,9 @@ class PostTrainingStage:
 
     def _battery(
         self, objective: str, spec: Any, result: Any, previous: Any, ctx: StageContext
-    ) -> tuple[str | None, Any]:
+    ) -> tuple[str | None, Any, Any]:
         """The curriculum's gates on an objective's battery ``result``; (reason or None,
-        result)."""
+        result, the ``GateDecision``)."""
         from stages.evals import evaluate_gates
 
         decision = evaluate_gates(result, list(spec.gates), previous)
@@ -331,7 +329,7 @@ class PostTrainingStage:
         )
         scores = {c.name: c.score for c in result.checks if c.score is not None}
         ctx.emit(MetricsEvent(stage=self.name, step=0, scope=f"{objective}.battery", values=scores))
-        return (None if decision.passed else decision.summary()), result
+        return (None if decision.passed else decision.summary()), result, decision
 
     def _run_objective(
         self,

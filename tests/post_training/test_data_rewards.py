@@ -151,6 +151,13 @@ def test_a_failed_gate_stops_the_chain(
     out = stage.run(StageContext(run_id="r", booking_id="b", workdir=tmp_path, emit=events.append))
     assert out.status == "failed" and out.error_code == ErrorCode.eval_gate_failed
     assert "sft: nll_gain" in out.reason
+    # The objective's gate is reported as a phase's is (ito status): bound and verdict.
+    gate = [e for e in events if e.kind == "eval" and e.phase == "post_training.sft"]
+    assert [(e.check, e.min, e.passed) for e in gate if e.min is not None] == [
+        ("nll_gain", 1e9, False)
+    ]
+    assert {e.check for e in gate} >= {"nll_before", "nll_after"}
+    assert all(e.stage == "post_training" and e.step == 2 for e in gate)
     assert (tmp_path / "out" / "sft" / "config.json").is_file()  # saved before its gate
     assert not (tmp_path / "out" / "rlvr").exists()  # never started
 
@@ -323,4 +330,12 @@ def test_the_curriculum_battery_gates_an_objective(
     assert "arith_mc_acc" in out.reason and "heldout_loss" not in out.reason
     scores = [e for e in events if getattr(e, "scope", "") == "sft.battery"]
     assert scores and "heldout_loss" in scores[0].values
+    checks = {
+        (e.battery, e.check): e.passed
+        for e in events
+        if e.kind == "eval" and e.phase == "post_training.sft"
+    }
+    assert checks[("objective", "nll_gain")] is True
+    assert checks[("smoke", "heldout_loss")] is True
+    assert checks[("smoke", "arith_mc_acc")] is False
     assert not (tmp_path / "out" / "rlvr").exists()
