@@ -185,7 +185,14 @@ class Store(Leases):
             )
 
     def key_by_hash(self, key_sha256: str) -> Row | None:
-        return self.read_one("SELECT * FROM api_keys WHERE key_sha256 = ?", (key_sha256,))
+        """The key with its account's ``account_name`` (None: no such account) and
+        ``account_disabled_at``: one query, since every request authenticates."""
+        return self.read_one(
+            "SELECT k.*, a.name AS account_name, a.disabled_at AS account_disabled_at "
+            "FROM api_keys k LEFT JOIN accounts a ON a.account_id = k.account_id "
+            "WHERE k.key_sha256 = ?",
+            (key_sha256,),
+        )
 
     def revoke_key(self, key_id: str) -> bool:
         with self.tx() as c:

@@ -36,6 +36,8 @@ class Principal:
     account_id: str
     key_id: str
     scopes: frozenset[str]
+    # The account's name (names never change): a run's view needs no lookup of its own.
+    account_name: str
 
     def require(self, scope: str, *alternatives: str) -> None:
         """The key must hold ``scope`` or one of ``alternatives``."""
@@ -76,7 +78,8 @@ def authenticate(store: Store, authorization: str | None) -> Principal:
         raise ItoError(ErrorCode.unauthenticated, "invalid API key")
     if row["revoked_at"] is not None:
         raise ItoError(ErrorCode.credential_revoked, "this API key was revoked")
-    account = store.account(row["account_id"])
-    if account is None or account["disabled_at"] is not None:
+    if row["account_name"] is None or row["account_disabled_at"] is not None:
         raise ItoError(ErrorCode.account_disabled, "this API key's account is disabled")
-    return Principal(row["account_id"], row["key_id"], frozenset(row["scopes"].split()))
+    return Principal(
+        row["account_id"], row["key_id"], frozenset(row["scopes"].split()), row["account_name"]
+    )

@@ -96,7 +96,7 @@ def submit_run(
     except Exception:  # the run is committed; the runtime reconciles accepted runs
         log.exception("runtime.submit failed for %s", row["run_id"])
     return ok(
-        {**run_view(store, store.get_run(row["run_id"])), "replayed": False},
+        {**run_view(store, store.get_run(row["run_id"]), p), "replayed": False},
         notice=f"run {row['run_id']} accepted",
     )
 
@@ -181,21 +181,27 @@ def find_runs(
     with Gates(c.store, "read", audit_passes=False) as g:
         p = g.auth(creds, "runs:read")
     run = c.store.run_by_key(p.account_id, idempotency_key)
-    return ok({"runs": [run_view(c.store, run)] if run else []})
+    return ok({"runs": [run_view(c.store, run, p)] if run else []})
 
 
 def _read_run(c: Ctx, creds: HTTPAuthorizationCredentials | None, run_id: str) -> Row:
+    return _read_own_run(c, creds, run_id)[0]
+
+
+def _read_own_run(
+    c: Ctx, creds: HTTPAuthorizationCredentials | None, run_id: str
+) -> tuple[Row, Principal]:
     with Gates(c.store, "read", run_id=run_id, audit_passes=False) as g:
         p = g.auth(creds, "runs:read")
-    return c.store.get_run(run_id, p.account_id)
+    return c.store.get_run(run_id, p.account_id), p
 
 
 @router.get("/v1/runs/{run_id}", response_model=Envelope)
 def get_run(
     run_id: str, creds: HTTPAuthorizationCredentials | None = Depends(bearer), c: Ctx = Depends(ctx)
 ) -> JSONResponse:
-    run = _read_run(c, creds, run_id)
-    return ok(run_view(c.store, run), notice=f"run {run_id} is {run['state']}")
+    run, p = _read_own_run(c, creds, run_id)
+    return ok(run_view(c.store, run, p), notice=f"run {run_id} is {run['state']}")
 
 
 @router.get("/v1/runs/{run_id}/logs", response_model=Envelope)
