@@ -48,11 +48,13 @@ generator over the whole step (warm-up included) per 200 answer of the step;
 ``requests_per_s`` of a step within the p99 bound, ``saturation_clients`` its ``c``.
 
 Several replicas: ``--replicas N --db postgresql://...`` starts N servers on that
-(empty or shared) PostgreSQL database; ``--sqlite-baseline`` first measures one server
-on a temp SQLite file in the same run. The password comes from ``ITO_DB_PASSWORD_FILE``
-/ ``PGPASSWORD``, never argv. In closed mode the last line then carries
-``saturation_ratio`` = replicas' status ``saturation_rps`` / SQLite's, and
-``mix_saturation_ratio`` the same for the mix.
+(empty or shared) PostgreSQL database; ``--sqlite-baseline`` also starts one server on
+a temp SQLite file and measures both in the same run: the open mode one after the
+other, the closed mode side by side (at each concurrency the stores take turns, the
+first to go alternating, so a change in the machine's other load falls on both alike).
+The password comes from ``ITO_DB_PASSWORD_FILE`` / ``PGPASSWORD``, never argv. In
+closed mode the last line then carries ``saturation_ratio`` = the replicas' status
+``saturation_rps`` / SQLite's, and ``mix_saturation_ratio`` the same for the mix.
 
     .venv/bin/python benchmarks/api_load.py --clients 50 --duration 20 --interval 0.25
     .venv/bin/python benchmarks/api_load.py --mode closed --replicas 2 \\
@@ -62,8 +64,8 @@ Every line but the last is for people; the last is one JSON object (with
 ``--sqlite-baseline``: ``{"sqlite": {...}, "replicas": {...}, ...}``). Neither mode
 expects any error: the exit status is 1, after the JSON line, when any request was
 refused or lost (the codes and counts go to stderr). ``--profile PATH`` records the
-first server with py-spy during the load (raw collapsed stacks) and prints the hottest
-frames.
+measured store's first server (the replicas' with ``--sqlite-baseline``) with py-spy
+during the load (raw collapsed stacks) and prints the hottest frames.
 """
 
 from __future__ import annotations
@@ -80,67 +82,23 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.api_load_setup import (
+    Target,
     confirmations,
     connect,
-    cpu_seconds,
-    db_cpu_seconds,
     hottest,
-    make_tenant,
-    manifest_body,
     pct,
     send,
-    start_server,
-    submit_sync,
+    serving,
 )
-
-
-class Target:
-    """The servers of one store, its tenant, the polled run and the manifest to submit."""
-
-    def __init__(self, urls: list[str], pids: list[int], db: str, t: dict[str, Any], tmp: Path):
-        self.urls, self.pids, self.db, self.t = urls, pids, db, t
-        self.body = manifest_body(tmp)
-        first = confirmations(urls[0], t, self.body, 1)[0]
-        self.run_id = submit_sync(urls[0], t, self.body, first, "bench-poll-target")
-
-    def payload(self, ref: str) -> bytes:
-        return json.dumps(
-            {"booking_id": self.t["booking"], "confirmation_ref": ref, **self.body}
-        ).encode()
-
-    def cpu(self) -> tuple[float, float | None, float, int, int]:
-        """CPU seconds so far of the servers, the database's backends and this load
-        generator, and the machine's (busy, total) jiffies."""
-        vals = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        busy = sum(vals) - vals[3] - vals[4]  # less idle and iowait
-        server = sum(cpu_seconds(p) for p in self.pids)
-        return server, db_cpu_seconds(self.db), cpu_seconds(os.getpid()), busy, sum(vals)
-
-    def cpu_per_request(
-        self, before: tuple[float, float | None, float, int, int], n: int
-    ) -> dict[str, Any]:
-        after, n = self.cpu(), max(1, n)
-        b0, d0, c0, busy0, all0 = before
-        b1, d1, c1, busy1, all1 = after
-        return {
-            "server_cpu_ms_per_request": round(1000 * (b1 - b0) / n, 2),
-            "db_cpu_ms_per_request": None
-            if d0 is None or d1 is None
-            else round(1000 * (d1 - d0) / n, 2),
-            # The load generator shares the cores: its own cost per request, for context.
-            "client_cpu_ms_per_request": round(1000 * (c1 - c0) / n, 2),
-            "machine_busy_pct": round(100 * (busy1 - busy0) / max(1, all1 - all0), 1),
-        }
-
 
 # --- open loop ----------------------------------------------------------------------
 
@@ -325,21 +283,33 @@ async def closed_step(
     return lat, errors, answered[0]
 
 
-def closed_sweep(
-    tg: Target, name: str, submit_every: int, args: argparse.Namespace, est_rps: float
-) -> dict[str, Any]:
-    steps: list[dict[str, Any]] = []
-    errors: Counter[str] = Counter()
-    pool: list[str] = []
-    best_rps, flat, c = 0.0, 0, 1
-    while c <= args.clients_max:
-        if submit_every:
+class Sweep:
+    """One store's closed-loop sweep of one workload: a step per concurrency until the
+    throughput stops rising (``--plateau``, ``--patience``), p99 passes its bound or a
+    request fails."""
+
+    def __init__(
+        self, tg: Target, name: str, submit_every: int, args: argparse.Namespace, est_rps: float
+    ):
+        self.tg, self.name, self.submit_every, self.args = tg, name, submit_every, args
+        self.est_rps = est_rps
+        self.steps: list[dict[str, Any]] = []
+        self.errors: Counter[str] = Counter()
+        self.pool: list[str] = []
+        self.best_rps, self.flat, self.done = 0.0, 0, False
+
+    def step(self, c: int) -> None:
+        args, tg = self.args, self.tg
+        if self.submit_every:
             # Enough confirmations for the step at the status reads' saturation, twice
             # over (a mix answers fewer requests per second than reads alone).
-            need = math.ceil(2 * est_rps * (args.warmup_s + args.step_s) / submit_every) + c
-            pool.extend(confirmations(tg.urls[0], tg.t, tg.body, max(0, need - len(pool))))
+            window = args.warmup_s + args.step_s
+            need = math.ceil(2 * self.est_rps * window / self.submit_every) + c
+            self.pool.extend(
+                confirmations(tg.urls[0], tg.t, tg.body, max(0, need - len(self.pool)))
+            )
         before = tg.cpu()
-        lat, errs, answered = asyncio.run(closed_step(tg, pool, c, submit_every, args))
+        lat, errs, answered = asyncio.run(closed_step(tg, self.pool, c, self.submit_every, args))
         both = lat["status"] + lat["submit"]
         step = {
             "clients": c,
@@ -351,106 +321,98 @@ def closed_sweep(
             "status_p99_ms": pct(lat["status"], 99),
             "submit_p99_ms": pct(lat["submit"], 99),
             **tg.cpu_per_request(before, answered),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
             "errors": dict(errs),
         }
-        steps.append(step)
-        errors.update(errs)
+        self.steps.append(step)
+        self.errors.update(errs)
         print(
-            f"  {name:6} c={c:<3} {step['requests_per_s']:8.1f} req/s  p50 {step['p50_ms']} "
-            f"ms  p99 {step['p99_ms']} ms  CPU/req: server {step['server_cpu_ms_per_request']} "
-            f"db {step['db_cpu_ms_per_request']} client {step['client_cpu_ms_per_request']} ms  "
-            f"busy "
-            f"{step['machine_busy_pct']}%  errors {step['errors']}",
+            f"  {tg.label:13} {self.name:6} c={c:<3} {step['requests_per_s']:7.1f} req/s  "
+            f"p50 {step['p50_ms']} ms  p99 {step['p99_ms']} ms  CPU ms/req: server "
+            f"{step['server_cpu_ms_per_request']} db {step['db_cpu_ms_per_request']} client "
+            f"{step['client_cpu_ms_per_request']}  busy {step['machine_busy_pct']}%  load "
+            f"{step['load_avg_1m']}  errors {step['errors']}",
             flush=True,
         )
         if errs or step["p99_ms"] is None or step["p99_ms"] > args.p99_bound_ms:
             step["over_bound"] = True
-            break
-        if step["requests_per_s"] > best_rps * (1 + args.plateau):
-            flat = 0
-        else:
-            flat += 1
-        best_rps = max(best_rps, step["requests_per_s"])
-        if flat >= args.patience:
-            break
-        c *= 2
-    within = [s for s in steps if not s.get("over_bound")]
-    peak = max(within, key=lambda s: s["requests_per_s"]) if within else None
-    return {
-        "saturation_rps": peak["requests_per_s"] if peak else None,
-        "saturation_clients": peak["clients"] if peak else None,
-        "steps": steps,
-        "errors": dict(errors),
-    }
+            self.done = True
+            return
+        self.flat = (
+            0 if step["requests_per_s"] > self.best_rps * (1 + args.plateau) else self.flat + 1
+        )
+        self.best_rps = max(self.best_rps, step["requests_per_s"])
+        self.done = self.flat >= args.patience
+
+    def result(self) -> dict[str, Any]:
+        within = [s for s in self.steps if not s.get("over_bound")]
+        peak = max(within, key=lambda s: s["requests_per_s"]) if within else None
+        return {
+            "saturation_rps": peak["requests_per_s"] if peak else None,
+            "saturation_clients": peak["clients"] if peak else None,
+            "steps": self.steps,
+            "errors": dict(self.errors),
+        }
 
 
-def run_closed(tg: Target, args: argparse.Namespace) -> dict[str, Any]:
-    status = closed_sweep(tg, "status", 0, args, 0.0)
-    mix = closed_sweep(tg, "mix", args.submit_every, args, status["saturation_rps"] or 100.0)
-    return {
-        "mode": "closed",
-        "replicas": len(tg.urls),
-        "status_saturation_rps": status["saturation_rps"],
-        "mix_saturation_rps": mix["saturation_rps"],
-        "submit_every": args.submit_every,
-        "status": status,
-        "mix": mix,
-        "errors": dict(Counter(status["errors"]) + Counter(mix["errors"])),
-    }
+def sweep_side_by_side(
+    targets: list[Target], name: str, submit_every: int, args: argparse.Namespace, est: list[float]
+) -> list[dict[str, Any]]:
+    """Each store's sweep, the stores taking turns at each concurrency (the first to go
+    alternates), so a change in the machine's other load falls on both alike."""
+    sweeps = [Sweep(tg, name, submit_every, args, e) for tg, e in zip(targets, est, strict=True)]
+    c, level = 1, 0
+    while c <= args.clients_max and not all(s.done for s in sweeps):
+        for s in sweeps if level % 2 == 0 else sweeps[::-1]:
+            if not s.done:
+                s.step(c)
+        c, level = c * 2, level + 1
+    return [s.result() for s in sweeps]
 
 
-# --- one store ----------------------------------------------------------------------
+def run_closed(targets: list[Target], args: argparse.Namespace) -> list[dict[str, Any]]:
+    status = sweep_side_by_side(targets, "status", 0, args, [0.0] * len(targets))
+    est = [s["saturation_rps"] or 100.0 for s in status]
+    mix = sweep_side_by_side(targets, "mix", args.submit_every, args, est)
+    return [
+        {
+            "mode": "closed",
+            "status_saturation_rps": st["saturation_rps"],
+            "mix_saturation_rps": mx["saturation_rps"],
+            "submit_every": args.submit_every,
+            "status": st,
+            "mix": mx,
+            "errors": dict(Counter(st["errors"]) + Counter(mx["errors"])),
+        }
+        for st, mx in zip(status, mix, strict=True)
+    ]
 
 
-def measure(args: argparse.Namespace, db: str | None, replicas: int) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="ito-api-load-"))
-    store = db or str(tmp / "ito.db")
-    kind = "postgresql" if store.startswith("postgresql://") else "sqlite"
-    servers: list[tuple[subprocess.Popen[bytes], str]] = []
-    spy: subprocess.Popen[bytes] | None = None
-    try:
-        for i in range(replicas):
-            servers.append(
-                start_server(tmp, args.server_log_level, args.server_module, store, f"server{i}")
-            )
-        keys = args.clients if args.mode == "open" else args.keys
-        urls, pids = [u for _, u in servers], [p.pid for p, _ in servers]
-        tg = Target(urls, pids, store, make_tenant(store, keys), tmp)
-        print(f"{kind} x{replicas}, {args.mode} loop", flush=True)
-        if args.profile is not None:
-            spy = subprocess.Popen(
-                [
-                    shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
-                    *("record", "--pid", str(servers[0][0].pid), "--format", "raw"),
-                    *("--nonblocking", "--rate", "200", "--output", str(args.profile)),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            time.sleep(1.0)  # let py-spy attach
-        result = (run_open if args.mode == "open" else run_closed)(tg, args)
-        result = {"store": kind, **result, "load_avg_1m": os.getloadavg()[0]}
-        if spy is not None:
-            spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-            spy.wait(timeout=60)
-    finally:
-        for p, _ in servers:
-            p.terminate()
-        for p, _ in servers:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
-    if args.profile is not None and args.profile.exists():
-        own, incl = hottest(args.profile)
-        print("server self time (py-spy):")
-        for frame, share in own:
-            print(f"  {share:5.1f}%  {frame}")
-        print("server inclusive time (py-spy):")
-        for frame, share in incl:
-            print(f"  {share:5.1f}%  {frame}")
-    return result
+# --- the run ------------------------------------------------------------------------
+
+
+def profiled(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    spy = subprocess.Popen(
+        [
+            shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
+            *("record", "--pid", str(pid), "--format", "raw", "--nonblocking"),
+            *("--rate", "200", "--output", str(out)),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(1.0)  # let py-spy attach
+    return spy
+
+
+def print_profile(raw: Path) -> None:
+    own, incl = hottest(raw)
+    print("server self time (py-spy):")
+    for frame, share in own:
+        print(f"  {share:5.1f}%  {frame}")
+    print("server inclusive time (py-spy):")
+    for frame, share in incl:
+        print(f"  {share:5.1f}%  {frame}")
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -469,7 +431,7 @@ def main() -> None:
     add("--step-s", type=float, default=5.0, help="closed: measured seconds per step")
     add("--warmup-s", type=float, default=1.0, help="closed: unmeasured seconds per step")
     add("--plateau", type=float, default=0.05, help="closed: a step must beat the best by")
-    add("--patience", type=int, default=1, help="closed: steps without that gain to stop")
+    add("--patience", type=int, default=2, help="closed: steps without that gain to stop")
     add("--p99-bound-ms", type=float, default=1000.0, help="closed: a step's p99 at most")
     add("--submit-every", type=int, default=40, help="closed mix: a submit every Nth request")
     add("--keys", type=int, default=64, help="closed: submitter keys the requests rotate")
@@ -496,10 +458,33 @@ def main() -> None:
     args = ap.parse_args()
     if args.replicas > 1 and not (args.db or "").startswith("postgresql://"):
         ap.error("--replicas > 1 needs --db postgresql://... (SQLite has one writer host)")
-    runs: list[dict[str, Any]]
+    specs = ([(None, 1)] if args.sqlite_baseline else []) + [(args.db, args.replicas)]
+    keys = args.clients if args.mode == "open" else args.keys
+    spy: subprocess.Popen[bytes] | None = None
+    with ExitStack() as stack:
+        targets = [
+            stack.enter_context(serving(db, n, keys, args.server_log_level, args.server_module))
+            for db, n in specs
+        ]
+        if args.profile is not None:  # the measured store's first server
+            spy = profiled(targets[-1].pids[0], args.profile)
+        if args.mode == "open":
+            runs = []
+            for tg in targets:
+                print(f"{tg.label}, open loop", flush=True)
+                runs.append(run_open(tg, args))
+        else:
+            print(" / ".join(tg.label for tg in targets) + ", closed loop", flush=True)
+            runs = run_closed(targets, args)
+        for tg, r in zip(targets, runs, strict=True):
+            r.update(store=tg.kind, replicas=len(tg.urls), load_avg_1m=os.getloadavg()[0])
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+            spy.wait(timeout=60)
+    if args.profile is not None and args.profile.exists():
+        print_profile(args.profile)
     if args.sqlite_baseline:
-        base, rep = measure(args, None, 1), measure(args, args.db, args.replicas)
-        runs = [base, rep]
+        base, rep = runs
         out: dict[str, Any] = {"mode": args.mode, "sqlite": base, "replicas": rep}
         if args.mode == "closed":
             out["saturation_ratio"] = ratio(
@@ -510,8 +495,7 @@ def main() -> None:
             )
             print(f"saturation_ratio {out['saturation_ratio']}  mix {out['mix_saturation_ratio']}")
     else:
-        out = measure(args, args.db, args.replicas)
-        runs = [out]
+        [out] = runs
     out["cpus"] = os.cpu_count()
     print(json.dumps(out))
     unexpected = [(r["store"], r["replicas"], r["errors"]) for r in runs if r["errors"]]

@@ -8,11 +8,14 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -278,6 +281,72 @@ async def send(
         what = "?"
     errors[f"{kind} {code} {what}"] += 1
     return False
+
+
+class Target:
+    """The servers of one store, its tenant, the polled run and the manifest to submit."""
+
+    def __init__(self, urls: list[str], pids: list[int], db: str, t: dict[str, Any], tmp: Path):
+        self.urls, self.pids, self.db, self.t = urls, pids, db, t
+        self.kind = "postgresql" if db.startswith("postgresql://") else "sqlite"
+        self.label = f"{self.kind} x{len(urls)}"
+        self.body = manifest_body(tmp)
+        first = confirmations(urls[0], t, self.body, 1)[0]
+        self.run_id = submit_sync(urls[0], t, self.body, first, "bench-poll-target")
+
+    def payload(self, ref: str) -> bytes:
+        return json.dumps(
+            {"booking_id": self.t["booking"], "confirmation_ref": ref, **self.body}
+        ).encode()
+
+    def cpu(self) -> tuple[float, float | None, float, int, int]:
+        """CPU seconds so far of the servers, the database's backends and this load
+        generator, and the machine's (busy, total) jiffies."""
+        vals = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        busy = sum(vals) - vals[3] - vals[4]  # less idle and iowait
+        server = sum(cpu_seconds(p) for p in self.pids)
+        return server, db_cpu_seconds(self.db), cpu_seconds(os.getpid()), busy, sum(vals)
+
+    def cpu_per_request(
+        self, before: tuple[float, float | None, float, int, int], n: int
+    ) -> dict[str, Any]:
+        after, n = self.cpu(), max(1, n)
+        b0, d0, c0, busy0, all0 = before
+        b1, d1, c1, busy1, all1 = after
+        return {
+            "server_cpu_ms_per_request": round(1000 * (b1 - b0) / n, 2),
+            "db_cpu_ms_per_request": None
+            if d0 is None or d1 is None
+            else round(1000 * (d1 - d0) / n, 2),
+            # The load generator shares the cores: its own cost per request, for context.
+            "client_cpu_ms_per_request": round(1000 * (c1 - c0) / n, 2),
+            "machine_busy_pct": round(100 * (busy1 - busy0) / max(1, all1 - all0), 1),
+        }
+
+
+@contextmanager
+def serving(
+    db: str | None, replicas: int, keys: int, log_level: str, module: str
+) -> Iterator[Target]:
+    """``replicas`` servers on ``db`` (None: a temp SQLite file) and a fresh tenant with
+    ``keys`` submitter keys; the servers stop and their temp folder goes on exit."""
+    tmp = Path(tempfile.mkdtemp(prefix="ito-api-load-"))
+    store = db or str(tmp / "ito.db")
+    servers: list[tuple[subprocess.Popen[bytes], str]] = []
+    try:
+        for i in range(replicas):
+            servers.append(start_server(tmp, log_level, module, store, f"server{i}"))
+        urls, pids = [u for _, u in servers], [p.pid for p, _ in servers]
+        yield Target(urls, pids, store, make_tenant(store, keys), tmp)
+    finally:
+        for p, _ in servers:
+            p.terminate()
+        for p, _ in servers:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def cpu_seconds(pid: int) -> float:
