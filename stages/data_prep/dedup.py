@@ -1,7 +1,7 @@
 """Exact and near-duplicate removal: exact hash, MinHash LSH, Jaccard check, union-find.
 
 Recipe (``dedup``):
-1. exact: blake2b of each document's bytes; later copies of a digest are dropped;
+1. exact: later copies of a document's exact text are dropped;
 2. sketch: word shingles (``shingle_size`` words) -> 64-bit hashes -> MinHash signature
    (``minhash.signatures``), on Ray workers when the input is large;
 3. candidates: LSH bands (``minhash.lsh_params``) over the exact-dedup survivors;
@@ -13,7 +13,6 @@ Recipe (``dedup``):
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -132,15 +131,17 @@ class DedupResult:
 
 
 def exact_duplicate_mask(texts: Sequence[str]) -> np.ndarray:
-    """True for every document whose exact bytes appeared earlier in the input."""
-    seen: set[bytes] = set()
+    """True for every document whose exact text appeared earlier in the input.
+
+    A set of the strings themselves: equal text is equal bytes, the comparison is exact
+    (no digest collisions) and it holds references, not copies."""
+    seen: set[str] = set()
     dup = np.zeros(len(texts), dtype=bool)
     for i, t in enumerate(texts):
-        d = hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest()
-        if d in seen:
+        if t in seen:
             dup[i] = True
         else:
-            seen.add(d)
+            seen.add(t)
     return dup
 
 

@@ -114,7 +114,7 @@ def dedup_record(result: DedupResult, cfg: DedupConfig, ids: Sequence[str]) -> d
         for d, s in sorted(dup_of.items())[:MAX_DUPLICATE_EXAMPLES]
     ]
     return {
-        "method": "exact blake2b, then MinHash LSH verified by exact Jaccard, union-find",
+        "method": "exact text match, then MinHash LSH verified by exact Jaccard, union-find",
         "parameters": {
             "threshold": cfg.threshold,
             "num_perm": cfg.num_perm,

@@ -103,7 +103,7 @@ def test_signature_of_a_document_longer_than_one_chunk(monkeypatch: pytest.Monke
     texts = [" ".join(f"w{i % 997}" for i in range(3000)), "a b c d e f", "x y z"]
     grams = ngram_hashes(word_batch(texts), 5)
     whole = signatures(grams, 32, seed=2)
-    monkeypatch.setattr(mh, "_CHUNK_SHINGLES", 1000)  # the long document spans 3 chunks
+    monkeypatch.setattr(mh, "_CHUNK_ELEMENTS", 32 * 1000)  # the long document spans 3 chunks
     np.testing.assert_array_equal(signatures(grams, 32, seed=2), whole)
     ref = MinHash(num_perm=32, seed=2, hashfunc=lambda x: x)
     ref.update_batch([int(v) for v in shingle_values32(grams)[grams.doc == 0]])

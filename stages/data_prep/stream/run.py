@@ -41,7 +41,7 @@ from stages.errors import ErrorCode, ItoError
 
 # Bumped whenever a task's output format or meaning changes: old work folders are
 # then never reused.
-STREAM_FORMAT_VERSION = 1
+STREAM_FORMAT_VERSION = 2
 DEDUP_STAGES = ("sketch", "exact", "candidates", "fetch", "verify", "components")
 
 
