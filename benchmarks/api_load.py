@@ -212,6 +212,7 @@ async def open_load(tg: Target, refs: list[str], args: argparse.Namespace) -> di
         if lat["status"]
         else None,
         "interval_s": args.interval,
+        "http": args.http,
         "duration_s": round(elapsed, 2),
         "errors": dict(errors),
     }
@@ -222,7 +223,7 @@ def run_open(tg: Target, args: argparse.Namespace) -> dict[str, Any]:
     before = tg.cpu()
     result = asyncio.run(open_load(tg, refs, args))
     n = result["status_requests"] + result["submit_requests"]
-    result.update(tg.cpu_per_request(before, n))
+    result.update(tg.cpu_per_request(before, n), load_avg_1m=round(os.getloadavg()[0], 2))
     print(
         f"status  p50 {result['status_p50_ms']} ms  p99 {result['status_p99_ms']} ms  "
         f"(n={result['status_requests']})\n"
@@ -477,7 +478,8 @@ def main() -> None:
             print(" / ".join(tg.label for tg in targets) + ", closed loop", flush=True)
             runs = run_closed(targets, args)
         for tg, r in zip(targets, runs, strict=True):
-            r.update(store=tg.kind, replicas=len(tg.urls), load_avg_1m=os.getloadavg()[0])
+            r.update(store=tg.kind, replicas=len(tg.urls))
+            r.setdefault("load_avg_1m", round(os.getloadavg()[0], 2))
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
             spy.wait(timeout=60)
