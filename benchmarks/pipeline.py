@@ -12,6 +12,8 @@ the run's stored events and ``ito metrics``, reports:
 - ``phase_switch_s_max``: last committed step of a phase -> first committed step of
   the next (the gate included), the largest over the boundaries (with
   ``--post-training`` each objective is a phase too: the hand-over to it counts);
+  ``phase_switch_s`` each of them, in order;
+- ``startup_spans``: where accept -> first step went (``_spans``);
 - ``eval_share``: evaluation badput / elapsed;
 - ``badput_share``: each cause's badput / elapsed (each second counted once, so these
   and ``goodput`` add up to 1);
@@ -119,6 +121,35 @@ def _accepted_at(db: Path, run_id: str) -> float:
         )
 
 
+def _spans(events: list[dict[str, Any]], accepted_at: float, first: float | None) -> dict[str, Any]:
+    """Where accept -> first step went, each a time since acceptance (s): the driver
+    running, the plan passed, the trainer fleet placed (lighthouse and ranks made),
+    data prep's dedup and decontamination done, data prep passed (the ladder probe's
+    proxies in between: ``ladder_probe_s``), the first step."""
+    at: dict[str, Any] = {}
+
+    def mark(name: str, ts: float | None) -> None:
+        if ts is not None and name not in at:
+            at[name] = round(ts - accepted_at, 2)
+
+    for e in events:
+        kind, stage = e.get("kind"), e.get("stage")
+        if kind == "phase" and e.get("phase") == "startup" and not stage:
+            mark("driver_running", float(e["end"]))
+        elif kind == "stage_result":
+            mark(f"{e['outcome'].get('stage')}_done", float(e["ts"]))
+            if e["outcome"].get("stage") == "data_prep":
+                probe = e["outcome"].get("artifacts", {}).get("ladder", {})
+                if isinstance(probe.get("seconds"), int | float):
+                    at["ladder_probe_s"] = round(float(probe["seconds"]), 2)
+        elif kind == "fleet" and e.get("action") == "lighthouse_started":
+            mark("fleet_placed", float(e["ts"]))
+        elif kind == "log" and str(e.get("message", "")).startswith("decontamination:"):
+            mark("dedup_decontam_done", float(e["ts"]))
+    mark("first_step", first)
+    return at
+
+
 def _figures(events: list[dict[str, Any]], accepted_at: float) -> dict[str, Any]:
     steps = [e for e in events if e.get("kind") == "step" and e.get("committed")]
     first = min((e["ts"] for e in steps), default=None)
@@ -131,6 +162,8 @@ def _figures(events: list[dict[str, Any]], accepted_at: float) -> dict[str, Any]
         "accept_to_first_step_s": round(first - accepted_at, 2) if first else None,
         "phase_switch_s_max": round(max(switches), 2) if switches else None,
         "phases": order,
+        "phase_switch_s": [round(s, 2) for s in switches],
+        "startup_spans": _spans(events, accepted_at, first),
     }
 
 

@@ -2,7 +2,7 @@
 
 Public entry points (see docs/data_prep.md):
 ``DataPrepStage(config).run(ctx)``; ``file_sha256``, ``folder_sha256`` (the digests a
-manifest's DataRef carries); ``dedup``; ``EvalIndex`` + ``decontaminate``;
+manifest's DataRef carries); ``dedup.dedup``; ``EvalIndex`` + ``decontaminate``;
 ``load_eval_items``; ``ladder_probe``. CLI: ``python -m stages.data_prep``.
 """
 
@@ -17,8 +17,6 @@ from stages.data_prep.config import (
     DedupConfig,
     LadderProbeConfig,
 )
-from stages.data_prep.decontam import DecontamResult, EvalIndex, decontaminate
-from stages.data_prep.dedup import DedupResult, dedup
 from stages.data_prep.evals import (
     EvalItem,
     EvalSuite,
@@ -29,12 +27,22 @@ from stages.data_prep.evals import (
 from stages.data_prep.refs import file_sha256, folder_sha256, path_sha256, resolve_ref
 
 if TYPE_CHECKING:
+    from stages.data_prep.decontam import DecontamResult, EvalIndex, decontaminate
+    from stages.data_prep.dedup import DedupResult
     from stages.data_prep.ladder import LadderResult, decide, ladder_probe
     from stages.data_prep.stage import DataPrepStage
 
 # The probe and the stage import torch and transformers (seconds); Ray workers that
 # only sketch documents import this package too, so those names load on first use.
+# Dedup and decontamination (datasketch, scipy) too: the run driver imports the
+# manifest's models (``config``) before it plans and starts the trainer fleet. (The
+# ``dedup`` function is its module's: a package attribute would be shadowed by the
+# submodule once imported.)
 _LAZY = {
+    "DecontamResult": "stages.data_prep.decontam",
+    "EvalIndex": "stages.data_prep.decontam",
+    "decontaminate": "stages.data_prep.decontam",
+    "DedupResult": "stages.data_prep.dedup",
     "DataPrepStage": "stages.data_prep.stage",
     "LadderResult": "stages.data_prep.ladder",
     "decide": "stages.data_prep.ladder",
@@ -64,7 +72,6 @@ __all__ = [
     "LadderResult",
     "decide",
     "decontaminate",
-    "dedup",
     "file_sha256",
     "folder_sha256",
     "ladder_probe",

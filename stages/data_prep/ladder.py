@@ -88,6 +88,14 @@ def local_runner(cancelled: Callable[[], bool] = lambda: False) -> ArmRunner:
     return run
 
 
+def t_critical(confidence: float, n: int) -> float:
+    """The two-sided t quantile at ``confidence`` for n seeds per arm (2n - 2 degrees of
+    freedom)."""
+    from scipy.stats import t as student_t
+
+    return float(student_t.ppf(1 - (1 - confidence) / 2, df=2 * n - 2))
+
+
 def decide(
     baseline: Sequence[float], custom: Sequence[float], confidence: float, min_effect: float
 ) -> tuple[Decision, dict[str, float]]:
@@ -99,9 +107,7 @@ def decide(
     delta = float(c.mean() - b.mean())
     pooled = float(math.sqrt((b.var(ddof=1) + c.var(ddof=1)) / 2))
     se = pooled * math.sqrt(2 / n)
-    from scipy.stats import t as student_t
-
-    t_crit = float(student_t.ppf(1 - (1 - confidence) / 2, df=2 * n - 2))
+    t_crit = t_critical(confidence, n)
     margin = max(t_crit * se, min_effect)
     decision: Decision = (
         "adopt" if delta <= -margin else "reject" if delta >= margin else "no_decision"
@@ -210,7 +216,11 @@ def ladder_probe(
     devices: set[str] = set()
     places: set[str] = set()
     streams = {"baseline": base, "custom": mixed}
-    for job, bpb, device, where in runner(jobs, streams, windows, cfg):
+    for done, (job, bpb, device, where) in enumerate(runner(jobs, streams, windows, cfg)):
+        if done == 0 and len(seeds) >= 2:
+            # The decision's quantile imports scipy.stats (a second on a loaded host):
+            # here, while the other proxies train, not after the last one.
+            t_critical(cfg.confidence, len(seeds))
         scores[job.arm][job.seed] = bpb
         devices.add(device)
         places.add(where)

@@ -5,10 +5,10 @@ devices the run booked.
 The trainer fleet is placed and warming while data prep runs (``StartEarly``), and
 it holds the booking's devices: a GPU a rank on CUDA, a replica group's own cores on
 CPU. A probe that asked for devices of its own would wait behind the fleet it comes
-before, so it borrows the fleet's ranks instead: the proxies are dealt round robin
-over the replica groups' ranks (a standby holds no device and trains none), and each
-rank trains its share one after another (``ReplicaWorker.train_proxy``, in a
-concurrency group beside the driver's calls) while its loop waits for the data. The
+before, so it borrows the fleet's ranks instead: each of the replica groups' ranks
+(a standby holds no device and trains none) takes a proxy, and whichever rank is free
+first the next (``Dealer``; ``ReplicaWorker.train_proxy``, in a concurrency group
+beside the driver's calls) while its loop warms up and waits for the data. The
 streams and eval windows go to the object store once; the stage logs each proxy's
 score as it comes.
 """
@@ -41,10 +41,23 @@ class NoRanks(Exception):
     skipped, and the train stage reports why."""
 
 
-def rank_shares(jobs: list[ArmJob], ranks: int) -> list[list[ArmJob]]:
-    """Each rank's proxies, dealt round robin (arms alternate, so each rank's share
-    holds both arms when it can)."""
-    return [jobs[i::ranks] for i in range(min(ranks, len(jobs)))]
+class Dealer:
+    """Which rank trains which proxy: one to each rank at first (arms alternate, so
+    both arms start at once where two ranks are), then the next to whichever rank is
+    free first. Dealt round robin up front, a rank that warmed up late (its model build
+    beside its first proxy) held its second proxy while a faster rank sat idle."""
+
+    def __init__(self, jobs: list[ArmJob], ranks: int):
+        self._queue = list(jobs)
+        self._ranks = ranks
+
+    def first(self) -> list[tuple[int, ArmJob]]:
+        """(rank, proxy) for each rank that starts one now."""
+        return [(rank, self._queue.pop(0)) for rank in range(min(self._ranks, len(self._queue)))]
+
+    def next_for(self, rank: int) -> ArmJob | None:
+        """The proxy ``rank`` trains next, now that it finished one (None: no more)."""
+        return self._queue.pop(0) if self._queue else None
 
 
 def rank_runner(fleet: Any, cancelled: Callable[[], bool]) -> ArmRunner:
@@ -65,13 +78,18 @@ def rank_runner(fleet: Any, cancelled: Callable[[], bool]) -> ArmRunner:
             raise NoRanks("the run's trainer ranks were not placed")
         stream_refs = {arm: ray.put(s) for arm, s in streams.items()}
         windows_ref = ray.put(windows)
-        pending: dict[Any, tuple[ArmJob, str]] = {}
-        shares = rank_shares(jobs, len(ranks))
-        for (where, actor), share in zip(ranks, shares, strict=False):
-            for job in share:
-                call = actor.train_proxy.options(concurrency_group=BORROWED_GROUP)
-                pending[call.remote(job, stream_refs[job.arm], windows_ref, cfg)] = (job, where)
-        bound = ARM_TIMEOUT_S * max(len(s) for s in shares)
+        pending: dict[Any, tuple[ArmJob, int]] = {}
+
+        def start(rank: int, job: ArmJob) -> None:
+            call = ranks[rank][1].train_proxy.options(concurrency_group=BORROWED_GROUP)
+            pending[call.remote(job, stream_refs[job.arm], windows_ref, cfg)] = (job, rank)
+
+        dealer = Dealer(jobs, len(ranks))
+        for rank, job in dealer.first():
+            start(rank, job)
+        # As many proxies a rank as when every rank keeps pace: a free rank taking the
+        # next proxy only ends the probe sooner.
+        bound = ARM_TIMEOUT_S * -(-len(jobs) // len(ranks))
         deadline = time.monotonic() + bound
         try:
             while pending:
@@ -84,7 +102,8 @@ def rank_runner(fleet: Any, cancelled: Callable[[], bool]) -> ArmRunner:
                     )
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=WAIT_S)
                 for ref in done:
-                    job, where = pending.pop(ref)
+                    job, rank = pending.pop(ref)
+                    where = ranks[rank][0]
                     try:
                         bpb, device = ray.get(ref)
                     except RayError as e:  # the rank was lost, or the proxy failed
@@ -93,6 +112,9 @@ def rank_runner(fleet: Any, cancelled: Callable[[], bool]) -> ArmRunner:
                             f"ladder probe: the {job.arm} proxy of seed {job.seed} failed on "
                             f"{where}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
                         ) from None
+                    following = dealer.next_for(rank)
+                    if following is not None:
+                        start(rank, following)
                     yield job, float(bpb), str(device), where
         finally:
             for ref in pending:  # queued ones never start; a running one ends with its rank

@@ -22,6 +22,8 @@ class WorkerSpec:
     replica_group: int
     rank: int
     config: TrainStageConfig
+    # "": the run's lighthouse was still starting when the rank was made; the rank asks
+    # it by its name (``lighthouse.lighthouse_address``) when it joins.
     lighthouse_addr: str
     checkpoint_dir: str
     # Rank 0 of a multi-rank group hosts the group's TCPStore; others get it here.

@@ -208,13 +208,21 @@ class TrainingEngine:
         if not ray.is_initialized():
             raise ItoError(ErrorCode.ray_unavailable, "Ray is not initialised in this process")
         t0 = time.time()
-        lh_addr, kept = self._start_lighthouse()
-        self._lh_addr = lh_addr
+        kept = False
+        if self._fleet_fits():  # the ranks are told the lighthouse with their new spec
+            self._lh_addr, kept = self._start_lighthouse()
         handed = self._take_fleet()
         if not handed:
+            # New ranks first, then a new lighthouse, whose address is not waited for:
+            # Ray starts a node's worker processes a few at a time, and the ranks'
+            # (imports, model build) are the long pole; each rank asks the lighthouse
+            # (by the run's name for it) when it joins, after its build.
             for g in range(self.cfg.replica_groups):
                 for r in range(self.cfg.ranks_per_group):
                     self.actors[(g, r)] = self._make_worker(worker_name(self._names_id, g, r), g, r)
+        if self.lighthouse is None:
+            self._lh_addr, kept = self._start_lighthouse()
+        lh_addr = self._lighthouse_address()
         how = f"{len(self.actors)} trainer actors" + (
             f" handed on from run {self._names_id}" if handed else ""
         )
@@ -229,12 +237,12 @@ class TrainingEngine:
         )
 
     def _start_lighthouse(self) -> tuple[str, bool]:
-        """The run's torchft lighthouse (its address, and whether it was kept): the
-        fleet's, when the previous run left one with this run's settings, else a new
-        actor. A lighthouse goes on safely: the previous run's Managers shut down with
-        their loops, and it stops counting them at their heartbeat timeout (torchft's
-        quorum waits for healthy replicas only), so this run's first quorum waits at
-        most that long."""
+        """The run's torchft lighthouse (its address, "" for a new one still starting:
+        ``_lighthouse_address``; and whether it was kept): the fleet's, when the
+        previous run left one with this run's settings, else a new actor. A lighthouse
+        goes on safely: the previous run's Managers shut down with their loops, and it
+        stops counting them at their heartbeat timeout (torchft's quorum waits for
+        healthy replicas only), so this run's first quorum waits at most that long."""
         import ray
 
         fleet = self.fleet
@@ -255,8 +263,16 @@ class TrainingEngine:
             max_restarts=-1,
             **actor_options(self.facts, bundle_index=0),
         ).remote(self.ft, 1, self.facts.get(PLACEMENT_FACT))  # its front admits these nodes
-        addr = ray.get(self.lighthouse.address.remote(), timeout=self.ft.actor_ready_timeout_s)
-        return str(addr), False
+        return "", False
+
+    def _lighthouse_address(self) -> str:
+        """The lighthouse's address, waited for once (at most ``actor_ready_timeout_s``)."""
+        import ray
+
+        if not self._lh_addr:
+            ref = self.lighthouse.address.remote()
+            self._lh_addr = str(ray.get(ref, timeout=self.ft.actor_ready_timeout_s))
+        return self._lh_addr
 
     def _take_fleet(self) -> bool:
         """Start this run on the ranks the fleet holds when it has this run's shape;
@@ -268,7 +284,9 @@ class TrainingEngine:
         if fleet is None:
             return False
         shape = (self.cfg.replica_groups, self.cfg.ranks_per_group, self.cfg.device)
-        if fleet.actors and fleet.shape == shape and fleet.secret is not None:
+        if self._fleet_fits():
+            assert fleet.secret is not None
+            self._lighthouse_address()  # the ranks are told it with their new spec
             self._names_id = fleet.fleet_id
             self.secret = fleet.secret  # Ray restarts its ranks with the one they got
             try:
@@ -290,6 +308,17 @@ class TrainingEngine:
         fleet.fleet_id, fleet.shape, fleet.secret = self.run_id, shape, self.secret
         self._names_id = self.run_id
         return False
+
+    def _fleet_fits(self) -> bool:
+        """Whether the fleet holds ranks of this run's shape to hand on."""
+        fleet = self.fleet
+        shape = (self.cfg.replica_groups, self.cfg.ranks_per_group, self.cfg.device)
+        return (
+            fleet is not None
+            and bool(fleet.actors)
+            and fleet.shape == shape
+            and fleet.secret is not None
+        )
 
     @property
     def _fleet_can_carry(self) -> bool:

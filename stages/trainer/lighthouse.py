@@ -41,6 +41,30 @@ def lighthouse_name(run_id: str) -> str:
     return f"run-{run_id}-lighthouse"
 
 
+# How often a rank made before its run's lighthouse looks the lighthouse up by name.
+LOOKUP_INTERVAL_S = 0.05
+
+
+def lighthouse_address(run_id: str, timeout_s: float) -> str:
+    """The address of run ``run_id``'s lighthouse, for a rank made before it (the engine
+    makes the ranks first): its name may not be registered yet, so it is looked up
+    until ``timeout_s``."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            actor = ray.get_actor(lighthouse_name(run_id))
+            break
+        except ValueError:  # not registered yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(LOOKUP_INTERVAL_S)
+    return str(ray.get(actor.address.remote(), timeout=max(0.0, deadline - time.monotonic())))
+
+
 def rust_extension() -> ModuleType:
     """torchft's compiled module, without importing the torchft package."""
     if EXTENSION in sys.modules:

@@ -203,6 +203,7 @@ class RankSetup:
 
         from stages.checkpointing.checkpointer import Checkpointer
         from stages.checkpointing.seal import CheckpointBinding
+        from stages.trainer.lighthouse import lighthouse_address
         from stages.trainer.loss_spike import LossSpikeDetector
         from stages.trainer.train_state import TrainState
 
@@ -234,7 +235,9 @@ class RankSetup:
             ranks_per_group=cfg.ranks_per_group,
             store_addr=store_addr,
             store_port=store_port,
-            lighthouse_addr=spec.lighthouse_addr,
+            # "": the run's new lighthouse was still starting when this rank was made.
+            lighthouse_addr=spec.lighthouse_addr
+            or lighthouse_address(spec.run_id, cfg.fault_tolerance.actor_ready_timeout_s),
             load_state_dict=loop.load_heal_state,
             state_dict=loop.heal_state,
             secret=loop.secret,

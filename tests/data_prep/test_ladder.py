@@ -158,12 +158,19 @@ def test_a_runs_proxies_train_on_its_warm_ranks_and_score_as_in_process(
     assert remote.custom_bpb == pytest.approx(local.custom_bpb, abs=1e-3)
 
 
-def test_proxies_are_dealt_round_robin_over_the_ranks() -> None:
+def test_a_free_rank_takes_the_next_proxy() -> None:
+    """One proxy to each rank at first (both arms at once on two ranks), then the next
+    to whichever rank finished first: a rank slowed by its own warm-up (its model build
+    beside its first proxy) must not hold a proxy a free rank could train."""
     from stages.data_prep.ladder import ArmJob
-    from stages.data_prep.ladder_ranks import rank_shares
+    from stages.data_prep.ladder_ranks import Dealer
 
     jobs = [ArmJob(arm=a, seed=s, steps=4) for s in (0, 1) for a in ("baseline", "custom")]
-    assert rank_shares(jobs, 1) == [jobs]
-    assert rank_shares(jobs, 2) == [jobs[0::2], jobs[1::2]]
-    assert rank_shares(jobs, 8) == [[j] for j in jobs]  # a rank per proxy, the rest idle
-    assert rank_shares([], 2) == []
+    dealer = Dealer(jobs, 2)
+    assert dealer.first() == [(0, jobs[0]), (1, jobs[1])]
+    # Rank 1 is done twice before rank 0 once: it trains the third and the fourth.
+    assert dealer.next_for(1) == jobs[2]
+    assert dealer.next_for(1) == jobs[3]
+    assert dealer.next_for(0) is None
+    assert Dealer(jobs, 8).first() == list(enumerate(jobs))  # a rank per proxy, the rest idle
+    assert Dealer([], 2).first() == []
