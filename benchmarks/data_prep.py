@@ -6,8 +6,9 @@
 
 Corpus: random 80-word documents with planted near-duplicate copies at Jaccard drawn
 from 0.3-0.95 (stages.data_prep.synth). Measured in the same process, ``--repeat``
-rounds, each round timing our dedup and then every baseline back to back (so a burst
-of load on a shared machine hits both sides of a round):
+rounds, each round timing our dedup and then every baseline back to back; rates are
+medians over rounds (a burst of load on a shared machine moves one round, not the
+median):
 
 - dedup_docs_per_s: the whole ``stages.data_prep.dedup`` pipeline from the texts
   (normalisation, shingling, exact duplicates, MinHash, LSH banding, exact-Jaccard
