@@ -2,9 +2,9 @@
 
 Starts real ``ito-backend serve`` subprocesses on loopback (``--runtime none``: runs
 stay ``accepted``; the planner gate is on, so a submit costs what it costs in
-production) and makes one tenant: a fresh account with submitter keys, an approver key
+production) and makes one tenant: a fresh account with submitter keys, approver keys
 and a live booking, one run to poll, and the train confirmations the submits consume
-(made by the approver before the timed load: confirming is its step, not load). The
+(made by the approvers before each timed load: confirming is their step, not load). The
 servers run with ``--max-active-runs-per-account`` at its maximum and
 ``--plans-per-account`` above the request threads (the operator's own settings), so
 every submit the benchmark sends can be accepted: a refusal is an error, never timed.
@@ -27,9 +27,10 @@ the same requests from their send. Numbers (ms, nearest-rank percentiles):
 last answers, on one keep-alive connection, spread round-robin over the replicas; each
 request takes the next key of a pool of ``--keys`` (so the per-key rate limit, 50/s by
 default, never bites). ``c`` doubles from 1 up to ``--clients-max``: each step runs
-``--warmup-s`` then ``--step-s`` measured seconds, and the sweep stops once a step's
-throughput is not ``--plateau`` above the best so far (``--patience`` steps in a row),
-its p99 passes ``--p99-bound-ms``, or it saw an error. Two sweeps per store:
+``--warmup-s`` then ``--step-s`` measured seconds, and the sweep stops once its
+throughput has not risen ``--plateau`` above the best so far for ``--patience`` steps
+in a row (side by side: every store's), or, for that store, once a step's p99 passes
+``--p99-bound-ms`` or it saw an error. Two sweeps per store:
 
 - ``status``: only status reads.
 - ``mix``: every ``--submit-every``-th request of each client is a submit (the open
@@ -297,7 +298,9 @@ class Sweep:
         self.steps: list[dict[str, Any]] = []
         self.errors: Counter[str] = Counter()
         self.pool: list[str] = []
-        self.best_rps, self.flat, self.done = 0.0, 0, False
+        self.best_rps, self.flat = 0.0, 0
+        # Past the p99 bound or with an error: no further step.
+        self.stopped = False
 
     def step(self, c: int) -> None:
         args, tg = self.args, self.tg
@@ -337,13 +340,17 @@ class Sweep:
         )
         if errs or step["p99_ms"] is None or step["p99_ms"] > args.p99_bound_ms:
             step["over_bound"] = True
-            self.done = True
+            self.stopped = True
             return
         self.flat = (
             0 if step["requests_per_s"] > self.best_rps * (1 + args.plateau) else self.flat + 1
         )
         self.best_rps = max(self.best_rps, step["requests_per_s"])
-        self.done = self.flat >= args.patience
+
+    @property
+    def flat_out(self) -> bool:
+        """No step rose by ``--plateau`` for ``--patience`` steps (or it stopped)."""
+        return self.stopped or self.flat >= self.args.patience
 
     def result(self) -> dict[str, Any]:
         within = [s for s in self.steps if not s.get("over_bound")]
@@ -359,13 +366,15 @@ class Sweep:
 def sweep_side_by_side(
     targets: list[Target], name: str, submit_every: int, args: argparse.Namespace, est: list[float]
 ) -> list[dict[str, Any]]:
-    """Each store's sweep, the stores taking turns at each concurrency (the first to go
-    alternates), so a change in the machine's other load falls on both alike."""
+    """Each store's sweep at the same concurrencies, the stores taking turns at each
+    (the first to go alternates), so a change in the machine's other load falls on both
+    alike; it goes on while any store's throughput still rises (one noisy step does not
+    end a store's sweep early)."""
     sweeps = [Sweep(tg, name, submit_every, args, e) for tg, e in zip(targets, est, strict=True)]
     c, level = 1, 0
-    while c <= args.clients_max and not all(s.done for s in sweeps):
+    while c <= args.clients_max and not all(s.flat_out for s in sweeps):
         for s in sweeps if level % 2 == 0 else sweeps[::-1]:
-            if not s.done:
+            if not s.stopped:
                 s.step(c)
         c, level = c * 2, level + 1
     return [s.result() for s in sweeps]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -41,6 +42,11 @@ MAX_ACTIVE_RUNS = next(
 # threads, where the bound never bites (the clients are one account's; this measures
 # throughput, tests/api/test_server_abuse.py measures the bound).
 PLANS_PER_ACCOUNT = int(Settings.model_fields["request_threads"].default) + 1
+
+
+# Approver keys the confirmations rotate over: a sweep's mix may need hundreds at once,
+# past one key's rate-limit burst.
+APPROVERS = 8
 
 
 def _iso(hours: float) -> str:
@@ -104,7 +110,7 @@ def start_server(
 
 
 def make_tenant(db: str, keys: int) -> dict[str, Any]:
-    """A fresh account with ``keys`` submitter keys, an approver key and a live booking."""
+    """A fresh account with ``keys`` submitter keys, approver keys and a live booking."""
     from orchestrator.db.store import Store
     from orchestrator.gates.auth import SCOPES, issue_key
     from orchestrator.gates.bookings import BookingFile, add_booking
@@ -120,7 +126,7 @@ def make_tenant(db: str, keys: int) -> dict[str, Any]:
         store.set_roots(account, "checkpoint", [root])
         submitters = [issue_key(store, name, ["runs:read", "runs:write"])[1] for _ in range(keys)]
         approver_scopes = [s for s in SCOPES if s.startswith("confirm:")] + ["runs:read"]
-        _, approver = issue_key(store, name, approver_scopes)
+        approvers = [issue_key(store, name, approver_scopes)[1] for _ in range(APPROVERS)]
         booking = f"bk-{name}"
         add_booking(
             store,
@@ -141,7 +147,7 @@ def make_tenant(db: str, keys: int) -> dict[str, Any]:
         )
     finally:
         store.close()
-    return {"submitters": submitters, "approver": approver, "booking": booking}
+    return {"submitters": submitters, "approvers": approvers, "booking": booking}
 
 
 def manifest_body(tmp: Path) -> dict[str, str]:
@@ -155,18 +161,20 @@ def manifest_body(tmp: Path) -> dict[str, str]:
 
 
 def confirmations(url: str, t: dict[str, Any], body: dict[str, str], n: int) -> list[str]:
-    """``n`` train confirmations by the approver (its step, made outside the timed load)."""
-    refs = []
-    with httpx.Client(
-        base_url=url,
-        timeout=REQUEST_TIMEOUT_S,
-        headers={"Authorization": f"Bearer {t['approver']}"},
-    ) as c:
-        for _ in range(n):
-            env = c.post(
-                "/v1/confirmations",
-                json={"action": "train", "booking_id": t["booking"], "cost_usd": 100.0, **body},
-            ).json()
+    """``n`` train confirmations by the approvers (their step, made outside the timed
+    load): each takes the next approver key, and one refused for the per-key rate limit
+    is asked again after its Retry-After."""
+    refs: list[str] = []
+    approvers = itertools.cycle(t["approvers"])
+    payload = {"action": "train", "booking_id": t["booking"], "cost_usd": 100.0, **body}
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as c:
+        while len(refs) < n:
+            auth = {"Authorization": f"Bearer {next(approvers)}"}
+            r = c.post("/v1/confirmations", json=payload, headers=auth)
+            env = r.json()
+            if r.status_code == 429 and env["error"]["code"] == "rate_limited":
+                time.sleep(float(r.headers.get("Retry-After", "1")))
+                continue
             if not env["ok"]:
                 raise RuntimeError(f"confirmation refused: {env}")
             refs.append(env["data"]["confirmation_ref"])
