@@ -36,10 +36,66 @@ class Sketch:
     shingles: np.ndarray  # uint64, all documents' shingle hashes, document by document
     offsets: np.ndarray  # int64 (docs + 1)
 
-    def shingle_set(self, i: int) -> np.ndarray:
-        """Sorted unique shingle hashes of document ``i`` (built on demand: only
-        candidate documents ever need it)."""
-        return np.unique(self.shingles[self.offsets[i] : self.offsets[i + 1]])
+    def shingle_sets(self, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(flat, offsets): the sorted unique shingle hashes of each of ``docs``, as
+        ``flat[offsets[k] : offsets[k + 1]]`` for ``docs[k]``, built in one sort (only
+        candidate documents ever need them)."""
+        starts = self.offsets[docs]
+        lens = self.offsets[docs + 1] - starts
+        label = np.repeat(np.arange(len(docs), dtype=np.int64), lens)
+        h = self.shingles[_ranges(starts, lens)]
+        # By hash, then stably by document: 4x faster than lexsort((h, label)).
+        order = np.argsort(h)
+        order = order[_stable_argsort_u32(label[order])]
+        h, label = h[order], label[order]
+        first = np.ones(len(h), dtype=bool)
+        first[1:] = (h[1:] != h[:-1]) | (label[1:] != label[:-1])
+        h, label = h[first], label[first]
+        return h, np.searchsorted(label, np.arange(len(docs) + 1))
+
+
+def _stable_argsort_u32(v: np.ndarray) -> np.ndarray:
+    """Stable argsort of integers in [0, 2**32): numpy radix-sorts 16-bit keys, so
+    one pass per 16-bit half, low half first."""
+    order = np.argsort((v & 0xFFFF).astype(np.uint16), kind="stable")
+    if len(v) and int(v.max()) >= 1 << 16:
+        order = order[np.argsort((v[order] >> 16).astype(np.uint16), kind="stable")]
+    return order
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(s, s + n)`` for each (s, n)."""
+    ends = np.cumsum(lens)
+    return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(
+        starts - (ends - lens), lens
+    )
+
+
+def pair_jaccard(flat: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Exact Jaccard of the sorted unique sets ``a[p]`` and ``b[p]`` (indices into
+    ``offsets``) for every pair p at once: each element of the smaller set is looked up
+    in the larger by a binary search run for all elements side by side (as many steps
+    as the largest set has bits), then the hits are counted per pair. The same value
+    as ``jaccard_sorted`` pair by pair (two empty sets: 1.0)."""
+    size = np.diff(offsets)
+    swap = size[a] > size[b]
+    small, big = np.where(swap, b, a), np.where(swap, a, b)
+    n_probe = size[small]
+    pair = np.repeat(np.arange(len(a), dtype=np.int64), n_probe)
+    x = flat[_ranges(offsets[small], n_probe)]
+    lo, end = offsets[big][pair], offsets[big + 1][pair]
+    hi = end.copy()
+    last = max(len(flat) - 1, 0)
+    for _ in range(int(size.max(initial=0)).bit_length()):
+        mid = (lo + hi) >> 1
+        live = lo < hi
+        less = live & (flat[np.minimum(mid, last)] < x)
+        lo = np.where(less, mid + 1, lo)
+        hi = np.where(live & ~less, mid, hi)
+    hit = (lo < end) & (flat[np.minimum(lo, last)] == x)
+    inter = np.bincount(pair[hit], minlength=len(a)).astype(np.float64)
+    union = size[a] + size[b] - inter
+    return np.divide(inter, union, out=np.ones(len(a)), where=union > 0)
 
 
 def sketch_texts(texts: Sequence[str], shingle_size: int, num_perm: int, seed: int) -> Sketch:
@@ -178,18 +234,11 @@ def dedup(
         raise InterruptedError("dedup cancelled")
     eligible = ~exact & (np.diff(sk.offsets) > 0)
     cand = candidate_pairs(sk.sig, Banding(bands, rows), eligible)
-    sets: dict[int, np.ndarray] = {}
-
-    def shingle_set(i: int) -> np.ndarray:
-        if i not in sets:
-            sets[i] = sk.shingle_set(i)
-        return sets[i]
-
-    verified = [
-        (int(i), int(j))
-        for i, j in cand
-        if jaccard_sorted(shingle_set(int(i)), shingle_set(int(j))) >= cfg.threshold
-    ]
+    docs, inverse = np.unique(cand.ravel(), return_inverse=True)
+    flat, offsets = sk.shingle_sets(docs)
+    pairs_at = inverse.reshape(-1, 2)
+    jac = pair_jaccard(flat, offsets, pairs_at[:, 0], pairs_at[:, 1])
+    verified = [(int(i), int(j)) for i, j in cand[jac >= cfg.threshold]]
     uf = UnionFind(n)
     for i, j in verified:
         uf.union(i, j)

@@ -12,8 +12,21 @@ import pytest
 
 import stages.data_prep.text as text_mod
 from stages.data_prep.config import DedupConfig
-from stages.data_prep.dedup import dedup
-from stages.data_prep.minhash import MAX_BUCKET_ALL_PAIRS, Banding, band_keys, bucket_pairs
+from stages.data_prep.dedup import (
+    _stable_argsort_u32,
+    dedup,
+    jaccard_sorted,
+    pair_jaccard,
+    sketch_texts,
+)
+from stages.data_prep.minhash import (
+    MAX_BUCKET_ALL_PAIRS,
+    Banding,
+    band_keys,
+    bucket_pairs,
+    candidate_pairs,
+    lsh_params,
+)
 from stages.data_prep.minhash import unique_pairs as unique_pair_rows
 from stages.data_prep.synth import jaccard, planted_pair_corpus, shingle_tuples
 from stages.data_prep.text import (
@@ -190,3 +203,63 @@ def test_near_duplicates_that_differ_in_case_punctuation_spacing_and_width_are_f
     # Every verified pair really is a near-duplicate by the word-tuple definition.
     for i, j in result.verified_pairs:
         assert jaccard(shingle_tuples(corpus[i], 5), shingle_tuples(corpus[j], 5)) >= 0.8
+
+
+def test_pair_jaccard_equals_jaccard_sorted_pair_by_pair() -> None:
+    rng = np.random.default_rng(5)
+    sets = [
+        np.unique(rng.integers(0, 60, rng.integers(1, 40))).astype(np.uint64) for _ in range(80)
+    ]
+    sets += [
+        sets[0].copy(),
+        np.array([2**64 - 1], dtype=np.uint64),
+        np.arange(500, dtype=np.uint64),
+        # All below the next set's first element, which the probing set holds: a
+        # search that ran past its set's end would count it.
+        np.array([1, 2, 3], dtype=np.uint64),
+        np.array([900, 901], dtype=np.uint64),
+    ]
+    offsets = np.zeros(len(sets) + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in sets], out=offsets[1:])
+    flat = np.concatenate(sets)
+    a = rng.integers(0, len(sets), 600)
+    b = rng.integers(0, len(sets), 600)
+    # Equal sets, one element, big vs small, and the set just before [900, 901].
+    a[:5], b[:5] = [0, 81, 82, 5, 84], [80, 81, 3, 82, 83]
+    got = pair_jaccard(flat, offsets, a, b)
+    want = [jaccard_sorted(sets[i], sets[j]) for i, j in zip(a, b, strict=True)]
+    assert got.tolist() == want
+    assert got[0] == 1.0 and got[1] == 1.0
+
+
+def test_dedup_verifies_the_candidates_as_the_per_pair_check_does() -> None:
+    texts, _ = planted_pair_corpus(300, 300, seed=9)
+    # Documents that repeat a phrase: their shingle lists hold duplicates, and a
+    # Jaccard over lists instead of sets would differ.
+    phrase = texts[0].split()[:12]
+    looped = " ".join(phrase * 6)
+    texts += [looped, looped + " " + " ".join(phrase[:6]) + " tail words here", looped + " end"]
+    cfg = DedupConfig(threshold=0.8)
+    result = dedup(texts, cfg)
+    sk = sketch_texts(texts, cfg.shingle_size, cfg.num_perm, cfg.seed)
+    bands, rows = lsh_params(cfg.threshold, cfg.num_perm, cfg.recall_target)
+    cand = candidate_pairs(sk.sig, Banding(bands, rows), np.diff(sk.offsets) > 0)
+
+    def shingle_set(i: int) -> np.ndarray:
+        return np.unique(sk.shingles[sk.offsets[i] : sk.offsets[i + 1]])
+
+    want = [
+        (int(i), int(j))
+        for i, j in cand
+        if jaccard_sorted(shingle_set(int(i)), shingle_set(int(j))) >= cfg.threshold
+    ]
+    assert result.verified_pairs.tolist() == [list(p) for p in want]
+    assert 60 <= len(want) < len(cand)  # some candidates are rejected
+
+
+@pytest.mark.parametrize("high", [1 << 16, 1 << 32])
+def test_stable_argsort_of_32_bit_keys(high: int) -> None:
+    rng = np.random.default_rng(6)
+    v = rng.integers(0, high, 50_000, dtype=np.int64)
+    v[::3] = v[::3] % 97  # many ties, whose input order must survive
+    np.testing.assert_array_equal(_stable_argsort_u32(v), np.argsort(v, kind="stable"))
