@@ -123,7 +123,7 @@ def _accepted_at(db: Path, run_id: str) -> float:
 
 def _spans(events: list[dict[str, Any]], accepted_at: float, first: float | None) -> dict[str, Any]:
     """Where accept -> first step went, each a time since acceptance (s): the driver
-    running, the plan passed, the trainer fleet placed (lighthouse and ranks made),
+    running, the plan passed, the run's lighthouse up (its trainer ranks made),
     data prep's dedup and decontamination done, data prep passed (the ladder probe's
     proxies in between: ``ladder_probe_s``), the first step."""
     at: dict[str, Any] = {}
@@ -143,7 +143,7 @@ def _spans(events: list[dict[str, Any]], accepted_at: float, first: float | None
                 if isinstance(probe.get("seconds"), int | float):
                     at["ladder_probe_s"] = round(float(probe["seconds"]), 2)
         elif kind == "fleet" and e.get("action") == "lighthouse_started":
-            mark("fleet_placed", float(e["ts"]))
+            mark("lighthouse_up", float(e["ts"]))
         elif kind == "log" and str(e.get("message", "")).startswith("decontamination:"):
             mark("dedup_decontam_done", float(e["ts"]))
     mark("first_step", first)

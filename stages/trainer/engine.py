@@ -220,6 +220,8 @@ class TrainingEngine:
             for g in range(self.cfg.replica_groups):
                 for r in range(self.cfg.ranks_per_group):
                     self.actors[(g, r)] = self._make_worker(worker_name(self._names_id, g, r), g, r)
+        if self.fleet is not None:  # the ranks the probe borrows: no lighthouse needed
+            self.fleet.place_done(self.actors)
         if self.lighthouse is None:
             self._lh_addr, kept = self._start_lighthouse()
         lh_addr = self._lighthouse_address()
