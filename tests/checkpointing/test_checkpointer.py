@@ -183,6 +183,33 @@ def test_a_stager_closed_by_its_last_save_is_replaced(
     assert torch.equal(loaded["w"], torch.full((16,), 3.0))
 
 
+def test_a_save_launches_at_the_short_switch_interval_and_restores_it(
+    policy: Callable[..., CheckpointPolicy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The launch hands the GIL to the staging and upload threads it wakes: at the
+    # default interval each hand-back costs the caller up to 5 ms. The real async_save
+    # runs; the spy only reads the interval it runs at.
+    import sys
+
+    import stages.checkpointing.checkpointer as checkpointer_mod
+
+    seen: list[float] = []
+    real_async_save = checkpointer_mod.dcp.async_save
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(sys.getswitchinterval())
+        return real_async_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer_mod.dcp, "async_save", spy)
+    before = sys.getswitchinterval()
+    state = {"w": torch.zeros(1000)}
+    with Checkpointer(policy()) as ck:
+        ck.save(1, state)
+        assert ck.wait() is not None
+    assert seen == [pytest.approx(checkpointer_mod.LAUNCH_SWITCH_INTERVAL_S)]
+    assert sys.getswitchinterval() == before
+
+
 def test_an_older_checkpoint_survives_until_the_newer_one_is_complete(
     policy: Callable[..., CheckpointPolicy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
