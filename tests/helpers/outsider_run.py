@@ -57,9 +57,15 @@ def _config(workdir: Path) -> object:
             f.write(json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 5 + 1)}))
             f.write("\n")
     recovery = production_recovery({"node_count": 1}, standbys_per_node=0)
+    fields = recovery.train_fields()
+    # The production fronts and listeners, with a 5 s heartbeat timeout instead of 1 s:
+    # what the outsider tries (the dashboard's kill, a fake join or heartbeat) does not
+    # wait on a timeout, while a group whose heartbeats a loaded CI host delays past 1 s
+    # was dropped for a few steps (load average 37), which the test would blame on it.
+    fields["fault_tolerance"]["heartbeat_timeout_ms"] = 5000
     return TrainStageConfig.model_validate(
         dict(
-            **recovery.train_fields(),
+            **fields,
             model=ModelSpec(preset="llama-tiny", size="0.1M"),
             # Long enough that the run is still training when the probes are done (the
             # test checks that it was); paced, so a fast host does not outrun them.
