@@ -15,36 +15,19 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from orchestrator.runtime import launch
+from orchestrator.runtime.factories import StageFactory, StartEarly
 from orchestrator.runtime.launch import LaunchSpec
 from orchestrator.runtime.ray_cluster import PRIVATE_UMASK
-from stages.base import GateOutcome, PrestartableStage, Stage, StageContext
+from stages.base import GateOutcome, PrestartableStage, StageContext
 from stages.checkpointing.seal import ACCOUNT_FACT
 from stages.errors import ErrorCode, ItoError
 from stages.event_buffer import EventBuffer
 from stages.events import Event, LogEvent, PhaseEvent, StageResultEvent, StepEvent
 from stages.trainer.handoff import Fleet
-
-StageFactory = Callable[[StageContext], Stage]
-
-
-@dataclass(frozen=True)
-class StartEarly:
-    """A stage factory whose stage is made as soon as stage ``after`` passed and whose
-    ``prestart(ctx)`` then runs, so it prepares (e.g. places and warms the trainer
-    fleet) while the stages between run; ``abandon()`` undoes it when the run ends
-    before the stage's turn. The stage's ``run`` is the same either way."""
-
-    make: StageFactory
-    after: str
-
-    def __call__(self, ctx: StageContext) -> Stage:
-        return self.make(ctx)
-
 
 DriverState = Literal["created", "running", "succeeded", "failed", "cancelled"]
 # Events a driver keeps unacknowledged before it aggregates them (stages.event_buffer).

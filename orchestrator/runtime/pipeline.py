@@ -10,16 +10,13 @@ configs.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 from orchestrator.gates.manifest import Manifest
-from orchestrator.runtime.driver import StartEarly
+from orchestrator.runtime.factories import StageFactory, StartEarly
 from orchestrator.runtime.launch import LaunchSpec
 from stages.base import Stage, StageContext
 from stages.parallelism import ParallelismConfig
-
-StageFactory = Callable[[StageContext], Stage]
 
 
 def _data_prep(manifest: Manifest, spec: LaunchSpec) -> StageFactory:

@@ -8,12 +8,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.db.store import Row, Store
 from orchestrator.runs import TERMINAL, RunState
 from orchestrator.telemetry.goodput import RunMetrics, compute_run_metrics
-from orchestrator.telemetry.prometheus import RunSample
+
+
+@dataclass(frozen=True)
+class RunSample:
+    """One run's telemetry as a scrape exports it."""
+
+    run_id: str
+    booking_id: str
+    state: str
+    metrics: RunMetrics
+
 
 TELEMETRY_KINDS = ("step", "phase", "interruption", "checkpoint", "progress", "eval", "metrics")
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from orchestrator.db.store import Store
 from orchestrator.telemetry.goodput import RunMetrics, aggregate
+from orchestrator.telemetry.metrics_view import RunSample, samples
 
 # Post-training's rollout-fleet gauges: (RunMetrics.post_training key, family, help).
 POST_TRAINING_GAUGES = (
@@ -50,14 +50,6 @@ POST_TRAINING_GAUGES = (
     ),
     ("mean_reward", "ito_run_rl_mean_reward", "Mean verifiable reward of the last RLVR step"),
 )
-
-
-@dataclass(frozen=True)
-class RunSample:
-    run_id: str
-    booking_id: str
-    state: str
-    metrics: RunMetrics
 
 
 class TelemetryCollector(Collector):
@@ -231,7 +223,6 @@ def render(store: Store) -> tuple[bytes, str]:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
     from orchestrator.runs import RunState
-    from orchestrator.telemetry.metrics_view import samples
 
     registry = CollectorRegistry()
     runs = Gauge("ito_runs", "Runs by state", ["state"], registry=registry)

@@ -15,7 +15,8 @@ from helpers.waiting import wait_until
 from pydantic import BaseModel
 
 from orchestrator.runtime import launch
-from orchestrator.runtime.driver import RunDriverImpl, StageFactory, StartEarly
+from orchestrator.runtime.driver import RunDriverImpl
+from orchestrator.runtime.factories import StageFactory, StartEarly
 from orchestrator.runtime.launch import LaunchSpec
 from stages.base import GateOutcome, StageContext
 from stages.errors import ErrorCode, ItoError

@@ -5,7 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from orchestrator.telemetry.goodput import compute_run_metrics
-from orchestrator.telemetry.prometheus import RunSample, TelemetryCollector
+from orchestrator.telemetry.metrics_view import RunSample
+from orchestrator.telemetry.prometheus import TelemetryCollector
 from stages.events import CheckpointEvent, EvalEvent, PhaseEvent
 
 

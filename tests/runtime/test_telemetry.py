@@ -6,7 +6,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from orchestrator.telemetry.goodput import aggregate, compute_run_metrics
-from orchestrator.telemetry.prometheus import RunSample, TelemetryCollector
+from orchestrator.telemetry.metrics_view import RunSample
+from orchestrator.telemetry.prometheus import TelemetryCollector
 
 
 def _step(

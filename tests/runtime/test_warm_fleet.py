@@ -16,7 +16,8 @@ from helpers.waiting import wait_until
 from pydantic import BaseModel
 
 from orchestrator.runtime import launch
-from orchestrator.runtime.driver import RunDriverImpl, StageFactory, StartEarly
+from orchestrator.runtime.driver import RunDriverImpl
+from orchestrator.runtime.factories import StageFactory, StartEarly
 from stages.base import GateOutcome, StageContext
 from stages.errors import ErrorCode
 from stages.trainer.config import ModelSpec, TrainingTarget, TrainStageConfig
