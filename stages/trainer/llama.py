@@ -205,7 +205,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks. ``gradient_checkpointing`` and
     ``_gradient_checkpointing_func`` are HF's names for per-layer recompute
-    (``stages.parallelism.measure.apply_activation_checkpointing`` sets them)."""
+    (``stages.trainer.activation_checkpointing.apply_activation_checkpointing`` sets them)."""
 
     def __init__(self, args: LlamaArgs):
         super().__init__()

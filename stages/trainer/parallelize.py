@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stages.errors import ErrorCode, ItoError
-from stages.parallelism.measure import apply_activation_checkpointing
+from stages.trainer.activation_checkpointing import apply_activation_checkpointing
 from stages.trainer.layout import ParallelLayout, check_runnable
 from stages.trainer.mesh import FSDP_DIM, mesh_coords, mesh_layout
 from stages.trainer.objective import Batch, Objective, Tensors

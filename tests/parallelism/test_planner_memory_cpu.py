@@ -1,6 +1,6 @@
 """Predicted versus measured peak memory of real training steps on this CPU.
 
-The measurement (stages.parallelism.measure) sums the CPU allocator's allocation
+The measurement (stages.trainer.memory_measure) sums the CPU allocator's allocation
 events from torch.profiler into a running peak of the trainer's own step: exact
 tensor bytes, no RSS noise. The prediction is the planner's memory model with the
 CPU's single-tensor AdamW, in fp32 and in bf16 (which the trainer runs under
@@ -16,10 +16,10 @@ import torch
 from helpers.xdist_groups import module_group
 
 from stages.parallelism.hardware import Precision
-from stages.parallelism.measure import measure_peak_memory, measure_step_peak
 from stages.parallelism.memory import estimate_memory
 from stages.parallelism.spec import ActivationCheckpointing
 from stages.presets import ModelPreset, load_model_preset
+from stages.trainer.memory_measure import measure_peak_memory, measure_step_peak
 
 pytestmark = module_group(__name__)
 

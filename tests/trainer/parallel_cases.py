@@ -202,7 +202,7 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
 
 def measure_case(name: str, rank: int, world: int, out: Path) -> None:
     """Peak tensor bytes of one training step on this rank (profiler, exact)."""
-    from stages.parallelism.measure import measure_step_peak
+    from stages.trainer.memory_measure import measure_step_peak
     from stages.trainer.mesh import build_mesh
     from stages.trainer.model import build_model
     from stages.trainer.parallelize import ParallelModel

@@ -9,8 +9,8 @@ gives the peak of allocated tensor bytes. This counts what the memory model
 predicts (tensor bytes), not RSS: no allocator caching, library or interpreter
 noise, and it is exact to the byte, so a 20% tolerance tests the model, not noise.
 
-``apply_activation_checkpointing`` is also the one way this repo turns recompute on
-for the Llama that ``stages.trainer.model.build_model`` returns.
+The planner's memory model (``stages.parallelism``) is checked against it in tests;
+it lives with the trainer because it runs the trainer's own step.
 """
 
 from __future__ import annotations
@@ -19,46 +19,10 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from stages.parallelism.hardware import Precision
 from stages.parallelism.spec import ActivationCheckpointing
 from stages.presets import ModelPreset
-
-# Ops whose outputs selective (op-level) checkpointing keeps, as torchtitan's
-# op SAC does: the matmuls and attention; pointwise ops (norms, RoPE, SiLU, the
-# gating product) are recomputed in the backward.
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
-
-def _selective_policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_context() -> Any:
-    return create_selective_checkpoint_contexts(_selective_policy)
-
-
-def apply_activation_checkpointing(model: Any, mode: ActivationCheckpointing) -> None:
-    """Per decoder layer: ``full`` keeps only each layer's input and recomputes the
-    layer in the backward; ``selective`` keeps matmul and attention outputs too."""
-    if mode == "none":
-        return
-    from torch.utils.checkpoint import checkpoint
-
-    kwargs: dict[str, Any] = {"use_reentrant": False}
-    if mode == "selective":
-        kwargs["context_fn"] = _selective_context
-    for layer in model.model.layers:  # stages.trainer.llama.DecoderLayer's recompute hook
-        layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = functools.partial(checkpoint, **kwargs)
 
 
 def _live_bytes(tensors: Any) -> int:
