@@ -26,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from stages.data_prep.config import LadderProbeConfig
+from stages.data_prep.ladder_jobs import IN_PROCESS, ArmJob, ArmRunner
 from stages.presets import load_model_preset
 from stages.trainer.tokenizer import ByteTokenizer
 
@@ -48,26 +49,6 @@ def eval_ids(texts: Sequence[str], seq_len: int, max_bytes: int) -> np.ndarray:
     if n == 0:
         raise ValueError(f"eval text has {len(data)} bytes, fewer than seq_len={seq_len}")
     return data[: n * seq_len].astype(np.int64).reshape(n, seq_len)
-
-
-@dataclass(frozen=True)
-class ArmJob:
-    """One proxy training: an arm ("baseline" or "custom") and a seed."""
-
-    arm: str
-    seed: int
-    steps: int
-
-
-# Runs the jobs (``score_arm`` of stages.data_prep.ladder_arm for each, on the given
-# training stream and eval windows) and yields (job, bits per byte, device, where it
-# trained) as each ends.
-ArmRunner = Callable[
-    [list[ArmJob], dict[str, np.ndarray], np.ndarray, LadderProbeConfig],
-    Iterator[tuple[ArmJob, float, str, str]],
-]
-
-IN_PROCESS = "in-process"
 
 
 def local_runner(cancelled: Callable[[], bool] = lambda: False) -> ArmRunner:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from stages.data_prep.config import LadderProbeConfig
-from stages.data_prep.ladder import ArmJob
+from stages.data_prep.ladder_jobs import ArmJob
 from stages.presets import ModelPreset, load_model_preset
 from stages.trainer.model import build_model, causal_lm_loss
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from stages.data_prep.config import LadderProbeConfig
-from stages.data_prep.ladder import ArmJob, ArmRunner
+from stages.data_prep.ladder_jobs import ArmJob, ArmRunner
 from stages.errors import ErrorCode, ItoError
 from stages.trainer.replica import BORROWED_GROUP  # light: no torch, no Ray
 
