@@ -11,12 +11,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("stages", "orchestrator")
-# Circles still to break (the rank loop builds its setup, which fills the loop in),
-# each named by its modules. A new circle fails the test; a broken one must leave
-# this list.
-KNOWN_CIRCLES: set[frozenset[str]] = {
-    frozenset({"stages.trainer.loop", "stages.trainer.setup"}),
-}
 
 
 def modules() -> dict[str, Path]:
@@ -106,12 +100,9 @@ def circles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
     return found
 
 
-def test_the_product_has_no_import_circle_but_the_known_ones() -> None:
+def test_the_product_has_no_import_circle() -> None:
     found = circles(import_graph())
-    assert found <= KNOWN_CIRCLES, sorted(sorted(c) for c in found - KNOWN_CIRCLES)
-    assert found >= KNOWN_CIRCLES, "broken since: remove from KNOWN_CIRCLES " + str(
-        sorted(sorted(c) for c in KNOWN_CIRCLES - found)
-    )
+    assert not found, sorted(sorted(c) for c in found)
 
 
 def test_stages_never_import_the_orchestrator() -> None:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -93,6 +93,20 @@ class _LoopState:
         self.batches_committed = int(state["batches_committed"])
 
 
+class RankStartup(Protocol):
+    """What the loop asks of its rank's start-up (``stages.trainer.setup.RankSetup``,
+    which the actor hands in: the start-up fills the loop in, so the loop names only
+    these steps of it)."""
+
+    device: torch.device
+
+    def prepare_standby(self) -> None: ...
+    def wait_as_spare(self) -> bool: ...
+    def build(self) -> None: ...
+    def join(self) -> bool: ...
+    def close(self) -> None: ...
+
+
 class TrainLoop:
     def __init__(
         self,
@@ -102,9 +116,8 @@ class TrainLoop:
         control: Control,
         status: dict[str, Any],
         secret: RunSecret,
+        startup: Callable[[TrainLoop], RankStartup],
     ):
-        from stages.trainer.setup import RankSetup
-
         self.spec = spec
         # The run's secret (from the driver, through Ray): this rank's heals prove it.
         self.secret = secret
@@ -122,7 +135,7 @@ class TrainLoop:
         self.healed = False
         self._rope_theta: float | None = None  # None: the preset's
         self.recovering_since: float | None = None
-        self.setup = RankSetup(self)
+        self.setup = startup(self)
         # Set by the setup (model, optimizer) and by join (Manager, loader, checkpoints).
         self.model: torch.nn.Module
         self.parallel: Any

@@ -106,6 +106,7 @@ class ReplicaWorker:
         import ray
 
         from stages.trainer.loop import TrainLoop  # torch: in the rank's process only
+        from stages.trainer.setup import RankSetup
 
         self.control = Control()
         self.status.clear()
@@ -129,6 +130,7 @@ class ReplicaWorker:
             control=self.control,
             status=self.status,
             secret=self._secret,
+            startup=RankSetup,
         )
         _LOOPS.add(self.loop)
         self.loop.checkpoint_needed = self._checkpoint_needed
