@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from stages.evals.battery import BatteryResult
 from stages.evals.config import GateThreshold
+from stages.events import EvalEvent
 
 
 class CheckVerdict(BaseModel):
@@ -36,6 +37,28 @@ class GateDecision(BaseModel):
     @property
     def failing(self) -> list[CheckVerdict]:
         return [c for c in self.checks if not c.passed]
+
+    def events(self, *, phase: str, step: int | None, stage: str = "") -> list[EvalEvent]:
+        """One ``EvalEvent`` a check, as a gate is reported (``ito status`` draws
+        them): the curriculum phase's battery at its closing step, or a post-training
+        objective's battery under the objective's gate phase."""
+        return [
+            EvalEvent(
+                stage=stage,
+                phase=phase,
+                battery=self.battery,
+                check=v.check,
+                score=v.score,
+                passed=v.passed,
+                reason=v.reason,
+                min=v.min,
+                max=v.max,
+                max_regression=v.max_regression,
+                previous=v.previous,
+                step=step,
+            )
+            for v in self.checks
+        ]
 
     def summary(self) -> str:
         if self.passed:

@@ -4,8 +4,7 @@ reported by (``objective_gate_events``), the curriculum phases' ``EvalEvent`` s,
 
 from __future__ import annotations
 
-from typing import Any
-
+from stages.evals.gates import GateDecision
 from stages.events import EvalEvent
 from stages.post_training.config import ObjectiveGate
 
@@ -33,7 +32,7 @@ def objective_gate_events(
     metrics: dict[str, float],
     *,
     steps: int | None,
-    battery: Any = None,
+    battery: GateDecision | None = None,
 ) -> list[EvalEvent]:
     """An objective's gate as the curriculum phases report theirs (one ``EvalEvent`` a
     check, so ``ito status`` shows both alike): its gate metric with the bound and the
@@ -69,22 +68,7 @@ def objective_gate_events(
         if name in metrics and (gate is None or name != gate.metric)
     ]
     if battery is not None:
-        events += [
-            EvalEvent(
-                phase=phase,
-                battery=battery.battery,
-                check=v.check,
-                score=v.score,
-                passed=v.passed,
-                reason=v.reason,
-                min=v.min,
-                max=v.max,
-                max_regression=v.max_regression,
-                previous=v.previous,
-                step=steps,
-            )
-            for v in battery.checks
-        ]
+        events += battery.events(phase=phase, step=steps)
     return events
 
 

@@ -23,7 +23,7 @@ from stages.checkpointing.seal import run_binding
 from stages.checkpointing.storage import list_checkpoints, pin_phase, pinned_phase
 from stages.curriculum.schedule import PhaseSpan
 from stages.errors import ErrorCode, ItoError
-from stages.events import CheckpointEvent, EvalEvent, LogEvent, PhaseEvent
+from stages.events import CheckpointEvent, LogEvent, PhaseEvent
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.phase_data import PhaseData
 
@@ -274,23 +274,8 @@ class CurriculumRunner:
         export = reply.export
         t1 = time.time()
         self.ctx.emit(PhaseEvent(stage=STAGE, phase="evaluation", start=t0, end=t1))
-        for v in decision.checks:
-            self.ctx.emit(
-                EvalEvent(
-                    stage=STAGE,
-                    phase=phase.name,
-                    battery=result.battery,
-                    check=v.check,
-                    score=v.score,
-                    passed=v.passed,
-                    reason=v.reason,
-                    min=v.min,
-                    max=v.max,
-                    max_regression=v.max_regression,
-                    previous=v.previous,
-                    step=closing.step,
-                )
-            )
+        for event in decision.events(phase=phase.name, step=closing.step, stage=STAGE):
+            self.ctx.emit(event)
         rec = {
             "phase": phase.name,
             "index": phase.index,
