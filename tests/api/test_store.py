@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from helpers.fixtures import both_engines
+from helpers.store_rows import insert_run
 from helpers.waiting import wait_until
 
 from orchestrator.db.schema import SCHEMA_VERSION
@@ -28,28 +29,7 @@ def _lease(store: Store) -> dict[str, Any]:
 
 
 def _run(store: Store, run_id: str = "run_1", key: str = "k1") -> None:
-    now = time.time()
-    with store.tx() as c:
-        store.insert_run(
-            c,
-            {
-                "run_id": run_id,
-                "account_id": "acct",
-                "booking_id": "bk",
-                "manifest_id": "mf_x",
-                "manifest_digest": "d",
-                "manifest_json": "{}",
-                "idempotency_key": key,
-                "request_sha256": "r",
-                "state": "accepted",
-                "state_reason": "",
-                "cost_estimate_usd": 0.0,
-                "plan": None,
-                "data_prep": None,
-                "created_at": now,
-                "updated_at": now,
-            },
-        )
+    insert_run(store, run_id, idempotency_key=key)
 
 
 def test_schema_versioned_and_wal(tmp_path: Path) -> None:

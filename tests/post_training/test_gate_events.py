@@ -5,8 +5,9 @@ through the API's run view, rendered as the status command prints them."""
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
+
+from helpers.store_rows import insert_run
 
 from orchestrator.api.deps import eval_gates
 from orchestrator.client.render import readable
@@ -22,28 +23,7 @@ def _rows(text: str) -> list[list[str]]:
 
 def _stored_run(tmp: Path) -> Store:
     store = Store(str(tmp / "ito.db"))
-    now = time.time()
-    with store.tx() as c:
-        store.insert_run(
-            c,
-            {
-                "run_id": "run_1",
-                "account_id": "acct",
-                "booking_id": "bk",
-                "manifest_id": "mf_x",
-                "manifest_digest": "d",
-                "manifest_json": "{}",
-                "idempotency_key": "k1",
-                "request_sha256": "r",
-                "state": "failed",
-                "state_reason": "",
-                "cost_estimate_usd": 0.0,
-                "plan": None,
-                "data_prep": None,
-                "created_at": now,
-                "updated_at": now,
-            },
-        )
+    insert_run(store, "run_1", idempotency_key="k1", state="failed")
     return store
 
 

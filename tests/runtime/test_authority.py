@@ -4,10 +4,10 @@ tests/runtime/test_run_controls_on_ray.py."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
+from helpers.store_rows import insert_run
 from helpers.tenants import admin, make_tenant
 
 from orchestrator.db.store import Store
@@ -16,28 +16,7 @@ from stages.errors import ErrorCode
 
 
 def _run(store: Store, account_id: str, booking_id: str, run_id: str = "run_a") -> dict:
-    now = time.time()
-    with store.tx() as c:
-        store.insert_run(
-            c,
-            {
-                "run_id": run_id,
-                "account_id": account_id,
-                "booking_id": booking_id,
-                "manifest_id": "mf_x",
-                "manifest_digest": "d",
-                "manifest_json": "{}",
-                "idempotency_key": f"key-{run_id}",
-                "request_sha256": "r",
-                "state": "accepted",
-                "state_reason": "",
-                "cost_estimate_usd": 0.0,
-                "plan": None,
-                "data_prep": None,
-                "created_at": now,
-                "updated_at": now,
-            },
-        )
+    insert_run(store, run_id, account_id=account_id, booking_id=booking_id)
     return store.get_run(run_id)
 
 

@@ -12,13 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.postgres import PgServer
+from helpers.store_rows import insert_run
 from helpers.tenants import booking_doc
 from helpers.waiting import wait_until
 
@@ -104,28 +104,7 @@ def _queue_run(store: Store, run_id: str) -> None:
     booking or account lapsed, so both are real rows)."""
     account = store.account_by_name("acct")
     assert account is not None
-    now = time.time()
-    with store.tx() as c:
-        store.insert_run(
-            c,
-            {
-                "run_id": run_id,
-                "account_id": account["account_id"],
-                "booking_id": "bk",
-                "manifest_id": "mf",
-                "manifest_digest": "d",
-                "manifest_json": "{}",
-                "idempotency_key": run_id,
-                "request_sha256": "r",
-                "state": "accepted",
-                "state_reason": "",
-                "cost_estimate_usd": 0.0,
-                "plan": None,
-                "data_prep": None,
-                "created_at": now,
-                "updated_at": now,
-            },
-        )
+    insert_run(store, run_id, account_id=account["account_id"], idempotency_key=run_id)
 
 
 def _first_write_under(store: Store, run_ids: list[str], token: int) -> float:
