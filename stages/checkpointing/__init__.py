@@ -3,8 +3,8 @@
 from typing import TYPE_CHECKING, Any
 
 from stages.checkpointing.config import CheckpointPolicy
+from stages.checkpointing.seal import COMMIT_NAME
 from stages.checkpointing.storage import (
-    COMMIT_NAME,
     CheckpointRecord,
     delete_checkpoint,
     list_checkpoints,

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
@@ -231,7 +231,7 @@ class Checkpointer:
             switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(switch_interval, LAUNCH_SWITCH_INTERVAL_S))
             try:
-                result = dcp.async_save(
+                result = state_dict_saver.async_save(
                     _as_state_dict(state),
                     storage_writer=writer,
                     async_stager=self._stager_for_next_save(),

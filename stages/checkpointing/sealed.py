@@ -26,14 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from stages.checkpointing import seal
 from stages.errors import ErrorCode, ItoError
@@ -61,11 +60,13 @@ class _CheckingFileSystem(FileSystem):
         self._ckpt = checkpoint
 
     @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+    def create_stream(
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Generator[io.IOBase, None, None]:
         if mode != "rb":
             raise ItoError(ErrorCode.invalid_state, "a sealed checkpoint is read only")
         with os.fdopen(self._ckpt.open_checked(Path(path)), "rb") as stream:
-            yield stream  # type: ignore[misc]
+            yield stream
 
 
 class _SealedReader(FileSystemReader):
@@ -199,7 +200,7 @@ class SealedCheckpoint:
         """``dcp.load`` into ``state_dict`` in place: only the entries it names are read
         (``checkpoint_corrupt`` when DCP fails)."""
         try:
-            dcp.load(
+            dcp_load(
                 state_dict,
                 storage_reader=_SealedReader(self),
                 planner=_TensorsOnlyPlanner(),

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -135,7 +134,9 @@ class _DigestingFileSystem(FileSystem):
         self.digests: dict[str, FileDigest] = {}
 
     @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+    def create_stream(
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Generator[io.IOBase, None, None]:
         if "w" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream
@@ -165,7 +166,7 @@ class SealingWriter(FileSystemWriter):
     it was written: ``file_digests`` on the coordinator once ``finish`` has run
     (the data files of every rank, and ``.metadata``)."""
 
-    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
+    def __init__(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self._digesting_fs = _DigestingFileSystem()
         self.fs = self._digesting_fs

@@ -194,13 +194,13 @@ def test_a_save_launches_at_the_short_switch_interval_and_restores_it(
     import stages.checkpointing.checkpointer as checkpointer_mod
 
     seen: list[float] = []
-    real_async_save = checkpointer_mod.dcp.async_save
+    real_async_save = checkpointer_mod.state_dict_saver.async_save
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append(sys.getswitchinterval())
         return real_async_save(*args, **kwargs)
 
-    monkeypatch.setattr(checkpointer_mod.dcp, "async_save", spy)
+    monkeypatch.setattr(checkpointer_mod.state_dict_saver, "async_save", spy)
     before = sys.getswitchinterval()
     state = {"w": torch.zeros(1000)}
     with Checkpointer(policy()) as ck:
