@@ -120,7 +120,8 @@ def ntk_rope_theta(theta: float, head_dim: int, scale: float) -> float:
     """NTK-aware RoPE base for a context ``scale`` times longer (Code Llama style)."""
     if scale <= 1:
         return theta
-    return theta * scale ** (head_dim / (head_dim - 2))
+    scaled: float = theta * scale ** (head_dim / (head_dim - 2))
+    return scaled
 
 
 def schedule_curriculum(

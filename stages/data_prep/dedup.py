@@ -66,9 +66,10 @@ def _stable_argsort_u32(v: np.ndarray) -> np.ndarray:
 def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Concatenated ``arange(s, s + n)`` for each (s, n)."""
     ends = np.cumsum(lens)
-    return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(
+    out: np.ndarray = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(
         starts - (ends - lens), lens
     )
+    return out
 
 
 def pair_jaccard(flat: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -95,7 +96,8 @@ def pair_jaccard(flat: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.nda
     hit = (lo < end) & (flat[np.minimum(lo, last)] == x)
     inter = np.bincount(pair[hit], minlength=len(a)).astype(np.float64)
     union = size[a] + size[b] - inter
-    return np.divide(inter, union, out=np.ones(len(a)), where=union > 0)
+    jaccard: np.ndarray = np.divide(inter, union, out=np.ones(len(a)), where=union > 0)
+    return jaccard
 
 
 def sketch_texts(texts: Sequence[str], shingle_size: int, num_perm: int, seed: int) -> Sketch:

@@ -22,8 +22,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.data_prep.refs import check_inside, file_sha256, file_uri_path, local_path
+from stages.data_prep.refs import check_inside, file_sha256, local_path
 from stages.errors import ErrorCode, ItoError
+from stages.pathfields import file_uri_path
 from stages.presets import configs_dir
 
 

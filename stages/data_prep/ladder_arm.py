@@ -102,7 +102,7 @@ def train_and_score(
         x = data[starts[:, None] + offsets].to(device)
         loss = causal_lm_loss(model, x)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     return bits_per_byte(model, windows, device)

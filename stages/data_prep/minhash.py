@@ -45,7 +45,8 @@ def fmix32(x: np.ndarray) -> np.ndarray:
     x = x * np.uint32(0x85EBCA6B)
     x = x ^ (x >> np.uint32(13))
     x = x * np.uint32(0xC2B2AE35)
-    return x ^ (x >> np.uint32(16))
+    out: np.ndarray = x ^ (x >> np.uint32(16))
+    return out
 
 
 def shingle_values32(grams: GramBatch) -> np.ndarray:

@@ -79,7 +79,8 @@ def fmix64(x: np.ndarray) -> np.ndarray:
     x = x * _F1
     x = x ^ (x >> _S33)
     x = x * _F2
-    return x ^ (x >> _S33)
+    out: np.ndarray = x ^ (x >> _S33)
+    return out
 
 
 @dataclass(frozen=True)

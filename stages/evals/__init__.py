@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from stages.evals.battery import BatteryResult, CheckResult, EvalSettings, run_battery
+    from stages.evals.battery import BatteryResult, CheckResult, run_battery
     from stages.evals.config import (
         Battery,
         BatteryCheck,
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         list_batteries,
         load_battery,
     )
+    from stages.evals.config import EvalRunSettings as EvalSettings
     from stages.evals.gates import CheckVerdict, GateDecision, evaluate_gates
 
 

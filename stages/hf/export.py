@@ -90,7 +90,7 @@ def export_hf(
     hf: PreTrainedModel = as_hf(model)
     with _published(out_dir, metadata) as tmp:
         was_training = hf.training
-        hf.eval()
+        hf.eval()  # type: ignore[no-untyped-call]  # transformers: unannotated
         try:
             hf.save_pretrained(str(tmp), safe_serialization=True)
             tokenizer.save_pretrained(str(tmp))
@@ -104,7 +104,7 @@ class ExportPlan:
 
     def __init__(self, checkpoint: SealedCheckpoint, config: PretrainedConfig, shard_bytes: int):
         with torch.device("meta"):  # the names, ties and configs; no weights
-            self.shape = AutoModelForCausalLM.from_config(config)
+            self.shape = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
         tied = (
             set(getattr(self.shape, "_tied_weights_keys", None) or ())
             if getattr(config, "tie_word_embeddings", False)

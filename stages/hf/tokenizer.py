@@ -16,7 +16,7 @@ from stages.hf.bpe import CHAT_TEMPLATE, SPECIAL_TOKENS, train_bpe
 
 
 def _wrap(tok: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers: unannotated
         tokenizer_object=tok,
         chat_template=CHAT_TEMPLATE,
         model_max_length=model_max_length,

@@ -249,7 +249,7 @@ def build_grpo_objective(
         reference = build_model(
             load_model_preset(cfg.model.preset), checkpoint_path=cfg.model.checkpoint_path
         )
-        reference = reference.to(device)  # type: ignore[arg-type]  # transformers' stub
+        reference = reference.to(device)
         reference.eval().requires_grad_(False)
     return GRPOObjective(
         obj.grpo,

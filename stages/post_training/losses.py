@@ -29,7 +29,7 @@ def group_advantages(
 def overlong_penalty(length: int, *, max_tokens: int, buffer_tokens: int, factor: float) -> float:
     """DAPO's soft overlong punishment (trl's ``get_soft_overlong_punishment``) times
     ``factor``: 0 up to max - buffer, linear to -factor at max, -factor beyond."""
-    from trl.rewards import get_soft_overlong_punishment
+    from trl.rewards.other_rewards import get_soft_overlong_punishment
 
     if buffer_tokens == 0:
         return -factor if length >= max_tokens else 0.0

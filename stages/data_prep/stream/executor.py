@@ -34,13 +34,13 @@ class LocalExecutor:
     name = "local"
 
     def map(self, stage: str, root: str, tasks: list[int]) -> Iterator[dict[str, Any]]:
-        fn: Callable[[str, int], dict[str, Any]] = TASKS[stage]  # type: ignore[assignment]
+        fn: Callable[[str, int], dict[str, Any]] = TASKS[stage]
         for t in tasks:
             yield fn(root, t)
 
 
 def _apply(batch: dict[str, np.ndarray], stage: str, root: str) -> dict[str, np.ndarray]:
-    fn: Callable[[str, int], dict[str, Any]] = TASKS[stage]  # type: ignore[assignment]
+    fn: Callable[[str, int], dict[str, Any]] = TASKS[stage]
     out = [json.dumps(fn(root, int(t))) for t in batch["task"]]
     return {"record": np.array(out, dtype=object)}
 
