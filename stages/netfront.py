@@ -125,7 +125,8 @@ def run_node_addresses(facts: Mapping[str, Any] | None) -> set[str]:
 
     from stages.placement import placement_fact
 
-    alive = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    registered: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    alive = {n["NodeID"]: n["NodeManagerAddress"] for n in registered if n.get("Alive")}
     p = placement_fact(facts or {})
     if p is None:
         return {normalize_ip(a) for a in alive.values()}

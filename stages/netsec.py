@@ -86,7 +86,7 @@ def cluster_address() -> str:
     import ray
 
     if ray.is_initialized():
-        return str(ray.util.get_node_ip_address())
+        return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
     return "127.0.0.1"
 
 

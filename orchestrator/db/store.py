@@ -391,10 +391,11 @@ class Store(Leases):
     # --- idempotency records of other mutations -------------------------------------
     @staticmethod
     def idempotency_record(c: Conn, account_id: str, key: str) -> Row | None:
-        return c.execute(
+        row: Row | None = c.execute(
             "SELECT * FROM idempotency WHERE account_id = ? AND idempotency_key = ?",
             (account_id, key),
         ).fetchone()
+        return row
 
     def get_idempotency(self, account_id: str, key: str) -> Row | None:
         return self.read_one(
