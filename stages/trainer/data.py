@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stages.atomic_write import open_atomic, write_text
 from stages.errors import ErrorCode, ItoError
 from stages.trainer.tokenizer import ByteTokenizer
 
@@ -90,22 +90,9 @@ def _iter_documents(path: Path, text_field: str) -> Iterator[str]:
         )
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _write_shard(path: Path, tokens: np.ndarray) -> str:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as f:
+    with open_atomic(path) as f:
         np.save(f, tokens, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return _sha256_file(path)
 
 
@@ -186,9 +173,7 @@ def build_token_shards(
         "inputs": [{"name": Path(p).name, "sha256": _sha256_file(Path(p))} for p in inputs],
         "shards": shards,
     }
-    _atomic_write_bytes(
-        out_dir / INDEX_NAME, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()
-    )
+    write_text(out_dir / INDEX_NAME, json.dumps(index, indent=1, sort_keys=True) + "\n")
     return paths
 
 

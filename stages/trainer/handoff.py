@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.atomic_write import write_bytes
 from stages.run_secret import RunSecret
 from stages.trainer.config import FaultToleranceConfig
 from stages.trainer.control import WorkerSpec
@@ -41,9 +42,8 @@ def write_assignment(spec: WorkerSpec) -> None:
     """Keep ``spec`` as its rank's current one (atomically: a restart never reads half)."""
     path = Path(spec.assignment_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(_adapter().dump_json(spec))
-    os.replace(tmp, path)
+    # Not durable: a restarted process reads it; a host that crashes takes its actors.
+    write_bytes(path, _adapter().dump_json(spec), durable=False)
 
 
 def current_spec(spec: WorkerSpec) -> WorkerSpec:

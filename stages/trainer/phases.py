@@ -13,11 +13,11 @@ re-scores a decided gate: a failed gate stays failed. Nothing overrides it.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from stages.atomic_write import write_text
 from stages.base import GateOutcome, StageContext
 from stages.checkpointing.seal import run_binding
 from stages.checkpointing.storage import list_checkpoints, pin_phase, pinned_phase
@@ -41,11 +41,7 @@ def read_gate(ckpt_dir: Path, phase: PhaseSpan) -> dict[str, Any] | None:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 class CurriculumRunner:
