@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 import uuid
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from stages.atomic_write import write_text
 from stages.base import StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.post_training.admission import is_stale
@@ -159,9 +159,8 @@ class EngineLearner:
         (and so checkpoint) ``step``."""
         self.controller.mkdir(parents=True, exist_ok=True)
         path = self.controller / f"step-{step:08d}.json"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"step": step, **progress}), encoding="utf-8")
-        os.replace(tmp, path)
+        # Durable: a checkpoint of ``step`` (fsynced) is only resumable beside this file.
+        write_text(path, json.dumps({"step": step, **progress}))
 
     def save(self, workdir: Path, step: int, progress: dict[str, Any]) -> None:
         """Nothing: the engine checkpoints the policy; ``prepare`` saved the rest."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from stages.data_prep.stream.store import atomic_write
+from stages.atomic_write import write_text
 from stages.errors import ItoError
 
 RECORD_DIR = "passed"
@@ -30,7 +30,9 @@ def _path(out: Path, objective: str) -> Path:
 
 
 def save_passed(out: Path, objective: str, record: PassedObjective) -> None:
-    atomic_write(_path(out, objective), record.model_dump_json().encode())
+    path = _path(out, objective)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, record.model_dump_json())
 
 
 def load_passed(out: Path, objective: str) -> PassedObjective | None:

@@ -6,9 +6,9 @@ tensor and never imports torch."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from stages.atomic_write import write_text
 from stages.base import StrictModel
 from stages.post_training.config import RLVRConfig
 from stages.post_training.rollout import RolloutGroup
@@ -59,7 +59,7 @@ def write_step_groups(doc: StepGroups, folder: Path) -> Path:
     """Write ``doc`` for its step: the whole file appears at once or not at all."""
     path = step_groups_path(folder, doc.step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(doc.model_dump_json(), encoding="utf-8")
-    os.replace(tmp, path)
+    # Not durable: a driver relaunched after a crash drops every batch from the newest
+    # checkpoint on and regenerates them (``discard_after_checkpoint``).
+    write_text(path, doc.model_dump_json(), durable=False)
     return path

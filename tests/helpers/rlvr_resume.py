@@ -13,9 +13,10 @@ gone, and the staleness checks would refuse it anyway).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
+
+from stages.atomic_write import open_atomic
 
 RESUME_DIR = "rlvr-resume"
 KEEP_NEWEST = 2  # the newest file may be the one being replaced when the run dies
@@ -30,17 +31,8 @@ def save_resume(workdir: Path, step: int, state: dict[str, Any]) -> Path:
 
     path = _path(workdir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
+    with open_atomic(path) as f:
         torch.save({"step": step, **state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a crash
-    finally:
-        os.close(fd)
     for old in sorted(path.parent.glob("step-*.pt"))[:-KEEP_NEWEST]:
         old.unlink(missing_ok=True)
     return path
