@@ -50,6 +50,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 
+from stages.atomic_write import open_atomic
+
 WINDOW = 10_000
 WORDS = 80
 VOCAB = 30_000
@@ -61,8 +63,7 @@ def write_corpus(path: Path, n: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     vocab = np.array([f"w{i}" for i in range(VOCAB)], dtype=object)
     fresh = 0
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open_atomic(path, "w") as f:  # a later run reuses it: whole or absent
         for start in range(0, n, WINDOW):
             m = min(WINDOW, n - start)
             words = vocab[rng.integers(0, VOCAB, (m, WORDS))]
@@ -77,7 +78,6 @@ def write_corpus(path: Path, n: int, seed: int = 0) -> None:
                         fresh += edits
             for d in range(m):
                 f.write(json.dumps({"id": start + d, "text": " ".join(words[d])}) + "\n")
-    os.replace(tmp, path)
 
 
 class RssMonitor:

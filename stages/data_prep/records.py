@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.atomic_write import open_atomic, write_text
 from stages.data_prep.config import DedupConfig
 from stages.data_prep.dedup import DedupResult
 from stages.data_prep.refs import (
@@ -83,28 +83,22 @@ def text_bytes(texts: Iterable[str]) -> int:
 
 
 def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> tuple[str, int, int]:
-    """Write rows atomically (tmp + rename); returns (sha256, bytes, rows)."""
+    """Write rows atomically; returns (sha256, bytes, rows)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
     h, size, count = hashlib.sha256(), 0, 0
-    with open(tmp, "wb") as f:
+    with open_atomic(path) as f:
         for row in rows:
             line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
             f.write(line)
             h.update(line)
             size += len(line)
             count += 1
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return h.hexdigest(), size, count
 
 
 def write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def dedup_record(result: DedupResult, cfg: DedupConfig, ids: Sequence[str]) -> dict[str, Any]:

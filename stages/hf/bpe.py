@@ -13,13 +13,13 @@ token shards were built with; a larger vocabulary adds merges on top.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from stages.atomic_write import write_text
 from stages.errors import ErrorCode, ItoError
 
 BYTE_VOCAB = 256
@@ -128,9 +128,7 @@ def save_bpe(tok: Tokenizer, out_dir: str | Path, *, model_max_length: int) -> P
         **SPECIAL_TOKENS,
     }
     for name, text in ((TOKENIZER_FILE, tok.to_str()), (CONFIG_FILE, json.dumps(config, indent=2))):
-        tmp = out / f".{name}.{os.getpid()}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out / name)
+        write_text(out / name, text)
     return out
 
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from stages.atomic_write import open_atomic
 from stages.data_prep.stream.config import StreamConfig
 from stages.data_prep.stream.executor import Executor, LocalExecutor, RayDataExecutor
 from stages.errors import ErrorCode, ItoError
@@ -78,14 +79,11 @@ def concat_shards(folder: Path, shards: list[str], dest: Path, fmt: str) -> tupl
     """Join the shards of ``folder`` (in order) into one file ``dest`` atomically,
     streaming (a row group of parquet or 1 MiB of jsonl at a time); (sha256, bytes)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
     if fmt == "jsonl":
-        with open(tmp, "wb") as out:
+        with open_atomic(dest) as out:
             for name in shards:
                 with open(folder / name, "rb") as f:
                     shutil.copyfileobj(f, out, _COPY_CHUNK)
-            out.flush()
-            os.fsync(out.fileno())
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -104,14 +102,13 @@ def concat_shards(folder: Path, shards: list[str], dest: Path, fmt: str) -> tupl
                 "the records' fields differ between blocks; write a folder of "
                 "shards (an --output without a .parquet suffix)",
             ) from e
-        with pq.ParquetWriter(tmp, schema) as writer:
+        with open_atomic(dest) as out, pq.ParquetWriter(out, schema) as writer:
             for name in shards:
                 pf = pq.ParquetFile(folder / name)
                 for g in range(pf.num_row_groups):
                     t = pf.read_row_group(g)
                     if t.num_rows:
                         writer.write_table(t.cast(schema) if t.schema != schema else t)
-    os.replace(tmp, dest)
     h = hashlib.sha256()
     with open(dest, "rb") as f:
         while chunk := f.read(_COPY_CHUNK):

@@ -6,7 +6,7 @@ and a resumed attempt only ever sees its own files):
 
 - ``plan.json``: the block index (file, byte/row range, first document index of each
   block); the file name is a stored name, kept for compatibility;
-- ``<stage>/...``: each task's outputs, written to ``*.tmp`` then renamed;
+- ``<stage>/...``: each task's outputs, each written atomically (``stages.atomic_write``);
 - ``done/<stage>/<task>.json``: written by the task itself after its outputs, with the
   sha256 and size of each; a task is finished iff this record exists and its files
   still match it (a task killed half-way left no record, so it runs again);
@@ -18,22 +18,18 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from stages.atomic_write import write_bytes
+
 
 def atomic_write(path: Path, data: bytes) -> dict[str, Any]:
-    """Write ``data`` to ``path`` via tmp + fsync + rename; returns {sha256, bytes}."""
+    """Write ``data`` to ``path`` (``stages.atomic_write``, durable); returns {sha256, bytes}."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_bytes(path, data)
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
