@@ -29,6 +29,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from stages.atomic_write import fsync_dir
 from stages.base import StrictModel
 from stages.checkpointing.seal import (
     COMMIT_NAME,
@@ -92,14 +93,6 @@ def tmp_name(step: int, label: str) -> str:
 
 def tmp_prefix(label: str) -> str:
     return f"{TMP_PREFIX}{_LABEL_RE.sub('_', label) or 'run'}-"
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def folder_bytes(path: Path) -> int:
