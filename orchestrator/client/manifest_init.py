@@ -22,6 +22,7 @@ from typing import Any
 
 from orchestrator.client.api import Envelope, ItoClient, error_envelope, ok_envelope
 from orchestrator.client.manifest_reader import read_manifest
+from stages.atomic_write import write_bytes
 from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS, DEFAULT_KEEP, CheckpointPolicy
 from stages.data_prep.config import DataPrepConfig, DataProvenance, DataRef
 from stages.errors import ErrorCode, ItoError
@@ -206,9 +207,10 @@ def build_manifest(
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Create ``path`` 0600 (never over an existing file or through a symlink)."""
+    """Create ``path`` 0600, whole or not at all (never over an existing file or
+    through a symlink)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        write_bytes(path, data, perms=0o600, exclusive=True)
     except FileExistsError:
         raise ItoError(
             ErrorCode.bad_request,
@@ -216,12 +218,6 @@ def write_private(path: Path, data: bytes) -> None:
         ) from None
     except OSError as e:
         raise ItoError(ErrorCode.bad_request, f"cannot create {path}: {e.strerror}") from None
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _absolute(path: str) -> Path:
