@@ -74,7 +74,8 @@ class Waiting:
 def _live_nodes(resource: str) -> list[dict[str, Any]]:
     import ray
 
-    return [n for n in ray.nodes() if n.get("Alive") and resource in (n.get("Resources") or {})]
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    return [n for n in nodes if n.get("Alive") and resource in (n.get("Resources") or {})]
 
 
 def _mark_for(booking: dict[str, Any], embedded: bool) -> str:

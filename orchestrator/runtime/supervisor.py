@@ -413,8 +413,9 @@ class RayRuntime:
 
     def _checkpoint_dir(self, run: Row) -> Path:
         manifest = json.loads(run["manifest_json"])
-        root = manifest["checkpoint"]["storage_uri"].removeprefix("file://")
-        return Path(root) / run["run_id"]
+        root: str = manifest["checkpoint"]["storage_uri"].removeprefix("file://")
+        run_id: str = run["run_id"]
+        return Path(root) / run_id
 
     def _place_and_launch(self, run: Row, *, attempt: int) -> None:
         """Launch the driver once the run's placement group holds the booking's nodes;
@@ -598,7 +599,7 @@ class RayRuntime:
             from ray.util import placement_group_table
 
             table = placement_group_table(pg)
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}  # type: ignore[no-untyped-call]
         except Exception:
             return ""
         gone = [n for n in (table.get("bundles_to_node_id") or {}).values() if n not in alive]
