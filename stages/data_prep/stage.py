@@ -391,12 +391,12 @@ class DataPrepStage:
 
 def _read_texts(paths: list[str], fields: dict[str, str], max_bytes: int) -> list[str]:
     """The texts of cleaned files in order, up to ``max_bytes`` of UTF-8 in all."""
-    from stages.trainer.data import _iter_documents
+    from stages.trainer.data import iter_documents
 
     out: list[str] = []
     size = 0
     for p in paths:
-        for text in _iter_documents(Path(p), fields[p]):
+        for text in iter_documents(Path(p), fields[p]):
             size += len(text.encode("utf-8"))
             if size > max_bytes:
                 return out

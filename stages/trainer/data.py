@@ -46,7 +46,7 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _iter_documents(path: Path, text_field: str) -> Iterator[str]:
+def iter_documents(path: Path, text_field: str) -> Iterator[str]:
     """Yield the documents of one input file, in file order."""
     suffix = path.suffix.lower()
     if suffix in _JSONL_SUFFIXES:
@@ -145,7 +145,7 @@ def build_token_shards(
 
     documents = 0
     for src in inputs:
-        for text in _iter_documents(Path(src), text_field):
+        for text in iter_documents(Path(src), text_field):
             ids = _encode(tokenizer, text, dtype)
             documents += 1
             pos = 0

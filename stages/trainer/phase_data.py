@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import ErrorCode, ItoError
-from stages.trainer.data import _iter_documents, build_token_shards
+from stages.trainer.data import build_token_shards, iter_documents
 from stages.trainer.tokenizer import ByteTokenizer
 
 HELDOUT_NAME = "heldout.jsonl"
@@ -47,7 +47,7 @@ def split_heldout(
     docs: list[tuple[int, str, int, str]] = []
     for role, files in sorted(files_by_role.items()):
         for f in files:
-            for text in _iter_documents(Path(f), text_field):
+            for text in iter_documents(Path(f), text_field):
                 docs.append((_bucket(text), role, len(docs), text))
     if not docs:
         raise ItoError(ErrorCode.data_empty, "no documents to train on")
