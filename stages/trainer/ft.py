@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from stages.run_secret import RunSecret
 from stages.trainer.config import FaultToleranceConfig
@@ -150,7 +151,10 @@ class GradientReducer:
         self._next = 0
         self._armed = False
         self._works: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
+        self._hooks: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            for p in ordered
+        ]
 
     def arm(self) -> None:
         """The next backward produces this step's final gradients: launch each bucket

@@ -80,7 +80,7 @@ def _to_cpu(state: Any) -> Any:
     return tree_unflatten(moved, spec)
 
 
-class HealTransport(CheckpointTransport[dict[str, Any]]):
+class HealTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]  # torchft: untyped
     """One rank's heal server and client (torchft's ``Manager(checkpoint_transport=)``).
 
     ``metadata()`` is what torchft hands a healing peer through the quorum:

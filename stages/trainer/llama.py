@@ -188,7 +188,10 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attention_mask, scale=self.scaling
             )
-        return self.o_proj(out.transpose(1, 2).contiguous().reshape(*lead, -1).contiguous())
+        projected: torch.Tensor = self.o_proj(
+            out.transpose(1, 2).contiguous().reshape(*lead, -1).contiguous()
+        )
+        return projected
 
 
 class MLP(nn.Module):
@@ -199,7 +202,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return down
 
 
 class DecoderLayer(nn.Module):
@@ -229,12 +233,13 @@ class DecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         assert position_embeddings is not None
-        h = hidden_states + self.self_attn(
+        h: torch.Tensor = hidden_states + self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
         )
-        return h + self.mlp(self.post_attention_layernorm(h))
+        out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
+        return out
 
 
 def _padding_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:

@@ -85,7 +85,7 @@ def compile_decoder_layers(model: nn.Module) -> int:
     region and parameter names stay as they are. Returns the layers compiled."""
     layers = _decoder_layers(model)
     for layer in layers:
-        layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
+        layer.forward = torch.compile(layer.forward)
     return len(layers)
 
 
@@ -304,7 +304,8 @@ class ParallelModel:
         the objectives that need it, as DPO's reference pass, refuse both)."""
         with self._context([]):
             out = self.module(**inputs).logits
-        return out.full_tensor() if hasattr(out, "full_tensor") else out
+        logits: torch.Tensor = out.full_tensor() if hasattr(out, "full_tensor") else out
+        return logits
 
     def forward_backward(
         self,
@@ -342,7 +343,7 @@ class ParallelModel:
                     del logits
                     if reducer is not None and self.mesh is None and i == len(parts) - 1:
                         reducer.arm()
-                    loss.backward()
+                    loss.backward()  # type: ignore[no-untyped-call]  # torch: unannotated
                 total = total + loss.detach()
             return total
         if objective.name != "lm":  # config validation refuses it; this says why
@@ -415,7 +416,10 @@ class ParallelModel:
         if self.schedule is None:
             with self._context([]):
                 out = self.module(input_ids=input_ids).logits
-            return out.float().full_tensor() if hasattr(out, "full_tensor") else out.float()
+            logits: torch.Tensor = (
+                out.float().full_tensor() if hasattr(out, "full_tensor") else out.float()
+            )
+            return logits
         import torch.distributed as dist
 
         if self.layout.pp_virtual_stages != 1:
@@ -429,11 +433,11 @@ class ParallelModel:
             x = torch.empty(*input_ids.shape, self.hidden, device=self.device)
             dist.recv(x, group=group, group_src=r - 1)
         with self._context([]):
-            out = self.chunks[0](x).float()
+            stage_out: torch.Tensor = self.chunks[0](x).float()
         if r < self.layout.pp - 1:
-            dist.send(out.contiguous(), group=group, group_dst=r + 1)
+            dist.send(stage_out.contiguous(), group=group, group_dst=r + 1)
             return None
-        return out
+        return stage_out
 
     # --- what was built -------------------------------------------------------------
     def built_layout(self) -> dict[str, Any]:

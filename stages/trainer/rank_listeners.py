@@ -34,10 +34,11 @@ import socket
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.netfront import (
     LOOPBACK,
+    AllowList,
     FrontConfig,
     Served,
     normalize_ip,
@@ -46,6 +47,9 @@ from stages.netfront import (
 )
 from stages.netsec import cluster_address, listener_config
 from stages.placement import PLACEMENT_FACT
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import TCPStore
 
 # Linux's ioctl for an interface's IPv4 address.
 _SIOCGIFADDR = 0x8915
@@ -76,7 +80,7 @@ def gloo_on_cluster_address() -> None:
             return
 
 
-def _allowed(placement: Any) -> Any:
+def _allowed(placement: dict[str, Any] | None) -> AllowList:
     facts = {PLACEMENT_FACT: placement} if placement is not None else None
     return lambda: run_node_addresses(facts)
 
@@ -85,8 +89,8 @@ def _allowed(placement: Any) -> Any:
 class GroupStore:
     """A replica group's TCPStore master and the front that publishes it."""
 
-    store: Any
-    served: Served[Any]
+    store: TCPStore
+    served: Served[TCPStore]
 
     @property
     def address(self) -> tuple[str, int]:
@@ -97,12 +101,13 @@ class GroupStore:
         self.served.close()
 
 
-def host_group_store(placement: Any, front: FrontConfig) -> GroupStore:
+def host_group_store(placement: dict[str, Any] | None, front: FrontConfig) -> GroupStore:
     """The group's ``TCPStore`` master on ``127.0.0.1:P`` (a socket bound here, handed
     to torch, which then owns it), behind a front on the cluster address, port ``P``."""
-    from torch.distributed import TCPStore
+    # Where it is defined: ``torch.distributed`` imports it without re-exporting it.
+    from torch._C._distributed_c10d import TCPStore
 
-    def start(port: int) -> Any:
+    def start(port: int) -> TCPStore:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.bind((LOOPBACK, port))
@@ -151,7 +156,7 @@ def _loopback_side(address: str, host: str) -> str:
 
 
 @contextlib.contextmanager
-def manager_listeners(placement: Any, front: FrontConfig) -> Iterator[None]:
+def manager_listeners(placement: dict[str, Any] | None, front: FrontConfig) -> Iterator[None]:
     """While torchft's ``Manager`` is constructed in this block, the ManagerServer it
     makes binds ``127.0.0.1:P`` behind a front on the cluster address (port ``P`` from
     the range) instead of torchft's hard-coded ``[::]:port``, and the ManagerClient it
@@ -185,8 +190,8 @@ def manager_listeners(placement: Any, front: FrontConfig) -> Iterator[None]:
     def client(addr: str, **kwargs: Any) -> Any:
         return make_client(_loopback_side(addr, host), **kwargs)
 
-    tm.ManagerServer, tm.ManagerClient = server, client  # type: ignore[assignment,misc]
+    tm.ManagerServer, tm.ManagerClient = server, client
     try:
         yield
     finally:
-        tm.ManagerServer, tm.ManagerClient = make_server, make_client  # type: ignore[misc]
+        tm.ManagerServer, tm.ManagerClient = make_server, make_client
