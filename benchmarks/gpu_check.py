@@ -104,10 +104,10 @@ def train(
     import torch
 
     from stages.errors import ItoError
+    from stages.model.lm import build_model
     from stages.parallelism.throughput import model_flops_per_token
     from stages.presets import load_model_preset
     from stages.trainer.layout import ParallelLayout
-    from stages.trainer.model import build_model
     from stages.trainer.objective import LanguageModelObjective
     from stages.trainer.parallelize import ParallelModel
 

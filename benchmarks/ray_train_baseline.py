@@ -49,8 +49,8 @@ def train_loop(config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch
 
+    from stages.model.lm import build_model, causal_lm_loss
     from stages.presets import load_model_preset
-    from stages.trainer.model import build_model, causal_lm_loss
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()

@@ -99,8 +99,8 @@ def plain_loop(cfg: dict[str, Any], out: Any) -> None:
     batch, ``torch.save`` of model and optimizer every interval; puts seconds per step."""
     import torch
 
+    from stages.model.lm import build_model, causal_lm_loss
     from stages.presets import load_model_preset
-    from stages.trainer.model import build_model, causal_lm_loss
 
     os.sched_setaffinity(0, [cfg["core"]])
     torch.set_num_threads(1)

@@ -27,8 +27,8 @@ import numpy as np
 
 from stages.data_prep.config import LadderProbeConfig
 from stages.data_prep.ladder_jobs import IN_PROCESS, ArmJob, ArmRunner
+from stages.model.tokenizer import ByteTokenizer
 from stages.presets import load_model_preset
-from stages.trainer.tokenizer import ByteTokenizer
 
 Decision = Literal["adopt", "reject", "no_decision"]
 

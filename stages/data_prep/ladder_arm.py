@@ -13,8 +13,8 @@ import torch
 
 from stages.data_prep.config import LadderProbeConfig
 from stages.data_prep.ladder_jobs import ArmJob
+from stages.model.lm import build_model, causal_lm_loss
 from stages.presets import ModelPreset, load_model_preset
-from stages.trainer.model import build_model, causal_lm_loss
 
 _WARMUP_FRACTION = 0.1
 _MIN_LR_FRACTION = 0.1

@@ -3,7 +3,7 @@
 object for the ranks), and encoded into token ids. The driver tokenizes the run's
 data with this module, so it never imports transformers or torch.
 
-Ids are laid out like ``stages.trainer.tokenizer.ByteTokenizer``: byte ``b`` is id
+Ids are laid out like ``stages.model.tokenizer.ByteTokenizer``: byte ``b`` is id
 ``b`` (0..255), the specials are 256 pad, 257 bos, 258 eos, 259 unk, and learned
 merges take 260.. in merge order. So with ``vocab_size == 260`` (the tiny presets)
 the BPE has no merges and encodes exactly like the byte tokenizer the trainer's

@@ -1,4 +1,4 @@
-"""The repo's Llama (``stages.trainer.llama``) seen as a ``transformers`` model over
+"""The repo's Llama (``stages.model.llama``) seen as a ``transformers`` model over
 the same tensors, for what needs HF's class: lm-eval's ``HFLM`` (its generate) and
 ``save_pretrained``. No weight is copied: the view's parameters are the model's."""
 
@@ -13,8 +13,8 @@ def as_hf(model: torch.nn.Module) -> Any:
     """``model`` itself if it is a transformers model, else its HF view."""
     from transformers import LlamaForCausalLM, PreTrainedModel
 
-    from stages.trainer.llama import Llama
-    from stages.trainer.model import hf_config
+    from stages.model.llama import Llama
+    from stages.model.lm import hf_config
 
     if isinstance(model, PreTrainedModel):
         return model

@@ -6,7 +6,7 @@ moments (8 B), all sharded over ``dp_shard x cp`` (torchtitan folds CP into the 
 mesh); TP and PP split the layers first.
 
 Activations are counted the way Korthikanti et al. count them (the tensors autograd
-saves), but for the model this repo trains (``stages.trainer.llama``: Hugging Face's
+saves), but for the model this repo trains (``stages.model.llama``: Hugging Face's
 Llama op for op, with SDPA/flash attention, SwiGLU MLP, RMSNorm, GQA), so there is no s^2
 attention term. Per decoder layer and token, with compute dtype of ``b`` bytes:
 

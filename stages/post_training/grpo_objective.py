@@ -239,8 +239,8 @@ def build_grpo_objective(
     obj = cfg.objective
     reference = None
     if obj.grpo.beta > 0:
+        from stages.model.lm import build_model
         from stages.presets import load_model_preset
-        from stages.trainer.model import build_model
 
         if cfg.model.checkpoint_path is None:
             raise ItoError(

@@ -1,5 +1,5 @@
 """Activation checkpointing of the repo's Llama: the one way recompute is turned on for
-the model ``stages.trainer.model.build_model`` returns (``ParallelModel`` applies it for
+the model ``stages.model.lm.build_model`` returns (``ParallelModel`` applies it for
 a layout's ``activation_checkpointing``)."""
 
 from __future__ import annotations
@@ -43,6 +43,6 @@ def apply_activation_checkpointing(model: Any, mode: ActivationCheckpointing) ->
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if mode == "selective":
         kwargs["context_fn"] = _selective_context
-    for layer in model.model.layers:  # stages.trainer.llama.DecoderLayer's recompute hook
+    for layer in model.model.layers:  # stages.model.llama.DecoderLayer's recompute hook
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = functools.partial(checkpoint, **kwargs)

@@ -24,7 +24,7 @@ import numpy as np
 
 from stages.atomic_write import open_atomic, write_text
 from stages.errors import ErrorCode, ItoError
-from stages.trainer.tokenizer import ByteTokenizer
+from stages.model.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:  # the driver builds shards here and never imports torch
     import torch

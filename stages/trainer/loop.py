@@ -246,7 +246,7 @@ class TrainLoop:
     def set_rope_base(self, phase: PhaseSpan) -> None:
         """The phase's RoPE base. None keeps the base in use (a scheduled curriculum names
         one for every phase when the preset has one)."""
-        from stages.trainer.model import set_rope_theta
+        from stages.model.lm import set_rope_theta
 
         if phase.rope_theta is not None and phase.rope_theta != self._rope_theta:
             set_rope_theta(self.model, phase.rope_theta)

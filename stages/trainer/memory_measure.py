@@ -42,8 +42,8 @@ def measure_peak_memory(
     trainer runs it on one rank (steady state: the optimizer state already exists):
     ``ParallelModel`` (bf16 under ``torch.autocast`` over fp32 weights), the LM
     objective's forward and backward, gradient clipping and a single-tensor AdamW."""
+    from stages.model.lm import build_model
     from stages.trainer.layout import ParallelLayout
-    from stages.trainer.model import build_model
     from stages.trainer.objective import LanguageModelObjective
     from stages.trainer.parallelize import ParallelModel
 

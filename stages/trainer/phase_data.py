@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import ErrorCode, ItoError
+from stages.model.tokenizer import ByteTokenizer
 from stages.trainer.data import build_token_shards, iter_documents
-from stages.trainer.tokenizer import ByteTokenizer
 
 HELDOUT_NAME = "heldout.jsonl"
 

@@ -201,8 +201,8 @@ def closing_checkpoint(req: PhaseEvalRequest) -> SealedCheckpoint:
 def load_phase_model(cfg: TrainStageConfig, phase: PhaseSpan, sealed: SealedCheckpoint) -> Any:
     """The weights of a sealed checkpoint (``sealed_checkpoint``) in a fresh model of the
     phase's shape."""
+    from stages.model.lm import build_model, set_rope_theta
     from stages.presets import load_model_preset
-    from stages.trainer.model import build_model, set_rope_theta
 
     model = build_model(
         load_model_preset(cfg.model.preset),
@@ -229,8 +229,8 @@ def load_phase_model(cfg: TrainStageConfig, phase: PhaseSpan, sealed: SealedChec
 
 def _export_config(cfg: TrainStageConfig, *, rope_theta: float | None) -> Any:
     """The transformers config a phase's export is written with (its RoPE base)."""
+    from stages.model.lm import model_config, set_config_rope_theta
     from stages.presets import load_model_preset
-    from stages.trainer.model import model_config, set_config_rope_theta
 
     config = model_config(
         load_model_preset(cfg.model.preset), checkpoint_path=cfg.model.checkpoint_path

@@ -21,7 +21,7 @@ from stages.trainer.layout import ParallelLayout
 
 
 class StageModule(nn.Module):
-    """Decoder layers ``[start, end)`` of the Llama (``stages.trainer.llama``), with
+    """Decoder layers ``[start, end)`` of the Llama (``stages.model.llama``), with
     the embedding if first and the final norm and head if last. Forward: token ids
     (first) or hidden states in, hidden states or logits out."""
 

@@ -80,7 +80,7 @@ class RankSetup:
 
     def build(self) -> None:
         """The group-independent part of start-up (what a spare group does ahead)."""
-        from stages.trainer.model import build_model
+        from stages.model.lm import build_model
         from stages.trainer.train_state import set_determinism
 
         loop, cfg = self.loop, self.loop.cfg
@@ -153,7 +153,7 @@ class RankSetup:
     def warm_up(self) -> None:
         """Pay the one-off costs (autograd kernels, the optimizer's lazy imports) before
         a spare is needed, without touching the model's weights or optimizer state."""
-        from stages.trainer.model import causal_lm_loss
+        from stages.model.lm import causal_lm_loss
 
         loop = self.loop
         ids = torch.zeros(1, loop.schedule.phases[0].seq_len, dtype=torch.long, device=self.device)

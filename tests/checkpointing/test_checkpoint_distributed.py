@@ -105,8 +105,8 @@ RANK = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_two_gloo_ranks_save_async_and_resume_exactly(tmp_path: Path) -> None:
+    from stages.model.tokenizer import ByteTokenizer
     from stages.trainer.data import build_token_shards
-    from stages.trainer.tokenizer import ByteTokenizer
 
     src = tmp_path / "corpus.txt"
     src.write_text("".join(f"rank-aware record {i} {i * 13 % 29}\n" for i in range(300)))

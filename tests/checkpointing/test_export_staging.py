@@ -24,8 +24,8 @@ from stages.checkpointing.sealed import SealedCheckpoint
 from stages.errors import ErrorCode, ItoError
 from stages.hf import train_tokenizer
 from stages.hf.export import export_hf, export_shards, finish_export, staging_dir
+from stages.model.lm import build_model, llama_config
 from stages.presets import load_model_preset
-from stages.trainer.model import build_model, llama_config
 
 TEXTS = [f"def f{i}(x):\n    return x * {i} + the_answer\n" for i in range(40)]
 

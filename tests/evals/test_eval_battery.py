@@ -24,8 +24,8 @@ from stages.evals import (
     run_battery,
 )
 from stages.hf import train_tokenizer
+from stages.model.lm import build_model
 from stages.presets import configs_dir, load_model_preset
-from stages.trainer.model import build_model
 
 pytestmark = module_group(__name__)
 

@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from stages.errors import ErrorCode, ItoError
 from stages.hf import export_hf, load_tokenizer, save_tokenizer, train_tokenizer
+from stages.model.lm import build_model
+from stages.model.tokenizer import ByteTokenizer
 from stages.presets import load_model_preset
-from stages.trainer.model import build_model
-from stages.trainer.tokenizer import ByteTokenizer
 
 TEXTS = [f"def function_{i}(x):\n    return x * {i} + the_answer  # café\n" for i in range(200)]
 
@@ -161,7 +161,7 @@ def test_export_reloads_with_from_pretrained_and_gives_the_same_logits(tmp_path:
         b = loaded(input_ids=ids).logits
     assert torch.equal(a, b)
     # A long-context phase's scaled RoPE base travels with the export.
-    from stages.trainer.model import set_rope_theta
+    from stages.model.lm import set_rope_theta
 
     set_rope_theta(model, 22081.79)
     out2 = export_hf(model, tok, tmp_path / "long")
@@ -188,7 +188,7 @@ def test_the_export_streamed_from_a_sealed_checkpoint_is_what_save_pretrained_wr
     from stages.checkpointing.seal import CheckpointBinding, seal_key
     from stages.checkpointing.sealed import SealedCheckpoint
     from stages.hf.export import export_hf_from_checkpoint
-    from stages.trainer.model import llama_config, set_config_rope_theta, set_rope_theta
+    from stages.model.lm import llama_config, set_config_rope_theta, set_rope_theta
 
     # Tied: the post-training policies' embeddings, which save_pretrained writes once.
     preset = load_model_preset("llama-tiny").model_copy(update={"tie_word_embeddings": tied})

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stages.model.lm import build_model, causal_lm_loss
 from stages.parallelism.memory import WEIGHT_CAST_BYTES, layer_activation_bytes
 from stages.presets import ModelPreset
-from stages.trainer.model import build_model, causal_lm_loss
 
 
 def _saved_bytes(

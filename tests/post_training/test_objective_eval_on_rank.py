@@ -23,14 +23,14 @@ def _forbid_models_here(monkeypatch: pytest.MonkeyPatch) -> None:
     are Ray actors in their own processes and are not patched."""
     import transformers
 
+    from stages.model import lm
     from stages.post_training import hf_io
-    from stages.trainer import model
 
     def refuse(*_a: Any, **_k: Any) -> Any:
         raise _DriverLoadedAModel("the driver loaded a model")
 
     monkeypatch.setattr(hf_io, "load_model", refuse)
-    monkeypatch.setattr(model, "load_hf_folder", refuse)
+    monkeypatch.setattr(lm, "load_hf_folder", refuse)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
     monkeypatch.setattr(transformers.LlamaForCausalLM, "from_pretrained", refuse)
 

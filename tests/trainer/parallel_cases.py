@@ -145,8 +145,8 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
     import torch.distributed as dist
 
     from stages.checkpointing.checkpointer import Checkpointer
+    from stages.model.lm import build_model
     from stages.trainer.mesh import build_mesh
-    from stages.trainer.model import build_model
     from stages.trainer.parallelize import ParallelModel
     from stages.trainer.train_state import TrainState
 
@@ -202,9 +202,9 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
 
 def measure_case(name: str, rank: int, world: int, out: Path) -> None:
     """Peak tensor bytes of one training step on this rank (profiler, exact)."""
+    from stages.model.lm import build_model
     from stages.trainer.memory_measure import measure_step_peak
     from stages.trainer.mesh import build_mesh
-    from stages.trainer.model import build_model
     from stages.trainer.parallelize import ParallelModel
 
     layout = ParallelLayout(**MEM_CASES[name]).resolved(world)

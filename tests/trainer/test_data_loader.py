@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stages.errors import ErrorCode, ItoError
+from stages.model.tokenizer import ByteTokenizer
 from stages.trainer.data import (
     INDEX_NAME,
     TokenLoader,
     build_token_shards,
     read_token_index,
 )
-from stages.trainer.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

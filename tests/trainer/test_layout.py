@@ -120,8 +120,8 @@ def test_the_stage_refuses_cp_on_cpu_before_any_worker_starts(tmp_path: Path) ->
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_one_rank_applies_recompute_and_bf16_and_reads_them_back(mode: str) -> None:
+    from stages.model.lm import build_model, causal_lm_loss
     from stages.presets import load_model_preset
-    from stages.trainer.model import build_model, causal_lm_loss
     from stages.trainer.parallelize import ParallelModel
 
     preset = load_model_preset("llama-tiny")
@@ -193,7 +193,7 @@ def test_a_tied_head_is_refused_a_pipeline() -> None:
     """The first stage would hold the embedding and the last the head, one parameter:
     a pipelined layout of a tied model is refused before any split (the planner never
     plans one)."""
-    from stages.trainer.model import build_model
+    from stages.model.lm import build_model
     from stages.trainer.pipeline import split_model
     from tests.trainer.parallel_cases import TIED_PRESET
 

@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from stages.errors import ErrorCode, ItoError
 from stages.hf.view import as_hf
+from stages.model.llama import Llama, load_hf_folder
+from stages.model.lm import build_model, causal_lm_loss, set_rope_theta
 from stages.presets import load_model_preset
-from stages.trainer.llama import Llama, load_hf_folder
-from stages.trainer.model import build_model, causal_lm_loss, set_rope_theta
 
 
 def _ids(seed: int, shape: tuple[int, int] = (4, 32), vocab: int = 260) -> torch.Tensor:
@@ -101,9 +101,9 @@ def test_the_trainer_rank_modules_import_no_transformers() -> None:
     loaded = run_python(
         "import json, sys\n"
         "import stages.trainer.loop, stages.trainer.setup, stages.trainer.parallelize\n"
-        "import stages.trainer.model, stages.data_prep.ladder_arm\n"
+        "import stages.model.lm, stages.data_prep.ladder_arm\n"
         "from stages.presets import load_model_preset\n"
-        "stages.trainer.model.build_model(load_model_preset('llama-tiny'))\n"
+        "stages.model.lm.build_model(load_model_preset('llama-tiny'))\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('transformers', 'lm_eval', 'trl'))))"
     )

@@ -67,7 +67,7 @@ def tied_reference() -> dict[str, Any]:
 
 
 def _one_process(preset: Any) -> dict[str, Any]:
-    from stages.trainer.model import build_model, causal_lm_loss
+    from stages.model.lm import build_model, causal_lm_loss
 
     model = build_model(preset, seed=0)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -168,7 +168,7 @@ def test_checkpoint_saved_under_tp2_loads_under_tp1_and_pp2_with_the_same_logits
     runs: Path, reference: dict[str, Any]
 ) -> None:
     from stages.checkpointing.checkpointer import Checkpointer
-    from stages.trainer.model import build_model
+    from stages.model.lm import build_model
     from stages.trainer.train_state import TrainState
     from tests.trainer.parallel_cases import ckpt_policy
 

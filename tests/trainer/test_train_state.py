@@ -12,10 +12,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from stages.errors import ErrorCode, ItoError
+from stages.model.lm import build_model, causal_lm_loss
+from stages.model.tokenizer import ByteTokenizer
 from stages.presets import load_model_preset
 from stages.trainer.data import TokenLoader, build_token_shards
-from stages.trainer.model import build_model, causal_lm_loss
-from stages.trainer.tokenizer import ByteTokenizer
 from stages.trainer.train_state import TrainState, set_determinism
 
 SEQ, MB, SEED = 32, 2, 1234

@@ -1,5 +1,5 @@
 """Decoder-only LMs from presets (random init) or a local HF checkpoint folder: the
-repo's own Llama (``stages.trainer.llama``), with HF's names and numerics."""
+repo's own Llama (``stages.model.llama``), with HF's names and numerics."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stages.model.llama import Llama, LlamaArgs, RotaryEmbedding, load_hf_folder
 from stages.presets import ModelPreset
-from stages.trainer.llama import Llama, LlamaArgs, RotaryEmbedding, load_hf_folder
 
 
 def build_model(
