@@ -7,10 +7,10 @@ it holds the booking's devices: a GPU a rank on CUDA, a replica group's own core
 CPU. A probe that asked for devices of its own would wait behind the fleet it comes
 before, so it borrows the fleet's ranks instead: each of the replica groups' ranks
 (a standby holds no device and trains none) takes a proxy, and whichever rank is free
-first the next (``Dealer``; ``ReplicaWorker.train_proxy``, in a concurrency group
-beside the driver's calls) while its loop warms up and waits for the data. The
-streams and eval windows go to the object store once; the stage logs each proxy's
-score as it comes.
+first the next (``Dealer``; ``train_proxy`` through ``ReplicaWorker.run_borrowed``, in
+a concurrency group beside the driver's calls) while its loop warms up and waits for
+the data. The streams and eval windows go to the object store once; the stage logs
+each proxy's score as it comes.
 """
 
 from __future__ import annotations
@@ -60,6 +60,17 @@ class Dealer:
         return self._queue.pop(0) if self._queue else None
 
 
+def train_proxy(
+    job: ArmJob, stream: np.ndarray, windows: np.ndarray, cfg: LadderProbeConfig
+) -> tuple[float, str]:
+    """One proxy trained and scored on the rank that runs it: (bits per byte, device).
+    Ray sends this function to the rank by reference; torch is imported there, never in
+    the driver."""
+    from stages.data_prep.ladder_arm import score_arm
+
+    return score_arm(job, stream, windows, cfg)
+
+
 def rank_runner(fleet: Any, cancelled: Callable[[], bool]) -> ArmRunner:
     """Train the proxies on ``fleet``'s placed ranks (a ``stages.trainer.handoff.Fleet``)."""
 
@@ -81,8 +92,9 @@ def rank_runner(fleet: Any, cancelled: Callable[[], bool]) -> ArmRunner:
         pending: dict[Any, tuple[ArmJob, int]] = {}
 
         def start(rank: int, job: ArmJob) -> None:
-            call = ranks[rank][1].train_proxy.options(concurrency_group=BORROWED_GROUP)
-            pending[call.remote(job, stream_refs[job.arm], windows_ref, cfg)] = (job, rank)
+            call = ranks[rank][1].run_borrowed.options(concurrency_group=BORROWED_GROUP)
+            ref = call.remote(train_proxy, job, stream_refs[job.arm], windows_ref, cfg)
+            pending[ref] = (job, rank)
 
         dealer = Dealer(jobs, len(ranks))
         for rank, job in dealer.first():

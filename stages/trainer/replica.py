@@ -18,7 +18,8 @@ import time
 import traceback
 import warnings
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from stages.event_buffer import EventBuffer
 from stages.run_secret import RunSecret
@@ -27,12 +28,14 @@ from stages.trainer.control import Control, WorkerSpec
 # Events buffered in an actor between two polls; beyond this they are aggregated.
 MAX_BUFFERED_EVENTS = 10_000
 
+_T = TypeVar("_T")
+
 # This process's training loops still in memory: one, whatever runs were handed on.
 _LOOPS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 # The concurrency group of work that borrows a rank's device before its run trains
-# (``train_proxy``): one call at a time, beside the default group's (poll, commands).
+# (``run_borrowed``): one call at a time, beside the default group's (poll, commands).
 BORROWED_GROUP = "borrowed"
 
 # Every trainer actor's name: run-<run id>-trainer-...
@@ -392,14 +395,14 @@ class ReplicaWorker:
             self._phase_model = (req.checkpoint, model)
         return self._phase_model[1]
 
-    def train_proxy(self, job: Any, stream: Any, windows: Any, cfg: Any) -> tuple[float, str]:
-        """One ladder-probe proxy trained and scored on this rank's device while its loop
-        warms up and waits for the run's data (stages.data_prep.ladder_arm): (bits per
-        byte, device). The proxy is let go before the call returns."""
-        from stages.data_prep.ladder_arm import score_arm
-
+    def run_borrowed(self, work: Callable[..., _T], *args: Any) -> _T:
+        """``work(*args)`` on this rank's device while its loop warms up and waits for
+        the run's data (a stage before training borrows the booked devices: a ladder
+        probe's proxies); its caller names the work (a module-level function, which Ray
+        sends by reference), so the engine knows nothing of it. What the work held on
+        the device is let go before the call returns."""
         try:
-            return score_arm(job, stream, windows, cfg)
+            return work(*args)
         finally:
             self._free_device_memory()
 

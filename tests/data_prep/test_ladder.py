@@ -119,7 +119,7 @@ def test_a_runs_proxies_train_on_its_warm_ranks_and_score_as_in_process(
     scores equal the in-process probe's for the same seeds."""
     import ray
 
-    from stages.data_prep.ladder_ranks import rank_runner
+    from stages.data_prep.ladder_ranks import rank_runner, train_proxy
     from stages.trainer.replica import BORROWED_GROUP
 
     cfg = LadderProbeConfig(
@@ -142,8 +142,8 @@ def test_a_runs_proxies_train_on_its_warm_ranks_and_score_as_in_process(
         rank = ranks[(0, 0)]
         stream = ray.put(np.arange(20_000, dtype=np.int64) % 200)
         windows = ray.put(np.zeros((4, 128), dtype=np.int64))
-        long = rank.train_proxy.options(concurrency_group=BORROWED_GROUP).remote(
-            ArmJob("baseline", 0, 400), stream, windows, cfg
+        long = rank.run_borrowed.options(concurrency_group=BORROWED_GROUP).remote(
+            train_proxy, ArmJob("baseline", 0, 400), stream, windows, cfg
         )
         poll = rank.poll.remote()
         first, _ = ray.wait([long, poll], num_returns=1, timeout=300)
