@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stages.hf.bpe import CHAT_TEMPLATE, SPECIAL_TOKENS
-    from stages.hf.export import export_hf, load_hf
+    from stages.hf.export import export_hf, load_hf, load_model
     from stages.hf.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
 _HOME = {
@@ -21,6 +21,7 @@ _HOME = {
     "SPECIAL_TOKENS": "stages.hf.bpe",
     "export_hf": "stages.hf.export",
     "load_hf": "stages.hf.export",
+    "load_model": "stages.hf.export",
     "load_tokenizer": "stages.hf.tokenizer",
     "save_tokenizer": "stages.hf.tokenizer",
     "train_tokenizer": "stages.hf.tokenizer",
@@ -31,6 +32,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "export_hf",
     "load_hf",
+    "load_model",
     "load_tokenizer",
     "save_tokenizer",
     "train_tokenizer",

@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -259,6 +260,23 @@ def _shards(names: list[str], nbytes: dict[str, int], limit: int) -> list[list[s
         shards[-1].append(n)
         size += nbytes[n]
     return shards
+
+
+# transformers' model loading patches process-wide state (weight init): two loads at
+# once in one process (a rollout worker's background load beside another) can leave
+# weights unset. One at a time.
+_LOAD_LOCK = threading.Lock()
+
+
+def load_model(path: str | Path) -> Any:
+    """The model of an HF folder in fp32, local files only, its KV cache on (it is
+    scored or generates from)."""
+    with _LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), local_files_only=True, dtype=torch.float32
+        )
+    model.config.use_cache = True
+    return model
 
 
 def load_hf(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

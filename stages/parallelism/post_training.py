@@ -21,7 +21,7 @@ split over every data-parallel rank and trained in one forward at up to
   behaviour log-probs come with the rollouts: no extra forward model); with a KL term
   (``beta > 0``) a frozen fp32 copy of the base is resident beside the policy
   (``stages.post_training.grpo_objective``), at every moment of the objective;
-- the objective's end (``stages.post_training.objective_eval``): while the policy and AdamW's
+- the objective's end (``stages.evals.objective_eval``): while the policy and AdamW's
   state are still resident, the evaluating rank loads the base folder in fp32 to
   score the objective's "before" numbers and runs forwards of one sequence; that is a
   second moment, and the peak is the larger of the two.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +37,11 @@ def load_tokenizer(path: Path) -> Any:
     return load(path)
 
 
-# transformers' model loading patches process-wide state (weight init): two loads at
-# once in one process (a rollout worker's background load beside another) can leave
-# weights unset. One at a time.
-_LOAD_LOCK = threading.Lock()
-
-
 def load_model(path: Path) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
+    """The policy of an HF folder in fp32 (``stages.hf.load_model``)."""
+    from stages.hf import load_model as load
 
-    with _LOAD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), local_files_only=True, dtype=torch.float32
-        )
-    model.config.use_cache = True
-    return model
+    return load(path)
 
 
 def save(model: Any, tokenizer: Any, path: Path, **metadata: Any) -> str:

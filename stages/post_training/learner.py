@@ -39,9 +39,9 @@ from typing import Any, Literal
 from stages.atomic_write import write_text
 from stages.base import StageContext
 from stages.errors import ErrorCode, ItoError
+from stages.evals.objective_eval import ObjectiveEvalReply, ObjectiveEvalRequest
 from stages.post_training.admission import is_stale
 from stages.post_training.config import TRL_ADAM_BETAS, RLVRConfig
-from stages.post_training.objective_eval import ObjectiveEvalReply, ObjectiveEvalRequest
 from stages.post_training.rollout import PromptEncoding, RolloutGroup
 from stages.post_training.step_groups import step_groups, write_step_groups
 from stages.post_training.weight_sync import BaseWeights, PublishedVersion

@@ -22,15 +22,14 @@ at start-up, so it can count the global batch's targets without a collective.
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from stages.errors import ErrorCode, ItoError
+from stages.evals.objective_eval import read_rows
 from stages.trainer.objective import Batch, Tensors, token_nll_sum
 
 # The run tokenizer's chat template before it carried generation markers (same text):
@@ -62,12 +61,6 @@ def training_chat_template(tokenizer: Any) -> str | None:
             "the base model's chat template has no {% generation %} markers and trl has "
             "no training version of it: the assistant tokens SFT trains cannot be found",
         ) from e
-
-
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a JSONL snapshot the stage already validated."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def as_messages(x: Any, role: str) -> list[dict[str, str]]:

@@ -3,7 +3,7 @@ replica-group actors (``TrainingEngine`` -> ``ReplicaWorker``) load the policy f
 objective's HF folder, train its loss (``stages.post_training.objectives``) with torchft
 and DCP checkpoints, and rank 0 of the lowest live group writes the HF export of the
 final weights at the objective's end and scores the objective's gate metrics and
-battery there (``stages.trainer.phase_eval``, ``stages.post_training.objective_eval``).
+battery there (``stages.trainer.phase_eval``, ``stages.evals.objective_eval``).
 The driver only builds the config, forwards events and gets a path and numbers back.
 The rlvr objective runs the same engine with the ``grpo`` loss
 (``stages.post_training.learner``)."""
@@ -19,9 +19,9 @@ from stages.base import StageContext
 from stages.checkpointing.config import CheckpointPolicy
 from stages.curriculum.schedule import CurriculumSchedule, PhaseSpan
 from stages.errors import ErrorCode, ItoError
+from stages.evals.objective_eval import ObjectiveEvalReply, ObjectiveEvalRequest
 from stages.events import Event
 from stages.post_training.config import DPOConfig, SFTConfig
-from stages.post_training.objective_eval import ObjectiveEvalReply, ObjectiveEvalRequest
 from stages.trainer.config import (
     LossSpikeConfig,
     ModelSpec,

@@ -346,8 +346,8 @@ class PostTrainingStage:
         recipe = self.config.recipe
         if objective in ("sft", "dpo"):
             from stages.evals import BatteryResult
+            from stages.evals.objective_battery import objective_gate_metrics
             from stages.post_training.on_engine import run_on_engine
-            from stages.post_training.sft_dpo import objective_gate_metrics
 
             kind: Literal["sft", "dpo"] = "sft" if objective == "sft" else "dpo"
             exported, figures, scores = run_on_engine(
@@ -436,8 +436,8 @@ class PostTrainingStage:
         groups (``stages.post_training.learner``): (gate metrics, the HF export, its
         battery's ``BatteryResult`` or None, scored on the evaluating rank)."""
         from stages.evals import BatteryResult
+        from stages.evals.objective_eval import ObjectiveEvalRequest
         from stages.post_training.learner import run_rlvr_on_engine
-        from stages.post_training.objective_eval import ObjectiveEvalRequest
         from stages.post_training.on_engine import write_rows
         from stages.post_training.rl import RequestMaker
 

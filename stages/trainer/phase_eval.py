@@ -41,7 +41,7 @@ from stages.errors import ErrorCode, ItoError
 from stages.evals.battery import CheckResult
 from stages.evals.config import EvalRunSettings
 from stages.evals.heldout import HeldoutSums
-from stages.post_training.objective_eval import (
+from stages.evals.objective_eval import (
     ObjectiveEvalReply,
     ObjectiveEvalRequest,
     evaluate_objective,

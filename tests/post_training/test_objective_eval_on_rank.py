@@ -43,11 +43,10 @@ def test_sft_then_dpo_are_scored_on_the_rank_with_the_drivers_old_numbers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from stages.evals import run_battery
+    from stages.evals.objective_battery import objective_battery, objective_gate_metrics
+    from stages.evals.objective_eval import heldout_text, read_rows
     from stages.post_training import PostTrainingStage, PostTrainingStageConfig
     from stages.post_training.hf_io import load_model, load_tokenizer
-    from stages.post_training.objective_eval import heldout_text
-    from stages.post_training.objectives import read_rows
-    from stages.post_training.sft_dpo import objective_battery, objective_gate_metrics
 
     recipe = {
         **base_model(tiny_policy),

@@ -28,12 +28,12 @@ from typing import Any
 import pytest
 import torch
 
+from stages.evals.objective_eval import read_rows
 from stages.post_training.hf_io import load_model, load_tokenizer
 from stages.post_training.objectives import (
     DPOObjective,
     SFTObjective,
     _pairs_flat,
-    read_rows,
     sequence_logps,
 )
 from stages.trainer.layout import ParallelLayout

@@ -1,7 +1,9 @@
 """An SFT or DPO objective's gate metrics and eval battery, scored on the evaluating
 trainer rank at the objective's end (``stages.trainer.phase_eval``), never in the driver.
+The engine's part of post-training, so it lives below both: the trainer runs it, the
+post-training stage asks for it and reads its reply.
 
-- before: the objective's battery (``sft_dpo.objective_battery``) on the base folder's
+- before: the objective's battery (``objective_battery``) on the base folder's
   weights, loaded on that rank for the scoring and freed after it (the policy there has
   been trained: the base folder is what the objective started from, and it never
   changes);
@@ -15,6 +17,7 @@ same fp32 weights); the driver now only gets them back in ``PhaseEvalReply``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +44,12 @@ class ObjectiveEvalReply(BaseModel):
     before: dict[str, float]
     after: dict[str, float]
     battery: dict[str, Any]  # a BatteryResult as JSON; empty: no battery
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of an objective's JSONL snapshot (the stage already validated them)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def heldout_text(tok: Any, row: dict[str, Any]) -> str:
@@ -72,9 +81,8 @@ def evaluate_objective(
     import torch
 
     from stages.evals import run_battery
-    from stages.post_training.hf_io import load_model
-    from stages.post_training.objectives import read_rows
-    from stages.post_training.sft_dpo import objective_battery
+    from stages.evals.objective_battery import objective_battery
+    from stages.hf import load_model
 
     rows = read_rows(req.rows_path)
     before: dict[str, float] = {}

@@ -1,6 +1,6 @@
 """The small batteries of the SFT and DPO objectives (the objectives themselves train
 on the engine: ``stages.post_training.on_engine``; these run on its evaluating rank,
-``stages.post_training.objective_eval``).
+``stages.evals.objective_eval``).
 
 Batteries (before and after, on the objective's own data; the curriculum's eval
 batteries replace them where a run names one):
