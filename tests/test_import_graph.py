@@ -1,7 +1,9 @@
 """The product's modules import each other without circles: every import counts (at
 module level, inside a function, or under ``TYPE_CHECKING``), since each is a
 dependency a reader and a refactoring must follow. Stages never import the
-orchestrator. The import graph is read from the source with ``ast``."""
+orchestrator, and the stage packages stand on each other in layers (``LAYERS``): none
+imports a higher layer's package. The import graph is read from the source with
+``ast``."""
 
 from __future__ import annotations
 
@@ -121,3 +123,123 @@ def test_a_circle_is_found_where_two_modules_import_each_other() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert circles(graph) == {frozenset({"a", "b", "c"})}
     assert circles({"a": {"b"}, "b": set()}) == set()
+
+
+# The layer of the modules directly in stages/.
+BASICS = "stages"
+# The stage packages in layers, lowest first: a package imports packages of its own
+# layer or lower ones, never a higher one, and no two packages import each other.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # The basics every stage stands on: the modules directly in stages/ (config base,
+    # errors, events, presets, placement, safe paths, ...). They import no package.
+    (BASICS,),
+    # Storage and planning that know no model: the checkpoint format, the planner.
+    ("stages.checkpointing", "stages.parallelism"),
+    # What several stages share of the model: the Llama, building it (HF config, loss),
+    # the byte tokenizer.
+    ("stages.model",),
+    # Hugging Face formats of that model: exports, the transformers view, the tokenizer.
+    ("stages.hf",),
+    # Eval batteries and gates over the HF view, with a post-training objective's
+    # evaluation, which the engine runs on its ranks.
+    ("stages.evals",),
+    # The curriculum's phases, each naming its eval battery.
+    ("stages.curriculum",),
+    # The training engine: trains the model with everything below.
+    ("stages.trainer",),
+    # Data prep: its ladder probe borrows the trainer's ranks.
+    ("stages.data_prep",),
+    # Post-training trains on the engine, on data prep's refs.
+    ("stages.post_training",),
+)
+
+# Imports that still go up, each with why it stands; the checks skip exactly these,
+# and a test fails once one is gone, so the list only shrinks.
+PENDING_UPWARD = {
+    # A rank builds the objective its config names (sft, dpo, grpo) from post-training's
+    # objectives: the inversion hands the engine its objective builder from the stage
+    # that asks for it, through the engine's setup.
+    ("stages.trainer.setup", "stages.post_training.objectives"),
+}
+
+
+def stage_package(module: str) -> str | None:
+    """The stage package ``module`` belongs to; a module directly in stages/ belongs
+    to the basics; None outside stages."""
+    parts = module.split(".")
+    if parts[0] != "stages":
+        return None
+    if len(parts) > 1 and (REPO / "stages" / parts[1]).is_dir():
+        return f"stages.{parts[1]}"
+    return BASICS
+
+
+def _layer_of(layers: tuple[tuple[str, ...], ...]) -> dict[str, int]:
+    return {pkg: i for i, layer in enumerate(layers) for pkg in layer}
+
+
+def upward_imports(
+    graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...] = LAYERS
+) -> list[tuple[str, str]]:
+    """(module, imported module) for each import of a higher layer's package."""
+    layer = _layer_of(layers)
+    found = []
+    for module, targets in graph.items():
+        here = stage_package(module)
+        if here is None:
+            continue
+        for target in targets:
+            there = stage_package(target)
+            if there is not None and layer[there] > layer[here]:
+                found.append((module, target))
+    return sorted(found)
+
+
+def mutual_packages(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The pairs of stage packages that import each other."""
+    imports: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        here = stage_package(module)
+        for target in targets:
+            there = stage_package(target)
+            if here is not None and there is not None and here != there:
+                imports.setdefault(here, set()).add(there)
+    return {frozenset({a, b}) for a, bs in imports.items() for b in bs if a in imports.get(b, ())}
+
+
+def _without_pending(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    return {m: {t for t in ts if (m, t) not in PENDING_UPWARD} for m, ts in graph.items()}
+
+
+def test_every_stage_package_has_a_layer() -> None:
+    packages = {p for m in modules() if (p := stage_package(m)) is not None}
+    assert packages == set(_layer_of(LAYERS)), "place a new package in LAYERS"
+
+
+def test_no_stage_package_imports_a_higher_layer() -> None:
+    graph = import_graph()
+    assert not upward_imports(_without_pending(graph))
+    still = {(m, t) for m, t in PENDING_UPWARD if t in graph.get(m, set())}
+    assert still == PENDING_UPWARD, "an import went away: drop it from PENDING_UPWARD"
+
+
+def test_no_two_stage_packages_import_each_other() -> None:
+    found = mutual_packages(_without_pending(import_graph()))
+    assert not found, sorted(sorted(pair) for pair in found)
+
+
+def test_an_upward_import_is_found_where_one_is_planted() -> None:
+    graph = _without_pending(import_graph())
+    planted = {m: set(ts) for m, ts in graph.items()}
+    planted["stages.hf.view"].add("stages.trainer.loop")  # the HF view importing the engine
+    assert upward_imports(planted) == [("stages.hf.view", "stages.trainer.loop")]
+    assert mutual_packages(planted) == {frozenset({"stages.hf", "stages.trainer"})}
+    planted = {m: set(ts) for m, ts in graph.items()}
+    planted["stages.base"].add("stages.model.llama")  # a basic module importing a package
+    assert upward_imports(planted) == [("stages.base", "stages.model.llama")]
+    # The same layer may import sideways, but never both ways.
+    sideways = {"stages.checkpointing.a": {"stages.parallelism.b"}, "stages.parallelism.b": set()}
+    assert upward_imports(sideways) == []
+    sideways["stages.parallelism.b"].add("stages.checkpointing.a")
+    assert upward_imports(sideways) == []
+    assert mutual_packages(sideways) == {frozenset({"stages.checkpointing", "stages.parallelism"})}
