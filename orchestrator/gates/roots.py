@@ -30,10 +30,10 @@ from pathlib import Path
 
 from orchestrator.db.store import Store, is_postgres
 from orchestrator.gates.manifest import Manifest
-from orchestrator.runtime.launch import launch_key_path
 from orchestrator.settings import Settings
 from stages import safepath
 from stages.errors import ErrorCode, ItoError
+from stages.keys import launch_key_path
 from stages.pathfields import PathField, local_path, outside, path_values
 
 

@@ -5,6 +5,7 @@ a layout's ``activation_checkpointing``)."""
 from __future__ import annotations
 
 import functools
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -29,8 +30,12 @@ def _selective_policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> Checkp
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_context() -> Any:
-    return create_selective_checkpoint_contexts(_selective_policy)
+def _selective_context() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    # torch's helper is unannotated; its two contexts are what ``context_fn`` returns.
+    contexts: tuple[AbstractContextManager[None], AbstractContextManager[None]] = (
+        create_selective_checkpoint_contexts(_selective_policy)  # type: ignore[no-untyped-call]
+    )
+    return contexts
 
 
 def apply_activation_checkpointing(model: Any, mode: ActivationCheckpointing) -> None:
