@@ -1,30 +1,9 @@
-"""What the engine keeps per replica group, and what one engine run returns."""
+"""What one engine run returns."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-
-@dataclass
-class GroupState:
-    """What the driver knows of one replica group, from its rank 0's polls."""
-
-    index: int
-    pid: int | None = None
-    last_ok: float = 0.0
-    lost_at: float | None = None  # set while the group is down
-    failed_at: float | None = None  # when the lost process died (recovery.failure_time)
-    lost_since_poll_fail: float | None = None
-    restarts: int = 0
-    phase: str = "starting"
-    step: int = 0
-    error: str | None = None
-    finished: bool = False
-    digest: str | None = None
-    paused: bool = False
-    # The phase index this group closed and waits at (its gate), if any.
-    boundary: int | None = None
 
 
 @dataclass

@@ -35,6 +35,7 @@ from stages.run_secret import RunSecret
 from stages.trainer import ft
 from stages.trainer.control import Control, WorkerSpec
 from stages.trainer.objective import LanguageModelObjective, Objective
+from stages.trainer.rank_state import RankState, RankStatus
 from stages.trainer.shard_state import load_sharded_state, param_digest, sharded_state
 
 __all__ = ["Control", "StepResult", "TrainLoop", "WorkerSpec", "data_index", "param_digest"]
@@ -114,7 +115,7 @@ class TrainLoop:
         *,
         emit: Callable[[Event], None],
         control: Control,
-        status: dict[str, Any],
+        status: RankStatus,
         secret: RunSecret,
         startup: Callable[[TrainLoop], RankStartup],
     ):
@@ -266,9 +267,9 @@ class TrainLoop:
         self.ckpt.wait()
         self._report_checkpoints()
         # The driver may now evaluate this rank's model (ReplicaWorker.evaluate_phase).
-        self.status.update(boundary=self.schedule.phase_of(step - 1).index, phase="phase_end")
+        self.status.enter(RankState.phase_end, boundary=self.schedule.phase_of(step - 1).index)
         kind, _ = self.control.wait_command()
-        self.status.update(boundary=None, phase="training")
+        self.status.enter(RankState.training, boundary=None)
         if kind != "next_phase":
             return False
         if step < self.schedule.total_steps:
@@ -278,7 +279,7 @@ class TrainLoop:
 
     # --- the loop -------------------------------------------------------------------
     def run(self) -> None:
-        restarted = bool(self.status.get("restarted"))
+        restarted = self.status.report().restarted
         if self.spec.replica_group < 0:
             self.setup.prepare_standby()
             if not self.setup.wait_as_spare():
@@ -288,11 +289,11 @@ class TrainLoop:
             self.setup.build()
         if not self.setup.join():
             return self._finish()  # stopped before the run's data was ready
-        self.status.update(phase="ready")
+        self.status.enter(RankState.ready)
         if not restarted:
             self.control.go.wait()
         self.emit(PhaseEvent(phase="startup", start=self.started_at, end=time.time()))
-        self.status.update(phase="training")
+        self.status.enter(RankState.training)
         self.recovering_since = self.started_at if restarted else None
         step = self.manager.current_step()
         # A group resumed from a phase-closing checkpoint waits for that phase's gate.
@@ -515,10 +516,10 @@ class TrainLoop:
         ``refused_batch``: a non-finite step was refused; declined, its batch is
         skipped (retrying it would refuse it again)."""
         self.ckpt.wait()
-        self.status.update(paused_at=step, phase="paused", digest=param_digest(self.model))
+        self.status.enter(RankState.paused, paused_at=step, digest=param_digest(self.model))
         self.log(f"paused at step {step}: loss spike, awaiting approval")
         kind, params = self.control.wait_command()
-        self.status.update(paused_at=None, spike=None, phase="training")
+        self.status.enter(RankState.training, paused_at=None, spike=None)
         if kind == "restore":
             step = int(params["step"])
             self.restore(step)
@@ -541,8 +542,8 @@ class TrainLoop:
             self._report_checkpoints()
         if getattr(self, "reducer", None) is not None:
             self.reducer.close()
-        self.status.update(
-            phase="finished" if not self.control.stop else "stopped",
+        self.status.enter(
+            RankState.stopped if self.control.stop else RankState.finished,
             step=self.manager.current_step(),
             digest=param_digest(self.model),
         )

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from stages.event_buffer import EventBuffer
 from stages.run_secret import RunSecret
 from stages.trainer.control import Control, WorkerSpec
+from stages.trainer.rank_state import PeerProgress, RankPoll, RankState, RankStatus
 
 # Events buffered in an actor between two polls; beyond this they are aggregated.
 MAX_BUFFERED_EVENTS = 10_000
@@ -86,7 +87,7 @@ class ReplicaWorker:
         with warnings.catch_warnings():  # Ray marks the property deprecated, no successor
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        self.status: dict[str, Any] = {}
+        self.status: RankStatus
         # A multi-rank group's store for the run (rank 0 hosts it, behind a front:
         # rank_listeners.GroupStore), and the one its process group was made with,
         # once replaced.
@@ -112,20 +113,11 @@ class ReplicaWorker:
         from stages.trainer.setup import RankSetup
 
         self.control = Control()
-        self.status.clear()
-        self.status.update(
-            {
-                "pid": os.getpid(),
-                # The devices Ray gave this rank (none on cpu, none for a standby).
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "phase": "starting",
-                "step": 0,
-                "restarted": restarted,
-                "started_at": time.time(),
-                "error": None,
-                "paused_at": None,
-                "spike": None,
-            }
+        self.status = RankStatus(
+            pid=os.getpid(),
+            gpu_ids=[str(g) for g in ray.get_gpu_ids()],
+            restarted=restarted,
+            started_at=time.time(),
         )
         self.loop = TrainLoop(
             self.spec,
@@ -223,7 +215,7 @@ class ReplicaWorker:
         group with such a peer heals from it through torchft and reads nothing. The
         ranks of a multi-rank group follow rank 0's answer (a sharded load is a
         collective: they must all read or none)."""
-        restarted = bool(self.status.get("restarted"))
+        restarted = self.status.report().restarted
         if not restarted:
             return True
         key = "ito/recovery/checkpoint_needed"
@@ -277,25 +269,26 @@ class ReplicaWorker:
                 except Exception:  # a dead or restarting peer is no heal source
                     continue
                 if (
-                    p["run_id"] == self.spec.run_id  # not a peer still in an earlier run
-                    and p["group"] >= 0
-                    and p["group"] != me
-                    and p["rank"] == 0
-                    and p["phase"] == "training"
-                    and p["step"] >= newest
+                    p.run_id == self.spec.run_id  # not a peer still in an earlier run
+                    and p.group >= 0
+                    and p.group != me
+                    and p.rank == 0
+                    and p.state is RankState.training
+                    and p.step >= newest
                 ):
                     return True
         return False
 
-    def progress(self) -> dict[str, Any]:
-        """Which run, group and rank this is, its loop's phase and committed step."""
-        return {
-            "run_id": self.spec.run_id,
-            "group": self.loop.spec.replica_group,
-            "rank": self.spec.rank,
-            "phase": self.status.get("phase"),
-            "step": int(self.status.get("step") or 0),
-        }
+    def progress(self) -> PeerProgress:
+        """Which run, group and rank this is, its state and committed step."""
+        report = self.status.report()
+        return PeerProgress(
+            run_id=self.spec.run_id,
+            group=self.loop.spec.replica_group,
+            rank=self.spec.rank,
+            state=report.state,
+            step=report.step,
+        )
 
     def _emit(self, event: Any) -> None:
         with self._lock:
@@ -305,18 +298,18 @@ class ReplicaWorker:
         try:
             self.loop.run()
         except BaseException as e:  # reported to the driver, which fails the run
-            self.status.update(
-                phase="error",
+            self.status.enter(
+                RankState.error,
                 error=f"{type(e).__name__}: {e}",
                 traceback=traceback.format_exc()[-4000:],
             )
 
     # --- driver API -----------------------------------------------------------------
-    def poll(self) -> dict[str, Any]:
+    def poll(self) -> RankPoll:
         """Drain buffered events and report status (the driver pulls; never pushes)."""
         with self._lock:
             events = self._events.drain()
-        return {"events": events, "status": dict(self.status)}
+        return RankPoll(events=events, report=self.status.report())
 
     def pid(self) -> int:
         return os.getpid()
@@ -411,7 +404,7 @@ class ReplicaWorker:
         from stages.trainer.phase_eval import PhaseEvalRequest
 
         req = PhaseEvalRequest.model_validate(request)
-        if self.status.get("boundary") != req.phase.index:
+        if self.status.report().boundary != req.phase.index:
             raise ItoError(
                 ErrorCode.invalid_state, f"rank is not waiting at the end of phase {req.phase.name}"
             )

@@ -14,6 +14,7 @@ import torch
 from stages.presets import load_model_preset
 from stages.trainer import ft
 from stages.trainer.idle import idle_thread, run_when_idle
+from stages.trainer.rank_state import RankState
 
 if TYPE_CHECKING:
     from stages.trainer.layout import ParallelLayout
@@ -177,7 +178,7 @@ class RankSetup:
         """A pre-started spare (built and warmed up: ``prepare_standby``): wait to take a
         lost group's place, on the lost rank's device. False: the run stopped first."""
         loop = self.loop
-        loop.status.update(phase="standby")
+        loop.status.enter(RankState.standby)
         group = loop.control.wait_activation()
         if group is None:
             return False
@@ -268,7 +269,7 @@ class RankSetup:
             process_group=ckpt_pg,
             binding=CheckpointBinding(run_id=spec.run_id, account=spec.account),
         )
-        loop.status.update(phase="awaiting_data")
+        loop.status.enter(RankState.awaiting_data)
         # Every phase ends in an HF export whose shards every live rank writes, and in
         # a battery whose units each group's rank 0 runs: the imports overlap the wait
         # for data and training instead of stalling the first phase switch.

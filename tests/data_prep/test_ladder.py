@@ -131,7 +131,7 @@ def test_a_runs_proxies_train_on_its_warm_ranks_and_score_as_in_process(
     engine = _fleet_engine(tmp_path)
     try:
         ranks = engine.fleet.placed_ranks(120.0)
-        assert sorted(ranks) == [(0, 0), (1, 0)], engine._start_error
+        assert sorted(ranks) == [(0, 0), (1, 0)], engine.launcher.start_error
         remote = ladder_probe(
             baseline, custom, eval_text, cfg, run_arms=rank_runner(engine.fleet, lambda: False)
         )

@@ -61,18 +61,18 @@ class _FailingDataStage:
 
         names = [worker_name(ctx.run_id, g, 0) for g in range(GROUPS)]
         deadline = time.monotonic() + WAIT_S
-        phases: dict[str, Any] = {}
+        states: dict[str, Any] = {}
         while time.monotonic() < deadline and not ctx.cancelled:
             for n in names:
                 try:
                     ref: Any = ray.get_actor(n).progress.remote()
-                    phases[n] = ray.get(ref, timeout=10)["phase"]
+                    states[n] = ray.get(ref, timeout=10).state
                 except Exception:  # not placed yet, or still importing
-                    phases[n] = None
-            if all(p == "awaiting_data" for p in phases.values()):
+                    states[n] = None
+            if all(p == "awaiting_data" for p in states.values()):
                 break
             time.sleep(0.5)
-        type(self).seen[ctx.run_id] = dict(phases)
+        type(self).seen[ctx.run_id] = dict(states)
         return GateOutcome(
             stage=self.name,
             status="failed",

@@ -18,6 +18,7 @@ from stages.base import GateOutcome, StageContext
 from stages.errors import ItoError
 from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
 from stages.trainer.loop import data_index
+from stages.trainer.rank_state import RankPoll, RankReport, RankState
 from stages.trainer.stage import resolve_train_files
 
 
@@ -185,23 +186,25 @@ def test_the_engine_ends_once_every_ranks_final_digest_came_or_the_stop_timeout_
     engine.actors = dict.fromkeys(keys)  # only their keys are read here
 
     def finished(key: tuple[int, int]) -> None:
-        status = {"phase": "finished", "pid": 100 + 2 * key[0] + key[1], "step": 8}
-        engine._on_reply(key, {"status": {**status, "digest": f"d{key}"}, "events": []}, 0.0)
+        report = RankReport(
+            pid=100 + 2 * key[0] + key[1], state=RankState.finished, step=8, digest=f"d{key}"
+        )
+        engine._on_reply(key, RankPoll(events=[], report=report), 0.0)
 
     for key in [(0, 0), (1, 0), (1, 1)]:
         finished(key)
     # Every group's rank 0 is done, rank 1 of group 0 not yet: neither exit may fire.
-    assert not engine._every_rank_finished()
-    assert not engine._stragglers_done()
+    assert not engine.supervisor.every_rank_finished(set(engine.actors))
+    assert not engine.supervisor.stragglers_done()
     finished((0, 1))
-    assert engine._every_rank_finished()
+    assert engine.supervisor.every_rank_finished(set(engine.actors))
     assert set(engine.rank_digests) == {"0/0", "0/1", "1/0", "1/1"}
 
     # A rank that died after its last step does not hold the run past the stop timeout.
-    engine._finished_ranks.discard((0, 1))
-    assert engine._groups_finished_at is not None
-    engine._groups_finished_at -= 61.0
-    assert engine._every_rank_finished()
+    engine.supervisor._finished_ranks.discard((0, 1))
+    assert engine.supervisor._groups_finished_at is not None
+    engine.supervisor._groups_finished_at -= 61.0
+    assert engine.supervisor.every_rank_finished(set(engine.actors))
 
 
 def test_a_fleet_a_standby_took_over_is_not_handed_on(tmp_path: Path) -> None:
@@ -224,10 +227,10 @@ def test_a_fleet_a_standby_took_over_is_not_handed_on(tmp_path: Path) -> None:
     engine.actors = {(0, 0): Actor(), (1, 0): Actor()}
     assert engine._fleet_can_carry
     spare = Actor()
-    engine._standby_groups = {0: ["spare0"]}
-    engine._spares_ready = {"spare0"}
-    engine.spares = {"spare0": spare}
-    engine._start_spare = lambda: None  # type: ignore[method-assign]  # no Ray here
+    engine.standby.groups = {0: ["spare0"]}
+    engine.standby.ready = {"spare0"}
+    engine.standby.spares = {"spare0": spare}
+    engine.standby.start_one = lambda: None  # type: ignore[method-assign]  # no Ray here
     assert engine._promote_spare((1, 0))
     assert engine.actors[(1, 0)] is spare and spare.sent == ["activate"]
     assert not engine._fleet_can_carry

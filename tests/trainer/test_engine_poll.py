@@ -17,6 +17,7 @@ from typing import Any
 
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.engine import TrainingEngine
+from stages.trainer.rank_state import RankPoll, RankReport, RankState
 
 POLL_INTERVAL_S = 0.05
 POLL_CALLS = 40
@@ -44,11 +45,10 @@ def _rank_class() -> Any:
         def __init__(self, pid: int, answer_after_s: float = 0.0) -> None:
             self.pid, self.polls, self.answer_after_s = pid, 0, answer_after_s
 
-        def poll(self) -> dict[str, Any]:
+        def poll(self) -> RankPoll:
             self.polls += 1
             time.sleep(self.answer_after_s)
-            status = {"phase": "training", "pid": self.pid, "step": 0, "started_at": 0.0}
-            return {"events": [], "status": status}
+            return RankPoll(events=[], report=RankReport(pid=self.pid, state=RankState.training))
 
         def count(self) -> int:
             return self.polls
@@ -100,12 +100,12 @@ def test_a_standby_that_does_not_answer_yet_makes_no_busy_loop(
     rank = _rank_class()
     engine.actors = {(g, 0): rank.remote(1000 + g) for g in range(2)}
     standby = rank.remote(2000, answer_after_s=60.0)
-    engine.spares = {"spare0": standby}
+    engine.standby.spares = {"spare0": standby}
     passes, started = 0, time.monotonic()
     while (elapsed := time.monotonic() - started) < PASS_WINDOW_S:
         engine.poll_once(POLL_INTERVAL_S)
         passes += 1
-    assert engine._spare_pending, "the standby's poll is still in flight"
+    assert engine.standby.pending, "the standby's poll is still in flight"
     # A rate bound, not a speed claim: a slower host only makes it easier to meet.
     bound = 2 * (elapsed / POLL_INTERVAL_S + 1)
     assert passes <= bound, (passes, bound)
@@ -113,10 +113,10 @@ def test_a_standby_that_does_not_answer_yet_makes_no_busy_loop(
         ray.kill(actor)
 
 
-def _reply(step: int, boundary: int | None = None) -> dict[str, Any]:
-    phase = "training" if boundary is None else "phase_end"
-    status = {"phase": phase, "pid": 1000, "step": step, "started_at": 0.0}
-    return {"events": [], "status": {**status, "boundary": boundary}}
+def _reply(step: int, boundary: int | None = None) -> RankPoll:
+    state = RankState.training if boundary is None else RankState.phase_end
+    report = RankReport(pid=1000, state=state, step=step, boundary=boundary)
+    return RankPoll(events=[], report=report)
 
 
 def test_a_rank_saving_a_phase_closing_checkpoint_is_polled_sooner(tmp_path: Path) -> None:
@@ -131,7 +131,7 @@ def test_a_rank_saving_a_phase_closing_checkpoint_is_polled_sooner(tmp_path: Pat
     soon = len(keys) / engine.ft.phase_end_polls_per_s
     assert soon < interval
 
-    def next_poll_in(reply: dict[str, Any], key: tuple[int, int] = keys[0]) -> float:
+    def next_poll_in(reply: RankPoll, key: tuple[int, int] = keys[0]) -> float:
         now = time.monotonic()
         engine._poll_due.pop(key, None)
         assert engine._due(key, now)  # polled now: the next is due a regular interval on
@@ -141,5 +141,5 @@ def test_a_rank_saving_a_phase_closing_checkpoint_is_polled_sooner(tmp_path: Pat
     assert next_poll_in(_reply(9)) > interval - 1
     assert next_poll_in(_reply(10)) <= soon
     assert next_poll_in(_reply(10, boundary=0)) > interval - 1
-    engine.passed.add(0)
+    engine.phase_ends.passed.add(0)
     assert next_poll_in(_reply(10)) > interval - 1

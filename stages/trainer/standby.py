@@ -1,0 +1,98 @@
+"""The run's warm standby groups: started once the fleet trains, polled until warm, and
+taken whole to stand in a lost replica group's place.
+
+A standby group has as many ranks as a replica group; each is a ``ReplicaWorker``
+made with group -1 that builds its model and runs one warm-up step at idle priority
+(``RankState.standby`` once warm), holding no device until it is activated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from stages.events import FleetEvent
+from stages.trainer.rank_state import RankState
+
+
+class StandbyPool:
+    """``make(name, rank, standby_index)`` makes one standby rank's actor; ``due(name,
+    now)`` says whether its next poll is due (the engine's one poll schedule);
+    ``announce`` tells the run a fleet change."""
+
+    def __init__(
+        self,
+        *,
+        ranks_per_group: int,
+        name: Callable[[int, int], str],
+        make: Callable[[str, int, int], Any],
+        due: Callable[[str, float], bool],
+        announce: Callable[[FleetEvent, str], None],
+    ):
+        self.ranks_per_group = ranks_per_group
+        self.name, self.make, self.due, self.announce = name, make, due, announce
+        self.spares: dict[str, Any] = {}  # every standby rank's actor, by name
+        self.pending: dict[str, Any] = {}  # polls in flight, by name
+        self.ready: set[str] = set()  # names reported warm
+        # Standby group index -> its ranks' names, while it is a standby.
+        self.groups: dict[int, list[str]] = {}
+        self.made = 0
+
+    def start_one(self) -> None:
+        """Start one standby group."""
+        index = self.made
+        self.made += 1
+        names = [self.name(index, r) for r in range(self.ranks_per_group)]
+        self.groups[index] = names
+        for r, name in enumerate(names):
+            self.spares[name] = self.make(name, r, index)
+
+    def take_warm(self) -> list[tuple[str, Any]] | None:
+        """The lowest warm standby group's (name, actor) by rank, no longer a standby;
+        None: none is warm."""
+        warm = [i for i, names in self.groups.items() if self.ready >= set(names)]
+        if not warm:
+            return None
+        taken = []
+        for name in self.groups.pop(min(warm)):
+            self.ready.discard(name)
+            self.pending.pop(name, None)
+            taken.append((name, self.spares.pop(name)))
+        return taken
+
+    def idle(self) -> list[str]:
+        """The standbys with no poll in flight (only they have a turn coming)."""
+        return [n for n in self.spares if n not in self.pending]
+
+    def poll(self) -> None:
+        """Ask every standby whose turn it is, and take in the answers ready now."""
+        import ray
+
+        now = time.monotonic()
+        for name, actor in self.spares.items():
+            if name not in self.pending and self.due(name, now):
+                self.pending[name] = actor.poll.remote()
+        refs = {ref: name for name, ref in self.pending.items()}
+        if not refs:
+            return
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in ready:
+            name = refs[ref]
+            del self.pending[name]
+            try:
+                report = ray.get(ref, timeout=0).report
+            except Exception:  # a dead spare: Ray restarts it, it warms up again
+                self.ready.discard(name)
+                continue
+            if report.state is RankState.standby and name not in self.ready:
+                self.ready.add(name)
+                self.announce(
+                    FleetEvent(action="standby_warm", actors=[name]), f"standby {name} is warm"
+                )
+
+    def release(self) -> list[Any]:
+        """Every standby's actor, forgotten here (the engine kills them)."""
+        actors = list(self.spares.values())
+        self.spares.clear()
+        return actors
