@@ -9,7 +9,6 @@ configs.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from orchestrator.gates.manifest import Manifest
@@ -55,6 +54,7 @@ def _parallelism(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
 
 def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
     def make(ctx: StageContext) -> Stage:
+        from orchestrator.gates.curriculum import curriculum_schedule
         from stages.trainer.config import TrainStageConfig
         from stages.trainer.layout import layout_from_plan
         from stages.trainer.recovery import production_recovery
@@ -62,27 +62,27 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
 
         plan = ctx.previous["parallelism"].artifacts["plan"]
         ranks = int(plan["dp_shard"]) * int(plan["tp"]) * int(plan["pp"]) * int(plan["cp"])
-        config: dict[str, Any] = {
-            "model": manifest.model.model_dump(mode="json"),
-            "target": manifest.training.model_dump(mode="json"),
-            "checkpoint": manifest.checkpoint.model_dump(mode="json"),
-            "loss_spike": manifest.loss_spike.model_dump(mode="json"),
+        recovery = production_recovery(spec.facts.get("booking") or {})
+        # The manifest's typed parts go in as they are (parsed once, by build_pipeline);
+        # only the plan's numbers and the operator's overrides are validated here.
+        fields: dict[str, Any] = {
+            "model": manifest.model,
+            "target": manifest.training,
+            "checkpoint": manifest.checkpoint,
+            "loss_spike": manifest.loss_spike,
             "replica_groups": int(plan["dp_replicate"]),
             "ranks_per_group": ranks,
             # The plan's layout inside each group: the trainer builds exactly this.
-            "parallel": layout_from_plan(plan).model_dump(mode="json"),
+            "parallel": layout_from_plan(plan),
             "device": spec.facts.get("device", "cpu"),
             # Warm standbys and FT timeouts: the configuration the benchmark measures.
-            **production_recovery(spec.facts.get("booking") or {}).train_fields(),
+            **recovery.train_fields(),
+            "curriculum": curriculum_schedule(manifest),
         }
-        from orchestrator.gates.curriculum import curriculum_schedule
-
-        config["curriculum"] = curriculum_schedule(manifest).model_dump(mode="json")
         # Operator-level knobs (never from the tenant's manifest): test pacing, FT timeouts.
-        config.update(spec.facts.get("train_overrides") or {})
+        fields.update(spec.facts.get("train_overrides") or {})
         return TrainingStage(
-            TrainStageConfig.model_validate_json(json.dumps(config)),
-            model_roots=spec.facts.get("model_roots") or (),
+            TrainStageConfig(**fields), model_roots=spec.facts.get("model_roots") or ()
         )
 
     return make

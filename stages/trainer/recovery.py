@@ -40,11 +40,8 @@ class RecoveryConfig(StrictModel):
         return self.standbys_per_node * self.nodes
 
     def train_fields(self) -> dict[str, Any]:
-        """The ``TrainStageConfig`` fields this decides."""
-        return {
-            "spare_groups": self.spare_groups,
-            "fault_tolerance": self.fault_tolerance.model_dump(mode="json"),
-        }
+        """The ``TrainStageConfig`` fields this decides, typed."""
+        return {"spare_groups": self.spare_groups, "fault_tolerance": self.fault_tolerance}
 
 
 def production_recovery(

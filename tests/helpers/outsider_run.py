@@ -62,7 +62,9 @@ def _config(workdir: Path) -> object:
     # what the outsider tries (the dashboard's kill, a fake join or heartbeat) does not
     # wait on a timeout, while a group whose heartbeats a loaded CI host delays past 1 s
     # was dropped for a few steps (load average 37), which the test would blame on it.
-    fields["fault_tolerance"]["heartbeat_timeout_ms"] = 5000
+    fields["fault_tolerance"] = fields["fault_tolerance"].model_copy(
+        update={"heartbeat_timeout_ms": 5000}
+    )
     return TrainStageConfig.model_validate(
         dict(
             **fields,
