@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.errors import ErrorCode
 from stages.placement import PlacementFact, booking_resource
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 EMBEDDED_RESOURCE = "ito-embedded"
 # The catch-all's amount on the embedded head: plenty for any number of bookings
@@ -136,18 +139,19 @@ def _bundle(
     return bundle
 
 
-def lookup(run_id: str) -> Any | None:
+def lookup(run_id: str) -> PlacementGroup | None:
     from ray.util import get_placement_group
 
     try:
-        return get_placement_group(pg_name(run_id))
+        pg: PlacementGroup = get_placement_group(pg_name(run_id))
     except ValueError:
         return None
+    return pg
 
 
 def reserve(
     run_id: str, booking: dict[str, Any], settings: PlacementSettings, *, embedded: bool
-) -> Any:
+) -> PlacementGroup:
     """Create the run's group (idempotent by name); it may stay pending."""
     from ray.util.placement_group import placement_group
 
@@ -158,22 +162,23 @@ def reserve(
     on_embedded = resource == EMBEDDED_RESOURCE
     nodes = 1 if on_embedded else int(booking.get("node_count") or 1)
     bundle = _bundle(booking, resource, settings, on_embedded)
-    return placement_group(
+    pg: PlacementGroup = placement_group(
         [dict(bundle) for _ in range(nodes)],
         strategy="PACK" if on_embedded else settings.strategy,
         name=pg_name(run_id),
         lifetime="detached",
     )
+    return pg
 
 
-def state(pg: Any) -> str:
+def state(pg: PlacementGroup) -> str:
     """PENDING, CREATED, REMOVED or RESCHEDULING (a node of the group died)."""
     from ray.util import placement_group_table
 
     return str(placement_group_table(pg).get("state", "PENDING"))
 
 
-def fact(run_id: str, booking: dict[str, Any], pg: Any) -> PlacementFact:
+def fact(run_id: str, booking: dict[str, Any], pg: PlacementGroup) -> PlacementFact:
     from ray.util import placement_group_table
 
     table = placement_group_table(pg)

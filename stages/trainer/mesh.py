@@ -15,14 +15,17 @@ back from the mesh itself (``mesh_layout``), not copied from the plan.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from stages.trainer.layout import MESH_DIMS, ParallelLayout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 FSDP_DIM = "dp_shard_cp"
 
 
-def build_mesh(layout: ParallelLayout, device_type: str) -> Any:
+def build_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     """The group's 4-D mesh over the default process group (world = the group's
     ranks), plus the flattened FSDP dimension."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -33,13 +36,13 @@ def build_mesh(layout: ParallelLayout, device_type: str) -> Any:
     return mesh
 
 
-def mesh_layout(mesh: Any) -> dict[str, int]:
+def mesh_layout(mesh: DeviceMesh) -> dict[str, int]:
     """Degrees read back from a built mesh: what really runs."""
     names = tuple(mesh.mesh_dim_names or ())
     return {name: int(mesh[name].size()) if name in names else 1 for name in MESH_DIMS}
 
 
-def mesh_coords(mesh: Any) -> dict[str, int]:
+def mesh_coords(mesh: DeviceMesh) -> dict[str, int]:
     """This rank's coordinate on each dimension of the mesh."""
     names = tuple(mesh.mesh_dim_names or ())
     return {name: int(mesh[name].get_local_rank()) if name in names else 0 for name in MESH_DIMS}

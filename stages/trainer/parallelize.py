@@ -38,6 +38,8 @@ from stages.trainer.objective import Batch, Objective, Tensors
 from stages.trainer.pipeline import LocalModel, StageModule, build_schedule, split_model
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from stages.trainer.ft import GradientReducer
 
 
@@ -89,7 +91,7 @@ def compile_decoder_layers(model: nn.Module) -> int:
     return len(layers)
 
 
-def apply_tp(chunk: nn.Module, tp_mesh: Any, *, sequence_parallel: bool, fp8: bool) -> None:
+def apply_tp(chunk: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, fp8: bool) -> None:
     """transformers' Llama TP plan (``base_model_tp_plan``) on one model chunk."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -163,7 +165,7 @@ def apply_tp(chunk: nn.Module, tp_mesh: Any, *, sequence_parallel: bool, fp8: bo
 
 
 def apply_fsdp(
-    chunk: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype | None, pp_enabled: bool
+    chunk: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype | None, pp_enabled: bool
 ) -> None:
     """FSDP2 per decoder layer, embedding, [norm, head] and the chunk (torchtitan's
     ``apply_fsdp``); with PP the chunk stays unsharded across micro-batches."""
