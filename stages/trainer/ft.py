@@ -49,7 +49,7 @@ def build_manager(
     load_state_dict: Callable[[Any], None],
     state_dict: Callable[[], Any],
     secret: RunSecret,
-    placement: Any,
+    placement: dict[str, Any] | None,
 ) -> Any:
     """One torchft Manager per rank; rank 0 of the group runs the ManagerServer,
     behind a front (``rank_listeners``), and every rank heals over ``HealTransport``

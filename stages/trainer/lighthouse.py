@@ -102,7 +102,7 @@ def serve_lighthouse(
     cfg: FaultToleranceConfig,
     *,
     min_replicas: int = 1,
-    placement: Any = None,
+    placement: dict[str, Any] | None = None,
 ) -> Served[Any]:
     """The lighthouse on ``127.0.0.1:P`` and its front on this node's cluster address,
     port ``P`` from the deployment's range, admitting the nodes of the run's placement
@@ -131,7 +131,12 @@ def status_text(page: str) -> str:
 class LighthouseActor:
     """torchft's Rust LighthouseServer and its front, kept alive for the run."""
 
-    def __init__(self, cfg: FaultToleranceConfig, min_replicas: int = 1, placement: Any = None):
+    def __init__(
+        self,
+        cfg: FaultToleranceConfig,
+        min_replicas: int = 1,
+        placement: dict[str, Any] | None = None,
+    ):
         os.environ.setdefault("RUST_LOG", "warn")
         self.cfg = cfg
         self.served = serve_lighthouse(cfg, min_replicas=min_replicas, placement=placement)
