@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from stages.atomic_write import write_text
 from stages.base import GateOutcome, StageContext
@@ -26,6 +26,10 @@ from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent, LogEvent, PhaseEvent
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.phase_data import PhaseData
+
+if TYPE_CHECKING:
+    from stages.checkpointing.storage import CheckpointRecord
+    from stages.evals import BatteryResult, GateDecision
 
 STAGE = "train"
 
@@ -60,8 +64,8 @@ class CurriculumRunner:
         self.rank_digests: Any = {}
         self.layout: dict[str, Any] = {}
         self.phases: list[dict[str, Any]] = []
-        self._previous: Any = None  # the last decided phase's BatteryResult
-        self._failed: Any = None
+        self._previous: BatteryResult | None = None  # the last decided phase's
+        self._failed: GateDecision | None = None
         self.engine: Any = None
 
     @property
@@ -69,7 +73,9 @@ class CurriculumRunner:
         assert self.data is not None, "run() is given the data"
         return self.data.tokenizer_dir
 
-    def log(self, message: str, level: Any = "info") -> None:
+    def log(
+        self, message: str, level: Literal["debug", "info", "warning", "error"] = "info"
+    ) -> None:
         self.ctx.emit(LogEvent(stage=STAGE, level=level, message=message))
 
     def first_undecided(self) -> PhaseSpan | None:
@@ -150,7 +156,7 @@ class CurriculumRunner:
             self._failed = decision
         return decision.passed
 
-    def _closing(self, phase: PhaseSpan) -> Any:
+    def _closing(self, phase: PhaseSpan) -> CheckpointRecord | None:
         return next((r for r in list_checkpoints(self.ckpt_dir) if r.step == phase.end_step), None)
 
     # --- training ---------------------------------------------------------------------
@@ -303,7 +309,7 @@ class CurriculumRunner:
             "gates": rec["decision"]["checks"],
         }
 
-    def _outcome(self, failed: Any = None) -> GateOutcome:
+    def _outcome(self, failed: GateDecision | None = None) -> GateOutcome:
         metrics: dict[str, float] = {
             "steps": float(self.steps),
             "tokens": float(self.tokens),
