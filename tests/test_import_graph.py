@@ -153,15 +153,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("stages.post_training",),
 )
 
-# Imports that still go up, each with why it stands; the checks skip exactly these,
-# and a test fails once one is gone, so the list only shrinks.
-PENDING_UPWARD = {
-    # A rank builds the objective its config names (sft, dpo, grpo) from post-training's
-    # objectives: the inversion hands the engine its objective builder from the stage
-    # that asks for it, through the engine's setup.
-    ("stages.trainer.setup", "stages.post_training.objectives"),
-}
-
 
 def stage_package(module: str) -> str | None:
     """The stage package ``module`` belongs to; a module directly in stages/ belongs
@@ -207,29 +198,22 @@ def mutual_packages(graph: dict[str, set[str]]) -> set[frozenset[str]]:
     return {frozenset({a, b}) for a, bs in imports.items() for b in bs if a in imports.get(b, ())}
 
 
-def _without_pending(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    return {m: {t for t in ts if (m, t) not in PENDING_UPWARD} for m, ts in graph.items()}
-
-
 def test_every_stage_package_has_a_layer() -> None:
     packages = {p for m in modules() if (p := stage_package(m)) is not None}
     assert packages == set(_layer_of(LAYERS)), "place a new package in LAYERS"
 
 
 def test_no_stage_package_imports_a_higher_layer() -> None:
-    graph = import_graph()
-    assert not upward_imports(_without_pending(graph))
-    still = {(m, t) for m, t in PENDING_UPWARD if t in graph.get(m, set())}
-    assert still == PENDING_UPWARD, "an import went away: drop it from PENDING_UPWARD"
+    assert not upward_imports(import_graph())
 
 
 def test_no_two_stage_packages_import_each_other() -> None:
-    found = mutual_packages(_without_pending(import_graph()))
+    found = mutual_packages(import_graph())
     assert not found, sorted(sorted(pair) for pair in found)
 
 
 def test_an_upward_import_is_found_where_one_is_planted() -> None:
-    graph = _without_pending(import_graph())
+    graph = import_graph()
     planted = {m: set(ts) for m, ts in graph.items()}
     planted["stages.hf.view"].add("stages.trainer.loop")  # the HF view importing the engine
     assert upward_imports(planted) == [("stages.hf.view", "stages.trainer.loop")]

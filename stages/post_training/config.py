@@ -17,6 +17,10 @@ from stages.evals.config import GateThreshold
 from stages.pathfields import PathField
 from stages.trainer.config import AdamBetas
 
+# What a rank calls to build a post-training objective (``ObjectiveConfig.builder``):
+# the engine imports it by this name on the rank, and never imports this stage.
+OBJECTIVE_BUILDER = "stages.post_training.objectives:build_objective"
+
 MAX_STEPS = 100_000_000
 # trl's trainers inherit transformers' TrainingArguments defaults.
 TRL_ADAM_BETAS = (0.9, 0.999)

@@ -41,7 +41,7 @@ from stages.base import StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.evals.objective_eval import ObjectiveEvalReply, ObjectiveEvalRequest
 from stages.post_training.admission import is_stale
-from stages.post_training.config import TRL_ADAM_BETAS, RLVRConfig
+from stages.post_training.config import OBJECTIVE_BUILDER, TRL_ADAM_BETAS, RLVRConfig
 from stages.post_training.rollout import PromptEncoding, RolloutGroup
 from stages.post_training.step_groups import step_groups, write_step_groups
 from stages.post_training.weight_sync import BaseWeights, PublishedVersion
@@ -232,6 +232,7 @@ def rlvr_train_config(
     return engine_config(
         ObjectiveConfig(
             kind="grpo",
+            builder=OBJECTIVE_BUILDER,
             data_path=str(work / "rollouts"),
             grpo=settings,
             batch_size=cfg.groups_per_step * cfg.group_size,

@@ -21,7 +21,7 @@ from stages.curriculum.schedule import CurriculumSchedule, PhaseSpan
 from stages.errors import ErrorCode, ItoError
 from stages.evals.objective_eval import ObjectiveEvalReply, ObjectiveEvalRequest
 from stages.events import Event
-from stages.post_training.config import DPOConfig, SFTConfig
+from stages.post_training.config import OBJECTIVE_BUILDER, DPOConfig, SFTConfig
 from stages.trainer.config import (
     LossSpikeConfig,
     ModelSpec,
@@ -52,6 +52,7 @@ def objective_train_config(
         ObjectiveConfig.model_validate(
             {
                 "kind": kind,
+                "builder": OBJECTIVE_BUILDER,
                 "data_path": str(data_path),
                 "batch_size": cfg.batch_size,
                 "max_length": cfg.max_length,

@@ -235,11 +235,19 @@ class ObjectiveConfig(StrictModel):
     max_length: int = Field(default=256, ge=8, le=MAX_SEQ_LEN)
     # dpo: the sigmoid loss's beta (trl's DPOConfig.beta).
     beta: float = Field(default=0.1, gt=0, le=1e3, allow_inf_nan=False)
+    # A post-training objective's builder, named by the stage that trains it
+    # ("stages.<module>:<function>", ``stages.trainer.objective.ObjectiveBuilder``): each
+    # rank builds what its config names, and the engine never imports the stages above.
+    builder: str | None = Field(
+        default=None, pattern=r"^stages(\.[a-z_][a-z0-9_]*)+:[a-z_][a-z0-9_]*$"
+    )
 
     @model_validator(mode="after")
     def _data(self) -> ObjectiveConfig:
         if (self.kind == "lm") != (self.data_path is None):
             raise ValueError("objective.data_path is set exactly for the post-training objectives")
+        if (self.kind == "lm") != (self.builder is None):
+            raise ValueError("objective.builder is set exactly for the post-training objectives")
         if (self.kind == "grpo") != (self.grpo is not None):
             raise ValueError("objective.grpo is set exactly for the grpo objective")
         return self

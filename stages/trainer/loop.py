@@ -453,7 +453,7 @@ class TrainLoop:
     # --- checkpoints ----------------------------------------------------------------
     def _is_saver(self) -> bool:
         # One group saves: the lowest live replica id is participating rank 0.
-        return self.manager.participating_rank() == 0  # torchft
+        return bool(self.manager.participating_rank() == 0)  # torchft
 
     def _report_checkpoints(self) -> None:
         for rec in self.ckpt.poll():
@@ -473,7 +473,7 @@ class TrainLoop:
             self.emit(PhaseEvent(phase="checkpoint_blocking", start=t0, end=t0 + rec.blocking_s))
 
     def _due(self, step: int) -> bool:
-        due = self.ckpt.due(step)
+        due = bool(self.ckpt.due(step))
         if self.sharded:
             # A time-based policy may differ by a tick between ranks; DCP's save is a
             # collective, so the group saves if any rank says so.

@@ -19,11 +19,13 @@ micro-batching or the number of groups (the objective knows the global count wit
 a collective: the data is indexed by step, so every rank can count every rank's batch).
 
 The language-model pretraining loss is the ``lm`` objective (``LanguageModelObjective``);
-SFT and DPO live in ``stages.post_training.objectives``.
+SFT, DPO and GRPO live in ``stages.post_training``: a post-training config names its
+builder (``ObjectiveConfig.builder``), and each rank calls it (``named_builder``).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,6 +72,22 @@ class Objective(Protocol):
     def model_inputs(self, part: Tensors) -> Tensors: ...
 
     def loss_sum(self, logits: torch.Tensor, part: Tensors) -> torch.Tensor: ...
+
+
+class ObjectiveBuilder(Protocol):
+    """Builds a post-training objective on a rank: ``cfg`` its ``TrainStageConfig``,
+    ``parallel`` the laid-out model (DPO scores its reference with it)."""
+
+    def __call__(
+        self, cfg: Any, parallel: Any, *, dp_rank: int, device: torch.device
+    ) -> Objective: ...
+
+
+def named_builder(ref: str) -> ObjectiveBuilder:
+    """The builder ``ref`` names ("stages.<module>:<function>", checked by the config)."""
+    module, _, name = ref.partition(":")
+    builder: ObjectiveBuilder = getattr(importlib.import_module(module), name)
+    return builder
 
 
 def shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:

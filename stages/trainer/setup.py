@@ -158,7 +158,7 @@ class RankSetup:
 
         loop = self.loop
         ids = torch.zeros(1, loop.schedule.phases[0].seq_len, dtype=torch.long, device=self.device)
-        causal_lm_loss(loop.model, ids).backward()
+        causal_lm_loss(loop.model, ids).backward()  # type: ignore[no-untyped-call]  # torch
         loop.model.zero_grad(set_to_none=True)
         p = torch.zeros(1, requires_grad=True, device=self.device)
         p.grad = torch.zeros_like(p)
@@ -221,13 +221,12 @@ class RankSetup:
             self.group_store = host_group_store(spec.placement, cfg.fault_tolerance.front)
             store_addr, store_port = self.group_store.address
         ckpt_pg = self._shard_in_group(store_addr, store_port) if loop.sharded else None
-        if cfg.objective.kind != "lm":
+        if cfg.objective.builder is not None:
             # Before any restore or heal: DPO's reference is these (base) weights.
-            from stages.post_training.objectives import build_objective
+            from stages.trainer.objective import named_builder
 
-            loop.objective = build_objective(
-                cfg, loop.parallel, dp_rank=loop.dp_rank, device=self.device
-            )
+            build = named_builder(cfg.objective.builder)
+            loop.objective = build(cfg, loop.parallel, dp_rank=loop.dp_rank, device=self.device)
         loop.manager = ft.build_manager(  # torchft: this group's Manager
             cfg.fault_tolerance,
             pg=ft.build_process_group(cfg.fault_tolerance, cfg.device),

@@ -21,6 +21,7 @@ from helpers.engine_heal import kill_one_group_and_heal
 from stages.checkpointing.config import CheckpointPolicy
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event, StepEvent
+from stages.post_training.config import OBJECTIVE_BUILDER
 from stages.trainer.config import ModelSpec, ObjectiveConfig, TrainingTarget, TrainStageConfig
 
 pytestmark = pytest.mark.slow
@@ -58,7 +59,13 @@ def _config(tmp: Path, policy: Path, data: Path, groups: int, **kw: Any) -> Trai
         ),
         checkpoint=CheckpointPolicy(interval_steps=100, keep=2, storage_uri=f"file://{tmp}/ckpt"),
         replica_groups=groups,
-        objective=ObjectiveConfig(kind="sft", data_path=str(data), batch_size=4, max_length=64),
+        objective=ObjectiveConfig(
+            kind="sft",
+            builder=OBJECTIVE_BUILDER,
+            data_path=str(data),
+            batch_size=4,
+            max_length=64,
+        ),
         spare_groups=0,
     )
     base.update(kw)

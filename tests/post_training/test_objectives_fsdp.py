@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from stages.events import StepEvent
+from stages.post_training.config import OBJECTIVE_BUILDER
 from stages.trainer.config import ObjectiveConfig
 from tests.post_training.test_objective_engine import LR, STEPS, _config, _rows, _train, _weights
 
@@ -33,6 +34,7 @@ def test_two_fsdp_ranks_make_the_update_of_one_rank(
     data = _rows(tmp_path / "sft.jsonl") if kind == "sft" else task_files["dpo"]
     objective = ObjectiveConfig(
         kind=kind,  # type: ignore[arg-type]
+        builder=OBJECTIVE_BUILDER,
         data_path=str(data),
         batch_size=4,
         max_length=64,
