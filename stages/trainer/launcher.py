@@ -155,7 +155,7 @@ class RankLauncher:
                     self.emit(LogEvent(level="warning", message=f"lighthouse not kept: {e}"))
             kill_actors(previous)
         lh_cls = ray.remote(LighthouseActor)
-        self.lighthouse = lh_cls.options(  # type: ignore[attr-defined]
+        self.lighthouse = lh_cls.options(
             name=lighthouse_name(self.run_id),
             num_cpus=0.1,
             max_restarts=-1,
