@@ -12,12 +12,20 @@ one split loads under any other, or under none.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from stages.trainer.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
 
 class StageModule(nn.Module):
@@ -95,9 +103,9 @@ def build_schedule(
     chunks: list[nn.Module],
     stage_ids: list[int],
     device: torch.device,
-    group: Any,
+    group: ProcessGroup,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> Any:
+) -> Schedule1F1B | ScheduleGPipe | ScheduleInterleaved1F1B:
     """PipelineStages over this rank's chunks and the plan's schedule (torchtitan's
     ``build_pipeline_schedule``). Gradients are averaged over micro-batches."""
     from torch.distributed.pipelining import (
@@ -108,6 +116,7 @@ def build_schedule(
     )
 
     num_stages = layout.pp * layout.pp_virtual_stages
+    # Any: torch's schedules take list[_PipelineStageBase], its private base class.
     stages: list[Any] = [
         PipelineStage(c, j, num_stages, device, group=group)
         for c, j in zip(chunks, stage_ids, strict=True)
