@@ -24,7 +24,7 @@ from orchestrator.gates.bookings import BookingFile, add_booking, booking_view
 from orchestrator.redact import looks_secret
 from orchestrator.runs import RunState
 from orchestrator.runtime.interface import NullRuntime, RunRuntime
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, open_store
 from stages.errors import ErrorCode, ItoError
 
 app = typer.Typer(
@@ -227,7 +227,7 @@ def serve(
         body_timeout_s=body_timeout,
         plans_in_flight_per_account=plans_per_account,
     )
-    store = Store.for_settings(settings)
+    store = open_store(settings)
     logging.getLogger("ito.api").info("store: %s (%s)", store.describe(), store.dialect)
     rt: RunRuntime
     if runtime == "none":

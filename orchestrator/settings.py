@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.db.engines import StoreLimits
+from orchestrator.db.store import Store
 from stages.presets import configs_dir
 
 
@@ -111,3 +112,10 @@ class Settings(BaseModel):
     # On SIGTERM the server stops accepting, lets requests finish for at most this long,
     # then exits (uvicorn's timeout_graceful_shutdown).
     shutdown_grace_s: float = Field(default=10.0, gt=0, le=300)
+
+
+def open_store(settings: Settings) -> Store:
+    """The server's store, with its limits and audit window."""
+    store = Store(settings.db_path, settings.store)
+    store.counted_window_s = settings.auth_fail_audit_window_s
+    return store

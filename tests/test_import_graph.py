@@ -8,7 +8,7 @@ imports a higher layer's package. The import graph is read from the source with
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,13 +186,21 @@ def upward_imports(
     return sorted(found)
 
 
-def mutual_packages(graph: dict[str, set[str]]) -> set[frozenset[str]]:
-    """The pairs of stage packages that import each other."""
+def orchestrator_package(module: str) -> str | None:
+    """The orchestrator's package (or top module) ``module`` belongs to."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "orchestrator" and len(parts) > 1 else None
+
+
+def mutual_packages(
+    graph: dict[str, set[str]], package: Callable[[str], str | None] = stage_package
+) -> set[frozenset[str]]:
+    """The pairs of packages (stage packages by default) that import each other."""
     imports: dict[str, set[str]] = {}
     for module, targets in graph.items():
-        here = stage_package(module)
+        here = package(module)
         for target in targets:
-            there = stage_package(target)
+            there = package(target)
             if here is not None and there is not None and here != there:
                 imports.setdefault(here, set()).add(there)
     return {frozenset({a, b}) for a, bs in imports.items() for b in bs if a in imports.get(b, ())}
@@ -210,6 +218,19 @@ def test_no_stage_package_imports_a_higher_layer() -> None:
 def test_no_two_stage_packages_import_each_other() -> None:
     found = mutual_packages(import_graph())
     assert not found, sorted(sorted(pair) for pair in found)
+
+
+def test_no_two_orchestrator_packages_import_each_other() -> None:
+    # The API, the store, the gates and the runtime stand on each other too: the
+    # runtime builds stages from the gates' manifest, the settings open the store.
+    graph = import_graph()
+    found = mutual_packages(graph, orchestrator_package)
+    assert not found, sorted(sorted(pair) for pair in found)
+    planted = {m: set(ts) for m, ts in graph.items()}
+    planted["orchestrator.db.store"].add("orchestrator.settings")  # the store reading settings
+    assert mutual_packages(planted, orchestrator_package) == {
+        frozenset({"orchestrator.db", "orchestrator.settings"})
+    }
 
 
 def test_an_upward_import_is_found_where_one_is_planted() -> None:

@@ -17,7 +17,7 @@ from orchestrator.api.ratelimit import RateLimit
 from orchestrator.api.routes import bookings, confirmations, health, mutations, plans, runs
 from orchestrator.db.store import Store
 from orchestrator.runtime.interface import NullRuntime, RunRuntime
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, open_store
 from orchestrator.telemetry.listener import MetricsListener
 from orchestrator.telemetry.prometheus import render
 
@@ -27,7 +27,7 @@ API_VERSION = "1.0.0"
 def create_app(
     settings: Settings, runtime: RunRuntime | None = None, store: Store | None = None
 ) -> FastAPI:
-    store = store or Store.for_settings(settings)
+    store = store or open_store(settings)
     store.counted_window_s = settings.auth_fail_audit_window_s
     rt: RunRuntime = runtime if runtime is not None else NullRuntime(store, settings.var_dir)
     # Bound here, not at startup, so a taken port is refused (address_in_use) before the

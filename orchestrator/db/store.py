@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -37,9 +37,6 @@ from orchestrator.redact import safe_id
 from orchestrator.runs import ACTIVE, RunState, check_transition
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event
-
-if TYPE_CHECKING:
-    from orchestrator.settings import Settings
 
 __all__ = ["Conn", "Fence", "Row", "Store", "is_postgres", "new_id"]
 
@@ -65,13 +62,6 @@ class Store(Leases):
         self._counted_lock = threading.Lock()
         self.counted_window_s = 5.0  # the server sets Settings.auth_fail_audit_window_s
         self._migrate()
-
-    @classmethod
-    def for_settings(cls, settings: Settings) -> Store:
-        """The server's store, with its limits and audit window."""
-        store = cls(settings.db_path, settings.store)
-        store.counted_window_s = settings.auth_fail_audit_window_s
-        return store
 
     def describe(self) -> str:
         """Where the store is, safe to log (a URL never carries the password)."""

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from orchestrator.gates.manifest import Manifest
 from stages.errors import ErrorCode, ItoError
-from stages.parallelism import plan, request_from
+from stages.parallelism import ParallelismConfig, plan, request_from
 from stages.parallelism.spec import Plan, PlanRequest
 
 log = logging.getLogger("ito.api")
@@ -72,13 +72,25 @@ def check_post_training_objectives(m: Manifest, request: PlanRequest, chosen: Pl
         )
 
 
+def parallelism_config(manifest: Manifest, booking: dict[str, Any]) -> ParallelismConfig:
+    """What the planner is asked, for ``ito plan`` and for the run alike.
+
+    Live recovery needs a peer to heal from, so a booking of two or more GPUs is
+    planned with at least two torchft replica groups."""
+    gpus = int(booking.get("gpus_per_node") or 1) * int(booking.get("node_count") or 1)
+    return ParallelismConfig(
+        model=manifest.model.preset,
+        global_batch_tokens=manifest.training.global_batch_tokens,
+        seq_len=manifest.training.seq_len,
+        min_replica_groups=2 if gpus >= 2 else 1,
+    )
+
+
 def plan_manifest(
     m: Manifest, booking: dict[str, Any], time_budget_s: float | None = None
 ) -> PlanResult:
     """Plan ``m`` on the booking's topology within ``time_budget_s``; a refusal is
     returned, not raised."""
-    from orchestrator.runtime.pipeline import parallelism_config  # the run's stage asks the same
-
     config = parallelism_config(m, booking)
     try:
         request = request_from(config, booking)

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.gates.manifest import Manifest
+from orchestrator.gates.planning import parallelism_config
 from orchestrator.runtime.factories import StageFactory, StartEarly
 from orchestrator.runtime.launch import LaunchSpec
 from stages.base import Stage, StageContext
-from stages.parallelism import ParallelismConfig
 
 
 def _data_prep(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
@@ -27,20 +27,6 @@ def _data_prep(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
         return DataPrepStage(manifest.data, data_roots=spec.facts.get("data_roots") or ())
 
     return make
-
-
-def parallelism_config(manifest: Manifest, booking: dict[str, Any]) -> ParallelismConfig:
-    """What the planner is asked, for ``ito plan`` and for the run alike.
-
-    Live recovery needs a peer to heal from, so a booking of two or more GPUs is
-    planned with at least two torchft replica groups."""
-    gpus = int(booking.get("gpus_per_node") or 1) * int(booking.get("node_count") or 1)
-    return ParallelismConfig(
-        model=manifest.model.preset,
-        global_batch_tokens=manifest.training.global_batch_tokens,
-        seq_len=manifest.training.seq_len,
-        min_replica_groups=2 if gpus >= 2 else 1,
-    )
 
 
 def _parallelism(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
