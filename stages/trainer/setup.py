@@ -139,10 +139,14 @@ class RankSetup:
                     f"group, not rank {spec.rank} of {cfg.ranks_per_group}",
                 )
         else:
-            client = dist.TCPStore(store_addr, store_port, is_master=False, wait_for_workers=False)
+            # Where torch defines them: ``torch.distributed`` does not re-export them.
+            from torch._C._distributed_c10d import TCPStore
+            from torch.distributed.distributed_c10d import PrefixStore
+
+            client = TCPStore(store_addr, store_port, is_master=False, wait_for_workers=False)
             dist.init_process_group(
                 "nccl" if cfg.device == "cuda" else "gloo",
-                store=dist.PrefixStore(f"ito/intra/rg{spec.replica_group}", client),
+                store=PrefixStore(f"ito/intra/rg{spec.replica_group}", client),
                 rank=spec.rank,
                 world_size=cfg.ranks_per_group,
                 timeout=timedelta(seconds=cfg.fault_tolerance.collective_timeout_s),
