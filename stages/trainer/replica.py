@@ -223,7 +223,7 @@ class ReplicaWorker:
         if spec.config.ranks_per_group > 1 and spec.rank != 0:
             from datetime import timedelta
 
-            from torch.distributed import TCPStore
+            from torch._C._distributed_c10d import TCPStore  # where torch defines it
 
             timeout = timedelta(seconds=spec.config.fault_tolerance.actor_ready_timeout_s)
             client = TCPStore(spec.store_addr, spec.store_port, is_master=False, timeout=timeout)
