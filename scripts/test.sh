@@ -57,9 +57,11 @@ fi
 # so a CI runner that is not root fails them instead of skipping them.
 if in_ci; then export ITO_REQUIRE_ROOT=1; fi
 
-# Lint and format are part of the suite: a change that breaks either fails CI.
+# Lint, format and types are part of the suite: a change that breaks one fails CI
+# (mypy's config holds stages.trainer and orchestrator.runtime to --strict's flags).
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
+.venv/bin/python -m mypy
 
 # One process by default: on the 2-core testbed the suite is bound by its CPU work, and
 # 3 pytest-xdist workers took as long (42.8 min) with load failures (docs/testing.md).
