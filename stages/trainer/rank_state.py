@@ -134,14 +134,23 @@ class RankStatus:
         """Change what the rank reports, not its state (``enter`` does that)."""
         if "state" in fields:
             raise TypeError("a rank's state changes through enter()")
+        _known(fields)
         with self._lock:
             self._report = self._report.model_copy(update=fields)
 
     def enter(self, state: RankState, **fields: Any) -> None:
         """Move to ``state`` (with the fields that change with it); a move
         ``RANK_TRANSITIONS`` does not list raises ``IllegalTransition``."""
+        _known(fields)
         with self._lock:
             current = self._report.state
             if state is not RankState.error and state not in RANK_TRANSITIONS[current]:
                 raise IllegalTransition(f"a rank cannot go from {current} to {state}")
             self._report = self._report.model_copy(update={**fields, "state": state})
+
+
+def _known(fields: dict[str, Any]) -> None:
+    # model_copy(update=...) does not validate: a misspelt field would be carried silently.
+    unknown = fields.keys() - RankReport.model_fields.keys()
+    if unknown:
+        raise TypeError(f"a rank reports no {sorted(unknown)}")

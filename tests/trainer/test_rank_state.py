@@ -81,6 +81,11 @@ def test_update_changes_fields_never_the_state() -> None:
     assert (status.report().step, status.report().quorum) == (5, 2)
     with pytest.raises(TypeError):
         status.update(state=RankState.finished)
+    with pytest.raises(TypeError, match="stepp"):
+        status.update(stepp=6)  # a misspelt field is refused, not carried
+    with pytest.raises(TypeError, match="boundry"):
+        status.enter(RankState.phase_end, boundry=1)
+    assert status.state is RankState.training and status.report().step == 5
     with pytest.raises(ValueError):  # a report is frozen: no change behind the lock
         status.report().step = 9  # type: ignore[misc]
 
