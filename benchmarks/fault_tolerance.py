@@ -44,7 +44,7 @@ reports ``churn_efficiency``: tokens committed in those D seconds over the
 undisturbed full-quorum rate times D (a fault-free run of the same length).
 
 The torchft run uses the production recovery configuration
-(``stages.trainer.recovery.production_recovery``: warm standbys, FT timeouts) and,
+(``stages.trainer.fleet.recovery.production_recovery``: warm standbys, FT timeouts) and,
 on cpu, each group pinned to its own cores, so a dead group's compute stays idle.
 
 Prints one line per measurement and ends with one JSON line: ``lost_ratio_tokens``
@@ -83,7 +83,7 @@ from stages.base import GateOutcome, StageContext
 from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS, CheckpointPolicy
 from stages.events import Event, InterruptionEvent, StepEvent
 from stages.trainer.config import ModelSpec, TrainingTarget, TrainStageConfig
-from stages.trainer.recovery import RecoveryConfig, production_recovery
+from stages.trainer.fleet.recovery import RecoveryConfig, production_recovery
 
 # How long to wait for one expected event before the benchmark gives up.
 EVENT_TIMEOUT_S = 300.0

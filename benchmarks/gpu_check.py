@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/gpu_check.py [--steps 30] [--seq-len 2048] [--micro-batch 4]
 
 Trains the ``llama-1b`` preset (random init) through the trainer's own layout code
-(``stages.trainer.parallelize.ParallelModel``: bf16 under autocast with fp32 master
+(``stages.trainer.parallel.parallelize.ParallelModel``: bf16 under autocast with fp32 master
 weights; fp8 through torchao's float8 training) for a few dozen steps in bf16 and
 then in fp8, and prints next to each the planner's prediction for the same layout
 (``validate_layout``, one GPU, same micro-batch, sequence and recompute):
@@ -107,9 +107,9 @@ def train(
     from stages.model.lm import build_model
     from stages.parallelism.throughput import model_flops_per_token
     from stages.presets import load_model_preset
-    from stages.trainer.layout import ParallelLayout
-    from stages.trainer.objective import LanguageModelObjective
-    from stages.trainer.parallelize import ParallelModel
+    from stages.trainer.parallel.layout import ParallelLayout
+    from stages.trainer.parallel.parallelize import ParallelModel
+    from stages.trainer.rank.objective import LanguageModelObjective
 
     LM = LanguageModelObjective(loader=None)  # batches are given, not read
     device = torch.device("cuda", 0)

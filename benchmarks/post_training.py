@@ -260,7 +260,7 @@ def learner_rate(args: argparse.Namespace, policy: Path, groups: int, tmp: Path)
     from stages.post_training.rollout import RolloutGroup
     from stages.post_training.step_groups import step_groups, write_step_groups
     from stages.trainer.config import TrainStageConfig
-    from stages.trainer.engine import TrainingEngine
+    from stages.trainer.fleet.engine import TrainingEngine
 
     cfg = RLVRConfig.model_validate(
         {

@@ -57,7 +57,7 @@ class StageContext:
     facts: dict[str, Any] = field(default_factory=dict)
     # The run's trainer ranks, handed from one engine run to the next across stages
     # (pretraining's fleet trains post-training's objectives): a
-    # ``stages.trainer.handoff.Fleet`` the orchestrator makes and ends; None: each
+    # ``stages.trainer.fleet.handoff.Fleet`` the orchestrator makes and ends; None: each
     # stage keeps its own.
     fleet: Any = None
     # The run's secret, proven by the run's processes on every listener they open

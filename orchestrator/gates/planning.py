@@ -40,7 +40,7 @@ def check_post_training_objectives(m: Manifest, request: PlanRequest, chosen: Pl
     ``stages.parallelism.post_training``; the model is the manifest's preset)."""
     from stages.parallelism.hardware import load_gpu_sku
     from stages.parallelism.post_training import ObjectiveKind, check_objective_memory
-    from stages.trainer.layout import ParallelLayout
+    from stages.trainer.parallel.layout import ParallelLayout
 
     sku = load_gpu_sku(request.gpu_sku)
     layout = ParallelLayout(
@@ -117,7 +117,7 @@ def plan_manifest(
         )
     dumped = chosen.model_dump(mode="json")
     try:  # a plan the trainer could not apply on this device is refused here too
-        from stages.trainer.layout import check_runnable_on_sku, layout_from_plan
+        from stages.trainer.parallel.layout import check_runnable_on_sku, layout_from_plan
 
         check_runnable_on_sku(layout_from_plan(dumped), str(booking.get("gpu_sku", "")))
     except ItoError as e:

@@ -27,7 +27,7 @@ from stages.checkpointing.seal import ACCOUNT_FACT
 from stages.errors import ErrorCode, ItoError
 from stages.event_buffer import EventBuffer
 from stages.events import Event, LogEvent, PhaseEvent, StageResultEvent, StepEvent
-from stages.trainer.handoff import Fleet
+from stages.trainer.fleet.handoff import Fleet
 
 DriverState = Literal["created", "running", "succeeded", "failed", "cancelled"]
 # Events a driver keeps unacknowledged before it aggregates them (stages.event_buffer).

@@ -42,8 +42,8 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
     def make(ctx: StageContext) -> Stage:
         from orchestrator.gates.curriculum import curriculum_schedule
         from stages.trainer.config import TrainStageConfig
-        from stages.trainer.layout import layout_from_plan
-        from stages.trainer.recovery import production_recovery
+        from stages.trainer.fleet.recovery import production_recovery
+        from stages.trainer.parallel.layout import layout_from_plan
         from stages.trainer.stage import TrainingStage
 
         plan = ctx.previous["parallelism"].artifacts["plan"]

@@ -25,7 +25,7 @@ import numpy as np
 from stages.data_prep.config import LadderProbeConfig
 from stages.data_prep.ladder_jobs import ArmJob, ArmRunner
 from stages.errors import ErrorCode, ItoError
-from stages.trainer.replica import BORROWED_GROUP  # light: no torch, no Ray
+from stages.trainer.rank.replica import BORROWED_GROUP  # light: no torch, no Ray
 
 # How long the probe waits for the fleet's ranks to be placed (actor handles made,
 # not warmed up: that goes on while they train proxies).
@@ -72,7 +72,7 @@ def train_proxy(
 
 
 def rank_runner(fleet: Any, cancelled: Callable[[], bool]) -> ArmRunner:
-    """Train the proxies on ``fleet``'s placed ranks (a ``stages.trainer.handoff.Fleet``)."""
+    """Train the proxies on ``fleet``'s placed ranks (a ``stages.trainer.fleet.handoff.Fleet``)."""
 
     def run(
         jobs: list[ArmJob],

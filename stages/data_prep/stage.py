@@ -391,7 +391,7 @@ class DataPrepStage:
 
 def _read_texts(paths: list[str], fields: dict[str, str], max_bytes: int) -> list[str]:
     """The texts of cleaned files in order, up to ``max_bytes`` of UTF-8 in all."""
-    from stages.trainer.data import iter_documents
+    from stages.trainer.rank.data import iter_documents
 
     out: list[str] = []
     size = 0

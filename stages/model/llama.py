@@ -209,7 +209,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks. ``gradient_checkpointing`` and
     ``_gradient_checkpointing_func`` are HF's names for per-layer recompute
-    (``stages.trainer.activation_checkpointing.apply_activation_checkpointing`` sets them)."""
+    (``apply_activation_checkpointing`` in ``stages.trainer.parallel.activation_checkpointing``
+    sets them)."""
 
     def __init__(self, args: LlamaArgs):
         super().__init__()

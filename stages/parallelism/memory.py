@@ -34,7 +34,7 @@ the fp32 log-probs and the fp32 gradients of nll_loss and log_softmax, 12 bytes
 schedule keeps the last stage's output, the logits, until its backward: ``b`` more.
 
 bf16 without FSDP runs eagerly under ``torch.autocast`` over the fp32 master weights
-(``stages.trainer.parallelize.ParallelModel``), measured on CPU's autocast (the same
+(``stages.trainer.parallel.parallelize.ParallelModel``), measured on CPU's autocast (the same
 weight-cast cache as CUDA's). The residual stream is fp32 (the embedding's output is
 fp32 and each residual add promotes the bf16 block output), so each norm saves
 ``(4 + 4) h`` and full recompute keeps ``4 h``; each projection casts its input

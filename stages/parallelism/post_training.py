@@ -4,7 +4,7 @@ A post-training objective trains on the engine as its ``TrainStageConfig``
 (``stages.post_training.on_engine``) sets it up: the run's replica groups and their
 ranks, tensor parallel as the run's plan and FSDP over the group's other ranks (the
 plan's pipeline and context ranks folded in:
-``stages.trainer.layout.ParallelLayout.for_post_training``), the policy in
+``stages.trainer.parallel.layout.ParallelLayout.for_post_training``), the policy in
 fp32, AdamW, no recompute, the recipe's ``batch_size`` rows (sft) or pairs (dpo)
 split over every data-parallel rank and trained in one forward at up to
 ``max_length`` tokens. The model is ``stages.parallelism.memory``'s, with:

@@ -47,7 +47,7 @@ from stages.post_training.losses import (
     token_logprobs,
 )
 from stages.post_training.step_groups import StepGroups, step_groups_path
-from stages.trainer.objective import Batch, Tensors
+from stages.trainer.rank.objective import Batch, Tensors
 
 # How often a rank looks for the file it waits for (the wait itself is bounded by
 # ``GRPOSettings.batch_wait_timeout_s``).

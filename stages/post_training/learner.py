@@ -291,7 +291,7 @@ def run_rlvr_on_engine(
     HF export of the final weights, the learner, ``scoring``'s scores from the
     evaluating rank). ``board_placement``: the weight board's actor options (the run's
     placement group; it reserves no CPU); ``fleet``: the learner ranks the previous
-    objective left (``stages.trainer.handoff``); ``board``: a weight board (name,
+    objective left (``stages.trainer.fleet.handoff``); ``board``: a weight board (name,
     actor) started ahead (its process spawn off RLVR's start), else one is started
     here; it is killed at the end either way."""
     import ray
@@ -304,7 +304,7 @@ def run_rlvr_on_engine(
         start_board,
     )
     from stages.post_training.weight_sync import sync_key
-    from stages.trainer.engine import RunCancelled
+    from stages.trainer.fleet.engine import RunCancelled
 
     work = ctx.workdir / "rlvr"
     if board is None:

@@ -1,4 +1,4 @@
-"""SFT and DPO as objectives of the training engine (``stages.trainer.objective``).
+"""SFT and DPO as objectives of the training engine (``stages.trainer.rank.objective``).
 
 trl is the reference for what a batch is and what its loss is; these objectives use
 its tokenization helpers and collators and reproduce its ``compute_loss`` (the
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from stages.errors import ErrorCode, ItoError
 from stages.evals.objective_eval import read_rows
-from stages.trainer.objective import Batch, Tensors, token_nll_sum
+from stages.trainer.rank.objective import Batch, Tensors, token_nll_sum
 
 # The run tokenizer's chat template before it carried generation markers (same text):
 # folders exported then are trained with the marked template.

@@ -29,7 +29,7 @@ from stages.trainer.config import (
     TrainingTarget,
     TrainStageConfig,
 )
-from stages.trainer.handoff import Fleet
+from stages.trainer.fleet.handoff import Fleet
 
 # A label only: a run with ``checkpoint_path`` builds the architecture from the folder.
 _PRESET = "llama-tiny"
@@ -239,7 +239,7 @@ def run_engine(
 
     from stages.checkpointing.seal import run_binding
     from stages.checkpointing.storage import list_checkpoints
-    from stages.trainer.engine import TrainingEngine
+    from stages.trainer.fleet.engine import TrainingEngine
     from stages.trainer.phase_eval import PhaseEvalReply, PhaseEvalRequest
 
     kind = tcfg.schedule.phases[0].name  # the objective's name

@@ -196,9 +196,9 @@ class PostTrainingStage:
     # -- the chain ---------------------------------------------------------------------
     def run(self, ctx: StageContext) -> GateOutcome:
         """The objectives in order, each on the trainer fleet the previous engine run
-        left (``stages.trainer.handoff``): the run's (pretraining's ranks), else the
+        left (``stages.trainer.fleet.handoff``): the run's (pretraining's ranks), else the
         stage's own, which it ends."""
-        from stages.trainer.handoff import Fleet
+        from stages.trainer.fleet.handoff import Fleet
 
         own = ctx.fleet is None
         self._fleet = Fleet(ctx.workdir / "fleet") if own else ctx.fleet
@@ -214,7 +214,7 @@ class PostTrainingStage:
     def _run_chain(self, ctx: StageContext) -> GateOutcome:
         from stages.evals import BatteryResult
         from stages.post_training.passed import PassedObjective, load_passed, save_passed
-        from stages.trainer.engine import RunCancelled
+        from stages.trainer.fleet.engine import RunCancelled
 
         try:
             rows = self.load_data()

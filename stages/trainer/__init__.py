@@ -17,8 +17,12 @@ from stages.trainer.config import (
 )
 
 if TYPE_CHECKING:
-    from stages.trainer.engine import TrainingEngine
-    from stages.trainer.kill import kill_replica_group, kill_replica_groups, replica_group_pids
+    from stages.trainer.fleet.engine import TrainingEngine
+    from stages.trainer.fleet.kill import (
+        kill_replica_group,
+        kill_replica_groups,
+        replica_group_pids,
+    )
     from stages.trainer.stage import TrainingStage
 
 __all__ = [
@@ -42,11 +46,11 @@ def __getattr__(name: str) -> Any:
 
         return TrainingStage
     if name == "TrainingEngine":
-        from stages.trainer.engine import TrainingEngine
+        from stages.trainer.fleet.engine import TrainingEngine
 
         return TrainingEngine
     if name in ("kill_replica_group", "kill_replica_groups", "replica_group_pids"):
-        from stages.trainer import kill
+        from stages.trainer.fleet import kill
 
         return getattr(kill, name)
     raise AttributeError(name)

@@ -13,7 +13,7 @@ from stages.errors import ErrorCode, ItoError
 from stages.evals.config import EvalRunSettings
 from stages.netfront import FrontConfig
 from stages.pathfields import PathField
-from stages.trainer.layout import ParallelLayout
+from stages.trainer.parallel.layout import ParallelLayout
 
 
 class ModelSpec(StrictModel):
@@ -219,7 +219,7 @@ class GRPOSettings(StrictModel):
 
 
 class ObjectiveConfig(StrictModel):
-    """What the engine trains for (``stages.trainer.objective``): ``lm`` pretraining on
+    """What the engine trains for (``stages.trainer.rank.objective``): ``lm`` pretraining on
     the token shards, or a post-training objective on a JSONL file of rows (sft, dpo)
     or on the rollout batches the RLVR controller writes (grpo)."""
 
@@ -236,7 +236,7 @@ class ObjectiveConfig(StrictModel):
     # dpo: the sigmoid loss's beta (trl's DPOConfig.beta).
     beta: float = Field(default=0.1, gt=0, le=1e3, allow_inf_nan=False)
     # A post-training objective's builder, named by the stage that trains it
-    # ("stages.<module>:<function>", ``stages.trainer.objective.ObjectiveBuilder``): each
+    # ("stages.<module>:<function>", ``stages.trainer.rank.objective.ObjectiveBuilder``): each
     # rank builds what its config names, and the engine never imports the stages above.
     builder: str | None = Field(
         default=None, pattern=r"^stages(\.[a-z_][a-z0-9_]*)+:[a-z_][a-z0-9_]*$"

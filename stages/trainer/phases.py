@@ -25,7 +25,7 @@ from stages.curriculum.schedule import PhaseSpan
 from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent, LogEvent, PhaseEvent
 from stages.trainer.config import TrainStageConfig
-from stages.trainer.phase_data import PhaseData
+from stages.trainer.rank.phase_data import PhaseData
 
 if TYPE_CHECKING:
     from stages.checkpointing.storage import CheckpointRecord
@@ -92,7 +92,7 @@ class CurriculumRunner:
     def start_fleet(self) -> None:
         """Place and warm the fleet for the phases left (model built, groups joined)
         while the run's data is still being prepared; ``run`` hands it the data."""
-        from stages.trainer.engine import TrainingEngine
+        from stages.trainer.fleet.engine import TrainingEngine
 
         first = self.first_undecided()
         if first is None or self.engine is not None:
@@ -124,7 +124,7 @@ class CurriculumRunner:
         todo = None
         for phase in self.schedule.phases:
             if self.ctx.cancelled:
-                from stages.trainer.engine import RunCancelled
+                from stages.trainer.fleet.engine import RunCancelled
 
                 raise RunCancelled()
             rec = read_gate(self.ckpt_dir, phase)
@@ -250,8 +250,8 @@ class CurriculumRunner:
             f"phase {phase.name}: evaluating battery {phase.eval_battery} on step "
             f"{closing.step} on a trainer rank"
         )
-        from stages.trainer.phase_data import HELDOUT_NAME
         from stages.trainer.phase_eval import PhaseEvalReply, PhaseEvalRequest
+        from stages.trainer.rank.phase_data import HELDOUT_NAME
 
         # The export's metadata carries no verdict: the gate decides after the scores.
         req = PhaseEvalRequest(

@@ -95,7 +95,7 @@ class TrainingStage:
             return
         self._prestarted = True
         try:
-            from stages.trainer.layout import check_runnable
+            from stages.trainer.parallel.layout import check_runnable
             from stages.trainer.phases import CurriculumRunner
 
             cfg = self.pin_inputs(ctx)
@@ -120,8 +120,8 @@ class TrainingStage:
         (held-out split, tokenizer, shards by role), then the schedule's phases in that one
         fleet; a run without a curriculum is a one-phase schedule."""
         from stages.presets import load_model_preset
-        from stages.trainer.engine import RunCancelled
-        from stages.trainer.phase_data import prepare_phase_data
+        from stages.trainer.fleet.engine import RunCancelled
+        from stages.trainer.rank.phase_data import prepare_phase_data
 
         try:
             self.prestart(ctx)

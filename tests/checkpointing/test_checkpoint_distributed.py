@@ -28,8 +28,8 @@ RANK = textwrap.dedent("""
     import torch.distributed as dist
     import torch.nn.functional as F
     from stages.checkpointing import CheckpointPolicy, Checkpointer
-    from stages.trainer.data import TokenLoader
-    from stages.trainer.train_state import TrainState, set_determinism
+    from stages.trainer.rank.data import TokenLoader
+    from stages.trainer.rank.train_state import TrainState, set_determinism
 
     rank, tmp = int(sys.argv[1]), Path(sys.argv[2])
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank,
@@ -106,7 +106,7 @@ RANK = textwrap.dedent("""
 @pytest.mark.slow
 def test_two_gloo_ranks_save_async_and_resume_exactly(tmp_path: Path) -> None:
     from stages.model.tokenizer import ByteTokenizer
-    from stages.trainer.data import build_token_shards
+    from stages.trainer.rank.data import build_token_shards
 
     src = tmp_path / "corpus.txt"
     src.write_text("".join(f"rank-aware record {i} {i * 13 % 29}\n" for i in range(300)))

@@ -25,7 +25,7 @@ from stages.checkpointing.seal import SEAL_NAME
 from stages.checkpointing.storage import READ_LOG_NAME, read_log
 from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent
-from stages.trainer.train_state import TrainState, set_determinism
+from stages.trainer.rank.train_state import TrainState, set_determinism
 
 Tiny = Any  # the ``tiny`` fixture of conftest.py: a real training loop
 COMMIT_HOLD_TIMEOUT_S = 60.0

@@ -1,5 +1,5 @@
 """The checkpointing pieces together: a planted spike -> proposal -> approval -> restart from the
-checkpoint with the data window skipped (stages/trainer/loop.py drives this)."""
+checkpoint with the data window skipped (stages/trainer/rank/loop.py drives this)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from helpers.waiting import wait_until
 from stages.base import StageContext
 from stages.checkpointing import Checkpointer, CheckpointPolicy
 from stages.trainer.config import LossSpikeConfig
-from stages.trainer.loss_spike import LossSpikeDetector
-from stages.trainer.train_state import set_determinism
+from stages.trainer.rank.loss_spike import LossSpikeDetector
+from stages.trainer.rank.train_state import set_determinism
 
 Tiny = Any  # the ``tiny`` fixture of conftest.py
 

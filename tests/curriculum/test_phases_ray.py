@@ -179,8 +179,8 @@ def _fleet_ids() -> dict[str, str]:
     """Ray actor id of the lighthouse and of every trainer actor of the run."""
     import ray
 
-    from stages.trainer.lighthouse import lighthouse_name
-    from stages.trainer.replica import worker_name
+    from stages.trainer.fleet.lighthouse import lighthouse_name
+    from stages.trainer.rank.replica import worker_name
 
     names = [lighthouse_name(RUN_ID), worker_name(RUN_ID, 0, 0), worker_name(RUN_ID, 1, 0)]
     return {n: ray.get_actor(n)._actor_id.hex() for n in names}
@@ -200,7 +200,7 @@ def test_the_fleet_stays_up_across_the_phase_boundary(
         e for e in run.events if isinstance(e, FleetEvent) and e.action == "lighthouse_started"
     ]
     assert len(started) == 1
-    from stages.trainer.lighthouse import lighthouse_name
+    from stages.trainer.fleet.lighthouse import lighthouse_name
 
     assert set(started[0].actors) == set(in_pretrain) - {lighthouse_name(RUN_ID)}
     startups = [

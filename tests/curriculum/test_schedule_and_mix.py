@@ -11,9 +11,9 @@ from stages.curriculum.config import CurriculumConfig
 from stages.curriculum.schedule import ntk_rope_theta, schedule_curriculum
 from stages.errors import ErrorCode, ItoError
 from stages.model.tokenizer import ByteTokenizer
-from stages.trainer.data import build_token_shards
-from stages.trainer.mix import MixedLoader
-from stages.trainer.phase_data import split_heldout
+from stages.trainer.rank.data import build_token_shards
+from stages.trainer.rank.mix import MixedLoader
+from stages.trainer.rank.phase_data import split_heldout
 
 
 def _cur(*phases: dict[str, object]) -> CurriculumConfig:

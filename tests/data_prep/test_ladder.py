@@ -84,8 +84,8 @@ def _fleet_engine(tmp: Path) -> Any:
     """A real engine of two replica groups on llama-tiny, its fleet placed and warming
     (as the train stage's prestart leaves it while data prep runs), never given data."""
     from stages.trainer.config import TrainStageConfig
-    from stages.trainer.engine import TrainingEngine
-    from stages.trainer.handoff import Fleet
+    from stages.trainer.fleet.engine import TrainingEngine
+    from stages.trainer.fleet.handoff import Fleet
 
     cfg = TrainStageConfig.model_validate(
         dict(
@@ -120,7 +120,7 @@ def test_a_runs_proxies_train_on_its_warm_ranks_and_score_as_in_process(
     import ray
 
     from stages.data_prep.ladder_ranks import rank_runner, train_proxy
-    from stages.trainer.replica import BORROWED_GROUP
+    from stages.trainer.rank.replica import BORROWED_GROUP
 
     cfg = LadderProbeConfig(
         rung_preset="llama-probe-xs", seeds=2, token_budget=4096, eval_bytes=2048

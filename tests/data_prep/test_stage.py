@@ -229,7 +229,7 @@ def test_a_run_whose_fleet_was_never_placed_skips_the_probe(
     """A run's probe borrows its trainer ranks; when the train stage could not place
     them (it reports why in its own turn), the probe is skipped at once, never waiting
     out the placement timeout, and the gate still decides on dedup and decontamination."""
-    from stages.trainer.handoff import Fleet
+    from stages.trainer.fleet.handoff import Fleet
 
     ctx, _ = _ctx(tmp_path)
     ctx.fleet = Fleet(tmp_path / "fleet")

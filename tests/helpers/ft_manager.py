@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from stages.run_secret import RunSecret
-from stages.trainer import ft
 from stages.trainer.config import FaultToleranceConfig
+from stages.trainer.rank import ft
 
 
 def one_rank_manager(

@@ -60,7 +60,7 @@ def kill_request(replica: str) -> bytes:
 
 
 def fake_quorum(address: str, replicas: list[str]) -> dict[str, str]:
-    from stages.trainer.lighthouse import rust_extension
+    from stages.trainer.fleet.lighthouse import rust_extension
 
     ext = rust_extension()
     out: dict[str, str] = {}

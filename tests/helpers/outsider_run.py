@@ -49,7 +49,7 @@ def _config(workdir: Path) -> object:
         TrainingTarget,
         TrainStageConfig,
     )
-    from stages.trainer.recovery import production_recovery
+    from stages.trainer.fleet.recovery import production_recovery
 
     data = workdir / "train.jsonl"
     with data.open("w") as f:

@@ -1,6 +1,6 @@
 """Predicted versus measured peak memory of real training steps on this CPU.
 
-The measurement (stages.trainer.memory_measure) sums the CPU allocator's allocation
+The measurement (stages.trainer.parallel.memory_measure) sums the CPU allocator's allocation
 events from torch.profiler into a running peak of the trainer's own step: exact
 tensor bytes, no RSS noise. The prediction is the planner's memory model with the
 CPU's single-tensor AdamW, in fp32 and in bf16 (which the trainer runs under
@@ -19,7 +19,7 @@ from stages.parallelism.hardware import Precision
 from stages.parallelism.memory import estimate_memory
 from stages.parallelism.spec import ActivationCheckpointing
 from stages.presets import ModelPreset, load_model_preset
-from stages.trainer.memory_measure import measure_peak_memory, measure_step_peak
+from stages.trainer.parallel.memory_measure import measure_peak_memory, measure_step_peak
 
 pytestmark = module_group(__name__)
 
@@ -173,7 +173,7 @@ def parallel_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[i
 def test_tp_and_pp_predicted_peak_within_20_percent_of_measured(
     parallel_peaks: dict[str, list[int]], case: str
 ) -> None:
-    from stages.trainer.layout import ParallelLayout
+    from stages.trainer.parallel.layout import ParallelLayout
     from tests.trainer.parallel_cases import MEM_CASES, MEM_PRESET, MEM_SEQ_LEN, MEM_SEQS
 
     layout = ParallelLayout(**MEM_CASES[case]).resolved(2)

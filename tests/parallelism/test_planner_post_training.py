@@ -163,7 +163,7 @@ def test_an_objective_shards_over_its_groups_ranks_and_its_batch_must_split_over
     FSDP over the rest (its pipeline and context ranks folded in). An 8B policy whose
     fp32 state does not fit one rank fits one group of 8 FSDP ranks; a batch the
     data-parallel ranks cannot split is refused at plan time, not at the objective."""
-    from stages.trainer.layout import ParallelLayout
+    from stages.trainer.parallel.layout import ParallelLayout
 
     folded = ParallelLayout(tp=2, pp=2, cp=2, dp_shard=2).for_post_training()
     assert (folded.tp, folded.pp, folded.cp, folded.dp_shard) == (2, 1, 1, 8)

@@ -18,7 +18,7 @@ from orchestrator.runtime.ray_cluster import _alive
 from stages.base import StageContext
 from stages.events import CheckpointEvent, FleetEvent, StepEvent
 from stages.trainer import kill_replica_group, replica_group_pids
-from stages.trainer.lighthouse import lighthouse_name
+from stages.trainer.fleet.lighthouse import lighthouse_name
 from tests.post_training.conftest import base_model, data_ref, learner_layout
 
 WAIT_S = 120.0  # a hang guard on a loaded 2-core machine, never a speed claim

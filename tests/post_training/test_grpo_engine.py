@@ -108,7 +108,7 @@ def _config(
 
 
 def _engine(cfg: TrainStageConfig, work: Path, run_id: str, emit: Any) -> Any:
-    from stages.trainer.engine import TrainingEngine
+    from stages.trainer.fleet.engine import TrainingEngine
 
     return TrainingEngine(
         cfg,

@@ -73,7 +73,7 @@ def _config(tmp: Path, policy: Path, data: Path, groups: int, **kw: Any) -> Trai
 
 
 def _train(cfg: TrainStageConfig, tmp: Path, run_id: str) -> tuple[Any, list[Event]]:
-    from stages.trainer.engine import TrainingEngine
+    from stages.trainer.fleet.engine import TrainingEngine
 
     events: list[Event] = []
     ckpt = tmp / "ckpt" / run_id
@@ -171,7 +171,7 @@ def test_a_killed_sft_learner_group_heals_bit_identical(
     """SIGKILL one of two SFT learner groups mid-run: the survivor commits alone, Ray
     restarts the lost one, which rebuilds from the base folder and heals from the live
     peer (no checkpoint read); both groups end with bit-identical weights."""
-    from stages.trainer.engine import TrainingEngine
+    from stages.trainer.fleet.engine import TrainingEngine
 
     # While group 1 is lost the survivor steps at DEGRADED_PACE_S: the run outlasts its
     # restart however slow the host (~60 s of degraded steps), and ends soon after the

@@ -36,8 +36,8 @@ from stages.post_training.objectives import (
     _pairs_flat,
     sequence_logps,
 )
-from stages.trainer.layout import ParallelLayout
-from stages.trainer.parallelize import ParallelModel
+from stages.trainer.parallel.layout import ParallelLayout
+from stages.trainer.parallel.parallelize import ParallelModel
 
 RTOL = 1e-5
 GRAD_ATOL = 1e-4  # of the largest gradient entry

@@ -17,7 +17,7 @@ from orchestrator.runtime.ray_cluster import _alive
 from stages.base import StageContext
 from stages.events import FleetEvent, StepEvent
 from stages.trainer import replica_group_pids
-from stages.trainer.layout import ParallelLayout
+from stages.trainer.parallel.layout import ParallelLayout
 from tests.post_training.conftest import base_model, data_ref, learner_layout
 
 WAIT_S = 120.0  # a hang guard on a loaded 2-core machine, never a speed claim

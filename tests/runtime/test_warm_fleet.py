@@ -57,7 +57,7 @@ class _FailingDataStage:
     def run(self, ctx: StageContext) -> GateOutcome:
         import ray
 
-        from stages.trainer.replica import worker_name
+        from stages.trainer.rank.replica import worker_name
 
         names = [worker_name(ctx.run_id, g, 0) for g in range(GROUPS)]
         deadline = time.monotonic() + WAIT_S

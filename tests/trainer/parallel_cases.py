@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from stages.presets import ModelPreset
-from stages.trainer.layout import ParallelLayout
-from stages.trainer.objective import LanguageModelObjective
+from stages.trainer.parallel.layout import ParallelLayout
+from stages.trainer.rank.objective import LanguageModelObjective
 
 REPO = Path(__file__).resolve().parents[2]
 RANK_TIMEOUT_S = 300
@@ -124,8 +124,8 @@ def mesh_handoff_case(rank: int, world: int, out: Path) -> None:
     them before it builds its own, and the new ones carry collectives."""
     import torch.distributed as dist
 
-    from stages.trainer.mesh import FSDP_DIM
-    from stages.trainer.setup import group_mesh, process_groups
+    from stages.trainer.parallel.mesh import FSDP_DIM
+    from stages.trainer.rank.setup import group_mesh, process_groups
 
     pp2 = ParallelLayout(**CASES["pp2_1f1b"]).resolved(world)
     mesh, ckpt_pg = group_mesh(pp2, "cpu")
@@ -146,9 +146,9 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
 
     from stages.checkpointing.checkpointer import Checkpointer
     from stages.model.lm import build_model
-    from stages.trainer.mesh import build_mesh
-    from stages.trainer.parallelize import ParallelModel
-    from stages.trainer.train_state import TrainState
+    from stages.trainer.parallel.mesh import build_mesh
+    from stages.trainer.parallel.parallelize import ParallelModel
+    from stages.trainer.rank.train_state import TrainState
 
     if name in MEM_CASES:
         measure_case(name, rank, world, out)
@@ -203,9 +203,9 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
 def measure_case(name: str, rank: int, world: int, out: Path) -> None:
     """Peak tensor bytes of one training step on this rank (profiler, exact)."""
     from stages.model.lm import build_model
-    from stages.trainer.memory_measure import measure_step_peak
-    from stages.trainer.mesh import build_mesh
-    from stages.trainer.parallelize import ParallelModel
+    from stages.trainer.parallel.memory_measure import measure_step_peak
+    from stages.trainer.parallel.mesh import build_mesh
+    from stages.trainer.parallel.parallelize import ParallelModel
 
     layout = ParallelLayout(**MEM_CASES[name]).resolved(world)
     pm = ParallelModel(

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from stages.errors import ErrorCode, ItoError
 from stages.model.tokenizer import ByteTokenizer
-from stages.trainer.data import (
+from stages.trainer.rank.data import (
     INDEX_NAME,
     TokenLoader,
     build_token_shards,
@@ -235,7 +235,7 @@ def test_a_one_role_mix_reads_exactly_what_a_plain_loader_reads(
     """A run without a curriculum trains through MixedLoader: with one role it serves
     the plain TokenLoader's batches, in order, through the first epoch and after a
     seek (later epochs wrap at the window, not the batch: no partial batch is lost)."""
-    from stages.trainer.mix import MixedLoader
+    from stages.trainer.rank.mix import MixedLoader
 
     kw = dict(seq_len=16, micro_batch=4, seed=3, dp_rank=1, dp_world=2)
     plain = TokenLoader(counting_shards, **kw)  # type: ignore[arg-type]

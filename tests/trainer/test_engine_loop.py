@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from stages.base import GateOutcome, StageContext
 from stages.errors import ItoError
 from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
-from stages.trainer.loop import data_index
-from stages.trainer.rank_state import RankPoll, RankReport, RankState
+from stages.trainer.rank.loop import data_index
+from stages.trainer.rank.rank_state import RankPoll, RankReport, RankState
 from stages.trainer.stage import resolve_train_files
 
 
@@ -34,7 +34,7 @@ def _cfg(**kw: object) -> TrainStageConfig:
 
 def _engine(cfg: TrainStageConfig, run_id: str, fleet: object = None) -> Any:
     """An engine that never starts: its bookkeeping is driven by hand."""
-    from stages.trainer.engine import TrainingEngine
+    from stages.trainer.fleet.engine import TrainingEngine
 
     return TrainingEngine(
         cfg,
@@ -127,7 +127,7 @@ def test_the_lighthouse_actor_serves_without_importing_torch() -> None:
     code = (
         "import sys, json\n"
         "from stages.trainer.config import FaultToleranceConfig\n"
-        "from stages.trainer.lighthouse import LighthouseActor\n"
+        "from stages.trainer.fleet.lighthouse import LighthouseActor\n"
         "lh = LighthouseActor(FaultToleranceConfig())\n"
         "addr = lh.address()\n"
         "torch_before = 'torch' in sys.modules\n"
@@ -149,8 +149,8 @@ def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() ->
     from helpers.ft_manager import one_rank_manager
 
     from stages.run_secret import RunSecret
-    from stages.trainer import ft
-    from stages.trainer.lighthouse import start_lighthouse
+    from stages.trainer.fleet.lighthouse import start_lighthouse
+    from stages.trainer.rank import ft
 
     cfg = FaultToleranceConfig()
     lighthouse = start_lighthouse(cfg)
@@ -211,7 +211,7 @@ def test_a_fleet_a_standby_took_over_is_not_handed_on(tmp_path: Path) -> None:
     """A standby promoted into a group would, restarted by Ray, come back as the
     standby it was made as (its own assignment file): the run's ranks are then not
     left to the next run, which makes its own."""
-    from stages.trainer.handoff import Fleet
+    from stages.trainer.fleet.handoff import Fleet
 
     class Actor:
         """Stands in for a Ray actor handle: records the commands it is sent."""

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from stages.trainer.config import TrainStageConfig
-from stages.trainer.engine import TrainingEngine
-from stages.trainer.rank_state import RankPoll, RankReport, RankState
+from stages.trainer.fleet.engine import TrainingEngine
+from stages.trainer.rank.rank_state import RankPoll, RankReport, RankState
 
 POLL_INTERVAL_S = 0.05
 POLL_CALLS = 40

@@ -32,7 +32,7 @@ from stages.trainer.config import (
     TrainingTarget,
     TrainStageConfig,
 )
-from stages.trainer.recovery import STANDBYS_PER_NODE, production_recovery
+from stages.trainer.fleet.recovery import STANDBYS_PER_NODE, production_recovery
 
 # Generous bounds on waiting for things that take seconds; never asserted as speed.
 WAIT_S = 120.0
@@ -289,7 +289,7 @@ def test_a_warm_spare_takes_a_lost_groups_place(ray_local: None, tmp_path: Path)
     import ray
 
     from stages.trainer import kill_replica_group
-    from stages.trainer.replica import worker_name
+    from stages.trainer.rank.replica import worker_name
 
     # The standby warms up once the fleet trains (~10 s on 2 busy cores): 200 steps of
     # 0.1 s leave it time; once group 1 is lost the survivor steps at 0.5 s, so the run
@@ -360,8 +360,8 @@ def test_a_non_finite_step_is_refused_on_every_group_before_the_update(
 
     from stages.checkpointing.seal import CheckpointBinding
     from stages.trainer.phase_eval import load_phase_model, sealed_checkpoint
-    from stages.trainer.replica import worker_name
-    from stages.trainer.shard_state import param_digest
+    from stages.trainer.rank.replica import worker_name
+    from stages.trainer.rank.shard_state import param_digest
 
     bad = 20  # the data batch of step 21
     cfg = _config(

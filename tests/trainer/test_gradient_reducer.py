@@ -12,9 +12,9 @@ import torch
 from helpers.ft_manager import one_rank_manager
 
 from stages.run_secret import RunSecret
-from stages.trainer import ft
 from stages.trainer.config import FaultToleranceConfig
-from stages.trainer.lighthouse import start_lighthouse
+from stages.trainer.fleet.lighthouse import start_lighthouse
+from stages.trainer.rank import ft
 
 
 def _model() -> torch.nn.Module:

@@ -30,12 +30,12 @@ from torch.distributed._serialization import _streaming_save
 from stages.netfront import FrontConfig
 from stages.netsec import ListenerConfig, PeerRefused
 from stages.run_secret import RunSecret
-from stages.trainer import ft
 from stages.trainer.config import FaultToleranceConfig
-from stages.trainer.heal_transport import HEAL_PURPOSE, HealTransport, fetch_heal_state
-from stages.trainer.lighthouse import start_lighthouse
-from stages.trainer.rank_listeners import host_group_store
-from stages.trainer.shard_state import sharded_state
+from stages.trainer.fleet.lighthouse import start_lighthouse
+from stages.trainer.rank import ft
+from stages.trainer.rank.heal_transport import HEAL_PURPOSE, HealTransport, fetch_heal_state
+from stages.trainer.rank.rank_listeners import host_group_store
+from stages.trainer.rank.shard_state import sharded_state
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from stages.trainer.idle import idle_thread, run_when_idle
+from stages.trainer.rank.idle import idle_thread, run_when_idle
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling only")
 

@@ -11,13 +11,13 @@ import torch
 from pydantic import ValidationError
 
 from stages.errors import ErrorCode, ItoError
-from stages.trainer.layout import (
+from stages.trainer.parallel.layout import (
     ParallelLayout,
     check_runnable,
     check_runnable_on_sku,
     layout_from_plan,
 )
-from stages.trainer.objective import LanguageModelObjective
+from stages.trainer.rank.objective import LanguageModelObjective
 
 
 @pytest.mark.parametrize(
@@ -122,7 +122,7 @@ def test_the_stage_refuses_cp_on_cpu_before_any_worker_starts(tmp_path: Path) ->
 def test_one_rank_applies_recompute_and_bf16_and_reads_them_back(mode: str) -> None:
     from stages.model.lm import build_model, causal_lm_loss
     from stages.presets import load_model_preset
-    from stages.trainer.parallelize import ParallelModel
+    from stages.trainer.parallel.parallelize import ParallelModel
 
     preset = load_model_preset("llama-tiny")
     ids = torch.randint(0, preset.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -194,7 +194,7 @@ def test_a_tied_head_is_refused_a_pipeline() -> None:
     a pipelined layout of a tied model is refused before any split (the planner never
     plans one)."""
     from stages.model.lm import build_model
-    from stages.trainer.pipeline import split_model
+    from stages.trainer.parallel.pipeline import split_model
     from tests.trainer.parallel_cases import TIED_PRESET
 
     layout = ParallelLayout(pp=2, pp_microbatches=2, dp_shard=1)

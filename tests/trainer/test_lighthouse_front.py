@@ -16,7 +16,7 @@ import pytest
 from helpers.tools import require
 
 from stages.trainer.config import FaultToleranceConfig
-from stages.trainer.lighthouse import LighthouseActor, rust_extension, status_text
+from stages.trainer.fleet.lighthouse import LighthouseActor, rust_extension, status_text
 
 TIMEOUT = datetime.timedelta(seconds=30)  # hang guard of one torchft call
 

@@ -100,7 +100,8 @@ def test_the_trainer_rank_modules_import_no_transformers() -> None:
     ladder probe's proxy); transformers stays out of the process."""
     loaded = run_python(
         "import json, sys\n"
-        "import stages.trainer.loop, stages.trainer.setup, stages.trainer.parallelize\n"
+        "import stages.trainer.rank.loop, stages.trainer.rank.setup\n"
+        "import stages.trainer.parallel.parallelize\n"
         "import stages.model.lm, stages.data_prep.ladder_arm\n"
         "from stages.presets import load_model_preset\n"
         "stages.model.lm.build_model(load_model_preset('llama-tiny'))\n"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stages.trainer.config import LossSpikeConfig
-from stages.trainer.loss_spike import LossSpikeDetector
+from stages.trainer.rank.loss_spike import LossSpikeDetector
 
 
 def noisy_losses(n: int, seed: int = 0) -> list[float]:

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from stages.post_training.config import OBJECTIVE_BUILDER
 from stages.trainer.config import ObjectiveConfig
-from stages.trainer.objective import named_builder
+from stages.trainer.rank.objective import named_builder
 
 
 def test_post_trainings_name_is_its_builder() -> None:

@@ -139,7 +139,7 @@ def test_layout_trains_like_one_process(
 
 
 def test_built_layout_is_read_back_from_the_mesh_and_equals_the_plan(runs: Path) -> None:
-    from stages.trainer.layout import ParallelLayout
+    from stages.trainer.parallel.layout import ParallelLayout
 
     for case, world in [
         ("tp2", 2),
@@ -169,7 +169,7 @@ def test_checkpoint_saved_under_tp2_loads_under_tp1_and_pp2_with_the_same_logits
 ) -> None:
     from stages.checkpointing.checkpointer import Checkpointer
     from stages.model.lm import build_model
-    from stages.trainer.train_state import TrainState
+    from stages.trainer.rank.train_state import TrainState
     from tests.trainer.parallel_cases import ckpt_policy
 
     saved = _results(runs, "tp2")[0]["logits"]
@@ -194,7 +194,7 @@ def test_a_handed_on_rank_keeps_its_mesh_or_replaces_it_never_piles_them_up(
     runs: Path,
 ) -> None:
     """pp=2 then dp_shard=2 on the same two processes (pretraining's layout, then
-    post-training's, stages.trainer.setup.group_mesh): the same layout again reuses the
+    post-training's, stages.trainer.rank.setup.group_mesh): the same layout again reuses the
     mesh and DCP group; a new one destroys them first (no more process groups than
     before), and its groups carry collectives."""
     for rank in (0, 1):

@@ -26,8 +26,8 @@ from helpers.tools import require
 
 from stages.events import StepEvent
 from stages.trainer.config import TrainingTarget
-from stages.trainer.layout import ParallelLayout
-from stages.trainer.replica import trainer_prefix
+from stages.trainer.parallel.layout import ParallelLayout
+from stages.trainer.rank.replica import trainer_prefix
 from tests.trainer.test_ft_recovery import Run, _config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from stages.trainer.rank_state import (
+from stages.trainer.rank.rank_state import (
     ENDED_STATES,
     RANK_TRANSITIONS,
     IllegalTransition,

@@ -14,7 +14,7 @@ from helpers.manifests import example_manifest
 from orchestrator.runtime.launch import LaunchSpec
 from orchestrator.runtime.pipeline import build_pipeline
 from stages.base import GateOutcome, StageContext
-from stages.trainer.recovery import STANDBYS_PER_NODE, production_recovery
+from stages.trainer.fleet.recovery import STANDBYS_PER_NODE, production_recovery
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -61,7 +61,7 @@ def test_the_benchmark_defaults_are_the_production_recovery() -> None:
 
 
 def test_each_group_gets_its_own_cores() -> None:
-    from stages.trainer.replica import group_cores
+    from stages.trainer.rank.replica import group_cores
 
     assert [group_cores(g, 2, [0, 1]) for g in range(2)] == [[0], [1]]
     assert [group_cores(g, 2, [0, 1, 2, 3]) for g in range(2)] == [[0, 1], [2, 3]]

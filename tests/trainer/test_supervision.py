@@ -10,13 +10,13 @@ import pytest
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event, InterruptionEvent, LogEvent, StepEvent
 from stages.trainer.config import FaultToleranceConfig
-from stages.trainer.rank_state import RankReport, RankState
-from stages.trainer.supervision import (
+from stages.trainer.fleet.supervision import (
     GROUP_TRANSITIONS,
     GroupHealth,
     GroupSupervisor,
     RankKey,
 )
+from stages.trainer.rank.rank_state import RankReport, RankState
 
 DIED_AT = 95.0  # when Ray says every lost process ended
 

@@ -14,7 +14,7 @@ import pytest
 
 from stages.checkpointing.storage import read_log
 from stages.events import CheckpointEvent, FleetEvent, InterruptionEvent, StepEvent
-from stages.trainer.layout import ParallelLayout
+from stages.trainer.parallel.layout import ParallelLayout
 from tests.trainer.test_ft_recovery import Run, _config
 
 # A TP=2 heal on gloo takes ~260 s on a loaded 2-core box: past the default 300 s bound.
@@ -102,6 +102,6 @@ def test_a_standby_group_takes_a_tp2_groups_place_and_both_end_equal(
 
 
 def _standby(rank: int) -> str:
-    from stages.trainer.replica import spare_name
+    from stages.trainer.rank.replica import spare_name
 
     return spare_name("tpheal", 0, rank)

@@ -15,8 +15,8 @@ from stages.errors import ErrorCode, ItoError
 from stages.model.lm import build_model, causal_lm_loss
 from stages.model.tokenizer import ByteTokenizer
 from stages.presets import load_model_preset
-from stages.trainer.data import TokenLoader, build_token_shards
-from stages.trainer.train_state import TrainState, set_determinism
+from stages.trainer.rank.data import TokenLoader, build_token_shards
+from stages.trainer.rank.train_state import TrainState, set_determinism
 
 SEQ, MB, SEED = 32, 2, 1234
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from stages.errors import ErrorCode, ItoError
 from stages.model.tokenizer import ByteTokenizer
-from stages.trainer.data import build_token_shards, iter_documents
+from stages.trainer.rank.data import build_token_shards, iter_documents
 
 HELDOUT_NAME = "heldout.jsonl"
 

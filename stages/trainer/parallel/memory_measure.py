@@ -43,9 +43,9 @@ def measure_peak_memory(
     ``ParallelModel`` (bf16 under ``torch.autocast`` over fp32 weights), the LM
     objective's forward and backward, gradient clipping and a single-tensor AdamW."""
     from stages.model.lm import build_model
-    from stages.trainer.layout import ParallelLayout
-    from stages.trainer.objective import LanguageModelObjective
-    from stages.trainer.parallelize import ParallelModel
+    from stages.trainer.parallel.layout import ParallelLayout
+    from stages.trainer.parallel.parallelize import ParallelModel
+    from stages.trainer.rank.objective import LanguageModelObjective
 
     model = build_model(preset, seed=seed)
     model.train()

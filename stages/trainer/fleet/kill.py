@@ -8,7 +8,7 @@ import signal
 import time
 from typing import Any
 
-from stages.trainer.replica import TRAINER_INFIX, TRAINER_PREFIX
+from stages.trainer.rank.replica import TRAINER_INFIX, TRAINER_PREFIX
 
 # Seconds to wait for an actor's pid when killing it on purpose.
 KILL_LOOKUP_TIMEOUT_S = 10.0

@@ -1,11 +1,11 @@
-"""The Ray actor of one trainer rank (the lighthouse's is ``stages.trainer.lighthouse``).
+"""The Ray actor of one trainer rank (the lighthouse's is ``stages.trainer.fleet.lighthouse``).
 
 A plain class wrapped with ``ray.remote`` by the engine, so importing this
 module never imports Ray. A trainer actor starts its loop in ``__init__``: when Ray
 restarts it after a crash (``max_restarts``), the new process rejoins on its own —
 it loads the newest complete checkpoint, and torchft heals it from a live peer if
 one is ahead. The driver only pulls events (``poll``) and relays commands. A fleet
-handed on to the next engine run (``stages.trainer.handoff``) starts that run's loop
+handed on to the next engine run (``stages.trainer.fleet.handoff``) starts that run's loop
 in the same process (``reassign``).
 """
 
@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 from stages.event_buffer import EventBuffer
 from stages.run_secret import RunSecret
-from stages.trainer.control import Control, WorkerSpec
-from stages.trainer.rank_state import PeerProgress, RankPoll, RankState, RankStatus
+from stages.trainer.rank.control import Control, WorkerSpec
+from stages.trainer.rank.rank_state import PeerProgress, RankPoll, RankState, RankStatus
 
 # Events buffered in an actor between two polls; beyond this they are aggregated.
 MAX_BUFFERED_EVENTS = 10_000
@@ -74,7 +74,7 @@ class ReplicaWorker:
         import ray
         import torch
 
-        from stages.trainer.handoff import current_spec
+        from stages.trainer.fleet.handoff import current_spec
 
         spec = current_spec(spec)  # a restart after a hand-off rejoins the newest run
         # Threads follow the actor's CPU share (env vars would need a runtime_env,
@@ -98,7 +98,7 @@ class ReplicaWorker:
         # cannot serve as it is; dropped when the fleet moves on.
         self._phase_model: tuple[str, Any] | None = None
         self._pin(spec.replica_group)
-        from stages.trainer.rank_listeners import gloo_on_cluster_address
+        from stages.trainer.rank.rank_listeners import gloo_on_cluster_address
 
         gloo_on_cluster_address()  # before this process makes any process group
         if spec.config.ranks_per_group > 1:
@@ -109,8 +109,8 @@ class ReplicaWorker:
         """This rank's loop of ``self.spec``'s run, in its thread."""
         import ray
 
-        from stages.trainer.loop import TrainLoop  # torch: in the rank's process only
-        from stages.trainer.setup import RankSetup
+        from stages.trainer.rank.loop import TrainLoop  # torch: in the rank's process only
+        from stages.trainer.rank.setup import RankSetup
 
         self.control = Control()
         self.status = RankStatus(
@@ -187,7 +187,7 @@ class ReplicaWorker:
         If rank 0 is restarting, Ray holds the call until it is back."""
         import ray
 
-        from stages.trainer.rank_listeners import host_group_store
+        from stages.trainer.rank.rank_listeners import host_group_store
 
         if spec.rank == 0:
             self._group = host_group_store(spec.placement, spec.config.fault_tolerance.front)
@@ -319,7 +319,7 @@ class ReplicaWorker:
         fleet handed on changes run), and the process groups and training loops it holds
         (a fleet handed on keeps its group's, never piles up new ones, and lets each
         run's loop go with its model)."""
-        from stages.trainer.setup import process_groups
+        from stages.trainer.rank.setup import process_groups
 
         return {
             "run_id": self.spec.run_id,
@@ -440,6 +440,6 @@ class ReplicaWorker:
 
     def param_digest(self) -> dict[str, Any]:
         """sha256 over every parameter's bytes, with the step it was taken at."""
-        from stages.trainer.shard_state import param_digest
+        from stages.trainer.rank.shard_state import param_digest
 
         return {"digest": param_digest(self.loop.model), "step": self.loop.manager.current_step()}

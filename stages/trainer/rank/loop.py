@@ -13,7 +13,7 @@ Data is indexed by step, not by "what the loader happened to serve": the batch o
 step ``s`` is ``objective.batch(data_index(s - phase.start_step, skipped_windows))``.
 Retrying an uncommitted step, healing from a peer, restoring a checkpoint and skipping
 a poisoned window are then all the same operation (ask for that index). The objective
-(``stages.trainer.objective``: lm, sft, dpo or grpo) gives the batches and the loss; the
+(``stages.trainer.rank.objective``: lm, sft, dpo or grpo) gives the batches and the loss; the
 loop, the layout and torchft are the same for all of them.
 """
 
@@ -32,11 +32,11 @@ import torch
 from stages.curriculum.schedule import PhaseSpan
 from stages.events import CheckpointEvent, Event, FleetEvent, LogEvent, PhaseEvent, StepEvent
 from stages.run_secret import RunSecret
-from stages.trainer import ft
-from stages.trainer.control import Control, WorkerSpec
-from stages.trainer.objective import LanguageModelObjective, Objective
-from stages.trainer.rank_state import RankState, RankStatus
-from stages.trainer.shard_state import load_sharded_state, param_digest, sharded_state
+from stages.trainer.rank import ft
+from stages.trainer.rank.control import Control, WorkerSpec
+from stages.trainer.rank.objective import LanguageModelObjective, Objective
+from stages.trainer.rank.rank_state import RankState, RankStatus
+from stages.trainer.rank.shard_state import load_sharded_state, param_digest, sharded_state
 
 __all__ = ["Control", "StepResult", "TrainLoop", "WorkerSpec", "data_index", "param_digest"]
 
@@ -95,7 +95,7 @@ class _LoopState:
 
 
 class RankStartup(Protocol):
-    """What the loop asks of its rank's start-up (``stages.trainer.setup.RankSetup``,
+    """What the loop asks of its rank's start-up (``stages.trainer.rank.setup.RankSetup``,
     which the actor hands in: the start-up fills the loop in, so the loop names only
     these steps of it)."""
 
@@ -223,7 +223,7 @@ class TrainLoop:
         """Train ``phase`` from here on: its sequence length, data mix (a fresh
         ``MixedLoader`` behind the lm objective), LR schedule and RoPE base. Model,
         optimizer and a post-training objective (one phase) stay."""
-        from stages.trainer.mix import MixedLoader
+        from stages.trainer.rank.mix import MixedLoader
 
         self.phase = phase
         self.set_rope_base(phase)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stages.trainer.layout import MESH_DIMS, ParallelLayout
+from stages.trainer.parallel.layout import MESH_DIMS, ParallelLayout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

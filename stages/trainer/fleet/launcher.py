@@ -21,11 +21,11 @@ from stages.events import Event, FleetEvent, LogEvent
 from stages.placement import PLACEMENT_FACT, actor_options, bundle_for_rank
 from stages.run_secret import RunSecret
 from stages.trainer.config import TrainStageConfig
-from stages.trainer.control import WorkerSpec
-from stages.trainer.handoff import Fleet, kill_actors, write_assignment
-from stages.trainer.lighthouse import LighthouseActor, lighthouse_name
-from stages.trainer.replica import BORROWED_GROUP, ReplicaWorker, worker_name
-from stages.trainer.supervision import RankKey
+from stages.trainer.fleet.handoff import Fleet, kill_actors, write_assignment
+from stages.trainer.fleet.lighthouse import LighthouseActor, lighthouse_name
+from stages.trainer.fleet.supervision import RankKey
+from stages.trainer.rank.control import WorkerSpec
+from stages.trainer.rank.replica import BORROWED_GROUP, ReplicaWorker, worker_name
 
 
 def _json_fact(fact: Any) -> dict[str, Any] | None:

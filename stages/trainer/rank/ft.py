@@ -58,8 +58,8 @@ def build_manager(
     from torchft.manager import Manager
 
     from stages.netsec import cluster_address, listener_config
-    from stages.trainer.heal_transport import HealTransport
-    from stages.trainer.rank_listeners import manager_listeners
+    from stages.trainer.rank.heal_transport import HealTransport
+    from stages.trainer.rank.rank_listeners import manager_listeners
 
     transport = HealTransport(
         secret,

@@ -40,16 +40,16 @@ from stages.events import (
 )
 from stages.run_secret import RunSecret
 from stages.trainer.config import TrainStageConfig
-from stages.trainer.engine_state import EngineResult
-from stages.trainer.handoff import Fleet, kill_actors
-from stages.trainer.launcher import RankLauncher
-from stages.trainer.phase_release import PhaseEndHook, PhaseRelease
-from stages.trainer.rank_state import ENDED_STATES, RankPoll, RankState
-from stages.trainer.recovery import failure_time, failure_times
-from stages.trainer.replica import spare_name
-from stages.trainer.spike_relay import LossSpikeRelay
-from stages.trainer.standby import StandbyPool
-from stages.trainer.supervision import GroupSupervisor, RankKey
+from stages.trainer.fleet.engine_state import EngineResult
+from stages.trainer.fleet.handoff import Fleet, kill_actors
+from stages.trainer.fleet.launcher import RankLauncher
+from stages.trainer.fleet.phase_release import PhaseEndHook, PhaseRelease
+from stages.trainer.fleet.recovery import failure_time, failure_times
+from stages.trainer.fleet.spike_relay import LossSpikeRelay
+from stages.trainer.fleet.standby import StandbyPool
+from stages.trainer.fleet.supervision import GroupSupervisor, RankKey
+from stages.trainer.rank.rank_state import ENDED_STATES, RankPoll, RankState
+from stages.trainer.rank.replica import spare_name
 
 _EVENT = TypeAdapter(Event)
 

@@ -19,9 +19,9 @@ from typing import Any, Protocol
 from stages.checkpointing.storage import list_checkpoints
 from stages.events import Event, LogEvent, PhaseEvent
 from stages.trainer.config import TrainStageConfig
-from stages.trainer.loss_spike import LossSpike, LossSpikeDetector
-from stages.trainer.rank_state import RankReport
-from stages.trainer.supervision import GroupState
+from stages.trainer.fleet.supervision import GroupState
+from stages.trainer.rank.loss_spike import LossSpike, LossSpikeDetector
+from stages.trainer.rank.rank_state import RankReport
 
 
 class SpikeHost(Protocol):

@@ -31,7 +31,7 @@ from typing import Literal
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event, InterruptionEvent, LogEvent, StepEvent
 from stages.trainer.config import FaultToleranceConfig
-from stages.trainer.rank_state import RankReport, RankState
+from stages.trainer.rank.rank_state import RankReport, RankState
 
 RankKey = tuple[int, int]  # (replica group, rank)
 InterruptionKind = Literal["replica_group_lost", "all_groups_lost", "loss_spike"]
@@ -85,7 +85,7 @@ class GroupSupervisor:
     ``replace`` puts a warm standby group in a lost group's place (False: none is
     warm); ``restart`` has Ray restart a multi-rank group's other ranks;
     ``failure_time`` / ``failure_times`` ask Ray when processes ended
-    (``stages.trainer.recovery``)."""
+    (``stages.trainer.fleet.recovery``)."""
 
     def __init__(
         self,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from stages.trainer.layout import ParallelLayout
+from stages.trainer.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

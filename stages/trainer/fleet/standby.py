@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stages.events import FleetEvent
-from stages.trainer.rank_state import RankState
+from stages.trainer.rank.rank_state import RankState
 
 
 class StandbyPool:

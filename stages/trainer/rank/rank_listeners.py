@@ -1,7 +1,7 @@
 """Where a rank's torchft listeners stand: never a wildcard, ports from the
 deployment's range, torchft's credential-less servers behind a front.
 
-A rank opens three kinds of listener (the lighthouse is ``stages.trainer.lighthouse``):
+A rank opens three kinds of listener (the lighthouse is ``stages.trainer.fleet.lighthouse``):
 
 - rank 0 of each replica group: the group's ``ManagerServer`` (torchft's Rust gRPC
   server: quorum, should_commit, checkpoint metadata, and a ``Kill`` RPC; it takes no
@@ -16,7 +16,7 @@ A rank opens three kinds of listener (the lighthouse is ``stages.trainer.lightho
   prefix would hide nothing: the store answers ``list_keys`` to any client. So it
   gets the same front as the ManagerServer (the run's nodes only, any protocol) over
   a socket we bind on ``127.0.0.1:P`` and hand to torch (``master_listen_fd``).
-- every rank: its heal server (``stages.trainer.heal_transport``), which proves the
+- every rank: its heal server (``stages.trainer.rank.heal_transport``), which proves the
   run's secret both ways itself and binds the cluster address directly.
 - every rank: gloo's pair listeners (the in-group process group, torchft's
   cross-group one per quorum). gloo binds the address of ``GLOO_SOCKET_IFNAME``'s

@@ -12,25 +12,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stages.presets import load_model_preset
-from stages.trainer import ft
-from stages.trainer.idle import idle_thread, run_when_idle
-from stages.trainer.rank_state import RankState
+from stages.trainer.rank import ft
+from stages.trainer.rank.idle import idle_thread, run_when_idle
+from stages.trainer.rank.rank_state import RankState
 
 if TYPE_CHECKING:
-    from stages.trainer.layout import ParallelLayout
-    from stages.trainer.loop import TrainLoop
+    from stages.trainer.parallel.layout import ParallelLayout
+    from stages.trainer.rank.loop import TrainLoop
 
 
 # The mesh and DCP group this process built over its replica group's process group,
 # with the (mesh shape, device type) they were built for. A rank handed on to the next
-# engine run (stages.trainer.handoff) reuses them when the shape is the same and
+# engine run (stages.trainer.fleet.handoff) reuses them when the shape is the same and
 # destroys them when it differs: every process group holds communicators (on NCCL,
 # buffers on the device), so a new set per run would pile up over a run's objectives.
 _GROUP_MESH: dict[str, Any] = {}
 
 
 def _mesh_groups(mesh: Any) -> list[Any]:
-    from stages.trainer.mesh import FSDP_DIM
+    from stages.trainer.parallel.mesh import FSDP_DIM
 
     return [mesh[name].get_group() for name in [*(mesh.mesh_dim_names or ()), FSDP_DIM]]
 
@@ -47,8 +47,8 @@ def group_mesh(layout: ParallelLayout, device_type: str) -> tuple[Any, Any]:
     shape before, else new ones (those of another shape destroyed first)."""
     import torch.distributed as dist
 
-    from stages.trainer.layout import MESH_DIMS
-    from stages.trainer.mesh import build_mesh
+    from stages.trainer.parallel.layout import MESH_DIMS
+    from stages.trainer.parallel.mesh import build_mesh
 
     key = (tuple(layout.degrees()[name] for name in MESH_DIMS), device_type)
     if _GROUP_MESH.get("key") == key:
@@ -82,7 +82,7 @@ class RankSetup:
     def build(self) -> None:
         """The group-independent part of start-up (what a spare group does ahead)."""
         from stages.model.lm import build_model
-        from stages.trainer.train_state import set_determinism
+        from stages.trainer.rank.train_state import set_determinism
 
         loop, cfg = self.loop, self.loop.cfg
         set_determinism(cfg.target.seed, deterministic=cfg.target.deterministic)
@@ -104,9 +104,9 @@ class RankSetup:
             self._parallelize(None)
 
     def _parallelize(self, mesh: Any) -> None:
-        """The plan's layout on this rank (stages.trainer.parallelize), then AdamW over
+        """The plan's layout on this rank (stages.trainer.parallel.parallelize), then AdamW over
         what this rank holds."""
-        from stages.trainer.parallelize import ParallelModel
+        from stages.trainer.parallel.parallelize import ParallelModel
 
         loop, target = self.loop, self.loop.cfg.target
         loop.parallel = ParallelModel(loop.model, loop.cfg.layout, mesh, self.device)
@@ -128,7 +128,7 @@ class RankSetup:
 
         spec, cfg = self.loop.spec, self.loop.cfg
         if dist.is_initialized():
-            # A rank handed on from the fleet's previous run (stages.trainer.handoff):
+            # A rank handed on from the fleet's previous run (stages.trainer.fleet.handoff):
             # the same processes in the same ranks, so their process group goes on.
             if (dist.get_rank(), dist.get_world_size()) != (spec.rank, cfg.ranks_per_group):
                 from stages.errors import ErrorCode, ItoError
@@ -169,7 +169,7 @@ class RankSetup:
         torch.optim.AdamW([p]).step()
 
     def prepare_standby(self) -> None:
-        """A standby's build and warm-up, at idle priority (``stages.trainer.idle``): it
+        """A standby's build and warm-up, at idle priority (``stages.trainer.rank.idle``): it
         is started beside live ranks, often on their cores, and must not slow them."""
 
         def prepare() -> None:
@@ -208,9 +208,9 @@ class RankSetup:
 
         from stages.checkpointing.checkpointer import Checkpointer
         from stages.checkpointing.seal import CheckpointBinding
-        from stages.trainer.lighthouse import lighthouse_address
-        from stages.trainer.loss_spike import LossSpikeDetector
-        from stages.trainer.train_state import TrainState
+        from stages.trainer.fleet.lighthouse import lighthouse_address
+        from stages.trainer.rank.loss_spike import LossSpikeDetector
+        from stages.trainer.rank.train_state import TrainState
 
         loop, spec, cfg = self.loop, self.loop.spec, self.loop.cfg
         # The first phase's RoPE base on the plain model, before any layout wraps it.
@@ -220,14 +220,14 @@ class RankSetup:
             # Single-rank group: this process hosts the group's store, behind a front
             # (rank_listeners); it dies with it, or is closed when the rank is handed
             # on to the next run (``close``).
-            from stages.trainer.rank_listeners import host_group_store
+            from stages.trainer.rank.rank_listeners import host_group_store
 
             self.group_store = host_group_store(spec.placement, cfg.fault_tolerance.front)
             store_addr, store_port = self.group_store.address
         ckpt_pg = self._shard_in_group(store_addr, store_port) if loop.sharded else None
         if cfg.objective.builder is not None:
             # Before any restore or heal: DPO's reference is these (base) weights.
-            from stages.trainer.objective import named_builder
+            from stages.trainer.rank.objective import named_builder
 
             build = named_builder(cfg.objective.builder)
             loop.objective = build(cfg, loop.parallel, dp_rank=loop.dp_rank, device=self.device)

@@ -14,8 +14,8 @@ from typing import Any
 
 from stages.curriculum.schedule import CurriculumSchedule, PhaseSpan
 from stages.trainer.config import FaultToleranceConfig
-from stages.trainer.rank_state import RankReport, RankState
-from stages.trainer.supervision import RankKey
+from stages.trainer.fleet.supervision import RankKey
+from stages.trainer.rank.rank_state import RankReport, RankState
 
 # Called when every live group closed a phase; True: the gate passed, go on.
 PhaseEndHook = Callable[[PhaseSpan], bool]

@@ -31,16 +31,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from stages.errors import ErrorCode, ItoError
-from stages.trainer.activation_checkpointing import apply_activation_checkpointing
-from stages.trainer.layout import ParallelLayout, check_runnable
-from stages.trainer.mesh import FSDP_DIM, mesh_coords, mesh_layout
-from stages.trainer.objective import Batch, Objective, Tensors
-from stages.trainer.pipeline import LocalModel, StageModule, build_schedule, split_model
+from stages.trainer.parallel.activation_checkpointing import apply_activation_checkpointing
+from stages.trainer.parallel.layout import ParallelLayout, check_runnable
+from stages.trainer.parallel.mesh import FSDP_DIM, mesh_coords, mesh_layout
+from stages.trainer.parallel.pipeline import LocalModel, StageModule, build_schedule, split_model
+from stages.trainer.rank.objective import Batch, Objective, Tensors
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from stages.trainer.ft import GradientReducer
+    from stages.trainer.rank.ft import GradientReducer
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from stages.errors import ErrorCode, ItoError
-from stages.trainer.data import TokenLoader
+from stages.trainer.rank.data import TokenLoader
 
 _PHI = (5**0.5 - 1) / 2  # golden ratio conjugate
 _CHUNK = 1 << 20

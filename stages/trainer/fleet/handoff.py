@@ -27,7 +27,7 @@ from typing import Any
 from stages.atomic_write import write_bytes
 from stages.run_secret import RunSecret
 from stages.trainer.config import FaultToleranceConfig
-from stages.trainer.control import WorkerSpec
+from stages.trainer.rank.control import WorkerSpec
 
 Shape = tuple[int, int, str]  # replica groups, ranks per group, device
 
