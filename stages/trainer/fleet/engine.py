@@ -89,7 +89,6 @@ class TrainingEngine:
         self.phase_ends = PhaseRelease(
             cfg.schedule, ft=self.ft, on_phase_end=on_phase_end, decided=decided or ()
         )
-        self._rank_state: dict[RankKey, RankState] = {}  # each rank's last report
         self.emit_fn = emit
         self.cancel_event = cancel_event
         self.launcher = RankLauncher(
@@ -294,7 +293,6 @@ class TrainingEngine:
         if sooner is not None:
             due = time.monotonic() + sooner
             self._poll_due[key] = min(self._poll_due.get(key, due), due)
-        self._rank_state[key] = status.state
         if status.digest:
             self.rank_digests[f"{g}/{rank}"] = status.digest
         for raw in reply.events:
@@ -330,7 +328,8 @@ class TrainingEngine:
         self.command_all("stop")
         deadline = time.time() + self.ft.stop_timeout_s
         while time.time() < deadline and any(
-            self._rank_state.get(key) not in ENDED_STATES for key in self.actors
+            (r := self.supervisor.reports.get(key)) is None or r.state not in ENDED_STATES
+            for key in self.actors
         ):
             self.poll_once(self.ft.poll_interval_s)
 
@@ -393,5 +392,8 @@ class TrainingEngine:
         """Every live rank waits at one phase end: its gate ran (``PhaseRelease``)."""
         live = [k for k in self.actors if self.groups[k[0]].lost_at is None]
         return self.phase_ends.gate(
-            live, list(self.actors), release=lambda: self.command_all("next_phase")
+            live,
+            list(self.actors),
+            self.supervisor.reports,
+            release=lambda: self.command_all("next_phase"),
         )

@@ -9,7 +9,7 @@ passed (restarted, or resumed from a closing checkpoint) is released at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from stages.curriculum.schedule import CurriculumSchedule, PhaseSpan
@@ -40,17 +40,14 @@ class PhaseRelease:
         # (boundary, pid) each rank was last told to leave: a poll in flight may show
         # it again; a restarted process (new pid) at the same boundary is told again.
         self._released: dict[RankKey, tuple[int, int]] = {}
-        self._pid: dict[RankKey, int] = {}
-        self._boundary: dict[RankKey, int | None] = {}
         # The phase that a rank reporting this many committed steps is closing.
         self._ending_at = {p.end_step: p.index for p in schedule.phases}
 
     def observe(self, key: RankKey, report: RankReport, actor: Any, ranks: int) -> float | None:
-        """Take in rank ``key``'s report (``ranks``: how many the run has). Returns how
+        """Take in rank ``key``'s report (``ranks``: how many the run has): release it at
+        once at a boundary whose gate already passed. Returns how
         soon to poll it again when its closing save is in flight (its boundary, and so
         the gate, is polled for sooner than the next regular poll); else None."""
-        self._boundary[key] = report.boundary
-        self._pid[key] = report.pid
         b = report.boundary
         if b is not None and b in self.passed and self._released.get(key) != (b, report.pid):
             # Resumed (or restarted) at a boundary whose gate already passed.
@@ -67,11 +64,16 @@ class PhaseRelease:
         return None
 
     def gate(
-        self, live: list[RankKey], ranks: Iterable[RankKey], release: Callable[[], None]
+        self,
+        live: list[RankKey],
+        ranks: Iterable[RankKey],
+        reports: Mapping[RankKey, RankReport],
+        release: Callable[[], None],
     ) -> bool:
-        """Every ``live`` rank waits at the same phase end: run its gate, then
-        ``release`` every rank (passed) or stop the run (failed). True when a gate ran."""
-        marks = {self._boundary.get(k) for k in live}
+        """Every ``live`` rank waits at the same phase end (``reports``: each rank's last
+        answer): run its gate, then ``release`` every rank (passed) or stop the run
+        (failed). True when a gate ran."""
+        marks = {r.boundary if (r := reports.get(k)) else None for k in live}
         if not live or len(marks) != 1:
             return False
         b = marks.pop()
@@ -82,6 +84,6 @@ class PhaseRelease:
             return True
         self.passed.add(b)
         for k in ranks:
-            self._released[k] = (b, self._pid.get(k, 0))
+            self._released[k] = (b, reports[k].pid if k in reports else 0)
         release()
         return True

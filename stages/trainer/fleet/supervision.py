@@ -115,9 +115,9 @@ class GroupSupervisor:
         # Each rank's process id and last answered poll: when it is lost, when it died.
         self.pids: dict[RankKey, int] = {}
         self._last_seen: dict[RankKey, float] = {}
-        # Ranks whose last answer said finished (with their final shard digest), and
-        # when every group's rank 0 first did.
-        self._finished_ranks: set[RankKey] = set()
+        # Each rank's last answer (the one record of it the driver keeps), and when
+        # every group's rank 0 first said finished.
+        self.reports: dict[RankKey, RankReport] = {}
         self._groups_finished_at: float | None = None
 
     def live(self) -> list[int]:
@@ -181,10 +181,7 @@ class GroupSupervisor:
             grp.boundary = report.boundary
         if report.error:
             grp.error = report.error
-        if report.state is RankState.finished:
-            self._finished_ranks.add(key)
-        else:
-            self._finished_ranks.discard(key)
+        self.reports[key] = report
 
     def step_committed(self, event: StepEvent, group: int) -> None:
         """Group ``group``'s rank 0 committed ``event``: a full quorum heals every group
@@ -272,9 +269,7 @@ class GroupSupervisor:
         now = time.time()
         if self._groups_finished_at is None:
             self._groups_finished_at = now
-        return (
-            self._finished_ranks >= ranks or now - self._groups_finished_at > self.ft.stop_timeout_s
-        )
+        return self._finished() >= ranks or now - self._groups_finished_at > self.ft.stop_timeout_s
 
     def stragglers_done(self) -> bool:
         """Some groups finished and every other one is lost."""
@@ -288,6 +283,10 @@ class GroupSupervisor:
         )
 
     # --- internals --------------------------------------------------------------------
+    def _finished(self) -> set[RankKey]:
+        """The ranks whose last answer said finished (with their final shard digest)."""
+        return {k for k, r in self.reports.items() if r.state is RankState.finished}
+
     def _recovered(self, grp: GroupState, ts: float) -> None:
         if self._all_lost_at is not None:
             failed = [g.failed_at for g in self.groups if g.failed_at is not None]
