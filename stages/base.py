@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.events import Event, LogEvent
+from stages.resize import ResizeInbox
 from stages.run_secret import RunSecret
 
 GateStatus = Literal["passed", "failed", "no_decision", "skipped"]
@@ -63,6 +64,9 @@ class StageContext:
     # The run's secret, proven by the run's processes on every listener they open
     # (stages.netsec). Made with the context, so a relaunched driver's run has a new one.
     secret: RunSecret = field(default_factory=RunSecret.new)
+    # The booking's size changes (``stages.resize``), put by the orchestrator, taken by
+    # the trainer at a step boundary.
+    resize_inbox: ResizeInbox = field(default_factory=ResizeInbox)
 
     # Human decisions on proposals (``ProposalEvent``), filled by the orchestrator.
     _decisions: dict[str, str] = field(default_factory=dict)

@@ -103,6 +103,22 @@ class FleetEvent(_Event):
     address: str = ""
 
 
+class ResizeEvent(_Event):
+    """A resize of the run's replica groups (``stages.resize``): ``requested`` when the
+    trainer takes the request, ``applied`` at the first committed step with the new
+    group count (``seconds``: from the booking change to that step), ``refused`` when
+    it cannot be applied (``reason``), ``paused`` when fewer than one group is left."""
+
+    kind: Literal["resize"] = "resize"
+    request_id: str
+    action: Literal["requested", "applied", "refused", "paused"]
+    groups_before: int
+    groups_after: int
+    step: int | None = None
+    seconds: float | None = None
+    reason: str = ""
+
+
 class ProposalEvent(_Event):
     """A human-gated action, e.g. restart from a checkpoint skipping a data window."""
 
@@ -177,6 +193,7 @@ Event = Annotated[
     | CheckpointEvent
     | InterruptionEvent
     | FleetEvent
+    | ResizeEvent
     | ProposalEvent
     | PhaseEvent
     | ProgressEvent

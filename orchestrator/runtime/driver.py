@@ -27,6 +27,7 @@ from stages.checkpointing.seal import ACCOUNT_FACT
 from stages.errors import ErrorCode, ItoError
 from stages.event_buffer import EventBuffer
 from stages.events import Event, LogEvent, PhaseEvent, StageResultEvent, StepEvent
+from stages.resize import ResizeRequest
 from stages.trainer.fleet.handoff import Fleet
 
 DriverState = Literal["created", "running", "succeeded", "failed", "cancelled"]
@@ -146,6 +147,11 @@ class RunDriverImpl:
 
     def decide(self, proposal_id: str, decision: Literal["approved", "declined"]) -> None:
         self.ctx.decide(proposal_id, decision)
+
+    def resize(self, request: dict[str, Any]) -> None:
+        """The booking's size changed: the trainer takes the request at a step boundary
+        (a newer one replaces one not yet taken)."""
+        self.ctx.resize_inbox.put(ResizeRequest.model_validate(request))
 
     def ping(self) -> dict[str, Any]:
         return {

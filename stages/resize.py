@@ -1,0 +1,61 @@
+"""A running run's replica-group count following its booking.
+
+When a booking gains or loses nodes, the orchestrator asks the planner for the run's
+new group count (the layout inside each group unchanged) and hands the run a
+:class:`ResizeRequest` through ``StageContext.resize_inbox``. The trainer applies it
+at a step boundary: new groups heal from a live peer and join the quorum, leaving
+groups are drained (they finish their step and stop, nothing is killed mid-step), and
+the global batch stays fixed, so every data-parallel rank's share is re-cut. Each
+applied resize is reported as a ``ResizeEvent``. Stages never import the
+orchestrator: this module is the whole contract between them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.placement import PlacementFact
+
+
+class ResizeRequest(BaseModel):
+    """The run's new replica-group count, and why."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    request_id: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
+    # 0: the booking holds no whole group any more; the run checkpoints and pauses.
+    replica_groups: int = Field(ge=0, le=64)
+    # The booking's nodes after the change (names, for people and the record).
+    nodes: tuple[str, ...] = ()
+    # When the booking changed (epoch seconds): the resize's time counts from here.
+    requested_at: float
+    reason: str = Field(default="", max_length=500)
+    # Where added groups go: the reservation of the nodes the booking gained (None:
+    # the run's own placement, or none in a stage run alone).
+    placement: PlacementFact | None = None
+    # The groups on the nodes the booking lost, to drain first (empty: the highest).
+    leaving_groups: tuple[int, ...] = ()
+
+
+class ResizeInbox:
+    """The requests not yet taken by the trainer. A newer request replaces an untaken
+    older one (only the booking's latest size matters); ``take`` is non-blocking, so
+    the trainer checks it on its way round its supervision loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: ResizeRequest | None = None
+
+    def put(self, request: ResizeRequest) -> None:
+        with self._lock:
+            self._pending = request
+
+    def take(self) -> ResizeRequest | None:
+        with self._lock:
+            request, self._pending = self._pending, None
+            return request
+
+    def peek(self) -> ResizeRequest | None:
+        with self._lock:
+            return self._pending
