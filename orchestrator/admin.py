@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from orchestrator.db.store import Store
 from orchestrator.gates.auth import issue_key
-from orchestrator.gates.bookings import BookingFile, add_booking, booking_view
+from orchestrator.gates.bookings import BookingFile, add_booking, booking_view, change_nodes
 from orchestrator.redact import looks_secret
 from orchestrator.runs import RunState
 from orchestrator.runtime.interface import NullRuntime, RunRuntime
@@ -411,6 +411,40 @@ def bookings_revoke(booking_id: str, db: DbOpt, as_json: JsonOpt = False) -> Non
 @bookings_app.command("release")
 def bookings_release(booking_id: str, db: DbOpt, as_json: JsonOpt = False) -> None:
     _set_booking(db, booking_id, "released", as_json)
+
+
+NodesOpt = Annotated[
+    list[str] | None,
+    typer.Option("--node", help="a node's name (repeatable)", show_default=False),
+]
+
+
+def _change_nodes(db: str, booking_id: str, action: str, nodes: list[str], as_json: bool) -> None:
+    try:
+        view = change_nodes(_store(db), booking_id, action, nodes)
+    except ItoError as e:
+        _fail(as_json, e.code, e.message)
+    verb = "added to" if action == "add" else "removed from"
+    _audit(db, f"bookings.{action}_nodes", booking_id=booking_id)
+    _emit(as_json, view, f"{len(nodes)} node(s) {verb} booking {booking_id}")
+
+
+@bookings_app.command("add-nodes")
+def bookings_add_nodes(
+    booking_id: str, db: DbOpt, node: NodesOpt = None, as_json: JsonOpt = False
+) -> None:
+    """Add nodes to an active booking: its running run grows into them (at the
+    supervisor's next authority check). A node of another active booking is refused."""
+    _change_nodes(db, booking_id, "add", node or [], as_json)
+
+
+@bookings_app.command("remove-nodes")
+def bookings_remove_nodes(
+    booking_id: str, db: DbOpt, node: NodesOpt = None, as_json: JsonOpt = False
+) -> None:
+    """Take nodes back from an active booking: its running run's groups on them leave
+    at a step boundary (below one replica group the run pauses, ``paused_capacity``)."""
+    _change_nodes(db, booking_id, "remove", node or [], as_json)
 
 
 MAX_STOP_REASON = 500

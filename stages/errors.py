@@ -181,6 +181,24 @@ class ErrorCode(StrEnum):
         "`booking_not_found`, exactly as a missing one.",
     )
     booking_exists = "booking_exists", 409, "Admin: a booking with this id is already registered."
+    booking_node_taken = (
+        "booking_node_taken",
+        409,
+        "Admin: `bookings add`/`add-nodes` names a node another active booking holds (a node "
+        "serves one booking at a time).",
+    )
+    booking_node_unknown = (
+        "booking_node_unknown",
+        409,
+        "Admin: `bookings remove-nodes` names a node the booking does not hold (never added, "
+        "or removed already).",
+    )
+    booking_nodes_invalid = (
+        "booking_nodes_invalid",
+        422,
+        "Admin: a node list is empty, names a node twice, or a name is not 1-128 of "
+        "`[A-Za-z0-9_.:-]`; or a booking file's `nodes` and `node_count` disagree.",
+    )
     address_in_use = (
         "address_in_use",
         409,
@@ -405,6 +423,19 @@ class ErrorCode(StrEnum):
         "plan_no_feasible",
         422,
         "Planner: no feasible layout exists for this model on this booking.",
+    )
+    plan_resize_no_group = (
+        "plan_resize_no_group",
+        422,
+        "Planner: the booking grew, but the GPUs it gained hold no whole replica group more "
+        "(the layout inside each group stays as planned); the run keeps its groups.",
+    )
+    plan_resize_batch_not_divisible = (
+        "plan_resize_batch_not_divisible",
+        422,
+        "Planner: the booking grew and holds more whole replica groups, but the run's fixed "
+        "global batch does not split evenly over the larger data-parallel width (nor over any "
+        "width between); the run keeps its groups.",
     )
     # --- data prep (stages.data_prep) -------------------------------------------------
     data_not_found = "data_not_found", 422, "Data prep: a data reference does not exist."

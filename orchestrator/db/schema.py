@@ -173,6 +173,53 @@ MIGRATIONS: list[str] = [
         expires_at REAL NOT NULL
     );
     """,
+    # 4: a booking's named nodes and their changes; the resizes delivered to runs. A
+    # node is held by one active booking at a time (the partial unique index). The
+    # bookings of an older database get derived names, ``<booking_id>-n<i>``.
+    """
+    CREATE TABLE booking_nodes (
+        booking_id TEXT NOT NULL REFERENCES bookings(booking_id),
+        node TEXT NOT NULL,
+        held INTEGER NOT NULL DEFAULT 1,
+        added_at REAL NOT NULL,
+        PRIMARY KEY (booking_id, node)
+    );
+    CREATE UNIQUE INDEX booking_nodes_held ON booking_nodes(node) WHERE held = 1;
+    WITH RECURSIVE seq(i) AS (
+        SELECT 0 UNION ALL SELECT i + 1 FROM seq
+        WHERE i + 1 < (SELECT COALESCE(MAX(node_count), 0) FROM bookings)
+    )
+    INSERT INTO booking_nodes (booking_id, node, held, added_at)
+    SELECT b.booking_id, b.booking_id || '-n' || CAST(seq.i AS TEXT),
+           CASE WHEN b.state = 'active' THEN 1 ELSE 0 END, b.created_at
+    FROM bookings b JOIN seq ON seq.i < COALESCE(b.node_count, 0);
+    CREATE TABLE booking_changes (
+        change_id INTEGER PRIMARY KEY AUTOINCREMENT,
+        booking_id TEXT NOT NULL REFERENCES bookings(booking_id),
+        ts REAL NOT NULL,
+        action TEXT NOT NULL CHECK (action IN ('add', 'remove')),
+        nodes TEXT NOT NULL,
+        node_count INTEGER NOT NULL
+    );
+    CREATE INDEX booking_changes_booking ON booking_changes(booking_id, change_id);
+    CREATE TABLE run_resizes (
+        run_id TEXT NOT NULL,
+        request_id TEXT NOT NULL,
+        change_id INTEGER NOT NULL,
+        requested_at REAL NOT NULL,
+        nodes TEXT NOT NULL,
+        groups_before INTEGER NOT NULL,
+        replica_groups INTEGER NOT NULL,
+        reason TEXT NOT NULL,
+        code TEXT,
+        status TEXT NOT NULL
+            CHECK (status IN ('pending', 'delivered', 'refused', 'unchanged')),
+        created_at REAL NOT NULL,
+        delivered_at REAL,
+        PRIMARY KEY (run_id, request_id)
+    );
+    CREATE INDEX run_resizes_run ON run_resizes(run_id, change_id);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from orchestrator.db.booking_nodes import BookingNodes
 from orchestrator.db.engines import (
     Conn,
     Row,
@@ -50,7 +51,7 @@ def new_id(prefix: str, nbytes: int = 8) -> str:
     return f"{prefix}_{secrets.token_hex(nbytes)}"
 
 
-class Store(Leases):
+class Store(BookingNodes, Leases):
     def __init__(self, path: str | Path, limits: StoreLimits | None = None):
         self.path = str(path)
         self.engine = open_engine(path, limits)
@@ -208,6 +209,7 @@ class Store(Leases):
                 "'active', :now, :now)",
                 {**b, "now": now},
             )
+            self.insert_booking_nodes(c, b["booking_id"], b.get("nodes") or (), now)
 
     def booking(self, booking_id: str) -> Row | None:
         return self.read_one("SELECT * FROM bookings WHERE booking_id = ?", (booking_id,))
@@ -220,6 +222,7 @@ class Store(Leases):
             )
             if cur.rowcount != 1:
                 raise ItoError(ErrorCode.booking_not_found, f"no booking {safe_id(booking_id)}")
+            self.set_nodes_held(c, booking_id, state == "active")
 
         if conn is not None:
             apply(conn)

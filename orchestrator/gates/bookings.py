@@ -8,7 +8,9 @@ or a client's memory are never proof of a booking.
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,6 +35,34 @@ def parse_iso(value: str) -> float:
     return dt.timestamp()
 
 
+# A node's name: what ito-compute calls the host (and Ray's node resource may carry).
+NODE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+MAX_NODES = 100_000
+
+
+def check_node_names(nodes: Sequence[str]) -> list[str]:
+    """A node list as given: non-empty, each name well formed, none twice."""
+    if not nodes:
+        raise ItoError(ErrorCode.booking_nodes_invalid, "name at least one node")
+    if len(nodes) > MAX_NODES:
+        raise ItoError(ErrorCode.booking_nodes_invalid, f"at most {MAX_NODES} nodes")
+    for name in nodes:
+        if not isinstance(name, str) or not NODE_NAME.match(name):
+            raise ItoError(
+                ErrorCode.booking_nodes_invalid,
+                "a node name is 1-128 characters of letters, digits and _.:-",
+            )
+    if len(set(nodes)) != len(nodes):
+        raise ItoError(ErrorCode.booking_nodes_invalid, "a node is named twice")
+    return list(nodes)
+
+
+def derived_node_names(booking_id: str, node_count: int) -> list[str]:
+    """The names of a booking registered without ``nodes`` (and of every booking a
+    database held before bookings had named nodes: the store's migration 4)."""
+    return [f"{booking_id}-n{i}" for i in range(node_count)]
+
+
 class BookingFile(BaseModel):
     """One booking as ito-compute hands it over. Topology/region/fabric may be missing
     (an incomplete booking is registered, then refused at the gate)."""
@@ -43,6 +73,9 @@ class BookingFile(BaseModel):
     gpu_sku: str | None = Field(default=None, max_length=64)
     gpus_per_node: int | None = Field(default=None, gt=0, le=1024)
     node_count: int | None = Field(default=None, gt=0, le=100_000)
+    # The nodes' names (ito-compute's host names); without it the registry names them
+    # ``<booking_id>-n0`` .. ``-n<node_count - 1>``. Checked by ``check_node_names``.
+    nodes: list[str] | None = Field(default=None, max_length=MAX_NODES)
     region: str | None = Field(default=None, max_length=64)
     fabric: str | None = Field(default=None, max_length=64)
     term_start: str
@@ -70,7 +103,22 @@ def add_booking(store: Store, booking: BookingFile) -> dict[str, Any]:
         row["gpu_sku"] = canonical_name("gpus", booking.gpu_sku)
     if booking.fabric is not None:
         row["fabric"] = canonical_name("fabrics", booking.fabric)
-    row.update(account_id=account["account_id"], term_start=start, term_end=end)
+    if booking.nodes is not None:
+        nodes = check_node_names(booking.nodes)
+        if booking.node_count is not None and booking.node_count != len(nodes):
+            raise ItoError(
+                ErrorCode.booking_nodes_invalid,
+                f"node_count {booking.node_count} but {len(nodes)} nodes listed",
+            )
+    else:
+        nodes = derived_node_names(booking.booking_id, booking.node_count or 0)
+    row.update(
+        account_id=account["account_id"],
+        term_start=start,
+        term_end=end,
+        nodes=nodes,
+        node_count=len(nodes) or None,
+    )
     store.add_booking(row)
     return booking_view(store, booking.booking_id)
 
@@ -86,6 +134,7 @@ def booking_view(store: Store, booking_id: str) -> dict[str, Any]:
         "gpu_sku": row["gpu_sku"],
         "gpus_per_node": row["gpus_per_node"],
         "node_count": row["node_count"],
+        "nodes": store.booking_nodes(booking_id),
         "region": row["region"],
         "fabric": row["fabric"],
         "term_start": iso(row["term_start"]),
@@ -117,7 +166,7 @@ def check_eligibility(
     missing = [
         k
         for k in ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")
-        if row[k] in (None, "")
+        if row[k] in (None, "", 0)  # 0 nodes: every node was taken back
     ]
     if missing:
         raise ItoError(ErrorCode.booking_incomplete, f"booking lacks {', '.join(missing)}")
@@ -136,3 +185,13 @@ def check_eligibility(
         "valid_until": iso(min(now + ttl_s, row["term_end"])),
         "_term_end_ts": row["term_end"],
     }
+
+
+def change_nodes(
+    store: Store, booking_id: str, action: str, nodes: Sequence[str]
+) -> dict[str, Any]:
+    """Add nodes to (``action="add"``) or remove nodes from an active booking; the
+    booking's view after it, with the change's ``change_id``. A running run of the
+    booking follows at the supervisor's next authority check (``runtime.resizing``)."""
+    change = store.change_booking_nodes(booking_id, action, check_node_names(nodes))
+    return {**booking_view(store, booking_id), "change_id": change["change_id"]}
