@@ -16,6 +16,9 @@ class RunState(StrEnum):
     starting = "starting"
     running = "running"
     awaiting_approval = "awaiting_approval"
+    # The booking holds less than one replica group (nodes taken back): the run
+    # checkpointed and waits; it runs again when the booking has the nodes back.
+    paused_capacity = "paused_capacity"
     cancelling = "cancelling"
     cancelled = "cancelled"
     succeeded = "succeeded"
@@ -27,8 +30,11 @@ S = RunState
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.accepted: frozenset({S.starting, S.cancelling, S.failed}),
     S.starting: frozenset({S.running, S.cancelling, S.failed}),
-    S.running: frozenset({S.awaiting_approval, S.cancelling, S.succeeded, S.failed}),
+    S.running: frozenset(
+        {S.awaiting_approval, S.paused_capacity, S.cancelling, S.succeeded, S.failed}
+    ),
     S.awaiting_approval: frozenset({S.running, S.cancelling, S.failed}),
+    S.paused_capacity: frozenset({S.running, S.cancelling, S.failed}),
     S.cancelling: frozenset({S.cancelled, S.failed}),
     S.cancelled: frozenset({S.cleaned}),
     S.succeeded: frozenset({S.cleaned}),
@@ -39,7 +45,7 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
 TERMINAL: frozenset[RunState] = frozenset({S.succeeded, S.failed, S.cancelled})
 # States in which the runtime owns live work for the run.
 ACTIVE: frozenset[RunState] = frozenset(
-    {S.accepted, S.starting, S.running, S.awaiting_approval, S.cancelling}
+    {S.accepted, S.starting, S.running, S.awaiting_approval, S.paused_capacity, S.cancelling}
 )
 
 

@@ -123,3 +123,74 @@ def plan_manifest(
     except ItoError as e:
         return PlanResult(None, {"code": str(e.code), "message": e.message}, None)
     return PlanResult(dumped, None, chosen.step_time_s)
+
+
+# The most replica groups a run may have (``TrainStageConfig.replica_groups``'s bound).
+MAX_REPLICA_GROUPS = 64
+
+
+@dataclass(frozen=True)
+class GroupCount:
+    """A run's replica-group count on its booking after a change, and why."""
+
+    replica_groups: int
+    ranks_per_group: int
+    reason: str
+
+
+def resize_groups(
+    plan: dict[str, Any], booking: dict[str, Any], *, current_groups: int, grew: bool
+) -> GroupCount:
+    """The run's replica groups on ``booking`` as it is now, the layout inside each
+    group as ``plan`` laid it out (tp x pp x cp x dp_shard ranks per group).
+
+    As many whole groups as the booking's GPUs hold (at most ``MAX_REPLICA_GROUPS``),
+    fewer where the run's fixed global batch would not split evenly over their
+    data-parallel ranks and micro-batches (the trainer keeps the global batch and
+    re-cuts every rank's share). No whole group: 0, the run pauses. A booking that
+    ``grew`` but gives the run no group more is refused (``plan_resize_no_group``, or
+    ``plan_resize_batch_not_divisible`` when the batch is what stands in the way); a
+    shrink is never refused, since the nodes it lost are gone either way."""
+    from stages.trainer.parallel.layout import layout_from_plan
+
+    ranks = int(plan["tp"]) * int(plan["pp"]) * int(plan["cp"]) * int(plan["dp_shard"])
+    layout = layout_from_plan(plan).resolved(ranks)
+    gpus = int(booking.get("gpus_per_node") or 0) * int(booking.get("node_count") or 0)
+    sequences = int(plan["global_batch_tokens"]) // int(plan["seq_len"])
+    whole = min(gpus // ranks, MAX_REPLICA_GROUPS)
+    held = f"{gpus} GPUs hold {whole} whole group(s) of {ranks} ranks"
+    if whole == 0:
+        return GroupCount(0, ranks, f"{held}: the run pauses until capacity returns")
+
+    def splits(groups: int) -> bool:
+        dp = groups * layout.dp_shard
+        if sequences % dp:
+            return False
+        per_rank = sequences // dp
+        return per_rank % layout.grad_accum == 0 and (
+            layout.pp == 1 or per_rank % layout.pp_microbatches == 0
+        )
+
+    groups = next((g for g in range(whole, 0, -1) if splits(g)), 0)
+    batch = f"the global batch of {sequences} sequences"
+    if grew and groups <= current_groups:
+        if whole <= current_groups:
+            raise ItoError(
+                ErrorCode.plan_resize_no_group,
+                f"{held}; the run has {current_groups} already",
+            )
+        raise ItoError(
+            ErrorCode.plan_resize_batch_not_divisible,
+            f"{held}, but {batch} splits evenly over no more than {current_groups} "
+            f"group(s) x {layout.dp_shard} data-parallel ranks",
+        )
+    if groups == 0:  # the plan's own batch split no longer holds: nothing is safe
+        raise ItoError(
+            ErrorCode.plan_resize_batch_not_divisible,
+            f"{held}, but {batch} splits evenly over none of them",
+        )
+    if groups < whole:
+        return GroupCount(
+            groups, ranks, f"{held}; {groups} split {batch} evenly over their data-parallel ranks"
+        )
+    return GroupCount(groups, ranks, held)

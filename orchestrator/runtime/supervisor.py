@@ -43,6 +43,7 @@ from orchestrator.runtime.interface import Decision, remove_tree, run_dir
 from orchestrator.runtime.launch import LaunchSpec
 from orchestrator.runtime.placement import PlacementSettings
 from orchestrator.runtime.ray_cluster import RAY_NAMESPACE, RaySettings
+from orchestrator.runtime.resizing import Resizer, ray_deliver
 from stages.errors import ErrorCode, ItoError
 from stages.events import InterruptionEvent, LogEvent
 from stages.placement import PLACEMENT_FACT, PlacementFact, actor_options
@@ -75,6 +76,10 @@ class SupervisorSettings(BaseModel):
     # whose authority lapsed is stopped then, so this plus cancel_grace_s bounds how
     # long work outlives its booking (well inside 30 s).
     authority_check_interval_s: float = Field(default=2.0, gt=0, le=30)
+    # How often running runs' bookings are checked for added or removed nodes: with
+    # one driver RPC, this bounds the wait from ``bookings add-nodes``/``remove-nodes``
+    # to the run's driver holding the resize (a second of the resize's budget).
+    resize_check_interval_s: float = Field(default=1.0, gt=0, le=30)
     max_driver_attempts: int = Field(default=2, ge=1)
     # The leader lease: a standby replica takes over this long after the leader's last
     # renewal (it renews every poll). Long enough that a busy tick (up to rpc_timeout_s
@@ -155,6 +160,9 @@ class RayRuntime:
         self._relaunch: dict[str, int] = {}
         self._waiter = placement.Waiter(self.settings.placement)
         self._authority_checked_at = float("-inf")
+        # Booking node changes reach running runs (orchestrator/runtime/resizing.py).
+        self._resizer = Resizer(self.store, self._driver, ray_deliver(self.settings.rpc_timeout_s))
+        self._resized_at = float("-inf")
         self._renewed_at = 0.0
         self.embedded = ray.address is None
 
@@ -228,6 +236,7 @@ class RayRuntime:
                     runs = self.store.runs_in_states(ACTIVE)
                     if self.enforce_authority(runs):
                         runs = self.store.runs_in_states(ACTIVE)
+                    self._follow_bookings(runs)
                     for run in runs:
                         if self._stop.is_set() or not self._lead():
                             break
@@ -273,6 +282,14 @@ class RayRuntime:
             self.cancel(run["run_id"])
             stopped = True
         return stopped
+
+    def _follow_bookings(self, runs: list[Row]) -> None:
+        """Send running runs their booking's node changes (and retry undelivered ones),
+        at most every ``resize_check_interval_s``."""
+        now = time.monotonic()
+        if now - self._resized_at >= self.settings.resize_check_interval_s:
+            self._resized_at = now
+            self._resizer.follow(runs)
 
     def _lead(self) -> bool:
         """Take or renew the lease (at most once a poll); on any change of leadership
@@ -384,7 +401,10 @@ class RayRuntime:
         if current == RunState.cancelling and authority.stop_code(row["state_reason"]):
             # A stop that came with a code (a lapsed booking, an operator) keeps it.
             reason = f"{row['state_reason']}; {reason}"
-        if current == RunState.awaiting_approval and target == RunState.succeeded:
+        if (
+            current in (RunState.awaiting_approval, RunState.paused_capacity)
+            and target == RunState.succeeded
+        ):
             self.store.transition(run_id, RunState.running, "proposal decided")
         self.store.transition(run_id, target, reason)
         self._cancel_requested.pop(run_id, None)

@@ -1,0 +1,171 @@
+"""Running runs follow their booking's nodes: the supervisor's half of a resize.
+
+When an operator adds nodes to or takes nodes back from a booking
+(``ito-backend bookings add-nodes`` / ``remove-nodes``), each of the booking's
+running (or capacity-paused) runs gets the planner's new replica-group count
+(``gates.planning.resize_groups``: the layout inside each group unchanged) as a
+``stages.resize.ResizeRequest`` through its driver, which hands it to the trainer
+(applied at a step boundary; a resize while a phase ends or a checkpoint saves waits
+there, it is the trainer's to order).
+
+Every answer is a row of ``run_resizes`` first, then delivered: a driver that does
+not answer keeps it ``pending`` and the next pass sends it again (queued, never
+dropped; the request id is the same, and the trainer's inbox keeps only the newest).
+A request of 0 groups pauses the run (``paused_capacity``); the next one of at least
+one group resumes it. The supervisor writes no events into a live driver's sequence:
+its decisions are the ``run_resizes`` rows and log lines, the trainer's progress is
+its ``ResizeEvent``\\ s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator.db.store import Row, Store
+from orchestrator.gates.planning import resize_groups
+from orchestrator.runs import RunState
+from stages.errors import ErrorCode, ItoError
+from stages.resize import ResizeRequest
+
+log = logging.getLogger(__name__)
+
+# Runs whose booking changes are followed (the driver lives and trains, or waits).
+FOLLOWING = (RunState.running, RunState.paused_capacity)
+# Hands a request to a run's driver (a handle from ``driver_of``); raises when the
+# driver did not take it. The supervisor's is a Ray call with its RPC timeout.
+Deliver = Callable[[Any, dict[str, Any]], None]
+
+
+def ray_deliver(timeout_s: float) -> Deliver:
+    def deliver(handle: Any, request: dict[str, Any]) -> None:
+        import ray
+
+        ray.get(handle.resize.remote(request), timeout=timeout_s)
+
+    return deliver
+
+
+def run_plan(store: Store, run: Row) -> dict[str, Any] | None:
+    """The plan the run trains with: its parallelism stage's, else the one stored at
+    submit (``planner_gate``); None before it planned."""
+    for gate in store.list_stage_gates(run["run_id"]):
+        if gate["stage"] == "parallelism" and gate["status"] == "passed":
+            plan = json.loads(gate["artifacts"]).get("plan")
+            if isinstance(plan, dict):
+                return plan
+    return json.loads(run["plan"]) if run.get("plan") else None
+
+
+class Resizer:
+    """Answers booking changes of running runs; ``follow`` is one pass."""
+
+    def __init__(self, store: Store, driver_of: Callable[[str], Any | None], deliver: Deliver):
+        self.store = store
+        self.driver_of = driver_of
+        self.deliver = deliver
+
+    def follow(self, runs: list[Row]) -> None:
+        for run in runs:
+            if run["state"] not in FOLLOWING:
+                continue
+            try:
+                self.follow_run(run)
+            except ItoError as e:
+                if e.code in (ErrorCode.store_unavailable, ErrorCode.lease_lost):
+                    raise
+                log.exception("resize of run %s failed", run["run_id"])
+
+    def follow_run(self, run: Row) -> None:
+        run_id = run["run_id"]
+        records = self.store.run_resizes(run_id)
+        for earlier in records:
+            if earlier["status"] == "pending":  # not delivered yet: sent again
+                self._send(run, earlier)
+        plan = run_plan(self.store, run)
+        if plan is None:
+            return  # not planned yet: it plans on the booking as it is then
+        last = records[-1] if records else None
+        sized = [r for r in records if r["status"] in ("pending", "delivered")]
+        since = last["change_id"] if last else 0
+        changes = self.store.booking_changes(run["booking_id"], after_change_id=since)
+        if not last:  # changes before the run was accepted are in its plan already
+            changes = [c for c in changes if c["ts"] > run["created_at"]]
+        if not changes:
+            return
+        booking = self.store.booking(run["booking_id"])
+        if booking is None or booking["state"] != "active":
+            return  # the authority check stops the run
+        latest = changes[-1]
+        groups_before = int(sized[-1]["replica_groups"]) if sized else int(plan["dp_replicate"])
+        gpn = int(booking["gpus_per_node"] or 0)
+        gpus_before = (
+            len(sized[-1]["nodes"]) * gpn
+            if sized
+            else int(plan.get("gpus_per_node", gpn)) * int(plan.get("node_count", 0))
+        )
+        gpus_now = gpn * int(booking["node_count"] or 0)
+        removed = any(c["action"] == "remove" for c in changes)
+        record: dict[str, Any] = {
+            "run_id": run_id,
+            "request_id": f"{run_id}:c{latest['change_id']}",
+            "change_id": latest["change_id"],
+            "requested_at": latest["ts"],
+            "nodes": self.store.booking_nodes(run["booking_id"]),
+            "groups_before": groups_before,
+            "code": None,
+        }
+        try:
+            count = resize_groups(
+                plan, booking, current_groups=groups_before, grew=gpus_now > gpus_before
+            )
+        except ItoError as e:
+            self.store.insert_resize(
+                {**record, "replica_groups": groups_before, "reason": e.message}
+                | {"code": str(e.code), "status": "refused"}
+            )
+            self.store.add_log(run_id, f"resize refused: {e.code}: {e.message}", "warning")
+            return
+        record |= {"replica_groups": count.replica_groups, "reason": count.reason}
+        if count.replica_groups == groups_before and not removed:
+            self.store.insert_resize({**record, "status": "unchanged"})
+            self.store.add_log(run_id, f"booking changed; groups stay {groups_before}")
+            return
+        self.store.insert_resize({**record, "status": "pending"})
+        self._send(run, {**record, "status": "pending"})
+
+    def _send(self, run: Row, record: Row) -> None:
+        run_id = run["run_id"]
+        request = ResizeRequest(
+            request_id=record["request_id"],
+            replica_groups=int(record["replica_groups"]),
+            nodes=tuple(record["nodes"]),
+            requested_at=float(record["requested_at"]),
+            reason=record["reason"][:500],
+        )
+        handle = self.driver_of(run_id)
+        if handle is None:
+            return  # pending: the next pass sends it again
+        try:
+            self.deliver(handle, request.model_dump(mode="json"))
+        except Exception as e:  # unreachable or slow: still pending, sent again
+            log.warning("resize %s not delivered yet: %s", request.request_id, type(e).__name__)
+            return
+        self.store.mark_resize_delivered(run_id, request.request_id)
+        before, after = int(record["groups_before"]), request.replica_groups
+        self.store.add_log(
+            run_id, f"resize requested: {before} -> {after} replica group(s): {request.reason}"
+        )
+        state = RunState(self.store.get_run(run_id)["state"])
+        if after == 0 and state == RunState.running:
+            self.store.transition(
+                run_id,
+                RunState.paused_capacity,
+                f"the booking holds less than one replica group ({request.reason})",
+            )
+        elif after > 0 and state == RunState.paused_capacity:
+            self.store.transition(
+                run_id, RunState.running, f"capacity returned: {after} replica group(s)"
+            )

@@ -1,0 +1,185 @@
+"""The supervisor's resizer: a booking's node change reaches its running run's driver
+as a ``ResizeRequest`` (a real ``RunDriverImpl``, its real resize inbox), recorded in
+a real store (SQLite and PostgreSQL), queued while the driver does not answer, and
+the run paused and resumed with its capacity. Only the transport is swapped: the
+supervisor's is a Ray call to the driver actor (``ray_deliver``), here a direct call
+of the same method, so no Ray cluster starts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.fixtures import both_engines
+from helpers.launch_specs import signed_spec
+from helpers.store_rows import insert_run
+from helpers.tenants import booking_doc, make_tenant
+
+from orchestrator.db.store import Store
+from orchestrator.runs import RunState
+from orchestrator.runtime.driver import RunDriverImpl
+from orchestrator.runtime.resizing import Resizer
+from stages.events import StageResultEvent
+
+pytestmark = both_engines
+
+RUN = "run_resize"
+BOOKING = "bk-acme"
+# 4 groups of 4 ranks (tp 2 x dp_shard 2) on the booking's 2 nodes x 8 GPUs, a
+# global batch of 48 sequences.
+PLAN = {
+    "tp": 2,
+    "pp": 1,
+    "cp": 1,
+    "dp_shard": 2,
+    "dp_replicate": 4,
+    "grad_accum": 1,
+    "pp_microbatches": 0,
+    "global_batch_tokens": 48 * 256,
+    "seq_len": 256,
+    "gpus_per_node": 8,
+    "node_count": 2,
+}
+
+
+class Transport:
+    """Calls the driver's ``resize`` as the actor call would; ``down`` makes it fail
+    as an unreachable actor does."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.sent: list[str] = []
+
+    def __call__(self, driver: RunDriverImpl, request: dict[str, Any]) -> None:
+        if self.down:
+            raise TimeoutError("the driver did not answer")
+        driver.resize(request)
+        self.sent.append(request["request_id"])
+
+
+@pytest.fixture
+def world(db: str, tmp_path: Path) -> tuple[Store, RunDriverImpl, Transport, Resizer]:
+    make_tenant(db, "acme", booking=booking_doc(BOOKING, "acme", node_count=2))
+    store = Store(db)
+    account_id = store.account_by_name("acme")["account_id"]  # type: ignore[index]
+    insert_run(store, RUN, account_id=account_id, booking_id=BOOKING, state="running")
+    # The run planned (its parallelism stage passed), as its driver reports it.
+    outcome = {"stage": "parallelism", "status": "passed", "artifacts": {"plan": PLAN}}
+    store.ingest_events(RUN, [{**StageResultEvent(outcome=outcome).model_dump(), "seq": 0}])
+    driver = RunDriverImpl(signed_spec(tmp_path, run_id=RUN).model_dump(), use_ray_metrics=False)
+    transport = Transport()
+    drivers: dict[str, RunDriverImpl] = {RUN: driver}
+    return store, driver, transport, Resizer(store, drivers.get, transport)
+
+
+def _follow(store: Store, resizer: Resizer) -> None:
+    resizer.follow(store.runs_in_states([RunState.running, RunState.paused_capacity]))
+
+
+def test_added_nodes_reach_the_driver_as_a_resize_request(
+    world: tuple[Store, RunDriverImpl, Transport, Resizer],
+) -> None:
+    store, driver, transport, resizer = world
+    _follow(store, resizer)
+    assert driver.ctx.resize_inbox.peek() is None  # no change, no request
+    before = time.time()
+    change = store.change_booking_nodes(BOOKING, "add", ["h3"])
+    _follow(store, resizer)
+    request = driver.ctx.resize_inbox.take()
+    assert request is not None
+    assert request.replica_groups == 6  # 24 GPUs: 6 whole groups of 4 ranks
+    assert request.nodes == ("bk-acme-n0", "bk-acme-n1", "h3")
+    assert request.requested_at == pytest.approx(change["ts"]) and request.requested_at >= before
+    assert "6 whole group(s)" in request.reason
+    (record,) = store.run_resizes(RUN)
+    assert record["status"] == "delivered" and record["groups_before"] == 4
+    assert record["request_id"] == request.request_id
+    # Handled once: the next passes send nothing again.
+    _follow(store, resizer)
+    assert driver.ctx.resize_inbox.peek() is None and transport.sent == [request.request_id]
+    # Taken back: 6 -> 4 groups, counted from the last resize.
+    store.change_booking_nodes(BOOKING, "remove", ["h3"])
+    _follow(store, resizer)
+    back = driver.ctx.resize_inbox.take()
+    assert back is not None and back.replica_groups == 4 and back.request_id != request.request_id
+    assert [r["groups_before"] for r in store.run_resizes(RUN)] == [4, 6]
+
+
+def test_an_unreachable_driver_gets_the_request_on_a_later_pass(
+    world: tuple[Store, RunDriverImpl, Transport, Resizer],
+) -> None:
+    store, driver, transport, resizer = world
+    transport.down = True
+    store.change_booking_nodes(BOOKING, "add", ["h3"])
+    _follow(store, resizer)
+    _follow(store, resizer)
+    assert driver.ctx.resize_inbox.peek() is None
+    assert [r["status"] for r in store.run_resizes(RUN)] == ["pending"]
+    transport.down = False
+    _follow(store, resizer)
+    request = driver.ctx.resize_inbox.take()
+    assert request is not None and request.replica_groups == 6
+    assert [r["status"] for r in store.run_resizes(RUN)] == ["delivered"]
+
+
+def test_growth_the_planner_refuses_is_recorded_and_not_sent(
+    world: tuple[Store, RunDriverImpl, Transport, Resizer],
+) -> None:
+    store, driver, _, resizer = world
+    # 2 -> 4 nodes: 8 whole groups; 48 sequences split over 8 x 2 ranks.
+    store.change_booking_nodes(BOOKING, "add", ["h3", "h4"])
+    _follow(store, resizer)
+    request = driver.ctx.resize_inbox.take()
+    assert request is not None and request.replica_groups == 8
+    # One node more: 10 groups fit, neither 9 nor 10 splits the batch: refused, recorded.
+    store.change_booking_nodes(BOOKING, "add", ["h5"])
+    _follow(store, resizer)
+    assert driver.ctx.resize_inbox.peek() is None
+    refused = store.run_resizes(RUN)[-1]
+    assert (refused["status"], refused["code"]) == ("refused", "plan_resize_batch_not_divisible")
+    assert refused["replica_groups"] == 8
+    logs = [r["message"] for r in store.list_logs(RUN, 0, 100)]
+    assert any("resize refused: plan_resize_batch_not_divisible" in m for m in logs)
+
+
+def test_below_one_group_the_run_pauses_and_resumes_when_capacity_returns(
+    world: tuple[Store, RunDriverImpl, Transport, Resizer],
+) -> None:
+    store, driver, _, resizer = world
+    store.change_booking_nodes(BOOKING, "remove", ["bk-acme-n0", "bk-acme-n1"])
+    _follow(store, resizer)
+    paused = driver.ctx.resize_inbox.take()
+    assert paused is not None and paused.replica_groups == 0 and paused.nodes == ()
+    run = store.get_run(RUN)
+    assert (
+        run["state"] == "paused_capacity" and "less than one replica group" in run["state_reason"]
+    )
+    store.change_booking_nodes(BOOKING, "add", ["h7"])
+    _follow(store, resizer)
+    resumed = driver.ctx.resize_inbox.take()
+    assert resumed is not None and resumed.replica_groups == 2 and resumed.nodes == ("h7",)
+    assert store.get_run(RUN)["state"] == "running"
+
+
+def test_a_change_the_runs_plan_already_holds_sends_nothing(db: str, tmp_path: Path) -> None:
+    """Nodes added after the run was accepted but before it planned are in its plan:
+    the resizer records the change as answered and sends no request."""
+    make_tenant(db, "acme", booking=booking_doc(BOOKING, "acme", node_count=2))
+    store = Store(db)
+    account_id = store.account_by_name("acme")["account_id"]  # type: ignore[index]
+    insert_run(store, RUN, account_id=account_id, booking_id=BOOKING, state="running")
+    store.change_booking_nodes(BOOKING, "add", ["h3"])
+    plan = {**PLAN, "node_count": 3, "dp_replicate": 6}
+    outcome = {"stage": "parallelism", "status": "passed", "artifacts": {"plan": plan}}
+    store.ingest_events(RUN, [{**StageResultEvent(outcome=outcome).model_dump(), "seq": 0}])
+    driver = RunDriverImpl(signed_spec(tmp_path, run_id=RUN).model_dump(), use_ray_metrics=False)
+    transport = Transport()
+    resizer = Resizer(store, {RUN: driver}.get, transport)
+    _follow(store, resizer)
+    _follow(store, resizer)
+    assert driver.ctx.resize_inbox.peek() is None and transport.sent == []
+    assert [(r["status"], r["replica_groups"]) for r in store.run_resizes(RUN)] == [
+        ("unchanged", 6)
+    ]
