@@ -18,6 +18,7 @@ from orchestrator.gates.bookings import iso
 from orchestrator.redact import looks_secret, safe_id
 from orchestrator.runtime.interface import RunRuntime
 from orchestrator.settings import Settings
+from orchestrator.telemetry.resizes import resize_history
 from stages.errors import ErrorCode, ItoError
 
 T = TypeVar("T")
@@ -178,6 +179,8 @@ def run_view(store: Store, run: Row, owner: Principal | None = None) -> dict[str
         # The latest progress of a long stage step (data prep over a corpus), or None.
         "stage_progress": store.last_event(run["run_id"], "progress"),
         "eval_gates": eval_gates(store, run["run_id"]),
+        # Its replica groups following its booking's nodes (orchestrator/runtime/resizing.py).
+        "resizes": resize_history(store, run["run_id"]),
     }
 
 

@@ -34,6 +34,7 @@ _METRIC_TABLES = (
     "stage_progress",
     "post_training",
     "interruption_timings",
+    "resizes",
 )
 
 
@@ -156,9 +157,32 @@ def run(r: dict[str, Any]) -> str:
                 "  ",
             )
         )
+    resizes = r.get("resizes") or []
+    if resizes:
+        lines.append(resize_table(resizes))
     if r.get("replayed"):
         lines.append("  (replayed: this idempotency key already named this run)")
     return "\n".join(lines)
+
+
+def resize_table(resizes: list[dict[str, Any]], indent: str = "  ") -> str:
+    """Each resize to the run's booking: when the booking changed, groups before and
+    after, how it went, seconds from the change to the first step with the new count
+    (a join or a leave), and why."""
+    return table(
+        ("resize at", "groups", "status", "took", "why"),
+        [
+            (
+                x.get("requested_at"),
+                f"{safe(x.get('groups_before'))} -> {safe(x.get('groups_after'))}",
+                x.get("status"),
+                _seconds(x.get("seconds")),
+                (f"{x['code']}: " if x.get("code") else "") + str(x.get("reason") or ""),
+            )
+            for x in resizes
+        ],
+        indent,
+    )
 
 
 def log_entry(e: dict[str, Any]) -> str:
@@ -345,6 +369,23 @@ def metrics(d: dict[str, Any]) -> str:
                         _seconds(t.get("recover_s")),
                     )
                     for t in timings
+                ],
+            )
+        )
+    resizes = d.get("resizes") or []
+    if resizes:
+        parts.append(
+            table(
+                ("resize", "groups", "action", "step", "took"),
+                [
+                    (
+                        x.get("request_id"),
+                        f"{safe(x.get('groups_before'))} -> {safe(x.get('groups_after'))}",
+                        x.get("action"),
+                        "-" if x.get("step") is None else x.get("step"),
+                        _seconds(x.get("seconds")),
+                    )
+                    for x in resizes
                 ],
             )
         )

@@ -149,3 +149,10 @@ def estimate_cost(
         method,
         post_hours,
     )
+
+
+def usage_cost_usd(gpu_hours: float, usd_per_gpu_hour: float) -> float:
+    """What a run's GPU-hours cost at its booking's price: the estimate's GPUs x price
+    x hours, with the GPUs the run had at each moment (they change at each resize to
+    its booking; ``telemetry.goodput``'s ``gpu_hours`` adds them up)."""
+    return round(gpu_hours * usd_per_gpu_hour, 6)

@@ -9,12 +9,14 @@ bound of the cost estimate, and the plan is stored on the run.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
+from orchestrator.db.store import Row, Store
 from orchestrator.gates.manifest import Manifest
 from stages.errors import ErrorCode, ItoError
 from stages.parallelism import ParallelismConfig, plan, request_from
@@ -153,7 +155,7 @@ def resize_groups(
     shrink is never refused, since the nodes it lost are gone either way."""
     from stages.trainer.parallel.layout import layout_from_plan
 
-    ranks = int(plan["tp"]) * int(plan["pp"]) * int(plan["cp"]) * int(plan["dp_shard"])
+    ranks = plan_ranks(plan)
     layout = layout_from_plan(plan).resolved(ranks)
     gpus = int(booking.get("gpus_per_node") or 0) * int(booking.get("node_count") or 0)
     sequences = int(plan["global_batch_tokens"]) // int(plan["seq_len"])
@@ -194,3 +196,19 @@ def resize_groups(
             groups, ranks, f"{held}; {groups} split {batch} evenly over their data-parallel ranks"
         )
     return GroupCount(groups, ranks, held)
+
+
+def run_plan(store: Store, run: Row) -> dict[str, Any] | None:
+    """The plan the run trains with: its parallelism stage's, else the one stored at
+    submit (``planner_gate``); None before it planned."""
+    for gate in store.list_stage_gates(run["run_id"]):
+        if gate["stage"] == "parallelism" and gate["status"] == "passed":
+            plan = json.loads(gate["artifacts"]).get("plan")
+            if isinstance(plan, dict):
+                return plan
+    return json.loads(run["plan"]) if run.get("plan") else None
+
+
+def plan_ranks(plan: dict[str, Any]) -> int:
+    """Ranks per replica group of a stored plan (tp x pp x cp x dp_shard)."""
+    return int(plan["tp"]) * int(plan["pp"]) * int(plan["cp"]) * int(plan["dp_shard"])

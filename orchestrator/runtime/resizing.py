@@ -19,13 +19,12 @@ its ``ResizeEvent``\\ s.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from orchestrator.db.store import Row, Store
-from orchestrator.gates.planning import resize_groups
+from orchestrator.gates.planning import resize_groups, run_plan
 from orchestrator.runs import RunState
 from stages.errors import ErrorCode, ItoError
 from stages.resize import ResizeRequest
@@ -46,17 +45,6 @@ def ray_deliver(timeout_s: float) -> Deliver:
         ray.get(handle.resize.remote(request), timeout=timeout_s)
 
     return deliver
-
-
-def run_plan(store: Store, run: Row) -> dict[str, Any] | None:
-    """The plan the run trains with: its parallelism stage's, else the one stored at
-    submit (``planner_gate``); None before it planned."""
-    for gate in store.list_stage_gates(run["run_id"]):
-        if gate["stage"] == "parallelism" and gate["status"] == "passed":
-            plan = json.loads(gate["artifacts"]).get("plan")
-            if isinstance(plan, dict):
-                return plan
-    return json.loads(run["plan"]) if run.get("plan") else None
 
 
 class Resizer:

@@ -19,6 +19,14 @@ the run knew (``detected_at``) and ``recover_s`` until it trained in the full qu
 again (``recovered_at``). Without a failure time (a loss spike) recovery counts from
 detection and there is no ``detect_s``.
 
+A resize of the run's replica groups to its booking (``ResizeEvent``) is its own
+cause, ``resize``: from the booking's change to the first step with the new group
+count (the event's ``seconds``), less the steps the other groups committed meanwhile.
+Not ``recovery``: nothing failed (recovery's detect and recover times stay a measure
+of faults), and the time is the tenant's booking change, priced as such. The run's
+replica groups (``replica_groups``) and GPU-hours (``gpu_hours``: groups x ranks per
+group, piecewise, the count changing at each applied resize) follow the resizes.
+
 The same numbers feed ``GET /v1/runs/{id}/metrics``, ``ito metrics`` and the
 Prometheus exporter at ``/metrics``.
 """
@@ -32,10 +40,17 @@ from pydantic import BaseModel, Field
 
 from stages.event_buffer import expand_steps
 
-BADPUT_KINDS = ("startup", "checkpoint_blocking", "recovery", "evaluation", "idle")
+BADPUT_KINDS = ("startup", "checkpoint_blocking", "recovery", "resize", "evaluation", "idle")
 # Which cause an instant covered by spans of several causes counts as: the narrowest
 # first, start-up (the catch-all around a whole stage) last.
-ATTRIBUTION_ORDER = ("recovery", "checkpoint_blocking", "evaluation", "idle", "startup")
+ATTRIBUTION_ORDER = (
+    "recovery",
+    "resize",
+    "checkpoint_blocking",
+    "evaluation",
+    "idle",
+    "startup",
+)
 # What a stage's latest ``ProgressEvent`` contributes (e.g. data prep over a corpus).
 PROGRESS_FIELDS = (
     "stage",
@@ -66,6 +81,20 @@ class InterruptionTiming(BaseModel):
     replica_group: int | None = None
     detect_s: float | None = None
     recover_s: float | None = None
+
+
+class ResizeTiming(BaseModel):
+    """One resize as the trainer reported it last (its latest action)."""
+
+    request_id: str
+    action: str
+    groups_before: int
+    groups_after: int
+    ts: float
+    step: int | None = None
+    # From the booking's change to the first step with the new count (or the pause).
+    seconds: float | None = None
+    reason: str = ""
 
 
 class RunMetrics(BaseModel):
@@ -100,6 +129,13 @@ class RunMetrics(BaseModel):
     # trainer_idle_frac, rollout_idle_frac, weight_sync_s, staleness_min/mean/max,
     # drop_rate, mean_reward, ...), from its ``metrics`` events.
     post_training: dict[str, float] = Field(default_factory=dict)
+    # The run's replica groups now (the plan's, then each applied resize's), None
+    # when unknown; its resizes; its GPU-hours at the group counts it had.
+    replica_groups: int | None = None
+    resizes: list[ResizeTiming] = Field(default_factory=list)
+    gpu_hours: float | None = None
+    # Those GPU-hours at the booking's price per GPU-hour (gates.costing).
+    gpu_cost_usd: float | None = None
 
 
 Spans = list[tuple[float, float]]
@@ -136,17 +172,25 @@ def _uncovered_s(spans: Spans, cover: Spans) -> float:
 
 
 def compute_run_metrics(
-    events: Iterable[Mapping[str, Any]], *, started_at: float, now: float
+    events: Iterable[Mapping[str, Any]],
+    *,
+    started_at: float,
+    now: float,
+    planned_groups: int | None = None,
+    ranks_per_group: int | None = None,
 ) -> RunMetrics:
     """Fold a run's events (dicts as persisted) into its telemetry at time ``now``.
 
     ``started_at`` is when the run was accepted; ``now`` is the end of the run for a
-    finished run, or the current time for a live one.
+    finished run, or the current time for a live one. ``planned_groups`` and
+    ``ranks_per_group`` (the run's plan) start its group count and GPU-hours.
     """
     m = RunMetrics()
     last_by_step: dict[tuple[str, str, int], Mapping[str, Any]] = {}
     phase_spans: dict[str, list[tuple[float, float]]] = {k: [] for k in BADPUT_KINDS}
     ckpt_total_s = 0.0
+    resizes: dict[str, ResizeTiming] = {}
+    regroups: list[tuple[float, int]] = []  # (when, groups from then on)
     for ev in events:
         kind = ev.get("kind")
         if kind == "step":
@@ -185,6 +229,16 @@ def compute_run_metrics(
                 m.recover_s.append(timing.recover_s)
             m.interruption_timings.append(timing)
             del m.interruption_timings[:-MAX_LISTED_INTERRUPTIONS]
+        elif kind == "resize":
+            resize = ResizeTiming.model_validate(
+                {k: ev[k] for k in ResizeTiming.model_fields if ev.get(k) is not None}
+            )
+            resizes.pop(resize.request_id, None)  # listed in the order of their last news
+            resizes[resize.request_id] = resize
+            if resize.action in ("applied", "paused"):
+                regroups.append((resize.ts, resize.groups_after))
+                if resize.seconds is not None:
+                    phase_spans["resize"].append((resize.ts - resize.seconds, resize.ts))
         elif kind == "progress":
             m.stage_progress = {k: ev.get(k) for k in PROGRESS_FIELDS}
         elif kind == "eval":
@@ -216,6 +270,7 @@ def compute_run_metrics(
         for ev in last_by_step.values()
         if "ts" in ev
     )
+    first_step_at = cover[0][0] if cover else None
     attributed = 0.0
     for kind in ATTRIBUTION_ORDER:
         spans = _merge_spans(
@@ -231,7 +286,32 @@ def compute_run_metrics(
         m.interruption_rate_per_h = m.interruptions / (m.elapsed_s / 3600.0)
     if ckpt_total_s > 0:
         m.checkpoint_bytes_per_s = m.checkpoint_bytes / ckpt_total_s
+    m.resizes = list(resizes.values())[-MAX_LISTED_INTERRUPTIONS:]
+    _group_count(m, first_step_at, regroups, planned_groups, ranks_per_group, now)
     return m
+
+
+def _group_count(
+    m: RunMetrics,
+    first_step_at: float | None,
+    regroups: list[tuple[float, int]],
+    planned: int | None,
+    ranks: int | None,
+    now: float,
+) -> None:
+    """The run's group count now and its GPU-hours from its first step on, the count
+    changing at each applied resize (a pause: 0 groups, no GPUs)."""
+    m.replica_groups = regroups[-1][1] if regroups else planned
+    if planned is None or ranks is None or first_step_at is None:
+        return
+    t, groups, group_s = first_step_at, planned, 0.0
+    for when, after in sorted(regroups):
+        if when > t:
+            group_s += groups * (min(when, now) - t)
+            t = when
+        groups = after
+    group_s += groups * max(0.0, now - t)
+    m.gpu_hours = group_s * ranks / 3600.0
 
 
 def aggregate(runs: Iterable[RunMetrics]) -> RunMetrics:

@@ -12,8 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.db.store import Row, Store
+from orchestrator.gates.costing import price_per_gpu_hour, usage_cost_usd
+from orchestrator.gates.planning import plan_ranks, run_plan
 from orchestrator.runs import TERMINAL, RunState
 from orchestrator.telemetry.goodput import RunMetrics, compute_run_metrics
+from stages.errors import ItoError
+from stages.presets import configs_dir
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,16 @@ class RunSample:
     metrics: RunMetrics
 
 
-TELEMETRY_KINDS = ("step", "phase", "interruption", "checkpoint", "progress", "eval", "metrics")
+TELEMETRY_KINDS = (
+    "step",
+    "phase",
+    "interruption",
+    "checkpoint",
+    "progress",
+    "eval",
+    "metrics",
+    "resize",
+)
 
 
 def metrics_for(store: Store, run: Row) -> RunMetrics:
@@ -40,9 +53,22 @@ def metrics_for(store: Store, run: Row) -> RunMetrics:
         now = max([e["ts"] for e in events[-1:]] or [run["created_at"]])
     else:
         now = time.time()
-    return compute_run_metrics(
-        (e["payload"] for e in events), started_at=run["created_at"], now=now
+    plan = run_plan(store, run)
+    m = compute_run_metrics(
+        (e["payload"] for e in events),
+        started_at=run["created_at"],
+        now=now,
+        planned_groups=None if plan is None else int(plan["dp_replicate"]),
+        ranks_per_group=None if plan is None else plan_ranks(plan),
     )
+    booking = store.booking(run["booking_id"])
+    if m.gpu_hours is not None and booking is not None and booking["gpu_sku"]:
+        try:
+            price = price_per_gpu_hour(configs_dir(), booking["gpu_sku"])
+        except ItoError:  # an SKU without a price: the hours alone
+            return m
+        m.gpu_cost_usd = usage_cost_usd(m.gpu_hours, price)
+    return m
 
 
 def run_metrics(store: Store, run_id: str) -> dict[str, Any]:

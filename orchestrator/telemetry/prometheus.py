@@ -127,6 +127,22 @@ class TelemetryCollector(Collector):
             "Score of one check of a curriculum phase's eval battery",
             labels=[*labels, "phase", "check"],
         )
+        groups = GaugeMetricFamily(
+            "ito_run_replica_groups",
+            "The run's replica groups: its plan's, then each applied resize's to its booking "
+            "(0: paused for capacity)",
+            labels=labels,
+        )
+        resize_s = GaugeMetricFamily(
+            "ito_run_resize_seconds",
+            "Seconds from a booking change to the first step with the new group count",
+            labels=[*labels, "request_id", "groups_before", "groups_after"],
+        )
+        gpu_hours = GaugeMetricFamily(
+            "ito_run_gpu_hours",
+            "GPU-hours the run used at the group counts it had since its first step",
+            labels=labels,
+        )
         rl = {
             key: GaugeMetricFamily(name, doc, labels=labels)
             for key, name, doc in POST_TRAINING_GAUGES
@@ -162,6 +178,14 @@ class TelemetryCollector(Collector):
             scores = {(e["phase"], e["check"]): e["score"] for e in m.eval_scores}
             for (phase, check), score in scores.items():  # a re-scored check: the last
                 evals.add_metric([*lv, phase, check], score)
+            if m.replica_groups is not None:
+                groups.add_metric(lv, m.replica_groups)
+            for r in m.resizes:
+                if r.seconds is not None and r.action in ("applied", "paused"):
+                    rs = [*lv, r.request_id, str(r.groups_before), str(r.groups_after)]
+                    resize_s.add_metric(rs, r.seconds)
+            if m.gpu_hours is not None:
+                gpu_hours.add_metric(lv, m.gpu_hours)
             for key, value in m.post_training.items():
                 if key in rl:
                     rl[key].add_metric(lv, value)
@@ -209,6 +233,9 @@ class TelemetryCollector(Collector):
             p_bytes,
             p_eta,
             evals,
+            groups,
+            resize_s,
+            gpu_hours,
             b_goodput,
             b_rate,
             b_bw,

@@ -183,3 +183,21 @@ def test_a_change_the_runs_plan_already_holds_sends_nothing(db: str, tmp_path: P
     assert [(r["status"], r["replica_groups"]) for r in store.run_resizes(RUN)] == [
         ("unchanged", 6)
     ]
+
+
+def test_changes_before_the_run_was_accepted_are_in_its_plan_and_not_sent(
+    db: str, tmp_path: Path
+) -> None:
+    """A node taken back before the run was accepted: the run planned on the smaller
+    booking, so there is nothing to move."""
+    make_tenant(db, "acme", booking=booking_doc(BOOKING, "acme", node_count=3))
+    store = Store(db)
+    store.change_booking_nodes(BOOKING, "remove", ["bk-acme-n2"])
+    account_id = store.account_by_name("acme")["account_id"]  # type: ignore[index]
+    insert_run(store, RUN, account_id=account_id, booking_id=BOOKING, state="running")
+    outcome = {"stage": "parallelism", "status": "passed", "artifacts": {"plan": PLAN}}
+    store.ingest_events(RUN, [{**StageResultEvent(outcome=outcome).model_dump(), "seq": 0}])
+    driver = RunDriverImpl(signed_spec(tmp_path, run_id=RUN).model_dump(), use_ray_metrics=False)
+    transport = Transport()
+    _follow(store, Resizer(store, {RUN: driver}.get, transport))
+    assert transport.sent == [] and store.run_resizes(RUN) == []
