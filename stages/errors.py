@@ -505,6 +505,13 @@ class ErrorCode(StrEnum):
         "Runtime: every replica group was lost at once.",
     )
     training_failed = "training_failed", 500, "Runtime: training failed."
+    resize_refused = (
+        "resize_refused",
+        409,
+        "Runtime: the trainer cannot apply a resize of its replica groups (an objective "
+        "other than pretraining's, a global batch that does not split over the new groups, "
+        "no live group to heal from); the run keeps its groups.",
+    )
     stage_failed = "stage_failed", 500, "Runtime: a pipeline stage failed."
     gate_failed = (
         "gate_failed",

@@ -45,6 +45,9 @@ class StepEvent(_Event):
     lr: float | None = None
     seq_len: int | None = None
     phase: str = ""
+    # The group's share of the step's global batch: (its place, the member groups)
+    # (``stages.trainer.rank.membership``); the run's token ledger is built from these.
+    batch_share: tuple[int, int] | None = None
     # Set when a lagging consumer's buffer merged the committed steps first_step..step
     # of this group into this one event (tokens and seconds are their sums).
     first_step: int | None = None
@@ -89,11 +92,18 @@ class FleetEvent(_Event):
     """A change in a run's trainer fleet, as structure: SREs' tools and tests read these
     (a log line beside each is for people). ``checkpoint_restored``: a replica group
     loaded checkpoint ``step`` (at start-up, after every group was lost, or on an
-    approved restart that skips the data batches ``skipped_batches`` = [first, end))."""
+    approved restart that skips the data batches ``skipped_batches`` = [first, end)).
+    ``groups_added`` / ``groups_drained``: a resize's groups joined at step ``step`` /
+    left after it."""
 
     kind: Literal["fleet"] = "fleet"
     action: Literal[
-        "lighthouse_started", "standby_warm", "standby_activated", "checkpoint_restored"
+        "lighthouse_started",
+        "standby_warm",
+        "standby_activated",
+        "checkpoint_restored",
+        "groups_added",
+        "groups_drained",
     ]
     replica_group: int | None = None
     # The Ray actors concerned (a standby's ranks, the fleet's trainer actors).

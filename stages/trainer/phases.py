@@ -110,6 +110,7 @@ class CurriculumRunner:
             decided={p.index for p in self.schedule.phases[: first.index]},
             fleet=self.ctx.fleet,  # its ranks go on to the run's next engine run
             secret=self.ctx.secret,
+            resize_inbox=self.ctx.resize_inbox,  # the booking's size changes
         )
         self.engine.start_in_background()
 

@@ -165,3 +165,37 @@ def test_heldout_split_is_deterministic_disjoint_and_bounded(tmp_path: Path) -> 
     assert split_heldout({"baseline": [src]}, "text", permille=20, min_docs=8)[1] == held
     _, few = split_heldout({"baseline": [src]}, "text", permille=0, min_docs=8)
     assert len(few) == 8
+
+
+def test_each_step_is_shared_once_whatever_the_ranks_between_two_steps(tmp_path: Path) -> None:
+    """A resize re-cuts the same run-wide stream: at 2, then 3, then 2 data-parallel ranks,
+    the shares of each step are exactly the step's batch as one rank reads it whole."""
+    shards = {}
+    for role in ("baseline", "custom"):
+        src = tmp_path / f"{role}.jsonl"
+        # Every 64-token window distinct: a sequence read twice or skipped shows.
+        src.write_text(
+            "".join(
+                json.dumps({"text": (f"{role[0]}{i:05d}" * 11)[:63]}) + "\n" for i in range(300)
+            )
+        )
+        shards[role] = build_token_shards([src], tmp_path / role, tokenizer=ByteTokenizer())
+    weights = {"baseline": 1.0, "custom": 2.0}
+    whole = MixedLoader(shards, weights, seq_len=64, micro_batch=12, seed=5)
+    ranks = [
+        MixedLoader(shards, weights, seq_len=64, micro_batch=6, seed=5, dp_world=2)
+        for _ in range(3)
+    ]
+    for step in range(30):
+        world = 3 if 10 <= step < 20 else 2
+        shares = []
+        for d, loader in enumerate(ranks[:world]):
+            loader.cut(d, world)
+            loader.seek(step)
+            shares.append(loader.next_batch())
+        assert sum(len(s) for s in shares) == 12
+        got = sorted(tuple(row.tolist()) for s in shares for row in s)
+        assert got == sorted(tuple(row.tolist()) for row in whole.next_batch()), step
+    with pytest.raises(ItoError) as e:
+        ranks[0].cut(0, 5)  # 12 sequences do not split 5 ways
+    assert e.value.code == ErrorCode.resize_refused

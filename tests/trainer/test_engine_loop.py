@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from stages.base import GateOutcome, StageContext
 from stages.errors import ItoError
 from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
-from stages.trainer.rank.loop import data_index
+from stages.trainer.rank.step_state import data_index
 from stages.trainer.rank.rank_state import RankPoll, RankReport, RankState
 from stages.trainer.stage import resolve_train_files
 
@@ -163,7 +163,7 @@ def test_allreduce_gradients_with_a_real_manager_keeps_a_lone_replica_exact() ->
         loss = torch.tensor(2.5)
         reducer = ft.GradientReducer(manager, model.parameters(), bucket_bytes=64)
         assert len(reducer.buckets) > 1
-        mean = reducer.finish(loss)
+        mean = reducer.finish(loss).loss
         after = [p.grad for p in model.parameters() if p.grad is not None]
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         assert mean == 2.5  # the loss rode in the last bucket

@@ -37,6 +37,7 @@ def test_two_groups_reduce_buckets_during_the_backward_to_the_mean_of_both() -> 
         manager, _store = one_rank_manager(cfg, lighthouse.address(), group=g, secret=secret)
         model = models[g]
         reducer = ft.GradientReducer(manager, model.parameters(), bucket_bytes=16 * 16 * 4)
+        votes = []
         try:
             for step in range(2):
                 model.zero_grad(set_to_none=True)
@@ -47,7 +48,10 @@ def test_two_groups_reduce_buckets_during_the_backward_to_the_mean_of_both() -> 
                 loss.backward()
                 local = [p.grad.clone() for p in model.parameters()]
                 in_flight = reducer.in_flight
-                mean_loss = reducer.finish(loss)
+                # Group 1 asks every group to stop after the second step.
+                reduced = reducer.finish(loss, vote=1.0 if (g, step) == (1, 1) else 0.0)
+                mean_loss = reduced.loss
+                votes.append(reduced.vote)
                 assert manager.should_commit()
             results[g] = {
                 "local": local,
@@ -55,6 +59,7 @@ def test_two_groups_reduce_buckets_during_the_backward_to_the_mean_of_both() -> 
                 "loss": float(loss),
                 "mean_loss": mean_loss,
                 "in_flight": in_flight,
+                "votes": votes,
                 "buckets": len(reducer.buckets),
                 "participants": manager.num_participants(),
             }
@@ -82,3 +87,5 @@ def test_two_groups_reduce_buckets_during_the_backward_to_the_mean_of_both() -> 
         torch.testing.assert_close(ra, (ga + gb) / 2)
     assert a["mean_loss"] == b["mean_loss"]
     assert abs(a["mean_loss"] - (a["loss"] + b["loss"]) / 2) < 1e-5 * a["mean_loss"]
+    # One group's ask to stop reaches both at the same step, with no round trip of its own.
+    assert a["votes"] == b["votes"] == [0.0, 0.5]

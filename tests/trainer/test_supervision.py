@@ -59,7 +59,7 @@ class Run:
         self.sup.step_committed(event, group)
 
     def health(self) -> list[GroupHealth]:
-        return [g.health for g in self.sup.groups]
+        return [g.health for g in self.sup.groups.values()]
 
     def interruptions(self) -> list[InterruptionEvent]:
         return [e for e in self.events if isinstance(e, InterruptionEvent)]

@@ -38,6 +38,7 @@ from stages.events import (
     LogEvent,
     StepEvent,
 )
+from stages.resize import ResizeInbox
 from stages.run_secret import RunSecret
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.fleet.engine_state import EngineResult
@@ -45,6 +46,7 @@ from stages.trainer.fleet.handoff import Fleet, kill_actors
 from stages.trainer.fleet.launcher import RankLauncher
 from stages.trainer.fleet.phase_release import PhaseEndHook, PhaseRelease
 from stages.trainer.fleet.recovery import failure_time, failure_times
+from stages.trainer.fleet.resize import GroupResizer
 from stages.trainer.fleet.spike_relay import LossSpikeRelay
 from stages.trainer.fleet.standby import StandbyPool
 from stages.trainer.fleet.supervision import GroupSupervisor, RankKey
@@ -74,6 +76,7 @@ class TrainingEngine:
         decided: set[int] | None = None,
         fleet: Fleet | None = None,
         secret: RunSecret | None = None,
+        resize_inbox: ResizeInbox | None = None,
     ):
         self.cfg = cfg
         # None: the run's data is not ready yet; the fleet starts and warms up anyway,
@@ -146,6 +149,9 @@ class TrainingEngine:
         self.layout: dict[str, Any] = {}
         self.rank_digests: dict[str, str] = {}
         self._reactivated: set[int] = set()
+        # The booking's size changes, applied at a step every group agrees on.
+        self.resizer = GroupResizer(self, resize_inbox)
+        self.resized = False
 
     # --- lifecycle --------------------------------------------------------------------
     def emit(self, event: Event) -> None:
@@ -169,7 +175,7 @@ class TrainingEngine:
         group's place (Ray would restart it as the standby it was made as, with that
         standby's assignment file, and a multi-rank group's ranks find their rank 0 by
         the group's name)."""
-        return not self._standby_took_over
+        return not self._standby_took_over and not self.resized
 
     def _fleet_changed(self, event: FleetEvent, message: str) -> None:
         """The fleet change as structure, and its line for people."""
@@ -218,7 +224,7 @@ class TrainingEngine:
             self.fleet.placed = {}  # the run is over: nothing borrows its ranks now
             if self._handing_on:  # the lighthouse goes on with the ranks
                 self.fleet.lighthouse, self.fleet.lighthouse_settings = lighthouse, self.ft
-        kill_actors(*ending, *self.standby.release())
+        kill_actors(*ending, *self.standby.release(), *self.resizer.shutdown())
         self.actors.clear()
         self.launcher.lighthouse = None
 
@@ -309,10 +315,23 @@ class TrainingEngine:
                 self.max_step = event.step
                 self.final_loss = event.loss
             self.supervisor.step_committed(event, group)
+            self.resizer.step_committed(event)
             if (spike := self.spikes.recovered()) is not None:
                 detected, detail = spike
                 self.supervisor.interruption("loss_spike", None, detected, event.ts, detail)
         self.emit(event)
+
+    def forget_rank(self, key: RankKey) -> Any:
+        """Stop polling rank ``key`` (a group a resize drains); returns its actor."""
+        for table in (self._pending, self._poll_due, self._data_sent):
+            table.pop(key, None)
+        self._ready.discard(key)
+        return self.actors.pop(key)
+
+    def adopt_rank(self, key: RankKey, actor: Any) -> None:
+        """Poll rank ``key`` from now on (a group a resize added, in training)."""
+        self.actors[key] = actor
+        self._ready.add(key)
 
     # --- commands ---------------------------------------------------------------------
     def command_all(self, kind: str, params: dict[str, Any] | None = None) -> None:
@@ -355,6 +374,8 @@ class TrainingEngine:
                 if self.spikes.pending is not None:
                     self.spikes.relay(self)
                     continue
+                if self._started:
+                    self.resizer.advance()
                 if self._gate_ran() and self.phase_ends.stopped_at_phase is not None:
                     break
                 if self.supervisor.every_rank_finished(set(self.actors)):
@@ -374,7 +395,7 @@ class TrainingEngine:
             checkpoints=[r.step for r in records],
             final_checkpoint=records[-1].path if records else None,
             proposals=self.spikes.proposals,
-            digests={g.index: g.digest for g in self.groups if g.digest},
+            digests={g.index: g.digest for g in self.groups.values() if g.digest},
             layout=self.layout,
             rank_digests=self.rank_digests,
             stopped_at_phase=self.phase_ends.stopped_at_phase,

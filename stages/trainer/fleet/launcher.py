@@ -219,7 +219,14 @@ class RankLauncher:
         )
 
     def spec(
-        self, name: str, group: int, rank: int, standby_index: int | None = None
+        self,
+        name: str,
+        group: int,
+        rank: int,
+        standby_index: int | None = None,
+        facts: dict[str, Any] | None = None,
+        *,
+        joining: bool = False,
     ) -> WorkerSpec:
         return WorkerSpec(
             run_id=self.run_id,
@@ -232,23 +239,36 @@ class RankLauncher:
             fleet_id=self.names_id,
             assignment_path=self.fleet.assignment_path(name) if self.fleet else "",
             account=run_binding(self.run_id, self.facts).account,
-            placement=_json_fact(self.facts.get(PLACEMENT_FACT)),
+            placement=_json_fact((facts or self.facts).get(PLACEMENT_FACT)),
+            joining=joining,
         )
 
     def make_worker(
-        self, name: str, group: int, rank: int, standby_index: int | None = None
+        self,
+        name: str,
+        group: int,
+        rank: int,
+        standby_index: int | None = None,
+        *,
+        joining: bool = False,
+        placement: Any = None,
     ) -> Any:
+        """Rank ``rank`` of ``group`` (-1: of standby ``standby_index``). ``joining``: a
+        group a resize adds to the running run; ``placement``: the reservation of the
+        nodes the booking gained, for it, instead of the run's own."""
         import ray
 
-        spec = self.spec(name, group, rank, standby_index)
+        facts = self.facts if placement is None else {PLACEMENT_FACT: placement}
+        spec = self.spec(name, group, rank, standby_index, facts, joining=joining)
         if spec.assignment_path:
             write_assignment(spec)  # replaces one an earlier driver of the run left
-        world = self.cfg.replica_groups * self.cfg.ranks_per_group
-        index = (
-            bundle_for_rank(self.facts, max(group, 0) * self.cfg.ranks_per_group + rank, world)
-            if group >= 0
-            else -1
-        )
+        if placement is not None:  # the group's ranks spread over the gained nodes
+            index = bundle_for_rank(facts, rank, self.cfg.ranks_per_group)
+        elif group >= 0:
+            world = self.cfg.replica_groups * self.cfg.ranks_per_group
+            index = bundle_for_rank(facts, group * self.cfg.ranks_per_group + rank, world)
+        else:
+            index = -1
         return (
             # Work that borrows the rank before its run trains (the ladder probe) runs
             # in a concurrency group of its own, beside the driver's calls.
@@ -258,7 +278,7 @@ class RankLauncher:
             .options(
                 name=name,
                 num_cpus=self.cfg.worker_num_cpus,
-                **actor_options(self.facts, bundle_index=index),
+                **actor_options(facts, bundle_index=index),
                 # One GPU per rank on cuda: Ray sets CUDA_VISIBLE_DEVICES, so it is cuda:0.
                 # A standby holds none: it binds the freed one of the rank it replaces.
                 num_gpus=1 if self.cfg.device == "cuda" and group >= 0 else 0,

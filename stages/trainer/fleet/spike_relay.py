@@ -27,7 +27,7 @@ from stages.trainer.rank.rank_state import RankReport
 class SpikeHost(Protocol):
     """What the relay needs of the engine: its groups, a poll, a command to every rank."""
 
-    groups: list[GroupState]
+    groups: dict[int, GroupState]
 
     def poll_once(self, timeout_s: float) -> None: ...
     def command_all(self, kind: str, params: dict[str, Any] | None = None) -> None: ...
@@ -81,7 +81,9 @@ class LossSpikeRelay:
         while (
             time.time() < deadline
             and not self.cancel_event.is_set()
-            and not all(g.paused or g.lost_at is not None or g.finished for g in host.groups)
+            and not all(
+                g.paused or g.lost_at is not None or g.finished for g in host.groups.values()
+            )
         ):
             host.poll_once(self.ft.poll_interval_s)
         # Restart from before the spike: a checkpoint at the spike step holds its update.

@@ -99,7 +99,8 @@ class GroupSupervisor:
         failure_time: Callable[[int | None], float | None],
         failure_times: Callable[[list[int]], dict[int, float]],
     ):
-        self.groups = [GroupState(g) for g in range(groups)]
+        # The run's groups by index: a resize adds new indices and removes leaving ones.
+        self.groups = {g: GroupState(g) for g in range(groups)}
         self.ranks_per_group = ranks_per_group
         self.ft = ft
         self.emit = emit
@@ -122,13 +123,27 @@ class GroupSupervisor:
 
     def live(self) -> list[int]:
         """The groups with no loss open."""
-        return [g.index for g in self.groups if g.lost_at is None]
+        return [g.index for g in self.groups.values() if g.lost_at is None]
+
+    def add_group(self, index: int) -> None:
+        """A resize added group ``index`` (its ranks are in training, healing from a peer)."""
+        self.groups[index] = GroupState(index)
+
+    def remove_group(self, index: int) -> None:
+        """A resize drained group ``index``: it leaves the run, no loss of it is open."""
+        self.groups.pop(index, None)
+        for key in [k for k in self.reports if k[0] == index]:
+            del self.reports[key]
+            self.pids.pop(key, None)
+            self._last_seen.pop(key, None)
 
     # --- moves ------------------------------------------------------------------------
     def rank_down(self, key: RankKey, now: float, err: Exception) -> None:
         """Rank ``key``'s poll failed: its group is down (healthy -> down), and a
         standby takes its place (-> healing) or Ray restarts its ranks."""
-        grp = self.groups[key[0]]
+        grp = self.groups.get(key[0])
+        if grp is None:
+            return  # a group a resize drained
         grp.lost_since_poll_fail = grp.lost_since_poll_fail or now
         if grp.lost_at is not None:
             return  # already lost: healing -> down, no second loss
@@ -142,8 +157,8 @@ class GroupSupervisor:
                 message=f"replica group {grp.index} lost (rank {key[1]}): {type(err).__name__}",
             )
         )
-        if all(g.lost_at is not None and not g.finished for g in self.groups):
-            self._all_lost_at = min(g.lost_at or now for g in self.groups)
+        if all(g.lost_at is not None and not g.finished for g in self.groups.values()):
+            self._all_lost_at = min(g.lost_at or now for g in self.groups.values())
         if self.replace(key):
             grp.pid = None
             grp.restarts += 1
@@ -161,7 +176,9 @@ class GroupSupervisor:
         """Rank ``key`` answered its poll: down -> healing; a new rank-0 process never
         seen down restarted between two polls: healthy -> healing."""
         g, rank = key
-        grp = self.groups[g]
+        grp = self.groups.get(g)
+        if grp is None:
+            return  # a group a resize drained
         grp.last_ok = now
         grp.lost_since_poll_fail = None
         if grp.pid is not None and report.pid != grp.pid and rank == 0:
@@ -187,7 +204,9 @@ class GroupSupervisor:
         """Group ``group``'s rank 0 committed ``event``: a full quorum heals every group
         back in training (healing -> healthy); a smaller one is torchft's detection of a
         loss the polls have not seen yet."""
-        grp = self.groups[group]
+        grp = self.groups.get(group)
+        if grp is None:
+            return  # a group a resize drained: its last steps came after it left
         full = len(self.groups)
         if self._all_lost_at is not None and grp.lost_since_poll_fail is None:
             self._recovered(grp, event.ts)
@@ -231,7 +250,7 @@ class GroupSupervisor:
 
     def unrecovered(self) -> None:
         """The run ended: every loss still open is an interruption never recovered."""
-        for g in self.groups:
+        for g in self.groups.values():
             if g.lost_at is not None:
                 self.interruption(
                     "replica_group_lost",
@@ -244,12 +263,12 @@ class GroupSupervisor:
 
     def check_stuck(self, now: float) -> None:
         """Fail the run when every group failed, or none came back in time."""
-        errors = [g.error for g in self.groups if g.error]
-        if errors and all(g.error or g.finished for g in self.groups):
+        errors = [g.error for g in self.groups.values() if g.error]
+        if errors and all(g.error or g.finished for g in self.groups.values()):
             raise ItoError(ErrorCode.training_failed, f"trainer failed: {errors[0]}")
         down = [
             g
-            for g in self.groups
+            for g in self.groups.values()
             if g.lost_since_poll_fail is not None
             and now - g.lost_since_poll_fail > self.ft.actor_ready_timeout_s
         ]
@@ -264,7 +283,7 @@ class GroupSupervisor:
         # Rank 0 speaks for its group's progress, but every other rank's final shard
         # digest comes on its own reply: wait for those too, bounded in case a rank
         # died after its last step.
-        if not all(g.finished for g in self.groups):
+        if not all(g.finished for g in self.groups.values()):
             return False
         now = time.time()
         if self._groups_finished_at is None:
@@ -275,11 +294,11 @@ class GroupSupervisor:
         """Some groups finished and every other one is lost."""
         # A group still down when its peers finished has nothing left to heal from.
         # Every group finished is ``every_rank_finished``'s case: it waits for digests.
-        finished = [g.finished for g in self.groups]
+        finished = [g.finished for g in self.groups.values()]
         return (
             any(finished)
             and not all(finished)
-            and all(g.finished or g.lost_at is not None for g in self.groups)
+            and all(g.finished or g.lost_at is not None for g in self.groups.values())
         )
 
     # --- internals --------------------------------------------------------------------
@@ -289,7 +308,7 @@ class GroupSupervisor:
 
     def _recovered(self, grp: GroupState, ts: float) -> None:
         if self._all_lost_at is not None:
-            failed = [g.failed_at for g in self.groups if g.failed_at is not None]
+            failed = [g.failed_at for g in self.groups.values() if g.failed_at is not None]
             self.interruption(
                 "all_groups_lost",
                 None,
@@ -299,10 +318,10 @@ class GroupSupervisor:
                 failed=min(failed, default=None),
             )
             self._all_lost_at = None
-            for g in self.groups:
+            for g in self.groups.values():
                 g.lost_at = g.failed_at = None
             return
-        for g in self.groups:
+        for g in self.groups.values():
             if (
                 g.lost_at is not None
                 and g.pid is not None

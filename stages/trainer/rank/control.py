@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from stages.trainer.config import TrainStageConfig
 
-CommandKind = Literal["resume", "restore", "next_phase"]
+CommandKind = Literal["resume", "restore", "next_phase", "members"]
 # Token shards by data role; each phase's mix reads the roles it names.
 RoleShards = dict[str, list[str]]
 
@@ -43,6 +43,9 @@ class WorkerSpec:
     # The run's placement (``stages.placement``'s fact, JSON): the fronts of the
     # group's listeners admit its nodes only (None: every Ray node).
     placement: dict[str, Any] | None = None
+    # A group a resize adds to the running run: after the driver's "go" it joins the
+    # quorum and heals from a live peer; it never reads a checkpoint.
+    joining: bool = False
 
     @property
     def names_id(self) -> str:
@@ -60,6 +63,9 @@ class Control:
     go: threading.Event = field(default_factory=threading.Event)
     # The driver asks every group to pause at its next step boundary (a spike elsewhere).
     pause: bool = False
+    # The driver asks every group to stop at one step's end, all at the same one (a
+    # resize): this rank votes so in each step's reduction until it is held.
+    hold: bool = False
     command: tuple[CommandKind, dict[str, Any]] | None = None
     # A spare is told which replica group to become.
     activate_group: int | None = None
@@ -69,7 +75,18 @@ class Control:
 
     def send(
         self,
-        kind: Literal["resume", "restore", "next_phase", "stop", "pause", "go", "activate", "data"],
+        kind: Literal[
+            "resume",
+            "restore",
+            "next_phase",
+            "members",
+            "stop",
+            "pause",
+            "hold",
+            "go",
+            "activate",
+            "data",
+        ],
         **params: Any,
     ) -> None:
         with self.cond:
@@ -85,6 +102,8 @@ class Control:
                 self.role_shards = {str(r): [str(p) for p in ps] for r, ps in shards.items()}
             elif kind == "pause":
                 self.pause = True
+            elif kind == "hold":
+                self.hold = True
             else:
                 self.command = (kind, params)
             self.cond.notify_all()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -109,6 +109,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+class Reduced(NamedTuple):
+    """What a step's reduction returns besides the gradients."""
+
+    loss: float  # the participating groups' mean loss
+    vote: float  # their mean vote to stop at this step's end (> 0: some group asked)
+
+
 class GradientReducer:
     """Averages gradients over the participating replica groups in flat buckets of about
     ``bucket_bytes``, each launched as soon as the backward has produced all of it (torch
@@ -117,9 +124,10 @@ class GradientReducer:
 
     Buckets hold the parameters in reverse order (the backward's) and are launched in
     index order, the same on every group (gloo and NCCL need one order of collectives).
-    The last bucket waits for ``finish`` and carries the loss: a step pays no round trip
-    of its own for it (gradients are fp32 in every layout the trainer builds, so the loss
-    keeps its precision). Buckets are launched during the backward only once ``arm``ed,
+    The last bucket waits for ``finish`` and carries the loss and the groups' vote to stop
+    at this step's end (a resize, ``Reduced.vote``): a step pays no round trip of its own
+    for either (gradients are fp32 in every layout the trainer builds, so the loss keeps
+    its precision). Buckets are launched during the backward only once ``arm``ed,
     before the last micro-batch's backward (the gradients are then final), and only for
     a group rank whose parameters are plain tensors; under FSDP2, TP or PP the whole
     reduction happens in ``finish``, after the layout's own collectives.
@@ -171,12 +179,13 @@ class GradientReducer:
             self._launch(self._next, None)
             self._next += 1
 
-    def _launch(self, i: int, loss: torch.Tensor | None) -> None:
+    def _launch(self, i: int, loss: torch.Tensor | None, vote: float = 0.0) -> None:
         grads = [_local(p.grad) for p in self.buckets[i] if p.grad is not None]
         parts = [g.reshape(-1) for g in grads]
         if loss is not None:
             dtype = grads[0].dtype if grads else torch.float32
             parts.append(loss.detach().reshape(1).to(dtype=dtype))
+            parts.append(torch.full((1,), vote, dtype=dtype, device=loss.device))
         if parts:
             flat = torch.cat(parts)
             self._works.append((self.manager.allreduce(flat), flat, grads))
@@ -186,14 +195,16 @@ class GradientReducer:
         """Buckets launched and not yet waited for by ``finish``."""
         return len(self._works)
 
-    def finish(self, loss: torch.Tensor) -> float:
+    def finish(self, loss: torch.Tensor, *, vote: float = 0.0) -> Reduced:
         """Launch what the backward did not, wait for every bucket and write the means
-        back into the gradients. Returns the groups' mean loss."""
+        back into the gradients. Returns the groups' mean loss and mean ``vote`` (1.0:
+        this group asks every group to stop at this step's end; any group's ask makes
+        the mean positive on every group, so all stop at the same step)."""
         self._armed = False
         last = len(self.buckets) - 1
         for i in range(self._next, last + 1):
-            self._launch(i, loss if i == last else None)
-        mean_loss = math.nan
+            self._launch(i, loss if i == last else None, vote)
+        mean_loss = mean_vote = math.nan
         for work, flat, grads in self._works:
             work.wait()
             offset = 0
@@ -202,10 +213,10 @@ class GradientReducer:
                 g.copy_(flat[offset : offset + n].view_as(g))
                 offset += n
             if offset < flat.numel():
-                mean_loss = float(flat[offset])
+                mean_loss, mean_vote = float(flat[offset]), float(flat[offset + 1])
         self._works = []
         self._next = 0
-        return mean_loss
+        return Reduced(mean_loss, mean_vote)
 
     def close(self) -> None:
         """Detach from the parameters (a model handed on to another run gets a new one)."""

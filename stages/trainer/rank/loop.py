@@ -23,7 +23,6 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -34,64 +33,17 @@ from stages.events import CheckpointEvent, Event, FleetEvent, LogEvent, PhaseEve
 from stages.run_secret import RunSecret
 from stages.trainer.rank import ft
 from stages.trainer.rank.control import Control, WorkerSpec
+from stages.trainer.rank.membership import Membership
 from stages.trainer.rank.objective import LanguageModelObjective, Objective
 from stages.trainer.rank.rank_state import RankState, RankStatus
 from stages.trainer.rank.shard_state import load_sharded_state, param_digest, sharded_state
+from stages.trainer.rank.step_state import LoopState, StepResult, Window, data_index
 
 __all__ = ["Control", "StepResult", "TrainLoop", "WorkerSpec", "data_index", "param_digest"]
 
-Window = tuple[int, int]
 # A wait for a batch's data this long is reported as an idle span of its own (shorter
 # ones are left out of the step's time all the same).
 IDLE_SPAN_MIN_S = 0.05
-
-
-def data_index(step: int, windows: list[Window]) -> int:
-    """The data batch a phase's step trains on, given the skipped ``[start, end)``
-    windows (batch indices). A window is only ever added at or after the batch of the
-    step it restarts from, so the batches of earlier steps never change."""
-    idx = step
-    for start, end in sorted(windows):
-        if idx >= start:
-            idx += end - start
-    return idx
-
-
-@dataclass
-class StepResult:
-    """One attempt at optimizer step ``step`` (0-based: it makes step ``step + 1``)."""
-
-    step: int
-    committed: bool
-    loss: float
-    grad_norm: float
-    lr: float
-    batch: int
-    quorum: int
-    seconds: float
-    ended_at: float
-
-    @property
-    def finite(self) -> bool:
-        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
-
-
-class _LoopState:
-    """The loop's own resumable state: skipped data windows, torchft's batch count."""
-
-    def __init__(self, loop: TrainLoop):
-        self.loop = loop
-        self.batches_committed = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "windows": [list(w) for w in self.loop.windows],
-            "batches_committed": self.loop.manager.batches_committed(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loop.windows = [(int(a), int(b)) for a, b in state["windows"]]
-        self.batches_committed = int(state["batches_committed"])
 
 
 class RankStartup(Protocol):
@@ -129,6 +81,8 @@ class TrainLoop:
         self.status = status  # shared with the actor: read by the driver's polls
         self.is_reporter = spec.rank == 0  # each group's rank 0 reports events
         self.windows: list[Window] = []
+        # The groups sharing each step's global batch: changed by a resize only.
+        self.membership = Membership.initial(spec.config.replica_groups)
         # The run's token shards by data role, from the driver once its data is ready.
         self.role_shards: dict[str, list[str]] = {}
         self.started_at = time.time()
@@ -149,7 +103,7 @@ class TrainLoop:
         self.ckpt: Any = None
         self.detector: Any
         self.train_state: Any
-        self.loop_state = _LoopState(self)
+        self.loop_state = LoopState(self)
         self.sharded = spec.config.ranks_per_group > 1
         # The imports of what a phase end runs, on a thread while the rank waits for
         # data and trains (``phase_eval.warm_phase_end``); a phase end's work joins it
@@ -255,10 +209,23 @@ class TrainLoop:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel index over the run; ranks of a group that differ
-        only in pp, cp or tp read the same batch."""
+        """This rank's data-parallel index over the run as planned; ranks of a group that
+        differ only in pp, cp or tp read the same batch."""
         layout = self.cfg.layout
         return self.spec.replica_group * layout.dp_shard + layout.coords(self.spec.rank)["dp_shard"]
+
+    def _cut(self, step: int) -> tuple[int, int] | None:
+        """Point the loader at this rank's share of step ``step``'s batch; returns the
+        group's place among the step's member groups and their count. A group that is
+        no member (one joining, healing at the step before its first) reads the first
+        share and has none of its own (None): its peers' state replaces what it trains."""
+        share = self.membership.share(self.spec.replica_group, step)
+        if self.loader is not None:
+            place, members = share or (0, len(self.membership.members_at(step)))
+            layout = self.cfg.layout
+            shard = layout.coords(self.spec.rank)["dp_shard"]
+            self.loader.cut(place * layout.dp_shard + shard, members * layout.dp_shard)
+        return share
 
     def _close_phase(self, step: int) -> bool:
         """At ``phase.end_step``: save the closing checkpoint (complete before the
@@ -319,6 +286,7 @@ class TrainLoop:
         group behind its peers loads their state there) and the inner optimizer step."""
         t0 = time.time()
         self.optimizer.zero_grad()  # torchft: starts the quorum (async: overlaps forward)
+        share = self._cut(step)
         batch = data_index(step - self.phase.start_step, self.windows)
         data = self.objective.batch(batch).to(self.device)
         if data.waited_s >= IDLE_SPAN_MIN_S:  # the batch's data did not exist yet
@@ -332,7 +300,11 @@ class TrainLoop:
         loss = self.parallel.forward_backward(
             data, self.objective, scale=scale, reducer=self.reducer
         )
-        global_loss = self.reducer.finish(self.parallel.group_mean_loss(loss))  # torchft
+        # torchft: the loss and the vote to hold at this step's end ride the last bucket.
+        reduced = self.reducer.finish(
+            self.parallel.group_mean_loss(loss), vote=1.0 if self.control.hold else 0.0
+        )
+        global_loss = reduced.loss
         grad_norm = self.parallel.clip_grad_norm_(self.cfg.target.grad_clip)
         if not (math.isfinite(global_loss) and math.isfinite(grad_norm)):
             # torchft: an error reported before the vote makes should_commit false, so
@@ -348,6 +320,7 @@ class TrainLoop:
         committed = self.manager.should_commit()
         trained = self.manager.current_step() - 1 if committed else self.manager.current_step()
         if self.healed:
+            share = None  # its peers' state replaced what it trained: no share of its own
             self.healed = False
             self.log(f"healed from a live peer at step {trained}")
             if not self.phase.start_step <= trained < self.phase.end_step:
@@ -370,6 +343,7 @@ class TrainLoop:
             quorum=quorum,
             seconds=now - t0 - data.waited_s,
             ended_at=now,
+            hold=reduced.vote > 0,
         )
         self.emit(
             StepEvent(
@@ -383,11 +357,12 @@ class TrainLoop:
                 lr=lr,
                 seq_len=data.seq_len,
                 phase=self.phase.name,
+                batch_share=share if committed else None,
             )
         )
         self.status.update(step=self.manager.current_step(), quorum=quorum)  # torchft
         pace = self.cfg.pace_step_s
-        if quorum < self.cfg.replica_groups:
+        if quorum < len(self.membership.members_at(trained)):
             pace = max(pace, self.cfg.degraded_pace_step_s)
         if pace and now - t0 < pace:
             time.sleep(pace - (now - t0))
@@ -412,7 +387,9 @@ class TrainLoop:
         if not result.committed:
             return
         done = result.step + 1
-        if self.recovering_since is not None and result.quorum == self.cfg.replica_groups:
+        if self.recovering_since is not None and result.quorum >= len(
+            self.membership.members_at(result.step)
+        ):
             self.emit(
                 PhaseEvent(phase="recovery", start=self.recovering_since, end=result.ended_at)
             )
@@ -428,8 +405,10 @@ class TrainLoop:
         if done == self.phase.end_step:
             if not self._close_phase(done):
                 self.control.send("stop")
-            return
+            return  # a hold voted for now is voted again at the next step
         self._maybe_checkpoint(done)
+        if result.hold:
+            self._hold(done)
 
     def restore(self, step: int) -> None:
         from stages.errors import ErrorCode, ItoError
@@ -533,6 +512,20 @@ class TrainLoop:
         elif kind == "resume" and refused_batch is not None:
             self.windows = sorted({*self.windows, (refused_batch, refused_batch + 1)})
             self.log(f"skipping data batch {refused_batch}: its step was not finite")
+
+    def _hold(self, step: int) -> None:
+        """Every group stopped after step ``step`` (one voted: ``Control.hold``): wait for
+        the driver's new members, or for this group's own stop (it leaves the run)."""
+        self.control.hold = False
+        self.ckpt.wait()  # a save in flight ends before the groups change
+        self.status.enter(RankState.held, held_at=step)
+        kind, params = self.control.wait_command()
+        if kind == "stop":
+            return  # drained: the loop ends here (``_finish``)
+        if kind == "members":
+            self.membership.change(int(params["first_step"]), tuple(params["members"]))
+            self.log(f"from step {params['first_step']} the batch is shared by {params['members']}")
+        self.status.enter(RankState.training, held_at=None)
 
     def _finish(self) -> None:
         if not self.control.stop and self._is_saver_at_end():

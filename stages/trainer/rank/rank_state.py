@@ -28,6 +28,7 @@ class RankState(StrEnum):
     training = "training"
     phase_end = "phase_end"  # closed a curriculum phase; waits at its gate
     paused = "paused"  # a loss spike; waits for the human's decision
+    held = "held"  # stopped at the step every group agreed on; waits for a resize
     finished = "finished"  # trained every step of the schedule
     stopped = "stopped"  # told to stop before the end
     error = "error"  # the loop raised; the driver fails the run
@@ -43,10 +44,18 @@ RANK_TRANSITIONS: dict[RankState, frozenset[RankState]] = {
     RankState.awaiting_data: frozenset({RankState.ready, RankState.stopped}),
     RankState.ready: frozenset({RankState.training}),
     RankState.training: frozenset(
-        {RankState.phase_end, RankState.paused, RankState.finished, RankState.stopped}
+        {
+            RankState.phase_end,
+            RankState.paused,
+            RankState.held,
+            RankState.finished,
+            RankState.stopped,
+        }
     ),
     RankState.phase_end: frozenset({RankState.training}),  # the gate's answer came
     RankState.paused: frozenset({RankState.training}),  # the human's decision came
+    # The new members came (it trains on), or its group leaves the run (drained).
+    RankState.held: frozenset({RankState.training, RankState.stopped}),
     RankState.finished: frozenset(),
     RankState.stopped: frozenset(),
     RankState.error: frozenset(),
@@ -87,6 +96,8 @@ class RankReport(BaseModel):
     # skipped data windows), and the step it paused at.
     spike: dict[str, Any] | None = None
     paused_at: int | None = None
+    # The step every group stopped at for a resize (``held``).
+    held_at: int | None = None
     error: str | None = None
     traceback: str | None = None
 

@@ -217,7 +217,7 @@ class ReplicaWorker:
         collective: they must all read or none)."""
         restarted = self.status.report().restarted
         if not restarted:
-            return True
+            return not self.spec.joining
         key = "ito/recovery/checkpoint_needed"
         spec = self.spec
         if spec.config.ranks_per_group > 1 and spec.rank != 0:

@@ -1,0 +1,329 @@
+"""A resize of a running run's replica groups, applied at one step every group agreed on.
+
+``GroupResizer`` takes the booking's new group count (``stages.resize.ResizeRequest``)
+from the run's inbox and moves the fleet through ``ResizeStage``:
+
+- ``launching`` (grow): the new groups' ranks start (on the nodes the booking gained)
+  and build their model while the run trains on; they wait at ``ready``.
+- ``holding``: every rank votes in its next step's reduction to hold at that step's
+  end (``Control.hold``), so all groups stop after the same step ``P`` (``held``).
+- ``joining`` (grow): the new groups are released; each joins the quorum of step
+  ``P``, where torchft heals it from a live peer (no checkpoint is read), and from
+  step ``P + 1`` the batch is shared by the new members.
+- shrink: the leaving groups are told to stop (drained at ``P``, never killed
+  mid-step) and the others share the batch from step ``P`` on.
+- ``settling``: the first committed step with the new member count applies the resize
+  (a ``ResizeEvent`` with the seconds from the booking change to that step).
+
+The global batch stays fixed: each member's share is re-cut (``rank.membership``), so
+no sequence is trained twice or skipped, and the loss stays the same function of the
+tokens seen. A request that cannot be applied is refused with its reason; one that
+comes while another is under way waits for it (the newest replaces a waiting one).
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Any, Protocol
+
+from stages.events import Event, FleetEvent, LogEvent, ResizeEvent, StepEvent
+from stages.resize import ResizeInbox, ResizeRequest
+from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
+from stages.trainer.fleet.handoff import kill_actors
+from stages.trainer.fleet.launcher import RankLauncher
+from stages.trainer.fleet.supervision import GroupState, GroupSupervisor, RankKey
+from stages.trainer.rank.rank_state import ENDED_STATES, RankPoll, RankReport, RankState
+from stages.trainer.rank.replica import worker_name
+
+
+class ResizeHost(Protocol):
+    """What the resizer needs of the engine: its ranks and groups, their launcher and
+    supervisor, a command to every rank, and a rank's move in or out of its polls."""
+
+    cfg: TrainStageConfig
+    ft: FaultToleranceConfig
+    actors: dict[RankKey, Any]
+    groups: dict[int, GroupState]
+    supervisor: GroupSupervisor
+    launcher: RankLauncher
+    role_shards: dict[str, list[str]] | None
+    max_step: int
+    resized: bool
+
+    def emit(self, event: Event) -> None: ...
+    def command_all(self, kind: str, params: dict[str, Any] | None = None) -> None: ...
+    def forget_rank(self, key: RankKey) -> Any: ...
+    def adopt_rank(self, key: RankKey, actor: Any) -> None: ...
+
+
+class ResizeStage(StrEnum):
+    idle = "idle"
+    launching = "launching"  # new groups' ranks build their model
+    holding = "holding"  # every group is asked to stop after one agreed step
+    joining = "joining"  # new groups released: they join the quorum and heal
+    settling = "settling"  # waiting for the first step with the new member count
+
+
+class GroupResizer:
+    def __init__(self, engine: ResizeHost, inbox: ResizeInbox | None):
+        self.engine = engine
+        self.inbox = inbox
+        self.stage = ResizeStage.idle
+        self.request: ResizeRequest | None = None
+        self.before = 0
+        # Ranks of groups being added (polled here until they train) and of groups
+        # leaving (polled here until they stopped).
+        self.joining: dict[RankKey, Any] = {}
+        self.leaving: dict[RankKey, Any] = {}
+        self._reports: dict[RankKey, RankReport] = {}
+        self._data_sent: set[RankKey] = set()
+        self.members: tuple[int, ...] = ()
+        self.first_step = 0
+        self._leaving_since = 0.0
+        self.applied: list[ResizeEvent] = []
+
+    @property
+    def busy(self) -> bool:
+        return self.stage is not ResizeStage.idle
+
+    # --- the moves --------------------------------------------------------------------
+    def advance(self) -> None:
+        """One look at the resize under way (or a new request), from the engine's loop."""
+        self._poll_leaving()
+        if self.stage is ResizeStage.idle:
+            if self.inbox is not None and (request := self.inbox.take()) is not None:
+                self._begin(request)
+        elif self.stage is ResizeStage.launching and self._poll(self.joining, {RankState.ready}):
+            self._hold()
+        elif self.stage is ResizeStage.holding and (held := self._held_at()) is not None:
+            self._change(held)
+        elif self.stage is ResizeStage.joining and self._poll(self.joining, {RankState.training}):
+            self._admit()
+
+    def step_committed(self, event: StepEvent) -> None:
+        """A committed step: the first one with the new member count applies the resize."""
+        if (
+            self.stage is ResizeStage.settling
+            and self.request is not None
+            and event.batch_share is not None
+            and event.batch_share[1] == len(self.members)
+            and event.step > self.first_step
+        ):
+            request, self.request = self.request, None
+            self.stage = ResizeStage.idle
+            done = ResizeEvent(
+                request_id=request.request_id,
+                action="applied",
+                groups_before=self.before,
+                groups_after=len(self.members),
+                step=event.step,
+                seconds=max(0.0, event.ts - request.requested_at),
+            )
+            self.applied.append(done)
+            self.engine.emit(done)
+            self.engine.emit(
+                LogEvent(
+                    message=f"resize {request.request_id}: {self.before} -> "
+                    f"{len(self.members)} replica groups from step {self.first_step + 1}, "
+                    f"{done.seconds:.2f}s after the booking changed"
+                )
+            )
+
+    def _begin(self, request: ResizeRequest) -> None:
+        engine = self.engine
+        live = sorted(engine.groups)
+        self.before = len(live)
+        refusal = self._refusal(request, live)
+        event = ResizeEvent(
+            request_id=request.request_id,
+            action="refused" if refusal else "requested",
+            groups_before=self.before,
+            groups_after=request.replica_groups if not refusal else self.before,
+            step=engine.max_step,
+            reason=refusal or request.reason,
+        )
+        engine.emit(event)
+        if refusal:
+            engine.emit(
+                LogEvent(level="warning", message=f"resize {request.request_id}: {refusal}")
+            )
+            return
+        self.request = request
+        if request.replica_groups > self.before:
+            first = max([*engine.groups, engine.cfg.replica_groups - 1]) + 1
+            added = list(range(first, first + request.replica_groups - self.before))
+            self.members = (*live, *added)
+            for g in added:
+                for r in range(engine.cfg.ranks_per_group):
+                    name = worker_name(engine.launcher.names_id, g, r)
+                    self.joining[(g, r)] = engine.launcher.make_worker(
+                        name, g, r, joining=True, placement=request.placement
+                    )
+            self.stage = ResizeStage.launching
+        else:
+            leaving = [g for g in request.leaving_groups if g in live]
+            for g in sorted(live, reverse=True):
+                if len(live) - len(leaving) <= request.replica_groups:
+                    break
+                if g not in leaving:
+                    leaving.append(g)
+            self.members = tuple(g for g in live if g not in leaving)
+            self._hold()
+
+    def _refusal(self, request: ResizeRequest, live: list[int]) -> str:
+        """Why ``request`` cannot be applied ("" if it can)."""
+        cfg = self.engine.cfg
+        if request.replica_groups == len(live):
+            return f"the run already has {len(live)} replica groups"
+        if request.replica_groups < 1:
+            return "fewer than one replica group: the run pauses for capacity"
+        if cfg.objective.kind != "lm":
+            return f"the {cfg.objective.kind} objective keeps its replica groups"
+        shards = cfg.layout.dp_shard
+        width = request.replica_groups * shards
+        if (cfg.micro_batch * cfg.dp_world) % width:
+            return (
+                f"a global batch of {cfg.micro_batch * cfg.dp_world} sequences does not "
+                f"split over {width} data-parallel ranks"
+            )
+        if self.engine.supervisor.live() != live:
+            return "a replica group is lost; resize once it healed"
+        return ""
+
+    def _hold(self) -> None:
+        """Ask every rank to hold after one step (all vote in that step's reduction)."""
+        self.engine.command_all("hold")
+        self.stage = ResizeStage.holding
+
+    def _held_at(self) -> int | None:
+        """The step every rank of the run holds at, once they all do."""
+        reports = self.engine.supervisor.reports
+        steps: set[int] = set()
+        for key in self.engine.actors:
+            report = reports.get(key)
+            if report is None or report.state is not RankState.held or report.held_at is None:
+                return None
+            steps.add(report.held_at)
+        return steps.pop() if len(steps) == 1 else None
+
+    def _change(self, held: int) -> None:
+        engine = self.engine
+        if self.joining:
+            # The new groups heal in the quorum of step ``held`` and share from the next.
+            self.first_step = held + 1
+            for actor in self.joining.values():
+                actor.command.remote("go")
+            self.stage = ResizeStage.joining
+            return
+        # Shrink: the leaving groups are drained here; the others share from ``held``.
+        self.first_step = held
+        for key in [k for k in engine.actors if k[0] not in self.members]:
+            self.leaving[key] = engine.forget_rank(key)
+            self.leaving[key].command.remote("stop")
+        self._leaving_since = time.monotonic()
+        drained = sorted({k[0] for k in self.leaving})
+        staying = list(engine.actors)
+        for g in drained:
+            engine.supervisor.remove_group(g)
+        engine.emit(
+            FleetEvent(
+                action="groups_drained",
+                replica_group=drained[0] if drained else None,
+                actors=[worker_name(engine.launcher.names_id, *k) for k in self.leaving],
+                step=held,
+            )
+        )
+        self._release(staying)
+
+    def _admit(self) -> None:
+        """The new groups train (their quorum request is in): release the held groups."""
+        engine = self.engine
+        held = list(engine.actors)
+        for key, actor in self.joining.items():
+            engine.supervisor.add_group(key[0])
+            engine.adopt_rank(key, actor)
+        added = sorted({k[0] for k in self.joining})
+        engine.emit(
+            FleetEvent(
+                action="groups_added",
+                replica_group=added[0],
+                actors=[worker_name(engine.launcher.names_id, *k) for k in self.joining],
+                step=self.first_step - 1,
+            )
+        )
+        self.joining = {}
+        self._release(held)
+
+    def _release(self, held: list[RankKey]) -> None:
+        """The held ranks train on, the batch shared by the new members."""
+        members = {"first_step": self.first_step, "members": list(self.members)}
+        for key in held:
+            self.engine.actors[key].command.remote("members", members)
+        self.engine.resized = True
+        self.stage = ResizeStage.settling
+
+    # --- polling the ranks this engine does not poll ------------------------------------
+    def _poll(self, ranks: dict[RankKey, Any], states: set[RankState]) -> bool:
+        """Whether every rank of ``ranks`` reports one of ``states`` (a failed one is
+        given up on: the resize is refused)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        timeout = self.engine.ft.poll_interval_s
+        for key, actor in ranks.items():
+            try:
+                reply: RankPoll = ray.get(actor.poll.remote(), timeout=timeout)
+            except GetTimeoutError:
+                continue
+            except RayActorError as e:
+                self._abandon(f"rank {key} of a new group failed: {type(e).__name__}")
+                return False
+            self._reports[key] = reply.report
+            if reply.report.state is RankState.awaiting_data and key not in self._data_sent:
+                self._data_sent.add(key)
+                actor.command.remote("data", {"role_shards": self.engine.role_shards})
+            if reply.report.error:
+                self._abandon(f"rank {key} of a new group failed: {reply.report.error}")
+                return False
+        return all((r := self._reports.get(k)) is not None and r.state in states for k in ranks)
+
+    def _poll_leaving(self) -> None:
+        """Kill the drained ranks once they stopped (or after ``stop_timeout_s``)."""
+        if not self.leaving:
+            return
+        import ray
+
+        overdue = time.monotonic() - self._leaving_since > self.engine.ft.stop_timeout_s
+        for key, actor in list(self.leaving.items()):
+            try:
+                report = ray.get(actor.poll.remote(), timeout=self.engine.ft.poll_interval_s)
+                ended = report.report.state in ENDED_STATES
+            except Exception:
+                ended = True
+            if ended or overdue:
+                kill_actors(actor)
+                del self.leaving[key]
+
+    def _abandon(self, reason: str) -> None:
+        request, self.request = self.request, None
+        kill_actors(*self.joining.values())
+        self.joining = {}
+        self.stage = ResizeStage.idle
+        if request is not None:
+            self.engine.emit(
+                ResizeEvent(
+                    request_id=request.request_id,
+                    action="refused",
+                    groups_before=self.before,
+                    groups_after=self.before,
+                    reason=reason,
+                )
+            )
+            self.engine.emit(LogEvent(level="warning", message=f"resize refused: {reason}"))
+
+    def shutdown(self) -> list[Any]:
+        """The actors this resizer still holds (the engine kills them with the fleet)."""
+        held = [*self.joining.values(), *self.leaving.values()]
+        self.joining, self.leaving = {}, {}
+        return held

@@ -1,0 +1,135 @@
+"""A running run follows its booking: it grows by a replica group and shrinks back, live.
+
+Nothing is mocked: a local Ray, torchft's lighthouse and Managers, gloo. The booking's
+size change is the ``ResizeRequest`` the orchestrator puts in the run's inbox
+(``stages.resize``). The run's token ledger is its groups' ``batch_share`` reports: each
+committed step's global batch must be cut into exactly one share per member group.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from helpers.stage_run import StageRun
+
+from stages.checkpointing.config import CheckpointPolicy
+from stages.events import FleetEvent, LogEvent, ResizeEvent, StepEvent
+from stages.resize import ResizeRequest
+from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget, TrainStageConfig
+from stages.trainer.fleet.recovery import production_recovery
+
+WAIT_S = 180.0
+JOIN_TIMEOUT_S = 300.0
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+STEPS = 160
+
+
+def _data(path: Path) -> Path:
+    with path.open("w") as f:
+        for i in range(400):
+            f.write(json.dumps({"text": f"doc {i}: " + "a lazy dog jumps " * (i % 7 + 1)}) + "\n")
+    return path
+
+
+def _config(tmp: Path, *, pace_step_s: float) -> TrainStageConfig:
+    # 12 sequences a step: 6 a group at 2 groups, 4 at 3.
+    tmp.mkdir(parents=True, exist_ok=True)
+    return TrainStageConfig.model_validate(
+        dict(
+            **production_recovery({"node_count": 1}, standbys_per_node=0).train_fields(),
+            model=ModelSpec(preset="llama-tiny", size="0.1M"),
+            target=TrainingTarget(
+                max_steps=STEPS, seq_len=32, global_batch_tokens=384, warmup_steps=5
+            ),
+            checkpoint=CheckpointPolicy(
+                interval_steps=20, keep=2, storage_uri=f"file://{tmp}/ckpt"
+            ),
+            loss_spike=LossSpikeConfig(enabled=False),
+            train_files=[str(_data(tmp / "train.jsonl"))],
+            replica_groups=2,
+            pace_step_s=pace_step_s,
+        ),
+        strict=False,
+    )
+
+
+def _ledger(run: StageRun) -> dict[int, dict[int, tuple[int, int]]]:
+    """step -> {group: (its place, members)} of every committed step (a redone step's
+    last report wins)."""
+    ledger: dict[int, dict[int, tuple[int, int]]] = {}
+    for e in run.steps():
+        if e.committed and e.batch_share is not None:
+            ledger.setdefault(e.step, {})[e.replica_group] = e.batch_share
+    return ledger
+
+
+def _resize(run: StageRun, request_id: str, groups: int, **kw: object) -> ResizeEvent:
+    run.ctx.resize_inbox.put(
+        ResizeRequest(request_id=request_id, replica_groups=groups, requested_at=time.time(), **kw)
+    )
+    applied: ResizeEvent = run.wait_for(
+        lambda e: (
+            isinstance(e, ResizeEvent)
+            and e.request_id == request_id
+            and e.action in ("applied", "refused")
+        ),
+        f"resize {request_id}",
+    )
+    assert applied.action == "applied", applied.reason
+    return applied
+
+
+def test_a_run_grows_by_a_group_and_shrinks_back_with_every_sequence_trained_once(
+    ray_local: None, tmp_path: Path
+) -> None:
+    cfg = _config(tmp_path / "elastic", pace_step_s=0.1)
+    with StageRun(cfg, tmp_path / "elastic", "elastic", wait_s=WAIT_S, join_timeout_s=900) as run:
+        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 5, "step 5")
+        grow = _resize(run, "grow", 3)
+        # An original group leaves: the batch is then shared by groups 0 and 2.
+        shrink = _resize(run, "shrink", 2, leaving_groups=(1,))
+        out = run.join()
+    assert out.status == "passed", out.reason
+    assert (grow.groups_before, grow.groups_after) == (2, 3)
+    assert (shrink.groups_before, shrink.groups_after) == (3, 2)
+    assert grow.step is not None and shrink.step is not None and grow.step < shrink.step
+
+    # The ledger: every step's batch went out in exactly one share per member group.
+    ledger = _ledger(run)
+    assert sorted(ledger) == list(range(1, STEPS + 1))
+    for step, shares in ledger.items():
+        members = {m for _, m in shares.values()}
+        assert len(members) == 1, (step, shares)
+        (count,) = members
+        assert sorted(place for place, _ in shares.values()) == list(range(count)), (step, shares)
+        if step < grow.step - 1:
+            assert set(shares) == {0, 1}, (step, shares)
+        if step >= shrink.step:
+            assert set(shares) == {0, 2}, (step, shares)
+    assert any(set(s) == {0, 1, 2} for s in ledger.values())
+    # The global batch stayed fixed: every step trained the same tokens.
+    assert out.metrics["tokens"] == STEPS * cfg.target.global_batch_tokens
+
+    # The new group healed from a live peer: it read no checkpoint.
+    restored = [
+        e for e in run.events if isinstance(e, FleetEvent) and e.action == "checkpoint_restored"
+    ]
+    assert all(e.replica_group in (0, 1) for e in restored), restored
+    assert any(
+        isinstance(e, LogEvent) and e.message.startswith("rg2: healed from a live peer")
+        for e in run.events
+    )
+    drained = [e for e in run.events if isinstance(e, FleetEvent) and e.action == "groups_drained"]
+    assert [e.replica_group for e in drained] == [1]
+
+    # The same loss as a run that never resized (the same tokens, the same order).
+    cfg_still = _config(tmp_path / "still", pace_step_s=0.0)
+    with StageRun(cfg_still, tmp_path / "still", "still", wait_s=WAIT_S, join_timeout_s=900) as ref:
+        still = ref.join()
+    assert still.status == "passed", still.reason
+    assert abs(out.metrics["final_loss"] - still.metrics["final_loss"]) < 1e-3 * abs(
+        still.metrics["final_loss"]
+    ), (out.metrics["final_loss"], still.metrics["final_loss"])
