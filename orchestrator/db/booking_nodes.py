@@ -151,9 +151,9 @@ class BookingNodes:
     # --- resizes of runs -------------------------------------------------------------
     def insert_resize(self, row: Row) -> None:
         """Record the supervisor's answer to a booking change: ``pending`` until the
-        driver has it, then ``delivered``; ``refused`` (with its code) or ``unchanged``
-        (the same groups on the same nodes) when nothing is sent. Idempotent on
-        (run_id, request_id)."""
+        driver has it, then ``delivered`` (or ``superseded`` by a newer change first);
+        ``refused`` (with its code) or ``unchanged`` (the same groups, no node gone)
+        when nothing is sent. Idempotent on (run_id, request_id)."""
         with self.tx() as c:
             c.execute(
                 "INSERT INTO run_resizes (run_id, request_id, change_id, requested_at, nodes, "
@@ -164,12 +164,14 @@ class BookingNodes:
                 {**row, "nodes": json.dumps(list(row["nodes"])), "created_at": time.time()},
             )
 
-    def mark_resize_delivered(self, run_id: str, request_id: str) -> None:
+    def mark_resize(self, run_id: str, request_id: str, status: str) -> None:
+        """A pending resize ``delivered`` to the driver, or ``superseded`` by a newer
+        change of the booking before it was."""
         with self.tx() as c:
             c.execute(
-                "UPDATE run_resizes SET status = 'delivered', delivered_at = ? "
+                "UPDATE run_resizes SET status = ?, delivered_at = ? "
                 "WHERE run_id = ? AND request_id = ? AND status = 'pending'",
-                (time.time(), run_id, request_id),
+                (status, time.time() if status == "delivered" else None, run_id, request_id),
             )
 
     def run_resizes(self, run_id: str) -> list[Row]:

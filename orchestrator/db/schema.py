@@ -213,7 +213,7 @@ MIGRATIONS: list[str] = [
         reason TEXT NOT NULL,
         code TEXT,
         status TEXT NOT NULL
-            CHECK (status IN ('pending', 'delivered', 'refused', 'unchanged')),
+            CHECK (status IN ('pending', 'delivered', 'refused', 'unchanged', 'superseded')),
         created_at REAL NOT NULL,
         delivered_at REAL,
         PRIMARY KEY (run_id, request_id)

@@ -13,6 +13,12 @@ that is the gang. Until it exists the run waits in ``starting`` with a reason
 ``wait_timeout_s`` it fails with ``booking_nodes_unavailable`` or
 ``placement_timeout``. The group is removed when the run ends.
 
+Nodes a booking gains while its run trains get a group of their own,
+``run-<id>-pg-c<change>`` (one bundle per added node, the same bundle and strategy):
+the run's added replica groups go there (``ResizeRequest.placement``). It too is
+removed when the run ends; on the embedded head (one machine) there is none, the
+run's own group serves.
+
 The embedded head (no ``--ray-address``) is one machine that serves every booking:
 it is marked with the bookings registered when it starts and with the catch-all
 ``EMBEDDED_RESOURCE``, which this module uses only for a booking that has no node of
@@ -55,6 +61,11 @@ class PlacementSettings(BaseModel):
 
 def pg_name(run_id: str) -> str:
     return f"run-{run_id}-pg"
+
+
+def added_pg_name(run_id: str, change_id: int) -> str:
+    """The group of the nodes a booking change gave the run."""
+    return f"{pg_name(run_id)}-c{change_id}"
 
 
 def embedded_marks(bookings: list[dict[str, Any]]) -> dict[str, float]:
@@ -139,14 +150,50 @@ def _bundle(
     return bundle
 
 
-def lookup(run_id: str) -> PlacementGroup | None:
+def lookup(run_id: str, name: str | None = None) -> PlacementGroup | None:
     from ray.util import get_placement_group
 
     try:
-        pg: PlacementGroup = get_placement_group(pg_name(run_id))
+        pg: PlacementGroup = get_placement_group(name or pg_name(run_id))
     except ValueError:
         return None
     return pg
+
+
+def reserve_added(
+    run_id: str,
+    change_id: int,
+    booking: dict[str, Any],
+    nodes: int,
+    settings: PlacementSettings,
+    *,
+    embedded: bool,
+) -> PlacementFact | None:
+    """The group of ``nodes`` nodes a booking change added (idempotent by name); None
+    on the embedded head (the run's own group serves). Raises ``PlacementPending``
+    until Ray created it (the added nodes joined and are free)."""
+    from ray.util.placement_group import placement_group
+
+    if embedded:  # one machine: the run's own group serves
+        return None
+    resource = _mark_for(booking, embedded)
+    name = added_pg_name(run_id, change_id)
+    pg = lookup(run_id, name)
+    if pg is None:
+        bundle = _bundle(booking, resource, settings, False)
+        pg = placement_group(
+            [dict(bundle) for _ in range(nodes)],
+            strategy=settings.strategy,
+            name=name,
+            lifetime="detached",
+        )
+    if state(pg) != "CREATED":
+        raise PlacementPending(f"waiting for the {nodes} added node(s) of the booking")
+    return fact(run_id, booking, pg, name=name)
+
+
+class PlacementPending(Exception):
+    """The added nodes' group is not created yet (they have not joined, or are busy)."""
 
 
 def reserve(
@@ -178,7 +225,9 @@ def state(pg: PlacementGroup) -> str:
     return str(placement_group_table(pg).get("state", "PENDING"))
 
 
-def fact(run_id: str, booking: dict[str, Any], pg: PlacementGroup) -> PlacementFact:
+def fact(
+    run_id: str, booking: dict[str, Any], pg: PlacementGroup, *, name: str | None = None
+) -> PlacementFact:
     from ray.util import placement_group_table
 
     table = placement_group_table(pg)
@@ -187,7 +236,7 @@ def fact(run_id: str, booking: dict[str, Any], pg: PlacementGroup) -> PlacementF
     return PlacementFact(
         booking_id=booking["booking_id"],
         resource=resource,
-        placement_group=pg_name(run_id),
+        placement_group=name or pg_name(run_id),
         placement_group_id=pg.id.hex(),
         bundles=len(bundles),
         bundle=bundles[0],
@@ -195,16 +244,26 @@ def fact(run_id: str, booking: dict[str, Any], pg: PlacementGroup) -> PlacementF
 
 
 def release(run_id: str) -> bool:
-    from ray.util import remove_placement_group
+    """Remove the run's group and the groups of nodes its booking gained."""
+    from ray.util import placement_group_table, remove_placement_group
 
-    pg = lookup(run_id)
-    if pg is None:
-        return False
-    try:
-        remove_placement_group(pg)
-    except Exception:  # already removed
-        return False
-    return True
+    prefix = added_pg_name(run_id, 0)[:-1]
+    names = [
+        t["name"]
+        for t in placement_group_table().values()
+        if str(t.get("name", "")).startswith(prefix) and t.get("state") != "REMOVED"
+    ]
+    removed = False
+    for name in [pg_name(run_id), *names]:
+        pg = lookup(run_id, name)
+        if pg is None:
+            continue
+        try:
+            remove_placement_group(pg)
+            removed = True
+        except Exception:  # already removed
+            continue
+    return removed
 
 
 class Waiter:

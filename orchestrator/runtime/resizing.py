@@ -10,7 +10,10 @@ there, it is the trainer's to order).
 
 Every answer is a row of ``run_resizes`` first, then delivered: a driver that does
 not answer keeps it ``pending`` and the next pass sends it again (queued, never
-dropped; the request id is the same, and the trainer's inbox keeps only the newest).
+dropped; the request id is the same, and the trainer's inbox keeps only the newest);
+a newer change of the booking supersedes it. A run that grows gets the nodes its
+booking gained reserved first (``placement.reserve_added``): until they joined the
+request waits, pending.
 A request of 0 groups pauses the run (``paused_capacity``); the next one of at least
 one group resumes it. The supervisor writes no events into a live driver's sequence:
 its decisions are the ``run_resizes`` rows and log lines, the trainer's progress is
@@ -26,7 +29,9 @@ from typing import Any
 from orchestrator.db.store import Row, Store
 from orchestrator.gates.planning import resize_groups, run_plan
 from orchestrator.runs import RunState
+from orchestrator.runtime.placement import PlacementPending
 from stages.errors import ErrorCode, ItoError
+from stages.placement import PlacementFact
 from stages.resize import ResizeRequest
 
 log = logging.getLogger(__name__)
@@ -36,6 +41,10 @@ FOLLOWING = (RunState.running, RunState.paused_capacity)
 # Hands a request to a run's driver (a handle from ``driver_of``); raises when the
 # driver did not take it. The supervisor's is a Ray call with its RPC timeout.
 Deliver = Callable[[Any, dict[str, Any]], None]
+# Reserves the nodes a booking change added to a run: (run_id, change_id, booking,
+# node count) -> their placement (None: the run's own group serves, on the embedded
+# head); raises ``PlacementPending`` until they joined (``placement.reserve_added``).
+Place = Callable[[str, int, dict[str, Any], int], PlacementFact | None]
 
 
 def ray_deliver(timeout_s: float) -> Deliver:
@@ -50,10 +59,17 @@ def ray_deliver(timeout_s: float) -> Deliver:
 class Resizer:
     """Answers booking changes of running runs; ``follow`` is one pass."""
 
-    def __init__(self, store: Store, driver_of: Callable[[str], Any | None], deliver: Deliver):
+    def __init__(
+        self,
+        store: Store,
+        driver_of: Callable[[str], Any | None],
+        deliver: Deliver,
+        place: Place,
+    ):
         self.store = store
         self.driver_of = driver_of
         self.deliver = deliver
+        self.place = place
 
     def follow(self, runs: list[Row]) -> None:
         for run in runs:
@@ -67,47 +83,58 @@ class Resizer:
                 log.exception("resize of run %s failed", run["run_id"])
 
     def follow_run(self, run: Row) -> None:
+        """Answer the booking's changes since the run's last answer (a newer change
+        supersedes an answer not delivered yet), then deliver the pending one."""
         run_id = run["run_id"]
-        records = self.store.run_resizes(run_id)
-        for earlier in records:
-            if earlier["status"] == "pending":  # not delivered yet: sent again
-                self._send(run, earlier)
         plan = run_plan(self.store, run)
         if plan is None:
             return  # not planned yet: it plans on the booking as it is then
-        last = records[-1] if records else None
-        sized = [r for r in records if r["status"] in ("pending", "delivered")]
-        since = last["change_id"] if last else 0
+        records = self.store.run_resizes(run_id)
+        since = records[-1]["change_id"] if records else 0
         changes = self.store.booking_changes(run["booking_id"], after_change_id=since)
-        if not last:  # changes before the run was accepted are in its plan already
+        if not records:  # changes before the run was accepted are in its plan already
             changes = [c for c in changes if c["ts"] > run["created_at"]]
-        if not changes:
-            return
+        pending = records[-1] if records and records[-1]["status"] == "pending" else None
+        delivered = [r for r in records if r["status"] == "delivered"]
+        if changes:
+            if pending is not None:
+                self.store.mark_resize(run_id, pending["request_id"], "superseded")
+            pending = self._answer(run, plan, changes, delivered[-1] if delivered else None)
+        if pending is not None:
+            self._send(run, pending, delivered[-1] if delivered else None)
+
+    def _answer(
+        self, run: Row, plan: dict[str, Any], changes: list[Row], last: Row | None
+    ) -> Row | None:
+        """Record the planner's answer to ``changes`` (against the run's last delivered
+        size, else its plan); returns it when it is to be sent."""
+        run_id = run["run_id"]
         booking = self.store.booking(run["booking_id"])
         if booking is None or booking["state"] != "active":
-            return  # the authority check stops the run
+            return None  # the authority check stops the run
         latest = changes[-1]
-        groups_before = int(sized[-1]["replica_groups"]) if sized else int(plan["dp_replicate"])
+        nodes = self.store.booking_nodes(run["booking_id"])
         gpn = int(booking["gpus_per_node"] or 0)
-        gpus_before = (
-            len(sized[-1]["nodes"]) * gpn
-            if sized
-            else int(plan.get("gpus_per_node", gpn)) * int(plan.get("node_count", 0))
-        )
-        gpus_now = gpn * int(booking["node_count"] or 0)
-        removed = any(c["action"] == "remove" for c in changes)
+        if last is not None:
+            groups_before = int(last["replica_groups"])
+            gpus_before = len(last["nodes"]) * gpn
+            removed = bool(set(last["nodes"]) - set(nodes))
+        else:
+            groups_before = int(plan["dp_replicate"])
+            gpus_before = int(plan.get("gpus_per_node", gpn)) * int(plan.get("node_count", 0))
+            removed = any(c["action"] == "remove" for c in changes)
         record: dict[str, Any] = {
             "run_id": run_id,
             "request_id": f"{run_id}:c{latest['change_id']}",
             "change_id": latest["change_id"],
             "requested_at": latest["ts"],
-            "nodes": self.store.booking_nodes(run["booking_id"]),
+            "nodes": nodes,
             "groups_before": groups_before,
             "code": None,
         }
         try:
             count = resize_groups(
-                plan, booking, current_groups=groups_before, grew=gpus_now > gpus_before
+                plan, booking, current_groups=groups_before, grew=len(nodes) * gpn > gpus_before
             )
         except ItoError as e:
             self.store.insert_resize(
@@ -115,23 +142,38 @@ class Resizer:
                 | {"code": str(e.code), "status": "refused"}
             )
             self.store.add_log(run_id, f"resize refused: {e.code}: {e.message}", "warning")
-            return
+            return None
         record |= {"replica_groups": count.replica_groups, "reason": count.reason}
         if count.replica_groups == groups_before and not removed:
             self.store.insert_resize({**record, "status": "unchanged"})
             self.store.add_log(run_id, f"booking changed; groups stay {groups_before}")
-            return
-        self.store.insert_resize({**record, "status": "pending"})
-        self._send(run, {**record, "status": "pending"})
+            return None
+        record["status"] = "pending"
+        self.store.insert_resize(record)
+        return record
 
-    def _send(self, run: Row, record: Row) -> None:
+    def _send(self, run: Row, record: Row, last: Row | None) -> None:
         run_id = run["run_id"]
+        before, after = int(record["groups_before"]), int(record["replica_groups"])
+        placed: PlacementFact | None = None
+        if after > before:
+            # The nodes gained since the last delivered size (else since the plan: the
+            # nodes this run's changes added) hold the added groups.
+            gained = self._gained(run, record, last)
+            booking = self.store.booking(run["booking_id"])
+            if gained and booking is not None:
+                try:
+                    placed = self.place(run_id, int(record["change_id"]), booking, gained)
+                except PlacementPending as e:  # the nodes have not joined: next pass
+                    self.store.set_state_reason(run_id, f"resize to {after} groups: {e}")
+                    return
         request = ResizeRequest(
             request_id=record["request_id"],
-            replica_groups=int(record["replica_groups"]),
+            replica_groups=after,
             nodes=tuple(record["nodes"]),
             requested_at=float(record["requested_at"]),
             reason=record["reason"][:500],
+            placement=placed,
         )
         handle = self.driver_of(run_id)
         if handle is None:
@@ -141,8 +183,7 @@ class Resizer:
         except Exception as e:  # unreachable or slow: still pending, sent again
             log.warning("resize %s not delivered yet: %s", request.request_id, type(e).__name__)
             return
-        self.store.mark_resize_delivered(run_id, request.request_id)
-        before, after = int(record["groups_before"]), request.replica_groups
+        self.store.mark_resize(run_id, request.request_id, "delivered")
         self.store.add_log(
             run_id, f"resize requested: {before} -> {after} replica group(s): {request.reason}"
         )
@@ -157,3 +198,12 @@ class Resizer:
             self.store.transition(
                 run_id, RunState.running, f"capacity returned: {after} replica group(s)"
             )
+
+    def _gained(self, run: Row, record: Row, last: Row | None) -> int:
+        if last is not None:
+            return len(set(record["nodes"]) - set(last["nodes"]))
+        added: set[str] = set()
+        for c in self.store.booking_changes(run["booking_id"]):
+            if c["ts"] > run["created_at"] and c["change_id"] <= record["change_id"]:
+                added = added | set(c["nodes"]) if c["action"] == "add" else added - set(c["nodes"])
+        return len(added & set(record["nodes"]))

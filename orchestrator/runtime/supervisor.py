@@ -161,7 +161,9 @@ class RayRuntime:
         self._waiter = placement.Waiter(self.settings.placement)
         self._authority_checked_at = float("-inf")
         # Booking node changes reach running runs (orchestrator/runtime/resizing.py).
-        self._resizer = Resizer(self.store, self._driver, ray_deliver(self.settings.rpc_timeout_s))
+        self._resizer = Resizer(
+            self.store, self._driver, ray_deliver(self.settings.rpc_timeout_s), self._place_added
+        )
         self._resized_at = float("-inf")
         self._renewed_at = 0.0
         self.embedded = ray.address is None
@@ -290,6 +292,13 @@ class RayRuntime:
         if now - self._resized_at >= self.settings.resize_check_interval_s:
             self._resized_at = now
             self._resizer.follow(runs)
+
+    def _place_added(
+        self, run_id: str, change_id: int, booking: dict[str, Any], nodes: int
+    ) -> PlacementFact | None:
+        return placement.reserve_added(
+            run_id, change_id, booking, nodes, self.settings.placement, embedded=self.embedded
+        )
 
     def _lead(self) -> bool:
         """Take or renew the lease (at most once a poll); on any change of leadership

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from helpers.fixtures import both_engines
+from helpers.resizing import PLAN, embedded_place
 from helpers.store_rows import insert_run
 from helpers.tenants import booking_doc, make_tenant
 from prometheus_client import CollectorRegistry, generate_latest
@@ -105,21 +106,6 @@ def test_prometheus_shows_the_group_count_and_each_resize() -> None:
     assert 'ito_run_gpu_hours{booking_id="bk_1",run_id="run_a"}' in text
 
 
-PLAN = {
-    "tp": 2,
-    "pp": 1,
-    "cp": 1,
-    "dp_shard": 2,
-    "dp_replicate": 4,
-    "grad_accum": 1,
-    "pp_microbatches": 0,
-    "global_batch_tokens": 48 * 256,
-    "seq_len": 256,
-    "gpus_per_node": 8,
-    "node_count": 2,
-}
-
-
 @both_engines
 def test_status_and_metrics_show_the_runs_resizes(db: str, tmp_path: Path) -> None:
     make_tenant(db, "acme", booking=booking_doc("bk-acme", "acme", node_count=2))
@@ -129,7 +115,9 @@ def test_status_and_metrics_show_the_runs_resizes(db: str, tmp_path: Path) -> No
     outcome = {"stage": "parallelism", "status": "passed", "artifacts": {"plan": PLAN}}
     store.ingest_events("run_r", [{**StageResultEvent(outcome=outcome).model_dump(), "seq": 0}])
     sent: list[dict[str, Any]] = []
-    resizer = Resizer(store, lambda run_id: "driver", lambda _h, request: sent.append(request))
+    resizer = Resizer(
+        store, lambda run_id: "driver", lambda _h, request: sent.append(request), embedded_place
+    )
     store.change_booking_nodes("bk-acme", "add", ["h3"])  # 4 -> 6 groups
     resizer.follow(store.runs_in_states(["running"]))
     store.change_booking_nodes("bk-acme", "add", ["h4"])  # 8 groups hold, 6 -> 8

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from helpers.fixtures import both_engines
 from helpers.launch_specs import signed_spec
+from helpers.resizing import PLAN, embedded_place
 from helpers.store_rows import insert_run
 from helpers.tenants import booking_doc, make_tenant
 
@@ -27,21 +28,6 @@ pytestmark = both_engines
 
 RUN = "run_resize"
 BOOKING = "bk-acme"
-# 4 groups of 4 ranks (tp 2 x dp_shard 2) on the booking's 2 nodes x 8 GPUs, a
-# global batch of 48 sequences.
-PLAN = {
-    "tp": 2,
-    "pp": 1,
-    "cp": 1,
-    "dp_shard": 2,
-    "dp_replicate": 4,
-    "grad_accum": 1,
-    "pp_microbatches": 0,
-    "global_batch_tokens": 48 * 256,
-    "seq_len": 256,
-    "gpus_per_node": 8,
-    "node_count": 2,
-}
 
 
 class Transport:
@@ -71,7 +57,7 @@ def world(db: str, tmp_path: Path) -> tuple[Store, RunDriverImpl, Transport, Res
     driver = RunDriverImpl(signed_spec(tmp_path, run_id=RUN).model_dump(), use_ray_metrics=False)
     transport = Transport()
     drivers: dict[str, RunDriverImpl] = {RUN: driver}
-    return store, driver, transport, Resizer(store, drivers.get, transport)
+    return store, driver, transport, Resizer(store, drivers.get, transport, embedded_place)
 
 
 def _follow(store: Store, resizer: Resizer) -> None:
@@ -122,6 +108,27 @@ def test_an_unreachable_driver_gets_the_request_on_a_later_pass(
     request = driver.ctx.resize_inbox.take()
     assert request is not None and request.replica_groups == 6
     assert [r["status"] for r in store.run_resizes(RUN)] == ["delivered"]
+
+
+def test_a_newer_change_supersedes_a_resize_not_delivered_yet(
+    world: tuple[Store, RunDriverImpl, Transport, Resizer],
+) -> None:
+    store, driver, transport, resizer = world
+    transport.down = True
+    store.change_booking_nodes(BOOKING, "add", ["h3"])
+    _follow(store, resizer)
+    store.change_booking_nodes(BOOKING, "add", ["h4"])
+    _follow(store, resizer)
+    transport.down = False
+    _follow(store, resizer)
+    request = driver.ctx.resize_inbox.take()
+    assert request is not None and request.replica_groups == 8  # 4 nodes, 8 groups
+    assert len(transport.sent) == 1 and request.placement is None  # the run's own group
+    records = store.run_resizes(RUN)
+    assert [(r["status"], r["groups_before"]) for r in records] == [
+        ("superseded", 4),
+        ("delivered", 4),
+    ]
 
 
 def test_growth_the_planner_refuses_is_recorded_and_not_sent(
@@ -176,7 +183,7 @@ def test_a_change_the_runs_plan_already_holds_sends_nothing(db: str, tmp_path: P
     store.ingest_events(RUN, [{**StageResultEvent(outcome=outcome).model_dump(), "seq": 0}])
     driver = RunDriverImpl(signed_spec(tmp_path, run_id=RUN).model_dump(), use_ray_metrics=False)
     transport = Transport()
-    resizer = Resizer(store, {RUN: driver}.get, transport)
+    resizer = Resizer(store, {RUN: driver}.get, transport, embedded_place)
     _follow(store, resizer)
     _follow(store, resizer)
     assert driver.ctx.resize_inbox.peek() is None and transport.sent == []
@@ -199,5 +206,5 @@ def test_changes_before_the_run_was_accepted_are_in_its_plan_and_not_sent(
     store.ingest_events(RUN, [{**StageResultEvent(outcome=outcome).model_dump(), "seq": 0}])
     driver = RunDriverImpl(signed_spec(tmp_path, run_id=RUN).model_dump(), use_ray_metrics=False)
     transport = Transport()
-    _follow(store, Resizer(store, {RUN: driver}.get, transport))
+    _follow(store, Resizer(store, {RUN: driver}.get, transport, embedded_place))
     assert transport.sent == [] and store.run_resizes(RUN) == []

@@ -1,6 +1,8 @@
 """The supervisor (``RayRuntime``, its lease and fenced store) hands a booking's node
 change to a real ``RunDriver`` actor over Ray (the session's local Ray; no cluster of
-its own), and keeps it queued while the driver is not there."""
+its own): on a cluster it first reserves the added node (a placement group of its
+own) and waits while the node has not joined; on the embedded head the run's own
+group serves."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ from typing import Any
 
 import pytest
 from helpers.launch_specs import signed_spec
+from helpers.resizing import PLAN
 from helpers.store_rows import insert_run
 from helpers.tenants import booking_doc, make_tenant
 
 from orchestrator.db.store import Store
 from orchestrator.runs import ACTIVE
+from orchestrator.runtime import placement
 from orchestrator.runtime.ray_cluster import RAY_NAMESPACE, RaySettings
 from orchestrator.runtime.supervisor import RayRuntime, SupervisorSettings, driver_name
 from stages.events import StageResultEvent
@@ -21,19 +25,6 @@ from stages.events import StageResultEvent
 pytestmark = pytest.mark.slow
 RUN = "run_ray_resize"
 BOOKING = "bk-acme"
-PLAN = {
-    "tp": 2,
-    "pp": 1,
-    "cp": 1,
-    "dp_shard": 2,
-    "dp_replicate": 4,
-    "grad_accum": 1,
-    "pp_microbatches": 0,
-    "global_batch_tokens": 48 * 256,
-    "seq_len": 256,
-    "gpus_per_node": 8,
-    "node_count": 2,
-}
 RPC_TIMEOUT_S = 30.0  # a hang guard for one actor call
 
 
@@ -62,18 +53,7 @@ def test_the_supervisor_delivers_a_resize_to_the_driver_actor(
     insert_run(store, RUN, account_id=account_id, booking_id=BOOKING, state="running")
     outcome = {"stage": "parallelism", "status": "passed", "artifacts": {"plan": PLAN}}
     store.ingest_events(RUN, [{**StageResultEvent(outcome=outcome).model_dump(), "seq": 0}])
-    rt = RayRuntime(
-        store,
-        tmp_path / "var",
-        RaySettings(),
-        SupervisorSettings(resize_check_interval_s=0.01, rpc_timeout_s=RPC_TIMEOUT_S),
-    )
-    assert rt._lead()  # this replica holds the lease: its fenced writes go through
-    store.change_booking_nodes(BOOKING, "add", ["h3"])
-    # No driver yet (its name does not resolve): the request waits, pending.
-    rt._resized_at = float("-inf")
-    rt._follow_bookings(store.runs_in_states(ACTIVE))
-    assert [r["status"] for r in store.run_resizes(RUN)] == ["pending"]
+    settings = SupervisorSettings(resize_check_interval_s=0.01, rpc_timeout_s=RPC_TIMEOUT_S)
     spec = signed_spec(tmp_path, run_id=RUN)
     handle = (
         driver_actor_class()
@@ -81,12 +61,30 @@ def test_the_supervisor_delivers_a_resize_to_the_driver_actor(
         .remote(spec.model_dump())
     )
     try:
-        rt._resized_at = float("-inf")
-        rt._follow_bookings(store.runs_in_states(ACTIVE))
+        # On a cluster (not the embedded head) the added node must join, marked with
+        # the booking, before the run grows into it: h3 never joins this local Ray, so
+        # its group waits (PENDING) and so does the request.
+        cluster = RayRuntime(store, tmp_path / "var", RaySettings(address="auto"), settings)
+        assert cluster._lead()  # this replica holds the lease: its writes go through
+        store.change_booking_nodes(BOOKING, "add", ["h3"])
+        cluster._follow_bookings(store.runs_in_states(ACTIVE))
+        assert [r["status"] for r in store.run_resizes(RUN)] == ["pending"]
+        assert _pending_in_inbox(handle) is None
+        added = placement.lookup(RUN, placement.added_pg_name(RUN, 1))
+        assert added is not None and placement.state(added) == "PENDING"
+        assert "waiting for the 1 added node(s)" in store.get_run(RUN)["state_reason"]
+        assert placement.release(RUN)
+        assert placement.lookup(RUN, placement.added_pg_name(RUN, 1)) is None
+        store.release_lease(cluster.fence)
+        # The embedded head is one machine: the run's own group serves; delivered.
+        embedded = RayRuntime(store, tmp_path / "var", RaySettings(), settings)
+        assert embedded._lead()
+        embedded._follow_bookings(store.runs_in_states(ACTIVE))
         request = _pending_in_inbox(handle)
         assert request is not None and request["replica_groups"] == 6
         assert request["nodes"] == ["bk-acme-n0", "bk-acme-n1", "h3"]
+        assert request["placement"] is None
         assert [r["status"] for r in store.run_resizes(RUN)] == ["delivered"]
+        store.release_lease(embedded.fence)
     finally:
         ray.kill(handle, no_restart=True)
-        store.release_lease(rt.fence)
