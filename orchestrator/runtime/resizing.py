@@ -70,6 +70,10 @@ class Resizer:
         self.driver_of = driver_of
         self.deliver = deliver
         self.place = place
+        # The request each run's driver has, by the driver it went to: a relaunched
+        # driver (or a new supervisor) sends the run's latest size again, since the
+        # new driver's trainer starts from the run's plan.
+        self._delivered_to: dict[str, tuple[str, object]] = {}
 
     def follow(self, runs: list[Row]) -> None:
         for run in runs:
@@ -102,6 +106,8 @@ class Resizer:
             pending = self._answer(run, plan, changes, delivered[-1] if delivered else None)
         if pending is not None:
             self._send(run, pending, delivered[-1] if delivered else None)
+        elif delivered:
+            self._send(run, delivered[-1], delivered[-2] if len(delivered) > 1 else None)
 
     def _answer(
         self, run: Row, plan: dict[str, Any], changes: list[Row], last: Row | None
@@ -153,7 +159,16 @@ class Resizer:
         return record
 
     def _send(self, run: Row, record: Row, last: Row | None) -> None:
+        """Deliver ``record`` (pending, or delivered to an earlier driver of the run)."""
         run_id = run["run_id"]
+        handle = self.driver_of(run_id)
+        if handle is None:
+            return  # pending: the next pass sends it again
+        # A Ray actor handle's id names the driver (a relaunch is another one).
+        driver = getattr(handle, "_actor_id", None) or id(handle)
+        again = record["status"] == "delivered"
+        if again and self._delivered_to.get(run_id) == (record["request_id"], driver):
+            return
         before, after = int(record["groups_before"]), int(record["replica_groups"])
         placed: PlacementFact | None = None
         if after > before:
@@ -175,13 +190,13 @@ class Resizer:
             reason=record["reason"][:500],
             placement=placed,
         )
-        handle = self.driver_of(run_id)
-        if handle is None:
-            return  # pending: the next pass sends it again
         try:
             self.deliver(handle, request.model_dump(mode="json"))
         except Exception as e:  # unreachable or slow: still pending, sent again
             log.warning("resize %s not delivered yet: %s", request.request_id, type(e).__name__)
+            return
+        self._delivered_to[run_id] = (request.request_id, driver)
+        if again:
             return
         self.store.mark_resize(run_id, request.request_id, "delivered")
         self.store.add_log(

@@ -131,6 +131,30 @@ def test_a_newer_change_supersedes_a_resize_not_delivered_yet(
     ]
 
 
+def test_a_relaunched_driver_gets_the_runs_latest_size_again(
+    world: tuple[Store, RunDriverImpl, Transport, Resizer], tmp_path: Path
+) -> None:
+    """A driver relaunched after a loss starts its trainer from the run's plan: the
+    supervisor sends it the latest delivered size, once, recording nothing new."""
+    store, driver, transport, _ = world
+    drivers = {RUN: driver}
+    resizer = Resizer(store, drivers.get, transport, embedded_place)
+    store.change_booking_nodes(BOOKING, "remove", ["bk-acme-n1"])
+    _follow(store, resizer)
+    assert driver.ctx.resize_inbox.take() is not None
+    logs = len(store.list_logs(RUN, 0, 1000))
+    drivers[RUN] = RunDriverImpl(
+        signed_spec(tmp_path, run_id=RUN, attempt=2).model_dump(), use_ray_metrics=False
+    )
+    _follow(store, resizer)
+    _follow(store, resizer)
+    again = drivers[RUN].ctx.resize_inbox.take()
+    assert again is not None and again.replica_groups == 2
+    assert driver.ctx.resize_inbox.peek() is None and len(transport.sent) == 2
+    assert [r["status"] for r in store.run_resizes(RUN)] == ["delivered"]
+    assert len(store.list_logs(RUN, 0, 1000)) == logs
+
+
 def test_growth_the_planner_refuses_is_recorded_and_not_sent(
     world: tuple[Store, RunDriverImpl, Transport, Resizer],
 ) -> None:
