@@ -142,3 +142,42 @@ def test_migration_names_the_nodes_of_an_older_database(db: str) -> None:
         )
     assert e.value.code == ErrorCode.booking_node_taken
     assert store.booking("old-a")["node_count"] == 4  # type: ignore[index]
+
+
+def test_one_node_added_to_two_bookings_at_once_goes_to_exactly_one(db: str) -> None:
+    """Concurrent add-nodes of one node (two operators, two stores, e.g. two API hosts):
+    the held-node index decides, the loser gets ``booking_node_taken``. Raced a few
+    times, since one race may not overlap."""
+    import threading
+
+    _store_with_bookings(db)
+    stores = {b: Store(db) for b in ("bk-a", "bk-b")}
+    for race in range(RACES):
+        node = f"contended-{race}"
+        results: dict[str, str] = {}
+        start = threading.Barrier(2)
+
+        def add(
+            booking_id: str,
+            node: str = node,
+            results: dict[str, str] = results,
+            start: threading.Barrier = start,
+        ) -> None:
+            start.wait()
+            try:
+                stores[booking_id].change_booking_nodes(booking_id, "add", [node])
+                results[booking_id] = "added"
+            except ItoError as e:
+                results[booking_id] = str(e.code)
+
+        threads = [threading.Thread(target=add, args=(b,)) for b in stores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results.values()) == ["added", "booking_node_taken"], race
+        holders = [b for b in stores if node in stores[b].booking_nodes(b)]
+        assert len(holders) == 1 and results[holders[0]] == "added"
+
+
+RACES = 6
