@@ -36,6 +36,8 @@ from stages.resize import ResizeRequest
 
 log = logging.getLogger(__name__)
 
+# The interruptions after which the supervisor launched the run's driver again.
+RELAUNCHED = ("driver_lost", "node_lost")
 # Runs whose booking changes are followed (the driver lives and trains, or waits).
 FOLLOWING = (RunState.running, RunState.paused_capacity)
 # Hands a request to a run's driver (a handle from ``driver_of``); raises when the
@@ -71,8 +73,8 @@ class Resizer:
         self.deliver = deliver
         self.place = place
         # The request each run's driver has, by the driver it went to: a relaunched
-        # driver (or a new supervisor) sends the run's latest size again, since the
-        # new driver's trainer starts from the run's plan.
+        # driver gets the run's latest size again (once), since its trainer starts
+        # from the run's plan.
         self._delivered_to: dict[str, tuple[str, object]] = {}
 
     def follow(self, runs: list[Row]) -> None:
@@ -106,8 +108,17 @@ class Resizer:
             pending = self._answer(run, plan, changes, delivered[-1] if delivered else None)
         if pending is not None:
             self._send(run, pending, delivered[-1] if delivered else None)
-        elif delivered:
+        elif delivered and self._relaunched_since(run_id, delivered[-1]["delivered_at"]):
             self._send(run, delivered[-1], delivered[-2] if len(delivered) > 1 else None)
+
+    def _relaunched_since(self, run_id: str, delivered_at: float | None) -> bool:
+        """Whether the run's driver was relaunched (lost, then launched again) after
+        ``delivered_at``: its trainer then starts from the run's plan."""
+        lost = self.store.list_events(run_id, kinds=["interruption"], limit=100_000)
+        return any(
+            e["payload"].get("interruption_kind") in RELAUNCHED and e["ts"] > (delivered_at or 0)
+            for e in lost
+        )
 
     def _answer(
         self, run: Row, plan: dict[str, Any], changes: list[Row], last: Row | None

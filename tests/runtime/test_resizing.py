@@ -22,7 +22,7 @@ from orchestrator.db.store import Store
 from orchestrator.runs import RunState
 from orchestrator.runtime.driver import RunDriverImpl
 from orchestrator.runtime.resizing import Resizer
-from stages.events import StageResultEvent
+from stages.events import InterruptionEvent, StageResultEvent
 
 pytestmark = both_engines
 
@@ -142,6 +142,14 @@ def test_a_relaunched_driver_gets_the_runs_latest_size_again(
     store.change_booking_nodes(BOOKING, "remove", ["bk-acme-n1"])
     _follow(store, resizer)
     assert driver.ctx.resize_inbox.take() is not None
+    # A new supervisor (a restart, a takeover) with the same driver sends nothing again.
+    _follow(store, Resizer(store, drivers.get, transport, embedded_place))
+    assert driver.ctx.resize_inbox.peek() is None and len(transport.sent) == 1
+    # The driver was lost and launched again, as the supervisor records it.
+    lost = InterruptionEvent(
+        interruption_kind="driver_lost", detected_at=time.time(), recovered_at=time.time()
+    )
+    store.ingest_events(RUN, [{**lost.model_dump(mode="json"), "seq": store.max_seq(RUN) + 1}])
     logs = len(store.list_logs(RUN, 0, 1000))
     drivers[RUN] = RunDriverImpl(
         signed_spec(tmp_path, run_id=RUN, attempt=2).model_dump(), use_ray_metrics=False
