@@ -24,7 +24,7 @@ from stages.trainer.fleet.recovery import production_recovery
 WAIT_S = 180.0
 JOIN_TIMEOUT_S = 300.0
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-STEPS = 160
+STEPS = 240
 
 
 def _data(path: Path) -> Path:
@@ -66,7 +66,9 @@ def _ledger(run: StageRun) -> dict[int, dict[int, tuple[int, int]]]:
     return ledger
 
 
-def _resize(run: StageRun, request_id: str, groups: int, **kw: object) -> ResizeEvent:
+def _resize(
+    run: StageRun, request_id: str, groups: int, *, until: str = "applied", **kw: object
+) -> ResizeEvent:
     run.ctx.resize_inbox.put(
         ResizeRequest(request_id=request_id, replica_groups=groups, requested_at=time.time(), **kw)
     )
@@ -74,15 +76,15 @@ def _resize(run: StageRun, request_id: str, groups: int, **kw: object) -> Resize
         lambda e: (
             isinstance(e, ResizeEvent)
             and e.request_id == request_id
-            and e.action in ("applied", "refused")
+            and e.action in (until, "refused")
         ),
         f"resize {request_id}",
     )
-    assert applied.action == "applied", applied.reason
+    assert applied.action == until, applied.reason
     return applied
 
 
-def test_a_run_grows_by_a_group_and_shrinks_back_with_every_sequence_trained_once(
+def test_a_run_grows_shrinks_pauses_and_resumes_with_every_sequence_trained_once(
     ray_local: None, tmp_path: Path
 ) -> None:
     cfg = _config(tmp_path / "elastic", pace_step_s=0.1)
@@ -91,11 +93,18 @@ def test_a_run_grows_by_a_group_and_shrinks_back_with_every_sequence_trained_onc
         grow = _resize(run, "grow", 3)
         # An original group leaves: the batch is then shared by groups 0 and 2.
         shrink = _resize(run, "shrink", 2, leaving_groups=(1,))
+        # The booking no longer holds a group: the run checkpoints and waits, then
+        # resumes on two new groups from that checkpoint when capacity is back.
+        pause = _resize(run, "pause", 0, until="paused")
+        resume = _resize(run, "resume", 2)
         out = run.join()
     assert out.status == "passed", out.reason
     assert (grow.groups_before, grow.groups_after) == (2, 3)
     assert (shrink.groups_before, shrink.groups_after) == (3, 2)
     assert grow.step is not None and shrink.step is not None and grow.step < shrink.step
+    assert (pause.groups_before, pause.groups_after) == (2, 0)
+    assert pause.step is not None and shrink.step <= pause.step
+    assert (resume.groups_before, resume.groups_after) == (0, 2)
 
     # The ledger: every step's batch went out in exactly one share per member group.
     ledger = _ledger(run)
@@ -107,17 +116,20 @@ def test_a_run_grows_by_a_group_and_shrinks_back_with_every_sequence_trained_onc
         assert sorted(place for place, _ in shares.values()) == list(range(count)), (step, shares)
         if step < grow.step - 1:
             assert set(shares) == {0, 1}, (step, shares)
-        if step >= shrink.step:
+        if shrink.step <= step <= pause.step:
             assert set(shares) == {0, 2}, (step, shares)
+        if step > pause.step:
+            assert set(shares) == {3, 4}, (step, shares)
     assert any(set(s) == {0, 1, 2} for s in ledger.values())
     # The global batch stayed fixed: every step trained the same tokens.
     assert out.metrics["tokens"] == STEPS * cfg.target.global_batch_tokens
 
-    # The new group healed from a live peer: it read no checkpoint.
+    # The new group healed from a live peer: it read no checkpoint; the resumed groups
+    # read the pause's.
     restored = [
         e for e in run.events if isinstance(e, FleetEvent) and e.action == "checkpoint_restored"
     ]
-    assert all(e.replica_group in (0, 1) for e in restored), restored
+    assert {(e.replica_group, e.step) for e in restored} == {(3, pause.step), (4, pause.step)}
     assert any(
         isinstance(e, LogEvent) and e.message.startswith("rg2: healed from a live peer")
         for e in run.events

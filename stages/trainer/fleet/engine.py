@@ -301,10 +301,15 @@ class TrainingEngine:
             self._poll_due[key] = min(self._poll_due.get(key, due), due)
         if status.digest:
             self.rank_digests[f"{g}/{rank}"] = status.digest
-        for raw in reply.events:
-            for one in expand_steps(raw) if raw.get("kind") == "step" else (raw,):
-                self._on_event(_EVENT.validate_python(one), g)
+        self.forward_events(reply.events, g)
         self.spikes.reported(status, g, now)
+
+    def forward_events(self, events: list[dict[str, Any]], group: int) -> None:
+        """A poll's events of a rank of ``group`` (a resize's joining and leaving ranks'
+        too: a drained group's last checkpoint is the run's)."""
+        for raw in events:
+            for one in expand_steps(raw) if raw.get("kind") == "step" else (raw,):
+                self._on_event(_EVENT.validate_python(one), group)
 
     def _on_event(self, event: Event, group: int) -> None:
         if isinstance(event, StepEvent) and not event.committed:
@@ -376,6 +381,8 @@ class TrainingEngine:
                     continue
                 if self._started:
                     self.resizer.advance()
+                    if self.resizer.paused:
+                        continue  # no group trains: nothing can finish or end a phase
                 if self._gate_ran() and self.phase_ends.stopped_at_phase is not None:
                     break
                 if self.supervisor.every_rank_finished(set(self.actors)):

@@ -227,6 +227,7 @@ class RankLauncher:
         facts: dict[str, Any] | None = None,
         *,
         joining: bool = False,
+        membership_from: tuple[int, tuple[int, ...]] | None = None,
     ) -> WorkerSpec:
         return WorkerSpec(
             run_id=self.run_id,
@@ -241,6 +242,7 @@ class RankLauncher:
             account=run_binding(self.run_id, self.facts).account,
             placement=_json_fact((facts or self.facts).get(PLACEMENT_FACT)),
             joining=joining,
+            membership_from=membership_from,
         )
 
     def make_worker(
@@ -251,6 +253,7 @@ class RankLauncher:
         standby_index: int | None = None,
         *,
         joining: bool = False,
+        membership_from: tuple[int, tuple[int, ...]] | None = None,
         placement: Any = None,
     ) -> Any:
         """Rank ``rank`` of ``group`` (-1: of standby ``standby_index``). ``joining``: a
@@ -259,7 +262,15 @@ class RankLauncher:
         import ray
 
         facts = self.facts if placement is None else {PLACEMENT_FACT: placement}
-        spec = self.spec(name, group, rank, standby_index, facts, joining=joining)
+        spec = self.spec(
+            name,
+            group,
+            rank,
+            standby_index,
+            facts,
+            joining=joining,
+            membership_from=membership_from,
+        )
         if spec.assignment_path:
             write_assignment(spec)  # replaces one an earlier driver of the run left
         if placement is not None:  # the group's ranks spread over the gained nodes

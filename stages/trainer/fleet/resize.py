@@ -55,6 +55,7 @@ class ResizeHost(Protocol):
     def command_all(self, kind: str, params: dict[str, Any] | None = None) -> None: ...
     def forget_rank(self, key: RankKey) -> Any: ...
     def adopt_rank(self, key: RankKey, actor: Any) -> None: ...
+    def forward_events(self, events: list[dict[str, Any]], group: int) -> None: ...
 
 
 class ResizeStage(StrEnum):
@@ -63,6 +64,8 @@ class ResizeStage(StrEnum):
     holding = "holding"  # every group is asked to stop after one agreed step
     joining = "joining"  # new groups released: they join the quorum and heal
     settling = "settling"  # waiting for the first step with the new member count
+    pausing = "pausing"  # below one group: every group saves and stops
+    paused = "paused"  # no group left: waiting for capacity to come back
 
 
 class GroupResizer:
@@ -82,20 +85,31 @@ class GroupResizer:
         self.first_step = 0
         self._leaving_since = 0.0
         self.applied: list[ResizeEvent] = []
+        # Group indices are never reused: a new group's ranks have names of their own.
+        self._next_group = engine.cfg.replica_groups
+        # The step the run paused at for capacity (its checkpoint's), None while it trains.
+        self.paused_at: int | None = None
 
     @property
-    def busy(self) -> bool:
-        return self.stage is not ResizeStage.idle
+    def paused(self) -> bool:
+        """No group trains (the booking held less than one): from the pause until the
+        groups that resume the run are in."""
+        return self.paused_at is not None
 
     # --- the moves --------------------------------------------------------------------
     def advance(self) -> None:
         """One look at the resize under way (or a new request), from the engine's loop."""
         self._poll_leaving()
-        if self.stage is ResizeStage.idle:
+        if self.stage in (ResizeStage.idle, ResizeStage.paused):
             if self.inbox is not None and (request := self.inbox.take()) is not None:
                 self._begin(request)
         elif self.stage is ResizeStage.launching and self._poll(self.joining, {RankState.ready}):
-            self._hold()
+            if self.paused_at is None:
+                self._hold()
+            else:  # nothing to hold: the run resumes from its checkpoint
+                self._release_joining()
+        elif self.stage is ResizeStage.pausing and not self.leaving:
+            self._paused()
         elif self.stage is ResizeStage.holding and (held := self._held_at()) is not None:
             self._change(held)
         elif self.stage is ResizeStage.joining and self._poll(self.joining, {RankState.training}):
@@ -134,6 +148,21 @@ class GroupResizer:
         engine = self.engine
         live = sorted(engine.groups)
         self.before = len(live)
+        if request.replica_groups == len(live) and self.paused_at is None:
+            # Already that size (a booking change that kept the count, a request resent
+            # to a relaunched driver): nothing moves.
+            engine.emit(
+                ResizeEvent(
+                    request_id=request.request_id,
+                    action="applied",
+                    groups_before=self.before,
+                    groups_after=self.before,
+                    step=engine.max_step,
+                    seconds=0.0,
+                    reason=f"the run already has {self.before} replica groups",
+                )
+            )
+            return
         refusal = self._refusal(request, live)
         event = ResizeEvent(
             request_id=request.request_id,
@@ -151,16 +180,28 @@ class GroupResizer:
             return
         self.request = request
         if request.replica_groups > self.before:
-            first = max([*engine.groups, engine.cfg.replica_groups - 1]) + 1
-            added = list(range(first, first + request.replica_groups - self.before))
+            added = list(
+                range(self._next_group, self._next_group + request.replica_groups - len(live))
+            )
+            self._next_group += len(added)
             self.members = (*live, *added)
+            # After a pause the new groups read the run's checkpoint (none is live to
+            # heal from) and share the batch from its step; otherwise they heal.
+            resume = None if self.paused_at is None else (self.paused_at, self.members)
             for g in added:
                 for r in range(engine.cfg.ranks_per_group):
-                    name = worker_name(engine.launcher.names_id, g, r)
                     self.joining[(g, r)] = engine.launcher.make_worker(
-                        name, g, r, joining=True, placement=request.placement
+                        worker_name(engine.launcher.names_id, g, r),
+                        g,
+                        r,
+                        joining=resume is None,
+                        membership_from=resume,
+                        placement=request.placement,
                     )
             self.stage = ResizeStage.launching
+        elif request.replica_groups == 0:
+            self.members = ()
+            self._hold()
         else:
             leaving = [g for g in request.leaving_groups if g in live]
             for g in sorted(live, reverse=True):
@@ -174,19 +215,17 @@ class GroupResizer:
     def _refusal(self, request: ResizeRequest, live: list[int]) -> str:
         """Why ``request`` cannot be applied ("" if it can)."""
         cfg = self.engine.cfg
-        if request.replica_groups == len(live):
-            return f"the run already has {len(live)} replica groups"
-        if request.replica_groups < 1:
-            return "fewer than one replica group: the run pauses for capacity"
         if cfg.objective.kind != "lm":
             return f"the {cfg.objective.kind} objective keeps its replica groups"
         shards = cfg.layout.dp_shard
         width = request.replica_groups * shards
-        if (cfg.micro_batch * cfg.dp_world) % width:
+        if width and (cfg.micro_batch * cfg.dp_world) % width:
             return (
                 f"a global batch of {cfg.micro_batch * cfg.dp_world} sequences does not "
                 f"split over {width} data-parallel ranks"
             )
+        if request.replica_groups == 0 and self.paused_at is not None:
+            return "the run is already paused for capacity"
         if self.engine.supervisor.live() != live:
             return "a replica group is lost; resize once it healed"
         return ""
@@ -212,9 +251,18 @@ class GroupResizer:
         if self.joining:
             # The new groups heal in the quorum of step ``held`` and share from the next.
             self.first_step = held + 1
-            for actor in self.joining.values():
-                actor.command.remote("go")
-            self.stage = ResizeStage.joining
+            self._release_joining()
+            return
+        if not self.members:
+            # Below one group: the saving group checkpoints step ``held``; all stop.
+            self.paused_at = self.first_step = held
+            for key in list(engine.actors):
+                self.leaving[key] = engine.forget_rank(key)
+                self.leaving[key].command.remote("drain")
+            for g in list(engine.groups):
+                engine.supervisor.remove_group(g)
+            self._leaving_since = time.monotonic()
+            self.stage = ResizeStage.pausing
             return
         # Shrink: the leaving groups are drained here; the others share from ``held``.
         self.first_step = held
@@ -236,6 +284,34 @@ class GroupResizer:
         )
         self._release(staying)
 
+    def _release_joining(self) -> None:
+        for actor in self.joining.values():
+            actor.command.remote("go")
+        self.stage = ResizeStage.joining
+
+    def _paused(self) -> None:
+        """Every group saved and stopped: the run waits for capacity."""
+        request = self.request
+        self.stage = ResizeStage.paused
+        if request is not None:
+            self.engine.emit(
+                ResizeEvent(
+                    request_id=request.request_id,
+                    action="paused",
+                    groups_before=self.before,
+                    groups_after=0,
+                    step=self.paused_at,
+                    seconds=max(0.0, time.time() - request.requested_at),
+                    reason=request.reason,
+                )
+            )
+        self.engine.emit(
+            LogEvent(
+                message=f"paused for capacity at step {self.paused_at} (checkpointed): "
+                "no replica group fits the booking"
+            )
+        )
+
     def _admit(self) -> None:
         """The new groups train (their quorum request is in): release the held groups."""
         engine = self.engine
@@ -253,6 +329,11 @@ class GroupResizer:
             )
         )
         self.joining = {}
+        if self.paused_at is not None:  # resumed: the new groups trained from the checkpoint
+            self.paused_at = None
+            self.engine.resized = True
+            self.stage = ResizeStage.settling
+            return
         self._release(held)
 
     def _release(self, held: list[RankKey]) -> None:
@@ -279,6 +360,7 @@ class GroupResizer:
             except RayActorError as e:
                 self._abandon(f"rank {key} of a new group failed: {type(e).__name__}")
                 return False
+            self.engine.forward_events(reply.events, key[0])
             self._reports[key] = reply.report
             if reply.report.state is RankState.awaiting_data and key not in self._data_sent:
                 self._data_sent.add(key)
@@ -293,13 +375,17 @@ class GroupResizer:
         if not self.leaving:
             return
         import ray
+        from ray.exceptions import GetTimeoutError
 
         overdue = time.monotonic() - self._leaving_since > self.engine.ft.stop_timeout_s
         for key, actor in list(self.leaving.items()):
             try:
-                report = ray.get(actor.poll.remote(), timeout=self.engine.ft.poll_interval_s)
-                ended = report.report.state in ENDED_STATES
-            except Exception:
+                reply = ray.get(actor.poll.remote(), timeout=self.engine.ft.poll_interval_s)
+                self.engine.forward_events(reply.events, key[0])
+                ended = reply.report.state in ENDED_STATES
+            except GetTimeoutError:
+                ended = False  # busy (saving): asked again at the next pass
+            except Exception:  # the process is gone
                 ended = True
             if ended or overdue:
                 kill_actors(actor)

@@ -263,6 +263,8 @@ class GroupSupervisor:
 
     def check_stuck(self, now: float) -> None:
         """Fail the run when every group failed, or none came back in time."""
+        if not self.groups:
+            return  # paused for capacity: no group to fail
         errors = [g.error for g in self.groups.values() if g.error]
         if errors and all(g.error or g.finished for g in self.groups.values()):
             raise ItoError(ErrorCode.training_failed, f"trainer failed: {errors[0]}")

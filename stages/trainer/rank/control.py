@@ -46,6 +46,9 @@ class WorkerSpec:
     # A group a resize adds to the running run: after the driver's "go" it joins the
     # quorum and heals from a live peer; it never reads a checkpoint.
     joining: bool = False
+    # A group that resumes a run paused for capacity: after reading the checkpoint it
+    # shares the batch with these groups from this step on ([step, [groups]]).
+    membership_from: tuple[int, tuple[int, ...]] | None = None
 
     @property
     def names_id(self) -> str:
@@ -59,6 +62,8 @@ class Control:
 
     cond: threading.Condition = field(default_factory=threading.Condition)
     stop: bool = False
+    # The run pauses for capacity: the saving group checkpoints before it stops.
+    save_at_stop: bool = False
     # Fresh workers wait for "go" so that every group joins the first quorum together.
     go: threading.Event = field(default_factory=threading.Event)
     # The driver asks every group to pause at its next step boundary (a spike elsewhere).
@@ -81,6 +86,7 @@ class Control:
             "next_phase",
             "members",
             "stop",
+            "drain",
             "pause",
             "hold",
             "go",
@@ -90,8 +96,9 @@ class Control:
         **params: Any,
     ) -> None:
         with self.cond:
-            if kind == "stop":
+            if kind == "stop" or kind == "drain":  # (not `in`: mypy narrows this)
                 self.stop = True
+                self.save_at_stop = kind == "drain"
                 self.go.set()
             elif kind == "go":
                 self.go.set()

@@ -521,14 +521,14 @@ class TrainLoop:
         self.status.enter(RankState.held, held_at=step)
         kind, params = self.control.wait_command()
         if kind == "stop":
-            return  # drained: the loop ends here (``_finish``)
+            return  # drained (and saved, pausing for capacity): the loop ends (``_finish``)
         if kind == "members":
             self.membership.change(int(params["first_step"]), tuple(params["members"]))
             self.log(f"from step {params['first_step']} the batch is shared by {params['members']}")
         self.status.enter(RankState.training, held_at=None)
 
     def _finish(self) -> None:
-        if not self.control.stop and self._is_saver_at_end():
+        if (not self.control.stop or self.control.save_at_stop) and self._is_saver_at_end():
             self._maybe_checkpoint(self.manager.current_step(), force=True)
         if self.ckpt is not None:
             self.ckpt.close()

@@ -311,7 +311,22 @@ class RankSetup:
                     raise
                 continue
             loop.restored(latest.step)
+            self._rejoin_membership(latest.step)
             return
+
+    def _rejoin_membership(self, step: int) -> None:
+        """The groups that share the batch after a restore of checkpoint ``step``: those
+        the driver names (groups resuming a run paused for capacity), or, at a fresh
+        start of the run's groups (a relaunched driver), the run's planned groups, which
+        may differ from the checkpoint's members when the run was resized before. A
+        restarted group keeps the checkpoint's: its peers are the run's members."""
+        loop = self.loop
+        if loop.spec.membership_from is not None:
+            loop.membership.change(*loop.spec.membership_from)
+        elif not loop.status.report().restarted:
+            planned = tuple(range(loop.cfg.replica_groups))
+            if loop.membership.members_at(step) != planned:
+                loop.membership.change(step, planned)
 
 
 # Restores retried when retention sweeps the newest checkpoint during a read.
