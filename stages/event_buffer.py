@@ -16,8 +16,9 @@ from typing import Any
 
 from stages.events import LogEvent
 
-# Steps of one group, phase and commit state merged into one event at most.
-_MERGEABLE_KEYS = ("replica_group", "phase", "committed", "quorum_size", "stage")
+# Steps of one group, phase and commit state merged into one event at most; and of
+# one batch share: a resize re-cuts it, and the run's token ledger reads it per step.
+_MERGEABLE_KEYS = ("replica_group", "phase", "committed", "quorum_size", "stage", "batch_share")
 
 
 def _mergeable(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -54,7 +55,10 @@ def coalesce(events: Iterable[dict[str, Any]], folded: int = 0) -> tuple[list[di
                 folded += 1
             continue
         if ev.get("kind") == "step":
-            key = tuple(ev.get(k) for k in _MERGEABLE_KEYS)
+            # A share is a list once serialised: a tuple, to be part of the key.
+            key = tuple(
+                tuple(v) if isinstance(v := ev.get(k), list) else v for k in _MERGEABLE_KEYS
+            )
             i = last_step.get(key)
             if i is not None and _mergeable(out[i], ev):
                 out[i] = _merge(out[i], ev)

@@ -8,7 +8,7 @@ from stages.event_buffer import FOLDED, EventBuffer, expand_steps
 from stages.events import InterruptionEvent, LogEvent, PhaseEvent, StepEvent
 
 
-def _step(step: int, group: int) -> dict[str, object]:
+def _step(step: int, group: int, share: tuple[int, int] | None = None) -> dict[str, object]:
     return StepEvent(
         step=step,
         replica_group=group,
@@ -18,6 +18,7 @@ def _step(step: int, group: int) -> dict[str, object]:
         committed=True,
         quorum_size=2,
         phase="pretrain",
+        batch_share=share,
     ).model_dump(mode="json")
 
 
@@ -68,3 +69,16 @@ def test_a_flooded_buffer_stays_bounded_and_keeps_every_step_phase_and_interrupt
         == (5000, 5000 * 256, 1)
     )
     assert a.productive_s == b.productive_s
+
+
+def test_steps_of_two_batch_shares_are_never_merged() -> None:
+    # A resize re-cuts a group's share of the global batch with the same quorum (the
+    # new group joins the quorum a step before it shares the batch): the token ledger
+    # reads each step's share, so a merged event holds steps of one share only.
+    buf = EventBuffer(max_events=4)
+    for s in range(1, 41):
+        buf.append(_step(s, 0, (0, 2) if s <= 20 else (0, 3)))
+    shares = {
+        int(one["step"]): tuple(one["batch_share"]) for e in buf.drain() for one in expand_steps(e)
+    }
+    assert shares == {s: (0, 2) if s <= 20 else (0, 3) for s in range(1, 41)}
