@@ -118,9 +118,9 @@ def host_port(host: str, port: int) -> str:
 
 
 def run_node_addresses(facts: Mapping[str, Any] | None) -> set[str]:
-    """The addresses (as Ray registered them) of the nodes that hold the run's placement
-    group's bundles; every alive Ray node when the run has no placement (a stage run
-    alone). Needs Ray initialised in this process."""
+    """The addresses (as Ray registered them) of the nodes that hold a bundle of the
+    run's reservations (``reserved_node_ids``); every alive Ray node when the run has
+    no placement (a stage run alone). Needs Ray initialised in this process."""
     import ray
 
     from stages.placement import placement_fact
@@ -130,13 +130,31 @@ def run_node_addresses(facts: Mapping[str, Any] | None) -> set[str]:
     p = placement_fact(facts or {})
     if p is None:
         return {normalize_ip(a) for a in alive.values()}
-    from ray._raylet import PlacementGroupID
     from ray.util import placement_group_table
-    from ray.util.placement_group import PlacementGroup
 
-    pg = PlacementGroup(PlacementGroupID(bytes.fromhex(p.placement_group_id)))
-    nodes = placement_group_table(pg).get("bundles_to_node_id", {}).values()
+    nodes = reserved_node_ids(placement_group_table(), p.placement_group, p.placement_group_id)
     return {normalize_ip(alive[n]) for n in nodes if n in alive}
+
+
+def reserved_node_ids(
+    table: Mapping[str, Mapping[str, Any]], group_name: str, group_id: str
+) -> set[str]:
+    """The nodes of ``table`` (Ray's placement group table) that hold a bundle of the
+    group ``group_id`` (named ``group_name``) or of another live reservation of the same
+    run: its own group and the groups of nodes its booking gained while it trains. The
+    ranks of a group added on a gained node and the run's others reach each other (and
+    the lighthouse) through these fronts, so each admits the other's nodes."""
+    from stages.placement import run_group_of
+
+    run = run_group_of(group_name)
+    nodes: set[str] = set()
+    for group in table.values():
+        ours = group.get("placement_group_id") == group_id or (
+            group.get("state") != "REMOVED" and run_group_of(str(group.get("name", ""))) == run
+        )
+        if ours:
+            nodes.update(str(n) for n in (group.get("bundles_to_node_id") or {}).values())
+    return nodes
 
 
 class _RefusalLog:

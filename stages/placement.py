@@ -24,6 +24,7 @@ forgets to place still stays in the group; placing it explicitly is still the ru
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,22 @@ BOOKING_RESOURCE_PREFIX = "booking:"
 # amount that pins it to a bundle of the booking's nodes even when it asks for no
 # CPU or GPU (a zero-resource actor would otherwise be free to go anywhere).
 MARK_PER_ACTOR = 0.001
+
+
+# A run's reservations: its own group, and one per booking change that gave the
+# running run nodes, named ``<its own group>-c<change>`` (the orchestrator makes them).
+_ADDED_GROUP = re.compile(r"^(?P<run>.+)-c[0-9]+$")
+
+
+def added_group_name(run_group: str, change_id: int) -> str:
+    """The reservation of the nodes booking change ``change_id`` gave a running run."""
+    return f"{run_group}-c{change_id}"
+
+
+def run_group_of(group_name: str) -> str:
+    """The run's own group's name, from the name of any of the run's reservations."""
+    m = _ADDED_GROUP.match(group_name)
+    return m["run"] if m else group_name
 
 
 def booking_resource(booking_id: str) -> str:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.errors import ErrorCode
-from stages.placement import PlacementFact, booking_resource
+from stages.placement import PlacementFact, added_group_name, booking_resource
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -65,7 +65,7 @@ def pg_name(run_id: str) -> str:
 
 def added_pg_name(run_id: str, change_id: int) -> str:
     """The group of the nodes a booking change gave the run."""
-    return f"{pg_name(run_id)}-c{change_id}"
+    return added_group_name(pg_name(run_id), change_id)
 
 
 def embedded_marks(bookings: list[dict[str, Any]]) -> dict[str, float]:
