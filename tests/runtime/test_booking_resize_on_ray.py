@@ -1,0 +1,248 @@
+"""A run follows its booking through the product: one Ray cluster of three raylets on
+this machine (an unmarked head with no CPUs, three nodes marked ``booking:bk-grow``),
+an API server joined to it with ``--ray-address``.
+
+The run is planned on the booking's 2 nodes (2 replica groups of 1 rank); mid-run the
+operator adds the third node (``ito-backend bookings add-nodes``): the supervisor
+reserves it (``run-<id>-pg-c<change>``) and the run grows to 3 groups, the new one on
+that node, healed from a live peer; then ``remove-nodes`` takes it back and the run
+shrinks to 2. The run's persisted step events are its token ledger: every step's
+global batch went out in exactly one share per member group. Its final loss is that
+of a run of the same manifest that never resized. Only the GPUs are absent (each
+"GPU" is a cpu-testbed rank): every raylet, actor, lighthouse and heal is real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.backend import Backend
+from helpers.flows import submit_run
+from helpers.manifests import cpu_testbed_manifest, data_ref
+from helpers.ray_backend import write_docs
+from helpers.raynodes import LocalCluster
+from helpers.runs import wait_run
+from helpers.tenants import Tenant, admin, cpu_booking_doc, make_tenant
+from helpers.xdist_groups import module_group
+
+from orchestrator.db.store import Store
+from stages.event_buffer import expand_steps
+
+pytestmark = [pytest.mark.slow, module_group(__name__)]
+
+REPO = Path(__file__).resolve().parents[2]
+BOOKING = "bk-grow"
+ADDED_NODE = f"{BOOKING}-n2"  # the booking's first two are bk-grow-n0 and -n1
+# A hang guard for each wait on the run (start-up, a resize, the end).
+WAIT_S = float(os.environ.get("ITO_TEST_WAIT_S", "240"))
+# Operator knob: paced so the run outlasts a grow and a shrink. The grow is the long
+# one: the new group's process starts and builds its model while the run trains on
+# (about 33 s from the booking change on a loaded 2-core host, ~90 steps here).
+PACE_STEP_S = 0.25
+STEPS = 200
+# 12 sequences of 32 tokens a step: 6 a group at 2 groups, 4 at 3.
+SEQ_LEN = 32
+GLOBAL_BATCH_TOKENS = 384
+# The resized run's final loss against the unresized one's, relative. Both train the
+# same sequences in the same order with the same LR schedule; only the gradient
+# average's summation order differs while grown (3 partial sums instead of 2), an fp32
+# rounding difference (4e-7 relative at the end, measured) that Adam carries but does
+# not blow up in this many steps. The bound leaves 250x that; what was trained (each
+# share once) is the ledger's to prove.
+LOSS_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("booking-resize")
+    # The launch key the API server signs drivers with, shared with every node.
+    key = {"ITO_LAUNCH_KEY_FILE": str(tmp / "launch.key")}
+    cluster = LocalCluster(tmp, env=key)
+    be = Backend(
+        db=tmp / "ito.db",
+        var_dir=tmp / "var",
+        log_path=tmp / "backend.log",
+        env={"ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": PACE_STEP_S}), **key},
+    )
+    tenant = make_tenant(be.db, "acme", booking=cpu_booking_doc(BOOKING, "acme", gpus=1, nodes=2))
+    lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:300]
+    (tmp / "data").mkdir()
+    corpus = write_docs(tmp / "data" / "train.jsonl", [json.loads(li)["text"] for li in lines])
+    try:
+        cluster.start_head()
+        mark = {f"booking:{BOOKING}": 1.0}
+        # The third node is up from the start: which two the run's group takes is
+        # Ray's choice; the added group goes to the one left.
+        for name in ("a", "b", "c"):
+            cluster.add_node(name, num_cpus=2, resources=mark)
+        be.extra_args = ["--runtime", "ray", "--ray-address", cluster.address]
+        be.start()
+        yield {"backend": be, "tenant": tenant, "tmp": tmp, "cluster": cluster, "corpus": corpus}
+    finally:
+        be.stop()
+        cluster.stop()
+
+
+def _submit(env: dict[str, Any], name: str) -> str:
+    be: Backend = env["backend"]
+    t: Tenant = env["tenant"]
+    m = cpu_testbed_manifest(
+        [data_ref(env["corpus"], license="PSF")], env["tmp"] / f"ckpt-{name}", steps=STEPS
+    )
+    m["training"] |= {"seq_len": SEQ_LEN, "global_batch_tokens": GLOBAL_BATCH_TOKENS}
+    with be.client() as c:
+        return submit_run(c, t, BOOKING, m)
+
+
+def _wait(env: dict[str, Any], run_id: str, pred: Any, what: str) -> dict[str, Any]:
+    return wait_run(env["backend"], env["tenant"].submitter, run_id, pred, what, WAIT_S)
+
+
+def _events(env: dict[str, Any], run_id: str, kind: str) -> list[dict[str, Any]]:
+    store = Store(env["backend"].db)
+    try:
+        return [dict(e["payload"]) for e in store.list_events(run_id, kinds=[kind], limit=100_000)]
+    finally:
+        store.close()
+
+
+def _logs(env: dict[str, Any], run_id: str) -> list[str]:
+    store = Store(env["backend"].db)
+    try:
+        return [e["message"] for e in store.list_logs(run_id, 0, 100_000)]
+    finally:
+        store.close()
+
+
+def _applied(run: dict[str, Any], groups: int) -> dict[str, Any] | None:
+    """The run's resize to ``groups`` groups once the trainer applied it."""
+    return next(
+        (r for r in run["resizes"] if r["status"] == "applied" and r["groups_after"] == groups),
+        None,
+    )
+
+
+def _train_metrics(run: dict[str, Any]) -> dict[str, Any]:
+    (gate,) = [g for g in run["stage_gates"] if g["stage"] == "train"]
+    assert gate["status"] == "passed", gate
+    metrics: dict[str, Any] = gate["metrics"]
+    return metrics
+
+
+def _ledger(env: dict[str, Any], run_id: str) -> dict[int, dict[int, tuple[int, int]]]:
+    """step -> {group: (its place, members)} of every committed step, from the run's
+    persisted step events (a merged event stands for its steps; a redone step's last
+    report wins)."""
+    ledger: dict[int, dict[int, tuple[int, int]]] = {}
+    for raw in _events(env, run_id, "step"):
+        for e in expand_steps(raw):
+            if e["committed"] and e.get("batch_share") is not None:
+                place, members = e["batch_share"]
+                ledger.setdefault(int(e["step"]), {})[int(e["replica_group"])] = (place, members)
+    return ledger
+
+
+def _group_actors(env: dict[str, Any], run_id: str) -> dict[int, Any]:
+    """The run's live rank actors by replica group (Ray's actor table)."""
+    from ray.util.state import list_actors
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    actors = list_actors(
+        address=env["cluster"].dashboard,
+        filters=[("state", "=", "ALIVE")],
+        limit=10_000,
+        detail=True,
+    )
+    prefix = f"run-{run_id}-trainer-rg"
+    return {
+        int(a.name[len(prefix) :].split("-")[0]): a
+        for a in actors
+        if a.name and a.name.startswith(prefix)
+    }
+
+
+def test_a_run_grows_into_an_added_node_and_shrinks_back_with_every_token_counted_once(
+    env: dict[str, Any],
+) -> None:
+    from ray.util.state import list_placement_groups
+
+    db = env["backend"].db
+    run_id = _submit(env, "resized")
+    _wait(
+        env,
+        run_id,
+        lambda r: r["state"] == "running" and _ledger(env, run_id),
+        "a committed step",
+    )
+    admin(db, "bookings", "add-nodes", BOOKING, "--node", ADDED_NODE)
+    grown = _wait(env, run_id, lambda r: _applied(r, 3) is not None, "the grow applied")
+
+    # The added group runs on the added node, in the group reserved for it; the run's
+    # two planned groups on the two nodes of the run's own reservation.
+    groups = _group_actors(env, run_id)
+    assert sorted(groups) == [0, 1, 2], sorted(groups)
+    pgs = {
+        g.placement_group_id: g.name
+        for g in list_placement_groups(address=env["cluster"].dashboard, detail=True)
+    }
+    assert pgs[groups[2].placement_group_id].startswith(f"run-{run_id}-pg-c"), pgs
+    assert pgs[groups[0].placement_group_id] == pgs[groups[1].placement_group_id]
+    assert pgs[groups[0].placement_group_id] == f"run-{run_id}-pg"
+    assert len({groups[g].node_id for g in (0, 1, 2)}) == 3, groups
+
+    admin(db, "bookings", "remove-nodes", BOOKING, "--node", ADDED_NODE)
+    _wait(env, run_id, lambda r: _applied(r, 2) is not None, "the shrink applied")
+    done = _wait(env, run_id, lambda r: r["state"] in ("succeeded",), "succeeded")
+    grow, shrink = _applied(done, 3), _applied(done, 2)
+    assert grow is not None and shrink is not None, done["resizes"]
+    assert (grow["groups_before"], shrink["groups_before"]) == (2, 3), done["resizes"]
+    assert grow["step"] < shrink["step"] <= STEPS, done["resizes"]
+    assert grown["state"] == "running"
+
+    # The ledger: each committed step's global batch went out in exactly one share
+    # per member group (places 0..n-1 once), 3 members between the two resizes.
+    ledger = _ledger(env, run_id)
+    assert sorted(ledger) == list(range(1, STEPS + 1)), sorted(ledger)
+    for step, shares in ledger.items():
+        members = {m for _, m in shares.values()}
+        assert len(members) == 1, (step, shares)
+        (count,) = members
+        assert sorted(place for place, _ in shares.values()) == list(range(count)), (step, shares)
+        assert set(shares) == ({0, 1, 2} if count == 3 else {0, 1}), (step, shares)
+    grown_steps = [s for s, shares in ledger.items() if len(shares) == 3]
+    assert grown_steps == list(range(grown_steps[0], grown_steps[-1] + 1)), grown_steps
+    assert grown_steps[0] <= grow["step"] <= grown_steps[-1] < shrink["step"], (
+        grown_steps,
+        done["resizes"],
+    )
+    train = _train_metrics(done)
+    assert train["tokens"] == STEPS * GLOBAL_BATCH_TOKENS, train
+
+    # The joining group healed from a live peer: no checkpoint was read.
+    fleet = _events(env, run_id, "fleet")
+    assert not [e for e in fleet if e["action"] == "checkpoint_restored"], fleet
+    added = [e for e in fleet if e["action"] == "groups_added"]
+    assert [e["replica_group"] for e in added] == [2], added
+    assert any(m.startswith("rg2: healed from a live peer") for m in _logs(env, run_id))
+
+    # The same final loss as the same manifest never resized, on the same backend.
+    still_id = _submit(env, "still")
+    still = _wait(env, still_id, lambda r: r["state"] == "succeeded", "succeeded")
+    assert not still["resizes"]
+    reference = _train_metrics(still)
+    assert reference["tokens"] == train["tokens"]
+    assert abs(train["final_loss"] - reference["final_loss"]) <= LOSS_RTOL * abs(
+        reference["final_loss"]
+    ), (train["final_loss"], reference["final_loss"])
+    # Both runs' reservations went with them.
+    left = {
+        g.name: g.state
+        for g in list_placement_groups(address=env["cluster"].dashboard, limit=10_000)
+        if g.name.startswith(f"run-{run_id}") or g.name.startswith(f"run-{still_id}")
+    }
+    assert set(left.values()) <= {"REMOVED"}, left
