@@ -170,6 +170,14 @@ class FaultToleranceConfig(StrictModel):
     phase_end_polls_per_s: float = Field(default=100.0, gt=0)
     # Driver: cancel kills every actor; a graceful stop waits at most this long first.
     stop_timeout_s: float = Field(default=5.0, gt=0)
+    # Driver: a run pausing for capacity waits this long for its saving group's
+    # checkpoint before the ranks are killed (a large model's takes minutes to write).
+    pause_save_timeout_s: float = Field(default=900.0, gt=0)
+    # Rank: the first step after the member groups changed (a resize, a resume, the
+    # run's start) is refused and tried again while a member is not in its quorum (a
+    # group still starting under load), for at most this long; then it trains without
+    # the missing group, whose share is skipped as a lost group's is.
+    member_wait_s: float = Field(default=60.0, gt=0)
     # Driver: a paused run (loss-spike proposal) re-checks cancellation this often while
     # it waits for the human decision.
     decision_poll_s: float = Field(default=1.0, gt=0)

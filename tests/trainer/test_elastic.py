@@ -113,7 +113,11 @@ def test_a_run_grows_shrinks_pauses_and_resumes_with_every_sequence_trained_once
         members = {m for _, m in shares.values()}
         assert len(members) == 1, (step, shares)
         (count,) = members
-        assert sorted(place for place, _ in shares.values()) == list(range(count)), (step, shares)
+        assert sorted(place for place, _ in shares.values()) == list(range(count)), (
+            step,
+            shares,
+            [(e.request_id, e.step) for e in (grow, shrink, pause, resume)],
+        )
         if step < grow.step - 1:
             assert set(shares) == {0, 1}, (step, shares)
         if shrink.step <= step <= pause.step:

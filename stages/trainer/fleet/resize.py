@@ -81,6 +81,7 @@ class GroupResizer:
         self.leaving: dict[RankKey, Any] = {}
         self._reports: dict[RankKey, RankReport] = {}
         self._data_sent: set[RankKey] = set()
+        self._in_flight: dict[RankKey, Any] = {}  # each polled rank's unanswered poll
         self.members: tuple[int, ...] = ()
         self.first_step = 0
         self._leaving_since = 0.0
@@ -345,55 +346,69 @@ class GroupResizer:
         self.stage = ResizeStage.settling
 
     # --- polling the ranks this engine does not poll ------------------------------------
+    def _answers(self, ranks: dict[RankKey, Any]) -> dict[RankKey, RankPoll | None]:
+        """The polls of ``ranks`` answered since the last look (None: the rank's process
+        is gone), without waiting: one poll in flight per rank, as the engine's own."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        for key, actor in ranks.items():
+            if key not in self._in_flight:
+                self._in_flight[key] = actor.poll.remote()
+        refs = {self._in_flight[k]: k for k in ranks}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        answers: dict[RankKey, RankPoll | None] = {}
+        for ref in ready:
+            key = refs[ref]
+            del self._in_flight[key]
+            try:
+                reply: RankPoll = ray.get(ref, timeout=0)
+            except RayActorError:
+                answers[key] = None
+                continue
+            self.engine.forward_events(reply.events, key[0])
+            answers[key] = reply
+        return answers
+
     def _poll(self, ranks: dict[RankKey, Any], states: set[RankState]) -> bool:
         """Whether every rank of ``ranks`` reports one of ``states`` (a failed one is
         given up on: the resize is refused)."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        timeout = self.engine.ft.poll_interval_s
-        for key, actor in ranks.items():
-            try:
-                reply: RankPoll = ray.get(actor.poll.remote(), timeout=timeout)
-            except GetTimeoutError:
-                continue
-            except RayActorError as e:
-                self._abandon(f"rank {key} of a new group failed: {type(e).__name__}")
+        for key, reply in self._answers(ranks).items():
+            if reply is None or reply.report.error:
+                why = reply.report.error if reply is not None else "its process ended"
+                self._abandon(f"rank {key} of a new group failed: {why}")
                 return False
-            self.engine.forward_events(reply.events, key[0])
             self._reports[key] = reply.report
             if reply.report.state is RankState.awaiting_data and key not in self._data_sent:
                 self._data_sent.add(key)
-                actor.command.remote("data", {"role_shards": self.engine.role_shards})
-            if reply.report.error:
-                self._abandon(f"rank {key} of a new group failed: {reply.report.error}")
-                return False
+                ranks[key].command.remote("data", {"role_shards": self.engine.role_shards})
         return all((r := self._reports.get(k)) is not None and r.state in states for k in ranks)
 
     def _poll_leaving(self) -> None:
-        """Kill the drained ranks once they stopped (or after ``stop_timeout_s``)."""
+        """Kill the drained ranks once they stopped (or after their bound)."""
         if not self.leaving:
             return
-        import ray
-        from ray.exceptions import GetTimeoutError
-
-        overdue = time.monotonic() - self._leaving_since > self.engine.ft.stop_timeout_s
+        # Drained ranks stop at once; pausing, the saving one writes a checkpoint first.
+        bound = (
+            self.engine.ft.pause_save_timeout_s if self.paused else self.engine.ft.stop_timeout_s
+        )
+        overdue = time.monotonic() - self._leaving_since > bound
+        answers = self._answers(self.leaving)
         for key, actor in list(self.leaving.items()):
-            try:
-                reply = ray.get(actor.poll.remote(), timeout=self.engine.ft.poll_interval_s)
-                self.engine.forward_events(reply.events, key[0])
-                ended = reply.report.state in ENDED_STATES
-            except GetTimeoutError:
-                ended = False  # busy (saving): asked again at the next pass
-            except Exception:  # the process is gone
-                ended = True
+            ended = False  # not answered yet (busy saving)
+            if key in answers:
+                reply = answers[key]
+                ended = reply is None or reply.report.state in ENDED_STATES
             if ended or overdue:
                 kill_actors(actor)
                 del self.leaving[key]
+                self._in_flight.pop(key, None)
 
     def _abandon(self, reason: str) -> None:
         request, self.request = self.request, None
         kill_actors(*self.joining.values())
+        for key in self.joining:
+            self._in_flight.pop(key, None)
         self.joining = {}
         self.stage = ResizeStage.idle
         if request is not None:

@@ -83,6 +83,8 @@ class TrainLoop:
         self.windows: list[Window] = []
         # The groups sharing each step's global batch: changed by a resize only.
         self.membership = Membership.initial(spec.config.replica_groups)
+        # When the first step of each membership began waiting for a missing member.
+        self._member_wait: dict[int, float] = {}
         # The run's token shards by data role, from the driver once its data is ready.
         self.role_shards: dict[str, list[str]] = {}
         self.started_at = time.time()
@@ -227,6 +229,19 @@ class TrainLoop:
             self.loader.cut(place * layout.dp_shard + shard, members * layout.dp_shard)
         return share
 
+    def _members_missing(self, step: int) -> bool:
+        """Whether step ``step`` is the first of its members (a resize, a resume, the
+        start) and one of them is not in its quorum yet, for at most ``member_wait_s``:
+        the step is then tried again rather than trained without the member's share."""
+        first = self.membership.changes[-1][0]
+        members = len(self.membership.members_at(step))
+        if step != first or self.manager.num_participants() >= members:  # torchft
+            return False
+        if first not in self._member_wait:
+            self._member_wait[first] = time.monotonic()
+            self.log(f"step {step}: waiting for all {members} member groups in the quorum")
+        return time.monotonic() - self._member_wait[first] < self.cfg.fault_tolerance.member_wait_s
+
     def _close_phase(self, step: int) -> bool:
         """At ``phase.end_step``: save the closing checkpoint (complete before the
         driver looks), report the boundary, wait for the gate. False: stop."""
@@ -315,6 +330,9 @@ class TrainLoop:
                     f"non-finite loss {global_loss} or grad norm {grad_norm} at step {step}"
                 )
             )
+        if self._members_missing(step):
+            # torchft: refused everywhere (every participant sees the same quorum).
+            self.manager.report_error(RuntimeError(f"step {step}: a member group is missing"))
         # torchft: the vote. A group behind its peers loads their state first (async
         # quorum), so the step it commits is theirs: its LR, phase and data position.
         committed = self.manager.should_commit()
