@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from stages.base import GateOutcome, StageContext
 from stages.errors import ItoError
 from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
-from stages.trainer.rank.step_state import data_index
 from stages.trainer.rank.rank_state import RankPoll, RankReport, RankState
+from stages.trainer.rank.step_state import data_index
 from stages.trainer.stage import resolve_train_files
 
 

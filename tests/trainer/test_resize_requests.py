@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stages.curriculum.config import CurriculumConfig
+from stages.curriculum.schedule import schedule_curriculum
 from stages.events import Event, ResizeEvent
 from stages.resize import ResizeInbox, ResizeRequest
 from stages.trainer.config import TrainStageConfig
@@ -57,6 +59,36 @@ def test_a_batch_that_does_not_split_over_the_new_groups_is_refused(tmp_path: Pa
     assert (answer.action, answer.groups_before, answer.groups_after) == ("refused", 2, 2)
     assert "does not split over 5" in answer.reason
     assert engine.resizer.stage is ResizeStage.idle and not engine.resizer.joining  # none made
+
+
+def test_every_phase_s_batch_must_split_over_the_new_groups(tmp_path: Path) -> None:
+    """12 sequences of 32 tokens a step in pretraining, 6 of 64 in the long phase: 4
+    groups split the first, not the second, so the run keeps its 2."""
+    phases = CurriculumConfig.model_validate(
+        {
+            "phases": [
+                {"name": "pretrain", "kind": "pretrain", "token_fraction": 0.5, "seq_len": 32},
+                {"name": "long", "kind": "long_context", "token_fraction": 0.5, "seq_len": 64},
+            ]
+        },
+        strict=False,
+    )
+    schedule = schedule_curriculum(
+        phases,
+        total_steps=10,
+        base_seq_len=32,
+        global_batch_tokens=384,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        rope_theta=10000.0,
+        head_dim=16,
+        max_positions=256,
+    )
+    engine, inbox, events = _engine(tmp_path, curriculum=schedule)
+    answer = _answer(engine, inbox, events, 4)
+    assert answer.action == "refused" and "phase long's global batch of 6" in answer.reason
+    three = ResizeRequest(request_id="to-3", replica_groups=3, requested_at=0.0)
+    assert engine.resizer.refusal(three) == ""  # 12 and 6 split 3 ways
 
 
 def test_the_size_the_run_has_is_applied_at_once_and_nothing_moves(tmp_path: Path) -> None:

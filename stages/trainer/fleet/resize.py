@@ -164,7 +164,7 @@ class GroupResizer:
                 )
             )
             return
-        refusal = self._refusal(request, live)
+        refusal = self.refusal(request)
         event = ResizeEvent(
             request_id=request.request_id,
             action="refused" if refusal else "requested",
@@ -213,18 +213,20 @@ class GroupResizer:
             self.members = tuple(g for g in live if g not in leaving)
             self._hold()
 
-    def _refusal(self, request: ResizeRequest, live: list[int]) -> str:
-        """Why ``request`` cannot be applied ("" if it can)."""
+    def refusal(self, request: ResizeRequest) -> str:
+        """Why ``request`` cannot be applied now ("" if it can)."""
+        live = sorted(self.engine.groups)
         cfg = self.engine.cfg
         if cfg.objective.kind != "lm":
             return f"the {cfg.objective.kind} objective keeps its replica groups"
-        shards = cfg.layout.dp_shard
-        width = request.replica_groups * shards
-        if width and (cfg.micro_batch * cfg.dp_world) % width:
-            return (
-                f"a global batch of {cfg.micro_batch * cfg.dp_world} sequences does not "
-                f"split over {width} data-parallel ranks"
-            )
+        width = request.replica_groups * cfg.layout.dp_shard
+        for phase in cfg.schedule.phases:  # each phase's batch, at its sequence length
+            batch = cfg.micro_batch_at(phase.seq_len) * cfg.dp_world
+            if width and batch % width:
+                return (
+                    f"phase {phase.name}'s global batch of {batch} sequences does not "
+                    f"split over {width} data-parallel ranks"
+                )
         if request.replica_groups == 0 and self.paused_at is not None:
             return "the run is already paused for capacity"
         if self.engine.supervisor.live() != live:
