@@ -222,10 +222,14 @@ class GroupResizer:
         width = request.replica_groups * cfg.layout.dp_shard
         for phase in cfg.schedule.phases:  # each phase's batch, at its sequence length
             batch = cfg.micro_batch_at(phase.seq_len) * cfg.dp_world
-            if width and batch % width:
+            layout = cfg.layout
+            if width and (
+                batch % width or (layout.pp > 1 and (batch // width) % layout.pp_microbatches)
+            ):
                 return (
                     f"phase {phase.name}'s global batch of {batch} sequences does not "
                     f"split over {width} data-parallel ranks"
+                    + (f" in {layout.pp_microbatches} micro-batches" if layout.pp > 1 else "")
                 )
         if request.replica_groups == 0 and self.paused_at is not None:
             return "the run is already paused for capacity"
