@@ -331,6 +331,7 @@ class TrainingEngine:
         for table in (self._pending, self._poll_due, self._data_sent):
             table.pop(key, None)
         self._ready.discard(key)
+        self.rank_digests.pop(f"{key[0]}/{key[1]}", None)  # the run's end compares members'
         return self.actors.pop(key)
 
     def adopt_rank(self, key: RankKey, actor: Any) -> None:

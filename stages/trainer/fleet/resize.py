@@ -85,7 +85,6 @@ class GroupResizer:
         self.members: tuple[int, ...] = ()
         self.first_step = 0
         self._leaving_since = 0.0
-        self.applied: list[ResizeEvent] = []
         # Group indices are never reused: a new group's ranks have names of their own.
         self._next_group = engine.cfg.replica_groups
         # The step the run paused at for capacity (its checkpoint's), None while it trains.
@@ -135,7 +134,6 @@ class GroupResizer:
                 step=event.step,
                 seconds=max(0.0, event.ts - request.requested_at),
             )
-            self.applied.append(done)
             self.engine.emit(done)
             self.engine.emit(
                 LogEvent(
