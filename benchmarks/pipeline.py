@@ -50,7 +50,9 @@ from orchestrator.runtime import ray_cluster
 
 RUN_TIMEOUT_S = 1800.0
 RSS_SAMPLE_S = 0.5
-POLL_S = 2.0
+# The run's state from the store (one SQLite read): a short poll ends the benchmark
+# soon after the run does.
+POLL_S = 0.5
 
 
 def _driver_rss_kb(ray_temp: str) -> int:
