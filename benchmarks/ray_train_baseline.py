@@ -55,8 +55,10 @@ def train_loop(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     cores = sorted(os.sched_getaffinity(0))
-    if config["device"] == "cpu" and len(cores) >= world:
-        os.sched_setaffinity(0, [cores[rank]])  # a dead worker's core stays idle
+    if config["device"] == "cpu":
+        # A core of its own (a dead worker's stays idle); beyond the core count, round
+        # robin, as the engine's single-rank groups are (``replica.group_cores``).
+        os.sched_setaffinity(0, [cores[rank % len(cores)]])
     torch.set_num_threads(1)
     logs = Path(config["log_dir"])
     (logs / f"pid{rank}").write_text(str(os.getpid()))
@@ -87,13 +89,14 @@ def train_loop(config: dict[str, Any]) -> None:
         opt.step()
         done = step + 1
         if step_log is not None:
-            step_log.write(f"{done} {time.time()}\n")
+            step_log.write(f"{done} {time.time()} {world}\n")
             step_log.flush()
         if done % config["checkpoint_every"] == 0:
             ckpt_dir = logs / f"ckpt-{done}-rank{rank}"
             checkpoint = None
             if rank == 0:
-                ckpt_dir.mkdir()
+                # A step redone after a restart saves again where its first pass did.
+                ckpt_dir.mkdir(exist_ok=True)
                 torch.save(
                     {
                         "model": _inner(model).state_dict(),
@@ -167,19 +170,23 @@ class DetectionLog:
 
 
 class StepLog:
-    """Worker rank 0's step log, read back as (step, time) rows."""
+    """Worker rank 0's step log, read back as (step, time) rows (``sized_rows``: with the
+    worker group's size that trained the step)."""
 
     def __init__(self, path: Path):
         self.path = path
 
     def rows(self) -> list[tuple[int, float]]:
+        return [(step, ts) for step, ts, _ in self.sized_rows()]
+
+    def sized_rows(self) -> list[tuple[int, float, int]]:
         if not self.path.exists():
             return []
         out = []
         for line in self.path.read_text().splitlines():
             parts = line.split()
-            if len(parts) == 2:
-                out.append((int(parts[0]), float(parts[1])))
+            if len(parts) == 3:  # a line being written is skipped until it is whole
+                out.append((int(parts[0]), float(parts[1]), int(parts[2])))
         return out
 
     def wait(self, pred: Any, what: str) -> tuple[int, float]:
@@ -215,7 +222,10 @@ class Run:
         checkpoint_every: int,
         max_failures: int,
         device: str,
+        scaling: Any = None,
     ) -> Run:
+        """``scaling``: a ``ScalingConfig`` in place of ``workers`` fixed workers of one
+        CPU each (``benchmarks/elastic.py``'s elastic range)."""
         import ray
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
@@ -239,7 +249,8 @@ class Run:
                 "log_dir": str(logs),
                 "device": device,
             },
-            scaling_config=ScalingConfig(
+            scaling_config=scaling
+            or ScalingConfig(
                 num_workers=workers, use_gpu=device == "cuda", resources_per_worker={"CPU": 1}
             ),
             run_config=RunConfig(

@@ -147,6 +147,35 @@ CASES: dict[str, tuple[list[str], set[str], bool]] = {
         {"results", "groups", "batch_tokens", "checkpoint_every", "wall_s", "load_avg_1m"},
         True,
     ),
+    "elastic.py": (
+        # Ours only: Ray Train's elastic half waits out its autoscaling coordinator's
+        # 20 s tick and a 60 s worker-group start timeout (minutes); its training
+        # function is fault_tolerance.py's Ray Train peer, which runs below.
+        [
+            "--ray-train",
+            "0",
+            "--spares",
+            "0",
+            "--warmup-steps",
+            "3",
+            "--measure-steps",
+            "2",
+            "--settle-steps",
+            "1",
+        ],
+        {
+            "grow_s",
+            "shrink_s",
+            "tokens_per_s_before",
+            "tokens_per_s_after_grow",
+            "tokens_per_s_after_shrink",
+            "grow_ratio",
+            "shrink_ratio",
+            "wall_s",
+            "load_avg_1m_after",
+        },
+        True,
+    ),
     "fault_tolerance.py": (
         [
             "--kills",
