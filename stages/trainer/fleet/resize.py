@@ -189,7 +189,8 @@ class GroupResizer:
             resume = None if self.paused_at is None else (self.paused_at, self.members)
             for g in added:
                 for r in range(engine.cfg.ranks_per_group):
-                    self.joining[(g, r)] = engine.launcher.make_worker(
+                    key = (g, r)
+                    self.joining[key] = engine.launcher.make_worker(
                         worker_name(engine.launcher.names_id, g, r),
                         g,
                         r,
@@ -197,6 +198,9 @@ class GroupResizer:
                         membership_from=resume,
                         placement=request.placement,
                     )
+                    # The data goes with the rank: it joins without waiting for a poll.
+                    self.joining[key].command.remote("data", {"role_shards": engine.role_shards})
+                    self._data_sent.add(key)
             self.stage = ResizeStage.launching
         elif request.replica_groups == 0:
             self.members = ()

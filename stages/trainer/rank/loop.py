@@ -57,6 +57,7 @@ class RankStartup(Protocol):
     def wait_as_spare(self) -> bool: ...
     def build(self) -> None: ...
     def join(self) -> bool: ...
+    def warm_up(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -271,6 +272,10 @@ class TrainLoop:
             self.setup.build()
         if not self.setup.join():
             return self._finish()  # stopped before the run's data was ready
+        if self.spec.joining:
+            # A group a resize adds pays its one-off costs while the run still trains,
+            # not in the first steps every group then waits for.
+            self.setup.warm_up()
         self.status.enter(RankState.ready)
         if not restarted:
             self.control.go.wait()
