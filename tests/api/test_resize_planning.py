@@ -7,29 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from helpers.resizing import PLAN
 
 from orchestrator.gates.planning import MAX_REPLICA_GROUPS, resize_groups
 from stages.errors import ErrorCode, ItoError
 
 
 def _plan(**over: Any) -> dict[str, Any]:
-    """A stored plan of 4 groups x 4 ranks (tp 2 x dp_shard 2) on 2 nodes x 8 GPUs,
-    a global batch of 48 sequences."""
-    plan: dict[str, Any] = {
-        "tp": 2,
-        "pp": 1,
-        "cp": 1,
-        "dp_shard": 2,
-        "dp_replicate": 4,
-        "grad_accum": 1,
-        "pp_microbatches": 0,
-        "global_batch_tokens": 48 * 256,
-        "seq_len": 256,
-        "gpus_per_node": 8,
-        "node_count": 2,
-    }
-    plan.update(over)
-    return plan
+    """The shared stored plan (4 groups x 4 ranks on 2 nodes x 8 GPUs, 48 sequences)."""
+    return {**PLAN, **over}
 
 
 def _booking(nodes: int, gpus_per_node: int = 8) -> dict[str, Any]:
