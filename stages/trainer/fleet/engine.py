@@ -326,18 +326,22 @@ class TrainingEngine:
                 self.supervisor.interruption("loss_spike", None, detected, event.ts, detail)
         self.emit(event)
 
-    def forget_rank(self, key: RankKey) -> Any:
-        """Stop polling rank ``key`` (a group a resize drains); returns its actor."""
-        for table in (self._pending, self._poll_due, self._data_sent):
+    def forget_rank(self, key: RankKey) -> tuple[Any, Any]:
+        """Stop polling rank ``key`` (a group a resize drains); returns its actor and
+        its poll in flight (None): the reply holds events its buffer no longer has."""
+        for table in (self._poll_due, self._data_sent):
             table.pop(key, None)
         self._ready.discard(key)
         self.rank_digests.pop(f"{key[0]}/{key[1]}", None)  # the run's end compares members'
-        return self.actors.pop(key)
+        return self.actors.pop(key), self._pending.pop(key, None)
 
-    def adopt_rank(self, key: RankKey, actor: Any) -> None:
-        """Poll rank ``key`` from now on (a group a resize added, in training)."""
+    def adopt_rank(self, key: RankKey, actor: Any, in_flight: Any = None) -> None:
+        """Poll rank ``key`` from now on (a group a resize added, in training), starting
+        with the reply to ``in_flight``, its poll not yet answered (None: none)."""
         self.actors[key] = actor
         self._ready.add(key)
+        if in_flight is not None:
+            self._pending[key] = in_flight
 
     # --- commands ---------------------------------------------------------------------
     def command_all(self, kind: str, params: dict[str, Any] | None = None) -> None:

@@ -53,8 +53,8 @@ class ResizeHost(Protocol):
 
     def emit(self, event: Event) -> None: ...
     def command_all(self, kind: str, params: dict[str, Any] | None = None) -> None: ...
-    def forget_rank(self, key: RankKey) -> Any: ...
-    def adopt_rank(self, key: RankKey, actor: Any) -> None: ...
+    def forget_rank(self, key: RankKey) -> tuple[Any, Any]: ...
+    def adopt_rank(self, key: RankKey, actor: Any, in_flight: Any = None) -> None: ...
     def forward_events(self, events: list[dict[str, Any]], group: int) -> None: ...
 
 
@@ -104,6 +104,7 @@ class GroupResizer:
             if self.inbox is not None and (request := self.inbox.take()) is not None:
                 self._begin(request)
         elif self.stage is ResizeStage.launching and self._poll(self.joining, {RankState.ready}):
+            self._log_progress("the new groups are built and warm")
             if self.paused_at is None:
                 self._hold()
             else:  # nothing to hold: the run resumes from its checkpoint
@@ -257,6 +258,7 @@ class GroupResizer:
 
     def _change(self, held: int) -> None:
         engine = self.engine
+        self._log_progress(f"every group holds after step {held}")
         if self.joining:
             # The new groups heal in the quorum of step ``held`` and share from the next.
             self.first_step = held + 1
@@ -266,8 +268,7 @@ class GroupResizer:
             # Below one group: the saving group checkpoints step ``held``; all stop.
             self.paused_at = self.first_step = held
             for key in list(engine.actors):
-                self.leaving[key] = engine.forget_rank(key)
-                self.leaving[key].command.remote("drain")
+                self._take_leaving(key, "drain")
             for g in list(engine.groups):
                 engine.supervisor.remove_group(g)
             self._leaving_since = time.monotonic()
@@ -276,8 +277,7 @@ class GroupResizer:
         # Shrink: the leaving groups are drained here; the others share from ``held``.
         self.first_step = held
         for key in [k for k in engine.actors if k[0] not in self.members]:
-            self.leaving[key] = engine.forget_rank(key)
-            self.leaving[key].command.remote("stop")
+            self._take_leaving(key, "stop")
         self._leaving_since = time.monotonic()
         drained = sorted({k[0] for k in self.leaving})
         staying = list(engine.actors)
@@ -292,6 +292,24 @@ class GroupResizer:
             )
         )
         self._release(staying)
+
+    def _take_leaving(self, key: RankKey, command: str) -> None:
+        """Poll rank ``key`` here until it stopped (``command``: stop, or drain to save
+        first), its engine poll in flight with it (its reply holds its last events)."""
+        actor, in_flight = self.engine.forget_rank(key)
+        self.leaving[key] = actor
+        if in_flight is not None:
+            self._in_flight[key] = in_flight
+        actor.command.remote(command)
+
+    def _log_progress(self, what: str) -> None:
+        """A resize's milestone for SREs, with the seconds since the booking changed
+        (where a slow grow spends its time)."""
+        if self.request is not None:
+            took = time.time() - self.request.requested_at
+            self.engine.emit(
+                LogEvent(message=f"resize {self.request.request_id}: {what} after {took:.2f}s")
+            )
 
     def _release_joining(self) -> None:
         for actor in self.joining.values():
@@ -324,10 +342,11 @@ class GroupResizer:
     def _admit(self) -> None:
         """The new groups train (their quorum request is in): release the held groups."""
         engine = self.engine
+        self._log_progress("the new groups ask for the quorum")
         held = list(engine.actors)
         for key, actor in self.joining.items():
             engine.supervisor.add_group(key[0])
-            engine.adopt_rank(key, actor)
+            engine.adopt_rank(key, actor, self._in_flight.pop(key, None))
         added = sorted({k[0] for k in self.joining})
         engine.emit(
             FleetEvent(
