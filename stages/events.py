@@ -113,6 +113,9 @@ class FleetEvent(_Event):
     address: str = ""
 
 
+ResizeAction = Literal["requested", "applied", "refused", "paused"]
+
+
 class ResizeEvent(_Event):
     """A resize of the run's replica groups (``stages.resize``): ``requested`` when the
     trainer takes the request, ``applied`` at the first committed step with the new
@@ -121,7 +124,7 @@ class ResizeEvent(_Event):
 
     kind: Literal["resize"] = "resize"
     request_id: str
-    action: Literal["requested", "applied", "refused", "paused"]
+    action: ResizeAction
     groups_before: int
     groups_after: int
     step: int | None = None

@@ -27,7 +27,7 @@ import time
 from enum import StrEnum
 from typing import Any, Protocol
 
-from stages.events import Event, FleetEvent, LogEvent, ResizeEvent, StepEvent
+from stages.events import Event, FleetEvent, LogEvent, ResizeAction, ResizeEvent, StepEvent
 from stages.resize import ResizeInbox, ResizeRequest
 from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
 from stages.trainer.fleet.handoff import kill_actors
@@ -80,7 +80,9 @@ class GroupResizer:
         self.joining: dict[RankKey, Any] = {}
         self.leaving: dict[RankKey, Any] = {}
         self._reports: dict[RankKey, RankReport] = {}
-        self._data_sent: set[RankKey] = set()
+        # Each joining rank's process that asked for the data (a process Ray restarts
+        # waits for it again).
+        self._data_sent: dict[RankKey, int] = {}
         self._in_flight: dict[RankKey, Any] = {}  # each polled rank's unanswered poll
         self.members: tuple[int, ...] = ()
         self.first_step = 0
@@ -127,15 +129,13 @@ class GroupResizer:
         ):
             request, self.request = self.request, None
             self.stage = ResizeStage.idle
-            done = ResizeEvent(
-                request_id=request.request_id,
-                action="applied",
-                groups_before=self.before,
-                groups_after=len(self.members),
+            done = self._report(
+                request,
+                "applied",
+                len(self.members),
                 step=event.step,
                 seconds=max(0.0, event.ts - request.requested_at),
             )
-            self.engine.emit(done)
             self.engine.emit(
                 LogEvent(
                     message=f"resize {request.request_id}: {self.before} -> "
@@ -151,28 +151,23 @@ class GroupResizer:
         if request.replica_groups == len(live) and self.paused_at is None:
             # Already that size (a booking change that kept the count, a request resent
             # to a relaunched driver): nothing moves.
-            engine.emit(
-                ResizeEvent(
-                    request_id=request.request_id,
-                    action="applied",
-                    groups_before=self.before,
-                    groups_after=self.before,
-                    step=engine.max_step,
-                    seconds=0.0,
-                    reason=f"the run already has {self.before} replica groups",
-                )
+            self._report(
+                request,
+                "applied",
+                self.before,
+                step=engine.max_step,
+                seconds=0.0,
+                reason=f"the run already has {self.before} replica groups",
             )
             return
         refusal = self.refusal(request)
-        event = ResizeEvent(
-            request_id=request.request_id,
-            action="refused" if refusal else "requested",
-            groups_before=self.before,
-            groups_after=request.replica_groups if not refusal else self.before,
+        self._report(
+            request,
+            "refused" if refusal else "requested",
+            self.before if refusal else request.replica_groups,
             step=engine.max_step,
             reason=refusal or request.reason,
         )
-        engine.emit(event)
         if refusal:
             engine.emit(
                 LogEvent(level="warning", message=f"resize {request.request_id}: {refusal}")
@@ -201,7 +196,6 @@ class GroupResizer:
                     )
                     # The data goes with the rank: it joins without waiting for a poll.
                     self.joining[key].command.remote("data", {"role_shards": engine.role_shards})
-                    self._data_sent.add(key)
             self.stage = ResizeStage.launching
         elif request.replica_groups == 0:
             self.members = ()
@@ -293,6 +287,20 @@ class GroupResizer:
         )
         self._release(staying)
 
+    def _report(
+        self, request: ResizeRequest, action: ResizeAction, groups_after: int, **fields: Any
+    ) -> ResizeEvent:
+        """Emit the trainer's word on ``request`` (from ``self.before`` groups)."""
+        event = ResizeEvent(
+            request_id=request.request_id,
+            action=action,
+            groups_before=self.before,
+            groups_after=groups_after,
+            **fields,
+        )
+        self.engine.emit(event)
+        return event
+
     def _take_leaving(self, key: RankKey, command: str) -> None:
         """Poll rank ``key`` here until it stopped (``command``: stop, or drain to save
         first), its engine poll in flight with it (its reply holds its last events)."""
@@ -321,16 +329,13 @@ class GroupResizer:
         request = self.request
         self.stage = ResizeStage.paused
         if request is not None:
-            self.engine.emit(
-                ResizeEvent(
-                    request_id=request.request_id,
-                    action="paused",
-                    groups_before=self.before,
-                    groups_after=0,
-                    step=self.paused_at,
-                    seconds=max(0.0, time.time() - request.requested_at),
-                    reason=request.reason,
-                )
+            self._report(
+                request,
+                "paused",
+                0,
+                step=self.paused_at,
+                seconds=max(0.0, time.time() - request.requested_at),
+                reason=request.reason,
             )
         self.engine.emit(
             LogEvent(
@@ -406,8 +411,9 @@ class GroupResizer:
                 self._abandon(f"rank {key} of a new group failed: {why}")
                 return False
             self._reports[key] = reply.report
-            if reply.report.state is RankState.awaiting_data and key not in self._data_sent:
-                self._data_sent.add(key)
+            report = reply.report
+            if report.state is RankState.awaiting_data and self._data_sent.get(key) != report.pid:
+                self._data_sent[key] = report.pid
                 ranks[key].command.remote("data", {"role_shards": self.engine.role_shards})
         return all((r := self._reports.get(k)) is not None and r.state in states for k in ranks)
 
@@ -439,15 +445,7 @@ class GroupResizer:
         self.joining = {}
         self.stage = ResizeStage.idle
         if request is not None:
-            self.engine.emit(
-                ResizeEvent(
-                    request_id=request.request_id,
-                    action="refused",
-                    groups_before=self.before,
-                    groups_after=self.before,
-                    reason=reason,
-                )
-            )
+            self._report(request, "refused", self.before, reason=reason)
             self.engine.emit(LogEvent(level="warning", message=f"resize refused: {reason}"))
 
     def shutdown(self) -> list[Any]:
