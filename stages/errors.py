@@ -437,6 +437,13 @@ class ErrorCode(StrEnum):
         "global batch does not split evenly over the larger data-parallel width (nor over any "
         "width between); the run keeps its groups.",
     )
+    plan_sync_invalid = (
+        "plan_sync_invalid",
+        422,
+        "The replica groups' sync pinned in the manifest is incoherent: every_step with an "
+        "interval, diloco with H < 2 or fragments that do not split H, or an H that the "
+        "checkpoint interval or a phase's steps are not a multiple of.",
+    )
     # --- data prep (stages.data_prep) -------------------------------------------------
     data_not_found = "data_not_found", 422, "Data prep: a data reference does not exist."
     data_remote_not_cached = (

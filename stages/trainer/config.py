@@ -13,6 +13,7 @@ from stages.errors import ErrorCode, ItoError
 from stages.evals.config import EvalRunSettings
 from stages.netfront import FrontConfig
 from stages.pathfields import PathField
+from stages.replica_sync import ReplicaSync
 from stages.trainer.parallel.layout import ParallelLayout
 
 
@@ -307,6 +308,9 @@ class TrainStageConfig(StrictModel):
     parallel: ParallelLayout = Field(default_factory=ParallelLayout)
     # The objective: lm pretraining unless a post-training stage names sft or dpo.
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    # How the replica groups keep their weights together: every step, or DiLoCo every
+    # ``sync.sync_every`` steps (the planner's choice from the fabric, or the manifest's).
+    sync: ReplicaSync = Field(default_factory=ReplicaSync)
 
     @model_validator(mode="after")
     def _layout_fits(self) -> TrainStageConfig:
@@ -337,7 +341,36 @@ class TrainStageConfig(StrictModel):
                 f"{self.micro_batch} sequences per data-parallel rank do not "
                 f"split into {layout.pp_microbatches} pipeline micro-batches"
             )
+        self._sync_fits()
         return self
+
+    def _sync_fits(self) -> None:
+        """DiLoCo's syncs are the only points where the groups' weights agree: phases
+        (their gates, evals and exports) and checkpoints must fall on them."""
+        sync = self.sync
+        if sync.every_step:
+            return
+        if self.objective.kind != "lm":
+            raise ItoError(
+                ErrorCode.plan_sync_invalid,
+                f"diloco runs language-model pretraining; the {self.objective.kind} "
+                "objective syncs every step",
+            )
+        interval = self.checkpoint.interval_steps
+        if interval is not None and interval % sync.sync_every:
+            raise ItoError(
+                ErrorCode.plan_sync_invalid,
+                f"checkpoint.interval_steps {interval} is not a multiple of diloco's "
+                f"sync_every {sync.sync_every}: a checkpoint is taken where groups agree",
+            )
+        for phase in self.schedule.phases:
+            if phase.end_step % sync.sync_every:
+                raise ItoError(
+                    ErrorCode.plan_sync_invalid,
+                    f"phase {phase.name!r} ends at step {phase.end_step}, not a multiple "
+                    f"of diloco's sync_every {sync.sync_every}: a phase's gate judges "
+                    "weights every group shares",
+                )
 
     @property
     def layout(self) -> ParallelLayout:
