@@ -104,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
             f"tp {d['tp']} pp {d['pp']} ({d['pp_schedule']}) cp {d['cp']} dp_shard "
             f"{d['dp_shard']} dp_replicate {d['dp_replicate']} micro-batch {d['micro_batch']}"
             f" x{d['grad_accum']} ac {d['activation_checkpointing']} {d['precision']}: "
-            f"{d['peak_memory_gib']:.1f} GiB, MFU {d['mfu']:.1%}"
+            f"{d['peak_memory_gib']:.1f} GiB, MFU {d['mfu']:.1%}, sync "
+            + (
+                f"DiLoCo every {d['sync']['sync_every']} steps"
+                if d["sync"]["mode"] == "diloco"
+                else "every step"
+            )
         )
         for reason in d["reasons"]:
             print(f"  - {reason}")

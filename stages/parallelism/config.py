@@ -8,6 +8,7 @@ from pydantic import Field
 
 from stages.base import StrictModel
 from stages.parallelism.spec import ActivationCheckpointing, PrecisionPreference
+from stages.replica_sync import ReplicaSync
 
 
 class ParallelismConfig(StrictModel):
@@ -25,3 +26,7 @@ class ParallelismConfig(StrictModel):
     min_replica_groups: int = Field(
         default=1, ge=1, description="torchft replica groups the plan must have"
     )
+    # The manifest's pinned sync (None: the planner chooses from the fabric) and the
+    # step counts a DiLoCo H must divide (checkpoint interval, phase ends).
+    sync: ReplicaSync | None = None
+    sync_divides: list[int] = Field(default_factory=list, max_length=1024)

@@ -15,7 +15,7 @@ from stages.parallelism.checks import (
     check_tp,
     resolve_dp_shard,
 )
-from stages.parallelism.hardware import load_fabric, load_gpu_sku
+from stages.parallelism.hardware import Fabric, load_fabric, load_gpu_sku
 from stages.parallelism.memory import GIB, MemoryEstimate, estimate_memory, rank_params
 from stages.parallelism.spec import (
     Layout,
@@ -24,10 +24,12 @@ from stages.parallelism.spec import (
     PlanRequest,
     StepTimeBreakdown,
 )
+from stages.parallelism.sync import SyncChoice, check_pinned_sync, choose_sync
 from stages.parallelism.throughput import (
     StepInputs,
     StepTime,
     model_flops_per_token,
+    replicate_allreduce,
     step_time,
 )
 
@@ -37,7 +39,18 @@ FSDP_SHARD_HINT = "FSDP shards weights, gradients and AdamW state over dp_shard 
 def resolve(request: PlanRequest) -> Context:
     preset = request.preset()
     sku = load_gpu_sku(request.gpu_sku)
-    fabric = load_fabric(request.fabric)
+    fabric = request.fabric if isinstance(request.fabric, Fabric) else load_fabric(request.fabric)
+    if request.sync is not None and not request.sync.every_step:
+        check_pinned_sync(request.sync, request.sync_divides)
+        if request.world_size < 2:
+            raise ItoError(
+                ErrorCode.plan_sync_invalid,
+                "diloco syncs replica groups; a booking of one GPU has one group",
+            )
+        # a pinned DiLoCo needs groups to sync: plan at least two
+        request = request.model_copy(
+            update={"min_replica_groups": max(2, request.min_replica_groups)}
+        )
     seq_len = request.resolved_seq_len()
     if seq_len > preset.max_position_embeddings:
         raise ItoError(
@@ -57,7 +70,8 @@ class Assessment:
     mem: MemoryEstimate
     peak: float
     capacity: float
-    st: StepTime
+    st: StepTime  # every-step breakdown (replicate_comm included)
+    sync: SyncChoice
     tokens_per_s: float
     mfu: float
 
@@ -110,28 +124,31 @@ def assess(ctx: Context, layout: Layout) -> Assessment:
         rank_params(ctx.preset, stage_layers[r], layout.tp, r == 0, r == pp - 1)
         for r in {0, pp - 1, stage_layers.index(max(stage_layers))}
     )
-    st = step_time(
-        StepInputs(
-            ctx.preset,
-            ctx.sku,
-            ctx.fabric,
-            req.gpus_per_node,
-            ctx.seq_len,
-            layout.tp,
-            layout.cp,
-            dp_shard,
-            layout.dp_replicate,
-            stage_layers,
-            layout.pp_virtual_stages,
-            layout.micro_batch,
-            accum,
-            layout.activation_checkpointing,
-            layout.precision,
-            local_params,
-        )
+    inputs = StepInputs(
+        ctx.preset,
+        ctx.sku,
+        ctx.fabric,
+        req.gpus_per_node,
+        ctx.seq_len,
+        layout.tp,
+        layout.cp,
+        dp_shard,
+        layout.dp_replicate,
+        stage_layers,
+        layout.pp_virtual_stages,
+        layout.micro_batch,
+        accum,
+        layout.activation_checkpointing,
+        layout.precision,
+        local_params,
     )
+    st = step_time(inputs)
+    sync = choose_sync(
+        req, st, layout.dp_replicate, replicate_allreduce(inputs)[1], ctx.fabric.name
+    )
+    total = sync.step_time_s
     if pp > 1:
-        bubble = st.pp_bubble / st.total
+        bubble = st.pp_bubble / total
         if bubble > req.max_pp_bubble:
             raise ItoError(
                 ErrorCode.plan_pp_bubble_too_large,
@@ -139,7 +156,7 @@ def assess(ctx: Context, layout: Layout) -> Assessment:
                 f"{layout.pp_virtual_stages} chunk(s) per rank is {bubble:.0%} of the "
                 f"step (bound {req.max_pp_bubble:.0%})",
             )
-    tokens_per_s = req.global_batch_tokens / st.total
+    tokens_per_s = req.global_batch_tokens / total
     # MFU against the peak of the precision used: fp8 plans are not flattered by
     # being divided by the (half as fast) bf16 peak.
     mfu = (
@@ -153,11 +170,11 @@ def assess(ctx: Context, layout: Layout) -> Assessment:
             ErrorCode.plan_wasteful,
             f"predicted MFU {mfu:.1%} is under the floor of {floor:.0%} for "
             f"{ctx.sku.name}: the booking would mostly wait on "
-            f"{_dominant_wait(st)}",
+            f"{_dominant_wait(st, sync)}",
             details={"mfu": round(mfu, 4)},
         )
     return Assessment(
-        layout, dp_shard, accum, stage_layers, mem, peak, capacity, st, tokens_per_s, mfu
+        layout, dp_shard, accum, stage_layers, mem, peak, capacity, st, sync, tokens_per_s, mfu
     )
 
 
@@ -166,6 +183,10 @@ def to_plan(ctx: Context, a: Assessment, *, explain: bool) -> Plan:
     dp_shard, accum, stage_layers, capacity = a.dp_shard, a.accum, a.stage_layers, a.capacity
     pp, tokens_per_s, mfu = layout.pp, a.tokens_per_s, a.mfu
     reasons = _reasons(ctx, layout, dp_shard, accum, st, mem, peak, capacity) if explain else []
+    sync = a.sync
+    if explain and sync.reason:
+        reasons.append(sync.reason)
+    diloco = not sync.sync.every_step
     return Plan(
         model=ctx.preset.name,
         gpu_sku=ctx.sku.name,
@@ -198,26 +219,29 @@ def to_plan(ctx: Context, a: Assessment, *, explain: bool) -> Plan:
             total=round(peak, 3),
             capacity=round(capacity, 3),
         ),
-        step_time_s=round(st.total, 6),
+        step_time_s=round(sync.step_time_s, 6),
         step_time=StepTimeBreakdown(
             compute=st.compute,
             pp_bubble=st.pp_bubble,
             tp_comm=st.tp_comm,
             cp_comm=st.cp_comm,
             fsdp_comm=st.fsdp_comm,
-            replicate_comm=st.replicate_comm,
+            replicate_comm=0.0 if diloco else st.replicate_comm,
             pp_comm=st.pp_comm,
             optimizer=st.optimizer,
-            total=st.total,
+            outer_sync=sync.amortised_sync_s,
+            total=sync.step_time_s,
         ),
+        sync=sync.sync,
+        step_time_by_sync={k: round(v, 6) for k, v in sync.step_time_by_sync.items()},
         tokens_per_s=round(tokens_per_s, 3),
         mfu=round(mfu, 4),
         reasons=reasons,
     )
 
 
-def _dominant_wait(st: StepTime) -> str:
-    parts = {
+def _dominant_wait(st: StepTime, sync: SyncChoice) -> str:
+    parts: dict[str, float] = {
         k: getattr(st, k)
         for k in (
             "pp_bubble",
@@ -229,6 +253,8 @@ def _dominant_wait(st: StepTime) -> str:
             "optimizer",
         )
     }
+    if not sync.sync.every_step:
+        parts["replicate_comm"] = sync.amortised_sync_s
     name, value = max(parts.items(), key=lambda kv: kv[1])
     if value < st.compute * 0.5:
         return "small, memory-bound kernels"

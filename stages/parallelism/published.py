@@ -44,6 +44,7 @@ from stages.parallelism.spec import (
     Plan,
     PlanRequest,
 )
+from stages.replica_sync import ReplicaSync
 
 # torchtitan's benchmark hosts: H100 with 96 GB HBM2e at 2.4 TB/s and a 500 W limit.
 # Their dense peak at 500 W is not published (torchtitan divides by the SXM's), so
@@ -327,6 +328,7 @@ def context(run: PublishedRun, precision: str = "auto") -> Context:
         global_batch_tokens=run.global_batch_tokens,
         seq_len=run.seq_len,
         precision=precision,  # type: ignore[arg-type]
+        sync=ReplicaSync(),  # the published runs synced every step
     )
     return Context(request, request.preset(), _sku(run.sku), load_fabric(run.fabric), run.seq_len)
 

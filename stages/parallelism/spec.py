@@ -7,8 +7,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.base import StrictModel
-from stages.parallelism.hardware import Precision
+from stages.parallelism.hardware import Fabric, Precision
 from stages.presets import ModelPreset, load_model_preset
+from stages.replica_sync import ReplicaSync
 
 ActivationCheckpointing = Literal["none", "selective", "full"]
 PipelineSchedule = Literal["1F1B", "Interleaved1F1B", "GPipe"]
@@ -22,7 +23,9 @@ class PlanRequest(StrictModel):
     gpu_sku: str
     gpus_per_node: int = Field(gt=0)
     node_count: int = Field(gt=0)
-    fabric: str
+    fabric: str | Fabric = Field(
+        description="a configs/fabrics name, or a fabric (e.g. a link a benchmark measured)"
+    )
     global_batch_tokens: int = Field(gt=0)
     seq_len: int | None = Field(
         default=None, gt=1, description="None: the preset's context, capped at 8192"
@@ -53,6 +56,27 @@ class PlanRequest(StrictModel):
     # those within this share of the fastest, and never fewer than the minimum.
     replica_preference_margin: float = Field(default=0.02, ge=0, lt=1)
     min_replica_groups: int = Field(default=1, ge=1)
+    # How replica groups sync (stages.parallelism.sync). None: the planner chooses from
+    # the fabric; a ReplicaSync: the manifest's pin, honoured and explained.
+    sync: ReplicaSync | None = None
+    # Step counts a DiLoCo H must divide: the checkpoint interval and every phase's end
+    # step (groups' weights agree only at a sync). Empty: H is free.
+    sync_divides: list[int] = Field(default_factory=list, max_length=1024)
+    # Every step's replicate allreduce is not hidden under compute: past this share of
+    # the step a layout's groups would mostly wait on the fabric, so DiLoCo is planned.
+    max_sync_share: float = Field(default=0.3, gt=0, lt=1)
+    # DiLoCo's H is the smallest whose sync, amortised over H inner steps, costs at most
+    # this share of the inner step: a larger H only adds loss (staler groups).
+    diloco_sync_share: float = Field(default=0.1, gt=0, lt=1)
+    # The largest H planned: the DiLoCo paper trained well up to H = 500 and found
+    # its loss degrading beyond; streaming DiLoCo used 100.
+    max_sync_every: int = Field(default=500, ge=2, le=100_000)
+
+    @model_validator(mode="after")
+    def _sync_divides_positive(self) -> PlanRequest:
+        if any(n < 1 for n in self.sync_divides):
+            raise ValueError("sync_divides holds step counts (>= 1)")
+        return self
 
     @property
     def world_size(self) -> int:
@@ -123,9 +147,13 @@ class StepTimeBreakdown(BaseModel):
     tp_comm: float
     cp_comm: float
     fsdp_comm: float
-    replicate_comm: float
+    replicate_comm: float = Field(description="per step; 0 under DiLoCo (see outer_sync)")
     pp_comm: float
     optimizer: float
+    outer_sync: float = Field(
+        default=0.0,
+        description="DiLoCo: the pseudo-gradient allreduce and outer step, amortised per step",
+    )
     total: float
 
 
@@ -168,8 +196,13 @@ class Plan(BaseModel):
     precision: Precision
     peak_memory_gib: float
     memory: MemoryBreakdown
-    step_time_s: float
+    step_time_s: float = Field(description="mean seconds per step of the chosen sync")
     step_time: StepTimeBreakdown
+    # How the replica groups sync (every step, or DiLoCo every sync.sync_every steps),
+    # and the mean step time each mode predicts for this layout ("diloco" absent with
+    # one replica group or no allowed H), so a run's measured step sits beside both.
+    sync: ReplicaSync = Field(default_factory=ReplicaSync)
+    step_time_by_sync: dict[str, float] = Field(default_factory=dict)
     tokens_per_s: float
     mfu: float
     reasons: list[str]

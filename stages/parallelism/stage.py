@@ -33,6 +33,8 @@ def request_from(config: ParallelismConfig, booking: dict[str, Any]) -> PlanRequ
         mfu_floor=config.mfu_floor,
         max_pp_bubble=config.max_pp_bubble,
         min_replica_groups=config.min_replica_groups,
+        sync=config.sync,
+        sync_divides=config.sync_divides,
     )
 
 

@@ -13,7 +13,8 @@ Communication is bandwidth x volume plus latency, with the overlap torchtitan ge
 TP/SP collectives (async TP hides TP_OVERLAP of them), FSDP all-gather and
 reduce-scatter prefetched under compute (FSDP_OVERLAP of compute can hide them),
 CP's K/V all-gather (exposed: attention waits for it), and torchft's replica
-all-reduce after the backward (not hidden). Pipeline bubbles follow
+all-reduce after the backward (not hidden; ``stages.parallelism.sync`` weighs it
+against DiLoCo's sync every H steps). Pipeline bubbles follow
 (pp - 1) / (virtual x microbatches).
 
 MFU uses the model FLOPs of torchtitan: ``6 x (params - embedding) + 12 x layers x
@@ -213,6 +214,18 @@ class StepInputs:
     local_params: float  # parameters of the busiest rank before FSDP sharding
 
 
+def replicate_allreduce(x: StepInputs) -> tuple[float, float]:
+    """(bandwidth, latency) seconds of one allreduce of the fp32 gradient shards across
+    the replica groups (a DiLoCo pseudo-gradient is the same bytes)."""
+    if x.dp_replicate <= 1:
+        return 0.0, 0.0
+    fsdp = x.dp_shard * x.cp
+    # mesh order [pp, dp_replicate, dp_shard, cp, tp]: replicas stride over the rest
+    bw, lat = group_bandwidth(x.tp * fsdp * x.dp_replicate, x.gpus_per_node, x.sku, x.fabric)
+    shard = x.local_params / fsdp * 4
+    return 2 * _collective(shard, x.dp_replicate, bw, 0.0), lat * 2 * x.dp_replicate.bit_length()
+
+
 def step_time(x: StepInputs) -> StepTime:
     pp = len(x.pp_stage_layers)
     tokens = x.micro_batch * x.seq_len / x.cp
@@ -264,14 +277,7 @@ def step_time(x: StepInputs) -> StepTime:
             comm = (2 * gather + reduce + latency) * x.microbatches
         fsdp_comm = max(0.0, comm - FSDP_OVERLAP * compute)
     # torchft replica groups all-reduce the sharded fp32 gradients after the backward.
-    replicate_comm = 0.0
-    if x.dp_replicate > 1:
-        # mesh order [pp, dp_replicate, dp_shard, cp, tp]: replicas stride over the rest
-        bw, lat = group_bandwidth(x.tp * fsdp * x.dp_replicate, x.gpus_per_node, x.sku, x.fabric)
-        shard = x.local_params / fsdp * 4
-        replicate_comm = 2 * _collective(shard, x.dp_replicate, bw, 0.0) + lat * 2 * (
-            x.dp_replicate.bit_length()
-        )
+    replicate_comm = sum(replicate_allreduce(x))
     # PP p2p: one activation per micro-batch boundary each way, half hidden.
     pp_comm = 0.0
     if pp > 1:
