@@ -229,6 +229,9 @@ def plan_layout(plan: dict[str, Any] | None, refusal: Any = None, indent: str = 
             f"{human.value('ratio', plan.get('mfu'))}",
         ),
     ]
+    sync = _sync(plan)
+    if sync:
+        rows.append(("sync", sync))
     rows += [
         ("why" if i == 0 else "", reason) for i, reason in enumerate(plan.get("reasons") or [])
     ]
@@ -253,6 +256,31 @@ def plan_layout(plan: dict[str, Any] | None, refusal: Any = None, indent: str = 
             )
         )
     return "\n".join(lines)
+
+
+def _sync(plan: dict[str, Any]) -> str:
+    """How the replica groups sync and each mode's predicted step ("" for a plan
+    stored before the planner chose it)."""
+    sync = plan.get("sync")
+    if not isinstance(sync, dict):
+        return ""
+    if sync.get("mode") == "diloco":
+        fragments = int(sync.get("fragments") or 1)
+        text = (
+            f"DiLoCo every {safe(sync.get('sync_every'))} steps"
+            + (f" in {fragments} fragments" if fragments > 1 else "")
+            + f" (outer Nesterov lr {safe(sync.get('outer_lr'))}, momentum "
+            f"{safe(sync.get('outer_momentum'))})"
+        )
+    else:
+        text = "every step"
+    by_mode = plan.get("step_time_by_sync")
+    if isinstance(by_mode, dict) and len(by_mode) > 1:
+        text += "; predicted step " + ", ".join(
+            f"{safe(k).replace('_', ' ')} {human.value('step_time_s', v)}"
+            for k, v in by_mode.items()
+        )
+    return text
 
 
 def _phase_gates(ph: dict[str, Any]) -> str:

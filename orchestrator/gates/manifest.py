@@ -25,6 +25,7 @@ from stages.curriculum.config import CurriculumConfig
 from stages.data_prep.config import DataPrepConfig, DataRef
 from stages.errors import ErrorCode, ItoError
 from stages.post_training.config import PostTrainingConfig
+from stages.replica_sync import ReplicaSync
 from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget
 
 
@@ -55,6 +56,9 @@ class Manifest(StrictModel):
     budget: Budget
     checkpoint: CheckpointPolicy
     loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig)
+    # How the replica groups sync, pinned: every_step, or diloco with its sync_every
+    # (and fragments). None: the planner chooses from the booking's fabric.
+    sync: ReplicaSync | None = None
 
     def data_refs(self) -> list[tuple[str, DataRef]]:
         """Every data reference in the manifest, with where it sits."""

@@ -74,17 +74,47 @@ def check_post_training_objectives(m: Manifest, request: PlanRequest, chosen: Pl
         )
 
 
+def sync_divides(m: Manifest) -> list[int]:
+    """The steps a DiLoCo sync must fall on: the checkpoint interval and every phase's
+    end (the training stage's ``TrainStageConfig._sync_fits`` checks the same)."""
+    from orchestrator.gates.curriculum import curriculum_schedule
+
+    interval = m.checkpoint.interval_steps
+    ends = [p.end_step for p in curriculum_schedule(m).phases]
+    return ([interval] if interval is not None else []) + ends
+
+
+def check_sync_pin(m: Manifest, booking: dict[str, Any]) -> None:
+    """A pinned sync the run could not keep is refused at submit (``plan_sync_invalid``),
+    whether or not the planner gates: DiLoCo needs two replica groups (two GPUs) and
+    an H that divides the checkpoint interval and the phases' ends."""
+    from stages.parallelism.sync import check_pinned_sync
+
+    if m.sync is None or m.sync.every_step:
+        return
+    gpus = int(booking.get("gpus_per_node") or 1) * int(booking.get("node_count") or 1)
+    if gpus < 2:
+        raise ItoError(
+            ErrorCode.plan_sync_invalid,
+            "sync diloco syncs replica groups; a booking of one GPU has one group",
+        )
+    check_pinned_sync(m.sync, sync_divides(m))
+
+
 def parallelism_config(manifest: Manifest, booking: dict[str, Any]) -> ParallelismConfig:
     """What the planner is asked, for ``ito plan`` and for the run alike.
 
     Live recovery needs a peer to heal from, so a booking of two or more GPUs is
-    planned with at least two torchft replica groups."""
+    planned with at least two torchft replica groups. The manifest's sync pin, and the
+    steps a DiLoCo sync must fall on, go with it."""
     gpus = int(booking.get("gpus_per_node") or 1) * int(booking.get("node_count") or 1)
     return ParallelismConfig(
         model=manifest.model.preset,
         global_batch_tokens=manifest.training.global_batch_tokens,
         seq_len=manifest.training.seq_len,
         min_replica_groups=2 if gpus >= 2 else 1,
+        sync=manifest.sync,
+        sync_divides=sync_divides(manifest),
     )
 
 
@@ -93,8 +123,8 @@ def plan_manifest(
 ) -> PlanResult:
     """Plan ``m`` on the booking's topology within ``time_budget_s``; a refusal is
     returned, not raised."""
-    config = parallelism_config(m, booking)
     try:
+        config = parallelism_config(m, booking)
         request = request_from(config, booking)
         chosen = plan(request, time_budget_s)
         check_post_training_objectives(m, request, chosen)

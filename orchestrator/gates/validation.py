@@ -1,7 +1,8 @@
 """Server-side validation of a manifest against a booking, before any run exists.
 
 Checks run in a fixed order and the first failure is raised with its own code:
-model preset, GPU SKU, fabric, capacity, data policy, checkpoint storage, cost.
+model preset, GPU SKU, fabric, capacity, data policy, checkpoint storage, cost,
+curriculum, the pinned sync of the replica groups.
 Nothing here writes the store or the file system (no probe file): paths are only
 walked, read-only, inside the account's roots (orchestrator/gates/roots.py).
 """
@@ -25,6 +26,7 @@ from orchestrator.gates.costing import (
 )
 from orchestrator.gates.curriculum import curriculum_report, curriculum_schedule
 from orchestrator.gates.manifest import Manifest
+from orchestrator.gates.planning import check_sync_pin
 from orchestrator.gates.roots import (
     Roots,
     allowed_roots,
@@ -270,6 +272,7 @@ def validate(
         )
     # After the budget: an absurd training target is refused there first.
     curriculum = curriculum_report(curriculum_schedule(m))
+    check_sync_pin(m, booking)
     report = {
         "model_preset": "ok",
         "gpu_sku": "ok",

@@ -41,6 +41,7 @@ def _parallelism(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
 def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
     def make(ctx: StageContext) -> Stage:
         from orchestrator.gates.curriculum import curriculum_schedule
+        from stages.replica_sync import ReplicaSync
         from stages.trainer.config import TrainStageConfig
         from stages.trainer.fleet.recovery import production_recovery
         from stages.trainer.parallel.layout import layout_from_plan
@@ -60,6 +61,10 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
             "ranks_per_group": ranks,
             # The plan's layout inside each group: the trainer builds exactly this.
             "parallel": layout_from_plan(plan),
+            # How its groups sync: the plan's ``Plan.sync`` (the planner's choice from
+            # the fabric, or the manifest's pin); a plan stored without one synced
+            # every step.
+            "sync": ReplicaSync.model_validate(plan.get("sync") or {}),
             "device": spec.facts.get("device", "cpu"),
             # Warm standbys and FT timeouts: the configuration the benchmark measures.
             **recovery.train_fields(),

@@ -318,3 +318,31 @@ def test_json_output_keeps_full_precision(capsys) -> None:
     env = {"ok": True, "live_api_contacted": True, "notice": "", "data": {"checkpoints": [CKPT]}}
     _Out(as_json=True).final("checkpoints", env)
     assert json.loads(capsys.readouterr().out)["data"]["checkpoints"][0] == CKPT
+
+
+def test_plan_shows_the_replica_groups_sync_and_why() -> None:
+    reason = (
+        "replicate allreduce 9.89 s = 89% of the 11.1 s step on ethernet: DiLoCo every "
+        "82 steps, sync 9% of the 1.33 s step"
+    )
+    plan = {
+        **PLAN["plan"],  # type: ignore[dict-item]
+        "sync": {
+            "mode": "diloco",
+            "sync_every": 82,
+            "fragments": 1,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+        },
+        "step_time_by_sync": {"every_step": 11.097563, "diloco": 1.331489},
+        "reasons": [reason],
+    }
+    rows = _rows(readable("plan", {**PLAN, "plan": plan}))
+    assert [
+        "sync",
+        "DiLoCo every 82 steps (outer Nesterov lr 0.7, momentum 0.9); predicted step "
+        "every step 11.1 s, diloco 1.33 s",
+    ] in rows
+    assert ["why", reason] in rows
+    every = {**plan, "sync": {"mode": "every_step"}, "step_time_by_sync": {"every_step": 0.02}}
+    assert ["sync", "every step"] in _rows(readable("plan", {**PLAN, "plan": every}))
