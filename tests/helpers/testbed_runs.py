@@ -1,16 +1,18 @@
 """Runs on a real Ray-backed server for the end-to-end modules: the paced server a
-module shares (``paced_backend``), submitting the CPU-testbed manifest, reading the run
-back through the API, and the run's live Ray actors. ``rt`` is the dict
-``paced_backend`` yields."""
+module (``paced_backend``) or several (``shared_paced_server``) share, submitting the
+CPU-testbed manifest, reading the run back through the API, and the run's live Ray
+actors. ``rt`` is the dict ``paced_backend`` yields."""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from helpers.flows import submit_run
 from helpers.manifests import cpu_testbed_manifest, data_ref
@@ -40,6 +42,35 @@ def paced_backend(
     env = {**(env or {}), "ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": PACE_STEP_S})}
     with ray_backend(tmp, booking_id, env=env, db=db) as rt:
         yield {**rt, "baseline": baseline, "custom": custom}
+
+
+def shared_paced_server(tmp: Path, canary: str) -> Iterator[dict[str, Any]]:
+    """The session's one paced server for the modules that submit testbed runs
+    (the ``paced_server`` fixture of tests/runtime/conftest.py): a server with its
+    embedded Ray head takes ~20 s to start and ~4 s to stop on the 2-core testbed.
+    ``canary`` is a secret in its environment from its start, for every run to leak
+    (test_run_controls_on_ray.py's canary test looks for it). ``rt["close"]`` stops it
+    early, once its last module is done (:func:`serve_module`)."""
+    env = {"ITO_CANARY_TOKEN": canary, "OPENAI_API_KEY": canary}
+    with ExitStack() as stack:
+        rt = stack.enter_context(paced_backend(tmp, "bk-cpu", env))
+        yield {**rt, "canary": canary, "close": stack.close}
+
+
+def serve_module(rt: dict[str, Any], request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """A module fixture's body over the shared server: it is running for the module
+    (a module before may have stopped it: test_runs_on_ray.py's last test ends with a
+    SIGTERM), and the last module of the session that uses it stops it with it, so its
+    Ray head does not idle through the rest of the suite. Under pytest-xdist a worker
+    that does not run that last module stops it at its session's end."""
+    be = rt["backend"]
+    if be.proc is None or be.proc.poll() is not None:
+        be.proc = None
+        be.start()
+    yield rt
+    users = [i for i in request.session.items if "paced_server" in getattr(i, "fixturenames", ())]
+    if users and getattr(users[-1], "module", None) is request.module:
+        rt["close"]()
 
 
 def run_manifest(

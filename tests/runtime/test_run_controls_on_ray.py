@@ -5,8 +5,9 @@ term while the host's files stay private. Lifecycle and recovery are
 test_runs_on_ray.py.
 
 One backend (``ito-backend serve --runtime ray``, its own embedded Ray head on free
-ports) serves the whole module; runs use a tiny model on the ``cpu-testbed`` booking.
-Only the GPUs are absent: every process, kill and restart here is real.
+ports) serves this module and test_runs_on_ray.py (the ``paced_server`` of
+tests/runtime/conftest.py: one server start-up, not two); runs use a tiny model on
+the ``cpu-testbed`` booking. Only the GPUs are absent: every process, kill and restart here is real.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from helpers.tenants import Tenant, admin, cpu_booking_doc, make_tenant
 from helpers.testbed_runs import (
     api_get,
     last_step,
-    paced_backend,
     run_actors,
     run_manifest,
+    serve_module,
     submit_testbed,
     wait_for_run,
 )
@@ -51,13 +52,10 @@ DECISION_DELAY_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    # The canary is in the server's environment from its start: every run of the module
-    # has it to leak, and the canary test needs no server restart of its own.
-    canary = "sk-canary" + uuid.uuid4().hex
-    env = {"ITO_CANARY_TOKEN": canary, "OPENAI_API_KEY": canary}
-    with paced_backend(tmp_path_factory.mktemp("ray-runtime"), "bk-cpu", env) as rt:
-        yield {**rt, "canary": canary}
+def rt(paced_server: dict[str, Any], request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    # The canary is in the server's environment from its start: every run on it has it
+    # to leak, and the canary test needs no server restart of its own.
+    yield from serve_module(paced_server, request)
 
 
 def test_canary_secret_reaches_no_driver_or_worker_log(rt: dict[str, Any]) -> None:

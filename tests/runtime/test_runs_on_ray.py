@@ -1,11 +1,12 @@
 """Runs through the canonical API on a real local Ray: the supervisor, the per-run
 driver, the stages, cancel, a replica-group kill, an API-server SIGKILL, a lost
 driver and the server's graceful SIGTERM. Secrets, proposals, telemetry and authority
-are test_run_controls_on_ray.py (a module of its own, so the two share no server and
-run on two test workers).
+are test_run_controls_on_ray.py (a module of its own: under pytest-xdist the two may
+run on two test workers, each with a server of its own).
 
 One backend (``ito-backend serve --runtime ray``, which starts its own embedded Ray
-head on free ports) serves the whole module; runs use a tiny model on the
+head on free ports) serves this module and test_run_controls_on_ray.py (the
+``paced_server`` of tests/runtime/conftest.py); runs use a tiny model on the
 ``cpu-testbed`` booking. Only the GPUs are absent: every process, kill and
 restart here is real.
 """
@@ -30,8 +31,8 @@ from helpers.testbed_runs import (
     RUN_TIMEOUT_S,
     api_get,
     last_step,
-    paced_backend,
     run_actors,
+    serve_module,
     submit_testbed,
     wait_for_run,
 )
@@ -46,9 +47,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), module_group(__name__)
 
 
 @pytest.fixture(scope="module")
-def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    with paced_backend(tmp_path_factory.mktemp("ray-runtime"), "bk-cpu") as rt:
-        yield rt
+def rt(paced_server: dict[str, Any], request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    yield from serve_module(paced_server, request)
 
 
 def test_submitted_run_succeeds_with_gates_checkpoints_and_goodput(rt: dict[str, Any]) -> None:
