@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 # A hang guard per script, never a speed claim. Serial on a shared 2-core machine the
 # Ray smokes took: post_training.py ~120 s, pipeline.py ~110 s, fault_tolerance.py
-# ~90 s, quorum_stability.py ~45 s, data_prep_scale.py ~40 s (over 200 s each for the
-# first two under heavy load).
+# ~90 s, quorum_stability.py ~45 s, data_prep_scale.py ~40 s, slow_fabric.py 110-180 s
+# (three raylets and two runs; over 200 s each for the first two under heavy load).
 BENCH_TIMEOUT_S = 480
 NO_GPU_EXIT = 2
 
@@ -177,6 +177,24 @@ CASES: dict[str, tuple[list[str], set[str], bool]] = {
         },
         True,
     ),
+    "slow_fabric.py": (
+        # llama-tiny, 4 steps a run, DiLoCo pinned to H = 2 (the planner honours it):
+        # the link, its probe, the planner and both runs, not their figures.
+        ["--smoke"],
+        {
+            "throttled",
+            "planned_sync",
+            "loopback_keeps_every_step",
+            "sync",
+            "diloco",
+            "wall_ratio",
+            "loss_ratio",
+            "allreduce_share",
+            "bars",
+            "wall_s",
+        },
+        True,
+    ),
     "fault_tolerance.py": (
         [
             "--kills",
@@ -278,6 +296,13 @@ def test_benchmark_runs_at_its_smallest_size(script: str) -> None:
         }
         assert sides | {"step_efficiency", "plain_efficiency"} <= set(size), sorted(size)
         assert set(size["goodput_tokens_per_s"]["2"]) >= {"engine", "ray_train", "ratio"}
+    if script == "slow_fabric.py":  # the planner's choice flips with the fabric
+        assert out["loopback_keeps_every_step"] is True, out["loopback_sync"]
+        assert out["planned_sync"]["mode"] == "diloco", out["planned_sync"]
+        for mode, run in (("every_step", out["sync"]), ("diloco", out["diloco"])):
+            assert run["sync"]["mode"] == mode and run["heldout_loss"] > 0, run
+            # Throttled (root): each group on its own end of the link, the allreduces over it.
+            assert not out["throttled"] or run["link_mb"] > 0, run
 
 
 def test_api_load_closed_mode_sweeps_both_stores_side_by_side(pg_server: PgServer) -> None:
