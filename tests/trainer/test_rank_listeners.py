@@ -34,22 +34,35 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 # A hang guard for the run's own store client, never a speed claim.
 PROBE_TIMEOUT = datetime.timedelta(seconds=60)
-# Run inside the outsider's namespace: what a torch TCPStore client gets from the store.
-# The namespace has no resolver: the client's reverse lookup of its own address alone
-# takes ~5 s there, so its bound is generous (a hang guard, never a speed claim).
+# Run inside the outsider's namespace: what a plain TCP connection and a torch TCPStore
+# client get from the store. The plain connection sends nothing and reads: the store
+# (or a front before it) either closes it unanswered ("closed", at once) or waits for
+# a request ("open": the read's hang guard, 30 s, runs out). A TCPStore client retries
+# a refused connection until its timeout whatever the refusal, so its bound is all
+# the probe waits when refused; the namespace has no resolver and the client's reverse
+# lookup of its own address takes ~5 s there, so 10 s.
 STORE_PROBE = """
 import datetime, json, socket, sys
 from torch.distributed import TCPStore
 host, port = sys.argv[1], int(sys.argv[2])
 out = {}
 try:  # the network path is there: a plain TCP connect
-    socket.create_connection((host, port), timeout=10).close()
+    c = socket.create_connection((host, port), timeout=10)
     out["connected"] = True
 except OSError as e:
     out["connected"] = False
+else:
+    with c:
+        c.settimeout(30)
+        try:
+            out["answer"] = "closed" if c.recv(1) == b"" else "answered"
+        except socket.timeout:
+            out["answer"] = "open"
+        except OSError:  # reset: closed unanswered too
+            out["answer"] = "closed"
 try:
     s = TCPStore(host, port, is_master=False, wait_for_workers=False,
-                 timeout=datetime.timedelta(seconds=30))
+                 timeout=datetime.timedelta(seconds=10))
     out["keys"] = s.list_keys()
 except Exception as e:
     out["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -139,6 +152,7 @@ def test_rank_listeners_bind_the_cluster_address_and_an_outsider_reads_no_store_
     assert probe.returncode == 0, probe.stderr[-2000:]
     got = json.loads(probe.stdout.strip().splitlines()[-1])
     assert got["connected"], f"the outsider's network path to the store is not there: {got}"
+    assert got["answer"] == "closed", f"the store kept an outsider's connection: {got}"
     assert "keys" not in got, f"an outsider read the group store's keys: {got}"
     # Both ranks listen (heal servers, gloo; rank 0 also the store's and the
     # ManagerServer's fronts) and not one listener is on a wildcard address.
