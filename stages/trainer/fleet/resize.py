@@ -216,6 +216,9 @@ class GroupResizer:
         cfg = self.engine.cfg
         if cfg.objective.kind != "lm":
             return f"the {cfg.objective.kind} objective keeps its replica groups"
+        if not cfg.sync.every_step:
+            # A resize holds every group after one agreed step: DiLoCo agrees at syncs only.
+            return "a DiLoCo run keeps its replica groups"
         width = request.replica_groups * cfg.layout.dp_shard
         for phase in cfg.schedule.phases:  # each phase's batch, at its sequence length
             batch = cfg.micro_batch_at(phase.seq_len) * cfg.dp_world

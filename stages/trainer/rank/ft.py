@@ -50,11 +50,13 @@ def build_manager(
     state_dict: Callable[[], Any],
     secret: RunSecret,
     placement: dict[str, Any] | None,
+    sync_quorum: bool = False,
 ) -> Any:
     """One torchft Manager per rank; rank 0 of the group runs the ManagerServer,
     behind a front (``rank_listeners``), and every rank heals over ``HealTransport``
     (the run's secret proven both ways, ``weights_only`` loads) instead of torchft's
-    HTTP transport (every interface, no check, pickles)."""
+    HTTP transport (every interface, no check, pickles). ``sync_quorum``: the quorum
+    is taken before the work that needs it (DiLoCo's syncs), not beside the forward."""
     from torchft.manager import Manager
 
     from stages.netsec import cluster_address, listener_config
@@ -79,7 +81,8 @@ def build_manager(
                 # nothing that step (its gradients are zeroed in the allreduce) and loads
                 # the peer's state in should_commit, before the update: every committed
                 # step of every group still starts from the same weights.
-                use_async_quorum=True,
+                # DiLoCo quorums only at its syncs, where a group heals before it sends.
+                use_async_quorum=not sync_quorum,
                 timeout=timedelta(seconds=cfg.timeout_s),
                 quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
                 connect_timeout=timedelta(seconds=cfg.connect_timeout_s),

@@ -33,6 +33,7 @@ from stages.events import CheckpointEvent, Event, FleetEvent, LogEvent, PhaseEve
 from stages.run_secret import RunSecret
 from stages.trainer.rank import ft
 from stages.trainer.rank.control import Control, WorkerSpec
+from stages.trainer.rank.diloco import DiLoCoSync
 from stages.trainer.rank.membership import Membership
 from stages.trainer.rank.objective import LanguageModelObjective, Objective
 from stages.trainer.rank.rank_state import RankState, RankStatus
@@ -100,7 +101,13 @@ class TrainLoop:
         self.inner_optimizer: torch.optim.Optimizer
         self.optimizer: Any
         self.manager: Any
-        self.reducer: ft.GradientReducer  # torchft: the gradient allreduce over the groups
+        # torchft: the replica groups' sync, one of the two: the gradient allreduce of
+        # every step, or DiLoCo's every ``sync.sync_every`` steps.
+        self.reducer: ft.GradientReducer | None = None
+        self.diloco: DiLoCoSync | None = None
+        # The steps of the other live groups' rank 0 (the actor asks Ray; a DiLoCo group
+        # joining a running run waits for their next sync).
+        self.peer_steps: Callable[[], list[int]] = list
         self.loader: Any = None  # the lm objective's MixedLoader (None for sft/dpo)
         self.objective: Objective
         self.ckpt: Any = None
@@ -217,7 +224,7 @@ class TrainLoop:
         layout = self.cfg.layout
         return self.spec.replica_group * layout.dp_shard + layout.coords(self.spec.rank)["dp_shard"]
 
-    def _cut(self, step: int) -> tuple[int, int] | None:
+    def cut(self, step: int) -> tuple[int, int] | None:
         """Point the loader at this rank's share of step ``step``'s batch; returns the
         group's place among the step's member groups and their count. A group that is
         no member (one joining, healing at the step before its first) reads the first
@@ -282,7 +289,11 @@ class TrainLoop:
         self.emit(PhaseEvent(phase="startup", start=self.started_at, end=time.time()))
         self.status.enter(RankState.training)
         self.recovering_since = self.started_at if restarted else None
-        step = self.manager.current_step()
+        if self.diloco is not None and restarted:
+            # A group joining a running DiLoCo run heals at its peers' next sync.
+            self.diloco.join_next_sync(self.peer_steps, lambda: self.control.stop)
+            self.after_heal(self.current_step() - 1)
+        step = self.current_step()
         # A group resumed from a phase-closing checkpoint waits for that phase's gate.
         if (
             step > 0
@@ -291,7 +302,7 @@ class TrainLoop:
         ):
             return self._finish()
         while not self.control.stop:
-            step = self.manager.current_step()
+            step = self.current_step()
             if step >= self.schedule.total_steps:
                 break
             if self.control.pause:
@@ -300,28 +311,64 @@ class TrainLoop:
             self._after_commit(self.train_step(step))
         self._finish()
 
+    def next_batch(self, batch: int) -> Any:
+        """Data batch ``batch`` on the device (a wait for data not made yet is an idle
+        span of its own)."""
+        data = self.objective.batch(batch).to(self.device)
+        if data.waited_s >= IDLE_SPAN_MIN_S:  # the batch's data did not exist yet
+            got_at = time.time()
+            self.emit(PhaseEvent(phase="idle", start=got_at - data.waited_s, end=got_at))
+        return data
+
+    def current_step(self) -> int:
+        """The run's step: torchft's, or with DiLoCo its syncs' steps and the inner
+        steps since."""
+        if self.diloco is not None:
+            return self.diloco.current_step()
+        return int(self.manager.current_step())  # torchft
+
+    def after_heal(self, trained: int) -> bool:
+        """Whether this group loaded a peer's state (torchft's heal) since the last
+        look; it then follows the peers' phase at their step ``trained``."""
+        if not self.healed:
+            return False
+        self.healed = False
+        self.log(f"healed from a live peer at step {trained}")
+        if not self.phase.start_step <= trained < self.phase.end_step:
+            self.enter_phase(self.schedule.phase_of(trained))
+        return True
+
+    def pace(self, t0: float, quorum: int, step: int) -> None:
+        """Test and benchmark pacing (``pace_step_s``; ``degraded_pace_step_s`` while
+        a member group is missing from the quorum): 0 in real runs."""
+        pace = self.cfg.pace_step_s
+        if quorum < len(self.membership.members_at(step)):
+            pace = max(pace, self.cfg.degraded_pace_step_s)
+        spent = time.time() - t0
+        if pace and spent < pace:
+            time.sleep(pace - spent)
+
     def train_step(self, step: int) -> StepResult:
+        if self.diloco is not None:
+            return self.diloco.train_step(self, step)
         """zero_grad (the quorum starts, overlapping the forward), forward/backward, the
         gradient and loss allreduce, clip, the finiteness check, the commit vote (a
         group behind its peers loads their state there) and the inner optimizer step."""
         t0 = time.time()
         self.optimizer.zero_grad()  # torchft: starts the quorum (async: overlaps forward)
-        share = self._cut(step)
+        share = self.cut(step)
         batch = data_index(step - self.phase.start_step, self.windows)
-        data = self.objective.batch(batch).to(self.device)
-        if data.waited_s >= IDLE_SPAN_MIN_S:  # the batch's data did not exist yet
-            got_at = time.time()
-            self.emit(PhaseEvent(phase="idle", start=got_at - data.waited_s, end=got_at))
+        data = self.next_batch(batch)
         inj = self.cfg.inject_loss_spike  # test knob: a poisoned data batch
         scale = inj.scale if inj is not None and batch in inj.batches else 1.0
         # torchft: the gradient buckets are reduced over the groups as the backward
         # produces them (the first waits for the quorum); a group that must heal
         # contributes zeros (its batch is not trained): the mean is the participants'.
-        loss = self.parallel.forward_backward(
-            data, self.objective, scale=scale, reducer=self.reducer
-        )
+        reducer = self.reducer
+        assert reducer is not None  # every_step sync: made by the setup with the manager
+        loss = self.parallel.forward_backward(data, self.objective, scale=scale, reducer=reducer)
         # torchft: the loss and the vote to hold at this step's end ride the last bucket.
-        reduced = self.reducer.finish(
+        reduced = reducer.finish(
             self.parallel.group_mean_loss(loss), vote=1.0 if self.control.hold else 0.0
         )
         global_loss = reduced.loss
@@ -342,12 +389,8 @@ class TrainLoop:
         # quorum), so the step it commits is theirs: its LR, phase and data position.
         committed = self.manager.should_commit()
         trained = self.manager.current_step() - 1 if committed else self.manager.current_step()
-        if self.healed:
+        if self.after_heal(trained):
             share = None  # its peers' state replaced what it trained: no share of its own
-            self.healed = False
-            self.log(f"healed from a live peer at step {trained}")
-            if not self.phase.start_step <= trained < self.phase.end_step:
-                self.enter_phase(self.schedule.phase_of(trained))
             batch = data_index(trained - self.phase.start_step, self.windows)
         lr = self.phase.lr(trained)
         if committed:
@@ -384,11 +427,7 @@ class TrainLoop:
             )
         )
         self.status.update(step=self.manager.current_step(), quorum=quorum)  # torchft
-        pace = self.cfg.pace_step_s
-        if quorum < len(self.membership.members_at(trained)):
-            pace = max(pace, self.cfg.degraded_pace_step_s)
-        if pace and now - t0 < pace:
-            time.sleep(pace - (now - t0))
+        self.pace(t0, quorum, trained)
         return result
 
     def _after_commit(self, result: StepResult) -> None:
@@ -439,15 +478,20 @@ class TrainLoop:
         records = [r for r in self.ckpt.records() if r.step == step]
         if not records:
             raise ItoError(ErrorCode.checkpoint_not_found, f"no complete checkpoint {step}")
-        self.ckpt.load(records[0], self.train_state)
+        if self.diloco is None:
+            self.ckpt.load(records[0], self.train_state)
+        else:
+            with self.diloco.hooks_off():
+                self.ckpt.load(records[0], self.train_state)
         phase = self.schedule.phase_of(step)
         if phase.index != self.phase.index:
             self.enter_phase(phase)
         if step <= phase.start_step:
             self.windows = []  # the previous phase's skipped windows index its own data
+        steps = self.train_state.step
         self.manager.load_state_dict(
-            {  # torchft: resume its step and batch count
-                "step": self.train_state.step,
+            {  # torchft: resume its step (with DiLoCo: its syncs) and batch count
+                "step": steps if self.diloco is None else self.diloco.manager_step(steps),
                 "batches_committed": self.loop_state.batches_committed,
             }
         )
@@ -551,16 +595,24 @@ class TrainLoop:
         self.status.enter(RankState.training, held_at=None)
 
     def _finish(self) -> None:
-        if (not self.control.stop or self.control.save_at_stop) and self._is_saver_at_end():
-            self._maybe_checkpoint(self.manager.current_step(), force=True)
+        # With DiLoCo the groups' weights agree only at a sync: none is saved mid-turn.
+        mid_turn = self.diloco is not None and self.diloco.inner_steps > 0
+        if (
+            (not self.control.stop or self.control.save_at_stop)
+            and not mid_turn
+            and self._is_saver_at_end()
+        ):
+            self._maybe_checkpoint(self.current_step(), force=True)
         if self.ckpt is not None:
             self.ckpt.close()
             self._report_checkpoints()
-        if getattr(self, "reducer", None) is not None:
+        if self.reducer is not None:
             self.reducer.close()
+        if self.diloco is not None:
+            self.diloco.close()
         self.status.enter(
             RankState.stopped if self.control.stop else RankState.finished,
-            step=self.manager.current_step(),
+            step=self.current_step(),
             digest=param_digest(self.model),
         )
         self.manager.shutdown(wait=False)  # torchft

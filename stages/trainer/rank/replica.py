@@ -129,6 +129,7 @@ class ReplicaWorker:
         )
         _LOOPS.add(self.loop)
         self.loop.checkpoint_needed = self._checkpoint_needed
+        self.loop.peer_steps = self._peer_steps
         self._thread = threading.Thread(target=self._main, name="train-loop", daemon=True)
         self._thread.start()
 
@@ -240,12 +241,24 @@ class ReplicaWorker:
     def _peer_ahead_of_checkpoints(self) -> bool:
         """Some other replica group's rank 0 is training at or beyond the newest
         complete checkpoint's step (a peer that itself restarted from nothing is not)."""
-        import ray
-
         from stages.checkpointing.storage import list_checkpoints
 
         records = list_checkpoints(self.spec.checkpoint_dir)
         newest = records[-1].step if records else 0
+        return bool(self._training_peers(enough=lambda p: p.step >= newest))
+
+    def _peer_steps(self) -> list[int]:
+        """The steps of the other groups' rank 0 in training (a DiLoCo join's wait)."""
+        return [p.step for p in self._training_peers()]
+
+    def _training_peers(
+        self, *, enough: Callable[[PeerProgress], bool] | None = None
+    ) -> list[PeerProgress]:
+        """The other replica groups' rank 0 of this run in training, of those that answer
+        within ``peer_probe_timeout_s`` (a restarting peer never does). With ``enough``:
+        the first one it holds for, as soon as it answers (else none)."""
+        import ray
+
         me = self.loop.spec.replica_group
         mine = ray.get_runtime_context().get_actor_name()
         pending: list[Any] = []
@@ -259,9 +272,9 @@ class ReplicaWorker:
                     pending.append(ray.get_actor(name).progress.remote())
                 except ValueError:  # gone since the listing
                     continue
+        found: list[PeerProgress] = []
         deadline = time.time() + self.spec.config.fault_tolerance.peer_probe_timeout_s
         while pending and (left := deadline - time.time()) > 0:
-            # A restarting peer never answers in time: take the first that says yes.
             ready, pending = ray.wait(pending, num_returns=1, timeout=left)
             for ref in ready:
                 try:
@@ -274,10 +287,11 @@ class ReplicaWorker:
                     and p.group != me
                     and p.rank == 0
                     and p.state is RankState.training
-                    and p.step >= newest
                 ):
-                    return True
-        return False
+                    if enough is not None and enough(p):
+                        return [p]
+                    found.append(p)
+        return [] if enough is not None else found
 
     def progress(self) -> PeerProgress:
         """Which run, group and rank this is, its state and committed step."""
@@ -442,4 +456,4 @@ class ReplicaWorker:
         """sha256 over every parameter's bytes, with the step it was taken at."""
         from stages.trainer.rank.shard_state import param_digest
 
-        return {"digest": param_digest(self.loop.model), "step": self.loop.manager.current_step()}
+        return {"digest": param_digest(self.loop.model), "step": self.loop.current_step()}

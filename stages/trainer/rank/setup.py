@@ -246,11 +246,21 @@ class RankSetup:
             state_dict=loop.heal_state,
             secret=loop.secret,
             placement=spec.placement,
+            sync_quorum=not cfg.sync.every_step,
         )
-        # torchft: zero_grad() starts the quorum; the loop votes should_commit itself
-        # before the inner AdamW step (a healed group's LR is its peers' step's).
-        loop.optimizer = OptimizerWrapper(loop.manager, loop.inner_optimizer)
-        loop.reducer = ft.GradientReducer(loop.manager, loop.model.parameters())
+        extras: dict[str, Any] = {}
+        if cfg.sync.every_step:
+            # torchft: zero_grad() starts the quorum; the loop votes should_commit itself
+            # before the inner AdamW step (a healed group's LR is its peers' step's).
+            loop.optimizer = OptimizerWrapper(loop.manager, loop.inner_optimizer)
+            loop.reducer = ft.GradientReducer(loop.manager, loop.model.parameters())
+        else:
+            from stages.trainer.rank.diloco import DiLoCoSync
+
+            # torchft: DiLoCo syncs from the inner optimizer's step hook every turn.
+            loop.optimizer = loop.inner_optimizer
+            loop.diloco = DiLoCoSync(loop.manager, loop.model, loop.inner_optimizer, cfg.sync)
+            extras["diloco"] = loop.diloco.state
         loop.detector = LossSpikeDetector(cfg.loss_spike)
         # The whole resumable state as one DCP Stateful; the loader position in it is
         # informational (the loop seeks by step), the skipped windows are not.
@@ -259,7 +269,7 @@ class RankSetup:
             loop.inner_optimizer,
             loader=loop.loader,
             rank=spec.rank,
-            extras={"loop": loop.loop_state, "spike": loop.detector},
+            extras={"loop": loop.loop_state, "spike": loop.detector, **extras},
         )
         # Each group labels its temp folders, so a restarting group never sweeps the
         # in-flight save of the group that is saving now.
