@@ -25,6 +25,11 @@ from typing import Any
 
 # Bound on each attempt (a listener that never answers must not hang the test).
 ATTEMPT_TIMEOUT_S = 15.0
+# Bound on the TCPStore join: its client retries a refused connection until this runs
+# out, so a refused join always takes all of it. The verdict is not its outcome but the
+# listener's refusals and the weights (none rebuilt): a join the listener admitted
+# would show in both however the join then ended.
+STORE_JOIN_TIMEOUT_S = 5.0
 # The most a raw connection reads.
 READ_LIMIT_BYTES = 64 << 20
 
@@ -65,7 +70,7 @@ def _store_join(desc: Any) -> tuple[str, dict[str, Any] | None]:
     import torch
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=ATTEMPT_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=STORE_JOIN_TIMEOUT_S)
     store = dist.TCPStore(desc.host, desc.port, desc.world, is_master=False, timeout=timeout)
     pg: Any = dist.ProcessGroupGloo(dist.PrefixStore("weight-sync", store), 1, desc.world, timeout)
     flats = [torch.empty(n, dtype=getattr(torch, dt)) for dt, n in desc.buckets]
