@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stages.events import Event, LogEvent
 from stages.resize import ResizeInbox
+from stages.run_facts import RunFacts
 from stages.run_secret import RunSecret
 
 GateStatus = Literal["passed", "failed", "no_decision", "skipped"]
@@ -54,8 +55,9 @@ class StageContext:
     cancel_event: threading.Event = field(default_factory=threading.Event)
     # Outcomes of the stages that already ran, by stage name.
     previous: dict[str, GateOutcome] = field(default_factory=dict)
-    # Run-scoped facts the orchestrator resolved (booking topology, plan, etc.).
-    facts: dict[str, Any] = field(default_factory=dict)
+    # Run-scoped facts the orchestrator resolved (booking topology, placement,
+    # account, input roots, ...), one typed field each.
+    facts: RunFacts = field(default_factory=RunFacts)
     # The run's trainer ranks, handed from one engine run to the next across stages
     # (pretraining's fleet trains post-training's objectives): a
     # ``stages.trainer.fleet.handoff.Fleet`` the orchestrator makes and ends; None: each
@@ -71,6 +73,12 @@ class StageContext:
     # Human decisions on proposals (``ProposalEvent``), filled by the orchestrator.
     _decisions: dict[str, str] = field(default_factory=dict)
     _decided: threading.Condition = field(default_factory=threading.Condition)
+
+    def __post_init__(self) -> None:
+        # Facts given in their dict shape (a benchmark's hand-built context) are
+        # validated into the record here, once.
+        if not isinstance(self.facts, RunFacts):
+            self.facts = RunFacts.model_validate(self.facts)
 
     @property
     def cancelled(self) -> bool:

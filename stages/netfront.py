@@ -53,6 +53,7 @@ from pydantic import Field
 
 from stages.base import StrictModel
 from stages.netsec import ListenerConfig
+from stages.run_facts import FactsLike
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def run_node_addresses(facts: Mapping[str, Any] | None) -> set[str]:
+def run_node_addresses(facts: FactsLike | None) -> set[str]:
     """The addresses (as Ray registered them) of the nodes that hold a bundle of the
     run's reservations (``reserved_node_ids``); every alive Ray node when the run has
     no placement (a stage run alone). Needs Ray initialised in this process."""
@@ -127,7 +128,7 @@ def run_node_addresses(facts: Mapping[str, Any] | None) -> set[str]:
 
     registered: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
     alive = {n["NodeID"]: n["NodeManagerAddress"] for n in registered if n.get("Alive")}
-    p = placement_fact(facts or {})
+    p = placement_fact(facts)
     if p is None:
         return {normalize_ip(a) for a in alive.values()}
     from ray.util import placement_group_table

@@ -5,7 +5,8 @@ resource ``booking:<booking_id>`` whose amount is the node's GPU count (deploy/s
 and deploy/k8s set it with ``ray start --resources``). Before a run's driver exists,
 the orchestrator reserves the booking's nodes for the run with one placement group
 (``run-<id>-pg``, one bundle per booked node, gang-scheduled) and hands the stages
-its coordinates as ``ctx.facts["placement"]`` (a :class:`PlacementFact`).
+its coordinates as ``ctx.facts.placement`` (a :class:`PlacementFact`, one field of
+the run's ``stages.run_facts.RunFacts``).
 
 Every actor or task a stage creates must be scheduled into that group, so it lands
 on the booking's nodes and nowhere else. Stages never import the orchestrator, so
@@ -15,7 +16,7 @@ this module is the one helper they use::
     opts = actor_options(ctx.facts, bundle_index=bundle_for_rank(ctx.facts, rank, world))
     Worker.options(name=..., num_cpus=0.5, **opts).remote(...)
 
-With no ``placement`` fact (a stage run alone, in a unit test) ``actor_options``
+With no placement (a stage run alone, in a unit test) ``actor_options``
 returns ``{}`` and Ray schedules as it likes. The driver itself is scheduled into
 the group with ``placement_group_capture_child_tasks=True``, so work a stage
 forgets to place still stays in the group; placing it explicitly is still the rule
@@ -28,8 +29,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from stages.run_facts import FactsLike, run_facts
+from stages.run_facts import PlacementFact as PlacementFact  # re-exported
 
+# The reservation's key in the facts' dict shape (``RunFacts.as_mapping``).
 PLACEMENT_FACT = "placement"
 BOOKING_RESOURCE_PREFIX = "booking:"
 # What every placed actor takes of the booking's mark inside its bundle: a token
@@ -59,29 +62,12 @@ def booking_resource(booking_id: str) -> str:
     return f"{BOOKING_RESOURCE_PREFIX}{booking_id}"
 
 
-class PlacementFact(BaseModel):
-    """What a stage learns about its run's reservation (no secret, JSON-safe)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    booking_id: str
-    # The node mark the bundles reserve: ``booking:<id>`` (or the embedded head's
-    # catch-all mark, see docs/placement.md).
-    resource: str
-    placement_group: str  # the group's name, run-<id>-pg
-    placement_group_id: str  # hex, to rebuild the handle without a name lookup
-    bundles: int = Field(ge=1)
-    # Resources of one bundle, e.g. {"booking:bk1": 8, "CPU": 96, "GPU": 8}.
-    bundle: dict[str, float] = Field(default_factory=dict)
+def placement_fact(facts: FactsLike | None) -> PlacementFact | None:
+    """The run's reservation; None for a stage run alone."""
+    return run_facts(facts).placement
 
 
-def placement_fact(facts: Mapping[str, Any]) -> PlacementFact | None:
-    raw = facts.get(PLACEMENT_FACT)
-    if not raw:
-        return None
-    return raw if isinstance(raw, PlacementFact) else PlacementFact.model_validate(raw)
-
-
-def bundle_for_rank(facts: Mapping[str, Any], rank: int, world: int) -> int:
+def bundle_for_rank(facts: FactsLike | None, rank: int, world: int) -> int:
     """Spread ``world`` ranks evenly over the bundles (nodes), consecutive ranks together
     (so a replica group's ranks share a node when they fit). -1 without placement."""
     p = placement_fact(facts)
@@ -91,7 +77,7 @@ def bundle_for_rank(facts: Mapping[str, Any], rank: int, world: int) -> int:
 
 
 def actor_options(
-    facts: Mapping[str, Any],
+    facts: FactsLike | None,
     *,
     bundle_index: int = -1,
     resources: Mapping[str, float] | None = None,

@@ -23,7 +23,6 @@ from orchestrator.runtime.factories import StageFactory, StartEarly
 from orchestrator.runtime.launch import LaunchSpec
 from orchestrator.runtime.ray_cluster import PRIVATE_UMASK
 from stages.base import GateOutcome, PrestartableStage, StageContext
-from stages.checkpointing.seal import ACCOUNT_FACT
 from stages.errors import ErrorCode, ItoError
 from stages.event_buffer import EventBuffer
 from stages.events import Event, LogEvent, PhaseEvent, StageResultEvent, StepEvent
@@ -89,8 +88,8 @@ class RunDriverImpl:
             booking_id=self.spec.booking_id,
             workdir=workdir,
             emit=self._emit,
-            # The account from the signed spec: checkpoints are sealed for it.
-            facts={**self.spec.facts, ACCOUNT_FACT: self.spec.account},
+            # Their account is the signed spec's: checkpoints are sealed for it.
+            facts=self.spec.facts,
             # One trainer fleet for the run: pretraining's ranks go on to post-training.
             fleet=Fleet(workdir / "fleet"),
         )

@@ -21,11 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.errors import ErrorCode, ItoError
 from stages.keys import LAUNCH_KEY_ENV as LAUNCH_KEY_ENV  # re-exported
 from stages.keys import launch_key_path, read_launch_key
+from stages.run_facts import RunFacts
 
 # A ticket is only good for starting a driver soon after it was signed.
 LAUNCH_TICKET_TTL_S = 300.0
@@ -69,13 +70,22 @@ class LaunchSpec(BaseModel):
     accepted_at: float
     workdir: str
     checkpoint_dir: str
-    facts: dict[str, Any] = Field(default_factory=dict)
+    # What the orchestrator resolved for the run (stages.run_facts), validated here
+    # once; its ``account`` is always the signed ``account`` above (the MAC covers that
+    # field, not the facts).
+    facts: RunFacts = Field(default_factory=RunFacts)
     # Stages that already finished in an earlier driver of this run (relaunch).
     completed_stages: dict[str, dict[str, Any]] = Field(default_factory=dict)
     seq_start: int = 1
     attempt: int = 1
     expires_at: float = 0.0
     ticket: str = ""
+
+    @model_validator(mode="after")
+    def _signed_account_in_facts(self) -> LaunchSpec:
+        if self.facts.account != self.account:
+            self.facts = self.facts.model_copy(update={"account": self.account})
+        return self
 
     def _message(self) -> bytes:
         parts = [

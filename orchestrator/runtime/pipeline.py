@@ -24,7 +24,7 @@ def _data_prep(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
 
         # The account's data roots, set by the supervisor from the store (never from the
         # manifest): the stage resolves every reference inside them again at run time.
-        return DataPrepStage(manifest.data, data_roots=spec.facts.get("data_roots") or ())
+        return DataPrepStage(manifest.data, data_roots=spec.facts.data_roots)
 
     return make
 
@@ -33,7 +33,7 @@ def _parallelism(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
     def make(ctx: StageContext) -> Stage:
         from stages.parallelism import ParallelismStage
 
-        return ParallelismStage(parallelism_config(manifest, spec.facts.get("booking") or {}))
+        return ParallelismStage(parallelism_config(manifest, spec.facts.booking.as_dict()))
 
     return make
 
@@ -49,7 +49,7 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
 
         plan = ctx.previous["parallelism"].artifacts["plan"]
         ranks = int(plan["dp_shard"]) * int(plan["tp"]) * int(plan["pp"]) * int(plan["cp"])
-        recovery = production_recovery(spec.facts.get("booking") or {})
+        recovery = production_recovery(spec.facts.booking.as_dict())
         # The manifest's typed parts go in as they are (parsed once, by build_pipeline);
         # only the plan's numbers and the operator's overrides are validated here.
         fields: dict[str, Any] = {
@@ -65,16 +65,14 @@ def _train(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
             # the fabric, or the manifest's pin); a plan stored without one synced
             # every step.
             "sync": ReplicaSync.model_validate(plan.get("sync") or {}),
-            "device": spec.facts.get("device", "cpu"),
+            "device": spec.facts.device,
             # Warm standbys and FT timeouts: the configuration the benchmark measures.
             **recovery.train_fields(),
             "curriculum": curriculum_schedule(manifest),
         }
         # Operator-level knobs (never from the tenant's manifest): test pacing, FT timeouts.
-        fields.update(spec.facts.get("train_overrides") or {})
-        return TrainingStage(
-            TrainStageConfig(**fields), model_roots=spec.facts.get("model_roots") or ()
-        )
+        fields.update(spec.facts.train_overrides)
+        return TrainingStage(TrainStageConfig(**fields), model_roots=spec.facts.model_roots)
 
     return make
 
@@ -91,11 +89,11 @@ def _post_training(manifest: Manifest, spec: LaunchSpec) -> StageFactory:
             PostTrainingStageConfig(
                 recipe=manifest.post_training,
                 output_dir=out,
-                device=spec.facts.get("device", "cpu"),
+                device=spec.facts.device,
                 fleet="ray",
                 train=getattr(train, "config", None),
-                data_roots=tuple(spec.facts.get("data_roots") or ()),
-                model_roots=tuple(spec.facts.get("model_roots") or ()),
+                data_roots=spec.facts.data_roots,
+                model_roots=spec.facts.model_roots,
             )
         )
 

@@ -46,7 +46,8 @@ from orchestrator.runtime.ray_cluster import RAY_NAMESPACE, RaySettings
 from orchestrator.runtime.resizing import Resizer, ray_deliver
 from stages.errors import ErrorCode, ItoError
 from stages.events import InterruptionEvent, LogEvent
-from stages.placement import PLACEMENT_FACT, PlacementFact, actor_options
+from stages.placement import actor_options
+from stages.run_facts import BookingTopology, PlacementFact, RunFacts
 
 log = logging.getLogger(__name__)
 
@@ -521,15 +522,15 @@ class RayRuntime:
                 accepted_at=run["created_at"],
                 workdir=str(run_dir(self.var_dir, run_id)),
                 checkpoint_dir=str(self._checkpoint_dir(run)),
-                facts={
-                    "booking": {
-                        k: booking.get(k)
-                        for k in ("gpu_sku", "gpus_per_node", "node_count", "region", "fabric")
-                    },
-                    "train_overrides": self.settings.train_overrides,
+                facts=RunFacts(
+                    booking=BookingTopology.model_validate(
+                        {k: booking.get(k) for k in BookingTopology.model_fields}
+                    ),
+                    placement=placed,
+                    account=run["account_id"],
+                    train_overrides=self.settings.train_overrides,
                     **self._input_roots(run["account_id"]),
-                    **({PLACEMENT_FACT: placed.model_dump()} if placed else {}),
-                },
+                ),
                 completed_stages=completed,
                 seq_start=self.store.max_seq(run_id) + 1,
                 attempt=attempt,
@@ -552,12 +553,12 @@ class RayRuntime:
         self._handles[run_id] = handle
         self._launched_at[run_id] = time.monotonic()
 
-    def _input_roots(self, account_id: str) -> dict[str, list[str]]:
+    def _input_roots(self, account_id: str) -> dict[str, tuple[str, ...]]:
         """The account's roots as the stages check them again at run time: data refs
         in the data roots, model folders in the data or checkpoint roots."""
         data = self.store.roots(account_id, "data")
         ckpt = (*self.store.roots(account_id, "checkpoint"), *self.settings.checkpoint_roots)
-        return {"data_roots": list(data), "model_roots": list(dict.fromkeys((*data, *ckpt)))}
+        return {"data_roots": tuple(data), "model_roots": tuple(dict.fromkeys((*data, *ckpt)))}
 
     def _driver_attempts(self, run_id: str) -> int:
         lost = self.store.list_events(run_id, kinds=["interruption"])

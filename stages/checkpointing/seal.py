@@ -37,7 +37,6 @@ import hmac
 import json
 import os
 import stat
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,6 +46,7 @@ from pydantic import Field, ValidationError
 from stages.base import StrictModel
 from stages.errors import ErrorCode, ItoError
 from stages.keys import read_launch_key
+from stages.run_facts import FactsLike, run_facts
 
 SEAL_NAME = "ito_seal.json"
 COMMIT_NAME = "ito_commit.json"
@@ -86,14 +86,10 @@ class CheckpointBinding(StrictModel):
     account: str = Field(default="", max_length=256)
 
 
-# The run's account among a run's facts (``StageContext.facts``): the driver puts
-# the one its signed launch spec names there.
-ACCOUNT_FACT = "account"
-
-
-def run_binding(run_id: str, facts: Mapping[str, object]) -> CheckpointBinding:
-    """The binding of run ``run_id`` whose facts are ``facts``."""
-    return CheckpointBinding(run_id=run_id, account=str(facts.get(ACCOUNT_FACT) or ""))
+def run_binding(run_id: str, facts: FactsLike) -> CheckpointBinding:
+    """The binding of run ``run_id`` whose facts are ``facts`` (their ``account``: the
+    signed launch spec's)."""
+    return CheckpointBinding(run_id=run_id, account=run_facts(facts).account)
 
 
 class SealBinding(CheckpointBinding):

@@ -1,0 +1,115 @@
+"""The run's facts as one typed record: built by the supervisor, carried in the signed
+launch spec, read by the driver's stages by field; the wire keeps the dict's keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers.launch_specs import signed_spec
+from pydantic import ValidationError
+
+from orchestrator.runtime import launch
+from orchestrator.runtime.driver import RunDriverImpl
+from orchestrator.runtime.launch import LaunchSpec
+from stages.base import StageContext
+from stages.checkpointing.seal import run_binding
+from stages.placement import bundle_for_rank
+from stages.run_facts import BookingTopology, PlacementFact, RunFacts
+
+PLACEMENT = PlacementFact(
+    booking_id="bk_1",
+    resource="booking:bk_1",
+    placement_group="run-run_1-pg",
+    placement_group_id="ab" * 18,
+    bundles=2,
+    bundle={"booking:bk_1": 2.0},
+)
+# The facts as a supervisor that built them as a plain dict sent them.
+DICT_FACTS = {
+    "booking": {
+        "gpu_sku": "cpu-testbed",
+        "gpus_per_node": 2,
+        "node_count": 1,
+        "region": "local",
+        "fabric": "loopback",
+    },
+    "train_overrides": {"pace_step_s": 0.1},
+    "data_roots": ["/data/acme"],
+    "model_roots": ["/data/acme", "/ckpt/acme"],
+    "placement": PLACEMENT.model_dump(),
+}
+
+
+@pytest.fixture(autouse=True)
+def _launch_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    key = tmp_path / "launch.key"
+    monkeypatch.setenv(launch.LAUNCH_KEY_ENV, str(key))
+    launch.ensure_launch_key(key)
+    return key
+
+
+def test_the_dict_a_driver_receives_is_validated_once_into_typed_fields(tmp_path: Path) -> None:
+    wire = signed_spec(tmp_path, facts=DICT_FACTS).model_dump()
+    spec = LaunchSpec.model_validate(wire)
+    launch.verify(spec)  # the facts are not part of the MAC: the ticket still holds
+    facts = spec.facts
+    assert facts.booking == BookingTopology(**DICT_FACTS["booking"])  # type: ignore[arg-type]
+    assert facts.placement == PLACEMENT
+    assert facts.data_roots == ("/data/acme",)
+    assert facts.model_roots == ("/data/acme", "/ckpt/acme")
+    assert facts.train_overrides == {"pace_step_s": 0.1}
+    assert facts.device == "cpu"
+    assert facts.account == "acme"  # the signed spec's
+
+
+def test_the_wire_keeps_the_facts_dict_keys(tmp_path: Path) -> None:
+    """What a driver reads off the wire is keyed as the facts' dict was (the same
+    values under the same names), so drivers of either shape read the other's spec."""
+    facts = signed_spec(tmp_path, facts=DICT_FACTS).model_dump()["facts"]
+    for key, value in DICT_FACTS.items():
+        got = facts[key]
+        assert (list(got) if isinstance(got, tuple) else got) == value, key
+    assert facts["account"] == "acme"
+
+
+def test_a_stage_seals_for_the_signed_account_whatever_the_facts_claim(tmp_path: Path) -> None:
+    wire = signed_spec(tmp_path, facts=DICT_FACTS).model_dump()
+    wire["facts"]["account"] = "mallory"  # outside the MAC: a tampered spec
+    driver = RunDriverImpl(wire, use_ray_metrics=False)
+    assert driver.ctx.facts.account == "acme"
+    assert run_binding("run_1", driver.ctx.facts).account == "acme"
+
+
+def test_an_unknown_or_mistyped_fact_is_refused() -> None:
+    with pytest.raises(ValidationError):
+        RunFacts.model_validate({"placemnet": PLACEMENT.model_dump()})
+    with pytest.raises(ValidationError):
+        RunFacts.model_validate({"device": "tpu"})
+    with pytest.raises(ValidationError):
+        RunFacts.model_validate({"placement": {"booking_id": "bk_1"}})
+
+
+def test_the_booking_is_its_topology_and_a_missing_field_stays_missing() -> None:
+    row = {"booking_id": "bk_1", "account_id": "acme", "gpu_sku": "cpu-testbed"}
+    booking = BookingTopology.model_validate(row)
+    assert booking.as_dict() == {"gpu_sku": "cpu-testbed"}  # the planner names what lacks
+    assert RunFacts().booking.as_dict() == {}
+
+
+def test_a_context_given_facts_as_a_dict_holds_the_record(tmp_path: Path) -> None:
+    ctx = StageContext(run_id="r", booking_id="b", workdir=tmp_path, facts=DICT_FACTS)  # type: ignore[arg-type]
+    assert isinstance(ctx.facts, RunFacts) and ctx.facts.placement == PLACEMENT
+    assert StageContext(run_id="r", booking_id="b", workdir=tmp_path).facts == RunFacts()
+
+
+def test_the_dict_shape_for_its_remaining_readers_matches_the_record() -> None:
+    facts = RunFacts.model_validate({**DICT_FACTS, "account": "acme"})
+    shape = facts.as_mapping()
+    assert shape["placement"] == PLACEMENT.model_dump()
+    assert shape["booking"] == DICT_FACTS["booking"]
+    assert facts.get("booking") == DICT_FACTS["booking"]
+    assert "placement" not in RunFacts().as_mapping()
+    # the scheduling and sealing helpers read either
+    assert bundle_for_rank(shape, 3, 4) == bundle_for_rank(facts, 3, 4) == 1
+    assert run_binding("r", shape).account == run_binding("r", facts).account == "acme"
