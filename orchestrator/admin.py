@@ -234,7 +234,8 @@ def serve(
         rt = NullRuntime(store, var_dir)
     elif runtime == "ray":
         from orchestrator.runtime.ray_cluster import RaySettings
-        from orchestrator.runtime.supervisor import RayRuntime, SupervisorSettings
+        from orchestrator.runtime.supervisor import RayRuntime
+        from orchestrator.runtime.supervisor_settings import SupervisorSettings
 
         supervisor = SupervisorSettings.from_env().model_copy(
             update={

@@ -24,7 +24,6 @@ drivers, as after a restart.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -34,102 +33,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
 from orchestrator.db.store import Fence, Row, Store
 from orchestrator.runs import ACTIVE, TERMINAL, RunState
-from orchestrator.runtime import authority, launch, placement, ray_cluster
+from orchestrator.runtime import authority, driver_lifecycle, launch, placement, ray_cluster
+from orchestrator.runtime.driver_lifecycle import (
+    checkpoint_dir,
+    driver_attempts,
+    find_driver,
+    launch_spec,
+    node_lost,
+    start_driver,
+)
 from orchestrator.runtime.interface import Decision, remove_tree, run_dir
-from orchestrator.runtime.launch import LaunchSpec
-from orchestrator.runtime.placement import PlacementSettings
-from orchestrator.runtime.ray_cluster import RAY_NAMESPACE, RaySettings
+from orchestrator.runtime.ray_cluster import RaySettings
 from orchestrator.runtime.resizing import Resizer, ray_deliver
+from orchestrator.runtime.supervisor_settings import SupervisorSettings
 from stages.errors import ErrorCode, ItoError
 from stages.events import InterruptionEvent, LogEvent
-from stages.placement import actor_options
-from stages.run_facts import BookingTopology, PlacementFact, RunFacts
+from stages.run_facts import PlacementFact
 
 log = logging.getLogger(__name__)
-
-
-# TrainStageConfig fields an operator may set for every run; a tenant's manifest
-# never reaches them (it has no such section).
-OPERATOR_TRAIN_OVERRIDES = frozenset(
-    {
-        "pace_step_s",
-        "degraded_pace_step_s",
-        "fault_tolerance",
-        "worker_num_cpus",
-        "inject_loss_spike",
-    }
-)
-
-
-class SupervisorSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    poll_interval_s: float = Field(default=0.5, gt=0)
-    # One driver RPC (poll, ping) may take this long before the tick moves on.
-    rpc_timeout_s: float = Field(default=10.0, gt=0)
-    # After cancel, the driver gets this long to stop its stages cleanly; then
-    # every actor of the run is killed. Well inside the 30 s promise.
-    cancel_grace_s: float = Field(default=10.0, gt=0)
-    # How often every active run's booking, account and term are re-checked; a run
-    # whose authority lapsed is stopped then, so this plus cancel_grace_s bounds how
-    # long work outlives its booking (well inside 30 s).
-    authority_check_interval_s: float = Field(default=2.0, gt=0, le=30)
-    # How often running runs' bookings are checked for added or removed nodes: with
-    # one driver RPC, this bounds the wait from ``bookings add-nodes``/``remove-nodes``
-    # to the run's driver holding the resize (a second of the resize's budget).
-    resize_check_interval_s: float = Field(default=1.0, gt=0, le=30)
-    max_driver_attempts: int = Field(default=2, ge=1)
-    # The leader lease: a standby replica takes over this long after the leader's last
-    # renewal (it renews every poll). Long enough that a busy tick (up to rpc_timeout_s
-    # per driver call) or a store failover does not hand it over needlessly.
-    supervisor_lease_s: float = Field(default=15.0, gt=0)
-    # Operator-level TrainStageConfig overrides passed to every run (test pacing,
-    # fault-tolerance timeouts), e.g. ITO_TRAIN_OVERRIDES='{"pace_step_s": 0.2}'.
-    train_overrides: dict[str, Any] = Field(default_factory=dict)
-    # Where runs go: their booking's nodes (ITO_PLACEMENT_WAIT_S sets the wait).
-    placement: PlacementSettings = Field(default_factory=PlacementSettings)
-    # Server-wide checkpoint roots (``serve --checkpoint-root``): every account's model
-    # folders may lie in them, as at submit (orchestrator/gates/roots.py).
-    checkpoint_roots: tuple[str, ...] = ()
-
-    @model_validator(mode="after")
-    def _lease_outlasts_polls(self) -> SupervisorSettings:
-        if self.supervisor_lease_s < 3 * self.poll_interval_s:
-            raise ValueError(
-                "supervisor_lease_s must be at least 3 poll intervals: the "
-                "leader renews once a poll"
-            )
-        return self
-
-    @field_validator("train_overrides")
-    @classmethod
-    def _known_overrides(cls, v: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(v) - OPERATOR_TRAIN_OVERRIDES
-        if unknown:
-            raise ValueError(
-                f"not operator train overrides: {sorted(unknown)}; allowed: "
-                f"{sorted(OPERATOR_TRAIN_OVERRIDES)}"
-            )
-        return v
-
-    @classmethod
-    def from_env(cls) -> SupervisorSettings:
-        raw = os.environ.get("ITO_TRAIN_OVERRIDES")
-        wait = os.environ.get("ITO_PLACEMENT_WAIT_S")
-        lease = os.environ.get("ITO_SUPERVISOR_LEASE_S")
-        kw: dict[str, Any] = {"train_overrides": json.loads(raw)} if raw else {}
-        if wait:
-            kw["placement"] = PlacementSettings(wait_timeout_s=float(wait))
-        if lease:
-            kw["supervisor_lease_s"] = float(lease)
-        return cls(**kw)
-
-
-def driver_name(run_id: str) -> str:
-    return f"run-{run_id}"
 
 
 LEASE_NAME = "supervisor"
@@ -224,7 +147,7 @@ class RayRuntime:
         removed: list[str] = []
         total = 0
         run = self.store.get_run(run_id)
-        for path in (run_dir(self.var_dir, run_id), self._checkpoint_dir(run)):
+        for path in (run_dir(self.var_dir, run_id), checkpoint_dir(run)):
             paths, size = remove_tree(path)
             removed += paths
             total += size
@@ -335,7 +258,7 @@ class RayRuntime:
         if handle is None:
             attempt = self._relaunch.get(run_id)
             if attempt is None and state == RunState.starting and run_id not in self._launched_at:
-                attempt = self._driver_attempts(run_id)  # e.g. after an API restart
+                attempt = driver_attempts(self.store, run_id)  # e.g. after an API restart
             if attempt is not None and state != RunState.cancelling:
                 self._place_and_launch(self.store.get_run(run_id), attempt=attempt)
             else:
@@ -429,23 +352,12 @@ class RayRuntime:
 
     # -- drivers --------------------------------------------------------------------------
     def _driver(self, run_id: str) -> Any | None:
-        import ray
-
         handle = self._handles.get(run_id)
-        if handle is not None:
-            return handle
-        try:
-            handle = ray.get_actor(driver_name(run_id), namespace=RAY_NAMESPACE)
-        except ValueError:
-            return None
-        self._handles[run_id] = handle
+        if handle is None:
+            handle = find_driver(run_id)
+            if handle is not None:
+                self._handles[run_id] = handle
         return handle
-
-    def _checkpoint_dir(self, run: Row) -> Path:
-        manifest = json.loads(run["manifest_json"])
-        root: str = manifest["checkpoint"]["storage_uri"].removeprefix("file://")
-        run_id: str = run["run_id"]
-        return Path(root) / run_id
 
     def _place_and_launch(self, run: Row, *, attempt: int) -> None:
         """Launch the driver once the run's placement group holds the booking's nodes;
@@ -496,75 +408,16 @@ class RayRuntime:
         self.store.set_state_reason(run_id, waiting.reason)
 
     def _launch(self, run: Row, *, attempt: int, placed: PlacementFact | None = None) -> None:
-        from orchestrator.runtime.driver import driver_actor_class
-
-        run_id = run["run_id"]
-        booking = self.store.booking(run["booking_id"]) or {}
-        completed = {
-            g["stage"]: {
-                "stage": g["stage"],
-                "status": g["status"],
-                "reason": g["reason"],
-                "metrics": json.loads(g["metrics"]),
-                "artifacts": json.loads(g["artifacts"]),
-                "error_code": g["error_code"],
-            }
-            for g in self.store.list_stage_gates(run_id)
-            if g["status"] == "passed"
-        }
-        spec = launch.sign(
-            LaunchSpec(
-                run_id=run_id,
-                booking_id=run["booking_id"],
-                account=run["account_id"],
-                manifest_digest=run["manifest_digest"],
-                manifest_json=run["manifest_json"],
-                accepted_at=run["created_at"],
-                workdir=str(run_dir(self.var_dir, run_id)),
-                checkpoint_dir=str(self._checkpoint_dir(run)),
-                facts=RunFacts(
-                    booking=BookingTopology.model_validate(
-                        {k: booking.get(k) for k in BookingTopology.model_fields}
-                    ),
-                    placement=placed,
-                    account=run["account_id"],
-                    train_overrides=self.settings.train_overrides,
-                    **self._input_roots(run["account_id"]),
-                ),
-                completed_stages=completed,
-                seq_start=self.store.max_seq(run_id) + 1,
-                attempt=attempt,
-            )
+        spec = launch_spec(
+            self.store,
+            run,
+            var_dir=self.var_dir,
+            settings=self.settings,
+            attempt=attempt,
+            placed=placed,
         )
-        actor = driver_actor_class().options(
-            name=driver_name(run_id),
-            namespace=RAY_NAMESPACE,
-            lifetime="detached",
-            num_cpus=0,
-            max_concurrency=16,
-            max_restarts=0,
-            **actor_options(spec.facts, bundle_index=0),
-        )
-        try:
-            handle = actor.remote(spec.model_dump())
-        except ValueError:  # a driver of this name exists already: reattach to it
-            handle = self._driver(run_id)
-        handle.start.remote()
-        self._handles[run_id] = handle
-        self._launched_at[run_id] = time.monotonic()
-
-    def _input_roots(self, account_id: str) -> dict[str, tuple[str, ...]]:
-        """The account's roots as the stages check them again at run time: data refs
-        in the data roots, model folders in the data or checkpoint roots."""
-        data = self.store.roots(account_id, "data")
-        ckpt = (*self.store.roots(account_id, "checkpoint"), *self.settings.checkpoint_roots)
-        return {"data_roots": tuple(data), "model_roots": tuple(dict.fromkeys((*data, *ckpt)))}
-
-    def _driver_attempts(self, run_id: str) -> int:
-        lost = self.store.list_events(run_id, kinds=["interruption"])
-        return 1 + sum(
-            1 for e in lost if e["payload"].get("interruption_kind") in ("driver_lost", "node_lost")
-        )
+        self._handles[spec.run_id] = start_driver(spec)
+        self._launched_at[spec.run_id] = time.monotonic()
 
     def _on_driver_gone(self, run: Row, state: RunState, *, seen_dead: bool = False) -> None:
         """The run's driver is not there: relaunch it, or end the run. ``seen_dead``: a
@@ -582,9 +435,9 @@ class RayRuntime:
             self._finish(run_id, RunState.cancelled, "cancelled")
             return
         now = time.time()
-        attempts = self._driver_attempts(run_id)
+        attempts = driver_attempts(self.store, run_id)
         seq = self.store.max_seq(run_id) + 1
-        node_gone = self._node_lost(run_id)
+        node_gone = node_lost(run_id)
         exhausted = attempts >= self.settings.max_driver_attempts
         lost = InterruptionEvent(
             interruption_kind="node_lost" if node_gone else "driver_lost",
@@ -618,57 +471,8 @@ class RayRuntime:
         )
         self._place_and_launch(self.store.get_run(run_id), attempt=attempts + 1)
 
-    def _node_lost(self, run_id: str) -> str:
-        """Why the driver went, when it was a node of the booking leaving ("" if not)."""
-        import ray
-
-        try:
-            pg = placement.lookup(run_id)
-            if pg is None:
-                return ""
-            from ray.util import placement_group_table
-
-            table = placement_group_table(pg)
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}  # type: ignore[no-untyped-call]
-        except Exception:
-            return ""
-        gone = [n for n in (table.get("bundles_to_node_id") or {}).values() if n not in alive]
-        if table.get("state") in ("RESCHEDULING", "PENDING") or gone:
-            return "a node of the booking left the cluster" + (
-                f" ({', '.join(n[:12] for n in gone)})" if gone else ""
-            )
-        return ""
-
     def kill_run_actors(self, run_id: str) -> list[str]:
         """Kill the run's driver and every actor named after the run."""
-        import ray
-        from ray.util.state import list_actors
-
-        killed: list[str] = []
-        prefix = driver_name(run_id)
-        try:
-            # This cluster's address, explicitly: without it the state API looks for
-            # "a" Ray on the machine (/tmp/ray/ray_current_cluster), maybe another one.
-            actors = list_actors(
-                address=ray.get_runtime_context().gcs_address,
-                filters=[("state", "!=", "DEAD")],
-                limit=10_000,
-                timeout=int(self.settings.rpc_timeout_s),
-                raise_on_missing_output=False,
-            )
-        except Exception:
-            actors = []
-        names = {
-            a.name
-            for a in actors
-            if a.name and (a.name == prefix or a.name.startswith(prefix + "-"))
-        }
-        names.add(prefix)
-        for name in sorted(names):
-            try:
-                ray.kill(ray.get_actor(name, namespace=RAY_NAMESPACE), no_restart=True)
-                killed.append(name)
-            except ValueError:
-                continue
+        killed = driver_lifecycle.kill_run_actors(run_id, self.settings.rpc_timeout_s)
         self._handles.pop(run_id, None)
         return killed

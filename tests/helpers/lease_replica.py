@@ -22,7 +22,8 @@ from pathlib import Path
 from orchestrator.db.store import Row, Store
 from orchestrator.runs import RunState
 from orchestrator.runtime.ray_cluster import RaySettings
-from orchestrator.runtime.supervisor import RayRuntime, SupervisorSettings
+from orchestrator.runtime.supervisor import RayRuntime
+from orchestrator.runtime.supervisor_settings import SupervisorSettings
 from stages.events import LogEvent
 
 

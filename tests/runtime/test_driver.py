@@ -183,7 +183,7 @@ def test_a_stage_started_early_is_prestarted_after_its_dependency_and_abandoned_
 def test_operator_overrides_are_a_closed_set() -> None:
     from pydantic import ValidationError
 
-    from orchestrator.runtime.supervisor import SupervisorSettings
+    from orchestrator.runtime.supervisor_settings import SupervisorSettings
 
     assert SupervisorSettings(train_overrides={"pace_step_s": 0.1}).train_overrides
     with pytest.raises(ValidationError):

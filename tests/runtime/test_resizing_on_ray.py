@@ -18,8 +18,10 @@ from helpers.tenants import booking_doc, make_tenant
 from orchestrator.db.store import Store
 from orchestrator.runs import ACTIVE
 from orchestrator.runtime import placement
+from orchestrator.runtime.driver_lifecycle import driver_name
 from orchestrator.runtime.ray_cluster import RAY_NAMESPACE, RaySettings
-from orchestrator.runtime.supervisor import RayRuntime, SupervisorSettings, driver_name
+from orchestrator.runtime.supervisor import RayRuntime
+from orchestrator.runtime.supervisor_settings import SupervisorSettings
 from stages.events import StageResultEvent
 
 pytestmark = pytest.mark.slow

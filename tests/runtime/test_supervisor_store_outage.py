@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from orchestrator.runtime.ray_cluster import RaySettings
-from orchestrator.runtime.supervisor import RayRuntime, SupervisorSettings
+from orchestrator.runtime.supervisor import RayRuntime
+from orchestrator.runtime.supervisor_settings import SupervisorSettings
 from stages.errors import ErrorCode, ItoError
 
 OUTAGE_TURNS = 6
