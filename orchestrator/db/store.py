@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import json
 import secrets
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
-
+from orchestrator.db.audit import AuditLog
 from orchestrator.db.booking_nodes import BookingNodes
 from orchestrator.db.engines import (
     Conn,
@@ -33,15 +31,14 @@ from orchestrator.db.engines import (
     open_engine,
 )
 from orchestrator.db.lease import Fence, Leases
+from orchestrator.db.run_events import RunEvents
 from orchestrator.db.schema import MIGRATIONS, SCHEMA_VERSION, render
 from orchestrator.redact import safe_id
 from orchestrator.runs import ACTIVE, RunState, check_transition
 from stages.errors import ErrorCode, ItoError
-from stages.events import Event
 
 __all__ = ["Conn", "Fence", "Row", "Store", "is_postgres", "new_id"]
 
-_EVENT = TypeAdapter(Event)
 RUN_FIELDS = ("plan", "data_prep")
 # A write that lost a unique or serialisation race (PostgreSQL) runs again this often.
 WRITE_ATTEMPTS = 5
@@ -51,17 +48,13 @@ def new_id(prefix: str, nbytes: int = 8) -> str:
     return f"{prefix}_{secrets.token_hex(nbytes)}"
 
 
-class Store(BookingNodes, Leases):
+class Store(RunEvents, AuditLog, BookingNodes, Leases):
     def __init__(self, path: str | Path, limits: StoreLimits | None = None):
         self.path = str(path)
         self.engine = open_engine(path, limits)
         self.dialect = self.engine.dialect
         self._fence: Fence | None = None
-        # Counted audit rows waiting for their window: (gate, action, code) -> count.
-        self._counted: dict[tuple[str, str, str], int] = {}
-        self._counted_since = time.monotonic()
-        self._counted_lock = threading.Lock()
-        self.counted_window_s = 5.0  # the server sets Settings.auth_fail_audit_window_s
+        self._start_counting()
         self._migrate()
 
     def describe(self) -> str:
@@ -425,229 +418,6 @@ class Store(BookingNodes, Leases):
                 "UPDATE idempotency SET response = ? WHERE account_id = ? AND idempotency_key = ?",
                 (json.dumps(response), account_id, key),
             )
-
-    # --- events and their derived tables ---------------------------------------------
-    def ingest_events(self, run_id: str, events: list[dict[str, Any]]) -> int:
-        """Persist driver events; idempotent on (run_id, seq). Returns how many were new."""
-        parsed: list[tuple[int, Any]] = []
-        for raw in events:
-            body = {k: v for k, v in raw.items() if k != "seq"}
-            try:
-                seq = int(raw["seq"])
-                parsed.append((seq, _EVENT.validate_python(body)))
-            except (KeyError, TypeError, ValueError, ValidationError) as e:
-                raise ItoError(
-                    ErrorCode.bad_request,
-                    f"malformed event for {safe_id(run_id)}: {type(e).__name__}",
-                ) from None
-        added = 0
-        with self.tx() as c:
-            # The run's row lock orders this run's writers (its per-run log counter).
-            if not c.execute(
-                "SELECT 1 FROM runs WHERE run_id = ? FOR UPDATE", (run_id,)
-            ).fetchone():
-                raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
-            for seq, ev in parsed:
-                cur = c.execute(
-                    "INSERT INTO run_events VALUES (?, ?, ?, ?, ?) "
-                    "ON CONFLICT (run_id, seq) DO NOTHING",
-                    (run_id, seq, ev.ts, ev.kind, ev.model_dump_json()),
-                )
-                if cur.rowcount != 1:
-                    continue
-                added += 1
-                self._derive(c, run_id, seq, ev)
-        return added
-
-    @staticmethod
-    def _derive(c: Conn, run_id: str, seq: int, ev: Any) -> None:
-        if ev.kind == "log":
-            Store.insert_log(c, run_id, seq, ev.ts, ev.level, ev.stage, ev.message)
-        elif ev.kind == "checkpoint":
-            c.execute(
-                "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (run_id, step) DO UPDATE SET path = excluded.path, "
-                "bytes = excluded.bytes, blocking_s = excluded.blocking_s, "
-                "total_s = excluded.total_s, created_at = excluded.created_at",
-                (run_id, ev.step, ev.path, ev.bytes, ev.blocking_s, ev.total_s, ev.ts),
-            )
-        elif ev.kind == "stage_result":
-            o = ev.outcome
-            c.execute(
-                "INSERT INTO stage_gates VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (run_id, stage) DO UPDATE SET status = excluded.status, "
-                "reason = excluded.reason, metrics = excluded.metrics, "
-                "artifacts = excluded.artifacts, error_code = excluded.error_code, "
-                "updated_at = excluded.updated_at",
-                (
-                    run_id,
-                    str(o.get("stage") or ev.stage),
-                    str(o.get("status", "")),
-                    str(o.get("reason", "")),
-                    json.dumps(o.get("metrics") or {}),
-                    json.dumps(o.get("artifacts") or {}),
-                    o.get("error_code"),
-                    ev.ts,
-                ),
-            )
-        elif ev.kind == "proposal":
-            c.execute(
-                "INSERT INTO proposals VALUES (?, ?, ?, ?, ?, 'pending', ?, NULL) "
-                "ON CONFLICT (run_id, proposal_id) DO NOTHING",
-                (run_id, ev.proposal_id, ev.action, ev.description, json.dumps(ev.params), ev.ts),
-            )
-
-    def list_events(
-        self,
-        run_id: str,
-        after_seq: int = -1,
-        kinds: Iterable[str] | None = None,
-        limit: int = 10_000,
-    ) -> list[Row]:
-        sql, params = "SELECT * FROM run_events WHERE run_id = ? AND seq > ?", [run_id, after_seq]
-        kinds = list(kinds or [])
-        if kinds:
-            sql += f" AND kind IN ({','.join('?' * len(kinds))})"
-            params += kinds
-        rows = self.read(sql + " ORDER BY seq LIMIT ?", [*params, limit])
-        return [{**r, "payload": json.loads(r["payload"])} for r in rows]
-
-    def last_event(self, run_id: str, kind: str) -> dict[str, Any] | None:
-        """The payload of the run's newest event of this kind (e.g. "progress")."""
-        row = self.read_one(
-            "SELECT payload FROM run_events WHERE run_id = ? AND kind = ? "
-            "ORDER BY seq DESC LIMIT 1",
-            (run_id, kind),
-        )
-        return None if row is None else dict(json.loads(row["payload"]))
-
-    def max_seq(self, run_id: str) -> int:
-        row = self.read_one("SELECT MAX(seq) AS m FROM run_events WHERE run_id = ?", (run_id,))
-        return -1 if row is None or row["m"] is None else int(row["m"])
-
-    def list_logs(self, run_id: str, cursor: int, limit: int) -> list[Row]:
-        """Logs after ``cursor``, a per-run counter (it reveals nothing of other runs)."""
-        return self.read(
-            "SELECT * FROM logs WHERE run_id = ? AND run_seq > ? ORDER BY run_seq LIMIT ?",
-            (run_id, cursor, limit),
-        )
-
-    def add_log(
-        self, run_id: str, message: str, level: str = "info", stage: str = "orchestrator"
-    ) -> None:
-        with self.tx() as c:
-            self.insert_log(c, run_id, None, time.time(), level, stage, message)
-
-    @staticmethod
-    def insert_log(
-        c: Conn, run_id: str, seq: int | None, ts: float, level: str, stage: str, message: str
-    ) -> None:
-        """One log line; ``run_seq`` counts per run (the public cursor). The run's row
-        lock serialises the run's log writers, so two never compute one ``run_seq``."""
-        c.execute("SELECT 1 FROM runs WHERE run_id = ? FOR UPDATE", (run_id,))
-        c.execute(
-            "INSERT INTO logs (run_id, seq, ts, level, stage, message, run_seq) "
-            "VALUES (?, ?, ?, ?, ?, ?, (SELECT COALESCE(MAX(run_seq), 0) + 1 "
-            "FROM logs WHERE run_id = ?))",
-            (run_id, seq, ts, level, stage, message, run_id),
-        )
-
-    def list_checkpoints(self, run_id: str) -> list[Row]:
-        return self.read("SELECT * FROM checkpoints WHERE run_id = ? ORDER BY step", (run_id,))
-
-    def list_stage_gates(self, run_id: str) -> list[Row]:
-        return self.read(
-            "SELECT * FROM stage_gates WHERE run_id = ? ORDER BY updated_at", (run_id,)
-        )
-
-    def list_proposals(self, run_id: str) -> list[Row]:
-        return self.read("SELECT * FROM proposals WHERE run_id = ? ORDER BY created_at", (run_id,))
-
-    @staticmethod
-    def decide_proposal(c: Conn, run_id: str, proposal_id: str, decision: str) -> None:
-        row = c.execute(
-            "SELECT status FROM proposals WHERE run_id = ? AND proposal_id = ?",
-            (run_id, proposal_id),
-        ).fetchone()
-        if row is None:
-            raise ItoError(ErrorCode.proposal_not_found, f"no proposal {safe_id(proposal_id)}")
-        if row["status"] != "pending":
-            raise ItoError(ErrorCode.invalid_state, f"proposal already {row['status']}")
-        c.execute(
-            "UPDATE proposals SET status = ?, decided_at = ? WHERE run_id = ? AND proposal_id = ?",
-            (decision, time.time(), run_id, proposal_id),
-        )
-
-    # --- audit -----------------------------------------------------------------------
-    @staticmethod
-    def audit_rows(c: Conn, rows: list[Row]) -> None:
-        """Gate decisions: only ids and codes, never a message, body or secret."""
-        c.executemany(
-            "INSERT INTO audit_events (ts, account_id, key_id, action, gate, outcome, code, "
-            "booking_id, run_id, count) VALUES (:ts, :account_id, :key_id, :action, :gate, "
-            ":outcome, :code, :booking_id, :run_id, :count)",
-            [{"count": 1, **r} for r in rows],
-        )
-
-    def audit(self, rows: list[Row]) -> None:
-        if rows:
-            with self.tx() as c:
-                self.audit_rows(c, rows)
-
-    def audit_counted(
-        self, action: str, code: str, window_s: float | None = None, gate: str = "auth"
-    ) -> None:
-        """Audit a cheap, frequent failure (bad key, rate limited, malformed input) as one
-        counted row per (gate, action, code) per window: a flood costs one write
-        transaction per window."""
-        with self._counted_lock:
-            key = (gate, action, code)
-            self._counted[key] = self._counted.get(key, 0) + 1
-            window = self.counted_window_s if window_s is None else window_s
-            due = time.monotonic() - self._counted_since >= window
-        if due:
-            self.flush_counted()
-
-    def flush_counted(self) -> None:
-        """Write the counted rows; while the store is unavailable they wait (counted on)
-        for the next window: a refusal never fails for want of its audit row."""
-        with self._counted_lock:
-            pending, self._counted = self._counted, {}
-            self._counted_since = time.monotonic()
-        if not pending:
-            return
-        try:
-            self._write_counted(pending)
-        except ItoError as e:
-            if e.code != ErrorCode.store_unavailable:
-                raise
-            with self._counted_lock:
-                for key, n in pending.items():
-                    self._counted[key] = self._counted.get(key, 0) + n
-
-    def _write_counted(self, pending: dict[tuple[str, str, str], int]) -> None:
-        if pending:
-            now = time.time()
-            self.audit(
-                [
-                    {
-                        "ts": now,
-                        "account_id": None,
-                        "key_id": None,
-                        "action": action,
-                        "gate": gate,
-                        "outcome": "fail",
-                        "code": code,
-                        "booking_id": None,
-                        "run_id": None,
-                        "count": n,
-                    }
-                    for (gate, action, code), n in pending.items()
-                ]
-            )
-
-    def audit_events(self, limit: int = 1000) -> list[Row]:
-        return self.read("SELECT * FROM audit_events ORDER BY audit_id DESC LIMIT ?", (limit,))
 
     def write(self, fn: Callable[[Conn], Any]) -> Any:
         """Run ``fn`` inside one write transaction and return its result. A transaction
