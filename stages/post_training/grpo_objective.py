@@ -202,7 +202,7 @@ class GRPOObjective:
         """Publish the weights of committed step ``step`` (version ``step``) for the
         fleet: rank 0 of the group that saves checkpoints (the lowest live one); the
         other ranks of a sharded group take part in gathering the full tensors."""
-        if not self.publisher.enabled or not loop._is_saver():
+        if not self.publisher.enabled or not loop.saver.is_saver():
             return
         state = full_state(loop.model)
         if loop.spec.rank == 0:

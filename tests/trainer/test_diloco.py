@@ -14,7 +14,16 @@ from helpers.stage_run import StageRun
 
 from stages.checkpointing.config import CheckpointPolicy
 from stages.checkpointing.storage import delete_checkpoint, list_checkpoints
-from stages.events import CheckpointEvent, FleetEvent, InterruptionEvent, LogEvent, StepEvent
+from stages.curriculum.config import CurriculumConfig
+from stages.curriculum.schedule import CurriculumSchedule, schedule_curriculum
+from stages.events import (
+    CheckpointEvent,
+    EvalEvent,
+    FleetEvent,
+    InterruptionEvent,
+    LogEvent,
+    StepEvent,
+)
 from stages.replica_sync import ReplicaSync
 from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget, TrainStageConfig
 from stages.trainer.parallel.layout import ParallelLayout
@@ -56,14 +65,48 @@ def _shares(run: StageRun) -> Counter[tuple[int, int]]:
     )
 
 
-def test_a_diloco_run_trains_in_turns_and_resumes_from_its_checkpoint_exactly(
+def _two_phases(steps: int) -> CurriculumSchedule:
+    """pretrain then mid_train, half the steps each, each with a gate that passes."""
+    curriculum = CurriculumConfig.model_validate(
+        {
+            "phases": [
+                {
+                    "name": name,
+                    "kind": kind,
+                    "token_fraction": 0.5,
+                    "gates": [{"metric": "heldout_loss", "max": 100.0}],
+                }
+                for name, kind in (("pretrain", "pretrain"), ("mid", "mid_train"))
+            ]
+        },
+        strict=False,
+    )
+    return schedule_curriculum(
+        curriculum,
+        total_steps=steps,
+        base_seq_len=32,
+        global_batch_tokens=256,
+        learning_rate=3e-4,
+        warmup_steps=5,
+        rope_theta=10000.0,
+        head_dim=16,
+        max_positions=256,
+    )
+
+
+def test_a_diloco_run_trains_in_turns_through_its_phases_and_resumes_exactly(
     ray_local: None, tmp_path: Path
 ) -> None:
-    cfg = _config(tmp_path)
+    cfg = _config(tmp_path, curriculum=_two_phases(40))
     with StageRun(cfg, tmp_path, "diloco", wait_s=WAIT_S, join_timeout_s=JOIN_TIMEOUT_S) as run:
         out = run.join()
     assert out.status == "passed", out.reason
     assert out.metrics["steps"] == cfg.target.steps
+    # Each phase ends at a sync, where its gate judges the weights every group shares,
+    # and the next phase goes on in place.
+    gates = [e for e in run.events if isinstance(e, EvalEvent) and e.check == "heldout_loss"]
+    assert [(g.phase, g.passed) for g in gates] == [("pretrain", True), ("mid", True)]
+    assert {e.phase for e in run.steps() if e.committed} == {"pretrain", "mid"}
     # Every step of every turn is reported once by each group, with its own share.
     assert _shares(run) == Counter(
         {(s, place): 1 for s in range(1, cfg.target.steps + 1) for place in (0, 1)}
@@ -99,7 +142,8 @@ def _resumes_exactly(tmp_path: Path, **kw: object) -> None:
         workdir = tmp_path / name
         workdir.mkdir()
         pace = 0.05 if name == "stopped" else 0
-        cfg = _config(workdir, replica_groups=1, pace_step_s=pace, **kw)
+        target = TrainingTarget(max_steps=20, seq_len=32, global_batch_tokens=256, warmup_steps=5)
+        cfg = _config(workdir, replica_groups=1, pace_step_s=pace, target=target, **kw)
         if name == "stopped":
             with StageRun(cfg, workdir, name, wait_s=WAIT_S, join_timeout_s=JOIN_TIMEOUT_S) as run:
                 run.wait_for(

@@ -21,43 +21,21 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
-from stages.curriculum.schedule import PhaseSpan
-from stages.events import Event, StepEvent
+from stages.events import StepEvent
 from stages.replica_sync import ReplicaSync
-from stages.trainer.config import TrainStageConfig
-from stages.trainer.rank.control import WorkerSpec
-from stages.trainer.rank.objective import Objective
-from stages.trainer.rank.rank_state import RankStatus
-from stages.trainer.rank.step_state import StepResult, Window, data_index
+from stages.trainer.rank.group_sync import StepHost
+from stages.trainer.rank.step_state import StepResult, data_index
 
 # A rank joining a running DiLoCo run asks for the quorum only while its peers are on the
 # last inner step of a turn: the lighthouse forms a quorum without a straggler after its
 # join timeout, so asking any earlier makes a quorum of the joining group alone.
 JOIN_POLL_S = 0.05
-
-
-class InnerLoop(Protocol):
-    """What an inner step needs of the rank's loop (``stages.trainer.rank.loop``)."""
-
-    spec: WorkerSpec
-    cfg: TrainStageConfig
-    phase: PhaseSpan
-    windows: list[Window]
-    parallel: Any
-    objective: Objective
-    status: RankStatus
-
-    def cut(self, step: int) -> tuple[int, int] | None: ...
-    def next_batch(self, batch: int) -> Any: ...
-    def emit(self, event: Event) -> None: ...
-    def pace(self, t0: float, quorum: int, step: int) -> None: ...
-    def after_heal(self, trained: int) -> bool: ...
 
 
 class ParamFragment(nn.Module):
@@ -214,7 +192,7 @@ class DiLoCoSync:
         """torchft's step (syncs committed) at run step ``step``, a turn's end."""
         return step // self.cfg.turn_steps
 
-    def join_next_sync(
+    def join_running_run(
         self, peer_steps: Callable[[], list[int]], stopped: Callable[[], bool]
     ) -> None:
         """A group joining a running run (a restart, a standby taking a lost group's
@@ -246,7 +224,7 @@ class DiLoCoSync:
             self.quorum = int(self.manager.num_participants())  # torchft
             self._trainers(trained=False)
 
-    def train_step(self, loop: InnerLoop, step: int) -> StepResult:
+    def train_step(self, loop: StepHost, step: int) -> StepResult:
         """One inner step (forward, backward, clip, inner AdamW step) on this group's
         share of step ``step``'s batch; the turn's last one syncs in the optimizer's
         hook. Its steps are reported when that sync commits, each with the tokens of
@@ -304,7 +282,7 @@ class DiLoCoSync:
             return done
         return self._turn_ended(loop, done, t0)
 
-    def _turn_ended(self, loop: InnerLoop, done: StepResult, t0: float) -> StepResult:
+    def _turn_ended(self, loop: StepHost, done: StepResult, t0: float) -> StepResult:
         """After a sync: report the turn's steps if it committed, or one refused step
         (the loop then trains the turn again from its first step)."""
         pending, self.pending = self.pending, []
@@ -345,8 +323,12 @@ class DiLoCoSync:
         work.wait()
         return max(1, round(float(flag.item())))
 
+    @property
+    def mid_turn(self) -> bool:
+        return self.inner_steps > 0
+
     @contextmanager
-    def hooks_off(self) -> Iterator[None]:
+    def loading(self) -> Iterator[None]:
         """DiLoCo's hooks off the inner optimizer: a checkpoint's load initialises the
         optimizer's state with a step of zero gradients, which is no inner step."""
         self.diloco.__exit__(None, None, None)

@@ -29,14 +29,14 @@ from typing import Any, Literal, Protocol
 import torch
 
 from stages.curriculum.schedule import PhaseSpan
-from stages.events import CheckpointEvent, Event, FleetEvent, LogEvent, PhaseEvent, StepEvent
+from stages.events import Event, FleetEvent, LogEvent, PhaseEvent
 from stages.run_secret import RunSecret
-from stages.trainer.rank import ft
 from stages.trainer.rank.control import Control, WorkerSpec
-from stages.trainer.rank.diloco import DiLoCoSync
+from stages.trainer.rank.group_sync import GroupSync
 from stages.trainer.rank.membership import Membership
 from stages.trainer.rank.objective import LanguageModelObjective, Objective
 from stages.trainer.rank.rank_state import RankState, RankStatus
+from stages.trainer.rank.saving import RankSaver
 from stages.trainer.rank.shard_state import load_sharded_state, param_digest, sharded_state
 from stages.trainer.rank.step_state import LoopState, StepResult, Window, data_index
 
@@ -99,18 +99,17 @@ class TrainLoop:
         self.model: torch.nn.Module
         self.parallel: Any
         self.inner_optimizer: torch.optim.Optimizer
-        self.optimizer: Any
         self.manager: Any
-        # torchft: the replica groups' sync, one of the two: the gradient allreduce of
-        # every step, or DiLoCo's every ``sync.sync_every`` steps.
-        self.reducer: ft.GradientReducer | None = None
-        self.diloco: DiLoCoSync | None = None
+        # torchft: the replica groups' sync, made by the setup with the Manager: the
+        # gradient allreduce of every step, or DiLoCo's every ``sync.sync_every`` steps.
+        self.sync: GroupSync
         # The steps of the other live groups' rank 0 (the actor asks Ray; a DiLoCo group
         # joining a running run waits for their next sync).
         self.peer_steps: Callable[[], list[int]] = list
         self.loader: Any = None  # the lm objective's MixedLoader (None for sft/dpo)
         self.objective: Objective
         self.ckpt: Any = None
+        self.saver: RankSaver  # when this group saves, and the saves' reports
         self.detector: Any
         self.train_state: Any
         self.loop_state = LoopState(self)
@@ -119,8 +118,6 @@ class TrainLoop:
         # data and trains (``phase_eval.warm_phase_end``); a phase end's work joins it
         # first (transformers' lazy imports are not thread-safe).
         self.phase_end_imports: threading.Thread | None = None
-        self._last_saved = -1
-        self._save_started: dict[int, float] = {}
         # Whether join restores the newest checkpoint (the actor decides: replica.py; a
         # live peer ahead of every checkpoint heals the group through torchft instead).
         self.checkpoint_needed: Callable[[], bool] = lambda: True
@@ -165,7 +162,7 @@ class TrainLoop:
             }
         return {
             "model": self.model.state_dict(),
-            "optim": self.optimizer.state_dict(),
+            "optim": self.inner_optimizer.state_dict(),
             "loop": self.loop_state.state_dict(),
         }
 
@@ -178,7 +175,7 @@ class TrainLoop:
             load_sharded_state(self.model, self.inner_optimizer, state["shards"])
         else:
             self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optim"])
+            self.inner_optimizer.load_state_dict(state["optim"])
         self.loop_state.load_state_dict(state["loop"])
         self.healed = True
 
@@ -237,7 +234,7 @@ class TrainLoop:
             self.loader.cut(place * layout.dp_shard + shard, members * layout.dp_shard)
         return share
 
-    def _members_missing(self, step: int) -> bool:
+    def members_missing(self, step: int) -> bool:
         """Whether step ``step`` is the first of its members (a resize, a resume, the
         start) and one of them is not in its quorum yet, for at most ``member_wait_s``:
         the step is then tried again rather than trained without the member's share."""
@@ -253,9 +250,9 @@ class TrainLoop:
     def _close_phase(self, step: int) -> bool:
         """At ``phase.end_step``: save the closing checkpoint (complete before the
         driver looks), report the boundary, wait for the gate. False: stop."""
-        self._maybe_checkpoint(step, force=True)
+        self.saver.save(step, force=True)
         self.ckpt.wait()
-        self._report_checkpoints()
+        self.saver.report()
         # The driver may now evaluate this rank's model (ReplicaWorker.evaluate_phase).
         self.status.enter(RankState.phase_end, boundary=self.schedule.phase_of(step - 1).index)
         kind, _ = self.control.wait_command()
@@ -289,9 +286,9 @@ class TrainLoop:
         self.emit(PhaseEvent(phase="startup", start=self.started_at, end=time.time()))
         self.status.enter(RankState.training)
         self.recovering_since = self.started_at if restarted else None
-        if self.diloco is not None and restarted:
-            # A group joining a running DiLoCo run heals at its peers' next sync.
-            self.diloco.join_next_sync(self.peer_steps, lambda: self.control.stop)
+        if restarted:
+            # A group joining a running run (DiLoCo: it heals at its peers' next sync).
+            self.sync.join_running_run(self.peer_steps, lambda: self.control.stop)
             self.after_heal(self.current_step() - 1)
         step = self.current_step()
         # A group resumed from a phase-closing checkpoint waits for that phase's gate.
@@ -323,9 +320,7 @@ class TrainLoop:
     def current_step(self) -> int:
         """The run's step: torchft's, or with DiLoCo its syncs' steps and the inner
         steps since."""
-        if self.diloco is not None:
-            return self.diloco.current_step()
-        return int(self.manager.current_step())  # torchft
+        return self.sync.current_step()
 
     def after_heal(self, trained: int) -> bool:
         """Whether this group loaded a peer's state (torchft's heal) since the last
@@ -349,86 +344,8 @@ class TrainLoop:
             time.sleep(pace - spent)
 
     def train_step(self, step: int) -> StepResult:
-        if self.diloco is not None:
-            return self.diloco.train_step(self, step)
-        """zero_grad (the quorum starts, overlapping the forward), forward/backward, the
-        gradient and loss allreduce, clip, the finiteness check, the commit vote (a
-        group behind its peers loads their state there) and the inner optimizer step."""
-        t0 = time.time()
-        self.optimizer.zero_grad()  # torchft: starts the quorum (async: overlaps forward)
-        share = self.cut(step)
-        batch = data_index(step - self.phase.start_step, self.windows)
-        data = self.next_batch(batch)
-        inj = self.cfg.inject_loss_spike  # test knob: a poisoned data batch
-        scale = inj.scale if inj is not None and batch in inj.batches else 1.0
-        # torchft: the gradient buckets are reduced over the groups as the backward
-        # produces them (the first waits for the quorum); a group that must heal
-        # contributes zeros (its batch is not trained): the mean is the participants'.
-        reducer = self.reducer
-        assert reducer is not None  # every_step sync: made by the setup with the manager
-        loss = self.parallel.forward_backward(data, self.objective, scale=scale, reducer=reducer)
-        # torchft: the loss and the vote to hold at this step's end ride the last bucket.
-        reduced = reducer.finish(
-            self.parallel.group_mean_loss(loss), vote=1.0 if self.control.hold else 0.0
-        )
-        global_loss = reduced.loss
-        grad_norm = self.parallel.clip_grad_norm_(self.cfg.target.grad_clip)
-        if not (math.isfinite(global_loss) and math.isfinite(grad_norm)):
-            # torchft: an error reported before the vote makes should_commit false, so
-            # the update is skipped. Loss and norm are global (allreduced), so every
-            # group refuses the same step.
-            self.manager.report_error(
-                FloatingPointError(
-                    f"non-finite loss {global_loss} or grad norm {grad_norm} at step {step}"
-                )
-            )
-        if self._members_missing(step):
-            # torchft: refused everywhere (every participant sees the same quorum).
-            self.manager.report_error(RuntimeError(f"step {step}: a member group is missing"))
-        # torchft: the vote. A group behind its peers loads their state first (async
-        # quorum), so the step it commits is theirs: its LR, phase and data position.
-        committed = self.manager.should_commit()
-        trained = self.manager.current_step() - 1 if committed else self.manager.current_step()
-        if self.after_heal(trained):
-            share = None  # its peers' state replaced what it trained: no share of its own
-            batch = data_index(trained - self.phase.start_step, self.windows)
-        lr = self.phase.lr(trained)
-        if committed:
-            for g in self.inner_optimizer.param_groups:
-                g["lr"] = lr
-            self.inner_optimizer.step()
-        quorum = self.manager.num_participants()  # torchft
-        now = time.time()
-        result = StepResult(
-            step=trained,
-            committed=committed,
-            loss=global_loss,
-            grad_norm=grad_norm,
-            lr=lr,
-            batch=batch,
-            quorum=quorum,
-            seconds=now - t0 - data.waited_s,
-            ended_at=now,
-            hold=reduced.vote > 0,
-        )
-        self.emit(
-            StepEvent(
-                step=trained + 1 if committed else trained,
-                replica_group=self.spec.replica_group,
-                loss=global_loss if math.isfinite(global_loss) else 1e9,
-                tokens=data.tokens * quorum * self.cfg.layout.dp_shard if committed else 0,
-                seconds=result.seconds,
-                committed=committed,
-                quorum_size=quorum,
-                lr=lr,
-                seq_len=data.seq_len,
-                phase=self.phase.name,
-                batch_share=share if committed else None,
-            )
-        )
-        self.status.update(step=self.manager.current_step(), quorum=quorum)  # torchft
-        self.pace(t0, quorum, trained)
-        return result
+        """One step of the replica groups' sync (``rank/every_step.py``, ``rank/diloco.py``)."""
+        return self.sync.train_step(self, step)
 
     def _after_commit(self, result: StepResult) -> None:
         """The recovery span, the spike check (a non-finite step was refused: it is
@@ -468,7 +385,7 @@ class TrainLoop:
             if not self._close_phase(done):
                 self.control.send("stop")
             return  # a hold voted for now is voted again at the next step
-        self._maybe_checkpoint(done)
+        self.saver.save(done)
         if result.hold:
             self._hold(done)
 
@@ -478,11 +395,8 @@ class TrainLoop:
         records = [r for r in self.ckpt.records() if r.step == step]
         if not records:
             raise ItoError(ErrorCode.checkpoint_not_found, f"no complete checkpoint {step}")
-        if self.diloco is None:
+        with self.sync.loading():
             self.ckpt.load(records[0], self.train_state)
-        else:
-            with self.diloco.hooks_off():
-                self.ckpt.load(records[0], self.train_state)
         phase = self.schedule.phase_of(step)
         if phase.index != self.phase.index:
             self.enter_phase(phase)
@@ -491,57 +405,10 @@ class TrainLoop:
         steps = self.train_state.step
         self.manager.load_state_dict(
             {  # torchft: resume its step (with DiLoCo: its syncs) and batch count
-                "step": steps if self.diloco is None else self.diloco.manager_step(steps),
+                "step": self.sync.manager_step(steps),
                 "batches_committed": self.loop_state.batches_committed,
             }
         )
-
-    # --- checkpoints ----------------------------------------------------------------
-    def _is_saver(self) -> bool:
-        # One group saves: the lowest live replica id is participating rank 0.
-        return bool(self.manager.participating_rank() == 0)  # torchft
-
-    def _report_checkpoints(self) -> None:
-        for rec in self.ckpt.poll():
-            self.emit(
-                CheckpointEvent(
-                    step=rec.step,
-                    path=rec.path,
-                    bytes=rec.bytes,
-                    blocking_s=rec.blocking_s,
-                    total_s=rec.total_s,
-                    phase=self.schedule.phase_of(max(0, rec.step - 1)).name,
-                )
-            )
-            # Blocking includes any wait for the state copy in the next optimizer
-            # step, so the badput span is the record's, not save()'s own duration.
-            t0 = self._save_started.pop(rec.step, time.time())
-            self.emit(PhaseEvent(phase="checkpoint_blocking", start=t0, end=t0 + rec.blocking_s))
-
-    def _due(self, step: int) -> bool:
-        due = bool(self.ckpt.due(step))
-        if self.sharded:
-            # A time-based policy may differ by a tick between ranks; DCP's save is a
-            # collective, so the group saves if any rank says so.
-            import torch.distributed as dist
-
-            flag = torch.tensor([int(due)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            due = bool(flag.item())
-        return due
-
-    def _maybe_checkpoint(self, step: int, *, force: bool = False) -> None:
-        self._report_checkpoints()
-        if not self._is_saver() or not (force or self._due(step)):
-            return
-        if step == self._last_saved or any(r.step == step for r in self.ckpt.records()):
-            return
-        self._last_saved = step
-        self._save_started[step] = time.time()
-        self.train_state.step = step
-        # Async: blocks only for the state copy. Sealed with the phase its last step is in.
-        phase = self.schedule.phase_of(max(step - 1, 0)).name
-        self.ckpt.save(step, self.train_state, phase=phase)
 
     # --- loss spikes ----------------------------------------------------------------
     def _spiked(self, step: int, loss: float, batch_idx: int) -> bool:
@@ -596,20 +463,16 @@ class TrainLoop:
 
     def _finish(self) -> None:
         # With DiLoCo the groups' weights agree only at a sync: none is saved mid-turn.
-        mid_turn = self.diloco is not None and self.diloco.inner_steps > 0
         if (
             (not self.control.stop or self.control.save_at_stop)
-            and not mid_turn
+            and not self.sync.mid_turn
             and self._is_saver_at_end()
         ):
-            self._maybe_checkpoint(self.current_step(), force=True)
+            self.saver.save(self.current_step(), force=True)
         if self.ckpt is not None:
             self.ckpt.close()
-            self._report_checkpoints()
-        if self.reducer is not None:
-            self.reducer.close()
-        if self.diloco is not None:
-            self.diloco.close()
+            self.saver.report()
+        self.sync.close()
         self.status.enter(
             RankState.stopped if self.control.stop else RankState.finished,
             step=self.current_step(),
@@ -619,7 +482,7 @@ class TrainLoop:
 
     def _is_saver_at_end(self) -> bool:
         try:
-            return self._is_saver()
+            return self.saver.is_saver()
         except Exception:
             return False
 

@@ -204,12 +204,13 @@ class RankSetup:
         checkpoints; then wait for the run's data (the fleet is started while data
         prep runs), enter the first phase and resume from the newest checkpoint, in
         its phase. False: the run stopped before its data was ready."""
-        from torchft.optim import OptimizerWrapper
-
         from stages.checkpointing.checkpointer import Checkpointer
         from stages.checkpointing.seal import CheckpointBinding
         from stages.trainer.fleet.lighthouse import lighthouse_address
+        from stages.trainer.rank.diloco import DiLoCoSync
+        from stages.trainer.rank.every_step import EveryStepSync
         from stages.trainer.rank.loss_spike import LossSpikeDetector
+        from stages.trainer.rank.saving import RankSaver
         from stages.trainer.rank.train_state import TrainState
 
         loop, spec, cfg = self.loop, self.loop.spec, self.loop.cfg
@@ -250,17 +251,14 @@ class RankSetup:
         )
         extras: dict[str, Any] = {}
         if cfg.sync.every_step:
-            # torchft: zero_grad() starts the quorum; the loop votes should_commit itself
-            # before the inner AdamW step (a healed group's LR is its peers' step's).
-            loop.optimizer = OptimizerWrapper(loop.manager, loop.inner_optimizer)
-            loop.reducer = ft.GradientReducer(loop.manager, loop.model.parameters())
+            loop.sync = EveryStepSync(loop.manager, loop.inner_optimizer, loop.model)
         else:
-            from stages.trainer.rank.diloco import DiLoCoSync
-
-            # torchft: DiLoCo syncs from the inner optimizer's step hook every turn.
-            loop.optimizer = loop.inner_optimizer
-            loop.diloco = DiLoCoSync(loop.manager, loop.model, loop.inner_optimizer, cfg.sync)
-            extras["diloco"] = loop.diloco.state
+            # torchft: DiLoCo syncs from the inner optimizer's step hook every turn; its
+            # outer state is part of the checkpoint.
+            loop.sync = diloco = DiLoCoSync(
+                loop.manager, loop.model, loop.inner_optimizer, cfg.sync
+            )
+            extras["diloco"] = diloco.state
         loop.detector = LossSpikeDetector(cfg.loss_spike)
         # The whole resumable state as one DCP Stateful; the loader position in it is
         # informational (the loop seeks by step), the skipped windows are not.
@@ -281,6 +279,14 @@ class RankSetup:
             run_label=f"rg{spec.replica_group}",
             process_group=ckpt_pg,
             binding=CheckpointBinding(run_id=spec.run_id, account=spec.account),
+        )
+        loop.saver = RankSaver(
+            loop.ckpt,
+            loop.manager,
+            loop.train_state,
+            loop.schedule,
+            loop.emit,
+            sharded=loop.sharded,
         )
         loop.status.enter(RankState.awaiting_data)
         # Every phase ends in an HF export whose shards every live rank writes, and in
