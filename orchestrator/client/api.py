@@ -4,14 +4,9 @@ Every method returns one envelope (a dict): the server's, or one the client made
 with ``live_api_contacted: false`` when the server was never reached. Nothing
 raises for a remote or transport failure.
 
-Transport rules the contract asks for:
+The transport (timeouts, which failures may have reached the server, bounded
+retries) is ``orchestrator/client/transport.py``; on top of it:
 
-* every call has a bounded connect timeout and a bounded *total* timeout (the
-  whole request, not each socket read), see ``ClientSettings``;
-* a request is classified after a failure: ``not_sent`` (connect refused, DNS,
-  connect timeout: safe to retry) or ``ambiguous`` (the request may have reached
-  the server: read timeout, connection reset after the request was written, a
-  non-envelope 5xx from a proxy, a 5xx envelope);
 * ``train`` never creates a second run because a response was lost: after an
   ambiguous failure it looks the run up by idempotency key (``GET
   /v1/runs?idempotency_key=K``) before any retry; retries are bounded with
@@ -20,324 +15,30 @@ Transport rules the contract asks for:
   ``credential_revoked``/``unauthenticated``/``forbidden_scope``; it never tries
   to obtain a new credential.
 
-An ``ItoClient`` drives an asyncio loop of its own (httpx's async client is what
-makes the total timeout exact: the request task is cancelled at the deadline); use
-one client per thread, not from inside a running event loop.
+Use one client per thread, not from inside a running event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
-import ipaddress
-import json
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
-import httpx
-from pydantic import BaseModel, ConfigDict, Field
-
-from orchestrator.client.credentials import ApiKey
+from orchestrator.client.envelope import (
+    STOP_POLLING_CODES,
+    Envelope,
+    error_code,
+    error_envelope,
+    ok_envelope,
+)
 from orchestrator.client.manifest_reader import ManifestBytes
+from orchestrator.client.transport import ApiTransport
 from stages.errors import ErrorCode
 
-Envelope = dict[str, Any]
-
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "cleaned"})
-# Answers after which polling must stop and hand control back (never re-login).
-STOP_POLLING_CODES = frozenset(
-    {
-        ErrorCode.credential_revoked,
-        ErrorCode.unauthenticated,
-        ErrorCode.forbidden_scope,
-        ErrorCode.account_disabled,
-    }
-)
-INSECURE_HTTP_ENV = "ITO_ALLOW_INSECURE_HTTP"
 
 
-class ClientSettings(BaseModel):
-    """Every timeout and retry bound of the client, in one place."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    total_timeout_s: float = Field(default=30.0, gt=0)
-    max_response_bytes: int = Field(default=16 << 20, gt=0)
-    # Attempts of POST /v1/runs (and of other keyed mutations), including the first.
-    train_max_attempts: int = Field(default=4, ge=1)
-    # Attempts of an idempotent read (GET), including the first.
-    read_max_attempts: int = Field(default=3, ge=1)
-    retry_backoff_s: float = Field(default=0.5, ge=0)
-    retry_backoff_max_s: float = Field(default=5.0, ge=0)
-    poll_interval_s: float = Field(default=2.0, gt=0)
-    # A follow gives up after this many transport failures in a row.
-    follow_max_transport_failures: int = Field(default=5, ge=1)
-    logs_page_limit: int = Field(default=200, ge=1)
-
-
-def error_envelope(
-    code: ErrorCode | str, message: str, *, live_api_contacted: bool = False, notice: str = ""
-) -> Envelope:
-    return {
-        "ok": False,
-        "live_api_contacted": live_api_contacted,
-        "notice": notice,
-        "error": {"code": str(code), "message": message},
-    }
-
-
-def ok_envelope(
-    data: dict[str, Any], *, live_api_contacted: bool = True, notice: str = ""
-) -> Envelope:
-    return {"ok": True, "live_api_contacted": live_api_contacted, "notice": notice, "data": data}
-
-
-def error_code(env: Envelope) -> str | None:
-    err = env.get("error")
-    return err.get("code") if isinstance(err, dict) else None
-
-
-def is_envelope(body: object) -> bool:
-    if not isinstance(body, dict) or not isinstance(body.get("ok"), bool):
-        return False
-    if body["ok"]:
-        return isinstance(body.get("data"), dict)
-    return isinstance(body.get("error"), dict) and isinstance(body["error"].get("code"), str)
-
-
-def check_api_url(api_url: str, environ: dict[str, str] | None = None) -> str:
-    """Validate the server URL; returns it without a trailing slash or raises ValueError.
-
-    Plain http is allowed only to loopback (the bearer key would travel in clear
-    text) unless ``ITO_ALLOW_INSECURE_HTTP=1``; credentials in the URL are refused.
-    """
-    import os
-
-    env = os.environ if environ is None else environ
-    parts = urlsplit(api_url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"API URL must be http(s)://host[:port], got {api_url!r}")
-    if parts.username or parts.password:
-        raise ValueError("API URL must not carry credentials (user:pass@); use ITO_API_KEY")
-    if parts.query or parts.fragment:
-        raise ValueError("API URL must not carry a query or fragment")
-    if parts.scheme == "http" and env.get(INSECURE_HTTP_ENV) != "1":
-        host = parts.hostname
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = host == "localhost"
-        if not loopback:
-            raise ValueError(
-                f"plain http to a non-loopback host would send the API key in clear text; "
-                f"use https (or set {INSECURE_HTTP_ENV}=1 on a trusted network)"
-            )
-    return api_url.rstrip("/")
-
-
-@dataclass
-class _Result:
-    """One HTTP exchange: the envelope plus what we know about delivery."""
-
-    envelope: Envelope
-    kind: Literal["answered", "not_sent", "ambiguous"]
-    status: int | None = None
-
-
-class ItoClient:
+class ItoClient(ApiTransport):
     """Typed calls over the v1 contract; every call returns an envelope."""
-
-    def __init__(
-        self,
-        api_url: str,
-        api_key: ApiKey | str | None,
-        *,
-        connect_timeout_s: float | None = None,
-        total_timeout_s: float | None = None,
-        settings: ClientSettings | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-        user_agent: str = "ito-client/1",
-    ):
-        base = settings or ClientSettings()
-        overrides: dict[str, float] = {}
-        if connect_timeout_s is not None:
-            overrides["connect_timeout_s"] = connect_timeout_s
-        if total_timeout_s is not None:
-            overrides["total_timeout_s"] = total_timeout_s
-        self.settings = base.model_copy(update=overrides) if overrides else base
-        self.api_url = api_url.rstrip("/")
-        self._key = ApiKey(api_key, source="argument") if isinstance(api_key, str) else api_key
-        self._sleep = sleep
-        self._user_agent = user_agent
-        self._loop = asyncio.new_event_loop()
-        self._http: httpx.AsyncClient | None = None
-        self.requests_sent = 0  # attempts that reached the wire or tried to
-
-    # --- lifecycle ----------------------------------------------------------------------
-    def close(self) -> None:
-        if self._http is not None:
-            self._loop.run_until_complete(self._http.aclose())
-            self._http = None
-        self._loop.close()
-
-    def __enter__(self) -> ItoClient:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
-
-    # --- transport ----------------------------------------------------------------------
-    def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
-            s = self.settings
-            self._http = httpx.AsyncClient(
-                base_url=self.api_url,
-                timeout=httpx.Timeout(s.total_timeout_s, connect=s.connect_timeout_s),
-                follow_redirects=False,  # a redirect must never carry the key elsewhere
-                trust_env=False,  # no proxy or netrc from the environment
-                headers={"User-Agent": self._user_agent, "Accept": "application/json"},
-            )
-        return self._http
-
-    async def _exchange(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | None,
-        params: dict[str, Any] | None,
-        headers: dict[str, str],
-    ) -> _Result:
-        sent = False
-
-        async def trace(event: str, _info: dict[str, Any]) -> None:
-            nonlocal sent
-            if ".send_request" in event:
-                sent = True
-
-        s = self.settings
-        try:
-            async with asyncio.timeout(s.total_timeout_s):
-                async with self._client().stream(
-                    method,
-                    path,
-                    json=body,
-                    params=params,
-                    headers=headers,
-                    extensions={"trace": trace},
-                ) as resp:
-                    buf = bytearray()
-                    async for chunk in resp.aiter_bytes():
-                        buf += chunk
-                        if len(buf) > s.max_response_bytes:
-                            return _Result(
-                                error_envelope(
-                                    ErrorCode.payload_too_large,
-                                    f"response larger than {s.max_response_bytes} bytes",
-                                ),
-                                "ambiguous",
-                                resp.status_code,
-                            )
-                    return self._interpret(method, path, resp.status_code, bytes(buf))
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            code = (
-                ErrorCode.api_unreachable
-                if isinstance(exc, httpx.ConnectError)
-                else (ErrorCode.api_timeout)
-            )
-            return _Result(
-                error_envelope(
-                    code,
-                    f"{method} {path}: cannot connect to {self.api_url} ({type(exc).__name__})",
-                ),
-                "not_sent",
-            )
-        except (TimeoutError, httpx.TimeoutException) as exc:
-            kind: Literal["not_sent", "ambiguous"] = "ambiguous" if sent else "not_sent"
-            return _Result(
-                error_envelope(
-                    ErrorCode.api_timeout,
-                    f"{method} {path}: no complete answer within the total timeout "
-                    f"({s.total_timeout_s:g}s; {type(exc).__name__})",
-                ),
-                kind,
-            )
-        except httpx.TransportError as exc:
-            kind = "ambiguous" if sent else "not_sent"
-            return _Result(
-                error_envelope(
-                    ErrorCode.api_unreachable,
-                    f"{method} {path}: connection failed ({type(exc).__name__})",
-                ),
-                kind,
-            )
-
-    def _interpret(self, method: str, path: str, status: int, raw: bytes) -> _Result:
-        try:
-            body = json.loads(raw) if raw else None
-        except ValueError:
-            body = None
-        if is_envelope(body):
-            assert isinstance(body, dict)
-            # A 5xx envelope may have been produced after the work was committed.
-            return _Result(body, "ambiguous" if status >= 500 else "answered", status)
-        # Not the ito API talking: a proxy, a load balancer, or a wrong URL.
-        msg = f"{method} {path}: HTTP {status} without an ito envelope (proxy or wrong URL?)"
-        return _Result(
-            error_envelope(ErrorCode.api_unreachable, msg),
-            "ambiguous" if status >= 500 else "answered",
-            status,
-        )
-
-    def _headers(self, idempotency_key: str | None) -> dict[str, str]:
-        headers: dict[str, str] = {}
-        if self._key is not None:
-            headers["Authorization"] = f"Bearer {self._key.reveal()}"
-        if idempotency_key is not None:
-            headers["Idempotency-Key"] = idempotency_key
-        return headers
-
-    def _once(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: dict[str, Any] | None = None,
-        params: dict[str, Any] | None = None,
-        idempotency_key: str | None = None,
-    ) -> _Result:
-        self.requests_sent += 1
-        return self._loop.run_until_complete(
-            self._exchange(method, path, body, params, self._headers(idempotency_key))
-        )
-
-    def _backoff(self, attempt: int) -> None:
-        s = self.settings
-        self._sleep(min(s.retry_backoff_max_s, s.retry_backoff_s * (2**attempt)))
-
-    def _get(
-        self, path: str, params: dict[str, Any] | None = None, *, attempts: int | None = None
-    ) -> Envelope:
-        """An idempotent read, retried on transport failures only."""
-        n = attempts or self.settings.read_max_attempts
-        res = self._once("GET", path, params=params)
-        for attempt in range(1, n):
-            if res.kind == "answered" or error_code(res.envelope) in STOP_POLLING_CODES:
-                break
-            self._backoff(attempt - 1)
-            res = self._once("GET", path, params=params)
-        return res.envelope
-
-    def _keyed_post(self, path: str, body: dict[str, Any], idempotency_key: str) -> Envelope:
-        """A mutation with an Idempotency-Key: retrying with the same key is safe."""
-        res = self._once("POST", path, body=body, idempotency_key=idempotency_key)
-        for attempt in range(1, self.settings.train_max_attempts):
-            if res.kind == "answered":
-                break
-            self._backoff(attempt - 1)
-            res = self._once("POST", path, body=body, idempotency_key=idempotency_key)
-        return res.envelope
 
     # --- reads --------------------------------------------------------------------------
     def health(self) -> Envelope:

@@ -21,19 +21,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from orchestrator.client import human, render
-from orchestrator.client.api import (
-    TERMINAL_STATES,
-    ClientSettings,
-    Envelope,
-    ItoClient,
-    check_api_url,
-    error_code,
-    error_envelope,
-    ok_envelope,
-)
+from orchestrator.client.api import TERMINAL_STATES, ItoClient
 from orchestrator.client.credentials import REDACTED, ApiKey, load_api_key, redact
+from orchestrator.client.envelope import Envelope, error_code, error_envelope, ok_envelope
 from orchestrator.client.interrupt import stop_on_sigint
 from orchestrator.client.manifest_reader import ManifestBytes, read_manifest
+from orchestrator.client.transport import ClientSettings, check_api_url
 from orchestrator.redact import looks_secret
 from stages.errors import ErrorCode, ItoError
 

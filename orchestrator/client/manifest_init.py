@@ -20,7 +20,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from orchestrator.client.api import Envelope, ItoClient, error_envelope, ok_envelope
+from orchestrator.client.api import ItoClient
+from orchestrator.client.envelope import Envelope, error_envelope, ok_envelope
 from orchestrator.client.manifest_reader import read_manifest
 from stages.atomic_write import write_bytes
 from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS, DEFAULT_KEEP, CheckpointPolicy

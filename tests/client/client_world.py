@@ -17,8 +17,10 @@ from helpers.backend import Backend, start_backend
 from helpers.manifests import example_manifest, write_manifest
 from helpers.tenants import Tenant, booking_doc, make_tenant
 
-from orchestrator.client.api import ClientSettings, Envelope, ItoClient
+from orchestrator.client.api import ItoClient
 from orchestrator.client.cli import run_cli
+from orchestrator.client.envelope import Envelope
+from orchestrator.client.transport import ClientSettings
 
 # Retries without waiting, so failure-path tests stay fast; every other bound as shipped.
 FAST = ClientSettings(retry_backoff_s=0.0, total_timeout_s=15.0)

@@ -14,7 +14,6 @@ import pytest
 from client_world import World
 from helpers.manifests import example_manifest, write_manifest
 
-from orchestrator.client.api import is_envelope
 from orchestrator.client.cli import (
     EXIT_AUTH,
     EXIT_OK,
@@ -24,6 +23,7 @@ from orchestrator.client.cli import (
     EXIT_TRANSPORT,
     EXIT_USAGE,
 )
+from orchestrator.client.envelope import is_envelope
 from stages.errors import ErrorCode
 
 pytestmark = pytest.mark.slow  # a real server subprocess per module

@@ -8,7 +8,6 @@ import json
 import pytest
 
 from orchestrator.client import cli
-from orchestrator.client.api import error_envelope, is_envelope, ok_envelope
 from orchestrator.client.cli import (
     EXIT_AUTH,
     EXIT_INTERNAL,
@@ -20,6 +19,7 @@ from orchestrator.client.cli import (
     exit_code_for,
     run_cli,
 )
+from orchestrator.client.envelope import error_envelope, is_envelope, ok_envelope
 from stages.errors import ErrorCode
 
 

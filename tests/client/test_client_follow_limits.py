@@ -14,8 +14,9 @@ from client_world import World
 from helpers.backend import free_port
 from helpers.waiting import wait_until
 
-from orchestrator.client.api import ClientSettings, ItoClient
+from orchestrator.client.api import ItoClient
 from orchestrator.client.cli import EXIT_OK, EXIT_TRANSPORT, run_cli
+from orchestrator.client.transport import ClientSettings
 from stages.errors import ErrorCode
 
 pytestmark = pytest.mark.slow  # the session's real server subprocess

@@ -16,9 +16,10 @@ from client_world import World
 from helpers.tenants import admin
 from helpers.waiting import wait_until
 
-from orchestrator.client.api import ClientSettings, ItoClient
+from orchestrator.client.api import ItoClient
 from orchestrator.client.cli import EXIT_AUTH, EXIT_OK, EXIT_TRANSPORT
 from orchestrator.client.manifest_reader import read_manifest
+from orchestrator.client.transport import ClientSettings
 from stages.errors import ErrorCode
 
 pytestmark = pytest.mark.slow  # real server subprocess, proxy threads, CLI subprocesses

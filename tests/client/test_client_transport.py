@@ -12,9 +12,10 @@ import pytest
 from client_proxy import RecordingProxy
 from helpers.backend import free_port
 
-from orchestrator.client.api import ClientSettings, ItoClient, check_api_url
+from orchestrator.client.api import ItoClient
 from orchestrator.client.cli import EXIT_TRANSPORT, run_cli
 from orchestrator.client.credentials import ApiKey
+from orchestrator.client.transport import ClientSettings, check_api_url
 from stages.errors import ErrorCode
 
 KEY = ApiKey("itok_t1_transportsecret", source="env")

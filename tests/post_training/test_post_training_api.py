@@ -23,8 +23,9 @@ from helpers.testbed_runs import run_actors, wait_for_run
 from helpers.waiting import wait_until
 from helpers.xdist_groups import module_group
 
-from orchestrator.client.api import ClientSettings, ItoClient
+from orchestrator.client.api import ItoClient
 from orchestrator.client.cli import run_cli
+from orchestrator.client.transport import ClientSettings
 from orchestrator.db.store import Store
 from tests.post_training.conftest import base_model
 
