@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from stages.run_facts import FactsLike, run_facts
-from stages.run_facts import PlacementFact as PlacementFact  # re-exported
+from stages.run_facts import PlacementFact as PlacementFact  # re-exported: its old home
 
 # The reservation's key in the facts' dict shape (``RunFacts.as_mapping``).
 PLACEMENT_FACT = "placement"

@@ -16,7 +16,7 @@ import threading
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.placement import PlacementFact
+from stages.run_facts import PlacementFact
 
 
 class ResizeRequest(BaseModel):

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.errors import ErrorCode
-from stages.placement import PlacementFact, added_group_name, booking_resource
+from stages.placement import added_group_name, booking_resource
+from stages.run_facts import PlacementFact
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup

@@ -31,8 +31,8 @@ from orchestrator.gates.planning import resize_groups, run_plan
 from orchestrator.runs import RunState
 from orchestrator.runtime.placement import PlacementPending
 from stages.errors import ErrorCode, ItoError
-from stages.placement import PlacementFact
 from stages.resize import ResizeRequest
+from stages.run_facts import PlacementFact
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.runtime.placement import PlacementSettings, reserve_added
-from stages.placement import PlacementFact
+from stages.run_facts import PlacementFact
 
 # 4 groups of 4 ranks (tp 2 x dp_shard 2) on a booking of 2 nodes x 8 GPUs, a global
 # batch of 48 sequences: as the parallelism stage stores it (the fields read here).
