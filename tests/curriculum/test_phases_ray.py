@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.stage_run import StageRun
+from helpers.tiny_corpus import write_tiny_corpus
 from helpers.waiting import wait_until
 
 from stages.base import GateOutcome
@@ -41,15 +42,6 @@ WAIT_S = 180.0
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 RUN_ID = "phases"
 EXPORT_SHARD_BYTES = 64 << 10
-
-
-def _data(path: Path) -> Path:
-    with path.open("w") as f:
-        for i in range(300):
-            f.write(
-                json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 5 + 1)}) + "\n"
-            )
-    return path
 
 
 CURRICULUM = CurriculumConfig.model_validate(
@@ -113,7 +105,7 @@ def _config(tmp: Path) -> TrainStageConfig:
             # keep=1: the checkpoint that closed pretrain must survive it anyway.
             checkpoint=CheckpointPolicy(interval_steps=5, keep=1, storage_uri=f"file://{tmp}/ckpt"),
             loss_spike=LossSpikeConfig(enabled=False),
-            train_files=[str(_data(tmp / "train.jsonl"))],
+            train_files=[str(write_tiny_corpus(tmp / "train.jsonl"))],
             # A warm spare takes a killed group's place at once: a new process would need
             # longer than phase 2 lasts on a loaded 2-core machine. While a group is
             # missing the survivor steps at 0.75 s, so phase 2 outlasts the heal.

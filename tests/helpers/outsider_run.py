@@ -42,6 +42,7 @@ def _write_json(path: Path, data: object) -> None:
 
 
 def _config(workdir: Path) -> object:
+    from helpers.tiny_corpus import write_tiny_corpus
     from stages.checkpointing.config import CheckpointPolicy
     from stages.trainer.config import (
         LossSpikeConfig,
@@ -51,11 +52,7 @@ def _config(workdir: Path) -> object:
     )
     from stages.trainer.fleet.recovery import production_recovery
 
-    data = workdir / "train.jsonl"
-    with data.open("w") as f:
-        for i in range(300):
-            f.write(json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 5 + 1)}))
-            f.write("\n")
+    data = write_tiny_corpus(workdir / "train.jsonl")
     recovery = production_recovery({"node_count": 1}, standbys_per_node=0)
     fields = recovery.train_fields()
     # The production fronts and listeners, with a 5 s heartbeat timeout instead of 1 s:

@@ -5,12 +5,12 @@ turn outlasts the kill and the restart."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from helpers.stage_run import StageRun
+from helpers.tiny_corpus import write_tiny_corpus
 
 from stages.checkpointing.config import CheckpointPolicy
 from stages.checkpointing.storage import delete_checkpoint, list_checkpoints
@@ -35,22 +35,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SYNC_EVERY = 5
 
 
-def _data(path: Path) -> Path:
-    with path.open("w") as f:
-        for i in range(300):
-            f.write(
-                json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 5 + 1)}) + "\n"
-            )
-    return path
-
-
 def _config(tmp: Path, **kw: object) -> TrainStageConfig:
     base: dict[str, object] = dict(
         model=ModelSpec(preset="llama-tiny", size="0.1M"),
         target=TrainingTarget(max_steps=40, seq_len=32, global_batch_tokens=256, warmup_steps=5),
         checkpoint=CheckpointPolicy(interval_steps=10, keep=3, storage_uri=f"file://{tmp}/ckpt"),
         loss_spike=LossSpikeConfig(enabled=False),
-        train_files=[str(_data(tmp / "train.jsonl"))],
+        train_files=[str(write_tiny_corpus(tmp / "train.jsonl"))],
         replica_groups=2,
         sync=ReplicaSync(mode="diloco", sync_every=SYNC_EVERY),
     )

@@ -7,13 +7,13 @@ Nothing is mocked: a local Ray, torchft's Rust lighthouse, gloo process groups, 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import pytest
 from helpers.stage_run import StageRun
+from helpers.tiny_corpus import write_tiny_corpus
 from helpers.waiting import wait_until
 
 from stages.checkpointing.config import CheckpointPolicy
@@ -41,15 +41,6 @@ JOIN_TIMEOUT_S = 300.0
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def _data(path: Path) -> Path:
-    with path.open("w") as f:
-        for i in range(300):
-            f.write(
-                json.dumps({"text": f"doc {i}: " + "the quick brown fox " * (i % 5 + 1)}) + "\n"
-            )
-    return path
-
-
 def _config(tmp: Path, *, standbys: int = STANDBYS_PER_NODE, **kw: object) -> TrainStageConfig:
     """The production recovery configuration of a one-node booking (``standbys`` warm
     standbys) around a paced llama-tiny run."""
@@ -60,7 +51,7 @@ def _config(tmp: Path, *, standbys: int = STANDBYS_PER_NODE, **kw: object) -> Tr
         target=TrainingTarget(max_steps=150, seq_len=32, global_batch_tokens=256, warmup_steps=5),
         checkpoint=CheckpointPolicy(interval_steps=10, keep=3, storage_uri=f"file://{tmp}/ckpt"),
         loss_spike=LossSpikeConfig(enabled=False),
-        train_files=[str(_data(tmp / "train.jsonl"))],
+        train_files=[str(write_tiny_corpus(tmp / "train.jsonl"))],
         replica_groups=2,
         pace_step_s=0.1,
     )
