@@ -159,15 +159,20 @@ def test_a_group_killed_mid_turn_heals_at_the_next_sync_and_every_token_counts_o
 ) -> None:
     from stages.checkpointing.storage import read_log
     from stages.trainer import kill_replica_group
+    from stages.trainer.fleet.recovery import STANDBYS_PER_NODE, production_recovery
 
-    # While a group is missing the other paces its steps at 0.3 s, so the run outlasts
-    # the restart however slow the host.
+    # The recovery production launches for a one-node booking: a warm standby group
+    # takes the lost group's place. While a group is missing the other paces its steps
+    # at 0.3 s, so the run outlasts the activation however slow the host.
+    recovery = production_recovery({"node_count": 1}, standbys_per_node=STANDBYS_PER_NODE)
     cfg = _config(
         tmp_path,
+        **recovery.train_fields(),
         target=TrainingTarget(max_steps=100, seq_len=32, global_batch_tokens=256, warmup_steps=5),
         pace_step_s=0.05,
         degraded_pace_step_s=0.3,
     )
+    assert cfg.spare_groups == 1
     with StageRun(cfg, tmp_path, "dlkill", wait_s=WAIT_S, join_timeout_s=JOIN_TIMEOUT_S) as run:
         run.wait_for(
             lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 12,
