@@ -4,8 +4,9 @@ With ``sync.mode == "diloco"`` a group trains ``turn_steps`` inner steps on its 
 share of each step's batch with no cross-group traffic, then the groups average their
 pseudo-gradients (the weights at the last sync minus their own) and an outer Nesterov
 SGD step moves the shared weights. torchft's ``DiLoCo`` does the sync from the inner
-optimizer's step hook: a synchronous quorum (a group behind its peers heals there, and
-its pseudo-gradient counts as zero), the allreduce, ``should_commit`` and the outer step.
+optimizer's step hook: a synchronous quorum (a group behind its peers heals there and
+takes part with the pseudo-gradient of the peer it healed from), the allreduce,
+``should_commit`` and the outer step.
 One torchft step is one sync, so the run's step is ``manager step x turn_steps + the
 inner steps since``. A sync that is not committed resets the weights to the last one
 and the loop trains the same steps (the same batches: data is indexed by step) again.
@@ -288,6 +289,7 @@ class DiLoCoSync:
         pending, self.pending = self.pending, []
         step = self.current_step()
         if not self.voted:
+            loop.after_heal(step)  # a heal at a refused sync still moved it to the peers'
             loop.emit(
                 StepEvent(
                     step=step,
