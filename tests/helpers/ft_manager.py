@@ -11,9 +11,15 @@ from stages.trainer.rank import ft
 
 
 def one_rank_manager(
-    cfg: FaultToleranceConfig, lighthouse_addr: str, *, group: int = 0, secret: RunSecret
+    cfg: FaultToleranceConfig,
+    lighthouse_addr: str,
+    *,
+    group: int = 0,
+    secret: RunSecret,
+    sync_quorum: bool = False,
 ) -> tuple[Any, Any]:
-    """(manager, its group's TCPStore): keep the store alive as long as the manager."""
+    """(manager, its group's TCPStore): keep the store alive as long as the manager.
+    ``sync_quorum``: DiLoCo's Manager (its quorum taken before the work that needs it)."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -30,5 +36,6 @@ def one_rank_manager(
         state_dict=lambda: {},
         secret=secret,
         placement=None,
+        sync_quorum=sync_quorum,
     )
     return manager, store
