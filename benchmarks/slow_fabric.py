@@ -87,12 +87,16 @@ from stages.events import EvalEvent
 from stages.parallelism.hardware import Fabric
 from stages.presets import load_model_preset
 from stages.replica_sync import ReplicaSync
+from stages.run_facts import PlacementFact, RunFacts
 from stages.trainer.config import ModelSpec, TrainingTarget, TrainStageConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "python_docs" / "train.jsonl"
 # The whole run, start-up and phase-end battery included, must end within this.
 RUN_TIMEOUT_S = 900.0
+# A run that reports no step for this long (start-up and the phase-end battery take
+# well under it) is stuck: it is cancelled and the benchmark says where it stopped.
+STALL_TIMEOUT_S = 180.0
 # The check of the smoke battery that scores the held-out split.
 HELDOUT_CHECK = "heldout_loss"
 # The bars of the issue this benchmark measures.
@@ -127,6 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the planner chooses the mode and H from the measured link",
     )
     p.add_argument("--outer-lr", type=float, default=None, help="pin DiLoCo's outer lr")
+    p.add_argument(
+        "--outer-momentum", type=float, default=None, help="pin DiLoCo's outer Nesterov momentum"
+    )
     p.add_argument("--smoke", action="store_true", help=f"CI's smallest size: {SMOKE}")
     args = p.parse_args(argv)
     if args.smoke:
@@ -227,7 +234,7 @@ def stage_config(args: argparse.Namespace, sync: ReplicaSync, ckpt: Path) -> Tra
     )
 
 
-def placement_fact(nodes: int) -> dict[str, Any]:
+def placement_fact(nodes: int) -> PlacementFact:
     """A placement group of one bundle per worker node, as the orchestrator reserves a
     booking's nodes (``docs/placement.md``), for the stage's ``placement`` fact."""
     import ray
@@ -237,8 +244,6 @@ def placement_fact(nodes: int) -> dict[str, Any]:
     name = f"slow-fabric-{os.getpid()}-{time.time_ns()}"
     pg = placement_group([bundle] * nodes, strategy="STRICT_SPREAD", name=name)
     ray.get(pg.ready(), timeout=120)
-    from stages.placement import PlacementFact
-
     return PlacementFact(
         booking_id="bench",
         resource=netem_link.NODE_RESOURCE,
@@ -246,11 +251,11 @@ def placement_fact(nodes: int) -> dict[str, Any]:
         placement_group_id=pg.id.hex(),
         bundles=nodes,
         bundle=bundle,
-    ).model_dump(mode="json")
+    )
 
 
 def train(
-    args: argparse.Namespace, mode: str, sync: ReplicaSync, tmp: Path, facts: dict[str, Any]
+    args: argparse.Namespace, mode: str, sync: ReplicaSync, tmp: Path, facts: RunFacts
 ) -> dict[str, Any]:
     """One run to its end; its figures (see the module docstring)."""
     cfg = stage_config(args, sync, tmp / f"ckpt-{mode}")
@@ -266,11 +271,17 @@ def train(
     t0 = time.time()
     thread = threading.Thread(target=lambda: outcome.append(TrainingStage(cfg).run(ctx)))
     thread.start()
-    thread.join(RUN_TIMEOUT_S)
-    if thread.is_alive():
-        ctx.cancel_event.set()
-        thread.join(60)
-        raise TimeoutError(f"the {mode} run did not end within {RUN_TIMEOUT_S:.0f}s")
+    while thread.is_alive():
+        thread.join(1.0)
+        now = time.time()
+        last_step = max((e.ts for e in w.steps()), default=t0)
+        if thread.is_alive() and (now - t0 > RUN_TIMEOUT_S or now - last_step > STALL_TIMEOUT_S):
+            ctx.cancel_event.set()
+            thread.join(60)
+            raise TimeoutError(
+                f"the {mode} run stopped at step {w.max_step()} of {args.steps}: no step for "
+                f"{now - last_step:.0f}s, {now - t0:.0f}s in all"
+            )
     run_wall = time.time() - t0
     if not outcome or not outcome[0].passed:
         raise RuntimeError(f"the {mode} run failed: {outcome[0] if outcome else 'no outcome'}")
@@ -319,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"throttled": skip is None}
     try:
         probes = None
-        facts: dict[str, Any] = {}
+        facts = RunFacts()  # no placement: Ray schedules the ranks as it likes
         if skip is None:
             link = netem_link.NetemLink(rate_mbit=args.rate_mbit, delay_ms=args.delay_ms)
             link.open()
@@ -338,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"ray: a head on the host, a node in each namespace, up in "
                   f"{time.time() - t0:.1f}s", flush=True)  # fmt: skip
             ray.init(address=cluster.address, log_to_driver=False)
-            facts = {"placement": placement_fact(2)}
+            facts = RunFacts(placement=placement_fact(2))
         else:
             print(f"no throttled link: {skip}; both runs on one local Ray, unthrottled "
                   "(the figures below mean nothing)", flush=True)  # fmt: skip
@@ -362,8 +373,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out["loopback_keeps_every_step"] = fast.sync.every_step
 
         diloco = slow.sync
-        if args.outer_lr is not None and not diloco.every_step:
-            diloco = diloco.model_copy(update={"outer_lr": args.outer_lr})
+        outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+        pinned = {k: v for k, v in outer.items() if v is not None}
+        if pinned and not diloco.every_step:  # validated as the manifest's would be
+            diloco = ReplicaSync.model_validate({**diloco.model_dump(), **pinned})
         runs = {"sync": ReplicaSync(), "diloco": diloco}
         for name, sync in runs.items():
             sent = link.shaped_bytes() if link is not None else 0
