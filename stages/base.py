@@ -74,12 +74,6 @@ class StageContext:
     _decisions: dict[str, str] = field(default_factory=dict)
     _decided: threading.Condition = field(default_factory=threading.Condition)
 
-    def __post_init__(self) -> None:
-        # Facts given in their dict shape (a benchmark's hand-built context) are
-        # validated into the record here, once.
-        if not isinstance(self.facts, RunFacts):
-            self.facts = RunFacts.model_validate(self.facts)
-
     @property
     def cancelled(self) -> bool:
         return self.cancel_event.is_set()

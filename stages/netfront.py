@@ -26,7 +26,7 @@ Use::
     served = serve_behind_front(
         cluster_address(), listener_cfg,
         lambda port: RustServer(bind=f"127.0.0.1:{port}"),  # must bind exactly there
-        allowed=lambda: run_node_addresses(facts),
+        allowed=lambda: run_node_addresses(ctx.facts.placement),
         cfg=FrontConfig(), http2_only=True, name="lighthouse",
     )
     served.backend   # the server; served.address: "host:port" that peers dial
@@ -53,7 +53,7 @@ from pydantic import Field
 
 from stages.base import StrictModel
 from stages.netsec import ListenerConfig
-from stages.run_facts import FactsLike
+from stages.run_facts import PlacementFact
 
 log = logging.getLogger(__name__)
 
@@ -118,17 +118,15 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def run_node_addresses(facts: FactsLike | None) -> set[str]:
+def run_node_addresses(placement: PlacementFact | None) -> set[str]:
     """The addresses (as Ray registered them) of the nodes that hold a bundle of the
     run's reservations (``reserved_node_ids``); every alive Ray node when the run has
     no placement (a stage run alone). Needs Ray initialised in this process."""
     import ray
 
-    from stages.placement import placement_fact
-
     registered: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
     alive = {n["NodeID"]: n["NodeManagerAddress"] for n in registered if n.get("Alive")}
-    p = placement_fact(facts)
+    p = placement
     if p is None:
         return {normalize_ip(a) for a in alive.values()}
     from ray.util import placement_group_table

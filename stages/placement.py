@@ -29,11 +29,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from stages.run_facts import FactsLike, run_facts
 from stages.run_facts import PlacementFact as PlacementFact  # re-exported: its old home
+from stages.run_facts import RunFacts
 
-# The reservation's key in the facts' dict shape (``RunFacts.as_mapping``).
-PLACEMENT_FACT = "placement"
 BOOKING_RESOURCE_PREFIX = "booking:"
 # What every placed actor takes of the booking's mark inside its bundle: a token
 # amount that pins it to a bundle of the booking's nodes even when it asks for no
@@ -62,12 +60,12 @@ def booking_resource(booking_id: str) -> str:
     return f"{BOOKING_RESOURCE_PREFIX}{booking_id}"
 
 
-def placement_fact(facts: FactsLike | None) -> PlacementFact | None:
+def placement_fact(facts: RunFacts | None) -> PlacementFact | None:
     """The run's reservation; None for a stage run alone."""
-    return run_facts(facts).placement
+    return facts.placement if facts is not None else None
 
 
-def bundle_for_rank(facts: FactsLike | None, rank: int, world: int) -> int:
+def bundle_for_rank(facts: RunFacts | None, rank: int, world: int) -> int:
     """Spread ``world`` ranks evenly over the bundles (nodes), consecutive ranks together
     (so a replica group's ranks share a node when they fit). -1 without placement."""
     p = placement_fact(facts)
@@ -77,7 +75,7 @@ def bundle_for_rank(facts: FactsLike | None, rank: int, world: int) -> int:
 
 
 def actor_options(
-    facts: FactsLike | None,
+    facts: RunFacts | None,
     *,
     bundle_index: int = -1,
     resources: Mapping[str, float] | None = None,

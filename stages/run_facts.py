@@ -8,13 +8,11 @@ the signed account. Stages read a fact by its field (``ctx.facts.placement``).
 Stages never import the orchestrator, so the record lives here.
 
 On the wire (``LaunchSpec.model_dump()``) the record is a dict keyed by the field
-names, the keys the facts had as a plain dict: a driver of either shape reads the
-other's.
+names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -76,37 +74,3 @@ class RunFacts(BaseModel):
     # ``TrainStageConfig``, a closed set the supervisor's settings check, validated
     # again by that config.
     train_overrides: dict[str, Any] = Field(default_factory=dict)
-
-    def as_mapping(self) -> dict[str, Any]:
-        """The facts as the plain dict they were before this record, for the readers
-        that still take one (the fleet engine and its rank launcher, the planning
-        stage): keyed by field name, the booking as its given fields, no
-        ``placement`` key without a reservation."""
-        out: dict[str, Any] = {
-            "booking": self.booking.as_dict(),
-            "account": self.account,
-            "data_roots": list(self.data_roots),
-            "model_roots": list(self.model_roots),
-            "device": self.device,
-            "train_overrides": dict(self.train_overrides),
-        }
-        if self.placement is not None:
-            out["placement"] = self.placement.model_dump()
-        return out
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """``as_mapping().get``: only for the readers of the dict shape named in
-        ``as_mapping``; new code reads the field."""
-        return self.as_mapping().get(key, default)
-
-
-# What the scheduling and sealing helpers take: the record, or the facts' dict shape
-# (``RunFacts.as_mapping``) from the readers that still pass one.
-FactsLike = RunFacts | Mapping[str, Any]
-
-
-def run_facts(facts: FactsLike | None) -> RunFacts:
-    """``facts`` as the record (validated when given as a dict; none: no facts)."""
-    if isinstance(facts, RunFacts):
-        return facts
-    return RunFacts.model_validate(dict(facts or {}))

@@ -46,7 +46,7 @@ from pydantic import Field, ValidationError
 from stages.base import StrictModel
 from stages.errors import ErrorCode, ItoError
 from stages.keys import read_launch_key
-from stages.run_facts import FactsLike, run_facts
+from stages.run_facts import RunFacts
 
 SEAL_NAME = "ito_seal.json"
 COMMIT_NAME = "ito_commit.json"
@@ -86,10 +86,10 @@ class CheckpointBinding(StrictModel):
     account: str = Field(default="", max_length=256)
 
 
-def run_binding(run_id: str, facts: FactsLike) -> CheckpointBinding:
+def run_binding(run_id: str, facts: RunFacts) -> CheckpointBinding:
     """The binding of run ``run_id`` whose facts are ``facts`` (their ``account``: the
     signed launch spec's)."""
-    return CheckpointBinding(run_id=run_id, account=run_facts(facts).account)
+    return CheckpointBinding(run_id=run_id, account=facts.account)
 
 
 class SealBinding(CheckpointBinding):

@@ -47,7 +47,7 @@ class ParallelismStage:
 
     def run(self, ctx: StageContext) -> GateOutcome:
         try:
-            request = request_from(self.config, dict(ctx.facts.get("booking") or {}))
+            request = request_from(self.config, ctx.facts.booking.as_dict())
             chosen = plan(request)
         except ItoError as err:
             ctx.log(f"planner refused: {err.code}: {err.message}", level="error", stage=self.name)

@@ -299,7 +299,7 @@ def run_engine(
         emit=emit,
         cancel_event=cancel_event or ctx.cancel_event,
         wait_decision=ctx.wait_decision,
-        facts=ctx.facts.as_mapping(),  # the fleet engine takes their dict shape
+        facts=ctx.facts,
         on_phase_end=export,
         fleet=fleet,
         secret=ctx.secret,

@@ -105,7 +105,7 @@ class CurriculumRunner:
             emit=self.ctx.emit,
             cancel_event=self.ctx.cancel_event,
             wait_decision=self.ctx.wait_decision,
-            facts=self.ctx.facts.as_mapping(),  # the fleet engine takes their dict shape
+            facts=self.ctx.facts,
             on_phase_end=self._phase_end,
             decided={p.index for p in self.schedule.phases[: first.index]},
             fleet=self.ctx.fleet,  # its ranks go on to the run's next engine run

@@ -21,6 +21,7 @@ from stages.parallelism import (
     plan,
     validate_layout,
 )
+from stages.run_facts import RunFacts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -169,7 +170,8 @@ def test_no_fp8_on_a_sku_without_it() -> None:
 
 
 def _ctx(tmp_path: Path, booking: dict[str, object]) -> StageContext:
-    return StageContext(run_id="r1", booking_id="b1", workdir=tmp_path, facts={"booking": booking})
+    facts = RunFacts.model_validate({"booking": booking})
+    return StageContext(run_id="r1", booking_id="b1", workdir=tmp_path, facts=facts)
 
 
 def test_stage_passes_with_the_plan_as_artifact(tmp_path: Path) -> None:

@@ -5,28 +5,28 @@ from __future__ import annotations
 from orchestrator.runtime.placement import EMBEDDED_RESOURCE, embedded_marks
 from stages.placement import (
     MARK_PER_ACTOR,
-    PlacementFact,
     actor_options,
     booking_resource,
     bundle_for_rank,
 )
+from stages.run_facts import PlacementFact, RunFacts
 
-FACTS = {
-    "placement": PlacementFact(
+FACTS = RunFacts(
+    placement=PlacementFact(
         booking_id="bk1",
         resource="booking:bk1",
         placement_group="run-r-pg",
         placement_group_id="ab" * 18,
         bundles=2,
         bundle={"booking:bk1": 4.0},
-    ).model_dump()
-}
+    )
+)
 
 
 def test_without_placement_a_stage_schedules_freely() -> None:
-    assert actor_options({}) == {}
-    assert actor_options({}, resources={"x": 1.0}) == {"resources": {"x": 1.0}}
-    assert bundle_for_rank({}, 3, 8) == -1
+    assert actor_options(RunFacts()) == actor_options(None) == {}
+    assert actor_options(RunFacts(), resources={"x": 1.0}) == {"resources": {"x": 1.0}}
+    assert bundle_for_rank(RunFacts(), 3, 8) == -1
 
 
 def test_ranks_spread_over_nodes_consecutively() -> None:

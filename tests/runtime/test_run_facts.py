@@ -12,9 +12,7 @@ from pydantic import ValidationError
 from orchestrator.runtime import launch
 from orchestrator.runtime.driver import RunDriverImpl
 from orchestrator.runtime.launch import LaunchSpec
-from stages.base import StageContext
 from stages.checkpointing.seal import run_binding
-from stages.placement import bundle_for_rank
 from stages.run_facts import BookingTopology, PlacementFact, RunFacts
 
 PLACEMENT = PlacementFact(
@@ -95,21 +93,3 @@ def test_the_booking_is_its_topology_and_a_missing_field_stays_missing() -> None
     booking = BookingTopology.model_validate(row)
     assert booking.as_dict() == {"gpu_sku": "cpu-testbed"}  # the planner names what lacks
     assert RunFacts().booking.as_dict() == {}
-
-
-def test_a_context_given_facts_as_a_dict_holds_the_record(tmp_path: Path) -> None:
-    ctx = StageContext(run_id="r", booking_id="b", workdir=tmp_path, facts=DICT_FACTS)  # type: ignore[arg-type]
-    assert isinstance(ctx.facts, RunFacts) and ctx.facts.placement == PLACEMENT
-    assert StageContext(run_id="r", booking_id="b", workdir=tmp_path).facts == RunFacts()
-
-
-def test_the_dict_shape_for_its_remaining_readers_matches_the_record() -> None:
-    facts = RunFacts.model_validate({**DICT_FACTS, "account": "acme"})
-    shape = facts.as_mapping()
-    assert shape["placement"] == PLACEMENT.model_dump()
-    assert shape["booking"] == DICT_FACTS["booking"]
-    assert facts.get("booking") == DICT_FACTS["booking"]
-    assert "placement" not in RunFacts().as_mapping()
-    # the scheduling and sealing helpers read either
-    assert bundle_for_rank(shape, 3, 4) == bundle_for_rank(facts, 3, 4) == 1
-    assert run_binding("r", shape).account == run_binding("r", facts).account == "acme"

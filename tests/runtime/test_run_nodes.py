@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from stages.netfront import reserved_node_ids, run_node_addresses
-from stages.placement import PLACEMENT_FACT
+from stages.run_facts import PlacementFact
 
 READY_TIMEOUT_S = 60.0  # a hang guard
 
@@ -24,15 +24,15 @@ def test_the_run_admits_its_placement_groups_nodes(ray_local: None) -> None:
     added = placement_group([{"CPU": 0.01}], name="run-nodes-pg-c1")
     ray.get([pg.ready(), added.ready()], timeout=READY_TIMEOUT_S)
     try:
-        fact = {
-            "booking_id": "bk",
-            "resource": "CPU",
-            "placement_group": "run-nodes-pg",
-            "placement_group_id": pg.id.hex(),
-            "bundles": 1,
-        }
+        fact = PlacementFact(
+            booking_id="bk",
+            resource="CPU",
+            placement_group="run-nodes-pg",
+            placement_group_id=pg.id.hex(),
+            bundles=1,
+        )
         node = ray.util.get_node_ip_address()
-        assert run_node_addresses({PLACEMENT_FACT: fact}) == {node}
+        assert run_node_addresses(fact) == {node}
         # A stage run alone (no placement): every alive node of the Ray cluster.
         alive = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
         assert run_node_addresses(None) == alive

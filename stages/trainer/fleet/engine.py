@@ -39,6 +39,7 @@ from stages.events import (
     StepEvent,
 )
 from stages.resize import ResizeInbox
+from stages.run_facts import RunFacts
 from stages.run_secret import RunSecret
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.fleet.engine_state import EngineResult
@@ -71,7 +72,7 @@ class TrainingEngine:
         emit: Callable[[Event], None],
         cancel_event: threading.Event,
         wait_decision: Callable[[str, float], str | None],
-        facts: dict[str, Any] | None = None,
+        facts: RunFacts | None = None,
         on_phase_end: PhaseEndHook | None = None,
         decided: set[int] | None = None,
         fleet: Fleet | None = None,
@@ -98,7 +99,7 @@ class TrainingEngine:
             cfg,
             run_id=run_id,
             checkpoint_dir=checkpoint_dir,
-            facts=facts or {},  # ``placement``: every actor on the booking's nodes
+            facts=facts or RunFacts(),  # ``placement``: every actor on the booking's nodes
             fleet=fleet,
             # The run's secret (StageContext.secret), handed to every rank.
             secret=secret if secret is not None else RunSecret.new(),

@@ -18,7 +18,8 @@ from typing import Any
 from stages.checkpointing.seal import run_binding
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event, FleetEvent, LogEvent
-from stages.placement import PLACEMENT_FACT, actor_options, bundle_for_rank
+from stages.placement import actor_options, bundle_for_rank
+from stages.run_facts import PlacementFact, RunFacts
 from stages.run_secret import RunSecret
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.fleet.handoff import Fleet, kill_actors, write_assignment
@@ -26,13 +27,6 @@ from stages.trainer.fleet.lighthouse import LighthouseActor, lighthouse_name
 from stages.trainer.fleet.supervision import RankKey
 from stages.trainer.rank.control import WorkerSpec
 from stages.trainer.rank.replica import BORROWED_GROUP, ReplicaWorker, worker_name
-
-
-def _json_fact(fact: Any) -> dict[str, Any] | None:
-    """A run fact as JSON (a rank's spec is written to its assignment file)."""
-    if not fact:
-        return None
-    return fact.model_dump(mode="json") if hasattr(fact, "model_dump") else dict(fact)
 
 
 class RankLauncher:
@@ -44,7 +38,7 @@ class RankLauncher:
         *,
         run_id: str,
         checkpoint_dir: Path,
-        facts: dict[str, Any],
+        facts: RunFacts,
         fleet: Fleet | None,
         secret: RunSecret,
         emit: Callable[[Event], None],
@@ -160,7 +154,7 @@ class RankLauncher:
             num_cpus=0.1,
             max_restarts=-1,
             **actor_options(self.facts, bundle_index=0),
-        ).remote(self.ft, 1, self.facts.get(PLACEMENT_FACT))  # its front admits these nodes
+        ).remote(self.ft, 1, self.facts.placement)  # its front admits these nodes
         return "", False
 
     def lighthouse_address(self) -> str:
@@ -224,7 +218,7 @@ class RankLauncher:
         group: int,
         rank: int,
         standby_index: int | None = None,
-        facts: dict[str, Any] | None = None,
+        facts: RunFacts | None = None,
         *,
         joining: bool = False,
         membership_from: tuple[int, tuple[int, ...]] | None = None,
@@ -240,7 +234,7 @@ class RankLauncher:
             fleet_id=self.names_id,
             assignment_path=self.fleet.assignment_path(name) if self.fleet else "",
             account=run_binding(self.run_id, self.facts).account,
-            placement=_json_fact((facts or self.facts).get(PLACEMENT_FACT)),
+            placement=(facts or self.facts).placement,
             joining=joining,
             membership_from=membership_from,
         )
@@ -254,14 +248,14 @@ class RankLauncher:
         *,
         joining: bool = False,
         membership_from: tuple[int, tuple[int, ...]] | None = None,
-        placement: Any = None,
+        placement: PlacementFact | None = None,
     ) -> Any:
         """Rank ``rank`` of ``group`` (-1: of standby ``standby_index``). ``joining``: a
         group a resize adds to the running run; ``placement``: the reservation of the
         nodes the booking gained, for it, instead of the run's own."""
         import ray
 
-        facts = self.facts if placement is None else {PLACEMENT_FACT: placement}
+        facts = self.facts if placement is None else RunFacts(placement=placement)
         spec = self.spec(
             name,
             group,

@@ -31,7 +31,7 @@ from typing import Any
 
 from stages.netfront import LOOPBACK, Served, run_node_addresses, serve_behind_front
 from stages.netsec import cluster_address, listener_config
-from stages.placement import PLACEMENT_FACT
+from stages.run_facts import PlacementFact
 from stages.trainer.config import FaultToleranceConfig
 
 EXTENSION = "torchft._torchft"
@@ -102,17 +102,16 @@ def serve_lighthouse(
     cfg: FaultToleranceConfig,
     *,
     min_replicas: int = 1,
-    placement: dict[str, Any] | None = None,
+    placement: PlacementFact | None = None,
 ) -> Served[Any]:
     """The lighthouse on ``127.0.0.1:P`` and its front on this node's cluster address,
     port ``P`` from the deployment's range, admitting the nodes of the run's placement
     (every Ray node when it has none)."""
-    facts = {PLACEMENT_FACT: placement} if placement is not None else None
     return serve_behind_front(
         cluster_address(),
         listener_config(),
         lambda port: start_lighthouse(cfg, min_replicas=min_replicas, bind=f"{LOOPBACK}:{port}"),
-        allowed=lambda: run_node_addresses(facts),
+        allowed=lambda: run_node_addresses(placement),
         cfg=cfg.front,
         http2_only=True,
         name="lighthouse",
@@ -135,7 +134,7 @@ class LighthouseActor:
         self,
         cfg: FaultToleranceConfig,
         min_replicas: int = 1,
-        placement: dict[str, Any] | None = None,
+        placement: PlacementFact | None = None,
     ):
         os.environ.setdefault("RUST_LOG", "warn")
         self.cfg = cfg

@@ -7,6 +7,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from stages.run_facts import PlacementFact
 from stages.trainer.config import TrainStageConfig
 
 CommandKind = Literal["resume", "restore", "next_phase", "members"]
@@ -42,7 +43,7 @@ class WorkerSpec:
     account: str = ""
     # The run's placement (``stages.placement``'s fact, JSON): the fronts of the
     # group's listeners admit its nodes only (None: every Ray node).
-    placement: dict[str, Any] | None = None
+    placement: PlacementFact | None = None
     # A group a resize adds to the running run: after the driver's "go" it joins the
     # quorum and heals from a live peer; it never reads a checkpoint.
     joining: bool = False

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from stages.run_facts import PlacementFact
 from stages.run_secret import RunSecret
 from stages.trainer.config import FaultToleranceConfig
 
@@ -49,7 +50,7 @@ def build_manager(
     load_state_dict: Callable[[Any], None],
     state_dict: Callable[[], Any],
     secret: RunSecret,
-    placement: dict[str, Any] | None,
+    placement: PlacementFact | None,
     sync_quorum: bool = False,
 ) -> Any:
     """One torchft Manager per rank; rank 0 of the group runs the ManagerServer,

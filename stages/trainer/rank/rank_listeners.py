@@ -46,7 +46,7 @@ from stages.netfront import (
     serve_behind_front,
 )
 from stages.netsec import cluster_address, listener_config
-from stages.placement import PLACEMENT_FACT
+from stages.run_facts import PlacementFact
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
@@ -80,9 +80,8 @@ def gloo_on_cluster_address() -> None:
             return
 
 
-def _allowed(placement: dict[str, Any] | None) -> AllowList:
-    facts = {PLACEMENT_FACT: placement} if placement is not None else None
-    return lambda: run_node_addresses(facts)
+def _allowed(placement: PlacementFact | None) -> AllowList:
+    return lambda: run_node_addresses(placement)
 
 
 @dataclass
@@ -101,7 +100,7 @@ class GroupStore:
         self.served.close()
 
 
-def host_group_store(placement: dict[str, Any] | None, front: FrontConfig) -> GroupStore:
+def host_group_store(placement: PlacementFact | None, front: FrontConfig) -> GroupStore:
     """The group's ``TCPStore`` master on ``127.0.0.1:P`` (a socket bound here, handed
     to torch, which then owns it), behind a front on the cluster address, port ``P``."""
     # Where it is defined: ``torch.distributed`` imports it without re-exporting it.
@@ -156,7 +155,7 @@ def _loopback_side(address: str, host: str) -> str:
 
 
 @contextlib.contextmanager
-def manager_listeners(placement: dict[str, Any] | None, front: FrontConfig) -> Iterator[None]:
+def manager_listeners(placement: PlacementFact | None, front: FrontConfig) -> Iterator[None]:
     """While torchft's ``Manager`` is constructed in this block, the ManagerServer it
     makes binds ``127.0.0.1:P`` behind a front on the cluster address (port ``P`` from
     the range) instead of torchft's hard-coded ``[::]:port``, and the ManagerClient it
