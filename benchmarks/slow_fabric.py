@@ -46,7 +46,9 @@ two replica groups.
      (the bar: 0.7 .. 1.3);
    - ``median_step_s``: the median gap between group 0's consecutive steps (DiLoCo: an
      inner step without its sync);
-   - ``heldout_loss``: mean next-token nats of the final weights on the held-out split.
+   - ``heldout_loss``: mean next-token nats of the final weights on the held-out split;
+   - ``link_mb``: megabytes the shaped link carried during the run (both directions);
+   - ``lone_steps``: group 0's steps committed without group 1 (it missed the quorum).
 
    Ratios, DiLoCo over sync: ``wall_ratio`` (the bar: <= 0.5) and ``loss_ratio`` (the
    bar: <= 1.03). ``allreduce_share``: 1 - DiLoCo's median inner step / the sync run's
@@ -306,6 +308,10 @@ def train(
         "tokens_per_s": n * args.batch_tokens / train_wall,
         "step_s": step_s,
         "median_step_s": statistics.median(gaps) if gaps else train_wall / n,
+        # Steps group 0 committed without the other group (it missed the quorum, e.g.
+        # behind by more than the join timeout on a loaded host): such a step trains
+        # one share and moves no bytes over the link, so the runs differ more.
+        "lone_steps": sum(1 for e in steps.values() if e.quorum_size < cfg.replica_groups),
         "final_train_loss": last.loss,
         "heldout_loss": held.score,
     }
@@ -392,8 +398,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{name} ({sync.mode}, H={sync.sync_every}): train {r['train_wall_s']:.1f}s "
                 f"(run {r['run_wall_s']:.1f}s), {r['tokens_per_s']:.0f} tokens/s, step "
                 f"{r['step_s']:.3f}s (median {r['median_step_s']:.3f}s) vs predicted "
-                f"{predicted if predicted is None else round(predicted, 3)}s, held-out loss "
-                f"{r['heldout_loss']:.4f}; {r['link_mb']} MB over the slow link",
+                f"{_two(predicted, 3)}s, held-out loss {r['heldout_loss']:.4f}; "
+                f"{_two(r['link_mb'], 0)} MB over the slow link, {r['lone_steps']} steps "
+                "without the other group",
                 flush=True,
             )
     finally:
@@ -423,8 +430,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"DiLoCo / sync: wall {out['wall_ratio']:.2f} (bar <= {MAX_WALL_RATIO}), held-out loss "
         f"{out['loss_ratio']:.3f} (bar <= {MAX_LOSS_RATIO}); the sync step's allreduce share "
-        f"{out['allreduce_share']:.2f}; predicted/measured step: sync "
-        f"{s['predicted_ratio']}, diloco {d['predicted_ratio']}",
+        f"{out['allreduce_share']:.2f}; predicted / measured step (bar "
+        f"{PREDICTION_BAND[0]}..{PREDICTION_BAND[1]}): sync {_two(s['predicted_ratio'])}, "
+        f"diloco {_two(d['predicted_ratio'])}",
         flush=True,
     )
     summary = {
@@ -440,6 +448,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def _two(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def _rounded(v: Any) -> Any:
