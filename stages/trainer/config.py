@@ -132,6 +132,13 @@ class FaultToleranceConfig(StrictModel):
     # Manager: waiting for a quorum; must exceed heartbeat_timeout_ms (else the survivor
     # times out before the dead group is dropped).
     quorum_timeout_s: float = Field(default=30.0, gt=0)
+    # DiLoCo: how long a sync's quorum waits for a live group that has not reached the
+    # sync yet (groups drift apart over a turn's inner steps on busier or slower
+    # devices, seconds on a loaded host; a restarted group waits for its peers' next
+    # sync). It is the join timeout of a DiLoCo run's lighthouse and lengthens its
+    # Managers' quorum_timeout_s by as much; a lost group stops heartbeating and is
+    # dropped after heartbeat_timeout_ms whatever this is.
+    sync_wait_s: float = Field(default=300.0, gt=0, le=86_400)
     # Manager: collectives, should_commit, healing transfers (torchft's "timeout").
     timeout_s: float = Field(default=30.0, gt=0)
     # Manager: establishing RPC connections to the lighthouse and peer managers.
@@ -371,6 +378,14 @@ class TrainStageConfig(StrictModel):
                     f"of diloco's sync_every {sync.sync_every}: a phase's gate judges "
                     "weights every group shares",
                 )
+
+    def lighthouse_settings(self) -> FaultToleranceConfig:
+        """The run's lighthouse's settings: DiLoCo's syncs wait ``sync_wait_s`` for a
+        live group behind (every-step groups are in step: the join timeout as is)."""
+        ft = self.fault_tolerance
+        if self.sync.every_step:
+            return ft
+        return ft.model_copy(update={"join_timeout_ms": round(ft.sync_wait_s * 1000)})
 
     @property
     def layout(self) -> ParallelLayout:

@@ -154,7 +154,9 @@ class RankLauncher:
             num_cpus=0.1,
             max_restarts=-1,
             **actor_options(self.facts, bundle_index=0),
-        ).remote(self.ft, 1, self.facts.placement)  # its front admits these nodes
+        ).remote(
+            self.cfg.lighthouse_settings(), 1, self.facts.placement
+        )  # its front admits these nodes
         return "", False
 
     def lighthouse_address(self) -> str:

@@ -145,7 +145,11 @@ class DiLoCoSync:
         self.device = next(model.parameters()).device
         self.outer = [
             torch.optim.SGD(
-                f.parameters(), lr=sync.outer_lr, momentum=sync.outer_momentum, nesterov=True
+                f.parameters(),
+                lr=sync.outer_lr,
+                momentum=sync.outer_momentum,
+                # Nesterov needs momentum: at 0 the outer step is plain averaging.
+                nesterov=sync.outer_momentum > 0,
             )
             for f in self.fragments
         ]

@@ -85,7 +85,10 @@ def build_manager(
                 # DiLoCo quorums only at its syncs, where a group heals before it sends.
                 use_async_quorum=not sync_quorum,
                 timeout=timedelta(seconds=cfg.timeout_s),
-                quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+                # A DiLoCo sync waits for a live group behind (``sync_wait_s``).
+                quorum_timeout=timedelta(
+                    seconds=cfg.quorum_timeout_s + (cfg.sync_wait_s if sync_quorum else 0.0)
+                ),
                 connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
                 rank=rank,
                 world_size=ranks_per_group,
