@@ -115,7 +115,7 @@ def choose_sync(
         outer = OUTER_STEP_SHARE_OF_ADAMW * st.optimizer
         needed = (r + outer) / (request.diloco_sync_share * inner) if inner > 0 else math.inf
         h = next((c for c in candidates if c >= needed), candidates[-1])
-        auto = ReplicaSync(mode="diloco", sync_every=h)
+        auto = _outer_step(request, ReplicaSync(mode="diloco", sync_every=h))
     diloco = pin if pin is not None and not pin.every_step else auto
     if diloco is not None:
         times["diloco"], amortised = _diloco_time(st, replicate_lat, diloco)
@@ -159,11 +159,25 @@ def choose_sync(
     )
 
 
+def _outer_step(request: PlanRequest, sync: ReplicaSync) -> ReplicaSync:
+    """``sync`` with its outer optimizer: the paper's Nesterov SGD, or plain averaging
+    for a run with fewer than ``nesterov_min_syncs`` syncs."""
+    divides = request.sync_divides
+    if divides and max(divides) // sync.sync_every < request.nesterov_min_syncs:
+        return sync.model_copy(update={"outer_lr": 1.0, "outer_momentum": 0.0})
+    return sync
+
+
 def _diloco(sync: ReplicaSync, amortised: float, step: float) -> str:
     frag = f" in {sync.fragments} fragments" if sync.fragments > 1 else ""
+    outer = (
+        ", the groups' weights averaged (too few syncs for outer momentum)"
+        if sync.outer_momentum == 0
+        else ""
+    )
     return (
         f"DiLoCo every {sync.sync_every} steps{frag}, sync {amortised / step:.0%} of "
-        f"the {_s(step)} step"
+        f"the {_s(step)} step{outer}"
     )
 
 

@@ -203,3 +203,14 @@ def test_a_fabric_object_plans_like_its_profile() -> None:
     by_name = plan(_h100("ethernet"))
     assert by_object.fabric == "measured"
     assert by_object.sync == by_name.sync and by_object.step_time_s == by_name.step_time_s
+
+
+def test_a_run_with_few_syncs_averages_the_groups_and_a_long_one_takes_outer_momentum() -> None:
+    short = plan(_testbed(THROTTLED, sync_divides=[60]))
+    assert short.sync.mode == "diloco" and 60 // short.sync.sync_every < 50
+    assert (short.sync.outer_lr, short.sync.outer_momentum) == (1.0, 0.0)
+    assert any("weights averaged" in r for r in short.reasons)
+    long = plan(_testbed(THROTTLED, sync_divides=[200_000]))
+    assert long.sync.mode == "diloco"
+    assert (long.sync.outer_lr, long.sync.outer_momentum) == (0.7, 0.9)  # the paper's
+    assert not any("weights averaged" in r for r in long.reasons)
