@@ -89,3 +89,23 @@ class StageRun:
             for e in self.events
             if isinstance(e, StepEvent) and (group is None or e.replica_group == group)
         ]
+
+    def kill_group(self, group: int, *, survivor: int = 0) -> float:
+        """SIGKILL replica group ``group``'s ranks (a real process kill) and wait until
+        group ``survivor`` committed a step alone after it (torchft dropped the lost
+        group from its quorum); returns when the kill was sent."""
+        from stages.trainer import kill_replica_group
+
+        killed_at, pids = kill_replica_group(self.ctx.run_id, group)
+        assert pids, f"group {group} had no live rank to kill"
+        self.wait_for(
+            lambda e: (
+                isinstance(e, StepEvent)
+                and e.replica_group == survivor
+                and e.committed
+                and e.quorum_size == 1
+                and e.ts > killed_at
+            ),
+            f"group {survivor} committing alone after group {group}'s kill",
+        )
+        return float(killed_at)
