@@ -3,6 +3,8 @@ store, no state to heal), as the trainer builds it: for tests of the gradient pa
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from stages.run_secret import RunSecret
@@ -39,3 +41,22 @@ def one_rank_manager(
         sync_quorum=sync_quorum,
     )
     return manager, store
+
+
+def run_groups(count: int, group: Callable[[int], None], *, timeout_s: float = 120.0) -> None:
+    """``group(g)`` for each of ``count`` replica groups, each in a thread of this
+    process (their Managers meet at one lighthouse); raises the first group's error."""
+    errors: list[BaseException] = []
+
+    def body(g: int) -> None:
+        try:
+            group(g)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(g,)) for g in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    assert not errors, errors

@@ -5,12 +5,11 @@ outer state a checkpoint holds loads back; a model splits into streaming fragmen
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
 import torch
-from helpers.ft_manager import one_rank_manager
+from helpers.ft_manager import one_rank_manager, run_groups
 
 from stages.errors import ErrorCode, ItoError
 from stages.replica_sync import ReplicaSync
@@ -41,7 +40,6 @@ def test_two_groups_take_inner_steps_alone_and_sync_to_the_outer_step_of_their_m
     models = [_model() for _ in range(2)]  # the same weights (seeded off the threads)
     start = [p.detach().clone() for p in models[0].parameters()]
     results: dict[int, dict[str, Any]] = {}
-    errors: list[BaseException] = []
 
     def group(g: int) -> None:
         manager, _store = one_rank_manager(
@@ -69,19 +67,14 @@ def test_two_groups_take_inner_steps_alone_and_sync_to_the_outer_step_of_their_m
                 opt_state["momentum_buffer"].zero_()
             sync.state.load_state_dict(results[g]["state"])
             results[g]["reloaded"] = sync.state.state_dict()
-        except BaseException as e:
-            errors.append(e)
         finally:
             sync.close()
             manager.shutdown(wait=False)
 
-    threads = [threading.Thread(target=group, args=(g,)) for g in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    lighthouse.shutdown()
-    assert not errors, errors
+    try:
+        run_groups(2, group)
+    finally:
+        lighthouse.shutdown()
     for r in results.values():
         # Inner steps alone, then the turn's last one syncs (torchft's step 1 = 3 steps).
         assert r["seen"] == [(1, None, True), (2, None, True), (3, True, False)]

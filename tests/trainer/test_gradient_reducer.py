@@ -5,11 +5,10 @@ gradients and losses."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
-from helpers.ft_manager import one_rank_manager
+from helpers.ft_manager import one_rank_manager, run_groups
 
 from stages.run_secret import RunSecret
 from stages.trainer.config import FaultToleranceConfig
@@ -30,7 +29,6 @@ def test_two_groups_reduce_buckets_during_the_backward_to_the_mean_of_both() -> 
     lighthouse = start_lighthouse(cfg, min_replicas=2)
     secret = RunSecret.new()
     results: dict[int, dict[str, Any]] = {}
-    errors: list[BaseException] = []
     models = [_model() for _ in range(2)]  # the same weights (seeded off the threads)
 
     def group(g: int) -> None:
@@ -63,19 +61,14 @@ def test_two_groups_reduce_buckets_during_the_backward_to_the_mean_of_both() -> 
                 "buckets": len(reducer.buckets),
                 "participants": manager.num_participants(),
             }
-        except BaseException as e:
-            errors.append(e)
         finally:
             reducer.close()
             manager.shutdown(wait=False)
 
-    threads = [threading.Thread(target=group, args=(g,)) for g in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    lighthouse.shutdown()
-    assert not errors, errors
+    try:
+        run_groups(2, group)
+    finally:
+        lighthouse.shutdown()
     a, b = results[0], results[1]
     assert a["participants"] == b["participants"] == 2
     # Every bucket but the last (it carries the loss) went out while the backward ran.
