@@ -10,12 +10,16 @@ visited best bound first, and the search stops when no bound beats the best plan
 from __future__ import annotations
 
 import heapq
-import itertools
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from stages.errors import ErrorCode, ItoError
+from stages.parallelism.candidates import (
+    CandidateGroup,
+    candidate_groups,
+    speed_bound,
+    state_gib,
+)
 from stages.parallelism.checks import (
     CHECK_ORDER,
     Context,
@@ -24,22 +28,13 @@ from stages.parallelism.checks import (
     check_precision,
     check_tp,
 )
-from stages.parallelism.hardware import Precision
-from stages.parallelism.memory import GIB, GRAD_BYTES, MASTER_BYTES, OPTIMIZER_BYTES, rank_params
 from stages.parallelism.planner import Assessment, assess, evaluate, resolve, to_plan
 from stages.parallelism.spec import (
-    ActivationCheckpointing,
     Layout,
-    PipelineSchedule,
     Plan,
     PlanRequest,
     Rejection,
 )
-from stages.parallelism.throughput import StepInputs, step_time
-
-MAX_VIRTUAL_STAGES = 8
-MAX_MICRO_BATCH = 16
-MIN_CP_CHUNK_TOKENS = 1024  # shorter ring-attention chunks leave the GPU idle
 
 
 @dataclass(order=True)
@@ -49,21 +44,6 @@ class _Failure:
     code: ErrorCode = field(compare=False)
     reason: str = field(compare=False)
     degrees: Layout = field(compare=False)
-
-
-def _divisors(n: int) -> list[int]:
-    """Divisors of ``n`` in increasing order, in O(sqrt(n)) steps (never linear in a
-    batch size a request may make huge)."""
-    small: list[int] = []
-    large: list[int] = []
-    d = 1
-    while d * d <= n:
-        if n % d == 0:
-            small.append(d)
-            if d != n // d:
-                large.append(n // d)
-        d += 1
-    return small + large[::-1]
 
 
 class _Deadline:
@@ -80,165 +60,6 @@ class _Deadline:
                 f"the layout search did not finish within {self.budget_s:g} s; "
                 "nothing was planned (a smaller batch or model plans faster)",
             )
-
-
-@dataclass
-class _Group:
-    """Layouts that differ only in micro-batch and recompute."""
-
-    tp: int
-    cp: int
-    pp: int
-    schedule: PipelineSchedule
-    virtual: int
-    precision: Precision
-    dp_shard: int
-    dp_replicate: int
-    micro_batches: tuple[int, ...]
-    recompute: tuple[ActivationCheckpointing, ...]
-    skip: bool = False  # set by the search: slower than the best, nothing to add
-
-    @property
-    def structure(self) -> tuple[int, int, int, int, str]:
-        """What the structural checks depend on: (tp, cp, pp, chunks, precision)."""
-        return (self.tp, self.cp, self.pp, self.virtual, self.precision)
-
-    def layout(self, micro_batch: int, ac: ActivationCheckpointing) -> Layout:
-        # values are valid by construction: skip validation in the hot loop
-        return Layout.model_construct(
-            tp=self.tp,
-            pp=self.pp,
-            cp=self.cp,
-            dp_shard=self.dp_shard,
-            dp_replicate=self.dp_replicate,
-            micro_batch=micro_batch,
-            pp_schedule=self.schedule,
-            pp_virtual_stages=self.virtual,
-            activation_checkpointing=ac,
-            precision=self.precision,
-        )
-
-
-def _groups(ctx: Context) -> Iterator[_Group]:
-    """Candidate groups. Inside a group the search tries the least recompute first,
-    each by growing micro-batch; FSDP shard degrees come largest first, so a group
-    that runs out of memory rules out the smaller shard degrees after it."""
-    req, preset = ctx.request, ctx.preset
-    world = ctx.world
-    tps = [
-        t
-        for t in _divisors(req.gpus_per_node)
-        if t <= ctx.sku.nvlink_domain
-        and preset.num_attention_heads % t == 0
-        and preset.num_key_value_heads % t == 0
-    ]
-    cps = [
-        c
-        for c in (1, 2, 4, 8, 16)
-        if c == 1 or (ctx.seq_len % (2 * c) == 0 and ctx.seq_len // c >= MIN_CP_CHUNK_TOKENS)
-    ]
-    if req.precision == "auto":
-        precisions: list[Precision] = [ctx.sku.default_precision]
-        if ctx.sku.supports_fp8 and ctx.sku.default_precision != "fp32":
-            precisions.append("fp8")
-    else:
-        precisions = [req.precision]
-    acs: tuple[ActivationCheckpointing, ...] = (
-        ("none", "selective", "full")
-        if req.activation_checkpointing == "auto"
-        else (req.activation_checkpointing,)
-    )
-    seqs = max(1, ctx.sequences)
-    for tp, cp in itertools.product(tps, cps):
-        if world % (tp * cp):
-            continue
-        for pp in _divisors(world // (tp * cp)):
-            # A tied head is the embedding's parameter: it cannot go on another stage.
-            if pp > preset.num_hidden_layers or (pp > 1 and preset.tie_word_embeddings):
-                break
-            dp = world // (tp * cp * pp)
-            schedules: list[tuple[PipelineSchedule, int]] = [("1F1B", 1)]
-            if pp > 1:
-                schedules += [
-                    ("Interleaved1F1B", v)
-                    for v in (2, 4, 8)
-                    if v <= MAX_VIRTUAL_STAGES and pp * v <= preset.num_hidden_layers
-                ]
-            local = seqs // dp if seqs % dp == 0 else 0
-            mbs = tuple(m for m in _divisors(local) if m <= MAX_MICRO_BATCH) if local else (1,)
-            shards = sorted(
-                (
-                    d
-                    for d in _shard_options(dp, tp * cp, req.gpus_per_node)
-                    if dp // d >= req.min_replica_groups
-                ),
-                reverse=True,
-            )
-            for (sched, v), prec, dp_shard in itertools.product(schedules, precisions, shards):
-                yield _Group(tp, cp, pp, sched, v, prec, dp_shard, dp // dp_shard, mbs, acs)
-
-
-def _speed_bound(ctx: Context, g: _Group, stage_layers: tuple[int, ...]) -> float:
-    """Tokens/s no layout of the group can beat: no recompute, no FSDP or replica
-    traffic, and per component the better of the smallest and largest micro-batch
-    (large ones run GEMMs faster, small ones shrink the pipeline bubble)."""
-    parts = []
-    for mb in {g.micro_batches[0], g.micro_batches[-1]}:
-        accum = max(1, ctx.sequences // (g.dp_shard * g.dp_replicate * mb))
-        parts.append(
-            step_time(
-                StepInputs(
-                    ctx.preset,
-                    ctx.sku,
-                    ctx.fabric,
-                    ctx.request.gpus_per_node,
-                    ctx.seq_len,
-                    g.tp,
-                    g.cp,
-                    1,
-                    1,
-                    stage_layers,
-                    g.virtual,
-                    mb,
-                    accum,
-                    "none",
-                    g.precision,
-                    0.0,
-                )
-            )
-        )
-    floor = (
-        min(p.compute for p in parts)
-        + min(p.pp_bubble for p in parts)
-        + min(p.tp_comm for p in parts)
-        + min(p.cp_comm for p in parts)
-    )
-    return ctx.request.global_batch_tokens / floor
-
-
-def _state_gib(ctx: Context, g: _Group, stage_layers: tuple[int, ...]) -> float:
-    """GiB of fp32 weights, gradients and AdamW moments on the fullest rank."""
-    pp = len(stage_layers)
-    params = max(
-        rank_params(ctx.preset, stage_layers[r], g.tp, r == 0, r == pp - 1)
-        for r in {0, pp - 1, stage_layers.index(max(stage_layers))}
-    )
-    return (MASTER_BYTES + GRAD_BYTES + OPTIMIZER_BYTES) * params / (g.dp_shard * g.cp) / GIB
-
-
-def _shard_options(dp: int, inner: int, per_node: int) -> list[int]:
-    """FSDP shard degrees worth trying: 1 (replicas only), whole powers of two that
-    end on node boundaries (HSDP: shard inside a group of nodes, torchft replicas
-    across groups), and all of dp (pure FSDP). Others only add comm in the model."""
-    out = {1, dp}
-    d = 1
-    while d < dp:
-        d *= 2
-        if dp % d == 0 and (d * inner) % per_node == 0:
-            out.add(d)
-    if (per_node // inner) and dp % max(1, per_node // inner) == 0:
-        out.add(max(1, per_node // inner))
-    return sorted(out)
 
 
 def plan(request: PlanRequest, time_budget_s: float | None = None) -> Plan:
@@ -296,14 +117,14 @@ class _Search:
         self.assessed += 1
         _record(self.failures, self.counts, self.reached, err, layout, self.assessed, self.keep)
 
-    def queue(self) -> list[_Group]:
+    def queue(self) -> list[CandidateGroup]:
         """Groups that pass the checks no dp split, micro-batch or recompute can
         change, best speed bound first (ties keep the enumeration order: larger FSDP
         shard degrees first)."""
         ctx = self.ctx
-        queued: list[tuple[float, int, _Group]] = []
+        queued: list[tuple[float, int, CandidateGroup]] = []
         bounds: dict[tuple[object, ...], float] = {}
-        for n, g in enumerate(_groups(ctx)):
+        for n, g in enumerate(candidate_groups(ctx)):
             self.deadline.check()
             key, batch_key = g.structure, g.structure[:4]
             if key in self.ruled_out or batch_key in self.ruled_out:
@@ -327,7 +148,7 @@ class _Search:
                 self.stage_layers[key] = layers
             bound_key = (*key, g.schedule)
             if bound_key not in bounds:  # the dp split does not enter the bound
-                bounds[bound_key] = _speed_bound(ctx, g, self.stage_layers[key]) / self.handicap(
+                bounds[bound_key] = speed_bound(ctx, g, self.stage_layers[key]) / self.handicap(
                     g.precision
                 )
             queued.append((-bounds[bound_key], n, g))
@@ -335,7 +156,7 @@ class _Search:
         self._bounds = [-b for b, _, _ in queued]
         return [g for _, _, g in queued]
 
-    def beaten(self, g: _Group) -> bool:
+    def beaten(self, g: CandidateGroup) -> bool:
         """True when neither this group nor any after it can win (stop the search)."""
         bound = self._bounds[self._queued]
         self._queued += 1
@@ -350,12 +171,12 @@ class _Search:
             g.skip = True
         return False
 
-    def explore(self, g: _Group) -> None:
+    def explore(self, g: CandidateGroup) -> None:
         """Least recompute first, each by growing micro-batch."""
         oom_key = (*g.structure, g.schedule, "oom")
         if g.skip or oom_key in self.ruled_out:
             return
-        state = _state_gib(self.ctx, g, self.stage_layers[g.structure])
+        state = state_gib(self.ctx, g, self.stage_layers[g.structure])
         if state > self.capacity:
             # weights, gradients and AdamW state alone overflow: no micro-batch or
             # recompute helps, and smaller shard degrees (later in the queue) need more

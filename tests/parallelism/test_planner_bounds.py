@@ -8,12 +8,12 @@ import pytest
 
 from stages.errors import ErrorCode, ItoError
 from stages.parallelism import ParallelismConfig, PlanRequest, plan
-from stages.parallelism.search import _divisors
+from stages.parallelism.candidates import divisors
 
 
 @pytest.mark.parametrize("n", [1, 2, 12, 36, 97, 1024, 720720, 2**30, 2**31 - 1])
 def test_divisors_are_exact(n: int) -> None:
-    got = _divisors(n)
+    got = divisors(n)
     assert got == sorted(got) and len(set(got)) == len(got)
     assert all(n % d == 0 for d in got) and got[0] == 1 and got[-1] == n
     if n <= 720720:
@@ -26,7 +26,7 @@ def test_divisors_of_a_huge_number_finish() -> None:
     result: list[list[int]] = []
 
     def work() -> None:
-        result.append(_divisors(2**40))
+        result.append(divisors(2**40))
         done.set()
 
     threading.Thread(target=work, daemon=True).start()
