@@ -24,92 +24,45 @@ Stages of dedup (``B`` input blocks, ``P`` bucket partitions):
    (min-label propagation with pointer jumping over the edges' own nodes, so its memory
    is proportional to the verified pairs); every member but the lowest is dropped,
    shuffled to its block.
-7. ``filter`` (per block): the survivors of the block, optionally decontaminated, written
-   as one output shard with every input field kept.
+7. ``filter`` (per block, ``filter.py``): the survivors of the block, optionally
+   decontaminated, written as one output shard with every input field kept.
+
+The shuffle files and the run's index are read and written through ``shuffle.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-import json
-from collections import Counter
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from stages.data_prep.dedup import jaccard_sorted, sketch_texts
 from stages.data_prep.minhash import Banding, band_keys, bucket_pairs, unique_pairs
 from stages.data_prep.stream.blocks import BlockData, BlockIndex, read_block
-from stages.data_prep.stream.store import WorkDir, atomic_write, read_arrays, write_arrays
+from stages.data_prep.stream.filter import filter_block
+from stages.data_prep.stream.shuffle import (
+    block_of,
+    concat,
+    gather,
+    load_run,
+    rel_path,
+    scatter,
+    text_bytes,
+)
+from stages.data_prep.stream.store import WorkDir, write_arrays
 from stages.data_prep.text import fmix64, ngram_hashes, word_batch
-from stages.errors import ErrorCode, ItoError
 
-# Field added to a record kept with ``action: flag`` (the record's own fields are kept;
-# a record that already has it is refused): ``params["flag_field"]``, by default this.
-FLAG_FIELD = "contaminated"
 # Dropped -> survivor examples kept by the components task for the provenance record.
 MAX_EXAMPLES = 1_000
 _SHINGLE_BATCH = 8_192
 
 
-@lru_cache(maxsize=4)
-def _load(root: str) -> tuple[BlockIndex, dict[str, Any], np.ndarray]:
-    r = Path(root)
-    # "plan.json": a stored file name (written by run.py), kept for compatibility.
-    blocks_index = BlockIndex.from_json(json.loads((r / "plan.json").read_text()))
-    params = json.loads((r / "params.json").read_text())
-    starts = np.array([b.doc_start for b in blocks_index.blocks], dtype=np.int64)
-    return blocks_index, params, starts
-
-
-def block_of(starts: np.ndarray, docs: np.ndarray) -> np.ndarray:
-    return np.searchsorted(starts, docs, side="right") - 1
-
-
-def _rel(wd: WorkDir, p: Path) -> str:
-    return p.relative_to(wd.root).as_posix()
-
-
-def _scatter(
-    wd: WorkDir, folder: str, dest: np.ndarray, n_dest: int, **cols: np.ndarray
-) -> dict[str, dict[str, Any]]:
-    """Write the rows of ``cols`` to ``<folder>/to-<d>.npz`` per destination ``d`` (only
-    the non-empty ones); returns the outputs for the task's done record."""
-    outputs: dict[str, dict[str, Any]] = {}
-    if len(dest) == 0:
-        return outputs
-    order = np.argsort(dest, kind="stable")
-    sd = dest[order]
-    cuts = np.flatnonzero(np.r_[True, sd[1:] != sd[:-1], True])
-    for a, z in itertools.pairwise(cuts):
-        d = int(sd[a])
-        assert 0 <= d < n_dest
-        sel = order[a:z]
-        path = wd.path(folder, f"to-{d:05d}.npz")
-        outputs[_rel(wd, path)] = write_arrays(path, **{k: v[sel] for k, v in cols.items()})
-    return outputs
-
-
-def _gather(wd: WorkDir, pattern: str) -> list[dict[str, np.ndarray]]:
-    return [read_arrays(p) for p in sorted(wd.root.glob(pattern))]
-
-
-def _cat(parts: list[dict[str, np.ndarray]], key: str, dtype: Any) -> np.ndarray:
-    arrs = [p[key] for p in parts]
-    return np.concatenate(arrs).astype(dtype, copy=False) if arrs else np.zeros(0, dtype)
-
-
-def text_bytes(texts: list[str]) -> int:
-    return sum(len(t.encode("utf-8")) for t in texts)
-
-
 # --------------------------------------------------------------------------- dedup
 def sketch(root: str, b: int) -> dict[str, Any]:
-    blocks_index, params, _ = _load(root)
+    blocks_index, params, _ = load_run(root)
     wd, d = WorkDir(Path(root)), params["dedup"]
     blk = blocks_index.blocks[b]
     data = read_block(blocks_index, blk)
@@ -123,7 +76,7 @@ def sketch(root: str, b: int) -> dict[str, Any]:
     keys = band_keys(sk.sig[nonempty], Banding(d["bands"], d["rows"])).ravel()
     bands = d["bands"]
     n_parts = params["partitions"]
-    outputs = _scatter(
+    outputs = scatter(
         wd,
         f"sketch/band/b{b:05d}",
         (fmix64(keys) % np.uint64(n_parts)).astype(np.int64),
@@ -133,7 +86,7 @@ def sketch(root: str, b: int) -> dict[str, Any]:
         hi=np.repeat(ex[nonempty, 0], bands),
         lo=np.repeat(ex[nonempty, 1], bands),
     )
-    outputs |= _scatter(
+    outputs |= scatter(
         wd,
         f"sketch/exact/b{b:05d}",
         (fmix64(ex[:, 0].copy()) % np.uint64(n_parts)).astype(np.int64),
@@ -147,11 +100,11 @@ def sketch(root: str, b: int) -> dict[str, Any]:
 
 
 def exact(root: str, p: int) -> dict[str, Any]:
-    _, _, starts = _load(root)
+    _, _, starts = load_run(root)
     wd = WorkDir(Path(root))
-    parts = _gather(wd, f"sketch/exact/b*/to-{p:05d}.npz")
-    hi, lo = _cat(parts, "hi", np.uint64), _cat(parts, "lo", np.uint64)
-    doc = _cat(parts, "doc", np.int64)
+    parts = gather(wd, f"sketch/exact/b*/to-{p:05d}.npz")
+    hi, lo = concat(parts, "hi", np.uint64), concat(parts, "lo", np.uint64)
+    doc = concat(parts, "doc", np.int64)
     order = np.lexsort((doc, lo, hi))
     hi, lo, doc = hi[order], lo[order], doc[order]
     first = (
@@ -163,7 +116,7 @@ def exact(root: str, p: int) -> dict[str, Any]:
         doc[np.maximum.accumulate(np.where(first, np.arange(len(doc)), 0))] if len(doc) else doc
     )
     dup = ~first
-    outputs = _scatter(
+    outputs = scatter(
         wd,
         f"exact/p{p:05d}",
         block_of(starts, doc[dup]),
@@ -175,11 +128,11 @@ def exact(root: str, p: int) -> dict[str, Any]:
 
 
 def candidates(root: str, p: int) -> dict[str, Any]:
-    _, _, starts = _load(root)
+    _, _, starts = load_run(root)
     wd = WorkDir(Path(root))
-    parts = _gather(wd, f"sketch/band/b*/to-{p:05d}.npz")
-    key, doc = _cat(parts, "key", np.uint64), _cat(parts, "doc", np.int64)
-    hi, lo = _cat(parts, "hi", np.uint64), _cat(parts, "lo", np.uint64)
+    parts = gather(wd, f"sketch/band/b*/to-{p:05d}.npz")
+    key, doc = concat(parts, "key", np.uint64), concat(parts, "doc", np.int64)
+    hi, lo = concat(parts, "hi", np.uint64), concat(parts, "lo", np.uint64)
     rows = len(key)
     # Exact copies share every bucket: keep only the first (lowest) of each in a bucket,
     # as the in-memory dedup bands only the exact-dedup survivors.
@@ -189,7 +142,7 @@ def candidates(root: str, p: int) -> dict[str, Any]:
         keep = np.r_[True, (key[1:] != key[:-1]) | (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])]
         key, doc = key[keep], doc[keep]
     pairs = unique_pairs(bucket_pairs(key, doc))
-    outputs = _scatter(
+    outputs = scatter(
         wd,
         f"candidates/p{p:05d}",
         block_of(starts, pairs[:, 0]),
@@ -230,10 +183,12 @@ def _block_shingles(
 
 
 def fetch(root: str, b: int) -> dict[str, Any]:
-    blocks_index, params, starts = _load(root)
+    blocks_index, params, starts = load_run(root)
     wd = WorkDir(Path(root))
-    parts = _gather(wd, f"candidates/p*/to-{b:05d}.npz")
-    pairs = unique_pairs(np.stack([_cat(parts, "i", np.int64), _cat(parts, "j", np.int64)], axis=1))
+    parts = gather(wd, f"candidates/p*/to-{b:05d}.npz")
+    pairs = unique_pairs(
+        np.stack([concat(parts, "i", np.int64), concat(parts, "j", np.int64)], axis=1)
+    )
     outputs: dict[str, dict[str, Any]] = {}
     if len(pairs):
         lows = np.unique(pairs[:, 0])
@@ -250,7 +205,7 @@ def fetch(root: str, b: int) -> dict[str, Any]:
             np.cumsum(lens, out=sub_off[1:])
             sub_flat = np.concatenate([flat[offsets[q] : offsets[q + 1]] for q in pos])
             path = wd.path(f"fetch/b{b:05d}", f"to-{int(dest[order[a]]):05d}.npz")
-            outputs[_rel(wd, path)] = write_arrays(
+            outputs[rel_path(wd, path)] = write_arrays(
                 path,
                 i=sel[:, 0].copy(),
                 j=sel[:, 1].copy(),
@@ -262,12 +217,12 @@ def fetch(root: str, b: int) -> dict[str, Any]:
 
 
 def verify(root: str, b: int) -> dict[str, Any]:
-    blocks_index, params, _ = _load(root)
+    blocks_index, params, _ = load_run(root)
     wd = WorkDir(Path(root))
     threshold = params["dedup"]["threshold"]
     edges: list[tuple[int, int]] = []
     n_pairs = 0
-    parts = _gather(wd, f"fetch/b*/to-{b:05d}.npz")
+    parts = gather(wd, f"fetch/b*/to-{b:05d}.npz")
     highs = np.unique(np.concatenate([p["j"] for p in parts])) if parts else np.zeros(0, np.int64)
     if len(highs):
         h_off, h_flat = _block_shingles(blocks_index, b, highs, params["dedup"]["shingle_size"])
@@ -284,7 +239,7 @@ def verify(root: str, b: int) -> dict[str, Any]:
                     edges.append((i, j))
     e = np.array(sorted(edges), dtype=np.int64).reshape(-1, 2)
     path = wd.path("verify", f"b{b:05d}.npz")
-    outputs = {_rel(wd, path): write_arrays(path, i=e[:, 0].copy(), j=e[:, 1].copy())}
+    outputs = {rel_path(wd, path): write_arrays(path, i=e[:, 0].copy(), j=e[:, 1].copy())}
     return wd.record(
         "verify", str(b), outputs, {"candidate_pairs": n_pairs, "verified_pairs": len(e)}
     )
@@ -313,13 +268,13 @@ def connected_components(i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 def components(root: str, _task: int = 0) -> dict[str, Any]:
-    _, _, starts = _load(root)
+    _, _, starts = load_run(root)
     wd = WorkDir(Path(root))
-    parts = _gather(wd, "verify/b*.npz")
-    i, j = _cat(parts, "i", np.int64), _cat(parts, "j", np.int64)
+    parts = gather(wd, "verify/b*.npz")
+    i, j = concat(parts, "i", np.int64), concat(parts, "j", np.int64)
     nodes, root_of = connected_components(i, j)
     dropped = nodes != root_of
-    outputs = _scatter(
+    outputs = scatter(
         wd,
         "components",
         block_of(starts, nodes[dropped]),
@@ -338,173 +293,6 @@ def components(root: str, _task: int = 0) -> dict[str, Any]:
         "examples": examples,
     }
     return wd.record("components", "0", outputs, stats)
-
-
-# -------------------------------------------------------------------------- filter
-@lru_cache(maxsize=2)
-def _eval_index(root: str) -> Any:
-    from stages.data_prep.config import DecontaminationConfig
-    from stages.data_prep.decontam import EvalIndex
-    from stages.data_prep.evals import EvalItem
-
-    obj = json.loads((Path(root) / "evals.json").read_text())
-    return EvalIndex(
-        [EvalItem(**it) for it in obj["items"]], DecontaminationConfig(**obj["config"])
-    )
-
-
-def _drops(wd: WorkDir, b: int) -> tuple[np.ndarray, np.ndarray]:
-    ex = _cat(_gather(wd, f"exact/p*/to-{b:05d}.npz"), "doc", np.int64)
-    near = _cat(_gather(wd, f"components/to-{b:05d}.npz"), "doc", np.int64)
-    return ex, near
-
-
-def _records_out(
-    blocks_index: BlockIndex,
-    b: int,
-    data: BlockData,
-    keep: np.ndarray,
-    flagged: np.ndarray,
-    fmt: str,
-    flag: str = FLAG_FIELD,
-) -> bytes:
-    src = blocks_index.sources[blocks_index.blocks[b].source]
-    if flagged.any():
-        taken = (data.table is not None and flag in data.table.column_names) or (
-            data.lines is not None
-            and any(flag in json.loads(data.lines[i]) for i in np.flatnonzero(flagged))
-        )
-        if taken:
-            raise ItoError(
-                ErrorCode.bad_request,
-                f"flag field {flag!r} is already a field of the input records: name another",
-            )
-    idx = np.flatnonzero(keep)
-    field = src.text_field or blocks_index.text_field
-    if fmt == "jsonl":
-        if data.lines is not None:
-            rows = [
-                data.lines[i]
-                if not flagged[i]
-                else json.dumps(
-                    {**json.loads(data.lines[i]), flag: True}, ensure_ascii=False
-                ).encode("utf-8")
-                for i in idx
-            ]
-        elif data.table is not None:
-            recs = data.table.take(pa.array(idx, type=pa.int64())).to_pylist()
-            rows = [
-                json.dumps(
-                    {**r, **({flag: True} if flagged[i] else {})}, ensure_ascii=False, default=str
-                ).encode("utf-8")
-                for r, i in zip(recs, idx, strict=True)
-            ]
-        else:
-            rows = [
-                json.dumps(
-                    {field: data.texts[i], **({flag: True} if flagged[i] else {})},
-                    ensure_ascii=False,
-                ).encode("utf-8")
-                for i in idx
-            ]
-        return b"".join(r.rstrip(b"\r") + b"\n" for r in rows)
-    import pyarrow.parquet as pq
-
-    if data.table is not None:
-        table = data.table.take(pa.array(idx, type=pa.int64()))
-    elif data.lines is not None:
-        table = pa.Table.from_pylist([json.loads(data.lines[i]) for i in idx])
-    else:
-        table = pa.table({field: pa.array([data.texts[i] for i in idx], type=pa.string())})
-    if flagged.any():
-        table = table.append_column(flag, pa.array(flagged[idx].tolist(), pa.bool_()))
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    return bytes(sink.getvalue().to_pybytes())
-
-
-def doc_id(blocks_index: BlockIndex, b: int, local: int) -> str:
-    blk = blocks_index.blocks[b]
-    src = blocks_index.sources[blk.source]
-    return f"{src.ref}:{src.relpath}:{blk.line_start + local}"
-
-
-def filter_block(root: str, b: int) -> dict[str, Any]:
-    blocks_index, params, _ = _load(root)
-    wd = WorkDir(Path(root))
-    blk = blocks_index.blocks[b]
-    data = read_block(blocks_index, blk)
-    n = len(data.texts)
-    keep = np.ones(n, dtype=bool)
-    ex, near = _drops(wd, b)
-    keep[ex - blk.doc_start] = False
-    keep[near - blk.doc_start] = False
-    flagged = np.zeros(n, dtype=bool)
-    contaminated: list[dict[str, Any]] = []
-    decon = params.get("decontamination")
-    if decon:
-        from stages.data_prep.decontam import MAX_MATCHES_PER_DOC
-
-        index = _eval_index(root)
-        live = np.flatnonzero(keep)
-        by_doc: dict[int, list[Any]] = {}
-        for m in index.match([data.texts[i] for i in live]):
-            by_doc.setdefault(int(live[m.doc]), []).append(m)
-        for d in sorted(by_doc):
-            ms = sorted(by_doc[d], key=lambda m: (-m.ratio, -m.grams, m.item))
-            items = index.items
-            contaminated.append(
-                {
-                    "doc": doc_id(blocks_index, b, d),
-                    "index": blk.doc_start + d,
-                    "matches": [
-                        {
-                            "suite": items[m.item].suite,
-                            "item": items[m.item].index,
-                            "file": items[m.item].file,
-                            "method": m.method,
-                            "grams": m.grams,
-                            "ratio": round(m.ratio, 4),
-                        }
-                        for m in ms[:MAX_MATCHES_PER_DOC]
-                    ],
-                    "total_matches": len(ms),
-                    "items": sorted({m.item for m in ms}),
-                    "suites": dict(Counter(items[m.item].suite for m in ms)),
-                }
-            )
-        hit = np.array(sorted(by_doc), dtype=np.int64)
-        if decon["action"] == "remove":
-            keep[hit] = False
-        else:
-            flagged[hit] = True
-    fmt = params["output_format"]
-    path = wd.path("out", f"part-{b:05d}.{fmt}")
-    meta = atomic_write(
-        path,
-        _records_out(
-            blocks_index, b, data, keep, flagged, fmt, params.get("flag_field", FLAG_FIELD)
-        ),
-    )
-    ids_path = wd.path("out", f"part-{b:05d}.ids.txt")  # output row -> input document id
-    ids_text = "".join(doc_id(blocks_index, b, int(i)) + "\n" for i in np.flatnonzero(keep))
-    ids = atomic_write(ids_path, ids_text.encode("utf-8"))
-    kept = [data.texts[i] for i in np.flatnonzero(keep)]
-    stats = {
-        "docs_in": n,
-        "docs_out": len(kept),
-        "bytes_in": text_bytes(data.texts),
-        "bytes_out": text_bytes(kept),
-        "exact_duplicates": len(ex),
-        "near_duplicates": len(near),
-        "contaminated": len(contaminated),
-        "contaminated_documents": contaminated,
-        "shard": path.name,
-        "sha256": meta["sha256"],
-        "shard_bytes": meta["bytes"],
-    }
-    stats["ids"] = ids_path.name
-    return wd.record("filter", str(b), {_rel(wd, path): meta, _rel(wd, ids_path): ids}, stats)
 
 
 TASKS = {
