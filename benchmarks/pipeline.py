@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import demo
+from orchestrator.demo_server import run_cli, start_server
 from orchestrator.runtime import ray_cluster
 
 RUN_TIMEOUT_S = 1800.0
@@ -195,7 +196,7 @@ def run_preset(
         probe.update({"enabled": False} if ladder_tokens == 0 else {"token_budget": ladder_tokens})
     manifest.write_text(json.dumps(doc, indent=2))
 
-    server = demo._start_server(env, db, var_dir, port)
+    server = start_server(env, db, var_dir, port)
     sampler = _RssSampler(ray_cluster.ray_temp_dir(var_dir / "server"))
     sampler.start()
     try:
@@ -208,7 +209,7 @@ def run_preset(
             if state in ("succeeded", "failed", "cancelled"):
                 break
             time.sleep(POLL_S)
-        m = demo._cli(["ito", "metrics", "--run", run_id, "--json"], sub_env)["data"]
+        m = run_cli(["ito", "metrics", "--run", run_id, "--json"], sub_env)["data"]
         events = _events(db, run_id)
         out = {
             "preset": preset,

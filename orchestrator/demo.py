@@ -29,14 +29,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from orchestrator.demo_manifest import (
     post_training_recipe,
     write_data,
     write_manifest,
     write_post_training_data,
 )
+from orchestrator.demo_server import BIN, run_cli, start_server
 from orchestrator.gates.manifest import Manifest
 from orchestrator.runtime import ray_cluster
 from orchestrator.runtime.ports import free_port
@@ -44,104 +43,11 @@ from stages.post_training.config import PostTrainingConfig
 from stages.post_training.gate_events import GATE_CONTEXT, gate_phase
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-SERVER_START_TIMEOUT_S = 180.0
-SERVER_START_ATTEMPTS = 2
 RUN_TIMEOUT_S = 900.0
 
 
 def _say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
-
-
-def _cli(args: list[str], env: dict[str, str], *, check: bool = True) -> dict[str, Any]:
-    """Run one ito / ito-backend command with --json and return its envelope."""
-    proc = subprocess.run(
-        [str(BIN / args[0]), *args[1:]], env=env, capture_output=True, text=True, timeout=300
-    )
-    try:
-        envelope: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        raise SystemExit(
-            f"[demo] {args[0]} {args[1]} printed no envelope:\n{proc.stdout}\n{proc.stderr}"
-        ) from None
-    if check and not envelope.get("ok"):
-        raise SystemExit(f"[demo] {' '.join(args[:2])} failed: {json.dumps(envelope)}")
-    return envelope
-
-
-def _start_server(
-    env: dict[str, str], db: Path, var_dir: Path, port: int
-) -> subprocess.Popen[bytes]:
-    """The embedded server on ``port``; its Ray head on free ports, so that the demo
-    runs beside another server on the host (or a test's). A free port can be taken by
-    another process before the head binds it: a server that exits while starting is
-    started once more on fresh ports."""
-    for attempt in range(SERVER_START_ATTEMPTS):
-        try:
-            return _start_server_once(env, db, var_dir, port)
-        except ServerExited as e:
-            if attempt + 1 == SERVER_START_ATTEMPTS:
-                raise SystemExit(str(e)) from None
-            print(f"{e}; starting it again on fresh ports", file=sys.stderr, flush=True)
-    raise AssertionError("unreachable")
-
-
-class ServerExited(Exception):
-    """The server process ended before it answered /healthz."""
-
-
-def _start_server_once(
-    env: dict[str, str], db: Path, var_dir: Path, port: int
-) -> subprocess.Popen[bytes]:
-    log = open(var_dir / "server.log", "ab")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(
-        [
-            str(BIN / "ito-backend"),
-            "serve",
-            "--db",
-            str(db),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--runtime",
-            "ray",
-            "--var-dir",
-            str(var_dir / "server"),
-            "--ray-head-port",
-            str(free_port()),
-            "--ray-dashboard-port",
-            str(free_port()),
-            "--ray-client-server-port",
-            str(free_port()),
-            "--ray-dashboard-agent-port",
-            str(free_port()),
-            "--metrics-port",
-            "0",
-            "--log-level",
-            "warning",
-        ],  # any free port: one per host
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = (var_dir / "server.log").read_text(errors="replace").strip().splitlines()
-            raise ServerExited(
-                f"[demo] server exited ({proc.returncode}); see {var_dir / 'server.log'}: "
-                + " | ".join(tail[-3:])[-600:]
-            )
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("[demo] server did not become healthy in time")
 
 
 @dataclass(frozen=True)
@@ -183,8 +89,8 @@ def prepare(
     )
 
     say("creating the demo account, a submitter key and an approver key")
-    _cli(["ito-backend", "accounts", "create", "demo", "--json"], env)
-    submitter = _cli(
+    run_cli(["ito-backend", "accounts", "create", "demo", "--json"], env)
+    submitter = run_cli(
         [
             "ito-backend",
             "keys",
@@ -197,7 +103,7 @@ def prepare(
         ],
         env,
     )["data"]["api_key"]
-    approver = _cli(
+    approver = run_cli(
         [
             "ito-backend",
             "keys",
@@ -228,13 +134,13 @@ def prepare(
             }
         )
     )
-    _cli(["ito-backend", "bookings", "add", str(booking_file), "--json"], env)
+    run_cli(["ito-backend", "bookings", "add", str(booking_file), "--json"], env)
     say(f"booking {booking_id}: 1 node x 2 cpu-testbed ranks, fabric loopback")
 
     baseline, custom = write_data(var_dir / "data", random.Random(0))
     (var_dir / "checkpoints").mkdir()
     # The operator confines the account: its data and checkpoints only under these roots.
-    _cli(
+    run_cli(
         [
             "ito-backend",
             "accounts",
@@ -272,7 +178,7 @@ def confirm_and_train(
     """The approver's ``ito confirm`` and the submitter's canonical ``ito train`` for
     the prepared manifest; returns the accepted run's id. The demo and
     benchmarks/pipeline.py both submit this way."""
-    confirm = _cli(
+    confirm = run_cli(
         [
             "ito",
             "confirm",
@@ -302,7 +208,7 @@ def confirm_and_train(
         "--json",
     ]
     echo("$ " + " ".join(cmd).replace(ref, "<confirmation-ref>"))
-    accepted = _cli(cmd, {**setup.env, "ITO_API_KEY": setup.submitter})
+    accepted = run_cli(cmd, {**setup.env, "ITO_API_KEY": setup.submitter})
     echo(json.dumps(accepted))
     return str(accepted["data"]["run_id"])
 
@@ -404,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     _say("starting ito-backend serve (SQLite + embedded Ray head)")
-    server = _start_server(env, db, var_dir, port)
+    server = start_server(env, db, var_dir, port)
     try:
         plan = subprocess.run(
             [str(BIN / "ito"), "plan", "--booking", booking_id, "--manifest", str(manifest)],
