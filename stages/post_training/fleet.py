@@ -154,7 +154,7 @@ class RolloutController:
         what the learner's rank 0 published (a ``PublishedVersion``: only its
         descriptor is forwarded), the base folder (``BaseWeights``), or an in-process
         learner's state dict, which the pool puts first."""
-        from stages.post_training.weight_sync import BaseWeights, PublishedVersion
+        from stages.post_training.weight_descriptors import BaseWeights, PublishedVersion
 
         t0 = time.perf_counter()
         if isinstance(weights, PublishedVersion):

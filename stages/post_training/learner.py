@@ -44,7 +44,7 @@ from stages.post_training.admission import is_stale
 from stages.post_training.config import OBJECTIVE_BUILDER, TRL_ADAM_BETAS, RLVRConfig
 from stages.post_training.rollout import PromptEncoding, RolloutGroup
 from stages.post_training.step_groups import step_groups, write_step_groups
-from stages.post_training.weight_sync import BaseWeights, PublishedVersion
+from stages.post_training.weight_descriptors import BaseWeights, PublishedVersion
 from stages.trainer.config import GRPOSettings, ObjectiveConfig, TrainStageConfig
 
 CONTROLLER_DIR = "controller"

@@ -20,12 +20,8 @@ from stages.post_training.rollout import (
     WorkerSpec,
     rollout_name,
 )
-from stages.post_training.weight_sync import (
-    CollectiveSender,
-    ObjectStoreWeights,
-    WeightSync,
-    state_bytes,
-)
+from stages.post_training.weight_descriptors import ObjectStoreWeights, WeightSync, state_bytes
+from stages.post_training.weight_sync import CollectiveSender
 
 # Defaults of the collective path's named settings (RLVRConfig carries the run's).
 BUCKET_BYTES = 64 << 20

@@ -178,12 +178,12 @@ class RolloutWorker:
         ``load_s`` covers the fetch or transfer and the load. A version that cannot be
         fetched (its owner died) or received leaves the worker at the one it has: the
         reply's ``version`` is the worker's, ``missed`` the version it did not get."""
-        from stages.post_training.weight_sync import (
+        from stages.post_training.weight_descriptors import (
             BaseWeights,
-            CollectiveReceiver,
             CollectiveWeights,
             ObjectStoreWeights,
         )
+        from stages.post_training.weight_sync import CollectiveReceiver
 
         t0 = time.perf_counter()
         model = self.model  # the load under way first
@@ -225,7 +225,7 @@ class RolloutWorker:
 
     def weights_digest(self) -> str:
         """sha256 of the loaded weights (stages.post_training.weight_sync.state_digest)."""
-        from stages.post_training.weight_sync import state_digest
+        from stages.post_training.weight_descriptors import state_digest
 
         return state_digest(dict(self.model.state_dict()))
 

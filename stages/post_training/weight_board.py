@@ -5,7 +5,7 @@ The driver coordinates; the ranks hold the weights. After each committed step th
 publishing rank (rank 0 of the lowest live replica group) puts the full state into
 Ray's object store from its own process, or packs it for the collective broadcast it
 runs itself (``weight_sync``), and offers the board a
-:class:`~stages.post_training.weight_sync.PublishedVersion`: a descriptor, the loss
+:class:`~stages.post_training.weight_descriptors.PublishedVersion`: a descriptor, the loss
 and the put time. The board is a small actor of the driver's (no CPU reserved); the
 driver takes version ``k`` from it and forwards the descriptor to every worker's
 ``set_weights``. What crosses the driver is a few hundred bytes per version.
@@ -43,12 +43,12 @@ import time
 from typing import Any
 
 from stages.errors import ErrorCode, ItoError
-from stages.post_training.weight_sync import (
-    CollectiveSender,
+from stages.post_training.weight_descriptors import (
     ObjectStoreWeights,
     PublishedVersion,
     state_bytes,
 )
+from stages.post_training.weight_sync import CollectiveSender
 
 # Offered versions not yet taken that the board keeps (the driver takes them in
 # order and the ranks are at most one step ahead of it; a run with no driver taking,

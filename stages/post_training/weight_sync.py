@@ -62,14 +62,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import hashlib
 import secrets
 import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from stages.netsec import (
     PeerRefused,
@@ -80,8 +78,14 @@ from stages.netsec import (
     listener_config,
     prove_to_peer,
 )
-
-WeightSync = Literal["object_store", "collective"]
+from stages.post_training.weight_descriptors import (
+    CollectiveWeights,
+    pack,
+    plan_buckets,
+    state_digest,
+    torch_dtype,
+    unpack,
+)
 
 # The purpose the weight-sync key is derived for (``RunSecret.derive``): a proof for
 # the weight sync is no proof on any other listener of the run.
@@ -105,131 +109,6 @@ CHUNK_BYTES = 4 << 20
 # timeout); a connection beyond it is closed at once (a worker then misses a version
 # and connects again for the next).
 MAX_HANDSHAKES = 64
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # e.g. "float32" (torch.<dtype>)
-    bucket: int
-    offset: int  # in elements of the bucket's dtype
-
-
-@dataclass(frozen=True)
-class ObjectStoreWeights:
-    """The object-store path's descriptor: where the state dict is, and its size."""
-
-    ref: Any  # ray.ObjectRef of the state dict (owned by the process that put it)
-    bytes: int
-
-
-@dataclass(frozen=True)
-class BaseWeights:
-    """Version 0: the weights of the base HF folder, which each worker loads itself."""
-
-    model_dir: str
-
-
-@dataclass(frozen=True)
-class CollectiveWeights:
-    """The descriptor a worker gets instead of the weights on the collective path:
-    the sender's listener, the version's frame tag and the bucket layout (no secret)."""
-
-    host: str
-    port: int
-    world: int
-    tag: bytes  # names this version's frame (random per version)
-    timeout_s: float
-    handshake_timeout_s: float
-    tensors: tuple[TensorMeta, ...]
-    buckets: tuple[tuple[str, int], ...]  # (dtype, elements) per bucket, in order
-
-    @property
-    def bytes(self) -> int:
-        return sum(n * _dtype(dt).itemsize for dt, n in self.buckets)
-
-
-@dataclass(frozen=True)
-class PublishedVersion:
-    """What the learner's rank 0 reports for a committed version: a descriptor of
-    weights that stay in its process (or the object store), the step's loss and the
-    seconds it took to put or pack them there."""
-
-    version: int
-    weights: ObjectStoreWeights | CollectiveWeights
-    loss: float
-    put_s: float
-
-
-Descriptor = ObjectStoreWeights | CollectiveWeights | BaseWeights
-
-
-def state_bytes(state: dict[str, Any]) -> int:
-    return sum(int(t.numel()) * t.element_size() for t in state.values())
-
-
-def _dtype(name: str) -> Any:
-    import torch
-
-    dt = getattr(torch, name)
-    assert isinstance(dt, torch.dtype)
-    return dt
-
-
-def plan_buckets(
-    state: dict[str, Any], bucket_bytes: int
-) -> tuple[tuple[TensorMeta, ...], tuple[tuple[str, int], ...]]:
-    """Pack tensors of one dtype into buckets of at most ``bucket_bytes`` (a larger
-    tensor gets a bucket of its own)."""
-    metas: list[TensorMeta] = []
-    buckets: list[tuple[str, int]] = []
-    open_bucket: dict[str, int] = {}  # dtype -> index of its bucket being filled
-    for name in sorted(state):
-        t = state[name]
-        dt = str(t.dtype).removeprefix("torch.")
-        n = int(t.numel())
-        b = open_bucket.get(dt)
-        if b is None or (buckets[b][1] + n) * t.element_size() > bucket_bytes:
-            b = len(buckets)
-            buckets.append((dt, 0))
-            open_bucket[dt] = b
-        metas.append(TensorMeta(name, tuple(t.shape), dt, b, buckets[b][1]))
-        buckets[b] = (dt, buckets[b][1] + n)
-    return tuple(metas), tuple(buckets)
-
-
-def pack(state: dict[str, Any], desc: CollectiveWeights, device: str) -> list[Any]:
-    """The flat buckets (copies: the learner changes its tensors on the next step)."""
-    import torch
-
-    flats = [torch.empty(n, dtype=_dtype(dt), device=device) for dt, n in desc.buckets]
-    for m in desc.tensors:
-        t = state[m.name].detach()
-        flats[m.bucket][m.offset : m.offset + t.numel()].copy_(t.reshape(-1))
-    return flats
-
-
-def unpack(flats: list[Any], desc: CollectiveWeights) -> dict[str, Any]:
-    out = {}
-    for m in desc.tensors:
-        n = 1
-        for d in m.shape:
-            n *= d
-        out[m.name] = flats[m.bucket][m.offset : m.offset + n].view(m.shape)
-    return out
-
-
-def state_digest(state: dict[str, Any]) -> str:
-    """sha256 over every tensor's name, dtype, shape and bytes (bit-identity check)."""
-    import torch
-
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().cpu().contiguous()
-        h.update(f"{name}\t{t.dtype}\t{tuple(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _byte_view(t: Any) -> memoryview:
@@ -470,7 +349,7 @@ class CollectiveReceiver:
             tag, size = _FRAME.unpack(bytes(header))
             if tag != desc.tag or size != desc.bytes:
                 raise ConnectionError("weight sync: the frame is not this version's")
-            flats = [torch.empty(n, dtype=_dtype(dt)) for dt, n in desc.buckets]
+            flats = [torch.empty(n, dtype=torch_dtype(dt)) for dt, n in desc.buckets]
             for t in flats:
                 _recv_into(sock, _byte_view(t))
         except TimeoutError:
@@ -484,18 +363,13 @@ class CollectiveReceiver:
         return unpack(flats, desc)
 
 
+# ``unpack`` and ``state_digest`` are also read from here by the out-of-process test
+# helpers (a sender that dies mid-frame, a stranger on the listener).
 __all__ = [
     "SYNC_PURPOSE",
-    "BaseWeights",
     "CollectiveReceiver",
     "CollectiveSender",
-    "CollectiveWeights",
-    "Descriptor",
-    "ObjectStoreWeights",
-    "PublishedVersion",
-    "WeightSync",
-    "plan_buckets",
-    "state_bytes",
     "state_digest",
     "sync_key",
+    "unpack",
 ]

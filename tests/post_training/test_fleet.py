@@ -466,7 +466,7 @@ def test_the_engine_learner_keeps_a_group_older_than_eta_out_of_the_batch_file(
     from stages.post_training.learner import EngineLearner
     from stages.post_training.step_groups import step_groups_path
     from stages.post_training.weight_board import board_name, start_board
-    from stages.post_training.weight_sync import ObjectStoreWeights, PublishedVersion
+    from stages.post_training.weight_descriptors import ObjectStoreWeights, PublishedVersion
 
     cfg, learner, maker, make_worker = _rl_setup(tiny_policy, task_files, 0)
     worker = make_worker(0)

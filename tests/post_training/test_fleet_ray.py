@@ -182,7 +182,8 @@ def test_each_weight_path_delivers_bit_identical_weights_to_ray_actors(
     from stages.post_training.hf_io import load_model
     from stages.post_training.pools import RayPool
     from stages.post_training.rollout import WorkerSpec
-    from stages.post_training.weight_sync import state_digest, sync_key
+    from stages.post_training.weight_descriptors import state_digest
+    from stages.post_training.weight_sync import sync_key
 
     specs = [
         WorkerSpec(

@@ -15,7 +15,7 @@ from helpers.waiting import wait_until
 from helpers.weight_board import sync_only_controller
 
 from stages.post_training.weight_board import BOARD_KEEP, WeightBoard
-from stages.post_training.weight_sync import ObjectStoreWeights, PublishedVersion
+from stages.post_training.weight_descriptors import ObjectStoreWeights, PublishedVersion
 
 
 def _offer(v: int) -> PublishedVersion:
@@ -94,7 +94,7 @@ def test_a_worker_that_cannot_fetch_a_version_keeps_its_own(
     from stages.post_training.hf_io import load_model
     from stages.post_training.pools import LocalPool
     from stages.post_training.rollout import RolloutWorker, WorkerSpec
-    from stages.post_training.weight_sync import BaseWeights, state_digest
+    from stages.post_training.weight_descriptors import BaseWeights, state_digest
 
     @ray.remote(num_cpus=0)
     class Owner:

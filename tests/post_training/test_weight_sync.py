@@ -27,15 +27,14 @@ from helpers.backend import free_port
 from helpers.weight_board import sync_only_controller
 
 from stages.netsec import NONCE_BYTES, RunSecret
-from stages.post_training.weight_sync import (
-    CollectiveSender,
+from stages.post_training.weight_descriptors import (
     CollectiveWeights,
     pack,
     plan_buckets,
     state_digest,
-    sync_key,
     unpack,
 )
+from stages.post_training.weight_sync import CollectiveSender, sync_key
 
 REPO = Path(__file__).resolve().parents[2]
 # A hang guard on a sender process's exit, never a speed claim.
@@ -144,7 +143,7 @@ def test_a_sender_killed_mid_broadcast_leaves_the_worker_at_its_version_until_a_
     bucket of version 2: the worker's receive fails within its timeout instead of
     hanging, the worker keeps version 1's weights and reports version 2 missed; then a
     new sender (a healed rank 0, a new listener) delivers version 3 bit-identical."""
-    from stages.post_training.weight_sync import state_digest
+    from stages.post_training.weight_descriptors import state_digest
 
     (worker,) = _workers(tiny_policy, 1)
 

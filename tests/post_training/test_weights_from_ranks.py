@@ -87,14 +87,14 @@ def test_the_fleet_gets_each_version_from_the_learner_rank_not_the_driver(
     from stages.post_training.hf_io import load_model, load_tokenizer
     from stages.post_training.learner import run_rlvr_on_engine
     from stages.post_training.rollout import WorkerSpec
-    from stages.post_training.weight_sync import (
+    from stages.post_training.weight_descriptors import (
         BaseWeights,
         CollectiveWeights,
         ObjectStoreWeights,
         PublishedVersion,
         state_digest,
-        sync_key,
     )
+    from stages.post_training.weight_sync import sync_key
     from tests.post_training.test_fleet import _rl_setup
 
     steps = 2
