@@ -40,11 +40,11 @@ def check_post_training_objectives(m: Manifest, request: PlanRequest, chosen: Pl
     """Each SFT, DPO and RLVR objective fits the booking's devices on the ``chosen``
     plan's replica groups and their ranks (``ParallelLayout.for_post_training``,
     ``stages.parallelism.post_training``; the model is the manifest's preset)."""
-    from stages.parallelism.hardware import load_gpu_sku
+    from stages.parallelism.hardware import resolve_gpu_sku
     from stages.parallelism.post_training import ObjectiveKind, check_objective_memory
     from stages.trainer.parallel.layout import ParallelLayout
 
-    sku = load_gpu_sku(request.gpu_sku)
+    sku = resolve_gpu_sku(request.gpu_sku)
     layout = ParallelLayout(
         tp=chosen.tp, pp=chosen.pp, cp=chosen.cp, dp_shard=chosen.dp_shard
     ).for_post_training()

@@ -102,6 +102,35 @@ def load_gpu_sku(name: str) -> GpuSku:
     return load_config("gpus", name, GpuSku, ErrorCode.gpu_sku_unknown)
 
 
+def resolve_gpu_sku(sku: str | GpuSku) -> GpuSku:
+    """A request's SKU: a configs/gpus name, or a SKU given whole (``measured_sku``)."""
+    return sku if isinstance(sku, GpuSku) else load_gpu_sku(sku)
+
+
+def measured_sku(sku: GpuSku, predicted_step_s: float, measured_step_s: float) -> GpuSku:
+    """``sku`` as a device measured it: a step of the model alone on one device (forward,
+    backward and optimizer, no communication) that the planner predicts at
+    ``predicted_step_s`` took ``measured_step_s``. The planner's compute time is the
+    larger of a GEMM's FLOPs over the peak and its bytes over the memory bandwidth, and
+    the optimizer's bytes over the bandwidth, so scaling both rates by predicted /
+    measured makes the prediction of that step the measured one; the links are left as
+    they are, and so is the name (what the SKU is, e.g. whether it trains fp8). This is
+    the fabric's counterpart of a link a benchmark measured: a host
+    whose cores are shared or throttled computes at its own rate, not a catalogue's."""
+    if predicted_step_s <= 0 or measured_step_s <= 0:
+        raise ValueError("predicted and measured step times must be positive")
+    scale = predicted_step_s / measured_step_s
+    fp8 = None if sku.fp8_tflops is None else sku.fp8_tflops * scale
+    return sku.model_copy(
+        update={
+            "description": f"{sku.name} at {scale:.3g}x its rates, as a device measured",
+            "bf16_tflops": sku.bf16_tflops * scale,
+            "fp8_tflops": fp8,
+            "hbm_bandwidth_gb_s": sku.hbm_bandwidth_gb_s * scale,
+        }
+    )
+
+
 @cache
 def load_fabric(name: str) -> Fabric:
     return load_config("fabrics", name, Fabric, ErrorCode.fabric_unknown)

@@ -15,7 +15,7 @@ from stages.parallelism.checks import (
     check_tp,
     resolve_dp_shard,
 )
-from stages.parallelism.hardware import Fabric, load_fabric, load_gpu_sku
+from stages.parallelism.hardware import Fabric, load_fabric, resolve_gpu_sku
 from stages.parallelism.memory import GIB, MemoryEstimate, estimate_memory, rank_params
 from stages.parallelism.spec import (
     Layout,
@@ -38,7 +38,7 @@ FSDP_SHARD_HINT = "FSDP shards weights, gradients and AdamW state over dp_shard 
 
 def resolve(request: PlanRequest) -> Context:
     preset = request.preset()
-    sku = load_gpu_sku(request.gpu_sku)
+    sku = resolve_gpu_sku(request.gpu_sku)
     fabric = request.fabric if isinstance(request.fabric, Fabric) else load_fabric(request.fabric)
     if request.sync is not None and not request.sync.every_step:
         check_pinned_sync(request.sync, request.sync_divides)

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.base import StrictModel
-from stages.parallelism.hardware import Fabric, Precision
+from stages.parallelism.hardware import Fabric, GpuSku, Precision
 from stages.presets import ModelPreset, load_model_preset
 from stages.replica_sync import ReplicaSync
 
@@ -20,7 +20,9 @@ class PlanRequest(StrictModel):
     """What to plan: a model, a global batch and the booking's metal."""
 
     model: str | ModelPreset = Field(description="a configs/models preset name, or a preset")
-    gpu_sku: str
+    gpu_sku: str | GpuSku = Field(
+        description="a configs/gpus name, or a SKU (e.g. a device a benchmark measured)"
+    )
     gpus_per_node: int = Field(gt=0)
     node_count: int = Field(gt=0)
     fabric: str | Fabric = Field(
