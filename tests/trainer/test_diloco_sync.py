@@ -1,7 +1,8 @@
 """``DiLoCoSync`` against real torchft: two replica groups (a Manager each, in threads
 of this process, over a real lighthouse and gloo) take inner steps alone and, at the
 turn's last one, sync to the outer Nesterov step of their mean pseudo-gradient; the
-outer state a checkpoint holds loads back; a model splits into streaming fragments."""
+outer state a checkpoint holds loads back; a model splits into streaming fragments,
+which sync in turn."""
 
 from __future__ import annotations
 
@@ -113,3 +114,56 @@ def test_a_model_splits_into_streaming_fragments_of_its_parameters_once_each() -
     with pytest.raises(ItoError) as e:
         fragments_of(torch.nn.Linear(8, 8), 3)  # two tensors make no three fragments
     assert e.value.code is ErrorCode.plan_sync_invalid
+
+
+def test_streaming_fragments_sync_in_turn_each_every_h_steps() -> None:
+    """F = 2 of H = 4: a fragment syncs every H / F steps, in turn, so after each sync
+    the groups agree on the fragment that synced and not on the other, which trained
+    on their own data since its last sync."""
+    sync_cfg = ReplicaSync(mode="diloco", sync_every=4, fragments=2)
+    cfg = FaultToleranceConfig(min_replica_groups=2)
+    lighthouse = start_lighthouse(cfg, min_replicas=2)
+    secret = RunSecret.new()
+
+    def deep() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+
+    models = [deep() for _ in range(2)]
+    seen: dict[int, list[tuple[int, bool | None, list[list[torch.Tensor]]]]] = {}
+
+    def group(g: int) -> None:
+        manager, _store = one_rank_manager(
+            cfg, lighthouse.address(), group=g, secret=secret, sync_quorum=True
+        )
+        model = models[g]
+        inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+        sync = DiLoCoSync(manager, model, inner, sync_cfg)
+        seen[g] = []
+        try:
+            for step in range(2 * sync_cfg.sync_every):
+                sync.voted = None
+                _inner_step(model, inner, g, step)
+                frags = [[p.detach().clone() for p in f.parameters()] for f in sync.fragments]
+                seen[g].append((sync.current_step(), sync.voted, frags))
+        finally:
+            sync.close()
+            manager.shutdown(wait=False)
+
+    try:
+        run_groups(2, group)
+    finally:
+        lighthouse.shutdown()
+
+    def agree(step: int, frag: int) -> bool:
+        a, b = seen[0][step][2][frag], seen[1][step][2][frag]
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    for g in range(2):
+        assert [s for s, _, _ in seen[g]] == list(range(1, 9))
+        assert [v for _, v, _ in seen[g]] == [None, True] * 4  # a sync every H / F steps
+    synced = []
+    for step in (1, 3, 5, 7):  # after the 2nd, 4th, ... inner step
+        [frag] = [f for f in range(2) if agree(step, f)]
+        synced.append(frag)
+    assert synced in ([0, 1, 0, 1], [1, 0, 1, 0])
