@@ -73,6 +73,11 @@ class PlanRequest(StrictModel):
     # The largest H planned: the DiLoCo paper trained well up to H = 500 and found
     # its loss degrading beyond; streaming DiLoCo used 100.
     max_sync_every: int = Field(default=500, ge=2, le=100_000)
+    # The fewest syncs a DiLoCo run plans (its last step, the largest of sync_divides,
+    # over H): with fewer the groups train apart for most of the run and meet once or
+    # twice, which is averaging models, not training one. A 60-step run syncing 3 times
+    # (H = 20) ended +2.4% held-out loss against every-step sync.
+    min_diloco_syncs: int = Field(default=3, ge=1, le=1_000_000)
     # DiLoCo's outer Nesterov momentum pays off over many syncs (the paper's runs had
     # hundreds). Over a few it overshoots: a 60-step run syncing 3 times ended +3.3%
     # held-out loss with it (+5.3% with 6 syncs), +2.4% with plain averaging of the

@@ -14,7 +14,8 @@ with ``R = R_bw + R_lat`` the replicate allreduce (bandwidth and latency parts) 
 paying the latency). The planner plans DiLoCo when ``R`` exceeds
 ``PlanRequest.max_sync_share`` of the every-step step, with the smallest H whose
 amortised sync is within ``PlanRequest.diloco_sync_share`` of the inner step, capped
-at ``PlanRequest.max_sync_every`` and dividing every step count in
+at ``PlanRequest.max_sync_every`` and at ``PlanRequest.min_diloco_syncs`` syncs in the
+run, and dividing every step count in
 ``PlanRequest.sync_divides`` (checkpoints and phase ends fall where groups agree).
 """
 
@@ -68,10 +69,18 @@ def check_pinned_sync(pin: ReplicaSync, divides: list[int]) -> None:
         )
 
 
+def _largest_h(request: PlanRequest) -> int:
+    """The largest H planned: ``max_sync_every``, and ``min_diloco_syncs`` syncs in
+    the run's steps when they are known."""
+    if not request.sync_divides:
+        return request.max_sync_every
+    return min(request.max_sync_every, max(request.sync_divides) // request.min_diloco_syncs)
+
+
 def _candidates(request: PlanRequest) -> list[int]:
-    """H values allowed by the constraints, smallest first (2 .. max_sync_every)."""
+    """H values allowed by the constraints, smallest first (2 .. ``_largest_h``)."""
     g = sync_divisor(request.sync_divides)
-    top = request.max_sync_every
+    top = _largest_h(request)
     if g is None:
         return list(range(2, top + 1))
     return [d for d in range(2, min(g, top) + 1) if g % d == 0]
@@ -144,15 +153,17 @@ def choose_sync(
             r,
             0.0,
             f"{allreduce}, over the {request.max_sync_share:.0%} share, but no DiLoCo "
-            f"interval from 2 to {request.max_sync_every} divides {g} (the checkpoint "
+            f"interval from 2 to {_largest_h(request)} (at most {request.max_sync_every}, "
+            f"and {request.min_diloco_syncs} syncs in the run) divides {g} (the checkpoint "
             "interval and phase ends): every step",
         )
     t = times["diloco"]
     short = (
         ""
         if amortised <= request.diloco_sync_share * inner * (1 + 1e-9)
-        else f" (the cap of {request.max_sync_every} steps or the step counts it must "
-        f"divide keep it over {request.diloco_sync_share:.0%})"
+        else f" (the cap of {_largest_h(request)} steps, {request.min_diloco_syncs} syncs "
+        f"in the run, or the step counts it must divide keep it over "
+        f"{request.diloco_sync_share:.0%})"
     )
     return SyncChoice(
         auto, t, times, r, amortised, f"{allreduce}: {_diloco(auto, amortised, t)}{short}"

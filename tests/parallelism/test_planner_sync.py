@@ -118,6 +118,21 @@ def test_h_is_capped_and_the_cap_is_explained() -> None:
     assert any("cap of 8 steps" in r for r in p.reasons)
 
 
+def test_a_short_run_syncs_at_least_min_diloco_syncs_times() -> None:
+    """Where the share would want an H near the run's length (the groups train apart
+    and meet once or twice), the planner keeps ``min_diloco_syncs`` syncs."""
+    request = _testbed(THROTTLED, sync_divides=[60])
+    p = plan(request)
+    # the share alone would take H = 30 (two syncs), over the 20 three syncs allow
+    assert _needed_h(_every_step(request, p)) > 60 // request.min_diloco_syncs
+    assert p.sync.mode == "diloco" and p.sync.sync_every == 60 // request.min_diloco_syncs
+    assert any("3 syncs in the run" in r for r in p.reasons)
+    # a run too short for two syncs of H >= 2 keeps every step, and says why
+    short = plan(_testbed(THROTTLED, sync_divides=[5]))
+    assert short.sync == ReplicaSync()
+    assert any("no DiLoCo interval from 2 to 1" in r for r in short.reasons)
+
+
 def test_the_diloco_step_time_is_the_formula() -> None:
     # T = (T_every - R) + (R_bw + F x R_lat + T_outer) / H, here pinned with fragments on
     # a high-latency link so the F x R_lat term shows.
