@@ -20,15 +20,28 @@ two replica groups.
    core (``pin_group_cores``). Without root (or ``ip``/``tc``), the reason is printed
    and both runs go on one local Ray, unthrottled: the harness runs, the figures mean
    nothing.
-2. The planner (``stages.parallelism.plan``) on the ``cpu-testbed`` SKU, two nodes of
-   one rank, ``min_replica_groups=2``, the run's batch and sequence length, and the
-   measured link as its fabric (``Fabric``: the probe's slower direction as
-   bandwidth, ``efficiency`` 1 since it is already an achieved rate, half the probe's
-   round trip as latency), the run's step count as a step H must divide (the phase
-   end). Its ``Plan.sync`` is what the second run trains with (``--sync-every`` pins H,
-   as a manifest may: the planner honours and explains it); ``step_time_by_sync``
-   gives its predicted step time of each mode. The same request on the ``loopback``
-   fabric (the unthrottled testbed) must keep ``every_step``.
+2. The planner (``stages.parallelism.plan``) on the ``cpu-testbed`` SKU as a core
+   measured it, two nodes of one rank, ``min_replica_groups=2``, the run's batch and
+   sequence length, and the measured link as its fabric (``Fabric``: the probe's
+   slower direction as bandwidth, ``efficiency`` 1 since it is already an achieved
+   rate, half the probe's round trip as latency), the run's step count as a step H
+   must divide (the phase end). Its ``Plan.sync`` is what the second run trains
+   with (``--sync-every`` pins H, as a manifest may: the planner honours and explains
+   it); ``step_time_by_sync`` gives its predicted step time of each mode. The same
+   request on the ``loopback`` fabric (the unthrottled testbed) must keep
+   ``every_step``.
+
+   The device, measured like the link: the catalogue's ``cpu-testbed`` prices a
+   shared core (its TFLOP/s were fitted on a loaded host), and a quiet core trains
+   about 3x faster. So before the runs a plain loop (``benchmarks/throughput.py``'s:
+   forward, backward and AdamW of the model on one group's share of the batch, no
+   communication, one thread on group 0's core) times ``--calibration-steps`` steps
+   after two warm-up steps, and the planner gets the SKU at that rate
+   (``measured_sku``: its compute and memory rates scaled by the planner's
+   prediction of that same one-device step over the measured). What the prediction
+   then checks is the planner's model of the link and of DiLoCo's amortised sync,
+   and the engine's own overheads per step (the JSON's ``calibration``: the measured
+   step, the catalogue's prediction of it, and the rate scale given the planner).
 3. Two runs of the real training stage, ``--preset`` on ``data/python_docs`` for
    ``--steps`` steps of ``--batch-tokens`` tokens (identical tokens: same data, seed
    and schedule), one curriculum phase whose end runs the ``smoke`` battery (the
@@ -66,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -81,12 +95,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from benchmarks import netem_link
 from benchmarks.fault_tolerance import Watcher
+from benchmarks.throughput import plain_loop
 from stages.base import GateOutcome, StageContext
 from stages.checkpointing.config import CheckpointPolicy
 from stages.curriculum.config import CurriculumConfig, CurriculumPhase
 from stages.curriculum.schedule import schedule_curriculum
 from stages.events import EvalEvent
-from stages.parallelism.hardware import Fabric
+from stages.parallelism.hardware import Fabric, GpuSku, load_gpu_sku, measured_sku
 from stages.presets import load_model_preset
 from stages.replica_sync import ReplicaSync
 from stages.run_facts import PlacementFact, RunFacts
@@ -111,6 +126,7 @@ SMOKE = {
     "seq_len": 32,
     "batch_tokens": 256,
     "sync_every": 2,
+    "calibration_steps": 2,
 }
 
 
@@ -136,6 +152,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--outer-momentum", type=float, default=None, help="pin DiLoCo's outer Nesterov momentum"
     )
+    p.add_argument(
+        "--calibration-steps",
+        type=int,
+        default=10,
+        help="steps of the plain loop that measures the device's compute (after 2 warm-up)",
+    )
     p.add_argument("--smoke", action="store_true", help=f"CI's smallest size: {SMOKE}")
     args = p.parse_args(argv)
     if args.smoke:
@@ -149,9 +171,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --- the planner -------------------------------------------------------------------------
-def planned(args: argparse.Namespace, fabric: str | Fabric, *, pin_sync: bool = True) -> Any:
-    """The planner's plan of the runs' shape on ``fabric`` (with ``--sync-every``'s pin
-    when ``pin_sync``)."""
+def planned(
+    args: argparse.Namespace, fabric: str | Fabric, sku: GpuSku, *, pin_sync: bool = True
+) -> Any:
+    """The planner's plan of the runs' shape on ``fabric`` and ``sku`` (with
+    ``--sync-every``'s pin when ``pin_sync``)."""
     from stages.parallelism import PlanRequest, plan
 
     pin = None
@@ -160,7 +184,7 @@ def planned(args: argparse.Namespace, fabric: str | Fabric, *, pin_sync: bool = 
     return plan(
         PlanRequest(
             model=args.preset,
-            gpu_sku="cpu-testbed",
+            gpu_sku=sku,
             gpus_per_node=1,
             node_count=2,
             fabric=fabric,
@@ -171,6 +195,49 @@ def planned(args: argparse.Namespace, fabric: str | Fabric, *, pin_sync: bool = 
             sync_divides=[args.steps],
         )
     )
+
+
+def measured_device(args: argparse.Namespace, tmp: Path) -> tuple[GpuSku, dict[str, float]]:
+    """The ``cpu-testbed`` SKU at the rate one pinned core trains the model now (see the
+    module docstring), and the calibration's figures."""
+    from stages.parallelism import PlanRequest, plan
+
+    testbed = load_gpu_sku("cpu-testbed")
+    core = sorted(os.sched_getaffinity(0))[0]  # group 0's (``pin_group_cores``)
+    cfg = {
+        "core": core,
+        "preset": args.preset,
+        "lr": args.lr,
+        "seq_len": args.seq_len,
+        "tokens": args.batch_tokens // 2,
+        "warmup": 2,
+        "measure": args.calibration_steps,
+        "every": args.calibration_steps + 3,  # no checkpoint: the runs save none mid-run
+        "ckpt": str(tmp / "calibration.pt"),
+    }
+    spawn = multiprocessing.get_context("spawn")
+    result = spawn.Queue()
+    proc = spawn.Process(target=plain_loop, args=(cfg, result), daemon=True)
+    proc.start()
+    measured = float(result.get(timeout=RUN_TIMEOUT_S))
+    proc.join(timeout=30)
+    one_device = plan(
+        PlanRequest(
+            model=args.preset,
+            gpu_sku=testbed,
+            gpus_per_node=1,
+            node_count=1,
+            fabric="loopback",
+            global_batch_tokens=args.batch_tokens // 2,
+            seq_len=args.seq_len,
+        )
+    )
+    sku = measured_sku(testbed, one_device.step_time_s, measured)
+    return sku, {
+        "measured_step_s": measured,
+        "catalogue_step_s": one_device.step_time_s,
+        "rate_scale": one_device.step_time_s / measured,
+    }
 
 
 def measured_fabric(probes: dict[str, netem_link.Probe] | None, args: argparse.Namespace) -> Fabric:
@@ -337,6 +404,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         probes = None
         facts = RunFacts()  # no placement: Ray schedules the ranks as it likes
+        # Before any cluster starts: the core trains alone, as the groups' will.
+        sku, calibration = measured_device(args, tmp)
+        out["calibration"] = calibration
+        c = calibration
+        print(
+            f"device: a pinned core trains one group's share in {c['measured_step_s']:.3f}s "
+            f"(the cpu-testbed catalogue: {c['catalogue_step_s']:.3f}s): the planner gets "
+            f"its rates x{c['rate_scale']:.2f}",
+            flush=True,
+        )
         if skip is None:
             link = netem_link.NetemLink(rate_mbit=args.rate_mbit, delay_ms=args.delay_ms)
             link.open()
@@ -363,8 +440,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      _temp_dir=str(tmp / "ray"), log_to_driver=False)  # fmt: skip
 
         fabric = measured_fabric(probes, args)
-        slow = planned(args, fabric)
-        fast = planned(args, "loopback", pin_sync=False)
+        slow = planned(args, fabric, sku)
+        fast = planned(args, "loopback", sku, pin_sync=False)
         predicted = {k: round(v, 3) for k, v in slow.step_time_by_sync.items()}
         print(f"planner, {fabric.inter_node_bandwidth_gb_s_per_gpu * 8e3:.0f} Mbit/s link: "
               f"{slow.sync.mode} (H={slow.sync.sync_every}); predicted step s {predicted}",
