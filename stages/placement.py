@@ -33,6 +33,11 @@ from stages.run_facts import PlacementFact as PlacementFact  # re-exported: its 
 from stages.run_facts import RunFacts
 
 BOOKING_RESOURCE_PREFIX = "booking:"
+# A booked node's own name, as the booking lists it: a custom resource (amount 1) each
+# raylet is started with beside the booking's mark, so the orchestrator knows which Ray
+# node is booking node X (a node label would not do: booking node names may hold ":"
+# and be 128 characters long, beyond a label's).
+NODE_RESOURCE_PREFIX = "booking-node:"
 # What every placed actor takes of the booking's mark inside its bundle: a token
 # amount that pins it to a bundle of the booking's nodes even when it asks for no
 # CPU or GPU (a zero-resource actor would otherwise be free to go anywhere).
@@ -58,6 +63,11 @@ def run_group_of(group_name: str) -> str:
 def booking_resource(booking_id: str) -> str:
     """The custom resource that marks a node as belonging to ``booking_id``."""
     return f"{BOOKING_RESOURCE_PREFIX}{booking_id}"
+
+
+def node_resource(node: str) -> str:
+    """The custom resource that names a Ray node as booking node ``node``."""
+    return f"{NODE_RESOURCE_PREFIX}{node}"
 
 
 def placement_fact(facts: RunFacts | None) -> PlacementFact | None:

@@ -13,6 +13,7 @@ orchestrator: this module is the whole contract between them.
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,8 +35,25 @@ class ResizeRequest(BaseModel):
     # Where added groups go: the reservation of the nodes the booking gained (None:
     # the run's own placement, or none in a stage run alone).
     placement: PlacementFact | None = None
-    # The groups on the nodes the booking lost, to drain first (empty: the highest).
+    # Groups to drain first, by index (empty: the groups off ``node_ids``, else the
+    # highest).
     leaving_groups: tuple[int, ...] = ()
+    # The Ray nodes (hex ids) the booking's nodes are after the change, one per name of
+    # ``nodes``; empty where that is not known (a raylet not started with its node's
+    # name, a node not joined, one machine serving the booking). A group with a rank on
+    # a Ray node not listed leaves; unknown, the highest groups leave.
+    node_ids: tuple[str, ...] = ()
+
+
+def groups_off_booking(
+    rank_nodes: Mapping[tuple[int, int], str], booking_nodes: Collection[str]
+) -> tuple[int, ...]:
+    """The replica groups with a rank on a Ray node the booking no longer holds, from
+    each rank's node (``(group, rank) -> node id``). None where the mapping is not
+    known: no booking node ids, or a rank whose node is unknown ("")."""
+    if not booking_nodes or not rank_nodes or not all(rank_nodes.values()):
+        return ()
+    return tuple(sorted({g for (g, _), node in rank_nodes.items() if node not in booking_nodes}))
 
 
 class ResizeInbox:

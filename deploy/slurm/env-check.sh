@@ -22,6 +22,9 @@ ito_check_env() {
   local path='^/[A-Za-z0-9_./+-]{0,4095}$' bin='^[A-Za-z0-9_./+-]{1,4096}$' v
   # The booking id as the backend's registry spells it (BookingFile.booking_id).
   ito_valid ITO_BOOKING '^[A-Za-z0-9_.:-]{1,128}$'
+  # This node's name as the booking lists it (a booking file's nodes), and Slurm's.
+  ito_valid ITO_NODE_NAME '^[A-Za-z0-9_.:-]{1,128}$'
+  ito_valid SLURMD_NODENAME '^[A-Za-z0-9_.:-]{1,128}$'
   # A port block of 100 must fit below 65536 and above the privileged ports.
   ito_valid ITO_PORT_BASE '^[1-9][0-9]{3,4}$'
   if [ -n "${ITO_PORT_BASE:-}" ] && { [ "$ITO_PORT_BASE" -lt 1024 ] ||

@@ -36,6 +36,11 @@ gpus="${SLURM_GPUS_ON_NODE:-0}"
 if [ "$role" = head ]; then cpus=0 gpus=0; fi  # the head runs no work
 # The mark's amount is the node's GPUs; a CPU testbed counts its ranks instead.
 mark="${ITO_MARK_AMOUNT:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 1)}"
+# The booking's name for this node (its booking file's `nodes`): a resource of its own,
+# so the backend knows which Ray node is which booking node (a node taken back from the
+# booking drains the run's groups on it). Slurm's node name unless set.
+ITO_NODE_NAME="${ITO_NODE_NAME:-${SLURMD_NODENAME:-$(hostname -s)}}"
+ito_valid ITO_NODE_NAME '^[A-Za-z0-9_.:-]{1,128}$'
 ip="${ITO_NODE_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}"
 ip="${ip:-127.0.0.1}"
 args=(start --block --disable-usage-stats "--node-ip-address=$ip"
@@ -52,7 +57,8 @@ if [ "$role" = head ]; then
   args+=(--head "--port=$((base + 7))" "--ray-client-server-port=$((base + 6))"
          --include-dashboard=true "--dashboard-port=$((base + 8))" --dashboard-host=127.0.0.1)
 else
-  args+=("--address=${ITO_RAY_ADDRESS:?}" "--resources={\"booking:${ITO_BOOKING:?}\": ${mark}}")
+  args+=("--address=${ITO_RAY_ADDRESS:?}"
+         "--resources={\"booking:${ITO_BOOKING:?}\": ${mark}, \"booking-node:${ITO_NODE_NAME}\": 1}")
 fi
 if [ -n "${ITO_RAY_TEMP_DIR:-}" ]; then
   args+=("--temp-dir=${ITO_RAY_TEMP_DIR}")

@@ -28,13 +28,19 @@ its own and only when the backend runs its own embedded head.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.errors import ErrorCode
-from stages.placement import added_group_name, booking_resource
+from stages.placement import (
+    NODE_RESOURCE_PREFIX,
+    added_group_name,
+    booking_resource,
+    node_resource,
+)
 from stages.run_facts import PlacementFact
 
 if TYPE_CHECKING:
@@ -86,11 +92,51 @@ class Waiting:
     code: ErrorCode
 
 
+# ``_live_nodes``' resource for every live node.
+BOOKING_NODES_ANY = ""
+
+
 def _live_nodes(resource: str) -> list[dict[str, Any]]:
+    """The live nodes that have ``resource`` (every live one for ``BOOKING_NODES_ANY``)."""
     import ray
 
     nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
-    return [n for n in nodes if n.get("Alive") and resource in (n.get("Resources") or {})]
+    return [
+        n
+        for n in nodes
+        if n.get("Alive") and (not resource or resource in (n.get("Resources") or {}))
+    ]
+
+
+def _pinned(
+    bundle: dict[str, float], resource: str, nodes: Sequence[str], count: int
+) -> list[dict[str, float]]:
+    """``count`` bundles, each on the booking node of its name where the booking's
+    nodes carry their names (else on any node of the booking)."""
+    if len(nodes) != count or not names_nodes(resource):
+        return [dict(bundle) for _ in range(count)]
+    return [{**bundle, node_resource(name): 1.0} for name in nodes]
+
+
+def names_nodes(resource: str) -> bool:
+    """Whether the live nodes marked ``resource`` carry their booking node's name
+    (``booking-node:<name>``, set by ``ray start`` in deploy/slurm and deploy/k8s)."""
+    return any(
+        k.startswith(NODE_RESOURCE_PREFIX) for n in _live_nodes(resource) for k in n["Resources"]
+    )
+
+
+def node_ids(names: Sequence[str]) -> tuple[str, ...]:
+    """The live Ray nodes (hex ids) that are booking nodes ``names``, in their order;
+    empty unless every name is one live node's (the mapping is all or nothing: a
+    trainer that knows only some nodes would drain the groups on the others)."""
+    found: dict[str, str] = {}
+    for n in _live_nodes(BOOKING_NODES_ANY):
+        for key in n["Resources"]:
+            if key.startswith(NODE_RESOURCE_PREFIX):
+                found[key[len(NODE_RESOURCE_PREFIX) :]] = str(n["NodeID"])
+    ids = tuple(found.get(name, "") for name in names)
+    return ids if ids and all(ids) else ()
 
 
 def _mark_for(booking: dict[str, Any], embedded: bool) -> str:
@@ -165,14 +211,15 @@ def reserve_added(
     run_id: str,
     change_id: int,
     booking: dict[str, Any],
-    nodes: int,
+    nodes: Sequence[str],
     settings: PlacementSettings,
     *,
     embedded: bool,
 ) -> PlacementFact | None:
-    """The group of ``nodes`` nodes a booking change added (idempotent by name); None
-    on the embedded head (the run's own group serves). Raises ``PlacementPending``
-    until Ray created it (the added nodes joined and are free)."""
+    """The group of the booking nodes ``nodes`` a booking change added (idempotent by
+    name), a bundle on each; None on the embedded head (the run's own group serves).
+    Raises ``PlacementPending`` until Ray created it (the added nodes joined and are
+    free)."""
     from ray.util.placement_group import placement_group
 
     if embedded:  # one machine: the run's own group serves
@@ -183,13 +230,13 @@ def reserve_added(
     if pg is None:
         bundle = _bundle(booking, resource, settings, False)
         pg = placement_group(
-            [dict(bundle) for _ in range(nodes)],
+            _pinned(bundle, resource, nodes, len(nodes)),
             strategy=settings.strategy,
             name=name,
             lifetime="detached",
         )
     if state(pg) != "CREATED":
-        raise PlacementPending(f"waiting for the {nodes} added node(s) of the booking")
+        raise PlacementPending(f"waiting for the added node(s) {', '.join(nodes)}")
     return fact(run_id, booking, pg, name=name)
 
 
@@ -198,9 +245,15 @@ class PlacementPending(Exception):
 
 
 def reserve(
-    run_id: str, booking: dict[str, Any], settings: PlacementSettings, *, embedded: bool
+    run_id: str,
+    booking: dict[str, Any],
+    settings: PlacementSettings,
+    *,
+    embedded: bool,
+    nodes: Sequence[str] = (),
 ) -> PlacementGroup:
-    """Create the run's group (idempotent by name); it may stay pending."""
+    """Create the run's group (idempotent by name), a bundle on each of the booking's
+    ``nodes`` where they carry their names; it may stay pending."""
     from ray.util.placement_group import placement_group
 
     existing = lookup(run_id)
@@ -208,10 +261,12 @@ def reserve(
         return existing
     resource = _mark_for(booking, embedded)
     on_embedded = resource == EMBEDDED_RESOURCE
-    nodes = 1 if on_embedded else int(booking.get("node_count") or 1)
+    count = 1 if on_embedded else int(booking.get("node_count") or 1)
     bundle = _bundle(booking, resource, settings, on_embedded)
     pg: PlacementGroup = placement_group(
-        [dict(bundle) for _ in range(nodes)],
+        [dict(bundle) for _ in range(count)]
+        if on_embedded
+        else _pinned(bundle, resource, nodes, count),
         strategy="PACK" if on_embedded else settings.strategy,
         name=pg_name(run_id),
         lifetime="detached",
@@ -240,7 +295,8 @@ def fact(
         placement_group=name or pg_name(run_id),
         placement_group_id=pg.id.hex(),
         bundles=len(bundles),
-        bundle=bundles[0],
+        # One bundle's resources, less the node name it may be pinned to.
+        bundle={k: v for k, v in bundles[0].items() if not k.startswith(NODE_RESOURCE_PREFIX)},
     )
 
 

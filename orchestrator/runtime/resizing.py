@@ -23,7 +23,7 @@ its ``ResizeEvent``\\ s.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from orchestrator.db.store import Row, Store
@@ -44,9 +44,17 @@ FOLLOWING = (RunState.running, RunState.paused_capacity)
 # driver did not take it. The supervisor's is a Ray call with its RPC timeout.
 Deliver = Callable[[Any, dict[str, Any]], None]
 # Reserves the nodes a booking change added to a run: (run_id, change_id, booking,
-# node count) -> their placement (None: the run's own group serves, on the embedded
-# head); raises ``PlacementPending`` until they joined (``placement.reserve_added``).
-Place = Callable[[str, int, dict[str, Any], int], PlacementFact | None]
+# the added nodes' names) -> their placement (None: the run's own group serves, on the
+# embedded head); raises ``PlacementPending`` until they joined
+# (``placement.reserve_added``).
+Place = Callable[[str, int, dict[str, Any], tuple[str, ...]], PlacementFact | None]
+# The Ray nodes (hex ids) that are the named booking nodes, all or none
+# (``placement.node_ids``): the trainer drains the groups on the others.
+Locate = Callable[[Sequence[str]], tuple[str, ...]]
+
+
+def _unlocated(names: Sequence[str]) -> tuple[str, ...]:
+    return ()
 
 
 def ray_deliver(timeout_s: float) -> Deliver:
@@ -67,11 +75,14 @@ class Resizer:
         driver_of: Callable[[str], Any | None],
         deliver: Deliver,
         place: Place,
+        *,
+        locate: Locate = _unlocated,
     ):
         self.store = store
         self.driver_of = driver_of
         self.deliver = deliver
         self.place = place
+        self.locate = locate
         # The request each run's driver has, by the driver it went to: a relaunched
         # driver gets the run's latest size again (once), since its trainer starts
         # from the run's plan.
@@ -182,9 +193,10 @@ class Resizer:
             return
         before, after = int(record["groups_before"]), int(record["replica_groups"])
         placed: PlacementFact | None = None
-        if after > before:
+        if after > 0:
             # The nodes gained since the last delivered size (else since the plan: the
-            # nodes this run's changes added) hold the added groups.
+            # nodes this run's changes added) hold the added groups: those of a grow, and
+            # those that move off the nodes a swap took back.
             gained = self._gained(run, record, last)
             booking = self.store.booking(run["booking_id"])
             if gained and booking is not None:
@@ -200,6 +212,9 @@ class Resizer:
             requested_at=float(record["requested_at"]),
             reason=record["reason"][:500],
             placement=placed,
+            # Which Ray nodes the booking's nodes are: the trainer drains the groups on
+            # the others (the nodes taken back).
+            node_ids=self.locate(record["nodes"]),
         )
         try:
             self.deliver(handle, request.model_dump(mode="json"))
@@ -225,11 +240,14 @@ class Resizer:
                 run_id, RunState.running, f"capacity returned: {after} replica group(s)"
             )
 
-    def _gained(self, run: Row, record: Row, last: Row | None) -> int:
+    def _gained(self, run: Row, record: Row, last: Row | None) -> tuple[str, ...]:
+        """The nodes of ``record`` the run had no reservation on, in the booking's order."""
         if last is not None:
-            return len(set(record["nodes"]) - set(last["nodes"]))
-        added: set[str] = set()
-        for c in self.store.booking_changes(run["booking_id"]):
-            if c["ts"] > run["created_at"] and c["change_id"] <= record["change_id"]:
-                added = added | set(c["nodes"]) if c["action"] == "add" else added - set(c["nodes"])
-        return len(added & set(record["nodes"]))
+            new = set(record["nodes"]) - set(last["nodes"])
+        else:
+            new = set()
+            for c in self.store.booking_changes(run["booking_id"]):
+                if c["ts"] > run["created_at"] and c["change_id"] <= record["change_id"]:
+                    nodes = set(c["nodes"])
+                    new = new | nodes if c["action"] == "add" else new - nodes
+        return tuple(n for n in record["nodes"] if n in new)

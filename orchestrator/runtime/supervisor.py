@@ -86,7 +86,11 @@ class RayRuntime:
         self._authority_checked_at = float("-inf")
         # Booking node changes reach running runs (orchestrator/runtime/resizing.py).
         self._resizer = Resizer(
-            self.store, self._driver, ray_deliver(self.settings.rpc_timeout_s), self._place_added
+            self.store,
+            self._driver,
+            ray_deliver(self.settings.rpc_timeout_s),
+            self._place_added,
+            locate=placement.node_ids,
         )
         self._resized_at = float("-inf")
         self._renewed_at = 0.0
@@ -218,7 +222,7 @@ class RayRuntime:
             self._resizer.follow(runs)
 
     def _place_added(
-        self, run_id: str, change_id: int, booking: dict[str, Any], nodes: int
+        self, run_id: str, change_id: int, booking: dict[str, Any], nodes: tuple[str, ...]
     ) -> PlacementFact | None:
         return placement.reserve_added(
             run_id, change_id, booking, nodes, self.settings.placement, embedded=self.embedded
@@ -375,7 +379,11 @@ class RayRuntime:
             )
             if waiting is None:
                 pg = placement.reserve(
-                    run_id, booking, self.settings.placement, embedded=self.embedded
+                    run_id,
+                    booking,
+                    self.settings.placement,
+                    embedded=self.embedded,
+                    nodes=self.store.booking_nodes(booking["booking_id"]),
                 )
                 if placement.state(pg) != "CREATED":  # Ray places it within a tick or two
                     self.store.set_state_reason(

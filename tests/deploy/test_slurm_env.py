@@ -87,6 +87,7 @@ def _hostile(marker: Path) -> dict[str, str]:
         "ITO_OBJECT_STORE_BYTES": "1$(touch " + str(marker) + ")",
         # Widens the booking's resource JSON to claim every node's CPUs.
         "ITO_BOOKING": 'bk-1": 8, "CPU": 100000, "x',
+        "ITO_NODE_NAME": 'gpu-01": 1, "CPU": 100000, "x',
         "ITO_RAY_ADDRESS": "head:6379 --include-dashboard=true",
         "ITO_NODE_IP": "10.0.0.2; touch " + str(marker),
         "ITO_RAY_TEMP_DIR": "../../etc",
@@ -117,11 +118,15 @@ def test_out_of_range_port_base_is_refused(tmp_path: Path, bin_dir: Path) -> Non
 def test_a_valid_environment_starts_the_node_with_well_formed_arguments(
     tmp_path: Path, bin_dir: Path
 ) -> None:
-    r = _run("ray-node.sh", tmp_path, bin_dir, GOOD, "worker")
+    r = _run("ray-node.sh", tmp_path, bin_dir, {**GOOD, "SLURMD_NODENAME": "gpu-01"}, "worker")
     assert r.returncode == 0, r.stderr
     (argv,) = _calls(tmp_path)
     resources = next(a for a in argv if a.startswith("--resources="))
-    assert json.loads(resources.removeprefix("--resources=")) == {"booking:bk-1": 8}
+    # The booking's mark, and the node's name as the booking lists it (Slurm's).
+    assert json.loads(resources.removeprefix("--resources=")) == {
+        "booking:bk-1": 8,
+        "booking-node:gpu-01": 1,
+    }
     assert "--node-manager-port=30010" in argv and "--max-worker-port=30069" in argv
     assert _run("ray-node.sh", tmp_path, bin_dir, GOOD, "rm -rf").returncode == INVALID
 

@@ -1,6 +1,12 @@
 """A run follows its booking through the product: one Ray cluster of three raylets on
-this machine (an unmarked head with no CPUs, three nodes marked ``booking:bk-grow``),
-an API server joined to it with ``--ray-address``.
+this machine (an unmarked head with no CPUs, three nodes marked ``booking:bk-grow``,
+each started with its booking node's name, ``booking-node:bk-grow-n<i>``, as
+deploy/slurm and deploy/k8s start them), an API server joined to it with
+``--ray-address``.
+
+A node taken back drains the groups on it: a run on the booking's two nodes loses
+``bk-grow-n0``, the node of its group 0, and group 0 leaves (not group 1, the highest,
+which the trainer drains when it does not know the nodes).
 
 The run is planned on the booking's 2 nodes (2 replica groups of 1 rank); mid-run the
 operator adds the third node (``ito-backend bookings add-nodes``): the supervisor
@@ -33,12 +39,14 @@ from helpers.xdist_groups import module_group
 
 from orchestrator.db.store import Store
 from stages.event_buffer import expand_steps
+from stages.placement import node_resource
 
 pytestmark = [pytest.mark.slow, module_group(__name__)]
 
 REPO = Path(__file__).resolve().parents[2]
 BOOKING = "bk-grow"
-ADDED_NODE = f"{BOOKING}-n2"  # the booking's first two are bk-grow-n0 and -n1
+NODES = [f"{BOOKING}-n{i}" for i in range(3)]  # raylets a, b and c
+ADDED_NODE = NODES[2]  # the booking's first two are bk-grow-n0 and -n1
 # A hang guard for each wait on the run (start-up, a resize, the end).
 WAIT_S = float(os.environ.get("ITO_TEST_WAIT_S", "240"))
 # Operator knob: paced so the run outlasts a grow and a shrink. The grow is the long
@@ -46,6 +54,8 @@ WAIT_S = float(os.environ.get("ITO_TEST_WAIT_S", "240"))
 # (about 33 s from the booking change on a loaded 2-core host, ~90 steps here).
 PACE_STEP_S = 0.25
 STEPS = 200
+# A run that only shrinks (nothing to launch) is short.
+TAKEN_BACK_STEPS = 80
 # 12 sequences of 32 tokens a step: 6 a group at 2 groups, 4 at 3.
 SEQ_LEN = 32
 GLOBAL_BATCH_TOKENS = 384
@@ -77,10 +87,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         cluster.start_head()
         mark = {f"booking:{BOOKING}": 1.0}
-        # The third node is up from the start: which two the run's group takes is
-        # Ray's choice; the added group goes to the one left.
-        for name in ("a", "b", "c"):
-            cluster.add_node(name, num_cpus=2, resources=mark)
+        # The third node is up from the start, outside the booking until it is added:
+        # each reservation takes the booking's nodes by their names.
+        for raylet, node in zip(("a", "b", "c"), NODES, strict=True):
+            cluster.add_node(raylet, num_cpus=2, resources={**mark, node_resource(node): 1.0})
         be.extra_args = ["--runtime", "ray", "--ray-address", cluster.address]
         be.start()
         yield {"backend": be, "tenant": tenant, "tmp": tmp, "cluster": cluster, "corpus": corpus}
@@ -89,11 +99,11 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         cluster.stop()
 
 
-def _submit(env: dict[str, Any], name: str) -> str:
+def _submit(env: dict[str, Any], name: str, steps: int = STEPS) -> str:
     be: Backend = env["backend"]
     t: Tenant = env["tenant"]
     m = cpu_testbed_manifest(
-        [data_ref(env["corpus"], license="PSF")], env["tmp"] / f"ckpt-{name}", steps=STEPS
+        [data_ref(env["corpus"], license="PSF")], env["tmp"] / f"ckpt-{name}", steps=steps
     )
     m["training"] |= {"seq_len": SEQ_LEN, "global_batch_tokens": GLOBAL_BATCH_TOKENS}
     with be.client() as c:
@@ -165,6 +175,78 @@ def _group_actors(env: dict[str, Any], run_id: str) -> dict[int, Any]:
         for a in actors
         if a.name and a.name.startswith(prefix)
     }
+
+
+def _ray_nodes(env: dict[str, Any]) -> dict[str, str]:
+    """Booking node name -> the Ray node started with it."""
+    from ray.util.state import list_nodes
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    named = {}
+    for n in list_nodes(address=env["cluster"].dashboard, detail=True, limit=10_000):
+        for key in n.resources_total or {}:
+            if key.startswith(node_resource("")):
+                named[key.removeprefix(node_resource(""))] = n.node_id
+    return named
+
+
+def _reservations_left(env: dict[str, Any], *run_ids: str) -> dict[str, str]:
+    from ray.util.state import list_placement_groups
+
+    return {
+        g.name: g.state
+        for g in list_placement_groups(address=env["cluster"].dashboard, limit=10_000)
+        if any(g.name.startswith(f"run-{r}") for r in run_ids)
+    }
+
+
+def test_a_node_taken_back_drains_the_groups_on_it_not_the_highest(
+    env: dict[str, Any],
+) -> None:
+    db = env["backend"].db
+    steps = TAKEN_BACK_STEPS
+    run_id = _submit(env, "taken-back", steps)
+    _wait(
+        env,
+        run_id,
+        lambda r: r["state"] == "running" and _ledger(env, run_id),
+        "a committed step",
+    )
+    # Each group on the booking node of its bundle: group 0 on bk-grow-n0.
+    nodes, groups = _ray_nodes(env), _group_actors(env, run_id)
+    assert {g: a.node_id for g, a in groups.items()} == {0: nodes[NODES[0]], 1: nodes[NODES[1]]}
+    admin(db, "bookings", "remove-nodes", BOOKING, "--node", NODES[0])
+    _wait(env, run_id, lambda r: _applied(r, 1) is not None, "the shrink applied")
+    done = _wait(env, run_id, lambda r: r["state"] == "succeeded", "succeeded")
+    shrink = _applied(done, 1)
+    assert shrink is not None and shrink["groups_before"] == 2, done["resizes"]
+
+    # Group 0 (on the node taken back) was drained; group 1 trained on alone.
+    fleet = _events(env, run_id, "fleet")
+    drained = [e for e in fleet if e["action"] == "groups_drained"]
+    assert [e["replica_group"] for e in drained] == [0], drained
+    # The ledger: every step once, its batch in one share per member; group 1 alone
+    # from the shrink on.
+    ledger = _ledger(env, run_id)
+    assert sorted(ledger) == list(range(1, steps + 1)), sorted(ledger)
+    for step, shares in ledger.items():
+        (count,) = {m for _, m in shares.values()}
+        assert sorted(place for place, _ in shares.values()) == list(range(count)), (step, shares)
+        assert set(shares) == ({0, 1} if count == 2 else {1}), (step, shares)
+    alone = [s for s, shares in ledger.items() if set(shares) == {1}]
+    assert alone == list(range(alone[0], steps + 1)) and alone[0] <= shrink["step"], (
+        alone,
+        done["resizes"],
+    )
+    assert _train_metrics(done)["tokens"] == steps * GLOBAL_BATCH_TOKENS
+
+    # The booking as the next test needs it: bk-grow-n0 back, the run's nodes free.
+    admin(db, "bookings", "add-nodes", BOOKING, "--node", NODES[0])
+    wait_until(
+        lambda: set(_reservations_left(env, run_id).values()) <= {"REMOVED"},
+        60.0,
+        f"reservations removed: {_reservations_left(env, run_id)}",
+    )
 
 
 def test_a_run_grows_into_an_added_node_and_shrinks_back_with_every_token_counted_once(
@@ -248,11 +330,8 @@ def test_a_run_grows_into_an_added_node_and_shrinks_back_with_every_token_counte
     ), (train["final_loss"], reference["final_loss"])
 
     # Both runs' reservations went with them (released just after a run's end).
-    def left() -> dict[str, str]:
-        return {
-            g.name: g.state
-            for g in list_placement_groups(address=env["cluster"].dashboard, limit=10_000)
-            if g.name.startswith(f"run-{run_id}") or g.name.startswith(f"run-{still_id}")
-        }
-
-    wait_until(lambda: set(left().values()) <= {"REMOVED"}, 60.0, f"reservations removed: {left()}")
+    wait_until(
+        lambda: set(_reservations_left(env, run_id, still_id).values()) <= {"REMOVED"},
+        60.0,
+        f"reservations removed: {_reservations_left(env, run_id, still_id)}",
+    )

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from orchestrator.runtime.placement import EMBEDDED_RESOURCE, embedded_marks
+from typing import Any
+
+import pytest
+
+from orchestrator.runtime.placement import EMBEDDED_RESOURCE, embedded_marks, node_ids
 from stages.placement import (
     MARK_PER_ACTOR,
+    NODE_RESOURCE_PREFIX,
     actor_options,
     booking_resource,
     bundle_for_rank,
+    node_resource,
 )
 from stages.run_facts import PlacementFact, RunFacts
 
@@ -51,3 +57,31 @@ def test_embedded_head_is_marked_with_each_booking_and_the_catch_all() -> None:
     assert marks[booking_resource("bk1")] == 2.0
     assert marks[booking_resource("bk2")] == 1.0
     assert EMBEDDED_RESOURCE in marks
+
+
+def _node(node_id: str, alive: bool = True, **resources: float) -> dict[str, Any]:
+    return {"NodeID": node_id, "Alive": alive, "Resources": {"CPU": 2.0, **resources}}
+
+
+def test_booking_nodes_are_the_ray_nodes_started_with_their_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ray
+
+    named = {f"{NODE_RESOURCE_PREFIX}gpu-0{i}": 1.0 for i in range(3)}
+    nodes = [
+        _node("head"),  # unmarked: no work
+        *(_node(f"id{i}", **{"booking:bk1": 1.0, k: 1.0}) for i, k in enumerate(named)),
+        _node("dead", alive=False, **{f"{NODE_RESOURCE_PREFIX}gpu-09": 1.0}),
+    ]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    # In the booking's order, whatever Ray's.
+    assert node_ids(["gpu-02", "gpu-00"]) == ("id2", "id0")
+    assert node_resource("gpu-00") in named
+    # All or nothing: a name no live node carries (not joined, or its host is dead).
+    assert node_ids(["gpu-00", "gpu-09"]) == ()
+    assert node_ids(["gpu-00", "gpu-07"]) == ()
+    assert node_ids([]) == ()
+    # One machine serving the booking, its nodes not named: no mapping.
+    monkeypatch.setattr(ray, "nodes", lambda: [_node("one", **{"booking:bk1": 1.0})])
+    assert node_ids(["bk1-n0", "bk1-n1"]) == ()

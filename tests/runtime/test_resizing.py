@@ -240,3 +240,33 @@ def test_changes_before_the_run_was_accepted_are_in_its_plan_and_not_sent(
     transport = Transport()
     _follow(store, Resizer(store, {RUN: driver}.get, transport, embedded_place))
     assert transport.sent == [] and store.run_resizes(RUN) == []
+
+
+def test_a_node_swap_names_the_booking_s_ray_nodes_and_reserves_the_gained_one(
+    world: tuple[Store, RunDriverImpl, Transport, Resizer],
+) -> None:
+    """One node taken back and one gained in one pass: the count stays, and the request
+    still goes out, with the Ray nodes the booking's nodes are (the trainer drains the
+    groups on the others) and the gained node reserved for the groups that move."""
+    store, driver, transport, _ = world
+    placed: list[tuple[str, ...]] = []
+
+    def place(run_id: str, change_id: int, booking: dict[str, Any], nodes: tuple[str, ...]) -> None:
+        placed.append(nodes)
+
+    ray_nodes = {"bk-acme-n0": "id0", "bk-acme-n1": "id1", "h3": "id3"}
+    resizer = Resizer(
+        store,
+        {RUN: driver}.get,
+        transport,
+        place,
+        locate=lambda names: tuple(ray_nodes[n] for n in names),
+    )
+    store.change_booking_nodes(BOOKING, "remove", ["bk-acme-n0"])
+    store.change_booking_nodes(BOOKING, "add", ["h3"])
+    _follow(store, resizer)
+    request = driver.ctx.resize_inbox.take()
+    assert request is not None and request.replica_groups == 4  # 2 nodes x 2 groups still
+    assert request.nodes == ("bk-acme-n1", "h3") and request.node_ids == ("id1", "id3")
+    assert placed == [("h3",)]
+    assert [r["status"] for r in store.run_resizes(RUN)] == ["delivered"]

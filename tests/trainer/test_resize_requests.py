@@ -12,11 +12,12 @@ from typing import Any
 
 from stages.curriculum.config import CurriculumConfig
 from stages.curriculum.schedule import schedule_curriculum
-from stages.events import Event, ResizeEvent
-from stages.resize import ResizeInbox, ResizeRequest
+from stages.events import Event, ResizeEvent, StepEvent
+from stages.resize import ResizeInbox, ResizeRequest, groups_off_booking
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.fleet.engine import TrainingEngine
 from stages.trainer.fleet.resize import ResizeStage
+from stages.trainer.rank.rank_state import RankReport, RankState
 
 
 def _engine(tmp: Path, **over: Any) -> tuple[TrainingEngine, ResizeInbox, list[Event]]:
@@ -122,3 +123,104 @@ def test_the_newest_request_replaces_one_not_yet_taken() -> None:
         inbox.put(ResizeRequest(request_id=f"r{groups}", replica_groups=groups, requested_at=0))
     taken = inbox.take()
     assert taken is not None and taken.request_id == "r4" and inbox.take() is None
+
+
+def test_the_groups_off_the_booking_are_those_with_a_rank_on_a_node_it_lost() -> None:
+    ranks = {(0, 0): "n0", (0, 1): "n0", (1, 0): "n1", (1, 1): "n2", (2, 0): "n2"}
+    assert groups_off_booking(ranks, {"n1", "n2"}) == (0,)
+    # A group with one rank on a node taken back leaves whole.
+    assert groups_off_booking(ranks, {"n0", "n1"}) == (1, 2)
+    assert groups_off_booking(ranks, {"n0", "n1", "n2"}) == ()
+    # Not known: the booking's nodes, or a rank's (a stage run outside Ray).
+    assert groups_off_booking(ranks, set()) == ()
+    assert groups_off_booking({**ranks, (3, 0): ""}, {"n1", "n2"}) == ()
+
+
+class _Method:
+    def __init__(self, calls: list[tuple[Any, ...]]) -> None:
+        self.calls = calls
+
+    def remote(self, *args: Any) -> None:
+        self.calls.append(args)
+
+
+class _Rank:
+    """A rank actor's handle that records the commands it is sent."""
+
+    def __init__(self) -> None:
+        self.commands: list[tuple[Any, ...]] = []
+        self.command = _Method(self.commands)
+
+
+def _on_nodes(engine: TrainingEngine, nodes: dict[int, str]) -> list[str]:
+    """The engine's groups (one rank each) running on ``nodes``, as their polls report
+    it; returns the commands every rank was sent."""
+    sent: list[str] = []
+    engine.actors = {(g, 0): _Rank() for g in nodes}
+    for g, node in nodes.items():
+        engine.supervisor.reports[(g, 0)] = RankReport(pid=1, node_id=node)
+    engine.command_all = lambda kind, params=None: sent.append(kind)  # type: ignore[method-assign]
+    return sent
+
+
+def _taken_back(booking_nodes: tuple[str, ...], groups: int) -> ResizeRequest:
+    return ResizeRequest(
+        request_id="taken-back", replica_groups=groups, requested_at=0.0, node_ids=booking_nodes
+    )
+
+
+def test_the_groups_on_a_node_taken_back_leave_not_the_highest(tmp_path: Path) -> None:
+    engine, inbox, _ = _engine(tmp_path)
+    sent = _on_nodes(engine, {0: "node-a", 1: "node-b"})
+    inbox.put(_taken_back(("node-b",), 1))
+    engine.resizer.advance()
+    assert engine.resizer.stage is ResizeStage.holding and sent == ["hold"]
+    assert engine.resizer.members == (1,)  # group 0 ran on node-a: it leaves
+
+
+def test_without_the_nodes_mapped_the_highest_groups_leave(tmp_path: Path) -> None:
+    engine, inbox, _ = _engine(tmp_path)
+    _on_nodes(engine, {0: "node-a", 1: ""})  # a rank outside a multi-node cluster
+    inbox.put(_taken_back(("node-b",), 1))
+    engine.resizer.advance()
+    assert engine.resizer.members == (0,)
+
+
+def test_a_swap_at_the_same_count_drains_the_taken_back_node_then_grows(
+    tmp_path: Path,
+) -> None:
+    """One node taken back, one gained, two groups still fit: the group on the node
+    taken back is drained first, then a group is added (on the gained node)."""
+    engine, inbox, events = _engine(tmp_path)
+    _on_nodes(engine, {0: "node-a", 1: "node-b"})
+    inbox.put(_taken_back(("node-b", "node-c"), 2))
+    engine.resizer.advance()
+    requested = [e for e in events if isinstance(e, ResizeEvent)]
+    assert [(e.action, e.groups_before, e.groups_after) for e in requested] == [("requested", 2, 1)]
+    assert engine.resizer.stage is ResizeStage.holding and engine.resizer.members == (1,)
+    # Every rank holds after step 7: group 0 is told to stop, group 1 trains alone.
+    stays, leaves = engine.actors[(1, 0)], engine.actors[(0, 0)]
+    for key in list(engine.actors):
+        engine.supervisor.reports[key] = RankReport(
+            pid=1, node_id="node-b", state=RankState.held, held_at=7
+        )
+    engine.resizer.advance()
+    assert leaves.commands == [("stop",)]
+    assert stays.commands == [("members", {"first_step": 7, "members": [1]})]
+    engine.resizer.leaving.clear()  # the drained rank stopped (its poll is Ray's)
+    engine.resizer.step_committed(
+        StepEvent(step=8, loss=1.0, tokens=384, seconds=0.1, committed=True, batch_share=(0, 1))
+    )
+    # Then the second move: a group starts where the booking gained a node.
+    made: list[tuple[int, Any]] = []
+
+    def make_worker(name: str, group: int, rank: int, **kw: Any) -> _Rank:
+        made.append((group, kw["placement"]))
+        return _Rank()
+
+    engine.launcher.make_worker = make_worker  # type: ignore[method-assign]
+    engine.resizer.advance()
+    assert made == [(2, None)] and engine.resizer.stage is ResizeStage.launching
+    assert engine.resizer.members == (1, 2)
+    actions = [(e.action, e.groups_after) for e in events if isinstance(e, ResizeEvent)]
+    assert actions == [("requested", 1), ("applied", 1), ("requested", 2)]

@@ -28,7 +28,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from stages.events import Event, FleetEvent, LogEvent, ResizeAction, ResizeEvent, StepEvent
-from stages.resize import ResizeInbox, ResizeRequest
+from stages.resize import ResizeInbox, ResizeRequest, groups_off_booking
 from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
 from stages.trainer.fleet.handoff import kill_actors
 from stages.trainer.fleet.launcher import RankLauncher
@@ -91,6 +91,9 @@ class GroupResizer:
         self._next_group = engine.cfg.replica_groups
         # The step the run paused at for capacity (its checkpoint's), None while it trains.
         self.paused_at: int | None = None
+        # A swap's second move (groups added on the nodes the booking gained), begun
+        # once its first (the groups on the nodes it took back drained) is applied.
+        self._then: ResizeRequest | None = None
 
     @property
     def paused(self) -> bool:
@@ -103,7 +106,10 @@ class GroupResizer:
         """One look at the resize under way (or a new request), from the engine's loop."""
         self._poll_leaving()
         if self.stage in (ResizeStage.idle, ResizeStage.paused):
-            if self.inbox is not None and (request := self.inbox.take()) is not None:
+            # A newer request replaces a swap's second move (it says the whole booking).
+            request = self.inbox.take() if self.inbox is not None else None
+            request, self._then = request or self._then, None
+            if request is not None:
                 self._begin(request)
         elif self.stage is ResizeStage.launching and self._poll(self.joining, {RankState.ready}):
             self._log_progress("the new groups are built and warm")
@@ -144,10 +150,37 @@ class GroupResizer:
                 )
             )
 
+    def groups_off(self, request: ResizeRequest) -> tuple[int, ...]:
+        """The live groups with a rank on a node the booking took back (none where the
+        ranks' nodes or the booking's are not known)."""
+        reports = self.engine.supervisor.reports
+        rank_nodes = {
+            key: (report.node_id if (report := reports.get(key)) is not None else "")
+            for key in self.engine.actors
+        }
+        return groups_off_booking(rank_nodes, set(request.node_ids))
+
     def _begin(self, request: ResizeRequest) -> None:
         engine = self.engine
         live = sorted(engine.groups)
         self.before = len(live)
+        off = self.groups_off(request)
+        if off and len(live) - len(off) < request.replica_groups:
+            # A swap: the groups on the nodes taken back leave first (drained, or the run
+            # pauses when none stays); then groups start on the nodes the booking gained.
+            # Never into the run's own reservation: it holds the nodes taken back.
+            if request.placement is not None or engine.launcher.facts.placement is None:
+                self._then = request
+            else:
+                engine.emit(
+                    LogEvent(
+                        level="warning",
+                        message=f"resize {request.request_id}: groups {list(off)} leave the "
+                        "nodes taken back; no node the booking gained is reserved to move "
+                        "them to, so the run goes on with fewer groups",
+                    )
+                )
+            request = request.model_copy(update={"replica_groups": len(live) - len(off)})
         if request.replica_groups == len(live) and self.paused_at is None:
             # Already that size (a booking change that kept the count, a request resent
             # to a relaunched driver): nothing moves.
@@ -169,6 +202,7 @@ class GroupResizer:
             reason=refusal or request.reason,
         )
         if refusal:
+            self._then = None
             engine.emit(
                 LogEvent(level="warning", message=f"resize {request.request_id}: {refusal}")
             )
@@ -201,7 +235,7 @@ class GroupResizer:
             self.members = ()
             self._hold()
         else:
-            leaving = [g for g in request.leaving_groups if g in live]
+            leaving = [g for g in dict.fromkeys((*request.leaving_groups, *off)) if g in live]
             for g in sorted(live, reverse=True):
                 if len(live) - len(leaving) <= request.replica_groups:
                     break

@@ -74,6 +74,9 @@ class RankReport(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     pid: int
+    # The Ray node this rank's process runs on (hex; "" outside Ray): a resize drains
+    # the groups on the nodes its booking took back.
+    node_id: str = ""
     # The devices Ray gave this rank (none on cpu, none for a standby).
     gpu_ids: list[str] = []
     state: RankState = RankState.starting
@@ -128,10 +131,18 @@ class RankStatus:
     actor's poll: every change swaps in a new frozen report under a lock, so a poll
     never sees half of one (a pause's state without its step)."""
 
-    def __init__(self, *, pid: int, gpu_ids: list[str], restarted: bool, started_at: float):
+    def __init__(
+        self,
+        *,
+        pid: int,
+        gpu_ids: list[str],
+        restarted: bool,
+        started_at: float,
+        node_id: str = "",
+    ):
         self._lock = threading.Lock()
         self._report = RankReport(
-            pid=pid, gpu_ids=gpu_ids, restarted=restarted, started_at=started_at
+            pid=pid, node_id=node_id, gpu_ids=gpu_ids, restarted=restarted, started_at=started_at
         )
 
     @property

@@ -115,6 +115,7 @@ class ReplicaWorker:
         self.control = Control()
         self.status = RankStatus(
             pid=os.getpid(),
+            node_id=ray.get_runtime_context().get_node_id(),
             gpu_ids=[str(g) for g in ray.get_gpu_ids()],
             restarted=restarted,
             started_at=time.time(),
