@@ -33,7 +33,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, JsonValue
 
 from stages.checkpointing.seal import CheckpointBinding
 from stages.curriculum.schedule import PhaseSpan
@@ -52,8 +52,11 @@ if TYPE_CHECKING:  # the driver builds requests here; the ranks import torch
     from collections.abc import Callable
 
     import torch
+    from ray import ObjectRef
+    from transformers import PreTrainedTokenizerBase
 
     from stages.checkpointing.sealed import SealedCheckpoint
+    from stages.model.llama import Llama
 
 
 class PhaseEvalRequest(BaseModel):
@@ -68,7 +71,7 @@ class PhaseEvalRequest(BaseModel):
     tokenizer_dir: str
     work_dir: str
     export_dir: str
-    metadata: dict[str, Any]
+    metadata: dict[str, JsonValue]
     settings: EvalRunSettings
     # A post-training objective: its gate metrics and battery, scored here too.
     post_training: ObjectiveEvalRequest | None = None
@@ -132,14 +135,14 @@ class EvalUnitReply(BaseModel):
 
 
 class PhaseEvalReply(BaseModel):
-    result: dict[str, Any]  # a BatteryResult, as JSON; empty: the phase has no battery
+    result: dict[str, JsonValue]  # a BatteryResult, as JSON; empty: the phase has no battery
     export: str
     live_model: bool
     post_training: ObjectiveEvalReply | None = None
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(path: str) -> Any:
+def _tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The run's tokenizer, loaded once per rank (each unit of a phase end needs it)."""
     from stages.hf import load_tokenizer
 
@@ -198,7 +201,7 @@ def closing_checkpoint(req: PhaseEvalRequest) -> SealedCheckpoint:
     return sealed_checkpoint(req.checkpoint, req.run, req.phase.name)
 
 
-def load_phase_model(cfg: TrainStageConfig, phase: PhaseSpan, sealed: SealedCheckpoint) -> Any:
+def load_phase_model(cfg: TrainStageConfig, phase: PhaseSpan, sealed: SealedCheckpoint) -> Llama:
     """The weights of a sealed checkpoint (``sealed_checkpoint``) in a fresh model of the
     phase's shape."""
     from stages.model.lm import build_model, set_rope_theta
@@ -262,7 +265,10 @@ def export_share(
 
 
 def export_phase(
-    req: PhaseEvalRequest, cfg: TrainStageConfig, tokenizer: Any, sealed: SealedCheckpoint
+    req: PhaseEvalRequest,
+    cfg: TrainStageConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    sealed: SealedCheckpoint,
 ) -> Path:
     """The phase's HF export, from its closing checkpoint (the same weights whether this
     rank's model is live or laid out over several ranks): the shards the live ranks
@@ -308,7 +314,7 @@ def evaluate_on_rank(
 
     tokenizer = _tokenizer(req.tokenizer_dir)
     sealed = closing_checkpoint(req)
-    result: dict[str, Any] = {}
+    result: dict[str, JsonValue] = {}
     scored: ObjectiveEvalReply | None = None
     if req.phase.eval_battery is None and req.post_training is None:
         export = export_phase(req, cfg, tokenizer, sealed)
@@ -383,9 +389,9 @@ def run_unit(
 def evaluate_phase_end(
     actors: dict[tuple[int, int], Any],
     live: list[int],
-    request: dict[str, Any],
+    request: dict[str, JsonValue],
     timeout_s: float,
-) -> dict[str, Any]:
+) -> dict[str, JsonValue]:
     """A phase's battery and export on the ranks (``actors`` by (group, rank)) waiting
     at its end: the export's shards over every rank of the ``live`` groups, the
     battery's units over rank 0 of each, the next unit to whichever is free, the
@@ -405,7 +411,7 @@ def evaluate_phase_end(
         actors[k].export_share.remote(request, part, len(ranks)) for part, k in enumerate(ranks)
     ]
     units = _run_units(actors, request, req.units(len(live)), [(g, 0) for g in live], deadline)
-    writers: dict[str, str] = {}
+    writers: dict[str, JsonValue] = {}  # export file -> the rank that wrote it
     for files in ray.get(exports, timeout=_left(deadline)):
         writers.update(files)
     request = {**request, "export_writers": writers}
@@ -414,7 +420,7 @@ def evaluate_phase_end(
         request["heldout_sums"] = reduce_sums(held).model_dump(mode="json")
     if any(u.checks for u in units):
         request["task_checks"] = [c.model_dump(mode="json") for u in units for c in u.checks]
-    reply: dict[str, Any] = ray.get(
+    reply: dict[str, JsonValue] = ray.get(
         actors[(live[0], 0)].evaluate_phase.remote(request), timeout=_left(deadline)
     )
     return reply
@@ -426,7 +432,7 @@ def _left(deadline: float) -> float:
 
 def _run_units(
     actors: dict[tuple[int, int], Any],
-    request: dict[str, Any],
+    request: dict[str, JsonValue],
     units: list[EvalUnit],
     workers: list[tuple[int, int]],
     deadline: float,
@@ -436,7 +442,7 @@ def _run_units(
     from ray.exceptions import GetTimeoutError
 
     queue, free = list(units), list(workers)
-    running: dict[Any, tuple[int, int]] = {}
+    running: dict[ObjectRef[dict[str, JsonValue]], tuple[int, int]] = {}
     replies: list[EvalUnitReply] = []
     while queue or running:
         while queue and free:

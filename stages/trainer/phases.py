@@ -30,6 +30,7 @@ from stages.trainer.rank.phase_data import PhaseData
 if TYPE_CHECKING:
     from stages.checkpointing.storage import CheckpointRecord
     from stages.evals import BatteryResult, GateDecision
+    from stages.trainer.fleet.engine import TrainingEngine
 
 STAGE = "train"
 
@@ -61,12 +62,12 @@ class CurriculumRunner:
         self.final_loss: float | None = None
         self.proposals: list[str] = []
         self.digests: dict[int, str] = {}
-        self.rank_digests: Any = {}
+        self.rank_digests: dict[str, str] = {}
         self.layout: dict[str, Any] = {}
         self.phases: list[dict[str, Any]] = []
         self._previous: BatteryResult | None = None  # the last decided phase's
         self._failed: GateDecision | None = None
-        self.engine: Any = None
+        self.engine: TrainingEngine | None = None
 
     @property
     def _tokenizer_dir(self) -> Path:
@@ -267,6 +268,7 @@ class CurriculumRunner:
             metadata={"run_id": self.ctx.run_id, "phase": phase.name, "step": closing.step},
             settings=self.cfg.evals,
         )
+        assert self.engine is not None, "a phase ends inside the engine's run"
         reply = PhaseEvalReply.model_validate(
             self.engine.evaluate_on_rank(
                 req.model_dump(mode="json"), self.cfg.evals.rank_eval_timeout_s

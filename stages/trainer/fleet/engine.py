@@ -130,7 +130,7 @@ class TrainingEngine:
         )
         # When each rank or spare (by key or name) is next polled: an actor is asked at
         # most once per ``poll_interval_s``, however fast it answers.
-        self._poll_due: dict[Any, float] = {}
+        self._poll_due: dict[RankKey | str, float] = {}
         # Each rank's devices as Ray assigned them (cuda): what a standby binds.
         self._gpu_ids: dict[RankKey, list[str]] = {}
         # step -> tokens of its last committed report: every group's rank 0 reports the
@@ -247,7 +247,7 @@ class TrainingEngine:
             # Only an actor with no poll in flight has a turn coming (one in flight is
             # checked each pass): a standby still warming up, its poll unanswered for
             # seconds, must not turn this into a busy loop beside the ranks.
-            idle: list[Any] = [k for k in self.actors if k not in self._pending]
+            idle: list[RankKey | str] = [k for k in self.actors if k not in self._pending]
             idle += self.standby.idle()
             next_due = min(
                 (self._poll_due.get(k, started) for k in idle), default=started + timeout_s
@@ -267,7 +267,7 @@ class TrainingEngine:
             self._on_reply(key, reply, now)
         self.supervisor.check_stuck(now)
 
-    def _due(self, key: Any, now: float) -> bool:
+    def _due(self, key: RankKey | str, now: float) -> bool:
         """Whether ``key``'s next poll is due (and, if so, when the one after is)."""
         if now < self._poll_due.get(key, 0.0):
             return False

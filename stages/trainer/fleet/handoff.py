@@ -22,17 +22,20 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.atomic_write import write_bytes
 from stages.run_secret import RunSecret
 from stages.trainer.config import FaultToleranceConfig
 from stages.trainer.rank.control import WorkerSpec
 
+if TYPE_CHECKING:
+    from pydantic import TypeAdapter
+
 Shape = tuple[int, int, str]  # replica groups, ranks per group, device
 
 
-def _adapter() -> Any:
+def _adapter() -> TypeAdapter[WorkerSpec]:
     from pydantic import TypeAdapter
 
     return TypeAdapter(WorkerSpec)

@@ -14,7 +14,7 @@ collective fails.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 from pydantic import Field
 
@@ -28,6 +28,13 @@ from stages.trainer.config import FaultToleranceConfig
 STANDBYS_PER_NODE = 1
 
 
+class RecoveryFields(TypedDict):
+    """The ``TrainStageConfig`` fields a ``RecoveryConfig`` decides."""
+
+    spare_groups: int
+    fault_tolerance: FaultToleranceConfig
+
+
 class RecoveryConfig(StrictModel):
     """The fault-tolerance part of a training stage's config."""
 
@@ -39,7 +46,7 @@ class RecoveryConfig(StrictModel):
     def spare_groups(self) -> int:
         return self.standbys_per_node * self.nodes
 
-    def train_fields(self) -> dict[str, Any]:
+    def train_fields(self) -> RecoveryFields:
         """The ``TrainStageConfig`` fields this decides, typed."""
         return {"spare_groups": self.spare_groups, "fault_tolerance": self.fault_tolerance}
 

@@ -26,7 +26,9 @@ _SAVE_OPS = {
 }
 
 
-def _selective_policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+def _selective_policy(
+    _ctx: object, op: object, *_args: object, **_kwargs: object
+) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -45,9 +47,12 @@ def apply_activation_checkpointing(model: Any, mode: ActivationCheckpointing) ->
         return
     from torch.utils.checkpoint import checkpoint
 
-    kwargs: dict[str, Any] = {"use_reentrant": False}
-    if mode == "selective":
-        kwargs["context_fn"] = _selective_context
+    # ``built_layout`` reads the mode back from the partial: a context_fn is selective.
+    recompute = (
+        functools.partial(checkpoint, use_reentrant=False, context_fn=_selective_context)
+        if mode == "selective"
+        else functools.partial(checkpoint, use_reentrant=False)
+    )
     for layer in model.model.layers:  # stages.model.llama.DecoderLayer's recompute hook
         layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = functools.partial(checkpoint, **kwargs)
+        layer._gradient_checkpointing_func = recompute

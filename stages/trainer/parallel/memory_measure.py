@@ -16,7 +16,7 @@ it lives with the trainer because it runs the trainer's own step.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -25,7 +25,7 @@ from stages.parallelism.spec import ActivationCheckpointing
 from stages.presets import ModelPreset
 
 
-def _live_bytes(tensors: Any) -> int:
+def _live_bytes(tensors: Iterable[object]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
@@ -65,23 +65,26 @@ def measure_peak_memory(
     return measure_step_peak(step, pm.module.parameters(), optimizer)
 
 
-def _local(t: Any) -> Any:
+def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+    local: torch.Tensor = to_local() if callable(to_local) else t
+    return local
 
 
-def measure_step_peak(step: Any, params: Any, optimizer: torch.optim.Optimizer) -> int:
+def measure_step_peak(
+    step: Callable[[], None], params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer
+) -> int:
     """Peak bytes of live tensors during ``step()`` (forward, backward and optimizer
     step of whatever layout), after one warm-up call. DTensors count their local
     shard: this is one rank's peak."""
     from torch.profiler import ProfilerActivity, profile
 
-    params = list(params)
+    tensors = list(params)
     step()
     # Free gradients outside the profiled window: frees of blocks allocated before
     # profiling are not reported, so they must not happen inside it.
     optimizer.zero_grad(set_to_none=True)
-    before = _live_bytes(_local(p) for p in params) + _live_bytes(
+    before = _live_bytes(_local(p) for p in tensors) + _live_bytes(
         _local(v) for state in optimizer.state.values() for v in state.values()
     )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

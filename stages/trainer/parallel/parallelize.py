@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,35 @@ from stages.trainer.parallel.transforms import (
 from stages.trainer.rank.objective import Batch, Objective, Tensors
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+    from torch.distributed.tensor import Placement
+
     from stages.trainer.rank.ft import GradientReducer
+
+
+class BuiltLayout(TypedDict):
+    """The layout a rank built, read back from what it built (``built_layout``)."""
+
+    pp: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp_schedule: str | None
+    pp_microbatches: int
+    pp_stage_layers: list[int]
+    activation_checkpointing: str
+    precision: str
+    sequence_parallel: bool
+
+
+class _StageShare(TypedDict):
+    pp_rank: int
+    layers: int
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -64,7 +92,7 @@ class ParallelModel:
         self,
         full: nn.Module,
         layout: ParallelLayout,
-        mesh: Any,
+        mesh: DeviceMesh | None,
         device: torch.device,
         *,
         sequence_parallel: bool | None = None,
@@ -100,7 +128,7 @@ class ParallelModel:
         apply_activation_checkpointing(full, layout.activation_checkpointing)
         # fp8 is a CUDA-only layout (check_runnable), so CPU never compiles.
         self.compiled_layers = compile_decoder_layers(full) if self.fp8_linears else 0
-        self.schedule: Any = None
+        self.schedule: Schedule1F1B | ScheduleGPipe | ScheduleInterleaved1F1B | None = None
         self._scale = 1.0
         if layout.pp > 1:
             self.stage_ids, chunks = split_model(full, layout, self.coords["pp"])
@@ -113,14 +141,14 @@ class ParallelModel:
             if layout.tp > 1:
                 apply_tp(
                     chunk,
-                    mesh["tp"],
+                    self._dim("tp"),
                     sequence_parallel=self.sequence_parallel,
                     fp8=layout.precision == "fp8",
                 )
             if fsdp:
                 apply_fsdp(
                     chunk,
-                    mesh[FSDP_DIM],
+                    self._dim(FSDP_DIM),
                     param_dtype=torch.bfloat16 if bf16 else None,
                     pp_enabled=layout.pp > 1,
                 )
@@ -133,11 +161,22 @@ class ParallelModel:
                 else LocalModel([c for c in self.chunks if isinstance(c, StageModule)])
             )
             self.schedule = build_schedule(
-                layout, self.chunks, self.stage_ids, device, mesh["pp"].get_group(), self._loss_fn
+                layout,
+                self.chunks,
+                self.stage_ids,
+                device,
+                self._dim("pp").get_group(),
+                self._loss_fn,
             )
         else:
             self.module = full
         self.num_stages = layout.pp * layout.pp_virtual_stages
+
+    def _dim(self, name: str) -> DeviceMesh:
+        """One dimension of the group's mesh (a layout over more than one rank has a
+        mesh: the constructor refuses one without)."""
+        assert self.mesh is not None
+        return self.mesh[name]
 
     # --- a step -------------------------------------------------------------------
     def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -153,7 +192,7 @@ class ParallelModel:
                 set_rotate_method("allgather")
                 stack.enter_context(
                     context_parallel(
-                        self.mesh["cp"],
+                        self._dim("cp"),
                         buffers=buffers,
                         buffer_seq_dims=[1] * len(buffers),
                         no_restore_buffers=set(buffers),
@@ -221,10 +260,14 @@ class ParallelModel:
         losses: list[torch.Tensor] = []
         first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         args = (input_ids,) if first else ()
-        kwargs: dict[str, Any] = {"target": labels, "losses": losses} if last else {}
         with self._context([]):
             # return_outputs=False: the last stage would keep every micro-batch's logits
-            self.schedule.step(*args, return_outputs=False, **kwargs)
+            self.schedule.step(
+                *args,
+                target=labels if last else None,
+                losses=losses if last else None,
+                return_outputs=False,
+            )
         if not last:
             return torch.zeros((), device=input_ids.device)
         return torch.stack([x.detach() for x in losses]).mean()
@@ -249,21 +292,23 @@ class ParallelModel:
         from torch.distributed.tensor import DTensor
 
         params = [p for p in self.module.parameters() if p.grad is not None]
-        kinds: dict[Any, list[torch.Tensor]] = {}
+        kinds: dict[tuple[DeviceMesh, tuple[Placement, ...]] | None, list[torch.Tensor]] = {}
         for p in params:
-            g: Any = p.grad
+            g = p.grad
+            assert g is not None  # params: those with a gradient
             key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
             kinds.setdefault(key, []).append(g)
         total_sq = torch.zeros((), device=self.device)
         for key, grads in kinds.items():
-            norm: Any = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
-            if key is not None:
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+            if key is not None:  # DTensor gradients: a DTensor norm
+                assert isinstance(norm, DTensor)
                 norm = norm.full_tensor()
             total_sq = total_sq + norm.float() ** 2
         if self.layout.pp > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(total_sq, group=self.mesh["pp"].get_group())
+            dist.all_reduce(total_sq, group=self._dim("pp").get_group())
         total = float(total_sq.sqrt())
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
@@ -292,7 +337,7 @@ class ParallelModel:
                 ErrorCode.layout_unsupported,
                 "evaluation forward of an interleaved pipeline is not built",
             )
-        group, r = self.mesh["pp"].get_group(), self.coords["pp"]
+        group, r = self._dim("pp").get_group(), self.coords["pp"]
         x = input_ids
         if r > 0:
             x = torch.empty(*input_ids.shape, self.hidden, device=self.device)
@@ -305,7 +350,7 @@ class ParallelModel:
         return stage_out
 
     # --- what was built -------------------------------------------------------------
-    def built_layout(self) -> dict[str, Any]:
+    def built_layout(self) -> BuiltLayout:
         """The layout as built, read back from the mesh, the schedule, the chunks and
         the modules (not from the plan). Collective over the group when there is one."""
         degrees = (
@@ -313,7 +358,7 @@ class ParallelModel:
             if self.mesh is not None
             else dict.fromkeys(("pp", "dp_shard", "cp", "tp"), 1)
         )
-        mine = {
+        mine: _StageShare = {
             "pp_rank": self.coords["pp"],
             "layers": sum(len(decoder_layers(c)) for c in self.chunks),
         }
@@ -321,9 +366,9 @@ class ParallelModel:
         if self.mesh is not None:
             import torch.distributed as dist
 
-            gathered: list[Any] = [None] * dist.get_world_size()
+            gathered: list[_StageShare | None] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine)
-            per_rank = gathered
+            per_rank = [share for share in gathered if share is not None]  # every rank's
         stage_layers = [0] * degrees["pp"]
         for item in per_rank:
             stage_layers[item["pp_rank"]] = item["layers"]
@@ -356,7 +401,10 @@ class ParallelModel:
                 "ScheduleInterleaved1F1B": "Interleaved1F1B",
             }.get(type(self.schedule).__name__, type(self.schedule).__name__)
         return {
-            **degrees,
+            "pp": degrees["pp"],
+            "dp_shard": degrees["dp_shard"],
+            "cp": degrees["cp"],
+            "tp": degrees["tp"],
             "pp_schedule": schedule,
             "pp_microbatches": self.schedule._n_microbatches if self.schedule else 1,
             "pp_stage_layers": stage_layers,

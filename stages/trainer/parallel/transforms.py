@@ -17,9 +17,12 @@ if TYPE_CHECKING:
 
 
 def decoder_layers(module: nn.Module) -> list[nn.Module]:
-    inner: Any = module.model
-    layers: Any = inner.layers
-    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    """The decoder layers of a Llama or of a pipeline chunk (a ``ModuleDict`` by index)."""
+    layers = module.get_submodule("model.layers")
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.values())
+    assert isinstance(layers, nn.ModuleList)
+    return list(layers)
 
 
 def apply_fp8(model: nn.Module) -> int:
@@ -66,10 +69,11 @@ def apply_tp(chunk: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         SequenceParallel,
         parallelize_module,
     )
+    from torch.distributed.tensor.parallel.style import ParallelStyle
 
-    colwise: Any = ColwiseParallel
-    rowwise: Any = RowwiseParallel
-    prepare: Any = PrepareModuleInput
+    colwise: type[ColwiseParallel] = ColwiseParallel
+    rowwise: type[RowwiseParallel] = RowwiseParallel
+    prepare: type[PrepareModuleInput] = PrepareModuleInput
     if fp8:  # tensorwise float8 all-gathers in fp8 (torchtitan's float8 TP)
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,
@@ -83,8 +87,8 @@ def apply_tp(chunk: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
             PrepareFloat8ModuleInput,
         )
     seq = Shard(1) if sequence_parallel else Replicate()
-    top: dict[str, Any] = {}
-    inner: Any = chunk.model
+    top: dict[str, ParallelStyle] = {}
+    inner = chunk.get_submodule("model")
     head = getattr(chunk, "lm_head", None)
     embed = getattr(inner, "embed_tokens", None)
     tied = head is not None and embed is not None and head.weight is embed.weight
@@ -105,7 +109,7 @@ def apply_tp(chunk: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         assert embed is not None and head is not None
         head.weight = embed.weight
     for layer in decoder_layers(chunk):
-        plan: dict[str, Any] = {
+        plan: dict[str, ParallelStyle] = {
             "self_attn.q_proj": colwise(),
             "self_attn.k_proj": colwise(),
             "self_attn.v_proj": colwise(),
@@ -137,9 +141,8 @@ def apply_fsdp(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    cfg: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp}
     reshard = not pp_enabled
-    inner: Any = chunk.model
+    inner = chunk.get_submodule("model")
     head: Any = getattr(chunk, "lm_head", None)
     embed: Any = getattr(inner, "embed_tokens", None)
     # A head tied to the embedding (tie_word_embeddings) shares one parameter, which
@@ -147,13 +150,15 @@ def apply_fsdp(
     # from the forward's start to its end (torchtitan's weight-tying models do so).
     tied = head is not None and embed is not None and head.weight is embed.weight
     if embed is not None and not tied:
-        fully_shard(embed, **cfg, reshard_after_forward=reshard)
+        fully_shard(embed, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     for layer in decoder_layers(chunk):
-        fully_shard(layer, **cfg, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     if hasattr(inner, "norm"):
+        norm = inner.get_submodule("norm")
         fully_shard(
-            [embed, inner.norm, head] if tied else [inner.norm, head],
-            **cfg,
+            [embed, norm, head] if tied else [norm, head],
+            mesh=dp_mesh,
+            mp_policy=mp,
             reshard_after_forward=False,
         )
-    fully_shard(chunk, **cfg)
+    fully_shard(chunk, mesh=dp_mesh, mp_policy=mp)

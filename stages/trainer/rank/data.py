@@ -18,7 +18,7 @@ import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -96,7 +96,17 @@ def _write_shard(path: Path, tokens: np.ndarray) -> str:
     return _sha256_file(path)
 
 
-def _encode(tokenizer: ByteTokenizer, text: str, dtype: type[np.integer]) -> np.ndarray:
+class TextEncoder(Protocol):
+    """What token shards are built with: ids of a text with its EOS (``ByteTokenizer``,
+    the run's BPE, an HF tokenizer behind ``phase_data.HFEncoder``)."""
+
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def _encode(tokenizer: TextEncoder, text: str, dtype: type[np.integer]) -> np.ndarray:
     if type(tokenizer) is ByteTokenizer:
         # Same ids as ByteTokenizer.encode(text) (bytes, then EOS) without a Python list.
         raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
@@ -111,7 +121,7 @@ def build_token_shards(
     inputs: list[Path],
     out_dir: Path,
     *,
-    tokenizer: ByteTokenizer,
+    tokenizer: TextEncoder,
     text_field: str = "text",
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
 ) -> list[Path]:

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from stages.curriculum.schedule import PhaseSpan
 from stages.events import Event
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.rank.control import Control, WorkerSpec
 from stages.trainer.rank.membership import Membership
-from stages.trainer.rank.objective import Objective
+from stages.trainer.rank.objective import Batch, Objective
 from stages.trainer.rank.rank_state import RankStatus
 from stages.trainer.rank.step_state import StepResult, Window
+
+if TYPE_CHECKING:
+    from stages.trainer.parallel.parallelize import ParallelModel
 
 
 class StepHost(Protocol):
@@ -33,12 +36,12 @@ class StepHost(Protocol):
     phase: PhaseSpan
     windows: list[Window]
     membership: Membership
-    parallel: Any
+    parallel: ParallelModel
     objective: Objective
     status: RankStatus
 
     def cut(self, step: int) -> tuple[int, int] | None: ...
-    def next_batch(self, batch: int) -> Any: ...
+    def next_batch(self, batch: int) -> Batch: ...
     def members_missing(self, step: int) -> bool: ...
     def emit(self, event: Event) -> None: ...
     def pace(self, t0: float, quorum: int, step: int) -> None: ...

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -34,11 +34,18 @@ from stages.run_secret import RunSecret
 from stages.trainer.rank.control import Control, WorkerSpec
 from stages.trainer.rank.group_sync import GroupSync
 from stages.trainer.rank.membership import Membership
-from stages.trainer.rank.objective import LanguageModelObjective, Objective
+from stages.trainer.rank.objective import Batch, LanguageModelObjective, Objective
 from stages.trainer.rank.rank_state import RankState, RankStatus
 from stages.trainer.rank.saving import RankSaver
 from stages.trainer.rank.shard_state import load_sharded_state, param_digest, sharded_state
 from stages.trainer.rank.step_state import LoopState, StepResult, Window, data_index
+
+if TYPE_CHECKING:
+    from stages.checkpointing.checkpointer import Checkpointer
+    from stages.trainer.parallel.parallelize import ParallelModel
+    from stages.trainer.rank.loss_spike import LossSpikeDetector
+    from stages.trainer.rank.mix import MixedLoader
+    from stages.trainer.rank.train_state import TrainState
 
 __all__ = ["Control", "StepResult", "TrainLoop", "WorkerSpec", "data_index", "param_digest"]
 
@@ -97,7 +104,7 @@ class TrainLoop:
         self.setup = startup(self)
         # Set by the setup (model, optimizer) and by join (Manager, loader, checkpoints).
         self.model: torch.nn.Module
-        self.parallel: Any
+        self.parallel: ParallelModel
         self.inner_optimizer: torch.optim.Optimizer
         self.manager: Any
         # torchft: the replica groups' sync, made by the setup with the Manager: the
@@ -106,12 +113,12 @@ class TrainLoop:
         # The steps of the other live groups' rank 0 (the actor asks Ray; a DiLoCo group
         # joining a running run waits for their next sync).
         self.peer_steps: Callable[[], list[int]] = list
-        self.loader: Any = None  # the lm objective's MixedLoader (None for sft/dpo)
+        self.loader: MixedLoader | None = None  # the lm objective's MixedLoader (None for sft/dpo)
         self.objective: Objective
-        self.ckpt: Any = None
+        self.ckpt: Checkpointer | None = None
         self.saver: RankSaver  # when this group saves, and the saves' reports
-        self.detector: Any
-        self.train_state: Any
+        self.detector: LossSpikeDetector
+        self.train_state: TrainState
         self.loop_state = LoopState(self)
         self.sharded = spec.config.ranks_per_group > 1
         # The imports of what a phase end runs, on a thread while the rank waits for
@@ -121,6 +128,12 @@ class TrainLoop:
         # Whether join restores the newest checkpoint (the actor decides: replica.py; a
         # live peer ahead of every checkpoint heals the group through torchft instead).
         self.checkpoint_needed: Callable[[], bool] = lambda: True
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The group's checkpointer: join makes it (before join a heal finds none)."""
+        assert self.ckpt is not None, "the checkpointer is made by join"
+        return self.ckpt
 
     # --- events ---------------------------------------------------------------------
     def emit(self, event: Event) -> None:
@@ -251,7 +264,7 @@ class TrainLoop:
         """At ``phase.end_step``: save the closing checkpoint (complete before the
         driver looks), report the boundary, wait for the gate. False: stop."""
         self.saver.save(step, force=True)
-        self.ckpt.wait()
+        self.checkpointer.wait()
         self.saver.report()
         # The driver may now evaluate this rank's model (ReplicaWorker.evaluate_phase).
         self.status.enter(RankState.phase_end, boundary=self.schedule.phase_of(step - 1).index)
@@ -308,7 +321,7 @@ class TrainLoop:
             self._after_commit(self.train_step(step))
         self._finish()
 
-    def next_batch(self, batch: int) -> Any:
+    def next_batch(self, batch: int) -> Batch:
         """Data batch ``batch`` on the device (a wait for data not made yet is an idle
         span of its own)."""
         data = self.objective.batch(batch).to(self.device)
@@ -392,11 +405,11 @@ class TrainLoop:
     def restore(self, step: int) -> None:
         from stages.errors import ErrorCode, ItoError
 
-        records = [r for r in self.ckpt.records() if r.step == step]
+        records = [r for r in self.checkpointer.records() if r.step == step]
         if not records:
             raise ItoError(ErrorCode.checkpoint_not_found, f"no complete checkpoint {step}")
         with self.sync.loading():
-            self.ckpt.load(records[0], self.train_state)
+            self.checkpointer.load(records[0], self.train_state)
         phase = self.schedule.phase_of(step)
         if phase.index != self.phase.index:
             self.enter_phase(phase)
@@ -428,7 +441,7 @@ class TrainLoop:
         """Stop at a committed step until the driver relays the human's decision.
         ``refused_batch``: a non-finite step was refused; declined, its batch is
         skipped (retrying it would refuse it again)."""
-        self.ckpt.wait()
+        self.checkpointer.wait()
         self.status.enter(RankState.paused, paused_at=step, digest=param_digest(self.model))
         self.log(f"paused at step {step}: loss spike, awaiting approval")
         kind, params = self.control.wait_command()
@@ -441,7 +454,7 @@ class TrainLoop:
             window = (start, start + int(params["skip_batches"]))
             self.windows = sorted({*self.windows, window})
             if self._is_saver_at_end():
-                self.ckpt.discard_after(step)  # the abandoned timeline is never resumed
+                self.checkpointer.discard_after(step)  # the abandoned timeline is never resumed
             self.restored(step, window)
         elif kind == "resume" and refused_batch is not None:
             self.windows = sorted({*self.windows, (refused_batch, refused_batch + 1)})
@@ -451,7 +464,7 @@ class TrainLoop:
         """Every group stopped after step ``step`` (one voted: ``Control.hold``): wait for
         the driver's new members, or for this group's own stop (it leaves the run)."""
         self.control.hold = False
-        self.ckpt.wait()  # a save in flight ends before the groups change
+        self.checkpointer.wait()  # a save in flight ends before the groups change
         self.status.enter(RankState.held, held_at=step)
         kind, params = self.control.wait_command()
         if kind == "stop":

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stages.curriculum.config import DataRole
 from stages.errors import ErrorCode, ItoError
 from stages.trainer.rank.data import TokenLoader
 
@@ -32,7 +33,7 @@ class MixedLoader:
     def __init__(
         self,
         role_shards: Mapping[str, Sequence[Path]],
-        weights: Mapping[Any, float],
+        weights: Mapping[DataRole, float],
         *,
         seq_len: int,
         micro_batch: int,

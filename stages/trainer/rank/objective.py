@@ -27,10 +27,15 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from stages.trainer.config import TrainStageConfig
+    from stages.trainer.rank.mix import MixedLoader
 
 Tensors = dict[str, torch.Tensor]
 
@@ -74,12 +79,22 @@ class Objective(Protocol):
     def loss_sum(self, logits: torch.Tensor, part: Tensors) -> torch.Tensor: ...
 
 
+class LaidOutModel(Protocol):
+    """What an objective reads of the rank's laid-out model (``ParallelModel``, which
+    imports this module: the protocol keeps the import one way)."""
+
+    coords: dict[str, int]
+    module: nn.Module
+
+    def forward_logits(self, inputs: Tensors) -> torch.Tensor: ...
+
+
 class ObjectiveBuilder(Protocol):
     """Builds a post-training objective on a rank: ``cfg`` its ``TrainStageConfig``,
     ``parallel`` the laid-out model (DPO scores its reference with it)."""
 
     def __call__(
-        self, cfg: Any, parallel: Any, *, dp_rank: int, device: torch.device
+        self, cfg: TrainStageConfig, parallel: LaidOutModel, *, dp_rank: int, device: torch.device
     ) -> Objective: ...
 
 
@@ -115,10 +130,11 @@ class LanguageModelObjective:
 
     name = "lm"
 
-    def __init__(self, loader: Any):
+    def __init__(self, loader: MixedLoader | None):
         self.loader = loader
 
     def batch(self, index: int) -> Batch:
+        assert self.loader is not None, "an objective built without a loader only makes batch_of"
         if self.loader.batches_served != index:
             self.loader.seek(index)
         return self.batch_of(self.loader.next_batch())

@@ -7,11 +7,14 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from stages.errors import ErrorCode, ItoError
 from stages.model.tokenizer import ByteTokenizer
-from stages.trainer.rank.data import build_token_shards, iter_documents
+from stages.trainer.rank.data import TextEncoder, build_token_shards, iter_documents
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 HELDOUT_NAME = "heldout.jsonl"
 
@@ -19,7 +22,7 @@ HELDOUT_NAME = "heldout.jsonl"
 class HFEncoder:
     """``build_token_shards``' tokenizer interface over an HF tokenizer (ids + EOS)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tok = tokenizer
         self.vocab_size = len(tokenizer)
         self.eos_id = int(tokenizer.eos_token_id)
@@ -79,7 +82,7 @@ def prepare_phase_data(
     from stages.hf.bpe import BPEEncoder, save_bpe, train_bpe
 
     train, heldout = split_heldout(files_by_role, text_field, permille=permille, min_docs=min_docs)
-    encoder: Any
+    encoder: TextEncoder
     if tokenizer_path:
         # A tenant's own tokenizer folder may be any HF tokenizer: transformers reads it.
         from stages.hf.tokenizer import load_tokenizer, save_tokenizer

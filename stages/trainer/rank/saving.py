@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stages.curriculum.schedule import CurriculumSchedule
 from stages.events import CheckpointEvent, Event, PhaseEvent
 
+if TYPE_CHECKING:
+    from stages.checkpointing.checkpointer import Checkpointer
+    from stages.trainer.rank.train_state import TrainState
+
 
 class RankSaver:
     def __init__(
         self,
-        ckpt: Any,
-        manager: Any,
-        train_state: Any,
+        ckpt: Checkpointer,
+        manager: Any,  # torchft Manager
+        train_state: TrainState,
         schedule: CurriculumSchedule,
         emit: Callable[[Event], None],
         *,

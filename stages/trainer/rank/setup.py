@@ -5,6 +5,7 @@ replica group (torchft Manager, checkpoints, resume from the newest one)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,8 +18,12 @@ from stages.trainer.rank.idle import idle_thread, run_when_idle
 from stages.trainer.rank.rank_state import RankState
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
     from stages.trainer.parallel.layout import ParallelLayout
     from stages.trainer.rank.loop import TrainLoop
+    from stages.trainer.rank.rank_listeners import GroupStore
 
 
 # The mesh and DCP group this process built over its replica group's process group,
@@ -26,10 +31,17 @@ if TYPE_CHECKING:
 # engine run (stages.trainer.fleet.handoff) reuses them when the shape is the same and
 # destroys them when it differs: every process group holds communicators (on NCCL,
 # buffers on the device), so a new set per run would pile up over a run's objectives.
-_GROUP_MESH: dict[str, Any] = {}
+@dataclass(frozen=True)
+class _GroupMesh:
+    key: tuple[tuple[int, ...], str]  # (mesh shape, device type)
+    mesh: DeviceMesh
+    ckpt_pg: ProcessGroup | None
 
 
-def _mesh_groups(mesh: Any) -> list[Any]:
+_GROUP_MESH: list[_GroupMesh] = []  # the one this process built, if any
+
+
+def _mesh_groups(mesh: DeviceMesh) -> list[ProcessGroup]:
     from stages.trainer.parallel.mesh import FSDP_DIM
 
     return [mesh[name].get_group() for name in [*(mesh.mesh_dim_names or ()), FSDP_DIM]]
@@ -42,7 +54,7 @@ def process_groups() -> int:
     return len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
 
 
-def group_mesh(layout: ParallelLayout, device_type: str) -> tuple[Any, Any]:
+def group_mesh(layout: ParallelLayout, device_type: str) -> tuple[DeviceMesh, ProcessGroup | None]:
     """This process's (mesh, DCP gloo group) for ``layout``: the ones built for its
     shape before, else new ones (those of another shape destroyed first)."""
     import torch.distributed as dist
@@ -51,17 +63,17 @@ def group_mesh(layout: ParallelLayout, device_type: str) -> tuple[Any, Any]:
     from stages.trainer.parallel.mesh import build_mesh
 
     key = (tuple(layout.degrees()[name] for name in MESH_DIMS), device_type)
-    if _GROUP_MESH.get("key") == key:
-        return _GROUP_MESH["mesh"], _GROUP_MESH["ckpt_pg"]
+    if _GROUP_MESH and _GROUP_MESH[0].key == key:
+        return _GROUP_MESH[0].mesh, _GROUP_MESH[0].ckpt_pg
     if _GROUP_MESH:
-        old = [*_mesh_groups(_GROUP_MESH["mesh"]), _GROUP_MESH["ckpt_pg"]]
+        old = [*_mesh_groups(_GROUP_MESH[0].mesh), _GROUP_MESH[0].ckpt_pg]
         for group in {id(g): g for g in old}.values():  # a size-1 dim may share a group
             if group is not dist.group.WORLD:
                 dist.destroy_process_group(group)
         _GROUP_MESH.clear()
     mesh = build_mesh(layout, device_type)
     ckpt_pg = dist.new_group(backend="gloo")  # DCP's save-thread collectives
-    _GROUP_MESH.update(key=key, mesh=mesh, ckpt_pg=ckpt_pg)
+    _GROUP_MESH.append(_GroupMesh(key, mesh, ckpt_pg))
     return mesh, ckpt_pg
 
 
@@ -70,7 +82,7 @@ class RankSetup:
         self.loop = loop
         self.device = torch.device("cpu")
         # A single-rank group's store, which this rank hosts (rank_listeners.GroupStore).
-        self.group_store: Any = None
+        self.group_store: GroupStore | None = None
 
     def close(self) -> None:
         """Close the front of the store this rank hosted (a rank handed on to the next
@@ -103,7 +115,7 @@ class RankSetup:
         if not loop.sharded and not (standby and cfg.device == "cuda"):
             self._parallelize(None)
 
-    def _parallelize(self, mesh: Any) -> None:
+    def _parallelize(self, mesh: DeviceMesh | None) -> None:
         """The plan's layout on this rank (stages.trainer.parallel.parallelize), then AdamW over
         what this rank holds."""
         from stages.trainer.parallel.parallelize import ParallelModel
@@ -119,7 +131,7 @@ class RankSetup:
         )
         loop.status.update(layout=loop.parallel.built_layout())
 
-    def _shard_in_group(self, store_addr: str, store_port: int) -> Any:
+    def _shard_in_group(self, store_addr: str, store_port: int) -> ProcessGroup | None:
         """Multi-rank group: a gloo/NCCL process group over the group's ranks, the
         plan's (pp, dp_shard, cp, tp) mesh over it with TP/PP/FSDP2 applied, and a
         separate gloo group for DCP's save-thread collectives (both kept for the
@@ -314,7 +326,7 @@ class RankSetup:
         # checkpoint is read (the recovery hook, replica.py).
         attempts = RESTORE_ATTEMPTS if loop.checkpoint_needed() else 0
         for _ in range(attempts):
-            latest = loop.ckpt.latest()
+            latest = loop.checkpointer.latest()
             if latest is None:
                 return
             try:

@@ -4,19 +4,28 @@ fetches from a live peer), and the digest that says two replicas are identical."
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TypedDict
 
 import torch
 
 
-def _local(t: Any) -> Any:
+class ShardedState(TypedDict):
+    """A rank's local shards: the weights by name, the AdamW state by parameter name."""
+
+    model: dict[str, torch.Tensor]
+    optim: dict[str, dict[str, torch.Tensor]]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), any other tensor itself."""
     to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+    local: torch.Tensor = to_local() if callable(to_local) else t
+    return local
 
 
-def sharded_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+def sharded_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> ShardedState:
     """This rank's local shards of the weights and of the AdamW state, by name."""
-    names: dict[Any, str] = {p: n for n, p in model.named_parameters()}
+    names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
     return {
         "model": {n: _local(t).detach().clone() for n, t in model.state_dict().items()},
         "optim": {
@@ -28,7 +37,7 @@ def sharded_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[
 
 @torch.no_grad()
 def load_sharded_state(
-    model: torch.nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]
+    model: torch.nn.Module, optim: torch.optim.Optimizer, state: ShardedState
 ) -> None:
     """Inverse of ``sharded_state`` (same mesh size, same rank)."""
     for n, t in model.state_dict().items():
@@ -44,8 +53,8 @@ def load_sharded_state(
             elif hasattr(p, "device_mesh") and v.dim() > 0:
                 from torch.distributed.tensor import DTensor
 
-                dp: Any = p
-                dst[k] = DTensor.from_local(v.clone(), dp.device_mesh, dp.placements)
+                assert isinstance(p, DTensor)  # a parameter with a mesh is FSDP2's
+                dst[k] = DTensor.from_local(v.clone(), p.device_mesh, p.placements)
             else:
                 dst[k] = v.clone()
 
