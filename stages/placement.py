@@ -60,6 +60,24 @@ def run_group_of(group_name: str) -> str:
     return m["run"] if m else group_name
 
 
+def release_added(placement: PlacementFact) -> bool:
+    """Give back the reservation of nodes a booking change gave the running run, once
+    the groups placed in it drained (removing it kills what still runs there). Never
+    the run's own: that is the orchestrator's, at the run's end. Whether it was one."""
+    if run_group_of(placement.placement_group) == placement.placement_group:
+        return False
+    import contextlib
+
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    with contextlib.suppress(Exception):  # already removed (a relaunched driver's twin)
+        remove_placement_group(
+            PlacementGroup(PlacementGroupID(bytes.fromhex(placement.placement_group_id)))
+        )
+    return True
+
+
 def booking_resource(booking_id: str) -> str:
     """The custom resource that marks a node as belonging to ``booking_id``."""
     return f"{BOOKING_RESOURCE_PREFIX}{booking_id}"

@@ -15,8 +15,9 @@ that is the gang. Until it exists the run waits in ``starting`` with a reason
 
 Nodes a booking gains while its run trains get a group of their own,
 ``run-<id>-pg-c<change>`` (one bundle per added node, the same bundle and strategy):
-the run's added replica groups go there (``ResizeRequest.placement``). It too is
-removed when the run ends; on the embedded head (one machine) there is none, the
+the run's added replica groups go there (``ResizeRequest.placement``). The trainer
+gives it back once those groups drained (``stages.placement.release_added``), else it
+is removed when the run ends; on the embedded head (one machine) there is none, the
 run's own group serves.
 
 The embedded head (no ``--ray-address``) is one machine that serves every booking:

@@ -311,7 +311,11 @@ def test_a_run_grows_into_an_added_node_and_shrinks_back_with_every_token_counte
     assert not [e for e in fleet if e["action"] == "checkpoint_restored"], fleet
     added = [e for e in fleet if e["action"] == "groups_added"]
     assert [e["replica_group"] for e in added] == [2], added
-    assert any(m.startswith("rg2: healed from a live peer") for m in _logs(env, run_id))
+    logs = _logs(env, run_id)
+    assert any(m.startswith("rg2: healed from a live peer") for m in logs)
+    # The added node's reservation was given back once its group drained, mid-run (the
+    # run's end releases the others).
+    assert any(f"released the reservation {pgs[groups[2].placement_group_id]}:" in m for m in logs)
 
     # The same final loss as the same manifest never resized, on the same backend. A
     # run that never resizes needs no pacing, and the pace only sleeps between steps

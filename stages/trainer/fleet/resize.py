@@ -28,7 +28,9 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from stages.events import Event, FleetEvent, LogEvent, ResizeAction, ResizeEvent, StepEvent
+from stages.placement import release_added
 from stages.resize import ResizeInbox, ResizeRequest, groups_off_booking
+from stages.run_facts import PlacementFact
 from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
 from stages.trainer.fleet.handoff import kill_actors
 from stages.trainer.fleet.launcher import RankLauncher
@@ -94,6 +96,9 @@ class GroupResizer:
         # A swap's second move (groups added on the nodes the booking gained), begun
         # once its first (the groups on the nodes it took back drained) is applied.
         self._then: ResizeRequest | None = None
+        # The added groups by the reservation of gained nodes they run in: given back
+        # once none of them is left (drained and stopped).
+        self._placed: dict[int, PlacementFact] = {}
 
     @property
     def paused(self) -> bool:
@@ -218,6 +223,8 @@ class GroupResizer:
             # heal from) and share the batch from its step; otherwise they heal.
             resume = None if self.paused_at is None else (self.paused_at, self.members)
             for g in added:
+                if request.placement is not None:
+                    self._placed[g] = request.placement
                 for r in range(engine.cfg.ranks_per_group):
                     key = (g, r)
                     self.joining[key] = engine.launcher.make_worker(
@@ -473,6 +480,24 @@ class GroupResizer:
                 kill_actors(actor)
                 del self.leaving[key]
                 self._in_flight.pop(key, None)
+        if not self.leaving:
+            self._release_drained()
+
+    def _release_drained(self) -> None:
+        """Give back each reservation of gained nodes whose groups all drained (their
+        ranks stopped and killed): the booking took those nodes back, or the count
+        dropped below them."""
+        kept = set(self.engine.groups) | {k[0] for k in self.joining}
+        for g in [g for g in self._placed if g not in kept]:
+            placement = self._placed.pop(g)
+            still = {p.placement_group_id for p in self._placed.values()}
+            if placement.placement_group_id not in still and release_added(placement):
+                self.engine.emit(
+                    LogEvent(
+                        message=f"released the reservation {placement.placement_group}: "
+                        "its replica groups drained"
+                    )
+                )
 
     def _abandon(self, reason: str) -> None:
         request, self.request = self.request, None
