@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from orchestrator.runtime import launch
 from orchestrator.runtime.factories import StageFactory, StartEarly
@@ -30,6 +30,27 @@ from stages.resize import ResizeRequest
 from stages.trainer.fleet.handoff import Fleet
 
 DriverState = Literal["created", "running", "succeeded", "failed", "cancelled"]
+
+
+class DriverPoll(TypedDict):
+    """A driver's answer to the supervisor's poll: the events after its last seq and
+    where the run stands."""
+
+    events: list[dict[str, Any]]  # events as JSON, each with its ``seq``
+    state: DriverState
+    error_code: str | None
+    reason: str
+    more: bool  # events left beyond ``limit``
+    pid: int
+
+
+class DriverPing(TypedDict):
+    run_id: str
+    state: DriverState
+    attempt: int
+    pid: int
+
+
 # Events a driver keeps unacknowledged before it aggregates them (stages.event_buffer).
 MAX_BUFFERED_EVENTS = 50_000
 POLL_BATCH_LIMIT = 2_000
@@ -65,7 +86,7 @@ class RunDriverImpl:
 
     def __init__(
         self,
-        spec: dict[str, Any],
+        spec: dict[str, object],  # a LaunchSpec as its model_dump, validated here
         *,
         use_ray_metrics: bool = True,
         pipeline: Callable[[LaunchSpec], list[tuple[str, StageFactory]]] | None = None,
@@ -110,7 +131,7 @@ class RunDriverImpl:
             self._next_seq += 1
             self._events.append(payload)  # beyond the bound: aggregated, never dropped
 
-    def poll(self, after_seq: int, limit: int = POLL_BATCH_LIMIT) -> dict[str, Any]:
+    def poll(self, after_seq: int, limit: int = POLL_BATCH_LIMIT) -> DriverPoll:
         """Events with seq > after_seq (those <= after_seq are acknowledged and dropped)."""
         with self._lock:
             items = self._events.items
@@ -147,12 +168,12 @@ class RunDriverImpl:
     def decide(self, proposal_id: str, decision: Literal["approved", "declined"]) -> None:
         self.ctx.decide(proposal_id, decision)
 
-    def resize(self, request: dict[str, Any]) -> None:
+    def resize(self, request: dict[str, object]) -> None:
         """The booking's size changed: the trainer takes the request at a step boundary
         (a newer one replaces one not yet taken)."""
         self.ctx.resize_inbox.put(ResizeRequest.model_validate(request))
 
-    def ping(self) -> dict[str, Any]:
+    def ping(self) -> DriverPing:
         return {
             "run_id": self.spec.run_id,
             "state": self.state,
@@ -278,7 +299,7 @@ def driver_actor_class() -> Any:
     import ray
 
     class RunDriver(RunDriverImpl):  # the name SREs see in the Ray dashboard
-        def __init__(self, spec: dict[str, Any]):
+        def __init__(self, spec: dict[str, object]):
             # The driver's process is its own: what it writes is private to the
             # backend's user even on a cluster whose raylets run with a wider umask.
             os.umask(PRIVATE_UMASK)
