@@ -4,21 +4,19 @@ Content-Length (chunked uploads are counted as they arrive)."""
 from __future__ import annotations
 
 import json
-from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator.api.envelope import fail_body
 from stages.errors import ErrorCode
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-
 
 class BodyCap:
-    def __init__(self, app: Any, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
         self.max_bytes = max_bytes
 
-    async def _refuse(self, send: Any) -> None:
+    async def _refuse(self, send: Send) -> None:
         body = json.dumps(
             fail_body(ErrorCode.payload_too_large, f"request body exceeds {self.max_bytes} bytes")
         ).encode()
@@ -35,7 +33,7 @@ class BodyCap:
         )
         await send({"type": "http.response.body", "body": body})
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 from urllib.parse import unquote_plus
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator.api.envelope import fail_body
 from orchestrator.db.store import Store
 from stages.errors import ErrorCode
-
-Message = dict[str, Any]
 
 # Any control character: C0, DEL and C1 (for identifiers, paths, headers).
 _ANY_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -56,7 +55,7 @@ def control_in_json(raw: bytes) -> bool:
     return any(m.group(1).lower() not in _FREE_TEXT_ESCAPES for m in _ESCAPED_C0.finditer(raw))
 
 
-def _where(scope: dict[str, Any]) -> str | None:
+def _where(scope: Scope) -> str | None:
     """Which part of the request's head holds a control character, if one does."""
     # uvicorn has percent-decoded the path (UTF-8); the query string is decoded here.
     if control_in_text(scope.get("path", "")):
@@ -71,10 +70,10 @@ def _where(scope: dict[str, Any]) -> str | None:
 
 
 class InputGuard:
-    def __init__(self, app: Any, store: Store):
+    def __init__(self, app: ASGIApp, store: Store):
         self.app, self.store = app, store
 
-    async def _refuse(self, send: Any, where: str) -> None:
+    async def _refuse(self, send: Send, where: str) -> None:
         self.store.audit_counted("request", str(ErrorCode.validation_error), gate="input")
         body = json.dumps(
             fail_body(
@@ -95,7 +94,7 @@ class InputGuard:
         )
         await send({"type": "http.response.body", "body": body})
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

@@ -17,7 +17,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from orchestrator.api.deps import Ctx, Gates
 from orchestrator.api.envelope import fail_body
@@ -100,10 +101,10 @@ class PlanBoundGate:
     bound is refused before its body is read (the key's account as last seen by
     ``PlanSlots``; key ids are not secret, and a refusal costs only the asker)."""
 
-    def __init__(self, app: Any, slots: PlanSlots, store: Store):
+    def __init__(self, app: ASGIApp, slots: PlanSlots, store: Store):
         self.app, self.slots, self.store = app, slots, store
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (scope.get("method"), scope.get("path")) in PLAN_ROUTES:
             authorization = None
             for name, value in scope.get("headers") or ():
@@ -118,7 +119,7 @@ class PlanBoundGate:
                 return
         await self.app(scope, receive, send)
 
-    async def _refuse(self, send: Any) -> None:
+    async def _refuse(self, send: Send) -> None:
         err = self.slots.refusal()
         body = json.dumps(fail_body(err.code, err.message)).encode()
         await send(

@@ -22,7 +22,8 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator.api.envelope import fail_body
 from orchestrator.db.store import Store
@@ -61,7 +62,7 @@ class Buckets:
                 self._b.popitem(last=False)
 
 
-def _header(scope: dict[str, Any], name: bytes) -> str | None:
+def _header(scope: Scope, name: bytes) -> str | None:
     for k, v in scope.get("headers") or ():
         if k.lower() == name:
             return str(v.decode("latin-1"))
@@ -79,7 +80,7 @@ def key_id_of(authorization: str | None) -> str | None:
 class RateLimit:
     def __init__(
         self,
-        app: Any,
+        app: ASGIApp,
         store: Store,
         *,
         key_per_s: float,
@@ -91,7 +92,7 @@ class RateLimit:
         self.keys = Buckets(key_per_s, key_burst)
         self.fails = Buckets(fail_per_s, fail_burst)
 
-    async def _refuse(self, send: Any, retry_after_s: float) -> None:
+    async def _refuse(self, send: Send, retry_after_s: float) -> None:
         body = json.dumps(
             fail_body(
                 ErrorCode.rate_limited, "too many requests; retry after the Retry-After seconds"
@@ -119,7 +120,7 @@ class RateLimit:
             return False
         return True
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -138,7 +139,7 @@ class RateLimit:
             return
         status: list[int] = []
 
-        async def capture(message: dict[str, Any]) -> None:
+        async def capture(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status.append(int(message["status"]))
             await send(message)
