@@ -9,7 +9,7 @@ import json
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -19,13 +19,16 @@ from stages.data_prep.stream.shuffle import concat, gather, load_run, rel_path, 
 from stages.data_prep.stream.store import WorkDir, atomic_write
 from stages.errors import ErrorCode, ItoError
 
+if TYPE_CHECKING:
+    from stages.data_prep.decontam import EvalIndex
+
 # Field added to a record kept with ``action: flag`` (the record's own fields are kept;
 # a record that already has it is refused): ``params["flag_field"]``, by default this.
 FLAG_FIELD = "contaminated"
 
 
 @lru_cache(maxsize=2)
-def _eval_index(root: str) -> Any:
+def _eval_index(root: str) -> EvalIndex:
     from stages.data_prep.config import DecontaminationConfig
     from stages.data_prep.decontam import EvalIndex
     from stages.data_prep.evals import EvalItem

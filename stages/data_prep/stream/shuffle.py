@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from stages.data_prep.stream.blocks import BlockIndex
-from stages.data_prep.stream.store import WorkDir, read_arrays, write_arrays
+from stages.data_prep.stream.store import FileMeta, WorkDir, read_arrays, write_arrays
 
 
 @lru_cache(maxsize=4)
@@ -37,10 +37,10 @@ def rel_path(wd: WorkDir, p: Path) -> str:
 
 def scatter(
     wd: WorkDir, folder: str, dest: np.ndarray, n_dest: int, **cols: np.ndarray
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, FileMeta]:
     """Write the rows of ``cols`` to ``<folder>/to-<d>.npz`` per destination ``d`` (only
     the non-empty ones); returns the outputs for the task's done record."""
-    outputs: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, FileMeta] = {}
     if len(dest) == 0:
         return outputs
     order = np.argsort(dest, kind="stable")

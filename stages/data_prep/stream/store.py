@@ -19,21 +19,28 @@ import hashlib
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
 from stages.atomic_write import write_bytes
 
 
-def atomic_write(path: Path, data: bytes) -> dict[str, Any]:
+class FileMeta(TypedDict):
+    """A written file as a task's record names it."""
+
+    sha256: str
+    bytes: int
+
+
+def atomic_write(path: Path, data: bytes) -> FileMeta:
     """Write ``data`` to ``path`` (``stages.atomic_write``, durable); returns {sha256, bytes}."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_bytes(path, data)
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
-def write_arrays(path: Path, **arrays: np.ndarray) -> dict[str, Any]:
+def write_arrays(path: Path, **arrays: np.ndarray) -> FileMeta:
     buf = io.BytesIO()
     np.savez(buf, **arrays)  # type: ignore[arg-type]
     return atomic_write(path, buf.getvalue())
@@ -52,7 +59,7 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_json(path: Path, obj: Any) -> dict[str, Any]:
+def write_json(path: Path, obj: object) -> FileMeta:
     return atomic_write(path, (json.dumps(obj, sort_keys=True, default=str) + "\n").encode())
 
 
@@ -69,7 +76,7 @@ class WorkDir:
         return self.root / "done" / stage / f"{task}.json"
 
     def record(
-        self, stage: str, task: str, outputs: dict[str, dict[str, Any]], stats: dict[str, Any]
+        self, stage: str, task: str, outputs: dict[str, FileMeta], stats: dict[str, Any]
     ) -> dict[str, Any]:
         """Mark a task finished: its outputs (relative path -> digest) and counts."""
         rec = {"stage": stage, "task": task, "outputs": outputs, "stats": stats}

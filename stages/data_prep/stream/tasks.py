@@ -52,7 +52,7 @@ from stages.data_prep.stream.shuffle import (
     scatter,
     text_bytes,
 )
-from stages.data_prep.stream.store import WorkDir, write_arrays
+from stages.data_prep.stream.store import FileMeta, WorkDir, write_arrays
 from stages.data_prep.text import fmix64, ngram_hashes, word_batch
 
 # Dropped -> survivor examples kept by the components task for the provenance record.
@@ -189,7 +189,7 @@ def fetch(root: str, b: int) -> dict[str, Any]:
     pairs = unique_pairs(
         np.stack([concat(parts, "i", np.int64), concat(parts, "j", np.int64)], axis=1)
     )
-    outputs: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, FileMeta] = {}
     if len(pairs):
         lows = np.unique(pairs[:, 0])
         offsets, flat = _block_shingles(blocks_index, b, lows, params["dedup"]["shingle_size"])
