@@ -34,7 +34,7 @@ def _get(d: dict[str, Any], key: str) -> str:
 # --- runs ------------------------------------------------------------------------------
 
 
-def _find(d: dict[str, Any], *names: str) -> Any:
+def _find(d: dict[str, Any], *names: str) -> object:
     for scope in (d, d.get("progress"), d.get("training"), d.get("metrics")):
         if isinstance(scope, dict):
             for n in names:
@@ -276,7 +276,7 @@ def metrics(d: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-def _seconds(v: Any) -> str:
+def _seconds(v: object) -> str:
     return human.duration(float(v)) if isinstance(v, int | float) else "-"
 
 

@@ -28,7 +28,7 @@ def _get(d: dict[str, Any], key: str) -> str:
     return safe(d.get(key))
 
 
-def plan_layout(plan: dict[str, Any] | None, refusal: Any = None, indent: str = "  ") -> str:
+def plan_layout(plan: dict[str, Any] | None, refusal: object = None, indent: str = "  ") -> str:
     """The parallelism plan as a key/value table and the layouts it beat."""
     if not plan:
         why = ""

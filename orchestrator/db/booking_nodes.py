@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator.db.engines import Conn, Row
 from orchestrator.redact import safe_id
 from stages.errors import ErrorCode, ItoError
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -32,7 +34,7 @@ class BookingNodes:
         def tx(self) -> AbstractContextManager[Conn]: ...
         def read(self, sql: str, params: Iterable[Any] = ()) -> list[Row]: ...
         def read_one(self, sql: str, params: Iterable[Any] = ()) -> Row | None: ...
-        def write(self, fn: Any) -> Any: ...
+        def write(self, fn: Callable[[Conn], _T]) -> _T: ...
 
     # --- nodes -----------------------------------------------------------------------
     @staticmethod

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from orchestrator.db.audit import AuditLog
 from orchestrator.db.booking_nodes import BookingNodes
@@ -36,6 +36,8 @@ from orchestrator.db.schema import MIGRATIONS, SCHEMA_VERSION, render
 from orchestrator.redact import safe_id
 from orchestrator.runs import ACTIVE, RunState, check_transition
 from stages.errors import ErrorCode, ItoError
+
+_T = TypeVar("_T")
 
 __all__ = ["Conn", "Fence", "Row", "Store", "is_postgres", "new_id"]
 
@@ -419,7 +421,7 @@ class Store(RunEvents, AuditLog, BookingNodes, Leases):
                 (json.dumps(response), account_id, key),
             )
 
-    def write(self, fn: Callable[[Conn], Any]) -> Any:
+    def write(self, fn: Callable[[Conn], _T]) -> _T:
         """Run ``fn`` inside one write transaction and return its result. A transaction
         that lost a race on a unique constraint (two replicas reserving one key) is
         rolled back and ``fn`` runs again: it then sees the winner's committed row."""

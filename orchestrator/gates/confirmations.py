@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from orchestrator.db.store import Conn, Row, Store
 from orchestrator.gates.auth import Principal, sha256_hex
@@ -131,7 +131,7 @@ def resolve(store: Store, ref: str | None, expect: Expect, conn: Conn | None = N
     return check(store.confirmation(ref_hash(ref), conn), expect)
 
 
-def consume(store: Store, conn: Conn, ref: str, expect: Expect, by: str) -> Any:
+def consume(store: Store, conn: Conn, ref: str, expect: Expect, by: str) -> Row:
     """Re-check under the write lock and consume: exactly one caller wins.
 
     Credentials end with their key: the key that made the confirmation must still be
