@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel
 
@@ -77,7 +77,10 @@ def battery_files(battery: Battery) -> dict[str, str]:
     return out
 
 
-def _bounded(fn: Callable[[], Any], timeout_s: float) -> Any:
+_T = TypeVar("_T")
+
+
+def _bounded(fn: Callable[[], _T], timeout_s: float) -> _T:
     """Run ``fn`` in a worker thread, at most ``timeout_s``. On timeout the thread is
     abandoned (Python cannot kill it); the caller fails the gate and stops using the
     model, so its late writes go nowhere."""

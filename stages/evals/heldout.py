@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:  # the sums are reduced in the driver, which never imports torch
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 
 class HeldoutSums(BaseModel):
@@ -58,7 +59,7 @@ def reduce_sums(parts: Iterable[HeldoutSums]) -> HeldoutSums:
 _TOKEN_BYTES: dict[tuple[str, int], torch.Tensor] = {}
 
 
-def _token_bytes(tokenizer: Any) -> torch.Tensor:
+def _token_bytes(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
     """UTF-8 bytes each token id stands for (0 for specials)."""
     import torch
 
@@ -79,11 +80,11 @@ def _token_bytes(tokenizer: Any) -> torch.Tensor:
 
 # The split a rank cut last, by tokenizer, texts and window size: a rank scores
 # several shares of one phase end's windows.
-_LAST_WINDOWS: list[tuple[tuple[Any, ...], torch.Tensor]] = []
+_LAST_WINDOWS: list[tuple[tuple[str, int, int, int, tuple[str, ...]], torch.Tensor]] = []
 
 
 def heldout_windows(
-    tokenizer: Any, texts: Sequence[str], *, seq_len: int, max_tokens: int
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, seq_len: int, max_tokens: int
 ) -> torch.Tensor:
     """Each text encoded as the trainer encodes documents (ids then EOS), the stream
     cut into ``seq_len`` windows, at most ``max_tokens`` tokens in all."""
@@ -98,7 +99,7 @@ def heldout_windows(
 
 
 def _cut_windows(
-    tokenizer: Any, texts: Sequence[str], *, seq_len: int, max_tokens: int
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, seq_len: int, max_tokens: int
 ) -> torch.Tensor:
     ids: list[int] = []
     for text in texts:
@@ -116,7 +117,7 @@ def _cut_windows(
 
 def heldout_sums(
     model: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     texts: Sequence[str],
     *,
     seq_len: int,
@@ -158,7 +159,7 @@ def heldout_sums(
 
 def heldout_scores(
     model: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     texts: Sequence[str],
     *,
     seq_len: int,

@@ -268,7 +268,7 @@ def _shards(names: list[str], nbytes: dict[str, int], limit: int) -> list[list[s
 _LOAD_LOCK = threading.Lock()
 
 
-def load_model(path: str | Path) -> Any:
+def load_model(path: str | Path) -> PreTrainedModel:
     """The model of an HF folder in fp32, local files only, its KV cache on (it is
     scored or generates from)."""
     with _LOAD_LOCK:
