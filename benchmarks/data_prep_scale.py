@@ -142,17 +142,17 @@ def child(args: argparse.Namespace) -> None:
         return
     import ray
 
+    from benchmarks.ray_join import init_ray
     from stages.data_prep.stream import RayDataExecutor, StreamConfig, input_files, run_stream
     from stages.data_prep.stream.output import spilling_config
 
     temp = tempfile.mkdtemp(prefix="dpscale")
     cfg = StreamConfig(block_docs=args.block_docs)
-    ray.init(
-        address="local",
-        num_cpus=args.cpus,
-        include_dashboard=False,
-        _temp_dir=temp,
-        log_to_driver=False,
+    # A Ray of its own, in a fresh process per size: its workers' memory is counted.
+    init_ray(
+        None,
+        Path(temp),
+        args.cpus,
         object_store_memory=cfg.object_store_memory_mb * 2**20,
         _system_config={"object_spilling_config": spilling_config(temp + "/spill")},
     )

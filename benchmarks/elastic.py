@@ -89,6 +89,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from benchmarks import fault_tolerance as ft_bench
 from benchmarks import ray_train_baseline
+from benchmarks.ray_join import add_ray_address, init_ray
 from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS
 from stages.events import Event, FleetEvent, ResizeEvent, StepEvent
 from stages.resize import ResizeRequest
@@ -157,6 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="1: measure Ray Train V2's elastic resize too (0: ours only)",
     )
     p.add_argument("--num-cpus", type=int, default=4, help="Ray logical CPUs (ours)")
+    add_ray_address(p)
     args = p.parse_args(argv)
     if args.groups < 1:
         p.error("--groups must be >= 1")
@@ -241,13 +243,7 @@ def measure_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     data = ft_bench.write_train_data(tmp)
     cfg = ft_bench.stage_config(args, spares=args.spares, ckpt_root=tmp / "ckpt-ours", data=data)
     use_scratch_launch_key(tmp)  # run by hand, no server holds one
-    ray.init(
-        address="local",
-        num_cpus=args.num_cpus,
-        include_dashboard=False,
-        _temp_dir=str(tmp / "ray"),
-        log_to_driver=False,
-    )
+    init_ray(args.ray_address, tmp / "ray", args.num_cpus)
     out: dict[str, Any] = {}
     m, settle = args.measure_steps, args.settle_steps
     try:

@@ -79,6 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from benchmarks import ray_train_baseline
+from benchmarks.ray_join import add_ray_address, init_ray
 from stages.base import GateOutcome, StageContext
 from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS, CheckpointPolicy
 from stages.events import Event, InterruptionEvent, StepEvent
@@ -155,6 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-tokens", type=int, default=2048, help="global batch tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-cpus", type=int, default=4, help="Ray logical CPUs")
+    add_ray_address(p)
     p.add_argument(
         "--churn-s",
         type=float,
@@ -476,13 +478,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return stage_config(args, spares=spares, ckpt_root=tmp / ckpt_dir, data=data)
 
     use_scratch_launch_key(tmp)  # run by hand, no server holds one
-    ray.init(
-        address="local",
-        num_cpus=args.num_cpus,
-        include_dashboard=False,
-        _temp_dir=str(tmp / "ray"),
-        log_to_driver=False,
-    )
+    init_ray(args.ray_address, tmp / "ray", args.num_cpus)
     t_start = time.time()
     churned: dict[str, float] = {}
     ft_results: list[dict[str, float]] = []

@@ -83,6 +83,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.ray_join import add_ray_address, init_ray
+
 # Bounds on waiting (actors importing torch, a checkpoint written, on a loaded 2-core
 # host), never speed.
 ACTOR_TIMEOUT_S = 120.0
@@ -344,6 +346,7 @@ def main() -> None:
     ap.add_argument("--learner-steps", type=int, default=8)
     # The replica-group counts whose learner rates are compared.
     ap.add_argument("--learner-groups", type=int, nargs="+", default=[1, 2])
+    add_ray_address(ap)
     args = ap.parse_args()
 
     import ray
@@ -353,13 +356,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-pt-"))
     use_scratch_launch_key(tmp)  # run by hand, no server holds one
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=str(tmp / "ray"),
-        log_to_driver=False,
-    )
+    init_ray(args.ray_address, tmp / "ray", num_cpus=2)
     try:
         policy = build_tiny_policy(tmp / "policy", hidden=args.hidden, layers=2)
         task = write_task(tmp / "task", rl_numbers=tuple(range(10)))

@@ -32,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from benchmarks.ray_join import add_ray_address, init_ray
 from stages.base import StageContext
 from stages.checkpointing.config import CheckpointPolicy
 from stages.events import Event, StepEvent
@@ -78,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="busy-loop processes (default: one per core)",
     )
     p.add_argument("--preset", default="llama-tiny")
+    add_ray_address(p)
     return p.parse_args(argv)
 
 
@@ -168,13 +170,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for i in range(3000):
             f.write(json.dumps({"text": f"doc {i}: " + "lorem ipsum " * (i % 11 + 1)}) + "\n")
     use_scratch_launch_key(tmp)  # run by hand, no server holds one
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        _temp_dir=str(tmp / "ray"),
-        log_to_driver=False,
-    )
+    init_ray(args.ray_address, tmp / "ray", num_cpus=4)
     results = []
     try:
         for hb in (int(x) for x in args.heartbeat_ms.split(",") if x.strip()):

@@ -57,6 +57,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from benchmarks import fault_tolerance as ft_bench
 from benchmarks import ray_train_baseline
+from benchmarks.ray_join import add_ray_address, init_ray
 from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS
 from stages.events import FleetEvent
 
@@ -83,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-cpus", type=int, default=4, help="Ray logical CPUs")
+    add_ray_address(p)
     args = p.parse_args(argv)
     if args.groups < 2:
         p.error("--groups must be >= 2 (one must survive a kill)")
@@ -256,13 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.time()
     results: list[dict[str, Any]] = []
     try:
-        ray.init(
-            address="local",
-            num_cpus=args.num_cpus,
-            include_dashboard=False,
-            _temp_dir=str(tmp / "ray"),
-            log_to_driver=False,
-        )
+        init_ray(args.ray_address, tmp / "ray", args.num_cpus)
         for preset in args.presets:
             lr = ft_bench.stage_config(
                 argparse.Namespace(**{**vars(args), "preset": preset}),

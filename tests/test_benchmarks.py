@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from helpers.postgres import PgServer
+from helpers.xdist_groups import ray_local_group
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -23,6 +24,22 @@ BENCH = REPO / "benchmarks"
 # (three raylets and two runs; over 200 s each for the first two under heavy load).
 BENCH_TIMEOUT_S = 480
 NO_GPU_EXIT = 2
+
+# The Ray smokes that join the session's local Ray (the ``ray_local`` fixture, up since
+# the first module on it) with ``--ray-address``, instead of each starting and stopping
+# a Ray of its own (10-40 s each on the loaded testbed; joining takes a second). Their
+# workers read the session's launch key (tests/conftest.py) from its environment and
+# import the repo from the smoke's folder (Ray adds it to its job's workers). The
+# others keep their own: data_prep_scale.py runs each size in a fresh process with a
+# fresh Ray (its RSS counted per process), pipeline.py the server with its embedded
+# head, slow_fabric.py a head and two raylets in network namespaces.
+SHARED_RAY = {
+    "post_training.py",
+    "quorum_stability.py",
+    "throughput.py",
+    "elastic.py",
+    "fault_tolerance.py",
+}
 
 # script -> (smallest-size arguments, keys its last JSON line must carry, needs Ray)
 CASES: dict[str, tuple[list[str], set[str], bool]] = {
@@ -271,19 +288,41 @@ pytestmark = pytest.mark.timeout(BENCH_TIMEOUT_S + 60)
 
 
 def _cases() -> list[Any]:
+    def marks(script: str, ray: bool) -> list[pytest.MarkDecorator]:
+        if script in SHARED_RAY:  # under xdist, on the worker whose session Ray they join
+            return [pytest.mark.slow, ray_local_group(__name__)]
+        return [pytest.mark.slow] if ray else []
+
     return [
-        pytest.param(script, id=script, marks=[pytest.mark.slow] if ray else [])
+        pytest.param(script, id=script, marks=marks(script, ray))
         for script, (_, _, ray) in CASES.items()
     ]
 
 
+@pytest.fixture
+def ray_address(request: pytest.FixtureRequest) -> str | None:
+    """Where a SHARED_RAY smoke joins the session's local Ray (None: another smoke)."""
+    if request.node.callspec.params["script"] not in SHARED_RAY:
+        return None
+    request.getfixturevalue("ray_local")
+    import ray
+
+    return str(ray.get_runtime_context().gcs_address)
+
+
 @pytest.mark.parametrize("script", _cases())
-def test_benchmark_runs_at_its_smallest_size(script: str) -> None:
+def test_benchmark_runs_at_its_smallest_size(script: str, ray_address: str | None) -> None:
     args, keys, _ = CASES[script]
+    if ray_address is not None:
+        args = [*args, "--ray-address", ray_address]
     proc = _run(script, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = _last_json(proc.stdout)
     assert keys <= set(out), sorted(keys - set(out))
+    if script in SHARED_RAY:  # it ran as a job of the session's Ray, not on a Ray of its own
+        from ray._private import state
+
+        assert any(str(BENCH / script) in job["Entrypoint"] for job in state.jobs())
     if script == "pipeline.py":  # the run's probe trained on its own ranks
         [run] = out["presets"]
         assert run["ladder"]["trained_on"] == ["rg0/rank0", "rg1/rank0"], run["ladder"]
