@@ -237,7 +237,9 @@ def reserve_added(
             lifetime="detached",
         )
     if state(pg) != "CREATED":
-        raise PlacementPending(f"waiting for the added node(s) {', '.join(nodes)}")
+        raise PlacementPending(
+            f"waiting for the {len(nodes)} added node(s) of the booking ({', '.join(nodes)})"
+        )
     return fact(run_id, booking, pg, name=name)
 
 
