@@ -36,7 +36,7 @@ def _bad(path: Path, line: int, why: str) -> ItoError:
     return ItoError(ErrorCode.post_training_data_invalid, f"{path.name}:{line}: {why}")
 
 
-def _messages(v: Any, path: Path, line: int, field: str) -> list[dict[str, str]]:
+def _messages(v: object, path: Path, line: int, field: str) -> list[dict[str, str]]:
     if not isinstance(v, list) or not v:
         raise _bad(path, line, f"{field} must be a non-empty list of messages")
     for i, m in enumerate(v):
@@ -47,7 +47,7 @@ def _messages(v: Any, path: Path, line: int, field: str) -> list[dict[str, str]]
     return v
 
 
-def _check(kind: Kind, row: Any, path: Path, line: int) -> dict[str, Any]:
+def _check(kind: Kind, row: object, path: Path, line: int) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise _bad(path, line, "each line must be a JSON object")
     if kind == "sft":

@@ -26,7 +26,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from stages.errors import ErrorCode, ItoError
 from stages.post_training.admission import is_stale, is_uniform
@@ -37,6 +37,9 @@ MakeRequest = Callable[[int, int], RolloutRequest]  # (id, consume_step) -> requ
 # Pause between weight re-sends to a worker that is still down (each failed call
 # returns at once, so without it the controller spins while Ray restarts the actor).
 RESYNC_RETRY_S = 0.5
+
+
+_T = TypeVar("_T")
 
 
 class DynamicSampler:
@@ -239,7 +242,7 @@ class RolloutController:
         until = min([deadline, *(due for due, _ in self._resend_at.values())])
         return max(0.0, until - time.monotonic())
 
-    def pump_while(self, train: Callable[[], Any]) -> Any:
+    def pump_while(self, train: Callable[[], _T]) -> _T:
         """Run ``train()`` (the optimizer step) while the fleet keeps generating:
         requests are admitted against version V + 1 and results collected, but not
         walked (a walk checks staleness against the version that trains on them)."""

@@ -35,7 +35,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,7 +47,10 @@ from stages.post_training.losses import (
     token_logprobs,
 )
 from stages.post_training.step_groups import StepGroups, step_groups_path
-from stages.trainer.rank.objective import Batch, Tensors
+from stages.trainer.rank.objective import Batch, LaidOutModel, Tensors
+
+if TYPE_CHECKING:
+    from stages.trainer.config import TrainStageConfig
 
 # How often a rank looks for the file it waits for (the wait itself is bounded by
 # ``GRPOSettings.batch_wait_timeout_s``).
@@ -132,7 +135,7 @@ class GRPOObjective:
         dp_world: int,
         reference: torch.nn.Module | None = None,
         device: torch.device | None = None,
-        parallel: Any = None,
+        parallel: LaidOutModel | None = None,
     ):
         from stages.post_training.weight_board import RankPublisher
 
@@ -232,11 +235,17 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def build_grpo_objective(
-    cfg: Any, *, dp_rank: int, device: torch.device, parallel: Any = None
+    cfg: TrainStageConfig,
+    *,
+    dp_rank: int,
+    device: torch.device,
+    parallel: LaidOutModel | None = None,
 ) -> GRPOObjective:
     """The rank's grpo objective (``cfg``: a ``TrainStageConfig``); with beta > 0 a
     frozen copy of the base weights gives the KL term's reference log-probs."""
     obj = cfg.objective
+    # ObjectiveConfig: a grpo objective has its settings and its batches' folder.
+    assert obj.grpo is not None and obj.data_path is not None
     reference = None
     if obj.grpo.beta > 0:
         from stages.model.lm import build_model

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.errors import ErrorCode, ItoError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def model_dir(uri: str) -> Path:
@@ -30,14 +33,14 @@ def check_model_dir(files: list[str]) -> None:
         )
 
 
-def load_tokenizer(path: Path) -> Any:
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     """The run's tokenizer (``stages.hf``): local files only, pad and chat template set."""
     from stages.hf import load_tokenizer as load
 
     return load(path)
 
 
-def load_model(path: Path) -> Any:
+def load_model(path: Path) -> PreTrainedModel:
     """The policy of an HF folder in fp32 (``stages.hf.load_model``)."""
     from stages.hf import load_model as load
 

@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from stages.atomic_write import write_text
 from stages.base import StageContext
@@ -46,6 +46,11 @@ from stages.post_training.rollout import PromptEncoding, RolloutGroup
 from stages.post_training.step_groups import step_groups, write_step_groups
 from stages.post_training.weight_descriptors import BaseWeights, PublishedVersion
 from stages.trainer.config import GRPOSettings, ObjectiveConfig, TrainStageConfig
+
+if TYPE_CHECKING:
+    from stages.post_training.pools import WorkerPool
+    from stages.post_training.rl import RLResult, StepStats
+    from stages.trainer.fleet.handoff import Fleet
 
 CONTROLLER_DIR = "controller"
 
@@ -166,7 +171,7 @@ class EngineLearner:
         """Nothing: the engine checkpoints the policy; ``prepare`` saved the rest."""
 
     # -- one step ----------------------------------------------------------------------
-    def step(self, batch: list[RolloutGroup]) -> Any:
+    def step(self, batch: list[RolloutGroup]) -> StepStats:
         from stages.post_training.rl import StepStats
 
         k = self.version
@@ -257,7 +262,7 @@ class RLVRSide:
     rollout pool, worker 0's encoding of the prompts (collected at RLVR's start, with
     its timeout), and the weight board (name, actor)."""
 
-    pool: Any
+    pool: WorkerPool
     prompts: Callable[[float], PromptEncoding]
     board: tuple[str, Any]
 
@@ -278,15 +283,15 @@ def run_rlvr_on_engine(
     export_dir: Path,
     train: TrainStageConfig | None,
     device: Literal["cpu", "cuda"],
-    pool: Any,
+    pool: WorkerPool,
     maker: Any,
     pad_id: int,
     on_interruption: Any = None,
     board_placement: dict[str, Any] | None = None,
     scoring: ObjectiveEvalRequest | None = None,
-    fleet: Any = None,
+    fleet: Fleet | None = None,
     board: tuple[str, Any] | None = None,
-) -> tuple[Any, Path, EngineLearner, ObjectiveEvalReply | None]:
+) -> tuple[RLResult, Path, EngineLearner, ObjectiveEvalReply | None]:
     """Train the rlvr objective on the engine, fed by the fleet; returns (``RLResult``, the
     HF export of the final weights, the learner, ``scoring``'s scores from the
     evaluating rank). ``board_placement``: the weight board's actor options (the run's

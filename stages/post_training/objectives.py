@@ -23,14 +23,23 @@ at start-up, so it can count the global batch's targets without a collective.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from stages.errors import ErrorCode, ItoError
 from stages.evals.objective_eval import read_rows
-from stages.trainer.rank.objective import Batch, Tensors, token_nll_sum
+from stages.trainer.rank.objective import (
+    Batch,
+    LaidOutModel,
+    Objective,
+    Tensors,
+    token_nll_sum,
+)
+
+if TYPE_CHECKING:
+    from stages.trainer.config import TrainStageConfig
 
 # The run tokenizer's chat template before it carried generation markers (same text):
 # folders exported then are trained with the marked template.
@@ -278,7 +287,9 @@ class DPOObjective:
         return -F.logsigmoid(self.beta * delta).sum()
 
 
-def build_objective(cfg: Any, parallel: Any, *, dp_rank: int, device: torch.device) -> Any:
+def build_objective(
+    cfg: TrainStageConfig, parallel: LaidOutModel, *, dp_rank: int, device: torch.device
+) -> Objective:
     """The run's sft, dpo or grpo objective (``cfg``: a ``TrainStageConfig``); the tokenizer
     is the base folder's. DPO's reference log-probs are computed here, on ``parallel``
     (the freshly loaded base weights)."""
@@ -296,6 +307,7 @@ def build_objective(cfg: Any, parallel: Any, *, dp_rank: int, device: torch.devi
             f"the {obj.kind} objective trains an HF model folder; none is named",
         )
     tok = load_tokenizer(folder)
+    assert obj.data_path is not None  # ObjectiveConfig: set for every post-training kind
     rows = read_rows(obj.data_path)
     common = dict(
         max_length=obj.max_length,

@@ -18,9 +18,15 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from stages.post_training.config import RLVRConfig
+    from stages.post_training.weight_sync import CollectiveReceiver
 
 
 class PromptEncoding(BaseModel):
@@ -32,7 +38,7 @@ class PromptEncoding(BaseModel):
     pad_id: int
 
 
-def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[int]:
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]) -> list[int]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -40,7 +46,9 @@ def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[int]:
     return list(ids)
 
 
-def encode_prompts(tokenizer: Any, rows: list[dict[str, Any]]) -> PromptEncoding:
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]
+) -> PromptEncoding:
     return PromptEncoding(
         ids=[prompt_ids(tokenizer, r["prompt"]) for r in rows], pad_id=int(tokenizer.pad_token_id)
     )
@@ -96,7 +104,7 @@ class WorkerSpec(BaseModel):
     fetch_timeout_s: float = 300.0
 
     @classmethod
-    def for_recipe(cls, cfg: Any, index: int, model_dir: str) -> WorkerSpec:
+    def for_recipe(cls, cfg: RLVRConfig, index: int, model_dir: str) -> WorkerSpec:
         """Worker ``index`` of an RLVR recipe (``RLVRConfig``) on ``model_dir``."""
         return cls(
             index=index,
@@ -148,7 +156,8 @@ class RolloutWorker:
         self._loading.start()
         self.reward_fn = get_reward(spec.reward)
         self.version = -1  # no weights synced yet: refuse every rollout
-        self._receiver: Any = None  # the collective path's end, joined on first use
+        # The collective path's end, joined on first use.
+        self._receiver: CollectiveReceiver | None = None
         self._sync_key = sync_key
         self.started = time.time()
 

@@ -23,6 +23,8 @@ from stages.trainer.config import TrainStageConfig
 if TYPE_CHECKING:
     from stages.post_training.data import Kind
     from stages.post_training.learner import RLVRSide
+    from stages.post_training.pools import LocalPool, RayPool
+    from stages.trainer.fleet.handoff import Fleet
 
 _spec = field_spec(PostTrainingConfig, "base_model")
 assert _spec is not None
@@ -129,7 +131,7 @@ class PostTrainingStage:
 
     def __init__(self, config: PostTrainingStageConfig):
         self.config = config
-        self._fleet: Any = None  # the learner's ranks, handed from objective to objective
+        self._fleet: Fleet | None = None  # the learner's ranks, handed from objective to objective
         self._rlvr_side: RLVRSide | None = None  # started with the stage, used by RLVR
 
     # -- inputs ------------------------------------------------------------------------
@@ -393,7 +395,9 @@ class PostTrainingStage:
             ),
         )
 
-    def _rollout_pool(self, cfg: RLVRConfig, ctx: StageContext, model_dir: Path) -> Any:
+    def _rollout_pool(
+        self, cfg: RLVRConfig, ctx: StageContext, model_dir: Path
+    ) -> LocalPool | RayPool:
         """RLVR's rollout workers, built on ``model_dir`` (they refuse rollouts until
         the learner's version 0 tells them which policy to load)."""
         from stages.post_training.pools import LocalPool, RayPool

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.errors import ErrorCode, ItoError
 from stages.post_training.weight_descriptors import (
@@ -49,6 +49,13 @@ from stages.post_training.weight_descriptors import (
     state_bytes,
 )
 from stages.post_training.weight_sync import CollectiveSender
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+    from stages.trainer.config import GRPOSettings
 
 # Offered versions not yet taken that the board keeps (the driver takes them in
 # order and the ranks are at most one step ahead of it; a run with no driver taking,
@@ -160,7 +167,9 @@ def start_board(
     )
 
 
-def take(board: Any, version: int, timeout_s: float, stopped: Any) -> PublishedVersion:
+def take(
+    board: Any, version: int, timeout_s: float, stopped: Callable[[], bool]
+) -> PublishedVersion:
     """The driver's side: wait for ``version`` on the board while ``stopped()`` is
     false; raises ``TimeoutError`` after ``timeout_s``, ``InterruptedError`` when
     stopped."""
@@ -182,7 +191,7 @@ def take(board: Any, version: int, timeout_s: float, stopped: Any) -> PublishedV
 class RankPublisher:
     """The publishing rank's side (one per process; see the module docstring)."""
 
-    def __init__(self, settings: Any, device: str):
+    def __init__(self, settings: GRPOSettings, device: str):
         self.s = settings
         self.device = device
         self._board: Any = None
@@ -196,6 +205,7 @@ class RankPublisher:
         if self._board is None:
             import ray
 
+            assert self.s.weights_board is not None  # a rank publishes only when enabled
             self._board = ray.get_actor(self.s.weights_board)
         return self._board
 
@@ -204,7 +214,9 @@ class RankPublisher:
 
         return bool(ray.get(self.board().wants.remote(version), timeout=BOARD_CALL_TIMEOUT_S))
 
-    def publish(self, version: int, state: dict[str, Any], loss: float, *, last: bool) -> bool:
+    def publish(
+        self, version: int, state: dict[str, torch.Tensor], loss: float, *, last: bool
+    ) -> bool:
         """Offer ``state`` (this rank's full tensors) as ``version``; True if the board
         took the offer. ``last``: wait until the driver delivered it."""
         import ray

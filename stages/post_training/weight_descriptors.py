@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+    from ray import ObjectRef
 
 WeightSync = Literal["object_store", "collective"]
 
@@ -26,7 +30,7 @@ class TensorMeta:
 class ObjectStoreWeights:
     """The object-store path's descriptor: where the state dict is, and its size."""
 
-    ref: Any  # ray.ObjectRef of the state dict (owned by the process that put it)
+    ref: ObjectRef[dict[str, torch.Tensor]]  # owned by the process that put it
     bytes: int
 
 
@@ -71,11 +75,11 @@ class PublishedVersion:
 Descriptor = ObjectStoreWeights | CollectiveWeights | BaseWeights
 
 
-def state_bytes(state: dict[str, Any]) -> int:
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(int(t.numel()) * t.element_size() for t in state.values())
 
 
-def torch_dtype(name: str) -> Any:
+def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     dt = getattr(torch, name)
@@ -84,7 +88,7 @@ def torch_dtype(name: str) -> Any:
 
 
 def plan_buckets(
-    state: dict[str, Any], bucket_bytes: int
+    state: dict[str, torch.Tensor], bucket_bytes: int
 ) -> tuple[tuple[TensorMeta, ...], tuple[tuple[str, int], ...]]:
     """Pack tensors of one dtype into buckets of at most ``bucket_bytes`` (a larger
     tensor gets a bucket of its own)."""
@@ -105,7 +109,9 @@ def plan_buckets(
     return tuple(metas), tuple(buckets)
 
 
-def pack(state: dict[str, Any], desc: CollectiveWeights, device: str) -> list[Any]:
+def pack(
+    state: dict[str, torch.Tensor], desc: CollectiveWeights, device: str
+) -> list[torch.Tensor]:
     """The flat buckets (copies: the learner changes its tensors on the next step)."""
     import torch
 
@@ -116,7 +122,7 @@ def pack(state: dict[str, Any], desc: CollectiveWeights, device: str) -> list[An
     return flats
 
 
-def unpack(flats: list[Any], desc: CollectiveWeights) -> dict[str, Any]:
+def unpack(flats: list[torch.Tensor], desc: CollectiveWeights) -> dict[str, torch.Tensor]:
     out = {}
     for m in desc.tensors:
         n = 1
@@ -126,7 +132,7 @@ def unpack(flats: list[Any], desc: CollectiveWeights) -> dict[str, Any]:
     return out
 
 
-def state_digest(state: dict[str, Any]) -> str:
+def state_digest(state: dict[str, torch.Tensor]) -> str:
     """sha256 over every tensor's name, dtype, shape and bytes (bit-identity check)."""
     import torch
 

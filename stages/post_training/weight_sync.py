@@ -67,7 +67,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from stages.netsec import (
     PeerRefused,
@@ -86,6 +86,9 @@ from stages.post_training.weight_descriptors import (
     torch_dtype,
     unpack,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 # The purpose the weight-sync key is derived for (``RunSecret.derive``): a proof for
 # the weight sync is no proof on any other listener of the run.
@@ -111,14 +114,16 @@ CHUNK_BYTES = 4 << 20
 MAX_HANDSHAKES = 64
 
 
-def _byte_view(t: Any) -> memoryview:
+def _byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable, without a copy."""
     import torch
 
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
-def _send_frame(sock: socket.socket, tag: bytes, flats: list[Any], timeout_s: float) -> None:
+def _send_frame(
+    sock: socket.socket, tag: bytes, flats: list[torch.Tensor], timeout_s: float
+) -> None:
     sock.settimeout(timeout_s)
     views = [_byte_view(t) for t in flats]
     sock.sendall(_FRAME.pack(tag, sum(len(v) for v in views)))
@@ -223,7 +228,7 @@ class CollectiveSender:
             return sorted(self._peers)
 
     # -- versions ----------------------------------------------------------------------
-    def describe(self, state: dict[str, Any]) -> CollectiveWeights:
+    def describe(self, state: dict[str, torch.Tensor]) -> CollectiveWeights:
         tensors, buckets = plan_buckets(state, self.bucket_bytes)
         return CollectiveWeights(
             host=self.host,
@@ -236,16 +241,16 @@ class CollectiveSender:
             buckets=buckets,
         )
 
-    def pack(self, state: dict[str, Any], desc: CollectiveWeights) -> list[Any]:
+    def pack(self, state: dict[str, torch.Tensor], desc: CollectiveWeights) -> list[torch.Tensor]:
         """The flat buckets of ``state`` in host memory (copies: the learner trains on)."""
         return pack(state, desc, "cpu")
 
-    def send(self, desc: CollectiveWeights, flats: list[Any]) -> None:
+    def send(self, desc: CollectiveWeights, flats: list[torch.Tensor]) -> None:
         """Queue one version's frame (every worker must receive it, in order)."""
         self._pending = [f for f in self._pending if not f.done()]
         self._pending.append(self._ex.submit(self._send, desc.tag, flats))
 
-    def put(self, state: dict[str, Any]) -> CollectiveWeights:
+    def put(self, state: dict[str, torch.Tensor]) -> CollectiveWeights:
         desc = self.describe(state)
         self.send(desc, self.pack(state, desc))
         return desc
@@ -255,7 +260,7 @@ class CollectiveSender:
         for f in self._pending:
             f.result(timeout=timeout_s)
 
-    def _send(self, tag: bytes, flats: list[Any]) -> None:
+    def _send(self, tag: bytes, flats: list[torch.Tensor]) -> None:
         deadline = time.monotonic() + self.timeout_s
         with self._changed:  # every worker connected and proven
             while len(self._peers) < self.world - 1 and not self._closed:
@@ -330,7 +335,7 @@ class CollectiveReceiver:
             raise
         return sock
 
-    def receive(self, desc: CollectiveWeights) -> dict[str, Any]:
+    def receive(self, desc: CollectiveWeights) -> dict[str, torch.Tensor]:
         """The version ``desc`` describes, as CPU tensors. Raises ``ConnectionError``
         (``PeerRefused`` for a sender without the key) or ``TimeoutError``; the
         connection is closed then, and nothing of the version is returned."""
