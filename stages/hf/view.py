@@ -4,12 +4,15 @@ the same tensors, for what needs HF's class: lm-eval's ``HFLM`` (its generate) a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def as_hf(model: torch.nn.Module) -> Any:
+
+def as_hf(model: torch.nn.Module) -> PreTrainedModel:
     """``model`` itself if it is a transformers model, else its HF view."""
     from transformers import LlamaForCausalLM, PreTrainedModel
 

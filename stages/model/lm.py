@@ -4,13 +4,16 @@ repo's own Llama (``stages.model.llama``), with HF's names and numerics."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from stages.model.llama import Llama, LlamaArgs, RotaryEmbedding, load_hf_folder
 from stages.presets import ModelPreset
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, PretrainedConfig
 
 
 def build_model(
@@ -36,25 +39,27 @@ def causal_lm_loss(
     )
 
 
-def llama_config(preset: ModelPreset) -> Any:
+def llama_config(preset: ModelPreset) -> LlamaConfig:
     """The transformers ``LlamaConfig`` of the preset (imports transformers)."""
     return hf_config(LlamaArgs.from_preset(preset))
 
 
-def hf_config(args: LlamaArgs) -> Any:
+def hf_config(args: LlamaArgs) -> LlamaConfig:
     from transformers import LlamaConfig
 
     return LlamaConfig(**args.hf_dict(), use_cache=False)
 
 
-def set_config_rope_theta(config: Any, theta: float) -> None:
+def set_config_rope_theta(config: PretrainedConfig, theta: float) -> None:
     """Set the RoPE base of a transformers config (the one an export is written with)."""
     params = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default"})
     params["rope_theta"] = float(theta)
     config.rope_parameters = params
 
 
-def model_config(preset: ModelPreset, *, checkpoint_path: str | Path | None = None) -> Any:
+def model_config(
+    preset: ModelPreset, *, checkpoint_path: str | Path | None = None
+) -> PretrainedConfig:
     """The transformers config of what ``build_model`` builds, without building it."""
     if checkpoint_path is None:
         return llama_config(preset)

@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # the driver builds requests here; the ranks import torch
 
     import torch
     from ray import ObjectRef
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from stages.checkpointing.sealed import SealedCheckpoint
     from stages.model.llama import Llama
@@ -230,7 +230,7 @@ def load_phase_model(cfg: TrainStageConfig, phase: PhaseSpan, sealed: SealedChec
     return model
 
 
-def _export_config(cfg: TrainStageConfig, *, rope_theta: float | None) -> Any:
+def _export_config(cfg: TrainStageConfig, *, rope_theta: float | None) -> PretrainedConfig:
     """The transformers config a phase's export is written with (its RoPE base)."""
     from stages.model.lm import model_config, set_config_rope_theta
     from stages.presets import load_model_preset

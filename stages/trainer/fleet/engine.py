@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import TypeAdapter
+from pydantic import JsonValue, TypeAdapter
 
 from stages.checkpointing.storage import list_checkpoints
 from stages.errors import ErrorCode, ItoError
@@ -207,7 +207,7 @@ class TrainingEngine:
         self.standby.start_one()
         return True
 
-    def _activation(self, group: int, rank: int) -> dict[str, Any]:
+    def _activation(self, group: int, rank: int) -> dict[str, int | list[str]]:
         """What a standby is told when it becomes rank ``rank`` of ``group``: the group,
         and on cuda the device of the rank it replaces (the standby holds none)."""
         return {"group": group, "gpu_ids": self._gpu_ids.get((group, rank), [])}
@@ -414,7 +414,9 @@ class TrainingEngine:
             stopped_at_phase=self.phase_ends.stopped_at_phase,
         )
 
-    def evaluate_on_rank(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def evaluate_on_rank(
+        self, request: dict[str, JsonValue], timeout_s: float
+    ) -> dict[str, JsonValue]:
         """A phase's battery and export on the ranks waiting at its end
         (``phase_eval.evaluate_phase_end``); returns ``PhaseEvalReply``."""
         from stages.trainer.phase_eval import evaluate_phase_end
