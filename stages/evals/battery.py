@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import BaseModel
 
@@ -25,6 +25,7 @@ from stages.evals.heldout import HeldoutSums, heldout_scores
 
 if TYPE_CHECKING:  # the driver decides gates here; the ranks run the model
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 CheckStatus = Literal["ok", "error", "timeout", "no_number"]
 
@@ -143,7 +144,7 @@ def _max_length(model: torch.nn.Module, s: EvalSettings) -> int:
 
 def run_task_checks(
     model: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     task: str,
     checks: list[BatteryCheck],
     *,
@@ -179,7 +180,7 @@ def run_task_checks(
 
 def run_battery(
     model: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     battery_name: str,
     heldout_texts: Sequence[str],
     *,

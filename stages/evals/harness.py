@@ -17,6 +17,7 @@ import yaml
 
 if TYPE_CHECKING:  # the driver decides gates here; the ranks run the model
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 _OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -63,7 +64,7 @@ def preload() -> None:
 
 def run_tasks(
     model: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     task_yamls: list[Path],
     *,
     include_dir: Path,
@@ -89,7 +90,7 @@ def run_tasks(
         logging.getLogger(name).setLevel(logging.WARNING)
     device = next(model.parameters()).device
     was_training = model.training
-    model.eval()
+    model.train(False)  # eval mode: transformers' (unannotated) eval() is this call
     try:
         lm = HFLM(
             pretrained=model,

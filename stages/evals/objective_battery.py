@@ -13,14 +13,20 @@ batteries replace them where a run names one):
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 def _seq_logp(
-    model: Any, tokenizer: Any, prompt: list[dict[str, str]], completion: list[dict[str, str]]
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: list[dict[str, str]],
+    completion: list[dict[str, str]],
 ) -> float:
     """Sum of log p(completion tokens | prompt) under the chat template."""
     import torch
@@ -37,11 +43,11 @@ def _seq_logp(
     return float(lp[len(p) - 1 :].sum())
 
 
-def _as_messages(x: Any, role: str) -> list[dict[str, str]]:
+def _as_messages(x: str | list[dict[str, str]], role: str) -> list[dict[str, str]]:
     return [{"role": role, "content": x}] if isinstance(x, str) else list(x)
 
 
-def sft_nll(model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> float:
+def sft_nll(model: Any, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]) -> float:
     """Mean per-token NLL of the assistant turns."""
     model.eval()
     total, n = 0.0, 0
@@ -63,7 +69,9 @@ def sft_nll(model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> float:
     return total / max(n, 1)
 
 
-def dpo_margins(model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[float, float]:
+def dpo_margins(
+    model: Any, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]
+) -> tuple[float, float]:
     """(mean margin, fraction with a positive margin)."""
     model.eval()
     margins = []
@@ -76,7 +84,7 @@ def dpo_margins(model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple
 
 
 def objective_battery(
-    kind: str, model: Any, tokenizer: Any, rows: list[dict[str, Any]]
+    kind: str, model: Any, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]
 ) -> dict[str, float]:
     """The objective's battery on ``model``: {"nll"} for sft, {"margin", "accuracy"} for dpo."""
     if kind == "sft":

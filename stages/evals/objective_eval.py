@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel
 
 from stages.evals.config import EvalRunSettings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class ObjectiveEvalRequest(BaseModel):
@@ -52,7 +55,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def heldout_text(tok: Any, row: dict[str, Any]) -> str:
+def heldout_text(tok: PreTrainedTokenizerBase, row: dict[str, Any]) -> str:
     """An objective's row as the text the held-out checks score (chat template applied)."""
     if "messages" in row:
         msgs = row["messages"]
@@ -72,7 +75,7 @@ def heldout_text(tok: Any, row: dict[str, Any]) -> str:
 def evaluate_objective(
     req: ObjectiveEvalRequest,
     model: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     settings: EvalRunSettings,
     work_dir: Path,

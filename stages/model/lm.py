@@ -65,7 +65,10 @@ def model_config(
         return llama_config(preset)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(checkpoint_path), local_files_only=True)
+    config: PretrainedConfig = AutoConfig.from_pretrained(
+        str(checkpoint_path), local_files_only=True
+    )
+    return config
 
 
 def set_rope_theta(model: torch.nn.Module, theta: float) -> None:

@@ -50,7 +50,7 @@ from stages.post_training.step_groups import StepGroups, step_groups_path
 from stages.trainer.rank.objective import Batch, LaidOutModel, Tensors
 
 if TYPE_CHECKING:
-    from stages.trainer.config import TrainStageConfig
+    from stages.trainer.config import GRPOSettings, TrainStageConfig
 
 # How often a rank looks for the file it waits for (the wait itself is bounded by
 # ``GRPOSettings.batch_wait_timeout_s``).
@@ -128,7 +128,7 @@ class GRPOObjective:
 
     def __init__(
         self,
-        settings: Any,
+        settings: GRPOSettings,
         rollouts: Path,
         *,
         dp_rank: int,

@@ -23,6 +23,7 @@ at start-up, so it can count the global batch's targets without a collective.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,8 @@ from stages.trainer.rank.objective import (
 )
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from stages.trainer.config import TrainStageConfig
 
 # The run tokenizer's chat template before it carried generation markers (same text):
@@ -51,7 +54,7 @@ _UNMARKED_ITO_TEMPLATE = (
 )
 
 
-def training_chat_template(tokenizer: Any) -> str | None:
+def training_chat_template(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The template SFT tokenizes with, as trl picks it: the tokenizer's own when it
     has ``{% generation %}`` markers (None), else trl's training version of it."""
     from trl.chat_template_utils import get_training_chat_template, has_generation_markers
@@ -72,7 +75,7 @@ def training_chat_template(tokenizer: Any) -> str | None:
         ) from e
 
 
-def as_messages(x: Any, role: str) -> list[dict[str, str]]:
+def as_messages(x: str | list[dict[str, str]], role: str) -> list[dict[str, str]]:
     return [{"role": role, "content": x}] if isinstance(x, str) else list(x)
 
 
@@ -106,7 +109,10 @@ class StepRows:
 
 
 def sft_example(
-    tokenizer: Any, messages: list[dict[str, str]], max_length: int, chat_template: str | None
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    max_length: int,
+    chat_template: str | None,
 ) -> dict[str, list[int]]:
     """trl's SFT preparation of one conversational row with ``assistant_only_loss``:
     tokenize with the assistant mask, labels = ids on assistant tokens else -100,
@@ -134,7 +140,7 @@ class SFTObjective:
     def __init__(
         self,
         rows: list[dict[str, Any]],
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         max_length: int,
         batch_size: int,
@@ -175,7 +181,7 @@ class SFTObjective:
         return token_nll_sum(logits, part["labels"])
 
 
-def dpo_example(tokenizer: Any, row: dict[str, Any]) -> dict[str, list[int]]:
+def dpo_example(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any]) -> dict[str, list[int]]:
     """trl's DPO tokenization of one conversational row: prompt (with the generation
     prompt), chosen and rejected continuations from where they diverge from it.
     String rows become one user and one assistant message, as the gates score them."""
@@ -221,7 +227,7 @@ class DPOObjective:
     def __init__(
         self,
         rows: list[dict[str, Any]],
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         beta: float,
         max_length: int,
@@ -254,7 +260,12 @@ class DPOObjective:
         return {"input_ids": pairs(ids), "attention_mask": pairs(attn), "labels": pairs(labels)}
 
     @torch.no_grad()
-    def precompute_reference(self, forward_logits: Any, chunk: int, device: torch.device) -> None:
+    def precompute_reference(
+        self,
+        forward_logits: Callable[[Tensors], torch.Tensor],
+        chunk: int,
+        device: torch.device,
+    ) -> None:
         """Reference log-probs of every row, ``chunk`` pairs a forward (the same count
         on every rank of a group, as a sharded forward is a collective)."""
         out = []

@@ -168,7 +168,8 @@ class RolloutWorker:
             from stages.post_training.hf_io import load_model
 
             torch.set_num_threads(1)
-            self._model = load_model(path).eval()
+            # eval mode: transformers' (unannotated) eval() is this call
+            self._model = load_model(path).train(False)
         except BaseException as e:  # raised where the model is first needed
             self._model_error = e
 
