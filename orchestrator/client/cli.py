@@ -18,7 +18,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 from orchestrator.client import human, render
 from orchestrator.client.api import TERMINAL_STATES, ItoClient
@@ -199,7 +199,7 @@ class _Out:
         self.as_json = as_json
         self.secret: str | None = None
 
-    def _write(self, stream: Any, text: str) -> None:
+    def _write(self, stream: TextIO, text: str) -> None:
         if not self.as_json:  # JSON escapes control characters itself
             text = human.safe_lines(text)
         stream.write(redact(text, self.secret) + "\n")

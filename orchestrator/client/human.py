@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _NAMED_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -128,7 +127,7 @@ def count_rate(x: float, unit: str) -> str:
     return f"{x:,.0f} {unit}" if abs(x) >= 100 else f"{x:.2f} {unit}"
 
 
-def value(key: str, v: Any) -> str:
+def value(key: str, v: object) -> str:
     """One metric or checkpoint field, formatted by what its name says it is."""
     if isinstance(v, bool) or v is None or isinstance(v, str):
         return str(v)

@@ -97,7 +97,7 @@ def _safe_key(key: str) -> str:
     return key if _SAFE_KEY.match(key) and _value_kind(key) is None else "?"
 
 
-def find_secrets(node: Any, path: str = "$") -> list[SecretFinding]:
+def find_secrets(node: object, path: str = "$") -> list[SecretFinding]:
     """Secret-shaped keys and values anywhere in decoded JSON (paths are sanitised)."""
     found: list[SecretFinding] = []
     if isinstance(node, dict):
@@ -140,7 +140,7 @@ def _parse_int(text: str) -> int:
 MAX_VALUES = 20_000
 
 
-def _check_shape(node: Any) -> None:
+def _check_shape(node: object) -> None:
     """Nesting depth and value count, iteratively (a hostile document must not blow
     the stack), stopping at the first bound crossed."""
     stack, count = [(node, 1)], 1
