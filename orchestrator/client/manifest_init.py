@@ -12,6 +12,7 @@ It never submits: the reviewed file is the only thing a run is made from, throug
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -243,7 +244,7 @@ def checkpoint_dir(client: ItoClient, booking: str, chosen: str | None) -> Path 
     return Path(str(roots[0]))
 
 
-def run_init(client: ItoClient, args: Any) -> Envelope:
+def run_init(client: ItoClient, args: argparse.Namespace) -> Envelope:
     output = _absolute(args.output or f"ito-manifest-{args.booking}.json")
     where = checkpoint_dir(client, args.booking, args.checkpoint_dir)
     if not isinstance(where, Path):

@@ -96,7 +96,7 @@ def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> tuple[str, int, i
     return h.hexdigest(), size, count
 
 
-def write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from stages.data_prep.stream.blocks import BlockIndex
 from stages.data_prep.stream.store import FileMeta, WorkDir, read_arrays, write_arrays
@@ -59,7 +60,7 @@ def gather(wd: WorkDir, pattern: str) -> list[dict[str, np.ndarray]]:
     return [read_arrays(p) for p in sorted(wd.root.glob(pattern))]
 
 
-def concat(parts: list[dict[str, np.ndarray]], key: str, dtype: Any) -> np.ndarray:
+def concat(parts: list[dict[str, np.ndarray]], key: str, dtype: npt.DTypeLike) -> np.ndarray:
     arrs = [p[key] for p in parts]
     return np.concatenate(arrs).astype(dtype, copy=False) if arrs else np.zeros(0, dtype)
 
