@@ -249,6 +249,61 @@ def test_a_node_taken_back_drains_the_groups_on_it_not_the_highest(
     )
 
 
+def test_a_node_swapped_at_the_same_count_moves_its_group_to_the_gained_node(
+    env: dict[str, Any],
+) -> None:
+    """bk-grow-n0 taken back and bk-grow-n2 added in one supervisor pass: two groups
+    still fit, so the request keeps the count; under that one request a new group starts
+    on n2 and heals from a live peer (a grow to 3), then group 0 (on n0) is drained."""
+    db = env["backend"].db
+    run_id = _submit(env, "swapped")
+    _wait(
+        env,
+        run_id,
+        lambda r: r["state"] == "running" and _ledger(env, run_id),
+        "a committed step",
+    )
+    # Both changes in one pass of the supervisor (each audited command takes a second).
+    store = Store(db)
+    try:
+        store.change_booking_nodes(BOOKING, "remove", [NODES[0]])
+        store.change_booking_nodes(BOOKING, "add", [NODES[2]])
+    finally:
+        store.close()
+    _wait(env, run_id, lambda r: _applied(r, 2) is not None, "the swap applied")
+    nodes, groups = _ray_nodes(env), _group_actors(env, run_id)
+    assert {g: a.node_id for g, a in groups.items()} == {1: nodes[NODES[1]], 2: nodes[NODES[2]]}
+    done = _wait(env, run_id, lambda r: r["state"] == "succeeded", "succeeded")
+    # One request (the swap), or a shrink and a grow should the pass fall between.
+    assert {r["status"] for r in done["resizes"]} == {"applied"}, done["resizes"]
+
+    fleet = _events(env, run_id, "fleet")
+    assert [e["replica_group"] for e in fleet if e["action"] == "groups_drained"] == [0]
+    assert [e["replica_group"] for e in fleet if e["action"] == "groups_added"] == [2]
+    assert not [e for e in fleet if e["action"] == "checkpoint_restored"], fleet
+    # Every step once, its batch in one share per member: {0, 1}, then {0, 1, 2}, then
+    # {1, 2}, in that order.
+    ledger = _ledger(env, run_id)
+    assert sorted(ledger) == list(range(1, STEPS + 1)), sorted(ledger)
+    members = []
+    for step, shares in sorted(ledger.items()):
+        (count,) = {m for _, m in shares.values()}
+        assert sorted(place for place, _ in shares.values()) == list(range(count)), (step, shares)
+        if not members or members[-1] != set(shares):
+            members.append(set(shares))
+    assert members == [{0, 1}, {0, 1, 2}, {1, 2}], members
+    assert _train_metrics(done)["tokens"] == STEPS * GLOBAL_BATCH_TOKENS
+
+    # The booking as the next test needs it: bk-grow-n0 and -n1, the run's nodes free.
+    admin(db, "bookings", "remove-nodes", BOOKING, "--node", NODES[2])
+    admin(db, "bookings", "add-nodes", BOOKING, "--node", NODES[0])
+    wait_until(
+        lambda: set(_reservations_left(env, run_id).values()) <= {"REMOVED"},
+        60.0,
+        f"reservations removed: {_reservations_left(env, run_id)}",
+    )
+
+
 def test_a_run_grows_into_an_added_node_and_shrinks_back_with_every_token_counted_once(
     env: dict[str, Any],
 ) -> None:

@@ -14,6 +14,7 @@ from stages.curriculum.config import CurriculumConfig
 from stages.curriculum.schedule import schedule_curriculum
 from stages.events import Event, ResizeEvent, StepEvent
 from stages.resize import ResizeInbox, ResizeRequest, groups_off_booking
+from stages.run_facts import PlacementFact
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.fleet.engine import TrainingEngine
 from stages.trainer.fleet.resize import ResizeStage
@@ -224,3 +225,44 @@ def test_a_swap_at_the_same_count_drains_the_taken_back_node_then_grows(
     assert engine.resizer.members == (1, 2)
     actions = [(e.action, e.groups_after) for e in events if isinstance(e, ResizeEvent)]
     assert actions == [("requested", 1), ("applied", 1), ("requested", 2)]
+
+
+def test_a_swap_with_the_gained_node_reserved_grows_onto_it_first(tmp_path: Path) -> None:
+    """The gained node reserved and the batch splitting over one group more: the new
+    group starts there first and joins two live groups (a grow), then the group on the
+    node taken back drains."""
+    engine, inbox, events = _engine(tmp_path)
+    _on_nodes(engine, {0: "node-a", 1: "node-b"})
+    gained = PlacementFact(
+        booking_id="bk",
+        resource="booking:bk",
+        placement_group="run-r-pg-c3",
+        placement_group_id="ab" * 18,
+        bundles=1,
+    )
+    made: list[tuple[int, Any]] = []
+
+    def make_worker(name: str, group: int, rank: int, **kw: Any) -> _Rank:
+        made.append((group, kw["placement"]))
+        return _Rank()
+
+    engine.launcher.make_worker = make_worker  # type: ignore[method-assign]
+    inbox.put(_taken_back(("node-b", "node-c"), 2).model_copy(update={"placement": gained}))
+    engine.resizer.advance()
+    assert made == [(2, gained)] and engine.resizer.stage is ResizeStage.launching
+    assert engine.resizer.members == (0, 1, 2)
+    actions = [(e.action, e.groups_after) for e in events if isinstance(e, ResizeEvent)]
+    assert actions == [("requested", 3)]
+    # The new group trains (the resizer admitted it) and the first move applies; then
+    # the same request drains group 0, on the node taken back, not group 2, the highest.
+    engine.supervisor.add_group(2)
+    engine.actors[(2, 0)] = _Rank()
+    engine.supervisor.reports[(2, 0)] = RankReport(pid=1, node_id="node-c")
+    engine.resizer.joining, engine.resizer.stage = {}, ResizeStage.settling
+    engine.resizer.step_committed(
+        StepEvent(step=9, loss=1.0, tokens=384, seconds=0.1, committed=True, batch_share=(0, 3))
+    )
+    engine.resizer.advance()
+    assert engine.resizer.stage is ResizeStage.holding and engine.resizer.members == (1, 2)
+    actions = [(e.action, e.groups_after) for e in events if isinstance(e, ResizeEvent)]
+    assert actions == [("requested", 3), ("applied", 3), ("requested", 2)]

@@ -158,7 +158,9 @@ class GroupResizer:
     def groups_off(self, request: ResizeRequest) -> tuple[int, ...]:
         """The live groups with a rank on a node the booking took back (none where the
         ranks' nodes or the booking's are not known)."""
-        reports = self.engine.supervisor.reports
+        # A group just added may not have answered the engine's own poll yet: its
+        # last report to this resizer stands in.
+        reports = {**self._reports, **self.engine.supervisor.reports}
         rank_nodes = {
             key: (report.node_id if (report := reports.get(key)) is not None else "")
             for key in self.engine.actors
@@ -171,9 +173,17 @@ class GroupResizer:
         self.before = len(live)
         off = self.groups_off(request)
         if off and len(live) - len(off) < request.replica_groups:
-            # A swap: the groups on the nodes taken back leave first (drained, or the run
-            # pauses when none stays); then groups start on the nodes the booking gained.
-            # Never into the run's own reservation: it holds the nodes taken back.
+            # A swap: groups move off the nodes taken back. With the gained nodes reserved
+            # the new groups start there first and join live groups (as a grow does),
+            # then the groups on the nodes taken back drain; else (or when the batch does
+            # not split over the groups in between) they drain first (none staying: the
+            # run pauses), then groups start on the gained nodes. Never into the run's
+            # own reservation: it holds the nodes taken back.
+            staying = len(live) - len(off)
+            grow = request.model_copy(
+                update={"replica_groups": len(live) + request.replica_groups - staying}
+            )
+            drain = request.model_copy(update={"replica_groups": staying})
             if request.placement is not None or engine.launcher.facts.placement is None:
                 self._then = request
             else:
@@ -185,7 +195,8 @@ class GroupResizer:
                         "them to, so the run goes on with fewer groups",
                     )
                 )
-            request = request.model_copy(update={"replica_groups": len(live) - len(off)})
+            placed = request.placement is not None
+            request = grow if placed and not self.refusal(grow) else drain
         if request.replica_groups == len(live) and self.paused_at is None:
             # Already that size (a booking change that kept the count, a request resent
             # to a relaunched driver): nothing moves.
