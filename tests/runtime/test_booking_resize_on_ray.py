@@ -254,7 +254,7 @@ def test_a_node_swapped_at_the_same_count_moves_its_group_to_the_gained_node(
 ) -> None:
     """bk-grow-n0 taken back and bk-grow-n2 added in one supervisor pass: two groups
     still fit, so the request keeps the count; under that one request a new group starts
-    on n2 and heals from a live peer (a grow to 3), then group 0 (on n0) is drained."""
+    on n2 and heals from a live peer (a grow to 3), then the group on n0 is drained."""
     db = env["backend"].db
     run_id = _submit(env, "swapped")
     _wait(
@@ -263,6 +263,13 @@ def test_a_node_swapped_at_the_same_count_moves_its_group_to_the_gained_node(
         lambda r: r["state"] == "running" and _ledger(env, run_id),
         "a committed step",
     )
+    # Which group is on n0 follows the booking's order of its nodes (the earlier test
+    # took n0 back and added it again: it may be the booking's second node now).
+    nodes, groups = _ray_nodes(env), _group_actors(env, run_id)
+    on_n0 = {g for g, a in groups.items() if a.node_id == nodes[NODES[0]]}
+    assert len(on_n0) == 1 and set(groups) == {0, 1}, (groups, nodes)
+    (leaving,) = on_n0
+    (staying,) = {0, 1} - on_n0
     # Both changes in one pass of the supervisor (each audited command takes a second).
     store = Store(db)
     try:
@@ -271,18 +278,21 @@ def test_a_node_swapped_at_the_same_count_moves_its_group_to_the_gained_node(
     finally:
         store.close()
     _wait(env, run_id, lambda r: _applied(r, 2) is not None, "the swap applied")
-    nodes, groups = _ray_nodes(env), _group_actors(env, run_id)
-    assert {g: a.node_id for g, a in groups.items()} == {1: nodes[NODES[1]], 2: nodes[NODES[2]]}
+    groups = _group_actors(env, run_id)
+    assert {g: a.node_id for g, a in groups.items()} == {
+        staying: nodes[NODES[1]],
+        2: nodes[NODES[2]],
+    }
     done = _wait(env, run_id, lambda r: r["state"] == "succeeded", "succeeded")
     # One request (the swap), or a shrink and a grow should the pass fall between.
     assert {r["status"] for r in done["resizes"]} == {"applied"}, done["resizes"]
 
     fleet = _events(env, run_id, "fleet")
-    assert [e["replica_group"] for e in fleet if e["action"] == "groups_drained"] == [0]
+    assert [e["replica_group"] for e in fleet if e["action"] == "groups_drained"] == [leaving]
     assert [e["replica_group"] for e in fleet if e["action"] == "groups_added"] == [2]
     assert not [e for e in fleet if e["action"] == "checkpoint_restored"], fleet
     # Every step once, its batch in one share per member: {0, 1}, then {0, 1, 2}, then
-    # {1, 2}, in that order.
+    # the staying group and 2, in that order.
     ledger = _ledger(env, run_id)
     assert sorted(ledger) == list(range(1, STEPS + 1)), sorted(ledger)
     members = []
@@ -291,7 +301,7 @@ def test_a_node_swapped_at_the_same_count_moves_its_group_to_the_gained_node(
         assert sorted(place for place, _ in shares.values()) == list(range(count)), (step, shares)
         if not members or members[-1] != set(shares):
             members.append(set(shares))
-    assert members == [{0, 1}, {0, 1, 2}, {1, 2}], members
+    assert members == [{0, 1}, {0, 1, 2}, {staying, 2}], members
     assert _train_metrics(done)["tokens"] == STEPS * GLOBAL_BATCH_TOKENS
 
     # The booking as the next test needs it: bk-grow-n0 and -n1, the run's nodes free.
