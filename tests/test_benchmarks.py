@@ -200,6 +200,7 @@ CASES: dict[str, tuple[list[str], set[str], bool]] = {
         ["--smoke"],
         {
             "throttled",
+            "calibration",
             "planned_sync",
             "loopback_keeps_every_step",
             "sync",
