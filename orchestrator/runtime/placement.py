@@ -110,21 +110,28 @@ def _live_nodes(resource: str) -> list[dict[str, Any]]:
 
 
 def _pinned(
-    bundle: dict[str, float], resource: str, nodes: Sequence[str], count: int
+    bundle: dict[str, float],
+    resource: str,
+    nodes: Sequence[str],
+    count: int,
+    booking_nodes: Sequence[str],
 ) -> list[dict[str, float]]:
-    """``count`` bundles, each on the booking node of its name where the booking's
-    nodes carry their names (else on any node of the booking)."""
-    if len(nodes) != count or not names_nodes(resource):
+    """``count`` bundles, each on the booking node of its name (``nodes``) where the
+    booking's nodes (``booking_nodes``, all of them) carry their names, else on any
+    node of the booking."""
+    if len(nodes) != count or not names_nodes(resource, booking_nodes):
         return [dict(bundle) for _ in range(count)]
     return [{**bundle, node_resource(name): 1.0} for name in nodes]
 
 
-def names_nodes(resource: str) -> bool:
-    """Whether the live nodes marked ``resource`` carry their booking node's name
-    (``booking-node:<name>``, set by ``ray start`` in deploy/slurm and deploy/k8s)."""
-    return any(
-        k.startswith(NODE_RESOURCE_PREFIX) for n in _live_nodes(resource) for k in n["Resources"]
-    )
+def names_nodes(resource: str, booking_nodes: Sequence[str]) -> bool:
+    """Whether the live nodes marked ``resource`` carry the names the booking gives
+    its nodes (``booking-node:<name>``, set by ``ray start`` in deploy/slurm and
+    deploy/k8s). A raylet named otherwise (its host name, where the booking lists
+    names of its own) does not count: bundles pinned to names no node carries would
+    wait forever."""
+    wanted = {node_resource(name) for name in booking_nodes}
+    return any(k in wanted for n in _live_nodes(resource) for k in n["Resources"])
 
 
 def node_ids(names: Sequence[str]) -> tuple[str, ...]:
@@ -216,9 +223,11 @@ def reserve_added(
     settings: PlacementSettings,
     *,
     embedded: bool,
+    booking_nodes: Sequence[str] = (),
 ) -> PlacementFact | None:
     """The group of the booking nodes ``nodes`` a booking change added (idempotent by
-    name), a bundle on each; None on the embedded head (the run's own group serves).
+    name), a bundle on each where the booking's nodes (``booking_nodes``: all of them
+    now) carry their names; None on the embedded head (the run's own group serves).
     Raises ``PlacementPending`` until Ray created it (the added nodes joined and are
     free)."""
     from ray.util.placement_group import placement_group
@@ -231,7 +240,7 @@ def reserve_added(
     if pg is None:
         bundle = _bundle(booking, resource, settings, False)
         pg = placement_group(
-            _pinned(bundle, resource, nodes, len(nodes)),
+            _pinned(bundle, resource, nodes, len(nodes), booking_nodes or nodes),
             strategy=settings.strategy,
             name=name,
             lifetime="detached",
@@ -269,7 +278,7 @@ def reserve(
     pg: PlacementGroup = placement_group(
         [dict(bundle) for _ in range(count)]
         if on_embedded
-        else _pinned(bundle, resource, nodes, count),
+        else _pinned(bundle, resource, nodes, count, nodes),
         strategy="PACK" if on_embedded else settings.strategy,
         name=pg_name(run_id),
         lifetime="detached",

@@ -225,7 +225,13 @@ class RayRuntime:
         self, run_id: str, change_id: int, booking: dict[str, Any], nodes: tuple[str, ...]
     ) -> PlacementFact | None:
         return placement.reserve_added(
-            run_id, change_id, booking, nodes, self.settings.placement, embedded=self.embedded
+            run_id,
+            change_id,
+            booking,
+            nodes,
+            self.settings.placement,
+            embedded=self.embedded,
+            booking_nodes=self.store.booking_nodes(booking["booking_id"]),
         )
 
     def _lead(self) -> bool:

@@ -85,3 +85,31 @@ def test_booking_nodes_are_the_ray_nodes_started_with_their_names(
     # One machine serving the booking, its nodes not named: no mapping.
     monkeypatch.setattr(ray, "nodes", lambda: [_node("one", **{"booking:bk1": 1.0})])
     assert node_ids(["bk1-n0", "bk1-n1"]) == ()
+
+
+def test_bundles_are_pinned_only_to_names_the_booking_nodes_carry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A raylet named by its host (Slurm's node name) where the booking lists names of
+    its own: pinning the bundles to the booking's names would wait forever, so they go
+    on any node of the booking; raylets that carry the booking's names get one each."""
+    import ray
+
+    from orchestrator.runtime.placement import _pinned
+
+    bundle = {"booking:bk1": 1.0, "CPU": 1.0}
+    host = _node("h", **{"booking:bk1": 1.0, f"{NODE_RESOURCE_PREFIX}slurm-host": 1.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [host])
+    assert _pinned(bundle, "booking:bk1", ["bk1-n0"], 1, ["bk1-n0"]) == [bundle]
+    named = [
+        _node(f"id{i}", **{"booking:bk1": 1.0, node_resource(f"bk1-n{i}"): 1.0}) for i in range(2)
+    ]
+    monkeypatch.setattr(ray, "nodes", lambda: named)
+    assert _pinned(bundle, "booking:bk1", ["bk1-n0", "bk1-n1"], 2, ["bk1-n0", "bk1-n1"]) == [
+        {**bundle, node_resource("bk1-n0"): 1.0},
+        {**bundle, node_resource("bk1-n1"): 1.0},
+    ]
+    # an added node, not joined yet, still gets its name: the booking's others carry theirs
+    assert _pinned(bundle, "booking:bk1", ["bk1-n2"], 1, ["bk1-n0", "bk1-n1", "bk1-n2"]) == [
+        {**bundle, node_resource("bk1-n2"): 1.0}
+    ]
