@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import shutil
 import statistics
@@ -95,7 +94,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from benchmarks import netem_link
 from benchmarks.fault_tolerance import Watcher
-from benchmarks.throughput import plain_loop
+from benchmarks.throughput import run_plain
 from stages.base import GateOutcome, StageContext
 from stages.checkpointing.config import CheckpointPolicy
 from stages.curriculum.config import CurriculumConfig, CurriculumPhase
@@ -215,12 +214,7 @@ def measured_device(args: argparse.Namespace, tmp: Path) -> tuple[GpuSku, dict[s
         "every": args.calibration_steps + 3,  # no checkpoint: the runs save none mid-run
         "ckpt": str(tmp / "calibration.pt"),
     }
-    spawn = multiprocessing.get_context("spawn")
-    result = spawn.Queue()
-    proc = spawn.Process(target=plain_loop, args=(cfg, result), daemon=True)
-    proc.start()
-    measured = float(result.get(timeout=RUN_TIMEOUT_S))
-    proc.join(timeout=30)
+    measured = run_plain(cfg)
     one_device = plan(
         PlanRequest(
             model=args.preset,

@@ -125,9 +125,18 @@ def plain_loop(cfg: dict[str, Any], out: Any) -> None:
     out.put((time.perf_counter() - t_start) / cfg["measure"])
 
 
-def measure_plain(args: argparse.Namespace, preset: str, lr: float, tmp: Path) -> float:
+def run_plain(cfg: dict[str, Any]) -> float:
+    """``plain_loop`` with ``cfg`` in a spawned process: its seconds per step."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
+    proc = ctx.Process(target=plain_loop, args=(cfg, out), daemon=True)
+    proc.start()
+    step_s = float(out.get(timeout=ft_bench.EVENT_TIMEOUT_S))
+    proc.join(timeout=30)
+    return step_s
+
+
+def measure_plain(args: argparse.Namespace, preset: str, lr: float, tmp: Path) -> float:
     cfg = {
         "core": sorted(os.sched_getaffinity(0))[0],
         "preset": preset,
@@ -139,11 +148,7 @@ def measure_plain(args: argparse.Namespace, preset: str, lr: float, tmp: Path) -
         "every": args.checkpoint_every,
         "ckpt": str(tmp / "plain.pt"),
     }
-    proc = ctx.Process(target=plain_loop, args=(cfg, out), daemon=True)
-    proc.start()
-    step_s = float(out.get(timeout=ft_bench.EVENT_TIMEOUT_S))
-    proc.join(timeout=30)
-    return step_s
+    return run_plain(cfg)
 
 
 def measure_engine(
