@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -42,6 +42,34 @@ class Match:
     grams: int  # distinct item n-grams found in the document
     ratio: float  # grams / the item's distinct n-grams (1.0 for exact matches)
     method: str  # "ngram", "overlap" or "exact"
+
+
+class MatchRow(TypedDict):
+    """One match of a contaminated document, as the provenance record lists it."""
+
+    suite: str
+    item: int
+    file: str
+    method: str
+    grams: int
+    ratio: float
+
+
+def match_rows(matches: Sequence[Match], items: Sequence[EvalItem]) -> list[MatchRow]:
+    """One document's matches as provenance rows: at most MAX_MATCHES_PER_DOC, strongest
+    first (the caller records the exact total)."""
+    ms = sorted(matches, key=lambda m: (-m.ratio, -m.grams, m.item))
+    return [
+        {
+            "suite": items[m.item].suite,
+            "item": items[m.item].index,
+            "file": items[m.item].file,
+            "method": m.method,
+            "grams": m.grams,
+            "ratio": round(m.ratio, 4),
+        }
+        for m in ms[:MAX_MATCHES_PER_DOC]
+    ]
 
 
 def _unique_pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -134,22 +162,11 @@ class DecontamResult:
             by_doc.setdefault(m.doc, []).append(m)
         rows = []
         for d in sorted(by_doc):
-            ms = sorted(by_doc[d], key=lambda m: (-m.ratio, -m.grams, m.item))
             rows.append(
                 {
                     "doc": doc_ids[d] if doc_ids is not None else d,
-                    "matches": [
-                        {
-                            "suite": items[m.item].suite,
-                            "item": items[m.item].index,
-                            "file": items[m.item].file,
-                            "method": m.method,
-                            "grams": m.grams,
-                            "ratio": round(m.ratio, 4),
-                        }
-                        for m in ms[:MAX_MATCHES_PER_DOC]
-                    ],
-                    "total_matches": len(ms),
+                    "matches": match_rows(by_doc[d], items),
+                    "total_matches": len(by_doc[d]),
                 }
             )
         per_suite = Counter(items[m.item].suite for m in self.matches)

@@ -20,7 +20,7 @@ from stages.data_prep.stream.store import WorkDir, atomic_write
 from stages.errors import ErrorCode, ItoError
 
 if TYPE_CHECKING:
-    from stages.data_prep.decontam import EvalIndex
+    from stages.data_prep.decontam import EvalIndex, Match
 
 # Field added to a record kept with ``action: flag`` (the record's own fields are kept;
 # a record that already has it is refused): ``params["flag_field"]``, by default this.
@@ -129,31 +129,21 @@ def filter_block(root: str, b: int) -> dict[str, Any]:
     contaminated: list[dict[str, Any]] = []
     decon = params.get("decontamination")
     if decon:
-        from stages.data_prep.decontam import MAX_MATCHES_PER_DOC
+        from stages.data_prep.decontam import match_rows
 
         index = _eval_index(root)
         live = np.flatnonzero(keep)
-        by_doc: dict[int, list[Any]] = {}
+        by_doc: dict[int, list[Match]] = {}
         for m in index.match([data.texts[i] for i in live]):
             by_doc.setdefault(int(live[m.doc]), []).append(m)
+        items = index.items
         for d in sorted(by_doc):
-            ms = sorted(by_doc[d], key=lambda m: (-m.ratio, -m.grams, m.item))
-            items = index.items
+            ms = by_doc[d]
             contaminated.append(
                 {
                     "doc": doc_id(blocks_index, b, d),
                     "index": blk.doc_start + d,
-                    "matches": [
-                        {
-                            "suite": items[m.item].suite,
-                            "item": items[m.item].index,
-                            "file": items[m.item].file,
-                            "method": m.method,
-                            "grams": m.grams,
-                            "ratio": round(m.ratio, 4),
-                        }
-                        for m in ms[:MAX_MATCHES_PER_DOC]
-                    ],
+                    "matches": match_rows(ms, items),
                     "total_matches": len(ms),
                     "items": sorted({m.item for m in ms}),
                     "suites": dict(Counter(items[m.item].suite for m in ms)),
