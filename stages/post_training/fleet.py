@@ -26,12 +26,15 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from stages.errors import ErrorCode, ItoError
 from stages.post_training.admission import is_stale, is_uniform
-from stages.post_training.pools import WorkerLost, WorkerPool
+from stages.post_training.pools import Handle, WorkerLost, WorkerPool
 from stages.post_training.rollout import Refusal, RolloutGroup, RolloutRequest
+
+if TYPE_CHECKING:
+    from stages.post_training.weight_descriptors import PolicyWeights, SentWeights
 
 MakeRequest = Callable[[int, int], RolloutRequest]  # (id, consume_step) -> request
 # Pause between weight re-sends to a worker that is still down (each failed call
@@ -128,11 +131,11 @@ class RolloutController:
         self.walked: list[RolloutGroup] = []  # every group walked this step (for rewards)
         self.resolved: dict[int, RolloutGroup] = {}
         self.retry: list[int] = []
-        self.inflight: dict[int, tuple[int, Any]] = {}  # worker -> (request id, handle)
-        self.syncing: dict[int, tuple[Any, float, float | None]] = {}  # w -> (h, t0, lost_at)
+        self.inflight: dict[int, tuple[int, Handle]] = {}  # worker -> (request id, handle)
+        self.syncing: dict[int, tuple[Handle, float, float | None]] = {}  # w -> (h, t0, lost_at)
         self.known_version = [-1] * pool.size
         self.stats = FleetStats()
-        self._weights: Any = None
+        self._weights: SentWeights | None = None  # None: nothing published yet
         self._put_s = 0.0
         self._sync_load: list[float] = []
         self._losses = 0
@@ -152,7 +155,7 @@ class RolloutController:
         self.retry, self.resolved = [], {}
 
     # -- weights ---------------------------------------------------------------------
-    def publish(self, version: int, weights: Any) -> None:
+    def publish(self, version: int, weights: PolicyWeights) -> None:
         """Send ``weights`` as ``version`` to every worker (queued behind its rollout):
         what the learner's rank 0 published (a ``PublishedVersion``: only its
         descriptor is forwarded), the base folder (``BaseWeights``), or an in-process
@@ -274,7 +277,7 @@ class RolloutController:
             if error:
                 raise error[0]
 
-    def _collect(self, ready: list[Any]) -> None:
+    def _collect(self, ready: list[Handle]) -> None:
         ready_ids = {id(h) for h in ready}
         for w, (h, t_sent, lost_at) in list(self.syncing.items()):
             if id(h) in ready_ids:
@@ -284,12 +287,13 @@ class RolloutController:
                 del self.inflight[w]
                 self._on_result(w, k, h)
 
-    def _on_synced(self, w: int, h: Any, t_sent: float, lost_at: float | None) -> None:
+    def _on_synced(self, w: int, h: Handle, t_sent: float, lost_at: float | None) -> None:
         try:
             ack = self.pool.result(w, h)
         except WorkerLost as e:
             self._lost(w, e)
             return
+        assert isinstance(ack, dict)  # a sync's handle: its SyncAck
         del self.syncing[w]
         # A version the worker could not fetch leaves it at its own: admit against that.
         self.known_version[w] = int(ack["version"])
@@ -307,7 +311,7 @@ class RolloutController:
                     f"rollout worker restarted and re-synced to version {self.V}",
                 )
 
-    def _on_result(self, w: int, k: int, h: Any) -> None:
+    def _on_result(self, w: int, k: int, h: Handle) -> None:
         try:
             out = self.pool.result(w, h)
         except WorkerLost as e:
@@ -322,6 +326,7 @@ class RolloutController:
                 # Restarted while idle: its death went unseen until now.
                 self._send(w, lost_at=time.time())
             return
+        assert isinstance(out, RolloutGroup)  # a rollout's handle: its group or refusal
         self.stats.gen_s += out.gen_s
         self.stats.samples += len(out.rewards)
         self.resolved[k] = out

@@ -8,8 +8,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
 
 from stages.post_training.rollout import (
     PromptEncoding,
@@ -17,18 +17,38 @@ from stages.post_training.rollout import (
     RolloutGroup,
     RolloutRequest,
     RolloutWorker,
+    WorkerReply,
     WorkerSpec,
     rollout_name,
 )
-from stages.post_training.weight_descriptors import ObjectStoreWeights, WeightSync, state_bytes
+from stages.post_training.weight_descriptors import (
+    ObjectStoreWeights,
+    SentWeights,
+    StateDict,
+    WeightSync,
+    state_bytes,
+)
 from stages.post_training.weight_sync import CollectiveSender
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 # Defaults of the collective path's named settings (RLVRConfig carries the run's).
 BUCKET_BYTES = 64 << 20
 SYNC_TIMEOUT_S = 300.0
 
 
-def make_sender(args: dict[str, Any], sync_key: bytes | None) -> CollectiveSender:
+class SenderArgs(TypedDict, total=False):
+    """A pool's settings for its end of the collective path (``CollectiveSender``)."""
+
+    workers: int
+    host: str
+    device: str
+    bucket_bytes: int
+    timeout_s: float
+
+
+def make_sender(args: SenderArgs, sync_key: bytes | None) -> CollectiveSender:
     """An in-process learner's end of the collective path (it needs the run's key)."""
     if sync_key is None:
         raise ValueError("the collective weight path needs the run's weight-sync key")
@@ -42,14 +62,20 @@ class WorkerLost(Exception):
         self.detail = detail
 
 
+# A call in flight on one worker, as its pool made it (``LocalPool``: a ``Future``;
+# ``RayPool``: an ``ObjectRef``). The controller only waits on it and hands it back to
+# the pool that made it, which reads it as its own kind.
+Handle = object
+
+
 class WorkerPool(Protocol):
     size: int
 
-    def submit(self, w: int, req: RolloutRequest) -> Any: ...
-    def sync(self, w: int, version: int, weights: Any) -> Any: ...
-    def put_weights(self, state: dict[str, Any]) -> Any: ...
-    def wait(self, handles: list[Any], timeout_s: float) -> list[Any]: ...
-    def result(self, w: int, handle: Any) -> Any: ...
+    def submit(self, w: int, req: RolloutRequest) -> Handle: ...
+    def sync(self, w: int, version: int, weights: SentWeights | None) -> Handle: ...
+    def put_weights(self, state: StateDict) -> SentWeights: ...
+    def wait(self, handles: list[Handle], timeout_s: float) -> list[Handle]: ...
+    def result(self, w: int, handle: Handle) -> WorkerReply: ...
     def versions(self, timeout_s: float) -> list[int]: ...
     def encode_prompts(self, rows: list[dict[str, Any]]) -> Callable[[float], PromptEncoding]: ...
     def close(self) -> None: ...
@@ -59,7 +85,7 @@ class WorkerPool(Protocol):
 IDLE_WAIT_S = 0.01
 
 
-def _nothing_in_flight(timeout_s: float) -> list[Any]:
+def _nothing_in_flight(timeout_s: float) -> list[Handle]:
     """A wait with no handle still waits (``cf.wait([])`` returns at once): the pump
     that loops on it would otherwise spin and starve in-process workers of the GIL."""
     time.sleep(min(timeout_s, IDLE_WAIT_S))
@@ -75,7 +101,7 @@ class LocalPool:
 
     def __init__(
         self,
-        workers: list[Any],
+        workers: list[RolloutWorker],
         *,
         weight_sync: WeightSync = "object_store",
         bucket_bytes: int = BUCKET_BYTES,
@@ -93,7 +119,7 @@ class LocalPool:
         # given (an in-process learner); the engine's rank 0 runs its own.
         self._sender: CollectiveSender | None = None
         self._sync_key = sync_key
-        self._sender_args = {
+        self._sender_args: SenderArgs = {
             "workers": self.size,
             "host": "127.0.0.1",  # in-process workers: loopback, never a wildcard
             "device": "cpu",
@@ -101,14 +127,17 @@ class LocalPool:
             "timeout_s": sync_timeout_s,
         }
 
-    def _generate(self, w: int, req: RolloutRequest) -> Any:
+    def _generate(self, w: int, req: RolloutRequest) -> WorkerReply:
         with self._rng_lock:
             return self.workers[w].generate(req)
 
-    def submit(self, w: int, req: RolloutRequest) -> Any:
+    def _set_weights(self, w: int, version: int, weights: SentWeights | None) -> WorkerReply:
+        return self.workers[w].set_weights(version, weights)
+
+    def submit(self, w: int, req: RolloutRequest) -> Handle:
         return self._ex[w].submit(self._generate, w, req)
 
-    def put_weights(self, state: dict[str, Any]) -> Any:
+    def put_weights(self, state: StateDict) -> SentWeights:
         if self.weight_sync == "collective":
             return self._collective().put(state)
         # The trainer changes its tensors in place on the next step: hand over a copy.
@@ -123,18 +152,19 @@ class LocalPool:
         futs = [ex.submit(wk.weights_digest) for ex, wk in zip(self._ex, self.workers, strict=True)]
         return [str(f.result(timeout=timeout_s)) for f in futs]
 
-    def sync(self, w: int, version: int, weights: Any) -> Any:
-        return self._ex[w].submit(self.workers[w].set_weights, version, weights)
+    def sync(self, w: int, version: int, weights: SentWeights | None) -> Handle:
+        return self._ex[w].submit(self._set_weights, w, version, weights)
 
-    def wait(self, handles: list[Any], timeout_s: float) -> list[Any]:
+    def wait(self, handles: list[Handle], timeout_s: float) -> list[Handle]:
         if not handles:
             return _nothing_in_flight(timeout_s)
-        done, _ = cf.wait(handles, timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
+        futures = cast("list[cf.Future[WorkerReply]]", handles)  # this pool's own
+        done, _ = cf.wait(futures, timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
         return list(done)
 
-    def result(self, w: int, handle: Any) -> Any:
+    def result(self, w: int, handle: Handle) -> WorkerReply:
         try:
-            return handle.result()
+            return cast("cf.Future[WorkerReply]", handle).result()
         except Exception as e:
             raise WorkerLost(w, f"{type(e).__name__}: {e}") from e
 
@@ -168,7 +198,7 @@ class RayPool:
         device: str = "cpu",
         max_restarts: int = 3,
         namespace: str | None = None,
-        placement: dict[str, Any] | None = None,
+        placement: Mapping[str, Any] | None = None,
         worker_cls: type[RolloutWorker] | None = None,
         weight_sync: WeightSync = "object_store",
         bucket_bytes: int = BUCKET_BYTES,
@@ -186,7 +216,7 @@ class RayPool:
         # engine's publishing rank runs its own and this one is never made.
         self._sender: CollectiveSender | None = None
         self._sync_key = sync_key
-        self._sender_args = {
+        self._sender_args: SenderArgs = {
             "workers": self.size,
             "device": device,
             "bucket_bytes": bucket_bytes,
@@ -209,10 +239,10 @@ class RayPool:
             for s in specs
         ]
 
-    def submit(self, w: int, req: RolloutRequest) -> Any:
+    def submit(self, w: int, req: RolloutRequest) -> Handle:
         return self.actors[w].generate.remote(req)
 
-    def put_weights(self, state: dict[str, Any]) -> Any:
+    def put_weights(self, state: StateDict) -> SentWeights:
         import ray
 
         if self.weight_sync == "collective":
@@ -228,25 +258,26 @@ class RayPool:
         refs = [a.weights_digest.remote() for a in self.actors]
         return [str(d) for d in ray.get(refs, timeout=timeout_s)]
 
-    def sync(self, w: int, version: int, weights: Any) -> Any:
+    def sync(self, w: int, version: int, weights: SentWeights | None) -> Handle:
         # A descriptor, never a top-level ObjectRef: its nested ref reaches the worker
         # unresolved and the worker fetches it itself (nothing passes through here).
         return self.actors[w].set_weights.remote(version, weights)
 
-    def wait(self, handles: list[Any], timeout_s: float) -> list[Any]:
+    def wait(self, handles: list[Handle], timeout_s: float) -> list[Handle]:
         import ray
 
         if not handles:
             return _nothing_in_flight(timeout_s)
-        ready, _ = ray.wait(handles, num_returns=1, timeout=timeout_s)
+        refs = cast("list[ObjectRef[WorkerReply]]", handles)  # this pool's own
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
         return list(ready)
 
-    def result(self, w: int, handle: Any) -> Any:
+    def result(self, w: int, handle: Handle) -> WorkerReply:
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         try:
-            return ray.get(handle)
+            return ray.get(cast("ObjectRef[WorkerReply]", handle))
         except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
             raise WorkerLost(w, type(e).__name__) from e
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event, MetricsEvent
@@ -16,6 +16,9 @@ from stages.post_training.config import RLVRConfig
 from stages.post_training.fleet import DynamicSampler, RolloutController
 from stages.post_training.pools import WorkerPool
 from stages.post_training.rollout import PromptEncoding, RolloutGroup, RolloutRequest
+
+if TYPE_CHECKING:
+    from stages.post_training.weight_descriptors import PolicyWeights
 
 
 class RequestMaker:
@@ -89,7 +92,7 @@ class Learner(Protocol):
     version: int
     trained: list[tuple[int, int]]
 
-    def state(self) -> Any: ...  # what the fleet gets: a state dict or a descriptor
+    def state(self) -> PolicyWeights: ...  # what the fleet gets: a state dict or a descriptor
     def delivered(self, version: int) -> None: ...
     def step(self, batch: list[RolloutGroup]) -> StepStats: ...
     def load_resume(self, workdir: Path) -> dict[str, Any] | None: ...

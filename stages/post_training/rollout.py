@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from stages.post_training.config import RLVRConfig
+    from stages.post_training.weight_descriptors import SentWeights, StateDict
     from stages.post_training.weight_sync import CollectiveReceiver
 
 
@@ -90,6 +91,21 @@ class Refusal(BaseModel):
     version: int
     reason: str
     gen_s: float = 0.0
+
+
+class SyncAck(TypedDict):
+    """A worker's reply to ``set_weights``: the version it now holds and the seconds the
+    fetch and load took; a version it could not get is ``missed`` (with why)."""
+
+    version: int
+    load_s: float
+    missed: NotRequired[int]
+    error: NotRequired[str]
+
+
+# What a worker answers a call in flight with: a rollout's group or refusal, or a sync's
+# acknowledgement.
+WorkerReply = RolloutGroup | Refusal | SyncAck
 
 
 class WorkerSpec(BaseModel):
@@ -181,7 +197,7 @@ class RolloutWorker:
         return self._model
 
     # -- control ---------------------------------------------------------------------
-    def set_weights(self, version: int, weights: Any) -> dict[str, Any]:
+    def set_weights(self, version: int, weights: SentWeights | None) -> SyncAck:
         """``weights``: a descriptor (``stages.post_training.weight_sync``): an object
         in Ray's object store, fetched here; a collective path's frame, received here; or
         the base folder, loaded here; or a state dict (an in-process learner's copy).
@@ -197,17 +213,18 @@ class RolloutWorker:
 
         t0 = time.perf_counter()
         model = self.model  # the load under way first
+        state: StateDict | None = None
         try:
             if isinstance(weights, ObjectStoreWeights):
                 import ray
 
-                weights = ray.get(weights.ref, timeout=self.spec.fetch_timeout_s)
+                state = ray.get(weights.ref, timeout=self.spec.fetch_timeout_s)
             elif isinstance(weights, CollectiveWeights):
                 if self._receiver is None:
                     if self._sync_key is None:
                         raise ConnectionError("no weight-sync key was given to this worker")
                     self._receiver = CollectiveReceiver(self.spec.index + 1, self._sync_key)
-                weights = self._receiver.receive(weights)
+                state = self._receiver.receive(weights)
         except _missed_errors() as e:
             if self._receiver is not None:
                 self._receiver.leave()
@@ -218,13 +235,15 @@ class RolloutWorker:
                 "error": f"{type(e).__name__}: {e}"[:200],
             }
         if isinstance(weights, BaseWeights):
-            weights = self._base_state(weights.model_dir)
-        if weights is not None:
-            model.load_state_dict(weights)
+            state = self._base_state(weights.model_dir)
+        elif isinstance(weights, dict):
+            state = weights  # an in-process learner's copy
+        if state is not None:
+            model.load_state_dict(state)
         self.version = version
         return {"version": version, "load_s": time.perf_counter() - t0}
 
-    def _base_state(self, folder: str) -> dict[str, Any] | None:
+    def _base_state(self, folder: str) -> StateDict | None:
         """The base folder's weights; None when this worker's model was just built
         from that folder and never changed (nothing to load)."""
         from stages.post_training.hf_io import load_model, model_dir

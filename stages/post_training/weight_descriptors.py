@@ -73,6 +73,14 @@ class PublishedVersion:
 
 
 Descriptor = ObjectStoreWeights | CollectiveWeights | BaseWeights
+# A policy's weights by parameter name (an in-process learner hands over its own).
+StateDict = dict[str, "torch.Tensor"]
+# What a worker is sent as a version's weights: a descriptor, or (from an in-process
+# learner, on the object-store path) a copy of the state dict itself.
+SentWeights = Descriptor | StateDict
+# What a learner gives the fleet for a version: rank 0's record, the base folder, or
+# an in-process learner's state dict (the pool puts it first).
+PolicyWeights = PublishedVersion | BaseWeights | StateDict
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
