@@ -102,6 +102,16 @@ def bundle_for_rank(facts: RunFacts | None, rank: int, world: int) -> int:
     return min(p.bundles - 1, rank * p.bundles // world)
 
 
+def bundle_for_group_rank(
+    facts: RunFacts | None, rank: int, ranks_per_group: int, place: int, groups: int
+) -> int:
+    """The bundle of rank ``rank`` of the replica group at ``place`` among the ``groups``
+    groups a reservation holds: the groups' ranks spread over its bundles in turn, so
+    each group has bundles (nodes) of its own when there are as many. -1 without
+    placement."""
+    return bundle_for_rank(facts, place * ranks_per_group + rank, groups * ranks_per_group)
+
+
 def actor_options(
     facts: RunFacts | None,
     *,

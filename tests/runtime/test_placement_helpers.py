@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,10 +13,14 @@ from stages.placement import (
     NODE_RESOURCE_PREFIX,
     actor_options,
     booking_resource,
+    bundle_for_group_rank,
     bundle_for_rank,
     node_resource,
 )
 from stages.run_facts import PlacementFact, RunFacts
+from stages.run_secret import RunSecret
+from stages.trainer.config import TrainStageConfig
+from stages.trainer.fleet.launcher import RankLauncher
 
 FACTS = RunFacts(
     placement=PlacementFact(
@@ -39,6 +44,37 @@ def test_ranks_spread_over_nodes_consecutively() -> None:
     assert [bundle_for_rank(FACTS, r, 4) for r in range(4)] == [0, 0, 1, 1]
     assert [bundle_for_rank(FACTS, r, 3) for r in range(3)] == [0, 0, 1]
     assert bundle_for_rank(FACTS, 0, 1) == 0
+
+
+def test_groups_added_together_take_bundles_of_their_own(tmp_path: Path) -> None:
+    # Two groups a resize adds onto the two nodes a booking gained: one node each.
+    assert [bundle_for_group_rank(FACTS, 0, 1, g, 2) for g in range(2)] == [0, 1]
+    two_ranks = [[bundle_for_group_rank(FACTS, r, 2, g, 2) for r in range(2)] for g in range(2)]
+    assert two_ranks == [[0, 0], [1, 1]]
+    # The launcher places each added group by its place among those added with it; the
+    # run's own groups by their index, over the run's reservation; a standby anywhere.
+    cfg = TrainStageConfig.model_validate(
+        dict(
+            model={"preset": "llama-tiny", "size": "0.1M"},
+            target={"max_steps": 10, "seq_len": 32, "global_batch_tokens": 384},
+            checkpoint={"interval_steps": 5, "storage_uri": f"file://{tmp_path}/ckpt"},
+            replica_groups=2,
+        ),
+        strict=False,
+    )
+    launcher = RankLauncher(
+        cfg,
+        run_id="r",
+        checkpoint_dir=tmp_path,
+        facts=FACTS,
+        fleet=None,
+        secret=RunSecret.new(),
+        emit=lambda _e: None,
+        announce=lambda _e, _line: None,
+    )
+    assert [launcher.bundle_index(FACTS, g, 0, (i, 2)) for i, g in enumerate((5, 6))] == [0, 1]
+    assert [launcher.bundle_index(FACTS, g, 0, None) for g in range(2)] == [0, 1]
+    assert launcher.bundle_index(FACTS, -1, 0, None) == -1
 
 
 def test_placed_actor_takes_a_token_of_the_booking_mark_in_the_group() -> None:

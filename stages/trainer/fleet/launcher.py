@@ -18,7 +18,7 @@ from typing import Any
 from stages.checkpointing.seal import run_binding
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event, FleetEvent, LogEvent
-from stages.placement import actor_options, bundle_for_rank
+from stages.placement import actor_options, bundle_for_group_rank
 from stages.run_facts import PlacementFact, RunFacts
 from stages.run_secret import RunSecret
 from stages.trainer.config import TrainStageConfig
@@ -251,10 +251,12 @@ class RankLauncher:
         joining: bool = False,
         membership_from: tuple[int, tuple[int, ...]] | None = None,
         placement: PlacementFact | None = None,
+        place: tuple[int, int] = (0, 1),
     ) -> Any:
         """Rank ``rank`` of ``group`` (-1: of standby ``standby_index``). ``joining``: a
         group a resize adds to the running run; ``placement``: the reservation of the
-        nodes the booking gained, for it, instead of the run's own."""
+        nodes the booking gained, for it, instead of the run's own, and ``place`` the
+        group's place among the groups added into it and their count."""
         import ray
 
         facts = self.facts if placement is None else RunFacts(placement=placement)
@@ -269,13 +271,7 @@ class RankLauncher:
         )
         if spec.assignment_path:
             write_assignment(spec)  # replaces one an earlier driver of the run left
-        if placement is not None:  # the group's ranks spread over the gained nodes
-            index = bundle_for_rank(facts, rank, self.cfg.ranks_per_group)
-        elif group >= 0:
-            world = self.cfg.replica_groups * self.cfg.ranks_per_group
-            index = bundle_for_rank(facts, group * self.cfg.ranks_per_group + rank, world)
-        else:
-            index = -1
+        index = self.bundle_index(facts, group, rank, None if placement is None else place)
         return (
             # Work that borrows the rank before its run trains (the ladder probe) runs
             # in a concurrency group of its own, beside the driver's calls.
@@ -296,6 +292,20 @@ class RankLauncher:
             )
             .remote(spec, self.secret)
         )
+
+    def bundle_index(
+        self, facts: RunFacts, group: int, rank: int, added: tuple[int, int] | None
+    ) -> int:
+        """The bundle (node) of rank ``rank`` of ``group`` in ``facts``' reservation: the
+        run's groups spread over its own, each group a resize adds over the nodes the
+        booking gained, beside the others added with it (``added``: its place among
+        them and their count). -1: a standby (it takes a lost rank's device later)."""
+        rpg = self.cfg.ranks_per_group
+        if added is not None:
+            return bundle_for_group_rank(facts, rank, rpg, *added)
+        if group < 0:
+            return -1
+        return bundle_for_group_rank(facts, rank, rpg, group, self.cfg.replica_groups)
 
     @staticmethod
     def restart_group(actors: dict[RankKey, Any], dead: RankKey) -> None:

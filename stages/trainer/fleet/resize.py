@@ -34,8 +34,9 @@ from stages.run_facts import PlacementFact
 from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
 from stages.trainer.fleet.handoff import kill_actors
 from stages.trainer.fleet.launcher import RankLauncher
+from stages.trainer.fleet.resize_polls import ResizePolls
 from stages.trainer.fleet.supervision import GroupState, GroupSupervisor, RankKey
-from stages.trainer.rank.rank_state import ENDED_STATES, RankPoll, RankReport, RankState
+from stages.trainer.rank.rank_state import RankState
 from stages.trainer.rank.replica import worker_name
 
 
@@ -81,11 +82,7 @@ class GroupResizer:
         # leaving (polled here until they stopped).
         self.joining: dict[RankKey, Any] = {}
         self.leaving: dict[RankKey, Any] = {}
-        self._reports: dict[RankKey, RankReport] = {}
-        # Each joining rank's process that asked for the data (a process Ray restarts
-        # waits for it again).
-        self._data_sent: dict[RankKey, int] = {}
-        self._in_flight: dict[RankKey, Any] = {}  # each polled rank's unanswered poll
+        self.polls = ResizePolls(engine.forward_events)
         self.members: tuple[int, ...] = ()
         self.first_step = 0
         self._leaving_since = 0.0
@@ -160,7 +157,7 @@ class GroupResizer:
         ranks' nodes or the booking's are not known)."""
         # A group just added may not have answered the engine's own poll yet: its
         # last report to this resizer stands in.
-        reports = {**self._reports, **self.engine.supervisor.reports}
+        reports = {**self.polls.reports, **self.engine.supervisor.reports}
         rank_nodes = {
             key: (report.node_id if (report := reports.get(key)) is not None else "")
             for key in self.engine.actors
@@ -233,7 +230,7 @@ class GroupResizer:
             # After a pause the new groups read the run's checkpoint (none is live to
             # heal from) and share the batch from its step; otherwise they heal.
             resume = None if self.paused_at is None else (self.paused_at, self.members)
-            for g in added:
+            for place, g in enumerate(added):
                 if request.placement is not None:
                     self._placed[g] = request.placement
                 for r in range(engine.cfg.ranks_per_group):
@@ -245,6 +242,7 @@ class GroupResizer:
                         joining=resume is None,
                         membership_from=resume,
                         placement=request.placement,
+                        place=(place, len(added)),
                     )
                     # The data goes with the rank: it joins without waiting for a poll.
                     self.joining[key].command.remote("data", {"role_shards": engine.role_shards})
@@ -362,7 +360,7 @@ class GroupResizer:
         actor, in_flight = self.engine.forget_rank(key)
         self.leaving[key] = actor
         if in_flight is not None:
-            self._in_flight[key] = in_flight
+            self.polls.in_flight[key] = in_flight
         actor.command.remote(command)
 
     def _log_progress(self, what: str) -> None:
@@ -406,7 +404,7 @@ class GroupResizer:
         held = list(engine.actors)
         for key, actor in self.joining.items():
             engine.supervisor.add_group(key[0])
-            engine.adopt_rank(key, actor, self._in_flight.pop(key, None))
+            engine.adopt_rank(key, actor, self.polls.in_flight.pop(key, None))
         added = sorted({k[0] for k in self.joining})
         engine.emit(
             FleetEvent(
@@ -433,44 +431,13 @@ class GroupResizer:
         self.stage = ResizeStage.settling
 
     # --- polling the ranks this engine does not poll ------------------------------------
-    def _answers(self, ranks: dict[RankKey, Any]) -> dict[RankKey, RankPoll | None]:
-        """The polls of ``ranks`` answered since the last look (None: the rank's process
-        is gone), without waiting: one poll in flight per rank, as the engine's own."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        for key, actor in ranks.items():
-            if key not in self._in_flight:
-                self._in_flight[key] = actor.poll.remote()
-        refs = {self._in_flight[k]: k for k in ranks}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-        answers: dict[RankKey, RankPoll | None] = {}
-        for ref in ready:
-            key = refs[ref]
-            del self._in_flight[key]
-            try:
-                reply: RankPoll = ray.get(ref, timeout=0)
-            except RayActorError:
-                answers[key] = None
-                continue
-            self.engine.forward_events(reply.events, key[0])
-            answers[key] = reply
-        return answers
-
     def _poll(self, ranks: dict[RankKey, Any], states: set[RankState]) -> bool:
         """Whether every rank of ``ranks`` reports one of ``states`` (a failed one is
         given up on: the resize is refused)."""
-        for key, reply in self._answers(ranks).items():
-            if reply is None or reply.report.error:
-                why = reply.report.error if reply is not None else "its process ended"
-                self._abandon(f"rank {key} of a new group failed: {why}")
-                return False
-            self._reports[key] = reply.report
-            report = reply.report
-            if report.state is RankState.awaiting_data and self._data_sent.get(key) != report.pid:
-                self._data_sent[key] = report.pid
-                ranks[key].command.remote("data", {"role_shards": self.engine.role_shards})
-        return all((r := self._reports.get(k)) is not None and r.state in states for k in ranks)
+        done, failure = self.polls.all_in(ranks, states, self.engine.role_shards)
+        if failure:
+            self._abandon(failure)
+        return done
 
     def _poll_leaving(self) -> None:
         """Kill the drained ranks once they stopped (or after their bound)."""
@@ -481,16 +448,10 @@ class GroupResizer:
             self.engine.ft.pause_save_timeout_s if self.paused else self.engine.ft.stop_timeout_s
         )
         overdue = time.monotonic() - self._leaving_since > bound
-        answers = self._answers(self.leaving)
-        for key, actor in list(self.leaving.items()):
-            ended = False  # not answered yet (busy saving)
-            if key in answers:
-                reply = answers[key]
-                ended = reply is None or reply.report.state in ENDED_STATES
-            if ended or overdue:
-                kill_actors(actor)
-                del self.leaving[key]
-                self._in_flight.pop(key, None)
+        ended = self.polls.ended(self.leaving)  # not answered yet: busy saving
+        for key in list(self.leaving) if overdue else ended:
+            kill_actors(self.leaving.pop(key))
+            self.polls.forget(key)
         if not self.leaving:
             self._release_drained()
 
@@ -514,7 +475,7 @@ class GroupResizer:
         request, self.request = self.request, None
         kill_actors(*self.joining.values())
         for key in self.joining:
-            self._in_flight.pop(key, None)
+            self.polls.forget(key)
         self.joining = {}
         self.stage = ResizeStage.idle
         if request is not None:
