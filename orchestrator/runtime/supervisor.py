@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.db.store import Fence, Row, Store
 from orchestrator.runs import ACTIVE, TERMINAL, RunState
@@ -51,6 +51,9 @@ from orchestrator.runtime.supervisor_settings import SupervisorSettings
 from stages.errors import ErrorCode, ItoError
 from stages.events import InterruptionEvent, LogEvent
 from stages.run_facts import PlacementFact
+
+if TYPE_CHECKING:
+    from orchestrator.runtime.driver import DriverPoll
 
 log = logging.getLogger(__name__)
 
@@ -294,13 +297,13 @@ class RayRuntime:
             return
         self._advance(run, reply)
 
-    def _pull(self, run_id: str, handle: Any) -> dict[str, Any]:
+    def _pull(self, run_id: str, handle: Any) -> DriverPoll:
         """Pull and persist every buffered event; the next poll acknowledges them."""
         import ray
 
         while True:
             after = self.store.max_seq(run_id)
-            reply: dict[str, Any] = ray.get(
+            reply: DriverPoll = ray.get(
                 handle.poll.remote(after), timeout=self.settings.rpc_timeout_s
             )
             if reply["events"]:
@@ -308,7 +311,7 @@ class RayRuntime:
             if not reply.get("more"):
                 return reply
 
-    def _advance(self, run: Row, reply: dict[str, Any]) -> None:
+    def _advance(self, run: Row, reply: DriverPoll) -> None:
         run_id, state = run["run_id"], RunState(run["state"])
         driver_state = reply["state"]
         if driver_state in ("succeeded", "failed", "cancelled"):

@@ -295,7 +295,7 @@ class TrainingEngine:
         if status.gpu_ids:
             self._gpu_ids[key] = list(status.gpu_ids)
         if rank == 0 and status.layout:
-            self.layout = status.layout
+            self.layout = dict(status.layout)
         sooner = self.phase_ends.observe(key, status, self.actors[key], len(self.actors))
         if sooner is not None:
             due = time.monotonic() + sooner

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, model_validator
+from typing_extensions import TypedDict  # pydantic reads it (a rank's report) on 3.11
 
 from stages.base import StrictModel
 from stages.errors import ErrorCode, ItoError
@@ -22,6 +23,22 @@ TrainPrecision = Literal["fp32", "bf16", "fp8"]
 # torchtitan's mesh order (outermost first); dp_replicate is torchft's, across groups.
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_shard", "cp", "tp")
 FP8_MIN_CAPABILITY = FP8_TRAINING_MIN_CAPABILITY
+
+
+class BuiltLayout(TypedDict):
+    """The layout a rank built, read back from what it built
+    (``ParallelModel.built_layout``), as the rank reports it."""
+
+    pp: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp_schedule: str | None
+    pp_microbatches: int
+    pp_stage_layers: list[int]
+    activation_checkpointing: str
+    precision: str
+    sequence_parallel: bool
 
 
 class ParallelLayout(StrictModel):

@@ -33,7 +33,7 @@ from torch import nn
 
 from stages.errors import ErrorCode, ItoError
 from stages.trainer.parallel.activation_checkpointing import apply_activation_checkpointing
-from stages.trainer.parallel.layout import ParallelLayout, check_runnable
+from stages.trainer.parallel.layout import BuiltLayout, ParallelLayout, check_runnable
 from stages.trainer.parallel.mesh import FSDP_DIM, mesh_coords, mesh_layout
 from stages.trainer.parallel.pipeline import LocalModel, StageModule, build_schedule, split_model
 from stages.trainer.parallel.transforms import (
@@ -55,21 +55,6 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
     from stages.trainer.rank.ft import GradientReducer
-
-
-class BuiltLayout(TypedDict):
-    """The layout a rank built, read back from what it built (``built_layout``)."""
-
-    pp: int
-    dp_shard: int
-    cp: int
-    tp: int
-    pp_schedule: str | None
-    pp_microbatches: int
-    pp_stage_layers: list[int]
-    activation_checkpointing: str
-    precision: str
-    sequence_parallel: bool
 
 
 class _StageShare(TypedDict):

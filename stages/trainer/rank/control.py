@@ -4,13 +4,17 @@ boundaries (pause, resume, restore, the next phase, stop)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal, TypedDict, Unpack
 
 from stages.run_facts import PlacementFact
 from stages.trainer.config import TrainStageConfig
 
 CommandKind = Literal["resume", "restore", "next_phase", "members"]
+# What the driver sends a rank (``ReplicaWorker.command``): the loop's commands, and
+# what the rank applies at once (stop, drain, pause, hold, go, activate, data).
+CommandName = Literal[CommandKind, "stop", "drain", "pause", "hold", "go", "activate", "data"]
 # Token shards by data role; each phase's mix reads the roles it names.
 RoleShards = dict[str, list[str]]
 
@@ -57,6 +61,23 @@ class WorkerSpec:
         return self.fleet_id or self.run_id
 
 
+class CommandParams(TypedDict, total=False):
+    """A command's parameters, as the driver sends them (through Ray): each command
+    names its own."""
+
+    # restore: the checkpoint's step, and the data batches to skip from there.
+    step: int
+    skip_batches: int
+    # members: the first step the batch is shared by ``members`` (replica groups).
+    first_step: int
+    members: Sequence[int]
+    # activate: the group a standby becomes, and on cuda the device it takes over.
+    group: int
+    gpu_ids: Sequence[int | str]
+    # data: the run's token shards by data role.
+    role_shards: Mapping[str, Sequence[str]]
+
+
 @dataclass
 class Control:
     """Commands from the driver to the loop, applied at step boundaries."""
@@ -72,30 +93,14 @@ class Control:
     # The driver asks every group to stop at one step's end, all at the same one (a
     # resize): this rank votes so in each step's reduction until it is held.
     hold: bool = False
-    command: tuple[CommandKind, dict[str, Any]] | None = None
+    command: tuple[CommandKind, CommandParams] | None = None
     # A spare is told which replica group to become.
     activate_group: int | None = None
     # The run's token shards: a rank is started (model built, group joined) before
     # the run's data exists, and waits for them before its first phase.
     role_shards: RoleShards | None = None
 
-    def send(
-        self,
-        kind: Literal[
-            "resume",
-            "restore",
-            "next_phase",
-            "members",
-            "stop",
-            "drain",
-            "pause",
-            "hold",
-            "go",
-            "activate",
-            "data",
-        ],
-        **params: Any,
-    ) -> None:
+    def send(self, kind: CommandName, **params: Unpack[CommandParams]) -> None:
         with self.cond:
             if kind == "stop" or kind == "drain":  # (not `in`: mypy narrows this)
                 self.stop = True
@@ -126,7 +131,7 @@ class Control:
             self.cond.wait_for(lambda: self.stop or self.role_shards is not None)
             return None if self.stop else self.role_shards
 
-    def wait_command(self) -> tuple[str, dict[str, Any]]:
+    def wait_command(self) -> tuple[str, CommandParams]:
         with self.cond:
             self.cond.wait_for(lambda: self.stop or self.command is not None)
             if self.stop:

@@ -13,11 +13,14 @@ A rank's lifecycle state is not a curriculum phase (``PhaseSpan``): a rank in st
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, JsonValue
+
+from stages.trainer.parallel.layout import BuiltLayout
 
 
 class RankState(StrEnum):
@@ -92,7 +95,7 @@ class RankReport(BaseModel):
     phase_name: str | None = None
     boundary: int | None = None
     # The layout the rank built, read back from its mesh (``parallelize``).
-    layout: dict[str, Any] | None = None
+    layout: BuiltLayout | None = None
     # The parameter digest at a pause or at the end.
     digest: str | None = None
     # The loss spike it paused for (``LossSpike`` as JSON, with its batch and the
@@ -122,8 +125,30 @@ class RankPoll:
     """One poll's answer: the events the rank buffered since the last one (JSON), and
     its report."""
 
-    events: list[dict[str, Any]]
+    events: list[dict[str, JsonValue]]
     report: RankReport
+
+
+class ReportFields(TypedDict, total=False):
+    """What a rank's loop changes in its ``RankReport`` (its ``state`` only through
+    ``RankStatus.enter``)."""
+
+    node_id: str
+    gpu_ids: list[str]
+    step: int
+    quorum: int | None
+    restarted: bool
+    started_at: float
+    group: int | None
+    phase_name: str | None
+    boundary: int | None
+    layout: BuiltLayout | None
+    digest: str | None
+    spike: dict[str, Any] | None
+    paused_at: int | None
+    held_at: int | None
+    error: str | None
+    traceback: str | None
 
 
 class RankStatus:
@@ -152,7 +177,7 @@ class RankStatus:
     def report(self) -> RankReport:
         return self._report
 
-    def update(self, **fields: Any) -> None:
+    def update(self, **fields: Unpack[ReportFields]) -> None:
         """Change what the rank reports, not its state (``enter`` does that)."""
         if "state" in fields:
             raise TypeError("a rank's state changes through enter()")
@@ -160,7 +185,7 @@ class RankStatus:
         with self._lock:
             self._report = self._report.model_copy(update=fields)
 
-    def enter(self, state: RankState, **fields: Any) -> None:
+    def enter(self, state: RankState, **fields: Unpack[ReportFields]) -> None:
         """Move to ``state`` (with the fields that change with it); a move
         ``RANK_TRANSITIONS`` does not list raises ``IllegalTransition``."""
         _known(fields)
@@ -171,7 +196,7 @@ class RankStatus:
             self._report = self._report.model_copy(update={**fields, "state": state})
 
 
-def _known(fields: dict[str, Any]) -> None:
+def _known(fields: Mapping[str, object]) -> None:
     # model_copy(update=...) does not validate: a misspelt field would be carried silently.
     unknown = fields.keys() - RankReport.model_fields.keys()
     if unknown:

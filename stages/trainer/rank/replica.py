@@ -19,20 +19,51 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypedDict, TypeVar, TypeVarTuple
+
+from pydantic import JsonValue
 
 from stages.event_buffer import EventBuffer
 from stages.run_secret import RunSecret
-from stages.trainer.rank.control import Control, WorkerSpec
+from stages.trainer.rank.control import CommandName, CommandParams, Control, WorkerSpec
 from stages.trainer.rank.rank_state import PeerProgress, RankPoll, RankState, RankStatus
+
+if TYPE_CHECKING:
+    import torch
+    from ray import ObjectRef
+    from torch._C._distributed_c10d import TCPStore
+
+    from stages.events import Event
+    from stages.trainer.phase_eval import PhaseEvalRequest
+    from stages.trainer.rank.loop import TrainLoop
+    from stages.trainer.rank.rank_listeners import GroupStore
 
 # Events buffered in an actor between two polls; beyond this they are aggregated.
 MAX_BUFFERED_EVENTS = 10_000
 
 _T = TypeVar("_T")
+_Args = TypeVarTuple("_Args")
 
 # This process's training loops still in memory: one, whatever runs were handed on.
-_LOOPS: weakref.WeakSet[Any] = weakref.WeakSet()
+_LOOPS: weakref.WeakSet[TrainLoop] = weakref.WeakSet()
+
+
+class RankIdentity(TypedDict):
+    """Which run, group and rank a trainer process is now, and what it holds."""
+
+    run_id: str
+    group: int
+    rank: int
+    pid: int
+    process_groups: int
+    loops: int
+
+
+class ParamDigest(TypedDict):
+    """A rank's parameter digest and the step it was taken at."""
+
+    digest: str
+    step: int
 
 
 # The concurrency group of work that borrows a rank's device before its run trains
@@ -91,12 +122,12 @@ class ReplicaWorker:
         # A multi-rank group's store for the run (rank 0 hosts it, behind a front:
         # rank_listeners.GroupStore), and the one its process group was made with,
         # once replaced.
-        self.store: Any = None
-        self._group: Any = None
-        self._pg_group: Any = None
+        self.store: TCPStore | None = None
+        self._group: GroupStore | None = None
+        self._pg_group: GroupStore | None = None
         # (checkpoint, plain model) a phase end's units score when this rank's own model
         # cannot serve as it is; dropped when the fleet moves on.
-        self._phase_model: tuple[str, Any] | None = None
+        self._phase_model: tuple[str, torch.nn.Module] | None = None
         self._pin(spec.replica_group)
         from stages.trainer.rank.rank_listeners import gloo_on_cluster_address
 
@@ -203,7 +234,7 @@ class ReplicaWorker:
             if spec.standby_index is None
             else spare_name(spec.names_id, spec.standby_index, 0)
         )
-        ref: Any = rank0.store_address.remote()
+        ref: ObjectRef[tuple[str, int]] = rank0.store_address.remote()
         addr, port = ray.get(ref, timeout=spec.config.fault_tolerance.actor_ready_timeout_s)
         spec.store_addr, spec.store_port = str(addr), int(port)
 
@@ -262,7 +293,7 @@ class ReplicaWorker:
 
         me = self.loop.spec.replica_group
         mine = ray.get_runtime_context().get_actor_name()
-        pending: list[Any] = []
+        pending: list[ObjectRef[PeerProgress]] = []
         for name in ray.util.list_named_actors():
             if (
                 isinstance(name, str)
@@ -305,7 +336,7 @@ class ReplicaWorker:
             step=report.step,
         )
 
-    def _emit(self, event: Any) -> None:
+    def _emit(self, event: Event) -> None:
         with self._lock:
             self._events.append(event.model_dump(mode="json"))
 
@@ -329,7 +360,7 @@ class ReplicaWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> RankIdentity:
         """Which run, group and rank this process is now (a spare changes group once, a
         fleet handed on changes run), and the process groups and training loops it holds
         (a fleet handed on keeps its group's, never piles up new ones, and lets each
@@ -345,7 +376,7 @@ class ReplicaWorker:
             "loops": len(_LOOPS),
         }
 
-    def command(self, kind: str, params: dict[str, Any] | None = None) -> None:
+    def command(self, kind: CommandName, params: CommandParams | None = None) -> None:
         if kind in ("next_phase", "stop"):
             self._phase_model = None
         if kind == "activate":  # a standby becomes a group: its cores from now on
@@ -355,9 +386,9 @@ class ReplicaWorker:
                 # The freed device of the rank it replaces, as cuda:0 (the standby
                 # never initialised CUDA: it warmed up on the CPU).
                 os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        self.control.send(kind, **(params or {}))  # type: ignore[arg-type]
+        self.control.send(kind, **(params or {}))
 
-    def evaluate_phase(self, request: dict[str, Any]) -> dict[str, Any]:
+    def evaluate_phase(self, request: dict[str, JsonValue]) -> dict[str, JsonValue]:
         """The phase's battery, assembled from its units' results, and HF export on this
         rank, while its loop waits at the phase's end (stages.trainer.phase_eval)."""
         from stages.trainer.phase_eval import evaluate_on_rank
@@ -371,7 +402,7 @@ class ReplicaWorker:
         )
         return reply.model_dump(mode="json")
 
-    def export_share(self, request: dict[str, Any], part: int, parts: int) -> dict[str, str]:
+    def export_share(self, request: dict[str, JsonValue], part: int, parts: int) -> dict[str, str]:
         """This rank's share of the phase's HF export shards, while its loop waits at
         the phase's end (stages.trainer.phase_eval)."""
         from stages.trainer.phase_eval import export_share
@@ -380,7 +411,9 @@ class ReplicaWorker:
         writer = f"rg{self.loop.spec.replica_group}/rank{self.spec.rank}"
         return export_share(req, self.loop.cfg, part=part, parts=parts, writer=writer)
 
-    def eval_unit(self, request: dict[str, Any], unit: dict[str, Any]) -> dict[str, Any]:
+    def eval_unit(
+        self, request: dict[str, JsonValue], unit: dict[str, JsonValue]
+    ) -> dict[str, JsonValue]:
         """One unit of the phase's battery (an lm-eval task or a held-out share), while
         its loop waits at the phase's end (stages.trainer.phase_eval)."""
         from stages.trainer.phase_eval import EvalUnit, run_unit
@@ -389,7 +422,7 @@ class ReplicaWorker:
         reply = run_unit(req, EvalUnit.model_validate(unit), model=lambda: self._scored_model(req))
         return reply.model_dump(mode="json")
 
-    def _scored_model(self, req: Any) -> Any:
+    def _scored_model(self, req: PhaseEvalRequest) -> torch.nn.Module:
         """What a phase end's checks score: this rank's own model when it can serve as
         it is, else the closing checkpoint in a plain model, loaded once a phase end."""
         from stages.trainer.phase_eval import closing_checkpoint, load_phase_model
@@ -403,7 +436,7 @@ class ReplicaWorker:
             self._phase_model = (req.checkpoint, model)
         return self._phase_model[1]
 
-    def run_borrowed(self, work: Callable[..., _T], *args: Any) -> _T:
+    def run_borrowed(self, work: Callable[[*_Args], _T], *args: *_Args) -> _T:
         """``work(*args)`` on this rank's device while its loop warms up and waits for
         the run's data (a stage before training borrows the booked devices: a ladder
         probe's proxies); its caller names the work (a module-level function, which Ray
@@ -414,7 +447,7 @@ class ReplicaWorker:
         finally:
             self._free_device_memory()
 
-    def _at_phase_end(self, request: dict[str, Any]) -> Any:
+    def _at_phase_end(self, request: dict[str, JsonValue]) -> PhaseEvalRequest:
         from stages.errors import ErrorCode, ItoError
         from stages.trainer.phase_eval import PhaseEvalRequest
 
@@ -427,7 +460,7 @@ class ReplicaWorker:
             self.loop.phase_end_imports.join()  # its imports and ours would race
         return req
 
-    def _live_model(self) -> Any:
+    def _live_model(self) -> torch.nn.Module | None:
         """This rank's model when it can serve an evaluation as it is (one whole, plain
         model), else None (phase_eval loads the closing checkpoint)."""
         loop = self.loop
@@ -453,7 +486,7 @@ class ReplicaWorker:
         """The cores this process may run on."""
         return sorted(os.sched_getaffinity(0))
 
-    def param_digest(self) -> dict[str, Any]:
+    def param_digest(self) -> ParamDigest:
         """sha256 over every parameter's bytes, with the step it was taken at."""
         from stages.trainer.rank.shard_state import param_digest
 
