@@ -34,7 +34,7 @@ def _data(path: Path) -> Path:
     return path
 
 
-def _config(tmp: Path, *, pace_step_s: float) -> TrainStageConfig:
+def _config(tmp: Path, *, pace_step_s: float, steps: int = STEPS) -> TrainStageConfig:
     # 12 sequences a step: 6 a group at 2 groups, 4 at 3.
     tmp.mkdir(parents=True, exist_ok=True)
     return TrainStageConfig.model_validate(
@@ -42,7 +42,7 @@ def _config(tmp: Path, *, pace_step_s: float) -> TrainStageConfig:
             **production_recovery({"node_count": 1}, standbys_per_node=0).train_fields(),
             model=ModelSpec(preset="llama-tiny", size="0.1M"),
             target=TrainingTarget(
-                max_steps=STEPS, seq_len=32, global_batch_tokens=384, warmup_steps=5
+                max_steps=steps, seq_len=32, global_batch_tokens=384, warmup_steps=5
             ),
             checkpoint=CheckpointPolicy(
                 interval_steps=20, keep=2, storage_uri=f"file://{tmp}/ckpt"
@@ -64,6 +64,22 @@ def _ledger(run: StageRun) -> dict[int, dict[int, tuple[int, int]]]:
         if e.committed and e.batch_share is not None:
             ledger.setdefault(e.step, {})[e.replica_group] = e.batch_share
     return ledger
+
+
+def _assert_every_batch_once(
+    ledger: dict[int, dict[int, tuple[int, int]]], steps: int, *context: object
+) -> None:
+    """Each committed step's global batch went out in exactly one share per member group."""
+    assert sorted(ledger) == list(range(1, steps + 1)), context
+    for step, shares in ledger.items():
+        members = {m for _, m in shares.values()}
+        assert len(members) == 1, (step, shares, *context)
+        (count,) = members
+        assert sorted(place for place, _ in shares.values()) == list(range(count)), (
+            step,
+            shares,
+            *context,
+        )
 
 
 def _resize(
@@ -108,16 +124,9 @@ def test_a_run_grows_shrinks_pauses_and_resumes_with_every_sequence_trained_once
 
     # The ledger: every step's batch went out in exactly one share per member group.
     ledger = _ledger(run)
-    assert sorted(ledger) == list(range(1, STEPS + 1))
+    resizes = [(e.request_id, e.step) for e in (grow, shrink, pause, resume)]
+    _assert_every_batch_once(ledger, STEPS, resizes)
     for step, shares in ledger.items():
-        members = {m for _, m in shares.values()}
-        assert len(members) == 1, (step, shares)
-        (count,) = members
-        assert sorted(place for place, _ in shares.values()) == list(range(count)), (
-            step,
-            shares,
-            [(e.request_id, e.step) for e in (grow, shrink, pause, resume)],
-        )
         if step < grow.step - 1:
             assert set(shares) == {0, 1}, (step, shares)
         if shrink.step <= step <= pause.step:
@@ -149,3 +158,41 @@ def test_a_run_grows_shrinks_pauses_and_resumes_with_every_sequence_trained_once
     assert abs(out.metrics["final_loss"] - still.metrics["final_loss"]) < 1e-3 * abs(
         still.metrics["final_loss"]
     ), (out.metrics["final_loss"], still.metrics["final_loss"])
+
+
+GROW_FROM_ONE_STEPS = 150
+
+
+def test_a_run_down_to_one_group_grows_back_with_every_sequence_trained_once(
+    ray_local: None, tmp_path: Path
+) -> None:
+    # The grow from one live group: its last quorums had a single member, and the new
+    # group heals in the quorum of the held step while the step after is the first its
+    # members share.
+    cfg = _config(tmp_path / "regrow", pace_step_s=0.1, steps=GROW_FROM_ONE_STEPS)
+    with StageRun(cfg, tmp_path / "regrow", "regrow", wait_s=WAIT_S, join_timeout_s=900) as run:
+        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 3, "step 3")
+        shrink = _resize(run, "to-one", 1, leaving_groups=(0,))
+        grow = _resize(run, "back-to-two", 2)
+        out = run.join()
+    assert out.status == "passed", out.reason
+    assert (shrink.groups_before, shrink.groups_after) == (2, 1)
+    assert (grow.groups_before, grow.groups_after) == (1, 2)
+    assert shrink.step is not None and grow.step is not None and shrink.step < grow.step
+
+    ledger = _ledger(run)
+    _assert_every_batch_once(ledger, GROW_FROM_ONE_STEPS, shrink.step, grow.step)
+    for step, shares in ledger.items():
+        if shrink.step < step < grow.step - 1:
+            assert set(shares) == {1}, (step, shares)
+        if step >= grow.step:
+            assert set(shares) == {1, 2}, (step, shares)
+    assert out.metrics["tokens"] == GROW_FROM_ONE_STEPS * cfg.target.global_batch_tokens
+    # The new group healed from the one live peer: it read no checkpoint.
+    assert not any(
+        isinstance(e, FleetEvent) and e.action == "checkpoint_restored" for e in run.events
+    )
+    assert any(
+        isinstance(e, LogEvent) and e.message.startswith("rg2: healed from a live peer")
+        for e in run.events
+    )

@@ -67,16 +67,22 @@ class EveryStepSync:
                     f"non-finite loss {global_loss} or grad norm {grad_norm} at step {step}"
                 )
             )
-        if loop.members_missing(step):
-            # torchft: refused everywhere (every participant sees the same quorum).
-            self.manager.report_error(RuntimeError(f"step {step}: a member group is missing"))
+        self.manager.wait_quorum()  # torchft: whether this group heals is known then
+        if self.manager.is_participating():
+            # torchft: refused everywhere (every participant sees the same quorum); a
+            # group that heals votes on its peers' step once it loaded their state
+            # (``TrainLoop.load_heal_state``), not on its own stale one.
+            loop.refuse_if_members_missing(step)
         # torchft: the vote. A group behind its peers loads their state first (async
         # quorum), so the step it commits is theirs: its LR, phase and data position.
         committed = self.manager.should_commit()
         trained = self.manager.current_step() - 1 if committed else self.manager.current_step()
+        rank_tokens = data.tokens
         if loop.after_heal(trained):
             share = None  # its peers' state replaced what it trained: no share of its own
             batch = data_index(trained - loop.phase.start_step, loop.windows)
+            # The quorum's tokens are its peers' shares, not the stale cut it read.
+            rank_tokens = loop.share_tokens(trained, data.tokens)
         lr = loop.phase.lr(trained)
         if committed:
             for g in self.inner_optimizer.param_groups:
@@ -101,7 +107,7 @@ class EveryStepSync:
                 step=trained + 1 if committed else trained,
                 replica_group=loop.spec.replica_group,
                 loss=global_loss if math.isfinite(global_loss) else 1e9,
-                tokens=data.tokens * quorum * loop.cfg.layout.dp_shard if committed else 0,
+                tokens=rank_tokens * quorum * loop.cfg.layout.dp_shard if committed else 0,
                 seconds=result.seconds,
                 committed=committed,
                 quorum_size=quorum,

@@ -191,6 +191,12 @@ class TrainLoop:
             self.inner_optimizer.load_state_dict(state["optim"])
         self.loop_state.load_state_dict(state["loop"])
         self.healed = True
+        if self.cfg.sync.every_step:
+            # torchft: the heal loads inside should_commit, before this group's vote, and
+            # the group commits its peers' step: it votes on that step's members as they
+            # do, not on its own stale step and members (committing the first step of a
+            # resize's members that its peer refused would leave that batch untrained).
+            self.refuse_if_members_missing(self.current_step())
 
     # --- phases ---------------------------------------------------------------------
     def enter_phase(self, phase: PhaseSpan) -> None:
@@ -247,6 +253,15 @@ class TrainLoop:
             self.loader.cut(place * layout.dp_shard + shard, members * layout.dp_shard)
         return share
 
+    def share_tokens(self, step: int, read: int) -> int:
+        """The tokens of one data-parallel rank's share of step ``step``'s batch, cut over
+        that step's members (a group that healed into the step read its own, stale,
+        cut); ``read``: what this rank read, the answer where the cut never changes."""
+        if self.loader is None:
+            return read
+        width = len(self.membership.members_at(step)) * self.cfg.layout.dp_shard
+        return self.loader.global_batch // width * self.loader.seq_len
+
     def members_missing(self, step: int) -> bool:
         """Whether step ``step`` is the first of its members (a resize, a resume, the
         start) and one of them is not in its quorum yet, for at most ``member_wait_s``:
@@ -259,6 +274,12 @@ class TrainLoop:
             self._member_wait[first] = time.monotonic()
             self.log(f"step {step}: waiting for all {members} member groups in the quorum")
         return time.monotonic() - self._member_wait[first] < self.cfg.fault_tolerance.member_wait_s
+
+    def refuse_if_members_missing(self, step: int) -> None:
+        """Refuse step ``step`` everywhere while a member group is missing from its
+        quorum (``members_missing``): every group of the quorum votes so on that step."""
+        if self.members_missing(step):
+            self.manager.report_error(RuntimeError(f"step {step}: a member group is missing"))
 
     def _close_phase(self, step: int) -> bool:
         """At ``phase.end_step``: save the closing checkpoint (complete before the
