@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from stages.data_prep.stream.config import StreamConfig
+from stages.data_prep.stream.store import TaskRecord
 from stages.data_prep.stream.tasks import TASKS
 from stages.errors import ErrorCode, ItoError
 
@@ -27,20 +28,20 @@ from stages.errors import ErrorCode, ItoError
 class Executor(Protocol):
     name: str
 
-    def map(self, stage: str, root: str, tasks: list[int]) -> Iterator[dict[str, Any]]: ...
+    def map(self, stage: str, root: str, tasks: list[int]) -> Iterator[TaskRecord]: ...
 
 
 class LocalExecutor:
     name = "local"
 
-    def map(self, stage: str, root: str, tasks: list[int]) -> Iterator[dict[str, Any]]:
-        fn: Callable[[str, int], dict[str, Any]] = TASKS[stage]
+    def map(self, stage: str, root: str, tasks: list[int]) -> Iterator[TaskRecord]:
+        fn: Callable[[str, int], TaskRecord] = TASKS[stage]
         for t in tasks:
             yield fn(root, t)
 
 
 def _apply(batch: dict[str, np.ndarray], stage: str, root: str) -> dict[str, np.ndarray]:
-    fn: Callable[[str, int], dict[str, Any]] = TASKS[stage]
+    fn: Callable[[str, int], TaskRecord] = TASKS[stage]
     out = [json.dumps(fn(root, int(t))) for t in batch["task"]]
     return {"record": np.array(out, dtype=object)}
 
@@ -51,7 +52,7 @@ class RayDataExecutor:
     def __init__(self, cfg: StreamConfig):
         self.cfg = cfg
 
-    def map(self, stage: str, root: str, tasks: list[int]) -> Iterator[dict[str, Any]]:
+    def map(self, stage: str, root: str, tasks: list[int]) -> Iterator[TaskRecord]:
         import ray
         import ray.data
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from stages.data_prep.stream.blocks import BlockData, BlockIndex, read_block
 from stages.data_prep.stream.shuffle import concat, gather, load_run, rel_path, text_bytes
-from stages.data_prep.stream.store import WorkDir, atomic_write
+from stages.data_prep.stream.store import TaskRecord, WorkDir, atomic_write
 from stages.errors import ErrorCode, ItoError
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ def doc_id(blocks_index: BlockIndex, b: int, local: int) -> str:
     return f"{src.ref}:{src.relpath}:{blk.line_start + local}"
 
 
-def filter_block(root: str, b: int) -> dict[str, Any]:
+def filter_block(root: str, b: int) -> TaskRecord:
     blocks_index, params, _ = load_run(root)
     wd = WorkDir(Path(root))
     blk = blocks_index.blocks[b]

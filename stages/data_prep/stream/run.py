@@ -36,7 +36,7 @@ from stages.data_prep.minhash import lsh_params
 from stages.data_prep.stream.blocks import BlockIndex, index_blocks
 from stages.data_prep.stream.config import StreamConfig
 from stages.data_prep.stream.executor import Executor, LocalExecutor
-from stages.data_prep.stream.store import WorkDir, write_json
+from stages.data_prep.stream.store import TaskRecord, WorkDir, write_json
 from stages.errors import ErrorCode, ItoError
 
 # Bumped whenever a task's output format or meaning changes: old work folders are
@@ -167,7 +167,7 @@ def run_stream(
             ("components", [0]),
         ]
     stages.append(("filter", blocks))
-    records: dict[str, dict[int, dict[str, Any]]] = {}
+    records: dict[str, dict[int, TaskRecord]] = {}
     resumed = 0
     seconds: dict[str, float] = {}
     for si, (stage, tasks) in enumerate(stages):
@@ -275,13 +275,13 @@ def _run_stage(
     index: BlockIndex,
     report: Callable[[int, int, int, int, float | None, int], None],
     cancelled: Callable[[], bool],
-) -> tuple[dict[int, dict[str, Any]], int]:
+) -> tuple[dict[int, TaskRecord], int]:
     summary = wd.stage_done(stage)
     if summary is not None:
         recs = {int(k): v for k, v in summary["tasks"].items()}
         report(len(tasks), len(tasks), index.docs, index.bytes, 0.0, len(tasks))
         return recs, len(tasks)
-    done: dict[int, dict[str, Any]] = {}
+    done: dict[int, TaskRecord] = {}
     for t in tasks:
         rec = wd.finished(stage, str(t), verify=cfg.verify_digests)
         if rec is not None:

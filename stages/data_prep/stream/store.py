@@ -63,6 +63,23 @@ def write_json(path: Path, obj: object) -> FileMeta:
     return atomic_write(path, (json.dumps(obj, sort_keys=True, default=str) + "\n").encode())
 
 
+class TaskRecord(TypedDict):
+    """A finished task, as ``done/<stage>/<task>.json`` records it: its outputs
+    (relative path -> digest) and its counts (the filter task's also name the
+    contaminated documents: JSON)."""
+
+    stage: str
+    task: str
+    outputs: dict[str, FileMeta]
+    stats: dict[str, Any]
+
+
+class StageSummary(TypedDict):
+    """A finished stage (``done/<stage>.json``): every task's record, by task."""
+
+    tasks: dict[str, TaskRecord]
+
+
 class WorkDir:
     """One attempt's folder (``root`` already includes the attempt key)."""
 
@@ -77,19 +94,19 @@ class WorkDir:
 
     def record(
         self, stage: str, task: str, outputs: dict[str, FileMeta], stats: dict[str, Any]
-    ) -> dict[str, Any]:
+    ) -> TaskRecord:
         """Mark a task finished: its outputs (relative path -> digest) and counts."""
-        rec = {"stage": stage, "task": task, "outputs": outputs, "stats": stats}
+        rec: TaskRecord = {"stage": stage, "task": task, "outputs": outputs, "stats": stats}
         write_json(self.done_path(stage, task), rec)
         return rec
 
-    def finished(self, stage: str, task: str, verify: bool = True) -> dict[str, Any] | None:
+    def finished(self, stage: str, task: str, verify: bool = True) -> TaskRecord | None:
         """The task's record if it finished and its outputs are intact, else None."""
         p = self.done_path(stage, task)
         if not p.exists():
             return None
         try:
-            rec: dict[str, Any] = json.loads(p.read_text())
+            rec: TaskRecord = json.loads(p.read_text())
         except (OSError, ValueError):
             return None
         for rel, meta in rec.get("outputs", {}).items():
@@ -100,15 +117,15 @@ class WorkDir:
                 return None
         return rec
 
-    def stage_done(self, stage: str) -> dict[str, Any] | None:
+    def stage_done(self, stage: str) -> StageSummary | None:
         p = self.root / "done" / f"{stage}.json"
         if not p.exists():
             return None
         try:
-            out: dict[str, Any] = json.loads(p.read_text())
+            out: StageSummary = json.loads(p.read_text())
             return out
         except (OSError, ValueError):
             return None
 
-    def mark_stage(self, stage: str, summary: dict[str, Any]) -> None:
+    def mark_stage(self, stage: str, summary: StageSummary) -> None:
         write_json(self.root / "done" / f"{stage}.json", summary)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -52,7 +51,7 @@ from stages.data_prep.stream.shuffle import (
     scatter,
     text_bytes,
 )
-from stages.data_prep.stream.store import FileMeta, WorkDir, write_arrays
+from stages.data_prep.stream.store import FileMeta, TaskRecord, WorkDir, write_arrays
 from stages.data_prep.text import fmix64, ngram_hashes, word_batch
 
 # Dropped -> survivor examples kept by the components task for the provenance record.
@@ -61,7 +60,7 @@ _SHINGLE_BATCH = 8_192
 
 
 # --------------------------------------------------------------------------- dedup
-def sketch(root: str, b: int) -> dict[str, Any]:
+def sketch(root: str, b: int) -> TaskRecord:
     blocks_index, params, _ = load_run(root)
     wd, d = WorkDir(Path(root)), params["dedup"]
     blk = blocks_index.blocks[b]
@@ -99,7 +98,7 @@ def sketch(root: str, b: int) -> dict[str, Any]:
     return wd.record("sketch", str(b), outputs, stats)
 
 
-def exact(root: str, p: int) -> dict[str, Any]:
+def exact(root: str, p: int) -> TaskRecord:
     _, _, starts = load_run(root)
     wd = WorkDir(Path(root))
     parts = gather(wd, f"sketch/exact/b*/to-{p:05d}.npz")
@@ -127,7 +126,7 @@ def exact(root: str, p: int) -> dict[str, Any]:
     return wd.record("exact", str(p), outputs, {"exact_duplicates": int(dup.sum())})
 
 
-def candidates(root: str, p: int) -> dict[str, Any]:
+def candidates(root: str, p: int) -> TaskRecord:
     _, _, starts = load_run(root)
     wd = WorkDir(Path(root))
     parts = gather(wd, f"sketch/band/b*/to-{p:05d}.npz")
@@ -182,7 +181,7 @@ def _block_shingles(
     return shingle_sets([data.texts[int(i)] for i in docs - blk.doc_start], k)
 
 
-def fetch(root: str, b: int) -> dict[str, Any]:
+def fetch(root: str, b: int) -> TaskRecord:
     blocks_index, params, starts = load_run(root)
     wd = WorkDir(Path(root))
     parts = gather(wd, f"candidates/p*/to-{b:05d}.npz")
@@ -216,7 +215,7 @@ def fetch(root: str, b: int) -> dict[str, Any]:
     return wd.record("fetch", str(b), outputs, {"pairs": len(pairs)})
 
 
-def verify(root: str, b: int) -> dict[str, Any]:
+def verify(root: str, b: int) -> TaskRecord:
     blocks_index, params, _ = load_run(root)
     wd = WorkDir(Path(root))
     threshold = params["dedup"]["threshold"]
@@ -267,7 +266,7 @@ def connected_components(i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.n
         label = new
 
 
-def components(root: str, _task: int = 0) -> dict[str, Any]:
+def components(root: str, _task: int = 0) -> TaskRecord:
     _, _, starts = load_run(root)
     wd = WorkDir(Path(root))
     parts = gather(wd, "verify/b*.npz")
