@@ -134,10 +134,14 @@ def _loads(value: str | None) -> Any:
     return None if value is None else json.loads(value)
 
 
-def run_view(store: Store, run: Row, owner: Principal | None = None) -> dict[str, Any]:
-    """The run as the API shows it; ``owner``, the caller whose account holds the run,
-    saves looking its account's name up."""
-    if owner is not None and owner.account_id == run["account_id"]:
+def run_view(store: Store, run_id: str, owner: Principal | None = None) -> dict[str, Any]:
+    """The run as the API shows it, from one batch of reads (``Store.run_view_rows``).
+    With ``owner`` (the caller) another account's run is ``run_not_found``, and the
+    account's name needs no lookup of its own."""
+    rows = store.run_view_rows(run_id, owner.account_id if owner else None)
+    run = rows.run
+    assert run is not None  # run_view_rows raised run_not_found otherwise
+    if owner is not None:
         name: str | None = owner.account_name
     else:
         account = store.account(run["account_id"])
@@ -162,7 +166,7 @@ def run_view(store: Store, run: Row, owner: Principal | None = None) -> dict[str
                 "metrics": json.loads(g["metrics"]),
                 "error_code": g["error_code"],
             }
-            for g in store.list_stage_gates(run["run_id"])
+            for g in rows.stage_gates
         ],
         "proposals": [
             {
@@ -172,23 +176,23 @@ def run_view(store: Store, run: Row, owner: Principal | None = None) -> dict[str
                 "params": json.loads(p["params"]),
                 "status": p["status"],
             }
-            for p in store.list_proposals(run["run_id"])
+            for p in rows.proposals
         ],
         "plan": _loads(run["plan"]),
         "data_prep": _loads(run["data_prep"]),
         # The latest progress of a long stage step (data prep over a corpus), or None.
-        "stage_progress": store.last_event(run["run_id"], "progress"),
-        "eval_gates": eval_gates(store, run["run_id"]),
+        "stage_progress": rows.progress,
+        "eval_gates": eval_gates(rows.eval_events),
         # Its replica groups following its booking's nodes (orchestrator/runtime/resizing.py).
-        "resizes": resize_history(store, run["run_id"]),
+        "resizes": resize_history(rows.resize_events, rows.resizes),
     }
 
 
-def eval_gates(store: Store, run_id: str) -> list[dict[str, Any]]:
-    """Each curriculum phase's gate with every check's score, bounds and verdict
-    (from the events, so a live run shows the phases decided so far)."""
+def eval_gates(events: list[Row]) -> list[dict[str, Any]]:
+    """Each curriculum phase's gate with every check's score, bounds and verdict, from
+    the run's ``eval`` events (so a live run shows the phases decided so far)."""
     phases: dict[str, dict[str, Any]] = {}
-    for ev in store.list_events(run_id, kinds=["eval"], limit=100_000):
+    for ev in events:
         b = ev["payload"]
         ph = phases.setdefault(
             b["phase"],

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from orchestrator.db.engines import Conn, Row
+from orchestrator.db.engines import Conn, Read, Row
 from orchestrator.redact import safe_id
 from stages.errors import ErrorCode, ItoError
 
@@ -177,8 +177,13 @@ class BookingNodes:
             )
 
     def run_resizes(self, run_id: str) -> list[Row]:
-        rows = self.read(
-            "SELECT * FROM run_resizes WHERE run_id = ? ORDER BY change_id, created_at",
-            (run_id,),
-        )
-        return [{**r, "nodes": json.loads(r["nodes"])} for r in rows]
+        return resize_rows(self.read(*run_resizes_read(run_id)))
+
+
+# The read behind ``run_resizes``, also batched by the run's view (``run_view.py``).
+def run_resizes_read(run_id: str) -> Read:
+    return "SELECT * FROM run_resizes WHERE run_id = ? ORDER BY change_id, created_at", (run_id,)
+
+
+def resize_rows(rows: list[Row]) -> list[Row]:
+    return [{**r, "nodes": json.loads(r["nodes"])} for r in rows]

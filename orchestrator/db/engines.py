@@ -22,6 +22,12 @@ driver's exception after a long wait; after such a failure calls fail fast for
 The password never travels in argv: a ``postgresql://`` URL with a password is
 refused; libpq's own ``PGPASSWORD`` / ``PGPASSFILE`` work, and
 ``ITO_DB_PASSWORD_FILE`` names a file holding only the password (a mounted secret).
+
+``read_batch`` runs several reads as one: on PostgreSQL one round trip (the reads sent
+together, psycopg binding the parameters client-side, the server answering each in
+one implicit transaction), on SQLite one read transaction. A status read is one
+such batch: each round trip costs the client more CPU (its system calls on the
+socket above all) than the rows it carries.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages.errors import ErrorCode, ItoError
 
 Row = dict[str, Any]
+# One read of a batch: SQL with ``?`` parameters (not ``:name``), and its parameters.
+Read = tuple[str, Sequence[Any]]
 WAL_RETRY_S = 0.01
 PASSWORD_FILE_ENV = "ITO_DB_PASSWORD_FILE"
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
@@ -151,6 +159,8 @@ class Engine(Protocol):
     def tx(self) -> Iterator[Conn]: ...
 
     def read(self, sql: str, params: Iterable[Any] = ()) -> list[Row]: ...
+
+    def read_batch(self, reads: Sequence[Read]) -> list[list[Row]]: ...
 
     def retryable(self, e: BaseException) -> bool: ...
 
@@ -263,6 +273,19 @@ class SqliteEngine:
         with self.guarded():
             rows: list[Row] = self._conn().execute(_sqlite_sql(sql), tuple(params)).fetchall()
         return rows
+
+    def read_batch(self, reads: Sequence[Read]) -> list[list[Row]]:
+        """Every read from one snapshot (one read transaction)."""
+        with self.guarded():
+            conn = self._conn()
+            own = not conn.in_transaction  # inside the thread's open transaction: its view
+            if own:
+                conn.execute("BEGIN")
+            try:
+                return [conn.execute(_sqlite_sql(sql), tuple(p)).fetchall() for sql, p in reads]
+            finally:
+                if own and conn.in_transaction:
+                    conn.execute("COMMIT")
 
     @contextmanager
     def guarded(self) -> Iterator[None]:
@@ -406,6 +429,24 @@ class PostgresEngine:
         with self.guarded(), self.pool.connection() as conn:
             rows: list[Any] = conn.execute(_pg_sql(sql), tuple(params)).fetchall()
             return rows
+
+    def read_batch(self, reads: Sequence[Read]) -> list[list[Row]]:
+        """Every read in one round trip: one simple-protocol query of several statements
+        (the server runs them in one implicit transaction: one snapshot), its parameters
+        bound by psycopg's client-side cursor (quoted as literals for the connection's
+        encoding; the statements are the store's own, never a caller's)."""
+        from psycopg import ClientCursor
+
+        if not reads:
+            return []
+        sql = "; ".join(_pg_sql(q) for q, _ in reads)
+        params = [p for _, ps in reads for p in ps]
+        with self.guarded(), self.pool.connection() as conn, ClientCursor(conn) as cur:
+            cur.execute(sql, params)
+            results: list[list[Row]] = [cur.fetchall()]
+            while cur.nextset():
+                results.append(cur.fetchall())
+            return results
 
     @contextmanager
     def guarded(self) -> Iterator[None]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from orchestrator.db.engines import Conn, Row
+from orchestrator.db.engines import Conn, Read, Row
 from orchestrator.redact import safe_id
 from stages.errors import ErrorCode, ItoError
 from stages.events import Event
@@ -23,6 +23,42 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
 _EVENT = TypeAdapter(Event)
+
+
+# The reads (SQL and parameters) behind the queries below, also batched by the run's view
+# (``orchestrator/db/run_view.py``), with what turns their rows into the queries' answers.
+def events_read(
+    run_id: str, after_seq: int = -1, kinds: Iterable[str] | None = None, limit: int = 10_000
+) -> Read:
+    sql, params = "SELECT * FROM run_events WHERE run_id = ? AND seq > ?", [run_id, after_seq]
+    kinds = list(kinds or [])
+    if kinds:
+        sql += f" AND kind IN ({','.join('?' * len(kinds))})"
+        params += kinds
+    return sql + " ORDER BY seq LIMIT ?", [*params, limit]
+
+
+def event_rows(rows: list[Row]) -> list[Row]:
+    return [{**r, "payload": json.loads(r["payload"])} for r in rows]
+
+
+def last_event_read(run_id: str, kind: str) -> Read:
+    return (
+        "SELECT payload FROM run_events WHERE run_id = ? AND kind = ? ORDER BY seq DESC LIMIT 1",
+        (run_id, kind),
+    )
+
+
+def last_payload(rows: list[Row]) -> dict[str, Any] | None:
+    return dict(json.loads(rows[0]["payload"])) if rows else None
+
+
+def stage_gates_read(run_id: str) -> Read:
+    return "SELECT * FROM stage_gates WHERE run_id = ? ORDER BY updated_at", (run_id,)
+
+
+def proposals_read(run_id: str) -> Read:
+    return "SELECT * FROM proposals WHERE run_id = ? ORDER BY created_at", (run_id,)
 
 
 class RunEvents:
@@ -112,22 +148,11 @@ class RunEvents:
         kinds: Iterable[str] | None = None,
         limit: int = 10_000,
     ) -> list[Row]:
-        sql, params = "SELECT * FROM run_events WHERE run_id = ? AND seq > ?", [run_id, after_seq]
-        kinds = list(kinds or [])
-        if kinds:
-            sql += f" AND kind IN ({','.join('?' * len(kinds))})"
-            params += kinds
-        rows = self.read(sql + " ORDER BY seq LIMIT ?", [*params, limit])
-        return [{**r, "payload": json.loads(r["payload"])} for r in rows]
+        return event_rows(self.read(*events_read(run_id, after_seq, kinds, limit)))
 
     def last_event(self, run_id: str, kind: str) -> dict[str, Any] | None:
         """The payload of the run's newest event of this kind (e.g. "progress")."""
-        row = self.read_one(
-            "SELECT payload FROM run_events WHERE run_id = ? AND kind = ? "
-            "ORDER BY seq DESC LIMIT 1",
-            (run_id, kind),
-        )
-        return None if row is None else dict(json.loads(row["payload"]))
+        return last_payload(self.read(*last_event_read(run_id, kind)))
 
     def max_seq(self, run_id: str) -> int:
         row = self.read_one("SELECT MAX(seq) AS m FROM run_events WHERE run_id = ?", (run_id,))
@@ -164,12 +189,10 @@ class RunEvents:
         return self.read("SELECT * FROM checkpoints WHERE run_id = ? ORDER BY step", (run_id,))
 
     def list_stage_gates(self, run_id: str) -> list[Row]:
-        return self.read(
-            "SELECT * FROM stage_gates WHERE run_id = ? ORDER BY updated_at", (run_id,)
-        )
+        return self.read(*stage_gates_read(run_id))
 
     def list_proposals(self, run_id: str) -> list[Row]:
-        return self.read("SELECT * FROM proposals WHERE run_id = ? ORDER BY created_at", (run_id,))
+        return self.read(*proposals_read(run_id))
 
     @staticmethod
     def decide_proposal(c: Conn, run_id: str, proposal_id: str, decision: str) -> None:

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.db.store import Store
+from orchestrator.db.engines import Row
 from orchestrator.gates.bookings import iso
 
 # The newest resizes shown (a run resized more often lists these).
 MAX_LISTED_RESIZES = 50
 
 
-def resize_history(store: Store, run_id: str) -> list[dict[str, Any]]:
+def resize_history(events: list[Row], resizes: list[Row]) -> list[dict[str, Any]]:
+    """The run's ``resize`` events joined with its ``run_resizes`` rows (both in order)."""
     reports: dict[str, dict[str, Any]] = {}
-    for ev in store.list_events(run_id, kinds=["resize"], limit=100_000):
+    for ev in events:
         reports[ev["payload"]["request_id"]] = ev["payload"]
     history = []
-    for r in store.run_resizes(run_id)[-MAX_LISTED_RESIZES:]:
+    for r in resizes[-MAX_LISTED_RESIZES:]:
         report = reports.get(r["request_id"]) or {}
         history.append(
             {

@@ -1,8 +1,9 @@
 """A status read asks the store only what it needs: authenticating a key is one query
-(the key with its account), and no statement runs twice in one read (the run's view
-takes its account's name from the caller's key, not another lookup). Every request
-authenticates and clients poll status: each query saved is a round trip per request
-on PostgreSQL. On both engines; the store's own ``read`` is wrapped to record the
+(the key with its account), the run's view one batch (one round trip on PostgreSQL),
+and no statement runs twice in one read (the run's view takes its account's name
+from the caller's key, not another lookup). Every request authenticates and clients
+poll status: each round trip saved is client CPU per request on PostgreSQL. On both
+engines; the store's own ``read`` and ``read_batch`` are wrapped to record the
 statements, nothing else is replaced."""
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ def _recording(monkeypatch: pytest.MonkeyPatch, store: Store) -> list[tuple[str,
     return seen
 
 
+def _recording_batches(monkeypatch: pytest.MonkeyPatch, store: Store) -> list[list[str]]:
+    seen: list[list[str]] = []
+    real = store.engine.read_batch
+
+    def read_batch(reads: Any) -> Any:
+        seen.append([sql for sql, _ in reads])
+        return real(reads)
+
+    monkeypatch.setattr(store.engine, "read_batch", read_batch)
+    return seen
+
+
 def test_authenticating_a_key_is_one_store_query(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _recording(monkeypatch, api.store)
     p = authenticate(api.store, f"Bearer {api.t.submitter}")
@@ -41,8 +54,26 @@ def test_authenticating_a_key_is_one_store_query(api: Api, monkeypatch: pytest.M
 
 def test_a_status_read_runs_no_statement_twice(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     run = api.run()
-    seen = _recording(monkeypatch, api.client.app.state.ctx.store)
+    store = api.client.app.state.ctx.store
+    seen = _recording(monkeypatch, store)
+    batches = _recording_batches(monkeypatch, store)
     r = api.client.get(f"/v1/runs/{run['run_id']}", headers=api.h(api.t.submitter))
     assert r.status_code == 200, r.json()
     assert r.json()["data"]["account"] == "acme"
-    assert seen and len(set(seen)) == len(seen), seen
+    statements = [sql for sql, _ in seen] + [sql for batch in batches for sql in batch]
+    assert statements and len(set(statements)) == len(statements), statements
+
+
+def test_a_status_read_is_the_key_then_one_batch(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = api.run()
+    store = api.client.app.state.ctx.store
+    seen = _recording(monkeypatch, store)
+    batches = _recording_batches(monkeypatch, store)
+    r = api.client.get(f"/v1/runs/{run['run_id']}", headers=api.h(api.t.submitter))
+    assert r.status_code == 200, r.json()
+    assert r.json()["data"]["run_id"] == run["run_id"]
+    assert len(seen) == 1 and "api_keys" in seen[0][0], seen
+    assert len(batches) == 1, batches
+    # The run itself, its gates, proposals, progress, eval and resize events, resizes.
+    assert any("FROM runs" in sql for sql in batches[0]), batches
+

@@ -56,7 +56,7 @@ def test_status_shows_each_objectives_gate_like_a_phases(tmp_path: Path) -> None
     ]
     assert store.ingest_events("run_1", events) == len(events)
 
-    gates = {g["phase"]: g for g in eval_gates(store, "run_1")}
+    gates = {g["phase"]: g for g in eval_gates(store.run_view_rows("run_1").eval_events)}
     assert gates["post_training.sft"]["passed"] is True
     assert gates["post_training.dpo"]["passed"] is False
     rows = _rows(

@@ -144,7 +144,8 @@ def test_status_and_metrics_show_the_runs_resizes(db: str, tmp_path: Path) -> No
     store.ingest_events(
         "run_r", [{**ev.model_dump(mode="json"), "seq": i + 1} for i, ev in enumerate(reports)]
     )
-    history = resize_history(store, "run_r")
+    rows = store.run_view_rows("run_r")
+    history = resize_history(rows.resize_events, rows.resizes)
     assert [(h["groups_before"], h["groups_after"], h["status"]) for h in history] == [
         (4, 6, "applied"),
         (6, 8, "delivered"),

@@ -134,10 +134,8 @@ def cancel_run(
             c.runtime.cancel(run_id)
         except Exception:  # committed as cancelling; the runtime reconciles it
             log.exception("runtime.cancel failed for %s", run_id)
-    run = c.store.get_run(run_id)
-    return ok(
-        {**run_view(c.store, run), "replayed": replayed}, notice=f"run {run_id} is {run['state']}"
-    )
+    view = run_view(c.store, run_id)
+    return ok({**view, "replayed": replayed}, notice=f"run {run_id} is {view['state']}")
 
 
 @router.post("/v1/runs/{run_id}/cleanup", response_model=Envelope)
@@ -158,7 +156,7 @@ def cleanup_run(
         c.store.set_idempotency_response(run["account_id"], key_header or "", result)
     return ok(
         {
-            "run": run_view(c.store, c.store.get_run(run_id)),
+            "run": run_view(c.store, run_id),
             "removed": result.get("removed", []),
             "bytes_removed": result.get("bytes_removed", 0),
             "booking_untouched": True,
@@ -219,7 +217,7 @@ def _decide(
         except Exception:
             log.exception("runtime.decide failed for %s/%s", run_id, proposal_id)
     return ok(
-        {**run_view(c.store, c.store.get_run(run_id)), "replayed": replayed},
+        {**run_view(c.store, run_id), "replayed": replayed},
         notice=f"proposal {proposal_id} {decision}",
     )
 

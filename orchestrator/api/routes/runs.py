@@ -48,7 +48,7 @@ def _replay(c: Ctx, run: Row, request_sha: str) -> JSONResponse:
             ErrorCode.idempotency_conflict, "this Idempotency-Key was used for a different request"
         )
     return ok(
-        {**run_view(c.store, run), "replayed": True},
+        {**run_view(c.store, run["run_id"]), "replayed": True},
         notice=f"replayed: run {run['run_id']} already exists for this key",
     )
 
@@ -96,7 +96,7 @@ def submit_run(
     except Exception:  # the run is committed; the runtime reconciles accepted runs
         log.exception("runtime.submit failed for %s", row["run_id"])
     return ok(
-        {**run_view(store, store.get_run(row["run_id"]), p), "replayed": False},
+        {**run_view(store, row["run_id"], p), "replayed": False},
         notice=f"run {row['run_id']} accepted",
     )
 
@@ -181,7 +181,7 @@ def find_runs(
     with Gates(c.store, "read", audit_passes=False) as g:
         p = g.auth(creds, "runs:read")
     run = c.store.run_by_key(p.account_id, idempotency_key)
-    return ok({"runs": [run_view(c.store, run, p)] if run else []})
+    return ok({"runs": [run_view(c.store, run["run_id"], p)] if run else []})
 
 
 def _read_run(c: Ctx, creds: HTTPAuthorizationCredentials | None, run_id: str) -> Row:
@@ -200,8 +200,10 @@ def _read_own_run(
 def get_run(
     run_id: str, creds: HTTPAuthorizationCredentials | None = Depends(bearer), c: Ctx = Depends(ctx)
 ) -> JSONResponse:
-    run, p = _read_own_run(c, creds, run_id)
-    return ok(run_view(c.store, run, p), notice=f"run {run_id} is {run['state']}")
+    with Gates(c.store, "read", run_id=run_id, audit_passes=False) as g:
+        p = g.auth(creds, "runs:read")
+    view = run_view(c.store, run_id, p)
+    return ok(view, notice=f"run {run_id} is {view['state']}")
 
 
 @router.get("/v1/runs/{run_id}/logs", response_model=Envelope)
