@@ -160,6 +160,8 @@ def test_a_run_grows_shrinks_pauses_and_resumes_with_every_sequence_trained_once
     ), (out.metrics["final_loss"], still.metrics["final_loss"])
 
 
+# Paced (0.15 s a step) so the run outlasts the grow: the new group's process starts and
+# builds its model while the one group trains on.
 GROW_FROM_ONE_STEPS = 150
 
 
@@ -169,7 +171,7 @@ def test_a_run_down_to_one_group_grows_back_with_every_sequence_trained_once(
     # The grow from one live group: its last quorums had a single member, and the new
     # group heals in the quorum of the held step while the step after is the first its
     # members share.
-    cfg = _config(tmp_path / "regrow", pace_step_s=0.1, steps=GROW_FROM_ONE_STEPS)
+    cfg = _config(tmp_path / "regrow", pace_step_s=0.15, steps=GROW_FROM_ONE_STEPS)
     with StageRun(cfg, tmp_path / "regrow", "regrow", wait_s=WAIT_S, join_timeout_s=900) as run:
         run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 3, "step 3")
         shrink = _resize(run, "to-one", 1, leaving_groups=(0,))
