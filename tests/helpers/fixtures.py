@@ -37,12 +37,18 @@ def engine(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def db(engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
-    """A fresh, empty store of ``engine``: a SQLite file path or a PostgreSQL URL."""
-    if engine == "postgresql":
-        server: PgServer = request.getfixturevalue("pg_server")
-        return server.new_database()
-    return str(tmp_path / "ito.db")
+def db(engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, empty store of ``engine``: a SQLite file path or a PostgreSQL URL (its
+    database dropped after the test: the session's cluster is in memory)."""
+    if engine != "postgresql":
+        yield str(tmp_path / "ito.db")
+        return
+    server: PgServer = request.getfixturevalue("pg_server")
+    url = server.new_database()
+    try:
+        yield url
+    finally:
+        server.drop_database(url)
 
 
 @pytest.fixture

@@ -3,11 +3,17 @@
 ``initdb`` + ``pg_ctl`` as an unprivileged user (PostgreSQL refuses to run as
 root), listening on 127.0.0.1 at a free port, with password (scram) auth over TCP.
 The password reaches the store the way it does in production: a file named by
-``ITO_DB_PASSWORD_FILE``, never the URL. Each test gets its own database.
+``ITO_DB_PASSWORD_FILE``, never the URL. Each test gets its own database, dropped
+after it (``drop_database``).
+
+The cluster lives in memory (``/dev/shm`` where there is one): each ``CREATE DATABASE``
+copies the template, ~12 MB of files and its WAL, and on the testbed's disk that took
+0.7-0.9 s a database at load 16-24 (0.14-0.17 s in memory); a session creates ~110.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -24,6 +30,12 @@ from orchestrator.db.engines import PASSWORD_FILE_ENV
 PG_USER = "ito"
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
+# Where the test cluster's folder goes: memory where the host has it, else the temp dir.
+MEMORY_DIR = Path("/dev/shm")
+
+
+def _cluster_parent() -> str | None:
+    return str(MEMORY_DIR) if MEMORY_DIR.is_dir() and os.access(MEMORY_DIR, os.W_OK) else None
 
 
 def pg_bin() -> Path | None:
@@ -69,6 +81,21 @@ class PgServer:
         ) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
+
+    def drop_database(self, url: str) -> None:
+        """Drop a database ``new_database`` made, ending any session still on it (a
+        test's leftover only holds memory until the server stops, so a failed drop is
+        not the test's failure)."""
+        import psycopg
+
+        name = url.rsplit("/", 1)[1]
+        with (
+            contextlib.suppress(psycopg.Error),
+            psycopg.connect(
+                self.url(), password=self.password_file.read_text().strip(), autocommit=True
+            ) as conn,
+        ):
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
     def halt(self) -> None:
         """Stop the server (fast shutdown: sessions are ended), keeping its data."""
@@ -123,7 +150,7 @@ def start_postgres() -> PgServer:
         raise RuntimeError("PostgreSQL is not installed (apt-get install postgresql)")
     user = _os_user()
     # Not under pytest's tmp_path: its parents are private to root.
-    root = Path(tempfile.mkdtemp(prefix="ito-pg-"))
+    root = Path(tempfile.mkdtemp(prefix="ito-pg-", dir=_cluster_parent()))
     secret = uuid.uuid4().hex
     pwfile = root / "password"
     pwfile.write_text(secret + "\n")
