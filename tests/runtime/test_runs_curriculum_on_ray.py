@@ -5,8 +5,10 @@ end, and a second gate that cannot pass. The run must end ``failed`` /
 the stage gates, the events, the logs and the metrics; then every way around the
 gate we can think of is refused with its code.
 
-One backend (its own embedded Ray head) for the module; a tiny model; only the GPUs
-are absent.
+The runtime modules' one paced server (``paced_server`` of tests/runtime/conftest.py,
+its embedded Ray head started once for this module, test_run_controls_on_ray.py and
+test_runs_on_ray.py; the module's name puts it between them); a tiny model; only the
+GPUs are absent.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import pytest
 from helpers.backend import Backend
 from helpers.flows import confirm, confirm_ref, submit
 from helpers.manifests import cpu_testbed_manifest, data_ref
-from helpers.ray_backend import corpora, ray_backend
 from helpers.runs import api_data, wait_final
 from helpers.tenants import Tenant
+from helpers.testbed_runs import serve_module
 from helpers.xdist_groups import module_group
 
 # Above pytest's 300 s default: a run may take RUN_TIMEOUT_S once the server is up.
@@ -36,11 +38,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("curriculum-runtime")
-    baseline, custom = corpora(tmp / "data", 300, 200)
-    with ray_backend(tmp, "bk-cur") as rt:
-        yield {**rt, "baseline": baseline, "custom": custom}
+def rt(paced_server: dict[str, Any], request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    # The pace (0.15 s a step) adds ~2 s to the run's 12 steps; a server of its own
+    # costs ~25 s to start and stop.
+    yield from serve_module(paced_server, request)
 
 
 def _manifest(rt: dict[str, Any], second_gate_max: float) -> dict[str, Any]:
@@ -116,8 +117,8 @@ def test_second_gate_fails_the_run_with_its_check_everywhere(
     assert metrics["badput_s"]["evaluation"] > 0
     text = httpx.get(rt["backend"].metrics_url, timeout=30).text
     assert (
-        f'ito_run_eval_score{{booking_id="bk-cur",check="heldout_loss",phase="long",'
-        f'run_id="{run_id}"}}' in text
+        f'ito_run_eval_score{{booking_id="{rt["tenant"].booking_id}",check="heldout_loss",'
+        f'phase="long",run_id="{run_id}"}}' in text
     )
     # The checkpoint that closed pretrain is listed with its phase despite keep=1.
     ckpts = _get(rt, f"/v1/runs/{run_id}/checkpoints")["checkpoints"]
