@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import urlsplit
 
 from orchestrator.gates.costing import (
@@ -84,7 +84,18 @@ def post_training_work(m: Manifest, active_params: int) -> PostTrainingWork:
     return PostTrainingWork(learner_flops=learner, rollout_flops=rollout, rollout_gpus=workers)
 
 
-def check_capacity(m: Manifest, booking: dict[str, Any], profile: dict[str, Any]) -> dict:
+class CapacityCheck(TypedDict):
+    """What the capacity check found: the model's size and the memory it needs, and
+    what the booking has."""
+
+    params: int
+    active_params: int
+    required_gib: float
+    booked_gib: float
+    gpus: int
+
+
+def check_capacity(m: Manifest, booking: dict[str, Any], profile: dict[str, Any]) -> CapacityCheck:
     preset = load_model_preset(m.model.preset)
     if preset.architecture != m.model.architecture:
         raise ItoError(

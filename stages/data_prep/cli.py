@@ -135,7 +135,7 @@ def _run(
     args: argparse.Namespace,
     dedup_cfg: DedupConfig | None,
     decon: tuple[DecontaminationConfig, list[Any]] | None,
-) -> tuple[StreamResult, dict]:
+) -> tuple[StreamResult, dict[str, object]]:
     suffix_fmt = SINGLE_FILE_SUFFIXES.get(args.output.suffix)
     fmt = args.output_format or suffix_fmt or "jsonl"
     if suffix_fmt and suffix_fmt != fmt:

@@ -23,7 +23,7 @@ def shingle_tuples(text: str, k: int) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + k]) for i in range(len(words) - k + 1)}
 
 
-def jaccard(a: set, b: set) -> float:
+def jaccard(a: set[tuple[str, ...]], b: set[tuple[str, ...]]) -> float:
     if not a and not b:
         return 1.0
     return len(a & b) / len(a | b)
