@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from stages.atomic_write import write_text
 from stages.base import GateOutcome, StageContext
@@ -39,12 +40,41 @@ def gate_path(ckpt_dir: Path, phase: PhaseSpan) -> Path:
     return ckpt_dir / "phases" / f"{phase.index:02d}-{phase.name}.json"
 
 
-def read_gate(ckpt_dir: Path, phase: PhaseSpan) -> dict[str, Any] | None:
+class GateRecord(TypedDict):
+    """A phase's decided gate, as written beside its checkpoints (``gate_path``)."""
+
+    phase: str
+    index: int
+    checkpoint: str
+    step: int
+    export: str | None  # the phase's HF export
+    eval_seconds: float
+    result: dict[str, Any]  # the BatteryResult, as JSON
+    decision: dict[str, Any]  # the GateDecision, as JSON
+
+
+class PhaseSummary(TypedDict):
+    """A decided phase in the stage's outcome (``artifacts["phases"]``)."""
+
+    phase: str
+    kind: str
+    steps: list[int]
+    seq_len: int
+    battery: str | None
+    checkpoint: str
+    export: str | None
+    passed: bool
+    scores: dict[str, float | None]
+    gates: list[dict[str, Any]]  # the decision's checks, as JSON
+
+
+def read_gate(ckpt_dir: Path, phase: PhaseSpan) -> GateRecord | None:
     p = gate_path(ckpt_dir, phase)
-    return json.loads(p.read_text()) if p.is_file() else None
+    record: GateRecord | None = json.loads(p.read_text()) if p.is_file() else None
+    return record
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def _write_json(path: Path, data: Mapping[str, object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
@@ -64,7 +94,7 @@ class CurriculumRunner:
         self.digests: dict[int, str] = {}
         self.rank_digests: dict[str, str] = {}
         self.layout: dict[str, Any] = {}
-        self.phases: list[dict[str, Any]] = []
+        self.phases: list[PhaseSummary] = []
         self._previous: BatteryResult | None = None  # the last decided phase's
         self._failed: GateDecision | None = None
         self.engine: TrainingEngine | None = None
@@ -148,7 +178,7 @@ class CurriculumRunner:
                 return self._outcome(failed=self._failed)
         return self._outcome()
 
-    def _decided(self, phase: PhaseSpan, rec: dict[str, Any]) -> bool:
+    def _decided(self, phase: PhaseSpan, rec: GateRecord) -> bool:
         from stages.evals import BatteryResult, GateDecision
 
         decision = GateDecision.model_validate(rec["decision"])
@@ -200,7 +230,7 @@ class CurriculumRunner:
         return self._decided(phase, self._evaluate(phase))
 
     # --- the gate ---------------------------------------------------------------------
-    def _evaluate(self, phase: PhaseSpan) -> dict[str, Any]:
+    def _evaluate(self, phase: PhaseSpan) -> GateRecord:
         from stages.evals import BatteryResult, GateDecision, evaluate_gates
 
         closing = self._closing(phase)
@@ -234,7 +264,7 @@ class CurriculumRunner:
                 started_at=t0,
                 seconds=0.0,
             )
-            rec = {
+            rec: GateRecord = {
                 "phase": phase.name,
                 "index": phase.index,
                 "checkpoint": closing.path,
@@ -298,7 +328,7 @@ class CurriculumRunner:
         return rec
 
     # --- reporting --------------------------------------------------------------------
-    def _summary(self, phase: PhaseSpan, rec: dict[str, Any]) -> dict[str, Any]:
+    def _summary(self, phase: PhaseSpan, rec: GateRecord) -> PhaseSummary:
         return {
             "phase": phase.name,
             "kind": phase.kind,
