@@ -2,12 +2,13 @@
 
 ``run`` is the recipe: build the model, join the replica group (torchft Manager,
 checkpoints, resume), then ``train_step`` and ``_after_commit`` until the schedule's last
-step. The loop follows the curriculum's schedule of phases in place: at a phase's end
-step it saves and keeps the closing checkpoint, waits for the driver's gate, then
-changes sequence length, data mix, LR schedule and RoPE base and goes on; the
-model, optimizer, process groups and Manager stay. A run without a curriculum is a
-one-phase schedule: there is one loader (``MixedLoader``) and one LR source
-(``PhaseSpan.lr``). Every torchft touch point is tagged ``# torchft:``.
+step; where it stops after a step for the driver (a loss spike's pause, a resize's
+hold) is ``rank/stops.py``. The loop follows the curriculum's schedule of phases in
+place: at a phase's end step it saves and keeps the closing checkpoint, waits for the
+driver's gate, then changes sequence length, data mix, LR schedule and RoPE base and
+goes on; the model, optimizer, process groups and Manager stay. A run without a
+curriculum is a one-phase schedule: there is one loader (``MixedLoader``) and one LR
+source (``PhaseSpan.lr``). Every torchft touch point is tagged ``# torchft:``.
 
 Data is indexed by step, not by "what the loader happened to serve": the batch of
 step ``s`` is ``objective.batch(data_index(s - phase.start_step, skipped_windows))``.
@@ -39,6 +40,7 @@ from stages.trainer.rank.rank_state import RankState, RankStatus
 from stages.trainer.rank.saving import RankSaver
 from stages.trainer.rank.shard_state import load_sharded_state, param_digest, sharded_state
 from stages.trainer.rank.step_state import LoopState, StepResult, Window, data_index
+from stages.trainer.rank.stops import hold, pause, spiked
 
 if TYPE_CHECKING:
     from stages.checkpointing.checkpointer import Checkpointer
@@ -337,7 +339,7 @@ class TrainLoop:
             if step >= self.schedule.total_steps:
                 break
             if self.control.pause:
-                self._pause(step)
+                pause(self, step)
                 continue
             self._after_commit(self.train_step(step))
         self._finish()
@@ -387,7 +389,7 @@ class TrainLoop:
         if not result.finite:
             # A finite loss with a non-finite grad norm is just as bad a step.
             bad = result.loss if not math.isfinite(result.loss) else math.nan
-            if not self._spiked(result.step + 1, bad, result.batch):
+            if not spiked(self, result.step + 1, bad, result.batch):
                 from stages.errors import ErrorCode, ItoError
 
                 raise ItoError(
@@ -395,7 +397,7 @@ class TrainLoop:
                     f"step {result.step + 1} is not finite (loss {result.loss}, "
                     f"grad norm {result.grad_norm}) and loss-spike handling is off",
                 )
-            self._pause(result.step, refused_batch=result.batch)
+            pause(self, result.step, refused_batch=result.batch)
             return
         if not result.committed:
             return
@@ -408,8 +410,8 @@ class TrainLoop:
             )
             self.recovering_since = None
         # Spike check first: a checkpoint must never capture the spiking update.
-        if self._spiked(done, result.loss, result.batch):
-            self._pause(done)
+        if spiked(self, done, result.loss, result.batch):
+            pause(self, done)
             return
         # An objective that hands each committed version on (grpo: to the rollout fleet).
         publish = getattr(self.objective, "after_commit", None)
@@ -421,7 +423,7 @@ class TrainLoop:
             return  # a hold voted for now is voted again at the next step
         self.saver.save(done)
         if result.hold:
-            self._hold(done)
+            hold(self, done)
 
     def restore(self, step: int) -> None:
         from stages.errors import ErrorCode, ItoError
@@ -444,63 +446,12 @@ class TrainLoop:
             }
         )
 
-    # --- loss spikes ----------------------------------------------------------------
-    def _spiked(self, step: int, loss: float, batch_idx: int) -> bool:
-        spike = self.detector.observe(step, loss)
-        if spike is None:
-            return False
-        self.status.update(
-            spike={
-                **spike.model_dump(mode="json"),
-                "batch": batch_idx,
-                "windows": [list(w) for w in self.windows],
-            }
-        )
-        return True
-
-    def _pause(self, step: int, *, refused_batch: int | None = None) -> None:
-        """Stop at a committed step until the driver relays the human's decision.
-        ``refused_batch``: a non-finite step was refused; declined, its batch is
-        skipped (retrying it would refuse it again)."""
-        self.checkpointer.wait()
-        self.status.enter(RankState.paused, paused_at=step, digest=param_digest(self.model))
-        self.log(f"paused at step {step}: loss spike, awaiting approval")
-        kind, params = self.control.wait_command()
-        self.status.enter(RankState.training, paused_at=None, spike=None)
-        if kind == "restore":
-            step = int(params["step"])
-            self.restore(step)
-            # Skip the next ``skip_batches`` batches from the checkpoint's data position.
-            start = data_index(step - self.phase.start_step, self.windows)
-            window = (start, start + int(params["skip_batches"]))
-            self.windows = sorted({*self.windows, window})
-            if self._is_saver_at_end():
-                self.checkpointer.discard_after(step)  # the abandoned timeline is never resumed
-            self.restored(step, window)
-        elif kind == "resume" and refused_batch is not None:
-            self.windows = sorted({*self.windows, (refused_batch, refused_batch + 1)})
-            self.log(f"skipping data batch {refused_batch}: its step was not finite")
-
-    def _hold(self, step: int) -> None:
-        """Every group stopped after step ``step`` (one voted: ``Control.hold``): wait for
-        the driver's new members, or for this group's own stop (it leaves the run)."""
-        self.control.hold = False
-        self.checkpointer.wait()  # a save in flight ends before the groups change
-        self.status.enter(RankState.held, held_at=step)
-        kind, params = self.control.wait_command()
-        if kind == "stop":
-            return  # drained (and saved, pausing for capacity): the loop ends (``_finish``)
-        if kind == "members":
-            self.membership.change(int(params["first_step"]), tuple(params["members"]))
-            self.log(f"from step {params['first_step']} the batch is shared by {params['members']}")
-        self.status.enter(RankState.training, held_at=None)
-
     def _finish(self) -> None:
         # With DiLoCo the groups' weights agree only at a sync: none is saved mid-turn.
         if (
             (not self.control.stop or self.control.save_at_stop)
             and not self.sync.mid_turn
-            and self._is_saver_at_end()
+            and self.is_saver_at_end()
         ):
             self.saver.save(self.current_step(), force=True)
         if self.ckpt is not None:
@@ -514,7 +465,7 @@ class TrainLoop:
         )
         self.manager.shutdown(wait=False)  # torchft
 
-    def _is_saver_at_end(self) -> bool:
+    def is_saver_at_end(self) -> bool:
         try:
             return self.saver.is_saver()
         except Exception:
