@@ -49,7 +49,7 @@ from stages.trainer.config import GRPOSettings, ObjectiveConfig, TrainStageConfi
 
 if TYPE_CHECKING:
     from stages.post_training.pools import WorkerPool
-    from stages.post_training.rl import RLResult, StepStats
+    from stages.post_training.rl import RequestMaker, RLResult, StepStats
     from stages.trainer.fleet.handoff import Fleet
 
 CONTROLLER_DIR = "controller"
@@ -284,9 +284,9 @@ def run_rlvr_on_engine(
     train: TrainStageConfig | None,
     device: Literal["cpu", "cuda"],
     pool: WorkerPool,
-    maker: Any,
+    maker: RequestMaker,
     pad_id: int,
-    on_interruption: Any = None,
+    on_interruption: Callable[[int, float, float, str], None] | None = None,
     board_placement: dict[str, Any] | None = None,
     scoring: ObjectiveEvalRequest | None = None,
     fleet: Fleet | None = None,

@@ -21,6 +21,8 @@ from stages.post_training.gate_events import check_gate, objective_gate_events
 from stages.trainer.config import TrainStageConfig
 
 if TYPE_CHECKING:
+    from stages.evals import BatteryResult, GateDecision
+    from stages.post_training.config import ObjectiveBattery
     from stages.post_training.data import Kind
     from stages.post_training.learner import RLVRSide
     from stages.post_training.pools import LocalPool, RayPool
@@ -232,7 +234,7 @@ class PostTrainingStage:
             results: dict[str, Any] = {}
             metrics: dict[str, float] = {}
             current = base
-            battery: Any = None
+            battery: BatteryResult | None = None
             for objective in self.config.recipe.objectives():
                 if ctx.cancelled:
                     return GateOutcome(
@@ -314,8 +316,13 @@ class PostTrainingStage:
         )
 
     def _battery(
-        self, objective: str, spec: Any, result: Any, previous: Any, ctx: StageContext
-    ) -> tuple[str | None, Any, Any]:
+        self,
+        objective: str,
+        spec: ObjectiveBattery,
+        result: BatteryResult,
+        previous: BatteryResult | None,
+        ctx: StageContext,
+    ) -> tuple[str | None, BatteryResult, GateDecision]:
         """The curriculum's gates on an objective's battery ``result``; (reason or None,
         result, the ``GateDecision``)."""
         from stages.evals import evaluate_gates
@@ -340,7 +347,7 @@ class PostTrainingStage:
         rows: list[dict[str, Any]],
         out: Path,
         current: Path,
-    ) -> tuple[dict[str, float], Path, Any]:
+    ) -> tuple[dict[str, float], Path, BatteryResult | None]:
         """Train ``objective`` from the HF folder ``current``: (gate metrics, its HF
         export under ``out/<objective>``, its battery's ``BatteryResult`` or None). SFT and
         DPO are trained and scored on the engine's ranks: no model in this process."""
@@ -435,7 +442,7 @@ class PostTrainingStage:
         rows: list[dict[str, Any]],
         init: Path,
         export_dir: Path,
-    ) -> tuple[dict[str, float], Path, Any]:
+    ) -> tuple[dict[str, float], Path, BatteryResult | None]:
         """The rollout fleet on the driver's side, the learner on the engine's replica
         groups (``stages.post_training.learner``): (gate metrics, the HF export, its
         battery's ``BatteryResult`` or None, scored on the evaluating rank)."""
