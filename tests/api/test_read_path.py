@@ -52,7 +52,9 @@ def test_authenticating_a_key_is_one_store_query(api: Api, monkeypatch: pytest.M
     assert len(seen) == 1, seen
 
 
-def test_a_status_read_runs_no_statement_twice(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_status_read_is_the_key_then_one_batch_with_no_statement_twice(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run = api.run()
     store = api.client.app.state.ctx.store
     seen = _recording(monkeypatch, store)
@@ -60,20 +62,9 @@ def test_a_status_read_runs_no_statement_twice(api: Api, monkeypatch: pytest.Mon
     r = api.client.get(f"/v1/runs/{run['run_id']}", headers=api.h(api.t.submitter))
     assert r.status_code == 200, r.json()
     assert r.json()["data"]["account"] == "acme"
-    statements = [sql for sql, _ in seen] + [sql for batch in batches for sql in batch]
-    assert statements and len(set(statements)) == len(statements), statements
-
-
-def test_a_status_read_is_the_key_then_one_batch(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
-    run = api.run()
-    store = api.client.app.state.ctx.store
-    seen = _recording(monkeypatch, store)
-    batches = _recording_batches(monkeypatch, store)
-    r = api.client.get(f"/v1/runs/{run['run_id']}", headers=api.h(api.t.submitter))
-    assert r.status_code == 200, r.json()
-    assert r.json()["data"]["run_id"] == run["run_id"]
     assert len(seen) == 1 and "api_keys" in seen[0][0], seen
     assert len(batches) == 1, batches
     # The run itself, its gates, proposals, progress, eval and resize events, resizes.
     assert any("FROM runs" in sql for sql in batches[0]), batches
-
+    statements = [sql for sql, _ in seen] + batches[0]
+    assert len(set(statements)) == len(statements), statements
