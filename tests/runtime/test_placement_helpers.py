@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.train_configs import two_group_tiny_config
 
 from orchestrator.runtime.placement import EMBEDDED_RESOURCE, embedded_marks, node_ids
 from stages.placement import (
@@ -19,7 +20,6 @@ from stages.placement import (
 )
 from stages.run_facts import PlacementFact, RunFacts
 from stages.run_secret import RunSecret
-from stages.trainer.config import TrainStageConfig
 from stages.trainer.fleet.launcher import RankLauncher
 
 FACTS = RunFacts(
@@ -53,15 +53,7 @@ def test_groups_added_together_take_bundles_of_their_own(tmp_path: Path) -> None
     assert two_ranks == [[0, 0], [1, 1]]
     # The launcher places each added group by its place among those added with it; the
     # run's own groups by their index, over the run's reservation; a standby anywhere.
-    cfg = TrainStageConfig.model_validate(
-        dict(
-            model={"preset": "llama-tiny", "size": "0.1M"},
-            target={"max_steps": 10, "seq_len": 32, "global_batch_tokens": 384},
-            checkpoint={"interval_steps": 5, "storage_uri": f"file://{tmp_path}/ckpt"},
-            replica_groups=2,
-        ),
-        strict=False,
-    )
+    cfg = two_group_tiny_config(tmp_path)
     launcher = RankLauncher(
         cfg,
         run_id="r",

@@ -10,12 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from helpers.train_configs import two_group_tiny_config
+
 from stages.curriculum.config import CurriculumConfig
 from stages.curriculum.schedule import schedule_curriculum
 from stages.events import Event, ResizeEvent, StepEvent
 from stages.resize import ResizeInbox, ResizeRequest, groups_off_booking
 from stages.run_facts import PlacementFact
-from stages.trainer.config import TrainStageConfig
 from stages.trainer.fleet.engine import TrainingEngine
 from stages.trainer.fleet.resize import ResizeStage
 from stages.trainer.rank.rank_state import RankReport, RankState
@@ -23,16 +24,7 @@ from stages.trainer.rank.rank_state import RankReport, RankState
 
 def _engine(tmp: Path, **over: Any) -> tuple[TrainingEngine, ResizeInbox, list[Event]]:
     # 12 sequences a step over 2 groups: 1, 2, 3, 4, 6 and 12 groups split it evenly.
-    cfg = TrainStageConfig.model_validate(
-        dict(
-            model={"preset": "llama-tiny", "size": "0.1M"},
-            target={"max_steps": 10, "seq_len": 32, "global_batch_tokens": 384},
-            checkpoint={"interval_steps": 5, "storage_uri": f"file://{tmp}/ckpt"},
-            replica_groups=2,
-            **over,
-        ),
-        strict=False,
-    )
+    cfg = two_group_tiny_config(tmp, **over)
     inbox, events = ResizeInbox(), []
     engine = TrainingEngine(
         cfg,
