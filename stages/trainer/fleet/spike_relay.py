@@ -9,18 +9,19 @@ interruption from the spike until the next committed step.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from stages.checkpointing.storage import list_checkpoints
 from stages.events import Event, LogEvent, PhaseEvent
 from stages.trainer.config import TrainStageConfig
 from stages.trainer.fleet.supervision import GroupState
-from stages.trainer.rank.loss_spike import LossSpike, LossSpikeDetector
+from stages.trainer.rank.control import CommandName, CommandParams
+from stages.trainer.rank.loss_spike import LossSpikeDetector, ReportedSpike
 from stages.trainer.rank.rank_state import RankReport
 
 
@@ -30,7 +31,17 @@ class SpikeHost(Protocol):
     groups: dict[int, GroupState]
 
     def poll_once(self, timeout_s: float) -> None: ...
-    def command_all(self, kind: str, params: dict[str, Any] | None = None) -> None: ...
+    def command_all(self, kind: CommandName, params: CommandParams | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class PendingSpike:
+    """A spike waiting to be relayed: as its rank reported it, its group, and when the
+    driver saw it."""
+
+    spike: ReportedSpike
+    group: int
+    at: float
 
 
 class LossSpikeRelay:
@@ -49,8 +60,7 @@ class LossSpikeRelay:
         self.wait_decision = wait_decision
         self.cancel_event = cancel_event
         self.proposals: list[str] = []
-        # The spike waiting to be relayed (the rank's report, its group, when seen).
-        self.pending: dict[str, Any] | None = None
+        self.pending: PendingSpike | None = None
         # An approved restart's (detected, detail), until the next committed step.
         self._recovering: tuple[float, str] | None = None
         self._handled: set[tuple[int, int]] = set()  # (step, batch) already relayed
@@ -60,10 +70,10 @@ class LossSpikeRelay:
         spike = report.spike
         if spike and report.paused_at is not None and self.pending is None:
             # A poll in flight during the last decision may still show that spike.
-            key = (int(spike["step"]), int(spike["batch"]))
+            key = (spike.step, spike.batch)
             if key not in self._handled:
                 self._handled.add(key)
-                self.pending = {**spike, "group": group, "at": now}
+                self.pending = PendingSpike(spike, group, now)
 
     def recovered(self) -> tuple[float, str] | None:
         """At a committed step: the approved restart it ends (detected, detail), once."""
@@ -72,8 +82,9 @@ class LossSpikeRelay:
 
     def relay(self, host: SpikeHost) -> None:
         """Pause every group, propose the restart, and send every rank the decision."""
-        spike = self.pending
-        assert spike is not None
+        pending = self.pending
+        assert pending is not None
+        spike = pending.spike
         host.command_all("pause")
         # Let every live group reach its pause (a straggler may first wait out the join
         # timeout), so their last steps and saves are reported before the proposal.
@@ -87,14 +98,12 @@ class LossSpikeRelay:
         ):
             host.poll_once(self.ft.poll_interval_s)
         # Restart from before the spike: a checkpoint at the spike step holds its update.
-        candidates = [
-            r.step for r in list_checkpoints(self.checkpoint_dir) if r.step < spike["step"]
-        ]
+        candidates = [r.step for r in list_checkpoints(self.checkpoint_dir) if r.step < spike.step]
         if not candidates:
             self.emit(
                 LogEvent(
                     level="warning",
-                    message=f"loss spike at step {spike['step']} but no checkpoint "
+                    message=f"loss spike at step {spike.step} but no checkpoint "
                     "to restart from; continuing",
                 )
             )
@@ -103,23 +112,19 @@ class LossSpikeRelay:
             return
         ckpt = candidates[-1]
         detector = LossSpikeDetector(self.cfg.loss_spike)
-        fields = {k: v for k, v in spike.items() if k in LossSpike.model_fields}
-        for k in ("loss", "z", "median", "mad"):
-            if fields.get(k) is None:
-                fields[k] = math.nan
-        proposal = detector.propose(LossSpike(**fields), ckpt)
+        proposal = detector.propose(spike, ckpt)
         proposal.stage = "train"
         self.proposals.append(proposal.proposal_id)
         self.emit(proposal)
         paused_at = time.time()
         decision = self._await_decision(host, proposal.proposal_id)
         self.emit(PhaseEvent(phase="idle", start=paused_at, end=time.time()))
-        detail = f"loss spike at step {spike['step']}: {decision or 'no decision'}"
+        detail = f"loss spike at step {spike.step}: {decision or 'no decision'}"
         if decision == "approved":
             host.command_all(
                 "restore", {"step": ckpt, "skip_batches": proposal.params["skip_batches"]}
             )
-            self._recovering = (spike["at"], detail)
+            self._recovering = (pending.at, detail)
         else:
             host.command_all("resume")
         self.emit(LogEvent(message=detail))

@@ -48,6 +48,15 @@ class LossSpike(BaseModel):
     non_finite: bool = False
 
 
+class ReportedSpike(LossSpike):
+    """A spike as its rank reports it (``RankReport.spike``): with the loader batch
+    that spiked and the data windows the rank skips, from which the driver proposes
+    the restore."""
+
+    batch: int
+    windows: list[tuple[int, int]]
+
+
 class LossSpikeDetector:
     def __init__(self, config: LossSpikeConfig):
         self.config = config

@@ -16,11 +16,12 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, TypedDict, Unpack
+from typing import TypedDict, Unpack
 
 from pydantic import BaseModel, ConfigDict, JsonValue
 
 from stages.trainer.parallel.layout import BuiltLayout
+from stages.trainer.rank.loss_spike import ReportedSpike
 
 
 class RankState(StrEnum):
@@ -98,9 +99,9 @@ class RankReport(BaseModel):
     layout: BuiltLayout | None = None
     # The parameter digest at a pause or at the end.
     digest: str | None = None
-    # The loss spike it paused for (``LossSpike`` as JSON, with its batch and the
-    # skipped data windows), and the step it paused at.
-    spike: dict[str, Any] | None = None
+    # The loss spike it paused for (with its batch and the skipped data windows),
+    # and the step it paused at.
+    spike: ReportedSpike | None = None
     paused_at: int | None = None
     # The step every group stopped at for a resize (``held``).
     held_at: int | None = None
@@ -144,7 +145,7 @@ class ReportFields(TypedDict, total=False):
     boundary: int | None
     layout: BuiltLayout | None
     digest: str | None
-    spike: dict[str, Any] | None
+    spike: ReportedSpike | None
     paused_at: int | None
     held_at: int | None
     error: str | None

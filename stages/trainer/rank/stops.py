@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from stages.curriculum.schedule import PhaseSpan
 from stages.trainer.rank.control import Control
+from stages.trainer.rank.loss_spike import LossSpikeDetector, ReportedSpike
 from stages.trainer.rank.membership import Membership
 from stages.trainer.rank.rank_state import RankState, RankStatus
 from stages.trainer.rank.shard_state import param_digest
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     import torch
 
     from stages.checkpointing.checkpointer import Checkpointer
-    from stages.trainer.rank.loss_spike import LossSpikeDetector
 
 
 class StopHost(Protocol):
@@ -53,11 +53,7 @@ def spiked(loop: StopHost, step: int, loss: float, batch_idx: int) -> bool:
     if spike is None:
         return False
     loop.status.update(
-        spike={
-            **spike.model_dump(mode="json"),
-            "batch": batch_idx,
-            "windows": [list(w) for w in loop.windows],
-        }
+        spike=ReportedSpike(**spike.model_dump(), batch=batch_idx, windows=list(loop.windows))
     )
     return True
 
