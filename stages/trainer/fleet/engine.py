@@ -51,6 +51,7 @@ from stages.trainer.fleet.resize import GroupResizer
 from stages.trainer.fleet.spike_relay import LossSpikeRelay
 from stages.trainer.fleet.standby import StandbyPool
 from stages.trainer.fleet.supervision import GroupSupervisor, RankKey
+from stages.trainer.rank.control import CommandName, CommandParams
 from stages.trainer.rank.rank_state import ENDED_STATES, RankPoll, RankState
 from stages.trainer.rank.replica import spare_name
 
@@ -345,7 +346,7 @@ class TrainingEngine:
             self._pending[key] = in_flight
 
     # --- commands ---------------------------------------------------------------------
-    def command_all(self, kind: str, params: dict[str, Any] | None = None) -> None:
+    def command_all(self, kind: CommandName, params: CommandParams | None = None) -> None:
         import ray
 
         refs = [a.command.remote(kind, params or {}) for a in self.actors.values()]
