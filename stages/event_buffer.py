@@ -12,42 +12,57 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any
 
-from stages.events import LogEvent
+from pydantic import JsonValue
+
+from stages.events import EventPayload, LogEvent
 
 # Steps of one group, phase and commit state merged into one event at most; and of
 # one batch share: a resize re-cuts it, and the run's token ledger reads it per step.
 _MERGEABLE_KEYS = ("replica_group", "phase", "committed", "quorum_size", "stage", "batch_share")
 
 
-def _mergeable(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def as_int(value: JsonValue) -> int:
+    """A payload's number (or numeric string) as ``int()`` reads it; anything else raises."""
+    if isinstance(value, int | float | str):
+        return int(value)
+    raise TypeError(f"not a number: {value!r}")
+
+
+def as_float(value: JsonValue) -> float:
+    """A payload's number (or numeric string) as ``float()`` reads it; anything else raises."""
+    if isinstance(value, int | float | str):
+        return float(value)
+    raise TypeError(f"not a number: {value!r}")
+
+
+def _mergeable(a: EventPayload, b: EventPayload) -> bool:
     return (
         a.get("kind") == b.get("kind") == "step"
         and bool(a.get("committed"))
         and all(a.get(k) == b.get(k) for k in _MERGEABLE_KEYS)
-        and int(b.get("first_step") or b["step"]) == int(a["step"]) + 1
+        and as_int(b.get("first_step") or b["step"]) == as_int(a["step"]) + 1
     )
 
 
-def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+def _merge(a: EventPayload, b: EventPayload) -> EventPayload:
     out = dict(b)
-    out["first_step"] = int(a.get("first_step") or a["step"])
-    out["tokens"] = int(a["tokens"]) + int(b["tokens"])
-    out["seconds"] = float(a["seconds"]) + float(b["seconds"])
+    out["first_step"] = as_int(a.get("first_step") or a["step"])
+    out["tokens"] = as_int(a["tokens"]) + as_int(b["tokens"])
+    out["seconds"] = as_float(a["seconds"]) + as_float(b["seconds"])
     return out
 
 
 FOLDED = "log line(s) folded while the event consumer lagged"
 
 
-def coalesce(events: Iterable[dict[str, Any]], folded: int = 0) -> tuple[list[dict[str, Any]], int]:
+def coalesce(events: Iterable[EventPayload], folded: int = 0) -> tuple[list[EventPayload], int]:
     """Merge runs of consecutive committed steps; fold log lines into one count.
     ``folded``: log lines folded before (an earlier summary line carries them).
     Returns the events and the new total of folded log lines."""
-    out: list[dict[str, Any]] = []
-    last_step: dict[tuple[Any, ...], int] = {}  # index in out of each group's last step
-    first_log: dict[str, Any] | None = None
+    out: list[EventPayload] = []
+    last_step: dict[tuple[object, ...], int] = {}  # index in out of each group's last step
+    first_log: EventPayload | None = None
     for ev in events:
         if ev.get("kind") == "log":
             first_log = first_log or ev
@@ -71,30 +86,31 @@ def coalesce(events: Iterable[dict[str, Any]], folded: int = 0) -> tuple[list[di
         summary = LogEvent(
             level="warning",
             message=f"{folded} {FOLDED}",
-            ts=first_log["ts"],
-            stage=first_log.get("stage", ""),
+            ts=as_float(first_log["ts"]),
+            stage=str(first_log.get("stage", "")),
         )
         extra = {"seq": first_log["seq"]} if "seq" in first_log else {}
         out.insert(0, {**summary.model_dump(mode="json"), **extra})
     return out, folded
 
 
-def expand_steps(ev: dict[str, Any]) -> Iterator[dict[str, Any]]:
+def expand_steps(ev: EventPayload) -> Iterator[EventPayload]:
     """The per-step events a merged step event stands for (tokens and seconds split
     evenly, each step ending ``seconds / n`` before the next, the last at the merged
     event's ``ts``); an unmerged one as is."""
     first = ev.get("first_step")
-    if first is None or int(first) == int(ev["step"]):
+    if first is None or as_int(first) == as_int(ev["step"]):
         yield ev
         return
-    last = int(ev["step"])
-    n = last - int(first) + 1
-    each = float(ev["seconds"]) / n
-    for s in range(int(first), last + 1):
-        one = {**ev, "step": s, "first_step": None, "tokens": int(ev["tokens"]) // n}
+    last = as_int(ev["step"])
+    n = last - as_int(first) + 1
+    each = as_float(ev["seconds"]) / n
+    for s in range(as_int(first), last + 1):
+        one: EventPayload = {**ev, "step": s, "first_step": None}
+        one["tokens"] = as_int(ev["tokens"]) // n
         one["seconds"] = each
         if "ts" in ev:
-            one["ts"] = float(ev["ts"]) - (last - s) * each
+            one["ts"] = as_float(ev["ts"]) - (last - s) * each
         yield one
 
 
@@ -103,14 +119,14 @@ class EventBuffer:
 
     def __init__(self, max_events: int):
         self.max_events = max_events
-        self.items: deque[dict[str, Any]] = deque()
+        self.items: deque[EventPayload] = deque()
         self.logs_folded = 0
         self._compact_at = max_events
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def append(self, payload: dict[str, Any]) -> None:
+    def append(self, payload: EventPayload) -> None:
         self.items.append(payload)
         if len(self.items) > self._compact_at:
             # The whole buffer in one pass; what cannot merge (rare kinds) may grow it,
@@ -119,7 +135,7 @@ class EventBuffer:
             self.items = deque(merged)
             self._compact_at = max(self.max_events, 2 * len(self.items))
 
-    def drain(self) -> list[dict[str, Any]]:
+    def drain(self) -> list[EventPayload]:
         out, self.items = list(self.items), deque()
         self._compact_at = self.max_events
         return out

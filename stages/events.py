@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 
 def now() -> float:
@@ -215,3 +215,7 @@ Event = Annotated[
     | StageResultEvent,
     Field(discriminator="kind"),
 ]
+
+# An event serialised (``model_dump(mode="json")``), as it waits in a buffer between a
+# rank, the engine and the driver (which numbers it: ``seq``).
+EventPayload = dict[str, JsonValue]

@@ -24,7 +24,7 @@ from orchestrator.runtime.launch import LaunchSpec
 from orchestrator.runtime.ray_cluster import PRIVATE_UMASK
 from stages.base import GateOutcome, PrestartableStage, StageContext
 from stages.errors import ErrorCode, ItoError
-from stages.event_buffer import EventBuffer
+from stages.event_buffer import EventBuffer, as_int
 from stages.events import Event, LogEvent, PhaseEvent, StageResultEvent, StepEvent
 from stages.resize import ResizeRequest
 from stages.trainer.fleet.handoff import Fleet
@@ -135,7 +135,7 @@ class RunDriverImpl:
         """Events with seq > after_seq (those <= after_seq are acknowledged and dropped)."""
         with self._lock:
             items = self._events.items
-            while items and items[0]["seq"] <= after_seq:
+            while items and as_int(items[0]["seq"]) <= after_seq:
                 items.popleft()
             batch = [e for _, e in zip(range(limit), items, strict=False)]
             return {

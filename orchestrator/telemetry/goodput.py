@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from stages.event_buffer import expand_steps
+from stages.event_buffer import as_int, expand_steps
 
 BADPUT_KINDS = ("startup", "checkpoint_blocking", "recovery", "resize", "evaluation", "idle")
 # Which cause an instant covered by spans of several causes counts as: the narrowest
@@ -202,7 +202,11 @@ def compute_run_metrics(
                 # Post-training's sft and dpo steps count from 0 again, each its own
                 # phase: a step is keyed by its stage and phase too.
                 for one in expand_steps(dict(ev)):
-                    key = (str(one.get("stage", "")), str(one.get("phase", "")), int(one["step"]))
+                    key = (
+                        str(one.get("stage", "")),
+                        str(one.get("phase", "")),
+                        as_int(one["step"]),
+                    )
                     last_by_step[key] = one
                 m.last_loss = float(ev["loss"])
                 m.last_step = int(ev["step"])

@@ -34,6 +34,7 @@ from stages.errors import ErrorCode, ItoError
 from stages.event_buffer import expand_steps
 from stages.events import (
     Event,
+    EventPayload,
     FleetEvent,
     LogEvent,
     StepEvent,
@@ -306,7 +307,7 @@ class TrainingEngine:
         self.forward_events(reply.events, g)
         self.spikes.reported(status, g, now)
 
-    def forward_events(self, events: list[dict[str, Any]], group: int) -> None:
+    def forward_events(self, events: list[EventPayload], group: int) -> None:
         """A poll's events of a rank of ``group`` (a resize's joining and leaving ranks'
         too: a drained group's last checkpoint is the run's)."""
         for raw in events:
