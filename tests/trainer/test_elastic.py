@@ -34,7 +34,9 @@ def _data(path: Path) -> Path:
     return path
 
 
-def _config(tmp: Path, *, pace_step_s: float, steps: int = STEPS) -> TrainStageConfig:
+def _config(
+    tmp: Path, *, pace_step_s: float, steps: int = STEPS, replica_groups: int = 2
+) -> TrainStageConfig:
     # 12 sequences a step: 6 a group at 2 groups, 4 at 3.
     tmp.mkdir(parents=True, exist_ok=True)
     return TrainStageConfig.model_validate(
@@ -49,7 +51,7 @@ def _config(tmp: Path, *, pace_step_s: float, steps: int = STEPS) -> TrainStageC
             ),
             loss_spike=LossSpikeConfig(enabled=False),
             train_files=[str(_data(tmp / "train.jsonl"))],
-            replica_groups=2,
+            replica_groups=replica_groups,
             pace_step_s=pace_step_s,
         ),
         strict=False,
@@ -196,5 +198,47 @@ def test_a_run_down_to_one_group_grows_back_with_every_sequence_trained_once(
     )
     assert any(
         isinstance(e, LogEvent) and e.message.startswith("rg2: healed from a live peer")
+        for e in run.events
+    )
+
+
+# Paced so the one group outlasts the grow (the new group's process start and model
+# build); as few steps as that allows.
+GROW_PLANNED_ONE_STEPS = 100
+
+
+def test_a_run_planned_at_one_group_grows_to_two_with_every_sequence_trained_once(
+    ray_local: None, tmp_path: Path
+) -> None:
+    # The booking gained a node: a run planned, launched and trained at one group (a
+    # lighthouse, a membership and a batch cut that only ever knew one member) grows
+    # to two, the new group healing from the one live group.
+    cfg = _config(
+        tmp_path / "one", pace_step_s=0.15, steps=GROW_PLANNED_ONE_STEPS, replica_groups=1
+    )
+    with StageRun(cfg, tmp_path / "one", "planned-one", wait_s=WAIT_S, join_timeout_s=900) as run:
+        run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 3, "step 3")
+        grow = _resize(run, "one-to-two", 2, nodes=("n0", "n1"))
+        out = run.join()
+    assert out.status == "passed", out.reason
+    assert (grow.groups_before, grow.groups_after) == (1, 2)
+    assert grow.step is not None
+
+    ledger = _ledger(run)
+    _assert_every_batch_once(ledger, GROW_PLANNED_ONE_STEPS, grow.step)
+    for step, shares in ledger.items():
+        if step < grow.step - 1:
+            assert set(shares) == {0}, (step, shares)
+        if step >= grow.step:
+            assert set(shares) == {0, 1}, (step, shares)
+    # The run ends with two groups: both trained its last step.
+    assert set(ledger[GROW_PLANNED_ONE_STEPS]) == {0, 1}
+    assert out.metrics["tokens"] == GROW_PLANNED_ONE_STEPS * cfg.target.global_batch_tokens
+    # The new group healed from the live one: it read no checkpoint (one was saved).
+    assert not any(
+        isinstance(e, FleetEvent) and e.action == "checkpoint_restored" for e in run.events
+    )
+    assert any(
+        isinstance(e, LogEvent) and e.message.startswith("rg1: healed from a live peer")
         for e in run.events
     )
