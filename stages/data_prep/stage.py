@@ -248,12 +248,14 @@ class DataPrepStage:
         # One cleaned file per ref (its shards joined in order), grouped by role.
         train_files: dict[str, list[str]] = {"baseline": [], "custom": []}
         outputs = []
+        fields: dict[str, str] = {}  # each cleaned file's text field, for the probe
         fmt = cfg.stream.output_format
         for k, r in enumerate(resolved):
             shards = [sh for sh in res.shards if res.blocks_index.sources[sh["source"]].ref == k]
             path = out / "clean" / r.ref.role / f"ref{k:02d}.{fmt}"
             digest, size = concat_shards(res.output_dir, [sh["path"] for sh in shards], path, fmt)
             count = sum(sh["docs"] for sh in shards)
+            fields[str(path)] = r.ref.text_field
             outputs.append(
                 {
                     "ref": k,
@@ -270,7 +272,6 @@ class DataPrepStage:
         shutil.rmtree(out / "inputs", ignore_errors=True)  # the private input copies
 
         # 5. Ladder probe on the cleaned data.
-        fields = {o["path"]: resolved[o["ref"]].ref.text_field for o in outputs}
         ladder = self._ladder(ctx, train_files, [it.text for it in items], fields)
 
         provenance_path = out / "provenance.json"

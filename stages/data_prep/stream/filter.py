@@ -9,14 +9,20 @@ import json
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from stages.data_prep.stream.blocks import BlockData, BlockIndex, read_block
 from stages.data_prep.stream.shuffle import concat, gather, load_run, rel_path, text_bytes
-from stages.data_prep.stream.store import TaskRecord, WorkDir, atomic_write
+from stages.data_prep.stream.store import (
+    ContaminatedDocument,
+    TaskRecord,
+    TaskStats,
+    WorkDir,
+    atomic_write,
+)
 from stages.errors import ErrorCode, ItoError
 
 if TYPE_CHECKING:
@@ -126,7 +132,7 @@ def filter_block(root: str, b: int) -> TaskRecord:
     keep[ex - blk.doc_start] = False
     keep[near - blk.doc_start] = False
     flagged = np.zeros(n, dtype=bool)
-    contaminated: list[dict[str, Any]] = []
+    contaminated: list[ContaminatedDocument] = []
     decon = params.get("decontamination")
     if decon:
         from stages.data_prep.decontam import match_rows
@@ -166,7 +172,7 @@ def filter_block(root: str, b: int) -> TaskRecord:
     ids_text = "".join(doc_id(blocks_index, b, int(i)) + "\n" for i in np.flatnonzero(keep))
     ids = atomic_write(ids_path, ids_text.encode("utf-8"))
     kept = [data.texts[i] for i in np.flatnonzero(keep)]
-    stats = {
+    stats: TaskStats = {
         "docs_in": n,
         "docs_out": len(kept),
         "bytes_in": text_bytes(data.texts),

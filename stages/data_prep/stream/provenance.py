@@ -48,11 +48,13 @@ def decontam_section(res: StreamResult, index: EvalIndex) -> dict[str, Any]:
     cfg = index.cfg
     per_suite: Counter[str] = Counter()
     matched: set[int] = set()
-    rows = []
+    rows: list[dict[str, object]] = []
     for row in res.contaminated_documents:
         per_suite.update(row["suites"])
         matched.update(row["items"])
-        rows.append({k: row[k] for k in ("doc", "matches", "total_matches")})
+        rows.append(
+            {"doc": row["doc"], "matches": row["matches"], "total_matches": row["total_matches"]}
+        )
     return {
         "method": cfg.mode,
         "parameters": {

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypedDict, get_args
 
 from stages.data_prep.config import DecontaminationConfig, DedupConfig
 from stages.data_prep.evals import EvalItem
@@ -36,13 +36,24 @@ from stages.data_prep.minhash import lsh_params
 from stages.data_prep.stream.blocks import BlockIndex, index_blocks
 from stages.data_prep.stream.config import StreamConfig
 from stages.data_prep.stream.executor import Executor, LocalExecutor
-from stages.data_prep.stream.store import TaskRecord, WorkDir, write_json
+from stages.data_prep.stream.store import ContaminatedDocument, TaskRecord, WorkDir, write_json
 from stages.errors import ErrorCode, ItoError
 
 # Bumped whenever a task's output format or meaning changes: old work folders are
 # then never reused.
 STREAM_FORMAT_VERSION = 2
 DEDUP_STAGES = ("sketch", "exact", "candidates", "fetch", "verify", "components")
+# The filter tasks' counts the run adds up (``StreamResult.counts``).
+CountKey = Literal[
+    "docs_in",
+    "docs_out",
+    "bytes_in",
+    "bytes_out",
+    "exact_duplicates",
+    "near_duplicates",
+    "contaminated",
+]
+COUNT_KEYS: tuple[CountKey, ...] = get_args(CountKey)
 
 
 @dataclass
@@ -66,16 +77,30 @@ class Progress:
         return asdict(self)
 
 
+class Shard(TypedDict):
+    """One output shard (a filter task's), as ``manifest.json`` lists it: its file,
+    digest, size and documents, the block and input source it came from, and its ids
+    file (output row -> input document id)."""
+
+    path: str
+    sha256: str
+    bytes: int
+    docs: int
+    block: int
+    source: int
+    ids: str
+
+
 @dataclass
 class StreamResult:
     output_dir: Path
     attempt: str
     executor: str
     blocks_index: BlockIndex
-    shards: list[dict[str, Any]]
+    shards: list[Shard]
     counts: dict[str, int]
     dedup: dict[str, Any] | None
-    contaminated_documents: list[dict[str, Any]]
+    contaminated_documents: list[ContaminatedDocument]
     resumed_tasks: int
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -209,7 +234,7 @@ def run_stream(
         seconds[stage] = round(time.time() - ts, 3)
 
     filt = [records["filter"][b] for b in blocks]
-    shards = [
+    shards: list[Shard] = [
         {
             "path": r["stats"]["shard"],
             "sha256": r["stats"]["sha256"],
@@ -221,18 +246,7 @@ def run_stream(
         }
         for b, r in zip(blocks, filt, strict=True)
     ]
-    counts = {
-        k: sum(int(r["stats"][k]) for r in filt)
-        for k in (
-            "docs_in",
-            "docs_out",
-            "bytes_in",
-            "bytes_out",
-            "exact_duplicates",
-            "near_duplicates",
-            "contaminated",
-        )
-    }
+    counts: dict[str, int] = {k: sum(int(r["stats"][k]) for r in filt) for k in COUNT_KEYS}
     dedup_summary = None
     if dedup_cfg is not None:
         comp = records["components"][0]["stats"]
@@ -320,7 +334,7 @@ def _run_stage(
     return done, resumed
 
 
-def _publish(wd: WorkDir, output_dir: Path, key: str, shards: list[dict[str, Any]]) -> None:
+def _publish(wd: WorkDir, output_dir: Path, key: str, shards: list[Shard]) -> None:
     """Move the attempt's shards into ``output_dir`` as a whole (see the docstring)."""
     staged = wd.path("out")
     manifest = output_dir / "manifest.json"

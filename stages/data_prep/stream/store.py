@@ -19,11 +19,14 @@ import hashlib
 import io
 import json
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
 from stages.atomic_write import write_bytes
+
+if TYPE_CHECKING:
+    from stages.data_prep.decontam import MatchRow
 
 
 class FileMeta(TypedDict):
@@ -63,15 +66,52 @@ def write_json(path: Path, obj: object) -> FileMeta:
     return atomic_write(path, (json.dumps(obj, sort_keys=True, default=str) + "\n").encode())
 
 
+class ContaminatedDocument(TypedDict):
+    """A document the filter task matched against the evals: its id and index in the
+    input, its strongest matches, their total, and the eval items and suites hit."""
+
+    doc: str
+    index: int
+    matches: list[MatchRow]
+    total_matches: int
+    items: list[int]
+    suites: dict[str, int]
+
+
+class TaskStats(TypedDict, total=False):
+    """A task's counts; each stage's task writes its own keys (in the comments)."""
+
+    docs: int  # sketch
+    bytes: int  # sketch
+    band_rows: int  # sketch, candidates
+    exact_duplicates: int  # exact, filter
+    pairs: int  # candidates, fetch
+    candidate_pairs: int  # verify
+    verified_pairs: int  # verify, components
+    clusters: int  # components
+    near_duplicates: int  # components, filter
+    examples: list[list[int]]  # components: [duplicate, survivor] document indices
+    # filter: its counts, the documents it matched, and its shard and ids file.
+    docs_in: int
+    docs_out: int
+    bytes_in: int
+    bytes_out: int
+    contaminated: int
+    contaminated_documents: list[ContaminatedDocument]
+    shard: str
+    sha256: str
+    shard_bytes: int
+    ids: str
+
+
 class TaskRecord(TypedDict):
     """A finished task, as ``done/<stage>/<task>.json`` records it: its outputs
-    (relative path -> digest) and its counts (the filter task's also name the
-    contaminated documents: JSON)."""
+    (relative path -> digest) and its counts."""
 
     stage: str
     task: str
     outputs: dict[str, FileMeta]
-    stats: dict[str, Any]
+    stats: TaskStats
 
 
 class StageSummary(TypedDict):
@@ -93,7 +133,7 @@ class WorkDir:
         return self.root / "done" / stage / f"{task}.json"
 
     def record(
-        self, stage: str, task: str, outputs: dict[str, FileMeta], stats: dict[str, Any]
+        self, stage: str, task: str, outputs: dict[str, FileMeta], stats: TaskStats
     ) -> TaskRecord:
         """Mark a task finished: its outputs (relative path -> digest) and counts."""
         rec: TaskRecord = {"stage": stage, "task": task, "outputs": outputs, "stats": stats}

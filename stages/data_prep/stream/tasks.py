@@ -51,7 +51,7 @@ from stages.data_prep.stream.shuffle import (
     scatter,
     text_bytes,
 )
-from stages.data_prep.stream.store import FileMeta, TaskRecord, WorkDir, write_arrays
+from stages.data_prep.stream.store import FileMeta, TaskRecord, TaskStats, WorkDir, write_arrays
 from stages.data_prep.text import fmix64, ngram_hashes, word_batch
 
 # Dropped -> survivor examples kept by the components task for the provenance record.
@@ -94,7 +94,7 @@ def sketch(root: str, b: int) -> TaskRecord:
         lo=ex[:, 1].copy(),
         doc=docs,
     )
-    stats = {"docs": len(docs), "bytes": text_bytes(data.texts), "band_rows": len(keys)}
+    stats: TaskStats = {"docs": len(docs), "bytes": text_bytes(data.texts), "band_rows": len(keys)}
     return wd.record("sketch", str(b), outputs, stats)
 
 
@@ -285,7 +285,7 @@ def components(root: str, _task: int = 0) -> TaskRecord:
         [int(a), int(s)]
         for a, s in zip(nodes[dropped][:MAX_EXAMPLES], root_of[dropped][:MAX_EXAMPLES], strict=True)
     ]
-    stats = {
+    stats: TaskStats = {
         "verified_pairs": len(i),
         "clusters": len(np.unique(root_of)),
         "near_duplicates": int(dropped.sum()),
