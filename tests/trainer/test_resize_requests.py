@@ -258,3 +258,61 @@ def test_a_swap_with_the_gained_node_reserved_grows_onto_it_first(tmp_path: Path
     assert engine.resizer.stage is ResizeStage.holding and engine.resizer.members == (1, 2)
     actions = [(e.action, e.groups_after) for e in events if isinstance(e, ResizeEvent)]
     assert actions == [("requested", 3), ("applied", 3), ("requested", 2)]
+
+
+def test_a_share_grown_past_the_plan_trains_in_passes_no_larger_than_the_plans() -> None:
+    """A shrink below the planned groups grows each rank's share of the fixed global
+    batch: the rank accumulates over more passes, none larger than the plan's, to the
+    loss and gradients of the whole share (the plan's memory still holds)."""
+    import pytest
+    import torch
+
+    from stages.model.lm import build_model, causal_lm_loss
+    from stages.presets import load_model_preset
+    from stages.trainer.parallel.layout import ParallelLayout
+    from stages.trainer.parallel.parallelize import ParallelModel
+    from stages.trainer.rank.objective import LanguageModelObjective
+
+    preset = load_model_preset("llama-tiny")
+    sizes: list[int] = []  # each forward pass's sequences
+    # The plan: 4 sequences a rank, in 2 passes of 2. A shrink to half the groups gives
+    # 8 a rank, one from 3 groups to 2 gives 6.
+    for rows, passes in ((4, 2), (6, 3), (8, 4)):
+        ids = torch.randint(
+            0, preset.vocab_size, (rows, 32), generator=torch.Generator().manual_seed(rows)
+        )
+        whole = build_model(preset, seed=0)
+        expected = causal_lm_loss(whole, ids)
+        expected.backward()  # type: ignore[no-untyped-call]  # torch: unannotated
+        model = ParallelModel(
+            build_model(preset, seed=0),
+            ParallelLayout(grad_accum=2),
+            None,
+            torch.device("cpu"),
+            planned_micro_batch_at=lambda seq_len: 4,
+        )
+        sizes.clear()
+        model.module.register_forward_pre_hook(
+            lambda _m, _a, kw: sizes.append(int(kw["input_ids"].shape[0])), with_kwargs=True
+        )
+        loss = model.forward_backward(
+            LanguageModelObjective.batch_of(ids), LanguageModelObjective(None)
+        )
+        assert sizes == [2] * passes, rows
+        assert float(loss) == pytest.approx(float(expected.detach()), rel=1e-5)
+        for p, q in zip(model.module.parameters(), whole.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None
+            assert torch.allclose(p.grad, q.grad, atol=1e-6), rows
+
+
+def test_a_pipelined_run_keeps_its_planned_groups(tmp_path: Path) -> None:
+    """A pipeline's micro-batch count is fixed with its schedule: fewer groups than
+    planned would grow each micro-batch past the plan's memory, so that is refused;
+    more groups, or a pause, are not."""
+    engine, inbox, events = _engine(tmp_path, ranks_per_group=2, parallel={"pp": 2})
+    answer = _answer(engine, inbox, events, 1)
+    assert (answer.action, answer.groups_after) == ("refused", 2)
+    assert "pipelined run keeps its planned 2 replica groups" in answer.reason
+    for groups in (3, 0):
+        request = ResizeRequest(request_id=f"to-{groups}", replica_groups=groups, requested_at=0)
+        assert engine.resizer.refusal(request) == ""

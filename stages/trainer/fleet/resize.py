@@ -282,6 +282,16 @@ class GroupResizer:
                     f"split over {width} data-parallel ranks"
                     + (f" in {layout.pp_microbatches} micro-batches" if layout.pp > 1 else "")
                 )
+        if cfg.layout.pp > 1 and 0 < request.replica_groups < cfg.replica_groups:
+            # Fewer groups grow each rank's share; without a pipeline a rank takes more
+            # passes of the plan's size (``ParallelModel.passes``), but a pipeline's
+            # micro-batch count is fixed with its schedule: each would outgrow the
+            # memory the plan checked.
+            return (
+                f"a pipelined run keeps its planned {cfg.replica_groups} replica groups: "
+                f"on {request.replica_groups} each pipeline micro-batch would outgrow "
+                "the plan's memory"
+            )
         if request.replica_groups == 0 and self.paused_at is not None:
             return "the run is already paused for capacity"
         if self.engine.supervisor.live() != live:

@@ -24,7 +24,7 @@ back the layout it really built.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
@@ -81,7 +81,12 @@ class ParallelModel:
         device: torch.device,
         *,
         sequence_parallel: bool | None = None,
+        planned_micro_batch_at: Callable[[int], int] | None = None,
     ):
+        # The plan's sequences per data-parallel rank at a sequence length: what its
+        # memory was checked for. A shrink below the planned groups grows each rank's
+        # share past it; the rank then takes more passes (``passes``). None: the plan's.
+        self.planned_micro_batch_at = planned_micro_batch_at
         if layout.dp_shard == -1 or (layout.pp > 1 and not layout.pp_microbatches):
             layout = layout.resolved(int(mesh.size()) if mesh is not None else 1)
         self.layout = layout
@@ -213,7 +218,7 @@ class ParallelModel:
             # The plan's micro-batches: equal dim-0 slices, each one's summed loss over
             # the whole batch's denominator, so the gradients sum to the batch's mean.
             total = torch.zeros((), device=self.device)
-            parts = batch.split(self.layout.grad_accum)
+            parts = batch.split(self.passes(batch))
             for i, part in enumerate(parts):
                 inputs = objective.model_inputs(part)
                 ids = inputs["input_ids"].contiguous()
@@ -256,6 +261,19 @@ class ParallelModel:
         if not last:
             return torch.zeros((), device=input_ids.device)
         return torch.stack([x.detach() for x in losses]).mean()
+
+    def passes(self, batch: Batch) -> int:
+        """Forward/backward passes for ``batch``: the plan's accumulation steps, more
+        where the rank's share outgrew the plan's (a shrink below its groups), so no
+        pass takes more sequences than the plan's did (torchtitan keeps the local batch
+        and accumulates the same way)."""
+        accum = self.layout.grad_accum
+        rows = int(next(iter(batch.tensors.values())).shape[0])
+        if self.planned_micro_batch_at is None:
+            return min(accum, rows)
+        # The plan's largest pass (its micro-batch over its steps, the last ones shorter).
+        per_pass = max(1, -(-self.planned_micro_batch_at(batch.seq_len) // accum))
+        return min(rows, max(accum, -(-rows // per_pass)))
 
     def group_mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The replica group's loss: the mean over its data-parallel ranks of the loss

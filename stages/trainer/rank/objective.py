@@ -62,8 +62,9 @@ class Batch:
         return Batch(moved, self.denominator, self.tokens, self.waited_s)
 
     def split(self, n: int) -> list[Tensors]:
-        """``n`` equal dim-0 micro-batches (the config guarantees divisibility)."""
-        chunks = {k: v.chunk(n) for k, v in self.tensors.items()}
+        """``n`` dim-0 micro-batches, equal where ``n`` divides the rows (the plan's), else
+        the first ones a row longer (a share a resize grew)."""
+        chunks = {k: v.tensor_split(n) for k, v in self.tensors.items()}
         return [{k: c[i] for k, c in chunks.items()} for i in range(n)]
 
 

@@ -121,7 +121,16 @@ class RankSetup:
         from stages.trainer.parallel.parallelize import ParallelModel
 
         loop, target = self.loop, self.loop.cfg.target
-        loop.parallel = ParallelModel(loop.model, loop.cfg.layout, mesh, self.device)
+        loop.parallel = ParallelModel(
+            loop.model,
+            loop.cfg.layout,
+            mesh,
+            self.device,
+            # The plan's share (a resize re-cuts it; only pretraining's lm resizes).
+            planned_micro_batch_at=(
+                loop.cfg.micro_batch_at if loop.cfg.objective.kind == "lm" else None
+            ),
+        )
         loop.model = loop.parallel.module
         loop.inner_optimizer = torch.optim.AdamW(
             loop.model.parameters(),
