@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from orchestrator.db.store import Row, Store
 from orchestrator.gates.planning import resize_groups, run_plan
@@ -51,6 +53,32 @@ Place = Callable[[str, int, dict[str, Any], tuple[str, ...]], PlacementFact | No
 # The Ray nodes (hex ids) that are the named booking nodes, all or none
 # (``placement.node_ids``): the trainer drains the groups on the others.
 Locate = Callable[[Sequence[str]], tuple[str, ...]]
+
+
+ResizeStatus = Literal["pending", "delivered", "refused", "unchanged", "superseded"]
+
+
+class ResizeRecord(BaseModel):
+    """A row of ``run_resizes``: the supervisor's answer to one booking change."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    run_id: str
+    request_id: str
+    change_id: int
+    requested_at: float
+    nodes: list[str]  # the booking's nodes after the change
+    groups_before: int
+    replica_groups: int
+    reason: str
+    code: str | None = None  # the planner's refusal
+    status: ResizeStatus
+    # Set by the store: when it was written, when the driver took it.
+    created_at: float | None = None
+    delivered_at: float | None = None
+
+    def row(self) -> Row:
+        """What the store writes (it stamps ``created_at`` itself)."""
+        return self.model_dump(exclude={"created_at", "delivered_at"})
 
 
 def _unlocated(names: Sequence[str]) -> tuple[str, ...]:
@@ -106,20 +134,20 @@ class Resizer:
         plan = run_plan(self.store, run)
         if plan is None:
             return  # not planned yet: it plans on the booking as it is then
-        records = self.store.run_resizes(run_id)
-        since = records[-1]["change_id"] if records else 0
+        records = [ResizeRecord.model_validate(r) for r in self.store.run_resizes(run_id)]
+        since = records[-1].change_id if records else 0
         changes = self.store.booking_changes(run["booking_id"], after_change_id=since)
         if not records:  # changes before the run was accepted are in its plan already
             changes = [c for c in changes if c["ts"] > run["created_at"]]
-        pending = records[-1] if records and records[-1]["status"] == "pending" else None
-        delivered = [r for r in records if r["status"] == "delivered"]
+        pending = records[-1] if records and records[-1].status == "pending" else None
+        delivered = [r for r in records if r.status == "delivered"]
         if changes:
             if pending is not None:
-                self.store.mark_resize(run_id, pending["request_id"], "superseded")
+                self.store.mark_resize(run_id, pending.request_id, "superseded")
             pending = self._answer(run, plan, changes, delivered[-1] if delivered else None)
         if pending is not None:
             self._send(run, pending, delivered[-1] if delivered else None)
-        elif delivered and self._relaunched_since(run_id, delivered[-1]["delivered_at"]):
+        elif delivered and self._relaunched_since(run_id, delivered[-1].delivered_at):
             self._send(run, delivered[-1], delivered[-2] if len(delivered) > 1 else None)
 
     def _relaunched_since(self, run_id: str, delivered_at: float | None) -> bool:
@@ -132,8 +160,8 @@ class Resizer:
         )
 
     def _answer(
-        self, run: Row, plan: dict[str, Any], changes: list[Row], last: Row | None
-    ) -> Row | None:
+        self, run: Row, plan: Row, changes: list[Row], last: ResizeRecord | None
+    ) -> ResizeRecord | None:
         """Record the planner's answer to ``changes`` (against the run's last delivered
         size, else its plan); returns it when it is to be sent."""
         run_id = run["run_id"]
@@ -144,43 +172,44 @@ class Resizer:
         nodes = self.store.booking_nodes(run["booking_id"])
         gpn = int(booking["gpus_per_node"] or 0)
         if last is not None:
-            groups_before = int(last["replica_groups"])
-            gpus_before = len(last["nodes"]) * gpn
-            removed = bool(set(last["nodes"]) - set(nodes))
+            groups_before = last.replica_groups
+            gpus_before = len(last.nodes) * gpn
+            removed = bool(set(last.nodes) - set(nodes))
         else:
             groups_before = int(plan["dp_replicate"])
             gpus_before = int(plan.get("gpus_per_node", gpn)) * int(plan.get("node_count", 0))
             removed = any(c["action"] == "remove" for c in changes)
-        record: dict[str, Any] = {
-            "run_id": run_id,
-            "request_id": f"{run_id}:c{latest['change_id']}",
-            "change_id": latest["change_id"],
-            "requested_at": latest["ts"],
-            "nodes": nodes,
-            "groups_before": groups_before,
-            "code": None,
-        }
+        record = ResizeRecord(
+            run_id=run_id,
+            request_id=f"{run_id}:c{latest['change_id']}",
+            change_id=latest["change_id"],
+            requested_at=latest["ts"],
+            nodes=nodes,
+            groups_before=groups_before,
+            replica_groups=groups_before,
+            reason="",
+            status="pending",
+        )
         try:
             count = resize_groups(
                 plan, booking, current_groups=groups_before, grew=len(nodes) * gpn > gpus_before
             )
         except ItoError as e:
-            self.store.insert_resize(
-                {**record, "replica_groups": groups_before, "reason": e.message}
-                | {"code": str(e.code), "status": "refused"}
-            )
+            refused = {"reason": e.message, "code": str(e.code), "status": "refused"}
+            self.store.insert_resize(record.model_copy(update=refused).row())
             self.store.add_log(run_id, f"resize refused: {e.code}: {e.message}", "warning")
             return None
-        record |= {"replica_groups": count.replica_groups, "reason": count.reason}
+        record = record.model_copy(
+            update={"replica_groups": count.replica_groups, "reason": count.reason}
+        )
         if count.replica_groups == groups_before and not removed:
-            self.store.insert_resize({**record, "status": "unchanged"})
+            self.store.insert_resize(record.model_copy(update={"status": "unchanged"}).row())
             self.store.add_log(run_id, f"booking changed; groups stay {groups_before}")
             return None
-        record["status"] = "pending"
-        self.store.insert_resize(record)
+        self.store.insert_resize(record.row())
         return record
 
-    def _send(self, run: Row, record: Row, last: Row | None) -> None:
+    def _send(self, run: Row, record: ResizeRecord, last: ResizeRecord | None) -> None:
         """Deliver ``record`` (pending, or delivered to an earlier driver of the run)."""
         run_id = run["run_id"]
         handle = self.driver_of(run_id)
@@ -188,10 +217,10 @@ class Resizer:
             return  # pending: the next pass sends it again
         # A Ray actor handle's id names the driver (a relaunch is another one).
         driver = getattr(handle, "_actor_id", None) or id(handle)
-        again = record["status"] == "delivered"
-        if again and self._delivered_to.get(run_id) == (record["request_id"], driver):
+        again = record.status == "delivered"
+        if again and self._delivered_to.get(run_id) == (record.request_id, driver):
             return
-        before, after = int(record["groups_before"]), int(record["replica_groups"])
+        before, after = record.groups_before, record.replica_groups
         placed: PlacementFact | None = None
         if after > 0:
             # The nodes gained since the last delivered size (else since the plan: the
@@ -201,20 +230,20 @@ class Resizer:
             booking = self.store.booking(run["booking_id"])
             if gained and booking is not None:
                 try:
-                    placed = self.place(run_id, int(record["change_id"]), booking, gained)
+                    placed = self.place(run_id, record.change_id, booking, gained)
                 except PlacementPending as e:  # the nodes have not joined: next pass
                     self.store.set_state_reason(run_id, f"resize to {after} groups: {e}")
                     return
         request = ResizeRequest(
-            request_id=record["request_id"],
+            request_id=record.request_id,
             replica_groups=after,
-            nodes=tuple(record["nodes"]),
-            requested_at=float(record["requested_at"]),
-            reason=record["reason"][:500],
+            nodes=tuple(record.nodes),
+            requested_at=record.requested_at,
+            reason=record.reason[:500],
             placement=placed,
             # Which Ray nodes the booking's nodes are: the trainer drains the groups on
             # the others (the nodes taken back).
-            node_ids=self.locate(record["nodes"]),
+            node_ids=self.locate(record.nodes),
         )
         try:
             self.deliver(handle, request.model_dump(mode="json"))
@@ -240,14 +269,14 @@ class Resizer:
                 run_id, RunState.running, f"capacity returned: {after} replica group(s)"
             )
 
-    def _gained(self, run: Row, record: Row, last: Row | None) -> tuple[str, ...]:
+    def _gained(self, run: Row, record: ResizeRecord, last: ResizeRecord | None) -> tuple[str, ...]:
         """The nodes of ``record`` the run had no reservation on, in the booking's order."""
         if last is not None:
-            new = set(record["nodes"]) - set(last["nodes"])
+            new = set(record.nodes) - set(last.nodes)
         else:
             new = set()
             for c in self.store.booking_changes(run["booking_id"]):
-                if c["ts"] > run["created_at"] and c["change_id"] <= record["change_id"]:
+                if c["ts"] > run["created_at"] and c["change_id"] <= record.change_id:
                     nodes = set(c["nodes"])
                     new = new | nodes if c["action"] == "add" else new - nodes
-        return tuple(n for n in record["nodes"] if n in new)
+        return tuple(n for n in record.nodes if n in new)

@@ -27,7 +27,15 @@ import time
 from enum import StrEnum
 from typing import Any, Protocol
 
-from stages.events import Event, FleetEvent, LogEvent, ResizeAction, ResizeEvent, StepEvent
+from stages.events import (
+    Event,
+    EventPayload,
+    FleetEvent,
+    LogEvent,
+    ResizeAction,
+    ResizeEvent,
+    StepEvent,
+)
 from stages.placement import release_added
 from stages.resize import ResizeInbox, ResizeRequest, groups_off_booking
 from stages.run_facts import PlacementFact
@@ -59,7 +67,7 @@ class ResizeHost(Protocol):
     def command_all(self, kind: CommandName, params: CommandParams | None = None) -> None: ...
     def forget_rank(self, key: RankKey) -> tuple[Any, Any]: ...
     def adopt_rank(self, key: RankKey, actor: Any, in_flight: Any = None) -> None: ...
-    def forward_events(self, events: list[dict[str, Any]], group: int) -> None: ...
+    def forward_events(self, events: list[EventPayload], group: int) -> None: ...
 
 
 class ResizeStage(StrEnum):
@@ -352,7 +360,14 @@ class GroupResizer:
         self._release(staying)
 
     def _report(
-        self, request: ResizeRequest, action: ResizeAction, groups_after: int, **fields: Any
+        self,
+        request: ResizeRequest,
+        action: ResizeAction,
+        groups_after: int,
+        *,
+        step: int | None = None,
+        seconds: float | None = None,
+        reason: str = "",
     ) -> ResizeEvent:
         """Emit the trainer's word on ``request`` (from ``self.before`` groups)."""
         event = ResizeEvent(
@@ -360,7 +375,9 @@ class GroupResizer:
             action=action,
             groups_before=self.before,
             groups_after=groups_after,
-            **fields,
+            step=step,
+            seconds=seconds,
+            reason=reason,
         )
         self.engine.emit(event)
         return event
