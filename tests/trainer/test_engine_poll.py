@@ -133,10 +133,10 @@ def test_a_rank_saving_a_phase_closing_checkpoint_is_polled_sooner(tmp_path: Pat
 
     def next_poll_in(reply: RankPoll, key: tuple[int, int] = keys[0]) -> float:
         now = time.monotonic()
-        engine._poll_due.pop(key, None)
-        assert engine._due(key, now)  # polled now: the next is due a regular interval on
+        engine.polls.due_at.pop(key, None)
+        assert engine.polls.due(key, now)  # polled now: the next is due a regular interval on
         engine._on_reply(key, reply, time.time())
-        return engine._poll_due[key] - time.monotonic()
+        return engine.polls.due_at[key] - time.monotonic()
 
     assert next_poll_in(_reply(9)) > interval - 1
     assert next_poll_in(_reply(10)) <= soon

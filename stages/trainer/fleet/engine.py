@@ -5,6 +5,8 @@ driver). It polls every rank (each answers a ``RankPoll``: its buffered events a
 ``RankReport``), forwards the events to ``emit``, and hands each report to the part
 that owns its meaning:
 
+- ``RankPolls`` (polls.py) asks each rank and standby in its turn, and hands out
+  the answers;
 - ``RankLauncher`` (launcher.py) makes the ranks and the lighthouse, or takes over
   the ranks a ``Fleet`` holds from the previous run, and leaves its own there;
 - ``GroupSupervisor`` (supervision.py) keeps each replica group's health and turns
@@ -47,6 +49,7 @@ from stages.trainer.fleet.engine_state import EngineResult
 from stages.trainer.fleet.handoff import Fleet, kill_actors
 from stages.trainer.fleet.launcher import RankLauncher
 from stages.trainer.fleet.phase_release import PhaseEndHook, PhaseRelease
+from stages.trainer.fleet.polls import RankPolls
 from stages.trainer.fleet.recovery import failure_time, failure_times
 from stages.trainer.fleet.resize import GroupResizer
 from stages.trainer.fleet.spike_relay import LossSpikeRelay
@@ -120,21 +123,16 @@ class TrainingEngine:
         )
         self.groups = self.supervisor.groups
         self.actors: dict[RankKey, Any] = {}
-        self._pending: dict[RankKey, Any] = {}
+        self.polls = RankPolls(self.ft.poll_interval_s)
         self.standby = StandbyPool(
             ranks_per_group=cfg.ranks_per_group,
             name=lambda index, rank: spare_name(self.launcher.names_id, index, rank),
             make=lambda name, rank, index: self.launcher.make_worker(
                 name, -1, rank, standby_index=index
             ),
-            due=self._due,
+            due=self.polls.due,
             announce=self._fleet_changed,
         )
-        # When each rank or spare (by key or name) is next polled: an actor is asked at
-        # most once per ``poll_interval_s``, however fast it answers.
-        self._poll_due: dict[RankKey | str, float] = {}
-        # Each rank's devices as Ray assigned them (cuda): what a standby binds.
-        self._gpu_ids: dict[RankKey, list[str]] = {}
         # step -> tokens of its last committed report: every group's rank 0 reports the
         # quorum's tokens of the same step, and a redone step replaces its first run.
         self.step_tokens: dict[int, int] = {}
@@ -186,33 +184,12 @@ class TrainingEngine:
         self.emit(LogEvent(message=message))
 
     def _promote_spare(self, key: RankKey) -> bool:
-        """Put a warm standby group in the place of lost group ``key[0]``: every rank of
-        the lost group is replaced (a multi-rank group is one failure unit, so its
-        survivors go too), and the standby's ranks form the group's process group
-        around their own store. False: no standby group is warm."""
-        taken = self.standby.take_warm()
-        if taken is None:
+        """Put a warm standby group in the place of lost group ``key[0]``
+        (``StandbyPool.stand_in``). False: no standby group is warm."""
+        if self.standby.stand_in(key[0], self.actors, self.polls.in_flight) is None:
             return False
         self._standby_took_over = True
-        group = key[0]
-        for rank, (_, spare) in enumerate(taken):
-            # The lost group's actors would be restarted by Ray as a second copy of it.
-            kill_actors(self.actors[(group, rank)])
-            self._pending.pop((group, rank), None)
-            self.actors[(group, rank)] = spare
-            spare.command.remote("activate", self._activation(group, rank))
-        names = [name for name, _ in taken]
-        self._fleet_changed(
-            FleetEvent(action="standby_activated", replica_group=group, actors=names),
-            f"spare {', '.join(names)} takes the place of replica group {group}",
-        )
-        self.standby.start_one()
         return True
-
-    def _activation(self, group: int, rank: int) -> dict[str, int | list[str]]:
-        """What a standby is told when it becomes rank ``rank`` of ``group``: the group,
-        and on cuda the device of the rank it replaces (the standby holds none)."""
-        return {"group": group, "gpu_ids": self._gpu_ids.get((group, rank), [])}
 
     def shutdown(self) -> None:
         """Kill every actor this engine made or took over (cancel, finish or failure; a
@@ -233,48 +210,14 @@ class TrainingEngine:
 
     # --- polling ----------------------------------------------------------------------
     def poll_once(self, timeout_s: float) -> None:
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        started = time.monotonic()
-        for key, actor in self.actors.items():
-            if key not in self._pending and self._due(key, started):
-                self._pending[key] = actor.poll.remote()
-        self.standby.poll()
-        refs = {ref: key for key, ref in self._pending.items()}
-        if refs:
-            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        else:  # every rank answered its last poll: wait for the next one's turn
-            ready = []
-            # Only an actor with no poll in flight has a turn coming (one in flight is
-            # checked each pass): a standby still warming up, its poll unanswered for
-            # seconds, must not turn this into a busy loop beside the ranks.
-            idle: list[RankKey | str] = [k for k in self.actors if k not in self._pending]
-            idle += self.standby.idle()
-            next_due = min(
-                (self._poll_due.get(k, started) for k in idle), default=started + timeout_s
-            )
-            time.sleep(max(0.0, min(timeout_s, next_due - started)))
+        ready = self.polls.send_and_wait(self.actors, self.standby, timeout_s)
         now = time.time()
-        for ref in ready:
-            key = refs[ref]
-            if key not in self._pending or self._pending[key] is not ref:
-                continue  # a poll of an actor replaced meanwhile (a standby took over)
-            del self._pending[key]
-            try:
-                reply: RankPoll = ray.get(ref, timeout=0)
-            except (RayActorError, GetTimeoutError) as e:
-                self.supervisor.rank_down(key, now, e)
-                continue
-            self._on_reply(key, reply, now)
+        for key, answer in self.polls.answers(ready):
+            if isinstance(answer, RankPoll):
+                self._on_reply(key, answer, now)
+            else:
+                self.supervisor.rank_down(key, now, answer)
         self.supervisor.check_stuck(now)
-
-    def _due(self, key: RankKey | str, now: float) -> bool:
-        """Whether ``key``'s next poll is due (and, if so, when the one after is)."""
-        if now < self._poll_due.get(key, 0.0):
-            return False
-        self._poll_due[key] = now + self.ft.poll_interval_s
-        return True
 
     def _on_reply(self, key: RankKey, reply: RankPoll, now: float) -> None:
         g, rank = key
@@ -283,7 +226,7 @@ class TrainingEngine:
             # A standby that had taken this group's place died and Ray restarted it:
             # it came back as a standby; it is this group's rank again.
             self._reactivated.add(status.pid)
-            self.actors[key].command.remote("activate", self._activation(g, rank))
+            self.actors[key].command.remote("activate", self.standby.activation(g, rank))
         if status.state is RankState.ready:
             self._ready.add(key)
         if (
@@ -295,13 +238,12 @@ class TrainingEngine:
             self.actors[key].command.remote("data", {"role_shards": self.role_shards})
         self.supervisor.rank_answered(key, status, now)
         if status.gpu_ids:
-            self._gpu_ids[key] = list(status.gpu_ids)
+            self.standby.gpu_ids[key] = list(status.gpu_ids)
         if rank == 0 and status.layout:
             self.layout = dict(status.layout)
         sooner = self.phase_ends.observe(key, status, self.actors[key], len(self.actors))
         if sooner is not None:
-            due = time.monotonic() + sooner
-            self._poll_due[key] = min(self._poll_due.get(key, due), due)
+            self.polls.sooner(key, sooner)
         if status.digest:
             self.rank_digests[f"{g}/{rank}"] = status.digest
         self.forward_events(reply.events, g)
@@ -332,11 +274,11 @@ class TrainingEngine:
     def forget_rank(self, key: RankKey) -> tuple[Any, Any]:
         """Stop polling rank ``key`` (a group a resize drains); returns its actor and
         its poll in flight (None): the reply holds events its buffer no longer has."""
-        for table in (self._poll_due, self._data_sent):
-            table.pop(key, None)
+        self._data_sent.pop(key, None)
         self._ready.discard(key)
         self.rank_digests.pop(f"{key[0]}/{key[1]}", None)  # the run's end compares members'
-        return self.actors.pop(key), self._pending.pop(key, None)
+        in_flight = self.polls.forget(key)
+        return self.actors.pop(key), in_flight
 
     def adopt_rank(self, key: RankKey, actor: Any, in_flight: Any = None) -> None:
         """Poll rank ``key`` from now on (a group a resize added, in training), starting
@@ -344,7 +286,7 @@ class TrainingEngine:
         self.actors[key] = actor
         self._ready.add(key)
         if in_flight is not None:
-            self._pending[key] = in_flight
+            self.polls.in_flight[key] = in_flight
 
     # --- commands ---------------------------------------------------------------------
     def command_all(self, kind: CommandName, params: CommandParams | None = None) -> None:

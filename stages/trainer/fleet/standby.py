@@ -1,5 +1,5 @@
 """The run's warm standby groups: started once the fleet trains, polled until warm, and
-taken whole to stand in a lost replica group's place.
+taken whole to stand in a lost replica group's place (``stand_in``).
 
 A standby group has as many ranks as a replica group; each is a ``ReplicaWorker``
 made with group -1 that builds its model and runs one warm-up step at idle priority
@@ -13,6 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from stages.events import FleetEvent
+from stages.trainer.fleet.handoff import kill_actors
+from stages.trainer.fleet.supervision import RankKey
+from stages.trainer.rank.control import CommandParams
 from stages.trainer.rank.rank_state import RankState
 
 
@@ -38,6 +41,8 @@ class StandbyPool:
         # Standby group index -> its ranks' names, while it is a standby.
         self.groups: dict[int, list[str]] = {}
         self.made = 0
+        # Each rank's devices as Ray assigned them (cuda): what a standby binds.
+        self.gpu_ids: dict[RankKey, list[str]] = {}
 
     def start_one(self) -> None:
         """Start one standby group."""
@@ -60,6 +65,36 @@ class StandbyPool:
             self.pending.pop(name, None)
             taken.append((name, self.spares.pop(name)))
         return taken
+
+    def stand_in(
+        self, group: int, actors: dict[RankKey, Any], in_flight: dict[RankKey, Any]
+    ) -> list[str] | None:
+        """Put the lowest warm standby group in the place of lost group ``group`` (in
+        ``actors``, its ranks' polls in flight dropped): every rank of the lost group is
+        replaced (a multi-rank group is one failure unit, so its survivors go too), and
+        the standby's ranks form the group's process group around their own store.
+        Returns their names; None: no standby group is warm."""
+        taken = self.take_warm()
+        if taken is None:
+            return None
+        for rank, (_, spare) in enumerate(taken):
+            # The lost group's actors would be restarted by Ray as a second copy of it.
+            kill_actors(actors[(group, rank)])
+            in_flight.pop((group, rank), None)
+            actors[(group, rank)] = spare
+            spare.command.remote("activate", self.activation(group, rank))
+        names = [name for name, _ in taken]
+        self.announce(
+            FleetEvent(action="standby_activated", replica_group=group, actors=names),
+            f"spare {', '.join(names)} takes the place of replica group {group}",
+        )
+        self.start_one()
+        return names
+
+    def activation(self, group: int, rank: int) -> CommandParams:
+        """What a standby is told when it becomes rank ``rank`` of ``group``: the group,
+        and on cuda the device of the rank it replaces (the standby holds none)."""
+        return {"group": group, "gpu_ids": self.gpu_ids.get((group, rank), [])}
 
     def idle(self) -> list[str]:
         """The standbys with no poll in flight (only they have a turn coming)."""
