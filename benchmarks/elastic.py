@@ -91,7 +91,7 @@ from benchmarks import fault_tolerance as ft_bench
 from benchmarks import ray_train_baseline
 from benchmarks.ray_join import add_ray_address, init_ray
 from stages.checkpointing.config import DEFAULT_INTERVAL_STEPS
-from stages.events import Event, FleetEvent, ResizeEvent, StepEvent
+from stages.events import Event, FleetEvent, LogEvent, ResizeEvent, StepEvent
 from stages.resize import ResizeRequest
 from stages.trainer.fleet.recovery import production_recovery
 
@@ -281,6 +281,12 @@ def measure_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     f"booking change{ready if name == 'grow' else ''}; then {rate:.0f} tokens/s",
                     flush=True,
                 )
+                # Where the seconds went: the resizer's milestones, each from the change.
+                for e in w.events:
+                    if isinstance(e, LogEvent) and e.message.startswith(
+                        f"resize {done.request_id}:"
+                    ):
+                        print(f"  {e.message}", flush=True)
     finally:
         ray.shutdown()
     return out

@@ -95,6 +95,7 @@ class GroupResizer:
         self.members: tuple[int, ...] = ()
         self.first_step = 0
         self._leaving_since = 0.0
+        self._launched_at = 0.0  # when a grow's new ranks were launched (epoch seconds)
         # Group indices are never reused: a new group's ranks have names of their own.
         self._next_group = engine.cfg.replica_groups
         # The step the run paused at for capacity (its checkpoint's), None while it trains.
@@ -123,7 +124,12 @@ class GroupResizer:
             if request is not None:
                 self._begin(request)
         elif self.stage is ResizeStage.launching and self._poll(self.joining, {RankState.ready}):
-            self._log_progress("the new groups are built and warm")
+            since = self.request.requested_at if self.request else self._launched_at
+            self._log_progress(
+                f"the new groups are built and warm (from the booking change: ranks "
+                f"launched {self._launched_at - since:.2f}s, "
+                f"{self.polls.launch_breakdown(self.joining, since)})"
+            )
             if self.paused_at is None:
                 self._hold()
             else:  # nothing to hold: the run resumes from its checkpoint
@@ -239,6 +245,7 @@ class GroupResizer:
             # After a pause the new groups read the run's checkpoint (none is live to
             # heal from) and share the batch from its step; otherwise they heal.
             resume = None if self.paused_at is None else (self.paused_at, self.members)
+            self._launched_at = time.time()
             for place, g in enumerate(added):
                 if request.placement is not None:
                     self._placed[g] = request.placement

@@ -7,9 +7,11 @@ for the run's data again (a process Ray restarted) is sent it again."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from stages.events import EventPayload
 from stages.trainer.fleet.supervision import RankKey
 from stages.trainer.rank.rank_state import ENDED_STATES, RankPoll, RankReport, RankState
 
@@ -18,7 +20,7 @@ class ResizePolls:
     """``forward_events(events, group)``: a poll's events go to the run (a drained
     group's last checkpoint is the run's)."""
 
-    def __init__(self, forward_events: Callable[[list[dict[str, Any]], int], None]):
+    def __init__(self, forward_events: Callable[[list[EventPayload], int], None]):
         self.forward_events = forward_events
         self.in_flight: dict[RankKey, Any] = {}  # each polled rank's unanswered poll
         # Each rank's last report here (a group just added may not have answered the
@@ -26,6 +28,9 @@ class ResizePolls:
         self.reports: dict[RankKey, RankReport] = {}
         # Each rank's process that was sent the run's data.
         self._data_sent: dict[RankKey, int] = {}
+        # When each rank's answer first showed each state (epoch seconds): where a
+        # grow's launch spends its time.
+        self.seen_at: dict[RankKey, dict[RankState, float]] = {}
 
     def answers(self, ranks: dict[RankKey, Any]) -> dict[RankKey, RankPoll | None]:
         """The polls of ``ranks`` answered since the last look (None: the rank's process
@@ -64,6 +69,7 @@ class ResizePolls:
                 why = reply.report.error if reply is not None else "its process ended"
                 return False, f"rank {key} of a new group failed: {why}"
             report = self.reports[key] = reply.report
+            self.seen_at.setdefault(key, {}).setdefault(report.state, time.time())
             if report.state is RankState.awaiting_data and self._data_sent.get(key) != report.pid:
                 self._data_sent[key] = report.pid
                 ranks[key].command.remote("data", {"role_shards": role_shards})
@@ -79,6 +85,20 @@ class ResizePolls:
             if reply is None or reply.report.state in ENDED_STATES
         ]
 
+    def launch_breakdown(self, ranks: Iterable[RankKey], since: float) -> str:
+        """Seconds from ``since`` to the slowest of ``ranks``' process start (its own
+        clock) and to its first answer in each state after."""
+        keys = [k for k in ranks if k in self.reports]
+        if not keys:
+            return ""
+        parts = [f"process up {max(self.reports[k].started_at for k in keys) - since:.2f}s"]
+        for state in (RankState.awaiting_data, RankState.ready):
+            seen = [self.seen_at[k][state] for k in keys if state in self.seen_at.get(k, {})]
+            if seen:
+                parts.append(f"{state} seen {max(seen) - since:.2f}s")
+        return ", ".join(parts)
+
     def forget(self, key: RankKey) -> None:
         """Rank ``key`` is no longer polled here (its unanswered poll is dropped)."""
         self.in_flight.pop(key, None)
+        self.seen_at.pop(key, None)
