@@ -26,6 +26,7 @@ from stages.curriculum.schedule import PhaseSpan
 from stages.errors import ErrorCode, ItoError
 from stages.events import CheckpointEvent, LogEvent, PhaseEvent
 from stages.trainer.config import TrainStageConfig
+from stages.trainer.parallel.layout import BuiltLayout
 from stages.trainer.rank.phase_data import PhaseData
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class CurriculumRunner:
         self.proposals: list[str] = []
         self.digests: dict[int, str] = {}
         self.rank_digests: dict[str, str] = {}
-        self.layout: dict[str, Any] = {}
+        self.layout: BuiltLayout | None = None  # rank 0's, as the engine kept it
         self.phases: list[PhaseSummary] = []
         self._previous: BatteryResult | None = None  # the last decided phase's
         self._failed: GateDecision | None = None
@@ -351,9 +352,11 @@ class CurriculumRunner:
         if self.final_loss is not None:
             metrics["final_loss"] = self.final_loss
         # The layout the workers built (read back from their mesh), as the gate shows it.
-        for dim in ("pp", "dp_shard", "cp", "tp"):
-            if dim in self.layout:
-                metrics[f"layout_{dim}"] = float(self.layout[dim])
+        if (built := self.layout) is not None:
+            metrics["layout_pp"] = float(built["pp"])
+            metrics["layout_dp_shard"] = float(built["dp_shard"])
+            metrics["layout_cp"] = float(built["cp"])
+            metrics["layout_tp"] = float(built["tp"])
         for ph in self.phases:
             for check, score in ph["scores"].items():
                 if score is not None:
@@ -368,7 +371,7 @@ class CurriculumRunner:
             "hf_model_dir": self.phases[-1]["export"] if self.phases else None,
             "replica_digests": {str(g): d for g, d in self.digests.items()},
             "rank_digests": self.rank_digests,
-            "layout": self.layout,
+            "layout": self.layout or {},
         }
         if failed is not None:
             artifacts["failed_checks"] = [c.model_dump(mode="json") for c in failed.failing]

@@ -55,6 +55,7 @@ from stages.trainer.fleet.resize import GroupResizer
 from stages.trainer.fleet.spike_relay import LossSpikeRelay
 from stages.trainer.fleet.standby import StandbyPool
 from stages.trainer.fleet.supervision import GroupSupervisor, RankKey
+from stages.trainer.parallel.layout import BuiltLayout
 from stages.trainer.rank.control import CommandName, CommandParams
 from stages.trainer.rank.rank_state import ENDED_STATES, RankPoll, RankState
 from stages.trainer.rank.replica import spare_name
@@ -147,7 +148,7 @@ class TrainingEngine:
         )
         self._ready: set[RankKey] = set()
         self._started = False
-        self.layout: dict[str, Any] = {}
+        self.layout: BuiltLayout | None = None
         self.rank_digests: dict[str, str] = {}
         self._reactivated: set[int] = set()
         # The booking's size changes, applied at a step every group agrees on.
@@ -240,7 +241,7 @@ class TrainingEngine:
         if status.gpu_ids:
             self.standby.gpu_ids[key] = list(status.gpu_ids)
         if rank == 0 and status.layout:
-            self.layout = dict(status.layout)
+            self.layout = status.layout.copy()
         sooner = self.phase_ends.observe(key, status, self.actors[key], len(self.actors))
         if sooner is not None:
             self.polls.sooner(key, sooner)
