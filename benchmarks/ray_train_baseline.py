@@ -6,9 +6,9 @@ Ray Train used as its docs recommend for fault tolerance: DDP over ``prepare_mod
 (gloo on cpu, NCCL on cuda), a checkpoint reported through ``ray.train.report`` every
 ``checkpoint_every`` steps (the production interval) with the asynchronous upload
 (``CheckpointUploadMode.ASYNC``), and ``ray.train.get_checkpoint()`` to resume. On
-cpu each worker is pinned to its own core, as the torchft groups are. When a worker
-dies, Ray Train restarts the whole worker group, which resumes from the newest
-reported checkpoint and redoes the steps since.
+cpu each worker's process (every thread, gloo's included) is pinned to its own core,
+as the torchft groups are. When a worker dies, Ray Train restarts the whole worker
+group, which resumes from the newest reported checkpoint and redoes the steps since.
 
 Each kill SIGKILLs worker rank 1 at a step drawn uniformly within a checkpoint
 interval, after the first checkpoint (``fault_tolerance.restart_kill_steps``).
@@ -26,6 +26,7 @@ Measured per kill, from worker rank 0's step log (one line per step: step, time)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -58,7 +59,7 @@ def train_loop(config: dict[str, Any]) -> None:
     if config["device"] == "cpu":
         # A core of its own (a dead worker's stays idle); beyond the core count, round
         # robin, as the engine's single-rank groups are (``replica.group_cores``).
-        os.sched_setaffinity(0, [cores[rank % len(cores)]])
+        pin_process([cores[rank % len(cores)]])
     torch.set_num_threads(1)
     logs = Path(config["log_dir"])
     (logs / f"pid{rank}").write_text(str(os.getpid()))
@@ -112,6 +113,17 @@ def train_loop(config: dict[str, Any]) -> None:
                 checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
                 delete_local_checkpoint_after_upload=True,
             )
+
+
+def pin_process(cores: list[int]) -> None:
+    """Every thread of this process onto ``cores``, as the device it stands for runs
+    its collectives. ``sched_setaffinity(0)`` moves only the calling thread, and Ray
+    Train runs the training function in a thread of its own after the worker made its
+    process group, so gloo's threads would stay free to use the other worker's core
+    (the engine's rank pins before it makes any: they inherit its core)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cores)
 
 
 def _stop_requested(logs: Path, world: int) -> bool:

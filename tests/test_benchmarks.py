@@ -388,3 +388,33 @@ def test_gpu_check_without_a_gpu_exits_2_and_says_why() -> None:
     proc = _run("gpu_check.py", "--steps", "1")
     assert proc.returncode == NO_GPU_EXIT
     assert "no CUDA GPU" in proc.stderr and proc.stdout == ""
+
+
+PINNED_THREADS = """
+import os, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from benchmarks.ray_train_baseline import pin_process
+stop = threading.Event()
+before = threading.Thread(target=stop.wait)  # made before the pin, as gloo's threads are
+before.start()
+core = sorted(os.sched_getaffinity(0))[0]
+pin_process([core])
+for tid in os.listdir("/proc/self/task"):
+    print(sorted(os.sched_getaffinity(int(tid))) == [core])
+stop.set()
+before.join()
+"""
+
+
+def test_ray_train_worker_pins_every_thread_of_its_process() -> None:
+    """The baseline's worker pins its whole process, threads made before the pin
+    included (gloo's, made with the process group): pinning only the training thread
+    left them free to use the other worker's core."""
+    out = subprocess.run(
+        [sys.executable, "-c", PINNED_THREADS, str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    assert len(out) >= 2 and set(out) == {"True"}, out
