@@ -11,35 +11,33 @@ from stages.data_prep.stream.run import StreamResult
 
 
 def dedup_section(res: StreamResult) -> dict[str, Any]:
-    d = res.dedup or {}
+    d = res.dedup
+    assert d is not None, "a run with dedup"
     examples = [
         {"doc": res.blocks_index.doc_id(a), "survivor": res.blocks_index.doc_id(s)}
-        for a, s in d.get("examples", [])[:MAX_DUPLICATE_EXAMPLES]
+        for a, s in d["examples"][:MAX_DUPLICATE_EXAMPLES]
     ]
     return {
         "method": "exact blake2b, then MinHash LSH verified by exact Jaccard, connected "
         "components (streaming, bucket-partitioned)",
         "parameters": {
-            k: d[k]
-            for k in (
-                "threshold",
-                "num_perm",
-                "shingle_size",
-                "seed",
-                "bands",
-                "rows",
-                "recall_target",
-                "partitions",
-            )
-        }
-        | {"survivor": "lowest input index in the cluster"},
+            "threshold": d["threshold"],
+            "num_perm": d["num_perm"],
+            "shingle_size": d["shingle_size"],
+            "seed": d["seed"],
+            "bands": d["bands"],
+            "rows": d["rows"],
+            "recall_target": d["recall_target"],
+            "partitions": d["partitions"],
+            "survivor": "lowest input index in the cluster",
+        },
         "backend": res.executor,
         "shards": len(res.blocks_index.blocks),
-        "exact_duplicates": d.get("exact_duplicates", 0),
-        "near_duplicates": d.get("near_duplicates", 0),
-        "clusters": d.get("clusters", 0),
-        "candidate_pairs": d.get("candidate_pairs", 0),
-        "verified_pairs": d.get("verified_pairs", 0),
+        "exact_duplicates": d["exact_duplicates"],
+        "near_duplicates": d["near_duplicates"],
+        "clusters": d["clusters"],
+        "candidate_pairs": d["candidate_pairs"],
+        "verified_pairs": d["verified_pairs"],
         "near_duplicate_examples": examples,
     }
 

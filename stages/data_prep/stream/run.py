@@ -91,6 +91,32 @@ class Shard(TypedDict):
     ids: str
 
 
+class DedupParams(TypedDict):
+    """The dedup settings an attempt is keyed on (``params.json``'s ``dedup``, which
+    the tasks read back): the config's, and the LSH bands x rows they give."""
+
+    threshold: float
+    num_perm: int
+    shingle_size: int
+    seed: int
+    recall_target: float
+    bands: int
+    rows: int
+
+
+class DedupSummary(DedupParams):
+    """A run's dedup: its settings, its bucket partitions, and what the stages found
+    (``examples``: [duplicate, survivor] document indices)."""
+
+    partitions: int
+    candidate_pairs: int
+    verified_pairs: int
+    clusters: int
+    near_duplicates: int
+    exact_duplicates: int
+    examples: list[list[int]]
+
+
 @dataclass
 class StreamResult:
     output_dir: Path
@@ -99,7 +125,7 @@ class StreamResult:
     blocks_index: BlockIndex
     shards: list[Shard]
     counts: dict[str, int]
-    dedup: dict[str, Any] | None
+    dedup: DedupSummary | None
     contaminated_documents: list[ContaminatedDocument]
     resumed_tasks: int
     stage_seconds: dict[str, float] = field(default_factory=dict)
@@ -150,9 +176,10 @@ def run_stream(
         "text_field": text_field,
         "flag_field": flag_field,
     }
+    dedup_params: DedupParams | None = None
     if dedup_cfg is not None:
         bands, rows = lsh_params(dedup_cfg.threshold, dedup_cfg.num_perm, dedup_cfg.recall_target)
-        params["dedup"] = {
+        params["dedup"] = dedup_params = {
             "threshold": dedup_cfg.threshold,
             "num_perm": dedup_cfg.num_perm,
             "shingle_size": dedup_cfg.shingle_size,
@@ -247,19 +274,19 @@ def run_stream(
         for b, r in zip(blocks, filt, strict=True)
     ]
     counts: dict[str, int] = {k: sum(int(r["stats"][k]) for r in filt) for k in COUNT_KEYS}
-    dedup_summary = None
-    if dedup_cfg is not None:
+    dedup_summary: DedupSummary | None = None
+    if dedup_params is not None:
         comp = records["components"][0]["stats"]
-        dedup_summary = {
-            **params["dedup"],
-            "partitions": params["partitions"],
-            "candidate_pairs": sum(r["stats"]["pairs"] for r in records["fetch"].values()),
-            "verified_pairs": comp["verified_pairs"],
-            "clusters": comp["clusters"],
-            "near_duplicates": comp["near_duplicates"],
-            "exact_duplicates": counts["exact_duplicates"],
-            "examples": comp["examples"],
-        }
+        dedup_summary = DedupSummary(
+            **dedup_params,
+            partitions=params["partitions"],
+            candidate_pairs=sum(r["stats"]["pairs"] for r in records["fetch"].values()),
+            verified_pairs=comp["verified_pairs"],
+            clusters=comp["clusters"],
+            near_duplicates=comp["near_duplicates"],
+            exact_duplicates=counts["exact_duplicates"],
+            examples=comp["examples"],
+        )
     contaminated = [d for r in filt for d in r["stats"]["contaminated_documents"]]
     _publish(wd, output_dir, key, shards)
     if not keep_work:
