@@ -31,10 +31,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.db.engines import Row
 from stages.errors import ErrorCode
 from stages.placement import (
     NODE_RESOURCE_PREFIX,
@@ -67,6 +68,24 @@ class PlacementSettings(BaseModel):
     cpus_per_bundle: float | None = Field(default=None, gt=0)
 
 
+class BookingRow(TypedDict):
+    """What placement reads of a booking's store row (``bookings``): its id, and its
+    nodes and GPUs per node (NULL: one)."""
+
+    booking_id: str
+    node_count: int | None
+    gpus_per_node: int | None
+
+
+def booking_row(row: Row) -> BookingRow:
+    """``BookingRow`` of a store row (of ``bookings``, or any row with a booking id)."""
+    return BookingRow(
+        booking_id=row["booking_id"],
+        node_count=row.get("node_count"),
+        gpus_per_node=row.get("gpus_per_node"),
+    )
+
+
 def pg_name(run_id: str) -> str:
     return f"run-{run_id}-pg"
 
@@ -76,7 +95,7 @@ def added_pg_name(run_id: str, change_id: int) -> str:
     return added_group_name(pg_name(run_id), change_id)
 
 
-def embedded_marks(bookings: list[dict[str, Any]]) -> dict[str, float]:
+def embedded_marks(bookings: list[BookingRow]) -> dict[str, float]:
     """Custom resources of the embedded head: every given booking, plus the catch-all."""
     marks = {
         booking_resource(b["booking_id"]): float(b.get("gpus_per_node") or 1) for b in bookings
@@ -147,14 +166,14 @@ def node_ids(names: Sequence[str]) -> tuple[str, ...]:
     return ids if ids and all(ids) else ()
 
 
-def _mark_for(booking: dict[str, Any], embedded: bool) -> str:
+def _mark_for(booking: BookingRow, embedded: bool) -> str:
     mark = booking_resource(booking["booking_id"])
     if not _live_nodes(mark) and embedded and _live_nodes(EMBEDDED_RESOURCE):
         return EMBEDDED_RESOURCE
     return mark
 
 
-def diagnose(booking: dict[str, Any], resource: str, bundles: int) -> Waiting:
+def diagnose(booking: BookingRow, resource: str, bundles: int) -> Waiting:
     """Why a run's group is not placed (yet), in words an SRE can act on."""
     live = _live_nodes(resource)
     bid = booking["booking_id"]
@@ -177,7 +196,7 @@ def diagnose(booking: dict[str, Any], resource: str, bundles: int) -> Waiting:
 
 
 def unplaceable(
-    booking: dict[str, Any], settings: PlacementSettings, *, embedded: bool
+    booking: BookingRow, settings: PlacementSettings, *, embedded: bool
 ) -> Waiting | None:
     """Why the run's group cannot even be requested yet (too few marked nodes live),
     or None. The group is created only once every booked node has joined, so its
@@ -190,7 +209,7 @@ def unplaceable(
 
 
 def _bundle(
-    booking: dict[str, Any], resource: str, settings: PlacementSettings, embedded: bool
+    booking: BookingRow, resource: str, settings: PlacementSettings, embedded: bool
 ) -> dict[str, float]:
     gpus = float(booking.get("gpus_per_node") or 1)
     live = _live_nodes(resource)
@@ -218,7 +237,7 @@ def lookup(run_id: str, name: str | None = None) -> PlacementGroup | None:
 def reserve_added(
     run_id: str,
     change_id: int,
-    booking: dict[str, Any],
+    booking: BookingRow,
     nodes: Sequence[str],
     settings: PlacementSettings,
     *,
@@ -258,7 +277,7 @@ class PlacementPending(Exception):
 
 def reserve(
     run_id: str,
-    booking: dict[str, Any],
+    booking: BookingRow,
     settings: PlacementSettings,
     *,
     embedded: bool,
@@ -294,7 +313,7 @@ def state(pg: PlacementGroup) -> str:
 
 
 def fact(
-    run_id: str, booking: dict[str, Any], pg: PlacementGroup, *, name: str | None = None
+    run_id: str, booking: BookingRow, pg: PlacementGroup, *, name: str | None = None
 ) -> PlacementFact:
     from ray.util import placement_group_table
 

@@ -116,9 +116,8 @@ class RayRuntime:
             live = self.store.read(
                 "SELECT booking_id, gpus_per_node FROM bookings WHERE state = 'active'", ()
             )
-            settings = settings.model_copy(
-                update={"node_resources": placement.embedded_marks(live)}
-            )
+            marks = placement.embedded_marks([placement.booking_row(b) for b in live])
+            settings = settings.model_copy(update={"node_resources": marks})
         ray_cluster.connect(self.var_dir, settings)
 
     def stop(self) -> None:
@@ -230,7 +229,7 @@ class RayRuntime:
         return placement.reserve_added(
             run_id,
             change_id,
-            booking,
+            placement.booking_row(booking),
             nodes,
             self.settings.placement,
             embedded=self.embedded,
@@ -376,10 +375,10 @@ class RayRuntime:
         """Launch the driver once the run's placement group holds the booking's nodes;
         until then say why the run waits, and fail it with a code after the wait."""
         run_id = run["run_id"]
-        booking = self.store.booking(run["booking_id"]) or {
-            "booking_id": run["booking_id"],
-            "node_count": 1,
-        }
+        booking = placement.booking_row(
+            self.store.booking(run["booking_id"])
+            or {"booking_id": run["booking_id"], "node_count": 1}
+        )
         self._relaunch[run_id] = attempt
         pg = placement.lookup(run_id)
         if pg is None:
