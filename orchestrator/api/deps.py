@@ -140,7 +140,6 @@ def run_view(store: Store, run_id: str, owner: Principal | None = None) -> dict[
     account's name needs no lookup of its own."""
     rows = store.run_view_rows(run_id, owner.account_id if owner else None)
     run = rows.run
-    assert run is not None  # run_view_rows raised run_not_found otherwise
     if owner is not None:
         name: str | None = owner.account_name
     else:

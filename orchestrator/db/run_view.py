@@ -21,6 +21,8 @@ from orchestrator.db.run_events import (
     proposals_read,
     stage_gates_read,
 )
+from orchestrator.redact import safe_id
+from stages.errors import ErrorCode, ItoError
 
 # The view's event kinds, read together (each a list in the view).
 VIEW_EVENT_KINDS = ("eval", "resize")
@@ -30,13 +32,21 @@ MAX_VIEW_EVENTS = 100_000
 
 @dataclass(frozen=True)
 class RunViewRows:
-    run: Row | None  # None: no such run
+    run: Row
     stage_gates: list[Row]
     proposals: list[Row]
     progress: dict[str, Any] | None  # the newest "progress" event's payload
     eval_events: list[Row]
     resize_events: list[Row]
     resizes: list[Row]
+
+
+def owned_run(run: Row | None, run_id: str, account_id: str | None) -> Row:
+    """``run``, unless it is missing or (with ``account_id``) another account's:
+    ``run_not_found`` either way, so a caller cannot tell the two apart."""
+    if run is None or (account_id is not None and run["account_id"] != account_id):
+        raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
+    return run
 
 
 def run_read(run_id: str) -> Read:
@@ -54,12 +64,15 @@ def run_view_reads(run_id: str) -> list[Read]:
     ]
 
 
-def run_view_rows(results: list[list[Row]]) -> RunViewRows:
-    """The rows of ``run_view_reads``' batch, each read's answer as its query gives it."""
+def run_view_rows(
+    results: list[list[Row]], run_id: str, account_id: str | None = None
+) -> RunViewRows:
+    """The rows of ``run_view_reads``' batch, each read's answer as its query gives it;
+    ``run_not_found`` as ``owned_run`` says."""
     run, gates, proposals, progress, events, resizes = results
     parsed = event_rows(events)
     return RunViewRows(
-        run=run[0] if run else None,
+        run=owned_run(run[0] if run else None, run_id, account_id),
         stage_gates=gates,
         proposals=proposals,
         progress=last_payload(progress),

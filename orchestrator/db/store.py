@@ -33,7 +33,13 @@ from orchestrator.db.engines import (
 )
 from orchestrator.db.lease import Fence, Leases
 from orchestrator.db.run_events import RunEvents
-from orchestrator.db.run_view import RunViewRows, run_read, run_view_reads, run_view_rows
+from orchestrator.db.run_view import (
+    RunViewRows,
+    owned_run,
+    run_read,
+    run_view_reads,
+    run_view_rows,
+)
 from orchestrator.db.schema import MIGRATIONS, SCHEMA_VERSION, render
 from orchestrator.redact import safe_id
 from orchestrator.runs import ACTIVE, RunState, check_transition
@@ -50,12 +56,6 @@ WRITE_ATTEMPTS = 5
 
 def new_id(prefix: str, nbytes: int = 8) -> str:
     return f"{prefix}_{secrets.token_hex(nbytes)}"
-
-
-def _owned(run: Row | None, run_id: str, account_id: str | None) -> Row:
-    if run is None or (account_id is not None and run["account_id"] != account_id):
-        raise ItoError(ErrorCode.run_not_found, f"no run {safe_id(run_id)}")
-    return run
 
 
 class Store(RunEvents, AuditLog, BookingNodes, Leases):
@@ -301,13 +301,11 @@ class Store(RunEvents, AuditLog, BookingNodes, Leases):
 
     def get_run(self, run_id: str, account_id: str | None = None) -> Row:
         """The run; with ``account_id``, another tenant's run is ``run_not_found`` too."""
-        return _owned(self.read_one(*run_read(run_id)), run_id, account_id)
+        return owned_run(self.read_one(*run_read(run_id)), run_id, account_id)
 
     def run_view_rows(self, run_id: str, account_id: str | None = None) -> RunViewRows:
         """The run (as ``get_run``) and every row of its view, in one batch."""
-        rows = run_view_rows(self.read_batch(run_view_reads(run_id)))
-        _owned(rows.run, run_id, account_id)
-        return rows
+        return run_view_rows(self.read_batch(run_view_reads(run_id)), run_id, account_id)
 
     def run_manifest(self, run_id: str) -> dict[str, Any]:
         """The run's stored manifest (exactly the bytes that passed the gates, secret-free)."""
