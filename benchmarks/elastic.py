@@ -13,9 +13,11 @@ shrinks back without a restart; Ray Train V2's elastic resize beside it.
 
    - ``grow_s`` / ``shrink_s``: the run's own ``ResizeEvent`` (``applied``) seconds, from
      the booking change (``requested_at``, taken right before the inbox put) to the
-     first committed step with the new group count. The new group's process starts,
-     builds its model, heals from a live peer (no checkpoint read) and joins at a step
-     every group held at; a leaving group is drained at a step boundary. On a real
+     first committed step with the new group count. The new group is an idle warm
+     standby promoted to it (its replacement starts in the background) or, with none
+     warm, a new process that builds its model; it heals from a live peer (no
+     checkpoint read) and joins at a step every group held at (``grow_path``:
+     ``standby`` or ``launched``); a leaving group is drained at a step boundary. On a real
      cluster the supervisor's delivery comes first: it checks the booking every
      ``SupervisorSettings.resize_check_interval_s`` (1 s), plus one call to the driver.
    - ``tokens_per_s_before`` / ``_after_grow`` / ``_after_shrink``: a committed step's
@@ -25,7 +27,8 @@ shrinks back without a restart; Ray Train V2's elastic resize beside it.
      it): before the grow, the steps after the standbys are warm (their warm-up shares
      the cores); after a resize, from ``--settle-steps`` after its applied step on.
      ``grow_ready_s``: from the booking change to the new group in the quorum
-     (``groups_added``: its process started, its model built, every group held).
+     (``groups_added``: every group held, the new group activated or started and
+     built, in the quorum).
 
 2. Ray Train V2's elastic mode (``ScalingConfig(num_workers=(groups, groups + 1))``,
    ``FailureConfig(max_failures=...)``) with ``benchmarks/ray_train_baseline.py``'s
@@ -272,9 +275,19 @@ def measure_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 if name == "grow":  # the new group built, every group held at one step
                     added = next(e for e in w.events if is_fleet(e, "groups_added"))
                     out["grow_ready_s"] = added.ts - t_change
+                    promoted = any(
+                        isinstance(e, FleetEvent)
+                        and e.action == "standby_activated"
+                        and e.replica_group == args.groups
+                        for e in w.events
+                    )
+                    out["grow_path"] = "standby" if promoted else "launched"
                 out[f"{name}_step"] = done.step
                 out[f"tokens_per_s_after_{name}"] = rate
-                ready = f" (new group in the quorum after {out['grow_ready_s']:.2f}s)"
+                ready = (
+                    f" (new group, {out['grow_path']}, in the quorum after "
+                    f"{out['grow_ready_s']:.2f}s)"
+                )
                 print(
                     f"ours {name} {done.groups_before} -> {done.groups_after}: first step "
                     f"with {groups} groups (step {done.step}) {done.seconds:.2f}s after the "

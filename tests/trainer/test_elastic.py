@@ -16,7 +16,7 @@ import pytest
 from helpers.stage_run import StageRun
 
 from stages.checkpointing.config import CheckpointPolicy
-from stages.events import FleetEvent, LogEvent, ResizeEvent, StepEvent
+from stages.events import CheckpointEvent, FleetEvent, LogEvent, ResizeEvent, StepEvent
 from stages.resize import ResizeRequest
 from stages.trainer.config import LossSpikeConfig, ModelSpec, TrainingTarget, TrainStageConfig
 from stages.trainer.fleet.recovery import production_recovery
@@ -35,13 +35,18 @@ def _data(path: Path) -> Path:
 
 
 def _config(
-    tmp: Path, *, pace_step_s: float, steps: int = STEPS, replica_groups: int = 2
+    tmp: Path,
+    *,
+    pace_step_s: float,
+    steps: int = STEPS,
+    replica_groups: int = 2,
+    standbys: int = 0,
 ) -> TrainStageConfig:
     # 12 sequences a step: 6 a group at 2 groups, 4 at 3.
     tmp.mkdir(parents=True, exist_ok=True)
     return TrainStageConfig.model_validate(
         dict(
-            **production_recovery({"node_count": 1}, standbys_per_node=0).train_fields(),
+            **production_recovery({"node_count": 1}, standbys_per_node=standbys).train_fields(),
             model=ModelSpec(preset="llama-tiny", size="0.1M"),
             target=TrainingTarget(
                 max_steps=steps, seq_len=32, global_batch_tokens=384, warmup_steps=5
@@ -240,5 +245,56 @@ def test_a_run_planned_at_one_group_grows_to_two_with_every_sequence_trained_onc
     )
     assert any(
         isinstance(e, LogEvent) and e.message.startswith("rg1: healed from a live peer")
+        for e in run.events
+    )
+
+
+# Paced so the run outlasts its standby's warm-up, a saved checkpoint and the grow.
+GROW_BY_STANDBY_STEPS = 200
+
+
+def test_a_grow_promotes_the_warm_standby_which_heals_with_every_sequence_trained_once(
+    ray_local: None, tmp_path: Path
+) -> None:
+    # The run keeps a warm standby: the grow makes it the new group (nothing is
+    # launched), activated at the held step; it heals from a live peer although a
+    # checkpoint was saved (its peers hold: none trains when it joins).
+    cfg = _config(tmp_path / "promote", pace_step_s=0.15, steps=GROW_BY_STANDBY_STEPS, standbys=1)
+    with StageRun(cfg, tmp_path / "promote", "promote", wait_s=WAIT_S, join_timeout_s=900) as run:
+        warm = run.wait_for(
+            lambda e: isinstance(e, FleetEvent) and e.action == "standby_warm", "a warm standby"
+        )
+        run.wait_for(lambda e: isinstance(e, CheckpointEvent), "a checkpoint")
+        grow = _resize(run, "grow", 3)
+        out = run.join()
+    assert out.status == "passed", out.reason
+    assert (grow.groups_before, grow.groups_after) == (2, 3) and grow.step is not None
+
+    # The new group 2 is the standby's process: promoted, not launched.
+    (spare,) = warm.actors
+    fleet = [e for e in run.events if isinstance(e, FleetEvent)]
+    assert [(e.replica_group, e.actors) for e in fleet if e.action == "standby_activated"] == [
+        (2, [spare])
+    ]
+    assert [(e.replica_group, e.actors) for e in fleet if e.action == "groups_added"] == [
+        (2, [spare])
+    ]
+    assert any(
+        isinstance(e, LogEvent) and f"standby {spare} becomes replica group 2" in e.message
+        for e in run.events
+    )
+
+    ledger = _ledger(run)
+    _assert_every_batch_once(ledger, GROW_BY_STANDBY_STEPS, grow.step)
+    for step, shares in ledger.items():
+        if step < grow.step - 1:
+            assert set(shares) == {0, 1}, (step, shares)
+        if step >= grow.step:
+            assert set(shares) == {0, 1, 2}, (step, shares)
+    assert out.metrics["tokens"] == GROW_BY_STANDBY_STEPS * cfg.target.global_batch_tokens
+    # It healed from a live peer and read no checkpoint.
+    assert not any(e.action == "checkpoint_restored" for e in fleet)
+    assert any(
+        isinstance(e, LogEvent) and e.message.startswith("rg2: healed from a live peer")
         for e in run.events
     )

@@ -14,7 +14,7 @@ from helpers.train_configs import two_group_tiny_config
 
 from stages.curriculum.config import CurriculumConfig
 from stages.curriculum.schedule import schedule_curriculum
-from stages.events import Event, ResizeEvent, StepEvent
+from stages.events import Event, FleetEvent, ResizeEvent, StepEvent
 from stages.resize import ResizeInbox, ResizeRequest, groups_off_booking
 from stages.run_facts import PlacementFact
 from stages.trainer.fleet.engine import TrainingEngine
@@ -316,3 +316,78 @@ def test_a_pipelined_run_keeps_its_planned_groups(tmp_path: Path) -> None:
     for groups in (3, 0):
         request = ResizeRequest(request_id=f"to-{groups}", replica_groups=groups, requested_at=0)
         assert engine.resizer.refusal(request) == ""
+
+
+def _warm_standby(engine: TrainingEngine) -> tuple[_Rank, list[tuple[int, Any]]]:
+    """One warm standby group (one rank) in the engine's pool; returns its actor and
+    the (standby index, placement) of every standby the pool starts from now on."""
+    started: list[tuple[int, Any]] = []
+
+    def make(name: str, rank: int, index: int, placement: Any, place: Any) -> _Rank:
+        started.append((index, placement))
+        return _Rank()
+
+    engine.standby.make = make
+    engine.standby.start_one()
+    started.clear()
+    (name,) = engine.standby.groups[0]
+    engine.standby.ready.add(name)
+    return engine.standby.spares[name], started
+
+
+def test_a_grow_promotes_an_idle_warm_standby_and_starts_its_replacement(
+    tmp_path: Path,
+) -> None:
+    """With a warm standby idle, the new group is that standby: nothing is launched, the
+    run holds at once, the standby is activated as the new group at the held step (it
+    heals, reading no checkpoint) and a replacement standby starts on the gained node."""
+    engine, inbox, events = _engine(tmp_path)
+    sent = _on_nodes(engine, {0: "node-a", 1: "node-b"})
+    standby, started = _warm_standby(engine)
+
+    def make_worker(name: str, group: int, rank: int, **kw: Any) -> _Rank:
+        raise AssertionError(f"launched {name}: the warm standby should have been promoted")
+
+    engine.launcher.make_worker = make_worker  # type: ignore[method-assign]
+    gained = PlacementFact(
+        booking_id="bk",
+        resource="booking:bk",
+        placement_group="run-r-pg-c3",
+        placement_group_id="cd" * 18,
+        bundles=1,
+    )
+    inbox.put(
+        ResizeRequest(request_id="grow", replica_groups=3, requested_at=0.0, placement=gained)
+    )
+    engine.resizer.advance()
+    assert engine.resizer.stage is ResizeStage.holding and sent == ["hold"]
+    assert engine.resizer.joining == {(2, 0): standby} and engine.resizer.members == (0, 1, 2)
+    # The run keeps its standby count: the replacement starts where the booking grew.
+    assert started == [(1, gained)] and set(engine.standby.groups) == {1}
+    promoted = [e for e in events if isinstance(e, FleetEvent) and e.action == "standby_activated"]
+    assert [(e.replica_group, e.actors) for e in promoted] == [(2, [engine.standby.name(0, 0)])]
+    assert standby.commands == []  # not before every group holds
+    for key in list(engine.actors):
+        engine.supervisor.reports[key] = RankReport(pid=1, state=RankState.held, held_at=7)
+    engine.resizer.advance()
+    assert engine.resizer.stage is ResizeStage.joining and engine.resizer.first_step == 8
+    assert [c[0] for c in standby.commands] == ["data", "activate"]
+    assert standby.commands[1][1] == {"group": 2, "gpu_ids": [], "joining": True}
+
+
+def test_a_grow_launches_fresh_ranks_when_no_standby_is_warm(tmp_path: Path) -> None:
+    engine, inbox, _ = _engine(tmp_path)
+    _on_nodes(engine, {0: "node-a", 1: "node-b"})
+    standby, started = _warm_standby(engine)
+    engine.standby.ready.clear()  # still warming up
+    made: list[int] = []
+
+    def make_worker(name: str, group: int, rank: int, **kw: Any) -> _Rank:
+        made.append(group)
+        return _Rank()
+
+    engine.launcher.make_worker = make_worker  # type: ignore[method-assign]
+    inbox.put(ResizeRequest(request_id="grow", replica_groups=3, requested_at=0.0))
+    engine.resizer.advance()
+    assert made == [2] and engine.resizer.stage is ResizeStage.launching
+    assert started == [] and standby.commands == [] and set(engine.standby.groups) == {0}

@@ -128,8 +128,8 @@ class TrainingEngine:
         self.standby = StandbyPool(
             ranks_per_group=cfg.ranks_per_group,
             name=lambda index, rank: spare_name(self.launcher.names_id, index, rank),
-            make=lambda name, rank, index: self.launcher.make_worker(
-                name, -1, rank, standby_index=index
+            make=lambda name, rank, index, placement, place: self.launcher.make_worker(
+                name, -1, rank, standby_index=index, placement=placement, place=place
             ),
             due=self.polls.due,
             announce=self._fleet_changed,

@@ -4,12 +4,15 @@
 from the run's inbox and moves the fleet through ``ResizeStage``:
 
 - ``launching`` (grow): the new groups' ranks start (on the nodes the booking gained)
-  and build their model while the run trains on; they wait at ``ready``.
+  and build their model while the run trains on; they wait at ``ready``. A new group
+  that an idle warm standby becomes skips this (it is built and warm): the standby is
+  promoted, and a replacement standby starts on the gained nodes in the background.
 - ``holding``: every rank votes in its next step's reduction to hold at that step's
   end (``Control.hold``), so all groups stop after the same step ``P`` (``held``).
-- ``joining`` (grow): the new groups are released; each joins the quorum of step
-  ``P``, where torchft heals it from a live peer (no checkpoint is read), and from
-  step ``P + 1`` the batch is shared by the new members.
+- ``joining`` (grow): the new groups are released (a promoted standby is activated as
+  the new group, as a lost group's stand-in is); each joins the quorum of step ``P``,
+  where torchft heals it from a live peer (no checkpoint is read), and from step
+  ``P + 1`` the batch is shared by the new members.
 - shrink: the leaving groups are told to stop (drained at ``P``, never killed
   mid-step) and the others share the batch from step ``P`` on.
 - ``settling``: the first committed step with the new member count applies the resize
@@ -43,6 +46,7 @@ from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
 from stages.trainer.fleet.handoff import kill_actors
 from stages.trainer.fleet.launcher import RankLauncher
 from stages.trainer.fleet.resize_polls import ResizePolls
+from stages.trainer.fleet.standby import StandbyPool
 from stages.trainer.fleet.supervision import GroupState, GroupSupervisor, RankKey
 from stages.trainer.rank.control import CommandName, CommandParams
 from stages.trainer.rank.rank_state import RankState
@@ -59,6 +63,7 @@ class ResizeHost(Protocol):
     groups: dict[int, GroupState]
     supervisor: GroupSupervisor
     launcher: RankLauncher
+    standby: StandbyPool
     role_shards: dict[str, list[str]] | None
     max_step: int
     resized: bool
@@ -91,6 +96,9 @@ class GroupResizer:
         # leaving (polled here until they stopped).
         self.joining: dict[RankKey, Any] = {}
         self.leaving: dict[RankKey, Any] = {}
+        # The joining ranks that are promoted warm standbys (activated at the hold), by
+        # their actors' names.
+        self.promoted: dict[RankKey, str] = {}
         self.polls = ResizePolls(engine.forward_events)
         self.members: tuple[int, ...] = ()
         self.first_step = 0
@@ -123,12 +131,15 @@ class GroupResizer:
             request, self._then = request or self._then, None
             if request is not None:
                 self._begin(request)
-        elif self.stage is ResizeStage.launching and self._poll(self.joining, {RankState.ready}):
+        elif self.stage is ResizeStage.launching and self._poll(
+            launched := {k: a for k, a in self.joining.items() if k not in self.promoted},
+            {RankState.ready},
+        ):
             since = self.request.requested_at if self.request else self._launched_at
             self._log_progress(
                 f"the new groups are built and warm (from the booking change: ranks "
                 f"launched {self._launched_at - since:.2f}s, "
-                f"{self.polls.launch_breakdown(self.joining, since)})"
+                f"{self.polls.launch_breakdown(launched, since)})"
             )
             if self.paused_at is None:
                 self._hold()
@@ -249,6 +260,8 @@ class GroupResizer:
             for place, g in enumerate(added):
                 if request.placement is not None:
                     self._placed[g] = request.placement
+                if resume is None and self._promote(g, request, (place, len(added))):
+                    continue
                 for r in range(engine.cfg.ranks_per_group):
                     key = (g, r)
                     self.joining[key] = engine.launcher.make_worker(
@@ -262,7 +275,10 @@ class GroupResizer:
                     )
                     # The data goes with the rank: it joins without waiting for a poll.
                     self.joining[key].command.remote("data", {"role_shards": engine.role_shards})
-            self.stage = ResizeStage.launching
+            if self.promoted.keys() == self.joining.keys():  # nothing to build: hold now
+                self._hold()
+            else:
+                self.stage = ResizeStage.launching
         elif request.replica_groups == 0:
             self.members = ()
             self._hold()
@@ -407,9 +423,35 @@ class GroupResizer:
                 LogEvent(message=f"resize {self.request.request_id}: {what} after {took:.2f}s")
             )
 
+    def _promote(self, group: int, request: ResizeRequest, place: tuple[int, int]) -> bool:
+        """Make an idle warm standby group the new group ``group`` (activated once every
+        group holds), and start its replacement standby on the nodes the booking gained
+        (``place``: the new group's place among those added there). False: none is warm,
+        or it cannot take the group (on cuda a standby holds no device to train on)."""
+        engine = self.engine
+        if engine.cfg.device == "cuda":
+            return False
+        taken = engine.standby.promote(group, placement=request.placement, place=place)
+        if taken is None:
+            return False
+        for rank, (name, actor) in enumerate(taken):
+            self.joining[(group, rank)] = actor
+            self.promoted[(group, rank)] = name
+        self._log_progress(
+            f"standby {', '.join(n for n, _ in taken)} becomes replica group {group} "
+            "(warm: nothing to launch)"
+        )
+        return True
+
     def _release_joining(self) -> None:
-        for actor in self.joining.values():
-            actor.command.remote("go")
+        for key, actor in self.joining.items():
+            if key in self.promoted:
+                # The standby joins now, at the held step, as a lost group's stand-in does.
+                actor.command.remote("data", {"role_shards": self.engine.role_shards})
+                activation = self.engine.standby.activation(*key)
+                actor.command.remote("activate", {**activation, "joining": True})
+            else:
+                actor.command.remote("go")
         self.stage = ResizeStage.joining
 
     def _paused(self) -> None:
@@ -445,11 +487,14 @@ class GroupResizer:
             FleetEvent(
                 action="groups_added",
                 replica_group=added[0],
-                actors=[worker_name(engine.launcher.names_id, *k) for k in self.joining],
+                actors=[
+                    self.promoted.get(k) or worker_name(engine.launcher.names_id, *k)
+                    for k in self.joining
+                ],
                 step=self.first_step - 1,
             )
         )
-        self.joining = {}
+        self.joining, self.promoted = {}, {}
         if self.paused_at is not None:  # resumed: the new groups trained from the checkpoint
             self.paused_at = None
             self.engine.resized = True
@@ -498,7 +543,11 @@ class GroupResizer:
         for g in [g for g in self._placed if g not in kept]:
             placement = self._placed.pop(g)
             still = {p.placement_group_id for p in self._placed.values()}
-            if placement.placement_group_id not in still and release_added(placement):
+            if placement.placement_group_id in still:
+                continue
+            # A standby started there when a grow promoted one moves to the run's nodes.
+            kill_actors(*self.engine.standby.move_off(placement.placement_group_id))
+            if release_added(placement):
                 self.engine.emit(
                     LogEvent(
                         message=f"released the reservation {placement.placement_group}: "
@@ -511,7 +560,7 @@ class GroupResizer:
         kill_actors(*self.joining.values())
         for key in self.joining:
             self.polls.forget(key)
-        self.joining = {}
+        self.joining, self.promoted = {}, {}
         self.stage = ResizeStage.idle
         if request is not None:
             self._report(request, "refused", self.before, reason=reason)

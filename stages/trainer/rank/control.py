@@ -71,9 +71,12 @@ class CommandParams(TypedDict, total=False):
     # members: the first step the batch is shared by ``members`` (replica groups).
     first_step: int
     members: Sequence[int]
-    # activate: the group a standby becomes, and on cuda the device it takes over.
+    # activate: the group a standby becomes, and on cuda the device it takes over;
+    # ``joining``: a group a resize adds (it heals from the live groups it joins and
+    # never reads a checkpoint), not a lost group's stand-in.
     group: int
     gpu_ids: Sequence[int | str]
+    joining: bool
     # data: the run's token shards by data role.
     role_shards: Mapping[str, Sequence[str]]
 
@@ -94,8 +97,9 @@ class Control:
     # resize): this rank votes so in each step's reduction until it is held.
     hold: bool = False
     command: tuple[CommandKind, CommandParams] | None = None
-    # A spare is told which replica group to become.
+    # A spare is told which replica group to become, and whether a resize adds it.
     activate_group: int | None = None
+    activate_joining: bool = False
     # The run's token shards: a rank is started (model built, group joined) before
     # the run's data exists, and waits for them before its first phase.
     role_shards: RoleShards | None = None
@@ -110,6 +114,7 @@ class Control:
                 self.go.set()
             elif kind == "activate":
                 self.activate_group = int(params["group"])
+                self.activate_joining = bool(params.get("joining", False))
             elif kind == "data":
                 shards = params["role_shards"]
                 self.role_shards = {str(r): [str(p) for p in ps] for r, ps in shards.items()}

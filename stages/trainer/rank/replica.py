@@ -249,8 +249,11 @@ class ReplicaWorker:
         ranks of a multi-rank group follow rank 0's answer (a sharded load is a
         collective: they must all read or none)."""
         restarted = self.status.report().restarted
-        if not restarted:
-            return not self.spec.joining
+        # A group a resize adds (launched, or a standby promoted to it) joins live
+        # groups, which may be held rather than training: it never reads.
+        joining = self.spec.joining or self.control.activate_joining
+        if not restarted or joining:
+            return not joining
         key = "ito/recovery/checkpoint_needed"
         spec = self.spec
         if spec.config.ranks_per_group > 1 and spec.rank != 0:
