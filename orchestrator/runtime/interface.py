@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, TypedDict, runtime_checkable
 
 from orchestrator.db.store import Store
 from orchestrator.runs import RunState
 
 Decision = Literal["approved", "declined"]
+
+
+class CleanupResult(TypedDict):
+    """What a run's cleanup removed: the paths, and their bytes."""
+
+    removed: list[str]
+    bytes_removed: int
 
 
 @runtime_checkable
@@ -32,9 +39,9 @@ class RunRuntime(Protocol):
     def cancel(self, run_id: str) -> None:
         """A run was committed in state ``cancelling``; drive it to ``cancelled``."""
 
-    def cleanup(self, run_id: str) -> dict[str, Any]:
+    def cleanup(self, run_id: str) -> CleanupResult:
         """A terminal run was committed ``cleaned``: remove its scratch and checkpoints.
-        Returns ``{"removed": [paths], "bytes_removed": int}``. Never touches the booking."""
+        Never touches the booking."""
 
     def decide(self, run_id: str, proposal_id: str, decision: Decision) -> None:
         """A human approved or declined a proposal (already committed)."""
@@ -82,7 +89,7 @@ class NullRuntime:
         if run["state"] == RunState.cancelling:
             self.store.transition(run_id, RunState.cancelled, "cancelled (no runtime attached)")
 
-    def cleanup(self, run_id: str) -> dict[str, Any]:
+    def cleanup(self, run_id: str) -> CleanupResult:
         removed, size = remove_tree(run_dir(self.var_dir, run_id))
         return {"removed": removed, "bytes_removed": size}
 

@@ -44,7 +44,7 @@ from orchestrator.runtime.driver_lifecycle import (
     node_lost,
     start_driver,
 )
-from orchestrator.runtime.interface import Decision, remove_tree, run_dir
+from orchestrator.runtime.interface import CleanupResult, Decision, remove_tree, run_dir
 from orchestrator.runtime.ray_cluster import RaySettings
 from orchestrator.runtime.resizing import Resizer, ray_deliver
 from orchestrator.runtime.supervisor_settings import SupervisorSettings
@@ -146,7 +146,7 @@ class RayRuntime:
             handle.decide.remote(proposal_id, decision)
         self._wake.set()
 
-    def cleanup(self, run_id: str) -> dict[str, Any]:
+    def cleanup(self, run_id: str) -> CleanupResult:
         """Remove the run's scratch space and checkpoints; the booking is not touched."""
         self.kill_run_actors(run_id)
         placement.release(run_id)
