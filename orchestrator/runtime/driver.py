@@ -25,7 +25,14 @@ from orchestrator.runtime.ray_cluster import PRIVATE_UMASK
 from stages.base import GateOutcome, PrestartableStage, StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.event_buffer import EventBuffer, as_int
-from stages.events import Event, LogEvent, PhaseEvent, StageResultEvent, StepEvent
+from stages.events import (
+    Event,
+    EventPayload,
+    LogEvent,
+    PhaseEvent,
+    StageResultEvent,
+    StepEvent,
+)
 from stages.resize import ResizeRequest
 from stages.trainer.fleet.handoff import Fleet
 
@@ -36,7 +43,7 @@ class DriverPoll(TypedDict):
     """A driver's answer to the supervisor's poll: the events after its last seq and
     where the run stands."""
 
-    events: list[dict[str, Any]]  # events as JSON, each with its ``seq``
+    events: list[EventPayload]  # each with its ``seq``
     state: DriverState
     error_code: str | None
     reason: str
