@@ -18,7 +18,7 @@ import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import numpy as np
 
@@ -117,6 +117,15 @@ def _encode(tokenizer: TextEncoder, text: str, dtype: type[np.integer]) -> np.nd
     return np.asarray(tokenizer.encode(text), dtype=dtype)
 
 
+class TokenShard(TypedDict):
+    """One shard as ``index.json`` lists it: its file (in the index's folder), its
+    tokens and its sha256."""
+
+    file: str
+    tokens: int
+    sha256: str
+
+
 def build_token_shards(
     inputs: list[Path],
     out_dir: Path,
@@ -142,7 +151,7 @@ def build_token_shards(
     for stale in out_dir.glob("shard_*.npy"):
         stale.unlink()
 
-    shards: list[dict[str, Any]] = []
+    shards: list[TokenShard] = []
     paths: list[Path] = []
     buf = np.empty(shard_tokens, dtype=dtype)
     fill = 0
