@@ -39,7 +39,7 @@ from pydantic import ValidationError
 
 from stages.data_prep.config import DecontaminationConfig, DedupConfig
 from stages.data_prep.decontam import EvalIndex
-from stages.data_prep.evals import load_eval_items
+from stages.data_prep.evals import EvalItem, load_eval_items
 from stages.data_prep.records import write_json
 from stages.data_prep.stream.blocks import input_files
 from stages.data_prep.stream.config import StreamConfig
@@ -134,7 +134,7 @@ class _ProgressPrinter:
 def _run(
     args: argparse.Namespace,
     dedup_cfg: DedupConfig | None,
-    decon: tuple[DecontaminationConfig, list[Any]] | None,
+    decon: tuple[DecontaminationConfig, list[EvalItem]] | None,
 ) -> tuple[StreamResult, dict[str, object]]:
     suffix_fmt = SINGLE_FILE_SUFFIXES.get(args.output.suffix)
     fmt = args.output_format or suffix_fmt or "jsonl"

@@ -16,6 +16,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,7 +24,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 def _seq_logp(
-    model: Any,
+    model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     prompt: list[dict[str, str]],
     completion: list[dict[str, str]],
@@ -47,7 +48,9 @@ def _as_messages(x: str | list[dict[str, str]], role: str) -> list[dict[str, str
     return [{"role": role, "content": x}] if isinstance(x, str) else list(x)
 
 
-def sft_nll(model: Any, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]) -> float:
+def sft_nll(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]
+) -> float:
     """Mean per-token NLL of the assistant turns."""
     model.eval()
     total, n = 0.0, 0
@@ -70,7 +73,7 @@ def sft_nll(model: Any, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str,
 
 
 def dpo_margins(
-    model: Any, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]
 ) -> tuple[float, float]:
     """(mean margin, fraction with a positive margin)."""
     model.eval()
@@ -84,7 +87,10 @@ def dpo_margins(
 
 
 def objective_battery(
-    kind: str, model: Any, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]
+    kind: str,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
 ) -> dict[str, float]:
     """The objective's battery on ``model``: {"nll"} for sft, {"margin", "accuracy"} for dpo."""
     if kind == "sft":

@@ -35,7 +35,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -51,6 +51,7 @@ from stages.trainer.rank.objective import Batch, LaidOutModel, Tensors
 
 if TYPE_CHECKING:
     from stages.trainer.config import GRPOSettings, TrainStageConfig
+    from stages.trainer.rank.loop import TrainLoop
 
 # How often a rank looks for the file it waits for (the wait itself is bounded by
 # ``GRPOSettings.batch_wait_timeout_s``).
@@ -201,7 +202,7 @@ class GRPOObjective:
         )
         return aggregate(tok, part["mask"], 1.0)
 
-    def after_commit(self, step: int, loss: float, loop: Any) -> None:
+    def after_commit(self, step: int, loss: float, loop: TrainLoop) -> None:
         """Publish the weights of committed step ``step`` (version ``step``) for the
         fleet: rank 0 of the group that saves checkpoints (the lowest live one); the
         other ranks of a sharded group take part in gathering the full tensors."""
