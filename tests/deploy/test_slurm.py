@@ -28,6 +28,7 @@ import pytest
 from helpers.backend import free_port
 from helpers.flows import submit_run
 from helpers.manifests import cpu_testbed_manifest, data_ref
+from helpers.ray_backend import python_docs_corpus
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
 from helpers.tools import require, require_root
 
@@ -180,9 +181,7 @@ def slurm() -> Iterator[dict[str, Any]]:
 
 
 def _manifest(tmp: Path) -> dict[str, Any]:
-    corpus = tmp / "train.jsonl"
-    lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:200]
-    corpus.write_text("".join(json.dumps({"text": json.loads(x)["text"]}) + "\n" for x in lines))
+    corpus = python_docs_corpus(tmp / "train.jsonl", 200)
     return cpu_testbed_manifest(
         [data_ref(corpus, license="PSF")],
         tmp / "ckpt",

@@ -26,13 +26,17 @@ def write_docs(path: Path, texts: list[str]) -> Path:
     return path
 
 
+def python_docs_corpus(path: Path, docs: int) -> Path:
+    """The first ``docs`` documents of the repo's python docs as a training file at
+    ``path`` (its folder made): the corpus the end-to-end runs train on."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:docs]
+    return write_docs(path, [json.loads(li)["text"] for li in lines])
+
+
 def corpora(folder: Path, baseline_docs: int, custom_docs: int) -> tuple[Path, Path]:
     """A baseline (the repo's python docs) and a custom (GSM8K Q&A) training file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()
-    baseline = write_docs(
-        folder / "baseline.jsonl", [json.loads(li)["text"] for li in lines[:baseline_docs]]
-    )
+    baseline = python_docs_corpus(folder / "baseline.jsonl", baseline_docs)
     gsm = [
         json.loads(li)
         for li in (REPO / "data" / "gsm8k" / "train.jsonl").read_text().splitlines()[:custom_docs]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from helpers.backend import free_port
 from helpers.ray_local import note_start, start_turn
+from orchestrator.runtime import ray_cluster
 
 NODE_START_TIMEOUT_S = 120.0
 NODE_STOP_TIMEOUT_S = 30.0
@@ -147,13 +148,9 @@ class LocalCluster:
         return str(self.ray_tmp)
 
     def start_head(self) -> Node:
-        subprocess.run(
-            [_ray(), "get-auth-token", "--generate"],
-            env=_env(self.env),
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
+        # The cluster's token, made only if missing (a `ray get-auth-token` process is
+        # seconds of imports on a loaded host), kept private as the product keeps it.
+        ray_cluster.ensure_auth_token()
         self.head_port = free_port()
         self.dashboard_port = free_port()
         note_start("cluster", str(self.tmp))

@@ -23,14 +23,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.backend import Backend
 from helpers.flows import submit_run
 from helpers.manifests import cpu_testbed_manifest, data_ref
-from helpers.ray_backend import write_docs
+from helpers.ray_backend import python_docs_corpus
 from helpers.raynodes import LocalCluster
 from helpers.runs import wait_run
 from helpers.tenants import Tenant, admin, cpu_booking_doc, make_tenant
@@ -43,7 +42,6 @@ from stages.placement import node_resource
 
 pytestmark = [pytest.mark.slow, module_group(__name__)]
 
-REPO = Path(__file__).resolve().parents[2]
 BOOKING = "bk-grow"
 NODES = [f"{BOOKING}-n{i}" for i in range(3)]  # raylets a, b and c
 ADDED_NODE = NODES[2]  # the booking's first two are bk-grow-n0 and -n1
@@ -81,9 +79,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         env={"ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": PACE_STEP_S}), **key},
     )
     tenant = make_tenant(be.db, "acme", booking=cpu_booking_doc(BOOKING, "acme", gpus=1, nodes=2))
-    lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:300]
-    (tmp / "data").mkdir()
-    corpus = write_docs(tmp / "data" / "train.jsonl", [json.loads(li)["text"] for li in lines])
+    corpus = python_docs_corpus(tmp / "data" / "train.jsonl", 300)
     try:
         cluster.start_head()
         mark = {f"booking:{BOOKING}": 1.0}

@@ -24,6 +24,7 @@ from helpers.backend import Backend, free_port
 from helpers.flows import submit_run
 from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.postgres import PgServer
+from helpers.ray_backend import python_docs_corpus
 from helpers.ray_local import note_start, start_turn
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
 from helpers.waiting import wait_until
@@ -38,7 +39,6 @@ from stages.events import LogEvent
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-REPO = Path(__file__).resolve().parents[2]
 # Short, so the takeover is quick; at least 3 polls (the default 0.5 s poll).
 LEASE_S = 5.0
 # Hang guards for a loaded 2-core machine, not bounds under test.
@@ -70,11 +70,7 @@ def world(
         head_start_timeout_s=WAIT_S,
     )
     tenant = make_tenant(db, "acme", booking=cpu_booking_doc(BOOKING, "acme", gpus=1))
-    data = tmp_path / "data"
-    data.mkdir()
-    lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:300]
-    corpus = data / "train.jsonl"
-    corpus.write_text("".join(line + "\n" for line in lines))
+    corpus = python_docs_corpus(tmp_path / "data" / "train.jsonl", 300)
     replicas: list[Backend] = []
 
     def replica(name: str) -> Backend:

@@ -15,13 +15,13 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.backend import Backend
 from helpers.flows import submit_run
 from helpers.manifests import cpu_testbed_manifest, data_ref
+from helpers.ray_backend import python_docs_corpus
 from helpers.raynodes import LocalCluster
 from helpers.runs import api_data, wait_run
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
@@ -32,15 +32,9 @@ from orchestrator.gates.bookings import BookingFile, add_booking
 
 pytestmark = [pytest.mark.slow, module_group(__name__)]
 
-REPO = Path(__file__).resolve().parents[2]
 WAIT_S = float(os.environ.get("ITO_TEST_WAIT_S", "240"))
 # Operator setting under test: how long a run waits for its booking's nodes.
 PLACEMENT_WAIT_S = 6.0
-
-
-def _docs(path: Path, texts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +60,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         add_booking(store, BookingFile.model_validate(cpu_booking_doc(bid, "acme", gpus=1)))
         tenant.bookings.append(bid)
     store.close()
-    data = tmp / "data"
-    data.mkdir()
-    lines = (REPO / "data" / "python_docs" / "train.jsonl").read_text().splitlines()[:300]
-    corpus = _docs(data / "train.jsonl", [json.loads(line)["text"] for line in lines])
+    corpus = python_docs_corpus(tmp / "data" / "train.jsonl", 300)
     try:
         cluster.start_head()
         nodes = {
