@@ -321,7 +321,10 @@ class TrainLoop:
             self.control.go.wait()
         self.emit(PhaseEvent(phase="startup", start=self.started_at, end=time.time()))
         self.status.enter(RankState.training)
-        self.recovering_since = self.started_at if restarted else None
+        # Recovery is from a failure: a standby a grow promotes (activated ``joining``)
+        # joins as a launched joiner does, its time the resize's (goodput), not a fault's.
+        recovering = restarted and not self.control.activate_joining
+        self.recovering_since = self.started_at if recovering else None
         if restarted:
             # A group joining a running run (DiLoCo: it heals at its peers' next sync).
             self.sync.join_running_run(self.peer_steps, lambda: self.control.stop)
