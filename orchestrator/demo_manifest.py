@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# Tokens each ladder-probe proxy of the demo trains on: 59 steps of 8 x 64 bytes.
+DEMO_PROBE_TOKENS = 59 * 8 * 64
 
 
 def write_data(data_dir: Path, rng: random.Random) -> tuple[Path, Path]:
@@ -168,10 +170,21 @@ def write_manifest(
                 ref(custom, "custom", "GSM8K train (demo extract)", "MIT"),
             ],
             "eval_suites": ["gsm8k"],
-            "ladder_probe": {"enabled": True, "seeds": 2, "token_budget": 60000},
+            # Sized to the run it gates: four proxies of 59 steps at the run's first
+            # context (64 bytes; params x tokens together ~2% of the run's pretraining),
+            # each scored on 256 eval windows (both arms on the same ones). Fewer steps
+            # leave the proxies on their early plateau, where seeds spread more than the
+            # arms differ (no_decision); shorter windows and fewer eval bytes do not.
+            "ladder_probe": {
+                "enabled": True,
+                "seeds": 2,
+                "token_budget": DEMO_PROBE_TOKENS,
+                "seq_len": 64,
+                "eval_bytes": 16384,
+            },
         },
         # ~1.6M tokens: the run's training outweighs what any run pays once (data prep
-        # with the probe's four 60k-token proxies, the actors' start-up, the gates and
+        # with the probe's four proxies, the actors' start-up, the gates and
         # hand-overs), as a booked run's does.
         "training": {
             "max_steps": 200,

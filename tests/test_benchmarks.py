@@ -136,7 +136,7 @@ CASES: dict[str, tuple[list[str], set[str], bool]] = {
     ),
     "pipeline.py": (
         # A probe of two steps a proxy: its proxies train on the warming ranks.
-        ["--presets", "llama-tiny", "--max-steps", "8", "--ladder-tokens", "2048"],
+        ["--presets", "llama-tiny", "--max-steps", "8", "--ladder-tokens", "1024"],
         {"presets", "driver_rss_growth"},
         True,
     ),
