@@ -22,6 +22,8 @@ The global batch stays fixed: each member's share is re-cut (``rank.membership``
 no sequence is trained twice or skipped, and the loss stays the same function of the
 tokens seen. A request that cannot be applied is refused with its reason; one that
 comes while another is under way waits for it (the newest replaces a waiting one).
+A grow's new ranks are ``resize_grow.GrowLaunch``'s; a refusal's reason is
+``resize_checks.resize_refusal``'s.
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ from stages.events import (
     ResizeEvent,
     StepEvent,
 )
-from stages.placement import release_added
 from stages.resize import ResizeInbox, ResizeRequest, groups_off_booking
-from stages.run_facts import PlacementFact
 from stages.trainer.config import FaultToleranceConfig, TrainStageConfig
 from stages.trainer.fleet.handoff import kill_actors
 from stages.trainer.fleet.launcher import RankLauncher
+from stages.trainer.fleet.resize_checks import resize_refusal
+from stages.trainer.fleet.resize_grow import GrowLaunch
 from stages.trainer.fleet.resize_polls import ResizePolls
 from stages.trainer.fleet.standby import StandbyPool
 from stages.trainer.fleet.supervision import GroupState, GroupSupervisor, RankKey
@@ -96,14 +98,12 @@ class GroupResizer:
         # leaving (polled here until they stopped).
         self.joining: dict[RankKey, Any] = {}
         self.leaving: dict[RankKey, Any] = {}
-        # The joining ranks that are promoted warm standbys (activated at the hold), by
-        # their actors' names.
-        self.promoted: dict[RankKey, str] = {}
+        # A grow's new ranks: launched or promoted standbys, and the nodes they run on.
+        self.grow = GrowLaunch(engine, self._log_progress)
         self.polls = ResizePolls(engine.forward_events)
         self.members: tuple[int, ...] = ()
         self.first_step = 0
         self._leaving_since = 0.0
-        self._launched_at = 0.0  # when a grow's new ranks were launched (epoch seconds)
         # Group indices are never reused: a new group's ranks have names of their own.
         self._next_group = engine.cfg.replica_groups
         # The step the run paused at for capacity (its checkpoint's), None while it trains.
@@ -111,9 +111,6 @@ class GroupResizer:
         # A swap's second move (groups added on the nodes the booking gained), begun
         # once its first (the groups on the nodes it took back drained) is applied.
         self._then: ResizeRequest | None = None
-        # The added groups by the reservation of gained nodes they run in: given back
-        # once none of them is left (drained and stopped).
-        self._placed: dict[int, PlacementFact] = {}
 
     @property
     def paused(self) -> bool:
@@ -132,13 +129,14 @@ class GroupResizer:
             if request is not None:
                 self._begin(request)
         elif self.stage is ResizeStage.launching and self._poll(
-            launched := {k: a for k, a in self.joining.items() if k not in self.promoted},
+            launched := {k: a for k, a in self.joining.items() if k not in self.grow.promoted},
             {RankState.ready},
         ):
-            since = self.request.requested_at if self.request else self._launched_at
+            launched_at = self.grow.launched_at
+            since = self.request.requested_at if self.request else launched_at
             self._log_progress(
                 f"the new groups are built and warm (from the booking change: ranks "
-                f"launched {self._launched_at - since:.2f}s, "
+                f"launched {launched_at - since:.2f}s, "
                 f"{self.polls.launch_breakdown(launched, since)})"
             )
             if self.paused_at is None:
@@ -256,26 +254,8 @@ class GroupResizer:
             # After a pause the new groups read the run's checkpoint (none is live to
             # heal from) and share the batch from its step; otherwise they heal.
             resume = None if self.paused_at is None else (self.paused_at, self.members)
-            self._launched_at = time.time()
-            for place, g in enumerate(added):
-                if request.placement is not None:
-                    self._placed[g] = request.placement
-                if resume is None and self._promote(g, request, (place, len(added))):
-                    continue
-                for r in range(engine.cfg.ranks_per_group):
-                    key = (g, r)
-                    self.joining[key] = engine.launcher.make_worker(
-                        worker_name(engine.launcher.names_id, g, r),
-                        g,
-                        r,
-                        joining=resume is None,
-                        membership_from=resume,
-                        placement=request.placement,
-                        place=(place, len(added)),
-                    )
-                    # The data goes with the rank: it joins without waiting for a poll.
-                    self.joining[key].command.remote("data", {"role_shards": engine.role_shards})
-            if self.promoted.keys() == self.joining.keys():  # nothing to build: hold now
+            self.joining.update(self.grow.start(added, request, resume))
+            if self.grow.promoted.keys() == self.joining.keys():  # nothing to build: hold now
                 self._hold()
             else:
                 self.stage = ResizeStage.launching
@@ -294,40 +274,10 @@ class GroupResizer:
 
     def refusal(self, request: ResizeRequest) -> str:
         """Why ``request`` cannot be applied now ("" if it can)."""
-        live = sorted(self.engine.groups)
-        cfg = self.engine.cfg
-        if cfg.objective.kind != "lm":
-            return f"the {cfg.objective.kind} objective keeps its replica groups"
-        if not cfg.sync.every_step:
-            # A resize holds every group after one agreed step: DiLoCo agrees at syncs only.
-            return "a DiLoCo run keeps its replica groups"
-        width = request.replica_groups * cfg.layout.dp_shard
-        for phase in cfg.schedule.phases:  # each phase's batch, at its sequence length
-            batch = cfg.micro_batch_at(phase.seq_len) * cfg.dp_world
-            layout = cfg.layout
-            if width and (
-                batch % width or (layout.pp > 1 and (batch // width) % layout.pp_microbatches)
-            ):
-                return (
-                    f"phase {phase.name}'s global batch of {batch} sequences does not "
-                    f"split over {width} data-parallel ranks"
-                    + (f" in {layout.pp_microbatches} micro-batches" if layout.pp > 1 else "")
-                )
-        if cfg.layout.pp > 1 and 0 < request.replica_groups < cfg.replica_groups:
-            # Fewer groups grow each rank's share; without a pipeline a rank takes more
-            # passes of the plan's size (``ParallelModel.passes``), but a pipeline's
-            # micro-batch count is fixed with its schedule: each would outgrow the
-            # memory the plan checked.
-            return (
-                f"a pipelined run keeps its planned {cfg.replica_groups} replica groups: "
-                f"on {request.replica_groups} each pipeline micro-batch would outgrow "
-                "the plan's memory"
-            )
-        if request.replica_groups == 0 and self.paused_at is not None:
-            return "the run is already paused for capacity"
-        if self.engine.supervisor.live() != live:
-            return "a replica group is lost; resize once it healed"
-        return ""
+        lost = self.engine.supervisor.live() != sorted(self.engine.groups)
+        return resize_refusal(
+            self.engine.cfg, request, paused=self.paused_at is not None, group_lost=lost
+        )
 
     def _hold(self) -> None:
         """Ask every rank to hold after one step (all vote in that step's reduction)."""
@@ -423,35 +373,8 @@ class GroupResizer:
                 LogEvent(message=f"resize {self.request.request_id}: {what} after {took:.2f}s")
             )
 
-    def _promote(self, group: int, request: ResizeRequest, place: tuple[int, int]) -> bool:
-        """Make an idle warm standby group the new group ``group`` (activated once every
-        group holds), and start its replacement standby on the nodes the booking gained
-        (``place``: the new group's place among those added there). False: none is warm,
-        or it cannot take the group (on cuda a standby holds no device to train on)."""
-        engine = self.engine
-        if engine.cfg.device == "cuda":
-            return False
-        taken = engine.standby.promote(group, placement=request.placement, place=place)
-        if taken is None:
-            return False
-        for rank, (name, actor) in enumerate(taken):
-            self.joining[(group, rank)] = actor
-            self.promoted[(group, rank)] = name
-        self._log_progress(
-            f"standby {', '.join(n for n, _ in taken)} becomes replica group {group} "
-            "(warm: nothing to launch)"
-        )
-        return True
-
     def _release_joining(self) -> None:
-        for key, actor in self.joining.items():
-            if key in self.promoted:
-                # The standby joins now, at the held step, as a lost group's stand-in does.
-                actor.command.remote("data", {"role_shards": self.engine.role_shards})
-                activation = self.engine.standby.activation(*key)
-                actor.command.remote("activate", {**activation, "joining": True})
-            else:
-                actor.command.remote("go")
+        self.grow.release(self.joining)
         self.stage = ResizeStage.joining
 
     def _paused(self) -> None:
@@ -488,13 +411,13 @@ class GroupResizer:
                 action="groups_added",
                 replica_group=added[0],
                 actors=[
-                    self.promoted.get(k) or worker_name(engine.launcher.names_id, *k)
+                    self.grow.promoted.get(k) or worker_name(engine.launcher.names_id, *k)
                     for k in self.joining
                 ],
                 step=self.first_step - 1,
             )
         )
-        self.joining, self.promoted = {}, {}
+        self.joining, self.grow.promoted = {}, {}
         if self.paused_at is not None:  # resumed: the new groups trained from the checkpoint
             self.paused_at = None
             self.engine.resized = True
@@ -532,35 +455,15 @@ class GroupResizer:
         for key in list(self.leaving) if overdue else ended:
             kill_actors(self.leaving.pop(key))
             self.polls.forget(key)
-        if not self.leaving:
-            self._release_drained()
-
-    def _release_drained(self) -> None:
-        """Give back each reservation of gained nodes whose groups all drained (their
-        ranks stopped and killed): the booking took those nodes back, or the count
-        dropped below them."""
-        kept = set(self.engine.groups) | {k[0] for k in self.joining}
-        for g in [g for g in self._placed if g not in kept]:
-            placement = self._placed.pop(g)
-            still = {p.placement_group_id for p in self._placed.values()}
-            if placement.placement_group_id in still:
-                continue
-            # A standby started there when a grow promoted one moves to the run's nodes.
-            kill_actors(*self.engine.standby.move_off(placement.placement_group_id))
-            if release_added(placement):
-                self.engine.emit(
-                    LogEvent(
-                        message=f"released the reservation {placement.placement_group}: "
-                        "its replica groups drained"
-                    )
-                )
+        if not self.leaving:  # give back the reservations of gained nodes they drained
+            self.grow.release_drained(set(self.engine.groups) | {k[0] for k in self.joining})
 
     def _abandon(self, reason: str) -> None:
         request, self.request = self.request, None
         kill_actors(*self.joining.values())
         for key in self.joining:
             self.polls.forget(key)
-        self.joining, self.promoted = {}, {}
+        self.joining, self.grow.promoted = {}, {}
         self.stage = ResizeStage.idle
         if request is not None:
             self._report(request, "refused", self.before, reason=reason)
