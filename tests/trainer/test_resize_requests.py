@@ -156,6 +156,17 @@ def _on_nodes(engine: TrainingEngine, nodes: dict[int, str]) -> list[str]:
     return sent
 
 
+def _gained(placement_group_id: str) -> PlacementFact:
+    """The reservation of one node the booking gained (change 3)."""
+    return PlacementFact(
+        booking_id="bk",
+        resource="booking:bk",
+        placement_group="run-r-pg-c3",
+        placement_group_id=placement_group_id,
+        bundles=1,
+    )
+
+
 def _taken_back(booking_nodes: tuple[str, ...], groups: int) -> ResizeRequest:
     return ResizeRequest(
         request_id="taken-back", replica_groups=groups, requested_at=0.0, node_ids=booking_nodes
@@ -225,13 +236,7 @@ def test_a_swap_with_the_gained_node_reserved_grows_onto_it_first(tmp_path: Path
     node taken back drains."""
     engine, inbox, events = _engine(tmp_path)
     _on_nodes(engine, {0: "node-a", 1: "node-b"})
-    gained = PlacementFact(
-        booking_id="bk",
-        resource="booking:bk",
-        placement_group="run-r-pg-c3",
-        placement_group_id="ab" * 18,
-        bundles=1,
-    )
+    gained = _gained("ab" * 18)
     made: list[tuple[int, Any]] = []
 
     def make_worker(name: str, group: int, rank: int, **kw: Any) -> _Rank:
@@ -349,13 +354,7 @@ def test_a_grow_promotes_an_idle_warm_standby_and_starts_its_replacement(
         raise AssertionError(f"launched {name}: the warm standby should have been promoted")
 
     engine.launcher.make_worker = make_worker  # type: ignore[method-assign]
-    gained = PlacementFact(
-        booking_id="bk",
-        resource="booking:bk",
-        placement_group="run-r-pg-c3",
-        placement_group_id="cd" * 18,
-        bundles=1,
-    )
+    gained = _gained("cd" * 18)
     inbox.put(
         ResizeRequest(request_id="grow", replica_groups=3, requested_at=0.0, placement=gained)
     )
