@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from orchestrator.api.objective_gates import objective_gates
 from orchestrator.db.store import Row, Store
 from orchestrator.gates.auth import Principal, authenticate, sha256_hex
 from orchestrator.gates.bookings import iso
@@ -145,6 +146,7 @@ def run_view(store: Store, run_id: str, owner: Principal | None = None) -> dict[
     else:
         account = store.account(run["account_id"])
         name = account["name"] if account else None
+    gates = eval_gates(rows.eval_events)
     return {
         "run_id": run["run_id"],
         "booking_id": run["booking_id"],
@@ -181,7 +183,10 @@ def run_view(store: Store, run_id: str, owner: Principal | None = None) -> dict[
         "data_prep": _loads(run["data_prep"]),
         # The latest progress of a long stage step (data prep over a corpus), or None.
         "stage_progress": rows.progress,
-        "eval_gates": eval_gates(rows.eval_events),
+        "eval_gates": gates,
+        # Each post-training objective the manifest names: its gate, and its verdict once
+        # decided (the checks are its eval_gates entry).
+        "post_training_gates": [g.model_dump(mode="json") for g in objective_gates(run, gates)],
         # Its replica groups following its booking's nodes (orchestrator/runtime/resizing.py).
         "resizes": resize_history(rows.resize_events, rows.resizes),
     }

@@ -95,6 +95,31 @@ def eval_gate(eg: dict[str, Any], indent: str = "  ") -> str:
         f"{indent}eval gate {_get(eg, 'phase')} (battery {_get(eg, 'battery')}, step "
         f"{_get(eg, 'step')}): {'passed' if eg.get('passed') else 'FAILED'}"
     )
+    return _with_checks(head, eg, indent)
+
+
+# How a post-training objective's gate status reads in its header (else as sent).
+_OBJECTIVE_VERDICT = {"failed": "FAILED", "not_run": "not run"}
+
+
+def objective_gate(og: dict[str, Any], checks: dict[str, Any] | None, indent: str = "  ") -> str:
+    """A post-training objective's gate as a phase's is shown: a header (its gate metric
+    as measured and its bound, the battery it names, its steps, the verdict), then the
+    checks it was decided on (``checks``: its ``eval_gates`` entry, once decided)."""
+    gate = "no gate metric"
+    if og.get("metric") is not None:
+        measured = f" {human.score(og['value'])}" if og.get("value") is not None else ""
+        gate = f"gate {_get(og, 'metric')}{measured}, min {human.score(og.get('min'))}"
+    battery = f", battery {_get(og, 'battery')}" if og.get("battery") else ""
+    status = str(og.get("status"))
+    head = (
+        f"{indent}objective gate {_get(og, 'objective')} ({gate}{battery}, step "
+        f"{_get(og, 'steps')}): {safe(_OBJECTIVE_VERDICT.get(status, status))}"
+    )
+    return _with_checks(head, checks or {}, indent)
+
+
+def _with_checks(head: str, eg: dict[str, Any], indent: str) -> str:
     rows = [
         (
             c.get("check"),
@@ -133,7 +158,11 @@ def run(r: dict[str, Any]) -> str:
                 "  ",
             )
         )
-    lines += [eval_gate(eg) for eg in r.get("eval_gates") or []]
+    objectives = r.get("post_training_gates") or []
+    evals = {eg.get("phase"): eg for eg in r.get("eval_gates") or []}
+    shown = {og.get("phase") for og in objectives}
+    lines += [eval_gate(eg) for phase, eg in evals.items() if phase not in shown]
+    lines += [objective_gate(og, evals.get(og.get("phase"))) for og in objectives]
     proposals = r.get("proposals") or []
     if proposals:
         lines.append(

@@ -41,6 +41,19 @@ def _run(**over: Any) -> dict[str, Any]:
                 ],
             }
         ],
+        "post_training_gates": [
+            {
+                "objective": HOSTILE,
+                "phase": HOSTILE,
+                "status": HOSTILE,
+                "metric": HOSTILE,
+                "min": 0.5,
+                "value": 0.25,
+                "battery": HOSTILE,
+                "steps": HOSTILE,
+                "reason": HOSTILE,
+            }
+        ],
         "proposals": [
             {"proposal_id": "p1", "status": "pending", "action": "restart", "description": HOSTILE}
         ],

@@ -8,8 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.store_rows import stage_run_view
 from helpers.tenants import DEFAULT_ROOTS
 
+from orchestrator.client import human
+from orchestrator.client.render import readable
+from orchestrator.db.store import Store
 from stages.base import StageContext
 from stages.errors import ErrorCode, ItoError
 from stages.post_training.data import load_rows
@@ -132,6 +136,12 @@ def _stage(tmp: Path, policy: Path, task: dict[str, Path], **over: Any) -> Any:
     )
 
 
+def _view(tmp: Path, stage: Any, events: list[Any]) -> dict[str, Any]:
+    """The failed run's view, its manifest the stage's recipe, its events the stage's."""
+    manifest = {"post_training": stage.config.recipe.model_dump(mode="json")}
+    return stage_run_view(Store(str(tmp / "ito.db")), "r", manifest, events, state="failed")
+
+
 @pytest.mark.timeout(600)  # a stage run on Ray: a hang bound for a loaded box
 def test_a_failed_gate_stops_the_chain(
     ray_local: None, tmp_path: Path, tiny_policy: Path, task_files: dict[str, Path]
@@ -160,6 +170,28 @@ def test_a_failed_gate_stops_the_chain(
     assert all(e.stage == "post_training" and e.step == 2 for e in gate)
     assert (tmp_path / "out" / "sft" / "config.json").is_file()  # saved before its gate
     assert not (tmp_path / "out" / "rlvr").exists()  # never started
+    # What the stage emitted, stored and read back as the API's run view and ito status.
+    view = _view(tmp_path, stage, events)
+    sft, rlvr = view["post_training_gates"]
+    measured = next(e.score for e in gate if e.check == "nll_gain")
+    assert sft == {
+        "objective": "sft",
+        "phase": "post_training.sft",
+        "status": "failed",
+        "metric": "nll_gain",
+        "min": 1e9,
+        "value": measured,
+        "battery": None,
+        "steps": 2,
+        "reason": out.reason,
+    }
+    assert (rlvr["status"], rlvr["metric"], rlvr["value"]) == ("not_run", "reward_gain", None)
+    text = readable("status", view)
+    assert (
+        f"objective gate sft (gate nll_gain {human.score(measured)}, min 1e+09, step 2): FAILED"
+        in text
+    )
+    assert "objective gate rlvr (gate reward_gain, min 0, step 2): not run" in text
 
 
 @pytest.mark.timeout(600)  # a stage run on Ray: a hang bound for a loaded box
@@ -339,3 +371,8 @@ def test_the_curriculum_battery_gates_an_objective(
     assert checks[("smoke", "heldout_loss")] is True
     assert checks[("smoke", "arith_mc_acc")] is False
     assert not (tmp_path / "out" / "rlvr").exists()
+    # The run view: the objective's own metric passed, its battery failed it.
+    sft = _view(tmp_path, stage, events)["post_training_gates"][0]
+    assert (sft["status"], sft["battery"], sft["metric"]) == ("failed", "smoke", "nll_gain")
+    assert sft["value"] is not None and sft["value"] >= 0.0
+    assert "arith_mc_acc" in sft["reason"]

@@ -23,8 +23,10 @@ from helpers.testbed_runs import run_actors, wait_for_run
 from helpers.waiting import wait_until
 from helpers.xdist_groups import module_group
 
+from orchestrator.client import human
 from orchestrator.client.api import ItoClient
 from orchestrator.client.cli import run_cli
+from orchestrator.client.render import readable
 from orchestrator.client.transport import ClientSettings
 from orchestrator.db.store import Store
 from tests.post_training.conftest import base_model
@@ -155,6 +157,19 @@ def test_ito_train_runs_sft_dpo_rlvr_and_the_reward_rises(
     assert m["sft_nll_gain"] > 0 and m["dpo_margin_gain"] > 0
     assert m["rlvr_reward_last"] > m["rlvr_reward_first"] + 0.2, m
     assert m["rlvr_staleness_max"] == 0
+    # Each objective's gate in the run view, as the stage decided it, and in ito status.
+    assert [(g["objective"], g["status"]) for g in run["post_training_gates"]] == [
+        ("sft", "passed"),
+        ("dpo", "passed"),
+        ("rlvr", "passed"),
+    ]
+    rlvr_gate = run["post_training_gates"][2]
+    assert (rlvr_gate["metric"], rlvr_gate["min"]) == ("reward_gain", 0.2)
+    assert rlvr_gate["value"] == m["rlvr_reward_gain"]
+    assert (
+        f"objective gate rlvr (gate reward_gain {human.score(m['rlvr_reward_gain'])}, min 0.2, "
+        "step 14): passed" in readable("status", run)
+    )
     # One trainer fleet for the run: every objective trained on pretraining's actors,
     # under pretraining's lighthouse.
     started = [
