@@ -17,20 +17,27 @@ production default):
   step, the same model and optimizer, ``torch.save`` every interval: what one device
   does per step with nothing added (no communication, no fault tolerance).
 
+The engine and Ray Train are measured in ``--rounds`` rounds, each side started afresh
+in each, in ABBA order (engine then Ray Train, then Ray Train then engine, ...): this
+shared machine's speed drifts by as much as 1.7x within an hour, and a drift that is
+linear over the run falls on both sides alike in that order.
+
 What each number counts:
 - ``*_step_ms``: wall time per optimizer step over ``--measure-steps`` consecutive steps
   after ``--warmup-steps`` (the engine's also after its standby is warm: the standby's
   start-up shares this machine's two cores with the ranks, where a GPU node gives it
   cores of its own), checkpoint steps included (a mean, not a median: the saves are
-  part of the price);
+  part of the price); for the engine and Ray Train the mean of the rounds' figures;
 - ``*_tokens_per_s``: global-batch tokens per second over the same steps (plain: its
   share times ``--groups``, i.e. ``--groups`` devices each running a plain loop);
-- ``step_efficiency``: engine tokens/s ÷ Ray Train tokens/s with no failure;
+- ``step_efficiency``: engine tokens/s ÷ Ray Train tokens/s with no failure, over all
+  rounds (``step_efficiency_rounds``: each round's own);
 - ``plain_efficiency``: engine tokens/s ÷ plain tokens/s;
 - ``goodput_tokens_per_s`` per failure period N (``--fail-every``): tokens of steps
   committed for the first time within a ``--window-s`` wall window during which a
   replica group (engine: a random group's processes; Ray Train: worker rank 1) is
-  SIGKILLed every N seconds; ``goodput_ratio_N`` is engine ÷ Ray Train.
+  SIGKILLed every N seconds, in each side's last round; ``goodput_ratio_N`` is engine ÷
+  Ray Train.
 
 The machine's 1-minute load average is printed with the figures: on a shared machine
 the timings are noisy. Ends with one JSON line.
@@ -72,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-tokens", type=int, default=4096, help="global batch tokens")
     p.add_argument("--checkpoint-every", type=int, default=DEFAULT_INTERVAL_STEPS)
     p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--measure-steps", type=int, default=30)
+    p.add_argument("--measure-steps", type=int, default=15, help="per round and side")
+    p.add_argument("--rounds", type=int, default=2, help="engine/Ray Train rounds, ABBA order")
     p.add_argument(
         "--fail-every",
         type=float,
@@ -88,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.groups < 2:
         p.error("--groups must be >= 2 (one must survive a kill)")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.batch_tokens % (args.seq_len * args.groups):
         p.error("--batch-tokens must split into --groups shares of whole sequences")
     # What fault_tolerance.stage_config reads.
@@ -98,7 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def plain_loop(cfg: dict[str, Any], out: Any) -> None:
     """One pinned process: forward, backward and AdamW on one group's share of the
-    batch, ``torch.save`` of model and optimizer every interval; puts seconds per step."""
+    batch, ``torch.save`` of model and optimizer every interval; puts ``None`` after each
+    step (its progress) and then its seconds per step."""
     import torch
 
     from stages.model.lm import build_model, causal_lm_loss
@@ -122,18 +133,22 @@ def plain_loop(cfg: dict[str, Any], out: Any) -> None:
         opt.step()
         if (step + 1) % cfg["every"] == 0:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, ckpt)
+        out.put(None)
     out.put((time.perf_counter() - t_start) / cfg["measure"])
 
 
 def run_plain(cfg: dict[str, Any]) -> float:
-    """``plain_loop`` with ``cfg`` in a spawned process: its seconds per step."""
+    """``plain_loop`` with ``cfg`` in a spawned process: its seconds per step. The wait
+    is bounded per step, not for the whole loop: 40 steps of a 25M model on a slow hour
+    outlast any one bound that still catches a hung process."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=plain_loop, args=(cfg, out), daemon=True)
     proc.start()
-    step_s = float(out.get(timeout=ft_bench.EVENT_TIMEOUT_S))
+    while (got := out.get(timeout=ft_bench.EVENT_TIMEOUT_S)) is None:
+        pass
     proc.join(timeout=30)
-    return step_s
+    return float(got)
 
 
 def measure_plain(args: argparse.Namespace, preset: str, lr: float, tmp: Path) -> float:
@@ -151,17 +166,32 @@ def measure_plain(args: argparse.Namespace, preset: str, lr: float, tmp: Path) -
     return run_plain(cfg)
 
 
+def round_order(rounds: int) -> list[tuple[str, str]]:
+    """The sides' order in each round, ABBA: a drift linear over the run costs both alike."""
+    ab = ("engine", "ray_train")
+    return [ab if r % 2 == 0 else ab[::-1] for r in range(rounds)]
+
+
 def measure_engine(
-    args: argparse.Namespace, preset: str, tmp: Path, data: Path, rng: random.Random
+    args: argparse.Namespace,
+    preset: str,
+    tmp: Path,
+    data: Path,
+    rng: random.Random,
+    *,
+    round_no: int,
+    fail_every: list[float],
 ) -> dict[str, float]:
+    """One round of the engine, started afresh: ``engine_step_s`` and, for each period of
+    ``fail_every``, its failure window's goodput."""
     cfg = ft_bench.stage_config(
         argparse.Namespace(**{**vars(args), "preset": preset}),
         spares=ft_bench.recovery(args).spare_groups,
-        ckpt_root=tmp / f"ckpt-engine-{preset}",
+        ckpt_root=tmp / f"ckpt-engine-{preset}-{round_no}",
         data=data,
     )
     out: dict[str, float] = {}
-    run_id = f"thr{os.getpid()}{preset.replace('-', '')}"
+    run_id = f"thr{os.getpid()}{preset.replace('-', '')}r{round_no}"
     with ft_bench.Session(cfg, tmp, run_id) as sess:
         w = sess.w
 
@@ -183,9 +213,8 @@ def measure_engine(
         b = full(a.step + args.measure_steps)
         step_s = (b.ts - a.ts) / (b.step - a.step)
         tok_rate = b.tokens / step_s
-        out["engine_step_ms"] = step_s * 1000
-        out["engine_tokens_per_s"] = tok_rate
-        for every in args.fail_every:
+        out["engine_step_s"] = step_s
+        for every in fail_every:
             full(w.max_step() + 1)  # each window starts in the full quorum
             churned = ft_bench.churn(w, run_id, args.groups, every, args.window_s, tok_rate, rng)
             out[f"engine_goodput_tokens_per_s_{every:g}"] = churned["churn_tokens_per_s"]
@@ -193,8 +222,12 @@ def measure_engine(
     return out
 
 
-def measure_ray_train(args: argparse.Namespace, preset: str, lr: float) -> dict[str, float]:
-    kills = sum(int(args.window_s // every) for every in args.fail_every)
+def measure_ray_train(
+    args: argparse.Namespace, preset: str, lr: float, *, fail_every: list[float]
+) -> dict[str, float]:
+    """One round of Ray Train, started afresh: ``ray_train_step_s`` and, for each period
+    of ``fail_every``, its failure window's goodput."""
+    kills = sum(int(args.window_s // every) for every in fail_every)
     run = ray_train_baseline.Run.start(
         preset=preset,
         workers=args.groups,
@@ -208,9 +241,8 @@ def measure_ray_train(args: argparse.Namespace, preset: str, lr: float) -> dict[
     out: dict[str, float] = {}
     try:
         step_s, _ = run.steady_rate(args.warmup_steps, args.measure_steps)
-        out["ray_train_step_ms"] = step_s * 1000
-        out["ray_train_tokens_per_s"] = args.batch_tokens / step_s
-        for every in args.fail_every:
+        out["ray_train_step_s"] = step_s
+        for every in fail_every:
             reached = max(r[0] for r in run.log.rows())
             # Each window starts with the worker group training (past its last restart).
             run.log.wait(lambda r, s=reached: r[0] > s, "a step before the window")
@@ -224,15 +256,22 @@ def measure_ray_train(args: argparse.Namespace, preset: str, lr: float) -> dict[
     return out
 
 
-def summarize(args: argparse.Namespace, preset: str, m: dict[str, Any]) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace, preset: str, m: dict[str, Any], steps: dict[str, list[float]]
+) -> dict[str, Any]:
+    """One preset's figures: ``steps`` holds each side's seconds per step, a round each."""
     out: dict[str, Any] = {"preset": preset}
+    mean_s = {side: sum(v) / len(v) for side, v in steps.items()}
     for side in ("engine", "ray_train"):
-        out[f"{side}_step_ms"] = round(m[f"{side}_step_ms"], 1)
-        out[f"{side}_tokens_per_s"] = round(m[f"{side}_tokens_per_s"], 1)
+        out[f"{side}_step_ms"] = round(mean_s[side] * 1000, 1)
+        out[f"{side}_tokens_per_s"] = round(args.batch_tokens / mean_s[side], 1)
     out["plain_step_ms"] = round(m["plain_step_s"] * 1000, 1)
     out["plain_tokens_per_s"] = round(args.batch_tokens / m["plain_step_s"], 1)
-    out["step_efficiency"] = round(m["engine_tokens_per_s"] / m["ray_train_tokens_per_s"], 3)
-    out["plain_efficiency"] = round(m["engine_tokens_per_s"] / out["plain_tokens_per_s"], 3)
+    out["step_efficiency"] = round(mean_s["ray_train"] / mean_s["engine"], 3)
+    out["step_efficiency_rounds"] = [
+        round(r / e, 3) for e, r in zip(steps["engine"], steps["ray_train"], strict=True)
+    ]
+    out["plain_efficiency"] = round(m["plain_step_s"] / mean_s["engine"], 3)
     goodput: dict[str, dict[str, float | None]] = {}
     for every in args.fail_every:
         e = m[f"engine_goodput_tokens_per_s_{every:g}"]
@@ -273,10 +312,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ).target.learning_rate
             m: dict[str, Any] = {"plain_step_s": measure_plain(args, preset, lr, tmp)}
             print(f"{preset} plain: {m['plain_step_s'] * 1000:.1f} ms/step", flush=True)
-            m.update(measure_engine(args, preset, tmp, data, rng))
-            print(f"{preset} engine: {json.dumps(m)}", flush=True)
-            m.update(measure_ray_train(args, preset, lr))
-            results.append(summarize(args, preset, m))
+            steps: dict[str, list[float]] = {"engine": [], "ray_train": []}
+            for r, sides in enumerate(round_order(args.rounds)):
+                # The failure windows run in each side's last round, after its step rate.
+                windows = args.fail_every if r == args.rounds - 1 else []
+                for side in sides:
+                    got = (
+                        measure_engine(args, preset, tmp, data, rng, round_no=r, fail_every=windows)
+                        if side == "engine"
+                        else measure_ray_train(args, preset, lr, fail_every=windows)
+                    )
+                    steps[side].append(got.pop(f"{side}_step_s"))
+                    m.update(got)
+                    ms = steps[side][-1] * 1000
+                    print(f"{preset} round {r} {side}: {ms:.1f} ms/step", flush=True)
+            results.append(summarize(args, preset, m, steps))
             print(json.dumps(results[-1]), flush=True)
     finally:
         ray.shutdown()
@@ -287,6 +337,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seq_len": args.seq_len,
         "batch_tokens": args.batch_tokens,
         "checkpoint_every": args.checkpoint_every,
+        "rounds": args.rounds,
         "window_s": args.window_s,
         "fail_every": args.fail_every,
         "device": args.device,

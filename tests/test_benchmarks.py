@@ -155,6 +155,8 @@ CASES: dict[str, tuple[list[str], set[str], bool]] = {
             "1",
             "--measure-steps",
             "1",
+            "--rounds",
+            "1",
             "--checkpoint-every",
             "2",
             "--fail-every",
@@ -335,6 +337,7 @@ def test_benchmark_runs_at_its_smallest_size(script: str, ray_address: str | Non
             for k in ("step_ms", "tokens_per_s")
         }
         assert sides | {"step_efficiency", "plain_efficiency"} <= set(size), sorted(size)
+        assert len(size["step_efficiency_rounds"]) == out["rounds"] == 1, size
         assert set(size["goodput_tokens_per_s"]["2"]) >= {"engine", "ray_train", "ratio"}
     if script == "slow_fabric.py":  # the planner's choice flips with the fabric
         assert out["loopback_keeps_every_step"] is True, out["loopback_sync"]
@@ -418,3 +421,19 @@ def test_ray_train_worker_pins_every_thread_of_its_process() -> None:
         check=True,
     ).stdout.split()
     assert len(out) >= 2 and set(out) == {"True"}, out
+
+
+def test_throughput_rounds_alternate_the_sides_abba() -> None:
+    """Each side goes first in every other round, so a drift of the machine's speed
+    over the run is paid by both sides alike, not by the one measured second."""
+    # In a child: the benchmark's import sets OMP_NUM_THREADS for what it launches.
+    code = "import json; from benchmarks.throughput import round_order; "
+    code += "print(json.dumps(round_order(4)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    order = [tuple(sides) for sides in json.loads(out.stdout)]
+    assert order[0] == ("engine", "ray_train")
+    assert [sides[::-1] for sides in order[::2]] == order[1::2]
+    assert all(sorted(sides) == ["engine", "ray_train"] for sides in order)
