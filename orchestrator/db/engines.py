@@ -23,11 +23,11 @@ The password never travels in argv: a ``postgresql://`` URL with a password is
 refused; libpq's own ``PGPASSWORD`` / ``PGPASSFILE`` work, and
 ``ITO_DB_PASSWORD_FILE`` names a file holding only the password (a mounted secret).
 
-``read_batch`` runs several reads as one: on PostgreSQL one round trip (the reads sent
-together, psycopg binding the parameters client-side, the server answering each in
-one implicit transaction), on SQLite one read transaction. A status read is one
-such batch: each round trip costs the client more CPU (its system calls on the
-socket above all) than the rows it carries.
+``read_batch`` runs several reads as one, from one snapshot: on PostgreSQL one round
+trip (``pg_batch``: the reads' prepared statements executed in one read-only
+transaction, psycopg binding the parameters client-side), on SQLite one read
+transaction. A status read is one such batch: each round trip costs the client more
+CPU (its system calls on the socket above all) than the rows it carries.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.db.pg_batch import PreparedReads, read_prepared
 from stages.errors import ErrorCode, ItoError
 
 Row = dict[str, Any]
@@ -411,6 +412,7 @@ class PostgresEngine:
             open=True,
             name="ito-store",
         )
+        self.prepared = PreparedReads()
         try:
             self.pool.wait(timeout=max(s.connect_timeout_s, START_WAIT_S))
         except Exception as e:
@@ -431,22 +433,13 @@ class PostgresEngine:
             return rows
 
     def read_batch(self, reads: Sequence[Read]) -> list[list[Row]]:
-        """Every read in one round trip: one simple-protocol query of several statements
-        (the server runs them in one implicit transaction: one snapshot), its parameters
-        bound by psycopg's client-side cursor (quoted as literals for the connection's
-        encoding; the statements are the store's own, never a caller's)."""
-        from psycopg import ClientCursor
-
+        """Every read in one round trip and one snapshot (``pg_batch.read_prepared``:
+        the reads' statements prepared once per connection, run as ``EXECUTE``s in one
+        read-only ``REPEATABLE READ`` transaction)."""
         if not reads:
             return []
-        sql = "; ".join(_pg_sql(q) for q, _ in reads)
-        params = [p for _, ps in reads for p in ps]
-        with self.guarded(), self.pool.connection() as conn, ClientCursor(conn) as cur:
-            cur.execute(sql, params)
-            results: list[list[Row]] = [cur.fetchall()]
-            while cur.nextset():
-                results.append(cur.fetchall())
-            return results
+        with self.guarded(), self.pool.connection() as conn:
+            return read_prepared(conn, self.prepared, reads)
 
     @contextmanager
     def guarded(self) -> Iterator[None]:
