@@ -26,12 +26,23 @@ the layer input, ``b h / tp``. During the backward one layer is recomputed, so i
 activations are live once more, and a layer's backward adds its working set (the
 gradients of the SwiGLU product and of one factor, ``2 b ffn``). Pipeline ranks hold
 several micro-batches in flight (1F1B: ``pp - rank``; interleaved: Megatron's warm-up
-count; GPipe: all). The last rank also holds the final norm's saved tensors and the
-head's input. The loss, per vocab entry (``V / tp`` with loss parallelism) and token,
-at the start of its backward (the step drops the logits first, as torchtitan does):
-the fp32 log-probs and the fp32 gradients of nll_loss and log_softmax, 12 bytes
-(the forward's logits, fp32 copy and log-probs, ``b + 8``, are fewer); a pipeline
-schedule keeps the last stage's output, the logits, until its backward: ``b`` more.
+count; GPipe: all), and torch's pipelining keeps each one's stage output, which no
+layer saves, until its backward: a residual-stream tensor (``/ tp`` under sequence
+parallel) more a token and chunk. Its ``PipelineStage`` also allocates, once and for
+every micro-batch of every chunk, a receive buffer for the chunk's input and one for
+its output's gradient, and each backward leaves the input's gradient on its buffer
+until the next step: buffers of ``micro-batches x (receiving + sending chunks)``
+residual tensors, and as many input gradients by the end of the backward. The last
+rank also holds the final norm's saved tensors and the head's input. The loss, per
+vocab entry and token, at the start of its backward (the step drops the logits first,
+as torchtitan does): the fp32 log-probs and the fp32 gradients of nll_loss and
+log_softmax, 12 bytes (the forward's logits, fp32 copy and log-probs, ``b + 8``, are
+fewer); a pipeline schedule keeps the last stage's output, the logits, until its
+backward: ``b`` more. Over the whole vocabulary, TP or not: the trainer's head
+gathers its logits (``ColwiseParallel(output_layouts=Replicate())`` in
+``stages.trainer.parallel.transforms.apply_tp``) and every TP rank runs the loss over
+all ``V`` of them; torchtitan's loss parallelism (logits left sharded, ``V / tp``) is
+not what it runs.
 
 bf16 without FSDP runs eagerly under ``torch.autocast`` over the fp32 master weights
 (``stages.trainer.parallel.parallelize.ParallelModel``), measured on CPU's autocast (the same
@@ -203,11 +214,10 @@ def estimate_memory(
     precision: Precision,
     foreach_optimizer: bool = True,
     sequence_parallel: bool = True,
-    loss_parallel: bool = True,
 ) -> MemoryEstimate:
     """Peak memory (bytes) of the busiest pipeline rank. ``fsdp = dp_shard x cp``.
-    ``sequence_parallel`` / ``loss_parallel`` False: TP as the CPU trainer runs it
-    (replicated norms, logits gathered before the loss)."""
+    ``sequence_parallel`` False: TP as the CPU trainer runs it (replicated norms and
+    layer inputs)."""
     pp = len(pp_stage_layers)
     b = compute_bytes(precision)
     tokens = micro_batch * seq_len / cp
@@ -242,20 +252,36 @@ def estimate_memory(
         grads = params * GRAD_BYTES
         optimizer = params * OPTIMIZER_BYTES
         chunk_layers = layers / pp_virtual_stages
-        saved = (
-            in_flight_chunks(pp_schedule, pp, pp_virtual_stages, microbatches, rank)
-            * chunk_layers
-            * per_layer
-            * tokens
-        )
-        if pp > 1 and not first:
-            saved += tokens * r * h / tp  # received activation buffer (the residual)
+        chunks = in_flight_chunks(pp_schedule, pp, pp_virtual_stages, microbatches, rank)
+        saved = chunks * chunk_layers * per_layer * tokens
+        if pp > 1:
+            # torch.distributed.pipelining keeps each in-flight chunk's output (its
+            # ``fwd_cache``) until that chunk's backward, and no layer of the stage saves
+            # it. The last model chunk's outputs are the logits, counted with the loss.
+            final = (microbatches if pp_schedule == "GPipe" else 1) if last else 0
+            saved += max(0, chunks - final) * tokens * r * h / sp
+        # torch.distributed.pipelining's PipelineStage allocates, per model chunk and
+        # micro-batch, a receive buffer for the chunk's input (all but the first chunk)
+        # and one for its output's gradient (all but the last), once, kept across
+        # steps; each micro-batch's backward leaves the input's gradient on its buffer
+        # (``.grad``) until the next step clears it (``clear_runtime_states``).
+        boundary = tokens * r * h / sp  # a residual-stream tensor of one micro-batch
+        chunk_ids = [rank + k * pp for k in range(pp_virtual_stages)] if pp > 1 else []
+        receiving = sum(1 for c in chunk_ids if c > 0)
+        sending = sum(1 for c in chunk_ids if c < pp * pp_virtual_stages - 1)
+        stage_io = (receiving + sending) * microbatches * boundary
+        input_grads = receiving * microbatches * boundary
+        if receiving and not (activation_checkpointing == "none" and r < 4):
+            # an in-flight chunk's first layer saves the received tensor itself (the
+            # layer input, or the norm's fp32 input), already in its buffer
+            saved -= chunks * receiving / pp_virtual_stages * boundary
         recompute = 0.0
         if activation_checkpointing != "none" and layers:
             recompute = (
                 full_layer - per_layer if activation_checkpointing == "selective" else full_layer
             ) * tokens
-        vocab = preset.vocab_size / (tp if loss_parallel else 1)
+        # The head gathers its logits over TP: every rank's loss spans the vocabulary.
+        vocab = preset.vocab_size
         # The step drops its logits before the backward, so the loss's peak is as its
         # backward starts (the forward's b + 8 bytes a logit is below it). A pipeline
         # schedule keeps the last stage's output, the logits, until its backward.
@@ -270,14 +296,14 @@ def estimate_memory(
         if autocast and last:
             cast_params += preset.vocab_size * h / tp
         casts = WEIGHT_CAST_BYTES * cast_params
-        if last and not loss_parallel and tp > 1:
+        if last and tp > 1:
             # the head's local shard of the logits besides the gathered ones
             loss += b * tokens * preset.vocab_size / tp
         if last and pp > 1 and pp_schedule == "GPipe":
             # GPipe runs every forward first: each micro-batch's loss keeps its fp32
             # log-probs until its backward (1F1B schedules run a loss's backward next)
             saved += (microbatches - 1) * 4 * tokens * vocab
-        buffers = 0.0
+        buffers = stage_io
         if fsdp > 1 and pp > 1:
             # PP stages stay unsharded across micro-batches: torch.distributed.pipelining
             # runs every micro-batch's backward with FSDP's reshard-after-backward and
@@ -312,10 +338,18 @@ def estimate_memory(
             # last layers of the backward: nearly all gradients exist while the
             # first layer is recomputed on top of its saved input and runs its
             # backward
-            (recompute + (per_layer + working) * tokens + logits, backward_grads, casts),
+            (
+                recompute + (per_layer + working) * tokens + logits + input_grads,
+                backward_grads,
+                casts,
+            ),
             # optimizer step: foreach AdamW holds one fp32 temporary per local
             # parameter; the single-tensor loop (CPU) one per largest tensor.
-            (0.0, grads, (params if foreach_optimizer else max_tensor / fsdp) * MASTER_BYTES),
+            (
+                input_grads,
+                grads,
+                (params if foreach_optimizer else max_tensor / fsdp) * MASTER_BYTES,
+            ),
         ]
         act, grad_at_peak, temp = max(phases, key=lambda ph: ph[0] + ph[1] + ph[2])
         buffers += temp

@@ -173,7 +173,8 @@ def head_compute_time(
         sku,
         "bf16" if precision == "fp8" else precision,
     )  # the head stays in bf16
-    loss_bytes = 3 * 12 * tokens * preset.vocab_size / tp
+    # the head gathers its logits over TP: each rank's loss reads all V of them
+    loss_bytes = 3 * 12 * tokens * preset.vocab_size
     return gemm + loss_bytes / (sku.hbm_bandwidth_gb_s * 1e9 * HBM_EFFICIENCY)
 
 
@@ -246,6 +247,10 @@ def step_time(x: StepInputs) -> StepTime:
     per_collective = _collective(tokens * h * b, x.tp, tp_bw, tp_lat)
     n_tp = 8 + (2 if x.ac == "full" else 0)
     tp_comm = (1 - TP_OVERLAP) * n_tp * per_collective * busiest_layers * x.microbatches
+    # The head all-gathers its logits before the loss, which waits on them (its
+    # backward takes a local slice): once a micro-batch, not hidden.
+    logits = _collective(tokens * x.preset.vocab_size * b, x.tp, tp_bw, tp_lat)
+    tp_comm += logits * x.microbatches
     # CP as the trainer runs it (torchtitan's default, and Llama 3's): every layer
     # all-gathers the sequence's K and V before attention and reduce-scatters their
     # gradients after it (plus a re-gather under full recompute). Attention cannot

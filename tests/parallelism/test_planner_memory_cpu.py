@@ -194,7 +194,6 @@ def test_tp_and_pp_predicted_peak_within_20_percent_of_measured(
         precision="fp32",
         foreach_optimizer=False,
         sequence_parallel=False,
-        loss_parallel=False,
     ).total
     # the planner predicts the busiest rank
     measured = max(parallel_peaks[case])
