@@ -30,16 +30,15 @@ count; GPipe: all), and torch's pipelining keeps each one's stage output, which 
 layer saves, until its backward: a residual-stream tensor (``/ tp`` under sequence
 parallel) more a token and chunk. Its ``PipelineStage`` also allocates, once and for
 every micro-batch of every chunk, a receive buffer for the chunk's input and one for
-its output's gradient, and each backward leaves the input's gradient on its buffer
-until the next step: buffers of ``micro-batches x (receiving + sending chunks)``
-residual tensors, and as many input gradients by the end of the backward. The last
-rank also holds the final norm's saved tensors and the head's input. The loss, per
-vocab entry and token, at the start of its backward (the step drops the logits first,
-as torchtitan does): the fp32 log-probs and the fp32 gradients of nll_loss and
-log_softmax, 12 bytes (the forward's logits, fp32 copy and log-probs, ``b + 8``, are
-fewer); a pipeline schedule keeps the last stage's output, the logits, until its
-backward: ``b`` more. Over the whole vocabulary, TP or not: the trainer's head
-gathers its logits (``ColwiseParallel(output_layouts=Replicate())`` in
+its output's gradient, kept across steps: ``micro-batches x (receiving + sending
+chunks)`` residual tensors of one micro-batch. The last rank also holds the final
+norm's saved tensors and the head's input. The loss, per vocab entry and token, at the
+start of its backward (the step drops the logits first, as torchtitan does): the fp32
+log-probs and the fp32 gradients of nll_loss and log_softmax, 12 bytes (the forward's
+logits, fp32 copy and log-probs, ``b + 8``, are fewer); a pipeline schedule keeps the
+last stage's output, the logits, until its backward: ``b`` more. Over the whole
+vocabulary, TP or not: the trainer's head gathers its logits
+(``ColwiseParallel(output_layouts=Replicate())`` in
 ``stages.trainer.parallel.transforms.apply_tp``) and every TP rank runs the loss over
 all ``V`` of them; torchtitan's loss parallelism (logits left sharded, ``V / tp``) is
 not what it runs.
@@ -263,14 +262,12 @@ def estimate_memory(
         # torch.distributed.pipelining's PipelineStage allocates, per model chunk and
         # micro-batch, a receive buffer for the chunk's input (all but the first chunk)
         # and one for its output's gradient (all but the last), once, kept across
-        # steps; each micro-batch's backward leaves the input's gradient on its buffer
-        # (``.grad``) until the next step clears it (``clear_runtime_states``).
+        # steps. (The input's gradient is sent as its backward ends and not kept.)
         boundary = tokens * r * h / sp  # a residual-stream tensor of one micro-batch
         chunk_ids = [rank + k * pp for k in range(pp_virtual_stages)] if pp > 1 else []
         receiving = sum(1 for c in chunk_ids if c > 0)
         sending = sum(1 for c in chunk_ids if c < pp * pp_virtual_stages - 1)
         stage_io = (receiving + sending) * microbatches * boundary
-        input_grads = receiving * microbatches * boundary
         if receiving and not (activation_checkpointing == "none" and r < 4):
             # an in-flight chunk's first layer saves the received tensor itself (the
             # layer input, or the norm's fp32 input), already in its buffer
@@ -338,18 +335,10 @@ def estimate_memory(
             # last layers of the backward: nearly all gradients exist while the
             # first layer is recomputed on top of its saved input and runs its
             # backward
-            (
-                recompute + (per_layer + working) * tokens + logits + input_grads,
-                backward_grads,
-                casts,
-            ),
+            (recompute + (per_layer + working) * tokens + logits, backward_grads, casts),
             # optimizer step: foreach AdamW holds one fp32 temporary per local
             # parameter; the single-tensor loop (CPU) one per largest tensor.
-            (
-                input_grads,
-                grads,
-                (params if foreach_optimizer else max_tensor / fsdp) * MASTER_BYTES,
-            ),
+            (0.0, grads, (params if foreach_optimizer else max_tensor / fsdp) * MASTER_BYTES),
         ]
         act, grad_at_peak, temp = max(phases, key=lambda ph: ph[0] + ph[1] + ph[2])
         buffers += temp
