@@ -1,9 +1,9 @@
-"""Load and save the policy as a local HF folder (model + the run's tokenizer, stages.hf)."""
+"""Load the policy from a local HF folder (model + the run's tokenizer, stages.hf)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from stages.errors import ErrorCode, ItoError
 
@@ -45,10 +45,3 @@ def load_model(path: Path) -> PreTrainedModel:
     from stages.hf import load_model as load
 
     return load(path)
-
-
-def save(model: Any, tokenizer: Any, path: Path, **metadata: Any) -> str:
-    """An HF export (``stages.hf.export_hf``: atomic, with each file's sha256)."""
-    from stages.hf import export_hf
-
-    return str(export_hf(model, tokenizer, path, metadata=metadata))
