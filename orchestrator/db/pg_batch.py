@@ -116,7 +116,8 @@ class PreparedReads:
             if sql in known:
                 continue
             with suppress(errors.DuplicatePreparedStatement):
-                conn.execute(prepared_read(sql)[1])
+                # Never one of psycopg's own prepared statements (its cache is its own).
+                conn.execute(prepared_read(sql)[1], prepare=False)
             known.add(sql)
 
     def forget(self, conn: Any) -> None:
@@ -128,4 +129,4 @@ class PreparedReads:
             known = self._by_conn.pop(conn, set())
         for sql in known:
             with suppress(errors.InvalidSqlStatementName):
-                conn.execute(f"DEALLOCATE {prepared_read(sql)[0]}")
+                conn.execute(f"DEALLOCATE {prepared_read(sql)[0]}", prepare=False)
