@@ -29,8 +29,14 @@ def build_model(
 def causal_lm_loss(
     model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy; ``labels`` of -100 are ignored."""
+    """Mean next-token cross-entropy; ``labels`` of -100 are ignored. A model laid out
+    with TP (``stages.trainer.parallel``) gives its logits sharded over the vocabulary,
+    a DTensor: they are gathered (the trainer's own lm loss runs on the shards)."""
+    from torch.distributed.tensor import DTensor
+
     logits = model(input_ids=input_ids).logits
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
     target = input_ids if labels is None else labels
     return F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.size(-1)).float(),

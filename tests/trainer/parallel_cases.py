@@ -18,7 +18,7 @@ import torch
 
 from stages.presets import ModelPreset
 from stages.trainer.parallel.layout import ParallelLayout
-from stages.trainer.rank.objective import LanguageModelObjective
+from stages.trainer.rank.objective import LanguageModelObjective, Tensors, token_nll_sum
 
 REPO = Path(__file__).resolve().parents[2]
 RANK_TIMEOUT_S = 300
@@ -76,6 +76,8 @@ CASES: dict[str, dict[str, Any]] = {
     "tp2_sp": {"tp": 2},  # with sequence parallel forced on (the GPU default)
     "tp2_tied": {"tp": 2},  # on TIED_PRESET: the head is the embedding's parameter
     "tp2_fsdp2": {"tp": 2, "dp_shard": 2},
+    # an objective other than lm: its loss reads whole rows of logits, gathered
+    "tp2_gathered": {"tp": 2},
     "pp2_fsdp2": {
         "pp": 2,
         "dp_shard": 2,
@@ -83,9 +85,38 @@ CASES: dict[str, dict[str, Any]] = {
         "pp_microbatches": 2,
         "pp_stage_layers": [1, 3],
     },
+    # the last stage's head vocab-sharded over TP, its loss under loss_parallel()
+    "pp2_tp2": {"pp": 2, "tp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2},
     # load the checkpoint the tp2 case saved, under PP2, and compute logits
     "pp2_load": {"pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2, "pp_stage_layers": [3, 1]},
 }
+
+
+class GatheredRowsObjective(LanguageModelObjective):
+    """The lm loss under another objective's name (as SFT's, DPO's and GRPO's, which
+    are not in ``LOSS_PARALLEL_OBJECTIVES``): records the logits its loss is given."""
+
+    name = "gathered-rows"
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.seen: list[dict[str, Any]] = []
+
+    def loss_sum(self, logits: torch.Tensor, part: Tensors) -> torch.Tensor:
+        self.seen.append(head_output(logits))
+        return token_nll_sum(logits, part["labels"])
+
+
+def head_output(logits: torch.Tensor) -> dict[str, Any]:
+    """What a rank's head hands the loss: a DTensor's placements and local shape."""
+    from torch.distributed.tensor import DTensor
+
+    dtensor = isinstance(logits, DTensor)
+    return {
+        "dtensor": dtensor,
+        "placements": [str(p) for p in logits.placements] if dtensor else [],
+        "local_shape": list((logits.to_local() if dtensor else logits).shape),
+    }
 
 
 def batches() -> list[torch.Tensor]:
@@ -145,7 +176,7 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
     import torch.distributed as dist
 
     from stages.checkpointing.checkpointer import Checkpointer
-    from stages.model.lm import build_model
+    from stages.model.lm import build_model, causal_lm_loss
     from stages.trainer.parallel.mesh import build_mesh
     from stages.trainer.parallel.parallelize import ParallelModel
     from stages.trainer.rank.train_state import TrainState
@@ -180,19 +211,31 @@ def run_case(name: str, rank: int, world: int, out: Path) -> None:
     dp = layout.dp_shard
     d = pm.coords["dp_shard"]
     losses = []
+    objective = (
+        GatheredRowsObjective() if name.endswith("_gathered") else LanguageModelObjective(None)
+    )
+    heads: list[dict[str, Any]] = []
+    if pm.schedule is None:
+        pm.module.get_submodule("lm_head").register_forward_hook(
+            lambda _m, _i, out: heads.append(head_output(out))
+        )
     for ids in batches():
         local = ids.chunk(dp)[d]
-        loss = pm.forward_backward(
-            LanguageModelObjective.batch_of(local), LanguageModelObjective(None)
-        )
+        loss = pm.forward_backward(LanguageModelObjective.batch_of(local), objective)
         losses.append(float(pm.group_mean_loss(loss)))
         pm.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
     result["losses"] = losses
     result["weights"] = full_weights(pm.module)
+    if isinstance(objective, GatheredRowsObjective):
+        result["loss_input"] = objective.seen[0]
+    elif heads:  # the logits the lm loss takes: the head's own output
+        result["loss_input"] = heads[0]
     if name == "tp2":
         result["logits"] = pm.logits(eval_ids())
+        # the one-off warm-up's loss (RankSetup.warm_up) on the laid-out model
+        result["causal_lm_loss"] = float(causal_lm_loss(pm.module, eval_ids()))
         with Checkpointer(ckpt_policy(out / "ckpt-tp2"), process_group=ckpt_pg) as ck:
             ck.save(STEPS, TrainState(pm.module, opt, rank=rank))
             ck.wait()

@@ -1,7 +1,8 @@
 """TP (with and without sequence parallel), PP (GPipe, 1F1B, Interleaved1F1B, uneven
-split), TP x FSDP2 and PP x FSDP2 on gloo, each against one process training the same
-batches; a DCP checkpoint saved
-under TP2 loads under TP1 and PP2 with the same logits.
+split), TP x FSDP2, PP x FSDP2 and PP x TP on gloo, each against one process training
+the same batches; under TP the lm loss runs on vocab-sharded logits (loss parallel)
+and another objective's on gathered ones; a DCP checkpoint saved under TP2 loads
+under TP1 and PP2 with the same logits.
 
 Real processes (one per rank, ``tests/trainer/parallel_cases.py``), real gloo, real
 DTensor / FSDP2 / torch.distributed.pipelining, fp32, a 3-layer Llama.
@@ -30,6 +31,8 @@ from tests.trainer.parallel_cases import (
     CASES,
     LR,
     PRESET,
+    SEQ_LEN,
+    SEQS,
     STEPS,
     TIED_PRESET,
     batches,
@@ -49,9 +52,9 @@ LOGIT_ATOL = 1e-4
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    two = ["tp2", "tp2_sp", "tp2_tied", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "pp2_load"]
-    launch(2, [*two, "mesh_handoff"], out)
-    launch(4, ["tp2_fsdp2", "pp2_fsdp2"], out)
+    two = ["tp2", "tp2_sp", "tp2_tied", "tp2_gathered", "pp2_gpipe", "pp2_1f1b"]
+    launch(2, [*two, "pp2_interleaved", "pp2_load", "mesh_handoff"], out)
+    launch(4, ["tp2_fsdp2", "pp2_fsdp2", "pp2_tp2"], out)
     return out
 
 
@@ -103,11 +106,13 @@ def _results(out: Path, case: str) -> list[dict[str, Any]]:
         "tp2",
         "tp2_sp",
         "tp2_tied",
+        "tp2_gathered",
         "pp2_gpipe",
         "pp2_1f1b",
         "pp2_interleaved",
         "tp2_fsdp2",
         "pp2_fsdp2",
+        "pp2_tp2",
     ],
 )
 def test_layout_trains_like_one_process(
@@ -147,8 +152,10 @@ def test_built_layout_is_read_back_from_the_mesh_and_equals_the_plan(runs: Path)
         ("pp2_gpipe", 2),
         ("pp2_1f1b", 2),
         ("pp2_interleaved", 2),
+        ("tp2_gathered", 2),
         ("tp2_fsdp2", 4),
         ("pp2_fsdp2", 4),
+        ("pp2_tp2", 4),
     ]:
         plan = ParallelLayout(**CASES[case]).resolved(world)
         for r in _results(runs, case):
@@ -162,6 +169,44 @@ def test_built_layout_is_read_back_from_the_mesh_and_equals_the_plan(runs: Path)
                 )
             assert built["precision"] == "fp32"
             assert built["sequence_parallel"] == case.endswith("_sp")
+
+
+@pytest.mark.parametrize("case", ["tp2", "tp2_sp", "tp2_tied", "tp2_fsdp2"])
+def test_the_lm_loss_under_tp_takes_vocab_sharded_logits(runs: Path, case: str) -> None:
+    """Loss parallel: the head leaves each TP rank its vocab/tp columns of the logits
+    (no all-gather of batch x seq x vocab), and the loss (compared with one process
+    above) is computed on them."""
+    for r in _results(runs, case):
+        assert r["loss_input"] == {
+            "dtensor": True,
+            "placements": ["S(2)"],
+            "local_shape": [
+                SEQS // CASES[case].get("dp_shard", 1),
+                SEQ_LEN,
+                PRESET.vocab_size // 2,
+            ],
+        }
+
+
+def test_the_plain_lm_loss_gathers_a_tp_models_logits(
+    runs: Path, reference: dict[str, Any]
+) -> None:
+    # causal_lm_loss (the rank's warm-up) on the laid-out model, after training
+    from stages.model.lm import causal_lm_loss
+
+    with torch.no_grad():
+        expected = float(causal_lm_loss(reference["model"], eval_ids()))
+    for r in _results(runs, "tp2"):
+        assert r["causal_lm_loss"] == pytest.approx(expected, rel=LOSS_RTOL)
+
+
+def test_an_objective_outside_loss_parallel_gets_whole_rows_of_logits(runs: Path) -> None:
+    for r in _results(runs, "tp2_gathered"):
+        assert r["loss_input"] == {
+            "dtensor": False,
+            "placements": [],
+            "local_shape": [SEQS, SEQ_LEN, PRESET.vocab_size],
+        }
 
 
 def test_checkpoint_saved_under_tp2_loads_under_tp1_and_pp2_with_the_same_logits(

@@ -6,8 +6,10 @@ order (``parallelize_llama`` / ``pipeline_llama``):
 2. pipeline split into this rank's chunks (each chunk is parallelized alone);
 3. tensor parallel with DTensor ``parallelize_module``, module by module as
    transformers' own Llama TP plan shards them (q/k/v/gate/up colwise, o/down
-   rowwise, embedding rowwise, head colwise, gathered), with sequence parallel on
-   the norms on GPU;
+   rowwise, embedding rowwise, head colwise), with sequence parallel on the norms on
+   GPU; the head's logits stay sharded over the vocabulary and the ``lm`` loss runs
+   on the shards under ``loss_parallel()`` (torchtitan's loss parallel), while the
+   objectives that need whole rows of logits (SFT, DPO, GRPO) gather them;
 4. context parallel: a ``context_parallel`` context around forward and backward
    that shards the sequence and swaps SDPA for ring attention (CUDA only);
 5. activation checkpointing per decoder layer (none, selective, full), and with fp8
@@ -55,6 +57,28 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
     from stages.trainer.rank.ft import GradientReducer
+
+
+# The objectives whose loss is a cross-entropy over the vocabulary, computed under TP
+# on vocab-sharded logits (``loss_parallel()``) without gathering them; the others'
+# losses read whole rows of logits (log-probs of chosen tokens, masks) and gather.
+LOSS_PARALLEL_OBJECTIVES = frozenset({"lm"})
+
+
+def whole_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The logits with every vocabulary column: a TP head's vocab-sharded DTensor
+    gathered (differentiably), a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: under ``loss_parallel()`` it is a DTensor replicated
+    over the TP ranks, whose local value is the whole loss."""
+    from torch.distributed.tensor import DTensor
+
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 class _StageShare(TypedDict):
@@ -170,11 +194,19 @@ class ParallelModel:
 
     # --- a step -------------------------------------------------------------------
     def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss(logits, labels) * self._scale
+        return local_loss(token_loss(logits, labels)) * self._scale
 
     @contextlib.contextmanager
-    def _context(self, buffers: list[torch.Tensor]) -> Iterator[None]:
+    def _context(
+        self, buffers: list[torch.Tensor], *, loss_parallel: bool = False
+    ) -> Iterator[None]:
+        """CP, bf16 autocast and, for a loss on vocab-sharded logits, ``loss_parallel()``
+        (its cross-entropy's backward needs it too: the step's backward runs inside)."""
         with contextlib.ExitStack() as stack:
+            if loss_parallel and self.layout.tp > 1:
+                from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel
+
+                stack.enter_context(vocab_parallel())
             if self.layout.cp > 1:  # CUDA only (check_runnable)
                 from torch.distributed.tensor.experimental import context_parallel
                 from torch.distributed.tensor.experimental._attention import set_rotate_method
@@ -197,9 +229,7 @@ class ParallelModel:
         """Evaluation logits for an objective's ``model_inputs`` (no pipeline, no CP:
         the objectives that need it, as DPO's reference pass, refuse both)."""
         with self._context([]):
-            out = self.module(**inputs).logits
-        logits: torch.Tensor = out.full_tensor() if hasattr(out, "full_tensor") else out
-        return logits
+            return whole_rows(self.module(**inputs).logits)
 
     def forward_backward(
         self,
@@ -214,6 +244,7 @@ class ParallelModel:
         stage). ``reducer``: the replica groups' gradient reduction, started during the
         last micro-batch's backward where the parameters are plain tensors."""
         self._scale = scale
+        vocab_parallel = objective.name in LOSS_PARALLEL_OBJECTIVES
         if self.schedule is None:
             # The plan's micro-batches: equal dim-0 slices, each one's summed loss over
             # the whole batch's denominator, so the gradients sum to the batch's mean.
@@ -228,9 +259,12 @@ class ParallelModel:
                 # CP shards the sequence dim of every buffer in place (LM only: the
                 # config refuses cp > 1 for the other objectives).
                 buffers = [ids, pos, *[v for v in part.values() if v.dim() == 2]]
-                with self._context(buffers):
+                with self._context(buffers, loss_parallel=vocab_parallel):
                     logits = self.module(input_ids=ids, position_ids=pos, **extra).logits
-                    loss = objective.loss_sum(logits, part) * (scale / batch.denominator)
+                    if not vocab_parallel:
+                        logits = whole_rows(logits)
+                    loss = local_loss(objective.loss_sum(logits, part))
+                    loss = loss * (scale / batch.denominator)
                     # Nothing the backward needs is the logits themselves (the loss saved
                     # its log-probs): dropping them first keeps b x V bytes a token off
                     # the backward's peak, as torchtitan's ``del pred``.
@@ -250,7 +284,7 @@ class ParallelModel:
         losses: list[torch.Tensor] = []
         first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         args = (input_ids,) if first else ()
-        with self._context([]):
+        with self._context([], loss_parallel=vocab_parallel):
             # return_outputs=False: the last stage would keep every micro-batch's logits
             self.schedule.step(
                 *args,
@@ -328,11 +362,7 @@ class ParallelModel:
         rank), None on the other pipeline ranks. Pipelines pass activations by p2p."""
         if self.schedule is None:
             with self._context([]):
-                out = self.module(input_ids=input_ids).logits
-            logits: torch.Tensor = (
-                out.float().full_tensor() if hasattr(out, "full_tensor") else out.float()
-            )
-            return logits
+                return whole_rows(self.module(input_ids=input_ids).logits).float()
         import torch.distributed as dist
 
         if self.layout.pp_virtual_stages != 1:
@@ -350,7 +380,7 @@ class ParallelModel:
         if r < self.layout.pp - 1:
             dist.send(stage_out.contiguous(), group=group, group_dst=r + 1)
             return None
-        return stage_out
+        return whole_rows(stage_out)
 
     # --- what was built -------------------------------------------------------------
     def built_layout(self) -> BuiltLayout:

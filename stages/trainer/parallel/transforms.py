@@ -60,7 +60,8 @@ def compile_decoder_layers(model: nn.Module) -> int:
 
 
 def apply_tp(chunk: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, fp8: bool) -> None:
-    """transformers' Llama TP plan (``base_model_tp_plan``) on one model chunk."""
+    """transformers' Llama TP plan (``base_model_tp_plan``) on one model chunk, with
+    the head's logits left sharded over the vocabulary (torchtitan's loss parallel)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -97,8 +98,11 @@ def apply_tp(chunk: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     if hasattr(inner, "norm"):
         if sequence_parallel:
             top["model.norm"] = SequenceParallel()
+        # Loss parallel (torchtitan's): the logits stay sharded over the vocabulary, a
+        # DTensor; the LM loss runs on the shards under ``loss_parallel()``, and the
+        # objectives that need whole rows gather them (``ParallelModel``).
         top["lm_head"] = ColwiseParallel(
-            input_layouts=seq, output_layouts=Replicate(), use_local_output=True
+            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
         )
     if top:
         parallelize_module(chunk, tp_mesh, top)
