@@ -36,12 +36,14 @@ norm's saved tensors and the head's input. The loss, per vocab entry and token, 
 start of its backward (the step drops the logits first, as torchtitan does): the fp32
 log-probs and the fp32 gradients of nll_loss and log_softmax, 12 bytes (the forward's
 logits, fp32 copy and log-probs, ``b + 8``, are fewer); a pipeline schedule keeps the
-last stage's output, the logits, until its backward: ``b`` more. Over the whole
-vocabulary, TP or not: the trainer's head gathers its logits
-(``ColwiseParallel(output_layouts=Replicate())`` in
-``stages.trainer.parallel.transforms.apply_tp``) and every TP rank runs the loss over
-all ``V`` of them; torchtitan's loss parallelism (logits left sharded, ``V / tp``) is
-not what it runs.
+last stage's output, the logits, until its backward: ``b`` more. Under TP the
+trainer runs torchtitan's loss parallelism for the ``lm`` objective: the head leaves
+its logits sharded over the vocabulary (``stages.trainer.parallel.transforms.apply_tp``)
+and the loss runs under ``loss_parallel()`` on ``V / tp`` of them a token, whose fused
+backward holds 16 bytes a logit at its peak (``LOSS_PARALLEL_BYTES_PER_LOGIT``). The
+post-training objectives' losses read whole rows (``loss_parallel=False``): their
+logits are gathered, every TP rank runs the loss over all ``V`` and also holds its
+head's local ``V / tp`` shard.
 
 bf16 without FSDP runs eagerly under ``torch.autocast`` over the fp32 master weights
 (``stages.trainer.parallel.parallelize.ParallelModel``), measured on CPU's autocast (the same
@@ -81,6 +83,10 @@ OPTIMIZER_BYTES = 8  # AdamW exp_avg + exp_avg_sq in fp32
 # log-probs (saved by log_softmax) and the fp32 gradients of nll_loss and of
 # log_softmax over the vocabulary.
 LOSS_BYTES_PER_LOGIT = 12
+# The same under loss parallelism (``torch.distributed.tensor.parallel.loss``): its
+# fused nll_loss/log_softmax backward computes ``(zeros_like(x) + exp(x)) * grad``
+# over the saved fp32 log-probs ``x``: four fp32 tensors of the local logits.
+LOSS_PARALLEL_BYTES_PER_LOGIT = 16
 # Under autocast each projection casts its input itself (autocast caches only the
 # casts of leaf weights): q, k and v save three bf16 copies of the first norm's
 # output, gate and up two of the second's.
@@ -213,10 +219,12 @@ def estimate_memory(
     precision: Precision,
     foreach_optimizer: bool = True,
     sequence_parallel: bool = True,
+    loss_parallel: bool = True,
 ) -> MemoryEstimate:
     """Peak memory (bytes) of the busiest pipeline rank. ``fsdp = dp_shard x cp``.
     ``sequence_parallel`` False: TP as the CPU trainer runs it (replicated norms and
-    layer inputs)."""
+    layer inputs). ``loss_parallel`` False: an objective whose loss gathers the
+    logits over TP (the post-training ones; the ``lm`` objective's does not)."""
     pp = len(pp_stage_layers)
     b = compute_bytes(precision)
     tokens = micro_batch * seq_len / cp
@@ -277,13 +285,17 @@ def estimate_memory(
             recompute = (
                 full_layer - per_layer if activation_checkpointing == "selective" else full_layer
             ) * tokens
-        # The head gathers its logits over TP: every rank's loss spans the vocabulary.
-        vocab = preset.vocab_size
+        # Under loss parallelism each TP rank's loss spans its V / tp logits; a
+        # gathering objective's spans the whole vocabulary.
+        vocab_sharded = loss_parallel and tp > 1
+        vocab = preset.vocab_size / tp if vocab_sharded else preset.vocab_size
+        per_logit = LOSS_PARALLEL_BYTES_PER_LOGIT if vocab_sharded else LOSS_BYTES_PER_LOGIT
         # The step drops its logits before the backward, so the loss's peak is as its
-        # backward starts (the forward's b + 8 bytes a logit is below it). A pipeline
-        # schedule keeps the last stage's output, the logits, until its backward.
+        # backward starts (the forward's b + 8 bytes a logit, b + 12 under loss
+        # parallelism, are below it). A pipeline schedule keeps the last stage's
+        # output, the logits, until its backward.
         logits = b * tokens * vocab if last and pp > 1 else 0.0
-        loss = LOSS_BYTES_PER_LOGIT * tokens * vocab + logits if last else 0.0
+        loss = per_logit * tokens * vocab + logits if last else 0.0
         if last:
             # the final norm's fp32 input and normalised tensor, and the head's input
             saved += tokens * ((4 + r) * h / sp + b * h)
@@ -293,7 +305,7 @@ def estimate_memory(
         if autocast and last:
             cast_params += preset.vocab_size * h / tp
         casts = WEIGHT_CAST_BYTES * cast_params
-        if last and tp > 1:
+        if last and tp > 1 and not loss_parallel:
             # the head's local shard of the logits besides the gathered ones
             loss += b * tokens * preset.vocab_size / tp
         if last and pp > 1 and pp_schedule == "GPipe":

@@ -91,6 +91,9 @@ def objective_memory(
         activation_checkpointing="none",
         precision="fp32",
         foreach_optimizer=foreach_optimizer,
+        # SFT's, DPO's and GRPO's losses take gathered logits (ParallelModel): under
+        # TP every rank runs them over the whole vocabulary
+        loss_parallel=False,
     )
     params = preset.num_params
     forward = LOSS_BYTES_PER_LOGIT * max_length * preset.vocab_size

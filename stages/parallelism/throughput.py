@@ -165,7 +165,8 @@ def layer_compute_time(
 def head_compute_time(
     preset: ModelPreset, tokens: float, tp: int, sku: GpuSku, precision: Precision
 ) -> float:
-    """Output projection + loss of one micro-batch (the last pipeline rank)."""
+    """Output projection + the lm loss (loss parallel under TP) of one micro-batch
+    (the last pipeline rank)."""
     gemm = _gemm_time(
         tokens,
         preset.hidden_size,
@@ -173,8 +174,8 @@ def head_compute_time(
         sku,
         "bf16" if precision == "fp8" else precision,
     )  # the head stays in bf16
-    # the head gathers its logits over TP: each rank's loss reads all V of them
-    loss_bytes = 3 * 12 * tokens * preset.vocab_size
+    # the lm loss under loss parallelism: each TP rank's reads its V / tp logits
+    loss_bytes = 3 * 12 * tokens * preset.vocab_size / tp
     return gemm + loss_bytes / (sku.hbm_bandwidth_gb_s * 1e9 * HBM_EFFICIENCY)
 
 
@@ -247,10 +248,11 @@ def step_time(x: StepInputs) -> StepTime:
     per_collective = _collective(tokens * h * b, x.tp, tp_bw, tp_lat)
     n_tp = 8 + (2 if x.ac == "full" else 0)
     tp_comm = (1 - TP_OVERLAP) * n_tp * per_collective * busiest_layers * x.microbatches
-    # The head all-gathers its logits before the loss, which waits on them (its
-    # backward takes a local slice): once a micro-batch, not hidden.
-    logits = _collective(tokens * x.preset.vocab_size * b, x.tp, tp_bw, tp_lat)
-    tp_comm += logits * x.microbatches
+    # The lm loss runs on vocab-sharded logits (loss parallelism): no logits gather,
+    # three all-reduces of an fp32 value a token (the max, the sum of exponentials,
+    # the target's logit) that the loss waits on, once a micro-batch.
+    loss_reduces = 3 * _collective(2 * tokens * 4, x.tp, tp_bw, tp_lat)
+    tp_comm += loss_reduces * x.microbatches
     # CP as the trainer runs it (torchtitan's default, and Llama 3's): every layer
     # all-gathers the sequence's K and V before attention and reduce-scatters their
     # gradients after it (plus a re-gather under full recompute). Attention cannot

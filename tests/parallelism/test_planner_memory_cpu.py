@@ -150,8 +150,8 @@ def test_bf16_autocast_predicted_peak_within_10_percent_of_measured(
 
 # --- TP and PP: each rank its own process on gloo ------------------------------------
 # Measured the same way on every rank (tests/trainer/parallel_cases.py, the trainer's
-# own ParallelModel); predicted for TP as it runs on CPU: no sequence parallel and the
-# logits gathered before the loss (on GPU both are on and the model divides by TP).
+# own ParallelModel) on the lm objective; predicted for TP as it runs on CPU: no
+# sequence parallel (on on GPU), the loss on vocab-sharded logits (loss parallel).
 
 
 @pytest.fixture(scope="module")
