@@ -22,7 +22,10 @@ import weakref
 from collections.abc import Sequence
 from contextlib import suppress
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from psycopg import Connection
 
 # The engine's ``Row`` and ``Read`` (``engines`` imports this module, not the reverse).
 Row = dict[str, Any]
@@ -48,7 +51,9 @@ def _batch_query(sqls: tuple[str, ...]) -> str:
     return "; ".join(["BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY", *executes, "COMMIT"])
 
 
-def read_prepared(conn: Any, prepared: PreparedReads, reads: Sequence[Read]) -> list[list[Row]]:
+def read_prepared(
+    conn: Connection[Row], prepared: PreparedReads, reads: Sequence[Read]
+) -> list[list[Row]]:
     """``reads`` on ``conn`` (a pooled psycopg connection in autocommit) as one query:
     the reads' ``EXECUTE``s in a read-only ``REPEATABLE READ`` transaction (``READ
     COMMITTED`` would give each statement its own snapshot), their parameters bound by
@@ -85,7 +90,7 @@ def read_prepared(conn: Any, prepared: PreparedReads, reads: Sequence[Read]) -> 
     raise AssertionError("unreachable")
 
 
-def _end_failed_transaction(conn: Any) -> None:
+def _end_failed_transaction(conn: Connection[Row]) -> None:
     """A batch that failed part-way left its transaction open: roll it back, so the
     connection goes back to the pool idle."""
     from psycopg.pq import TransactionStatus
@@ -101,9 +106,11 @@ class PreparedReads:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_conn: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+        self._by_conn: weakref.WeakKeyDictionary[Connection[Row], set[str]] = (
+            weakref.WeakKeyDictionary()
+        )
 
-    def prepare(self, conn: Any, sqls: Sequence[str]) -> None:
+    def prepare(self, conn: Connection[Row], sqls: Sequence[str]) -> None:
         """Prepare those of the reads the connection has not (a round trip each, before
         the batch: rare, and a failure leaves no doubt which exist)."""
         from psycopg import errors
@@ -120,7 +127,7 @@ class PreparedReads:
                 conn.execute(prepared_read(sql)[1], prepare=False)
             known.add(sql)
 
-    def forget(self, conn: Any) -> None:
+    def forget(self, conn: Connection[Row]) -> None:
         """Deallocate every statement the connection prepared here (those already gone
         are skipped), so the next batch prepares them afresh."""
         from psycopg import errors
