@@ -145,27 +145,12 @@ def test_pipeline_ranks_hold_each_in_flight_stage_output() -> None:
     # fwd_cache) until that micro-batch's backward. Rank 0 of a 1F1B PP4 holds
     # min(4, micro-batches) of them: one more micro-batch adds its 8 layer inputs and
     # its stage output. A small vocabulary keeps the loss off the peak.
-    preset = load_model_preset("llama3-8b").model_copy(update={"name": "v1k", "vocab_size": 1024})
-
     def rank0(microbatches: int) -> float:
-        est = estimate_memory(
-            preset,
-            seq_len=8192,
-            micro_batch=4,
-            microbatches=microbatches,
-            tp=8,
-            cp=1,
-            fsdp=8,
-            dp_replicate=1,
-            pp_stage_layers=[8, 8, 8, 8],
-            pp_schedule="1F1B",
-            pp_virtual_stages=1,
-            activation_checkpointing="full",
-            precision="bf16",
-        )
+        est = _pipeline(microbatches, "1F1B", 1, [8, 8, 8, 8])
         assert est.rank == 0
         return est.activations
 
+    preset = load_model_preset("llama3-8b")
     layer_input = 2 * preset.hidden_size / 8 * 4 * 8192
     assert rank0(4) - rank0(3) == pytest.approx(9 * layer_input)
 
