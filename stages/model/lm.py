@@ -26,17 +26,21 @@ def build_model(
     return Llama(LlamaArgs.from_preset(preset))
 
 
+def whole_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The logits with every vocabulary column: a model laid out with TP
+    (``stages.trainer.parallel``) gives them sharded over the vocabulary, a DTensor,
+    gathered here (differentiably); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
 def causal_lm_loss(
     model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy; ``labels`` of -100 are ignored. A model laid out
-    with TP (``stages.trainer.parallel``) gives its logits sharded over the vocabulary,
-    a DTensor: they are gathered (the trainer's own lm loss runs on the shards)."""
-    from torch.distributed.tensor import DTensor
-
-    logits = model(input_ids=input_ids).logits
-    if isinstance(logits, DTensor):
-        logits = logits.full_tensor()
+    """Mean next-token cross-entropy; ``labels`` of -100 are ignored. A TP model's
+    vocab-sharded logits are gathered (the trainer's own lm loss runs on the shards)."""
+    logits = whole_rows(model(input_ids=input_ids).logits)
     target = input_ids if labels is None else labels
     return F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.size(-1)).float(),

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stages.errors import ErrorCode, ItoError
+from stages.model.lm import whole_rows
 from stages.trainer.parallel.activation_checkpointing import apply_activation_checkpointing
 from stages.trainer.parallel.layout import BuiltLayout, ParallelLayout, check_runnable
 from stages.trainer.parallel.mesh import FSDP_DIM, mesh_coords, mesh_layout
@@ -63,14 +64,6 @@ if TYPE_CHECKING:
 # on vocab-sharded logits (``loss_parallel()``) without gathering them; the others'
 # losses read whole rows of logits (log-probs of chosen tokens, masks) and gather.
 LOSS_PARALLEL_OBJECTIVES = frozenset({"lm"})
-
-
-def whole_rows(logits: torch.Tensor) -> torch.Tensor:
-    """The logits with every vocabulary column: a TP head's vocab-sharded DTensor
-    gathered (differentiably), a plain tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
 def local_loss(loss: torch.Tensor) -> torch.Tensor:
