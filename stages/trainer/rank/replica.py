@@ -26,6 +26,7 @@ from pydantic import JsonValue
 from stages.event_buffer import EventBuffer
 from stages.run_secret import RunSecret
 from stages.trainer.rank.control import CommandName, CommandParams, Control, WorkerSpec
+from stages.trainer.rank.idle import run_when_idle
 from stages.trainer.rank.rank_state import PeerProgress, RankPoll, RankState, RankStatus
 
 if TYPE_CHECKING:
@@ -95,6 +96,14 @@ def group_cores(group: int, groups: int, cores: list[int]) -> list[int]:
     return cores[start : start + per]
 
 
+def _import_rank_modules() -> None:
+    """The modules a rank's loop runs on (torch, the loop and its set-up): imported
+    ahead, so the calls that need them find them loaded."""
+    import torch  # noqa: F401
+
+    from stages.trainer.rank import loop, setup  # noqa: F401
+
+
 class ReplicaWorker:
     """One rank of one replica group: the training loop in a thread, events buffered."""
 
@@ -103,11 +112,16 @@ class ReplicaWorker:
         process Ray restarts gets it again); kept out of the spec, which is written
         to the rank's assignment file."""
         import ray
-        import torch
 
         from stages.trainer.fleet.handoff import current_spec
 
         spec = current_spec(spec)  # a restart after a hand-off rejoins the newest run
+        if spec.replica_group < 0:
+            # A standby starts beside live ranks, often on their cores: its imports
+            # (about a second of CPU) run at idle priority, as its build does.
+            run_when_idle(_import_rank_modules, name="standby-imports")
+        import torch
+
         # Threads follow the actor's CPU share (env vars would need a runtime_env,
         # which rules out Ray's prestarted workers on restart).
         torch.set_num_threads(max(1, round(spec.config.worker_num_cpus)))
