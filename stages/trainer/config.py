@@ -162,6 +162,10 @@ class FaultToleranceConfig(StrictModel):
     heal_max_connections: int = Field(default=16, ge=1, le=1024)
     # Ray restarts of one worker actor before the run gives up on it.
     max_restarts: int = Field(default=8, ge=0)
+    # Driver: a grow's new groups are launched again when one fails before it trains
+    # (a process lost while it builds or joins), up to this many launches in all; then
+    # the resize is refused and the run keeps its groups.
+    resize_join_attempts: int = Field(default=3, ge=1, le=10)
     # Driver: how long a worker may stay unreachable before its group counts as lost
     # for the all-groups-lost decision.
     actor_ready_timeout_s: float = Field(default=120.0, gt=0)

@@ -390,3 +390,51 @@ def test_a_grow_launches_fresh_ranks_when_no_standby_is_warm(tmp_path: Path) -> 
     engine.resizer.advance()
     assert made == [2] and engine.resizer.stage is ResizeStage.launching
     assert started == [] and standby.commands == [] and set(engine.standby.groups) == {0}
+
+
+def test_a_new_group_lost_before_it_trains_is_launched_again_then_the_grow_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A new group's rank that fails after every group held (before it trains): the held
+    groups are released with the members they had (none waits for the lost one), the
+    lost group's ranks are killed and fresh ones launched under a new index; once the
+    launches run out, the grow is refused and the held groups are released again."""
+    engine, inbox, events = _engine(tmp_path, fault_tolerance={"resize_join_attempts": 2})
+    _on_nodes(engine, {0: "node-a", 1: "node-b"})
+    held_ranks = dict(engine.actors)
+    made: dict[int, _Rank] = {}
+
+    def make_worker(name: str, group: int, rank: int, **kw: Any) -> _Rank:
+        made[group] = _Rank()
+        return made[group]
+
+    engine.launcher.make_worker = make_worker  # type: ignore[method-assign]
+    answers: list[tuple[bool, str]] = []
+    engine.resizer.polls.all_in = lambda ranks, states, shards: answers.pop(0)  # type: ignore[method-assign]
+    inbox.put(ResizeRequest(request_id="grow", replica_groups=3, requested_at=0.0))
+    engine.resizer.advance()
+    assert list(made) == [2] and engine.resizer.stage is ResizeStage.launching
+
+    def hold_and_lose(new_group: int) -> None:
+        answers.append((True, ""))  # built and warm: every group is asked to hold
+        engine.resizer.advance()
+        for key in held_ranks:
+            engine.supervisor.reports[key] = RankReport(pid=1, state=RankState.held, held_at=7)
+        engine.resizer.advance()  # all held after step 7: the new group is released
+        assert engine.resizer.stage is ResizeStage.joining
+        assert made[new_group].commands == [("data", {"role_shards": None}), ("go",)]
+        for rank in held_ranks.values():
+            rank.commands.clear()
+        answers.append((False, f"rank ({new_group}, 0) of a new group failed: gone"))
+        engine.resizer.advance()
+        released = ("members", {"first_step": 8, "members": [0, 1]})
+        assert all(rank.commands == [released] for rank in held_ranks.values())
+
+    hold_and_lose(2)
+    assert list(made) == [2, 3] and engine.resizer.stage is ResizeStage.launching
+    assert engine.resizer.members == (0, 1, 3) and list(engine.resizer.joining) == [(3, 0)]
+    hold_and_lose(3)  # the second and last launch fails too
+    assert engine.resizer.stage is ResizeStage.idle and not engine.resizer.joining
+    actions = [(e.action, e.groups_after) for e in events if isinstance(e, ResizeEvent)]
+    assert actions == [("requested", 3), ("refused", 2)]
+    assert sorted(engine.groups) == [0, 1]

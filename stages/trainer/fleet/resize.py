@@ -111,6 +111,8 @@ class GroupResizer:
         # A swap's second move (groups added on the nodes the booking gained), begun
         # once its first (the groups on the nodes it took back drained) is applied.
         self._then: ResizeRequest | None = None
+        # Launches of the current grow's new groups (a failed one is launched again).
+        self._launches = 0
 
     @property
     def paused(self) -> bool:
@@ -245,20 +247,9 @@ class GroupResizer:
             )
             return
         self.request = request
+        self._launches = 0
         if request.replica_groups > self.before:
-            added = list(
-                range(self._next_group, self._next_group + request.replica_groups - len(live))
-            )
-            self._next_group += len(added)
-            self.members = (*live, *added)
-            # After a pause the new groups read the run's checkpoint (none is live to
-            # heal from) and share the batch from its step; otherwise they heal.
-            resume = None if self.paused_at is None else (self.paused_at, self.members)
-            self.joining.update(self.grow.start(added, request, resume))
-            if self.grow.promoted.keys() == self.joining.keys():  # nothing to build: hold now
-                self._hold()
-            else:
-                self.stage = ResizeStage.launching
+            self._add_groups(request, live)
         elif request.replica_groups == 0:
             self.members = ()
             self._hold()
@@ -271,6 +262,22 @@ class GroupResizer:
                     leaving.append(g)
             self.members = tuple(g for g in live if g not in leaving)
             self._hold()
+
+    def _add_groups(self, request: ResizeRequest, live: list[int]) -> None:
+        """Start the groups a grow adds to ``live`` (each launch's groups have indices,
+        and so ranks' names, of their own)."""
+        added = list(range(self._next_group, self._next_group + request.replica_groups - len(live)))
+        self._next_group += len(added)
+        self._launches += 1
+        self.members = (*live, *added)
+        # After a pause the new groups read the run's checkpoint (none is live to
+        # heal from) and share the batch from its step; otherwise they heal.
+        resume = None if self.paused_at is None else (self.paused_at, self.members)
+        self.joining.update(self.grow.start(added, request, resume))
+        if self.grow.promoted.keys() == self.joining.keys():  # nothing to build: hold now
+            self._hold()
+        else:
+            self.stage = ResizeStage.launching
 
     def refusal(self, request: ResizeRequest) -> str:
         """Why ``request`` cannot be applied now ("" if it can)."""
@@ -439,7 +446,8 @@ class GroupResizer:
         given up on: the resize is refused)."""
         done, failure = self.polls.all_in(ranks, states, self.engine.role_shards)
         if failure:
-            self._abandon(failure)
+            self._join_failed(failure)
+            return False
         return done
 
     def _poll_leaving(self) -> None:
@@ -458,16 +466,40 @@ class GroupResizer:
         if not self.leaving:  # give back the reservations of gained nodes they drained
             self.grow.release_drained(set(self.engine.groups) | {k[0] for k in self.joining})
 
-    def _abandon(self, reason: str) -> None:
-        request, self.request = self.request, None
+    def _join_failed(self, reason: str) -> None:
+        """A new group's rank failed before it trained (its process died, its build
+        failed): every new group of this launch is given up (one may already be in a
+        quorum: none is admitted alone), the held groups train on as they were, and the
+        grow starts fresh groups again, ``resize_join_attempts`` launches in all, after
+        which it is refused."""
+        engine, request = self.engine, self.request
         kill_actors(*self.joining.values())
         for key in self.joining:
             self.polls.forget(key)
+            self.grow.placed.pop(key[0], None)
         self.joining, self.grow.promoted = {}, {}
+        live = sorted(engine.groups)
+        if self.stage is ResizeStage.joining and self.paused_at is None:
+            # Every live rank holds after step ``first_step - 1``, waiting for its members.
+            members = {"first_step": self.first_step, "members": live}
+            for actor in engine.actors.values():
+                actor.command.remote("members", members)
         self.stage = ResizeStage.idle
-        if request is not None:
-            self._report(request, "refused", self.before, reason=reason)
-            self.engine.emit(LogEvent(level="warning", message=f"resize refused: {reason}"))
+        if request is None:
+            return
+        if self._launches < engine.ft.resize_join_attempts:
+            engine.emit(
+                LogEvent(
+                    level="warning",
+                    message=f"resize {request.request_id}: {reason}; the new groups start "
+                    f"again (launch {self._launches + 1} of {engine.ft.resize_join_attempts})",
+                )
+            )
+            self._add_groups(request, live)
+            return
+        self.request = None
+        self._report(request, "refused", self.before, reason=reason)
+        engine.emit(LogEvent(level="warning", message=f"resize refused: {reason}"))
 
     def shutdown(self) -> list[Any]:
         """The actors this resizer still holds (the engine kills them with the fleet)."""
