@@ -442,8 +442,8 @@ class GroupResizer:
 
     # --- polling the ranks this engine does not poll ------------------------------------
     def _poll(self, ranks: dict[RankKey, Any], states: set[RankState]) -> bool:
-        """Whether every rank of ``ranks`` reports one of ``states`` (a failed one is
-        given up on: the resize is refused)."""
+        """Whether every rank of ``ranks`` reports one of ``states`` (a failed one:
+        ``_join_failed``)."""
         done, failure = self.polls.all_in(ranks, states, self.engine.role_shards)
         if failure:
             self._join_failed(failure)
