@@ -207,27 +207,49 @@ def test_a_run_down_to_one_group_grows_back_with_every_sequence_trained_once(
     )
 
 
-# Paced so the one group outlasts the grow (the new group's process start and model
-# build); as few steps as that allows.
-GROW_PLANNED_ONE_STEPS = 100
+# Paced so the one group outlasts the grow (two launches of the new group: process
+# start and model build each); as few steps as that allows.
+GROW_PLANNED_ONE_STEPS = 160
 
 
-def test_a_run_planned_at_one_group_grows_to_two_with_every_sequence_trained_once(
+def test_a_run_planned_at_one_group_grows_to_two_past_a_new_group_lost_while_it_builds(
     ray_local: None, tmp_path: Path
 ) -> None:
     # The booking gained a node: a run planned, launched and trained at one group (a
     # lighthouse, a membership and a batch cut that only ever knew one member) grows
-    # to two, the new group healing from the one live group.
+    # to two, the new group healing from the one live group. The first new group's
+    # process is SIGKILLed while it builds: the grow launches a fresh one (group 2).
+    from stages.trainer import kill_replica_group
+
     cfg = _config(
         tmp_path / "one", pace_step_s=0.15, steps=GROW_PLANNED_ONE_STEPS, replica_groups=1
     )
     with StageRun(cfg, tmp_path / "one", "planned-one", wait_s=WAIT_S, join_timeout_s=900) as run:
         run.wait_for(lambda e: isinstance(e, StepEvent) and e.committed and e.step >= 3, "step 3")
-        grow = _resize(run, "one-to-two", 2, nodes=("n0", "n1"))
+        run.ctx.resize_inbox.put(
+            ResizeRequest(
+                request_id="one-to-two",
+                replica_groups=2,
+                requested_at=time.time(),
+                nodes=("n0", "n1"),
+            )
+        )
+        deadline = time.monotonic() + WAIT_S
+        while not kill_replica_group(run.ctx.run_id, 1)[1]:  # its actor is up: it builds
+            assert time.monotonic() < deadline, "the new group's rank never came up"
+            time.sleep(0.05)
+        grow = run.wait_for(
+            lambda e: isinstance(e, ResizeEvent) and e.action in ("applied", "refused"),
+            "the grow applied",
+        )
         out = run.join()
     assert out.status == "passed", out.reason
-    assert (grow.groups_before, grow.groups_after) == (1, 2)
+    assert (grow.action, grow.groups_before, grow.groups_after) == ("applied", 1, 2), grow.reason
     assert grow.step is not None
+    assert any(
+        isinstance(e, LogEvent) and "the new groups start again (launch 2 of 3)" in e.message
+        for e in run.events
+    ), run.logs()
 
     ledger = _ledger(run)
     _assert_every_batch_once(ledger, GROW_PLANNED_ONE_STEPS, grow.step)
@@ -235,16 +257,16 @@ def test_a_run_planned_at_one_group_grows_to_two_with_every_sequence_trained_onc
         if step < grow.step - 1:
             assert set(shares) == {0}, (step, shares)
         if step >= grow.step:
-            assert set(shares) == {0, 1}, (step, shares)
+            assert set(shares) == {0, 2}, (step, shares)
     # The run ends with two groups: both trained its last step.
-    assert set(ledger[GROW_PLANNED_ONE_STEPS]) == {0, 1}
+    assert set(ledger[GROW_PLANNED_ONE_STEPS]) == {0, 2}
     assert out.metrics["tokens"] == GROW_PLANNED_ONE_STEPS * cfg.target.global_batch_tokens
     # The new group healed from the live one: it read no checkpoint (one was saved).
     assert not any(
         isinstance(e, FleetEvent) and e.action == "checkpoint_restored" for e in run.events
     )
     assert any(
-        isinstance(e, LogEvent) and e.message.startswith("rg1: healed from a live peer")
+        isinstance(e, LogEvent) and e.message.startswith("rg2: healed from a live peer")
         for e in run.events
     )
 
