@@ -434,11 +434,16 @@ class GroupResizer:
 
     def _release(self, held: list[RankKey]) -> None:
         """The held ranks train on, the batch shared by the new members."""
-        members = {"first_step": self.first_step, "members": list(self.members)}
-        for key in held:
-            self.engine.actors[key].command.remote("members", members)
+        self._send_members(held, list(self.members))
         self.engine.resized = True
         self.stage = ResizeStage.settling
+
+    def _send_members(self, held: list[RankKey], members: list[int]) -> None:
+        """Release the held ranks ``held``: ``members`` share the batch from
+        ``first_step``."""
+        params = {"first_step": self.first_step, "members": members}
+        for key in held:
+            self.engine.actors[key].command.remote("members", params)
 
     # --- polling the ranks this engine does not poll ------------------------------------
     def _poll(self, ranks: dict[RankKey, Any], states: set[RankState]) -> bool:
@@ -481,9 +486,7 @@ class GroupResizer:
         live = sorted(engine.groups)
         if self.stage is ResizeStage.joining and self.paused_at is None:
             # Every live rank holds after step ``first_step - 1``, waiting for its members.
-            members = {"first_step": self.first_step, "members": live}
-            for actor in engine.actors.values():
-                actor.command.remote("members", members)
+            self._send_members(list(engine.actors), live)
         self.stage = ResizeStage.idle
         if request is None:
             return
