@@ -52,8 +52,10 @@ WAIT_S = float(os.environ.get("ITO_TEST_WAIT_S", "240"))
 # (about 33 s from the booking change on a loaded 2-core host, ~90 steps here).
 PACE_STEP_S = 0.25
 STEPS = 200
-# A run that only shrinks (nothing to launch) is short.
-TAKEN_BACK_STEPS = 80
+# A run that only shrinks (nothing to launch) is short: at load 19, with the booking
+# changed by a CLI process, the shrink applied at step 20 (of 80), 2.06 s after the
+# change; the change is now stored without a process, and the run has 30 steps more.
+TAKEN_BACK_STEPS = 50
 # 12 sequences of 32 tokens a step: 6 a group at 2 groups, 4 at 3.
 SEQ_LEN = 32
 GLOBAL_BATCH_TOKENS = 384
@@ -114,6 +116,16 @@ def _events(env: dict[str, Any], run_id: str, kind: str) -> list[dict[str, Any]]
     store = Store(env["backend"].db)
     try:
         return [dict(e["payload"]) for e in store.list_events(run_id, kinds=[kind], limit=100_000)]
+    finally:
+        store.close()
+
+
+def _change_nodes(env: dict[str, Any], action: str, *nodes: str) -> None:
+    """A booking change as ``ito-backend bookings add-nodes``/``remove-nodes`` stores it,
+    without the CLI process (the grow test runs the CLI)."""
+    store = Store(env["backend"].db)
+    try:
+        store.change_booking_nodes(BOOKING, action, list(nodes))
     finally:
         store.close()
 
@@ -199,7 +211,6 @@ def _reservations_left(env: dict[str, Any], *run_ids: str) -> dict[str, str]:
 def test_a_node_taken_back_drains_the_groups_on_it_not_the_highest(
     env: dict[str, Any],
 ) -> None:
-    db = env["backend"].db
     steps = TAKEN_BACK_STEPS
     run_id = _submit(env, "taken-back", steps)
     _wait(
@@ -211,7 +222,7 @@ def test_a_node_taken_back_drains_the_groups_on_it_not_the_highest(
     # Each group on the booking node of its bundle: group 0 on bk-grow-n0.
     nodes, groups = _ray_nodes(env), _group_actors(env, run_id)
     assert {g: a.node_id for g, a in groups.items()} == {0: nodes[NODES[0]], 1: nodes[NODES[1]]}
-    admin(db, "bookings", "remove-nodes", BOOKING, "--node", NODES[0])
+    _change_nodes(env, "remove", NODES[0])
     _wait(env, run_id, lambda r: _applied(r, 1) is not None, "the shrink applied")
     done = _wait(env, run_id, lambda r: r["state"] == "succeeded", "succeeded")
     shrink = _applied(done, 1)
@@ -237,7 +248,7 @@ def test_a_node_taken_back_drains_the_groups_on_it_not_the_highest(
     assert _train_metrics(done)["tokens"] == steps * GLOBAL_BATCH_TOKENS
 
     # The booking as the next test needs it: bk-grow-n0 back, the run's nodes free.
-    admin(db, "bookings", "add-nodes", BOOKING, "--node", NODES[0])
+    _change_nodes(env, "add", NODES[0])
     wait_until(
         lambda: set(_reservations_left(env, run_id).values()) <= {"REMOVED"},
         60.0,
@@ -251,7 +262,6 @@ def test_a_node_swapped_at_the_same_count_moves_its_group_to_the_gained_node(
     """bk-grow-n0 taken back and bk-grow-n2 added in one supervisor pass: two groups
     still fit, so the request keeps the count; under that one request a new group starts
     on n2 and heals from a live peer (a grow to 3), then the group on n0 is drained."""
-    db = env["backend"].db
     run_id = _submit(env, "swapped")
     _wait(
         env,
@@ -267,7 +277,7 @@ def test_a_node_swapped_at_the_same_count_moves_its_group_to_the_gained_node(
     (leaving,) = on_n0
     (staying,) = {0, 1} - on_n0
     # Both changes in one pass of the supervisor (each audited command takes a second).
-    store = Store(db)
+    store = Store(env["backend"].db)
     try:
         store.change_booking_nodes(BOOKING, "remove", [NODES[0]])
         store.change_booking_nodes(BOOKING, "add", [NODES[2]])
@@ -301,8 +311,8 @@ def test_a_node_swapped_at_the_same_count_moves_its_group_to_the_gained_node(
     assert _train_metrics(done)["tokens"] == STEPS * GLOBAL_BATCH_TOKENS
 
     # The booking as the next test needs it: bk-grow-n0 and -n1, the run's nodes free.
-    admin(db, "bookings", "remove-nodes", BOOKING, "--node", NODES[2])
-    admin(db, "bookings", "add-nodes", BOOKING, "--node", NODES[0])
+    _change_nodes(env, "remove", NODES[2])
+    _change_nodes(env, "add", NODES[0])
     wait_until(
         lambda: set(_reservations_left(env, run_id).values()) <= {"REMOVED"},
         60.0,
