@@ -68,7 +68,16 @@ def evals_dir() -> Path:
 
 
 def list_eval_suites() -> list[str]:
-    return sorted(p.stem for p in evals_dir().glob("*.json"))
+    """Suites with items to decontaminate against (a battery of held-out checks only
+    names no file, and is no suite)."""
+    out = []
+    for p in sorted(evals_dir().glob("*.json")):
+        try:
+            EvalSuite.model_validate_json(p.read_bytes())
+        except ValueError:
+            continue
+        out.append(p.stem)
+    return out
 
 
 def load_eval_suite(name: str) -> EvalSuite:
@@ -78,7 +87,12 @@ def load_eval_suite(name: str) -> EvalSuite:
             ErrorCode.eval_suite_unknown,
             f"unknown eval suite {name!r}; known: {', '.join(list_eval_suites())}",
         )
-    return EvalSuite.model_validate_json(path.read_bytes())
+    try:
+        return EvalSuite.model_validate_json(path.read_bytes())
+    except ValueError as e:
+        raise ItoError(
+            ErrorCode.eval_suite_unknown, f"{name!r} is not an eval suite (no item files)"
+        ) from e
 
 
 def read_eval_file(

@@ -149,6 +149,15 @@ def _tokenizer(path: str) -> PreTrainedTokenizerBase:
     return load_tokenizer(path)
 
 
+def battery_runs_lm_eval(name: str | None) -> bool:
+    """Whether the battery ``name`` has an lm-evaluation-harness task (a held-out-only
+    battery needs neither lm-eval's import nor its task files)."""
+    from stages.evals.battery import lm_eval_tasks
+    from stages.evals.config import load_battery
+
+    return name is not None and bool(lm_eval_tasks(load_battery(name)))
+
+
 def warm_phase_end(cfg: TrainStageConfig, *, tasks: bool) -> None:
     """Import what this rank runs at a phase's end ahead of the first one: the HF
     export (safetensors, the tokenizer, the model's transformers class: every live rank

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.fresh_python import run_python
 from helpers.xdist_groups import module_group
 
-from stages.data_prep.evals import load_eval_items
+from stages.data_prep.evals import list_eval_suites, load_eval_items, load_eval_suite
 from stages.errors import ErrorCode, ItoError
 from stages.evals import (
     BatteryResult,
@@ -179,6 +180,36 @@ def test_battery_registry(tmp_path: Path) -> None:
     items, _infos = load_eval_items(["smoke"])
     assert len(items) == 8 + 12 and {i.suite for i in items} == {"smoke"}
     assert json.loads((configs_dir() / "evals" / "smoke.json").read_text())["checks"]
+    # The held-out battery names no item file: a battery, but no eval suite.
+    assert "heldout" in list_batteries() and "heldout" not in list_eval_suites()
+    with pytest.raises(ItoError) as e:
+        load_eval_suite("heldout")
+    assert e.value.code == ErrorCode.eval_suite_unknown
+
+
+def test_a_heldout_only_battery_scores_without_lm_eval() -> None:
+    """The held-out battery gates on held-out loss and bits per byte alone: a rank that
+    runs it neither preloads lm-evaluation-harness nor imports it at the phase end."""
+    from stages.trainer.phase_eval import battery_runs_lm_eval
+
+    assert battery_runs_lm_eval("smoke") and not battery_runs_lm_eval("heldout")
+    assert not battery_runs_lm_eval(None)
+    out = run_python(
+        "import json, sys\n"
+        "from stages.evals import run_battery\n"
+        "from stages.hf import train_tokenizer\n"
+        "from stages.model.lm import build_model\n"
+        "from stages.presets import load_model_preset\n"
+        "model = build_model(load_model_preset('llama-tiny'), seed=0)\n"
+        "tok = train_tokenizer([], vocab_size=260, model_max_length=256)\n"
+        f"r = run_battery(model, tok, 'heldout', {HELDOUT!r}, seq_len=64)\n"
+        "print(json.dumps({'checks': [[c.name, c.status] for c in r.checks],"
+        " 'lm_eval': 'lm_eval' in sys.modules}))\n"
+    )
+    assert out == {
+        "checks": [["heldout_loss", "ok"], ["heldout_bits_per_byte", "ok"]],
+        "lm_eval": False,
+    }
 
 
 def test_heldout_shares_of_the_data_parallel_ranks_reduce_to_the_one_rank_score(

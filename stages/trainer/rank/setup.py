@@ -313,9 +313,11 @@ class RankSetup:
         # Every phase ends in an HF export whose shards every live rank writes, and in
         # a battery whose units each group's rank 0 runs: the imports overlap the wait
         # for data and training instead of stalling the first phase switch.
-        from stages.trainer.phase_eval import warm_phase_end
+        from stages.trainer.phase_eval import battery_runs_lm_eval, warm_phase_end
 
-        tasks = spec.rank == 0 and any(p.eval_battery for p in loop.schedule.phases)
+        tasks = spec.rank == 0 and any(
+            battery_runs_lm_eval(p.eval_battery) for p in loop.schedule.phases
+        )
         loop.phase_end_imports = idle_thread(
             lambda: warm_phase_end(cfg, tasks=tasks), name="phase-end-imports"
         )
