@@ -53,13 +53,15 @@ def _iso(hours: float) -> str:
     return (datetime.now(UTC) + timedelta(hours=hours)).isoformat().replace("+00:00", "Z")
 
 
-def start_server(
+def launch_server(
     tmp: Path,
     log_level: str,
     module: str = "orchestrator.admin",
     db: str | None = None,
     name: str = "server",
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """One API server on ``db`` (default: a SQLite file in ``tmp``): its process and
+    URL, not yet waited for (``wait_healthy``)."""
     port = free_port()
     log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
@@ -94,14 +96,18 @@ def start_server(
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     log.close()
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(tmp: Path, proc: subprocess.Popen[bytes], url: str, name: str) -> None:
+    """Until the server answers ``/healthz`` (it is killed if it never does)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError((tmp / f"{name}.log").read_text()[-3000:])
         try:
             if httpx.get(url + "/healthz", timeout=1.0).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
@@ -342,8 +348,11 @@ def serving(
     store = db or str(tmp / "ito.db")
     servers: list[tuple[subprocess.Popen[bytes], str]] = []
     try:
+        # The replicas start together: each is seconds of imports before it listens.
         for i in range(replicas):
-            servers.append(start_server(tmp, log_level, module, store, f"server{i}"))
+            servers.append(launch_server(tmp, log_level, module, store, f"server{i}"))
+        for i, (proc, url) in enumerate(servers):
+            wait_healthy(tmp, proc, url, f"server{i}")
         urls, pids = [u for _, u in servers], [p.pid for p, _ in servers]
         yield Target(urls, pids, store, make_tenant(store, keys), tmp)
     finally:
