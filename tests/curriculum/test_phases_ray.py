@@ -91,7 +91,7 @@ def _schedule() -> CurriculumSchedule:
     )
 
 
-def _config(tmp: Path) -> TrainStageConfig:
+def _config(tmp: Path, *, replica_groups: int = 2, spare_groups: int = 1) -> TrainStageConfig:
     return TrainStageConfig.model_validate(
         dict(
             model=ModelSpec(preset="llama-tiny", size="0.1M"),
@@ -109,8 +109,8 @@ def _config(tmp: Path) -> TrainStageConfig:
             # A warm spare takes a killed group's place at once: a new process would need
             # longer than phase 2 lasts on a loaded 2-core machine. While a group is
             # missing the survivor steps at 0.75 s, so phase 2 outlasts the heal.
-            replica_groups=2,
-            spare_groups=1,
+            replica_groups=replica_groups,
+            spare_groups=spare_groups,
             pace_step_s=0.25,
             degraded_pace_step_s=0.75,
             curriculum=_schedule(),
@@ -366,7 +366,9 @@ def test_a_driver_relaunched_mid_phase_resumes_there(ray_local: None, tmp_path: 
     1's decided gate back (no re-scoring) and resumes phase 2 at its newest checkpoint."""
     import ray
 
-    cfg, schedule = _config(tmp_path), _schedule()
+    # One group and no standby: nothing is killed here, so fewer trainer processes
+    # (each a torch import) to start, twice.
+    cfg, schedule = _config(tmp_path, replica_groups=1, spare_groups=0), _schedule()
     mid = schedule.phases[1]
     first = Run(cfg, tmp_path, "relaunch")
     first.wait_for(
