@@ -114,13 +114,12 @@ def test_each_path_delivers_bit_identical_weights_to_thread_workers(
         pool.close()
 
 
-def _start_sender(policy: Path, seed: int, die_after: int | None = None) -> tuple[Any, Any, str]:
-    """A learner's rank 0 in its own process (``helpers.collective_sender``): (its
-    process, the version's descriptor, the digest of the state it sends)."""
+def _start_dying_sender(policy: Path, seed: int, die_after: int) -> tuple[Any, Any, str]:
+    """A learner's rank 0 in its own process (``helpers.collective_sender``) that
+    SIGKILLs itself after ``die_after`` buckets: (its process, the version's
+    descriptor, the digest of the state it sends)."""
     args = [sys.executable, "-m", "helpers.collective_sender", "--policy", str(policy)]
-    args += ["--seed", str(seed)]
-    if die_after is not None:
-        args += ["--die-after", str(die_after)]
+    args += ["--seed", str(seed), "--die-after", str(die_after)]
     proc = subprocess.Popen(
         args,
         cwd=REPO,
@@ -136,45 +135,6 @@ def _start_sender(policy: Path, seed: int, die_after: int | None = None) -> tupl
     return proc, desc, digest
 
 
-def test_a_sender_killed_mid_broadcast_leaves_the_worker_at_its_version_until_a_new_one(
-    tiny_policy: Path,
-) -> None:
-    """The collective path's sender (the learner's rank 0) is SIGKILLed after the first
-    bucket of version 2: the worker's receive fails within its timeout instead of
-    hanging, the worker keeps version 1's weights and reports version 2 missed; then a
-    new sender (a healed rank 0, a new listener) delivers version 3 bit-identical."""
-    from stages.post_training.weight_descriptors import state_digest
-
-    (worker,) = _workers(tiny_policy, 1)
-
-    def digest() -> str:
-        return state_digest(dict(worker.model.state_dict()))
-
-    first, desc, want = _start_sender(tiny_policy, seed=1)
-    try:
-        reply = worker.set_weights(1, desc)
-        assert reply["version"] == 1 and "missed" not in reply, reply
-        assert digest() == want
-    finally:
-        first.communicate("done\n", timeout=SENDER_EXIT_TIMEOUT_S)
-
-    dying, desc, _ = _start_sender(tiny_policy, seed=2, die_after=1)
-    assert len(desc.buckets) > 1  # the death falls between two buckets
-    reply = worker.set_weights(2, desc)
-    dying.wait(timeout=SENDER_EXIT_TIMEOUT_S)
-    assert dying.returncode == -signal.SIGKILL
-    assert reply["version"] == 1 and reply["missed"] == 2, reply
-    assert reply["error"]
-    assert worker.version == 1 and digest() == want  # nothing of version 2 was loaded
-
-    healed, desc, want = _start_sender(tiny_policy, seed=3)
-    try:
-        assert worker.set_weights(3, desc)["version"] == 3
-        assert digest() == want
-    finally:
-        healed.communicate("done\n", timeout=SENDER_EXIT_TIMEOUT_S)
-
-
 def _perturbed_state(policy: Path, seed: int) -> dict[str, Any]:
     from stages.post_training.hf_io import load_model
 
@@ -184,6 +144,48 @@ def _perturbed_state(policy: Path, seed: int) -> dict[str, Any]:
         for p in model.parameters():
             p.add_(torch.randn_like(p))
     return dict(model.state_dict())
+
+
+def test_a_sender_killed_mid_broadcast_leaves_the_worker_at_its_version_until_a_new_one(
+    tiny_policy: Path,
+) -> None:
+    """The collective path's sender (the learner's rank 0, a process of its own) is
+    SIGKILLed after the first bucket of version 2: the worker's receive fails within
+    its timeout instead of hanging, the worker keeps version 1's weights and reports
+    version 2 missed; then a new sender (a healed rank 0, a new listener) delivers
+    version 3 bit-identical. Versions 1 and 3 come from senders in this process (only
+    the killed one needs a process of its own)."""
+    (worker,) = _workers(tiny_policy, 1)
+
+    def digest() -> str:
+        return state_digest(dict(worker.model.state_dict()))
+
+    def deliver(version: int, seed: int) -> None:
+        state = _perturbed_state(tiny_policy, seed)
+        sender = CollectiveSender(
+            workers=1, key=KEY, device="cpu", bucket_bytes=16 << 10, timeout_s=SYNC_TIMEOUT_S
+        )
+        try:
+            reply = worker.set_weights(version, sender.put(state))
+            assert reply["version"] == version and "missed" not in reply, reply
+            assert digest() == state_digest(state)
+            sender.flush(SYNC_TIMEOUT_S)
+        finally:
+            sender.close()
+
+    deliver(1, seed=1)
+    want = digest()
+
+    dying, desc, _ = _start_dying_sender(tiny_policy, seed=2, die_after=1)
+    assert len(desc.buckets) > 1  # the death falls between two buckets
+    reply = worker.set_weights(2, desc)
+    dying.wait(timeout=SENDER_EXIT_TIMEOUT_S)
+    assert dying.returncode == -signal.SIGKILL
+    assert reply["version"] == 1 and reply["missed"] == 2, reply
+    assert reply["error"]
+    assert worker.version == 1 and digest() == want  # nothing of version 2 was loaded
+
+    deliver(3, seed=3)
 
 
 def test_a_stranger_process_gets_no_weights_and_the_worker_gets_them_exactly(
