@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.runtime import ray_cluster
+
 # One ip/tc command: they act at once, a hang is a broken host.
 IP_TIMEOUT_S = 10.0
 # The probe's server has this long to start listening in its namespace.
@@ -360,6 +362,9 @@ class TwoNodeRay:
             "RAY_AUTH_MODE": "token",
             "RAY_USAGE_STATS_ENABLED": "0",
             "OMP_NUM_THREADS": "1",
+            # A stopped node would first wait up to 30 s for its GCS to drain it (for
+            # Ray Serve, which nothing here runs); the backend's own Ray skips it too.
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         }
 
     def _start(self, name: str, prefix: list[str], args: list[str]) -> RayNode:
@@ -391,14 +396,11 @@ class TwoNodeRay:
         return node
 
     def start(self) -> None:
-        ray = str(Path(sys.executable).with_name("ray"))
-        subprocess.run(
-            [ray, "get-auth-token", "--generate"],
-            env=self._env(),
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
+        # The cluster's token, made only if missing: a `ray get-auth-token` process is
+        # seconds of imports on a loaded host. The nodes start one at a time: a starting
+        # raylet has Ray's fixed 30 s to register with its GCS, which two starting
+        # together on a loaded 2-core host can both miss.
+        ray_cluster.ensure_auth_token()
         self.port = free_port()
         host_ports = [
             f"--node-manager-port={free_port()}",
