@@ -11,9 +11,11 @@ tiny random-init policy. First eta = 0 (every rollout is generated with the
 learner's current version, so learner and rollouts take turns: the synchronous
 baseline veRL and trl's GRPOTrainer use), then eta = 2 (AReaL-style bounded
 staleness: rollouts for the next steps are generated while the ranks train), same
-seeds, same step count. Each launch starts its own engine and rollout actors under a
-run id of its own, in a workdir of its own (the resume's relaunch reuses its
-stopped run's).
+seeds, same step count. Dynamic sampling drops up to ``--max-dropped-groups``
+uniform-reward groups a step (default: the recipe's, 16; the random policy's groups
+are nearly all uniform, so each is one more generation). Each launch starts its own
+engine and rollout actors under a run id of its own, in a workdir of its own (the
+resume's relaunch reuses its stopped run's).
 
 What each number counts:
 - ``samples_per_s``: completions generated (accepted and dropped groups) per second
@@ -144,6 +146,7 @@ def run_once(
             "max_staleness": eta,
             "rollout_workers": args.workers,
             "dynamic_sampling": True,
+            "max_dropped_groups_per_step": args.max_dropped_groups,
             "seed": 0,
             "weight_sync": weight_sync,
             "checkpoint_every_steps": checkpoint_every,
@@ -336,6 +339,8 @@ def _median(xs: list[float]) -> float | None:
 
 
 def main() -> None:
+    from stages.post_training.config import RLVRConfig
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--workers", type=int, default=2)
@@ -343,6 +348,14 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument(
+        "--max-dropped-groups",
+        type=int,
+        default=RLVRConfig.model_fields["max_dropped_groups_per_step"].default,
+        help="dynamic sampling's uniform-reward groups dropped per step (default: the "
+        "recipe's); a random policy's groups are nearly all uniform, each drop one "
+        "more generation",
+    )
     ap.add_argument("--learner-steps", type=int, default=8)
     # The replica-group counts whose learner rates are compared.
     ap.add_argument("--learner-groups", type=int, nargs="+", default=[1, 2])
