@@ -23,6 +23,7 @@ from stages.errors import ErrorCode, ItoError
 from stages.events import Event, StepEvent
 from stages.post_training.config import OBJECTIVE_BUILDER
 from stages.trainer.config import ModelSpec, ObjectiveConfig, TrainingTarget, TrainStageConfig
+from tests.post_training.conftest import ReferenceRun
 
 pytestmark = pytest.mark.slow
 
@@ -100,16 +101,18 @@ def _weights(cfg: TrainStageConfig, checkpoint: str) -> dict[str, torch.Tensor]:
 
 
 def test_two_sft_learner_groups_make_the_update_of_one_with_the_whole_batch(
-    ray_local: None, tiny_policy: Path, tmp_path: Path
+    sft_one_rank: ReferenceRun, tiny_policy: Path, tmp_path: Path
 ) -> None:
+    """Against one group with the whole batch (``sft_one_rank``: the same rows and
+    config, trained once a session)."""
     from stages.post_training.hf_io import load_model
 
     data = _rows(tmp_path / "sft.jsonl")
     two = _config(tmp_path / "two", tiny_policy, data, groups=2)
-    one = _config(tmp_path / "one", tiny_policy, data, groups=1)
+    one, r1, ev1 = sft_one_rank.cfg, sft_one_rank.result, sft_one_rank.events
     assert two.micro_batch == 2 and one.micro_batch == 4  # the same global batch
+    sft_one_rank.assert_trains_the_same(two)
     r2, ev2 = _train(two, tmp_path / "two", "sft-two")
-    r1, ev1 = _train(one, tmp_path / "one", "sft-one")
     assert r2.steps == r1.steps == STEPS
     assert len(set(r2.digests.values())) == 1 and len(r2.digests) == 2  # groups agree
 
@@ -122,7 +125,7 @@ def test_two_sft_learner_groups_make_the_update_of_one_with_the_whole_batch(
     assert steps1[-1].loss < steps1[0].loss  # it trains
 
     assert r2.final_checkpoint and r1.final_checkpoint
-    w2, w1 = _weights(two, r2.final_checkpoint), _weights(one, r1.final_checkpoint)
+    w2, w1 = _weights(two, r2.final_checkpoint), sft_one_rank.weights
     w0 = load_model(tiny_policy).state_dict()
     update = max(float((w1[k] - w0[k]).abs().max()) for k in w1)
     diff = max(float((w2[k] - w1[k]).abs().max()) for k in w1)

@@ -18,6 +18,7 @@ import pytest
 from stages.events import StepEvent
 from stages.post_training.config import OBJECTIVE_BUILDER
 from stages.trainer.config import ObjectiveConfig
+from tests.post_training.conftest import ReferenceRun
 from tests.post_training.test_objective_engine import LR, STEPS, _config, _rows, _train, _weights
 
 pytestmark = pytest.mark.slow
@@ -25,9 +26,20 @@ pytestmark = pytest.mark.slow
 FSDP2 = {"ranks_per_group": 2, "parallel": {"dp_shard": 2}, "worker_num_cpus": 0.5}
 
 
+def _one_rank(tmp: Path, policy: Path, data: Path, objective: ObjectiveConfig) -> ReferenceRun:
+    one = _config(tmp, policy, data, groups=1, objective=objective)
+    r1, ev1 = _train(one, tmp, f"{objective.kind}-one")
+    assert r1.final_checkpoint
+    return ReferenceRun(one, r1, ev1, _weights(one, r1.final_checkpoint))
+
+
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
 def test_two_fsdp_ranks_make_the_update_of_one_rank(
-    kind: str, ray_local: None, tiny_policy: Path, task_files: dict[str, Path], tmp_path: Path
+    kind: str,
+    sft_one_rank: ReferenceRun,
+    tiny_policy: Path,
+    task_files: dict[str, Path],
+    tmp_path: Path,
 ) -> None:
     from stages.post_training.hf_io import load_model
 
@@ -38,13 +50,17 @@ def test_two_fsdp_ranks_make_the_update_of_one_rank(
         data_path=str(data),
         batch_size=4,
         max_length=64,
-        beta=0.3,  # dpo's; sft has none
+        **({"beta": 0.3} if kind == "dpo" else {}),  # sft has none
     )
     fsdp = _config(tmp_path / "fsdp2", tiny_policy, data, groups=1, objective=objective, **FSDP2)
-    one = _config(tmp_path / "one", tiny_policy, data, groups=1, objective=objective)
-    assert fsdp.micro_batch == 2 and one.micro_batch == 4  # the same global batch
     rf, evf = _train(fsdp, tmp_path / "fsdp2", f"{kind}-fsdp2")
-    r1, ev1 = _train(one, tmp_path / "one", f"{kind}-one")
+    if kind == "sft":  # the session's SFT run on one rank (the two-group test's too)
+        one = sft_one_rank
+        one.assert_trains_the_same(fsdp)
+    else:
+        one = _one_rank(tmp_path / "one", tiny_policy, data, objective)
+    r1, ev1 = one.result, one.events
+    assert fsdp.micro_batch == 2 and one.cfg.micro_batch == 4  # the same global batch
     assert rf.steps == r1.steps == STEPS
     # The reported loss is the global batch's (mean target NLL, mean pair loss) in both.
     stepsf = [e for e in evf if isinstance(e, StepEvent) and e.committed]
@@ -53,7 +69,7 @@ def test_two_fsdp_ranks_make_the_update_of_one_rank(
         assert a.loss == pytest.approx(b.loss, rel=1e-5)
 
     assert rf.final_checkpoint and r1.final_checkpoint
-    wf, w1 = _weights(fsdp, rf.final_checkpoint), _weights(one, r1.final_checkpoint)
+    wf, w1 = _weights(fsdp, rf.final_checkpoint), one.weights
     w0 = load_model(tiny_policy).state_dict()
     update = max(float((w1[k] - w0[k]).abs().max()) for k in w1)
     diff = max(float((wf[k] - w1[k]).abs().max()) for k in w1)
