@@ -1,6 +1,11 @@
 """A Ray cluster of several raylets on this one machine, each ``ray start --block`` in
 its own process session with explicit ports, so a test can stop one node (SIGTERM
-to its session, as Slurm's or Kubernetes' teardown would) and leave the others."""
+to its session, as Slurm's or Kubernetes' teardown would) and leave the others.
+
+The modules on booking-marked raylets (``tests/runtime/test_booking_*_on_ray.py``,
+next to each other in a run) share one head: :func:`booking_raylets`. Each module
+starts the raylets it needs and stops them at its end; the last of them stops the
+head (a head's start-up took 33 and 75 s on the 2-core testbed at load 12-25)."""
 
 from __future__ import annotations
 
@@ -13,8 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from helpers.backend import free_port
 from helpers.ray_local import note_start, start_turn
@@ -188,3 +196,60 @@ class LocalCluster:
             node.stop()
         if self.ray_tmp is not None:
             shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+# The xdist group of the modules on the shared booking cluster: one worker runs them
+# all, and the last of them in the session stops the head.
+BOOKING_RAYLETS_GROUP = "booking-raylets"
+booking_raylets_group = pytest.mark.xdist_group(BOOKING_RAYLETS_GROUP)
+_shared: LocalCluster | None = None
+
+
+def _on_shared_cluster(item: pytest.Item) -> bool:
+    mark = item.get_closest_marker("xdist_group")
+    return mark is not None and BOOKING_RAYLETS_GROUP in mark.args
+
+
+def _stop_shared() -> None:
+    global _shared
+    if _shared is not None:
+        cluster, _shared = _shared, None
+        cluster.stop()
+
+
+@contextlib.contextmanager
+def booking_raylets(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    raylets: dict[str, dict[str, float]],
+    *,
+    num_cpus: int = 2,
+) -> Iterator[tuple[LocalCluster, dict[str, Node]]]:
+    """The session's booking cluster (its head started by the first module that asks)
+    with ``raylets`` (name -> custom resources) started for this module and stopped at
+    its end. The cluster's raylets read the launch key file named in ``cluster.env``
+    (``ITO_LAUNCH_KEY_FILE``): a module's server must use that one. A module using it
+    carries ``booking_raylets_group``."""
+    global _shared
+    if _shared is None:
+        tmp = tmp_path_factory.mktemp("booking-raylets")
+        cluster = LocalCluster(tmp, env={"ITO_LAUNCH_KEY_FILE": str(tmp / "launch.key")})
+        try:
+            cluster.start_head()
+        except BaseException:
+            cluster.stop()
+            raise
+        _shared = cluster
+        request.session.addfinalizer(_stop_shared)  # a session cut short
+    cluster = _shared
+    nodes: dict[str, Node] = {}
+    try:
+        for name, resources in raylets.items():
+            nodes[name] = cluster.add_node(name, num_cpus=num_cpus, resources=resources)
+        yield cluster, nodes
+    finally:
+        for node in reversed(nodes.values()):
+            node.stop()
+        users = [i for i in request.session.items if _on_shared_cluster(i)]
+        if not users or getattr(users[-1], "module", None) is request.module:
+            _stop_shared()

@@ -1,8 +1,8 @@
-"""A run follows its booking through the product: one Ray cluster of three raylets on
-this machine (an unmarked head with no CPUs, three nodes marked ``booking:bk-grow``,
-each started with its booking node's name, ``booking-node:bk-grow-n<i>``, as
-deploy/slurm and deploy/k8s start them), an API server joined to it with
-``--ray-address``.
+"""A run follows its booking through the product: one Ray cluster on this machine (an
+unmarked head with no CPUs, the one test_booking_placement_on_ray.py used before,
+helpers.raynodes; three raylets marked ``booking:bk-grow``, each started with its
+booking node's name, ``booking-node:bk-grow-n<i>``, as deploy/slurm and deploy/k8s
+start them), an API server joined to it with ``--ray-address``.
 
 A node taken back drains the groups on it: a run on the booking's two nodes loses
 ``bk-grow-n0``, the node of its group 0, and group 0 leaves (not group 1, the highest,
@@ -30,20 +30,19 @@ from helpers.backend import Backend
 from helpers.flows import submit_run
 from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.ray_backend import python_docs_corpus
-from helpers.raynodes import LocalCluster
+from helpers.raynodes import booking_raylets, booking_raylets_group
 from helpers.runs import wait_run
 from helpers.tenants import Tenant, admin, cpu_booking_doc, make_tenant
 from helpers.waiting import wait_until
-from helpers.xdist_groups import module_group
 
 from orchestrator.db.store import Store
 from stages.event_buffer import expand_steps
 from stages.placement import node_resource
 
-pytestmark = [pytest.mark.slow, module_group(__name__)]
+pytestmark = [pytest.mark.slow, booking_raylets_group]
 
 BOOKING = "bk-grow"
-NODES = [f"{BOOKING}-n{i}" for i in range(3)]  # raylets a, b and c
+NODES = [f"{BOOKING}-n{i}" for i in range(3)]  # one raylet each, named so
 ADDED_NODE = NODES[2]  # the booking's first two are bk-grow-n0 and -n1
 # A hang guard for each wait on the run (start-up, a resize, the end).
 WAIT_S = float(os.environ.get("ITO_TEST_WAIT_S", "240"))
@@ -69,32 +68,39 @@ LOSS_RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def env(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("booking-resize")
-    # The launch key the API server signs drivers with, shared with every node.
-    key = {"ITO_LAUNCH_KEY_FILE": str(tmp / "launch.key")}
-    cluster = LocalCluster(tmp, env=key)
-    be = Backend(
-        db=tmp / "ito.db",
-        var_dir=tmp / "var",
-        log_path=tmp / "backend.log",
-        env={"ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": PACE_STEP_S}), **key},
-    )
-    tenant = make_tenant(be.db, "acme", booking=cpu_booking_doc(BOOKING, "acme", gpus=1, nodes=2))
-    corpus = python_docs_corpus(tmp / "data" / "train.jsonl", 300)
-    try:
-        cluster.start_head()
-        mark = {f"booking:{BOOKING}": 1.0}
-        # The third node is up from the start, outside the booking until it is added:
-        # each reservation takes the booking's nodes by their names.
-        for raylet, node in zip(("a", "b", "c"), NODES, strict=True):
-            cluster.add_node(raylet, num_cpus=2, resources={**mark, node_resource(node): 1.0})
-        be.extra_args = ["--runtime", "ray", "--ray-address", cluster.address]
-        be.start()
-        yield {"backend": be, "tenant": tenant, "tmp": tmp, "cluster": cluster, "corpus": corpus}
-    finally:
-        be.stop()
-        cluster.stop()
+    mark = {f"booking:{BOOKING}": 1.0}
+    # The third node is up from the start, outside the booking until it is added:
+    # each reservation takes the booking's nodes by their names.
+    raylets = {node: {**mark, node_resource(node): 1.0} for node in NODES}
+    with booking_raylets(request, tmp_path_factory, raylets) as (cluster, _):
+        # The launch key the API server signs drivers with: the file the cluster's
+        # raylets were started with.
+        be = Backend(
+            db=tmp / "ito.db",
+            var_dir=tmp / "var",
+            log_path=tmp / "backend.log",
+            env={"ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": PACE_STEP_S}), **cluster.env},
+            extra_args=["--runtime", "ray", "--ray-address", cluster.address],
+        )
+        tenant = make_tenant(
+            be.db, "acme", booking=cpu_booking_doc(BOOKING, "acme", gpus=1, nodes=2)
+        )
+        corpus = python_docs_corpus(tmp / "data" / "train.jsonl", 300)
+        try:
+            be.start()
+            yield {
+                "backend": be,
+                "tenant": tenant,
+                "tmp": tmp,
+                "cluster": cluster,
+                "corpus": corpus,
+            }
+        finally:
+            be.stop()
 
 
 def _submit(env: dict[str, Any], name: str, steps: int = STEPS) -> str:

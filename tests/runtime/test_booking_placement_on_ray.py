@@ -1,6 +1,7 @@
-"""Runs land on their booking's nodes: one Ray cluster of three raylets on this
-machine (an unmarked head with no CPUs, and two nodes marked ``booking:bk-a`` and
-``booking:bk-b``), an API server joined to it with ``--ray-address``.
+"""Runs land on their booking's nodes: one Ray cluster on this machine (an unmarked
+head with no CPUs, and two raylets marked ``booking:bk-a`` and ``booking:bk-b``; the
+head is the one test_booking_resize_on_ray.py goes on to use, helpers.raynodes), an
+API server joined to it with ``--ray-address``.
 
 Two runs at once, one per booking, and Ray's state API shows every actor of each run
 on its own booking's node; a run for a booking with no node waits in ``starting``
@@ -22,15 +23,14 @@ from helpers.backend import Backend
 from helpers.flows import submit_run
 from helpers.manifests import cpu_testbed_manifest, data_ref
 from helpers.ray_backend import python_docs_corpus
-from helpers.raynodes import LocalCluster
+from helpers.raynodes import booking_raylets, booking_raylets_group
 from helpers.runs import api_data, wait_run
 from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
-from helpers.xdist_groups import module_group
 
 from orchestrator.db.store import Store
 from orchestrator.gates.bookings import BookingFile, add_booking
 
-pytestmark = [pytest.mark.slow, module_group(__name__)]
+pytestmark = [pytest.mark.slow, booking_raylets_group]
 
 WAIT_S = float(os.environ.get("ITO_TEST_WAIT_S", "240"))
 # Operator setting under test: how long a run waits for its booking's nodes.
@@ -38,48 +38,45 @@ PLACEMENT_WAIT_S = 6.0
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def env(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("placement")
-    # The launch key the API server signs drivers with, shared with every node (as
-    # deploy/slurm does through the file system and deploy/k8s through a Secret).
-    key = {"ITO_LAUNCH_KEY_FILE": str(tmp / "launch.key")}
-    cluster = LocalCluster(tmp, env=key)
-    be = Backend(
-        db=tmp / "ito.db",
-        var_dir=tmp / "var",
-        log_path=tmp / "backend.log",
-        env={
-            "ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.25}),
-            "ITO_PLACEMENT_WAIT_S": str(PLACEMENT_WAIT_S),
-            **key,
-        },
-    )
-    tenant = make_tenant(be.db, "acme", booking=cpu_booking_doc("bk-a", "acme", gpus=1))
-    store = Store(be.db)
-    for bid in ("bk-b", "bk-none"):
-        add_booking(store, BookingFile.model_validate(cpu_booking_doc(bid, "acme", gpus=1)))
-        tenant.bookings.append(bid)
-    store.close()
-    corpus = python_docs_corpus(tmp / "data" / "train.jsonl", 300)
-    try:
-        cluster.start_head()
-        nodes = {
-            "bk-a": cluster.add_node("a", num_cpus=2, resources={"booking:bk-a": 1}),
-            "bk-b": cluster.add_node("b", num_cpus=2, resources={"booking:bk-b": 1}),
-        }
-        be.extra_args = ["--runtime", "ray", "--ray-address", cluster.address]
-        be.start()
-        yield {
-            "backend": be,
-            "tenant": tenant,
-            "tmp": tmp,
-            "cluster": cluster,
-            "nodes": nodes,
-            "corpus": corpus,
-        }
-    finally:
-        be.stop()
-        cluster.stop()
+    raylets = {"bk-a": {"booking:bk-a": 1.0}, "bk-b": {"booking:bk-b": 1.0}}
+    with booking_raylets(request, tmp_path_factory, raylets) as (cluster, nodes):
+        # The launch key the API server signs drivers with, shared with every node (as
+        # deploy/slurm does through the file system and deploy/k8s through a Secret):
+        # the file the cluster's raylets were started with.
+        be = Backend(
+            db=tmp / "ito.db",
+            var_dir=tmp / "var",
+            log_path=tmp / "backend.log",
+            env={
+                "ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.25}),
+                "ITO_PLACEMENT_WAIT_S": str(PLACEMENT_WAIT_S),
+                **cluster.env,
+            },
+            extra_args=["--runtime", "ray", "--ray-address", cluster.address],
+        )
+        tenant = make_tenant(be.db, "acme", booking=cpu_booking_doc("bk-a", "acme", gpus=1))
+        store = Store(be.db)
+        for bid in ("bk-b", "bk-none"):
+            add_booking(store, BookingFile.model_validate(cpu_booking_doc(bid, "acme", gpus=1)))
+            tenant.bookings.append(bid)
+        store.close()
+        corpus = python_docs_corpus(tmp / "data" / "train.jsonl", 300)
+        try:
+            be.start()
+            yield {
+                "backend": be,
+                "tenant": tenant,
+                "tmp": tmp,
+                "cluster": cluster,
+                "nodes": nodes,
+                "corpus": corpus,
+            }
+        finally:
+            be.stop()
 
 
 def _submit(env: dict[str, Any], booking: str, steps: int) -> str:
