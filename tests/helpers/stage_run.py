@@ -39,6 +39,7 @@ class StageRun:
         workdir.mkdir(parents=True, exist_ok=True)
         self.ctx = StageContext(run_id=run_id, booking_id="bk", workdir=workdir, emit=self._emit)
         self.outcome: GateOutcome | None = None
+        self.ended = False
         self.thread = threading.Thread(target=self._run, args=(TrainingStage(cfg),), daemon=True)
         self.thread.start()
 
@@ -55,16 +56,25 @@ class StageRun:
             self.cond.notify_all()
 
     def _run(self, stage: Any) -> None:
-        self.outcome = stage.run(self.ctx)
+        try:
+            self.outcome = stage.run(self.ctx)
+        finally:
+            with self.cond:
+                self.ended = True
+                self.cond.notify_all()
 
     def wait_for(self, pred: Callable[[Any], bool], what: str) -> Any:
-        """The first event (so far or to come) for which ``pred`` holds."""
+        """The first event (so far or to come) for which ``pred`` holds; fails at once
+        once the run has ended without one (every event it emits is in by then)."""
         deadline = time.monotonic() + self.wait_s
         with self.cond:
             while True:
                 for e in self.events:
                     if pred(e):
                         return e
+                assert not self.ended, (
+                    f"the run ended ({self.outcome}) before {what}\n{self.logs()}"
+                )
                 left = deadline - time.monotonic()
                 assert left > 0, f"timed out waiting for {what}\n{self.logs()}\n{_ray_state()}"
                 self.cond.wait(min(left, 1.0))

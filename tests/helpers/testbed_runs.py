@@ -29,6 +29,9 @@ ACTORS_GONE_TIMEOUT_S = 120.0
 # Operator knob: pace steps so a tiny model's run lasts long enough to cancel it, kill
 # a group in it, or kill the API server under it.
 PACE_STEP_S = 0.15
+# And while a group is missing: a killed group's replacement (a standby warmed at idle
+# priority, or a new process) is back before the run ends however loaded the host.
+DEGRADED_PACE_STEP_S = 0.5
 
 
 @contextmanager
@@ -39,7 +42,12 @@ def paced_backend(
     ``custom``) beside it; ``env`` adds to the server's environment; ``db``: its store
     (a PostgreSQL URL; SQLite by default)."""
     baseline, custom = corpora(tmp / "data", 400, 300)
-    env = {**(env or {}), "ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": PACE_STEP_S})}
+    env = {
+        **(env or {}),
+        "ITO_TRAIN_OVERRIDES": json.dumps(
+            {"pace_step_s": PACE_STEP_S, "degraded_pace_step_s": DEGRADED_PACE_STEP_S}
+        ),
+    }
     with ray_backend(tmp, booking_id, env=env, db=db) as rt:
         yield {**rt, "baseline": baseline, "custom": custom}
 
