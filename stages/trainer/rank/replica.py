@@ -148,6 +148,11 @@ class ReplicaWorker:
         gloo_on_cluster_address()  # before this process makes any process group
         if spec.config.ranks_per_group > 1:
             self._group_store(spec)
+        # What exists now is the process's own for its life (torch and the rank's
+        # modules: ~0.2M objects): frozen out of every collection, it no longer adds
+        # ~0.1-0.4 s to the first hand-over's (below) nor to an automatic full one
+        # mid-run. Before the first loop is built, so a hand-over still frees that.
+        gc.freeze()
         self._start_loop(restarted=restarted)
 
     def _start_loop(self, *, restarted: bool) -> None:
