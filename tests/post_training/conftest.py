@@ -3,11 +3,17 @@ verifiable task (no hub: nothing can be downloaded here)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.objective_runs import (
+    ReferenceRun,
+    final_weights,
+    objective_config,
+    sft_rows,
+    train_on_engine,
+)
 
 from stages.data_prep.refs import is_data
 from stages.post_training.synthetic import build_tiny_policy, write_task
@@ -24,25 +30,6 @@ def task_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return write_task(tmp_path_factory.mktemp("task"))
 
 
-@dataclass(frozen=True)
-class ReferenceRun:
-    """A finished engine run the comparisons hold another layout against."""
-
-    cfg: Any  # its TrainStageConfig
-    result: Any  # the engine's EngineResult
-    events: list[Any]
-    weights: dict[str, Any]  # its final checkpoint's state dict
-
-    def assert_trains_the_same(self, cfg: Any) -> None:
-        """``cfg`` trains what this run trained, in another layout: the same target and
-        objective, on rows of the same bytes."""
-        assert cfg.target == self.cfg.target
-        mine, theirs = (c.objective.model_copy(update={"data_path": None}) for c in (self.cfg, cfg))
-        assert mine == theirs
-        rows = (Path(c.objective.data_path).read_bytes() for c in (self.cfg, cfg))
-        assert next(rows) == next(rows)
-
-
 @pytest.fixture(scope="session")
 def sft_one_rank(
     ray_local: None, tiny_policy: Path, tmp_path_factory: pytest.TempPathFactory
@@ -51,13 +38,11 @@ def sft_one_rank(
     config): the update that two learner groups (test_objective_engine.py) and two FSDP
     ranks (test_objectives_fsdp.py) must make. Trained once a session: both compare
     with the same run."""
-    from tests.post_training.test_objective_engine import _config, _rows, _train, _weights
-
     tmp = tmp_path_factory.mktemp("sft-one-rank")
-    cfg = _config(tmp, tiny_policy, _rows(tmp / "sft.jsonl"), groups=1)
-    result, events = _train(cfg, tmp, "sft-one")
+    cfg = objective_config(tmp, tiny_policy, sft_rows(tmp / "sft.jsonl"), groups=1)
+    result, events = train_on_engine(cfg, tmp, "sft-one")
     assert result.final_checkpoint
-    return ReferenceRun(cfg, result, events, _weights(cfg, result.final_checkpoint))
+    return ReferenceRun(cfg, result, events, final_weights(cfg, result.final_checkpoint))
 
 
 def data_ref(path: Path) -> dict[str, object]:

@@ -14,12 +14,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers.objective_runs import (
+    LR,
+    STEPS,
+    ReferenceRun,
+    final_weights,
+    objective_config,
+    sft_rows,
+    train_on_engine,
+)
 
 from stages.events import StepEvent
 from stages.post_training.config import OBJECTIVE_BUILDER
 from stages.trainer.config import ObjectiveConfig
-from tests.post_training.conftest import ReferenceRun
-from tests.post_training.test_objective_engine import LR, STEPS, _config, _rows, _train, _weights
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +34,10 @@ FSDP2 = {"ranks_per_group": 2, "parallel": {"dp_shard": 2}, "worker_num_cpus": 0
 
 
 def _one_rank(tmp: Path, policy: Path, data: Path, objective: ObjectiveConfig) -> ReferenceRun:
-    one = _config(tmp, policy, data, groups=1, objective=objective)
-    r1, ev1 = _train(one, tmp, f"{objective.kind}-one")
+    one = objective_config(tmp, policy, data, groups=1, objective=objective)
+    r1, ev1 = train_on_engine(one, tmp, f"{objective.kind}-one")
     assert r1.final_checkpoint
-    return ReferenceRun(one, r1, ev1, _weights(one, r1.final_checkpoint))
+    return ReferenceRun(one, r1, ev1, final_weights(one, r1.final_checkpoint))
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
@@ -43,7 +50,7 @@ def test_two_fsdp_ranks_make_the_update_of_one_rank(
 ) -> None:
     from stages.post_training.hf_io import load_model
 
-    data = _rows(tmp_path / "sft.jsonl") if kind == "sft" else task_files["dpo"]
+    data = sft_rows(tmp_path / "sft.jsonl") if kind == "sft" else task_files["dpo"]
     objective = ObjectiveConfig(
         kind=kind,  # type: ignore[arg-type]
         builder=OBJECTIVE_BUILDER,
@@ -52,8 +59,10 @@ def test_two_fsdp_ranks_make_the_update_of_one_rank(
         max_length=64,
         **({"beta": 0.3} if kind == "dpo" else {}),  # sft has none
     )
-    fsdp = _config(tmp_path / "fsdp2", tiny_policy, data, groups=1, objective=objective, **FSDP2)
-    rf, evf = _train(fsdp, tmp_path / "fsdp2", f"{kind}-fsdp2")
+    fsdp = objective_config(
+        tmp_path / "fsdp2", tiny_policy, data, groups=1, objective=objective, **FSDP2
+    )
+    rf, evf = train_on_engine(fsdp, tmp_path / "fsdp2", f"{kind}-fsdp2")
     if kind == "sft":  # the session's SFT run on one rank (the two-group test's too)
         one = sft_one_rank
         one.assert_trains_the_same(fsdp)
@@ -69,7 +78,7 @@ def test_two_fsdp_ranks_make_the_update_of_one_rank(
         assert a.loss == pytest.approx(b.loss, rel=1e-5)
 
     assert rf.final_checkpoint and r1.final_checkpoint
-    wf, w1 = _weights(fsdp, rf.final_checkpoint), one.weights
+    wf, w1 = final_weights(fsdp, rf.final_checkpoint), one.weights
     w0 = load_model(tiny_policy).state_dict()
     update = max(float((w1[k] - w0[k]).abs().max()) for k in w1)
     diff = max(float((wf[k] - w1[k]).abs().max()) for k in w1)
