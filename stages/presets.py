@@ -86,9 +86,18 @@ class ModelPreset(BaseModel):
         return embed + head + self.num_hidden_layers * (attn + mlp) + h
 
 
-def list_configs(kind: str) -> list[str]:
-    """Names of the JSON configs in ``configs/<kind>/``."""
-    return sorted(p.stem for p in (configs_dir() / kind).glob("*.json"))
+def list_configs(kind: str, model: type[BaseModel] | None = None) -> list[str]:
+    """Names of the JSON configs in ``configs/<kind>/``; with ``model``, only those that
+    validate as one (``configs/evals/`` holds batteries and eval suites side by side)."""
+    names = []
+    for p in sorted((configs_dir() / kind).glob("*.json")):
+        if model is not None:
+            try:
+                model.model_validate_json(p.read_bytes())
+            except ValueError:
+                continue
+        names.append(p.stem)
+    return names
 
 
 def load_config(kind: str, name: str, model: type[M], unknown: ErrorCode) -> M:

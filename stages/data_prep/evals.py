@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages.data_prep.refs import check_inside, file_sha256, local_path
 from stages.errors import ErrorCode, ItoError
 from stages.pathfields import file_uri_path
-from stages.presets import configs_dir
+from stages.presets import configs_dir, list_configs
 
 
 class EvalFileSpec(BaseModel):
@@ -70,14 +70,7 @@ def evals_dir() -> Path:
 def list_eval_suites() -> list[str]:
     """Suites with items to decontaminate against (a battery of held-out checks only
     names no file, and is no suite)."""
-    out = []
-    for p in sorted(evals_dir().glob("*.json")):
-        try:
-            EvalSuite.model_validate_json(p.read_bytes())
-        except ValueError:
-            continue
-        out.append(p.stem)
-    return out
+    return list_configs("evals", EvalSuite)
 
 
 def load_eval_suite(name: str) -> EvalSuite:

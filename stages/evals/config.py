@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.base import StrictModel
 from stages.errors import ErrorCode, ItoError
-from stages.presets import configs_dir
+from stages.presets import configs_dir, list_configs
 
 # Scores and losses are small numbers; a bound keeps a gate finite and comparable.
 THRESHOLD_BOUND = 1e12
@@ -72,14 +72,7 @@ def evals_dir() -> Path:
 
 def list_batteries() -> list[str]:
     """Suites that have checks."""
-    out = []
-    for p in sorted(evals_dir().glob("*.json")):
-        try:
-            Battery.model_validate_json(p.read_bytes())
-        except ValueError:
-            continue
-        out.append(p.stem)
-    return out
+    return list_configs("evals", Battery)
 
 
 def load_battery(name: str) -> Battery:
