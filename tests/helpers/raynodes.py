@@ -21,11 +21,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from helpers.backend import free_port
+from helpers.backend import Backend, free_port
+from helpers.ray_backend import python_docs_corpus
 from helpers.ray_local import note_start, start_turn
+from helpers.tenants import Tenant, add_tenant_booking, make_tenant
 from orchestrator.runtime import ray_cluster
 
 NODE_START_TIMEOUT_S = 120.0
@@ -253,3 +256,32 @@ def booking_raylets(
         users = [i for i in request.session.items if _on_shared_cluster(i)]
         if not users or getattr(users[-1], "module", None) is request.module:
             _stop_shared()
+
+
+@contextlib.contextmanager
+def server_on_cluster(
+    tmp: Path, cluster: LocalCluster, bookings: list[dict[str, Any]], env: dict[str, str]
+) -> Iterator[tuple[Backend, Tenant, Path]]:
+    """An API server joined to ``cluster`` with ``--ray-address`` (``env`` added to its
+    own), tenant ``acme`` on ``bookings`` (booking documents, stored before the server
+    starts), and the corpus its runs train on; yields (server, tenant, corpus) and
+    stops the server at the end. The
+    server signs drivers with the launch key file the cluster's raylets were started
+    with (``cluster.env``), as deploy/slurm shares it through the file system and
+    deploy/k8s through a Secret."""
+    be = Backend(
+        db=tmp / "ito.db",
+        var_dir=tmp / "var",
+        log_path=tmp / "backend.log",
+        env={**env, **cluster.env},
+        extra_args=["--runtime", "ray", "--ray-address", cluster.address],
+    )
+    tenant = make_tenant(be.db, "acme", booking=bookings[0])
+    for doc in bookings[1:]:
+        add_tenant_booking(be.db, tenant, doc)
+    corpus = python_docs_corpus(tmp / "data" / "train.jsonl", 300)
+    try:
+        be.start()
+        yield be, tenant, corpus
+    finally:
+        be.stop()

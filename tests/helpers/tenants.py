@@ -112,6 +112,16 @@ def make_tenant(
         store.close()
 
 
+def add_tenant_booking(db: str | Path, tenant: Tenant, doc: dict[str, Any]) -> None:
+    """Another booking for ``tenant`` (a booking document), via Store."""
+    store = Store(db)
+    try:
+        add_booking(store, BookingFile.model_validate(doc))
+        tenant.bookings.append(doc["booking_id"])
+    finally:
+        store.close()
+
+
 def add_key(db: str | Path, account: str, scopes: tuple[str, ...]) -> tuple[str, str]:
     store = Store(db)
     try:

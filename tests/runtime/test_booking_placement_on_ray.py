@@ -22,13 +22,11 @@ import pytest
 from helpers.backend import Backend
 from helpers.flows import submit_run
 from helpers.manifests import cpu_testbed_manifest, data_ref
-from helpers.ray_backend import python_docs_corpus
-from helpers.raynodes import booking_raylets, booking_raylets_group
+from helpers.raynodes import booking_raylets, booking_raylets_group, server_on_cluster
 from helpers.runs import api_data, wait_run
-from helpers.tenants import Tenant, cpu_booking_doc, make_tenant
+from helpers.tenants import Tenant, cpu_booking_doc
 
 from orchestrator.db.store import Store
-from orchestrator.gates.bookings import BookingFile, add_booking
 
 pytestmark = [pytest.mark.slow, booking_raylets_group]
 
@@ -43,40 +41,26 @@ def env(
 ) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("placement")
     raylets = {"bk-a": {"booking:bk-a": 1.0}, "bk-b": {"booking:bk-b": 1.0}}
-    with booking_raylets(request, tmp_path_factory, raylets) as (cluster, nodes):
-        # The launch key the API server signs drivers with, shared with every node (as
-        # deploy/slurm does through the file system and deploy/k8s through a Secret):
-        # the file the cluster's raylets were started with.
-        be = Backend(
-            db=tmp / "ito.db",
-            var_dir=tmp / "var",
-            log_path=tmp / "backend.log",
-            env={
+    with (
+        booking_raylets(request, tmp_path_factory, raylets) as (cluster, nodes),
+        server_on_cluster(
+            tmp,
+            cluster,
+            [cpu_booking_doc(bid, "acme", gpus=1) for bid in ("bk-a", "bk-b", "bk-none")],
+            {
                 "ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": 0.25}),
                 "ITO_PLACEMENT_WAIT_S": str(PLACEMENT_WAIT_S),
-                **cluster.env,
             },
-            extra_args=["--runtime", "ray", "--ray-address", cluster.address],
-        )
-        tenant = make_tenant(be.db, "acme", booking=cpu_booking_doc("bk-a", "acme", gpus=1))
-        store = Store(be.db)
-        for bid in ("bk-b", "bk-none"):
-            add_booking(store, BookingFile.model_validate(cpu_booking_doc(bid, "acme", gpus=1)))
-            tenant.bookings.append(bid)
-        store.close()
-        corpus = python_docs_corpus(tmp / "data" / "train.jsonl", 300)
-        try:
-            be.start()
-            yield {
-                "backend": be,
-                "tenant": tenant,
-                "tmp": tmp,
-                "cluster": cluster,
-                "nodes": nodes,
-                "corpus": corpus,
-            }
-        finally:
-            be.stop()
+        ) as (be, tenant, corpus),
+    ):
+        yield {
+            "backend": be,
+            "tenant": tenant,
+            "tmp": tmp,
+            "cluster": cluster,
+            "nodes": nodes,
+            "corpus": corpus,
+        }
 
 
 def _submit(env: dict[str, Any], booking: str, steps: int) -> str:

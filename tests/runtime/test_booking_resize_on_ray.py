@@ -29,10 +29,9 @@ import pytest
 from helpers.backend import Backend
 from helpers.flows import submit_run
 from helpers.manifests import cpu_testbed_manifest, data_ref
-from helpers.ray_backend import python_docs_corpus
-from helpers.raynodes import booking_raylets, booking_raylets_group
+from helpers.raynodes import booking_raylets, booking_raylets_group, server_on_cluster
 from helpers.runs import wait_run
-from helpers.tenants import Tenant, admin, cpu_booking_doc, make_tenant
+from helpers.tenants import Tenant, admin, cpu_booking_doc
 from helpers.waiting import wait_until
 
 from orchestrator.db.store import Store
@@ -76,31 +75,16 @@ def env(
     # The third node is up from the start, outside the booking until it is added:
     # each reservation takes the booking's nodes by their names.
     raylets = {node: {**mark, node_resource(node): 1.0} for node in NODES}
-    with booking_raylets(request, tmp_path_factory, raylets) as (cluster, _):
-        # The launch key the API server signs drivers with: the file the cluster's
-        # raylets were started with.
-        be = Backend(
-            db=tmp / "ito.db",
-            var_dir=tmp / "var",
-            log_path=tmp / "backend.log",
-            env={"ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": PACE_STEP_S}), **cluster.env},
-            extra_args=["--runtime", "ray", "--ray-address", cluster.address],
-        )
-        tenant = make_tenant(
-            be.db, "acme", booking=cpu_booking_doc(BOOKING, "acme", gpus=1, nodes=2)
-        )
-        corpus = python_docs_corpus(tmp / "data" / "train.jsonl", 300)
-        try:
-            be.start()
-            yield {
-                "backend": be,
-                "tenant": tenant,
-                "tmp": tmp,
-                "cluster": cluster,
-                "corpus": corpus,
-            }
-        finally:
-            be.stop()
+    with (
+        booking_raylets(request, tmp_path_factory, raylets) as (cluster, _),
+        server_on_cluster(
+            tmp,
+            cluster,
+            [cpu_booking_doc(BOOKING, "acme", gpus=1, nodes=2)],
+            {"ITO_TRAIN_OVERRIDES": json.dumps({"pace_step_s": PACE_STEP_S})},
+        ) as (be, tenant, corpus),
+    ):
+        yield {"backend": be, "tenant": tenant, "tmp": tmp, "cluster": cluster, "corpus": corpus}
 
 
 def _submit(env: dict[str, Any], name: str, steps: int = STEPS) -> str:
