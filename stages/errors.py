@@ -642,6 +642,13 @@ class ErrorCode(StrEnum):
         422,
         "Post-training: the manifest names a reward function that is not in the registry.",
     )
+    rollout_gpus_insufficient = (
+        "rollout_gpus_insufficient",
+        422,
+        "Post-training: RLVR's rollout workers generate on GPUs of their own, "
+        "ceil(rollout_workers / node_count) of each booked node's; they would leave the trainer "
+        "no GPU.",
+    )
     rollout_fleet_failed = (
         "rollout_fleet_failed",
         500,

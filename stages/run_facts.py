@@ -32,6 +32,13 @@ class PlacementFact(BaseModel):
     # Resources of one bundle, e.g. {"booking:bk1": 8, "CPU": 96, "GPU": 8}.
     bundle: dict[str, float] = Field(default_factory=dict)
 
+    @property
+    def device(self) -> Literal["cpu", "cuda"]:
+        """The run's device: cuda where its bundles reserve the nodes' GPUs (the
+        placement reserves them only where every booked node has them), else cpu (the
+        testbed, the embedded head)."""
+        return "cuda" if self.bundle.get("GPU", 0) > 0 else "cpu"
+
 
 class BookingTopology(BaseModel):
     """The booking's topology the planner and the trainer's recovery size for. A
@@ -68,7 +75,7 @@ class RunFacts(BaseModel):
     # again at run time.
     data_roots: tuple[str, ...] = ()
     model_roots: tuple[str, ...] = ()
-    # The trainer's device.
+    # The trainer's and the rollout workers' device: the placement's (``PlacementFact.device``).
     device: Literal["cpu", "cuda"] = "cpu"
     # Operator-level trainer knobs (never from the tenant's manifest): fields of
     # ``TrainStageConfig``, a closed set the supervisor's settings check, validated

@@ -84,6 +84,33 @@ def sync_divides(m: Manifest) -> list[int]:
     return ([interval] if interval is not None else []) + ends
 
 
+def rollout_gpus_per_node(m: Manifest, booking: dict[str, Any]) -> int:
+    """GPUs on each of the booking's nodes that RLVR's rollout workers hold apart from
+    the trainer's ranks, which the trainer is planned without.
+
+    On a GPU booking each worker generates on a device of its own (the trainer's ranks
+    hold one each, through every stage of the run), so the run keeps
+    ``ceil(rollout_workers / node_count)`` GPUs on every node for them: the same on
+    each node, so the trainer's topology stays uniform for the planner. None on the
+    CPU testbed (its SKU's link is loopback), where a worker takes a CPU share beside
+    the ranks; none without RLVR."""
+    from stages.parallelism.hardware import resolve_gpu_sku
+
+    rlvr = m.post_training.rlvr
+    if rlvr is None or "gpu_sku" not in booking:
+        return 0
+    if resolve_gpu_sku(str(booking["gpu_sku"])).intra_node_link == "loopback":
+        return 0
+    nodes = int(booking.get("node_count") or 1)
+    return -(-rlvr.rollout_workers // nodes)
+
+
+def trainer_gpus(m: Manifest, booking: dict[str, Any]) -> int:
+    """The booking's GPUs the trainer's ranks may hold (those the rollout workers do not)."""
+    gpn = int(booking.get("gpus_per_node") or 1) - rollout_gpus_per_node(m, booking)
+    return max(gpn, 0) * int(booking.get("node_count") or 1)
+
+
 def check_sync_pin(m: Manifest, booking: dict[str, Any]) -> None:
     """A pinned sync the run could not keep is refused at submit (``plan_sync_invalid``),
     whether or not the planner gates: DiLoCo needs two replica groups (two GPUs) and
@@ -92,11 +119,10 @@ def check_sync_pin(m: Manifest, booking: dict[str, Any]) -> None:
 
     if m.sync is None or m.sync.every_step:
         return
-    gpus = int(booking.get("gpus_per_node") or 1) * int(booking.get("node_count") or 1)
-    if gpus < 2:
+    if trainer_gpus(m, booking) < 2:
         raise ItoError(
             ErrorCode.plan_sync_invalid,
-            "sync diloco syncs replica groups; a booking of one GPU has one group",
+            "sync diloco syncs replica groups; the trainer's one GPU holds one group",
         )
     check_pinned_sync(m.sync, sync_divides(m))
 
@@ -106,15 +132,16 @@ def parallelism_config(manifest: Manifest, booking: dict[str, Any]) -> Paralleli
 
     Live recovery needs a peer to heal from, so a booking of two or more GPUs is
     planned with at least two torchft replica groups. The manifest's sync pin, and the
-    steps a DiLoCo sync must fall on, go with it."""
-    gpus = int(booking.get("gpus_per_node") or 1) * int(booking.get("node_count") or 1)
+    steps a DiLoCo sync must fall on, go with it. With RLVR on a GPU booking the
+    trainer is planned on the GPUs its rollout workers leave (``rollout_gpus_per_node``)."""
     return ParallelismConfig(
         model=manifest.model.preset,
         global_batch_tokens=manifest.training.global_batch_tokens,
         seq_len=manifest.training.seq_len,
-        min_replica_groups=2 if gpus >= 2 else 1,
+        min_replica_groups=2 if trainer_gpus(manifest, booking) >= 2 else 1,
         sync=manifest.sync,
         sync_divides=sync_divides(manifest),
+        rollout_gpus_per_node=rollout_gpus_per_node(manifest, booking),
     )
 
 
@@ -187,7 +214,7 @@ def resize_groups(
 
     ranks = plan_ranks(plan)
     layout = layout_from_plan(plan).resolved(ranks)
-    gpus = int(booking.get("gpus_per_node") or 0) * int(booking.get("node_count") or 0)
+    gpus = plan_gpus_per_node(plan, booking) * int(booking.get("node_count") or 0)
     sequences = int(plan["global_batch_tokens"]) // int(plan["seq_len"])
     whole = min(gpus // ranks, MAX_REPLICA_GROUPS)
     held = f"{gpus} GPUs hold {whole} whole group(s) of {ranks} ranks"
@@ -237,6 +264,13 @@ def run_plan(store: Store, run: Row) -> dict[str, Any] | None:
             if isinstance(plan, dict):
                 return plan
     return json.loads(run["plan"]) if run.get("plan") else None
+
+
+def plan_gpus_per_node(plan: dict[str, Any], booking: dict[str, Any]) -> int:
+    """The GPUs of each of the booking's nodes the trainer may hold under a stored
+    ``plan``: the rest of them hold the run's rollout workers."""
+    gpn = int(booking.get("gpus_per_node") or 0)
+    return max(gpn - int(plan.get("rollout_gpus_per_node", 0)), 0)
 
 
 def plan_ranks(plan: dict[str, Any]) -> int:

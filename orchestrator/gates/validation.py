@@ -26,7 +26,7 @@ from orchestrator.gates.costing import (
 )
 from orchestrator.gates.curriculum import curriculum_report, curriculum_schedule
 from orchestrator.gates.manifest import Manifest
-from orchestrator.gates.planning import check_sync_pin
+from orchestrator.gates.planning import check_sync_pin, rollout_gpus_per_node, trainer_gpus
 from orchestrator.gates.roots import (
     Roots,
     allowed_roots,
@@ -93,6 +93,18 @@ class CapacityCheck(TypedDict):
     required_gib: float
     booked_gib: float
     gpus: int
+
+
+def check_rollout_gpus(m: Manifest, booking: dict[str, Any]) -> None:
+    """RLVR's rollout workers, a GPU each on a GPU booking, leave the trainer at least
+    one GPU on every node (``planning.rollout_gpus_per_node``)."""
+    held = rollout_gpus_per_node(m, booking)
+    if held and trainer_gpus(m, booking) < 1:
+        raise ItoError(
+            ErrorCode.rollout_gpus_insufficient,
+            f"post_training.rlvr.rollout_workers: {held} GPU(s) of each node's "
+            f"{booking['gpus_per_node']} for the rollout workers leave the trainer none",
+        )
 
 
 def check_capacity(m: Manifest, booking: dict[str, Any], profile: dict[str, Any]) -> CapacityCheck:
@@ -270,6 +282,7 @@ def validate(
         validate_recipe(
             m.post_training, data_roots=roots.data, model_roots=allowed_roots(spec, roots)
         )
+        check_rollout_gpus(m, booking)
     _check_budget(m, _cost(settings, m, booking, profile, remaining_term_h, None))
     step_time_s = planner() if planner is not None else None
     cost = _cost(settings, m, booking, profile, remaining_term_h, step_time_s)

@@ -92,6 +92,7 @@ def launch_spec(
                     {k: booking.get(k) for k in BookingTopology.model_fields}
                 ),
                 placement=placed,
+                device="cpu" if placed is None else placed.device,
                 account=run["account_id"],
                 train_overrides=settings.train_overrides,
                 **input_roots(store, run["account_id"], settings),

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from orchestrator.db.store import Row, Store
-from orchestrator.gates.planning import resize_groups, run_plan
+from orchestrator.gates.planning import plan_gpus_per_node, resize_groups, run_plan
 from orchestrator.runs import RunState
 from orchestrator.runtime.placement import PlacementPending
 from stages.errors import ErrorCode, ItoError
@@ -170,7 +170,7 @@ class Resizer:
             return None  # the authority check stops the run
         latest = changes[-1]
         nodes = self.store.booking_nodes(run["booking_id"])
-        gpn = int(booking["gpus_per_node"] or 0)
+        gpn = plan_gpus_per_node(plan, booking)  # the trainer's: not the rollout fleet's
         if last is not None:
             groups_before = last.replica_groups
             gpus_before = len(last.nodes) * gpn

@@ -30,3 +30,6 @@ class ParallelismConfig(StrictModel):
     # step counts a DiLoCo H must divide (checkpoint interval, phase ends).
     sync: ReplicaSync | None = None
     sync_divides: list[int] = Field(default_factory=list, max_length=1024)
+    # GPUs on each of the booking's nodes that RLVR's rollout workers hold: the trainer
+    # is planned on the rest (``orchestrator.gates.planning.rollout_gpus_per_node``).
+    rollout_gpus_per_node: int = Field(default=0, ge=0, le=1024)

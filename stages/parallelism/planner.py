@@ -193,6 +193,7 @@ def to_plan(ctx: Context, a: Assessment, *, explain: bool) -> Plan:
         fabric=ctx.fabric.name,
         gpus_per_node=req.gpus_per_node,
         node_count=req.node_count,
+        rollout_gpus_per_node=req.rollout_gpus_per_node,
         world_size=ctx.world,
         global_batch_tokens=req.global_batch_tokens,
         seq_len=ctx.seq_len,

@@ -23,8 +23,11 @@ class PlanRequest(StrictModel):
     gpu_sku: str | GpuSku = Field(
         description="a configs/gpus name, or a SKU (e.g. a device a benchmark measured)"
     )
-    gpus_per_node: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0, description="GPUs a node gives the trainer")
     node_count: int = Field(gt=0)
+    # GPUs a node holds beyond ``gpus_per_node`` for RLVR's rollout workers (their own
+    # devices): recorded on the plan, so a resize keeps them out of the trainer too.
+    rollout_gpus_per_node: int = Field(default=0, ge=0)
     fabric: str | Fabric = Field(
         description="a configs/fabrics name, or a fabric (e.g. a link a benchmark measured)"
     )
@@ -190,8 +193,10 @@ class Plan(BaseModel):
     model: str
     gpu_sku: str
     fabric: str
-    gpus_per_node: int
+    gpus_per_node: int  # the trainer's, on each node
     node_count: int
+    # Each node's GPUs the rollout workers hold apart from the trainer (0: none).
+    rollout_gpus_per_node: int = 0
     world_size: int
     global_batch_tokens: int
     seq_len: int

@@ -20,10 +20,18 @@ def request_from(config: ParallelismConfig, booking: dict[str, Any]) -> PlanRequ
     missing = [k for k in BOOKING_FIELDS if k not in booking]
     if missing:
         raise ItoError(ErrorCode.booking_incomplete, f"booking topology lacks {', '.join(missing)}")
+    gpus, held = int(booking["gpus_per_node"]), config.rollout_gpus_per_node
+    trainer_gpus = gpus - held
+    if trainer_gpus < 1:
+        raise ItoError(
+            ErrorCode.rollout_gpus_insufficient,
+            f"the rollout workers hold {held} of each node's {gpus} GPUs: none is left to train on",
+        )
     return PlanRequest(
         model=config.model,
         gpu_sku=str(booking["gpu_sku"]),
-        gpus_per_node=int(booking["gpus_per_node"]),
+        gpus_per_node=trainer_gpus,
+        rollout_gpus_per_node=config.rollout_gpus_per_node,
         node_count=int(booking["node_count"]),
         fabric=str(booking["fabric"]),
         global_batch_tokens=config.global_batch_tokens,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from helpers.manifests import example_manifest, manifest_payload
+from helpers.manifests import example_manifest, gsm8k_ref, manifest_payload
 from helpers.tenants import make_tenant
 
 from orchestrator.api import create_app
@@ -20,28 +20,9 @@ from orchestrator.settings import Settings
 
 from .conftest import Api, code_of
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _rl_data(tmp: Path) -> dict[str, Any]:
-    path = tmp / "rl.jsonl"
-    path.write_text(
-        "\n".join((REPO / "data" / "gsm8k" / "train.jsonl").read_text().splitlines()[:20]) + "\n"
-    )
-    from stages.data_prep import file_sha256
-
-    return {
-        "uri": f"file://{path}",
-        "sha256": str(file_sha256(path)),
-        "role": "custom",
-        "format": "jsonl",
-        "text_field": "text",
-        "provenance": {"source": "test", "license": "MIT"},
-    }
-
 
 def _rlvr(api: Api, **rlvr: Any) -> dict[str, Any]:
-    return api.manifest(post_training={"rlvr": {"data": _rl_data(api.tmp), "steps": 10, **rlvr}})
+    return api.manifest(post_training={"rlvr": {"data": gsm8k_ref(api.tmp), "steps": 10, **rlvr}})
 
 
 def _plan(api: Api, m: dict[str, Any]) -> Any:

@@ -25,6 +25,24 @@ def example_manifest(checkpoint_dir: Path | str | None = None, **sections: Any) 
     return m
 
 
+def gsm8k_ref(tmp: Path, rows: int = 20) -> dict[str, Any]:
+    """A data ref of ``rows`` GSM8K training rows copied under ``tmp``: an RLVR recipe's
+    prompts, with their digest and provenance."""
+    from stages.data_prep import file_sha256
+
+    path = tmp / "rl.jsonl"
+    lines = (REPO / "data" / "gsm8k" / "train.jsonl").read_text().splitlines()[:rows]
+    path.write_text("\n".join(lines) + "\n")
+    return {
+        "uri": f"file://{path}",
+        "sha256": str(file_sha256(path)),
+        "role": "custom",
+        "format": "jsonl",
+        "text_field": "text",
+        "provenance": {"source": "test", "license": "MIT"},
+    }
+
+
 def manifest_bytes(m: dict[str, Any] | bytes) -> bytes:
     return m if isinstance(m, bytes) else json.dumps(m, indent=2, sort_keys=True).encode()
 

@@ -202,7 +202,24 @@ def test_below_one_group_the_run_pauses_and_resumes_when_capacity_returns(
     assert store.get_run(RUN)["state"] == "running"
 
 
-def test_a_change_the_runs_plan_already_holds_sends_nothing(db: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {**PLAN, "node_count": 3, "dp_replicate": 6},
+        # RLVR's rollout workers hold 4 GPUs of each node: the trainer's 12 hold 3 groups.
+        {
+            **PLAN,
+            "node_count": 3,
+            "gpus_per_node": 4,
+            "rollout_gpus_per_node": 4,
+            "dp_replicate": 3,
+        },
+    ],
+    ids=["whole-nodes", "rollout-gpus-held"],
+)
+def test_a_change_the_runs_plan_already_holds_sends_nothing(
+    db: str, tmp_path: Path, plan: dict[str, Any]
+) -> None:
     """Nodes added after the run was accepted but before it planned are in its plan:
     the resizer records the change as answered and sends no request."""
     make_tenant(db, "acme", booking=booking_doc(BOOKING, "acme", node_count=2))
@@ -210,7 +227,6 @@ def test_a_change_the_runs_plan_already_holds_sends_nothing(db: str, tmp_path: P
     account_id = store.account_by_name("acme")["account_id"]  # type: ignore[index]
     insert_run(store, RUN, account_id=account_id, booking_id=BOOKING, state="running")
     store.change_booking_nodes(BOOKING, "add", ["h3"])
-    plan = {**PLAN, "node_count": 3, "dp_replicate": 6}
     outcome = {"stage": "parallelism", "status": "passed", "artifacts": {"plan": plan}}
     store.ingest_events(RUN, [{**StageResultEvent(outcome=outcome).model_dump(), "seq": 0}])
     driver = RunDriverImpl(signed_spec(tmp_path, run_id=RUN).model_dump(), use_ray_metrics=False)
@@ -220,7 +236,7 @@ def test_a_change_the_runs_plan_already_holds_sends_nothing(db: str, tmp_path: P
     _follow(store, resizer)
     assert driver.ctx.resize_inbox.peek() is None and transport.sent == []
     assert [(r["status"], r["replica_groups"]) for r in store.run_resizes(RUN)] == [
-        ("unchanged", 6)
+        ("unchanged", plan["dp_replicate"])
     ]
 
 

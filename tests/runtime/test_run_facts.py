@@ -7,11 +7,17 @@ from pathlib import Path
 
 import pytest
 from helpers.launch_specs import signed_spec
+from helpers.manifests import example_manifest
+from helpers.store_rows import insert_run
+from helpers.tenants import booking_doc, make_tenant
 from pydantic import ValidationError
 
+from orchestrator.db.store import Store
 from orchestrator.runtime import launch
 from orchestrator.runtime.driver import RunDriverImpl
+from orchestrator.runtime.driver_lifecycle import launch_spec
 from orchestrator.runtime.launch import LaunchSpec
+from orchestrator.runtime.supervisor_settings import SupervisorSettings
 from stages.checkpointing.seal import run_binding
 from stages.run_facts import BookingTopology, PlacementFact, RunFacts
 
@@ -93,3 +99,34 @@ def test_the_booking_is_its_topology_and_a_missing_field_stays_missing() -> None
     booking = BookingTopology.model_validate(row)
     assert booking.as_dict() == {"gpu_sku": "cpu-testbed"}  # the planner names what lacks
     assert RunFacts().booking.as_dict() == {}
+
+
+def test_the_launch_spec_trains_on_cuda_where_the_reservation_holds_gpus(tmp_path: Path) -> None:
+    """The supervisor's spec takes the run's device from its reservation: cuda where its
+    bundles hold the booked nodes' GPUs, cpu on the testbed or before any placement."""
+    db = tmp_path / "ito.db"
+    make_tenant(db, "acme", booking=booking_doc("bk_1", "acme"))
+    store = Store(db)
+    try:
+        account_id = store.account_by_name("acme")["account_id"]  # type: ignore[index]
+        manifest = example_manifest(tmp_path / "ckpt")
+        insert_run(store, "run_1", account_id=account_id, booking_id="bk_1", manifest=manifest)
+        (run,) = store.read("SELECT * FROM runs WHERE run_id = ?", ("run_1",))
+
+        def device(placed: PlacementFact | None) -> str:
+            spec = launch_spec(
+                store,
+                run,
+                var_dir=tmp_path / "var",
+                settings=SupervisorSettings(),
+                attempt=1,
+                placed=placed,
+            )
+            return spec.facts.device
+
+        on_gpus = {"booking:bk_1": 8.0, "CPU": 96.0, "GPU": 8.0}
+        assert device(PLACEMENT.model_copy(update={"bundle": on_gpus})) == "cuda"
+        assert device(PLACEMENT) == "cpu"
+        assert device(None) == "cpu"
+    finally:
+        store.close()
