@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict
 
@@ -118,13 +118,18 @@ class WorkerSpec(BaseModel):
     overlong_penalty_factor: float
     # How long a worker waits to fetch a version from Ray's object store.
     fetch_timeout_s: float = 300.0
+    # Where it generates: cuda is the GPU Ray gave the worker's actor (cuda:0 in it).
+    device: Literal["cpu", "cuda"] = "cpu"
 
     @classmethod
-    def for_recipe(cls, cfg: RLVRConfig, index: int, model_dir: str) -> WorkerSpec:
+    def for_recipe(
+        cls, cfg: RLVRConfig, index: int, model_dir: str, device: Literal["cpu", "cuda"] = "cpu"
+    ) -> WorkerSpec:
         """Worker ``index`` of an RLVR recipe (``RLVRConfig``) on ``model_dir``."""
         return cls(
             index=index,
             model_dir=model_dir,
+            device=device,
             reward=cfg.reward,
             max_completion_tokens=cfg.max_completion_tokens,
             overlong_buffer_tokens=cfg.overlong_buffer_tokens,
@@ -185,7 +190,7 @@ class RolloutWorker:
 
             torch.set_num_threads(1)
             # eval mode: transformers' (unannotated) eval() is this call
-            self._model = load_model(path).train(False)
+            self._model = load_model(path).train(False).to(self.spec.device)
         except BaseException as e:  # raised where the model is first needed
             self._model_error = e
 
@@ -325,8 +330,8 @@ def generate_group(model: Any, tokenizer: Any, req: RolloutRequest) -> dict[str,
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    ids = torch.tensor([req.prompt_ids] * req.group_size, dtype=torch.long)
-    torch.manual_seed(req.seed)
+    ids = torch.tensor([req.prompt_ids] * req.group_size, dtype=torch.long, device=model.device)
+    torch.manual_seed(req.seed)  # every device's generator
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,

@@ -411,7 +411,13 @@ class PostTrainingStage:
         from stages.post_training.rollout import RolloutWorker, WorkerSpec
         from stages.post_training.weight_sync import sync_key
 
-        specs = [WorkerSpec.for_recipe(cfg, n, str(model_dir)) for n in range(cfg.rollout_workers)]
+        local = self.config.fleet == "local"
+        # In-process workers run in the driver's process, which holds no GPU.
+        device = "cpu" if local else self.config.device
+        specs = [
+            WorkerSpec.for_recipe(cfg, n, str(model_dir), device)
+            for n in range(cfg.rollout_workers)
+        ]
         key = sync_key(ctx.secret)  # to the workers as an actor argument, nowhere else
         sync: dict[str, Any] = {
             "weight_sync": cfg.weight_sync,
@@ -419,7 +425,7 @@ class PostTrainingStage:
             "sync_timeout_s": cfg.weight_sync_timeout_s,
             "sync_key": key,
         }
-        if self.config.fleet == "local":
+        if local:
             return LocalPool([RolloutWorker(s, key) for s in specs], **sync)
         import ray
 
