@@ -135,7 +135,8 @@ class RLVRConfig(StrictModel):
     # Resume state (policy, optimizer, version, the fleet's request cursor) saved into
     # the run's workdir every this many steps; 0: never. A rerun resumes from the newest.
     checkpoint_every_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
-    # Named timeouts of the fleet.
+    # Named timeouts of the fleet. Ready: worker 0's prompt encoding, then every worker's
+    # process up at RLVR's start (a worker Ray cannot place fails the fleet here).
     worker_ready_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     worker_restart_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     rollout_timeout_s: float = Field(default=300.0, gt=0, le=86_400)

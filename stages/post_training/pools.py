@@ -77,6 +77,7 @@ class WorkerPool(Protocol):
     def wait(self, handles: list[Handle], timeout_s: float) -> list[Handle]: ...
     def result(self, w: int, handle: Handle) -> WorkerReply: ...
     def versions(self, timeout_s: float) -> list[int]: ...
+    def wait_started(self, timeout_s: float) -> None: ...
     def encode_prompts(self, rows: list[dict[str, Any]]) -> Callable[[float], PromptEncoding]: ...
     def close(self) -> None: ...
 
@@ -172,6 +173,9 @@ class LocalPool:
         futs = [ex.submit(wk.identity) for ex, wk in zip(self._ex, self.workers, strict=True)]
         return [int(f.result(timeout=timeout_s)["version"]) for f in futs]
 
+    def wait_started(self, timeout_s: float) -> None:
+        """In-process workers are up once the pool is."""
+
     def encode_prompts(self, rows: list[dict[str, Any]]) -> Callable[[float], PromptEncoding]:
         done = self._ex[0].submit(self.workers[0].encode_prompts, rows)
         return lambda timeout_s: done.result(timeout=timeout_s)
@@ -211,6 +215,8 @@ class RayPool:
 
         self.size = len(specs)
         self.weight_sync = weight_sync
+        # What each worker asks of the run's reservation, for the error when one never starts.
+        self._ask = f"{ROLLOUT_NUM_CPUS} CPU" + (" and a GPU" if device == "cuda" else "")
         # An in-process learner's end of the collective (rank 0, made on its first
         # state dict; workers reach its listener at this node's cluster address). The
         # engine's publishing rank runs its own and this one is never made.
@@ -288,6 +294,26 @@ class RayPool:
             int(i["version"])
             for i in ray.get([a.identity.remote() for a in self.actors], timeout=timeout_s)
         ]
+
+    def wait_started(self, timeout_s: float) -> None:
+        """Every worker's process is up (its model may still be loading). One that is
+        not within ``timeout_s`` fails the fleet (``rollout_fleet_failed``) instead of
+        leaving RLVR to wait out its rollout timeout: most often Ray could not place it,
+        the run's reservation holding no room beside the trainer's ranks."""
+        import ray
+
+        from stages.errors import ErrorCode, ItoError
+
+        refs = [a.started_at.remote() for a in self.actors]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            missing = [w for w, ref in enumerate(refs) if ref in pending]
+            raise ItoError(
+                ErrorCode.rollout_fleet_failed,
+                f"rollout worker(s) {missing} of {self.size} not started within "
+                f"{timeout_s:.0f}s: each asks {self._ask} of the run's reservation beside "
+                "the trainer's ranks and standbys, and Ray places none where that is not free",
+            )
 
     def encode_prompts(self, rows: list[dict[str, Any]]) -> Callable[[float], PromptEncoding]:
         """Worker 0's encoding, asked for now (it answers once it is up); the returned

@@ -263,6 +263,10 @@ class RolloutWorker:
 
         return state_digest(dict(self.model.state_dict()))
 
+    def started_at(self) -> float:
+        """When this worker's process was up (its model may still be loading)."""
+        return self.started
+
     def identity(self) -> dict[str, int]:
         """Who the worker is, once it is up with its model loaded."""
         _ = self.model  # raises what the load raised

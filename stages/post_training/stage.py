@@ -483,6 +483,7 @@ class PostTrainingStage:
             )
         try:
             prompts = side.prompts(cfg.worker_ready_timeout_s)
+            side.pool.wait_started(cfg.worker_ready_timeout_s)
             result, exported, _, scores = run_rlvr_on_engine(
                 cfg,
                 ctx,

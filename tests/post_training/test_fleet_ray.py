@@ -222,3 +222,51 @@ def test_each_weight_path_delivers_bit_identical_weights_to_ray_actors(
         assert ctl.stats.summary(2)["sync_s_median"] > 0
     finally:
         pool.close()
+
+
+def test_a_worker_ray_cannot_place_fails_the_fleet_at_start_and_is_named(
+    ray_local: None, tmp_path: Path
+) -> None:
+    """A reservation with no room left for a worker (here its one bundle of the worker's
+    CPU share is held by another actor, as the trainer's ranks hold theirs): RLVR's
+    start fails with ``rollout_fleet_failed`` naming the worker and its ask, within
+    ``worker_ready_timeout_s``, instead of waiting out the rollout bound."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from stages.errors import ErrorCode, ItoError
+    from stages.post_training.pools import ROLLOUT_NUM_CPUS, RayPool
+    from stages.post_training.rollout import WorkerSpec
+
+    @ray.remote(num_cpus=ROLLOUT_NUM_CPUS)
+    class Holder:
+        def up(self) -> bool:
+            return True
+
+    pg = placement_group([{"CPU": ROLLOUT_NUM_CPUS}])
+    ray.get(pg.ready(), timeout=ACTOR_TIMEOUT_S)
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+    holder = Holder.options(scheduling_strategy=strategy).remote()  # type: ignore[attr-defined]
+    assert ray.get(holder.up.remote(), timeout=ACTOR_TIMEOUT_S)
+    spec = WorkerSpec(
+        index=0,
+        model_dir=str(tmp_path),  # never read: the worker is never placed
+        reward="first_number_match",
+        max_completion_tokens=4,
+        overlong_buffer_tokens=1,
+        overlong_penalty_factor=1.0,
+    )
+    pool = RayPool(
+        "unplaceable", [spec], namespace=NAMESPACE, placement={"scheduling_strategy": strategy}
+    )
+    try:
+        with pytest.raises(ItoError) as e:
+            pool.wait_started(timeout_s=2.0)
+        assert e.value.code is ErrorCode.rollout_fleet_failed
+        assert e.value.message.startswith("rollout worker(s) [0] of 1 not started within 2s")
+        assert f"each asks {ROLLOUT_NUM_CPUS} CPU of the run's reservation" in e.value.message
+    finally:
+        pool.close()
+        ray.kill(holder)
+        remove_placement_group(pg)
