@@ -60,6 +60,15 @@ def plan_layout(plan: dict[str, Any] | None, refusal: object = None, indent: str
             f"{human.value('ratio', plan.get('mfu'))}",
         ),
     ]
+    held = plan.get("rollout_gpus_per_node")
+    if held:
+        rows.append(
+            (
+                "rollout",
+                f"{safe(held)} GPU(s) a node for RLVR's rollout workers, beside the "
+                f"trainer's {_get(plan, 'gpus_per_node')}",
+            )
+        )
     sync = _sync(plan)
     if sync:
         rows.append(("sync", sync))

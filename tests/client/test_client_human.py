@@ -346,3 +346,11 @@ def test_plan_shows_the_replica_groups_sync_and_why() -> None:
     assert ["why", reason] in rows
     every = {**plan, "sync": {"mode": "every_step"}, "step_time_by_sync": {"every_step": 0.02}}
     assert ["sync", "every step"] in _rows(readable("plan", {**PLAN, "plan": every}))
+
+
+def test_plan_shows_the_gpus_held_for_the_rollout_workers() -> None:
+    plan = {**PLAN["plan"], "gpus_per_node": 4, "rollout_gpus_per_node": 4}  # type: ignore[dict-item]
+    rows = _rows(readable("plan", {**PLAN, "plan": plan}))
+    assert ["rollout", "4 GPU(s) a node for RLVR's rollout workers, beside the trainer's 4"] in rows
+    # None held (no RLVR, or the CPU testbed): no row.
+    assert not [r for r in _rows(readable("plan", PLAN)) if r[:1] == ["rollout"]]
