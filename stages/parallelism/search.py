@@ -233,11 +233,19 @@ class _Search:
     def result(self) -> Plan:
         ctx, request = self.ctx, self.request
         ranked_failures = _rank_failures(self.failures, self.reached)
+        held = request.rollout_gpus_per_node
+        # A world the rollout workers shrank says so: their count is the knob to turn.
+        kept = (
+            f" (the trainer's {request.gpus_per_node} of each node's "
+            f"{request.gpus_per_node + held} GPUs: {held} kept for RLVR's rollout workers)"
+            if held
+            else ""
+        )
         if not self.feasible:
             if not self.counts:
                 raise ItoError(
                     ErrorCode.plan_no_feasible,
-                    f"no layout of {ctx.world} GPUs exists for {ctx.preset.name} "
+                    f"no layout of {ctx.world} GPUs{kept} exists for {ctx.preset.name} "
                     f"with at least {request.min_replica_groups} torchft replica "
                     f"group(s)",
                 )
@@ -246,7 +254,7 @@ class _Search:
             rejected = [r.model_dump() for r in _as_rejections(ranked_failures, [], self.keep)]
             raise ItoError(
                 code,
-                f"no layout of {ctx.world} x {ctx.sku.name} fits "
+                f"no layout of {ctx.world} x {ctx.sku.name}{kept} fits "
                 f"{ctx.preset.name}; the closest: {best.layout}: {best.reason}",
                 details={
                     "rejected": rejected,

@@ -66,6 +66,19 @@ def test_the_trainer_is_planned_on_the_gpus_the_rollout_workers_leave_on_each_no
     assert ranks == plan["world_size"] and held * nodes >= workers
 
 
+def test_a_world_the_rollout_workers_leave_unplannable_is_refused_naming_them() -> None:
+    # 2 workers on one node of 8: the trainer's 6 ranks do not divide 256 sequences.
+    result = plan_manifest(_manifest(2, **LLAMA_1B), _h100(1))
+    assert result.plan is None and result.refusal is not None
+    assert result.refusal["code"] == "plan_batch_not_divisible"
+    assert result.refusal["message"].startswith(
+        "no layout of 6 x H100-SXM (the trainer's 6 of each node's 8 GPUs: 2 kept for "
+        "RLVR's rollout workers) fits llama-1b"
+    )
+    alone = plan_manifest(_manifest(None, **LLAMA_1B), _h100(1))
+    assert alone.refusal is None
+
+
 def test_the_cpu_testbed_keeps_every_rank_beside_its_rollout_workers() -> None:
     booking = {"gpu_sku": "cpu-testbed", "gpus_per_node": 2, "node_count": 1, "fabric": "loopback"}
     plan = _plan(_manifest(2), booking)
