@@ -6,7 +6,6 @@ configs/ (none is needed); the CPU testbed keeps every rank."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -111,9 +110,7 @@ def test_rollout_workers_that_leave_the_trainer_no_gpu_are_refused_at_submit(api
     api.run(manifest=fits, ref=api.ref(manifest=fits, cost_usd=10**6), idem="key-rollout-7")
 
 
-def test_the_runs_device_is_cuda_where_its_reservation_holds_the_nodes_gpus(
-    tmp_path: Path,
-) -> None:
+def test_the_runs_device_is_cuda_where_its_reservation_holds_the_nodes_gpus() -> None:
     def fact(bundle: dict[str, float]) -> PlacementFact:
         return PlacementFact(
             booking_id="bk",
