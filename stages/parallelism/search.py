@@ -83,6 +83,17 @@ def plan_context(ctx: Context, time_budget_s: float | None = None) -> Plan:
     return search.result()
 
 
+def _kept_for_rollout(request: PlanRequest) -> str:
+    """A refusal's note on a world the rollout workers shrank: their count is the knob."""
+    held = request.rollout_gpus_per_node
+    if not held:
+        return ""
+    return (
+        f" (the trainer's {request.gpus_per_node} of each node's "
+        f"{request.gpus_per_node + held} GPUs: {held} kept for RLVR's rollout workers)"
+    )
+
+
 class _Search:
     """Branch and bound: whole groups are ruled out by the checks that do not depend
     on micro-batch or recompute, the rest are visited best bound first, and the
@@ -233,15 +244,8 @@ class _Search:
     def result(self) -> Plan:
         ctx, request = self.ctx, self.request
         ranked_failures = _rank_failures(self.failures, self.reached)
-        held = request.rollout_gpus_per_node
-        # A world the rollout workers shrank says so: their count is the knob to turn.
-        kept = (
-            f" (the trainer's {request.gpus_per_node} of each node's "
-            f"{request.gpus_per_node + held} GPUs: {held} kept for RLVR's rollout workers)"
-            if held
-            else ""
-        )
         if not self.feasible:
+            kept = _kept_for_rollout(request)
             if not self.counts:
                 raise ItoError(
                     ErrorCode.plan_no_feasible,
